@@ -1,0 +1,238 @@
+"""The allocator contract: configuration, the batched ``Allocator`` protocol, results.
+
+Any allocator *version* (the built-in one, a module, a file, a git revision of a
+repository holding an ``allocator`` package) exposes ``create_allocator(config)``
+returning an object that satisfies ``Allocator``. The replay engine and the
+scheduler model drive it only through this protocol, one batched call per op kind
+per step, so two versions can be replayed on one trace and compared.
+
+Requests are named by dense integer ids (``rids``, int64 numpy arrays). Token ids
+(int64 numpy arrays) are passed only where the radix cache needs them: on extend
+(prefix match, checkpoint of a continuing chunk), on prealloc and on release
+(insert of the owned prefix). Decode and speculative steps need no token ids.
+
+Running out of KV slots is a result (``OutOfMemory``), never an exception, and
+leaves the allocator exactly as it was before the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash"]
+EvictionPolicy = Literal["lru"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculative decoding settings (SGLang's ``speculative_*`` server arguments)."""
+
+    algorithm: SpecAlgorithm = "eagle"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorConfig:
+    """Sizes and switches of one allocator instance.
+
+    Args:
+        pool_tokens: KV slots in the pool (SGLang ``max_total_num_tokens``); rounded
+            down to a multiple of ``page_size``.
+        page_size: tokens per KV page; 1 selects the token allocator.
+        max_running: request rows of ``req_to_token`` (SGLang ``max_running_requests``).
+        max_context_len: longest request; a row is wider by SGLang's headroom.
+        device: where ``req_to_token`` lives: ``"cpu"`` or ``"cuda"`` (Triton kernels).
+        need_sort: PD-disaggregation free-list mode (sorted reuse through a release list).
+        spec: speculative decoding settings, or None.
+        hisparse: PD decode with a HiSparse logical/device allocator pair.
+        hisparse_ratio: logical pool size as a multiple of ``pool_tokens`` (HiSparse).
+        extra_rows: additional request rows (PD decode pre-allocation queue).
+        radix_cache: keep a radix prefix cache (False: every request computes its prompt).
+        debug_checks: run expensive assertions inside the allocation functions.
+    """
+
+    pool_tokens: int
+    page_size: int = 1
+    max_running: int = 256
+    max_context_len: int = 131_072
+    device: str = "cpu"
+    need_sort: bool = False
+    spec: SpecConfig | None = None
+    hisparse: bool = False
+    hisparse_ratio: int = 2
+    extra_rows: int = 0
+    radix_cache: bool = True
+    eviction_policy: EvictionPolicy = "lru"
+    debug_checks: bool = False
+
+
+class PoolCounters(NamedTuple):
+    """Token counts of the pool at one instant. Conservation (checked by invariants):
+
+    ``available + evictable + protected + committed + overallocated == pool_tokens``
+
+    where ``committed`` is live requests' KV outside the tree
+    (``sum(kv_committed_len - cache_protected_len)``) and ``overallocated`` the rest
+    of what they physically hold (``sum(ceil_align(kv_allocated_len) - kv_committed_len)``:
+    speculative slack and page tails).
+    """
+
+    pool_tokens: int
+    available: int
+    evictable: int
+    protected: int
+    committed: int
+    overallocated: int
+    running_requests: int
+    free_rows: int
+
+
+class RequestLens(NamedTuple):
+    """Per-request bookkeeping for the asked ``rids`` (0 for a request holding no KV)."""
+
+    allocated: np.ndarray  # int64 [n] kv_allocated_len
+    committed: np.ndarray  # int64 [n] kv_committed_len
+    protected: np.ndarray  # int64 [n] cache_protected_len
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfMemory:
+    """An allocation that did not fit, even after evicting the radix cache.
+
+    ``rid`` is the first request of the batch that could not be served (the batch
+    is all-or-nothing, as in SGLang); ``needed`` the tokens the whole call needed.
+    """
+
+    op: str
+    rid: int
+    needed: int
+    available: int
+    evictable: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllocResult:
+    """A successful batched allocation.
+
+    Attributes:
+        num_tokens: KV slots handed out by this call.
+        evicted_tokens: tokens evicted from the radix cache to make room.
+        prefix_lens: extend/prealloc: prefix reused per request (radix hit for new
+            requests, the already-held length for a continuing chunk); else empty.
+        row_overflow: rids whose speculative reserve was clipped at the row width
+            (an invariant violation SGLang does not catch; reported, never written).
+    """
+
+    num_tokens: int
+    evicted_tokens: int = 0
+    prefix_lens: np.ndarray | None = None
+    row_overflow: tuple[tuple[int, int, int], ...] = ()  # (rid, positions asked, row width)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    """What one batched release returned to the pool.
+
+    Attributes:
+        freed_tokens: slots returned to the free list.
+        cached_tokens: tokens newly inserted into the radix cache (checkpoint).
+        overalloc_released: per request, slots of ``[ceil_align(owned), allocated)``
+            freed by the over-allocation helper (speculative slack).
+    """
+
+    freed_tokens: int
+    cached_tokens: int
+    overalloc_released: np.ndarray  # int64 [n], aligned with the rids released
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant, with the numbers that prove it."""
+
+    check: str
+    detail: str
+    rid: int | None = None
+    values: dict[str, int] = field(default_factory=dict)
+
+
+AllocOutcome = AllocResult | OutOfMemory
+ReleaseKind = Literal["finish", "retract", "abort"]
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """What the replay engine and the scheduler model call, one batch per op kind."""
+
+    config: AllocatorConfig
+
+    def extend(self, rids: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
+        """Prefill (or the next prefill chunk of) each request up to ``seq_lens[i]``.
+
+        A request holding no KV is matched against the radix cache (hit capped so
+        at least one token is computed, page aligned), locked, given a row; a
+        request already holding KV continues its chunked prefill (its previous
+        chunk is checkpointed into the tree first). ``token_ids[i]`` covers at
+        least ``[0, seq_lens[i])``. Sets allocated = committed = seq_len.
+        """
+        ...
+
+    def decode(self, rids: np.ndarray) -> AllocOutcome:
+        """One decode token per request: allocated and committed grow by one."""
+        ...
+
+    def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
+        """One speculative step: reserve up to ``ceil_align(committed + reserve)``
+        (monotone allocated length), then commit ``accepted_lens[i]`` tokens."""
+        ...
+
+    def prealloc(self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
+        """PD decode: take a row and slots for ``fill_lens[i]`` tokens arriving from
+        prefill (prefix reused from the local radix cache when enabled; HiSparse:
+        logical-only allocation)."""
+        ...
+
+    def release(
+        self,
+        rids: np.ndarray,
+        owned_lens: np.ndarray,
+        token_ids: Sequence[np.ndarray] | None,
+        kind: ReleaseKind,
+    ) -> ReleaseResult:
+        """Release each request's KV. ``finish`` checkpoints the owned prefix into the
+        radix cache (``token_ids[i]`` covers ``[0, owned_lens[i])``); ``retract`` and
+        ``abort`` cache nothing. Over-allocated slots are always freed."""
+        ...
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` unlocked cached tokens (LRU); return tokens evicted."""
+        ...
+
+    def match_prefix(self, token_ids: np.ndarray) -> int:
+        """Length the radix cache would reuse for this key (page aligned, capped at len-1)."""
+        ...
+
+    def counters(self) -> PoolCounters:
+        """Pool token counts now (O(1))."""
+        ...
+
+    def request_lens(self, rids: np.ndarray) -> RequestLens:
+        """Bookkeeping of the given requests."""
+        ...
+
+    def holds_kv(self, rids: np.ndarray) -> np.ndarray:
+        """Bool per request: does it hold a row (and KV) now."""
+        ...
+
+    def row_slots(self, rid: int) -> np.ndarray:
+        """Physical KV slots of ``req_to_token[row(rid), 0:kv_allocated_len]`` (host copy)."""
+        ...
+
+    def check_integrity(self) -> list[Violation]:
+        """Every broken invariant of the whole state (empty list when sound)."""
+        ...

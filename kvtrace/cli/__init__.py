@@ -1,0 +1,85 @@
+"""The ``kvtrace`` command line: one Typer app, one sub-module per command group.
+
+Error contract (see README "Exit codes"): a ``KvtraceError`` becomes one line on
+stderr and its exit code (2 for bad input); usage errors (``typer.BadParameter``) exit 2;
+``--debug`` anywhere on the command line shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from kvtrace.errors import KvtraceError
+
+DEBUG_KEY = "kvtrace.debug"
+
+
+class KvtraceGroup(TyperGroup):
+    """Root group: accepts ``--debug`` at any position and turns errors into one line."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if "--debug" in args:
+            ctx.meta[DEBUG_KEY] = True
+            args = [a for a in args if a != "--debug"]
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        debug = bool(ctx.meta.get(DEBUG_KEY))
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise
+        except KvtraceError as exc:
+            if debug:
+                traceback.print_exc()
+            typer.echo(f"kvtrace: error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("kvtrace: interrupted", err=True)
+            raise typer.Exit(130) from None
+        except Exception as exc:  # a bug in kvtrace, not the user's fault
+            if debug:
+                traceback.print_exc()
+            typer.echo(
+                f"kvtrace: internal error: {type(exc).__name__}: {exc} "
+                "(rerun with --debug for the traceback)",
+                err=True,
+            )
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(
+    name="kvtrace",
+    cls=KvtraceGroup,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Record, replay and diff the KV-cache allocator of LLM serving engines.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Record, replay and diff the KV-cache allocator of LLM serving engines.
+
+    Add --debug anywhere to see the traceback of an error.
+    """
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="kvtrace")
+
+
+# Command groups live in their own modules and register themselves on ``app``
+# when imported; add one import line per module below.
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
