@@ -171,7 +171,13 @@ class Allocator(Protocol):
 
     config: AllocatorConfig
 
-    def extend(self, rids: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
+    def extend(
+        self,
+        rids: np.ndarray,
+        seq_lens: np.ndarray,
+        token_ids: Sequence[np.ndarray],
+        prefill_done: np.ndarray | None = None,
+    ) -> AllocOutcome:
         """Prefill (or the next prefill chunk of) each request up to ``seq_lens[i]``.
 
         A request holding no KV is matched against the radix cache (hit capped so
@@ -179,6 +185,9 @@ class Allocator(Protocol):
         request already holding KV continues its chunked prefill (its previous
         chunk is checkpointed into the tree first). ``token_ids[i]`` covers at
         least ``[0, seq_lens[i])``. Sets allocated = committed = seq_len.
+        Where ``prefill_done[i]`` (default: all), this chunk completes the prefill
+        and the prompt is published to the radix cache in the same call, as
+        SGLang's result processing does after the last chunk.
         """
         ...
 

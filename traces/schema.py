@@ -57,8 +57,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
@@ -247,3 +248,53 @@ def arrow_schema(meta: TraceMeta) -> pa.Schema:
     """The full v1 schema with ``meta`` attached (writers always write every column)."""
     fields = [pa.field(c.name, c.type, nullable=c.nullable) for c in COLUMNS]
     return pa.schema(fields, metadata={METADATA_KEY: meta.to_json().encode()})
+
+
+class Ragged(NamedTuple):
+    """A list column as numpy: row ``i`` is ``values[offsets[i]:offsets[i+1]]`` where ``valid[i]``.
+
+    A null row (``valid[i]`` False) has an empty slice.
+    """
+
+    offsets: np.ndarray  # int64 [n+1]
+    values: np.ndarray  # [offsets[-1]] uint64 (block_hashes) or int64 (token_ids)
+    valid: np.ndarray  # bool [n]
+
+    def row(self, i: int) -> np.ndarray | None:
+        if not self.valid[i]:
+            return None
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    @classmethod
+    def empty(cls, n: int, dtype: np.dtype | type = np.int64) -> Ragged:
+        return cls(np.zeros(n + 1, np.int64), np.zeros(0, dtype), np.zeros(n, np.bool_))
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """The ops of one scheduler step, columnar (what ``TraceReader.steps()`` yields and
+    ``TraceWriter.write(batch)`` takes). Rows are in ``OP_ORDER``.
+
+    ``prompt_len`` is -1 where the column is null. Optional columns absent from a
+    file read as zeros / nulls.
+    """
+
+    step: int
+    time_s: float
+    op: np.ndarray  # int8 [n] op codes (index into OPS)
+    rid: np.ndarray  # int64 [n]
+    seq_len: np.ndarray  # int64 [n]
+    append_len: np.ndarray  # int32 [n]
+    draft_len: np.ndarray  # int32 [n]
+    accepted_len: np.ndarray  # int32 [n]
+    prefix_len: np.ndarray  # int64 [n]
+    prompt_len: np.ndarray  # int64 [n], -1 = null
+    block_hashes: Ragged  # uint64 values
+    token_ids: Ragged  # int64 values
+
+    def __len__(self) -> int:
+        return int(self.op.shape[0])
+
+    def rows_of(self, op_code: int) -> np.ndarray:
+        """Indices of this step's rows with the given op code (in row order)."""
+        return np.flatnonzero(self.op == op_code)
