@@ -695,8 +695,10 @@ class TraceReader:
                 raise self._fail(TraceReadError, "is not an Arrow IPC stream (no schema message)")
             message = b"".join(source._pieces)
         try:
-            return pa.ipc.read_schema(pa.py_buffer(message))
-        except (pa.ArrowException, OSError, ValueError) as exc:
+            schema = pa.ipc.read_schema(pa.py_buffer(message))
+            _ = schema.names, [f.type for f in schema], schema.metadata  # decodes every name
+            return schema
+        except (pa.ArrowException, OSError, ValueError) as exc:  # UnicodeDecodeError included
             raise self._fail(TraceCorruptError, f"its schema message is corrupt ({exc})") from None
 
     def _read_meta(self) -> TraceMeta:
