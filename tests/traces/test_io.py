@@ -144,8 +144,9 @@ def test_steps_range_filter_and_batches_holding_several_steps(tmp_path: Path) ->
     assert [s.step for s in reader.steps(start=5, stop=9)] == [5, 6, 7, 8]
     assert [s.step for s in reader.steps(start=18)] == [18, 19]
     assert [s.step for s in reader.steps(stop=2)] == [0, 1]
-    assert len(list(reader.iter_batches())) == 4  # 6 + 6 + 6 + 2 steps
-    assert reader.num_record_batches == 4 and not reader.truncated
+    # An empty batch written at open (schema on disk at once), then 6 + 6 + 6 + 2 steps.
+    assert [b.num_rows for b in reader.iter_batches()] == [0, 36, 36, 36, 12]
+    assert reader.num_record_batches == 5 and not reader.truncated
 
 
 def test_a_step_split_across_record_batches_is_merged(tmp_path: Path) -> None:
@@ -291,14 +292,15 @@ def test_truncated_files_read_back_every_complete_batch(tmp_path: Path) -> None:
     original = decode_steps(9)
     path = write_steps(tmp_path / "t.kvtrace", original, steps_per_batch=2)
     data = path.read_bytes()
-    ends = _message_ends(data)  # schema, dictionary, 5 record batches, end-of-stream
-    assert len(ends) == 8 and ends[-1] == len(data)
+    # schema, dictionary, the empty first batch, 5 record batches, end-of-stream
+    ends = _message_ends(data)
+    assert len(ends) == 9 and ends[-1] == len(data)
     cut_path = tmp_path / "cut.kvtrace"
     cuts = sorted({*ends[1:-1], *(e - 1 for e in ends[2:]), *(e + 5 for e in ends[1:-2])})
     for cut in cuts + [len(data) - 8, len(data) - 3]:
         cut_path.write_bytes(data[:cut])
         steps, reader = read_all(cut_path)
-        complete_batches = sum(1 for e in ends[2:-1] if e <= cut)
+        complete_batches = sum(1 for e in ends[3:-1] if e <= cut)
         expected = original[: min(9, 2 * complete_batches)]
         assert len(steps) == len(expected), cut
         assert all(a.equals(b) for a, b in zip(steps, expected))
@@ -347,13 +349,13 @@ def test_every_single_byte_corruption_is_detected_or_harmless(tmp_path: Path, co
 def test_garbage_in_the_middle_names_the_batch_and_step(tmp_path: Path) -> None:
     path = write_steps(tmp_path / "t.kvtrace", decode_steps(8, rows=30), steps_per_batch=2)
     data = bytearray(path.read_bytes())
-    ends = _message_ends(bytes(data))
-    start = ends[3] + 200  # inside the body of the third record batch (steps 4 and 5)
+    ends = _message_ends(bytes(data))  # schema, dictionary, empty batch, batches of 2 steps...
+    start = ends[4] + 200  # inside the body of record batch 4 (steps 4 and 5)
     data[start : start + 64] = np.random.default_rng(1).integers(0, 256, 64, dtype=np.uint8).tobytes()
     path.write_bytes(bytes(data))
     reader = TraceReader(path)
     seen = []
-    with pytest.raises(TraceCorruptError, match=r"corrupt data in record batch 3 \(after step 3\)") as info:
+    with pytest.raises(TraceCorruptError, match=r"corrupt data in record batch 4 \(after step 3\)") as info:
         for step in reader.steps():
             seen.append(step.step)
     assert seen == [0, 1, 2]  # steps of complete batches before the damage were delivered
