@@ -331,10 +331,14 @@ def _list_array(ragged: Ragged, arrow_type: pa.DataType) -> pa.Array:
     n = ragged.num_rows
     if not ragged.valid.any():
         return pa.nulls(n, arrow_type)
-    offsets = pa.array(ragged.offsets.astype(np.int32))
+    offsets = pa.py_buffer(ragged.offsets.astype(np.int32))
     values = pa.array(ragged.values, arrow_type.value_type)
-    mask = None if ragged.valid.all() else pa.array(~ragged.valid)
-    return pa.ListArray.from_arrays(offsets, values, type=arrow_type, mask=mask)
+    if ragged.valid.all():
+        bitmap, null_count = None, 0
+    else:
+        bitmap = pa.py_buffer(np.packbits(ragged.valid, bitorder="little"))
+        null_count = n - int(np.count_nonzero(ragged.valid))
+    return pa.Array.from_buffers(arrow_type, n, [bitmap, offsets], null_count=null_count, children=[values])
 
 
 def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.RecordBatch, bytes]:
