@@ -53,8 +53,12 @@ _SCAN_BLOCK = 1024  # requests per block in the single-program scans
 _INLINE_OFFSETS_MAX_REQS = 1024  # larger batches get their offsets from the scan kernel
 _MIN_INLINE_WINDOW = 16  # smallest padded window: fewer compiled variants
 
+# NOTE: pointer and count arguments are not specialised: callers pass slices of
+# free lists and of shared staging buffers whose alignment changes from call to
+# call, and specialising on it would compile each kernel again for every pattern.
 
-@triton.jit(do_not_specialize=["num_reqs"])
+
+@triton.jit(do_not_specialize=["hi_ptr", "lo_ptr", "token_starts_ptr", "page_starts_ptr", "num_reqs"])
 def _request_offsets_kernel(
     hi_ptr,
     lo_ptr,
@@ -83,7 +87,12 @@ def _request_offsets_kernel(
             page_carry += tl.sum(pages, axis=0)
 
 
-@triton.jit(do_not_specialize=["out_cache_loc_ptr", "num_out", "num_rows"])
+@triton.jit(
+    do_not_specialize=[
+        "req_pool_indices_ptr", "start_offsets_ptr", "end_offsets_ptr", "out_cache_loc_ptr", "out_starts_ptr",
+        "num_out", "num_rows",
+    ]
+)
 def _assign_req_to_token_pool_kernel(
     req_to_token_ptr,
     req_pool_indices_ptr,
@@ -127,7 +136,12 @@ def _assign_req_to_token_pool_kernel(
         tl.store(row_base + col, slots.to(req_to_token_ptr.dtype.element_ty), mask=in_row)
 
 
-@triton.jit(do_not_specialize=["free_pages_ptr", "out_ptr", "num_free_pages", "num_out"])
+@triton.jit(
+    do_not_specialize=[
+        "prefix_lens_ptr", "seq_lens_ptr", "last_loc_ptr", "free_pages_ptr", "out_ptr", "out_starts_ptr",
+        "page_starts_ptr", "num_free_pages", "num_out",
+    ]
+)
 def _alloc_extend_kernel(
     prefix_lens_ptr,
     seq_lens_ptr,
@@ -177,7 +191,9 @@ def _alloc_extend_kernel(
         tl.store(out_ptr + out_pos, slots, mask=in_extend & (out_pos < num_out))
 
 
-@triton.jit(do_not_specialize=["free_pages_ptr", "num_reqs", "num_free_pages"])
+@triton.jit(
+    do_not_specialize=["seq_lens_ptr", "last_loc_ptr", "free_pages_ptr", "out_ptr", "num_reqs", "num_free_pages"]
+)
 def _alloc_decode_kernel(
     seq_lens_ptr,
     last_loc_ptr,

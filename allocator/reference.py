@@ -72,10 +72,12 @@ def assign_req_to_token_pool(
 
     Preconditions (not checked; the caller knows the lengths on the host):
     ``0 <= start_offsets <= end_offsets`` element-wise and
-    ``out_cache_loc.numel() == sum(end_offsets - start_offsets)``; slots fit in the
-    table's dtype. NOTE: the writer never writes outside a row: positions at or past
-    the row width (``req_to_token.shape[1]``) and rows outside the table are skipped.
-    The caller reports such a request (``AllocResult.row_overflow``).
+    ``out_cache_loc.numel() == sum(end_offsets - start_offsets)``; no two requests
+    write the same row position; slots fit in the table's dtype.
+
+    NOTE: the writer never writes outside a row: positions at or past the row width
+    (``req_to_token.shape[1]``), negative positions and rows outside the table are
+    skipped. The caller reports such a request (``AllocResult.row_overflow``).
 
     Args:
         req_to_token: int32 or int64 ``[num_rows, row_width]``, written in place.
