@@ -56,6 +56,9 @@ COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
 _OPS_DICTIONARY = pa.array(OPS, pa.utf8())
 _LIST_TYPES = {name: COLUMN_BY_NAME[name].type for name in ("block_hashes", "token_ids")}
 _LIST_DTYPES = {"block_hashes": np.uint64, "token_ids": np.int64}
+_ROW_COLUMNS = (
+    "op", "rid", "seq_len", "append_len", "draft_len", "accepted_len", "prefix_len", "prompt_len",
+)
 _NUMERIC = (
     ("seq_len", np.int64),
     ("append_len", np.int32),
@@ -188,10 +191,19 @@ class TraceWriter:
         A step without rows is accepted and not written (nothing happened in it).
 
         Raises:
-            ValueError: the step number is not greater than the previous one, or the
-                writer is closed.
+            ValueError: the step number is not greater than the previous one, columns of
+                different lengths, an op code outside ``OPS``, or a closed writer.
             TraceWriteError: the file cannot be written.
         """
+        n = len(batch)
+        for name in _ROW_COLUMNS:
+            if getattr(batch, name).shape != (n,):
+                raise ValueError(f"column '{name}' has shape {getattr(batch, name).shape}, expected ({n},)")
+        for name in _LIST_TYPES:
+            if getattr(batch, name).num_rows != n:
+                raise ValueError(f"column '{name}' has {getattr(batch, name).num_rows} rows, expected {n}")
+        if n and (int(batch.op.min()) < 0 or int(batch.op.max()) >= len(OPS)):
+            raise ValueError(f"op codes must lie in [0, {len(OPS)}) (OPS = {OPS})")
         self._append(batch.in_op_order())
 
     def _append(self, batch: StepBatch) -> None:
