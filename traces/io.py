@@ -652,6 +652,7 @@ class TraceReader:
 
     Raises:
         TraceReadError: missing, a directory, unreadable, empty, or not an Arrow stream.
+        TraceCorruptError: the schema message is damaged.
         TraceMetadataError: the metadata is missing or invalid.
         TraceVersionError: a format version this kvtrace does not read.
         TraceSchemaError: a required column is missing or has the wrong type.

@@ -320,3 +320,40 @@ def test_step_batches_of_the_sample_round_trip_through_validate(tmp_path: Path) 
     strip = lambda d: {k: v for k, v in json.loads(d).items() if k not in ("path", "file_bytes", "record_batches")}  # noqa: E731
     assert strip(original) == strip(copied)
     assert invoke("validate", str(copy))[0] == 0
+
+
+def _damage(data: bytes, kind: int, rng: np.random.Generator) -> bytes:
+    out = bytearray(data)
+    at = int(rng.integers(len(out)))
+    size = int(rng.integers(1, 300))
+    if kind == 0:  # flipped bits
+        for _ in range(int(rng.integers(1, 5))):
+            out[int(rng.integers(len(out)))] ^= int(rng.integers(1, 256))
+    elif kind == 1:  # cut short
+        del out[at:]
+    elif kind == 2:  # overwritten with garbage
+        out[at : at + size] = rng.integers(0, 256, len(out[at : at + size]), dtype=np.uint8).tobytes()
+    elif kind == 3:  # bytes inserted
+        out[at:at] = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    elif kind == 4:  # bytes lost
+        del out[at : at + size]
+    else:  # zeroed
+        out[at : at + size] = bytes(len(out[at : at + size]))
+    return bytes(out)
+
+
+def test_damaged_files_of_every_kind_never_crash(tmp_path: Path) -> None:
+    data = sample_path("tiny").read_bytes()
+    rng = np.random.default_rng(20)
+    damaged = tmp_path / "damaged.kvtrace"
+    seen_codes = set()
+    for i in range(90):
+        damaged.write_bytes(_damage(data, i % 6, rng))
+        for command in ("info", "validate"):
+            code, _, err = invoke(command, str(damaged), "--json")
+            seen_codes.add(code)
+            assert code in (0, 1, 2), err
+            assert "Traceback" not in err and "internal error" not in err, err
+            if code == 2:
+                assert_one_error_line(err, str(damaged))
+    assert 2 in seen_codes and 1 in seen_codes
