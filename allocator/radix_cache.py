@@ -131,6 +131,7 @@ class RadixCache:
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
+        self.evicted_tokens_total = 0
         # (access time, node id, node): evictable-leaf candidates, lazily invalidated.
         self._heap: list[tuple[int, int, TreeNode]] = []
 
@@ -204,6 +205,29 @@ class RadixCache:
         if touched is not None and touched in self.evictable_leaves:
             self._push(touched)
         return MatchResult(pos // 8, node)
+
+    def peek_prefix_len(self, key: np.ndarray) -> int:
+        """Length ``match_prefix`` would return, without touching or splitting anything."""
+        ps = self.page_size
+        n = key.shape[0] // ps * ps
+        if self.disable or n == 0:
+            return 0
+        kb = key[:n].tobytes()
+        nb = n * 8
+        psb = ps * 8
+        node = self.root_node
+        pos = 0
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + psb])
+            if child is None:
+                break
+            if kb.startswith(child.key, pos):
+                pos += len(child.key)
+                node = child
+                continue
+            pos += self._matched_units(child.key, kb, pos) * 8
+            break
+        return pos // 8
 
     def insert(self, key: np.ndarray, value: np.ndarray) -> InsertResult:
         """Insert ``key`` -> ``value`` (page aligned); return the length already present.
@@ -377,6 +401,7 @@ class RadixCache:
             self.evictable_leaves.discard(x)
             x.parent = None
             self._update_leaf_status(parent)
+        self.evicted_tokens_total += evicted
         return evicted
 
     # ------------------------------------------------------------------ reads
