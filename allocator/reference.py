@@ -42,17 +42,18 @@ def _cdiv(values: torch.Tensor, divisor: int) -> torch.Tensor:
     return (values + (divisor - 1)) // divisor
 
 
-def _gather_pages(free_pages: torch.Tensor, page_idx: torch.Tensor) -> torch.Tensor:
-    """``free_pages[page_idx]``, or -1 where ``page_idx`` is past the end of ``free_pages``.
+def _page_slots(free_pages: torch.Tensor, page_idx: torch.Tensor, offsets: torch.Tensor | int, page_size: int) -> torch.Tensor:
+    """``free_pages[page_idx] * page_size + offsets``, or -1 where ``page_idx`` is past
+    the end of ``free_pages`` (``page_idx`` is never negative here).
 
-    ``page_idx`` is never negative here. Reading -1 instead of out of bounds is the
-    documented behaviour of both backends when the caller passes too few pages.
+    NOTE: reading -1 instead of out of bounds is the documented behaviour of both
+    backends when the caller passes too few pages.
     """
     num_free_pages = free_pages.numel()
     if num_free_pages == 0:
         return torch.full_like(page_idx, -1)
     pages = free_pages[page_idx.clamp(max=num_free_pages - 1)]
-    return torch.where(page_idx < num_free_pages, pages, -1)
+    return torch.where(page_idx < num_free_pages, pages * page_size + offsets, -1)
 
 
 def assign_req_to_token_pool(
@@ -71,10 +72,12 @@ def assign_req_to_token_pool(
 
     Preconditions (not checked; the caller knows the lengths on the host):
     ``0 <= start_offsets <= end_offsets`` element-wise and
-    ``out_cache_loc.numel() == sum(end_offsets - start_offsets)``; slots fit in the
-    table's dtype. NOTE: the writer never writes outside a row: positions at or past
-    the row width (``req_to_token.shape[1]``) and rows outside the table are skipped.
-    The caller reports such a request (``AllocResult.row_overflow``).
+    ``out_cache_loc.numel() == sum(end_offsets - start_offsets)``; no two requests
+    write the same row position; slots fit in the table's dtype.
+
+    NOTE: the writer never writes outside a row: positions at or past the row width
+    (``req_to_token.shape[1]``), negative positions and rows outside the table are
+    skipped. The caller reports such a request (``AllocResult.row_overflow``).
 
     Args:
         req_to_token: int32 or int64 ``[num_rows, row_width]``, written in place.
@@ -164,8 +167,7 @@ def alloc_extend(
 
     in_new_pages = rel >= 0
     rel = rel.clamp(min=0)
-    pages = _gather_pages(free_pages, page_start_per_token + rel // page_size)
-    new_page_slots = torch.where(pages >= 0, pages * page_size + rel % page_size, -1)
+    new_page_slots = _page_slots(free_pages, page_start_per_token + rel // page_size, rel % page_size, page_size)
     torch.where(in_new_pages, new_page_slots, part1_base + token_idx, out=out_indices)
     return out_indices
 
@@ -198,6 +200,5 @@ def alloc_decode(
     """
     needs_page = ((seq_lens - 1) % page_size == 0).to(torch.int64)
     page_rank = _exclusive_cumsum(needs_page)
-    pages = _gather_pages(free_pages, page_rank)
-    new_page_slots = torch.where(pages >= 0, pages * page_size, -1)
+    new_page_slots = _page_slots(free_pages, page_rank, 0, page_size)
     return torch.where(needs_page.bool(), new_page_slots, last_loc + 1)

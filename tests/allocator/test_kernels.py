@@ -1,13 +1,21 @@
 """Index kernels: the torch reference against a per-token model, hand-drawn layouts,
-the dispatchers' argument checks."""
+argument checks, and Triton against the reference bit for bit (on the CPU under the
+Triton interpreter in a child process; on CUDA when a GPU is present)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from allocator import kernels, reference
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _i64(*values: int) -> torch.Tensor:
@@ -231,3 +239,171 @@ def test_assign_never_writes_outside_a_row() -> None:
 def test_dispatchers_reject_misuse(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ------------------------------------------------------------ Triton vs the reference
+
+
+def _random_decode_batch(rng: np.random.Generator, bs: int, page_size: int, num_free_pages: int):
+    seq = rng.integers(1, 6 * page_size + 2, bs)
+    last_loc = rng.integers(0, 1 << 40, bs)
+    free_pages = rng.permutation(np.arange(1, num_free_pages + 1))
+    return seq, last_loc, free_pages
+
+
+def _compare_backends(device: str, seed: int, bs: int, page_size: int, max_len: int, inline_offsets: bool | None) -> int:
+    """Run all three kernels on ``device`` and the reference on the CPU on one random
+    batch; assert identical results. Returns the number of extend tokens compared."""
+    rng = np.random.default_rng(seed)
+    dev = torch.device(device)
+
+    def on(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(dev)
+
+    def cpu(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+
+    # alloc_extend, with enough pages and then with too few (the tail reads -1).
+    prefix, seq, last_loc, free_pages = _random_extend_batch(rng, bs, page_size, max_len)
+    num_tokens = int((seq - prefix).sum())
+    num_needed = int(((seq + page_size - 1) // page_size - (prefix + page_size - 1) // page_size).sum())
+    for pages in (free_pages, free_pages[: num_needed // 2]):
+        expected = reference.alloc_extend(cpu(prefix), cpu(seq), cpu(last_loc), cpu(pages), page_size)
+        out = torch.full((num_tokens,), -99, dtype=torch.int64, device=dev)
+        got = kernels._launch_alloc_extend(on(prefix), on(seq), on(last_loc), on(pages), page_size, out, inline_offsets)
+        assert torch.equal(got.cpu(), expected), f"alloc_extend differs: bs={bs} ps={page_size} pages={len(pages)}"
+    if inline_offsets is None:
+        got = kernels.alloc_extend(on(prefix), on(seq), on(last_loc), on(free_pages), page_size, backend="triton")
+        expected = reference.alloc_extend(cpu(prefix), cpu(seq), cpu(last_loc), cpu(free_pages), page_size)
+        assert torch.equal(got.cpu(), expected)
+
+    # assign_req_to_token_pool: write those slots into rows [prefix, seq); some spans
+    # run past the row width and one request names a row outside the table.
+    num_rows = bs + 3
+    row_width = int(np.quantile(seq, 0.9)) + 1 if bs else 1
+    rows = rng.permutation(num_rows)[:bs].astype(np.int64)
+    if bs > 2:
+        rows[bs // 2] = num_rows + 5
+    for dtype in (torch.int32, torch.int64):
+        table = torch.from_numpy(rng.integers(0, 1 << 30, (num_rows, row_width))).to(dtype)
+        out_cache_loc = torch.from_numpy(rng.integers(0, 1 << 30, num_tokens))
+        expected_table = table.clone()
+        reference.assign_req_to_token_pool(expected_table, cpu(rows), cpu(prefix), cpu(seq), out_cache_loc)
+        got_table = table.to(dev)
+        if inline_offsets is None:
+            # As a table writer stages them: slices of one buffer, at odd offsets.
+            packed = on(np.concatenate([[7], rows, prefix, seq, out_cache_loc.numpy()]))
+            parts = packed[1:].split([bs, bs, bs, num_tokens])
+            kernels.assign_req_to_token_pool(got_table, *parts, backend="triton")
+        else:
+            kernels._launch_assign_req_to_token_pool(got_table, on(rows), on(prefix), on(seq), out_cache_loc.to(dev), inline_offsets)
+        assert torch.equal(got_table.cpu(), expected_table), f"assign differs: bs={bs} dtype={dtype}"
+
+    # alloc_decode, with enough pages and with too few.
+    seq_d, last_d, free_d = _random_decode_batch(rng, bs, page_size, bs + 4)
+    for pages in (free_d, free_d[: bs // (2 * page_size)]):
+        expected = reference.alloc_decode(cpu(seq_d), cpu(last_d), cpu(pages), page_size)
+        got = kernels.alloc_decode(on(seq_d), on(last_d), on(pages), page_size, backend="triton")
+        assert torch.equal(got.cpu(), expected), f"alloc_decode differs: bs={bs} ps={page_size}"
+    return num_tokens
+
+
+_INTERPRETER_UNUSABLE = 3  # exit code of the child when this Triton's interpreter cannot run the kernels
+
+
+def _interpreter_runs_loops_over_loaded_bounds() -> bool:
+    """Probe: can this Triton interpreter loop up to a bound loaded from memory?
+
+    NOTE: Triton 3.6's interpreter turns such a bound into an int with ``int(array)``
+    on a one-element array, which NumPy >= 2.5 refuses (Triton 3.9 squeezes it first).
+    The compiled kernels are unaffected.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(hi_ptr, lo_ptr, out_ptr):
+        # The same shape of loop as the kernels': a span of two loaded values.
+        bound = (tl.load(hi_ptr) - tl.load(lo_ptr)).to(tl.int32)
+        total = bound * 0
+        for _ in range(0, bound, 2):
+            total += 1
+        tl.store(out_ptr, total)
+
+    out = torch.zeros(1, dtype=torch.int64)
+    try:
+        probe[(1,)](_i64(9), _i64(3), out)
+    except Exception as error:  # noqa: BLE001 - any failure means the interpreter cannot be used here
+        print(f"this Triton interpreter cannot run loops over loaded bounds ({error!r})")
+        return False
+    return out.item() == 3
+
+
+def _interpreter_checks() -> None:
+    """Entry point of the child process started under TRITON_INTERPRET=1."""
+    assert kernels.TRITON_INTERPRETED, "TRITON_INTERPRET=1 was not in effect when allocator.kernels was imported"
+    if not _interpreter_runs_loops_over_loaded_bounds():
+        sys.exit(_INTERPRETER_UNUSABLE)
+    seed = 0
+    # (bs, page_size, max_len): small batches with both offset modes, one batch wider
+    # than a scan block, extends longer than a token block (512).
+    cases = [(0, 4, 8), (1, 1, 5), (5, 1, 9), (7, 4, 13), (33, 16, 70), (9, 64, 700), (3, 3, 1500)]
+    for bs, page_size, max_len in cases:
+        for inline_offsets in (True, False, None):
+            seed += 1
+            _compare_backends("cpu", seed, bs, page_size, max_len, inline_offsets)
+    _compare_backends("cpu", 99, 1100, 4, 6, None)
+    # The hand-drawn layout through the Triton path.
+    free_pages = torch.arange(1, 17, dtype=torch.int64)
+    out = kernels.alloc_extend(_i64(0, 5), _i64(6, 11), _i64(-1, 8), free_pages[2:], 4, backend="triton")
+    assert out.tolist() == [12, 13, 14, 15, 16, 17, 9, 10, 11, 20, 21, 22]
+    assert kernels.alloc_decode(_i64(7, 12, 9), _i64(17, 22, 19), free_pages[5:], 4, backend="triton").tolist() == [18, 23, 24]
+
+
+def test_triton_matches_reference_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(_REPO_ROOT))
+    code = "from tests.allocator.test_kernels import _interpreter_checks; _interpreter_checks()"
+    child = subprocess.run(
+        [sys.executable, "-c", code], cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    if child.returncode == _INTERPRETER_UNUSABLE:
+        import triton
+
+        pytest.skip(f"Triton {triton.__version__} interpreter with NumPy {np.__version__}: {child.stdout.strip()}")
+    assert child.returncode == 0, f"interpreter comparison failed:\n{child.stdout}\n{child.stderr[-4000:]}"
+
+
+def test_triton_backend_needs_cuda_or_interpreter() -> None:
+    if kernels.TRITON_INTERPRETED:
+        pytest.skip("kernels were decorated under TRITON_INTERPRET=1")
+    with pytest.raises(ValueError, match="backend='triton': needs CUDA tensors"):
+        kernels.alloc_decode(_i64(1), _i64(0), _i64(1), 4, backend="triton")
+
+
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.cuda
+@_needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("inline_offsets", [None, True, False])
+def test_triton_on_cuda_matches_reference_10000_requests(page_size: int, inline_offsets: bool | None) -> None:
+    num_tokens = _compare_backends("cuda", 1000 + page_size, 10_000, page_size, 600, inline_offsets)
+    assert num_tokens > 1_000_000
+
+
+@pytest.mark.cuda
+@_needs_cuda
+@pytest.mark.parametrize("bs", [1, 8, 256, 1024, 1025])
+def test_triton_on_cuda_matches_reference_small_batches(bs: int) -> None:
+    _compare_backends("cuda", bs, bs, 16, 9000 // bs + 20, None)
+
+
+@pytest.mark.cuda
+@_needs_cuda
+def test_auto_backend_runs_triton_on_cuda_and_keeps_the_layout() -> None:
+    dev = torch.device("cuda")
+    free_pages = torch.arange(1, 17, dtype=torch.int64, device=dev)
+    out = kernels.alloc_extend(_i64(0, 5).to(dev), _i64(6, 11).to(dev), _i64(-1, 8).to(dev), free_pages[2:], 4)
+    assert out.device.type == "cuda"
+    assert out.tolist() == [12, 13, 14, 15, 16, 17, 9, 10, 11, 20, 21, 22]
