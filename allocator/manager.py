@@ -89,12 +89,16 @@ class KvAllocator:
         config: sizes and switches.
         free_groups: group the frees of a finish/abort batch and of a publish batch
             as SGLang's result processors do (False: every free applied at once).
+        device_flush_every: with ``device="cuda"``, mirror the table writes to the
+            device once every this many batched calls (one kernel launch; ``1``:
+            after every call). ``sync_device()`` and ``check_integrity()`` mirror
+            whatever is pending.
 
     Raises:
         ValueError: an inconsistent configuration.
     """
 
-    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True) -> None:
+    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 64) -> None:
         _check_config(config)
         self.config = config
         self.free_groups = free_groups
@@ -118,7 +122,7 @@ class KvAllocator:
             ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)
         )
         self.req_kv = ReqKvTable(num_rows + 1, ps)
-        self.writer = make_table_writer(self.req_to_token_pool)
+        self.writer = make_table_writer(self.req_to_token_pool, device_flush_every)
         self.ctx = KvContext(
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=allocator,
@@ -271,6 +275,7 @@ class KvAllocator:
         if isinstance(res, OutOfMemory):
             for node in lock_nodes:
                 tree.unlock(node)
+            self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
             return res
         self._row_of_rid[rids] = res.rows
         # (d) requests whose prefill is done publish their prompt at the end of the step
@@ -284,6 +289,7 @@ class KvAllocator:
                     self._pending_publish.append((rid, int(seq_lens[i]), token_ids[i]))
             else:
                 self._prefilling[rid] = True
+        self.writer.end_call()
         return AllocResult(int(res.out_cache_loc.shape[0]), res.evicted_tokens, prefix)
 
     def _check_extend(
@@ -329,6 +335,7 @@ class KvAllocator:
             return res
         if self._pending_publish:
             self._flush_publish()
+        self.writer.end_call()
         return AllocResult(rids.shape[0], res.evicted_tokens)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
@@ -371,6 +378,7 @@ class KvAllocator:
                 overflow[rid] = (max(prev, int(asked[i])), width)
         if self._pending_publish:
             self._flush_publish()
+        self.writer.end_call()
         return AllocResult(
             res.num_tokens,
             res.evicted_tokens,
@@ -429,6 +437,7 @@ class KvAllocator:
             if isinstance(res, OutOfMemory):
                 tree.unlock(node)
                 self._undo_prealloc(done)
+                self.writer.end_call()
                 return res
             self._row_of_rid[rid] = res
             done.append(rid)
@@ -440,6 +449,7 @@ class KvAllocator:
             if not tree.disable:
                 self._pending_publish.append((rid, int(fill_lens[i]), token_ids[i]))
         evicted = tree.evicted_tokens_total - evicted_before
+        self.writer.end_call()
         return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)
 
     def _undo_prealloc(self, rids_done: list[int]) -> None:
@@ -539,6 +549,7 @@ class KvAllocator:
         finally:
             if grouped:
                 allocator.free_group_end()
+            self.writer.end_call()
         return ReleaseResult(freed, cached, overalloc)
 
     # ------------------------------------------------------------------ cache
@@ -607,10 +618,15 @@ class KvAllocator:
         """Request ids holding KV now (ascending)."""
         return np.sort(self.req_kv.rid[self.req_kv.rid >= 0])
 
+    def sync_device(self) -> None:
+        """Make the device ``req_to_token`` (``device="cuda"``) equal to the host copy."""
+        self._flush_publish()
+        self.writer.sync()
+
     def check_integrity(self) -> list[Violation]:
         from allocator.invariants import check_integrity
 
-        self._flush_publish()
+        self.sync_device()
         return check_integrity(self)
 
 
