@@ -18,6 +18,8 @@ Checks (each violation names the request and the numbers):
   ``[0, cache_protected_len)`` equals the slots of the locked radix path.
 * ``tree``: node lengths page aligned and positive; evictable / protected sizes and
   lock counts agree with the requests' locks.
+* ``hisparse``: the device side of the HiSparse pair: every device page is free or
+  mapped from exactly one live logical page, never both.
 * ``device``: with a device table, its live entries equal the host copy.
 """
 
@@ -94,9 +96,38 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
                      protected[ok_lengths], free_pages, tree_values, num_pages, ps)
     _check_row_entries(out, allocator, table, width, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths],
                        protected[ok_lengths], free_pages, num_pages, ps)
+    if isinstance(tok, HiSparseTokenToKVPoolAllocator):
+        _check_hisparse(out, tok, free_pages, ps)
     if pool.device_req_to_token is not None:
         _check_device(out, pool, rows, rids, alloc)
     return out
+
+
+def _check_hisparse(out, tok: HiSparseTokenToKVPoolAllocator, free_logical_pages: np.ndarray, ps: int) -> None:
+    mapping = tok.full_to_hisparse_device_index_mapping[:-1]
+    mapped = np.flatnonzero(mapping > 0)
+    if mapped.shape[0] == 0:
+        device_pages = mapped
+    else:
+        logical_pages = mapped // ps
+        stale = np.isin(logical_pages, free_logical_pages)
+        if stale.any():
+            out.append(Violation("hisparse", f"{int(stale.sum())} free logical slots still map to device slots, "
+                                 f"e.g. {mapped[stale][:4].tolist()}", None, {"count": int(stale.sum())}))
+        device_pages = np.unique(mapping[mapped] // ps)
+        pairs = np.unique(np.stack([logical_pages, mapping[mapped] // ps]), axis=1)
+        if pairs.shape[1] != device_pages.shape[0]:
+            out.append(Violation("hisparse", f"{pairs.shape[1] - device_pages.shape[0]} device pages are mapped "
+                                 f"from more than one logical page", None, {}))
+    device = tok.hisparse_attn_allocator
+    free_device = device.get_all_free_pages()
+    counts = np.bincount(np.concatenate([device_pages, free_device]).astype(np.int64),
+                         minlength=device.num_pages + 1)
+    bad = np.flatnonzero(counts[1:] != 1) + 1
+    if counts[0] or bad.shape[0]:
+        out.append(Violation("hisparse", f"{bad.shape[0]} device pages are not exactly one of free / mapped "
+                             f"(e.g. {bad[:_MAX_ITEMS].tolist()}), page 0 held {int(counts[0])} times", None,
+                             {"count": int(bad.shape[0])}))
 
 
 def _items(mask: np.ndarray) -> list[int]:

@@ -162,15 +162,19 @@ class KvAllocator:
 
     def _held_rows(self, rids: np.ndarray, op: str) -> np.ndarray:
         """Rows of requests that must hold KV (ValueError naming the first that does not)."""
+        if self.config.debug_checks:
+            if rids.shape[0] and int(rids.min()) < 0:
+                raise ValueError(f"{op}: request ids must be >= 0, found {int(rids.min())}")
+            if np.unique(rids).shape[0] != rids.shape[0]:
+                raise ValueError(f"{op}: a request id appears twice in one batch")
         try:
             rows = self._row_of_rid[rids]
         except IndexError:
             rows = self._rows_of(rids)
-        if rows.shape[0] and int(rows.min()) < 0:
+        n = rows.shape[0]
+        if n and (int(rows[0]) < 0 if n == 1 else int(rows.min()) < 0):
             bad = int(rids[int(np.argmin(rows))])
             raise ValueError(f"{op}: request rid={bad} holds no KV (never extended, or already released)")
-        if self.config.debug_checks and np.unique(rids).shape[0] != rids.shape[0]:
-            raise ValueError(f"{op}: a request id appears twice in one batch")
         return rows
 
     def kv_info(self, rid: int) -> ReqKvInfo | None:

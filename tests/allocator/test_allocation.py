@@ -630,3 +630,15 @@ def test_bad_calls_raise_value_errors() -> None:
         alloc.extend(_a(1), _a(8), [_toks(4)])
     with pytest.raises(ValueError):
         create_allocator(AllocatorConfig(pool_tokens=4, page_size=16))
+
+
+def test_checker_reports_hisparse_device_page_leak() -> None:
+    alloc = create_allocator(
+        AllocatorConfig(pool_tokens=64, page_size=4, max_running=4, max_context_len=64, hisparse=True,
+                        radix_cache=False)
+    )
+    alloc.extend(_a(0), _a(10), [_toks(10)])
+    _clean(alloc)
+    tok = alloc.token_to_kv_pool_allocator
+    tok.full_to_hisparse_device_index_mapping[alloc.row_slots(0)[:4]] = 0  # device page lost
+    assert {v.check for v in alloc.check_integrity()} == {"hisparse"}
