@@ -136,6 +136,8 @@ class KvAllocator:
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
         self._prefilling = np.zeros(1024, dtype=bool)
+        # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
+        self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
 
     # ------------------------------------------------------------------ rid <-> row
@@ -145,7 +147,7 @@ class KvAllocator:
         if max_rid < size:
             return
         new = max(2 * size, max_rid + 1)
-        for name, fill in (("_row_of_rid", -1), ("_prompt_len", -1), ("_prefilling", False)):
+        for name, fill in (("_row_of_rid", -1), ("_prompt_len", -1), ("_prefilling", False), ("_stashed", -1)):
             old = getattr(self, name)
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
@@ -253,12 +255,8 @@ class KvAllocator:
         prefix = np.zeros(bs, dtype=np.int64)
         cont = np.flatnonzero(rows >= 0)
         # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request)
-        for i in cont.tolist():
-            row = int(rows[i])
-            up_to = int(kv.kv_allocated_len[row])
-            if not tree.disable:
-                checkpoint_kv_cache(ctx, row, up_to, token_ids[i], int(self._prompt_len[rids[i]]))
-            prefix[i] = up_to
+        self._stash(rids[cont], rows[cont], [token_ids[i] for i in cont.tolist()])
+        prefix[cont] = kv.kv_allocated_len[rows[cont]]
         # (b) match and lock each new request, in batch order
         lock_nodes: list[TreeNode | None] = [None] * bs
         prefix_slots: list[np.ndarray | None] = [None] * bs
@@ -295,6 +293,43 @@ class KvAllocator:
                 self._prefilling[rid] = True
         self.writer.end_call()
         return AllocResult(int(res.out_cache_loc.shape[0]), res.evicted_tokens, prefix)
+
+    def stash_chunked(self, rids: np.ndarray, token_ids: Sequence[np.ndarray]) -> None:
+        """Checkpoint the prefill computed so far by requests in chunked prefill
+        (SGLang's ``stash_chunked_request``, run at the top of every scheduling step).
+
+        ``extend`` does this itself for each continuing chunk before matching new
+        requests; calling it earlier in the step is equivalent (each chunk is stashed
+        once). It is not part of the allocation: an ``extend`` that then runs out of
+        memory leaves the stash done, as SGLang does.
+
+        Raises:
+            ValueError: a request is not in chunked prefill, or too few token ids.
+        """
+        self._flush_publish()
+        rids = _i64(rids)
+        rows = self._held_rows(rids, "stash_chunked")
+        for i in range(rids.shape[0]):
+            rid = int(rids[i])
+            if not self._prefilling[rid]:
+                raise ValueError(f"stash_chunked: request rid={rid} is not in chunked prefill")
+            if len(token_ids[i]) < int(self.req_kv.kv_allocated_len[rows[i]]) and not self.tree_cache.disable:
+                raise ValueError(f"stash_chunked: request rid={rid} has too few token ids")
+        self._stash(rids, rows, token_ids)
+        self.writer.end_call()
+
+    def _stash(self, rids: np.ndarray, rows: np.ndarray, token_ids: Sequence[np.ndarray]) -> None:
+        if self.tree_cache.disable:
+            return
+        kv = self.req_kv
+        for i in range(rids.shape[0]):
+            rid = int(rids[i])
+            row = int(rows[i])
+            up_to = int(kv.kv_allocated_len[row])
+            if self._stashed[rid] == up_to:
+                continue
+            checkpoint_kv_cache(self.ctx, row, up_to, token_ids[i], int(self._prompt_len[rid]))
+            self._stashed[rid] = up_to
 
     def _check_extend(
         self, rids: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]
@@ -548,6 +583,7 @@ class KvAllocator:
                 overalloc[i] = out.overalloc_released
                 self._row_of_rid[rid] = -1
                 self._prefilling[rid] = False
+                self._stashed[rid] = -1
                 if kind != "retract":
                     self._prompt_len[rid] = -1
         finally:

@@ -642,3 +642,21 @@ def test_checker_reports_hisparse_device_page_leak() -> None:
     tok = alloc.token_to_kv_pool_allocator
     tok.full_to_hisparse_device_index_mapping[alloc.row_slots(0)[:4]] = 0  # device page lost
     assert {v.check for v in alloc.check_integrity()} == {"hisparse"}
+
+
+def test_explicit_stash_is_the_same_as_the_one_extend_does() -> None:
+    toks = _toks(60)
+    states = []
+    for explicit in (False, True):
+        alloc = _make(page_size=4, pool=256)
+        alloc.extend(_a(0), _a(24), [toks], np.array([False]))
+        alloc.end_step()
+        if explicit:
+            alloc.stash_chunked(_a(0), [toks])
+            assert _raw_lens(alloc, 0)[0] == 24
+        alloc.extend(_a(0, 1), _a(48, 30), [toks, toks[:30]], np.array([False, True]))
+        states.append(_snapshot(alloc))
+        _clean(alloc)
+    assert states[0] == states[1]
+    with pytest.raises(ValueError, match="not in chunked prefill"):
+        alloc.stash_chunked(_a(1), [toks[:30]])

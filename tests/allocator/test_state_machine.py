@@ -42,6 +42,7 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
             self.reqs: dict[int, _Req] = {}
             self.waiting: list[_Req] = []
             self.next_rid = 0
+            self.ooms = 0
 
         # ------------------------------------------------------------ helpers
 
@@ -55,7 +56,27 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
         def _rows_free(self) -> int:
             return self.alloc.req_to_token_pool.available_size()
 
+        def _fingerprint(self) -> tuple:
+            """What a failed allocation must leave alone (eviction before it is allowed)."""
+            c = self.alloc.counters()
+            rids = np.array(sorted(self.reqs), dtype=np.int64)
+            lens = self.alloc.request_lens(rids)
+            return (
+                c.protected, c.committed, c.overallocated, c.running_requests, c.free_rows,
+                c.available + c.evictable, lens.allocated.tolist(), lens.committed.tolist(),
+                lens.protected.tolist(),
+            )
+
+        def _failed(self, before: tuple) -> None:
+            self.ooms += 1
+            assert self._fingerprint() == before
+
         def _extend(self, batch: list[tuple[_Req, int, bool]]) -> None:
+            self.alloc.end_step()
+            chunked = [r for r, _, _ in batch if r.rid in self.reqs]
+            if chunked:  # the stash of the previous chunk is the step's, not the allocation's
+                self.alloc.stash_chunked(np.array([r.rid for r in chunked]), [r.tokens for r in chunked])
+            before = self._fingerprint()
             res = self.alloc.extend(
                 np.array([r.rid for r, _, _ in batch]),
                 np.array([end for _, end, _ in batch]),
@@ -63,6 +84,7 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
                 np.array([done for _, _, done in batch]),
             )
             if isinstance(res, OutOfMemory):
+                self._failed(before)
                 return
             for r, end, done in batch:
                 r.committed = r.allocated = end
@@ -105,8 +127,11 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
             if not reqs:
                 return
             batch = self._pick(data, reqs)
+            self.alloc.end_step()
+            before = self._fingerprint()
             res = self.alloc.decode(np.array([r.rid for r in batch]))
             if isinstance(res, OutOfMemory):
+                self._failed(before)
                 return
             for r in batch:
                 r.committed += 1
@@ -124,8 +149,11 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
             accepted = data.draw(
                 st.lists(st.integers(1, spec.num_draft_tokens), min_size=len(batch), max_size=len(batch))
             )
+            self.alloc.end_step()
+            before = self._fingerprint()
             res = self.alloc.spec_decode(np.array([r.rid for r in batch]), np.array(accepted))
             if isinstance(res, OutOfMemory):
+                self._failed(before)
                 return
             assert res.row_overflow == ()
             for r, n in zip(batch, accepted):
@@ -141,8 +169,11 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
             self.next_rid += 1
             tokens = np.concatenate([_SHARED[shared][:cut], np.arange(tail, dtype=np.int64) + rid * 1000])
             req = _Req(rid, tokens, tokens.shape[0])
+            self.alloc.end_step()
+            before = self._fingerprint()
             res = self.alloc.prealloc(np.array([rid]), np.array([tokens.shape[0]]), [tokens])
             if isinstance(res, OutOfMemory):
+                self._failed(before)
                 return
             req.committed = req.allocated = tokens.shape[0]
             req.state = "decode"
@@ -233,7 +264,7 @@ _CONFIGS = [
 @pytest.mark.parametrize(("page_size", "spec"), _CONFIGS)
 def test_state_machine(page_size: int, spec: SpecConfig | None) -> None:
     config = AllocatorConfig(
-        pool_tokens={1: 600, 16: 1024, 64: 3072}[page_size],
+        pool_tokens={1: 400, 16: 384, 64: 640}[page_size],
         page_size=page_size,
         max_running=5,
         extra_rows=1,
@@ -243,8 +274,8 @@ def test_state_machine(page_size: int, spec: SpecConfig | None) -> None:
     run_state_machine_as_test(
         _machine(config),
         settings=settings(
-            max_examples=25,
-            stateful_step_count=40,
+            max_examples=30,
+            stateful_step_count=50,
             deadline=None,
             derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
