@@ -466,25 +466,40 @@ def alloc_for_spec_decode(
     return SpecResult(num_needed, evicted, out)
 
 
-def commit_accepted_tokens(ctx: KvContext, rows: np.ndarray, accepted_lens: np.ndarray) -> np.ndarray:
+def commit_accepted_tokens(
+    ctx: KvContext,
+    rows: np.ndarray,
+    accepted_lens: np.ndarray,
+    committed_after: np.ndarray | None = None,
+    may_exceed: bool = True,
+) -> np.ndarray | None:
     """After verify: ``kv_committed_len += accepted`` (drafts kept plus the bonus token).
 
     A commit past ``kv_allocated_len`` is clipped there (only possible when the
     reserve was clipped at the row width).
 
+    Args:
+        committed_after: ``kv_committed_len[rows] + accepted_lens`` if the caller has it.
+        may_exceed: False when the caller checked that no commit passes the reserve.
+
     Returns:
-        int64 ``[bs]`` positions asked past ``kv_allocated_len`` (0 where none).
+        int64 ``[bs]`` positions asked past ``kv_allocated_len`` (0 where none), or
+        None when ``may_exceed`` is False.
     """
     kv = ctx.req_kv
-    committed = kv.kv_committed_len[rows] + accepted_lens
-    allocated = kv.kv_allocated_len[rows]
-    excess = committed - allocated
-    if rows.shape[0] and int(excess.max()) > 0:
-        committed = np.minimum(committed, allocated)
-        excess = np.maximum(excess, 0)
-    else:
-        excess = np.zeros_like(excess)
-    kv.sum_committed += int((committed - kv.kv_committed_len[rows]).sum())
+    committed = kv.kv_committed_len[rows] + accepted_lens if committed_after is None else committed_after
+    excess = None
+    if may_exceed:
+        allocated = kv.kv_allocated_len[rows]
+        excess = committed - allocated
+        if rows.shape[0] and int(excess.max()) > 0:
+            committed = np.minimum(committed, allocated)
+            excess = np.maximum(excess, 0)
+        else:
+            excess = np.zeros_like(excess)
+    kv.sum_committed += int(np.add.reduce(committed - kv.kv_committed_len[rows])) if may_exceed else int(
+        np.add.reduce(accepted_lens)
+    )
     kv.kv_committed_len[rows] = committed
     return excess
 

@@ -5,8 +5,9 @@ the per-row bookkeeping, and applies one batched call per op kind in SGLang's
 within-step order:
 
 1. ``release`` (finish / retract / abort),
-2. ``extend``: checkpoint of continuing prefill chunks, then prefix match and lock
-   of new requests (in batch order), then ONE ``alloc_for_extend``,
+2. ``extend``: checkpoint ("stash") of continuing prefill chunks (once per chunk;
+   ``stash_chunked`` does it earlier if the caller wants), then prefix match and
+   lock of new requests (in batch order), then ONE ``alloc_for_extend``,
 3. ``decode``: one ``alloc_for_decode``,
 4. ``spec_decode``: prepare + ``alloc_for_spec_decode`` + commit of accepted tokens,
 5. the prompt publish (checkpoint) of requests whose prefill completed this step.
@@ -391,38 +392,40 @@ class KvAllocator:
         accepted = _i64(accepted_lens)
         rows = self._held_rows(rids, "spec_decode")
         ctx = self.ctx
+        kv = self.req_kv
         plan = prepare_spec_decode(ctx, rows)
-        width = self.req_to_token_pool.max_context_len
+        width = ctx.width
+        asked = kv.kv_committed_len[rows] + accepted
+        overshoot = False
         if rows.shape[0]:
-            over_commit = self.req_kv.kv_committed_len[rows] + accepted - plan.nxt_kv_lens
+            over_commit = asked - plan.nxt_kv_lens
             if int(over_commit.max()) > 0:
+                overshoot = True
                 bad = np.flatnonzero((over_commit > 0) & (plan.nxt_kv_lens < width))
                 if bad.shape[0]:
                     i = int(bad[0])
                     raise ValueError(
                         f"spec_decode: request rid={int(rids[i])} accepts {int(accepted[i])} tokens, past its "
-                        f"reserve (committed {int(self.req_kv.kv_committed_len[rows[i]])}, reserved to "
+                        f"reserve (committed {int(kv.kv_committed_len[rows[i]])}, reserved to "
                         f"{int(plan.nxt_kv_lens[i])})"
                     )
         res = alloc_for_spec_decode(ctx, rows, plan, rids)
         if isinstance(res, OutOfMemory):
             return res
-        asked = self.req_kv.kv_committed_len[rows] + accepted
-        excess = commit_accepted_tokens(ctx, rows, accepted)
-        overflow = {int(self.req_kv.rid[row]): (asked_pos, w) for row, asked_pos, w in plan.overflow}
-        if rows.shape[0] and int(excess.max()) > 0:
-            for i in np.flatnonzero(excess > 0).tolist():
-                rid = int(rids[i])
-                prev = overflow.get(rid, (0, width))[0]
-                overflow[rid] = (max(prev, int(asked[i])), width)
+        excess = commit_accepted_tokens(ctx, rows, accepted, asked, may_exceed=overshoot)
+        row_overflow: tuple[tuple[int, int, int], ...] = ()
+        if plan.overflow or overshoot:
+            overflow = {int(kv.rid[row]): (asked_pos, w) for row, asked_pos, w in plan.overflow}
+            if excess is not None:
+                for i in np.flatnonzero(excess > 0).tolist():
+                    rid = int(rids[i])
+                    prev = overflow.get(rid, (0, width))[0]
+                    overflow[rid] = (max(prev, int(asked[i])), width)
+            row_overflow = tuple((rid, asked_pos, w) for rid, (asked_pos, w) in sorted(overflow.items()))
         if self._pending_publish:
             self._flush_publish()
         self.writer.end_call()
-        return AllocResult(
-            res.num_tokens,
-            res.evicted_tokens,
-            row_overflow=tuple((rid, asked_pos, w) for rid, (asked_pos, w) in sorted(overflow.items())),
-        )
+        return AllocResult(res.num_tokens, res.evicted_tokens, row_overflow=row_overflow)
 
     # ------------------------------------------------------------------ PD prealloc
 
