@@ -638,7 +638,6 @@ def checkpoint_kv_cache(
         return CheckpointResult(0, 0)
     kv = ctx.req_kv
     table = ctx.req_to_token_pool.req_to_token_np
-    ps = ctx.page_size
     key_len = tree.key_len(up_to)
     key = tree.make_key(token_ids[:up_to])[:key_len]
     values = table[row, :key_len]  # a view: insert and free copy what they keep

@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator import AllocatorConfig, KvAllocator, SpecConfig, create_allocator  # noqa: E402
+from allocator import AllocatorConfig, SpecConfig, create_allocator  # noqa: E402
 from allocator.allocation import (  # noqa: E402
     alloc_for_decode,
     alloc_for_extend,
@@ -127,22 +127,17 @@ def bench_decode(page_size: int, bs: int, reps: int) -> tuple[list[float], list[
     kv = alloc.req_kv
     state = (kv.kv_allocated_len.copy(), kv.kv_committed_len.copy(), kv.sum_committed, kv.sum_allocated_ceil)
 
+    free0 = tok.free_pages_np()
+
     def reset() -> None:
-        taken = tok.get_all_free_pages()
         kv.kv_allocated_len[:] = state[0]
         kv.kv_committed_len[:] = state[1]
         kv.sum_committed, kv.sum_allocated_ceil = state[2], state[3]
-        restore_free(tok, taken, free0)
+        tok._free.replace(free0)
 
-    free0 = tok.free_pages_np()
     fn_times = _time(lambda: alloc_for_decode(ctx, rows), reset, reps)
     api_times = _time(lambda: alloc.decode(rids), reset, reps)
     return fn_times, api_times
-
-
-def restore_free(tok, _now: np.ndarray, free0: np.ndarray) -> None:
-    """Put the free list back as it was (untimed reset)."""
-    tok._free.replace(free0)
 
 
 # ---------------------------------------------------------------------------- extend

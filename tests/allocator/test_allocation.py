@@ -660,3 +660,17 @@ def test_explicit_stash_is_the_same_as_the_one_extend_does() -> None:
     assert states[0] == states[1]
     with pytest.raises(ValueError, match="not in chunked prefill"):
         alloc.stash_chunked(_a(1), [toks[:30]])
+
+
+def test_built_in_allocator_satisfies_the_protocol() -> None:
+    from allocator import Allocator
+
+    alloc = _make()
+    assert isinstance(alloc, Allocator)
+    assert alloc.config.page_size == 4
+    assert alloc.holds_kv(_a(0, 99)).tolist() == [False, False]
+    assert alloc.request_lens(_a(3)).allocated.tolist() == [0]
+    assert alloc.row_slots(3).tolist() == []
+    alloc.extend(_a(3), _a(5), [_toks(5)])
+    info = alloc.kv_info(3)
+    assert (info.req_pool_idx, info.kv_allocated_len, info.kv_committed_len, info.cache_protected_len) == (8, 5, 5, 4)
