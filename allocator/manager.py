@@ -42,6 +42,7 @@ from allocator.allocation import (
     alloc_for_spec_decode,
     checkpoint_kv_cache,
     commit_accepted_tokens,
+    evict_from_tree_cache,
     prepare_spec_decode,
     release_kv_cache,
 )
@@ -601,6 +602,12 @@ class KvAllocator:
         """Evict at least ``num_tokens`` unlocked cached tokens (LRU leaves, whole nodes)."""
         self._flush_publish()
         return self.tree_cache.evict(int(num_tokens))
+
+    def evict_to_fit(self, num_tokens: int) -> int:
+        """SGLang's ``evict_from_tree_cache``: evict only the shortfall of ``num_tokens``
+        against the free slots (e.g. ``remaining_requests * 20`` after a retraction)."""
+        self._flush_publish()
+        return evict_from_tree_cache(self.ctx, int(num_tokens))
 
     def match_prefix(self, token_ids: np.ndarray) -> int:
         """Length a new request with these fill ids would reuse (page aligned, capped at
