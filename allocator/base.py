@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runti
 if TYPE_CHECKING:
     import numpy as np
 
-SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash"]
+SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash", "uno"]
 EvictionPolicy = Literal["lru"]
 
 
@@ -107,6 +107,10 @@ class OutOfMemory:
 
     ``rid`` is the first request of the batch that could not be served (the batch
     is all-or-nothing, as in SGLang); ``needed`` the tokens the whole call needed.
+    ``op`` is ``"extend"``, ``"decode"``, ``"spec"`` or ``"prealloc"`` for KV slots,
+    ``"extend_rows"`` / ``"prealloc_rows"`` when request rows ran out (``needed``,
+    ``available`` then count rows). Eviction of unlocked cache done before the
+    attempt stays done (SGLang evicts first); nothing else changes.
     """
 
     op: str
@@ -186,8 +190,9 @@ class Allocator(Protocol):
         chunk is checkpointed into the tree first). ``token_ids[i]`` covers at
         least ``[0, seq_lens[i])``. Sets allocated = committed = seq_len.
         Where ``prefill_done[i]`` (default: all), this chunk completes the prefill
-        and the prompt is published to the radix cache in the same call, as
-        SGLang's result processing does after the last chunk.
+        and the prompt is published to the radix cache, as SGLang's result
+        processing does after the last chunk: at the end of the step, i.e. after
+        this step's ``decode`` / ``spec_decode`` (if any) and before any other call.
         """
         ...
 
