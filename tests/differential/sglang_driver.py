@@ -14,7 +14,8 @@ plus ``step`` and ``events``), then ``{"end": name, "steps", "wall_s"}`` or
 What runs for real (SGLang's own code, unmodified): ``ReqToTokenPool``,
 ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` (torch fallbacks:
 no Triton on CPU), ``RadixCache`` (plain Python tree; ``--tree unified`` uses
-``UnifiedRadixCache``), ``Req`` with ``req.kv``, ``match_kv_cache``,
+``UnifiedRadixCache`` with its Python tree core, since the Rust core cannot be
+deep-copied for the OOM rollback), ``Req`` with ``req.kv``, ``match_kv_cache``,
 ``checkpoint_kv_cache``, ``alloc_for_extend``, ``alloc_for_decode``,
 ``eagle_prepare_for_decode`` (which computes ``nxt`` and calls
 ``alloc_for_spec_decode``), ``release_kv_cache``, ``release_req`` (retraction),
@@ -248,8 +249,10 @@ class SGLangEngine:
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
         )
         if tree_kind == "unified":
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+            params.tree_components = (ComponentType.FULL,)
             tree = UnifiedRadixCache(params)
         else:
             tree = SG.radix_cache.RadixCache(params)
@@ -619,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="radix: the plain Python RadixCache; unified: UnifiedRadixCache")
     ap.add_argument("--only", action="append", help="run only this scenario (repeatable)")
     args = ap.parse_args(argv)
+    if args.tree == "unified":
+        # The Rust tree core cannot be deep-copied, and the OOM rollback needs that.
+        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # SGLang prints (tree dumps); keep them off the data stream
     SG = _import_sglang()
