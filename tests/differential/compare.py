@@ -75,18 +75,20 @@ class Divergence:
     detail: str = ""
     also: tuple[str, ...] = ()  # other fields that differ in the same step
     context: tuple[str, ...] = ()
+    phase: str = ""  # --fine: the batched call after which the dumps differ
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "scenario": self.scenario, "step": self.step, "op": self.op, "rid": self.rid,
             "field": self.field, "sglang": self.sglang, "ours": self.ours, "detail": self.detail,
-            "also": list(self.also), "context": list(self.context),
+            "also": list(self.also), "context": list(self.context), "phase": self.phase,
         }
 
     def render(self) -> str:
         who = f" rid {self.rid}" if self.rid is not None else ""
+        after = f", after the {self.phase} call" if self.phase and self.phase != "end" else ""
         lines = [
-            f"FIRST DIVERGENCE in {self.scenario!r} at step {self.step} ({self.op}){who}: {self.field}",
+            f"FIRST DIVERGENCE in {self.scenario!r} at step {self.step} ({self.op}{after}){who}: {self.field}",
             f"  sglang: {_short(self.sglang)}",
             f"  ours:   {_short(self.ours)}",
         ]
@@ -248,15 +250,23 @@ def compare_scenario(
         if not diffs:
             continue
         field_, rid, va, vb, detail = diffs[0]
+        phase = str(a.get("phase", ""))
         ctx = []
-        for j in range(max(0, i - context_steps), i + 1):
+        seen: list[int] = []
+        for j in range(i, -1, -1):
             sn = sglang.steps[j].get("step", j)
+            if sn not in seen:
+                seen.insert(0, sn)
+            if len(seen) > context_steps:
+                break
+        for sn in seen:
             ctx.append(f"step {sn}: {_ops_of_step(steps_by_no.get(sn))}")
         ctx.append(f"sglang after step {step_no}: {_state_line(a)}")
         ctx.append(f"ours   after step {step_no}: {_state_line(b)}")
         also = tuple(f"{f}{'' if r is None else f'[r{r}]'}" for f, r, *_ in diffs[1:8])
+        op = phase if phase and phase != "end" else _op_for(sstep, rid)
         return ScenarioResult(name, "diverged", i + 1, Divergence(
-            name, step_no, _op_for(sstep, rid), rid, field_, va, vb, detail, also, tuple(ctx),
+            name, step_no, op, rid, field_, va, vb, detail, also, tuple(ctx), phase,
         ))
     if len(sglang.steps) != len(ours.steps):
         return ScenarioResult(name, "error", n, note=f"step counts differ: sglang {len(sglang.steps)}, ours {len(ours.steps)}")

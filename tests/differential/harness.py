@@ -66,11 +66,13 @@ def sglang_unusable(python: str | None) -> str | None:
     return None
 
 
-def run_sglang(scenario_file: str, out_file: str, python: str, tree: str = "radix", timeout: float = 1800) -> float:
+def run_sglang(
+    scenario_file: str, out_file: str, python: str, tree: str = "radix", timeout: float = 1800, fine: bool = False,
+) -> float:
     """Run the SGLang driver on a scenario file; returns its wall time. Raises HarnessError."""
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [python, str(DRIVER), scenario_file, "-o", out_file, "--tree", tree],
+        [python, str(DRIVER), scenario_file, "-o", out_file, "--tree", tree] + (["--fine"] if fine else []),
         capture_output=True, text=True, timeout=timeout,
     )
     if not os.path.exists(out_file) or os.path.getsize(out_file) == 0:
@@ -79,12 +81,12 @@ def run_sglang(scenario_file: str, out_file: str, python: str, tree: str = "radi
     return time.perf_counter() - t0
 
 
-def run_ours(scenarios: Sequence[sc.Scenario], out_file: str, module: str = "allocator") -> float:
+def run_ours(scenarios: Sequence[sc.Scenario], out_file: str, module: str = "allocator", fine: bool = False) -> float:
     from tests.differential import ours_driver
 
     t0 = time.perf_counter()
     with open(out_file, "w") as f:
-        ours_driver.run_scenarios(scenarios, f, module)
+        ours_driver.run_scenarios(scenarios, f, module, fine)
     return time.perf_counter() - t0
 
 
@@ -112,7 +114,7 @@ def load_inputs(inputs: Sequence[str], random_seeds: int, seed: int, steps: int 
 
 def differential(
     scenarios: Sequence[sc.Scenario], python: str, *, module: str = "allocator", tree: str = "radix",
-    keep_dir: str | None = None,
+    keep_dir: str | None = None, fine: bool = False,
 ) -> tuple[compare.Summary, dict[str, float]]:
     """Run both sides on ``scenarios`` and compare. Raises HarnessError if a side cannot run."""
     with tempfile.TemporaryDirectory(prefix="kvtrace-diff-") as tmp:
@@ -121,8 +123,8 @@ def differential(
         scen_file = os.path.join(work, "scenarios.jsonl")
         sc.dump_scenarios(scenarios, scen_file)
         sg_out, ours_out = os.path.join(work, "sglang.jsonl"), os.path.join(work, "ours.jsonl")
-        t_sg = run_sglang(scen_file, sg_out, python, tree)
-        t_ours = run_ours(scenarios, ours_out, module)
+        t_sg = run_sglang(scen_file, sg_out, python, tree, fine=fine)
+        t_ours = run_ours(scenarios, ours_out, module, fine)
         with open(sg_out) as a, open(ours_out) as b:
             summary = compare.compare_runs(scenarios, a, b)
     return summary, {"sglang_s": round(t_sg, 2), "ours_s": round(t_ours, 2)}
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allocator", default="allocator", help="module exposing create_allocator")
     ap.add_argument("--tree", choices=("radix", "unified"), default="radix", help="SGLang tree class")
     ap.add_argument("--keep", metavar="DIR", help="keep scenario and dump files in DIR")
+    ap.add_argument("--fine", action="store_true",
+                    help="compare after every batched call, not only after every step (pins the call)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     inputs = args.inputs or ([] if args.random else ["builtin"])
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         why = sglang_unusable(python)
         if why:
             raise HarnessError(why)
-        summary, times = differential(scens, python, module=args.allocator, tree=args.tree, keep_dir=args.keep)
+        summary, times = differential(
+            scens, python, module=args.allocator, tree=args.tree, keep_dir=args.keep, fine=args.fine,
+        )
     except (HarnessError, sc.ScenarioError, OSError, subprocess.SubprocessError) as exc:
         if args.json:
             print(json.dumps({"identical": False, "error": str(exc)}))

@@ -85,15 +85,9 @@ class OursEngine:
         return sc.CallResult("ok")
 
     # -- state ------------------------------------------------------------------------
-    def req_state(self, rid: int) -> sc.ReqState:
-        rids = np.asarray([rid], np.int64)
-        holds = bool(self.alloc.holds_kv(rids)[0])
-        lens = self.alloc.request_lens(rids)
-        return sc.ReqState(holds, int(lens.allocated[0]), int(lens.committed[0]), int(lens.protected[0]))
-
     def _row_of(self, rid: int) -> int:
         alloc = self.alloc
-        for name in ("req_pool_idx", "row_of", "req_pool_index"):
+        for name in ("row_of", "req_pool_idx", "req_pool_index"):
             fn = getattr(alloc, name, None)
             if callable(fn):
                 return int(fn(rid))
@@ -104,15 +98,31 @@ class OursEngine:
             return int(kv.req_pool_idx)
         raise RuntimeError("the allocator exposes no row index per request (req_pool_idx(rid) or reqs[rid].req_pool_idx)")
 
-    def dump(self, rids: Sequence[int]) -> dict[str, Any]:
+    def _req_entry_no_flush(self, rid: int) -> list[Any]:
+        """One request's dump entry read from the white-box attributes: the protocol's
+        reads apply the deferred publish, which a mid-step dump must not do."""
+        alloc = self.alloc
+        row = self._row_of(rid)
+        kv = alloc.req_kv
+        n = int(kv.kv_allocated_len[row])
+        slots = np.asarray(alloc.req_to_token_pool.req_to_token[row, :n]).astype(np.int64)
+        return [rid, row, n, int(kv.kv_committed_len[row]), int(kv.cache_protected_len[row]), sc.rle(slots)]
+
+    def dump(self, rids: Sequence[int], final: bool = True) -> dict[str, Any]:
         alloc = self.alloc
         arr = np.asarray(list(rids), np.int64)
         reqs = []
-        if arr.size:
-            lens = alloc.request_lens(arr)
-            for i, rid in enumerate(arr.tolist()):
-                reqs.append([rid, self._row_of(rid), int(lens.allocated[i]), int(lens.committed[i]),
-                             int(lens.protected[i]), sc.rle(_to_np(alloc.row_slots(rid)))])
+        if final:
+            end_step = getattr(alloc, "end_step", None)
+            if callable(end_step):  # apply the step's deferred prompt publish before reading attributes
+                end_step()
+            if arr.size:
+                lens = alloc.request_lens(arr)
+                for i, rid in enumerate(arr.tolist()):
+                    reqs.append([rid, self._row_of(rid), int(lens.allocated[i]), int(lens.committed[i]),
+                                 int(lens.protected[i]), sc.rle(_to_np(alloc.row_slots(rid)))])
+        else:
+            reqs = [self._req_entry_no_flush(rid) for rid in arr.tolist()]
         kv = alloc.token_to_kv_pool_allocator
         if self.config.page_size == 1:
             release = _to_np(getattr(kv, "release_pages", None))
@@ -142,7 +152,7 @@ def load_factory(module: str) -> tuple[Callable[[Any], Any], Any]:
 
 
 def run_scenarios(
-    scenarios: Sequence[sc.Scenario], out: TextIO, module: str = "allocator",
+    scenarios: Sequence[sc.Scenario], out: TextIO, module: str = "allocator", fine: bool = False,
 ) -> int:
     """Run every scenario, writing dumps to ``out``; returns the number that crashed."""
     factory, base = load_factory(module)
@@ -153,7 +163,7 @@ def run_scenarios(
             eng = OursEngine(scen.config, factory, base)
             out.write(json.dumps({"scenario": scen.name, "engine": f"kvtrace/{module}",
                                   "config": scen.config.to_dict()}) + "\n")
-            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"))
+            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
             out.write(json.dumps({"end": scen.name, "steps": stats.steps, "ops": stats.ops,
                                   "wall_s": round(time.perf_counter() - t0, 4)}) + "\n")
         except Exception as exc:
@@ -169,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("scenarios")
     ap.add_argument("-o", "--out")
     ap.add_argument("--allocator", default="allocator", help="module exposing create_allocator")
+    ap.add_argument("--fine", action="store_true", help="also dump after every batched call")
     args = ap.parse_args(argv)
     scens = sc.load_scenarios(args.scenarios)
     if args.out:
         with open(args.out, "w") as f:
-            failures = run_scenarios(scens, f, args.allocator)
+            failures = run_scenarios(scens, f, args.allocator, args.fine)
     else:
-        failures = run_scenarios(scens, sys.stdout, args.allocator)
+        failures = run_scenarios(scens, sys.stdout, args.allocator, args.fine)
     return 1 if failures else 0
 
 

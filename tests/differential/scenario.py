@@ -20,7 +20,8 @@ length before the op):
 * ``extend``   positions ``[L, seq_len)``; ``L`` is 0 for a new request or one
                coming back after ``retract``. ``prompt_len`` (first op of a
                request, default ``seq_len``) says where the prompt ends: the
-               extend that reaches it completes the prefill.
+               extend that reaches it completes the prefill (after a retraction:
+               the extend that reaches the length the request had then).
 * ``decode``   ``seq_len = L + 1``.
 * ``spec``     ``accepted`` tokens committed (``seq_len = L + accepted``), ``draft``
                drafts verified (informative).
@@ -318,13 +319,6 @@ class CallResult(NamedTuple):
     row_overflow: tuple[tuple[int, int, int], ...] = ()
 
 
-class ReqState(NamedTuple):
-    holds_kv: bool
-    allocated: int
-    committed: int
-    protected: int
-
-
 class Engine(Protocol):
     """What a driver implements so ``run_scenario`` can drive it."""
 
@@ -346,10 +340,10 @@ class Engine(Protocol):
         prompt_lens: list[int], remaining: list[int],
     ) -> CallResult: ...
 
-    def req_state(self, rid: int) -> ReqState: ...
-
-    def dump(self, rids: Sequence[int]) -> dict[str, Any]:
-        """State after a step: see ``STATE_FIELDS``; ``reqs`` for the given live rids."""
+    def dump(self, rids: Sequence[int], final: bool = True) -> dict[str, Any]:
+        """State now: see ``STATE_FIELDS``; ``reqs`` for the given live rids. ``final``:
+        the step is over (apply deferred end-of-step work first); False: a dump between
+        two calls of one step (``--fine``), which must not apply it."""
         ...
 
 
@@ -387,7 +381,9 @@ def unrle(runs: Sequence[Sequence[int]]) -> np.ndarray:
 
 @dataclass
 class _ReqTrack:
-    length: int = 0  # the scenario's L
+    length: int = 0  # the scenario's L (== kv_committed_len while the engines agree)
+    target: int = -1  # where the current prefill ends: the prompt, or the length at retraction
+    holds: bool = False
     stalled: bool = False
     prefill_done: bool = False
     ended: bool = False
@@ -403,8 +399,14 @@ class RunStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
-    """Drive ``engine`` through ``scenario``; call ``emit(dump_dict)`` after every step.
+def run_scenario(scenario: Scenario, engine: Engine, emit: Any, fine: bool = False) -> RunStats:
+    """Drive ``engine`` through ``scenario``; call ``emit(dump_dict)`` after every step
+    (``fine``: also after every batched call, with ``"phase"`` naming the call).
+
+    The runner reads no engine state inside a step (a read could make an engine
+    apply deferred work, such as the end-of-step prompt publish, early): which
+    request holds KV and how long it is follow from the call outcomes. The
+    engine's state is read once per step, by ``dump``.
 
     Raises ``ScenarioError`` for an impossible op sequence (extend of a request
     holding KV to a shorter length, decode of a request without KV, ...).
@@ -419,6 +421,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
 
     for step in scenario.steps:
         events: list[dict[str, Any]] = []
+        mids: list[dict[str, Any]] = []  # --fine dumps between the calls of this step
         by_kind: dict[str, list[Op]] = {k: [] for k in OP_ORDER}
         for op in step.ops:
             by_kind[op.op].append(op)
@@ -435,6 +438,10 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
                 ev["skipped"] = skipped
                 stats.skipped_ops += len(skipped)
             events.append(ev)
+            if fine and rids:
+                mid = engine.dump(sorted(r for r, t in track.items() if t.holds), final=False)
+                mid.update(step=step.step, phase=kind, events=[ev])
+                mids.append(mid)
 
         # --- releases: finish and abort, then retract --------------------------------
         for kind in ("finish", "abort"):
@@ -444,39 +451,37 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
             rids, owned, toks, plens, skipped = [], [], [], [], []
             for op in ops:
                 t = track.get(op.rid)
-                st = engine.req_state(op.rid)
-                if t is None or not st.holds_kv:
+                if t is None or not t.holds:
                     skipped.append(op.rid)
                 else:
-                    n = op.seq_len if not t.stalled else min(op.seq_len, st.committed)
+                    n = op.seq_len if not t.stalled else min(op.seq_len, t.length)
                     rids.append(op.rid)
                     owned.append(n)
                     toks.append(book.tokens(op.rid, max(n, t.length)))
                     plens.append(book.prompt_len[op.rid])
+                    t.holds = False
                 if t is not None:
                     t.ended = True
             res = engine.release(kind, rids, owned, toks, plens, [0] * len(rids)) if rids else None
             record(kind, rids, res, skipped)
 
         if by_kind["retract"]:
-            running = sum(
-                1 for rid, t in track.items()
-                if not t.ended and t.prefill_done and engine.req_state(rid).holds_kv
-            )
+            running = sum(1 for t in track.values() if t.holds and t.prefill_done and not t.ended)
             rids, owned, toks, plens, remaining, skipped = [], [], [], [], [], []
             for op in by_kind["retract"]:
                 t = track.get(op.rid)
-                st = engine.req_state(op.rid)
-                if t is None or not st.holds_kv:
+                if t is None or not t.holds:
                     skipped.append(op.rid)
                 else:
                     rids.append(op.rid)
-                    owned.append(min(op.seq_len, st.committed))
+                    owned.append(min(op.seq_len, t.length))
                     toks.append(book.tokens(op.rid, max(op.seq_len, t.length)))
                     plens.append(book.prompt_len[op.rid])
                     remaining.append(max(running - len(rids), 0))
                 if t is not None:
-                    t.length, t.stalled, t.prefill_done = 0, False, False
+                    # A retracted request re-prefills everything it had (prompt and outputs).
+                    t.target = t.length if t.holds else t.target
+                    t.length, t.holds, t.stalled, t.prefill_done = 0, False, False, False
             res = engine.release("retract", rids, owned, toks, plens, remaining) if rids else None
             record("retract", rids, res, skipped)
 
@@ -486,7 +491,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
             for op in by_kind["prealloc"]:
                 t = track.setdefault(op.rid, _ReqTrack())
                 book.note_first(op)
-                if t.stalled or engine.req_state(op.rid).holds_kv:
+                if t.stalled or t.holds:
                     skipped.append(op.rid)
                     continue
                 book.append(op, 0)
@@ -495,7 +500,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
                 toks.append(book.tokens(op.rid, op.seq_len))
                 plens.append(book.prompt_len[op.rid])
             res = engine.prealloc(rids, fills, toks, plens) if rids else None
-            _settle(res, rids, track, [("len", n) for n in fills], done=True)
+            _settle(res, rids, track, [("len", n) for n in fills], done=[True] * len(rids))
             record("prealloc", rids, res, skipped)
 
         # --- extend ------------------------------------------------------------------
@@ -507,60 +512,57 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
                 if t.stalled:
                     skipped.append(op.rid)
                     continue
-                st = engine.req_state(op.rid)
-                start = st.committed if st.holds_kv else 0
+                start = t.length if t.holds else 0
                 if op.seq_len <= start:
                     raise ScenarioError(f"{where(step, op)}: extend to {op.seq_len} but the request holds {start}")
-                book.append(op, t.length if st.holds_kv else 0)
+                if t.holds and t.prefill_done:
+                    raise ScenarioError(f"{where(step, op)}: extend of a request that already decodes")
+                book.append(op, start)
+                if t.target < 0:
+                    t.target = book.prompt_len[op.rid]
                 rids.append(op.rid)
                 lens.append(op.seq_len)
                 toks.append(book.tokens(op.rid, op.seq_len))
                 plens.append(book.prompt_len[op.rid])
-                done.append(op.seq_len >= book.prompt_len[op.rid])
+                done.append(op.seq_len >= t.target)
             res = engine.extend(rids, lens, toks, plens, done) if rids else None
-            if res is not None and res.outcome == "ok":
-                for rid, d in zip(rids, done):
-                    track[rid].prefill_done = track[rid].prefill_done or d
-            _settle(res, rids, track, [("len", n) for n in lens])
+            _settle(res, rids, track, [("len", n) for n in lens], done=done)
             record("extend", rids, res, skipped)
 
-        # --- decode ------------------------------------------------------------------
-        if by_kind["decode"]:
-            rids, skipped = [], []
-            for op in by_kind["decode"]:
+        # --- decode / spec -----------------------------------------------------------
+        for kind in ("decode", "spec"):
+            if not by_kind[kind]:
+                continue
+            rids, adds, skipped = [], [], []
+            for op in by_kind[kind]:
                 t = track.get(op.rid)
-                if t is None or t.stalled or not engine.req_state(op.rid).holds_kv:
+                if t is None or t.stalled or not t.holds:
                     if t is None or not t.stalled:
-                        raise ScenarioError(f"{where(step, op)}: decode of a request that holds no KV")
+                        raise ScenarioError(f"{where(step, op)}: {kind} of a request that holds no KV")
                     skipped.append(op.rid)
                     continue
+                if not t.prefill_done:
+                    raise ScenarioError(f"{where(step, op)}: {kind} before the prefill completed")
                 book.append(op, t.length)
                 rids.append(op.rid)
-            res = engine.decode(rids) if rids else None
-            _settle(res, rids, track, [("add", 1)] * len(rids))
-            record("decode", rids, res, skipped)
+                adds.append(1 if kind == "decode" else op.accepted)
+            if kind == "decode":
+                res = engine.decode(rids) if rids else None
+            else:
+                res = engine.spec(rids, adds) if rids else None
+            _settle(res, rids, track, [("add", a) for a in adds])
+            record(kind, rids, res, skipped)
 
-        # --- spec --------------------------------------------------------------------
-        if by_kind["spec"]:
-            rids, acc, skipped = [], [], []
-            for op in by_kind["spec"]:
-                t = track.get(op.rid)
-                if t is None or t.stalled or not engine.req_state(op.rid).holds_kv:
-                    if t is None or not t.stalled:
-                        raise ScenarioError(f"{where(step, op)}: spec step of a request that holds no KV")
-                    skipped.append(op.rid)
-                    continue
-                book.append(op, t.length)
-                rids.append(op.rid)
-                acc.append(op.accepted)
-            res = engine.spec(rids, acc) if rids else None
-            _settle(res, rids, track, [("add", a) for a in acc])
-            record("spec", rids, res, skipped)
-
-        live = sorted(rid for rid in track if engine.req_state(rid).holds_kv)
-        state = engine.dump(live)
+        live = sorted(rid for rid, t in track.items() if t.holds)
+        # The last call's own dump is dropped: an engine may finish the step's deferred
+        # work (the prompt publish) inside that call, and the final dump covers it.
+        for mid in mids[:-1]:
+            emit(mid)
+        state = engine.dump(live, final=True)
         state["step"] = step.step
         state["events"] = events
+        if fine:
+            state["phase"] = "end"
         stats.oom_calls += sum(1 for e in events if e.get("outcome") == "oom")
         emit(state)
         stats.steps += 1
@@ -570,7 +572,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any) -> RunStats:
 
 def _settle(
     res: CallResult | None, rids: list[int], track: dict[int, _ReqTrack],
-    lens: list[tuple[str, int]], done: bool = False,
+    lens: list[tuple[str, int]], done: list[bool] | None = None,
 ) -> None:
     if res is None:
         return
@@ -578,10 +580,11 @@ def _settle(
         for rid in rids:
             track[rid].stalled = True
         return
-    for rid, (how, n) in zip(rids, lens):
+    for i, (rid, (how, n)) in enumerate(zip(rids, lens)):
         t = track[rid]
         t.length = n if how == "len" else t.length + n
-        if done:
+        t.holds = True
+        if done is not None and done[i]:
             t.prefill_done = True
 
 

@@ -323,6 +323,8 @@ class RandomSpec:
     chunk: int = 64
     radix_cache: bool = True
     need_sort: bool = False
+    retract_prob: float = 0.06
+    abort_prob: float = 0.01
 
 
 RANDOM_CONFIGS: dict[str, RandomSpec] = {
@@ -389,12 +391,12 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
                 finished_prompts.append(r.prompt + tuple(sc.unique_token(r.rid, p) for p in range(len(r.prompt), owned)))
         # aborts
         for r in live:
-            if r.state != "done" and rng.random() < 0.01:
+            if r.state != "done" and rng.random() < rs.abort_prob:
                 ops.append(Op("abort", r.rid, r.length))
                 r.state = "done"
         # retractions
         running = [r for r in reqs.values() if r.state == "running"]
-        if len(running) >= 2 and rng.random() < 0.06:
+        if len(running) >= 2 and rng.random() < rs.retract_prob:
             order = sorted(running, key=lambda r: (r.outputs, -len(r.prompt)), reverse=True)
             for r in order[-int(rng.integers(1, min(3, len(running)))):][::-1]:
                 ops.append(Op("retract", r.rid, r.length))

@@ -539,15 +539,10 @@ class SGLangEngine:
         return sc.CallResult("ok")
 
     # -- state -----------------------------------------------------------------------
-    def req_state(self, rid: int) -> sc.ReqState:
-        req = self.reqs.get(rid)
-        if req is None or not req.kv.holds_kv:
-            return sc.ReqState(False, 0, 0 if req is None else req.kv.kv_committed_len, 0)
-        kv = req.kv
-        return sc.ReqState(True, kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len)
-
-    def dump(self, rids: Sequence[int]) -> dict[str, Any]:
+    def dump(self, rids: Sequence[int], final: bool = True) -> dict[str, Any]:
         torch = SG.torch
+        if final:
+            self.publish()
         r2t = self.pool.req_to_token
         reqs = []
         for rid in rids:
@@ -572,21 +567,7 @@ class SGLangEngine:
         }
 
 
-class _StepPublishEngine:
-    """Adds the end-of-step prompt publish (decision 6g) to the runner's call sequence."""
-
-    def __init__(self, eng: SGLangEngine) -> None:
-        self.eng = eng
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.eng, name)
-
-    def dump(self, rids: Sequence[int]) -> dict[str, Any]:
-        self.eng.publish()
-        return self.eng.dump(rids)
-
-
-def run_file(path: str, out: Any, tree_kind: str, only: set[str] | None) -> int:
+def run_file(path: str, out: Any, tree_kind: str, only: set[str] | None, fine: bool = False) -> int:
     scenarios = sc.load_scenarios(path)
     failures = 0
     for scen in scenarios:
@@ -599,7 +580,7 @@ def run_file(path: str, out: Any, tree_kind: str, only: set[str] | None) -> int:
             SG.allocation.assign_req_to_token_pool_func = eng._assign_req_to_token_pool
             out.write(json.dumps({"scenario": scen.name, "engine": f"sglang-0.5.23/{tree_kind}",
                                   "config": scen.config.to_dict(), "row_width": eng.row_width}) + "\n")
-            stats = sc.run_scenario(scen, _StepPublishEngine(eng), lambda d: out.write(json.dumps(d) + "\n"))
+            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
             out.write(json.dumps({"end": scen.name, "steps": stats.steps, "ops": stats.ops,
                                   "wall_s": round(time.perf_counter() - t0, 4)}) + "\n")
         except Exception as exc:  # report per scenario, keep going
@@ -621,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", choices=("radix", "unified"), default="radix",
                     help="radix: the plain Python RadixCache; unified: UnifiedRadixCache")
     ap.add_argument("--only", action="append", help="run only this scenario (repeatable)")
+    ap.add_argument("--fine", action="store_true", help="also dump after every batched call")
     args = ap.parse_args(argv)
     if args.tree == "unified":
         # The Rust tree core cannot be deep-copied, and the OOM rollback needs that.
@@ -631,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     SG.radix_cache.time = _LogicalClock()
     out = open(args.out, "w") if args.out else real_stdout
     try:
-        failures = run_file(args.scenarios, out, args.tree, set(args.only) if args.only else None)
+        failures = run_file(args.scenarios, out, args.tree, set(args.only) if args.only else None, args.fine)
     finally:
         if args.out:
             out.close()
