@@ -97,8 +97,12 @@ def load_inputs(inputs: Sequence[str], random_seeds: int, seed: int, steps: int 
             out.extend(gen.hand_written())
         elif item.endswith(".kvtrace"):
             from tests.differential import trace_adapter
+            from traces.errors import TraceError
 
-            out.append(trace_adapter.trace_to_scenario(item))
+            try:
+                out.append(trace_adapter.trace_to_scenario(item))
+            except TraceError as exc:
+                raise HarnessError(str(exc)) from None
         elif os.path.isfile(item):
             out.extend(sc.load_scenarios(item))
         else:
