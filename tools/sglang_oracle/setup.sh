@@ -74,11 +74,12 @@ DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette ms
       pyzmq tqdm IPython aiohttp dill gguf partial_json_parser "transformers==5.19.0"
       "openai==2.8.0" "compressed-tensors==0.18.0" "sentencepiece==0.2.1" "apache-tvm-ffi==0.1.11"
       einops)
-MARKER="$TARGET/.kvtrace-sglang-deps-ok"
-if [ ! -f "$MARKER" ]; then
+# The marker records the dependency list it was made with, so a changed list reinstalls.
+MARKER="$TARGET/.kvtrace-sglang-deps"
+if [ "$(cat "$MARKER" 2>/dev/null)" != "${DEPS[*]}" ]; then
   echo "setup.sh: installing SGLang's import dependencies"
   "${PIP[@]}" "${DEPS[@]}" "torch==$TORCH_VERSION"
-  touch "$MARKER"
+  printf '%s' "${DEPS[*]}" > "$MARKER"
 fi
 
 if "$VPY" -c 'import torchvision' 2>/dev/null; then
