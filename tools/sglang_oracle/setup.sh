@@ -2,8 +2,9 @@
 # Create (or complete) a Python 3.11 virtual environment holding SGLang 0.5.23 on a
 # CPU-only torch, for the differential tests in tests/differential/.
 #
-# Usage: tools/sglang_oracle/setup.sh [TARGET_DIR]
+# Usage: tools/sglang_oracle/setup.sh [TARGET_DIR [WHEEL]]
 #   TARGET_DIR          venv to create; default: .venv-sglang at the repository root.
+#   WHEEL               the sglang 0.5.23 wheel (else $SGLANG_WHEEL, see below).
 # Environment:
 #   SGLANG_WHEEL        path to sglang-0.5.23-*.whl; without it the script looks for
 #                       one next to the repository and under /work, else runs
@@ -51,7 +52,7 @@ if ! have torch "$TORCH_VERSION"; then
 fi
 
 if ! have sglang "$SGLANG_VERSION"; then
-  WHEEL="${SGLANG_WHEEL:-}"
+  WHEEL="${2:-${SGLANG_WHEEL:-}}"
   if [ -z "$WHEEL" ]; then
     for cand in "$ROOT"/../sglang-"$SGLANG_VERSION"-*.whl "$ROOT"/sglang-"$SGLANG_VERSION"-*.whl /work/sglang-"$SGLANG_VERSION"-*.whl; do
       if [ -f "$cand" ]; then WHEEL="$cand"; break; fi
