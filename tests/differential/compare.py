@@ -1,0 +1,322 @@
+"""Step-by-step comparison of two differential runs (SGLang's real classes vs ours).
+
+Both sides write the same JSON-lines dump (``scenario.STATE_FIELDS`` per step,
+see ``sglang_driver.py``); ``compare_scenario`` walks them in lockstep and returns
+the FIRST divergence: the step, the op that touched the field, the request, the
+field, both values and a few steps of context.
+
+Stdlib + numpy only (no kvtrace import), so it can be tested on synthetic dumps.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+try:
+    from . import scenario as sc
+except ImportError:  # pragma: no cover - used as a script
+    import scenario as sc  # type: ignore[no-redef]
+
+REQ_FIELDS = ("row", "kv_allocated_len", "kv_committed_len", "cache_protected_len", "req_to_token")
+POOL_FIELDS = ("available", "evictable", "protected", "free_pages", "release_pages", "free_rows")
+
+
+@dataclass
+class RunBlock:
+    """One scenario's output from one driver."""
+
+    name: str
+    header: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+
+    @property
+    def error(self) -> str | None:
+        if self.end is None:
+            return "output ended before the scenario finished (driver crashed?)"
+        return self.end.get("error")
+
+
+def read_blocks(lines: Iterable[str]) -> dict[str, RunBlock]:
+    blocks: dict[str, RunBlock] = {}
+    cur: RunBlock | None = None
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        rec = json.loads(line)
+        if "scenario" in rec:
+            cur = RunBlock(rec["scenario"], rec)
+            blocks[cur.name] = cur
+        elif "end" in rec:
+            blk = blocks.get(rec["end"])
+            if blk is None:
+                blk = blocks[rec["end"]] = RunBlock(rec["end"], {})
+            blk.end = rec
+            cur = None
+        elif cur is not None:
+            cur.steps.append(rec)
+    return blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    scenario: str
+    step: int
+    op: str  # the op of that step that touched the field ("-" for pool fields changed by several)
+    rid: int | None
+    field: str
+    sglang: Any
+    ours: Any
+    detail: str = ""
+    also: tuple[str, ...] = ()  # other fields that differ in the same step
+    context: tuple[str, ...] = ()
+    phase: str = ""  # --fine: the batched call after which the dumps differ
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "step": self.step, "op": self.op, "rid": self.rid,
+            "field": self.field, "sglang": self.sglang, "ours": self.ours, "detail": self.detail,
+            "also": list(self.also), "context": list(self.context), "phase": self.phase,
+        }
+
+    def render(self) -> str:
+        who = f" rid {self.rid}" if self.rid is not None else ""
+        after = f", after the {self.phase} call" if self.phase and self.phase != "end" else ""
+        lines = [
+            f"FIRST DIVERGENCE in {self.scenario!r} at step {self.step} ({self.op}{after}){who}: {self.field}",
+            f"  sglang: {_short(self.sglang)}",
+            f"  ours:   {_short(self.ours)}",
+        ]
+        if self.detail:
+            lines.append(f"  {self.detail}")
+        if self.also:
+            lines.append(f"  also differing in this step: {', '.join(self.also)}")
+        if self.context:
+            lines.append("  context:")
+            lines.extend(f"    {c}" for c in self.context)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioResult:
+    scenario: str
+    status: str  # identical | diverged | expected | error
+    steps_compared: int
+    divergence: Divergence | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "status": self.status, "steps_compared": self.steps_compared,
+            "divergence": self.divergence.to_dict() if self.divergence else None, "note": self.note,
+        }
+
+
+def _short(value: Any, limit: int = 240) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if neq.size else n
+
+
+def _list_diff(name: str, a_runs: Sequence[Sequence[int]], b_runs: Sequence[Sequence[int]]) -> tuple[Any, Any, str]:
+    a, b = sc.unrle(a_runs), sc.unrle(b_runs)
+    i = _first_diff(a, b)
+    lo = max(0, i - 3)
+    detail = f"{name}: lengths {a.size} vs {b.size}; first difference at index {i}"
+    return a[lo : i + 6].tolist(), b[lo : i + 6].tolist(), detail + (f" (showing from index {lo})" if lo else "")
+
+
+def _ops_of_step(step: sc.Step | None) -> str:
+    if step is None:
+        return "(no ops)"
+    return "; ".join(o.brief() for o in step.ops) or "(no ops)"
+
+
+def _op_for(step: sc.Step | None, rid: int | None) -> str:
+    if step is None:
+        return "-"
+    if rid is not None:
+        kinds = [o.op for o in step.ops if o.rid == rid]
+        if kinds:
+            return "+".join(kinds)
+    kinds = sorted({o.op for o in step.ops}, key=sc.OP_ORDER.index)
+    return "+".join(kinds) if kinds else "-"
+
+
+def _overflow_set(events: Sequence[dict[str, Any]]) -> set[tuple[int, int]]:
+    out = set()
+    for ev in events:
+        for rid, asked, _width in ev.get("row_overflow", ()):
+            out.add((int(rid), int(asked)))
+    return out
+
+
+def _event_key(ev: dict[str, Any]) -> tuple:
+    return (ev.get("op"), tuple(ev.get("rids", ())), ev.get("outcome"), tuple(ev.get("skipped", ())))
+
+
+def compare_step(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, int | None, Any, Any, str]]:
+    """Every differing field of one step: (field, rid, sglang value, ours value, detail)."""
+    diffs: list[tuple[str, int | None, Any, Any, str]] = []
+    ea = [_event_key(e) for e in a.get("events", ())]
+    eb = [_event_key(e) for e in b.get("events", ())]
+    if ea != eb:
+        for x, y in zip(ea + [None] * len(eb), eb + [None] * len(ea)):
+            if x != y:
+                op = (x or y)[0]
+                rid = None
+                diffs.append((f"events.{op}", rid, _event_str(x), _event_str(y), "call outcome (ok / oom / skipped)"))
+                break
+    ra = {r[0]: r for r in a["reqs"]}
+    rb = {r[0]: r for r in b["reqs"]}
+    for rid in sorted(set(ra) | set(rb)):
+        x, y = ra.get(rid), rb.get(rid)
+        if x is None or y is None:
+            diffs.append(("holds_kv", rid, x is not None, y is not None, "request holds KV on one side only"))
+            continue
+        for k, name in enumerate(REQ_FIELDS, start=1):
+            if x[k] != y[k]:
+                if name == "req_to_token":
+                    va, vb, detail = _list_diff(f"req_to_token row of r{rid}", x[k], y[k])
+                    diffs.append((name, rid, va, vb, detail))
+                else:
+                    diffs.append((name, rid, x[k], y[k], ""))
+    for name in POOL_FIELDS:
+        x, y = a.get(name), b.get(name)
+        if x != y:
+            if isinstance(x, list):
+                va, vb, detail = _list_diff(name, x, y)
+                diffs.append((name, None, va, vb, detail))
+            else:
+                diffs.append((name, None, x, y, ""))
+    return diffs
+
+
+def _event_str(key: tuple | None) -> str:
+    if key is None:
+        return "(no call)"
+    op, rids, outcome, skipped = key
+    text = f"{op} {list(rids)} -> {outcome}" if rids else f"{op}"
+    return text + (f", skipped {list(skipped)}" if skipped else "")
+
+
+def _state_line(d: dict[str, Any]) -> str:
+    reqs = " ".join(f"r{r[0]}:{r[2]}/{r[3]}/{r[4]}" for r in d["reqs"])
+    return (f"avail={d['available']} evictable={d['evictable']} protected={d['protected']} "
+            f"free_rows={len(sc.unrle(d['free_rows']))} reqs(alloc/commit/protected)=[{reqs}]")
+
+
+def compare_scenario(
+    scenario: sc.Scenario | None, sglang: RunBlock | None, ours: RunBlock | None, context_steps: int = 3
+) -> ScenarioResult:
+    """Compare one scenario's two runs; a row overflow reported by SGLang (topk>1 at page 1,
+    §10) ends the comparison as an expected divergence when ours reports it too."""
+    name = (scenario.name if scenario else None) or (sglang.name if sglang else ours.name if ours else "?")
+    if sglang is None or ours is None:
+        missing = "sglang" if sglang is None else "ours"
+        return ScenarioResult(name, "error", 0, note=f"no {missing} output for this scenario")
+    for side, blk in (("sglang", sglang), ("ours", ours)):
+        if blk.error:
+            return ScenarioResult(name, "error", 0, note=f"{side} driver: {blk.error}")
+    steps_by_no = {s.step: s for s in scenario.steps} if scenario else {}
+    n = min(len(sglang.steps), len(ours.steps))
+    for i in range(n):
+        a, b = sglang.steps[i], ours.steps[i]
+        step_no = a.get("step", i)
+        sstep = steps_by_no.get(step_no)
+        ova, ovb = _overflow_set(a.get("events", ())), _overflow_set(b.get("events", ()))
+        if ova:
+            if ova <= ovb or {r for r, _ in ova} <= {r for r, _ in ovb}:
+                return ScenarioResult(
+                    name, "expected", i,
+                    note=(f"step {step_no}: SGLang wrote past the req_to_token row for {sorted(ova)} "
+                          f"(rid, positions asked); ours reported {sorted(ovb)}; comparison stops here (§10)"),
+                )
+            return ScenarioResult(name, "diverged", i, Divergence(
+                name, step_no, _op_for(sstep, None), sorted(ova)[0][0], "row_overflow",
+                sorted(ova), sorted(ovb), "SGLang overflowed the row; ours did not report it",
+            ))
+        diffs = compare_step(a, b)
+        if not diffs:
+            continue
+        field_, rid, va, vb, detail = diffs[0]
+        phase = str(a.get("phase", ""))
+        ctx = []
+        seen: list[int] = []
+        for j in range(i, -1, -1):
+            sn = sglang.steps[j].get("step", j)
+            if sn not in seen:
+                seen.insert(0, sn)
+            if len(seen) > context_steps:
+                break
+        for sn in seen:
+            ctx.append(f"step {sn}: {_ops_of_step(steps_by_no.get(sn))}")
+        ctx.append(f"sglang after step {step_no}: {_state_line(a)}")
+        ctx.append(f"ours   after step {step_no}: {_state_line(b)}")
+        also = tuple(f"{f}{'' if r is None else f'[r{r}]'}" for f, r, *_ in diffs[1:8])
+        op = phase if phase and phase != "end" else _op_for(sstep, rid)
+        return ScenarioResult(name, "diverged", i + 1, Divergence(
+            name, step_no, op, rid, field_, va, vb, detail, also, tuple(ctx), phase,
+        ))
+    if len(sglang.steps) != len(ours.steps):
+        return ScenarioResult(name, "error", n, note=f"step counts differ: sglang {len(sglang.steps)}, ours {len(ours.steps)}")
+    return ScenarioResult(name, "identical", n)
+
+
+@dataclass
+class Summary:
+    results: list[ScenarioResult]
+
+    @property
+    def identical(self) -> bool:
+        return all(r.status in ("identical", "expected") for r in self.results)
+
+    @property
+    def has_error(self) -> bool:
+        return any(r.status == "error" for r in self.results)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.results:
+            out[r.status] = out.get(r.status, 0) + 1
+        return out
+
+    def steps(self) -> int:
+        return sum(r.steps_compared for r in self.results)
+
+    def render(self) -> str:
+        lines = []
+        for r in self.results:
+            if r.status == "diverged" and r.divergence is not None:
+                lines.append(r.divergence.render())
+            elif r.status in ("error", "expected"):
+                lines.append(f"{r.status.upper()} {r.scenario}: {r.note}")
+        c = self.counts()
+        ok = c.get("identical", 0)
+        lines.append(
+            f"{len(self.results)} scenarios, {self.steps()} steps compared: {ok} identical"
+            + "".join(f", {c[k]} {k}" for k in ("expected", "diverged", "error") if c.get(k))
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "identical": self.identical, "scenarios": len(self.results), "steps_compared": self.steps(),
+            "counts": self.counts(), "results": [r.to_dict() for r in self.results],
+            "first_divergence": next((r.divergence.to_dict() for r in self.results if r.divergence), None),
+        }
+
+
+def compare_runs(scenarios: Sequence[sc.Scenario], sglang_lines: Iterable[str], ours_lines: Iterable[str]) -> Summary:
+    a, b = read_blocks(sglang_lines), read_blocks(ours_lines)
+    return Summary([compare_scenario(s, a.get(s.name), b.get(s.name)) for s in scenarios])

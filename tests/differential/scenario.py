@@ -1,0 +1,596 @@
+"""Differential scenarios: the file format, token content, and the step runner both drivers share.
+
+This module is imported by ``sglang_driver.py`` (inside SGLang's own virtual
+environment) and by ``ours_driver.py``; it needs only the standard library and
+numpy and imports nothing from kvtrace, allocator or traces.
+
+Scenario file (JSON lines; several scenarios may follow one another)::
+
+    {"scenario": "name", "description": "...", "config": {
+        "pool_tokens": 256, "page_size": 16, "max_running": 8, "max_context_len": 512,
+        "need_sort": false, "radix_cache": true, "extra_rows": 0,
+        "spec": null | {"algorithm": "eagle", "num_steps": 3, "topk": 1, "num_draft_tokens": 4}}}
+    {"step": 0, "ops": [{"op": "extend", "rid": 0, "seq_len": 40, "prompt_len": 64,
+                          "prompt_tokens": [...]}, ...]}
+    {"step": 1, "ops": [...]}
+
+Ops (``seq_len`` meanings as in ``traces/schema.py``; ``L`` = the request's
+length before the op):
+
+* ``extend``   positions ``[L, seq_len)``; ``L`` is 0 for a new request or one
+               coming back after ``retract``. ``prompt_len`` (first op of a
+               request, default ``seq_len``) says where the prompt ends: the
+               extend that reaches it completes the prefill (after a retraction:
+               the extend that reaches the length the request had then).
+* ``decode``   ``seq_len = L + 1``.
+* ``spec``     ``accepted`` tokens committed (``seq_len = L + accepted``), ``draft``
+               drafts verified (informative).
+* ``prealloc`` PD decode: ``seq_len`` tokens of KV arrive (``L = 0``).
+* ``finish``   ``seq_len`` = tokens owned at release (a stop may land early).
+* ``retract``, ``abort``  ``seq_len = L``.
+
+Token content of position ``p`` of request ``r``: the explicit id from the op
+that appended it (``tokens``, one per appended position), else
+``prompt_tokens[p]`` (first op of the request), else ``unique_token(r, p)``.
+
+Step runner (``run_scenario``) — the replay semantics both drivers follow:
+
+* Within a step ops run by kind in ``OP_ORDER`` (finish, abort, retract, prealloc,
+  extend, decode, spec), one batched engine call per kind, requests in the
+  order the step lists them.
+* Out of memory (``--on-oom skip``): a batched allocation that does not fit is
+  all-or-nothing; the engine leaves its state exactly as before the call and
+  the runner records ``oom`` for that call. Every request of that call becomes
+  *stalled*: its later allocation ops are skipped (recorded as ``skipped``)
+  until it is retracted (after which it may extend from 0 again) or ends. A
+  release of a stalled request uses ``min(seq_len, kv_committed_len)`` as the
+  owned length. A release of a request that holds no KV is skipped.
+* ``retract`` of the k-th request of a step (1-based) passes
+  ``remaining = running - k`` to the engine, where ``running`` counts the
+  requests that hold KV and have completed their prefill once the step's
+  finish and abort ops are applied (SGLang's ``retract_decode`` running batch).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Iterator, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+FORMAT_VERSION = 1
+OPS: tuple[str, ...] = ("extend", "decode", "spec", "prealloc", "finish", "retract", "abort")
+RELEASE_OPS = ("finish", "abort", "retract")
+OP_ORDER: tuple[str, ...] = ("finish", "abort", "retract", "prealloc", "extend", "decode", "spec")
+UNIQUE_TOKEN_BASE = 1 << 52
+
+
+def unique_token(rid: int, pos: int) -> int:
+    """Token id unique to ``(rid, pos)``, disjoint from explicit ids below 2**52."""
+    return UNIQUE_TOKEN_BASE + (rid << 24) + pos
+
+
+class ScenarioError(ValueError):
+    """A scenario file or op sequence that cannot be run (message names line/step/rid)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSpec:
+    algorithm: str = "eagle"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioConfig:
+    pool_tokens: int
+    page_size: int = 1
+    max_running: int = 16
+    max_context_len: int = 1024
+    need_sort: bool = False
+    radix_cache: bool = True
+    extra_rows: int = 0
+    spec: SpecSpec | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScenarioConfig:
+        data = dict(data)
+        spec = data.pop("spec", None)
+        unknown = set(data) - {f for f in cls.__slots__}  # type: ignore[attr-defined]
+        if unknown:
+            raise ScenarioError(f"scenario config has unknown keys {sorted(unknown)}")
+        return cls(spec=SpecSpec(**spec) if spec else None, **data)
+
+    def label(self) -> str:
+        spec = "off" if self.spec is None else (
+            f"{self.spec.algorithm}{self.spec.num_steps},{self.spec.topk},{self.spec.num_draft_tokens}"
+        )
+        return (
+            f"ps{self.page_size} pool{self.pool_tokens} rows{self.max_running} ctx{self.max_context_len} "
+            f"spec={spec} radix={'on' if self.radix_cache else 'off'}{' need_sort' if self.need_sort else ''}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    op: str
+    rid: int
+    seq_len: int
+    accepted: int = 0
+    draft: int = 0
+    prompt_len: int | None = None
+    tokens: tuple[int, ...] | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.op, "rid": self.rid, "seq_len": self.seq_len}
+        if self.op == "spec":
+            out["accepted"] = self.accepted
+            out["draft"] = self.draft
+        if self.prompt_len is not None:
+            out["prompt_len"] = self.prompt_len
+        if self.tokens is not None:
+            out["tokens"] = list(self.tokens)
+        if self.prompt_tokens is not None:
+            out["prompt_tokens"] = list(self.prompt_tokens)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Op:
+        if data.get("op") not in OPS:
+            raise ScenarioError(f"unknown op {data.get('op')!r}; expected one of {', '.join(OPS)}")
+        tokens = data.get("tokens")
+        prompt_tokens = data.get("prompt_tokens")
+        return cls(
+            op=data["op"],
+            rid=int(data["rid"]),
+            seq_len=int(data["seq_len"]),
+            accepted=int(data.get("accepted", 0)),
+            draft=int(data.get("draft", 0)),
+            prompt_len=None if data.get("prompt_len") is None else int(data["prompt_len"]),
+            tokens=None if tokens is None else tuple(int(t) for t in tokens),
+            prompt_tokens=None if prompt_tokens is None else tuple(int(t) for t in prompt_tokens),
+        )
+
+    def brief(self) -> str:
+        extra = f" acc={self.accepted}" if self.op == "spec" else ""
+        return f"{self.op} r{self.rid}->{self.seq_len}{extra}"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    step: int
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    config: ScenarioConfig
+    steps: tuple[Step, ...]
+    description: str = ""
+    # Steps whose divergence is expected (e.g. SGLang's row overflow), by reason.
+    tags: tuple[str, ...] = ()
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "scenario": self.name,
+            "version": FORMAT_VERSION,
+            "description": self.description,
+            "tags": list(self.tags),
+            "config": self.config.to_dict(),
+        }
+
+    def num_ops(self) -> int:
+        return sum(len(s.ops) for s in self.steps)
+
+
+def dump_scenarios(scenarios: Iterable[Scenario], path: str) -> None:
+    with open(path, "w") as f:
+        for sc in scenarios:
+            f.write(json.dumps(sc.header()) + "\n")
+            for st in sc.steps:
+                f.write(json.dumps({"step": st.step, "ops": [o.to_dict() for o in st.ops]}) + "\n")
+
+
+def load_scenarios(path: str) -> list[Scenario]:
+    """Read every scenario of a JSON-lines file. Raises ``ScenarioError`` naming the line."""
+    out: list[Scenario] = []
+    header: dict[str, Any] | None = None
+    steps: list[Step] = []
+
+    def close() -> None:
+        if header is not None:
+            out.append(
+                Scenario(
+                    name=str(header["scenario"]),
+                    config=ScenarioConfig.from_dict(header["config"]),
+                    steps=tuple(steps),
+                    description=str(header.get("description", "")),
+                    tags=tuple(header.get("tags", ())),
+                )
+            )
+
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+                if "scenario" in rec:
+                    close()
+                    if rec.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+                        raise ScenarioError(f"format version {rec.get('version')} (this reader: {FORMAT_VERSION})")
+                    header, steps = rec, []
+                elif "step" in rec:
+                    if header is None:
+                        raise ScenarioError("step before any scenario header")
+                    steps.append(Step(int(rec["step"]), tuple(Op.from_dict(o) for o in rec["ops"])))
+                else:
+                    raise ScenarioError("line is neither a scenario header nor a step")
+            except (ScenarioError, KeyError, TypeError, ValueError) as exc:
+                raise ScenarioError(f"{path}:{lineno}: {exc}") from None
+    close()
+    return out
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+class TokenBook:
+    """Token content of every request, materialised as ops append positions."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, np.ndarray] = {}
+        self._prompt: dict[int, np.ndarray] = {}
+        self.prompt_len: dict[int, int] = {}
+
+    def note_first(self, op: Op) -> None:
+        if op.rid in self.prompt_len:
+            return
+        self.prompt_len[op.rid] = op.prompt_len if op.prompt_len is not None else op.seq_len
+        if op.prompt_tokens is not None:
+            self._prompt[op.rid] = np.asarray(op.prompt_tokens, dtype=np.int64)
+
+    def append(self, op: Op, start: int) -> None:
+        """Record the content of positions ``[start, op.seq_len)`` appended by ``op``."""
+        rid, end = op.rid, op.seq_len
+        cur = self._tokens.get(rid, np.zeros(0, np.int64))
+        if end > cur.shape[0]:
+            grown = np.empty(end, np.int64)
+            grown[: cur.shape[0]] = cur
+            pos = np.arange(cur.shape[0], end, dtype=np.int64)
+            grown[cur.shape[0] :] = UNIQUE_TOKEN_BASE + (rid << 24) + pos
+            prompt = self._prompt.get(rid)
+            if prompt is not None:
+                lo, hi = cur.shape[0], min(end, prompt.shape[0])
+                if hi > lo:
+                    grown[lo:hi] = prompt[lo:hi]
+            cur = grown
+        if op.tokens is not None:
+            if len(op.tokens) != end - start:
+                raise ScenarioError(
+                    f"r{rid} {op.op}: {len(op.tokens)} explicit tokens for {end - start} appended positions"
+                )
+            cur[start:end] = op.tokens
+        self._tokens[rid] = cur
+
+    def tokens(self, rid: int, end: int) -> np.ndarray:
+        """Ids of positions ``[0, end)`` (positions never appended get their default id)."""
+        cur = self._tokens.get(rid, np.zeros(0, np.int64))
+        if end <= cur.shape[0]:
+            return cur[:end].copy()
+        fake = Op("extend", rid, end)
+        self.append(fake, cur.shape[0])
+        return self._tokens[rid][:end].copy()
+
+    def prompt(self, rid: int) -> np.ndarray:
+        """The whole prompt: known ids, defaults where not appended yet."""
+        n = self.prompt_len[rid]
+        cur = self._tokens.get(rid, np.zeros(0, np.int64))
+        out = np.empty(n, np.int64)
+        k = min(n, cur.shape[0])
+        out[:k] = cur[:k]
+        pos = np.arange(k, n, dtype=np.int64)
+        out[k:] = UNIQUE_TOKEN_BASE + (rid << 24) + pos
+        prompt = self._prompt.get(rid)
+        if prompt is not None and prompt.shape[0] > k:
+            hi = min(n, prompt.shape[0])
+            out[k:hi] = prompt[k:hi]
+        return out
+
+
+# --------------------------------------------------------------------------- engine contract
+
+
+class CallResult(NamedTuple):
+    """Outcome of one batched engine call."""
+
+    outcome: str  # "ok" | "oom"
+    detail: str = ""
+    # (rid, positions asked, row width) for each speculative reserve past the row.
+    row_overflow: tuple[tuple[int, int, int], ...] = ()
+
+
+class Engine(Protocol):
+    """What a driver implements so ``run_scenario`` can drive it."""
+
+    def extend(
+        self, rids: list[int], seq_lens: list[int], token_ids: list[np.ndarray],
+        prompt_lens: list[int], prefill_done: list[bool],
+    ) -> CallResult: ...
+
+    def decode(self, rids: list[int]) -> CallResult: ...
+
+    def spec(self, rids: list[int], accepted: list[int]) -> CallResult: ...
+
+    def prealloc(
+        self, rids: list[int], fill_lens: list[int], token_ids: list[np.ndarray], prompt_lens: list[int]
+    ) -> CallResult: ...
+
+    def release(
+        self, kind: str, rids: list[int], owned_lens: list[int], token_ids: list[np.ndarray],
+        prompt_lens: list[int], remaining: list[int],
+    ) -> CallResult: ...
+
+    def dump(self, rids: Sequence[int], final: bool = True) -> dict[str, Any]:
+        """State now: see ``STATE_FIELDS``; ``reqs`` for the given live rids. ``final``:
+        the step is over (apply deferred end-of-step work first); False: a dump between
+        two calls of one step (``--fine``), which must not apply it."""
+        ...
+
+
+# Fields of a step dump (besides "step" and "events"):
+#   reqs            [[rid, row, kv_allocated_len, kv_committed_len, cache_protected_len, row_rle], ...]
+#                   for every request holding KV, by rid; row_rle = rle(req_to_token[row, :allocated])
+#   free_pages      rle of the allocator's free list in order (slot ids at page 1, page ids otherwise)
+#   release_pages   rle of the need_sort side list (release_pages at page 1, staged pages otherwise)
+#   available       allocator available_size()
+#   evictable       tree evictable size
+#   protected       tree protected size
+#   free_rows       rle of ReqToTokenPool free_slots in order
+STATE_FIELDS = ("reqs", "free_pages", "release_pages", "available", "evictable", "protected", "free_rows")
+
+
+def rle(values: Sequence[int] | np.ndarray) -> list[list[int]]:
+    """Runs of consecutive ascending ints: ``[[start, length], ...]`` (order kept)."""
+    arr = np.asarray(values, dtype=np.int64).reshape(-1)
+    if arr.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(arr) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [arr.size]))
+    return [[int(arr[s]), int(e - s)] for s, e in zip(starts, ends)]
+
+
+def unrle(runs: Sequence[Sequence[int]]) -> np.ndarray:
+    if not runs:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
+
+
+# --------------------------------------------------------------------------- runner
+
+
+@dataclass
+class _ReqTrack:
+    length: int = 0  # the scenario's L (== kv_committed_len while the engines agree)
+    target: int = -1  # where the current prefill ends: the prompt, or the length at retraction
+    holds: bool = False
+    stalled: bool = False
+    prefill_done: bool = False
+    ended: bool = False
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    ops: int = 0
+    oom_calls: int = 0
+    skipped_ops: int = 0
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_scenario(scenario: Scenario, engine: Engine, emit: Any, fine: bool = False) -> RunStats:
+    """Drive ``engine`` through ``scenario``; call ``emit(dump_dict)`` after every step
+    (``fine``: also after every batched call, with ``"phase"`` naming the call).
+
+    The runner reads no engine state inside a step (a read could make an engine
+    apply deferred work, such as the end-of-step prompt publish, early): which
+    request holds KV and how long it is follow from the call outcomes. The
+    engine's state is read once per step, by ``dump``.
+
+    Raises ``ScenarioError`` for an impossible op sequence (extend of a request
+    holding KV to a shorter length, decode of a request without KV, ...).
+    """
+    book = TokenBook()
+    track: dict[int, _ReqTrack] = {}
+    stats = RunStats()
+    t0 = time.perf_counter()
+
+    def where(step: Step, op: Op) -> str:
+        return f"scenario {scenario.name!r} step {step.step} {op.op} r{op.rid}"
+
+    for step in scenario.steps:
+        events: list[dict[str, Any]] = []
+        mids: list[dict[str, Any]] = []  # --fine dumps between the calls of this step
+        by_kind: dict[str, list[Op]] = {k: [] for k in OP_ORDER}
+        for op in step.ops:
+            by_kind[op.op].append(op)
+        stats.ops += len(step.ops)
+
+        def record(kind: str, rids: list[int], res: CallResult | None, skipped: list[int]) -> None:
+            ev: dict[str, Any] = {"op": kind}
+            if rids:
+                ev["rids"] = rids
+                ev["outcome"] = res.outcome if res else "ok"
+                if res and res.row_overflow:
+                    ev["row_overflow"] = [list(x) for x in res.row_overflow]
+            if skipped:
+                ev["skipped"] = skipped
+                stats.skipped_ops += len(skipped)
+            events.append(ev)
+            if fine and rids:
+                mid = engine.dump(sorted(r for r, t in track.items() if t.holds), final=False)
+                mid.update(step=step.step, phase=kind, events=[ev])
+                mids.append(mid)
+
+        # --- releases: finish and abort, then retract --------------------------------
+        for kind in ("finish", "abort"):
+            ops = by_kind[kind]
+            if not ops:
+                continue
+            rids, owned, toks, plens, skipped = [], [], [], [], []
+            for op in ops:
+                t = track.get(op.rid)
+                if t is None or not t.holds:
+                    skipped.append(op.rid)
+                else:
+                    n = op.seq_len if not t.stalled else min(op.seq_len, t.length)
+                    rids.append(op.rid)
+                    owned.append(n)
+                    toks.append(book.tokens(op.rid, max(n, t.length)))
+                    plens.append(book.prompt_len[op.rid])
+                    t.holds = False
+                if t is not None:
+                    t.ended = True
+            res = engine.release(kind, rids, owned, toks, plens, [0] * len(rids)) if rids else None
+            record(kind, rids, res, skipped)
+
+        if by_kind["retract"]:
+            running = sum(1 for t in track.values() if t.holds and t.prefill_done and not t.ended)
+            rids, owned, toks, plens, remaining, skipped = [], [], [], [], [], []
+            for op in by_kind["retract"]:
+                t = track.get(op.rid)
+                if t is None or not t.holds:
+                    skipped.append(op.rid)
+                else:
+                    rids.append(op.rid)
+                    owned.append(min(op.seq_len, t.length))
+                    toks.append(book.tokens(op.rid, max(op.seq_len, t.length)))
+                    plens.append(book.prompt_len[op.rid])
+                    remaining.append(max(running - len(rids), 0))
+                if t is not None:
+                    # A retracted request re-prefills everything it had (prompt and outputs).
+                    t.target = t.length if t.holds else t.target
+                    t.length, t.holds, t.stalled, t.prefill_done = 0, False, False, False
+            res = engine.release("retract", rids, owned, toks, plens, remaining) if rids else None
+            record("retract", rids, res, skipped)
+
+        # --- prealloc ---------------------------------------------------------------
+        if by_kind["prealloc"]:
+            rids, fills, toks, plens, skipped = [], [], [], [], []
+            for op in by_kind["prealloc"]:
+                t = track.setdefault(op.rid, _ReqTrack())
+                book.note_first(op)
+                if t.stalled or t.holds:
+                    skipped.append(op.rid)
+                    continue
+                book.append(op, 0)
+                rids.append(op.rid)
+                fills.append(op.seq_len)
+                toks.append(book.tokens(op.rid, op.seq_len))
+                plens.append(book.prompt_len[op.rid])
+            res = engine.prealloc(rids, fills, toks, plens) if rids else None
+            _settle(res, rids, track, [("len", n) for n in fills], done=[True] * len(rids))
+            record("prealloc", rids, res, skipped)
+
+        # --- extend ------------------------------------------------------------------
+        if by_kind["extend"]:
+            rids, lens, toks, plens, done, skipped = [], [], [], [], [], []
+            for op in by_kind["extend"]:
+                t = track.setdefault(op.rid, _ReqTrack())
+                book.note_first(op)
+                if t.stalled:
+                    skipped.append(op.rid)
+                    continue
+                start = t.length if t.holds else 0
+                if op.seq_len <= start:
+                    raise ScenarioError(f"{where(step, op)}: extend to {op.seq_len} but the request holds {start}")
+                if t.holds and t.prefill_done:
+                    raise ScenarioError(f"{where(step, op)}: extend of a request that already decodes")
+                book.append(op, start)
+                if t.target < 0:
+                    t.target = book.prompt_len[op.rid]
+                rids.append(op.rid)
+                lens.append(op.seq_len)
+                toks.append(book.tokens(op.rid, op.seq_len))
+                plens.append(book.prompt_len[op.rid])
+                done.append(op.seq_len >= t.target)
+            res = engine.extend(rids, lens, toks, plens, done) if rids else None
+            _settle(res, rids, track, [("len", n) for n in lens], done=done)
+            record("extend", rids, res, skipped)
+
+        # --- decode / spec -----------------------------------------------------------
+        for kind in ("decode", "spec"):
+            if not by_kind[kind]:
+                continue
+            rids, adds, skipped = [], [], []
+            for op in by_kind[kind]:
+                t = track.get(op.rid)
+                if t is None or t.stalled or not t.holds:
+                    if t is None or not t.stalled:
+                        raise ScenarioError(f"{where(step, op)}: {kind} of a request that holds no KV")
+                    skipped.append(op.rid)
+                    continue
+                if not t.prefill_done:
+                    raise ScenarioError(f"{where(step, op)}: {kind} before the prefill completed")
+                book.append(op, t.length)
+                rids.append(op.rid)
+                adds.append(1 if kind == "decode" else op.accepted)
+            if kind == "decode":
+                res = engine.decode(rids) if rids else None
+            else:
+                res = engine.spec(rids, adds) if rids else None
+            _settle(res, rids, track, [("add", a) for a in adds])
+            record(kind, rids, res, skipped)
+
+        live = sorted(rid for rid, t in track.items() if t.holds)
+        # The last call's own dump is dropped: an engine may finish the step's deferred
+        # work (the prompt publish) inside that call, and the final dump covers it.
+        for mid in mids[:-1]:
+            emit(mid)
+        state = engine.dump(live, final=True)
+        state["step"] = step.step
+        state["events"] = events
+        if fine:
+            state["phase"] = "end"
+        stats.oom_calls += sum(1 for e in events if e.get("outcome") == "oom")
+        emit(state)
+        stats.steps += 1
+    stats.wall_s = time.perf_counter() - t0
+    return stats
+
+
+def _settle(
+    res: CallResult | None, rids: list[int], track: dict[int, _ReqTrack],
+    lens: list[tuple[str, int]], done: list[bool] | None = None,
+) -> None:
+    if res is None:
+        return
+    if res.outcome != "ok":
+        for rid in rids:
+            track[rid].stalled = True
+        return
+    for i, (rid, (how, n)) in enumerate(zip(rids, lens)):
+        t = track[rid]
+        t.length = n if how == "len" else t.length + n
+        t.holds = True
+        if done is not None and done[i]:
+            t.prefill_done = True
+
+
+def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                yield json.loads(line)

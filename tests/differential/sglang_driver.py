@@ -1,0 +1,624 @@
+"""Run differential scenarios through SGLang 0.5.23's REAL allocator classes.
+
+Runs INSIDE the SGLang virtual environment (``tools/sglang_oracle/setup.sh``):
+it imports ``sglang`` and the sibling ``scenario`` module (stdlib + numpy), never
+kvtrace, allocator or traces.
+
+    $KVTRACE_SGLANG_PYTHON tests/differential/sglang_driver.py SCENARIOS.jsonl [-o OUT.jsonl]
+
+Output (JSON lines, one block per scenario): a header ``{"scenario", "engine":
+"sglang", "config", "row_width"}``, one state dump per step (``scenario.STATE_FIELDS``
+plus ``step`` and ``events``), then ``{"end": name, "steps", "wall_s"}`` or
+``{"end": name, "error": "..."}``.
+
+What runs for real (SGLang's own code, unmodified): ``ReqToTokenPool``,
+``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` (torch fallbacks:
+no Triton on CPU), ``RadixCache`` (plain Python tree; ``--tree unified`` uses
+``UnifiedRadixCache`` with its Python tree core, since the Rust core cannot be
+deep-copied for the OOM rollback), ``Req`` with ``req.kv``, ``match_kv_cache``,
+``checkpoint_kv_cache``, ``alloc_for_extend``, ``alloc_for_decode``,
+``eagle_prepare_for_decode`` (which computes ``nxt`` and calls
+``alloc_for_spec_decode``), ``release_kv_cache``, ``release_req`` (retraction),
+``DecodePreallocQueue._match_prefix_and_lock`` / ``_pre_alloc`` (which calls
+``alloc_for_decode_prealloc``), the allocators' free groups.
+
+Emulation decisions (each mirrors the SGLang function named; the scheduler
+itself is not run because a trace already fixes which requests run when):
+
+1. Import: ``sglang.srt.multimodal.internvl_utils`` and
+   ``sglang.srt.configs.deepseek_ocr`` import torchvision; a ``sys.meta_path``
+   finder fabricates them (attribute access returns a fresh dummy class). Nothing
+   on the allocation path uses them.
+2. Runtime context: ``get_context().override_server_args(attention_backend=
+   "torch_native", device="cpu", page_size=PS, speculative_*=...,
+   disaggregation_decode_enable_radix_cache=...)``, installed per scenario. With
+   ``torch_native`` and no ``SGLANG_USE_CPU_ENGINE``, ``get_last_loc`` and
+   ``write_cache_indices`` take their torch paths.
+3. ``allocation.assign_req_to_token_pool_func`` launches Triton; it is replaced
+   by the loop of its kernel ``assign_req_to_token_pool`` (§5): it writes
+   ``req_to_token`` as the kernel does, through the flat row-major buffer, so a
+   reserve past the row width lands in the next row exactly as on a GPU; such a
+   write is reported as ``row_overflow`` (rid, positions asked, row width) and
+   clipped at the end of the tensor.
+4. LRU clock: ``radix_cache.time.monotonic`` becomes a counter that increases by
+   one per call (the real clock has ns resolution, so successive calls never tie;
+   the counter makes the eviction order deterministic and identical to it).
+5. Batches are ``SimpleNamespace`` objects carrying the fields the allocation
+   functions read (``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode``
+   set the same ones): ``reqs``, ``prefix_lens``, ``extend_lens``,
+   ``extend_num_tokens``, ``seq_lens(_cpu)``, ``req_pool_indices(_cpu)``, pools,
+   ``tree_cache``, ``device="cpu"``, no-op ``maybe_evict_swa``.
+6. Step order (§10, ``Scheduler.event_loop_overlap``):
+   a. finish + abort — ``process_batch_result_decode``: one allocator free group
+      (``free_group_begin`` .. ``free_group_end``) around the releases, in op
+      order. finish = ``release_kv_cache(checkpoint=True)`` with
+      ``finished_reason`` set and ``finished_len`` = owned − prompt length (so
+      ``owned_kv_len()`` is the op's ``seq_len``); abort =
+      ``release_kv_cache(checkpoint=False)`` (kvtrace's abort caches nothing,
+      like SGLang's chunked-abort and discard paths).
+   b. retract — ``ScheduleBatch.retract_decode`` → ``release_req(req,
+      remaing_req_count=remaining)``: ``release_kv_cache(checkpoint=False)``, evict
+      ``remaining * SGLANG_RETRACT_DECODE_STEPS`` tokens, ``reset_for_retract``; no
+      free group. The scheduler's ``check_decode_mem`` evictions around it are
+      not emulated (the trace decides who is retracted).
+   c. prealloc — ``DecodePreallocQueue.pop_preallocated``: with the radix cache,
+      ``_match_prefix_and_lock`` on the prompt; then the real ``_pre_alloc``
+      (row, ``fill_len``, eviction, ``alloc_for_decode_prealloc``, row write) on a
+      bare ``DecodePreallocQueue`` object; ``cache_protected_len =
+      total_prefix_len``. The transfer is taken as done in the same step:
+      ``prepare_for_prebuilt`` / ``process_prebuilt`` → ``extend_end =
+      kv_committed_len`` and ``checkpoint_kv_cache`` (no free group), in op order.
+      ``output_ids`` holds the tokens past the prompt plus one pending token, so
+      ``_pre_alloc_fill_len`` returns the op's ``seq_len``.
+   d. extend — ``get_new_batch_prefill``: first every continuing chunk is
+      checkpointed (``stash_chunked_request`` → ``checkpoint_kv_cache``), then each
+      new request is matched (``init_next_round_input`` → ``match_kv_cache``;
+      ``cache_protected_len = prefix_len``) and locked
+      (``_commit_prefill_admission``: ``req.lock = tree.lock(last_node)``), with
+      ``extend_end = seq_len``; then ONE ``alloc_for_extend`` for the batch in op
+      order. The match is capped at ``min(input_len - 1, seq_len - 1)``: SGLang
+      caps at ``input_len - 1`` and would then choose the chunk end itself; a
+      trace fixes the chunk end, so a hit past it cannot be used.
+   e. decode — ``prepare_for_decode`` → ``alloc_for_decode(batch, 1)`` with
+      ``seq_lens = kv_committed_len``.
+   f. spec — ``spec_prepare_for_decode`` → ``eagle_prepare_for_decode(batch)``
+      (real: reserve, ``page_aligned_decode_alloc_lens``, ``alloc_for_spec_decode``),
+      then the verify commit of ``process_batch_result_decode`` /
+      ``_resolve_spec_v2_tokens``: ``kv_committed_len += accepted``.
+   g. prompt publish — ``process_batch_result_prefill``: one free group around
+      ``checkpoint_kv_cache`` of every request whose extend completed its prefill
+      this step, in op order.
+7. Token content: ``origin_input_ids`` = the prompt (ids not appended yet are
+   placeholders that no match or insert can reach), ``output_ids`` = the ids past
+   the prompt up to the request's length; ``full_untruncated_fill_ids`` is
+   rebuilt from them before every call that reads it.
+8. Out of memory: the world (pools, allocator, tree, and each request's KV record,
+   match and lock references) is deep-copied before every allocation call; a
+   ``RuntimeError`` whose text says "out of memory" (or ``_pre_alloc``'s "KV cache
+   is full" assertion, or ``alloc_req_slots`` running out of rows) restores it and
+   reports ``oom`` — the call leaves no trace, as ``--on-oom skip`` requires.
+   SGLang's OOM tree dump goes to a discarded buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.abc
+import importlib.machinery
+import io
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+import types
+import warnings
+from array import array
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scenario as sc  # noqa: E402  (sibling module, stdlib + numpy only)
+
+# --------------------------------------------------------------------------- import stubs
+
+_TORCHVISION_MODULES = frozenset({"sglang.srt.multimodal.internvl_utils", "sglang.srt.configs.deepseek_ocr"})
+
+
+class _DummyModule(types.ModuleType):
+    """Stands in for a module that imports torchvision: any attribute is a fresh class."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls = type(name, (), {"model_type": f"kvtrace_stub_{name.lower()}"})
+        setattr(self, name, cls)
+        return cls
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname in _TORCHVISION_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return _DummyModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def _import_sglang() -> SimpleNamespace:
+    os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+    sys.meta_path.insert(0, _StubFinder())
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.CRITICAL)
+    import torch
+
+    from sglang.srt.disaggregation import decode as pd_decode
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.mem_cache import allocation, common, radix_cache
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative import eagle_utils
+
+    logging.disable(logging.CRITICAL)
+    return SimpleNamespace(
+        torch=torch, pd_decode=pd_decode, schedule_batch=schedule_batch, allocation=allocation,
+        common=common, radix_cache=radix_cache, Paged=PagedTokenToKVPoolAllocator,
+        Token=TokenToKVPoolAllocator, CacheInitParams=CacheInitParams, ReqToTokenPool=ReqToTokenPool,
+        extra_context_len=get_req_to_token_extra_context_len, get_context=get_context,
+        SamplingParams=SamplingParams, eagle_utils=eagle_utils,
+    )
+
+
+SG: SimpleNamespace  # set by main()
+
+
+class _LogicalClock(types.ModuleType):
+    """``time`` for radix_cache: ``monotonic`` ticks by one per call (decision 4)."""
+
+    def __init__(self) -> None:
+        super().__init__("kvtrace_radix_clock")
+        self._now = 0.0
+
+    def monotonic(self) -> float:
+        self._now += 1.0
+        return self._now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+class _Overflow(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class SGLangEngine:
+    """One scenario's SGLang world behind the ``scenario.Engine`` contract."""
+
+    SPEC_NAMES = {"eagle": "EAGLE", "eagle3": "EAGLE3", "standalone": "STANDALONE"}
+
+    def __init__(self, config: sc.ScenarioConfig, tree_kind: str = "radix") -> None:
+        torch = SG.torch
+        self.config = config
+        self.ps = config.page_size
+        fields: dict[str, Any] = dict(attention_backend="torch_native", device="cpu", page_size=self.ps)
+        if config.spec is not None:
+            algo = self.SPEC_NAMES.get(config.spec.algorithm)
+            if algo is None:
+                raise sc.ScenarioError(f"spec algorithm {config.spec.algorithm!r} is not driven (eagle, eagle3, standalone)")
+            fields.update(
+                speculative_algorithm=algo,
+                speculative_num_steps=config.spec.num_steps,
+                speculative_eagle_topk=config.spec.topk,
+                speculative_num_draft_tokens=config.spec.num_draft_tokens,
+            )
+        if config.radix_cache:
+            fields["disaggregation_decode_enable_radix_cache"] = True
+        self._ctx = SG.get_context().override_server_args(**fields)
+        self._ctx.install()
+        self.is_eagle = config.spec is not None and config.spec.algorithm in ("eagle", "eagle3")
+
+        pool_tokens = config.pool_tokens // self.ps * self.ps
+        self.row_width = config.max_context_len + SG.extra_context_len()
+        req_to_token_pool = SG.ReqToTokenPool(
+            size=config.max_running + config.extra_rows, max_context_len=self.row_width,
+            device="cpu", enable_memory_saver=False,
+        )
+        if self.ps == 1:
+            allocator = SG.Token(pool_tokens, torch.int64, "cpu", None, config.need_sort)
+        else:
+            allocator = SG.Paged(pool_tokens, self.ps, torch.int64, "cpu", None, config.need_sort)
+        params = SG.CacheInitParams(
+            disable=not config.radix_cache, req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
+        )
+        if tree_kind == "unified":
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            params.tree_components = (ComponentType.FULL,)
+            tree = UnifiedRadixCache(params)
+        else:
+            tree = SG.radix_cache.RadixCache(params)
+        self.world: dict[str, Any] = {"pool": req_to_token_pool, "alloc": allocator, "tree": tree}
+        self.reqs: dict[int, Any] = {}
+        self.prompt_tokens: dict[int, np.ndarray] = {}
+        self._overflow: list[tuple[int, int, int]] = []
+        self._row_rid: dict[int, int] = {}
+
+    def close(self) -> None:
+        self._ctx.restore()
+
+    # -- accessors ---------------------------------------------------------------
+    @property
+    def pool(self) -> Any:
+        return self.world["pool"]
+
+    @property
+    def alloc(self) -> Any:
+        return self.world["alloc"]
+
+    @property
+    def tree(self) -> Any:
+        return self.world["tree"]
+
+    # -- requests ------------------------------------------------------------------
+    def _req(self, rid: int, prompt_len: int) -> Any:
+        req = self.reqs.get(rid)
+        if req is None:
+            req = SG.schedule_batch.Req(
+                rid=str(rid), origin_input_text="", origin_input_ids=array("q"),
+                sampling_params=SG.SamplingParams(max_new_tokens=1 << 30),
+            )
+            self.reqs[rid] = req
+        return req
+
+    def _set_tokens(self, req: Any, tokens: np.ndarray, prompt_len: int, pending: int = 0) -> None:
+        """origin = prompt (placeholders past the known ids), output = the rest (+ pending ids)."""
+        rid = int(req.rid)
+        n = tokens.shape[0]
+        if n >= prompt_len:
+            origin = tokens[:prompt_len]
+            output = tokens[prompt_len:]
+        else:
+            pos = np.arange(n, prompt_len, dtype=np.int64)
+            origin = np.concatenate([tokens, sc.UNIQUE_TOKEN_BASE + (rid << 24) + pos + (1 << 23)])
+            output = np.zeros(0, np.int64)
+        if pending:
+            extra = sc.UNIQUE_TOKEN_BASE + (rid << 24) + (1 << 23) - 1 - np.arange(pending, dtype=np.int64)
+            output = np.concatenate([output, extra])
+        req.origin_input_ids = array("q", origin.tolist())
+        req.origin_input_ids_unpadded = req.origin_input_ids
+        req.output_ids = array("q", output.tolist())
+        req.full_untruncated_fill_ids = req.origin_input_ids + req.output_ids
+
+    def _batch(self, reqs: list[Any], **kw: Any) -> SimpleNamespace:
+        torch = SG.torch
+        rows = [r.kv.req_pool_idx for r in reqs]
+        ns = SimpleNamespace(
+            reqs=reqs, tree_cache=self.tree, req_to_token_pool=self.pool,
+            token_to_kv_pool_allocator=self.alloc, device="cpu", hisparse_coordinator=None,
+            model_config=SimpleNamespace(is_encoder_decoder=False),
+            maybe_evict_swa=lambda: None, is_dllm=lambda: False,
+            sampling_info=SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=False)),
+        )
+        if all(r is not None for r in rows):
+            ns.req_pool_indices = torch.tensor(rows, dtype=torch.int64)
+            ns.req_pool_indices_cpu = ns.req_pool_indices.clone()
+        for k, v in kw.items():
+            setattr(ns, k, v)
+        return ns
+
+    # -- OOM rollback (decision 8) ---------------------------------------------------
+    _REQ_REFS = ("kv", "last_node", "lock", "last_host_node", "best_match_node")
+
+    def _snapshot(self) -> tuple[Any, dict[int, dict[str, Any]]]:
+        refs = {rid: {a: getattr(r, a, None) for a in self._REQ_REFS} for rid, r in self.reqs.items()}
+        deep = copy.deepcopy({"world": self.world, "refs": refs})
+        flat = {rid: dict(r.__dict__) for rid, r in self.reqs.items()}
+        return deep, flat
+
+    def _restore(self, snap: tuple[Any, dict[int, dict[str, Any]]]) -> None:
+        deep, flat = snap
+        self.world = deep["world"]
+        for rid in list(self.reqs):
+            if rid not in flat:
+                del self.reqs[rid]
+                continue
+            req = self.reqs[rid]
+            req.__dict__.clear()
+            req.__dict__.update(flat[rid])
+            for a, v in deep["refs"][rid].items():
+                setattr(req, a, v)
+
+    def _guarded(self, fn: Any) -> sc.CallResult:
+        snap = self._snapshot()
+        self._overflow = []
+        sink = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(sink):
+                fn()
+        except RuntimeError as exc:
+            text = str(exc)
+            if "out of memory" not in text.lower() and "runs out of memory" not in text:
+                raise
+            self._restore(snap)
+            return sc.CallResult("oom", text.splitlines()[0])
+        except AssertionError as exc:
+            text = str(exc)
+            if "KV cache is full" in text or "req_pool_indices is full" in text:
+                self._restore(snap)
+                return sc.CallResult("oom", text.splitlines()[0])
+            if "exceeds req_to_token row width" in text:
+                # Paged topk>1 reserve past the row: SGLang fails fast (eagle_utils).
+                self._restore(snap)
+                return sc.CallResult("ok", "row overflow assertion", tuple(self._overflow) or ((-1, -1, self.row_width),))
+            raise
+        return sc.CallResult("ok", "", tuple(self._overflow))
+
+    # -- the kernel replacement (decision 3) ---------------------------------------
+    def _assign_req_to_token_pool(
+        self, req_pool_indices: Any, req_to_token: Any, start_offset: Any, end_offset: Any,
+        out_cache_loc: Any, batch_size: int,
+    ) -> None:
+        flat = req_to_token.view(-1)
+        width = req_to_token.shape[1]
+        rows = req_pool_indices.tolist()
+        starts = start_offset.tolist()
+        ends = end_offset.tolist()
+        pt = 0
+        for row, s, e in zip(rows, starts, ends):
+            n = e - s
+            if n <= 0:
+                continue
+            lo = row * width + s
+            hi = min(lo + n, flat.numel())
+            flat[lo:hi] = out_cache_loc[pt : pt + (hi - lo)].to(flat.dtype)
+            if e > width:
+                self._overflow.append((self._row_rid.get(row, -1), int(e), int(width)))
+            pt += n
+
+    # -- ops ---------------------------------------------------------------------------
+    def extend(self, rids, seq_lens, token_ids, prompt_lens, prefill_done) -> sc.CallResult:
+        reqs = [self._req(rid, pl) for rid, pl in zip(rids, prompt_lens)]
+
+        def run() -> None:
+            common = SG.common
+            # d. checkpoint continuing chunks first, then match + lock new requests.
+            for req, toks, pl in zip(reqs, token_ids, prompt_lens):
+                if req.kv.holds_kv:
+                    self._set_tokens(req, toks, pl)
+                    common.checkpoint_kv_cache(req, self.tree)
+            for req, toks, pl, seq_len in zip(reqs, token_ids, prompt_lens, seq_lens):
+                if req.kv.holds_kv:
+                    req.extend_end = seq_len
+                    continue
+                self._set_tokens(req, toks, pl)
+                fill = req.full_untruncated_fill_ids
+                cap = min(req._compute_max_prefix_len(len(fill)), seq_len - 1)
+                res = common.match_kv_cache(req, self.tree, fill, max_prefix_len=cap)
+                if res.cache_protected_len is None:
+                    req.kv.cache_protected_len = req.prefix_len
+                req.lock = self.tree.lock(req.last_node)
+                req.extend_end = seq_len
+            torch = SG.torch
+            prefix_lens = [r.prefix_len for r in reqs]
+            extend_lens = [r.extend_end - r.prefix_len for r in reqs]
+            batch = self._batch(
+                reqs, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                extend_num_tokens=sum(extend_lens),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+                seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+            )
+            SG.allocation.alloc_for_extend(batch)
+            for rid, req in zip(rids, reqs):
+                self._row_rid[req.kv.req_pool_idx] = rid
+
+        res = self._guarded(run)
+        if res.outcome == "ok":
+            self._publish = [r for r, d in zip(reqs, prefill_done) if d]
+        return res
+
+    def publish(self) -> None:
+        """g. prompt publish of the requests whose prefill completed this step."""
+        reqs, self._publish = getattr(self, "_publish", []), []
+        if not reqs:
+            return
+        self.alloc.free_group_begin()
+        for req in reqs:
+            SG.common.checkpoint_kv_cache(req, self.tree)
+        self.alloc.free_group_end()
+
+    def decode(self, rids) -> sc.CallResult:
+        reqs = [self.reqs[rid] for rid in rids]
+
+        def run() -> None:
+            torch = SG.torch
+            lens = [r.kv.kv_committed_len for r in reqs]
+            batch = self._batch(
+                reqs, seq_lens=torch.tensor(lens, dtype=torch.int64),
+                seq_lens_cpu=torch.tensor(lens, dtype=torch.int64),
+            )
+            SG.allocation.alloc_for_decode(batch, token_per_req=1)
+            for r in reqs:
+                r.decode_batch_idx += 1
+
+        return self._guarded(run)
+
+    def spec(self, rids, accepted) -> sc.CallResult:
+        reqs = [self.reqs[rid] for rid in rids]
+
+        def run() -> None:
+            torch = SG.torch
+            lens = [r.kv.kv_committed_len for r in reqs]
+            batch = self._batch(reqs, seq_lens_cpu=torch.tensor(lens, dtype=torch.int64))
+            SG.eagle_utils.eagle_prepare_for_decode(batch)
+            for r, a in zip(reqs, accepted):
+                r.kv.kv_committed_len += a
+
+        return self._guarded(run)
+
+    def prealloc(self, rids, fill_lens, token_ids, prompt_lens) -> sc.CallResult:
+        reqs = [self._req(rid, pl) for rid, pl in zip(rids, prompt_lens)]
+
+        def run() -> None:
+            q = object.__new__(SG.pd_decode.DecodePreallocQueue)
+            q.req_to_token_pool = self.pool
+            q.token_to_kv_pool_allocator = self.alloc
+            q.token_to_kv_pool = None
+            q.tree_cache = self.tree
+            q.scheduler = SimpleNamespace(
+                enable_hisparse=False, enable_decode_hicache=False, sliding_window_size=None,
+                tp_worker=SimpleNamespace(is_hybrid_swa=False),
+            )
+            for rid, req, toks, pl, fill in zip(rids, reqs, token_ids, prompt_lens, fill_lens):
+                pl = min(pl, fill)
+                self._set_tokens(req, toks, pl, pending=1)
+                if self.config.radix_cache:
+                    match = q._match_prefix_and_lock(req)
+                    prefix_indices, prefix_len = match.prefix_indices, match.l1_prefix_len
+                    total = match.decode_prefix_len
+                else:
+                    prefix_indices, prefix_len, total = None, 0, 0
+                q._pre_alloc(req, prefix_indices, prefix_len, total)
+                req.kv.cache_protected_len = total
+                self._row_rid[req.kv.req_pool_idx] = rid
+            for req in reqs:  # prepare_for_prebuilt / process_prebuilt
+                req.extend_end = req.kv.kv_committed_len
+                SG.common.checkpoint_kv_cache(req, self.tree)
+
+        return self._guarded(run)
+
+    def release(self, kind, rids, owned_lens, token_ids, prompt_lens, remaining) -> sc.CallResult:
+        common = SG.common
+        FIN = SG.schedule_batch
+        if kind in ("finish", "abort"):
+            self.alloc.free_group_begin()
+        for rid, owned, toks, pl, rem in zip(rids, owned_lens, token_ids, prompt_lens, remaining):
+            req = self.reqs[rid]
+            if kind == "finish":
+                pl_eff = min(pl, owned)
+                self._set_tokens(req, toks, pl_eff)
+                req.finished_reason = FIN.FINISH_LENGTH(length=max(owned - pl_eff, 0))
+                req.finished_len = owned - pl_eff
+                common.release_kv_cache(req, self.tree, checkpoint=True)
+            elif kind == "abort":
+                self._set_tokens(req, toks, pl)
+                req.finished_reason = FIN.FINISH_ABORT()
+                common.release_kv_cache(req, self.tree, checkpoint=False)
+            else:
+                self._set_tokens(req, toks, pl)
+                FIN.release_req(
+                    req=req, remaing_req_count=rem, req_to_token_pool=self.pool,
+                    token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree,
+                    hisparse_coordinator=None,
+                )
+                req.output_ids = array("q")
+                req.finished_reason = None
+                req.finished_len = None
+            if kind != "retract":
+                del self.reqs[rid]
+        if kind in ("finish", "abort"):
+            self.alloc.free_group_end()
+        return sc.CallResult("ok")
+
+    # -- state -----------------------------------------------------------------------
+    def dump(self, rids: Sequence[int], final: bool = True) -> dict[str, Any]:
+        torch = SG.torch
+        if final:
+            self.publish()
+        r2t = self.pool.req_to_token
+        reqs = []
+        for rid in rids:
+            kv = self.reqs[rid].kv
+            row = kv.req_pool_idx
+            n = min(kv.kv_allocated_len, r2t.shape[1])
+            reqs.append([rid, row, kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len,
+                         sc.rle(r2t[row, :n].numpy())])
+        alloc = self.alloc
+        if self.ps == 1:
+            release = alloc.release_pages
+        else:
+            release = torch.cat(alloc.staged_pages) if alloc.staged_pages else torch.zeros(0, dtype=torch.int64)
+        return {
+            "reqs": reqs,
+            "free_pages": sc.rle(alloc.free_pages.numpy()),
+            "release_pages": sc.rle(release.numpy()),
+            "available": int(alloc.available_size()),
+            "evictable": int(self.tree.evictable_size()),
+            "protected": int(self.tree.protected_size()),
+            "free_rows": sc.rle(self.pool.free_slots),
+        }
+
+
+def run_file(path: str, out: Any, tree_kind: str, only: set[str] | None, fine: bool = False) -> int:
+    scenarios = sc.load_scenarios(path)
+    failures = 0
+    for scen in scenarios:
+        if only and scen.name not in only:
+            continue
+        t0 = time.perf_counter()
+        eng = None
+        try:
+            eng = SGLangEngine(scen.config, tree_kind)
+            SG.allocation.assign_req_to_token_pool_func = eng._assign_req_to_token_pool
+            out.write(json.dumps({"scenario": scen.name, "engine": f"sglang-0.5.23/{tree_kind}",
+                                  "config": scen.config.to_dict(), "row_width": eng.row_width}) + "\n")
+            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
+            out.write(json.dumps({"end": scen.name, "steps": stats.steps, "ops": stats.ops,
+                                  "wall_s": round(time.perf_counter() - t0, 4)}) + "\n")
+        except Exception as exc:  # report per scenario, keep going
+            failures += 1
+            tb = traceback.format_exc(limit=8)
+            out.write(json.dumps({"end": scen.name, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}) + "\n")
+        finally:
+            if eng is not None:
+                eng.close()
+        out.flush()
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    global SG
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenarios", help="scenario JSON-lines file")
+    ap.add_argument("-o", "--out", help="output JSON-lines file (default: stdout)")
+    ap.add_argument("--tree", choices=("radix", "unified"), default="radix",
+                    help="radix: the plain Python RadixCache; unified: UnifiedRadixCache")
+    ap.add_argument("--only", action="append", help="run only this scenario (repeatable)")
+    ap.add_argument("--fine", action="store_true", help="also dump after every batched call")
+    args = ap.parse_args(argv)
+    if args.tree == "unified":
+        # The Rust tree core cannot be deep-copied, and the OOM rollback needs that.
+        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr  # SGLang prints (tree dumps); keep them off the data stream
+    SG = _import_sglang()
+    SG.radix_cache.time = _LogicalClock()
+    out = open(args.out, "w") if args.out else real_stdout
+    try:
+        failures = run_file(args.scenarios, out, args.tree, set(args.only) if args.only else None, args.fine)
+    finally:
+        if args.out:
+            out.close()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
