@@ -79,6 +79,7 @@ def main() -> None:
 
 # Command groups live in their own modules and register themselves on ``app``
 # when imported; add one import line per module below.
+from kvtrace.cli import record as _record  # noqa: E402,F401
 
 
 if __name__ == "__main__":  # pragma: no cover
