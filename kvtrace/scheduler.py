@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,7 @@ RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS
 LPM_MAX_QUEUE = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX: LPM falls back to FCFS above it
 IN_BATCH_PREFIX_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_CHECK/DEPRIORITIZE_THRESHOLD
 NUM_RESERVED_DECODE_TOKENS = 512  # --num-reserved-decode-tokens (PD decode)
+_CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids are kept
 
 # Request states.
 _WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
@@ -285,6 +287,7 @@ class Scheduler:
         self.hashes: list[np.ndarray | None] = []
         self.num_requests = 0
         self._token_cache: dict[int, np.ndarray] = {}
+        self._candidate_tokens: OrderedDict[int, np.ndarray] = OrderedDict()
 
         self.waiting: list[int] = []  # policy order (FCFS: arrival order, retracted at the end)
         self.running = np.zeros(0, np.int64)  # decode batch, in batch order
@@ -355,14 +358,24 @@ class Scheduler:
         return int(self.input_len[rid] + self.out[rid])
 
     def _token_ids(self, rid: int, end: int, *, cache: bool = True) -> np.ndarray:
-        """Ids of positions ``[0, end)``; kept for admitted requests (a waiting queue can
-        be long, so candidates only matched against the cache are not kept)."""
+        """Ids of positions ``[0, end)``. Admitted requests keep theirs (``cache``);
+        waiting candidates, matched again at every prefill attempt, share a bounded
+        cache (a waiting queue can hold thousands of long prompts)."""
         cached = self._token_cache.get(rid)
+        if cached is None:
+            cached = self._candidate_tokens.get(rid)
+            if cached is not None and cache:
+                del self._candidate_tokens[rid]
+                self._token_cache[rid] = cached
         if cached is None or cached.shape[0] < end:
             prompt_len = int(self.input_len[rid])
             cached = self.tokens.tokens(rid, max(end, prompt_len), prompt_len, self.hashes[rid])
             if cache:
                 self._token_cache[rid] = cached
+            elif rid not in self._token_cache:
+                self._candidate_tokens[rid] = cached
+                if len(self._candidate_tokens) > _CANDIDATE_TOKEN_CACHE:
+                    self._candidate_tokens.popitem(last=False)
         return cached[:end]
 
     # ------------------------------------------------------------------ main loop
@@ -499,7 +512,7 @@ class Scheduler:
         # owned_kv_len(): min(committed, prompt + output through the stop).
         owned = np.minimum(self.kv[rids], self.input_len[rids] + self.max_new[rids])
         if self.cfg.radix_cache:
-            token_ids = [self._token_ids(int(r), int(n), cache=False) for r, n in zip(rids.tolist(), owned.tolist())]
+            token_ids = [self._token_ids(int(r), int(n)) for r, n in zip(rids.tolist(), owned.tolist())]
         else:
             token_ids = None
         self.alloc.release(rids, owned, token_ids, "finish")
