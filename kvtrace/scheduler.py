@@ -234,7 +234,7 @@ class TokenSource:
         if hashes is None or self.block_size is None:
             return self._unique(rid, 0, end)
         blocked = min(end, prompt_len)
-        head = self._block(hashes, self.block_size, blocked)
+        head = self._block(hashes, self.block_size, 0, blocked)
         if end <= blocked:
             return head
         return np.concatenate([head, self._unique(rid, blocked, end)])
@@ -485,6 +485,10 @@ class Scheduler:
             duration = self._prefill()
             if duration is None:
                 duration = self._decode()
+        # Apply the prompt publish of this step's prefill now (SGLang: same step).
+        end_step = getattr(self.alloc, "end_step", None)
+        if end_step is not None:
+            end_step()
         self.rec.end_step()
         if duration is None:
             if released:
@@ -981,6 +985,7 @@ class RecordOptions:
     spec_acceptance: float = 0.7
     pd_decode: bool = False
     duration_s: float | None = None
+    time_scale: float = 1.0
     rate: float | None = None
     seed: int = 0
     policy: SchedulePolicy = "fcfs"
@@ -1017,7 +1022,12 @@ def record_workload(
 
     def requests() -> Iterator[WorkloadRequest]:
         return read_workload(
-            options.workload, options.fmt, rate=options.rate, seed=options.seed, duration_s=options.duration_s
+            options.workload,
+            options.fmt,
+            rate=options.rate,
+            seed=options.seed,
+            duration_s=options.duration_s,
+            time_scale=options.time_scale,
         )
 
     # Check the whole file first (a streaming pass): a bad line fails at once, not
@@ -1065,6 +1075,7 @@ def record_workload(
             "recorder": "kvtrace.scheduler",
             "workload_format": options.fmt,
             "duration_s": options.duration_s,
+            "time_scale": options.time_scale,
             "rate": options.rate,
             "seed": options.seed,
             "max_prefill_tokens": options.max_prefill_tokens,

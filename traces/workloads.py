@@ -369,13 +369,25 @@ def read_workload(
     rate: float | None = None,
     seed: int = 0,
     duration_s: float | None = None,
+    time_scale: float = 1.0,
 ) -> Iterator[WorkloadRequest]:
     """Stream any supported workload, cut at ``duration_s`` of arrivals when given.
 
+    Args:
+        path, fmt: the file and its format.
+        rate, seed: the arrival process of the ``lengths`` format.
+        duration_s: keep the requests arriving in the first ``duration_s`` seconds
+            of the source.
+        time_scale: multiply arrival times by this (2.0: half the request rate, the
+            same traffic between two turns of a conversation).
+
     Raises:
-        ValueError: unknown format, or ``rate`` missing for ``lengths``.
+        ValueError: unknown format, ``rate`` missing for ``lengths``, or a
+            non-positive ``time_scale``.
         WorkloadFileError: see the per-format readers.
     """
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a positive number, found {time_scale!r}")
     if fmt == "mooncake":
         requests: Iterator[WorkloadRequest] = read_mooncake(path)
     elif fmt == "azure":
@@ -386,7 +398,16 @@ def read_workload(
         requests = read_lengths(path, rate=rate, seed=seed)
     else:
         raise ValueError(f"unknown workload format {fmt!r}; expected one of {', '.join(WORKLOAD_FORMATS)}")
-    return within(requests, duration_s) if duration_s is not None else requests
+    if duration_s is not None:
+        requests = within(requests, duration_s)
+    if time_scale != 1.0:
+        requests = _scaled(requests, time_scale)
+    return requests
+
+
+def _scaled(requests: Iterable[WorkloadRequest], factor: float) -> Iterator[WorkloadRequest]:
+    for req in requests:
+        yield WorkloadRequest(req.arrival_s * factor, req.input_len, req.output_len, req.block_hashes, req.block_size, req.line)
 
 
 def within(requests: Iterable[WorkloadRequest], duration_s: float) -> Iterator[WorkloadRequest]:

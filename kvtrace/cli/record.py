@@ -119,6 +119,9 @@ def record_command(
     spec_acceptance: Annotated[float, typer.Option(help="Per-draft acceptance probability (alpha).")] = 0.7,
     pd_decode: Annotated[bool, typer.Option("--pd-decode", help="Model a PD-disaggregated decode server.")] = False,
     duration: Annotated[str | None, typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.")] = None,
+    time_scale: Annotated[
+        float, typer.Option(help="Multiply arrival times (2: half the request rate, same traffic between turns).")
+    ] = 1.0,
     rate: Annotated[float | None, typer.Option(help="Arrival rate in requests/s (lengths format).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.")] = 0,
     policy: Annotated[PolicyOption, typer.Option(help="Waiting-queue policy.")] = PolicyOption.fcfs,
@@ -159,6 +162,8 @@ def record_command(
         raise typer.BadParameter(
             f"must be 0 (no chunking) or at least the page size {page_size}, found {chunk}", param_hint="--chunk"
         )
+    if not time_scale > 0:
+        raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
     if not 0.0 <= spec_acceptance <= 1.0:
         raise typer.BadParameter(f"must lie in [0, 1], found {spec_acceptance}", param_hint="--spec-acceptance")
     if compression not in ("zstd", "lz4"):
@@ -209,6 +214,7 @@ def record_command(
         spec_acceptance=spec_acceptance,
         pd_decode=pd_decode,
         duration_s=duration_s,
+        time_scale=time_scale,
         rate=rate,
         seed=seed,
         policy=policy.value,  # type: ignore[arg-type]
