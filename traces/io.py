@@ -154,6 +154,11 @@ class TraceWriter:
                 # Per-buffer thread hand-offs cost more than they save on batches this small.
                 options=pa.ipc.IpcWriteOptions(compression=codec, use_threads=False),
             )
+            # pyarrow writes the schema lazily; an empty first batch puts the schema and
+            # the metadata on disk now, so a writer killed before its first step still
+            # leaves a readable (empty, truncated) trace.
+            empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
+            self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum})
             self._sink.flush()
         except OSError as exc:
             self._abandon()
@@ -311,6 +316,9 @@ class TraceWriter:
             raise TraceWriteError(
                 f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
             ) from None
+
+
+_EMPTY_STEP = StepBatch.from_columns(0, 0.0, op=[], rid=[], seq_len=[], append_len=[])
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -695,8 +703,10 @@ class TraceReader:
                 raise self._fail(TraceReadError, "is not an Arrow IPC stream (no schema message)")
             message = b"".join(source._pieces)
         try:
-            return pa.ipc.read_schema(pa.py_buffer(message))
-        except (pa.ArrowException, OSError, ValueError) as exc:
+            schema = pa.ipc.read_schema(pa.py_buffer(message))
+            _ = schema.names, [f.type for f in schema], schema.metadata  # decodes every name
+            return schema
+        except (pa.ArrowException, OSError, ValueError) as exc:  # UnicodeDecodeError included
             raise self._fail(TraceCorruptError, f"its schema message is corrupt ({exc})") from None
 
     def _read_meta(self) -> TraceMeta:

@@ -383,6 +383,8 @@ def _int_column(data: Any, n: int, dtype: type, name: str, default: int = 0) -> 
     if out.shape != (n,):
         raise ValueError(f"column '{name}' has shape {out.shape}, expected ({n},)")
     if out.dtype != dtype:
+        if out.size == 0:
+            return np.zeros(0, dtype)
         if out.dtype.kind not in "iub":
             raise ValueError(f"column '{name}' must hold integers, found dtype {out.dtype}")
         out = out.astype(dtype)
