@@ -53,7 +53,8 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
     ),
     Sample(
         "mooncake-pressure.kvtrace",
-        "Mooncake conversation, first 4 minutes, 48k-token pool at page 16: eviction, retraction and an OOM abort",
+        "Mooncake conversation, first 4 minutes, 48k-token pool at page 64 with EAGLE 5,4,8 (1,024-slot draft "
+        "reserve per request): eviction, retraction and an OOM abort",
         (
             str(MOONCAKE),
             "--format",
@@ -61,9 +62,11 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
             "--duration",
             "4m",
             "--page-size",
-            "16",
+            "64",
             "--pool-tokens",
             "48000",
+            "--spec",
+            "eagle:5,4,8",
         ),
     ),
     Sample(
@@ -85,7 +88,9 @@ def make(sample: Sample) -> dict:
     from kvtrace.cli import app
 
     out = SAMPLES / sample.name
-    args = ["record", *sample.args, "--out", str(out), "--force", "--seed", "0", "--json"]
+    # No wall-clock flushes: record batches then depend only on the steps, so the
+    # files come out byte for byte the same.
+    args = ["record", *sample.args, "--out", str(out), "--force", "--seed", "0", "--flush-interval", "0", "--json"]
     t0 = time.perf_counter()
     result = CliRunner().invoke(app, args)
     if result.exit_code != 0:
@@ -103,7 +108,10 @@ def main() -> None:
     if args.list:
         for s in SAMPLES_SPEC:
             rel = [a.replace(str(ROOT) + "/", "") for a in s.args]
-            print(f"{s.name}: {s.what}\n  kvtrace record {' '.join(rel)} --out traces/samples/{s.name} --seed 0")
+            print(
+                f"{s.name}: {s.what}\n  kvtrace record {' '.join(rel)} --out traces/samples/{s.name} --seed 0 "
+                "--flush-interval 0"
+            )
         print(f"full hour of mooncake-conversation: {FULL_MOONCAKE_COMMAND}")
         return
     SAMPLES.mkdir(parents=True, exist_ok=True)

@@ -131,6 +131,9 @@ def record_command(
     device: Annotated[str, typer.Option(help="Allocator device: cpu or cuda.")] = "cpu",
     steps_per_batch: Annotated[int, typer.Option(help="Steps per record batch of the trace.")] = DEFAULT_STEPS_PER_BATCH,
     compression: Annotated[str, typer.Option(help="zstd or lz4.")] = "zstd",
+    flush_interval: Annotated[
+        float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).")
+    ] = FLUSH_INTERVAL_S,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -166,6 +169,8 @@ def record_command(
         raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
     if not 0.0 <= spec_acceptance <= 1.0:
         raise typer.BadParameter(f"must lie in [0, 1], found {spec_acceptance}", param_hint="--spec-acceptance")
+    if flush_interval < 0:
+        raise typer.BadParameter(f"must be >= 0, found {flush_interval}", param_hint="--flush-interval")
     if compression not in ("zstd", "lz4"):
         raise typer.BadParameter(f"must be zstd or lz4, found {compression!r}", param_hint="--compression")
     if device not in ("cpu", "cuda"):
@@ -223,7 +228,7 @@ def record_command(
         steps_per_batch=steps_per_batch,
         compression=compression,
         overwrite=force,
-        flush_interval_s=FLUSH_INTERVAL_S,
+        flush_interval_s=flush_interval or None,
     )
 
     progress_cb = None
