@@ -210,6 +210,7 @@ class RecordSummary(NamedTuple):
     spec_accepted_tokens: int
     spec_steps: int
     spec_ops: int
+    row_overflows: int
 
 
 class TokenSource:
@@ -315,6 +316,7 @@ class Scheduler:
                 "spec_accepted_tokens",
                 "spec_steps",
                 "spec_ops",
+                "row_overflows",
             ),
             0,
         )
@@ -462,12 +464,13 @@ class Scheduler:
             spec_accepted_tokens=s["spec_accepted_tokens"],
             spec_steps=s["spec_steps"],
             spec_ops=s["spec_ops"],
+            row_overflows=s["row_overflows"],
         )
 
     def _abort_stuck(self) -> None:
-        """Nothing can ever run again: abort what waits (only reachable for a pool too
-        small for any waiting request, since every admitted prompt fits an empty pool)."""
-        self._stats["aborted"] += len(self.waiting)
+        """Nothing can ever run again: drop what waits, counted as rejected (a guard:
+        every accepted prompt and its clipped generation fit an empty pool)."""
+        self._stats["rejected"] += len(self.waiting)
         for rid in self.waiting:
             self.state[rid] = _DONE
             self._token_cache.pop(rid, None)
@@ -787,6 +790,7 @@ class Scheduler:
                 "memory check passed"
             )
         self._stats["evicted_tokens"] += result.evicted_tokens
+        self._stats["row_overflows"] += len(result.row_overflow)
         self._stats["decode_steps"] += 1
         if spec is None:
             self.kv[rids] = kv_before + 1

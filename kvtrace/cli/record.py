@@ -291,6 +291,7 @@ def record_command(
         "peak_running": summary.peak_running,
         "peak_waiting": summary.peak_waiting,
         "extend_retries": summary.extend_retries,
+        "row_overflows": summary.row_overflows,
         "spec_mean_accepted": (
             summary.spec_accepted_tokens / max(1, summary.spec_ops) if spec_settings is not None else None
         ),

@@ -344,3 +344,34 @@ def test_mooncake_prefix_hits_match_the_source_reuse_when_nothing_is_evicted(tmp
     assert unbounded.prefix_hit_rate == pytest.approx(source.token_hit_fraction, abs=0.01)
     assert abs(source.token_hit_fraction - source.repeated_fraction) < 0.02
     assert default.prefix_hit_rate < unbounded.prefix_hit_rate
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_admits_the_longest_cached_prefix_first(tmp_path: Path, policy: str) -> None:
+    cfg = SchedulerConfig(page_size=16, pool_tokens=65536, max_running=8, max_context_len=8192, policy=policy)
+    rig = Rig(tmp_path, cfg, block_size=512)
+    rig.arrive(req(0, 1024, 2, [1, 2]))
+    for _ in range(3):  # prefill, decode, release: blocks 1, 2 are cached
+        rig.step()
+    rig.arrive(req(1, 1000, 5, [50, 51]), req(1, 1500, 5, [1, 2, 3]))
+    rig.step()
+    batch = rig.steps()[-1]
+    order = [op[1] for op in ops_of(batch) if op[0] == "extend"]
+    assert order == ([1, 2] if policy == "fcfs" else [2, 1])
+    hit = batch.prefix_len[batch.rid.tolist().index(2)]
+    assert hit == 1024
+    rig.close()
+
+
+def test_lpm_defers_a_second_request_sharing_an_uncached_first_block(tmp_path: Path) -> None:
+    cfg = SchedulerConfig(page_size=16, pool_tokens=65536, max_running=8, max_context_len=8192, policy="lpm")
+    rig = Rig(tmp_path, cfg, block_size=512)
+    # Nothing cached: requests 0 and 1 share their first block, 2 does not.
+    rig.arrive(req(0, 1000, 5, [7, 8]), req(0, 1000, 5, [7, 9]), req(0, 100, 5, [20]))
+    rig.step()
+    order = [op[1] for op in ops_of(rig.steps()[0]) if op[0] == "extend"]
+    assert order == [0, 2, 1]  # SGLang's in-batch prefix caching: 1 goes last
+    rig.close()
