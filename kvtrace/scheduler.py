@@ -181,6 +181,7 @@ class RecordProgress(NamedTuple):
     running: int
     finished: int
     sim_time_s: float
+    total: int | None  # requests in the workload, when known
 
 
 class RecordSummary(NamedTuple):
@@ -298,6 +299,7 @@ class Scheduler:
 
         self.clock = 0.0
         self.step = 0
+        self._total: int | None = None
         self._stats = dict.fromkeys(
             (
                 "rejected",
@@ -387,6 +389,7 @@ class Scheduler:
         requests: Iterable[WorkloadRequest],
         progress: Callable[[RecordProgress], None] | None = None,
         progress_every_s: float = 0.25,
+        total: int | None = None,
     ) -> RecordSummary:
         """Record the whole workload; returns the summary.
 
@@ -394,6 +397,7 @@ class Scheduler:
             RuntimeError: the allocator refused an allocation the model had checked
                 (a model or allocator bug), with the step and numbers.
         """
+        self._total = total
         source: Iterator[WorkloadRequest] = iter(requests)
         pending = next(source, None)
         last_progress = time.monotonic()
@@ -438,6 +442,7 @@ class Scheduler:
             running=int(self.running.shape[0]) + (self.chunked is not None),
             finished=self._stats["finished"] + self._stats["aborted"],
             sim_time_s=self.clock,
+            total=self._total,
         )
 
     def summary(self) -> RecordSummary:
@@ -1022,7 +1027,7 @@ def record_workload(
         traces.errors.TraceWriteError: the trace cannot be written.
         ValueError: inconsistent options.
     """
-    from traces.workloads import MOONCAKE_BLOCK_SIZE, known_source, read_workload
+    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
 
     def requests() -> Iterator[WorkloadRequest]:
         return read_workload(
@@ -1036,8 +1041,10 @@ def record_workload(
 
     # Check the whole file first (a streaming pass): a bad line fails at once, not
     # minutes into the recording, and no partial trace is left behind.
-    for _ in requests():
-        pass
+    total = sum(1 for _ in requests())
+    if total == 0:
+        window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
+        raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
     from allocator import create_allocator
     from allocator.base import AllocatorConfig, SpecConfig
     from kvtrace.record import Recorder
@@ -1119,7 +1126,7 @@ def record_workload(
         dense_ids=True,
     ) as recorder:
         scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
-        summary = scheduler.run(requests(), progress=progress)
+        summary = scheduler.run(requests(), progress=progress, total=total)
     violations = [
         f"{v.check}: {v.detail}" + (f" (request {v.rid})" if v.rid is not None else "")
         for v in allocator.check_integrity()

@@ -235,24 +235,29 @@ def record_command(
     live = None
     if not quiet and not as_json:
         from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console(stderr=True)
         live = Progress(
-            SpinnerColumn(),
+            TextColumn("recording"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
             TextColumn("{task.description}"),
             TimeElapsedColumn(),
             console=console,
             transient=True,
         )
-        task = live.add_task("recording", total=None)
+        task = live.add_task("", total=None)
 
         def progress_cb(p: Any) -> None:
+            # The bar counts finished requests; the text the rest of the state.
             live.update(
                 task,
+                total=p.total,
+                completed=p.finished,
                 description=(
-                    f"arrived {p.arrived:,}  running {p.running:,}  waiting {p.waiting:,}  "
-                    f"finished {p.finished:,}  steps {p.steps:,}  sim {p.sim_time_s:,.1f} s"
+                    f"finished · arrived {p.arrived:,} running {p.running:,} waiting {p.waiting:,} · "
+                    f"step {p.steps:,} · sim {p.sim_time_s:,.0f} s"
                 ),
             )
 

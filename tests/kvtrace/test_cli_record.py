@@ -91,6 +91,16 @@ def test_bad_options_exit_2(tmp_path: Path, extra: list[str], message: str) -> N
     assert "Traceback" not in result.output and not out.exists()
 
 
+def test_empty_workload_is_an_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "e.kvtrace"
+    result = CliRunner().invoke(app, ["record", str(empty), "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"kvtrace: error: {empty}: holds no requests; nothing to record"
+    assert not out.exists()
+
+
 def test_lengths_needs_a_rate_and_records_with_one(tmp_path: Path) -> None:
     out = tmp_path / "l.kvtrace"
     no_rate = CliRunner().invoke(app, ["record", str(SHAREGPT), "--format", "lengths", "--out", str(out)])
