@@ -28,6 +28,10 @@ Admission (SGLang ``PrefillAdder``, ``PrefillBudget``)::
                 - sum_admitted (ceil_page(extend) + page + min(max_new, 4096))
     admit while  extend + min(max_new - out, 4096) + page  <  remaining
 
+Decode memory check (``check_decode_mem``): ``page * #(running with seq_len % page
+== 0)`` tokens (speculative: ``sum ceil_page(allocated + max(0, committed + reserve -
+allocated)) - ceil_page(allocated)``) must fit ``available + evictable``.
+
 ``ratio`` (``new_token_ratio``) starts at 0.7, decays linearly to 0.7 * 0.14 = 0.098
 over 600 decode steps, is set to ``min(1, (sum out + 20 n) / (sum max_new + 1))``
 over the remaining requests after a retraction, and is reset to 0.7 when idle.
@@ -42,6 +46,11 @@ Modelling choices where the allocator protocol hides SGLang state:
 * Should a batched ``extend`` still not fit (the estimate above is not exact), the
   last admitted request goes back to the head of the waiting queue and the call is
   repeated; SGLang would raise instead. Counted as ``extend_retries``.
+* Retraction releases one request per allocator call (each release changes what the
+  next memory check sees); every other op is one batched call per op kind per step.
+  The eviction SGLang runs after each retraction (the shortfall below ``remaining *
+  20`` free tokens) goes to the allocator but is no op of the trace: a replay's
+  cache evicts when its own allocations need it.
 * Requests generate exactly their recorded output length: ``max_new_tokens`` is the
   workload's output length (clipped as SGLang clips it to the context and the pool).
 * A request whose prompt does not fit the context or the pool is rejected on arrival,
