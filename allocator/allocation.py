@@ -26,17 +26,14 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
+from allocator.token_to_kv import SLOT_DTYPE, TokenToKVPoolAllocator
 
 if TYPE_CHECKING:
     from allocator.radix_cache import RadixCache, TreeNode
     from allocator.req_kv import ReqKvTable
     from allocator.req_to_token import ReqToTokenPool
     from allocator.table_writer import CpuTableWriter
-    from allocator.token_to_kv import (
-        HiSparseTokenToKVPoolAllocator,
-        PagedTokenToKVPoolAllocator,
-        TokenToKVPoolAllocator,
-    )
+    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
 
 __all__ = [
     "CheckpointResult",
@@ -59,6 +56,7 @@ __all__ = [
 ]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_NO_SLOTS = np.empty(0, dtype=SLOT_DTYPE)
 
 
 @dataclass(slots=True)
@@ -85,10 +83,15 @@ class KvContext:
     page_size: int
     spec_reserve: int = 0
     hisparse: bool = False
+    # Derived in __post_init__: the row width, and whether the page-1 hot paths may
+    # take slots straight from the token allocator's free-list buffer.
+    width: int = 0
+    direct_token_alloc: bool = False
 
-    @property
-    def width(self) -> int:
-        return self.req_to_token_pool.max_context_len
+    def __post_init__(self) -> None:
+        self.width = self.req_to_token_pool.max_context_len
+        allocator = self.token_to_kv_pool_allocator
+        self.direct_token_alloc = type(allocator) is TokenToKVPoolAllocator and not allocator.need_sort
 
     def pool_available(self) -> int:
         """Slots the request rows draw from (the logical side for HiSparse)."""
@@ -105,7 +108,8 @@ class ExtendResult(NamedTuple):
 
 
 class DecodeResult(NamedTuple):
-    out_cache_loc: np.ndarray  # int64 [bs]
+    # int32 [bs]; NOTE: may be a view of the free-list buffer, valid until the next free
+    out_cache_loc: np.ndarray
     evicted_tokens: int
 
 
@@ -116,6 +120,8 @@ class SpecPlan(NamedTuple):
     nxt_kv_lens: np.ndarray  # int64 [bs] max(cur, ceil_align(committed + reserve)), clipped at the row
     num_needed_tokens: int
     overflow: tuple[tuple[int, int, int], ...]  # (row, positions asked, row width)
+    counts: np.ndarray  # int64 [bs] nxt - cur
+    counts_cumsum: np.ndarray  # int64 [bs] inclusive cumulative sum of counts
 
 
 class SpecResult(NamedTuple):
@@ -211,6 +217,13 @@ def alloc_for_extend(
     kv = ctx.req_kv
     ps = ctx.page_size
     bs = rows.shape[0]
+    seq_max = int(seq_lens.max()) if bs else 0
+    if seq_max > ctx.width:
+        i = int(np.argmax(seq_lens))
+        raise ValueError(
+            f"extend: request rid={int(rids[i])} seq_len {seq_max} exceeds the row width {ctx.width}; "
+            f"raise max_context_len"
+        )
     new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
     if num_new > pool.available_size():
@@ -264,6 +277,8 @@ def alloc_for_extend(
     old_committed = kv.kv_committed_len[rows]
     kv.kv_allocated_len[rows] = seq_lens
     kv.kv_committed_len[rows] = seq_lens
+    if seq_max > kv.max_len_bound:
+        kv.max_len_bound = seq_max
     kv.sum_committed += int((seq_lens - old_committed).sum())
     kv.sum_allocated_ceil += int(((seq_lens + ps - 1) // ps - (old_alloc + ps - 1) // ps).sum()) * ps
     if num_new:
@@ -294,35 +309,60 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     seq = allocated[rows]
     bs = rows.shape[0]
     if bs == 0:
-        return DecodeResult(_EMPTY, 0)
-    if int(seq.max()) >= ctx.req_to_token_pool.max_context_len:
-        bad = int(np.argmax(seq))
-        raise ValueError(
-            f"decode: request rid={int(kv.rid[rows[bad]])} is at its row width "
-            f"{ctx.req_to_token_pool.max_context_len} (length {int(seq[bad])}); "
-            f"raise max_context_len or finish the request"
-        )
+        return DecodeResult(_NO_SLOTS, 0)
+    if kv.max_len_bound >= ctx.width:
+        _check_decode_room(ctx, rows, seq)
     allocator = ctx.token_to_kv_pool_allocator
     ps = ctx.page_size
+    evicted = 0
     if ps == 1:
-        evicted = evict_from_tree_cache(ctx, bs) if bs > allocator.available_size() else 0
-        before = ctx.pool_available()
-        out = allocator.alloc(bs)
+        # Hot path: page-1 slots come straight off the head of the free list.
+        free = allocator._free if ctx.direct_token_alloc else None
+        if free is not None and free._tail - free._head >= bs:
+            head = free._head
+            out = free._buf[head : head + bs]
+            free._head = head + bs
+        else:
+            evicted = evict_from_tree_cache(ctx, bs)
+            out = allocator.alloc(bs)
+            if out is None:
+                i = min(allocator.available_size(), bs - 1)
+                return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], bs)
+        taken = bs
     else:
-        last_loc = ctx.req_to_token_pool.req_to_token_np[rows, seq - 1].astype(np.int64)
+        last_loc = ctx.writer._flat[ctx.writer.row_base[rows] + (seq - 1)]
         evicted = evict_from_tree_cache(ctx, bs * ps)
         before = ctx.pool_available()
         out = allocator.alloc_decode(seq + 1, last_loc)
-    if out is None:
-        need = seq % ps == 0
-        i = _first_short_request(need.astype(np.int64) * ps, allocator.available_size())
-        return _oom(ctx, "decode", (rids[i] if rids is not None else kv.rid[rows[i]]), bs if ps == 1 else int(need.sum()) * ps)
+        if out is None:
+            need = (seq % ps == 0).astype(np.int64) * ps
+            i = _first_short_request(need, allocator.available_size())
+            return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], int(need.sum()))
+        taken = before - ctx.pool_available()
     ctx.writer.write_points(rows, seq, out)
-    allocated[rows] = seq + 1
-    kv.kv_committed_len[rows] += 1
+    seq += 1
+    allocated[rows] = seq
+    committed = kv.kv_committed_len
+    committed[rows] += 1
     kv.sum_committed += bs
-    kv.sum_allocated_ceil += before - ctx.pool_available()
+    kv.sum_allocated_ceil += taken
+    kv.max_len_bound += 1
     return DecodeResult(out, evicted)
+
+
+def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
+    """Exact row-width check, run only when the cheap length bound says it may matter."""
+    kv = ctx.req_kv
+    kv.max_len_bound = int(kv.kv_allocated_len.max())
+    if kv.max_len_bound < ctx.width:
+        return
+    top = int(seq.max())
+    if top >= ctx.width:
+        bad = int(np.argmax(seq))
+        raise ValueError(
+            f"decode: request rid={int(kv.rid[rows[bad]])} is at its row width {ctx.width} "
+            f"(length {top}); raise max_context_len or finish the request"
+        )
 
 
 # ---------------------------------------------------------------------------- speculative
@@ -331,7 +371,7 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
 def prepare_spec_decode(ctx: KvContext, rows: np.ndarray) -> SpecPlan:
     """``eagle_prepare_for_decode`` / DFlash / UNO prepare: per request
     ``nxt = max(cur, ceil_align(committed + reserve, page_size))`` with
-    ``cur = kv_allocated_len``; ``num_needed = sum(nxt - cur)``.
+    ``cur = kv_allocated_len``; ``num_needed = sum(nxt - cur)``. Changes nothing.
 
     ``nxt`` past the row width is clipped there and reported (SGLang bounds it only
     for page > 1 with topk > 1; the write would leave the row).
@@ -339,18 +379,37 @@ def prepare_spec_decode(ctx: KvContext, rows: np.ndarray) -> SpecPlan:
     kv = ctx.req_kv
     ps = ctx.page_size
     cur = kv.kv_allocated_len[rows]
-    target = kv.kv_committed_len[rows] + ctx.spec_reserve
+    nxt = kv.kv_committed_len[rows]
+    nxt += ctx.spec_reserve
     if ps > 1:
-        target = (target + (ps - 1)) // ps * ps
-    nxt = np.maximum(cur, target)
-    width = ctx.req_to_token_pool.max_context_len
+        nxt += ps - 1
+        nxt //= ps
+        nxt *= ps
+    np.maximum(nxt, cur, out=nxt)
     overflow: tuple[tuple[int, int, int], ...] = ()
-    if rows.shape[0] and int(nxt.max()) > width:
+    width = ctx.width
+    bs = rows.shape[0]
+    if bs and _spec_may_overflow(ctx) and int(nxt.max()) > width:
         over = np.flatnonzero(nxt > width)
         overflow = tuple((int(rows[i]), int(nxt[i]), width) for i in over.tolist())
-        nxt = np.minimum(nxt, width)
-        nxt = np.maximum(nxt, cur)
-    return SpecPlan(cur, nxt, int((nxt - cur).sum()), overflow)
+        np.minimum(nxt, width, out=nxt)
+        np.maximum(nxt, cur, out=nxt)
+    counts = nxt - cur
+    if bs == 0:
+        return SpecPlan(cur, nxt, 0, overflow, counts, counts)
+    cumsum = np.add.accumulate(counts)
+    return SpecPlan(cur, nxt, int(cumsum[-1]), overflow, counts, cumsum)
+
+
+def _spec_may_overflow(ctx: KvContext) -> bool:
+    """Whether some reserve could pass the row width (exact maximum only when the
+    cheap bound says so)."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    if -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps <= ctx.width:
+        return False
+    kv.max_len_bound = int(kv.kv_allocated_len.max())
+    return -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps > ctx.width
 
 
 def alloc_for_spec_decode(
@@ -364,35 +423,46 @@ def alloc_for_spec_decode(
     (monotone). Rejected drafts are never freed here: they stay in
     ``[committed, allocated)`` and are reused by the next step.
     """
-    cur, nxt, num_needed, _ = plan
-    kv = ctx.req_kv
+    cur, nxt, num_needed, _, counts, cumsum = plan
     if num_needed == 0:
-        return SpecResult(0, 0, _EMPTY)
+        return SpecResult(0, 0, _NO_SLOTS)
+    kv = ctx.req_kv
     allocator = ctx.token_to_kv_pool_allocator
     ps = ctx.page_size
     bs = rows.shape[0]
+    evicted = 0
     if ps == 1:
-        evicted = evict_from_tree_cache(ctx, num_needed)
-        before = ctx.pool_available()
-        out = allocator.alloc(num_needed)
+        free = allocator._free if ctx.direct_token_alloc else None
+        if free is not None and free._tail - free._head >= num_needed:
+            head = free._head
+            out = free._buf[head : head + num_needed]
+            free._head = head + num_needed
+        else:
+            evicted = evict_from_tree_cache(ctx, num_needed)
+            out = allocator.alloc(num_needed)
+            if out is None:
+                i = _first_short_request(counts, allocator.available_size())
+                return _oom(ctx, "spec", rids[i] if rids is not None else kv.rid[rows[i]], num_needed)
+        taken = num_needed
     else:
-        table = ctx.req_to_token_pool.req_to_token_np
-        last_loc = np.where(cur > 0, table[rows, np.maximum(cur - 1, 0)], -1).astype(np.int64)
+        writer = ctx.writer
+        last_loc = np.where(cur > 0, writer._flat[writer.row_base[rows] + np.maximum(cur - 1, 0)], -1)
         evicted = evict_from_tree_cache(ctx, num_needed + bs * ps)
         before = ctx.pool_available()
         if ctx.hisparse:
             out = allocator.alloc_logical_only(cur, nxt, last_loc, num_needed)
         else:
             out = allocator.alloc_extend(cur, nxt, last_loc, num_needed)
-    if out is None:
-        need = nxt - cur
-        if ps > 1:
+        if out is None:
             need = ((nxt + ps - 1) // ps - (cur + ps - 1) // ps) * ps
-        i = _first_short_request(need, allocator.available_size())
-        return _oom(ctx, "spec", (rids[i] if rids is not None else kv.rid[rows[i]]), num_needed)
-    ctx.writer.assign(rows, cur, nxt, out)
+            i = _first_short_request(need, allocator.available_size())
+            return _oom(ctx, "spec", rids[i] if rids is not None else kv.rid[rows[i]], num_needed)
+        taken = before - ctx.pool_available()
+    ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
     kv.kv_allocated_len[rows] = nxt
-    kv.sum_allocated_ceil += before - ctx.pool_available()
+    kv.sum_allocated_ceil += taken
+    bound = -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps
+    kv.max_len_bound = max(kv.max_len_bound, min(bound, ctx.width))
     return SpecResult(num_needed, evicted, out)
 
 
@@ -527,6 +597,8 @@ def _bind_prealloc_row(
     kv.sum_protected += prefix_len
     kv.rid[row] = rid
     kv.lock_node[row] = lock_node
+    if fill_len > kv.max_len_bound:
+        kv.max_len_bound = fill_len
 
 
 # ---------------------------------------------------------------------------- checkpoint / release
@@ -554,7 +626,7 @@ def checkpoint_kv_cache(
     ps = ctx.page_size
     key_len = tree.key_len(up_to)
     key = tree.make_key(token_ids[:up_to])[:key_len]
-    values = table[row, :key_len].astype(np.int64)
+    values = table[row, :key_len]  # a view: insert and free copy what they keep
     prefix_len, _ = tree.insert(key, values)
     prompt_key_len = tree.key_len(min(prompt_len, up_to)) if prompt_len > 0 else 0
     if 0 < prompt_key_len < key_len:
@@ -612,7 +684,7 @@ def release_kv_cache(
         freed += res.duplicates_freed
     protected = int(kv.cache_protected_len[row])
     if owned > protected:
-        allocator.free_segment(table[row, protected:owned].astype(np.int64), protected)
+        allocator.free_segment(table[row, protected:owned], protected)
         freed += -(-owned // ps) * ps - protected
     ctx.tree_cache.unlock(kv.lock_node[row])
     kv.lock_node[row] = None
@@ -620,7 +692,7 @@ def release_kv_cache(
     start = max(start, protected)
     overalloc = 0
     if start < allocated:
-        allocator.free_segment(table[row, start:allocated].astype(np.int64), start)
+        allocator.free_segment(table[row, start:allocated], start)
         overalloc = allocated - start
         freed += -(-allocated // ps) * ps - start
     ctx.req_to_token_pool.free(row)

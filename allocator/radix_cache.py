@@ -3,7 +3,8 @@
 Keys are int64 arrays of *units*: token ids, or for EAGLE / EAGLE3 token bigrams
 (unit ``i`` stands for the pair ``(t[i], t[i + 1])``, so a key is one unit shorter
 than its tokens; a bigram is represented by a 64-bit mix of the pair, see
-``bigram_units``). Values are int64 KV slot arrays of the same length. Every key
+``bigram_units``). Values are KV slot arrays of the same length (int32, the dtype
+of ``req_to_token``). Every key
 stored or matched is page aligned (``floor_align(len, page_size)``).
 
 A node holds its key as the bytes of its units, so prefix comparison is one
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import numpy as np
 
+from allocator.token_to_kv import SLOT_DTYPE
+
 if TYPE_CHECKING:
     from allocator.token_to_kv import (
         HiSparseTokenToKVPoolAllocator,
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode", "bigram_units"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_NO_SLOTS = np.empty(0, dtype=SLOT_DTYPE)
 # Odd 64-bit multiplier (golden ratio): unit = t[i] * C + t[i + 1] (mod 2**64).
 _BIGRAM_MUL = np.uint64(0x9E3779B97F4A7C15)
 
@@ -70,7 +74,7 @@ class TreeNode:
         self.children: dict[bytes, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.key: bytes = b""  # int64 units, native byte order
-        self.value: np.ndarray = _EMPTY  # int64 [len] KV slots
+        self.value: np.ndarray = _NO_SLOTS  # int32 [len] KV slots
         self.lock_ref = 0
         self.last_access_time = access_time
         self.id = node_id
@@ -269,7 +273,7 @@ class RadixCache:
             leaf = self._new_node()
             leaf.parent = node
             leaf.key = kb[pos:]
-            leaf.value = np.array(value[pos // 8 : n], dtype=np.int64)
+            leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
             node.children[kb[pos : pos + psb]] = leaf
             self.evictable_size_ += n - pos // 8
             self._update_leaf_status(node)
@@ -407,14 +411,14 @@ class RadixCache:
     # ------------------------------------------------------------------ reads
 
     def path_device_indices(self, node: TreeNode) -> np.ndarray:
-        """KV slots on the path root..node, in key order (int64)."""
+        """KV slots on the path root..node, in key order (int32)."""
         values = []
         root = self.root_node
         while node is not root:
             values.append(node.value)
             node = node.parent
         if not values:
-            return _EMPTY.copy()
+            return _NO_SLOTS.copy()
         if len(values) == 1:
             return values[0]
         values.reverse()
@@ -438,7 +442,7 @@ class RadixCache:
 
     def all_values_flatten(self) -> np.ndarray:
         values = [node.value for node in self.iter_nodes()]
-        return np.concatenate(values) if values else _EMPTY.copy()
+        return np.concatenate(values) if values else _NO_SLOTS.copy()
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self.iter_nodes())

@@ -42,6 +42,7 @@ class ReqKvTable:
         sum_committed: sum of ``kv_committed_len`` over rows in use.
         sum_protected: sum of ``cache_protected_len`` over rows in use.
         sum_allocated_ceil: sum of ``ceil_align(kv_allocated_len, page_size)``.
+        max_len_bound: an upper bound of every ``kv_allocated_len``.
     """
 
     def __init__(self, num_rows: int, page_size: int) -> None:
@@ -58,6 +59,9 @@ class ReqKvTable:
         self.sum_committed = 0
         self.sum_protected = 0
         self.sum_allocated_ceil = 0
+        # An upper bound of every kv_allocated_len (never below the true maximum):
+        # row-width checks compute the exact maximum only when this reaches the width.
+        self.max_len_bound = 0
 
     def info(self, row: int) -> ReqKvInfo:
         """A read-only live view of one row's bookkeeping."""

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["CpuTableWriter", "CudaTableWriter", "make_table_writer"]
 
 # Batches up to this size are written with one slice assignment per request.
-_SLICE_BATCH = 8
+_SLICE_BATCH = 4
 
 
 class CpuTableWriter:
@@ -35,21 +35,29 @@ class CpuTableWriter:
         self.table = pool.req_to_token_np
         self.width = pool.max_context_len
         self._flat = self.table.reshape(-1)
+        # int64 [rows]: flat index of each row's position 0
+        self.row_base = np.arange(self.table.shape[0], dtype=np.int64) * self.width
 
     def write_points(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """``table[rows[i], positions[i]] = slots[i]`` (one slot per request: decode)."""
-        self.table[rows, positions] = slots
+        index = self.row_base[rows]
+        index += positions
+        self._flat[index] = slots
 
-    def assign(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, slots: np.ndarray) -> None:
+    def assign(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        slots: np.ndarray,
+        counts: np.ndarray | None = None,
+        ends_cumsum: np.ndarray | None = None,
+    ) -> None:
         """``table[rows[i], starts[i]:ends[i]] = slots[o_i : o_i + ends[i] - starts[i]]``,
-        ``o_i`` the total length of the earlier ranges (SGLang ``assign_req_to_token_pool``)."""
-        self._assign_host(rows, starts, ends, slots)
+        ``o_i`` the total length of the earlier ranges (SGLang ``assign_req_to_token_pool``).
 
-    def assign_row(self, row: int, start: int, slots: np.ndarray) -> None:
-        """``table[row, start:start + len(slots)] = slots`` (one request)."""
-        self.table[row, start : start + slots.shape[0]] = slots
-
-    def _assign_host(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, slots: np.ndarray) -> None:
+        ``counts`` (``ends - starts``) and ``ends_cumsum`` (its inclusive cumulative
+        sum) may be passed when the caller has them already."""
         bs = rows.shape[0]
         if bs <= _SLICE_BATCH:
             table = self.table
@@ -60,15 +68,24 @@ class CpuTableWriter:
                     table[row, start:end] = slots[offset : offset + n]
                     offset += n
             return
-        counts = ends - starts
         total = int(slots.shape[0])
         if total == 0:
             return
-        # flat index of request i's first position, minus where its slots start
-        base = rows * self.width + starts - (np.cumsum(counts) - counts)
-        index = np.repeat(base, counts)
+        if counts is None:
+            counts = ends - starts
+        if ends_cumsum is None:
+            ends_cumsum = np.add.accumulate(counts)
+        # slot o of request i goes to flat row_base[i] + ends[i] - (cumsum_i - o)
+        base = self.row_base[rows]
+        base += ends
+        base -= ends_cumsum
+        index = base.repeat(counts)
         index += np.arange(total, dtype=np.int64)
         self._flat[index] = slots
+
+    def assign_row(self, row: int, start: int, slots: np.ndarray) -> None:
+        """``table[row, start:start + len(slots)] = slots`` (one request)."""
+        self.table[row, start : start + slots.shape[0]] = slots
 
 
 class CudaTableWriter(CpuTableWriter):
@@ -98,8 +115,16 @@ class CudaTableWriter(CpuTableWriter):
         super().write_points(rows, positions, slots)
         self._mirror(rows, positions, positions + 1, slots)
 
-    def assign(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, slots: np.ndarray) -> None:
-        self._assign_host(rows, starts, ends, slots)
+    def assign(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        slots: np.ndarray,
+        counts: np.ndarray | None = None,
+        ends_cumsum: np.ndarray | None = None,
+    ) -> None:
+        CpuTableWriter.assign(self, rows, starts, ends, slots, counts, ends_cumsum)
         self._mirror(rows, starts, ends, slots)
 
     def assign_row(self, row: int, start: int, slots: np.ndarray) -> None:

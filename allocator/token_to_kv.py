@@ -26,9 +26,11 @@ hands out the very slot indices SGLang would):
   logical -> device mapping (0 = unmapped); ``alloc_logical_only`` leaves the
   mapping empty (device pages are bound later).
 
-Free lists are int64 numpy arrays kept in a double-ended buffer (O(1) amortised
-take-from-head, append and prepend). ``free_pages`` etc. return torch tensors for
-white-box comparison with SGLang's objects.
+Free lists are numpy arrays kept in a double-ended buffer (O(1) amortised
+take-from-head, append and prepend). Slots and page ids are int32 on the host (the
+dtype of ``req_to_token``, so writing them into rows needs no conversion; a pool
+is bounded by 2**31 slots like SGLang's int32 table). ``free_pages`` etc. return
+int64 torch tensors for white-box comparison with SGLang's objects.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "SLOT_DTYPE",
     "HiSparseTokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
     "PageFreeList",
@@ -45,11 +48,13 @@ __all__ = [
     "num_new_pages",
 ]
 
-_EMPTY = np.empty(0, dtype=np.int64)
+# Host dtype of slot indices and page ids (that of req_to_token).
+SLOT_DTYPE = np.int32
+_EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
 
 class PageFreeList:
-    """An int64 sequence with O(1) amortised head take, prepend and append.
+    """An int32 sequence with O(1) amortised head take, prepend and append.
 
     The live entries are ``_buf[_head:_tail]``; both ends have slack so that
     prepending (paged LIFO reuse) and appending (token FIFO reuse) never shift the
@@ -60,7 +65,7 @@ class PageFreeList:
 
     def __init__(self, values: np.ndarray) -> None:
         n = int(values.shape[0])
-        self._buf = np.empty(2 * n + 64, dtype=np.int64)
+        self._buf = np.empty(2 * n + 64, dtype=SLOT_DTYPE)
         self._head = (self._buf.shape[0] - n) // 2
         self._tail = self._head + n
         self._buf[self._head : self._tail] = values
@@ -105,7 +110,7 @@ class PageFreeList:
         """Make ``values`` the whole list (after a merge and sort)."""
         n = int(values.shape[0])
         if 2 * n + 64 > self._buf.shape[0]:
-            self._buf = np.empty(2 * n + 64, dtype=np.int64)
+            self._buf = np.empty(2 * n + 64, dtype=SLOT_DTYPE)
         self._head = (self._buf.shape[0] - n) // 2
         self._tail = self._head + n
         self._buf[self._head : self._tail] = values
@@ -116,7 +121,7 @@ class PageFreeList:
         size = self._buf.shape[0]
         if n + need_front + need_back + 64 > size // 2:
             size = 2 * (n + need_front + need_back) + 64
-        buf = np.empty(size, dtype=np.int64)
+        buf = np.empty(size, dtype=SLOT_DTYPE)
         head = need_front + (size - n - need_front - need_back) // 2
         buf[head : head + n] = live
         self._buf, self._head, self._tail = buf, head, head + n
@@ -144,7 +149,7 @@ def alloc_extend_layout(
     the whole batch, requests in order.
 
     Returns:
-        int64 ``[sum(extend)]`` slots, requests in batch order.
+        int32 ``[sum(extend)]`` slots, requests in batch order.
     """
     ps = page_size
     ext = seq_lens - prefix_lens
@@ -157,17 +162,17 @@ def alloc_extend_layout(
     bs = ext.shape[0]
     if bs == 1:
         n1 = int(num1[0])
-        out = np.empty(total, dtype=np.int64)
+        out = np.empty(total, dtype=SLOT_DTYPE)
         if n1:
             start = int(last_loc[0]) + 1
-            out[:n1] = np.arange(start, start + n1, dtype=np.int64)
+            out[:n1] = np.arange(start, start + n1, dtype=SLOT_DTYPE)
         rest = total - n1
         if rest:
-            slots = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+            slots = (pages[:, None] * ps + np.arange(ps, dtype=SLOT_DTYPE)).reshape(-1)
             out[n1:] = slots[:rest]
         return out
     # Slots of all new pages in order; request i's part 2+3 is the head of its pages.
-    page_slots = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+    page_slots = (pages[:, None] * ps + np.arange(ps, dtype=SLOT_DTYPE)).reshape(-1)
     first_page = np.cumsum(pages_per_req) - pages_per_req
     start_tok = np.cumsum(ext) - ext
     owner = np.repeat(np.arange(bs, dtype=np.int64), ext)
@@ -177,12 +182,12 @@ def alloc_extend_layout(
     # Part 2/3 index into page_slots; clipped where the token is in part 1 (unused there).
     idx = first_page[owner] * ps + (local - n1_tok)
     if page_slots.shape[0] == 0:
-        return last_loc[owner] + 1 + local
+        return (last_loc[owner] + 1 + local).astype(SLOT_DTYPE)
     np.clip(idx, 0, page_slots.shape[0] - 1, out=idx)
     out = page_slots[idx]
     if num1.any():
         part1 = last_loc[owner] + 1 + local
-        out = np.where(in_part1, part1, out)
+        out = np.where(in_part1, part1, out).astype(SLOT_DTYPE)
     return out
 
 
@@ -219,7 +224,7 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
         self.clear()
 
     def clear(self) -> None:
-        self._free = PageFreeList(np.arange(1, self.size + 1, dtype=np.int64))
+        self._free = PageFreeList(np.arange(1, self.size + 1, dtype=SLOT_DTYPE))
         self._release: list[np.ndarray] = []
         self._num_release = 0
         self.free_group = None
@@ -229,18 +234,18 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
     @property
     def free_pages(self) -> torch.Tensor:
         """int64 free slots in reuse order (a copy)."""
-        return torch.from_numpy(self._free.view().copy())
+        return torch.from_numpy(self._free.view().astype(np.int64))
 
     @property
     def release_pages(self) -> torch.Tensor:
         """int64 freed slots waiting for the next merge (need_sort only; a copy)."""
-        return torch.from_numpy(np.concatenate(self._release) if self._release else _EMPTY.copy())
+        return torch.from_numpy((np.concatenate(self._release) if self._release else _EMPTY).astype(np.int64))
 
     def free_pages_np(self) -> np.ndarray:
         return self._free.view().copy()
 
     def get_all_free_pages(self) -> np.ndarray:
-        """Every free slot: free list then release list (int64 numpy copy)."""
+        """Every free slot: free list then release list (int32 numpy copy)."""
         return np.concatenate([self._free.view(), *self._release])
 
     def num_free_pages(self) -> int:
@@ -291,9 +296,9 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
         if free_index.shape[0] == 0:
             return
         if self.free_group is not None:
-            self.free_group.append(np.array(free_index, dtype=np.int64))
+            self.free_group.append(np.array(free_index, dtype=SLOT_DTYPE))
         elif self.need_sort:
-            self._release.append(np.array(free_index, dtype=np.int64))
+            self._release.append(np.array(free_index, dtype=SLOT_DTYPE))
             self._num_release += int(free_index.shape[0])
         else:
             self._free.append(free_index)
@@ -328,11 +333,11 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         self.num_pages = size // page_size
         self.need_sort = need_sort
         self.device = device
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._page_offsets = np.arange(page_size, dtype=SLOT_DTYPE)
         self.clear()
 
     def clear(self) -> None:
-        self._free = PageFreeList(np.arange(1, self.num_pages + 1, dtype=np.int64))
+        self._free = PageFreeList(np.arange(1, self.num_pages + 1, dtype=SLOT_DTYPE))
         self.staged_pages: list[np.ndarray] = []
         self.num_staged_pages = 0
         self.free_group = None
@@ -343,13 +348,13 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
     @property
     def free_pages(self) -> torch.Tensor:
         """int64 free page ids in reuse order (a copy)."""
-        return torch.from_numpy(self._free.view().copy())
+        return torch.from_numpy(self._free.view().astype(np.int64))
 
     def free_pages_np(self) -> np.ndarray:
         return self._free.view().copy()
 
     def get_all_free_pages(self) -> np.ndarray:
-        """Every free page: free list then staged pages (int64 numpy copy)."""
+        """Every free page: free list then staged pages (int32 numpy copy)."""
         return np.concatenate([self._free.view(), *self.staged_pages])
 
     def num_free_pages(self) -> int:
@@ -392,7 +397,7 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         upper bound ``extend_num_tokens // ps + bs + 1`` exceeds the free list.
 
         Returns:
-            int64 ``[sum(seq - prefix)]`` slots, or None if the pages do not fit.
+            int32 ``[sum(seq - prefix)]`` slots, or None if the pages do not fit.
         """
         ps = self.page_size
         if extend_num_tokens is None:
@@ -424,7 +429,7 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         need = int(np.count_nonzero(need_page))
         if need > len(free):
             return None
-        out = last_loc + 1
+        out = (last_loc + 1).astype(SLOT_DTYPE)
         if need:
             out[need_page] = free.head(need) * ps
             free.drop(need)
@@ -444,7 +449,7 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         if self.free_group is None:
             self._release_page_ids(np.unique(free_index // self.page_size))
         else:
-            self.free_group.append(np.array(free_index, dtype=np.int64))
+            self.free_group.append(np.array(free_index, dtype=SLOT_DTYPE))
 
     def free_segment(self, free_index: np.ndarray, start_pos: int = 0) -> None:
         """Free the pages of ``row[start_pos : start_pos + n]`` (start page aligned):
@@ -463,11 +468,11 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         if self.free_group is None:
             self._release_page_ids(page_ids)
         else:
-            self.free_page_ids_group.append(np.array(page_ids, dtype=np.int64))
+            self.free_page_ids_group.append(np.array(page_ids, dtype=SLOT_DTYPE))
 
     def _release_page_ids(self, page_ids: np.ndarray) -> None:
         if self.need_sort:
-            self.staged_pages.append(np.array(page_ids, dtype=np.int64))
+            self.staged_pages.append(np.array(page_ids, dtype=SLOT_DTYPE))
             self.num_staged_pages += int(page_ids.shape[0])
         else:
             self._free.prepend(page_ids)
