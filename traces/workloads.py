@@ -178,8 +178,11 @@ def read_mooncake(path: str | Path, *, block_size: int = MOONCAKE_BLOCK_SIZE) ->
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as exc:
+                hint = " (is this file a Mooncake JSON Lines trace?)" if line_no == 1 else ""
                 raise WorkloadFileError(
-                    path, line_no, f"invalid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
+                    path,
+                    line_no,
+                    f"invalid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object{hint}",
                 ) from None
             if not isinstance(row, dict):
                 raise WorkloadFileError(
