@@ -1,25 +1,34 @@
 """The only user-facing errors of kvtrace.
 
-The CLI turns every ``KvtraceError`` into one line on stderr and exit code 2
-(``--debug`` shows the traceback). Messages say what, where (file, option,
-step, request id) and what to do; they never end with a period-less stack dump.
+The CLI turns every error in ``USER_ERRORS`` into one line on stderr and its
+``exit_code`` (2 for bad input); ``--debug`` shows the traceback. Messages say
+what, where (file, option, step, request id) and what to do.
+
+Trace-file errors are defined in ``traces.errors`` (the ``traces`` package
+cannot import ``kvtrace``) and re-exported here: ``TraceError`` and its
+subclasses are user errors exactly like ``KvtraceError``, but they are not
+subclasses of it. Code that catches "any user error" catches ``USER_ERRORS``.
 """
 
 from __future__ import annotations
+
+from traces.errors import (
+    TraceCorruptError,
+    TraceError,
+    TraceFormatError,
+    TraceMetadataError,
+    TraceReadError,
+    TraceSchemaError,
+    TraceVersionError,
+    TraceWriteError,
+    UnknownSampleError,
+)
 
 
 class KvtraceError(Exception):
     """Base of every error the user can cause. ``exit_code`` is what the CLI returns."""
 
     exit_code: int = 2
-
-
-class TraceError(KvtraceError):
-    """A trace file cannot be read: missing, not Arrow, corrupt, unknown version, bad schema."""
-
-
-class TraceFormatError(TraceError):
-    """The file is an Arrow stream but its schema or metadata break the kvtrace contract."""
 
 
 class WorkloadError(KvtraceError):
@@ -32,3 +41,24 @@ class ConfigError(KvtraceError):
 
 class VersionSpecError(KvtraceError):
     """An allocator version spec (built-in, module, file, git revision) cannot be loaded."""
+
+
+# Every exception the CLI reports as one line (never a traceback without --debug).
+USER_ERRORS: tuple[type[Exception], ...] = (KvtraceError, TraceError)
+
+__all__ = [
+    "USER_ERRORS",
+    "ConfigError",
+    "KvtraceError",
+    "TraceCorruptError",
+    "TraceError",
+    "TraceFormatError",
+    "TraceMetadataError",
+    "TraceReadError",
+    "TraceSchemaError",
+    "TraceVersionError",
+    "TraceWriteError",
+    "UnknownSampleError",
+    "VersionSpecError",
+    "WorkloadError",
+]

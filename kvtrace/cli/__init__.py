@@ -1,7 +1,9 @@
 """The ``kvtrace`` command line: one Typer app, one sub-module per command group.
 
-Error contract (see README "Exit codes"): a ``KvtraceError`` becomes one line on
-stderr and its exit code (2 for bad input); usage errors (``typer.BadParameter``) exit 2;
+Error contract (see README "Exit codes"): a ``KvtraceError`` or a trace-file
+``TraceError`` (``kvtrace.errors.USER_ERRORS``) becomes one line on stderr and its
+exit code (2 for bad input); a command's usage errors (a bad option value,
+``typer.BadParameter``) become one line too and exit 2;
 ``--debug`` anywhere on the command line shows the traceback instead.
 """
 
@@ -14,9 +16,12 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from kvtrace.errors import KvtraceError
+from kvtrace.errors import USER_ERRORS
 
 DEBUG_KEY = "kvtrace.debug"
+# typer vendors click and exports only BadParameter; its base is click's UsageError
+# (bad option values, missing arguments, unknown options of a command).
+_USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
 
 
 class KvtraceGroup(TyperGroup):
@@ -32,13 +37,19 @@ class KvtraceGroup(TyperGroup):
         debug = bool(ctx.meta.get(DEBUG_KEY))
         try:
             return super().invoke(ctx)
+        except _USAGE_ERROR as exc:  # a bad option value or argument of a command: one line
+            if debug:
+                traceback.print_exc()
+            where = exc.ctx.command_path if exc.ctx is not None else "kvtrace"
+            typer.echo(f"kvtrace: error: {exc.format_message()} (see '{where} --help')", err=True)
+            raise typer.Exit(exc.exit_code) from None
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
-        except KvtraceError as exc:
+        except USER_ERRORS as exc:  # KvtraceError and traces' TraceError
             if debug:
                 traceback.print_exc()
             typer.echo(f"kvtrace: error: {exc}", err=True)
-            raise typer.Exit(exc.exit_code) from None
+            raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             typer.echo("kvtrace: interrupted", err=True)
             raise typer.Exit(130) from None
@@ -79,6 +90,7 @@ def main() -> None:
 
 # Command groups live in their own modules and register themselves on ``app``
 # when imported; add one import line per module below.
+from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,306 @@
+"""``kvtrace info`` and ``kvtrace validate``: what a trace holds, and whether its ops make sense.
+
+Both take a trace path or ``sample:NAME`` (a bundled sample). ``info`` exits 0
+even for a truncated file (it reports what is complete and warns on stderr);
+``validate`` exits 1 when it finds a problem, and a truncated file is one
+("file truncated after step S"): a cut recording is worth flagging.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvtrace.cli import app
+from traces.io import TraceReader
+from traces.samples import SAMPLE_PREFIX, list_samples, resolve_trace
+from traces.schema import DECODE, EXTEND, OPS, PREALLOC, SPEC
+from traces.validate import OpSequenceChecker, Problem
+
+# Files at least this big show a progress bar (when stderr is a terminal).
+PROGRESS_MIN_BYTES = 32 << 20
+
+TraceArgument = Annotated[
+    str,
+    typer.Argument(
+        help=f"A .kvtrace file, or {SAMPLE_PREFIX}NAME for a bundled sample ({', '.join(list_samples())}).",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+
+
+def open_trace(spec: str) -> TraceReader:
+    """Open a trace argument (a path or ``sample:NAME``), validating it once.
+
+    Raises:
+        TraceError: the file cannot be read or breaks the format (one clear line).
+    """
+    return TraceReader(resolve_trace(spec))
+
+
+@contextmanager
+def _progress(reader: TraceReader, what: str) -> Iterator[Any]:
+    """A rich progress bar on stderr for big files on a terminal; else a no-op updater."""
+    if not (sys.stderr.isatty() and reader.file_bytes >= PROGRESS_MIN_BYTES):
+        yield lambda: None
+        return
+    progress = Progress(
+        TextColumn(f"{what} [bold]{reader.path.name}[/]"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task(what, total=reader.file_bytes)
+        yield lambda: progress.update(task, completed=reader.bytes_read)
+
+
+def _warn_truncated(reader: TraceReader) -> None:
+    if reader.truncated:
+        typer.echo(f"kvtrace: warning: {reader.path}: {reader.truncation_detail}", err=True)
+
+
+# --------------------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------------------
+
+
+def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
+    """Everything ``kvtrace info --json`` prints, computed in one streaming pass.
+
+    Vectorised per record batch: memory is flat in trace length (plus one bit
+    per request id).
+    """
+    meta = reader.meta
+    ops = np.zeros(len(OPS), np.int64)
+    tokens = {"prefill": 0, "decode": 0, "spec_accepted": 0, "spec_drafted": 0, "prealloc": 0}
+    seen = np.zeros(1024, np.bool_)
+    steps = rows = 0
+    first_step = last_step = None
+    first_time = last_time = None
+    max_seq_len = 0
+    max_rows_per_step = 0
+    for columns in reader.iter_columns():
+        n = columns.step.shape[0]
+        if n == 0:
+            continue
+        step = columns.step
+        bounds = np.flatnonzero(step[1:] != step[:-1]) + 1
+        steps += bounds.shape[0] + 1 - int(last_step is not None and int(step[0]) == last_step)
+        sizes = np.diff(np.concatenate(([0], bounds, [n])))
+        max_rows_per_step = max(max_rows_per_step, int(sizes.max()))
+        if first_step is None:
+            first_step, first_time = int(step[0]), float(columns.time_s[0])
+        last_step = int(step[-1])
+        last_time = float(columns.time_s[-1]) if last_time is None else max(last_time, float(columns.time_s.max()))
+        rows += n
+        op = columns.op
+        ops += np.bincount(op, minlength=len(OPS))
+        append = columns.append_len.astype(np.int64)
+        tokens["prefill"] += int(append[op == EXTEND].sum())
+        tokens["decode"] += int(append[op == DECODE].sum())
+        tokens["prealloc"] += int(append[op == PREALLOC].sum())
+        is_spec = op == SPEC
+        tokens["spec_accepted"] += int(columns.accepted_len[is_spec].astype(np.int64).sum())
+        tokens["spec_drafted"] += int(columns.draft_len[is_spec].astype(np.int64).sum())
+        max_seq_len = max(max_seq_len, int(columns.seq_len.max()))
+        rid = columns.rid[(columns.rid >= 0) & (columns.rid < 1 << 28)]
+        if rid.size:
+            top = int(rid.max())
+            if top >= seen.shape[0]:
+                seen = np.concatenate([seen, np.zeros(max(top + 1, 2 * seen.shape[0]) - seen.shape[0], np.bool_)])
+            seen[rid] = True
+        if on_batch is not None:
+            on_batch()
+    config = meta.to_dict()
+    return {
+        "path": str(reader.path),
+        "format_version": meta.format_version,
+        "source": config["source"],
+        "config": config["config"],
+        "model": config["model"],
+        "block_size": meta.block_size,
+        "created_at": meta.created_at,
+        "steps": steps,
+        "first_step": first_step,
+        "last_step": last_step,
+        "rows": rows,
+        "max_rows_per_step": max_rows_per_step,
+        "requests": int(seen.sum()),
+        "ops": {name: int(count) for name, count in zip(OPS, ops)},
+        "tokens": tokens,
+        "max_seq_len": max_seq_len,
+        "duration_s": 0.0 if first_time is None else float(last_time - first_time),  # type: ignore[operator]
+        "file_bytes": reader.file_bytes,
+        "record_batches": reader.num_record_batches,
+        "truncated": reader.truncated,
+        "truncation_detail": reader.truncation_detail,
+        "extra": config["extra"],
+    }
+
+
+def _render_info(info: dict[str, Any]) -> None:
+    console = Console()
+    table = Table(title=f"kvtrace info: {info['path']}", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    source = info["source"]
+    cfg = info["config"]
+    model = info["model"]
+    spec = cfg.get("spec")
+    table.add_row("format version", str(info["format_version"]))
+    table.add_row("source", f"{source['engine']}: {source['workload']}")
+    if source.get("license"):
+        table.add_row("licence", str(source["license"]))
+    if source.get("citation"):
+        table.add_row("citation", str(source["citation"]))
+    table.add_row(
+        "config",
+        f"page_size {cfg['page_size']}, pool_tokens {cfg['pool_tokens']:,}, "
+        f"max_running {cfg['max_running']}, max_context_len {cfg['max_context_len']:,}, "
+        f"chunk_size {cfg.get('chunk_size')}, policy {cfg.get('schedule_policy')}",
+    )
+    table.add_row(
+        "spec",
+        "off" if not spec else (
+            f"{spec['algorithm']} steps {spec['num_steps']}, topk {spec['topk']}, "
+            f"draft tokens {spec['num_draft_tokens']}"
+        ),
+    )
+    table.add_row("pd decode / hisparse", f"{cfg.get('pd_decode')} / {cfg.get('hisparse')}")
+    table.add_row(
+        "model",
+        f"{model['name']}: {model['num_layers']} layers, {model['num_kv_heads']} KV heads, "
+        f"head_dim {model['head_dim']}, {model['dtype']} ({model['bytes_per_token']:,} bytes/token)",
+    )
+    table.add_row("block size", str(info["block_size"]))
+    steps = info["steps"]
+    span = "" if info["first_step"] is None else f" ({info['first_step']}..{info['last_step']})"
+    table.add_row("steps", f"{steps:,}{span}")
+    table.add_row("requests", f"{info['requests']:,}")
+    table.add_row("rows", f"{info['rows']:,} (at most {info['max_rows_per_step']:,} in a step)")
+    table.add_row("ops", ", ".join(f"{name} {count:,}" for name, count in info["ops"].items()))
+    tok = info["tokens"]
+    table.add_row(
+        "tokens",
+        f"prefill {tok['prefill']:,}, decode {tok['decode']:,}, spec accepted "
+        f"{tok['spec_accepted']:,} of {tok['spec_drafted']:,} drafted, prealloc {tok['prealloc']:,}",
+    )
+    table.add_row("longest request", f"{info['max_seq_len']:,} tokens")
+    table.add_row("duration", f"{info['duration_s']:,.2f} s (simulated)")
+    table.add_row("file", f"{info['file_bytes']:,} bytes, {info['record_batches']:,} record batches")
+    table.add_row(
+        "truncated",
+        f"[bold red]yes[/]: {info['truncation_detail']}" if info["truncated"] else "no",
+    )
+    console.print(table)
+
+
+@app.command("info")
+def info_command(trace: TraceArgument, json_output: JsonOption = False) -> None:
+    """Show a trace's metadata and what it holds (steps, requests, ops, tokens).
+
+    A truncated trace is summarised up to its last complete batch (exit 0, with a
+    warning on stderr).
+    """
+    reader = open_trace(trace)
+    with _progress(reader, "reading") as update:
+        info = trace_info(reader, on_batch=update)
+    _warn_truncated(reader)
+    if json_output:
+        typer.echo(json.dumps(info))
+    else:
+        _render_info(info)
+
+
+# --------------------------------------------------------------------------------------
+# validate
+# --------------------------------------------------------------------------------------
+
+
+@app.command("validate")
+def validate_command(
+    trace: TraceArgument,
+    json_output: JsonOption = False,
+    max_problems: Annotated[
+        int,
+        typer.Option("--max-problems", min=0, help="Print at most this many problems (all are counted)."),
+    ] = 20,
+) -> None:
+    """Check that a trace's op sequence makes sense; exit 1 if it does not.
+
+    Reports ops on requests that do not exist or already ended, lengths that
+    shrink or do not add up, steps out of order, spec rows without spec settings,
+    bad block hashes or token ids, and a truncated file.
+    """
+    reader = open_trace(trace)
+    checker = OpSequenceChecker(reader.meta)
+    shown: list[Problem] = []
+    total = 0
+    with _progress(reader, "validating") as update:
+        last_batches = 0
+        for batch in reader.steps():
+            problems = checker.check(batch)
+            if problems:
+                total += len(problems)
+                room = max_problems - len(shown)
+                if room > 0:
+                    shown.extend(problems[:room])
+            if reader.num_record_batches != last_batches:
+                last_batches = reader.num_record_batches
+                update()
+    summary = checker.finish()
+    if reader.truncated:
+        last = reader.last_step if reader.last_step is not None else -1
+        cut = Problem(last, None, str(reader.truncation_detail))
+        total += 1
+        if len(shown) < max_problems:
+            shown.append(cut)
+        _warn_truncated(reader)
+    ok = total == 0
+    if json_output:
+        typer.echo(
+            json.dumps(
+                {
+                    "path": str(reader.path),
+                    "ok": ok,
+                    "num_problems": total,
+                    "problems": [p.to_dict() for p in shown],
+                    "truncated": reader.truncated,
+                    "truncation_detail": reader.truncation_detail,
+                    "steps": summary.steps,
+                    "rows": summary.rows,
+                    "requests": summary.requests,
+                    "ended": summary.ended,
+                    "holding_kv": summary.holding_kv,
+                    "retracted": summary.retracted,
+                }
+            )
+        )
+    else:
+        for problem in shown:
+            typer.echo(str(problem))
+        if total > len(shown):
+            typer.echo(f"... and {total - len(shown)} more")
+        held = (
+            f"; {summary.holding_kv:,} requests still hold KV at the end (a window of a longer "
+            "recording is fine)"
+            if summary.holding_kv
+            else ""
+        )
+        verdict = "ok" if ok else f"{total:,} problem{'s' if total != 1 else ''}"
+        typer.echo(f"{verdict}: {summary.steps:,} steps, {summary.requests:,} requests, {summary.rows:,} rows{held}")
+    if not ok:
+        raise typer.Exit(1)

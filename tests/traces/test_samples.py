@@ -1,0 +1,43 @@
+"""Bundled samples: found by name, valid, and what their recipe regenerates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from traces.errors import UnknownSampleError
+from traces.io import TraceReader
+from traces.samples import RECIPES, list_samples, regenerate, resolve_trace, sample_path
+from traces.schema import OPS
+from traces.validate import OpSequenceChecker
+
+
+def test_names_and_paths() -> None:
+    assert list_samples() == sorted(RECIPES) and "tiny" in list_samples()
+    assert sample_path("tiny").name == "tiny.kvtrace" and sample_path("tiny").is_file()
+    assert resolve_trace("sample:tiny") == sample_path("tiny")
+    assert resolve_trace("some/file.kvtrace") == Path("some/file.kvtrace")
+    with pytest.raises(UnknownSampleError, match="unknown sample 'big'; bundled samples: tiny"):
+        resolve_trace("sample:big")
+
+
+@pytest.mark.parametrize("name", list_samples())
+def test_sample_is_valid_and_matches_its_recipe(tmp_path: Path, name: str) -> None:
+    bundled = TraceReader(sample_path(name))
+    checker = OpSequenceChecker(bundled.meta)
+    steps = list(bundled.steps())
+    assert [str(p) for s in steps for p in checker.check(s)] == []
+    assert not bundled.truncated
+    fresh = TraceReader(regenerate(name, tmp_path))
+    assert fresh.meta == bundled.meta
+    again = list(fresh.steps())
+    assert len(again) == len(steps) and all(a.equals(b) for a, b in zip(again, steps))
+
+
+def test_tiny_exercises_every_op_with_page_size_16() -> None:
+    reader = TraceReader(sample_path("tiny"))
+    seen = {OPS[o] for s in reader.steps() for o in s.op}
+    assert seen == set(OPS)
+    assert reader.meta.config.page_size == 16 and reader.meta.config.pool_tokens < 10_000
+    assert reader.file_bytes < 200_000

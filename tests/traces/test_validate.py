@@ -1,0 +1,281 @@
+"""OpSequenceChecker: a clean sequence, then one test per kind of problem."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.traces.conftest import make_meta
+from traces.schema import OP_CODE, SpecSettings, StepBatch
+from traces.validate import OpSequenceChecker, Problem
+
+
+def row(op: str, rid: int, seq_len: int, append_len: int, **fields: object) -> dict[str, object]:
+    return dict(op=op, rid=rid, seq_len=seq_len, append_len=append_len, **fields)
+
+
+def step(number: int, *rows: dict[str, object], time_s: float | None = None, sort: bool = True) -> StepBatch:
+    def column(name: str, default: object) -> list[object]:
+        return [r.get(name, default) for r in rows]
+
+    return StepBatch.from_columns(
+        number,
+        float(number) if time_s is None else time_s,
+        op=np.array([OP_CODE[str(r["op"])] for r in rows], np.int8),
+        rid=column("rid", 0),
+        seq_len=column("seq_len", 0),
+        append_len=column("append_len", 0),
+        draft_len=column("draft_len", 0),
+        accepted_len=column("accepted_len", 0),
+        prompt_len=column("prompt_len", None),
+        block_hashes=column("block_hashes", None),
+        token_ids=column("token_ids", None),
+        sort=sort,
+    )
+
+
+def run(steps: list[StepBatch], **config: object) -> tuple[list[Problem], OpSequenceChecker]:
+    checker = OpSequenceChecker(make_meta(**config))
+    problems: list[Problem] = []
+    for batch in steps:
+        problems.extend(checker.check(batch))
+    return problems, checker
+
+
+def messages(problems: list[Problem]) -> list[str]:
+    return [str(p) for p in problems]
+
+
+def test_a_valid_sequence_of_every_op_has_no_problem() -> None:
+    steps = [
+        # request 0: chunked prefill across pages, block hashes (block_size 32: 2 blocks)
+        step(0, row("extend", 0, 24, 24, prompt_len=40, block_hashes=[11, 12])),
+        step(1, row("extend", 0, 40, 16), row("prealloc", 1, 30, 30, prompt_len=29)),
+        step(2, row("decode", 0, 41, 1, token_ids=[5]), row("spec", 1, 33, 3, draft_len=4, accepted_len=3)),
+        step(3, row("retract", 0, 41, 0), row("spec", 1, 38, 5, draft_len=4, accepted_len=5)),
+        # request 0 comes back from 0; request 1 stops early (owned < length)
+        step(4, row("finish", 1, 36, 0), row("extend", 0, 41, 41, token_ids=list(range(41)))),
+        step(5, row("decode", 0, 42, 1), row("extend", 2, 7, 7, prompt_len=7)),
+        step(6, row("abort", 2, 7, 0), row("decode", 0, 43, 1)),
+        step(7, row("decode", 0, 44, 1), row("extend", 3, 3, 3, prompt_len=9)),
+    ]
+    problems, checker = run(steps, spec=SpecSettings(), pd_decode=True)
+    assert problems == []
+    summary = checker.finish()
+    assert summary.steps == 8 and summary.requests == 4 and summary.ended == 2
+    assert summary.holding_kv == 2  # requests 0 and 3: a window, not a problem
+    assert summary.problems == 0
+    assert checker.phase_of(0) == "decode" and checker.length_of(0) == 44
+    assert checker.phase_of(3) == "prefill"
+
+
+@pytest.mark.parametrize(
+    ("steps", "config", "expected"),
+    [
+        (
+            [step(0, row("decode", 5, 1, 1))],
+            {},
+            ["step 0, request 5: decode of a request that does not exist (no extend or prealloc before it)"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4)),
+                step(1, row("finish", 0, 4, 0)),
+                step(2, row("decode", 0, 5, 1)),
+            ],
+            {},
+            ["step 2, request 0: decode of a request that already ended (finish or abort earlier)"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4)),
+                step(1, row("decode", 0, 5, 1)),
+                step(2, row("extend", 0, 9, 4)),
+            ],
+            {},
+            ["step 2, request 0: extend of a request that is mid-decode"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=8)), step(1, row("extend", 0, 2, 1))],
+            {},
+            ["step 1, request 0: length shrinks from 4 to 2 on extend"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("decode", 0, 6, 1))],
+            {},
+            ["step 1, request 0: seq_len 6 inconsistent with decode: length before 4 + 1 appended = 5"],
+        ),
+        (
+            [step(0, row("extend", 0, 5000, 5000, prompt_len=5000))],
+            {},
+            ["step 0, request 0: seq_len 5000 exceeds config.max_context_len 4096"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4)),
+                step(1, row("finish", 0, 9, 0)),
+            ],
+            {},
+            ["step 1, request 0: finish seq_len 9 > current length 4"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4))],
+            {},
+            ["step 0, request 0: the request's first row has no prompt_len"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=8)), step(1, row("decode", 0, 5, 1))],
+            {},
+            ["step 1, request 0: decode before the prefill is complete (length 4 < prompt_len 8)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4, token_ids=[1, 2, 3]))],
+            {},
+            ["step 0, request 0: token_ids has 3 ids but append_len is 4"],
+        ),
+        (
+            [step(0, row("extend", 0, 2, 2, prompt_len=2, token_ids=[1, -7]))],
+            {},
+            ["step 0, request 0: explicit token id outside [0, 2**62) (larger ids are reserved for synthetic content)"],
+        ),
+        (
+            [step(0, row("extend", 0, 40, 40, prompt_len=40, block_hashes=[1, 2, 3]))],
+            {},
+            ["step 0, request 0: 3 block_hashes for prompt_len 40 (expected ceil(40 / 32) = 2)"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4, block_hashes=[1]),
+                     row("extend", 1, 4, 4, prompt_len=4, block_hashes=[1])),
+            ],
+            {"block_size": None},
+            ["step 0, request 0: block_hashes but the metadata has no block_size (reported once)"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4), row("extend", 1, 4, 4, prompt_len=4)),
+                step(1, row("spec", 0, 6, 2, draft_len=4, accepted_len=2),
+                     row("spec", 1, 6, 2, draft_len=4, accepted_len=2)),
+                step(2, row("spec", 0, 7, 1, draft_len=4, accepted_len=1)),
+            ],
+            {},
+            ["step 1, request 0: spec rows but the metadata has no spec settings (config.spec is null; reported once)"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4)),
+                step(1, row("spec", 0, 10, 6, draft_len=4, accepted_len=6)),
+            ],
+            {"spec": SpecSettings()},
+            ["step 1, request 0: accepted_len 6 > draft_len 4 + 1"],
+        ),
+        (
+            [step(0, row("prealloc", 0, 9, 9, prompt_len=9))],
+            {},
+            ["step 0, request 0: prealloc rows but the metadata says config.pd_decode is false (reported once)"],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4)),
+                step(1, row("retract", 0, 3, 0)),
+                step(2, row("decode", 0, 1, 1)),
+            ],
+            {},
+            [
+                "step 1, request 0: retract seq_len 3 != current length 4",
+                "step 2, request 0: decode of a retracted request (it must be extended again first)",
+            ],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=4)),
+                step(1, row("decode", 0, 5, 1), row("decode", 0, 6, 1)),
+            ],
+            {},
+            ["step 1, request 0: the request appears more than once in this step"],
+        ),
+        (
+            [step(0, row("decode", 1, 5, 1), row("extend", 0, 4, 4, prompt_len=4), sort=False)],
+            {},
+            [
+                "step 0, request 1: decode of a request that does not exist (no extend or prealloc before it)",
+                "step 0, request 0: rows not in OP_ORDER: a extend row after a decode row "
+                "(releases come first: finish, abort, retract, prealloc, extend, decode, spec)",
+            ],
+        ),
+        (
+            [
+                step(3, row("extend", 0, 4, 4, prompt_len=8), time_s=0.0),
+                step(2, row("extend", 0, 5, 1), time_s=0.0),
+                step(3, row("extend", 0, 6, 1), time_s=0.0),
+            ],
+            {},
+            [
+                "step 2: step 2 comes after step 3: steps must increase",
+                "step 3: step 3 repeats step 3: steps must increase",
+            ],
+        ),
+        (
+            [
+                step(0, row("extend", 0, 4, 4, prompt_len=8), time_s=5.0),
+                step(1, row("extend", 0, 5, 1), time_s=4.5),
+                step(2, row("extend", 0, 6, 1), time_s=float("nan")),
+            ],
+            {},
+            ["step 1: time goes backwards: 4.5 s after 5 s", "step 2: time_s is nan, not a finite number"],
+        ),
+    ],
+)
+def test_each_problem_is_reported_with_step_and_request(
+    steps: list[StepBatch], config: dict[str, object], expected: list[str]
+) -> None:
+    problems, checker = run(steps, **config)
+    assert messages(problems) == expected
+    assert checker.finish().problems == len(expected)
+
+
+def test_rows_failing_the_fast_check_are_explained_and_others_not() -> None:
+    batch = step(
+        1,
+        row("decode", 0, 5, 1),
+        row("decode", 1, 9, 1),  # 2 tokens more than it holds + 1
+        row("decode", 2, 5, 1),
+    )
+    start = step(0, *(row("extend", r, 4, 4, prompt_len=4) for r in range(3)))
+    problems, _ = run([start, batch])
+    assert messages(problems) == [
+        "step 1, request 1: seq_len 9 inconsistent with decode: length before 4 + 1 appended = 5"
+    ]
+
+
+def test_a_mistake_is_reported_once_then_adopted() -> None:
+    steps = [step(0, row("decode", 0, 10, 1))] + [step(s, row("decode", 0, 10 + s, 1)) for s in range(1, 6)]
+    problems, checker = run(steps)
+    assert len(problems) == 1 and checker.length_of(0) == 15
+
+
+def test_bad_request_ids_and_op_codes() -> None:
+    batch = StepBatch.from_columns(
+        0, 0.0, op=np.array([0, 0], np.int8), rid=[-3, 2**40], seq_len=[1, 1], append_len=[1, 1],
+        prompt_len=[1, 1],
+    )
+    problems, _ = run([batch])
+    assert messages(problems) == [
+        "step 0, request -3: request id outside [0, 2**28) (ids are dense, from 0)",
+        f"step 0, request {2**40}: request id outside [0, 2**28) (ids are dense, from 0)",
+    ]
+    bad_op = StepBatch(
+        0, 0.0, np.array([9], np.int8), np.array([0]), np.array([1]), np.array([1], np.int32),
+        np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int64), np.array([1]),
+        step(0, row("extend", 0, 1, 1)).block_hashes, step(0, row("extend", 0, 1, 1)).token_ids,
+    )
+    problems, _ = run([bad_op])
+    assert messages(problems) == ["step 0, request 0: unknown op code 9 (valid: 0..6)"]
+
+
+def test_problem_records() -> None:
+    problem = Problem(4, None, "time goes backwards")
+    assert str(problem) == "step 4: time goes backwards"
+    assert problem.to_dict() == {"step": 4, "rid": None, "problem": "time goes backwards"}
+    with pytest.raises(AttributeError):
+        problem.step = 5  # type: ignore[misc]

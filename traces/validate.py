@@ -1,0 +1,506 @@
+"""Incremental, vectorised checking of a trace's op sequence.
+
+``OpSequenceChecker(meta).check(step)`` checks one step against the state the
+previous steps left (per request: phase, length, prompt length; numpy arrays
+indexed by request id) and returns its problems; ``finish()`` summarises the
+end of the trace. ``kvtrace validate`` runs it over a whole file; the replay
+engine may run it per step before applying the step.
+
+Request phases::
+
+    NEW ──extend──► PREFILL ──decode/spec──► DECODE
+     │                 ▲  │                    │
+     └──prealloc───────┼──┼────────────────────┤ (prealloc enters DECODE)
+                       │  └──retract──► RETRACTED ◄──retract── DECODE
+            extend ────┘ (from 0)            │
+    PREFILL/DECODE ──finish/abort──► ENDED ◄─┘ abort
+
+A row that breaks a rule is reported, then applied as recorded (its
+``seq_len`` becomes the request's length), so one mistake is reported once
+rather than at every later step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from traces.schema import (
+    ABORT,
+    DECODE,
+    EXTEND,
+    FINISH,
+    OP_RANK,
+    OPS,
+    PREALLOC,
+    RETRACT,
+    SPEC,
+    StepBatch,
+    TraceMeta,
+)
+
+# Request phases (values of the per-request state array).
+NEW, PREFILL, DECODING, RETRACTED, ENDED = range(5)
+PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended")
+
+# Ids are dense from 0; per-request state costs 17 bytes per id up to the largest.
+MAX_RID = 1 << 28
+MAX_EXPLICIT_TOKEN = 1 << 62  # larger ids are reserved for synthetic content (traces.tokens)
+
+_OP_RANK = np.array(OP_RANK, np.int8)
+_IS_ALLOC = np.array([True, True, True, True, False, False, False])
+_IS_DECODING_OP = np.array([False, True, True, False, False, False, False])
+# Tokens an op may append, indexed by op code.
+_MIN_APPEND = np.array([1, 1, 0, 1, 0, 0, 0], np.int32)
+_MAX_APPEND = np.array([2**31 - 1, 1, 2**31 - 1, 2**31 - 1, 0, 0, 0], np.int32)
+# Which op may apply to which phase: _ALLOWED[op, phase].
+_ALLOWED = np.zeros((7, 5), np.bool_)
+for _op, _phases in (
+    (EXTEND, (NEW, PREFILL, RETRACTED)),
+    (DECODE, (PREFILL, DECODING)),
+    (SPEC, (PREFILL, DECODING)),
+    (PREALLOC, (NEW, RETRACTED)),
+    (FINISH, (PREFILL, DECODING)),
+    (RETRACT, (PREFILL, DECODING)),
+    (ABORT, (PREFILL, DECODING, RETRACTED)),
+):
+    _ALLOWED[_op, list(_phases)] = True
+_HOLDS_KV = np.array([False, True, True, False, False])
+# Phase a request enters with each op, indexed by op code.
+_NEXT_PHASE = np.array(
+    [PREFILL, DECODING, DECODING, DECODING, ENDED, RETRACTED, ENDED], np.int8
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One broken rule: where (step, request; None for the whole step) and what."""
+
+    step: int
+    rid: int | None
+    problem: str
+
+    def __str__(self) -> str:
+        if self.rid is None:
+            return f"step {self.step}: {self.problem}"
+        return f"step {self.step}, request {self.rid}: {self.problem}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"step": self.step, "rid": self.rid, "problem": self.problem}
+
+
+class CheckSummary(NamedTuple):
+    """The end of a trace, as ``OpSequenceChecker.finish()`` sees it.
+
+    ``holding_kv`` requests were never released: not a problem (a trace may be a
+    window of a longer recording), but worth a line in a report.
+    """
+
+    steps: int
+    rows: int
+    requests: int
+    ended: int
+    holding_kv: int
+    retracted: int
+    problems: int
+
+
+class OpSequenceChecker:
+    """Checks op sequences step by step; vectorised over a step's rows.
+
+    Args:
+        meta: the trace metadata (``max_context_len``, spec settings, PD decode,
+            ``block_size``).
+    """
+
+    def __init__(self, meta: TraceMeta) -> None:
+        self.meta = meta
+        self.max_context_len = meta.config.max_context_len
+        self.block_size = meta.block_size
+        self.spec_enabled = meta.config.spec is not None
+        self.pd_decode = meta.config.pd_decode
+        self._phase = np.zeros(1024, np.int8)
+        self._length = np.zeros(1024, np.int64)
+        self._prompt = np.full(1024, -1, np.int64)
+        self._last_step: int | None = None
+        self._last_time: float | None = None
+        self._steps = 0
+        self._rows = 0
+        self._problems = 0
+        self._reported_once: set[str] = set()
+
+    # -- public ----------------------------------------------------------------------
+
+    def check(self, batch: StepBatch) -> list[Problem]:
+        """Check one step and advance the state; returns its problems in row order."""
+        found: list[tuple[int, str, int | None]] = []  # (row, message, rid); row -1: the step
+        self._check_step(batch, found)
+        n = len(batch)
+        if n:
+            rid = batch.rid
+            in_range = (rid >= 0) & (rid < MAX_RID)
+            if not in_range.all():
+                for i in np.flatnonzero(~in_range).tolist():
+                    found.append((i, "request id outside [0, 2**28) (ids are dense, from 0)", int(rid[i])))
+            rows = np.flatnonzero(in_range)
+            if rows.size:
+                self._grow(int(rid[rows].max()))
+                ordered_rid = np.sort(rid[rows])
+                if rows.size > 1 and (ordered_rid[1:] == ordered_rid[:-1]).any():
+                    # Rare: a request twice in one step. Apply its rows one by one.
+                    seen: set[int] = set()
+                    for i in rows.tolist():
+                        r = int(rid[i])
+                        if r in seen:
+                            found.append((i, "the request appears more than once in this step", r))
+                        seen.add(r)
+                        self._check_rows(batch, np.array([i]), found)
+                else:
+                    self._check_rows(batch, rows, found)
+        self._steps += 1
+        self._rows += n
+        if not found:
+            return []
+        found.sort(key=lambda item: item[0])
+        self._problems += len(found)
+        return [Problem(batch.step, r, message) for _, message, r in found]
+
+    def finish(self) -> CheckSummary:
+        """The end-of-trace summary (requests still holding KV are not problems)."""
+        phase = self._phase
+        return CheckSummary(
+            steps=self._steps,
+            rows=self._rows,
+            requests=int(np.count_nonzero(phase != NEW)),
+            ended=int(np.count_nonzero(phase == ENDED)),
+            holding_kv=int(np.count_nonzero(_HOLDS_KV[phase])),
+            retracted=int(np.count_nonzero(phase == RETRACTED)),
+            problems=self._problems,
+        )
+
+    def phase_of(self, rid: int) -> str:
+        """The phase of a request (``new``, ``prefill``, ``decode``, ``retracted``, ``ended``)."""
+        return PHASE_NAMES[int(self._phase[rid])] if 0 <= rid < self._phase.shape[0] else "new"
+
+    def length_of(self, rid: int) -> int:
+        """The length the trace gave a request so far (0 when it holds no KV)."""
+        return int(self._length[rid]) if 0 <= rid < self._length.shape[0] else 0
+
+    # -- internals -------------------------------------------------------------------
+
+    def _grow(self, max_rid: int) -> None:
+        size = self._phase.shape[0]
+        if max_rid < size:
+            return
+        new = max(max_rid + 1, 2 * size)
+        self._phase = np.concatenate([self._phase, np.zeros(new - size, np.int8)])
+        self._length = np.concatenate([self._length, np.zeros(new - size, np.int64)])
+        self._prompt = np.concatenate([self._prompt, np.full(new - size, -1, np.int64)])
+
+    def _once(self, key: str) -> bool:
+        if key in self._reported_once:
+            return False
+        self._reported_once.add(key)
+        return True
+
+    def _check_step(self, batch: StepBatch, found: list[tuple[int, str, int | None]]) -> None:
+        step, time_s = batch.step, batch.time_s
+        if self._last_step is not None and step <= self._last_step:
+            what = "repeats" if step == self._last_step else "comes after"
+            found.append((-1, f"step {step} {what} step {self._last_step}: steps must increase", None))
+        if not np.isfinite(time_s):
+            found.append((-1, f"time_s is {time_s}, not a finite number", None))
+        elif self._last_time is not None and time_s < self._last_time:
+            found.append(
+                (-1, f"time goes backwards: {time_s:g} s after {self._last_time:g} s", None)
+            )
+        self._last_step = step if self._last_step is None else max(step, self._last_step)
+        if np.isfinite(time_s):
+            self._last_time = time_s if self._last_time is None else max(time_s, self._last_time)
+        op = batch.op
+        if len(batch) > 1:
+            bad_code = (op < 0) | (op >= len(OPS))
+            if bad_code.any():
+                return  # reported per row below
+            rank = _OP_RANK[op]
+            out_of_order = np.flatnonzero(rank[1:] < rank[:-1]) + 1
+            for i in out_of_order[:1].tolist():
+                found.append(
+                    (
+                        i,
+                        f"rows not in OP_ORDER: a {OPS[op[i]]} row after a {OPS[op[i - 1]]} row "
+                        "(releases come first: finish, abort, retract, prealloc, extend, decode, spec)",
+                        int(batch.rid[i]),
+                    )
+                )
+
+    def _check_rows(
+        self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]
+    ) -> None:
+        """Check ``rows`` of ``batch`` (distinct, valid request ids) and apply them.
+
+        A few combined vectorised tests decide which rows are fine; only the rows
+        that fail are explained, one message per broken rule (``_explain``).
+        """
+        every = rows.shape[0] == len(batch)
+        op = batch.op if every else batch.op[rows]
+        bad_code = (op < 0) | (op >= len(OPS))
+        if bad_code.any():
+            for j in np.flatnonzero(bad_code).tolist():
+                found.append(
+                    (int(rows[j]), f"unknown op code {int(op[j])} (valid: 0..{len(OPS) - 1})", int(batch.rid[rows[j]]))
+                )
+            rows = rows[~bad_code]
+            if rows.size == 0:
+                return
+            every = False
+            op = batch.op[rows]
+
+        def take(array: np.ndarray) -> np.ndarray:
+            return array if every else array[rows]
+
+        rid = take(batch.rid)
+        seq_len = take(batch.seq_len)
+        append_len = take(batch.append_len)
+        prompt_len = take(batch.prompt_len)
+        phase = self._phase[rid]
+        length = self._length[rid]
+        known_prompt = self._prompt[rid]
+        counts = np.bincount(op, minlength=len(OPS))
+
+        if counts[SPEC] and not self.spec_enabled and self._once("spec"):
+            first = int(np.flatnonzero(op == SPEC)[0])
+            found.append(
+                (int(rows[first]), "spec rows but the metadata has no spec settings "
+                 "(config.spec is null; reported once)", int(rid[first]))
+            )
+        if counts[PREALLOC] and not self.pd_decode and self._once("prealloc"):
+            first = int(np.flatnonzero(op == PREALLOC)[0])
+            found.append(
+                (int(rows[first]), "prealloc rows but the metadata says config.pd_decode is false "
+                 "(reported once)", int(rid[first]))
+            )
+
+        alloc = _IS_ALLOC[op]
+        ok = _ALLOWED[op, phase]
+        ok &= (append_len >= _MIN_APPEND[op]) & (append_len <= _MAX_APPEND[op])
+        ok &= (seq_len >= 0) & (~alloc | (seq_len <= self.max_context_len))
+        added = append_len
+        if counts[SPEC]:
+            is_spec = op == SPEC
+            draft_len = take(batch.draft_len).astype(np.int64)
+            accepted_len = take(batch.accepted_len).astype(np.int64)
+            added = np.where(is_spec, accepted_len, append_len)
+            ok &= ~is_spec | (
+                (accepted_len == append_len) & (accepted_len <= draft_len + 1)
+                & (draft_len >= 0) & (accepted_len >= 0)
+            )
+        ok &= np.where(
+            alloc, seq_len == length + added, np.where(op == FINISH, seq_len <= length, seq_len == length)
+        )
+        if counts[DECODE] or counts[SPEC]:
+            ok &= ~(
+                _IS_DECODING_OP[op] & (phase == PREFILL) & (known_prompt >= 0) & (length < known_prompt)
+            )
+        is_new = phase == NEW
+        ok &= ~is_new | (prompt_len >= 0)
+        ok &= (prompt_len < 0) | is_new | (known_prompt < 0) | (prompt_len == known_prompt)
+        if not ok.all():
+            self._explain(batch, rows[~ok], found)
+        self._check_lists(batch, rows, every, prompt_len, take(batch.append_len), rid, found)
+
+        # Apply, as recorded.
+        self._phase[rid] = _NEXT_PHASE[op]
+        self._length[rid] = np.where(alloc, seq_len, 0)
+        sets_prompt = is_new & (prompt_len >= 0)
+        if sets_prompt.any():
+            self._prompt[rid[sets_prompt]] = prompt_len[sets_prompt]
+
+    def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
+        """One message per broken rule for ``rows`` (each known to break at least one)."""
+        rid = batch.rid[rows]
+        op = batch.op[rows]
+        seq_len = batch.seq_len[rows]
+        append_len = batch.append_len[rows].astype(np.int64)
+        draft_len = batch.draft_len[rows].astype(np.int64)
+        accepted_len = batch.accepted_len[rows].astype(np.int64)
+        prompt_len = batch.prompt_len[rows]
+        phase = self._phase[rid]
+        length = self._length[rid]
+        known_prompt = self._prompt[rid]
+        explained = np.zeros(rows.shape[0], np.bool_)
+
+        def report(mask: np.ndarray, message: object) -> None:
+            """Report ``message(j)`` (or the string) for every row ``j`` where ``mask``."""
+            if not mask.any():
+                return
+            explained[mask] = True
+            for j in np.flatnonzero(mask).tolist():
+                text = message(j) if callable(message) else message
+                found.append((int(rows[j]), str(text), int(rid[j])))
+
+        is_extend, is_decode, is_spec = op == EXTEND, op == DECODE, op == SPEC
+        is_prealloc, is_finish, is_retract, is_abort = op == PREALLOC, op == FINISH, op == RETRACT, op == ABORT
+        is_alloc = is_extend | is_decode | is_spec | is_prealloc
+        is_release = ~is_alloc
+        is_new, is_prefill, is_decoding = phase == NEW, phase == PREFILL, phase == DECODING
+        is_retracted, is_ended = phase == RETRACTED, phase == ENDED
+        holds_kv = is_prefill | is_decoding
+
+        # Negative counts.
+        for name, values, where in (
+            ("seq_len", seq_len, True), ("append_len", append_len, True),
+            ("draft_len", draft_len, is_spec), ("accepted_len", accepted_len, is_spec),
+        ):
+            report(
+                where & (values < 0),
+                lambda j, name=name, values=values: f"{name} is negative ({int(values[j])})",
+            )
+
+        # Ops on requests in the wrong phase.
+        wrong_phase = {
+            "ended": is_ended,
+            "missing": is_new & ~is_extend & ~is_prealloc,
+            "mid-decode": is_extend & is_decoding,
+            "prealloc-held": is_prealloc & holds_kv,
+            "alloc-retracted": (is_decode | is_spec) & is_retracted,
+            "release-retracted": (is_finish | is_retract) & is_retracted,
+        }
+        report(
+            wrong_phase["ended"],
+            lambda j: f"{OPS[op[j]]} of a request that already ended (finish or abort earlier)",
+        )
+        report(
+            wrong_phase["missing"],
+            lambda j: f"{OPS[op[j]]} of a request that does not exist (no extend or prealloc before it)",
+        )
+        report(wrong_phase["mid-decode"], "extend of a request that is mid-decode")
+        report(wrong_phase["prealloc-held"], "prealloc of a request that already holds KV")
+        report(
+            wrong_phase["alloc-retracted"],
+            lambda j: f"{OPS[op[j]]} of a retracted request (it must be extended again first)",
+        )
+        report(
+            wrong_phase["release-retracted"],
+            lambda j: f"{OPS[op[j]]} of a retracted request, which holds no KV (abort ends it)",
+        )
+        report(
+            (is_decode | is_spec) & is_prefill & (known_prompt >= 0) & (length < known_prompt),
+            lambda j: f"{OPS[op[j]]} before the prefill is complete "
+            f"(length {int(length[j])} < prompt_len {int(known_prompt[j])})",
+        )
+        # Lengths are checked only where the phase made sense (one report per mistake).
+        sane = ~np.logical_or.reduce(list(wrong_phase.values()))
+
+        # Lengths. ``before`` is the length the op starts from.
+        before = np.where(is_new | is_retracted | is_prealloc, 0, length)
+        expected = before + np.where(is_spec, accepted_len, append_len)
+        shrinks = is_alloc & sane & (seq_len < before)
+        report(
+            shrinks,
+            lambda j: f"length shrinks from {int(before[j])} to {int(seq_len[j])} on {OPS[op[j]]}",
+        )
+        report(
+            is_alloc & sane & ~shrinks & (seq_len != expected),
+            lambda j: f"seq_len {int(seq_len[j])} inconsistent with {OPS[op[j]]}: length before "
+            f"{int(before[j])} + {int(expected[j] - before[j])} appended = {int(expected[j])}",
+        )
+        report(is_extend & (append_len <= 0), "extend appends no tokens")
+        report(is_prealloc & (seq_len <= 0), "prealloc of no tokens")
+        report(
+            is_decode & (append_len != 1),
+            lambda j: f"decode appends {int(append_len[j])} tokens, not 1",
+        )
+        report(
+            is_alloc & (seq_len > self.max_context_len),
+            lambda j: f"seq_len {int(seq_len[j])} exceeds config.max_context_len {self.max_context_len}",
+        )
+        report(
+            is_release & (append_len != 0),
+            lambda j: f"{OPS[op[j]]} appends {int(append_len[j])} tokens (a release appends none)",
+        )
+        report(
+            is_finish & sane & (seq_len > length),
+            lambda j: f"finish seq_len {int(seq_len[j])} > current length {int(length[j])}",
+        )
+        report(
+            (is_retract | is_abort) & sane & (seq_len != length),
+            lambda j: f"{OPS[op[j]]} seq_len {int(seq_len[j])} != current length {int(length[j])}",
+        )
+
+        # Speculative rows.
+        if is_spec.any():
+            report(
+                is_spec & (accepted_len != append_len),
+                lambda j: f"spec accepted_len {int(accepted_len[j])} != append_len {int(append_len[j])}",
+            )
+            report(
+                is_spec & (accepted_len > draft_len + 1),
+                lambda j: f"accepted_len {int(accepted_len[j])} > draft_len {int(draft_len[j])} + 1",
+            )
+        # Prompt.
+        report(is_new & sane & (prompt_len < 0), "the request's first row has no prompt_len")
+        report(
+            ~is_new & sane & (prompt_len >= 0) & (known_prompt >= 0) & (prompt_len != known_prompt),
+            lambda j: f"prompt_len {int(prompt_len[j])} differs from the request's first row "
+            f"({int(known_prompt[j])})",
+        )
+        if not explained.all():  # a safety net: a failing row never goes unreported
+            report(~explained, lambda j: f"{OPS[op[j]]} row breaks the op-sequence rules")
+
+    def _check_lists(
+        self,
+        batch: StepBatch,
+        rows: np.ndarray,
+        every: bool,
+        prompt_len: np.ndarray,
+        append_len: np.ndarray,
+        rid: np.ndarray,
+        found: list[tuple[int, str, int | None]],
+    ) -> None:
+        """Block hashes and explicit token ids (only rows that carry them cost anything)."""
+
+        def report(mask: np.ndarray, message: object) -> None:
+            for j in np.flatnonzero(mask).tolist():
+                text = message(j) if callable(message) else message
+                found.append((int(rows[j]), str(text), int(rid[j])))
+
+        hashes = batch.block_hashes
+        if hashes.valid.any():
+            valid = hashes.valid if every else hashes.valid[rows]
+            count = hashes.lengths if every else hashes.lengths[rows]
+            if not self.block_size:
+                if valid.any() and self._once("block_size"):
+                    first_only = np.zeros(valid.shape[0], np.bool_)
+                    first_only[np.flatnonzero(valid)[0]] = True
+                    report(first_only, "block_hashes but the metadata has no block_size (reported once)")
+            else:
+                bs = self.block_size
+                report(valid & (prompt_len < 0), "block_hashes on a row without prompt_len")
+                expected = -(-np.maximum(prompt_len, 0) // bs)
+                report(
+                    valid & (prompt_len >= 0) & (count != expected),
+                    lambda j: f"{int(count[j])} block_hashes for prompt_len {int(prompt_len[j])} "
+                    f"(expected ceil({int(prompt_len[j])} / {bs}) = {int(expected[j])})",
+                )
+        tokens = batch.token_ids
+        if tokens.valid.any():
+            valid = tokens.valid if every else tokens.valid[rows]
+            count = tokens.lengths if every else tokens.lengths[rows]
+            report(
+                valid & (count != append_len),
+                lambda j: f"token_ids has {int(count[j])} ids but append_len is {int(append_len[j])}",
+            )
+            values = tokens.values
+            bad_value = (values < 0) | (values >= MAX_EXPLICIT_TOKEN)
+            if bad_value.any():
+                row_of_value = np.repeat(np.arange(len(batch)), tokens.lengths)
+                row_bad = np.zeros(len(batch), np.bool_)
+                row_bad[row_of_value[bad_value]] = True
+                report(
+                    valid & (row_bad if every else row_bad[rows]),
+                    "explicit token id outside [0, 2**62) (larger ids are reserved for synthetic content)",
+                )
