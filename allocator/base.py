@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runti
 if TYPE_CHECKING:
     import numpy as np
 
-SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash"]
+SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash", "uno"]
 EvictionPolicy = Literal["lru"]
 
 

@@ -1,0 +1,706 @@
+"""The allocation and release functions, each keeping its bookkeeping beside the allocation.
+
+SGLang 0.5.23 semantics (``mem_cache/allocation.py``, ``mem_cache/common.py``,
+``disaggregation/decode.py``, ``speculative/eagle_utils.py``); as in SGLang PR
+#29432, ``kv_allocated_len``, ``kv_committed_len`` and ``cache_protected_len``
+change only inside the function that performs the real allocation or release,
+never at a call site. Every function either does all of its work or, when the
+pool is short, returns ``OutOfMemory`` having changed nothing but what SGLang
+does before it tries (eviction of unlocked cache): no row taken, no slot taken,
+no length moved.
+
+One request's row, with the ranges the functions touch (page size 4)::
+
+    position  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15 | 16 ...
+              tree-owned prefix | own KV     | own | spec slack  |
+              [0, cache_protected_len)       committed           allocated
+    release: (c) checkpoint keeps floor_align(owned) in the tree; (d) frees pages of
+    [protected, owned); (f) frees [ceil_align(owned), allocated) (the spec slack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import numpy as np
+
+from allocator.base import OutOfMemory
+from allocator.token_to_kv import SLOT_DTYPE, TokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from allocator.radix_cache import RadixCache, TreeNode
+    from allocator.req_kv import ReqKvTable
+    from allocator.req_to_token import ReqToTokenPool
+    from allocator.table_writer import CpuTableWriter
+    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+
+__all__ = [
+    "CheckpointResult",
+    "DecodeResult",
+    "ExtendResult",
+    "KvContext",
+    "ReleaseOutcome",
+    "SpecPlan",
+    "SpecResult",
+    "alloc_for_decode",
+    "alloc_for_decode_prealloc",
+    "alloc_for_decode_prealloc_hisparse",
+    "alloc_for_extend",
+    "alloc_for_spec_decode",
+    "checkpoint_kv_cache",
+    "commit_accepted_tokens",
+    "evict_from_tree_cache",
+    "prepare_spec_decode",
+    "release_kv_cache",
+]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_SLOTS = np.empty(0, dtype=SLOT_DTYPE)
+
+
+@dataclass(slots=True)
+class KvContext:
+    """Everything the allocation functions act on (SGLang spreads it over the batch).
+
+    Attributes:
+        req_to_token_pool: rows and the ``req_to_token`` table.
+        token_to_kv_pool_allocator: the KV slot allocator.
+        tree_cache: the radix cache (``disable`` when the prefix cache is off).
+        req_kv: per-row bookkeeping columns.
+        writer: the table writer (host, or host plus device mirror).
+        page_size: tokens per page.
+        spec_reserve: positions each speculative prepare reserves past ``kv_committed_len``.
+        hisparse: the allocator is the HiSparse pair (spec and PD decode allocate
+            logical slots only).
+    """
+
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator | PagedTokenToKVPoolAllocator | HiSparseTokenToKVPoolAllocator
+    tree_cache: RadixCache
+    req_kv: ReqKvTable
+    writer: CpuTableWriter
+    page_size: int
+    spec_reserve: int = 0
+    hisparse: bool = False
+    # Derived in __post_init__: the row width, and whether the page-1 hot paths may
+    # take slots straight from the token allocator's free-list buffer.
+    width: int = 0
+    direct_token_alloc: bool = False
+
+    def __post_init__(self) -> None:
+        self.width = self.req_to_token_pool.max_context_len
+        allocator = self.token_to_kv_pool_allocator
+        self.direct_token_alloc = type(allocator) is TokenToKVPoolAllocator and not allocator.need_sort
+
+    def pool_available(self) -> int:
+        """Slots the request rows draw from (the logical side for HiSparse)."""
+        allocator = self.token_to_kv_pool_allocator
+        if self.hisparse:
+            return allocator.logical_available_size()
+        return allocator.available_size()
+
+
+class ExtendResult(NamedTuple):
+    rows: np.ndarray  # int64 [bs] req_to_token row of each request
+    out_cache_loc: np.ndarray  # int64 [sum(seq - prefix)] new slots, requests in order
+    evicted_tokens: int
+
+
+class DecodeResult(NamedTuple):
+    # int32 [bs]; NOTE: may be a view of the free-list buffer, valid until the next free
+    out_cache_loc: np.ndarray
+    evicted_tokens: int
+
+
+class SpecPlan(NamedTuple):
+    """``eagle_prepare_for_decode``'s lengths: reserve up to ``nxt`` for each request."""
+
+    cur_kv_lens: np.ndarray  # int64 [bs] kv_allocated_len now
+    nxt_kv_lens: np.ndarray  # int64 [bs] max(cur, ceil_align(committed + reserve)), clipped at the row
+    num_needed_tokens: int
+    overflow: tuple[tuple[int, int, int], ...]  # (row, positions asked, row width)
+    counts: np.ndarray  # int64 [bs] nxt - cur
+    counts_cumsum: np.ndarray  # int64 [bs] inclusive cumulative sum of counts
+
+
+class SpecResult(NamedTuple):
+    num_tokens: int
+    evicted_tokens: int
+    out_cache_loc: np.ndarray
+
+
+class CheckpointResult(NamedTuple):
+    cached_tokens: int  # new tokens the tree stored
+    duplicates_freed: int  # slots freed because the tree already had those positions
+
+
+class ReleaseOutcome(NamedTuple):
+    freed_tokens: int
+    cached_tokens: int
+    overalloc_released: int
+
+
+# ---------------------------------------------------------------------------- eviction
+
+
+def evict_from_tree_cache(ctx: KvContext, num_tokens: int) -> int:
+    """Evict unlocked cache so ``num_tokens`` fit (SGLang ``evict_from_tree_cache``).
+
+    Evicts ``num_tokens - available`` when positive (whole LRU leaves, may overshoot).
+
+    Returns:
+        Tokens evicted.
+    """
+    tree = ctx.tree_cache
+    if tree.disable:
+        return 0
+    shortfall = num_tokens - ctx.token_to_kv_pool_allocator.available_size()
+    if shortfall > 0:
+        return tree.evict(shortfall)
+    return 0
+
+
+def _oom(ctx: KvContext, op: str, rid: int, needed: int) -> OutOfMemory:
+    return OutOfMemory(
+        op=op,
+        rid=int(rid),
+        needed=int(needed),
+        available=int(ctx.token_to_kv_pool_allocator.available_size()),
+        evictable=int(ctx.tree_cache.evictable_size()),
+    )
+
+
+def _first_short_request(need_tokens: np.ndarray, available: int) -> int:
+    """Index of the first request whose cumulative need exceeds ``available``."""
+    over = np.flatnonzero(np.cumsum(need_tokens) > available)
+    return int(over[0]) if over.shape[0] else 0
+
+
+# ---------------------------------------------------------------------------- extend
+
+
+def alloc_for_extend(
+    ctx: KvContext,
+    rids: np.ndarray,
+    rows: np.ndarray,
+    prefix_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    prefix_slots: Sequence[np.ndarray | None],
+    lock_nodes: Sequence[TreeNode | None],
+) -> ExtendResult | OutOfMemory:
+    """KV slots and rows for one extend batch (SGLang ``alloc_for_extend``).
+
+    A request holding a row (``rows[i] >= 0``) continues its chunked prefill from
+    ``prefix_lens[i]`` (its ``kv_allocated_len``); a new one (``rows[i] == -1``)
+    reuses ``prefix_slots[i]`` (its locked radix match, ``lock_nodes[i]``) and gets
+    a row. Evicts first as SGLang does (page 1: the exact need; paged: the need plus
+    one page per request), then takes the slots (paged: SGLang's three-part layout),
+    then the rows, writes ``row[0:prefix]`` (new requests) and ``row[prefix:seq]``,
+    and sets ``kv_allocated_len = kv_committed_len = seq`` (new requests also
+    ``cache_protected_len = prefix`` and their lock).
+
+    Args:
+        rids: int64 ``[bs]`` request ids (recorded per row; named in OutOfMemory).
+        rows: int64 ``[bs]`` row of a continuing request, -1 for a new one.
+        prefix_lens: int64 ``[bs]`` positions already in the row or matched.
+        seq_lens: int64 ``[bs]`` positions after this extend (``> prefix``).
+        prefix_slots: per request, the matched slots (new requests), else None.
+        lock_nodes: per request, the locked radix node of a new request, else None.
+
+    Returns:
+        ``ExtendResult`` or ``OutOfMemory`` (op ``"extend"`` for KV slots,
+        ``"extend_rows"`` for request rows; nothing taken either way).
+    """
+    pool = ctx.req_to_token_pool
+    allocator = ctx.token_to_kv_pool_allocator
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    bs = rows.shape[0]
+    seq_max = int(seq_lens.max()) if bs else 0
+    if seq_max > ctx.width:
+        i = int(np.argmax(seq_lens))
+        raise ValueError(
+            f"extend: request rid={int(rids[i])} seq_len {seq_max} exceeds the row width {ctx.width}; "
+            f"raise max_context_len"
+        )
+    new_mask = rows < 0
+    num_new = int(np.count_nonzero(new_mask))
+    if num_new > pool.available_size():
+        first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
+        return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
+
+    extend_lens = seq_lens - prefix_lens
+    extend_num_tokens = int(extend_lens.sum())
+    table = pool.req_to_token_np
+    if ps == 1:
+        evicted = evict_from_tree_cache(ctx, extend_num_tokens)
+        out = allocator.alloc(extend_num_tokens)
+        if out is None:
+            i = _first_short_request(extend_lens, allocator.available_size())
+            return _oom(ctx, "extend", rids[i], extend_num_tokens)
+    else:
+        last_loc = np.full(bs, -1, dtype=np.int64)
+        for i in range(bs):
+            prefix = int(prefix_lens[i])
+            if prefix == 0:
+                continue
+            if new_mask[i]:
+                last_loc[i] = prefix_slots[i][prefix - 1]
+            else:
+                last_loc[i] = table[rows[i], prefix - 1]
+        evicted = evict_from_tree_cache(ctx, extend_num_tokens + bs * ps)
+        out = allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
+        if out is None:
+            pages = (seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps
+            i = _first_short_request(pages * ps, allocator.available_size())
+            return _oom(ctx, "extend", rids[i], extend_num_tokens)
+
+    # From here on nothing can fail.
+    rows = rows.copy()
+    if num_new:
+        new_idx = np.flatnonzero(new_mask)
+        new_rows = np.array(pool.alloc(num_new), dtype=np.int64)
+        rows[new_idx] = new_rows
+        with_prefix = [i for i in new_idx.tolist() if prefix_lens[i] > 0]
+        if with_prefix:
+            idx = np.array(with_prefix, dtype=np.int64)
+            ctx.writer.assign(
+                rows[idx],
+                np.zeros(idx.shape[0], dtype=np.int64),
+                prefix_lens[idx],
+                np.concatenate([prefix_slots[i][: prefix_lens[i]] for i in with_prefix]),
+            )
+    ctx.writer.assign(rows, prefix_lens, seq_lens, out)
+
+    old_alloc = kv.kv_allocated_len[rows]
+    old_committed = kv.kv_committed_len[rows]
+    kv.kv_allocated_len[rows] = seq_lens
+    kv.kv_committed_len[rows] = seq_lens
+    if seq_max > kv.max_len_bound:
+        kv.max_len_bound = seq_max
+    kv.sum_committed += int((seq_lens - old_committed).sum())
+    kv.sum_allocated_ceil += int(((seq_lens + ps - 1) // ps - (old_alloc + ps - 1) // ps).sum()) * ps
+    if num_new:
+        kv.cache_protected_len[new_rows] = prefix_lens[new_idx]
+        kv.sum_protected += int(prefix_lens[new_idx].sum())
+        kv.rid[new_rows] = rids[new_idx]
+        lock = kv.lock_node
+        for i, row in zip(new_idx.tolist(), new_rows.tolist()):
+            lock[row] = lock_nodes[i]
+    return ExtendResult(rows, out, evicted)
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None = None) -> DecodeResult | OutOfMemory:
+    """One new token per request (SGLang ``alloc_for_decode``): slot for position
+    ``kv_allocated_len``, then ``kv_allocated_len += 1`` and ``kv_committed_len += 1``.
+
+    Page 1 evicts for exactly ``bs`` slots; paged evicts for ``bs * page_size`` and a
+    request gets a new page when its length is a multiple of the page size.
+
+    Raises:
+        ValueError: a request is already at its row width (nothing changed).
+    """
+    kv = ctx.req_kv
+    allocated = kv.kv_allocated_len
+    seq = allocated[rows]
+    bs = rows.shape[0]
+    if bs == 0:
+        return DecodeResult(_NO_SLOTS, 0)
+    if kv.max_len_bound >= ctx.width:
+        _check_decode_room(ctx, rows, seq)
+    allocator = ctx.token_to_kv_pool_allocator
+    ps = ctx.page_size
+    evicted = 0
+    if ps == 1:
+        # Hot path: page-1 slots come straight off the head of the free list.
+        free = allocator._free if ctx.direct_token_alloc else None
+        if free is not None and free._tail - free._head >= bs:
+            head = free._head
+            out = free._buf[head : head + bs]
+            free._head = head + bs
+        else:
+            evicted = evict_from_tree_cache(ctx, bs)
+            out = allocator.alloc(bs)
+            if out is None:
+                i = min(allocator.available_size(), bs - 1)
+                return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], bs)
+        taken = bs
+    else:
+        last_loc = ctx.writer._flat[ctx.writer.row_base[rows] + (seq - 1)]
+        evicted = evict_from_tree_cache(ctx, bs * ps)
+        before = ctx.pool_available()
+        out = allocator.alloc_decode(seq + 1, last_loc)
+        if out is None:
+            need = (seq % ps == 0).astype(np.int64) * ps
+            i = _first_short_request(need, allocator.available_size())
+            return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], int(need.sum()))
+        taken = before - ctx.pool_available()
+    ctx.writer.write_points(rows, seq, out)
+    seq += 1
+    allocated[rows] = seq
+    committed = kv.kv_committed_len
+    committed[rows] += 1
+    kv.sum_committed += bs
+    kv.sum_allocated_ceil += taken
+    kv.max_len_bound += 1
+    return DecodeResult(out, evicted)
+
+
+def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
+    """Exact row-width check, run only when the cheap length bound says it may matter."""
+    kv = ctx.req_kv
+    kv.max_len_bound = int(kv.kv_allocated_len.max())
+    if kv.max_len_bound < ctx.width:
+        return
+    top = int(seq.max())
+    if top >= ctx.width:
+        bad = int(np.argmax(seq))
+        raise ValueError(
+            f"decode: request rid={int(kv.rid[rows[bad]])} is at its row width {ctx.width} "
+            f"(length {top}); raise max_context_len or finish the request"
+        )
+
+
+# ---------------------------------------------------------------------------- speculative
+
+
+def prepare_spec_decode(ctx: KvContext, rows: np.ndarray) -> SpecPlan:
+    """``eagle_prepare_for_decode`` / DFlash / UNO prepare: per request
+    ``nxt = max(cur, ceil_align(committed + reserve, page_size))`` with
+    ``cur = kv_allocated_len``; ``num_needed = sum(nxt - cur)``. Changes nothing.
+
+    ``nxt`` past the row width is clipped there and reported (SGLang bounds it only
+    for page > 1 with topk > 1; the write would leave the row).
+    """
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    cur = kv.kv_allocated_len[rows]
+    nxt = kv.kv_committed_len[rows]
+    nxt += ctx.spec_reserve
+    if ps > 1:
+        nxt += ps - 1
+        nxt //= ps
+        nxt *= ps
+    np.maximum(nxt, cur, out=nxt)
+    overflow: tuple[tuple[int, int, int], ...] = ()
+    width = ctx.width
+    bs = rows.shape[0]
+    if bs and _spec_may_overflow(ctx) and int(nxt.max()) > width:
+        over = np.flatnonzero(nxt > width)
+        overflow = tuple((int(rows[i]), int(nxt[i]), width) for i in over.tolist())
+        np.minimum(nxt, width, out=nxt)
+        np.maximum(nxt, cur, out=nxt)
+    counts = nxt - cur
+    if bs == 0:
+        return SpecPlan(cur, nxt, 0, overflow, counts, counts)
+    cumsum = np.add.accumulate(counts)
+    return SpecPlan(cur, nxt, int(cumsum[-1]), overflow, counts, cumsum)
+
+
+def _spec_may_overflow(ctx: KvContext) -> bool:
+    """Whether some reserve could pass the row width (exact maximum only when the
+    cheap bound says so)."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    if -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps <= ctx.width:
+        return False
+    kv.max_len_bound = int(kv.kv_allocated_len.max())
+    return -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps > ctx.width
+
+
+def alloc_for_spec_decode(
+    ctx: KvContext, rows: np.ndarray, plan: SpecPlan, rids: np.ndarray | None = None
+) -> SpecResult | OutOfMemory:
+    """Reserve ``row[cur:nxt]`` for each request (SGLang ``alloc_for_spec_decode``).
+
+    Skipped when nothing is needed. Page 1: ``alloc(num_needed)``; paged: evict for
+    ``num_needed + bs * page_size``, then ``alloc_extend(prefix=cur, seq=nxt)``
+    (HiSparse: logical slots only). ``kv_allocated_len = max(kv_allocated_len, nxt)``
+    (monotone). Rejected drafts are never freed here: they stay in
+    ``[committed, allocated)`` and are reused by the next step.
+    """
+    cur, nxt, num_needed, _, counts, cumsum = plan
+    if num_needed == 0:
+        return SpecResult(0, 0, _NO_SLOTS)
+    kv = ctx.req_kv
+    allocator = ctx.token_to_kv_pool_allocator
+    ps = ctx.page_size
+    bs = rows.shape[0]
+    evicted = 0
+    if ps == 1:
+        free = allocator._free if ctx.direct_token_alloc else None
+        if free is not None and free._tail - free._head >= num_needed:
+            head = free._head
+            out = free._buf[head : head + num_needed]
+            free._head = head + num_needed
+        else:
+            evicted = evict_from_tree_cache(ctx, num_needed)
+            out = allocator.alloc(num_needed)
+            if out is None:
+                i = _first_short_request(counts, allocator.available_size())
+                return _oom(ctx, "spec", rids[i] if rids is not None else kv.rid[rows[i]], num_needed)
+        taken = num_needed
+    else:
+        writer = ctx.writer
+        last_loc = np.where(cur > 0, writer._flat[writer.row_base[rows] + np.maximum(cur - 1, 0)], -1)
+        evicted = evict_from_tree_cache(ctx, num_needed + bs * ps)
+        before = ctx.pool_available()
+        if ctx.hisparse:
+            out = allocator.alloc_logical_only(cur, nxt, last_loc, num_needed)
+        else:
+            out = allocator.alloc_extend(cur, nxt, last_loc, num_needed)
+        if out is None:
+            need = ((nxt + ps - 1) // ps - (cur + ps - 1) // ps) * ps
+            i = _first_short_request(need, allocator.available_size())
+            return _oom(ctx, "spec", rids[i] if rids is not None else kv.rid[rows[i]], num_needed)
+        taken = before - ctx.pool_available()
+    ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
+    kv.kv_allocated_len[rows] = nxt
+    kv.sum_allocated_ceil += taken
+    bound = -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps
+    kv.max_len_bound = max(kv.max_len_bound, min(bound, ctx.width))
+    return SpecResult(num_needed, evicted, out)
+
+
+def commit_accepted_tokens(ctx: KvContext, rows: np.ndarray, accepted_lens: np.ndarray) -> np.ndarray:
+    """After verify: ``kv_committed_len += accepted`` (drafts kept plus the bonus token).
+
+    A commit past ``kv_allocated_len`` is clipped there (only possible when the
+    reserve was clipped at the row width).
+
+    Returns:
+        int64 ``[bs]`` positions asked past ``kv_allocated_len`` (0 where none).
+    """
+    kv = ctx.req_kv
+    committed = kv.kv_committed_len[rows] + accepted_lens
+    allocated = kv.kv_allocated_len[rows]
+    excess = committed - allocated
+    if rows.shape[0] and int(excess.max()) > 0:
+        committed = np.minimum(committed, allocated)
+        excess = np.maximum(excess, 0)
+    else:
+        excess = np.zeros_like(excess)
+    kv.sum_committed += int((committed - kv.kv_committed_len[rows]).sum())
+    kv.kv_committed_len[rows] = committed
+    return excess
+
+
+# ---------------------------------------------------------------------------- PD decode prealloc
+
+
+def alloc_for_decode_prealloc(
+    ctx: KvContext,
+    rid: int,
+    fill_len: int,
+    prefix_len: int,
+    prefix_slots: np.ndarray | None,
+    lock_node: TreeNode | None,
+    evict_for_radix: bool,
+) -> int | OutOfMemory:
+    """One PD-decode request: a row and slots for ``fill_len`` positions whose KV
+    arrives from the prefill server (SGLang ``_pre_alloc`` + ``alloc_for_decode_prealloc``).
+
+    ``row[0:prefix_len]`` reuses the local radix match (``prefix_slots``, locked by
+    the caller as ``lock_node``); ``[prefix_len, fill_len)`` is allocated (page 1:
+    ``alloc``; paged: ``alloc_extend``). With the decode radix cache on, evicts the
+    shortfall of ``required = new pages * page_size`` first. Sets
+    ``kv_allocated_len = kv_committed_len = fill_len`` and ``cache_protected_len =
+    prefix_len``.
+
+    Returns:
+        The row, or ``OutOfMemory`` (op ``"prealloc"`` / ``"prealloc_rows"``).
+    """
+    pool = ctx.req_to_token_pool
+    allocator = ctx.token_to_kv_pool_allocator
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    if pool.available_size() == 0:
+        return OutOfMemory("prealloc_rows", int(rid), 1, 0, 0)
+    if fill_len > pool.max_context_len:
+        raise ValueError(
+            f"prealloc: request rid={rid} fill length {fill_len} exceeds the row width {pool.max_context_len}"
+        )
+    delta = fill_len - prefix_len
+    if ps == 1:
+        required = delta
+    else:
+        required = (-(-fill_len // ps) - (-(-prefix_len // ps))) * ps
+    if evict_for_radix:
+        available = allocator.available_size()
+        if available < required:
+            ctx.tree_cache.evict(required - available)
+    before = ctx.pool_available()
+    if ps == 1:
+        out = allocator.alloc(delta)
+    else:
+        last_loc = int(prefix_slots[prefix_len - 1]) if prefix_len > 0 else -1
+        out = allocator.alloc_extend(
+            np.array([prefix_len], dtype=np.int64),
+            np.array([fill_len], dtype=np.int64),
+            np.array([last_loc], dtype=np.int64),
+            delta,
+        )
+    if out is None:
+        return _oom(ctx, "prealloc", rid, required)
+    row = pool.alloc(1)[0]
+    _bind_prealloc_row(ctx, row, rid, fill_len, prefix_len, prefix_slots, lock_node, out)
+    kv.sum_allocated_ceil += prefix_len + before - ctx.pool_available()
+    return row
+
+
+def alloc_for_decode_prealloc_hisparse(ctx: KvContext, rid: int, fill_len: int) -> int | OutOfMemory:
+    """PD decode with HiSparse: logical slots only for ``[0, fill_len)`` (no prefix
+    reuse; device pages are bound later by the HiSparse coordinator)."""
+    pool = ctx.req_to_token_pool
+    allocator = ctx.token_to_kv_pool_allocator
+    if pool.available_size() == 0:
+        return OutOfMemory("prealloc_rows", int(rid), 1, 0, 0)
+    if fill_len > pool.max_context_len:
+        raise ValueError(
+            f"prealloc: request rid={rid} fill length {fill_len} exceeds the row width {pool.max_context_len}"
+        )
+    before = ctx.pool_available()
+    out = allocator.alloc_logical_only(
+        np.zeros(1, dtype=np.int64), np.array([fill_len], dtype=np.int64), np.full(1, -1, dtype=np.int64), fill_len
+    )
+    if out is None:
+        ps = ctx.page_size
+        return _oom(ctx, "prealloc", rid, -(-fill_len // ps) * ps)
+    row = pool.alloc(1)[0]
+    _bind_prealloc_row(ctx, row, rid, fill_len, 0, None, None, out)
+    ctx.req_kv.sum_allocated_ceil += before - ctx.pool_available()
+    return row
+
+
+def _bind_prealloc_row(
+    ctx: KvContext,
+    row: int,
+    rid: int,
+    fill_len: int,
+    prefix_len: int,
+    prefix_slots: np.ndarray | None,
+    lock_node: TreeNode | None,
+    out: np.ndarray,
+) -> None:
+    kv = ctx.req_kv
+    if prefix_len:
+        ctx.writer.assign_row(row, 0, prefix_slots[:prefix_len])
+    ctx.writer.assign_row(row, prefix_len, out)
+    kv.kv_allocated_len[row] = fill_len
+    kv.kv_committed_len[row] = fill_len
+    kv.cache_protected_len[row] = prefix_len
+    kv.sum_committed += fill_len
+    kv.sum_protected += prefix_len
+    kv.rid[row] = rid
+    kv.lock_node[row] = lock_node
+    if fill_len > kv.max_len_bound:
+        kv.max_len_bound = fill_len
+
+
+# ---------------------------------------------------------------------------- checkpoint / release
+
+
+def checkpoint_kv_cache(
+    ctx: KvContext, row: int, up_to: int, token_ids: np.ndarray, prompt_len: int
+) -> CheckpointResult:
+    """Publish ``row[0:up_to]`` into the radix tree (SGLang ``RadixCache.checkpoint``).
+
+    Inserts the page-aligned key of ``token_ids[:up_to]`` (EAGLE: bigrams, one unit
+    shorter) with the row's slots; splits the leaf at the page-aligned prompt
+    boundary when the key runs past it (so eviction can drop the output without
+    the prompt); frees ``row[cache_protected_len : already_present]`` (the tree had
+    those positions: duplicates); re-reads the path (touching it), rewrites those
+    row positions with the tree's slots; ``cache_protected_len = key_len``; locks the
+    new last node and unlocks the old one. The partial page past the key stays in
+    the row, still the request's own.
+    """
+    tree = ctx.tree_cache
+    if tree.disable:
+        return CheckpointResult(0, 0)
+    kv = ctx.req_kv
+    table = ctx.req_to_token_pool.req_to_token_np
+    ps = ctx.page_size
+    key_len = tree.key_len(up_to)
+    key = tree.make_key(token_ids[:up_to])[:key_len]
+    values = table[row, :key_len]  # a view: insert and free copy what they keep
+    prefix_len, _ = tree.insert(key, values)
+    prompt_key_len = tree.key_len(min(prompt_len, up_to)) if prompt_len > 0 else 0
+    if 0 < prompt_key_len < key_len:
+        tree.insert(key[:prompt_key_len], values[:prompt_key_len])
+    protected = int(kv.cache_protected_len[row])
+    duplicates = max(prefix_len - protected, 0)
+    if duplicates:
+        ctx.token_to_kv_pool_allocator.free_segment(values[protected:prefix_len], protected)
+    match = tree.match_prefix(key)
+    node = match.last_node
+    if duplicates:
+        tree_slots = tree.path_device_indices(node)
+        ctx.writer.assign_row(row, protected, tree_slots[protected:prefix_len])
+    # The tree owns [0, key_len) now: the duplicates went back to the pool, the rest
+    # of [protected, key_len) moved from the request's own range into the tree.
+    if key_len >= protected:
+        kv.cache_protected_len[row] = key_len
+        kv.sum_protected += key_len - protected
+        tree.unlock(kv.lock_node[row])
+        kv.lock_node[row] = tree.lock(node)
+    return CheckpointResult(key_len - prefix_len if key_len > prefix_len else 0, duplicates)
+
+
+def release_kv_cache(
+    ctx: KvContext,
+    row: int,
+    owned_len: int,
+    token_ids: np.ndarray | None,
+    prompt_len: int,
+    checkpoint: bool,
+) -> ReleaseOutcome:
+    """Give one request's row and KV back (SGLang ``release_kv_cache``).
+
+    (c) with ``checkpoint``, publish ``[0, owned)`` (``checkpoint_kv_cache``);
+    (d) free the pages of ``row[cache_protected_len:owned]``; (e) unlock;
+    (f) free the over-allocation ``row[ceil_align(owned):allocated]`` (page 1:
+    ``[owned, allocated)``); (g) free the row and clear the bookkeeping.
+
+    Returns:
+        Slots returned to the free list (duplicates, tail pages, over-allocation),
+        tokens newly cached, and positions of over-allocation freed.
+    """
+    kv = ctx.req_kv
+    allocator = ctx.token_to_kv_pool_allocator
+    table = ctx.req_to_token_pool.req_to_token_np
+    ps = ctx.page_size
+    allocated = int(kv.kv_allocated_len[row])
+    committed = int(kv.kv_committed_len[row])
+    owned = min(owned_len, committed)
+    cached = 0
+    freed = 0
+    if checkpoint and token_ids is not None and not ctx.tree_cache.disable:
+        res = checkpoint_kv_cache(ctx, row, owned, token_ids, prompt_len)
+        cached = res.cached_tokens
+        freed += res.duplicates_freed
+    protected = int(kv.cache_protected_len[row])
+    if owned > protected:
+        allocator.free_segment(table[row, protected:owned], protected)
+        freed += -(-owned // ps) * ps - protected
+    ctx.tree_cache.unlock(kv.lock_node[row])
+    kv.lock_node[row] = None
+    start = -(-owned // ps) * ps if ps > 1 else owned
+    start = max(start, protected)
+    overalloc = 0
+    if start < allocated:
+        allocator.free_segment(table[row, start:allocated], start)
+        overalloc = allocated - start
+        freed += -(-allocated // ps) * ps - start
+    ctx.req_to_token_pool.free(row)
+    kv.sum_committed -= committed
+    kv.sum_protected -= protected
+    kv.sum_allocated_ceil -= -(-allocated // ps) * ps
+    kv.kv_allocated_len[row] = 0
+    kv.kv_committed_len[row] = 0
+    kv.cache_protected_len[row] = 0
+    kv.rid[row] = -1
+    return ReleaseOutcome(freed, cached, overalloc)

@@ -1,0 +1,358 @@
+"""check_integrity: every invariant of the built-in allocator's whole state, vectorised.
+
+Checks (each violation names the request and the numbers):
+
+* ``lengths``: ``0 <= cache_protected_len <= kv_committed_len <= kv_allocated_len <=
+  row width`` and ``cache_protected_len`` page aligned, for every row in use; free
+  rows hold zeros.
+* ``rows``: free rows + rows in use == pool rows; no row free twice or free and in
+  use; rid <-> row maps agree.
+* ``counters``: the incrementally kept sums equal the recomputed ones.
+* ``conservation``: ``available + evictable + protected + uncached == pool tokens``
+  with ``uncached = sum(ceil_align(kv_allocated_len) - cache_protected_len)``.
+* ``ownership``: every page (page 1: slot) of the pool is exactly one of: free,
+  in the radix tree, owned by one request (its ``[cache_protected_len,
+  ceil_align(kv_allocated_len))``); page 0 is nobody's.
+* ``row``: entries ``[0, kv_allocated_len)`` are valid slots not on a free list;
+  paged alignment ``row[pos] % ps == pos % ps`` and one page per page of positions;
+  ``[0, cache_protected_len)`` equals the slots of the locked radix path.
+* ``tree``: node lengths page aligned and positive; evictable / protected sizes and
+  lock counts agree with the requests' locks.
+* ``device``: with a device table, its live entries equal the host copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from allocator.base import Violation
+from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from allocator.manager import KvAllocator
+
+__all__ = ["check_integrity"]
+
+# At most this many violations of one kind are itemised (the rest are counted).
+_MAX_ITEMS = 8
+
+
+def check_integrity(allocator: KvAllocator) -> list[Violation]:
+    """Every broken invariant of ``allocator``'s state (empty when sound).
+
+    Args:
+        allocator: a ``KvAllocator`` (the built-in implementation).
+
+    Returns:
+        The violations found, each with the request (when one is at fault) and numbers.
+    """
+    out: list[Violation] = []
+    pool = allocator.req_to_token_pool
+    kv = allocator.req_kv
+    tree = allocator.tree_cache
+    tok = allocator.token_to_kv_pool_allocator
+    ps = allocator.page_size
+    width = pool.max_context_len
+    rows = kv.rows_in_use()
+    rids = kv.rid[rows]
+    alloc = kv.kv_allocated_len[rows]
+    committed = kv.kv_committed_len[rows]
+    protected = kv.cache_protected_len[rows]
+
+    _check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps)
+    _check_rows(out, allocator, rows, rids)
+    ceil_alloc = (alloc + ps - 1) // ps * ps
+    _check_counters(out, kv, alloc, committed, protected, ceil_alloc)
+
+    logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
+    available = logical.available_size()
+    uncached = int((ceil_alloc - protected).sum())
+    evictable = tree.evictable_size()
+    prot_size = tree.protected_size()
+    total = allocator.pool_tokens
+    if available + evictable + prot_size + uncached != total:
+        out.append(
+            Violation(
+                "conservation",
+                f"available {available} + evictable {evictable} + protected {prot_size} + uncached {uncached} "
+                f"= {available + evictable + prot_size + uncached}, pool holds {total}",
+                None,
+                {"available": available, "evictable": evictable, "protected": prot_size, "uncached": uncached,
+                 "pool_tokens": total},
+            )
+        )
+
+    num_pages = total // ps
+    free_pages = logical.get_all_free_pages()
+    tree_values = tree.all_values_flatten()
+    _check_tree(out, allocator, rows, rids)
+    table = pool.req_to_token_np
+    ok_lengths = (protected >= 0) & (protected <= alloc) & (alloc <= width) & (protected % ps == 0)
+    _check_ownership(out, table, width, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths],
+                     protected[ok_lengths], free_pages, tree_values, num_pages, ps)
+    _check_row_entries(out, allocator, table, width, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths],
+                       protected[ok_lengths], free_pages, num_pages, ps)
+    if pool.device_req_to_token is not None:
+        _check_device(out, pool, rows, rids, alloc)
+    return out
+
+
+def _items(mask: np.ndarray) -> list[int]:
+    return np.flatnonzero(mask)[:_MAX_ITEMS].tolist()
+
+
+def _check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps) -> None:
+    bad = (protected < 0) | (protected > committed) | (committed > alloc) | (alloc > width) | (protected % ps != 0)
+    for i in _items(bad):
+        out.append(
+            Violation(
+                "lengths",
+                f"rid={int(rids[i])}: need 0 <= protected {int(protected[i])} <= committed {int(committed[i])} "
+                f"<= allocated {int(alloc[i])} <= row width {width}, protected a multiple of {ps}",
+                int(rids[i]),
+                {"protected": int(protected[i]), "committed": int(committed[i]), "allocated": int(alloc[i]),
+                 "width": width},
+            )
+        )
+    free_rows = np.ones(kv.num_rows, dtype=bool)
+    free_rows[rows] = False
+    free_rows[0] = True
+    stale = free_rows & ((kv.kv_allocated_len != 0) | (kv.kv_committed_len != 0) | (kv.cache_protected_len != 0))
+    for row in _items(stale):
+        out.append(
+            Violation(
+                "lengths",
+                f"row {row} holds no request but has allocated {int(kv.kv_allocated_len[row])}, "
+                f"committed {int(kv.kv_committed_len[row])}, protected {int(kv.cache_protected_len[row])}",
+                None,
+                {"row": row},
+            )
+        )
+    locked_free = [row for row in np.flatnonzero(free_rows).tolist() if kv.lock_node[row] is not None]
+    for row in locked_free[:_MAX_ITEMS]:
+        out.append(Violation("lengths", f"row {row} holds no request but still holds a radix lock", None, {"row": row}))
+
+
+def _check_rows(out, allocator, rows, rids) -> None:
+    pool = allocator.req_to_token_pool
+    free = np.array(pool.free_slots, dtype=np.int64)
+    if free.shape[0] + rows.shape[0] != pool.size:
+        out.append(
+            Violation(
+                "rows",
+                f"free rows {free.shape[0]} + rows in use {rows.shape[0]} = {free.shape[0] + rows.shape[0]}, "
+                f"pool has {pool.size}",
+                None,
+                {"free_rows": int(free.shape[0]), "rows_in_use": int(rows.shape[0]), "size": pool.size},
+            )
+        )
+    counts = np.bincount(np.concatenate([free, rows]), minlength=pool.size + 1) if free.shape[0] + rows.shape[0] else np.zeros(pool.size + 1, dtype=np.int64)
+    if counts.shape[0] > pool.size + 1 or counts[0] or (counts[1:] > 1).any():
+        for row in _items(counts > 1):
+            where = "free twice" if (free == row).sum() > 1 else "free and in use"
+            out.append(Violation("rows", f"row {row} is {where}", None, {"row": int(row)}))
+        if counts[0] or counts.shape[0] > pool.size + 1:
+            out.append(Violation("rows", f"a row outside 1..{pool.size} is free or in use", None, {}))
+    row_of_rid = allocator._row_of_rid
+    mapped = np.flatnonzero(row_of_rid >= 0)
+    if mapped.shape[0] != rows.shape[0] or not np.array_equal(np.sort(row_of_rid[mapped]), np.sort(rows)):
+        out.append(
+            Violation(
+                "rows",
+                f"{mapped.shape[0]} request ids map to a row but {rows.shape[0]} rows are in use",
+                None,
+                {"mapped": int(mapped.shape[0]), "rows_in_use": int(rows.shape[0])},
+            )
+        )
+    else:
+        wrong = row_of_rid[rids] != rows
+        for i in _items(wrong):
+            out.append(
+                Violation("rows", f"rid={int(rids[i])} holds row {int(rows[i])} but maps to row "
+                          f"{int(row_of_rid[rids[i]])}", int(rids[i]), {"row": int(rows[i])})
+            )
+
+
+def _check_counters(out, kv, alloc, committed, protected, ceil_alloc) -> None:
+    for name, kept, real in (
+        ("sum_committed", kv.sum_committed, int(committed.sum())),
+        ("sum_protected", kv.sum_protected, int(protected.sum())),
+        ("sum_allocated_ceil", kv.sum_allocated_ceil, int(ceil_alloc.sum())),
+    ):
+        if kept != real:
+            out.append(Violation("counters", f"{name} kept as {kept}, recomputed {real}", None,
+                                 {"kept": int(kept), "recomputed": real}))
+
+
+def _check_tree(out, allocator, rows, rids) -> None:
+    tree = allocator.tree_cache
+    kv = allocator.req_kv
+    ps = allocator.page_size
+    expected: dict[int, int] = {}
+    for row, rid in zip(rows.tolist(), rids.tolist()):
+        node = kv.lock_node[row]
+        prot = int(kv.cache_protected_len[row])
+        if node is None:
+            if prot and not tree.disable:
+                out.append(Violation("tree", f"rid={rid}: protected {prot} but holds no radix lock", rid,
+                                     {"protected": prot}))
+            continue
+        path_len = 0
+        cur = node
+        while cur is not tree.root_node:
+            if cur.parent is None:
+                out.append(Violation("tree", f"rid={rid}: its locked node was evicted or detached", rid, {}))
+                break
+            expected[cur.id] = expected.get(cur.id, 0) + 1
+            path_len += len(cur)
+            cur = cur.parent
+        if path_len < prot:
+            out.append(Violation("tree", f"rid={rid}: locked path holds {path_len} tokens, protected is {prot}",
+                                 rid, {"path_len": path_len, "protected": prot}))
+    evictable = 0
+    protected = 0
+    bad_lock = 0
+    for node in tree.iter_nodes():
+        n = len(node)
+        if n == 0 or n % ps or len(node.key) != 8 * n:
+            out.append(Violation("tree", f"node {node.id}: length {n} (key {len(node.key) // 8} units), "
+                                 f"page size {ps}", None, {"node": node.id, "len": n}))
+        if node.lock_ref:
+            protected += n
+        else:
+            evictable += n
+        if node.lock_ref != expected.get(node.id, 0):
+            bad_lock += 1
+            if bad_lock <= _MAX_ITEMS:
+                out.append(Violation("tree", f"node {node.id}: lock_ref {node.lock_ref}, requests lock it "
+                                     f"{expected.get(node.id, 0)} times", None,
+                                     {"node": node.id, "lock_ref": node.lock_ref}))
+        leaf = node.lock_ref == 0 and not node.children
+        if leaf != (node in tree.evictable_leaves):
+            out.append(Violation("tree", f"node {node.id}: evictable leaf {leaf} but listed {not leaf}", None,
+                                 {"node": node.id}))
+    if evictable != tree.evictable_size() or protected != tree.protected_size():
+        out.append(
+            Violation(
+                "tree",
+                f"evictable_size {tree.evictable_size()} / protected_size {tree.protected_size()} kept, "
+                f"nodes hold {evictable} unlocked / {protected} locked",
+                None,
+                {"evictable": evictable, "protected": protected},
+            )
+        )
+
+
+def _segments(rows, starts, ends, width) -> tuple[np.ndarray, np.ndarray]:
+    """Flat table indices and positions of ``[starts[i], ends[i])`` of each row."""
+    counts = np.maximum(ends - starts, 0)
+    total = int(counts.sum())
+    offsets = np.cumsum(counts) - counts
+    positions = np.repeat(starts - offsets, counts) + np.arange(total, dtype=np.int64)
+    flat = np.repeat(rows * width, counts) + positions
+    return flat, positions
+
+
+def _check_ownership(out, table, width, rows, rids, alloc, protected, free_pages, tree_values, num_pages, ps) -> None:
+    flat_table = table.reshape(-1)
+    ceil_pages = (alloc + ps - 1) // ps
+    first_page = protected // ps
+    page_counts = np.maximum(ceil_pages - first_page, 0)
+    total = int(page_counts.sum())
+    offsets = np.cumsum(page_counts) - page_counts
+    page_pos = (np.repeat(first_page - offsets, page_counts) + np.arange(total, dtype=np.int64)) * ps
+    owner = np.repeat(np.arange(rows.shape[0]), page_counts)
+    req_pages = flat_table[np.repeat(rows * width, page_counts) + page_pos].astype(np.int64) // ps
+    tree_pages = tree_values[::ps] // ps if ps > 1 else tree_values
+    everything = np.concatenate([free_pages, tree_pages, req_pages])
+    if everything.shape[0] and (everything.min() < 0 or everything.max() > num_pages):
+        bad = everything[(everything < 0) | (everything > num_pages)]
+        out.append(Violation("ownership", f"page ids outside 0..{num_pages}: {bad[:_MAX_ITEMS].tolist()}", None,
+                             {"count": int(bad.shape[0])}))
+        everything = everything[(everything >= 0) & (everything <= num_pages)]
+    counts = np.bincount(everything, minlength=num_pages + 1)
+    if counts[0]:
+        out.append(Violation("ownership", f"page 0 (reserved) is held {int(counts[0])} times", None,
+                             {"count": int(counts[0])}))
+    twice = np.flatnonzero(counts[1:] > 1) + 1
+    for page in twice[:_MAX_ITEMS].tolist():
+        holders = []
+        n_free = int((free_pages == page).sum())
+        if n_free:
+            holders.append(f"free list x{n_free}")
+        n_tree = int((tree_pages == page).sum())
+        if n_tree:
+            holders.append(f"radix tree x{n_tree}")
+        for i in np.unique(owner[req_pages == page]).tolist():
+            holders.append(f"rid={int(rids[i])}")
+        rid = int(rids[owner[req_pages == page][0]]) if (req_pages == page).any() else None
+        out.append(Violation("ownership", f"page {page} is held {int(counts[page])} times: {', '.join(holders)}",
+                             rid, {"page": page, "count": int(counts[page])}))
+    if twice.shape[0] > _MAX_ITEMS:
+        out.append(Violation("ownership", f"{twice.shape[0]} pages are held more than once", None,
+                             {"count": int(twice.shape[0])}))
+    lost = np.flatnonzero(counts[1:] == 0) + 1
+    if lost.shape[0]:
+        out.append(Violation("ownership", f"{lost.shape[0]} pages are held by nobody (leaked), e.g. "
+                             f"{lost[:_MAX_ITEMS].tolist()}", None, {"count": int(lost.shape[0])}))
+
+
+def _check_row_entries(out, allocator, table, width, rows, rids, alloc, protected, free_pages, num_pages, ps) -> None:
+    flat, positions = _segments(rows, np.zeros_like(alloc), alloc, width)
+    values = table.reshape(-1)[flat].astype(np.int64)
+    owner = np.repeat(np.arange(rows.shape[0]), alloc)
+    pages = values // ps
+    bad_range = (pages < 1) | (pages > num_pages)
+    for i in np.unique(owner[bad_range])[:_MAX_ITEMS].tolist():
+        sel = bad_range & (owner == i)
+        out.append(Violation("row", f"rid={int(rids[i])}: row positions {positions[sel][:4].tolist()} hold slots "
+                             f"{values[sel][:4].tolist()} outside the pool", int(rids[i]), {}))
+    is_free = np.zeros(num_pages + 1, dtype=bool)
+    if free_pages.shape[0]:
+        is_free[free_pages[(free_pages >= 0) & (free_pages <= num_pages)]] = True
+    freed = ~bad_range & is_free[np.clip(pages, 0, num_pages)]
+    for i in np.unique(owner[freed])[:_MAX_ITEMS].tolist():
+        sel = freed & (owner == i)
+        out.append(Violation("row", f"rid={int(rids[i])}: row positions {positions[sel][:4].tolist()} point at "
+                             f"free slots {values[sel][:4].tolist()} (use after free)", int(rids[i]),
+                             {"count": int(sel.sum())}))
+    if ps > 1 and values.shape[0]:
+        page_start = flat - positions % ps
+        same_page = table.reshape(-1)[page_start].astype(np.int64)
+        misaligned = (values % ps != positions % ps) | (values - same_page != positions % ps)
+        for i in np.unique(owner[misaligned])[:_MAX_ITEMS].tolist():
+            sel = misaligned & (owner == i)
+            out.append(Violation("row", f"rid={int(rids[i])}: positions {positions[sel][:4].tolist()} hold slots "
+                                 f"{values[sel][:4].tolist()}: not slot % {ps} == position % {ps} on one page",
+                                 int(rids[i]), {"count": int(sel.sum())}))
+    kv = allocator.req_kv
+    tree = allocator.tree_cache
+    for row, rid, prot in zip(rows.tolist(), rids.tolist(), protected.tolist()):
+        if prot == 0:
+            continue
+        node = kv.lock_node[row]
+        if node is None:
+            continue
+        path = tree.path_device_indices(node)[:prot]
+        got = table[row, :prot].astype(np.int64)
+        if path.shape[0] != prot or not np.array_equal(path, got):
+            diff = np.flatnonzero(path != got[: path.shape[0]]) if path.shape[0] == prot else np.array([path.shape[0]])
+            out.append(Violation("row", f"rid={rid}: row prefix [0, {prot}) differs from its locked radix path "
+                                 f"(first at position {int(diff[0])})", rid, {"protected": prot}))
+
+
+def _check_device(out, pool, rows, rids, alloc) -> None:
+    device_rows = pool.device_req_to_token[rows.tolist()].cpu().numpy() if rows.shape[0] else None
+    if device_rows is None:
+        return
+    host_rows = pool.req_to_token_np[rows]
+    cols = np.arange(pool.max_context_len)
+    live = cols[None, :] < alloc[:, None]
+    diff = live & (device_rows != host_rows)
+    for i in np.flatnonzero(diff.any(axis=1))[:_MAX_ITEMS].tolist():
+        pos = np.flatnonzero(diff[i])
+        out.append(Violation("device", f"rid={int(rids[i])}: device req_to_token differs from the host copy at "
+                             f"{pos.shape[0]} positions, first {int(pos[0])} (device {int(device_rows[i, pos[0]])}, "
+                             f"host {int(host_rows[i, pos[0]])})", int(rids[i]), {"count": int(pos.shape[0])}))

@@ -1,0 +1,637 @@
+"""KvAllocator: the built-in ``Allocator`` (SGLang 0.5.23 semantics) driven by request ids.
+
+Composes the request-to-token pool, the token-to-KV allocator, the radix cache and
+the per-row bookkeeping, and applies one batched call per op kind in SGLang's
+within-step order:
+
+1. ``release`` (finish / retract / abort),
+2. ``extend``: checkpoint of continuing prefill chunks, then prefix match and lock
+   of new requests (in batch order), then ONE ``alloc_for_extend``,
+3. ``decode``: one ``alloc_for_decode``,
+4. ``spec_decode``: prepare + ``alloc_for_spec_decode`` + commit of accepted tokens,
+5. the prompt publish (checkpoint) of requests whose prefill completed this step.
+
+The publish of step 5 is queued by ``extend`` / ``prealloc`` and applied at the end
+of the step: at the end of ``decode`` / ``spec_decode``, or at the start of any
+other call (including reads), or by ``end_step()``. Call ``end_step()`` before
+inspecting the SGLang-named attributes directly.
+
+Frees inside one ``release(kind="finish" | "abort")`` batch and inside one publish
+batch are grouped as SGLang's result processors group them
+(``free_group_begin`` / ``free_group_end``); retraction frees request by request.
+
+White-box attributes with SGLang's names: ``req_to_token_pool`` (``req_to_token``,
+``free_slots``), ``token_to_kv_pool_allocator`` (``free_pages``, ...),
+``tree_cache``; per-row bookkeeping in ``req_kv``; ``kv_info(rid)`` gives one
+request's ``ReqKvInfo`` view.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from allocator.allocation import (
+    KvContext,
+    alloc_for_decode,
+    alloc_for_decode_prealloc,
+    alloc_for_decode_prealloc_hisparse,
+    alloc_for_extend,
+    alloc_for_spec_decode,
+    checkpoint_kv_cache,
+    commit_accepted_tokens,
+    prepare_spec_decode,
+    release_kv_cache,
+)
+from allocator.base import (
+    AllocatorConfig,
+    AllocOutcome,
+    AllocResult,
+    OutOfMemory,
+    PoolCounters,
+    ReleaseKind,
+    ReleaseResult,
+    RequestLens,
+    Violation,
+)
+from allocator.radix_cache import RadixCache, TreeNode
+from allocator.req_kv import ReqKvInfo, ReqKvTable
+from allocator.req_to_token import ReqToTokenPool
+from allocator.sizing import (
+    floor_align,
+    pool_size_tokens,
+    req_to_token_width,
+    reserve_per_decode,
+    uses_bigram_keys,
+)
+from allocator.table_writer import make_table_writer
+from allocator.token_to_kv import (
+    HiSparseTokenToKVPoolAllocator,
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+
+__all__ = ["KvAllocator", "create_allocator"]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_RELEASE_KINDS = ("finish", "retract", "abort")
+
+
+def _i64(values: object) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+class KvAllocator:
+    """The built-in allocator: SGLang's pools, allocator, radix cache and bookkeeping.
+
+    Args:
+        config: sizes and switches.
+        free_groups: group the frees of a finish/abort batch and of a publish batch
+            as SGLang's result processors do (False: every free applied at once).
+
+    Raises:
+        ValueError: an inconsistent configuration.
+    """
+
+    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True) -> None:
+        _check_config(config)
+        self.config = config
+        self.free_groups = free_groups
+        ps = config.page_size
+        self.page_size = ps
+        size = pool_size_tokens(config)
+        num_rows = config.max_running + config.extra_rows
+        self.req_to_token_pool = ReqToTokenPool(num_rows, req_to_token_width(config), config.device)
+        allocator: TokenToKVPoolAllocator | PagedTokenToKVPoolAllocator | HiSparseTokenToKVPoolAllocator
+        if config.hisparse:
+            allocator = HiSparseTokenToKVPoolAllocator(size, ps, config.need_sort, config.hisparse_ratio, config.device)
+            self.pool_tokens = allocator.logical_attn_allocator.num_pages * ps
+        elif ps == 1:
+            allocator = TokenToKVPoolAllocator(size, config.need_sort, config.device)
+            self.pool_tokens = size
+        else:
+            allocator = PagedTokenToKVPoolAllocator(size, ps, config.need_sort, config.device)
+            self.pool_tokens = allocator.num_pages * ps
+        self.token_to_kv_pool_allocator = allocator
+        self.tree_cache = RadixCache(
+            ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)
+        )
+        self.req_kv = ReqKvTable(num_rows + 1, ps)
+        self.writer = make_table_writer(self.req_to_token_pool)
+        self.ctx = KvContext(
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            tree_cache=self.tree_cache,
+            req_kv=self.req_kv,
+            writer=self.writer,
+            page_size=ps,
+            spec_reserve=reserve_per_decode(config.spec, ps),
+            hisparse=config.hisparse,
+        )
+        self._row_of_rid = np.full(1024, -1, dtype=np.int64)
+        self._prompt_len = np.full(1024, -1, dtype=np.int64)
+        self._prefilling = np.zeros(1024, dtype=bool)
+        self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+
+    # ------------------------------------------------------------------ rid <-> row
+
+    def _grow(self, max_rid: int) -> None:
+        size = self._row_of_rid.shape[0]
+        if max_rid < size:
+            return
+        new = max(2 * size, max_rid + 1)
+        for name, fill in (("_row_of_rid", -1), ("_prompt_len", -1), ("_prefilling", False)):
+            old = getattr(self, name)
+            arr = np.full(new, fill, dtype=old.dtype)
+            arr[:size] = old
+            setattr(self, name, arr)
+
+    def _rows_of(self, rids: np.ndarray) -> np.ndarray:
+        """Row per rid, -1 where the request holds none."""
+        if rids.shape[0] == 0:
+            return _EMPTY
+        if int(rids.min()) < 0:
+            raise ValueError(f"request ids must be >= 0, found {int(rids.min())}")
+        self._grow(int(rids.max()))
+        return self._row_of_rid[rids]
+
+    def _held_rows(self, rids: np.ndarray, op: str) -> np.ndarray:
+        """Rows of requests that must hold KV (ValueError naming the first that does not)."""
+        try:
+            rows = self._row_of_rid[rids]
+        except IndexError:
+            rows = self._rows_of(rids)
+        if rows.shape[0] and int(rows.min()) < 0:
+            bad = int(rids[int(np.argmin(rows))])
+            raise ValueError(f"{op}: request rid={bad} holds no KV (never extended, or already released)")
+        if self.config.debug_checks and np.unique(rids).shape[0] != rids.shape[0]:
+            raise ValueError(f"{op}: a request id appears twice in one batch")
+        return rows
+
+    def kv_info(self, rid: int) -> ReqKvInfo | None:
+        """SGLang-named read-only view of one request's bookkeeping (None: holds no KV)."""
+        self._flush_publish()
+        rows = self._rows_of(_i64([rid]))
+        return None if rows[0] < 0 else self.req_kv.info(int(rows[0]))
+
+    def row_of(self, rid: int) -> int:
+        """The request's ``req_to_token`` row, -1 when it holds none."""
+        return int(self._rows_of(_i64([rid]))[0])
+
+    # ------------------------------------------------------------------ publish queue
+
+    def end_step(self) -> None:
+        """Apply the prompt publishes queued by this step's extend / prealloc."""
+        self._flush_publish()
+
+    def _flush_publish(self) -> None:
+        pending = self._pending_publish
+        if not pending:
+            return
+        self._pending_publish = []
+        allocator = self.token_to_kv_pool_allocator
+        grouped = self.free_groups
+        if grouped:
+            allocator.free_group_begin()
+        try:
+            for rid, up_to, token_ids in pending:
+                row = int(self._row_of_rid[rid])
+                if row < 0:
+                    continue
+                checkpoint_kv_cache(self.ctx, row, up_to, token_ids, int(self._prompt_len[rid]))
+        finally:
+            if grouped:
+                allocator.free_group_end()
+
+    # ------------------------------------------------------------------ extend
+
+    def extend(
+        self,
+        rids: np.ndarray,
+        seq_lens: np.ndarray,
+        token_ids: Sequence[np.ndarray],
+        prefill_done: np.ndarray | None = None,
+    ) -> AllocOutcome:
+        """Prefill, or the next prefill chunk of, each request (see ``Allocator.extend``).
+
+        The radix match of a new request uses its whole ``token_ids[i]`` (SGLang
+        matches the full fill ids) capped at ``len - 1`` tokens, then at
+        ``seq_lens[i] - 1`` so the chunk computes at least one token.
+
+        Raises:
+            ValueError: bad batch (lengths, a request extended past its row width,
+                a decoding request extended, token ids shorter than ``seq_lens``);
+                nothing changed.
+        """
+        self._flush_publish()
+        rids = _i64(rids)
+        seq_lens = _i64(seq_lens)
+        bs = rids.shape[0]
+        if bs == 0:
+            return AllocResult(0, prefix_lens=_EMPTY.copy())
+        if seq_lens.shape[0] != bs or len(token_ids) != bs:
+            raise ValueError(
+                f"extend: {bs} rids but {seq_lens.shape[0]} seq_lens and {len(token_ids)} token id arrays"
+            )
+        done = np.ones(bs, dtype=bool) if prefill_done is None else np.asarray(prefill_done, dtype=bool)
+        rows = self._rows_of(rids)
+        self._check_extend(rids, rows, seq_lens, token_ids)
+
+        ctx = self.ctx
+        tree = self.tree_cache
+        kv = self.req_kv
+        ps = self.page_size
+        prefix = np.zeros(bs, dtype=np.int64)
+        cont = np.flatnonzero(rows >= 0)
+        # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request)
+        for i in cont.tolist():
+            row = int(rows[i])
+            up_to = int(kv.kv_allocated_len[row])
+            if not tree.disable:
+                checkpoint_kv_cache(ctx, row, up_to, token_ids[i], int(self._prompt_len[rids[i]]))
+            prefix[i] = up_to
+        # (b) match and lock each new request, in batch order
+        lock_nodes: list[TreeNode | None] = [None] * bs
+        prefix_slots: list[np.ndarray | None] = [None] * bs
+        if not tree.disable:
+            for i in np.flatnonzero(rows < 0).tolist():
+                toks = token_ids[i]
+                key = tree.make_key(toks[: max(len(toks) - 1, 0)])
+                match = tree.match_prefix(key)
+                p = min(match.prefix_len, floor_align(int(seq_lens[i]) - 1, ps))
+                node = match.last_node
+                tree.lock(node)
+                lock_nodes[i] = node
+                if p:
+                    prefix_slots[i] = tree.path_device_indices(node)[:p]
+                prefix[i] = p
+        # (c) one allocation for the batch
+        res = alloc_for_extend(ctx, rids, rows, prefix, seq_lens, prefix_slots, lock_nodes)
+        if isinstance(res, OutOfMemory):
+            for node in lock_nodes:
+                tree.unlock(node)
+            return res
+        self._row_of_rid[rids] = res.rows
+        # (d) requests whose prefill is done publish their prompt at the end of the step
+        for i in range(bs):
+            rid = int(rids[i])
+            if done[i]:
+                if self._prompt_len[rid] < 0:
+                    self._prompt_len[rid] = seq_lens[i]
+                self._prefilling[rid] = False
+                if not tree.disable:
+                    self._pending_publish.append((rid, int(seq_lens[i]), token_ids[i]))
+            else:
+                self._prefilling[rid] = True
+        return AllocResult(int(res.out_cache_loc.shape[0]), res.evicted_tokens, prefix)
+
+    def _check_extend(
+        self, rids: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]
+    ) -> None:
+        width = self.req_to_token_pool.max_context_len
+        if np.unique(rids).shape[0] != rids.shape[0]:
+            raise ValueError("extend: a request id appears twice in one batch")
+        if int(seq_lens.min()) < 1:
+            raise ValueError(f"extend: request rid={int(rids[int(np.argmin(seq_lens))])} has seq_len < 1")
+        if int(seq_lens.max()) > width:
+            i = int(np.argmax(seq_lens))
+            raise ValueError(
+                f"extend: request rid={int(rids[i])} seq_len {int(seq_lens[i])} exceeds the row width {width} "
+                f"(max_context_len {self.config.max_context_len}); raise max_context_len"
+            )
+        kv = self.req_kv
+        for i in np.flatnonzero(rows >= 0).tolist():
+            rid = int(rids[i])
+            allocated = int(kv.kv_allocated_len[rows[i]])
+            if not self._prefilling[rid]:
+                raise ValueError(f"extend: request rid={rid} already finished its prefill (it decodes now)")
+            if int(seq_lens[i]) <= allocated:
+                raise ValueError(
+                    f"extend: request rid={rid} chunk ends at {int(seq_lens[i])}, not past its {allocated} positions"
+                )
+        if not self.tree_cache.disable:
+            for i in range(rids.shape[0]):
+                if len(token_ids[i]) < int(seq_lens[i]):
+                    raise ValueError(
+                        f"extend: request rid={int(rids[i])} has {len(token_ids[i])} token ids, "
+                        f"fewer than its seq_len {int(seq_lens[i])}"
+                    )
+
+    # ------------------------------------------------------------------ decode / spec
+
+    def decode(self, rids: np.ndarray) -> AllocOutcome:
+        """One decode token per request (``alloc_for_decode``)."""
+        rids = _i64(rids)
+        rows = self._held_rows(rids, "decode")
+        res = alloc_for_decode(self.ctx, rows, rids)
+        if isinstance(res, OutOfMemory):
+            return res
+        if self._pending_publish:
+            self._flush_publish()
+        return AllocResult(rids.shape[0], res.evicted_tokens)
+
+    def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
+        """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
+        ``alloc_for_spec_decode``, then commit ``accepted_lens``.
+
+        Raises:
+            ValueError: no speculative config, or an accepted count past the reserve
+                (outside the row-overflow case); nothing changed.
+        """
+        if self.config.spec is None:
+            raise ValueError("spec_decode: the allocator has no speculative config (AllocatorConfig.spec)")
+        rids = _i64(rids)
+        accepted = _i64(accepted_lens)
+        rows = self._held_rows(rids, "spec_decode")
+        ctx = self.ctx
+        plan = prepare_spec_decode(ctx, rows)
+        width = self.req_to_token_pool.max_context_len
+        if rows.shape[0]:
+            over_commit = self.req_kv.kv_committed_len[rows] + accepted - plan.nxt_kv_lens
+            if int(over_commit.max()) > 0:
+                bad = np.flatnonzero((over_commit > 0) & (plan.nxt_kv_lens < width))
+                if bad.shape[0]:
+                    i = int(bad[0])
+                    raise ValueError(
+                        f"spec_decode: request rid={int(rids[i])} accepts {int(accepted[i])} tokens, past its "
+                        f"reserve (committed {int(self.req_kv.kv_committed_len[rows[i]])}, reserved to "
+                        f"{int(plan.nxt_kv_lens[i])})"
+                    )
+        res = alloc_for_spec_decode(ctx, rows, plan, rids)
+        if isinstance(res, OutOfMemory):
+            return res
+        asked = self.req_kv.kv_committed_len[rows] + accepted
+        excess = commit_accepted_tokens(ctx, rows, accepted)
+        overflow = {int(self.req_kv.rid[row]): (asked_pos, w) for row, asked_pos, w in plan.overflow}
+        if rows.shape[0] and int(excess.max()) > 0:
+            for i in np.flatnonzero(excess > 0).tolist():
+                rid = int(rids[i])
+                prev = overflow.get(rid, (0, width))[0]
+                overflow[rid] = (max(prev, int(asked[i])), width)
+        if self._pending_publish:
+            self._flush_publish()
+        return AllocResult(
+            res.num_tokens,
+            res.evicted_tokens,
+            row_overflow=tuple((rid, asked_pos, w) for rid, (asked_pos, w) in sorted(overflow.items())),
+        )
+
+    # ------------------------------------------------------------------ PD prealloc
+
+    def prealloc(self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
+        """PD decode: a row and KV for ``fill_lens[i]`` positions per request, one request
+        at a time as SGLang's pre-allocation queue does (prefix reused from the local
+        radix cache when it is on; HiSparse: logical slots only). All or nothing: on
+        OutOfMemory the requests of the batch already served are rolled back."""
+        self._flush_publish()
+        rids = _i64(rids)
+        fill_lens = _i64(fill_lens)
+        bs = rids.shape[0]
+        if fill_lens.shape[0] != bs or len(token_ids) != bs:
+            raise ValueError(f"prealloc: {bs} rids but {fill_lens.shape[0]} fill_lens and {len(token_ids)} token arrays")
+        rows = self._rows_of(rids)
+        if bs and int(rows.max()) >= 0:
+            bad = int(rids[int(np.argmax(rows))])
+            raise ValueError(f"prealloc: request rid={bad} already holds KV")
+        if bs and np.unique(rids).shape[0] != bs:
+            raise ValueError("prealloc: a request id appears twice in one batch")
+        if bs and int(fill_lens.min()) < 1:
+            raise ValueError("prealloc: fill_lens must be >= 1")
+        ctx = self.ctx
+        tree = self.tree_cache
+        done: list[int] = []
+        prefix = np.zeros(bs, dtype=np.int64)
+        evicted_before = tree.evicted_tokens_total
+        for i in range(bs):
+            rid = int(rids[i])
+            fill = int(fill_lens[i])
+            node: TreeNode | None = None
+            if self.config.hisparse:
+                res = alloc_for_decode_prealloc_hisparse(ctx, rid, fill)
+            else:
+                p = 0
+                slots = None
+                if not tree.disable:
+                    if len(token_ids[i]) < fill:
+                        self._undo_prealloc(done)
+                        raise ValueError(
+                            f"prealloc: request rid={rid} has {len(token_ids[i])} token ids, fewer than {fill}"
+                        )
+                    match = tree.match_prefix(tree.make_key(token_ids[i][:fill]))
+                    node = match.last_node
+                    tree.lock(node)
+                    p = match.prefix_len
+                    if p:
+                        slots = tree.path_device_indices(node)[:p]
+                prefix[i] = p
+                res = alloc_for_decode_prealloc(ctx, rid, fill, p, slots, node, not tree.disable)
+            if isinstance(res, OutOfMemory):
+                tree.unlock(node)
+                self._undo_prealloc(done)
+                return res
+            self._row_of_rid[rid] = res
+            done.append(rid)
+        for i in range(bs):
+            rid = int(rids[i])
+            if self._prompt_len[rid] < 0:
+                self._prompt_len[rid] = fill_lens[i]
+            self._prefilling[rid] = False
+            if not tree.disable:
+                self._pending_publish.append((rid, int(fill_lens[i]), token_ids[i]))
+        evicted = tree.evicted_tokens_total - evicted_before
+        return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)
+
+    def _undo_prealloc(self, rids_done: list[int]) -> None:
+        """Roll back preallocations of this batch, newest first (rows and slots go back
+        where they were taken; locks dropped; bookkeeping cleared)."""
+        kv = self.req_kv
+        ps = self.page_size
+        allocator = self.token_to_kv_pool_allocator
+        table = self.req_to_token_pool.req_to_token_np
+        for rid in reversed(rids_done):
+            row = int(self._row_of_rid[rid])
+            allocated = int(kv.kv_allocated_len[row])
+            protected = int(kv.cache_protected_len[row])
+            slots = table[row, protected:allocated].astype(np.int64)
+            if isinstance(allocator, TokenToKVPoolAllocator):
+                allocator.unalloc(slots)
+            elif isinstance(allocator, HiSparseTokenToKVPoolAllocator):
+                # logical-only allocation: no device pages to give back
+                allocator.logical_attn_allocator.unalloc_pages(slots[::ps] // ps)
+            else:
+                allocator.unalloc_pages(slots[::ps] // ps)
+            self.tree_cache.unlock(kv.lock_node[row])
+            kv.lock_node[row] = None
+            kv.sum_committed -= int(kv.kv_committed_len[row])
+            kv.sum_protected -= protected
+            kv.sum_allocated_ceil -= -(-allocated // ps) * ps
+            kv.kv_allocated_len[row] = 0
+            kv.kv_committed_len[row] = 0
+            kv.cache_protected_len[row] = 0
+            kv.rid[row] = -1
+            self.req_to_token_pool.unalloc([row])
+            self._row_of_rid[rid] = -1
+
+    # ------------------------------------------------------------------ release
+
+    def release(
+        self,
+        rids: np.ndarray,
+        owned_lens: np.ndarray,
+        token_ids: Sequence[np.ndarray] | None,
+        kind: ReleaseKind,
+    ) -> ReleaseResult:
+        """Release each request's KV (``release_kv_cache``): ``finish`` checkpoints the
+        owned prefix; ``retract`` / ``abort`` cache nothing. Over-allocation is always
+        freed. ``owned_lens`` above ``kv_committed_len`` are clipped to it.
+
+        Raises:
+            ValueError: unknown kind, a request holding no KV, missing token ids for
+                a finish; nothing changed.
+        """
+        if kind not in _RELEASE_KINDS:
+            raise ValueError(f"release: kind must be one of {', '.join(_RELEASE_KINDS)}, found {kind!r}")
+        self._flush_publish()
+        rids = _i64(rids)
+        owned = _i64(owned_lens)
+        bs = rids.shape[0]
+        if owned.shape[0] != bs:
+            raise ValueError(f"release: {bs} rids but {owned.shape[0]} owned_lens")
+        rows = self._held_rows(rids, "release")
+        if bs and np.unique(rids).shape[0] != bs:
+            raise ValueError("release: a request id appears twice in one batch")
+        checkpoint = kind == "finish" and not self.tree_cache.disable
+        if checkpoint:
+            if token_ids is None or len(token_ids) != bs:
+                raise ValueError("release: kind='finish' needs token_ids (one array per request)")
+            for i in range(bs):
+                if len(token_ids[i]) < min(int(owned[i]), int(self.req_kv.kv_committed_len[rows[i]])):
+                    raise ValueError(
+                        f"release: request rid={int(rids[i])} has {len(token_ids[i])} token ids, "
+                        f"fewer than its owned length {int(owned[i])}"
+                    )
+        overalloc = np.zeros(bs, dtype=np.int64)
+        freed = 0
+        cached = 0
+        allocator = self.token_to_kv_pool_allocator
+        grouped = self.free_groups and kind != "retract"
+        if grouped:
+            allocator.free_group_begin()
+        try:
+            for i in range(bs):
+                rid = int(rids[i])
+                out = release_kv_cache(
+                    self.ctx,
+                    int(rows[i]),
+                    int(owned[i]),
+                    token_ids[i] if checkpoint else None,
+                    int(self._prompt_len[rid]),
+                    checkpoint,
+                )
+                freed += out.freed_tokens
+                cached += out.cached_tokens
+                overalloc[i] = out.overalloc_released
+                self._row_of_rid[rid] = -1
+                self._prefilling[rid] = False
+                if kind != "retract":
+                    self._prompt_len[rid] = -1
+        finally:
+            if grouped:
+                allocator.free_group_end()
+        return ReleaseResult(freed, cached, overalloc)
+
+    # ------------------------------------------------------------------ cache
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` unlocked cached tokens (LRU leaves, whole nodes)."""
+        self._flush_publish()
+        return self.tree_cache.evict(int(num_tokens))
+
+    def match_prefix(self, token_ids: np.ndarray) -> int:
+        """Length a new request with these fill ids would reuse (page aligned, capped at
+        ``len - 1``). A pure query: no access time is touched and no node split."""
+        self._flush_publish()
+        tree = self.tree_cache
+        if tree.disable:
+            return 0
+        toks = np.asarray(token_ids, dtype=np.int64)
+        return tree.peek_prefix_len(tree.make_key(toks[: max(toks.shape[0] - 1, 0)]))
+
+    # ------------------------------------------------------------------ reads
+
+    def counters(self) -> PoolCounters:
+        """Pool token counts now (O(1): sums kept by the allocation functions)."""
+        self._flush_publish()
+        kv = self.req_kv
+        pool = self.req_to_token_pool
+        if self.config.hisparse:
+            available = self.token_to_kv_pool_allocator.logical_available_size()
+        else:
+            available = self.token_to_kv_pool_allocator.available_size()
+        return PoolCounters(
+            pool_tokens=self.pool_tokens,
+            available=available,
+            evictable=self.tree_cache.evictable_size(),
+            protected=self.tree_cache.protected_size(),
+            committed=kv.sum_committed - kv.sum_protected,
+            overallocated=kv.sum_allocated_ceil - kv.sum_committed,
+            running_requests=pool.size - pool.available_size(),
+            free_rows=pool.available_size(),
+        )
+
+    def request_lens(self, rids: np.ndarray) -> RequestLens:
+        self._flush_publish()
+        rows = self._rows_of(_i64(rids))
+        safe = np.where(rows >= 0, rows, 0)
+        held = rows >= 0
+        kv = self.req_kv
+        return RequestLens(
+            allocated=np.where(held, kv.kv_allocated_len[safe], 0),
+            committed=np.where(held, kv.kv_committed_len[safe], 0),
+            protected=np.where(held, kv.cache_protected_len[safe], 0),
+        )
+
+    def holds_kv(self, rids: np.ndarray) -> np.ndarray:
+        return self._rows_of(_i64(rids)) >= 0
+
+    def row_slots(self, rid: int) -> np.ndarray:
+        self._flush_publish()
+        row = self.row_of(rid)
+        if row < 0:
+            return _EMPTY.copy()
+        n = int(self.req_kv.kv_allocated_len[row])
+        return self.req_to_token_pool.req_to_token_np[row, :n].astype(np.int64)
+
+    def live_rids(self) -> np.ndarray:
+        """Request ids holding KV now (ascending)."""
+        return np.sort(self.req_kv.rid[self.req_kv.rid >= 0])
+
+    def check_integrity(self) -> list[Violation]:
+        from allocator.invariants import check_integrity
+
+        self._flush_publish()
+        return check_integrity(self)
+
+
+def _check_config(config: AllocatorConfig) -> None:
+    ps = config.page_size
+    if ps < 1:
+        raise ValueError(f"AllocatorConfig.page_size must be >= 1, found {ps}")
+    if config.pool_tokens < 2 * ps:
+        raise ValueError(f"AllocatorConfig.pool_tokens {config.pool_tokens} is below two pages (page size {ps})")
+    if config.max_running < 1:
+        raise ValueError(f"AllocatorConfig.max_running must be >= 1, found {config.max_running}")
+    if config.max_context_len < 1:
+        raise ValueError(f"AllocatorConfig.max_context_len must be >= 1, found {config.max_context_len}")
+    if config.hisparse and config.radix_cache:
+        raise ValueError("AllocatorConfig: HiSparse is incompatible with the radix cache (set radix_cache=False)")
+    if config.hisparse and config.hisparse_ratio < 1:
+        raise ValueError(f"AllocatorConfig.hisparse_ratio must be >= 1, found {config.hisparse_ratio}")
+    if config.eviction_policy != "lru":
+        raise ValueError(f"AllocatorConfig.eviction_policy: only 'lru' is implemented, found {config.eviction_policy!r}")
+
+
+def create_allocator(config: AllocatorConfig) -> KvAllocator:
+    """The built-in allocator for ``config`` (SGLang 0.5.23 semantics)."""
+    return KvAllocator(config)

@@ -1,0 +1,448 @@
+"""RadixCache: SGLang 0.5.23's radix prefix cache (``mem_cache/radix_cache.py``) on numpy.
+
+Keys are int64 arrays of *units*: token ids, or for EAGLE / EAGLE3 token bigrams
+(unit ``i`` stands for the pair ``(t[i], t[i + 1])``, so a key is one unit shorter
+than its tokens; a bigram is represented by a 64-bit mix of the pair, see
+``bigram_units``). Values are KV slot arrays of the same length (int32, the dtype
+of ``req_to_token``). Every key
+stored or matched is page aligned (``floor_align(len, page_size)``).
+
+A node holds its key as the bytes of its units, so prefix comparison is one
+``bytes.startswith`` (a memcmp) per node, and children are keyed by the bytes of
+their first page. Matching or inserting a key that ends inside a node splits the
+node there (the upper part keeps the lock count), as SGLang does.
+
+Sizes: a node's length is *evictable* while no request locks it (``lock_ref == 0``)
+and *protected* otherwise; ``lock`` / ``unlock`` walk to the root moving lengths
+between the two when a count goes 0 <-> 1.
+
+Eviction is SGLang's LRU: repeatedly take the evictable leaf (unlocked, no
+children) with the oldest access time, free its slots (``free_segment``, page
+exact), delete it; a parent that becomes an unlocked leaf joins the candidates;
+stop once at least the requested tokens are freed (whole nodes, may overshoot).
+Access times come from a logical clock that ticks wherever SGLang reads
+``time.monotonic()`` (once per match or insert, once per node created), so the
+eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Iterator, NamedTuple
+
+import numpy as np
+
+from allocator.token_to_kv import SLOT_DTYPE
+
+if TYPE_CHECKING:
+    from allocator.token_to_kv import (
+        HiSparseTokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator,
+        TokenToKVPoolAllocator,
+    )
+
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode", "bigram_units"]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_SLOTS = np.empty(0, dtype=SLOT_DTYPE)
+# Odd 64-bit multiplier (golden ratio): unit = t[i] * C + t[i + 1] (mod 2**64).
+_BIGRAM_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+def bigram_units(token_ids: np.ndarray) -> np.ndarray:
+    """EAGLE bigram units of a token sequence: ``len(token_ids) - 1`` int64 values.
+
+    ``unit[i] = t[i] * 0x9E3779B97F4A7C15 + t[i + 1]`` modulo 2**64: equal pairs give
+    equal units; for a fixed first token the map is injective in the second, and
+    two different pairs collide only when their first tokens differ by a
+    multiple that the odd multiplier maps into the range of second-token
+    differences, which does not happen for vocabulary-sized token ids.
+    """
+    t = np.ascontiguousarray(token_ids, dtype=np.int64)
+    if t.shape[0] < 2:
+        return _EMPTY.copy()
+    u = t.view(np.uint64)
+    return (u[:-1] * _BIGRAM_MUL + u[1:]).view(np.int64)
+
+
+class TreeNode:
+    """One radix-tree node: a run of units and the KV slots that hold them."""
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+
+    def __init__(self, node_id: int, access_time: int) -> None:
+        self.children: dict[bytes, TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self.key: bytes = b""  # int64 units, native byte order
+        self.value: np.ndarray = _NO_SLOTS  # int32 [len] KV slots
+        self.lock_ref = 0
+        self.last_access_time = access_time
+        self.id = node_id
+
+    def __len__(self) -> int:
+        return self.value.shape[0]
+
+    def key_units(self) -> np.ndarray:
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self)}, lock_ref={self.lock_ref}, t={self.last_access_time})"
+
+
+class MatchResult(NamedTuple):
+    prefix_len: int  # units matched (page aligned)
+    last_node: TreeNode
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int  # units of the key that were already in the tree
+    last_node: TreeNode
+
+
+class RadixCache:
+    """Radix prefix cache with lock counts and LRU eviction.
+
+    Args:
+        page_size: units per page; keys are cut to whole pages.
+        token_to_kv_pool_allocator: where evicted slots go (``free_segment``).
+        disable: a disabled cache matches nothing, stores nothing, evicts nothing.
+        is_eagle: key by token bigrams (``make_key``).
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator
+        | PagedTokenToKVPoolAllocator
+        | HiSparseTokenToKVPoolAllocator
+        | None = None,
+        disable: bool = False,
+        is_eagle: bool = False,
+    ) -> None:
+        self.page_size = page_size
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.disable = disable
+        self.is_eagle = is_eagle
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        self._clock = 0
+        self._next_id = 0
+        self.root_node = self._new_node()
+        self.root_node.lock_ref = 1
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+        self.evictable_leaves: set[TreeNode] = set()
+        self.evicted_tokens_total = 0
+        # (access time, node id, node): evictable-leaf candidates, lazily invalidated.
+        self._heap: list[tuple[int, int, TreeNode]] = []
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_node(self) -> TreeNode:
+        self._next_id += 1
+        return TreeNode(self._next_id, self._tick())
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        return self.evictable_size_ + self.protected_size_
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    def make_key(self, token_ids: np.ndarray) -> np.ndarray:
+        """The unit key of a token sequence (bigram units for EAGLE; not yet page aligned)."""
+        if self.is_eagle:
+            return bigram_units(token_ids)
+        return np.ascontiguousarray(token_ids, dtype=np.int64)
+
+    def key_len(self, num_tokens: int) -> int:
+        """Page-aligned key length (units) of a ``num_tokens``-token sequence."""
+        units = max(num_tokens - 1, 0) if self.is_eagle else num_tokens
+        return units // self.page_size * self.page_size
+
+    # ------------------------------------------------------------------ match / insert
+
+    def match_prefix(self, key: np.ndarray) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key`` (units).
+
+        Touches the access time of every node on the path; splits the last node when
+        the match ends inside it. An empty (or shorter than a page) key returns
+        ``(0, root)`` without touching anything.
+        """
+        ps = self.page_size
+        n = key.shape[0] // ps * ps
+        if self.disable or n == 0:
+            return MatchResult(0, self.root_node)
+        kb = key[:n].tobytes()
+        nb = n * 8
+        psb = ps * 8
+        t = self._tick()
+        node = self.root_node
+        node.last_access_time = t
+        pos = 0
+        touched = None
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + psb])
+            if child is None:
+                break
+            child.last_access_time = t
+            touched = child
+            ckey = child.key
+            if kb.startswith(ckey, pos):
+                pos += len(ckey)
+                node = child
+                continue
+            m = self._matched_units(ckey, kb, pos)
+            node = self._split_node(child, m)
+            pos += m * 8
+            break
+        if touched is not None and touched in self.evictable_leaves:
+            self._push(touched)
+        return MatchResult(pos // 8, node)
+
+    def peek_prefix_len(self, key: np.ndarray) -> int:
+        """Length ``match_prefix`` would return, without touching or splitting anything."""
+        ps = self.page_size
+        n = key.shape[0] // ps * ps
+        if self.disable or n == 0:
+            return 0
+        kb = key[:n].tobytes()
+        nb = n * 8
+        psb = ps * 8
+        node = self.root_node
+        pos = 0
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + psb])
+            if child is None:
+                break
+            if kb.startswith(child.key, pos):
+                pos += len(child.key)
+                node = child
+                continue
+            pos += self._matched_units(child.key, kb, pos) * 8
+            break
+        return pos // 8
+
+    def insert(self, key: np.ndarray, value: np.ndarray) -> InsertResult:
+        """Insert ``key`` -> ``value`` (page aligned); return the length already present.
+
+        The new suffix (if any) becomes one leaf, evictable until locked. ``value``
+        must cover at least the aligned key; it is copied.
+        """
+        ps = self.page_size
+        n = key.shape[0] // ps * ps
+        if self.disable:
+            return InsertResult(0, self.root_node)
+        t = self._tick()
+        node = self.root_node
+        node.last_access_time = t
+        if n == 0:
+            return InsertResult(0, node)
+        kb = key[:n].tobytes()
+        nb = n * 8
+        psb = ps * 8
+        pos = 0
+        touched = None
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + psb])
+            if child is None:
+                break
+            child.last_access_time = t
+            touched = child
+            ckey = child.key
+            if kb.startswith(ckey, pos):
+                pos += len(ckey)
+                node = child
+                continue
+            m = self._matched_units(ckey, kb, pos)
+            node = self._split_node(child, m)
+            pos += m * 8
+            # The rest of the key differs from the lower part's first page: a new leaf.
+            break
+        if pos < nb:
+            leaf = self._new_node()
+            leaf.parent = node
+            leaf.key = kb[pos:]
+            leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
+            node.children[kb[pos : pos + psb]] = leaf
+            self.evictable_size_ += n - pos // 8
+            self._update_leaf_status(node)
+            self._update_leaf_status(leaf)
+            if touched is not None and touched is not node and touched in self.evictable_leaves:
+                self._push(touched)
+            return InsertResult(pos // 8, leaf)
+        if touched is not None and touched in self.evictable_leaves:
+            self._push(touched)
+        return InsertResult(pos // 8, node)
+
+    def _matched_units(self, ckey: bytes, kb: bytes, pos: int) -> int:
+        """Units of ``ckey`` matching ``kb[pos:]``, rounded down to a page (>= 1 page)."""
+        a = np.frombuffer(ckey, dtype=np.int64)
+        k = min(a.shape[0], (len(kb) - pos) // 8)
+        b = np.frombuffer(kb, dtype=np.int64, count=k, offset=pos)
+        neq = a[:k] != b
+        m = int(neq.argmax()) if neq.any() else k
+        return m // self.page_size * self.page_size
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Split ``child`` after ``split_len`` units; return the new upper node."""
+        psb = self.page_size * 8
+        cut = split_len * 8
+        upper = self._new_node()
+        upper.parent = child.parent
+        upper.lock_ref = child.lock_ref
+        upper.key = child.key[:cut]
+        upper.value = child.value[:split_len]
+        child.key = child.key[cut:]
+        child.value = child.value[split_len:]
+        child.parent = upper
+        upper.children = {child.key[:psb]: child}
+        upper.parent.children[upper.key[:psb]] = upper
+        return upper
+
+    # ------------------------------------------------------------------ locks
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock the path root..node; return the change of ``evictable_size`` (<= 0)."""
+        if self.disable:
+            return 0
+        delta = 0
+        root = self.root_node
+        while node is not root:
+            if node.lock_ref == 0:
+                n = node.value.shape[0]
+                self.evictable_size_ -= n
+                self.protected_size_ += n
+                delta -= n
+            node.lock_ref += 1
+            self._update_leaf_status(node)
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Unlock the path root..node; return the change of ``evictable_size`` (>= 0)."""
+        if self.disable:
+            return 0
+        delta = 0
+        root = self.root_node
+        while node is not root:
+            if node.lock_ref == 1:
+                n = node.value.shape[0]
+                self.evictable_size_ += n
+                self.protected_size_ -= n
+                delta += n
+            node.lock_ref -= 1
+            self._update_leaf_status(node)
+            node = node.parent
+        return delta
+
+    def lock(self, node: TreeNode | None) -> TreeNode | None:
+        if node is not None:
+            self.inc_lock_ref(node)
+        return node
+
+    def unlock(self, node: TreeNode | None) -> None:
+        if node is not None:
+            self.dec_lock_ref(node)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (node.last_access_time, node.id, node))
+
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        if node.lock_ref > 0 or node.children:
+            self.evictable_leaves.discard(node)
+            return
+        if node not in self.evictable_leaves:
+            self.evictable_leaves.add(node)
+            self._push(node)
+
+    def _pop_evictable(self) -> TreeNode | None:
+        heap = self._heap
+        leaves = self.evictable_leaves
+        if len(heap) > 2 * len(leaves) + 1024:
+            heap[:] = [(n.last_access_time, n.id, n) for n in leaves]
+            heapq.heapify(heap)
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if node in leaves and node.last_access_time == t:
+                return node
+        return None
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict least recently used unlocked leaves until ``num_tokens`` are freed.
+
+        Returns:
+            Tokens evicted (whole nodes: may exceed ``num_tokens``; less if the tree
+            runs out of evictable leaves).
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        allocator = self.token_to_kv_pool_allocator
+        psb = self.page_size * 8
+        evicted = 0
+        while evicted < num_tokens:
+            x = self._pop_evictable()
+            if x is None:
+                break
+            allocator.free_segment(x.value, 0)
+            n = x.value.shape[0]
+            evicted += n
+            parent = x.parent
+            del parent.children[x.key[:psb]]
+            self.evictable_size_ -= n
+            self.evictable_leaves.discard(x)
+            x.parent = None
+            self._update_leaf_status(parent)
+        self.evicted_tokens_total += evicted
+        return evicted
+
+    # ------------------------------------------------------------------ reads
+
+    def path_device_indices(self, node: TreeNode) -> np.ndarray:
+        """KV slots on the path root..node, in key order (int32)."""
+        values = []
+        root = self.root_node
+        while node is not root:
+            values.append(node.value)
+            node = node.parent
+        if not values:
+            return _NO_SLOTS.copy()
+        if len(values) == 1:
+            return values[0]
+        values.reverse()
+        return np.concatenate(values)
+
+    def path_len(self, node: TreeNode) -> int:
+        n = 0
+        root = self.root_node
+        while node is not root:
+            n += node.value.shape[0]
+            node = node.parent
+        return n
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root (depth first)."""
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_values_flatten(self) -> np.ndarray:
+        values = [node.value for node in self.iter_nodes()]
+        return np.concatenate(values) if values else _NO_SLOTS.copy()
+
+    def num_nodes(self) -> int:
+        return sum(1 for _ in self.iter_nodes())
