@@ -214,7 +214,7 @@ class ReplayEngine:
         self._steps = steps
         self._clock = clock
         self._checker = OpSequenceChecker(meta)
-        self._tokens = TokenStore(meta)
+        self._tokens = TokenStore(meta.block_size)
         self._page_size = allocator.config.page_size
         # Per-request state of the replay (indexed by rid).
         self._seen = _Grow(np.bool_, False)
@@ -282,6 +282,11 @@ class ReplayEngine:
             touched.append(batch.rid[rows])
             if self.stopped_early:
                 break
+        end_step = getattr(self.allocator, "end_step", None)
+        if end_step is not None and not self.stopped_early:
+            t0 = self._clock()
+            end_step()
+            st.allocator_s += self._clock() - t0
         st.steps += 1
         st.ops += n
         if st.first_time_s is None:
