@@ -56,6 +56,9 @@ COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
 _OPS_DICTIONARY = pa.array(OPS, pa.utf8())
 _LIST_TYPES = {name: COLUMN_BY_NAME[name].type for name in ("block_hashes", "token_ids")}
 _LIST_DTYPES = {"block_hashes": np.uint64, "token_ids": np.int64}
+_ROW_COLUMNS = (
+    "op", "rid", "seq_len", "append_len", "draft_len", "accepted_len", "prefix_len", "prompt_len",
+)
 _NUMERIC = (
     ("seq_len", np.int64),
     ("append_len", np.int32),
@@ -188,10 +191,19 @@ class TraceWriter:
         A step without rows is accepted and not written (nothing happened in it).
 
         Raises:
-            ValueError: the step number is not greater than the previous one, or the
-                writer is closed.
+            ValueError: the step number is not greater than the previous one, columns of
+                different lengths, an op code outside ``OPS``, or a closed writer.
             TraceWriteError: the file cannot be written.
         """
+        n = len(batch)
+        for name in _ROW_COLUMNS:
+            if getattr(batch, name).shape != (n,):
+                raise ValueError(f"column '{name}' has shape {getattr(batch, name).shape}, expected ({n},)")
+        for name in _LIST_TYPES:
+            if getattr(batch, name).num_rows != n:
+                raise ValueError(f"column '{name}' has {getattr(batch, name).num_rows} rows, expected {n}")
+        if n and (int(batch.op.min()) < 0 or int(batch.op.max()) >= len(OPS)):
+            raise ValueError(f"op codes must lie in [0, {len(OPS)}) (OPS = {OPS})")
         self._append(batch.in_op_order())
 
     def _append(self, batch: StepBatch) -> None:
@@ -331,10 +343,14 @@ def _list_array(ragged: Ragged, arrow_type: pa.DataType) -> pa.Array:
     n = ragged.num_rows
     if not ragged.valid.any():
         return pa.nulls(n, arrow_type)
-    offsets = pa.array(ragged.offsets.astype(np.int32))
+    offsets = pa.py_buffer(ragged.offsets.astype(np.int32))
     values = pa.array(ragged.values, arrow_type.value_type)
-    mask = None if ragged.valid.all() else pa.array(~ragged.valid)
-    return pa.ListArray.from_arrays(offsets, values, type=arrow_type, mask=mask)
+    if ragged.valid.all():
+        bitmap, null_count = None, 0
+    else:
+        bitmap = pa.py_buffer(np.packbits(ragged.valid, bitorder="little"))
+        null_count = n - int(np.count_nonzero(ragged.valid))
+    return pa.Array.from_buffers(arrow_type, n, [bitmap, offsets], null_count=null_count, children=[values])
 
 
 def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.RecordBatch, bytes]:
@@ -636,6 +652,7 @@ class TraceReader:
 
     Raises:
         TraceReadError: missing, a directory, unreadable, empty, or not an Arrow stream.
+        TraceCorruptError: the schema message is damaged.
         TraceMetadataError: the metadata is missing or invalid.
         TraceVersionError: a format version this kvtrace does not read.
         TraceSchemaError: a required column is missing or has the wrong type.

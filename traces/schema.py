@@ -358,12 +358,18 @@ class Ragged(NamedTuple):
         if len(parts) == 1:
             return parts[0]
         valid = np.concatenate([p.valid for p in parts])
-        if all(p.values.shape[0] == 0 for p in parts):
+        sizes = [p.values.shape[0] for p in parts]
+        if not any(sizes):
             return cls(np.zeros(valid.shape[0] + 1, np.int64), parts[0].values, valid)
-        lengths = np.concatenate([p.lengths for p in parts])
-        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return cls(offsets, np.concatenate([p.values for p in parts]), valid)
+        offsets = np.empty(valid.shape[0] + 1, np.int64)
+        offsets[0] = 0
+        row, shift = 1, 0
+        for part, size in zip(parts, sizes):
+            rows = part.valid.shape[0]
+            np.add(part.offsets[1:], shift, out=offsets[row : row + rows])
+            row += rows
+            shift += size
+        return cls(offsets, np.concatenate([p.values for p, size in zip(parts, sizes) if size]), valid)
 
     def equals(self, other: Ragged) -> bool:
         """Same rows, same nulls, same values (dtype aside)."""

@@ -601,7 +601,7 @@ def generate(
     n = num_requests
     prompts = rng.integers(prompt_len[0], prompt_len[1] + 1, n).astype(np.int64)
     workload = _Workload(
-        arrival_s=np.cumsum(rng.exponential(1.0 / arrival_rate, n)) - 0.0,
+        arrival_s=np.cumsum(rng.exponential(1.0 / arrival_rate, n)),
         prompt_len=prompts,
         output_len=rng.integers(output_len[0], output_len[1] + 1, n).astype(np.int64),
         is_spec=(rng.random(n) < spec_fraction) if spec_settings is not None else np.zeros(n, np.bool_),

@@ -145,9 +145,9 @@ class TokenStore:
     def ingest(self, batch: StepBatch) -> None:
         """Record the prompts and explicit ids one step brings (vectorised).
 
-        Rows with ``prompt_len`` (a request's first row) set its prompt and block
-        hashes, forgetting anything materialised for that request before. Rows
-        with ``token_ids`` give the ids of positions ``[seq_len - append_len, ...)``.
+        A request's first row (``prompt_len`` given, none known yet) sets its prompt
+        and block hashes. Rows with ``token_ids`` give the ids of positions
+        ``[seq_len - append_len, ...)``.
 
         Raises:
             ValueError: a request id outside ``[0, 2**31)``.
@@ -158,7 +158,9 @@ class TokenStore:
         if rid.min() < 0 or rid.max() >= MAX_RID:
             raise ValueError(f"request ids must lie in [0, 2**31), found {rid.min()}..{rid.max()}")
         self._grow(int(rid.max()))
-        firsts = np.flatnonzero(batch.prompt_len >= 0)
+        # A request's first row: prompt_len given and none known (a later row repeating
+        # it, e.g. a re-extend after retract, changes nothing).
+        firsts = np.flatnonzero((batch.prompt_len >= 0) & (self._prompt_len[rid] < 0))
         if firsts.size:
             first_rids = rid[firsts]
             self._prompt_len[first_rids] = batch.prompt_len[firsts]

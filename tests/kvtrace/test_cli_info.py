@@ -19,7 +19,7 @@ from kvtrace.cli import app
 from tests.traces.conftest import decode_steps, make_meta, write_steps
 from traces.io import TraceWriter
 from traces.samples import sample_path
-from traces.schema import COLUMNS, METADATA_KEY, OPS, StepBatch
+from traces.schema import COLUMNS, METADATA_KEY, OPS
 
 runner = CliRunner()
 
@@ -198,6 +198,16 @@ def _raw(path: Path, metadata: bytes | None, drop: str | None = None, retype: pa
     return path
 
 
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _directory(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
 def _meta_json(**changes: object) -> bytes:
     data = json.loads(make_meta().to_json())
     for key, value in changes.items():
@@ -211,12 +221,10 @@ def _meta_json(**changes: object) -> bytes:
 ERROR_CASES = {
     # name: (builder, expected fragments)
     "missing file": (lambda d: d / "nope.kvtrace", ["nope.kvtrace", "no such file"]),
-    "a directory": (lambda d: (d / "adir").mkdir() or d / "adir", ["adir", "is a directory"]),
-    "empty file": (lambda d: (d / "e.kvtrace").write_bytes(b"") and d / "e.kvtrace" or d / "e.kvtrace",
-                   ["e.kvtrace", "is empty"]),
+    "a directory": (lambda d: _directory(d / "adir"), ["adir", "is a directory"]),
+    "empty file": (lambda d: _file(d / "e.kvtrace", b""), ["e.kvtrace", "is empty"]),
     "not an Arrow file": (
-        lambda d: (d / "x.kvtrace").write_text("{\"step\": 1}\n") and d / "x.kvtrace",
-        ["x.kvtrace", "is not an Arrow IPC stream"],
+        lambda d: _file(d / "x.kvtrace", b'{"step": 1}\n'), ["x.kvtrace", "is not an Arrow IPC stream"]
     ),
     "newer format version": (
         lambda d: _raw(d / "v.kvtrace", _meta_json(format_version=2)),
@@ -312,4 +320,40 @@ def test_step_batches_of_the_sample_round_trip_through_validate(tmp_path: Path) 
     strip = lambda d: {k: v for k, v in json.loads(d).items() if k not in ("path", "file_bytes", "record_batches")}  # noqa: E731
     assert strip(original) == strip(copied)
     assert invoke("validate", str(copy))[0] == 0
-    assert isinstance(StepBatch, type)
+
+
+def _damage(data: bytes, kind: int, rng: np.random.Generator) -> bytes:
+    out = bytearray(data)
+    at = int(rng.integers(len(out)))
+    size = int(rng.integers(1, 300))
+    if kind == 0:  # flipped bits
+        for _ in range(int(rng.integers(1, 5))):
+            out[int(rng.integers(len(out)))] ^= int(rng.integers(1, 256))
+    elif kind == 1:  # cut short
+        del out[at:]
+    elif kind == 2:  # overwritten with garbage
+        out[at : at + size] = rng.integers(0, 256, len(out[at : at + size]), dtype=np.uint8).tobytes()
+    elif kind == 3:  # bytes inserted
+        out[at:at] = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    elif kind == 4:  # bytes lost
+        del out[at : at + size]
+    else:  # zeroed
+        out[at : at + size] = bytes(len(out[at : at + size]))
+    return bytes(out)
+
+
+def test_damaged_files_of_every_kind_never_crash(tmp_path: Path) -> None:
+    data = sample_path("tiny").read_bytes()
+    rng = np.random.default_rng(20)
+    damaged = tmp_path / "damaged.kvtrace"
+    seen_codes = set()
+    for i in range(90):
+        damaged.write_bytes(_damage(data, i % 6, rng))
+        for command in ("info", "validate"):
+            code, _, err = invoke(command, str(damaged), "--json")
+            seen_codes.add(code)
+            assert code in (0, 1, 2), err
+            assert "Traceback" not in err and "internal error" not in err, err
+            if code == 2:
+                assert_one_error_line(err, str(damaged))
+    assert 2 in seen_codes and 1 in seen_codes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -213,6 +214,11 @@ def test_writer_rejects_bad_columns(tmp_path: Path) -> None:
             writer.write_step(
                 0, 0.0, op=[1, 1], rid=[0, 1], seq_len=[3, 3], append_len=[1, 1], token_ids=[[1]]
             )
+        good = decode_steps(1, rows=3)[0]
+        with pytest.raises(ValueError, match="column 'seq_len' has shape"):
+            writer.write(dataclasses.replace(good, seq_len=good.seq_len[:2]))
+        with pytest.raises(ValueError, match="op codes must lie in"):
+            writer.write(dataclasses.replace(good, op=np.array([1, 9, 1], np.int8)))
     with pytest.raises(ValueError, match="compression must be one of zstd, lz4"):
         TraceWriter(tmp_path / "u.kvtrace", make_meta(), compression="gzip")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="steps_per_batch"):

@@ -93,7 +93,8 @@ def test_explicit_ids_override_and_survive_retraction() -> None:
     assert ids[13] == unique_token_ids(2, 13, 14)[0]
     # a retracted request comes back with the same content (nothing is dropped)
     store.ingest(StepBatch.from_columns(3, 0.0, op=["retract"], rid=[2], seq_len=[13], append_len=[0]))
-    store.ingest(StepBatch.from_columns(4, 0.0, op=["extend"], rid=[2], seq_len=[13], append_len=[13]))
+    store.ingest(StepBatch.from_columns(4, 0.0, op=["extend"], rid=[2], seq_len=[13], append_len=[13],
+                                        prompt_len=[12]))  # repeating the prompt length changes nothing
     assert np.array_equal(store.ids(2, 14), ids)
 
 

@@ -207,12 +207,13 @@ def test_a_valid_sequence_of_every_op_has_no_problem() -> None:
             [
                 step(3, row("extend", 0, 4, 4, prompt_len=8), time_s=0.0),
                 step(2, row("extend", 0, 5, 1), time_s=0.0),
-                step(3, row("extend", 0, 6, 1), time_s=0.0),
+                step(3, row("extend", 0, 6, 1), time_s=0.0),  # a step fed in parts: fine
+                step(1, row("extend", 0, 7, 1), time_s=0.0),
             ],
             {},
             [
-                "step 2: step 2 comes after step 3: steps must increase",
-                "step 3: step 3 repeats step 3: steps must increase",
+                "step 2: step 2 comes after step 3: steps must not decrease",
+                "step 1: step 1 comes after step 3: steps must not decrease",
             ],
         ),
         (
