@@ -258,7 +258,7 @@ ERROR_CASES = {
         _corrupt,
         ["c.kvtrace", "corrupt data in record batch", "(after step", "the file is damaged"],
     ),
-    "unknown sample": (lambda d: "sample:huge", ["unknown sample 'huge'", "bundled samples: tiny"]),
+    "unknown sample": (lambda d: "sample:huge", ["unknown sample 'huge'", "bundled samples: ", "tiny"]),
 }
 
 

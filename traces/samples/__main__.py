@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from traces.samples import list_samples, regenerate
+from traces.samples import RECIPES, regenerate
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list_samples()
+    names = argv or sorted(RECIPES)
     for name in names:
         print(regenerate(name))
     return 0

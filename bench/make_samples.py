@@ -1,0 +1,134 @@
+"""Regenerate the bundled sample traces in ``traces/samples/`` exactly.
+
+Run: ``python bench/make_samples.py [--only NAME ...] [--list]``
+
+Every sample is recorded by ``kvtrace record`` (the scheduler model on the real
+allocator) from a workload file bundled in ``traces/workloads_data/``, with fixed
+seeds, so a rerun writes the same steps, rows and values (the files also match
+byte for byte unless pyarrow's compressor changes). Each trace's metadata
+``source`` carries the data's repository, path, licence and citation;
+``traces/README.md`` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DATA = ROOT / "traces" / "workloads_data"
+SAMPLES = ROOT / "traces" / "samples"
+MOONCAKE = DATA / "mooncake-fast25" / "conversation_trace.jsonl"
+AZURE_CODE = DATA / "azure-llm-inference-2023" / "AzureLLMInferenceTrace_code.csv"
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    what: str
+    args: tuple[str, ...]
+
+
+SAMPLES_SPEC: tuple[Sample, ...] = (
+    Sample(
+        "mooncake-conversation.kvtrace",
+        "Mooncake conversation trace, first 20 minutes of arrivals, default H200 serving config",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "20m"),
+    ),
+    Sample(
+        "mooncake-eagle.kvtrace",
+        "Mooncake conversation, first 5 minutes, EAGLE 3,1,4 speculative decoding at page 16",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "5m", "--page-size", "16", "--spec", "eagle:3,1,4"),
+    ),
+    Sample(
+        "azure-code.kvtrace",
+        "Azure LLM inference 2023 code trace, the whole hour, page 16",
+        (str(AZURE_CODE), "--format", "azure", "--page-size", "16"),
+    ),
+    Sample(
+        "mooncake-pressure.kvtrace",
+        "Mooncake conversation, first 4 minutes, 48k-token pool at page 64 with EAGLE 5,4,8 (1,024-slot draft "
+        "reserve per request): eviction, retraction and an OOM abort",
+        (
+            str(MOONCAKE),
+            "--format",
+            "mooncake",
+            "--duration",
+            "4m",
+            "--page-size",
+            "64",
+            "--pool-tokens",
+            "48000",
+            "--spec",
+            "eagle:5,4,8",
+        ),
+    ),
+    Sample(
+        "mooncake-tiny.kvtrace",
+        "Mooncake conversation, first 12 seconds of arrivals at page 16 (tests, README)",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "200000"),
+    ),
+)
+
+# The command that records the full hour of (a) (not bundled: larger than a sample should be).
+FULL_MOONCAKE_COMMAND = f"kvtrace record {MOONCAKE.relative_to(ROOT)} --format mooncake --out mooncake-conversation-1h.kvtrace"
+
+
+def make(sample: Sample) -> dict:
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app
+
+    out = SAMPLES / sample.name
+    # No wall-clock flushes: record batches then depend only on the steps, so the
+    # files come out byte for byte the same.
+    args = ["record", *sample.args, "--out", str(out), "--force", "--seed", "0", "--flush-interval", "0", "--json"]
+    t0 = time.perf_counter()
+    result = CliRunner().invoke(app, args)
+    if result.exit_code != 0:
+        raise SystemExit(f"{sample.name}: kvtrace record failed ({result.exit_code}): {result.output}")
+    report = json.loads(result.stdout)
+    report["make_s"] = time.perf_counter() - t0
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None, help="sample file names to rebuild")
+    parser.add_argument("--list", action="store_true", help="list the samples and their commands")
+    args = parser.parse_args()
+    if args.list:
+        for s in SAMPLES_SPEC:
+            rel = [a.replace(str(ROOT) + "/", "") for a in s.args]
+            print(
+                f"{s.name}: {s.what}\n  kvtrace record {' '.join(rel)} --out traces/samples/{s.name} --seed 0 "
+                "--flush-interval 0"
+            )
+        print(f"full hour of mooncake-conversation: {FULL_MOONCAKE_COMMAND}")
+        return
+    SAMPLES.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for sample in SAMPLES_SPEC:
+        if args.only and sample.name not in args.only:
+            continue
+        r = make(sample)
+        total += r["file_bytes"]
+        print(
+            f"{sample.name:32} {r['file_bytes'] / 1e6:6.2f} MB  steps {r['steps']:>7,}  requests {r['requests']:>6,}  "
+            f"sim {r['duration_s']:8.1f} s  hit {r['prefix_hit_rate']:.3f}  retract {r['retractions']}  "
+            f"abort {r['aborts']}  evicted {r['evicted_tokens']:,}  integrity "
+            f"{'clean' if not r['integrity_violations'] else r['integrity_violations']}  ({r['make_s']:.1f} s)"
+        )
+    print(f"total {total / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()

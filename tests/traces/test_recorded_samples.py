@@ -1,0 +1,80 @@
+"""Samples recorded from real workloads: valid, attributed, small, and regenerated exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from traces.io import TraceReader
+from traces.samples import RECORDED, resolve_trace, sample_path
+from traces.schema import ABORT, OPS, RETRACT, SPEC
+from traces.validate import OpSequenceChecker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_samples():
+    spec = importlib.util.spec_from_file_location("make_samples", ROOT / "bench" / "make_samples.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules.setdefault("make_samples", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_recorded_sample_is_valid_attributed_and_small(name: str) -> None:
+    path = resolve_trace(f"sample:{name}")
+    reader = TraceReader(path)
+    checker = OpSequenceChecker(reader.meta)
+    problems = [str(p) for s in reader.steps() for p in checker.check(s)]
+    assert problems == [] and not reader.truncated
+    summary = checker.finish()
+    assert summary.holding_kv == 0  # every request released by the end
+    src = reader.meta.source
+    assert src.repository and src.path and src.license and src.citation
+    assert src.engine == "kvtrace-scheduler"
+    assert reader.file_bytes < 5_000_000
+    assert name in (ROOT / "traces" / "README.md").read_text()
+
+
+def test_samples_total_under_30_mb() -> None:
+    assert sum(sample_path(n).stat().st_size for n in RECORDED) < 30_000_000
+
+
+def test_make_samples_lists_every_recorded_sample() -> None:
+    names = {s.name.removesuffix(".kvtrace") for s in _make_samples().SAMPLES_SPEC}
+    assert names == set(RECORDED)
+
+
+def test_special_samples_hold_what_they_promise() -> None:
+    eagle = TraceReader(sample_path("mooncake-eagle"))
+    assert eagle.meta.config.spec is not None and eagle.meta.config.page_size == 16
+    assert any((s.op == SPEC).any() for s in eagle.steps())
+    pressure = TraceReader(sample_path("mooncake-pressure"))
+    ops = {OPS[o] for s in pressure.steps() for o in set(s.op.tolist())}
+    assert {"retract", "abort"} <= ops
+    azure = TraceReader(sample_path("azure-code"))
+    assert azure.meta.config.page_size == 16 and azure.meta.source.repository == "Azure/AzurePublicDataset"
+
+
+@pytest.mark.parametrize("name", ["mooncake-tiny", "mooncake-pressure"])
+def test_sample_regenerates_exactly(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording is deterministic: bench/make_samples.py writes the same trace (and for
+    the pressure sample the recording evicted, retracted and aborted)."""
+    make_samples = _make_samples()
+    monkeypatch.setattr(make_samples, "SAMPLES", tmp_path)
+    sample = next(s for s in make_samples.SAMPLES_SPEC if s.name == f"{name}.kvtrace")
+    report = make_samples.make(sample)
+    fresh = TraceReader(tmp_path / sample.name)
+    bundled = TraceReader(sample_path(name))
+    assert fresh.meta == bundled.meta
+    a, b = list(fresh.steps()), list(bundled.steps())
+    assert len(a) == len(b) and all(x.equals(y) for x, y in zip(a, b))
+    assert report["integrity_violations"] == []
+    if name == "mooncake-pressure":
+        assert report["evicted_tokens"] > 0 and report["retractions"] > 0 and report["aborts"] >= 1
+        assert any((s.op == ABORT).any() for s in b) and any((s.op == RETRACT).any() for s in b)

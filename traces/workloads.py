@@ -1,0 +1,574 @@
+"""Importers of public request-level LLM serving workloads.
+
+Each reader streams one :class:`WorkloadRequest` per request, in arrival order,
+and checks the file as it goes: the first bad row or column raises ONE
+:class:`WorkloadFileError` naming the file, the line and what was expected.
+(``traces`` may not import ``kvtrace``; the CLI turns the error into
+``kvtrace.errors.WorkloadError``.)
+
+Formats
+-------
+``mooncake``  JSON Lines (kvcache-ai/Mooncake traces): ``timestamp`` (ms),
+              ``input_length``, ``output_length``, ``hash_ids`` (ids of the prompt's
+              512-token blocks, ``len(hash_ids) == ceil(input_length / 512)``; the last
+              block is usually partial). Equal leading ids share a prefix, so the ids
+              become content-addressed prompt blocks.
+``azure``     CSV (Azure/AzurePublicDataset LLM inference traces): ``TIMESTAMP``
+              (wall-clock ``YYYY-MM-DD HH:MM:SS.fffffff``, any number of fractional
+              digits, optional UTC offset), ``ContextTokens``, ``GeneratedTokens``.
+              No prefix information: prompts are unrelated.
+``lengths``   CSV of length pairs (ShareGPT / arXiv statistics of etalon, vidur,
+              sarathi-serve): ``num_prefill_tokens``, ``num_decode_tokens``. No
+              timestamps: arrivals come from a seeded Poisson process at ``rate``.
+
+Arrival times are seconds since the first request (the first arrives at 0).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from traces.schema import TraceSource
+
+__all__ = [
+    "MOONCAKE_BLOCK_SIZE",
+    "WORKLOAD_FORMATS",
+    "BlockReuse",
+    "WorkloadFileError",
+    "WorkloadFormat",
+    "WorkloadRequest",
+    "block_reuse",
+    "known_source",
+    "parse_duration",
+    "read_azure",
+    "read_lengths",
+    "read_mooncake",
+    "read_workload",
+    "within",
+]
+
+MOONCAKE_BLOCK_SIZE = 512
+WorkloadFormat = Literal["mooncake", "azure", "lengths"]
+WORKLOAD_FORMATS: tuple[str, ...] = ("mooncake", "azure", "lengths")
+
+_MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+
+
+class WorkloadFileError(ValueError):
+    """A workload file has a bad row or column. ``str()`` is one line: ``path:line: message``."""
+
+    def __init__(self, path: str | Path, line: int | None, message: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.message = message
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    """One request of a workload.
+
+    Attributes:
+        arrival_s: arrival time, seconds since the workload's first request.
+        input_len: prompt tokens (>= 1).
+        output_len: generated tokens (>= 0).
+        block_hashes: content-addressed prompt blocks (uint64,
+            ``ceil(input_len / block_size)`` of them), or None when the source has
+            no prefix information (unrelated prompts).
+        block_size: tokens per block of ``block_hashes`` (None without them).
+        line: line of the source file the request came from (1-based).
+    """
+
+    arrival_s: float
+    input_len: int
+    output_len: int
+    block_hashes: np.ndarray | None = None
+    block_size: int | None = None
+    line: int = 0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _int_field(path: Path, line: int, name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise WorkloadFileError(path, line, f"{name} must be an integer, found {value!r}")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise WorkloadFileError(path, line, f"{name} must be an integer, found {value!r}") from None
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise WorkloadFileError(path, line, f"{name} must be an integer, found {value!r}")
+        value = int(value)
+    if value < minimum:
+        raise WorkloadFileError(path, line, f"{name} must be >= {minimum}, found {value}")
+    return value
+
+
+def _number_field(path: Path, line: int, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WorkloadFileError(path, line, f"{name} must be a number, found {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise WorkloadFileError(path, line, f"{name} must be a finite number >= 0, found {value!r}")
+    return value
+
+
+def _open_text(path: Path) -> Any:
+    try:
+        return path.open("r", encoding="utf-8", newline="")
+    except FileNotFoundError:
+        raise WorkloadFileError(path, None, "no such file; give the path of a workload file") from None
+    except IsADirectoryError:
+        raise WorkloadFileError(path, None, "is a directory, expected a workload file") from None
+    except OSError as exc:
+        raise WorkloadFileError(path, None, f"cannot be read ({exc.strerror})") from None
+
+
+def _unsorted(path: Path, line: int, what: str, found: str, previous: str, previous_line: int) -> WorkloadFileError:
+    return WorkloadFileError(
+        path,
+        line,
+        f"{what} {found} is earlier than {previous} on line {previous_line}; "
+        "requests must be sorted by arrival time",
+    )
+
+
+# --------------------------------------------------------------------------- Mooncake
+
+
+def read_mooncake(path: str | Path, *, block_size: int = MOONCAKE_BLOCK_SIZE) -> Iterator[WorkloadRequest]:
+    """Stream a Mooncake JSON Lines trace.
+
+    Args:
+        path: the ``.jsonl`` file (one JSON object per line; blank lines are skipped).
+        block_size: tokens per ``hash_ids`` block (Mooncake publishes 512).
+
+    Yields:
+        One request per line; ``block_hashes`` are the ``hash_ids`` as uint64.
+
+    Raises:
+        WorkloadFileError: invalid JSON, a missing or non-numeric field, a length out
+            of range, a timestamp earlier than the previous one, or a ``hash_ids``
+            list whose length is not ``ceil(input_length / block_size)``.
+    """
+    path = Path(path)
+    t0: float | None = None
+    prev_ts = 0.0
+    prev_line = 0
+    with _open_text(path) as fh:
+        for line_no, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as exc:
+                hint = " (is this file a Mooncake JSON Lines trace?)" if line_no == 1 else ""
+                raise WorkloadFileError(
+                    path,
+                    line_no,
+                    f"invalid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object{hint}",
+                ) from None
+            if not isinstance(row, dict):
+                raise WorkloadFileError(
+                    path, line_no, f"expected a JSON object, found {type(row).__name__}"
+                )
+            for name in _MOONCAKE_FIELDS:
+                if name not in row:
+                    raise WorkloadFileError(
+                        path,
+                        line_no,
+                        f"missing field {name!r} (a Mooncake trace line has "
+                        f"{', '.join(_MOONCAKE_FIELDS)}; found {', '.join(map(str, row)) or 'none'})",
+                    )
+            ts = _number_field(path, line_no, "timestamp", row["timestamp"])
+            input_len = _int_field(path, line_no, "input_length", row["input_length"], 1)
+            output_len = _int_field(path, line_no, "output_length", row["output_length"], 0)
+            hash_ids = row["hash_ids"]
+            if not isinstance(hash_ids, list):
+                raise WorkloadFileError(
+                    path, line_no, f"hash_ids must be a list of integers, found {type(hash_ids).__name__}"
+                )
+            need = -(-input_len // block_size)
+            if len(hash_ids) != need:
+                raise WorkloadFileError(
+                    path,
+                    line_no,
+                    f"hash_ids has {len(hash_ids)} entries but input_length {input_len} needs "
+                    f"ceil({input_len}/{block_size}) = {need} blocks of {block_size} tokens",
+                )
+            for h in hash_ids:
+                if type(h) is not int or h < 0:
+                    raise WorkloadFileError(
+                        path, line_no, f"hash_ids must hold non-negative integers, found {h!r}"
+                    )
+            try:
+                hashes = np.array(hash_ids, dtype=np.uint64)
+            except OverflowError:
+                raise WorkloadFileError(path, line_no, "hash_ids hold an integer wider than 64 bits") from None
+            if t0 is None:
+                t0 = ts
+            elif ts < prev_ts:
+                raise _unsorted(path, line_no, "timestamp", f"{ts:g} ms", f"{prev_ts:g} ms", prev_line)
+            prev_ts, prev_line = ts, line_no
+            yield WorkloadRequest(
+                arrival_s=(ts - t0) / 1000.0,
+                input_len=input_len,
+                output_len=output_len,
+                block_hashes=hashes,
+                block_size=block_size,
+                line=line_no,
+            )
+
+
+# --------------------------------------------------------------------------- CSV formats
+
+
+def _csv_rows(path: Path, fh: Any, required: tuple[str, ...], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
+    """Yield ``(line, {column: field})`` for each data row after checking the header."""
+    reader = csv.reader(fh)
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise WorkloadFileError(
+            path, 1, f"empty file; expected a header with {', '.join(required)} ({kind})"
+        ) from None
+    except csv.Error as exc:
+        raise WorkloadFileError(path, reader.line_num, f"not valid CSV ({exc})") from None
+    header = [h.strip().lstrip("\ufeff") for h in header]
+    for name in required:
+        if name not in header:
+            raise WorkloadFileError(
+                path,
+                1,
+                f"missing column {name!r} (found {', '.join(header) or 'none'}); "
+                f"{kind} needs {', '.join(required)}",
+            )
+    index = {name: header.index(name) for name in required}
+    width = len(header)
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise WorkloadFileError(path, reader.line_num, f"not valid CSV ({exc})") from None
+        if not fields or (len(fields) == 1 and not fields[0].strip()):
+            continue
+        if len(fields) != width:
+            raise WorkloadFileError(
+                path, reader.line_num, f"row has {len(fields)} fields, the header has {width}"
+            )
+        yield reader.line_num, {name: fields[i] for name, i in index.items()}
+
+
+def _parse_timestamp(path: Path, line: int, text: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise WorkloadFileError(
+            path, line, f"TIMESTAMP {text!r} is not a 'YYYY-MM-DD HH:MM:SS.fffffff' time"
+        ) from None
+    if when.tzinfo is not None:
+        when = when.astimezone(timezone.utc).replace(tzinfo=None)
+    return when
+
+
+def read_azure(path: str | Path) -> Iterator[WorkloadRequest]:
+    """Stream an Azure LLM inference trace (CSV).
+
+    Args:
+        path: the CSV file with columns ``TIMESTAMP``, ``ContextTokens``,
+            ``GeneratedTokens`` (any order, extra columns ignored).
+
+    Yields:
+        One request per row, without prefix information.
+
+    Raises:
+        WorkloadFileError: a missing column, a bad timestamp or number, a length out
+            of range, or a timestamp earlier than the previous row's.
+    """
+    path = Path(path)
+    t0: datetime | None = None
+    prev: datetime | None = None
+    prev_line = 0
+    with _open_text(path) as fh:
+        for line_no, row in _csv_rows(path, fh, _AZURE_COLUMNS, "an Azure LLM inference trace"):
+            when = _parse_timestamp(path, line_no, row["TIMESTAMP"])
+            input_len = _int_field(path, line_no, "ContextTokens", row["ContextTokens"], 1)
+            output_len = _int_field(path, line_no, "GeneratedTokens", row["GeneratedTokens"], 0)
+            if t0 is None:
+                t0 = when
+            elif prev is not None and when < prev:
+                raise _unsorted(path, line_no, "TIMESTAMP", str(when), str(prev), prev_line)
+            prev, prev_line = when, line_no
+            yield WorkloadRequest(
+                arrival_s=(when - t0).total_seconds(),
+                input_len=input_len,
+                output_len=output_len,
+                line=line_no,
+            )
+
+
+def read_lengths(path: str | Path, *, rate: float, seed: int = 0) -> Iterator[WorkloadRequest]:
+    """Stream a length-distribution CSV with seeded Poisson arrivals.
+
+    Args:
+        path: CSV with ``num_prefill_tokens`` and ``num_decode_tokens`` columns.
+        rate: mean arrival rate, requests per second (> 0). Inter-arrival gaps are
+            exponential with mean ``1 / rate``; the first request arrives at 0.
+        seed: seed of the arrival process (same seed, same arrivals).
+
+    Yields:
+        One request per row, in file order, without prefix information.
+
+    Raises:
+        WorkloadFileError: a missing column, a non-numeric field or a length out of range.
+        ValueError: ``rate`` is not a positive finite number.
+    """
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive number of requests per second, found {rate!r}")
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    gaps = np.empty(0)
+    used = 0
+    clock = 0.0
+    first = True
+    with _open_text(path) as fh:
+        for line_no, row in _csv_rows(path, fh, _LENGTHS_COLUMNS, "a length-distribution CSV"):
+            input_len = _int_field(path, line_no, "num_prefill_tokens", row["num_prefill_tokens"], 1)
+            output_len = _int_field(path, line_no, "num_decode_tokens", row["num_decode_tokens"], 0)
+            if first:
+                first = False
+            else:
+                # Gaps are drawn in fixed blocks so the sequence depends only on the seed.
+                if used == gaps.size:
+                    gaps = rng.exponential(1.0 / rate, size=1024)
+                    used = 0
+                clock += float(gaps[used])
+                used += 1
+            yield WorkloadRequest(arrival_s=clock, input_len=input_len, output_len=output_len, line=line_no)
+
+
+def read_workload(
+    path: str | Path,
+    fmt: WorkloadFormat,
+    *,
+    rate: float | None = None,
+    seed: int = 0,
+    duration_s: float | None = None,
+    time_scale: float = 1.0,
+) -> Iterator[WorkloadRequest]:
+    """Stream any supported workload, cut at ``duration_s`` of arrivals when given.
+
+    Args:
+        path, fmt: the file and its format.
+        rate, seed: the arrival process of the ``lengths`` format.
+        duration_s: keep the requests arriving in the first ``duration_s`` seconds
+            of the source.
+        time_scale: multiply arrival times by this (2.0: half the request rate, the
+            same traffic between two turns of a conversation).
+
+    Raises:
+        ValueError: unknown format, ``rate`` missing for ``lengths``, or a
+            non-positive ``time_scale``.
+        WorkloadFileError: see the per-format readers.
+    """
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a positive number, found {time_scale!r}")
+    if fmt == "mooncake":
+        requests: Iterator[WorkloadRequest] = read_mooncake(path)
+    elif fmt == "azure":
+        requests = read_azure(path)
+    elif fmt == "lengths":
+        if rate is None:
+            raise ValueError("the lengths format needs an arrival rate (requests per second)")
+        requests = read_lengths(path, rate=rate, seed=seed)
+    else:
+        raise ValueError(f"unknown workload format {fmt!r}; expected one of {', '.join(WORKLOAD_FORMATS)}")
+    if duration_s is not None:
+        requests = within(requests, duration_s)
+    if time_scale != 1.0:
+        requests = _scaled(requests, time_scale)
+    return requests
+
+
+def _scaled(requests: Iterable[WorkloadRequest], factor: float) -> Iterator[WorkloadRequest]:
+    for req in requests:
+        yield WorkloadRequest(req.arrival_s * factor, req.input_len, req.output_len, req.block_hashes, req.block_size, req.line)
+
+
+def within(requests: Iterable[WorkloadRequest], duration_s: float) -> Iterator[WorkloadRequest]:
+    """The requests arriving before ``duration_s``; stops reading at the first later one."""
+    for req in requests:
+        if req.arrival_s >= duration_s:
+            return
+        yield req
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)?")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``90s``, ``10m``, ``1h``, ``1h30m``, ``2.5m`` or ``45``.
+
+    Raises:
+        ValueError: the text is not a positive duration.
+    """
+    compact = text.strip().lower().replace(" ", "")
+    pos = 0
+    total = 0.0
+    parts = 0
+    while pos < len(compact):
+        m = _DURATION_PART.match(compact, pos)
+        if m is None or (m.group(2) is None and m.end() != len(compact)):
+            raise ValueError(f"{text!r} is not a duration; use e.g. 90s, 10m, 1h or 1h30m")
+        total += float(m.group(1)) * _UNIT_S[m.group(2)]
+        pos = m.end()
+        parts += 1
+    if parts == 0 or total <= 0:
+        raise ValueError(f"{text!r} is not a positive duration; use e.g. 90s, 10m, 1h or 1h30m")
+    return total
+
+
+# --------------------------------------------------------------------------- prefix reuse
+
+
+class BlockReuse(NamedTuple):
+    """Prefix sharing of a content-addressed workload, measured on the source itself.
+
+    Attributes:
+        references: block references over all prompts.
+        distinct: distinct blocks.
+        repeated_fraction: share of references to a block seen before (any position).
+        prefix_hit_fraction: share of references that continue a block chain already
+            seen from the first block (a prefix hit for an unbounded, instantly
+            published cache).
+        token_hit_fraction: prompt tokens covered by those prefix-hit blocks (whole
+            blocks, capped at ``input_len - 1`` as a radix cache caps a match), over
+            all prompt tokens.
+    """
+
+    references: int
+    distinct: int
+    repeated_fraction: float
+    prefix_hit_fraction: float
+    token_hit_fraction: float
+
+
+def block_reuse(requests: Iterable[WorkloadRequest]) -> BlockReuse:
+    """Measure block and prefix reuse of the requests (in arrival order)."""
+    seen_blocks: set[int] = set()
+    seen_chains: set[int] = set()
+    references = repeated = prefix_hits = 0
+    hit_tokens = prompt_tokens = 0
+    for req in requests:
+        prompt_tokens += req.input_len
+        if req.block_hashes is None or req.block_size is None:
+            continue
+        chain = 0
+        matched = 0
+        still_prefix = True
+        for h in req.block_hashes.tolist():
+            references += 1
+            if h in seen_blocks:
+                repeated += 1
+            else:
+                seen_blocks.add(h)
+            chain = hash((chain, h))
+            if still_prefix and chain in seen_chains:
+                matched += 1
+            else:
+                still_prefix = False
+                seen_chains.add(chain)
+        prefix_hits += matched
+        hit_tokens += min(matched * req.block_size, req.input_len - 1)
+    return BlockReuse(
+        references=references,
+        distinct=len(seen_blocks),
+        repeated_fraction=repeated / references if references else 0.0,
+        prefix_hit_fraction=prefix_hits / references if references else 0.0,
+        token_hit_fraction=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+    )
+
+
+# --------------------------------------------------------------------------- attribution
+
+_MOONCAKE_CITATION = (
+    'Qin et al., "Mooncake: Trading More Storage for Less Computation - A KVCache-centric '
+    'Architecture for Serving LLM Chatbot", USENIX FAST 2025'
+)
+_AZURE_CITATION = (
+    'Patel, Choukse, Zhang, Shah, Goiri, Maleki, Bianchini, "Splitwise: Efficient generative '
+    'LLM inference using phase splitting", ISCA 2024'
+)
+_ETALON_CITATION = (
+    "project-etalon/etalon (Georgia Tech Systems for AI Lab), processed ShareGPT / arXiv "
+    "summarization length statistics (Llama-2 tokenizer)"
+)
+
+# Files whose origin is known: repository, path in it, licence, citation.
+_KNOWN: dict[str, tuple[str, str, str, str]] = {
+    "conversation_trace.jsonl": (
+        "kvcache-ai/Mooncake", "FAST25-release/traces/conversation_trace.jsonl", "Apache-2.0", _MOONCAKE_CITATION
+    ),
+    "toolagent_trace.jsonl": (
+        "kvcache-ai/Mooncake", "FAST25-release/traces/toolagent_trace.jsonl", "Apache-2.0", _MOONCAKE_CITATION
+    ),
+    "synthetic_trace.jsonl": (
+        "kvcache-ai/Mooncake", "FAST25-release/traces/synthetic_trace.jsonl", "Apache-2.0", _MOONCAKE_CITATION
+    ),
+    "AzureLLMInferenceTrace_code.csv": (
+        "Azure/AzurePublicDataset", "data/AzureLLMInferenceTrace_code.csv", "CC-BY-4.0", _AZURE_CITATION
+    ),
+    "AzureLLMInferenceTrace_conv.csv": (
+        "Azure/AzurePublicDataset", "data/AzureLLMInferenceTrace_conv.csv", "CC-BY-4.0", _AZURE_CITATION
+    ),
+    "sharegpt_8k_filtered_stats_llama2_tokenizer.csv": (
+        "project-etalon/etalon",
+        "data/processed_traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+        "Apache-2.0",
+        _ETALON_CITATION,
+    ),
+    "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv": (
+        "project-etalon/etalon",
+        "data/processed_traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+        "Apache-2.0",
+        _ETALON_CITATION,
+    ),
+}
+
+
+def known_source(path: str | Path, fmt: str, *, engine: str = "kvtrace-scheduler") -> TraceSource:
+    """The ``TraceSource`` of a workload file: attribution when the file is a known
+    public trace (by file name), else just the workload name."""
+    name = Path(path).name
+    known = _KNOWN.get(name)
+    workload = f"{fmt}:{name}"
+    if known is None:
+        return TraceSource(engine=engine, workload=workload)
+    repository, repo_path, license_, citation = known
+    return TraceSource(
+        engine=engine,
+        workload=workload,
+        repository=repository,
+        path=repo_path,
+        license=license_,
+        citation=citation,
+    )
