@@ -91,7 +91,8 @@ def main() -> None:
 # Command groups live in their own modules and register themselves on ``app``
 # when imported; add one import line per module below.
 from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
-from kvtrace.cli import record as _record  # noqa: E402,F401
+from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
+from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,134 @@
+"""Replay summaries: the stable JSON object and its human rendering."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from allocator.base import AllocatorConfig
+    from kvtrace.replay import ReplayStats
+
+VIOLATIONS_SHOWN = 10
+
+
+def replay_summary(
+    stats: ReplayStats,
+    config: AllocatorConfig,
+    *,
+    requests: int,
+    wall_s: float,
+    held_overalloc: int,
+    stopped_early: bool,
+) -> dict[str, Any]:
+    """The ``kvtrace replay --json`` object (keys are a stable contract; add, never rename)."""
+    duration = (stats.last_time_s - stats.first_time_s) if stats.first_time_s is not None else 0.0
+    hit_rate = stats.reused_tokens / stats.admitted_tokens if stats.admitted_tokens else 0.0
+    return {
+        "steps": stats.steps,
+        "requests": requests,
+        "ops": stats.ops,
+        "device": config.device,
+        "page_size": config.page_size,
+        "pool_tokens": config.pool_tokens,
+        "wall_s": round(wall_s, 6),
+        "allocator_s": round(stats.allocator_s, 6),
+        "duration_s": round(duration, 6),
+        "speedup_vs_realtime": round(duration / wall_s, 3) if wall_s > 0 else None,
+        "peak_used_tokens": stats.peak_used_tokens,
+        "peak_step": stats.peak_step,
+        "prefix_hit_rate": round(hit_rate, 6),
+        "prefix_differs_from_recorded": stats.prefix_differs,
+        "admissions": stats.admissions,
+        "tokens": {
+            "prefill": stats.prefill_tokens,
+            "reused": stats.reused_tokens,
+            "decode": stats.decode_tokens,
+            "spec_accepted": stats.spec_accepted,
+        },
+        "evicted_tokens": stats.evicted_tokens,
+        "overalloc": {
+            "allocated": stats.overalloc_allocated,
+            "released": stats.overalloc_released,
+            "held_at_end": held_overalloc,
+        },
+        "finishes": stats.finishes,
+        "retractions": stats.retractions,
+        "aborts": stats.aborts,
+        "oom": asdict(stats.oom) if stats.oom is not None else None,
+        "num_ooms": stats.num_ooms,
+        "dropped_requests": stats.dropped_requests,
+        "skipped_ops": stats.skipped_ops,
+        "bad_ops": stats.bad_ops,
+        "row_overflows": stats.row_overflows,
+        "violations": [asdict(v) for v in stats.violations],
+        "num_violations": stats.num_violations,
+        "stopped_early": stopped_early,
+    }
+
+
+def _fmt_tokens(n: int) -> str:
+    return f"{n:,}"
+
+
+def render_replay_summary(summary: dict[str, Any], console: Console, *, title: str = "replay") -> None:
+    """Print the summary as rich tables (the human form of ``replay_summary``)."""
+    s = summary
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("steps / requests / ops", f"{s['steps']:,} / {s['requests']:,} / {s['ops']:,}")
+    table.add_row("pool", f"{s['pool_tokens']:,} tokens, page size {s['page_size']}, device {s['device']}")
+    tok = s["tokens"]
+    table.add_row(
+        "tokens",
+        f"prefill {tok['prefill']:,} computed + {tok['reused']:,} reused, "
+        f"decode {tok['decode']:,}, spec accepted {tok['spec_accepted']:,}",
+    )
+    pct = 100.0 * s["peak_used_tokens"] / s["pool_tokens"] if s["pool_tokens"] else 0.0
+    table.add_row("peak occupancy", f"{s['peak_used_tokens']:,} tokens ({pct:.1f}%) at step {s['peak_step']}")
+    table.add_row(
+        "prefix cache",
+        f"hit rate {100 * s['prefix_hit_rate']:.1f}% over {s['admissions']:,} admissions; "
+        f"{s['prefix_differs_from_recorded']:,} differ from the recording; "
+        f"{s['evicted_tokens']:,} tokens evicted",
+    )
+    oa = s["overalloc"]
+    table.add_row(
+        "over-allocation",
+        f"allocated {oa['allocated']:,}, released {oa['released']:,}, still held at end {oa['held_at_end']:,}",
+    )
+    table.add_row("releases", f"{s['finishes']:,} finished, {s['retractions']:,} retracted, {s['aborts']:,} aborted")
+    oom = s["oom"]
+    if oom is None:
+        table.add_row("out of memory", "none")
+    else:
+        table.add_row(
+            "out of memory",
+            f"[red]first at step {oom['step']}, request {oom['rid']} ({oom['op']}): needed {oom['needed']:,}, "
+            f"free {oom['free']:,}, evictable {oom['evictable']:,}[/red]"
+            + (f"; {s['num_ooms']} in all, {s['dropped_requests']} requests dropped" if s["num_ooms"] > 1 else ""),
+        )
+    if s["bad_ops"]:
+        table.add_row("bad ops in trace", f"[yellow]{s['bad_ops']:,} skipped[/yellow]")
+    nv = s["num_violations"]
+    table.add_row("invariants", "[green]clean[/green]" if nv == 0 else f"[red]{nv:,} violations[/red]")
+    speed = s["speedup_vs_realtime"]
+    table.add_row(
+        "time",
+        f"wall {s['wall_s']:.2f} s (allocator {s['allocator_s']:.2f} s) for {s['duration_s']:.1f} s of serving"
+        + (f" = {speed:,.0f}x real time" if speed else ""),
+    )
+    if s["stopped_early"]:
+        table.add_row("", "[red]replay stopped early[/red]")
+    console.print(table)
+    if nv:
+        vt = Table(title=f"invariant violations (first {min(nv, VIOLATIONS_SHOWN)} of {nv})", title_justify="left")
+        for col in ("step", "request", "op", "check", "detail"):
+            vt.add_column(col)
+        for v in s["violations"][:VIOLATIONS_SHOWN]:
+            vt.add_row(str(v["step"]), "-" if v["rid"] is None else str(v["rid"]), v["op"], v["check"], v["detail"])
+        console.print(vt)
