@@ -171,6 +171,22 @@ def _oom(ctx: KvContext, op: str, rid: int, needed: int) -> OutOfMemory:
     )
 
 
+def _first_unfit(ctx: KvContext, need_tokens: np.ndarray) -> int | None:
+    """Index of the first request whose cumulative need exceeds free + evictable
+    slots, or None when the whole batch fits.
+
+    Checked before any eviction: a call that cannot succeed must change nothing
+    (SGLang would evict, then raise). Evicting everything unlocked frees exactly
+    ``evictable_size`` (an unlocked node's whole subtree is unlocked), so this is
+    the same decision SGLang's evict-then-allocate makes.
+    """
+    tree = ctx.tree_cache
+    budget = ctx.token_to_kv_pool_allocator.available_size() + (0 if tree.disable else tree.evictable_size())
+    if int(need_tokens.sum()) <= budget:
+        return None
+    return _first_short_request(need_tokens, budget)
+
+
 def _first_short_request(need_tokens: np.ndarray, available: int) -> int:
     """Index of the first request whose cumulative need exceeds ``available``."""
     over = np.flatnonzero(np.cumsum(need_tokens) > available)
@@ -233,6 +249,10 @@ def alloc_for_extend(
     extend_lens = seq_lens - prefix_lens
     extend_num_tokens = int(extend_lens.sum())
     table = pool.req_to_token_np
+    need = extend_lens if ps == 1 else ((seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps) * ps
+    short = _first_unfit(ctx, need)
+    if short is not None:
+        return _oom(ctx, "extend", rids[short], int(need.sum()))
     if ps == 1:
         evicted = evict_from_tree_cache(ctx, extend_num_tokens)
         out = allocator.alloc(extend_num_tokens)
@@ -323,6 +343,9 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
             out = free._buf[head : head + bs]
             free._head = head + bs
         else:
+            short = _first_unfit(ctx, np.ones(bs, dtype=np.int64))
+            if short is not None:
+                return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], bs)
             evicted = evict_from_tree_cache(ctx, bs)
             out = allocator.alloc(bs)
             if out is None:
@@ -330,6 +353,10 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
                 return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], bs)
         taken = bs
     else:
+        need = (seq % ps == 0).astype(np.int64) * ps
+        short = _first_unfit(ctx, need)
+        if short is not None:
+            return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
         last_loc = ctx.writer._flat[ctx.writer.row_base[rows] + (seq - 1)]
         evicted = evict_from_tree_cache(ctx, bs * ps)
         before = ctx.pool_available()
@@ -438,6 +465,9 @@ def alloc_for_spec_decode(
             out = free._buf[head : head + num_needed]
             free._head = head + num_needed
         else:
+            short = _first_unfit(ctx, counts)
+            if short is not None:
+                return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], num_needed)
             evicted = evict_from_tree_cache(ctx, num_needed)
             out = allocator.alloc(num_needed)
             if out is None:
@@ -446,6 +476,10 @@ def alloc_for_spec_decode(
         taken = num_needed
     else:
         writer = ctx.writer
+        need = ((nxt + ps - 1) // ps - (cur + ps - 1) // ps) * ps
+        short = _first_unfit(ctx, need)
+        if short is not None:
+            return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
         last_loc = np.where(cur > 0, writer._flat[writer.row_base[rows] + np.maximum(cur - 1, 0)], -1)
         evicted = evict_from_tree_cache(ctx, num_needed + bs * ps)
         before = ctx.pool_available()
@@ -544,6 +578,8 @@ def alloc_for_decode_prealloc(
         required = delta
     else:
         required = (-(-fill_len // ps) - (-(-prefix_len // ps))) * ps
+    if _first_unfit(ctx, np.array([required], dtype=np.int64)) is not None:
+        return _oom(ctx, "prealloc", rid, required)
     if evict_for_radix:
         available = allocator.available_size()
         if available < required:

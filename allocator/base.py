@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runti
 if TYPE_CHECKING:
     import numpy as np
 
+# SGLang keeps this many decode steps' worth of slots free per request still
+# running after a retraction (``SGLANG_RETRACT_DECODE_STEPS``).
+RETRACT_DECODE_STEPS = 20
+
 SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash", "uno"]
 EvictionPolicy = Literal["lru"]
 
@@ -148,11 +152,15 @@ class ReleaseResult:
         cached_tokens: tokens newly inserted into the radix cache (checkpoint).
         overalloc_released: per request, slots of ``[ceil_align(owned), allocated)``
             freed by the over-allocation helper (speculative slack).
+        evicted_tokens: retract only: tokens evicted from the radix cache after each
+            retracted request (SGLang's ``release_req`` keeps ``remaining * 20`` slots
+            free for the requests still decoding).
     """
 
     freed_tokens: int
     cached_tokens: int
     overalloc_released: np.ndarray  # int64 [n], aligned with the rids released
+    evicted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +228,11 @@ class Allocator(Protocol):
     ) -> ReleaseResult:
         """Release each request's KV. ``finish`` checkpoints the owned prefix into the
         radix cache (``token_ids[i]`` covers ``[0, owned_lens[i])``); ``retract`` and
-        ``abort`` cache nothing. Over-allocated slots are always freed."""
+        ``abort`` cache nothing. Over-allocated slots are always freed. ``retract``
+        releases the requests one at a time in the order given and, after each, evicts
+        cache so that ``remaining * RETRACT_DECODE_STEPS`` slots are free, where
+        ``remaining`` counts the requests still holding KV with their prefill done
+        (SGLang ``release_req``)."""
         ...
 
     def evict(self, num_tokens: int) -> int:

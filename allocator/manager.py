@@ -51,6 +51,7 @@ from allocator.base import (
     AllocOutcome,
     AllocResult,
     OutOfMemory,
+    RETRACT_DECODE_STEPS,
     PoolCounters,
     ReleaseKind,
     ReleaseResult,
@@ -567,6 +568,7 @@ class KvAllocator:
         overalloc = np.zeros(bs, dtype=np.int64)
         freed = 0
         cached = 0
+        evicted = 0
         allocator = self.token_to_kv_pool_allocator
         grouped = self.free_groups and kind != "retract"
         if grouped:
@@ -590,11 +592,19 @@ class KvAllocator:
                 self._stashed[rid] = -1
                 if kind != "retract":
                     self._prompt_len[rid] = -1
+                else:
+                    evicted += evict_from_tree_cache(self.ctx, self._num_decoding() * RETRACT_DECODE_STEPS)
         finally:
             if grouped:
                 allocator.free_group_end()
             self.writer.end_call()
-        return ReleaseResult(freed, cached, overalloc)
+        return ReleaseResult(freed, cached, overalloc, evicted)
+
+    def _num_decoding(self) -> int:
+        """Requests holding KV whose prefill is done (SGLang's running decode batch)."""
+        pool = self.req_to_token_pool
+        in_use = pool.size - pool.available_size()
+        return in_use - int(np.count_nonzero(self._prefilling))
 
     # ------------------------------------------------------------------ cache
 

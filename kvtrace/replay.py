@@ -48,9 +48,6 @@ CheckMode = Literal["every", "end", "never"]
 OomMode = Literal["stop", "skip"]
 BadOpMode = Literal["stop", "skip"]
 
-# SGLang evicts this many decode steps' worth of tokens per remaining request
-# after a retraction (SGLANG_RETRACT_DECODE_STEPS); the replay mirrors it.
-RETRACT_DECODE_STEPS = 20
 MAX_VIOLATIONS_KEPT = 1000
 
 
@@ -387,17 +384,11 @@ class ReplayEngine:
                 res = alloc.release(r, o, tokens, kind)
                 st.allocator_s += self._clock() - t0
                 self._after_release(r, res, kind)
+                self._note_evicted(res.evicted_tokens)
                 self._check_call(r)
         if kind != "retract":
             for rid in batch.rid[rows]:
                 self._tokens.drop(int(rid))
-        if kind == "retract" and rids.size:
-            running = alloc.counters().running_requests
-            if running:
-                t0 = self._clock()
-                evicted = alloc.evict(running * RETRACT_DECODE_STEPS)
-                st.allocator_s += self._clock() - t0
-                self._note_evicted(evicted)
 
     def _after_release(self, rids: np.ndarray, res: ReleaseResult, kind: str) -> None:
         released = res.overalloc_released

@@ -49,8 +49,8 @@ Modelling choices where the allocator protocol hides SGLang state:
 * Retraction releases one request per allocator call (each release changes what the
   next memory check sees); every other op is one batched call per op kind per step.
   The eviction SGLang runs after each retraction (the shortfall below ``remaining *
-  20`` free tokens) goes to the allocator but is no op of the trace: a replay's
-  cache evicts when its own allocations need it.
+  20`` free tokens) is part of the allocator's retract release, so a replay of the
+  trace repeats it.
 * Requests generate exactly their recorded output length: ``max_new_tokens`` is the
   workload's output length (clipped as SGLang clips it to the context and the pool).
 * A request whose prompt does not fit the context or the pool is rejected on arrival,
@@ -86,7 +86,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
-from allocator.base import AllocResult, OutOfMemory
+from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
 from kvtrace.step_time import StepTimeModel
 from traces.schema import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
 
@@ -114,7 +114,6 @@ CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
-RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS
 LPM_MAX_QUEUE = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX: LPM falls back to FCFS above it
 IN_BATCH_PREFIX_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_CHECK/DEPRIORITIZE_THRESHOLD
 NUM_RESERVED_DECODE_TOKENS = 512  # --num-reserved-decode-tokens (PD decode)
@@ -858,9 +857,9 @@ class Scheduler:
                 break
             first_iter = False
             rid = sorted_rids.pop()
+            # The allocator's retract evicts so that ``len(sorted_rids) * 20`` slots are free.
             self._release_one(rid, "retract")
             retracted.append(rid)
-            self._evict_for(len(sorted_rids) * RETRACT_DECODE_STEPS)
         aborted: list[int] = []
         if len(sorted_rids) <= 1 and not fits(sorted_rids):
             rid = sorted_rids.pop()
@@ -889,7 +888,8 @@ class Scheduler:
 
     def _release_one(self, rid: int, kind: Literal["retract", "abort"]) -> None:
         rids = np.array([rid], np.int64)
-        self.alloc.release(rids, self.kv[rids].copy(), None, kind)
+        res = self.alloc.release(rids, self.kv[rids].copy(), None, kind)
+        self._stats["evicted_tokens"] += res.evicted_tokens
         if kind == "retract":
             self.rec.retract(rids)
         else:
@@ -897,14 +897,6 @@ class Scheduler:
         # A retracted request keeps its outputs: its re-prefill (or, in PD decode, its
         # re-pre-allocation) covers the prompt and outputs, the KV it had committed.
         self.kv[rid] = 0
-
-    def _evict_for(self, num_tokens: int) -> None:
-        """``evict_from_tree_cache``: evict only the shortfall below ``num_tokens`` free."""
-        if not self.cfg.radix_cache:
-            return
-        shortfall = num_tokens - self.alloc.counters().available
-        if shortfall > 0:
-            self._stats["evicted_tokens"] += self.alloc.evict(shortfall)
 
     # ------------------------------------------------------------------ PD decode
 

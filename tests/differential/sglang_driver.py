@@ -96,7 +96,9 @@ itself is not run because a trace already fixes which requests run when):
    match and lock references) is deep-copied before every allocation call; a
    ``RuntimeError`` whose text says "out of memory" (or ``_pre_alloc``'s "KV cache
    is full" assertion, or ``alloc_req_slots`` running out of rows) restores it and
-   reports ``oom`` — the call leaves no trace, as ``--on-oom skip`` requires.
+   reports ``oom`` — the call leaves no trace, as ``--on-oom skip`` requires —
+   except the checkpoint of continuing chunks (d.), which SGLang's
+   ``stash_chunked_request`` makes at the top of the step whatever follows.
    SGLang's OOM tree dump goes to a discarded buffer.
 """
 
@@ -397,14 +399,16 @@ class SGLangEngine:
     # -- ops ---------------------------------------------------------------------------
     def extend(self, rids, seq_lens, token_ids, prompt_lens, prefill_done) -> sc.CallResult:
         reqs = [self._req(rid, pl) for rid, pl in zip(rids, prompt_lens)]
+        # d. checkpoint continuing chunks first (SGLang's ``stash_chunked_request`` runs
+        # at the top of the step, before and regardless of the allocation, so an OOM of
+        # the allocation does not undo it), then match + lock new requests.
+        for req, toks, pl in zip(reqs, token_ids, prompt_lens):
+            if req.kv.holds_kv:
+                self._set_tokens(req, toks, pl)
+                SG.common.checkpoint_kv_cache(req, self.tree)
 
         def run() -> None:
             common = SG.common
-            # d. checkpoint continuing chunks first, then match + lock new requests.
-            for req, toks, pl in zip(reqs, token_ids, prompt_lens):
-                if req.kv.holds_kv:
-                    self._set_tokens(req, toks, pl)
-                    common.checkpoint_kv_cache(req, self.tree)
             for req, toks, pl, seq_len in zip(reqs, token_ids, prompt_lens, seq_lens):
                 if req.kv.holds_kv:
                     req.extend_end = seq_len
