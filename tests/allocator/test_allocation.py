@@ -409,7 +409,7 @@ def test_regression_failed_allocations_change_nothing(page_size: int) -> None:
     _clean(alloc)
 
 
-def test_failed_extend_unlocks_its_matches_but_keeps_eviction() -> None:
+def test_failed_extend_unlocks_its_matches_and_evicts_nothing() -> None:
     alloc = _make(page_size=4, pool=64)
     toks = _toks(40)
     alloc.extend(_a(0), _a(24), [toks[:24]])
@@ -417,12 +417,44 @@ def test_failed_extend_unlocks_its_matches_but_keeps_eviction() -> None:
     alloc.release(_a(0), _a(24), [toks[:24]], "finish")
     alloc.extend(_a(1), _a(36), [np.concatenate([toks[:24], _toks(12, 700)])])
     alloc.end_step()
+    alloc.extend(_a(3), _a(8), [_toks(8, 3000)])
+    alloc.end_step()
+    alloc.release(_a(3), _a(8), [_toks(8, 3000)], "finish")  # 8 evictable tokens of cache
+    before = _snapshot(alloc)
     c = alloc.counters()
-    # new request matches the cached 24 tokens, then needs 40 more than the pool has
+    assert c.evictable == 8 and c.available == 20
+    # new request matches the cached 24 tokens, then needs 40 more: free 20 + evictable 8
+    # cannot make it, so the call must not evict the 8 (SGLang would evict, then fail).
     res = alloc.extend(_a(2), _a(64), [np.concatenate([toks[:24], _toks(40, 900)])])
     assert isinstance(res, OutOfMemory)
-    assert alloc.counters().protected == c.protected
+    assert (res.rid, res.needed, res.available, res.evictable) == (2, 40, 20, 8)
+    assert _snapshot(alloc) == before
     assert not alloc.holds_kv(_a(2))[0]
+    _clean(alloc)
+    # the same need minus one page fits: then eviction happens and the call succeeds
+    res = alloc.extend(_a(2), _a(52), [np.concatenate([toks[:24], _toks(28, 900)])])
+    assert isinstance(res, AllocResult) and res.evicted_tokens == 8
+    _clean(alloc)
+
+
+def test_retract_evicts_room_for_the_requests_still_decoding() -> None:
+    """SGLang's release_req: after each retracted request, evict the shortfall below
+    ``remaining * 20`` free slots, ``remaining`` = requests still decoding."""
+    alloc = _make(page_size=1, pool=128, max_context_len=100)
+    cached = _toks(40, 7000)
+    alloc.extend(_a(9), _a(40), [cached])
+    alloc.end_step()
+    alloc.release(_a(9), _a(40), [cached], "finish")  # 40 tokens of evictable cache
+    alloc.extend(_a(0, 1, 2), _a(20, 20, 20), [_toks(20, 100), _toks(20, 200), _toks(20, 300)])
+    alloc.end_step()
+    c = alloc.counters()
+    assert (c.available, c.evictable) == (128 - 40 - 60, 40)  # 28 free
+    # retract 0 then 1: after 0, 2 remain -> keep 40 free (evict 12 + page... whole leaf);
+    # after 1 only 2 remains -> 20 free, already there
+    res = alloc.release(_a(0, 1), _a(20, 20), None, "retract")
+    assert res.evicted_tokens > 0
+    c = alloc.counters()
+    assert c.available >= 40 and c.running_requests == 1
     _clean(alloc)
 
 
