@@ -161,27 +161,29 @@ def evict_from_tree_cache(ctx: KvContext, num_tokens: int) -> int:
     return 0
 
 
-def _oom(ctx: KvContext, op: str, rid: int, needed: int) -> OutOfMemory:
+def _oom(ctx: KvContext, op: str, rid: int, needed: int, lock_cost: int = 0) -> OutOfMemory:
     return OutOfMemory(
         op=op,
         rid=int(rid),
         needed=int(needed),
         available=int(ctx.token_to_kv_pool_allocator.available_size()),
-        evictable=int(ctx.tree_cache.evictable_size()),
+        evictable=int(ctx.tree_cache.evictable_size()) - lock_cost,
     )
 
 
-def _first_unfit(ctx: KvContext, need_tokens: np.ndarray) -> int | None:
+def _first_unfit(ctx: KvContext, need_tokens: np.ndarray, lock_cost: int = 0) -> int | None:
     """Index of the first request whose cumulative need exceeds free + evictable
     slots, or None when the whole batch fits.
 
     Checked before any eviction: a call that cannot succeed must change nothing
     (SGLang would evict, then raise). Evicting everything unlocked frees exactly
     ``evictable_size`` (an unlocked node's whole subtree is unlocked), so this is
-    the same decision SGLang's evict-then-allocate makes.
+    the same decision SGLang's evict-then-allocate makes. ``lock_cost``: evictable
+    tokens that locks not taken yet will protect (``RadixCache.peek_match_lock``).
     """
     tree = ctx.tree_cache
-    budget = ctx.token_to_kv_pool_allocator.available_size() + (0 if tree.disable else tree.evictable_size())
+    evictable = 0 if tree.disable else tree.evictable_size() - lock_cost
+    budget = ctx.token_to_kv_pool_allocator.available_size() + evictable
     if int(need_tokens.sum()) <= budget:
         return None
     return _first_short_request(need_tokens, budget)
@@ -194,6 +196,39 @@ def _first_short_request(need_tokens: np.ndarray, available: int) -> int:
 
 
 # ---------------------------------------------------------------------------- extend
+
+
+def extend_fits(
+    ctx: KvContext,
+    rids: np.ndarray,
+    rows: np.ndarray,
+    prefix_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    lock_cost: int = 0,
+) -> OutOfMemory | None:
+    """Whether ``alloc_for_extend`` with these lengths can succeed: rows for the new
+    requests (``rows[i] == -1``), and the KV pages within free + evictable slots
+    (less ``lock_cost``: evictable tokens the new requests' prefix locks will
+    protect when they are not taken yet). Changes nothing.
+
+    Returns:
+        None when the batch fits, else the ``OutOfMemory`` the allocation would give.
+    """
+    pool = ctx.req_to_token_pool
+    new_mask = rows < 0
+    num_new = int(np.count_nonzero(new_mask))
+    if num_new > pool.available_size():
+        first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
+        return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
+    ps = ctx.page_size
+    if ps == 1:
+        need = seq_lens - prefix_lens
+    else:
+        need = ((seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps) * ps
+    short = _first_unfit(ctx, need, lock_cost)
+    if short is not None:
+        return _oom(ctx, "extend", rids[short], int(need.sum()), lock_cost)
+    return None
 
 
 def alloc_for_extend(
@@ -242,17 +277,13 @@ def alloc_for_extend(
         )
     new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    if num_new > pool.available_size():
-        first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
-        return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
+    unfit = extend_fits(ctx, rids, rows, prefix_lens, seq_lens)
+    if unfit is not None:
+        return unfit
 
     extend_lens = seq_lens - prefix_lens
     extend_num_tokens = int(extend_lens.sum())
     table = pool.req_to_token_np
-    need = extend_lens if ps == 1 else ((seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps) * ps
-    short = _first_unfit(ctx, need)
-    if short is not None:
-        return _oom(ctx, "extend", rids[short], int(need.sum()))
     if ps == 1:
         evicted = evict_from_tree_cache(ctx, extend_num_tokens)
         out = allocator.alloc(extend_num_tokens)

@@ -43,6 +43,7 @@ from allocator.allocation import (
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
+    extend_fits,
     prepare_spec_decode,
     release_kv_cache,
 )
@@ -62,7 +63,6 @@ from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
 from allocator.sizing import (
-    floor_align,
     pool_size_tokens,
     req_to_token_width,
     reserve_per_decode,
@@ -260,30 +260,48 @@ class KvAllocator:
         # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request)
         self._stash(rids[cont], rows[cont], [token_ids[i] for i in cont.tolist()])
         prefix[cont] = kv.kv_allocated_len[rows[cont]]
-        # (b) match and lock each new request, in batch order
+        new_idx = np.flatnonzero(rows < 0).tolist()
+        keys: list[np.ndarray] = []
+        if not tree.disable:
+            # SGLang's match key: the fill ids capped at min(len - 1, seq_len - 1) tokens
+            # (``_compute_max_prefix_len``; a chunk computes at least one token).
+            for i in new_idx:
+                toks = token_ids[i]
+                keys.append(tree.make_key(toks[: max(min(len(toks), int(seq_lens[i])) - 1, 0)]))
+        # (b) decide the fit before any match: a match touches access times and splits
+        # nodes, a lock protects evictable cache; a call that fails changes nothing.
+        lock_cost = 0
+        if new_idx and not tree.disable:
+            upper = seq_lens - prefix  # the demand with no prefix hit for new requests
+            need_max = upper if ps == 1 else (upper + 2 * ps - 2) // ps * ps
+            if int(need_max.sum()) > self.token_to_kv_pool_allocator.available_size():
+                peek, lock_cost = tree.peek_match_lock(keys)
+                prefix[new_idx] = peek
+        unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost)
+        if unfit is not None:
+            self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
+            return unfit
+        # (c) match and lock each new request, in batch order
         lock_nodes: list[TreeNode | None] = [None] * bs
         prefix_slots: list[np.ndarray | None] = [None] * bs
-        if not tree.disable:
-            for i in np.flatnonzero(rows < 0).tolist():
-                toks = token_ids[i]
-                key = tree.make_key(toks[: max(len(toks) - 1, 0)])
-                match = tree.match_prefix(key)
-                p = min(match.prefix_len, floor_align(int(seq_lens[i]) - 1, ps))
-                node = match.last_node
-                tree.lock(node)
-                lock_nodes[i] = node
-                if p:
-                    prefix_slots[i] = tree.path_device_indices(node)[:p]
-                prefix[i] = p
-        # (c) one allocation for the batch
+        for i, key in zip(new_idx, keys):
+            match = tree.match_prefix(key)
+            node = match.last_node
+            tree.lock(node)
+            lock_nodes[i] = node
+            p = match.prefix_len
+            if p:
+                prefix_slots[i] = tree.path_device_indices(node)[:p]
+            prefix[i] = p
+        # (d) one allocation for the batch
         res = alloc_for_extend(ctx, rids, rows, prefix, seq_lens, prefix_slots, lock_nodes)
-        if isinstance(res, OutOfMemory):
+        if isinstance(res, OutOfMemory):  # not reached: extend_fits decided above
             for node in lock_nodes:
                 tree.unlock(node)
-            self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
+            self.writer.end_call()
             return res
         self._row_of_rid[rids] = res.rows
-        # (d) requests whose prefill is done publish their prompt at the end of the step
+        # (e) requests whose prefill is done publish their prompt at the end of the step
         for i in range(bs):
             rid = int(rids[i])
             if done[i]:

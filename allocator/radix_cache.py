@@ -28,7 +28,7 @@ eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -232,6 +232,48 @@ class RadixCache:
             pos += self._matched_units(child.key, kb, pos) * 8
             break
         return pos // 8
+
+    def peek_match_lock(self, keys: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
+        """What matching and locking ``keys`` one after the other would do, without
+        touching, splitting or locking anything.
+
+        Returns:
+            The prefix length ``match_prefix`` would return for each key (units), and
+            the tokens their locks would move from evictable to protected: each
+            unlocked node on a matched path counted once, up to the deepest unit any
+            key matches inside it (a match ending inside a node splits it, and only
+            the upper part is locked).
+        """
+        prefix = np.zeros(len(keys), dtype=np.int64)
+        if self.disable:
+            return prefix, 0
+        ps = self.page_size
+        psb = ps * 8
+        deepest: dict[int, int] = {}  # id of an unlocked node -> units matched in it
+        for i, key in enumerate(keys):
+            n = key.shape[0] // ps * ps
+            if n == 0:
+                continue
+            kb = key[:n].tobytes()
+            nb = n * 8
+            node = self.root_node
+            pos = 0
+            while pos < nb:
+                child = node.children.get(kb[pos : pos + psb])
+                if child is None:
+                    break
+                if kb.startswith(child.key, pos):
+                    m = child.value.shape[0]
+                else:
+                    m = self._matched_units(child.key, kb, pos)
+                if child.lock_ref == 0 and deepest.get(child.id, 0) < m:
+                    deepest[child.id] = m
+                pos += m * 8
+                if m < child.value.shape[0]:
+                    break
+                node = child
+            prefix[i] = pos // 8
+        return prefix, sum(deepest.values())
 
     def insert(self, key: np.ndarray, value: np.ndarray) -> InsertResult:
         """Insert ``key`` -> ``value`` (page aligned); return the length already present.
