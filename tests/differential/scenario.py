@@ -21,7 +21,8 @@ length before the op):
                coming back after ``retract``. ``prompt_len`` (first op of a
                request, default ``seq_len``) says where the prompt ends: the
                extend that reaches it completes the prefill (after a retraction:
-               the extend that reaches the length the request had then).
+               the extend that reaches the retract op's ``seq_len``, the length
+               the scenario gives the request then, stalled or not).
 * ``decode``   ``seq_len = L + 1``.
 * ``spec``     ``accepted`` tokens committed (``seq_len = L + accepted``), ``draft``
                drafts verified (informative).
@@ -45,10 +46,21 @@ Step runner (``run_scenario``) — the replay semantics both drivers follow:
   until it is retracted (after which it may extend from 0 again) or ends. A
   release of a stalled request uses ``min(seq_len, kv_committed_len)`` as the
   owned length. A release of a request that holds no KV is skipped.
-* ``retract`` of the k-th request of a step (1-based) passes
-  ``remaining = running - k`` to the engine, where ``running`` counts the
-  requests that hold KV and have completed their prefill once the step's
-  finish and abort ops are applied (SGLang's ``retract_decode`` running batch).
+* The prompt length given to the engines (``prompt_lens``: where a
+  checkpoint splits the prompt from the output) is where the request's
+  prefill first completed (its ``prealloc`` fill, or the extend reaching its
+  target), kept across retractions: the only prompt a protocol-driven
+  allocator can know (``Allocator.extend`` / ``prealloc`` take no prompt
+  length). It equals the op's ``prompt_len`` except for a request stalled
+  before its first prefill completed and then retracted (its re-prefill also
+  covers the skipped outputs), and a ``prealloc`` whose fill runs past its
+  ``prompt_len``.
+* ``retract`` passes ``remaining`` to the engine: the requests that still hold
+  KV and have completed their prefill once the step's finish and abort ops and
+  this and the earlier retractions of the step are applied (SGLang's
+  ``retract_decode``: the running batch not retracted yet). A retracted request
+  that never completed its prefill (stalled mid-prefill) was not running and
+  does not lower it.
 """
 
 from __future__ import annotations
@@ -387,6 +399,12 @@ class _ReqTrack:
     stalled: bool = False
     prefill_done: bool = False
     ended: bool = False
+    prompt: int = -1  # the length at which the prefill first completed (the engines' prompt)
+
+    def engine_prompt_len(self) -> int:
+        """The prompt length the engines see: where the prefill first completed, or
+        (not completed yet) where the current prefill will complete."""
+        return self.prompt if self.prompt >= 0 else self.target
 
 
 @dataclass
@@ -458,7 +476,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any, fine: bool = Fal
                     rids.append(op.rid)
                     owned.append(n)
                     toks.append(book.tokens(op.rid, max(n, t.length)))
-                    plens.append(book.prompt_len[op.rid])
+                    plens.append(t.engine_prompt_len())
                     t.holds = False
                 if t is not None:
                     t.ended = True
@@ -476,11 +494,15 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any, fine: bool = Fal
                     rids.append(op.rid)
                     owned.append(min(op.seq_len, t.length))
                     toks.append(book.tokens(op.rid, max(op.seq_len, t.length)))
-                    plens.append(book.prompt_len[op.rid])
-                    remaining.append(max(running - len(rids), 0))
+                    plens.append(t.engine_prompt_len())
+                    if t.prefill_done:  # (a request stalled mid-prefill was not running)
+                        running -= 1
+                    remaining.append(running)
                 if t is not None:
-                    # A retracted request re-prefills everything it had (prompt and outputs).
-                    t.target = t.length if t.holds else t.target
+                    # A retracted request re-prefills everything the scenario says it had
+                    # (prompt and outputs): the op's length, also for a stalled request
+                    # whose KV stopped short of it (the skipped ops' tokens are recomputed).
+                    t.target = op.seq_len
                     t.length, t.holds, t.stalled, t.prefill_done = 0, False, False, False
             res = engine.release("retract", rids, owned, toks, plens, remaining) if rids else None
             record("retract", rids, res, skipped)
@@ -498,7 +520,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any, fine: bool = Fal
                 rids.append(op.rid)
                 fills.append(op.seq_len)
                 toks.append(book.tokens(op.rid, op.seq_len))
-                plens.append(book.prompt_len[op.rid])
+                plens.append(t.prompt if t.prompt >= 0 else op.seq_len)
             res = engine.prealloc(rids, fills, toks, plens) if rids else None
             _settle(res, rids, track, [("len", n) for n in fills], done=[True] * len(rids))
             record("prealloc", rids, res, skipped)
@@ -523,7 +545,7 @@ def run_scenario(scenario: Scenario, engine: Engine, emit: Any, fine: bool = Fal
                 rids.append(op.rid)
                 lens.append(op.seq_len)
                 toks.append(book.tokens(op.rid, op.seq_len))
-                plens.append(book.prompt_len[op.rid])
+                plens.append(t.engine_prompt_len())
                 done.append(op.seq_len >= t.target)
             res = engine.extend(rids, lens, toks, plens, done) if rids else None
             _settle(res, rids, track, [("len", n) for n in lens], done=done)
@@ -586,6 +608,8 @@ def _settle(
         t.holds = True
         if done is not None and done[i]:
             t.prefill_done = True
+            if t.prompt < 0:
+                t.prompt = t.length
 
 
 def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:

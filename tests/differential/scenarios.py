@@ -308,6 +308,7 @@ class _Req:
     state: str = "waiting"  # waiting | prefill | prefilled | running | done
     outputs: int = 0
     target: int = 0  # where the current (re-)prefill ends
+    last_accepted: int = 0  # tokens the last spec step committed (0: none since the prefill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,8 +385,10 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
         for r in running:
             if r.outputs >= r.max_new or r.length >= limit:
                 owned = r.length
-                if rs.spec is not None and rng.random() < 0.5:
-                    owned = max(len(r.prompt), r.length - int(rng.integers(0, rs.spec.num_draft_tokens)))
+                if rs.spec is not None and rng.random() < 0.5 and r.last_accepted > 1:
+                    # A stop lands inside the last verify's accepted tokens (spec commits
+                    # past it); never in tokens generated before, e.g. before a retraction.
+                    owned = max(len(r.prompt), r.length - int(rng.integers(0, r.last_accepted)))
                 ops.append(Op("finish", r.rid, owned))
                 r.state = "done"
                 finished_prompts.append(r.prompt + tuple(sc.unique_token(r.rid, p) for p in range(len(r.prompt), owned)))
@@ -426,6 +429,7 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
             first = r.rid not in seen
             seen.add(r.rid)
             r.target = target
+            r.last_accepted = 0
             end = target
             if target > budget:
                 end = max(ps, budget // ps * ps)
@@ -450,6 +454,7 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
                 acc = int(rng.integers(1, rs.spec.num_draft_tokens + 1))
                 r.length += acc
                 r.outputs += acc
+                r.last_accepted = acc
                 ops.append(Op("spec", r.rid, r.length, accepted=acc, draft=rs.spec.num_draft_tokens))
         for r in reqs.values():
             if r.state == "prefilled":
