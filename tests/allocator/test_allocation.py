@@ -73,7 +73,7 @@ def _snapshot(alloc: KvAllocator) -> tuple:
         [None if n is None else n.id for n in kv.lock_node],
         (kv.sum_committed, kv.sum_protected, kv.sum_allocated_ceil),
         (alloc.tree_cache.evictable_size(), alloc.tree_cache.protected_size()),
-        sorted((n.id, n.lock_ref) for n in alloc.tree_cache.iter_nodes()),
+        sorted((n.id, n.lock_ref, len(n), n.last_access_time) for n in alloc.tree_cache.iter_nodes()),
     )
 
 
@@ -434,6 +434,49 @@ def test_failed_extend_unlocks_its_matches_and_evicts_nothing() -> None:
     # the same need minus one page fits: then eviction happens and the call succeeds
     res = alloc.extend(_a(2), _a(52), [np.concatenate([toks[:24], _toks(28, 900)])])
     assert isinstance(res, AllocResult) and res.evicted_tokens == 8
+    _clean(alloc)
+
+
+def test_failed_extend_neither_splits_nor_touches_the_tree() -> None:
+    """A match that ends inside a cached node splits it and refreshes access times;
+    an extend that cannot fit must do neither (the LRU order decides later evictions)."""
+    alloc = _make(page_size=4, pool=64)
+    old, hot = _toks(24, 100), _toks(16, 300)
+    for rid, toks in ((0, old), (1, hot)):
+        alloc.extend(_a(rid), _a(len(toks)), [toks])
+        alloc.end_step()
+        alloc.release(_a(rid), _a(len(toks)), [toks], "finish")
+    alloc.extend(_a(2), _a(20), [_toks(20, 900)])  # 20 of the 24 free slots
+    before = _snapshot(alloc)
+    c = alloc.counters()
+    assert (c.available, c.evictable) == (4, 40)
+    # matches 8 of the 24 cached tokens (inside the node) and needs 40 more: 4 + 32 short
+    probe = np.concatenate([old[:8], _toks(40, 5000)])
+    res = alloc.extend(_a(3), _a(48), [probe])
+    assert isinstance(res, OutOfMemory) and res.op == "extend"
+    assert (res.needed, res.available, res.evictable) == (40, 4, 32)
+    assert _snapshot(alloc) == before
+    # the old prompt is still the least recently used leaf: it goes first
+    assert alloc.evict(1) == 24
+    assert alloc.counters().evictable == 16
+    _clean(alloc)
+
+
+def test_extend_matches_only_up_to_its_chunk() -> None:
+    """SGLang caps the match key at min(len(fill), seq_len) - 1 tokens: a first chunk
+    shorter than the cached prefix locks (and splits at) the chunk's page, no deeper."""
+    alloc = _make(page_size=4, pool=128)
+    toks = _toks(40)
+    alloc.extend(_a(0), _a(24), [toks[:24]])
+    alloc.end_step()
+    alloc.release(_a(0), _a(24), [toks[:24]], "finish")
+    assert alloc.counters().evictable == 24
+    # all 40 fill ids known, the first chunk ends at 13 (no publish yet: prefill not done)
+    res = alloc.extend(_a(1), _a(13), [toks], np.array([False]))
+    assert res.prefix_lens.tolist() == [12]
+    c = alloc.counters()
+    assert (c.protected, c.evictable) == (12, 12)
+    assert _raw_lens(alloc, 1) == (12, 13, 13)
     _clean(alloc)
 
 

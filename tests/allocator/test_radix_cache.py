@@ -171,3 +171,32 @@ def test_random_inserts_keep_sizes_and_values(page_size: int) -> None:
     for node in tree.iter_nodes():
         assert len(node) % page_size == 0 and len(node) > 0
         assert node.key_units().shape[0] == len(node)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_peek_match_lock_predicts_match_and_lock(page_size: int) -> None:
+    """``peek_match_lock`` gives the prefix lengths and the evictable tokens that
+    matching and locking a batch would give, and changes nothing itself."""
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        tree = _tree(page_size=page_size, size=1 << 16)
+        slot = 1
+        for _ in range(12):
+            key = rng.integers(0, 3, int(rng.integers(1, 30))).astype(np.int64)
+            tree.insert(key, np.arange(slot, slot + key.shape[0], dtype=np.int64))
+            slot += key.shape[0]
+        held = list(tree.iter_nodes())
+        for node in held[: int(rng.integers(0, 3))]:
+            tree.lock(node)  # some paths already protected
+        keys = [rng.integers(0, 3, int(rng.integers(0, 30))).astype(np.int64) for _ in range(int(rng.integers(1, 5)))]
+        shape = sorted((n.id, len(n), n.lock_ref, n.last_access_time) for n in tree.iter_nodes())
+        evictable = tree.evictable_size()
+        prefix, cost = tree.peek_match_lock(keys)
+        assert sorted((n.id, len(n), n.lock_ref, n.last_access_time) for n in tree.iter_nodes()) == shape
+        got = []
+        for key in keys:
+            m = tree.match_prefix(key)
+            tree.lock(m.last_node)
+            got.append(m.prefix_len)
+        assert prefix.tolist() == got, trial
+        assert evictable - tree.evictable_size() == cost, trial
