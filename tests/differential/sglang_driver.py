@@ -170,7 +170,11 @@ def _import_sglang() -> SimpleNamespace:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+    from sglang.srt.mem_cache.allocation_sizing import (
+        get_alloc_reserve_per_decode,
+        get_req_to_token_extra_context_len,
+        page_aligned_decode_alloc_lens,
+    )
     from sglang.srt.runtime_context import get_context
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative import eagle_utils
@@ -181,6 +185,8 @@ def _import_sglang() -> SimpleNamespace:
         common=common, radix_cache=radix_cache, Paged=PagedTokenToKVPoolAllocator,
         Token=TokenToKVPoolAllocator, CacheInitParams=CacheInitParams, ReqToTokenPool=ReqToTokenPool,
         extra_context_len=get_req_to_token_extra_context_len, get_context=get_context,
+        alloc_reserve_per_decode=get_alloc_reserve_per_decode,
+        page_aligned_decode_alloc_lens=page_aligned_decode_alloc_lens,
         SamplingParams=SamplingParams, eagle_utils=eagle_utils,
     )
 
@@ -330,15 +336,28 @@ class SGLangEngine:
     # -- OOM rollback (decision 8) ---------------------------------------------------
     _REQ_REFS = ("kv", "last_node", "lock", "last_host_node", "best_match_node")
 
-    def _snapshot(self) -> tuple[Any, dict[int, dict[str, Any]]]:
+    def _snapshot(self) -> tuple[Any, dict[int, dict[str, Any]], list[tuple[int, Any]]]:
         refs = {rid: {a: getattr(r, a, None) for a in self._REQ_REFS} for rid, r in self.reqs.items()}
-        deep = copy.deepcopy({"world": self.world, "refs": refs})
+        # req_to_token is shared, not copied (257 rows x 131k positions is 134 MB):
+        # only the live rows' [0, kv_allocated_len) is observable, and it is saved here.
+        r2t = self.pool.req_to_token
+        memo = {id(r2t): r2t}
+        deep = copy.deepcopy({"world": self.world, "refs": refs}, memo)
         flat = {rid: dict(r.__dict__) for rid, r in self.reqs.items()}
-        return deep, flat
+        rows = []
+        for r in self.reqs.values():
+            kv = r.kv
+            if kv.req_pool_idx is not None and kv.kv_allocated_len:
+                n = min(kv.kv_allocated_len, r2t.shape[1])
+                rows.append((kv.req_pool_idx, r2t[kv.req_pool_idx, :n].clone()))
+        return deep, flat, rows
 
-    def _restore(self, snap: tuple[Any, dict[int, dict[str, Any]]]) -> None:
-        deep, flat = snap
+    def _restore(self, snap: tuple[Any, dict[int, dict[str, Any]], list[tuple[int, Any]]]) -> None:
+        deep, flat, rows = snap
         self.world = deep["world"]
+        r2t = self.pool.req_to_token
+        for row, values in rows:
+            r2t[row, : values.shape[0]] = values
         for rid in list(self.reqs):
             if rid not in flat:
                 del self.reqs[rid]
@@ -349,9 +368,20 @@ class SGLangEngine:
             for a, v in deep["refs"][rid].items():
                 setattr(req, a, v)
 
-    def _guarded(self, fn: Any) -> sc.CallResult:
-        snap = self._snapshot()
+    def _fits_without_eviction(self, num_tokens: int, new_rows: int = 0) -> bool:
+        """The call's eviction target (SGLang's own upper bound of its demand: exact
+        tokens at page 1, plus one page per request when paged) is already free, so
+        SGLang evicts nothing and the allocation cannot fail: no snapshot needed."""
+        return new_rows <= self.pool.available_size() and num_tokens <= self.alloc.available_size()
+
+    def _guarded(self, fn: Any, cannot_fail: bool = False) -> sc.CallResult:
         self._overflow = []
+        if cannot_fail:
+            sink = io.StringIO()
+            with contextlib.redirect_stdout(sink):
+                fn()
+            return sc.CallResult("ok", "", tuple(self._overflow))
+        snap = self._snapshot()
         sink = io.StringIO()
         try:
             with contextlib.redirect_stdout(sink):
@@ -434,7 +464,10 @@ class SGLangEngine:
             for rid, req in zip(rids, reqs):
                 self._row_rid[req.kv.req_pool_idx] = rid
 
-        res = self._guarded(run)
+        held = [r.kv.kv_allocated_len if r.kv.holds_kv else 0 for r in reqs]
+        bound = sum(n - h for n, h in zip(seq_lens, held)) + (len(reqs) * self.ps if self.ps > 1 else 0)
+        new_rows = sum(1 for r in reqs if not r.kv.holds_kv)
+        res = self._guarded(run, self._fits_without_eviction(bound, new_rows))
         if res.outcome == "ok":
             self._publish = [r for r, d in zip(reqs, prefill_done) if d]
         return res
@@ -463,7 +496,7 @@ class SGLangEngine:
             for r in reqs:
                 r.decode_batch_idx += 1
 
-        return self._guarded(run)
+        return self._guarded(run, self._fits_without_eviction(len(reqs) * self.ps))
 
     def spec(self, rids, accepted) -> sc.CallResult:
         reqs = [self.reqs[rid] for rid in rids]
@@ -476,7 +509,13 @@ class SGLangEngine:
             for r, a in zip(reqs, accepted):
                 r.kv.kv_committed_len += a
 
-        return self._guarded(run)
+        _cur, nxt, needed = SG.page_aligned_decode_alloc_lens(
+            reqs, reserve=SG.alloc_reserve_per_decode(), page_size=self.ps,
+        )
+        bound = needed + (len(reqs) * self.ps if self.ps > 1 else 0)
+        # (a reserve past the row trips eagle_prepare_for_decode's assertion at page > 1)
+        safe = self._fits_without_eviction(bound) and max(nxt, default=0) <= self.row_width
+        return self._guarded(run, safe)
 
     def prealloc(self, rids, fill_lens, token_ids, prompt_lens) -> sc.CallResult:
         reqs = [self._req(rid, pl) for rid, pl in zip(rids, prompt_lens)]
