@@ -199,7 +199,24 @@ def compare_step(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, int | 
                 diffs.append((name, None, va, vb, detail))
             else:
                 diffs.append((name, None, x, y, ""))
+    ta, tb = a.get("tree"), b.get("tree")
+    if ta is not None and tb is not None and ta != tb:
+        diffs.append(("tree", None, *_tree_diff(ta, tb)))
     return diffs
+
+
+def _tree_diff(a: list[list[int]], b: list[list[int]]) -> tuple[Any, Any, str]:
+    """The first differing node of two ``scenario.tree_shape`` lists."""
+    by_a = {n[0]: n for n in a}
+    by_b = {n[0]: n for n in b}
+    for first in sorted(set(by_a) | set(by_b)):
+        x, y = by_a.get(first), by_b.get(first)
+        if x != y:
+            return x, y, (
+                f"radix tree: {len(a)} vs {len(b)} nodes; first differing node starts at slot {first} "
+                "([first_slot, parent_first_slot, length, lock_ref, access-time rank])"
+            )
+    return a[:4], b[:4], "radix tree: same nodes, different order"
 
 
 def _event_str(key: tuple | None) -> str:

@@ -138,7 +138,24 @@ class OursEngine:
             "evictable": int(tree.evictable_size()) if tree is not None else 0,
             "protected": int(tree.protected_size()) if tree is not None else 0,
             "free_rows": sc.rle(list(pool.free_slots)),
+            "tree": _tree_shape(tree),
         }
+
+
+def _tree_shape(tree: Any) -> list[list[int]] | None:
+    """``scenario.tree_shape`` of the built-in ``RadixCache`` (None for a tree without
+    its node API, e.g. another ``--allocator``)."""
+    root = getattr(tree, "root_node", None)
+    if root is None:
+        return None
+    out = []
+    stack = [(child, -1) for child in root.children.values()]
+    while stack:
+        node, parent = stack.pop()
+        first = int(node.value[0])
+        out.append((first, parent, int(node.value.shape[0]), int(node.lock_ref), node.last_access_time))
+        stack.extend((child, first) for child in node.children.values())
+    return sc.tree_shape(out)
 
 
 def load_factory(module: str) -> tuple[Callable[[Any], Any], Any]:

@@ -368,7 +368,27 @@ class Engine(Protocol):
 #   evictable       tree evictable size
 #   protected       tree protected size
 #   free_rows       rle of ReqToTokenPool free_slots in order
-STATE_FIELDS = ("reqs", "free_pages", "release_pages", "available", "evictable", "protected", "free_rows")
+#   tree            the radix tree's shape (``tree_shape``), or None where a side cannot give it
+STATE_FIELDS = ("reqs", "free_pages", "release_pages", "available", "evictable", "protected", "free_rows", "tree")
+
+
+def tree_shape(nodes: Iterable[tuple[int, int, int, int, float]]) -> list[list[int]]:
+    """Canonical shape of a radix tree, comparable across implementations.
+
+    ``nodes``: one ``(first_slot, parent_first_slot, length, lock_ref, last_access_time)``
+    per node except the root (``parent_first_slot`` -1 under the root). A node is
+    named by the KV slot of its first unit (tree slots are distinct while the pool
+    is consistent). Access times become dense ranks (their order is what LRU
+    eviction reads; the clocks' absolute values differ). Returns
+    ``[[first_slot, parent_first_slot, length, lock_ref, time_rank], ...]`` sorted
+    by first slot.
+    """
+    rows = sorted(nodes)
+    if not rows:
+        return []
+    times = np.array([r[4] for r in rows], dtype=np.float64)
+    _, rank = np.unique(times, return_inverse=True)
+    return [[int(a), int(b), int(n), int(lk), int(t)] for (a, b, n, lk, _), t in zip(rows, rank.tolist())]
 
 
 def rle(values: Sequence[int] | np.ndarray) -> list[list[int]]:

@@ -607,7 +607,23 @@ class SGLangEngine:
             "evictable": int(self.tree.evictable_size()),
             "protected": int(self.tree.protected_size()),
             "free_rows": sc.rle(self.pool.free_slots),
+            "tree": self._tree_shape(),
         }
+
+    def _tree_shape(self) -> list[list[int]] | None:
+        """``scenario.tree_shape`` of the plain ``RadixCache`` (None for the unified tree,
+        whose node boundaries differ by design)."""
+        tree = self.tree
+        if not isinstance(tree, SG.radix_cache.RadixCache):
+            return None
+        out = []
+        stack = [(child, -1) for child in tree.root_node.children.values()]
+        while stack:
+            node, parent = stack.pop()
+            first = int(node.value[0])
+            out.append((first, parent, len(node.value), node.lock_ref, node.last_access_time))
+            stack.extend((child, first) for child in node.children.values())
+        return sc.tree_shape(out)
 
 
 def run_file(path: str, out: Any, tree_kind: str, only: set[str] | None, fine: bool = False) -> int:

@@ -126,3 +126,26 @@ def test_scenario_loader_names_the_line(tmp_path, bad):
     path.write_text(json.dumps({"scenario": "x", "config": {"pool_tokens": 8}}) + "\n" + bad + "\n")
     with pytest.raises(sc.ScenarioError, match=r"s\.jsonl:2: unknown op 'fly'"):
         sc.load_scenarios(str(path))
+
+
+def test_tree_shape_ranks_access_times_and_names_nodes_by_first_slot():
+    nodes = [(40, -1, 8, 0, 17.0), (4, -1, 16, 1, 3.0), (20, 4, 4, 1, 3.0), (48, 40, 4, 0, 90.0)]
+    assert sc.tree_shape(nodes) == [[4, -1, 16, 1, 0], [20, 4, 4, 1, 0], [40, -1, 8, 0, 1], [48, 40, 4, 0, 2]]
+    assert sc.tree_shape([]) == []
+
+
+def test_tree_shape_difference_is_a_divergence_and_a_missing_tree_is_not_compared():
+    tree = sc.tree_shape([(4, -1, 16, 0, 1.0), (40, -1, 8, 0, 2.0)])
+    split = sc.tree_shape([(4, -1, 8, 0, 1.0), (12, 4, 8, 0, 1.0), (40, -1, 8, 0, 2.0)])
+    a = [_dump(0, tree=tree)]
+    res = compare.compare_runs([_scenario(1)], _lines(a), _lines([_dump(0, tree=split)])).results[0]
+    assert res.status == "diverged"
+    d = res.divergence
+    assert d.field == "tree" and d.sglang == [4, -1, 16, 0, 0] and d.ours == [4, -1, 8, 0, 0]
+    assert "slot 4" in d.detail
+    # the LRU order alone differs: still a divergence
+    swapped = sc.tree_shape([(4, -1, 16, 0, 2.0), (40, -1, 8, 0, 1.0)])
+    res = compare.compare_runs([_scenario(1)], _lines(a), _lines([_dump(0, tree=swapped)])).results[0]
+    assert res.status == "diverged" and res.divergence.field == "tree"
+    res = compare.compare_runs([_scenario(1)], _lines(a), _lines([_dump(0, tree=None)])).results[0]
+    assert res.status == "identical"
