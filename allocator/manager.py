@@ -270,17 +270,21 @@ class KvAllocator:
                 keys.append(tree.make_key(toks[: max(min(len(toks), int(seq_lens[i])) - 1, 0)]))
         # (b) decide the fit before any match: a match touches access times and splits
         # nodes, a lock protects evictable cache; a call that fails changes nothing.
-        lock_cost = 0
-        if new_idx and not tree.disable:
-            upper = seq_lens - prefix  # the demand with no prefix hit for new requests
-            need_max = upper if ps == 1 else (upper + 2 * ps - 2) // ps * ps
-            if int(need_max.sum()) > self.token_to_kv_pool_allocator.available_size():
+        # (Without new requests nothing is matched: alloc_for_extend decides alone.)
+        if keys:
+            # Demand bound with no prefix hit: each request's pages cover at most
+            # its new tokens plus one partial page.
+            need_max = int(seq_lens.sum()) - int(prefix.sum()) + (bs * (ps - 1) if ps > 1 else 0)
+            if (
+                len(new_idx) > self.req_to_token_pool.available_size()
+                or need_max > self.token_to_kv_pool_allocator.available_size()
+            ):
                 peek, lock_cost = tree.peek_match_lock(keys)
                 prefix[new_idx] = peek
-        unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost)
-        if unfit is not None:
-            self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
-            return unfit
+                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost)
+                if unfit is not None:
+                    self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
+                    return unfit
         # (c) match and lock each new request, in batch order
         lock_nodes: list[TreeNode | None] = [None] * bs
         prefix_slots: list[np.ndarray | None] = [None] * bs

@@ -99,7 +99,17 @@ itself is not run because a trace already fixes which requests run when):
    reports ``oom`` — the call leaves no trace, as ``--on-oom skip`` requires —
    except the checkpoint of continuing chunks (d.), which SGLang's
    ``stash_chunked_request`` makes at the top of the step whatever follows.
-   SGLang's OOM tree dump goes to a discarded buffer.
+   SGLang's OOM tree dump goes to a discarded buffer. The copy shares
+   ``req_to_token`` (a 131k-context pool is 134 MB) and saves each live row's
+   ``[0, kv_allocated_len)``, the only part of it a dump or a later call reads.
+   No copy is taken when the call cannot fail: its eviction target (SGLang's own
+   bound of the demand: exact tokens at page 1, plus a page per request when
+   paged; for spec the ``page_aligned_decode_alloc_lens`` total) is already free
+   and the rows are there, so SGLang evicts nothing and allocates.
+9. State dump: besides the sizes and lists, the plain ``RadixCache``'s shape
+   (``scenario.tree_shape``: each node by its first slot, its parent, length, lock
+   count and the rank of its access time), so a split or an access time that
+   differs shows up before it changes an eviction.
 """
 
 from __future__ import annotations
