@@ -500,11 +500,18 @@ class ReplayEngine:
 
     def _check(self, op: str, rids: np.ndarray | None) -> None:
         violations: Sequence[Violation] = self.allocator.check_integrity()
+        if not violations:
+            return
+        # A pool-wide break (conservation, ...) names no request. Blame the one request
+        # the same check named, else the one request whose op just ran.
+        named = {v.rid for v in violations if v.rid is not None}
+        blame = None
+        if len(named) == 1:
+            blame = named.pop()
+        elif rids is not None and rids.size == 1:
+            blame = int(rids[0])
         for v in violations:
-            rid = v.rid
-            if rid is None and rids is not None and rids.size == 1:
-                rid = int(rids[0])  # a pool-wide break right after one request's op
-            self._violation(rid, v.check, v.detail, op=op)
+            self._violation(v.rid if v.rid is not None else blame, v.check, v.detail, op=op)
 
     def _violation(self, rid: int | None, check: str, detail: str, op: str | None = None) -> None:
         st = self.stats
