@@ -31,6 +31,7 @@ from traces.schema import (
     DECODE,
     EXTEND,
     FINISH,
+    OP_ORDER,
     OPS,
     PREALLOC,
     RETRACT,
@@ -265,15 +266,26 @@ class ReplayEngine:
         if self.stopped_early:
             return None
         self._tokens.ingest(batch)
-        self._remember_prompts(batch, ok)
+        present = np.bincount(batch.op, minlength=len(OPS)) if n else np.zeros(len(OPS), np.int64)
+        if present[EXTEND] or present[PREALLOC]:
+            self._remember_prompts(batch, ok)
+        # Most steps hold one op kind and no bad row: then every row is that kind's.
+        whole = ok is None and int(np.count_nonzero(present)) == 1
         touched: list[np.ndarray] = []
-        for op in (FINISH, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC):
-            rows = np.flatnonzero((batch.op == op) & ok)
-            if rows.size == 0:
+        for op in OP_ORDER:
+            if not present[op]:
                 continue
-            rows = rows[~self._dropped.a[batch.rid[rows]]]
-            if rows.size == 0:
-                continue
+            if whole:
+                rows = np.arange(n)
+            else:
+                mask = batch.op == op
+                rows = np.flatnonzero(mask if ok is None else mask & ok)
+                if rows.size == 0:
+                    continue
+            if self.stats.dropped_requests:
+                rows = rows[~self._dropped.a[batch.rid[rows]]]
+                if rows.size == 0:
+                    continue
             self._op_name = OPS[op]
             self._apply(op, batch, rows)
             touched.append(batch.rid[rows])
@@ -295,8 +307,9 @@ class ReplayEngine:
         if used > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = used
             st.peak_step = batch.step
-        rids = np.unique(np.concatenate(touched)) if touched else np.zeros(0, np.int64)
-        if rids.size:
+        # A request has one row per step (the checker skips duplicates), so no unique().
+        rids = (touched[0] if len(touched) == 1 else np.concatenate(touched)) if touched else None
+        if rids is not None:
             lens = self.allocator.request_lens(rids)
             delta = RequestDelta(rids, lens.allocated, lens.committed, lens.protected)
         else:
@@ -311,12 +324,12 @@ class ReplayEngine:
             allocator_s=st.allocator_s - alloc_s_before,
         )
 
-    def _screen(self, batch: StepBatch) -> np.ndarray:
-        """Run the op-sequence checker; return the mask of rows safe to apply."""
-        ok = np.ones(len(batch), np.bool_)
+    def _screen(self, batch: StepBatch) -> np.ndarray | None:
+        """Run the op-sequence checker; return the mask of rows safe to apply (None: all)."""
         problems = self._checker.check(batch)
         if not problems:
-            return ok
+            return None
+        ok = np.ones(len(batch), np.bool_)
         self.stats.bad_ops += len(problems)
         if self.options.on_bad_op == "stop":
             first = problems[0]
@@ -334,8 +347,10 @@ class ReplayEngine:
         self.stats.skipped_ops += int((~ok).sum())
         return ok
 
-    def _remember_prompts(self, batch: StepBatch, ok: np.ndarray) -> None:
-        new = ok & ~self._seen.a[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
+    def _remember_prompts(self, batch: StepBatch, ok: np.ndarray | None) -> None:
+        new = ~self._seen.a[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
+        if ok is not None:
+            new &= ok
         if not new.any():
             return
         rids = batch.rid[new]
