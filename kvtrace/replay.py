@@ -265,10 +265,12 @@ class ReplayEngine:
         ok = self._screen(batch)
         if self.stopped_early:
             return None
-        self._tokens.ingest(batch)
         present = np.bincount(batch.op, minlength=len(OPS)) if n else np.zeros(len(OPS), np.int64)
         if present[EXTEND] or present[PREALLOC]:
+            self._tokens.ingest(batch)
             self._remember_prompts(batch, ok)
+        elif batch.token_ids.values.shape[0]:
+            self._tokens.ingest(batch)  # explicit ids of decoded tokens
         # Most steps hold one op kind and no bad row: then every row is that kind's.
         whole = ok is None and int(np.count_nonzero(present)) == 1
         touched: list[np.ndarray] = []
