@@ -101,7 +101,7 @@ class KvAllocator:
         ValueError: an inconsistent configuration.
     """
 
-    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 64) -> None:
+    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 256) -> None:
         _check_config(config)
         self.config = config
         self.free_groups = free_groups
