@@ -40,7 +40,7 @@ from traces.schema import (
     TraceMeta,
 )
 from traces.tokens import TokenStore
-from traces.validate import OpSequenceChecker
+from traces.validate import BackgroundChecker, OpSequenceChecker
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, ReleaseKind, ReleaseResult, Violation
@@ -194,6 +194,8 @@ class ReplayEngine:
         options: see ``ReplayOptions``.
         clock: the timer for allocator time (``time.perf_counter``; the cuda path
             synchronises inside the allocator where it must).
+        checker: what screens each step (default: an ``OpSequenceChecker`` in this
+            process; the CLI passes a ``BackgroundChecker`` running on another core).
     """
 
     def __init__(
@@ -203,6 +205,7 @@ class ReplayEngine:
         allocator: Allocator,
         options: ReplayOptions | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        checker: OpSequenceChecker | BackgroundChecker | None = None,
     ) -> None:
         self.meta = meta
         self.allocator = allocator
@@ -211,7 +214,7 @@ class ReplayEngine:
         self.stopped_early = False
         self._steps = steps
         self._clock = clock
-        self._checker = OpSequenceChecker(meta)
+        self._checker = checker if checker is not None else OpSequenceChecker(meta)
         self._tokens = TokenStore(meta.block_size)
         self._page_size = allocator.config.page_size
         # Per-request state of the replay (indexed by rid).
