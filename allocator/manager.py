@@ -101,7 +101,7 @@ class KvAllocator:
         ValueError: an inconsistent configuration.
     """
 
-    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 64) -> None:
+    def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 256) -> None:
         _check_config(config)
         self.config = config
         self.free_groups = free_groups
@@ -676,9 +676,11 @@ class KvAllocator:
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         self._flush_publish()
         rows = self._rows_of(_i64(rids))
+        kv = self.req_kv
+        if rows.shape[0] and int(rows.min()) >= 0:  # the common case: all still hold KV
+            return RequestLens(kv.kv_allocated_len[rows], kv.kv_committed_len[rows], kv.cache_protected_len[rows])
         safe = np.where(rows >= 0, rows, 0)
         held = rows >= 0
-        kv = self.req_kv
         return RequestLens(
             allocated=np.where(held, kv.kv_allocated_len[safe], 0),
             committed=np.where(held, kv.kv_committed_len[safe], 0),

@@ -110,7 +110,7 @@ class CudaTableWriter(CpuTableWriter):
     and copies it with ``non_blocking=True``.
     """
 
-    def __init__(self, pool: ReqToTokenPool, flush_every: int = 64) -> None:
+    def __init__(self, pool: ReqToTokenPool, flush_every: int = 256) -> None:
         super().__init__(pool)
         from allocator import kernels  # lazy: only the CUDA path needs it
 
@@ -174,10 +174,7 @@ class CudaTableWriter(CpuTableWriter):
         bs = int(rows.shape[0])
         if bs == 0:
             return
-        cumsum = np.add.accumulate(counts)
-        total = int(cumsum[-1])
-        base = self.row_base[rows] + ends - cumsum
-        index = base.repeat(counts) + np.arange(total, dtype=np.int64)
+        total = int(counts.sum())
         need = 3 * bs + total
         turn = self._turn
         self._turn ^= 1
@@ -188,10 +185,7 @@ class CudaTableWriter(CpuTableWriter):
             self._pinned[turn] = torch.empty(size, dtype=torch.int64, pin_memory=True)
             self._device_buf[turn] = torch.empty(size, dtype=torch.int64, device=self.device)
         host = self._pinned[turn].numpy()
-        host[:bs] = rows
-        host[bs : 2 * bs] = starts
-        host[2 * bs : 3 * bs] = ends
-        host[3 * bs : need] = self._flat[index]
+        pack_ranges(self._flat, self.row_base, rows, starts, ends, counts, host[:need])
         dev = self._device_buf[turn]
         dev[:need].copy_(self._pinned[turn][:need], non_blocking=True)
         self._events[turn].record()
@@ -201,7 +195,51 @@ class CudaTableWriter(CpuTableWriter):
         )
 
 
-def make_table_writer(pool: ReqToTokenPool, flush_every: int = 64) -> CpuTableWriter:
+# Ranges at least this long are copied as slices (memcpy speed); shorter ones
+# (decode's single slots, small spec reserves) by one fancy-index gather.
+_SLICE_RANGE = 64
+
+
+def pack_ranges(
+    flat: np.ndarray,
+    row_base: np.ndarray,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    counts: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Pack ``rows | starts | ends | values`` of table ranges into ``out`` (int64), the
+    layout the assign kernel reads: ``values`` holds each range's current entries of
+    the flat host table, range after range in the order the ranges are packed.
+
+    Long ranges are packed first (copied as slices, never through an index array);
+    the order of ranges is free because every range carries the table's final
+    values, so two ranges covering one position write the same value.
+    """
+    long_mask = counts >= _SLICE_RANGE
+    if long_mask.any() and not long_mask.all():
+        order = np.concatenate([np.flatnonzero(long_mask), np.flatnonzero(~long_mask)])
+        rows, starts, ends, counts = rows[order], starts[order], ends[order], counts[order]
+    bs = rows.shape[0]
+    out[:bs] = rows
+    out[bs : 2 * bs] = starts
+    out[2 * bs : 3 * bs] = ends
+    values = out[3 * bs :]
+    first = row_base[rows] + starts
+    num_long = int(np.count_nonzero(counts >= _SLICE_RANGE))
+    offset = 0
+    for b, c in zip(first[:num_long].tolist(), counts[:num_long].tolist()):
+        values[offset : offset + c] = flat[b : b + c]
+        offset += c
+    if num_long < bs:
+        c = counts[num_long:]
+        cumsum = np.add.accumulate(c)
+        index = (first[num_long:] + c - cumsum).repeat(c) + np.arange(int(cumsum[-1]), dtype=np.int64)
+        values[offset:] = flat[index]
+
+
+def make_table_writer(pool: ReqToTokenPool, flush_every: int = 256) -> CpuTableWriter:
     """The writer for the pool's device: ``CpuTableWriter`` or ``CudaTableWriter``
     (mirroring to the device at the end of every ``flush_every``-th batched call)."""
     if pool.device_req_to_token is None:

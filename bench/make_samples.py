@@ -38,8 +38,8 @@ class Sample:
 SAMPLES_SPEC: tuple[Sample, ...] = (
     Sample(
         "mooncake-conversation.kvtrace",
-        "Mooncake conversation trace, first 20 minutes of arrivals, default H200 serving config",
-        (str(MOONCAKE), "--format", "mooncake", "--duration", "20m"),
+        "Mooncake conversation trace, the whole hour (12,031 requests), default H200 serving config",
+        (str(MOONCAKE), "--format", "mooncake"),
     ),
     Sample(
         "mooncake-eagle.kvtrace",
@@ -76,9 +76,6 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
     ),
 )
 
-# The command that records the full hour of (a) (not bundled: larger than a sample should be).
-FULL_MOONCAKE_COMMAND = f"kvtrace record {MOONCAKE.relative_to(ROOT)} --format mooncake --out mooncake-conversation-1h.kvtrace"
-
 
 def make(sample: Sample) -> dict:
     import json
@@ -112,7 +109,6 @@ def main() -> None:
                 f"{s.name}: {s.what}\n  kvtrace record {' '.join(rel)} --out traces/samples/{s.name} --seed 0 "
                 "--flush-interval 0"
             )
-        print(f"full hour of mooncake-conversation: {FULL_MOONCAKE_COMMAND}")
         return
     SAMPLES.mkdir(parents=True, exist_ok=True)
     total = 0

@@ -1,11 +1,16 @@
 """Replay speed and memory: how much faster than real time, what --check every costs, flat RSS.
 
 Usage:
-    python bench/replay.py [TRACE] [--device cpu|cuda] [--skip-every] [--skip-memory] [--profile N]
+    python bench/replay.py [TRACE] [--device cpu|cuda] [--every-steps N] [--skip-memory]
+                           [--compare-devices] [--profile N]
 
 TRACE defaults to the bundled one-hour Mooncake sample. Prints, for the trace:
   * replay with --check end: wall time, allocator time, simulated duration, speed-up vs real time;
-  * replay with --check every: the same, and its cost relative to --check end;
+  * the cost of --check every: both modes over the first N steps (default 2,000; the
+    checker walks the whole pool after every allocator call, so a full-trace run takes
+    far longer than a bench should), as wall time per step and the ratio;
+  * with --compare-devices: the same replay on cpu and cuda, and whether the summaries
+    are identical (timings and the device name aside);
   * peak RSS of a replay of the trace and of the same trace tiled 10x (each in a fresh
     process, so the figures are honest): memory must stay flat in trace length;
   * optionally (--profile N) the N most expensive functions of one replay (cProfile).
@@ -31,7 +36,8 @@ from traces.io import TraceReader, TraceWriter  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 from traces.schema import StepBatch  # noqa: E402
 
-DEFAULT_TRACE = "sample:mooncake-hour"
+DEFAULT_TRACE = "sample:mooncake-conversation"
+TIMING_KEYS = ("wall_s", "allocator_s", "speedup_vs_realtime", "device", "state_log")
 
 _RSS_WRAPPER = """
 import resource, runpy, sys
@@ -95,30 +101,47 @@ def profile(trace: str, top: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def _row(name: str, s: dict) -> None:
+    print(
+        f"{name:<26} {s['steps']:>8,} {s['wall_s']:>8.2f} {s['allocator_s']:>8.2f} {s['duration_s']:>10,.0f} "
+        f"{s['speedup_vs_realtime'] or 0:>12,.0f} {s['num_violations']:>10}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=DEFAULT_TRACE)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--skip-every", action="store_true")
+    ap.add_argument("--every-steps", type=int, default=2000, metavar="N", help="steps for the --check every comparison (0: skip)")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--compare-devices", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     args = ap.parse_args()
     path = resolve_trace(args.trace)
     print(f"trace {args.trace}: {path.stat().st_size / 1e6:.1f} MB, device {args.device}, {os.cpu_count()} CPUs")
-    rows = []
-    end, rss_end = run_replay(str(path), "--device", args.device, "--check", "end")
-    rows.append(("--check end", end))
-    if not args.skip_every:
-        every, _ = run_replay(str(path), "--device", args.device, "--check", "every")
-        rows.append(("--check every", every))
-    print(f"{'mode':<15} {'steps':>8} {'wall s':>8} {'alloc s':>8} {'serving s':>10} {'x real time':>12} {'violations':>10}")
-    for name, s in rows:
+    end, _ = run_replay(str(path), "--device", args.device, "--check", "end")
+    print(f"{'mode':<26} {'steps':>8} {'wall s':>8} {'alloc s':>8} {'serving s':>10} {'x real time':>12} {'violations':>10}")
+    _row("--check end", end)
+    if args.every_steps:
+        window = f"0:{args.every_steps}"
+        w_end, _ = run_replay(str(path), "--device", args.device, "--check", "end", "--steps", window)
+        w_every, _ = run_replay(str(path), "--device", args.device, "--check", "every", "--steps", window)
+        _row(f"--check end, steps {window}", w_end)
+        _row(f"--check every, steps {window}", w_every)
+        per_end = w_end["wall_s"] / max(w_end["steps"], 1) * 1e3
+        per_every = w_every["wall_s"] / max(w_every["steps"], 1) * 1e3
         print(
-            f"{name:<15} {s['steps']:>8,} {s['wall_s']:>8.2f} {s['allocator_s']:>8.2f} {s['duration_s']:>10,.0f} "
-            f"{s['speedup_vs_realtime']:>12,.0f} {s['num_violations']:>10}"
+            f"--check every: {per_every:.2f} ms/step vs {per_end:.3f} ms/step with --check end "
+            f"({per_every / per_end:.0f}x; the checker walks the whole {end['pool_tokens']:,}-token pool per call)"
         )
-    if len(rows) == 2:
-        print(f"--check every costs {rows[1][1]['wall_s'] / rows[0][1]['wall_s']:.1f}x the wall time of --check end")
+    if args.compare_devices:
+        other = "cuda" if args.device == "cpu" else "cpu"
+        second, _ = run_replay(str(path), "--device", other, "--check", "end")
+        _row(f"--check end on {other}", second)
+        a = {k: v for k, v in end.items() if k not in TIMING_KEYS}
+        b = {k: v for k, v in second.items() if k not in TIMING_KEYS}
+        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        print(f"summaries {args.device} vs {other}: " + ("IDENTICAL" if not diff else f"DIFFER in {diff}"))
     if not args.skip_memory:
         with tempfile.TemporaryDirectory() as tmp:
             tiled = Path(tmp) / "tiled10.kvtrace"

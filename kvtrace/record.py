@@ -104,6 +104,9 @@ class Recorder:
             flush (bounds what a hard kill loses when ``steps_per_batch > 1``).
         dense_ids: the caller's ids already are dense non-negative ints (0, 1, 2, …);
             skip the id map (the scheduler model uses this).
+        compact_steps_per_batch: write every step durably (lz4) while recording and, on
+            a clean close, rewrite the trace with this many steps per batch in
+            ``compression`` (a killed recorder leaves the durable per-step file).
         rid_map_path: append ``{"id": engine_id, "rid": dense}`` JSON lines here as
             ids are first seen (flushed with the trace).
 
@@ -123,13 +126,22 @@ class Recorder:
         flush_interval_s: float | None = None,
         dense_ids: bool = False,
         rid_map_path: str | Path | None = None,
+        compact_steps_per_batch: int | None = None,
     ) -> None:
         from traces.io import TraceWriter
 
         self.path = Path(path)
         self.meta = meta
+        # Compacting: write every step durably with the fast codec, rewrite at close.
+        live_compression = "lz4" if compact_steps_per_batch else compression
         self._writer = TraceWriter(
-            self.path, meta, compression=compression, steps_per_batch=steps_per_batch, overwrite=overwrite
+            self.path,
+            meta,
+            compression=live_compression,  # type: ignore[arg-type]
+            steps_per_batch=steps_per_batch,
+            overwrite=overwrite,
+            compact_steps_per_batch=compact_steps_per_batch,
+            compact_compression=compression,  # type: ignore[arg-type]
         )
         self._steps_per_batch = steps_per_batch
         self._flush_interval_s = flush_interval_s

@@ -31,6 +31,7 @@ from traces.schema import (
     DECODE,
     EXTEND,
     FINISH,
+    OP_ORDER,
     OPS,
     PREALLOC,
     RETRACT,
@@ -39,7 +40,7 @@ from traces.schema import (
     TraceMeta,
 )
 from traces.tokens import TokenStore
-from traces.validate import OpSequenceChecker
+from traces.validate import BackgroundChecker, OpSequenceChecker
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, ReleaseKind, ReleaseResult, Violation
@@ -193,6 +194,8 @@ class ReplayEngine:
         options: see ``ReplayOptions``.
         clock: the timer for allocator time (``time.perf_counter``; the cuda path
             synchronises inside the allocator where it must).
+        checker: what screens each step (default: an ``OpSequenceChecker`` in this
+            process; the CLI passes a ``BackgroundChecker`` running on another core).
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class ReplayEngine:
         allocator: Allocator,
         options: ReplayOptions | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        checker: OpSequenceChecker | BackgroundChecker | None = None,
     ) -> None:
         self.meta = meta
         self.allocator = allocator
@@ -210,7 +214,7 @@ class ReplayEngine:
         self.stopped_early = False
         self._steps = steps
         self._clock = clock
-        self._checker = OpSequenceChecker(meta)
+        self._checker = checker if checker is not None else OpSequenceChecker(meta)
         self._tokens = TokenStore(meta.block_size)
         self._page_size = allocator.config.page_size
         # Per-request state of the replay (indexed by rid).
@@ -264,16 +268,29 @@ class ReplayEngine:
         ok = self._screen(batch)
         if self.stopped_early:
             return None
-        self._tokens.ingest(batch)
-        self._remember_prompts(batch, ok)
+        present = np.bincount(batch.op, minlength=len(OPS)) if n else np.zeros(len(OPS), np.int64)
+        if present[EXTEND] or present[PREALLOC]:
+            self._tokens.ingest(batch)
+            self._remember_prompts(batch, ok)
+        elif batch.token_ids.values.shape[0]:
+            self._tokens.ingest(batch)  # explicit ids of decoded tokens
+        # Most steps hold one op kind and no bad row: then every row is that kind's.
+        whole = ok is None and int(np.count_nonzero(present)) == 1
         touched: list[np.ndarray] = []
-        for op in (FINISH, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC):
-            rows = np.flatnonzero((batch.op == op) & ok)
-            if rows.size == 0:
+        for op in OP_ORDER:
+            if not present[op]:
                 continue
-            rows = rows[~self._dropped.a[batch.rid[rows]]]
-            if rows.size == 0:
-                continue
+            if whole:
+                rows = np.arange(n)
+            else:
+                mask = batch.op == op
+                rows = np.flatnonzero(mask if ok is None else mask & ok)
+                if rows.size == 0:
+                    continue
+            if self.stats.dropped_requests:
+                rows = rows[~self._dropped.a[batch.rid[rows]]]
+                if rows.size == 0:
+                    continue
             self._op_name = OPS[op]
             self._apply(op, batch, rows)
             touched.append(batch.rid[rows])
@@ -295,8 +312,9 @@ class ReplayEngine:
         if used > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = used
             st.peak_step = batch.step
-        rids = np.unique(np.concatenate(touched)) if touched else np.zeros(0, np.int64)
-        if rids.size:
+        # A request has one row per step (the checker skips duplicates), so no unique().
+        rids = (touched[0] if len(touched) == 1 else np.concatenate(touched)) if touched else None
+        if rids is not None:
             lens = self.allocator.request_lens(rids)
             delta = RequestDelta(rids, lens.allocated, lens.committed, lens.protected)
         else:
@@ -311,12 +329,12 @@ class ReplayEngine:
             allocator_s=st.allocator_s - alloc_s_before,
         )
 
-    def _screen(self, batch: StepBatch) -> np.ndarray:
-        """Run the op-sequence checker; return the mask of rows safe to apply."""
-        ok = np.ones(len(batch), np.bool_)
+    def _screen(self, batch: StepBatch) -> np.ndarray | None:
+        """Run the op-sequence checker; return the mask of rows safe to apply (None: all)."""
         problems = self._checker.check(batch)
         if not problems:
-            return ok
+            return None
+        ok = np.ones(len(batch), np.bool_)
         self.stats.bad_ops += len(problems)
         if self.options.on_bad_op == "stop":
             first = problems[0]
@@ -334,8 +352,10 @@ class ReplayEngine:
         self.stats.skipped_ops += int((~ok).sum())
         return ok
 
-    def _remember_prompts(self, batch: StepBatch, ok: np.ndarray) -> None:
-        new = ok & ~self._seen.a[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
+    def _remember_prompts(self, batch: StepBatch, ok: np.ndarray | None) -> None:
+        new = ~self._seen.a[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
+        if ok is not None:
+            new &= ok
         if not new.any():
             return
         rids = batch.rid[new]
@@ -500,11 +520,18 @@ class ReplayEngine:
 
     def _check(self, op: str, rids: np.ndarray | None) -> None:
         violations: Sequence[Violation] = self.allocator.check_integrity()
+        if not violations:
+            return
+        # A pool-wide break (conservation, ...) names no request. Blame the one request
+        # the same check named, else the one request whose op just ran.
+        named = {v.rid for v in violations if v.rid is not None}
+        blame = None
+        if len(named) == 1:
+            blame = named.pop()
+        elif rids is not None and rids.size == 1:
+            blame = int(rids[0])
         for v in violations:
-            rid = v.rid
-            if rid is None and rids is not None and rids.size == 1:
-                rid = int(rids[0])  # a pool-wide break right after one request's op
-            self._violation(rid, v.check, v.detail, op=op)
+            self._violation(v.rid if v.rid is not None else blame, v.check, v.detail, op=op)
 
     def _violation(self, rid: int | None, check: str, detail: str, op: str | None = None) -> None:
         st = self.stats

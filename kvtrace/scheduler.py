@@ -1001,10 +1001,11 @@ class RecordOptions:
     policy: SchedulePolicy = "fcfs"
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     device: str = "cpu"
-    steps_per_batch: int = 256
+    steps_per_batch: int = 1
     compression: str = "zstd"
     overwrite: bool = False
     flush_interval_s: float | None = 1.0
+    compact_steps_per_batch: int | None = 256
     source: TraceSource | None = None
 
 
@@ -1125,6 +1126,7 @@ def record_workload(
         overwrite=options.overwrite,
         flush_interval_s=options.flush_interval_s,
         dense_ids=True,
+        compact_steps_per_batch=options.compact_steps_per_batch,
     ) as recorder:
         scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
         summary = scheduler.run(requests(), progress=progress, total=total)

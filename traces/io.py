@@ -94,6 +94,29 @@ def _os_reason(exc: OSError) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def compact_trace(path: str | os.PathLike[str], *, steps_per_batch: int, compression: Compression = "zstd") -> None:
+    """Rewrite a trace in place with ``steps_per_batch`` steps per record batch.
+
+    The new file is written beside the old one and renamed over it, so a crash at
+    any point leaves either the old or the new file, both complete.
+
+    Raises:
+        TraceWriteError: the new file cannot be written (the old one is kept).
+        TraceError: the trace cannot be read.
+    """
+    src = Path(path)
+    tmp = src.with_name(src.name + ".compacting")
+    reader = TraceReader(src)
+    try:
+        with TraceWriter(tmp, reader.meta, compression=compression, steps_per_batch=steps_per_batch, overwrite=True) as out:
+            for batch in reader.steps():
+                out.write(batch)
+        os.replace(tmp, src)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class TraceWriter:
     """Write a trace step by step; a context manager.
 
@@ -105,6 +128,12 @@ class TraceWriter:
             after every batch, so at most this many steps are lost to a crash.
         overwrite: replace an existing file instead of refusing.
         compression_level: codec level (None: the codec's default).
+        compact_steps_per_batch: on a clean ``close``, rewrite the file with this many
+            steps per record batch and ``compact_compression`` (atomically: a rename
+            over the original). Lets a recorder write every step durably as it goes
+            (``steps_per_batch=1``, fast ``lz4``) and still leave a compact file; a
+            writer killed before ``close`` leaves the durable per-step file.
+        compact_compression: the codec of the compacted file.
 
     Raises:
         ValueError: a bad ``compression`` or ``steps_per_batch``.
@@ -121,7 +150,15 @@ class TraceWriter:
         steps_per_batch: int = 1,
         overwrite: bool = False,
         compression_level: int | None = None,
+        compact_steps_per_batch: int | None = None,
+        compact_compression: Compression = "zstd",
     ) -> None:
+        if compact_compression not in COMPRESSIONS:
+            raise ValueError(f"compact_compression must be one of {', '.join(COMPRESSIONS)}, not {compact_compression!r}")
+        if compact_steps_per_batch is not None and (not isinstance(compact_steps_per_batch, int) or compact_steps_per_batch < 1):
+            raise ValueError(f"compact_steps_per_batch must be a positive integer, not {compact_steps_per_batch!r}")
+        self.compact_steps_per_batch = compact_steps_per_batch
+        self.compact_compression = compact_compression
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
         if not isinstance(steps_per_batch, int) or steps_per_batch < 1:
@@ -287,6 +324,8 @@ class TraceWriter:
                 f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
             ) from None
         self._closed = True
+        if self.compact_steps_per_batch is not None:
+            compact_trace(self.path, steps_per_batch=self.compact_steps_per_batch, compression=self.compact_compression)
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -300,7 +339,8 @@ class TraceWriter:
         if exc_type is None:
             self.close()
             return
-        # Keep what is complete; never mask the exception that is propagating.
+        # Keep what is complete (uncompacted: leave fast); never mask the exception.
+        self.compact_steps_per_batch = None
         try:
             self.close()
         except Exception:  # noqa: BLE001 - the original exception matters more

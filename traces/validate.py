@@ -22,11 +22,13 @@ rather than at every later step.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from traces.errors import TraceError
 from traces.schema import (
     ABORT,
     DECODE,
@@ -124,6 +126,7 @@ class OpSequenceChecker:
         self._phase = np.zeros(1024, np.int8)
         self._length = np.zeros(1024, np.int64)
         self._prompt = np.full(1024, -1, np.int64)
+        self._scratch = np.zeros(1024, np.int64)  # per rid, for the duplicate test
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._steps = 0
@@ -138,6 +141,10 @@ class OpSequenceChecker:
         found: list[tuple[int, str, int | None]] = []  # (row, message, rid); row -1: the step
         self._check_step(batch, found)
         n = len(batch)
+        if n and not found and self._plain_decode_step(batch):
+            self._steps += 1
+            self._rows += n
+            return []
         if n:
             rid = batch.rid
             in_range = (rid >= 0) & (rid < MAX_RID)
@@ -166,6 +173,39 @@ class OpSequenceChecker:
         found.sort(key=lambda item: item[0])
         self._problems += len(found)
         return [Problem(batch.step, r, message) for _, message, r in found]
+
+    def _plain_decode_step(self, batch: StepBatch) -> bool:
+        """Fast path for the commonest step: only decode rows of distinct requests that
+        are decoding, each one token longer, no explicit ids. Applies the step and
+        returns True when every row is fine; returns False (nothing applied) when any
+        row needs the general checks."""
+        op, rid = batch.op, batch.rid
+        if int(op.min()) != DECODE or int(op.max()) != DECODE or batch.token_ids.values.shape[0]:
+            return False
+        lo, hi = int(rid.min()), int(rid.max())
+        if lo < 0 or hi >= MAX_RID:
+            return False
+        self._grow(hi)
+        seq_len = batch.seq_len
+        if not (
+            (self._phase[rid] == DECODING).all()
+            and (seq_len == self._length[rid] + 1).all()
+            and (batch.append_len == 1).all()
+            and int(seq_len.max()) <= self.max_context_len
+        ):
+            return False
+        # Distinct rids: scatter row numbers, read them back (no sort).
+        order = np.arange(rid.shape[0])
+        self._scratch_grow(hi)
+        self._scratch[rid] = order
+        if not (self._scratch[rid] == order).all():
+            return False
+        self._length[rid] = seq_len
+        return True
+
+    def _scratch_grow(self, max_rid: int) -> None:
+        if max_rid >= self._scratch.shape[0]:
+            self._scratch = np.zeros(max(max_rid + 1, 2 * self._scratch.shape[0]), np.int64)
 
     def finish(self) -> CheckSummary:
         """The end-of-trace summary (requests still holding KV are not problems)."""
@@ -222,7 +262,7 @@ class OpSequenceChecker:
         if np.isfinite(time_s):
             self._last_time = time_s if self._last_time is None else max(time_s, self._last_time)
         op = batch.op
-        if len(batch) > 1:
+        if len(batch) > 1 and int(op.min()) != int(op.max()):  # one op kind throughout is in order
             bad_code = (op < 0) | (op >= len(OPS))
             if bad_code.any():
                 return  # reported per row below
@@ -505,3 +545,112 @@ class OpSequenceChecker:
                     valid & (row_bad if every else row_bad[rows]),
                     "explicit token id outside [0, 2**62) (larger ids are reserved for synthetic content)",
                 )
+
+
+class BackgroundChecker:
+    """``OpSequenceChecker`` run over a trace file by a child process, ahead of the caller.
+
+    The replay engine spends about a quarter of its time checking steps; this moves
+    that work onto another core. The child reads the same file with its own
+    ``TraceReader`` and checks every step; ``check(batch)`` returns exactly what
+    ``OpSequenceChecker.check`` would return for that step, waiting for the child
+    only if the caller has caught up with it. Steps must be asked for in file order.
+
+    Args:
+        path: the trace file (the caller reads it too).
+        stop: the step the caller stops before (the child need not go further).
+
+    Raises:
+        TraceError (from ``check``): the child stopped early for a reason the caller's
+            own reader has not met.
+    """
+
+    _REPORT_EVERY = 128  # steps between progress messages from the child
+
+    def __init__(self, path: str | os.PathLike[str], stop: int | None = None) -> None:
+        import multiprocessing as mp
+
+        # fork: the child starts at once, with nothing to import; it touches only
+        # numpy and pyarrow (never torch or CUDA). Elsewhere, spawn.
+        methods = mp.get_all_start_methods()
+        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_check_in_child, args=(str(path), child_conn, stop), daemon=True)
+        self._proc.start()
+        child_conn.close()
+        self._path = str(path)
+        self._upto = -1  # every step <= this one has been checked by the child
+        self._problems: dict[int, list[Problem]] = {}
+        self._ended = False
+        self._error: str | None = None
+
+    def check(self, batch: StepBatch) -> list[Problem]:
+        step = batch.step
+        while self._upto < step and not self._ended:
+            self._receive()
+        if self._upto < step:
+            raise TraceError(
+                f"background validation stopped at step {self._upto}: {self._error or 'no reason given'}",
+                path=self._path,
+            )
+        return self._problems.pop(step, [])
+
+    def _receive(self) -> None:
+        try:
+            kind, step, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._ended = True
+            self._error = self._error or "the checker process exited"
+            return
+        if kind == "problems":
+            self._problems[step] = [Problem(step, rid, text) for rid, text in payload]
+            self._upto = max(self._upto, step - 1)
+        elif kind == "upto":
+            self._upto = max(self._upto, step)
+        elif kind == "end":
+            self._upto = max(self._upto, step)
+            self._ended = True
+        else:  # "error"
+            self._upto = max(self._upto, step)
+            self._error = payload
+            self._ended = True
+
+    def close(self) -> None:
+        """Stop the child (it may still be ahead of the caller)."""
+        if self._proc.is_alive():
+            self._proc.terminate()
+        self._proc.join(timeout=5)
+        self._conn.close()
+
+    def __enter__(self) -> BackgroundChecker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_in_child(path: str, conn: Any, stop: int | None) -> None:
+    from traces.io import TraceReader
+
+    last = -1
+    try:
+        reader = TraceReader(path)
+        checker = OpSequenceChecker(reader.meta)
+        since = 0
+        for batch in reader.steps(stop=stop):
+            problems = checker.check(batch)
+            if problems:
+                conn.send(("problems", batch.step, [(p.rid, p.problem) for p in problems]))
+            last = batch.step
+            since += 1
+            if since >= BackgroundChecker._REPORT_EVERY:
+                conn.send(("upto", last, None))
+                since = 0
+        conn.send(("end", last, None))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        try:
+            conn.send(("error", last, f"{type(exc).__name__}: {exc}"))
+        except (BrokenPipeError, OSError):
+            pass
+    finally:
+        conn.close()

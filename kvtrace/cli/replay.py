@@ -17,6 +17,7 @@ from kvtrace.registry import resolve_version
 from kvtrace.replay import ReplayEngine, ReplayOptions, allocator_config_for
 from kvtrace.report import render_replay_summary, replay_summary
 from kvtrace.statelog import StateLogWriter
+from traces.validate import BackgroundChecker
 
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
@@ -85,9 +86,12 @@ def replay(
     version = resolve_version(allocator)
     reader = open_trace(trace)
     config = allocator_config_for(reader.meta, page_size=page_size, pool_tokens=pool_tokens, device=device)
+    # The step checker runs in a child process on another core; start it before the
+    # allocator (which may initialise CUDA).
+    checker = BackgroundChecker(reader.path, stop=stop)
     alloc = version.create(config)
     options = ReplayOptions(check=check, on_oom=on_oom, on_bad_op=on_bad_op, start_step=start, stop_step=stop)  # type: ignore[arg-type]
-    engine = ReplayEngine(reader.steps(), reader.meta, alloc, options)
+    engine = ReplayEngine(reader.steps(), reader.meta, alloc, options, checker=checker)
     err = Console(stderr=True)
     log = None
     if out is not None:
@@ -100,6 +104,7 @@ def replay(
                     log.write(snap)
                 advance(snap.step, snap.time_s)
     finally:
+        checker.close()
         if log is not None:
             log.close()
     wall = time.perf_counter() - t0

@@ -144,12 +144,12 @@ def test_unseen_files_of_the_same_formats(tmp_path: Path) -> None:
 
 
 def test_sigkill_keeps_every_completed_step(tmp_path: Path) -> None:
-    """Kill ``kvtrace record`` mid-run: the trace holds every step written before the
-    kill (steps_per_batch 1 flushes each step at its end) and they validate."""
+    """Kill ``kvtrace record`` (default options) mid-run: the trace holds every step
+    written before the kill (each step is flushed at its end) and they validate."""
     out = tmp_path / "killed.kvtrace"
     cmd = [
         sys.executable, "-m", "kvtrace", "record", str(MOONCAKE), "--format", "mooncake",
-        "--out", str(out), "--steps-per-batch", "1", "--page-size", "16", "--quiet",
+        "--out", str(out), "--page-size", "16", "--quiet",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -178,3 +178,21 @@ def test_sigkill_keeps_every_completed_step(tmp_path: Path) -> None:
     assert problems == []
     report = _validate(out)
     assert [p["problem"] for p in report["problems"]] == [report["truncation_detail"]]
+
+
+def test_a_completed_recording_is_compacted(tmp_path: Path) -> None:
+    """Recorded step by step (durable), rewritten into few large batches at the end;
+    the rewrite keeps every row."""
+    from traces.io import TraceReader
+
+    durable, compact = tmp_path / "durable.kvtrace", tmp_path / "compact.kvtrace"
+    code, _, output = _record([str(MOONCAKE), "--format", "mooncake", "--out", str(durable), "--compact", "0", "--duration", "30s", *SMALL])
+    assert code == 0, output
+    code, _, output = _record([str(MOONCAKE), "--format", "mooncake", "--out", str(compact), "--duration", "30s", *SMALL])
+    assert code == 0, output
+    a, b = TraceReader(durable), TraceReader(compact)
+    steps_a, steps_b = list(a.steps()), list(b.steps())
+    assert len(steps_a) == len(steps_b) > 10
+    assert all(x.equals(y) for x, y in zip(steps_a, steps_b))
+    assert b.file_bytes < a.file_bytes
+    assert not (tmp_path / "compact.kvtrace.compacting").exists()

@@ -280,3 +280,38 @@ def test_problem_records() -> None:
     assert problem.to_dict() == {"step": 4, "rid": None, "problem": "time goes backwards"}
     with pytest.raises(AttributeError):
         problem.step = 5  # type: ignore[misc]
+
+
+def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
+    """The child-process checker returns, step by step, exactly the in-process result."""
+    from traces.io import TraceReader
+    from traces.synth import generate
+    from traces.validate import BackgroundChecker, OpSequenceChecker
+    from tests.traces.conftest import make_meta, write_steps
+
+    good = tmp_path / "good.kvtrace"
+    generate(good, num_requests=20, seed=5, retract_prob=0.1, abort_prob=0.05)
+    steps = list(TraceReader(good).steps())
+    # Break it: a decode of a request that never existed, and a shrinking length.
+    bad_steps = list(steps)
+    last = bad_steps[5]
+    bad_steps[5] = StepBatch.from_columns(
+        last.step, last.time_s, op=["decode"], rid=[999], seq_len=[10], append_len=[1]
+    )
+    bad = write_steps(tmp_path / "bad.kvtrace", bad_steps, meta=TraceReader(good).meta)
+    found = {}
+    for path in (good, bad):
+        reader = TraceReader(path)
+        inline = OpSequenceChecker(reader.meta)
+        found[path] = 0
+        with BackgroundChecker(path) as background:
+            for batch in TraceReader(path).steps():
+                problems = background.check(batch)
+                assert problems == inline.check(batch)
+                found[path] += len(problems)
+    assert found[good] == 0 and found[bad] >= 1
+    # Stopping early (the replay's OOM stop) leaves no process behind.
+    background = BackgroundChecker(bad)
+    background.check(next(iter(TraceReader(bad).steps())))
+    background.close()
+    assert not background._proc.is_alive()

@@ -42,7 +42,7 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
 
 # name -> what it holds; recorded from real workloads by bench/make_samples.py.
 RECORDED: dict[str, str] = {
-    "mooncake-conversation": "Mooncake conversation trace (Kimi), first 20 minutes of arrivals, "
+    "mooncake-conversation": "Mooncake conversation trace (Kimi), the whole hour of arrivals, "
     "Llama-3.1-8B on one H200 (page 1, 920k-token pool)",
     "mooncake-eagle": "Mooncake conversation, first 5 minutes, EAGLE 3,1,4 speculative decoding, page 16",
     "azure-code": "Azure LLM inference 2023 code trace, the whole hour, page 16",
