@@ -456,8 +456,16 @@ class KvAllocator:
     def prealloc(self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
         """PD decode: a row and KV for ``fill_lens[i]`` positions per request, one request
         at a time as SGLang's pre-allocation queue does (prefix reused from the local
-        radix cache when it is on; HiSparse: logical slots only). All or nothing: on
-        OutOfMemory the requests of the batch already served are rolled back."""
+        radix cache when it is on; HiSparse: logical slots only), then each request's
+        KV is published to the radix cache at once, in batch order
+        (``process_prebuilt``'s checkpoint, before any decode of the step).
+
+        The prefix match uses the prompt: the request's first fill (a request
+        pre-allocated again after a retraction matches its prompt only, as SGLang
+        matches ``origin_input_ids``). All or nothing: the batch's fit is decided
+        before any match, eviction or allocation (rows, and the pages against free +
+        evictable slots less what the batch's locks protect; which request evicts
+        what does not change that total), so OutOfMemory changes nothing."""
         self._flush_publish()
         rids = _i64(rids)
         fill_lens = _i64(fill_lens)
@@ -474,9 +482,23 @@ class KvAllocator:
             raise ValueError("prealloc: fill_lens must be >= 1")
         ctx = self.ctx
         tree = self.tree_cache
+        ps = self.page_size
         done: list[int] = []
         prefix = np.zeros(bs, dtype=np.int64)
         evicted_before = tree.evicted_tokens_total
+        keys: list[np.ndarray] = []
+        if not self.config.hisparse and not tree.disable:
+            for i in range(bs):
+                fill = int(fill_lens[i])
+                if len(token_ids[i]) < fill:
+                    raise ValueError(
+                        f"prealloc: request rid={int(rids[i])} has {len(token_ids[i])} token ids, fewer than {fill}"
+                    )
+                prompt = int(self._prompt_len[int(rids[i])])
+                keys.append(tree.make_key(token_ids[i][: fill if prompt < 0 else min(prompt, fill)]))
+            unfit = self._prealloc_fits(rids, fill_lens, keys)
+            if unfit is not None:
+                return unfit
         for i in range(bs):
             rid = int(rids[i])
             fill = int(fill_lens[i])
@@ -486,13 +508,8 @@ class KvAllocator:
             else:
                 p = 0
                 slots = None
-                if not tree.disable:
-                    if len(token_ids[i]) < fill:
-                        self._undo_prealloc(done)
-                        raise ValueError(
-                            f"prealloc: request rid={rid} has {len(token_ids[i])} token ids, fewer than {fill}"
-                        )
-                    match = tree.match_prefix(tree.make_key(token_ids[i][:fill]))
+                if keys:
+                    match = tree.match_prefix(keys[i])
                     node = match.last_node
                     tree.lock(node)
                     p = match.prefix_len
@@ -500,7 +517,7 @@ class KvAllocator:
                         slots = tree.path_device_indices(node)[:p]
                 prefix[i] = p
                 res = alloc_for_decode_prealloc(ctx, rid, fill, p, slots, node, not tree.disable)
-            if isinstance(res, OutOfMemory):
+            if isinstance(res, OutOfMemory):  # HiSparse, or a batch _prealloc_fits let through
                 tree.unlock(node)
                 self._undo_prealloc(done)
                 self.writer.end_call()
@@ -512,11 +529,41 @@ class KvAllocator:
             if self._prompt_len[rid] < 0:
                 self._prompt_len[rid] = fill_lens[i]
             self._prefilling[rid] = False
-            if not tree.disable:
-                self._pending_publish.append((rid, int(fill_lens[i]), token_ids[i]))
+        if keys:
+            # process_prebuilt: one checkpoint per request, no free group
+            for i in range(bs):
+                rid = int(rids[i])
+                checkpoint_kv_cache(
+                    ctx, int(self._row_of_rid[rid]), int(fill_lens[i]), token_ids[i], int(self._prompt_len[rid])
+                )
         evicted = tree.evicted_tokens_total - evicted_before
         self.writer.end_call()
         return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)
+
+    def _prealloc_fits(self, rids: np.ndarray, fill_lens: np.ndarray, keys: list[np.ndarray]) -> OutOfMemory | None:
+        """Rows for the batch, and its pages within free + evictable slots less the
+        evictable tokens its prefix locks protect (``RadixCache.peek_match_lock``).
+        Whether a request's own eviction removes cache a later request would have
+        matched leaves the total unchanged (the later one needs those pages, and
+        does not lock them), so this decides the whole sequence."""
+        pool = self.req_to_token_pool
+        bs = rids.shape[0]
+        if bs > pool.available_size():
+            return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
+        ps = self.page_size
+        tree = self.tree_cache
+        pages = (fill_lens + ps - 1) // ps * ps  # demand with no prefix hit
+        available = self.token_to_kv_pool_allocator.available_size()
+        if int(pages.sum()) <= available:
+            return None
+        prefix, lock_cost = tree.peek_match_lock(keys)
+        need = pages - prefix  # prefix is page aligned
+        budget = available + tree.evictable_size() - lock_cost
+        if int(need.sum()) <= budget:
+            return None
+        over = np.flatnonzero(np.cumsum(need) > budget)
+        i = int(over[0]) if over.shape[0] else 0
+        return OutOfMemory("prealloc", int(rids[i]), int(need[i]), available, tree.evictable_size() - lock_cost)
 
     def _undo_prealloc(self, rids_done: list[int]) -> None:
         """Roll back preallocations of this batch, newest first (rows and slots go back

@@ -578,9 +578,8 @@ def test_prealloc_reuses_local_radix_prefix_and_publishes() -> None:
     toks = _toks(30)
     res = alloc.prealloc(_a(0), _a(18), [toks[:18]])
     assert res.num_tokens == 18 and res.prefix_lens.tolist() == [0]
-    assert _raw_lens(alloc, 0) == (0, 18, 18)
-    alloc.end_step()
-    assert _lens(alloc, 0)[0] == 16
+    # published in the call (SGLang's process_prebuilt runs before the step's decode)
+    assert _raw_lens(alloc, 0) == (16, 18, 18)
     # PD decode matches the whole prompt (no len - 1 cap)
     res = alloc.prealloc(_a(1), _a(16), [toks[:16]])
     assert res.prefix_lens.tolist() == [16] and res.num_tokens == 0
@@ -599,6 +598,45 @@ def test_prealloc_batch_is_all_or_nothing() -> None:
     assert isinstance(res, AllocResult)
     # one request at a time: each takes the last free row
     assert (alloc.row_of(0), alloc.row_of(1)) == (8, 7)
+    _clean(alloc)
+
+
+def test_prealloc_batch_with_radix_fails_before_any_match_or_eviction() -> None:
+    """With the decode radix cache, the first request of a batch would evict cache and
+    the second would match (and split) a cached node; the batch does not fit, so
+    neither happens. The same total minus one page fits, whichever request evicts."""
+    alloc = _make(page_size=4, pool=64, extra_rows=2)
+    cached = _toks(24, 100)
+    alloc.prealloc(_a(9), _a(24), [cached])
+    alloc.release(_a(9), _a(24), [cached], "finish")
+    alloc.prealloc(_a(8), _a(20), [_toks(20, 700)])
+    before = _snapshot(alloc)
+    c = alloc.counters()
+    assert (c.available, c.evictable) == (20, 24)
+    # r0 needs 16 (evicts), r1 matches 8 of the cached 24 and needs 24 more: 16 + 24 > 20 + 24 - 8
+    probe = np.concatenate([cached[:8], _toks(24, 5000)])
+    res = alloc.prealloc(_a(0, 1), _a(16, 32), [_toks(16, 300), probe])
+    assert isinstance(res, OutOfMemory) and res.op == "prealloc" and res.rid == 1
+    assert _snapshot(alloc) == before
+    res = alloc.prealloc(_a(0, 1), _a(16, 28), [_toks(16, 300), probe[:28]])
+    assert isinstance(res, AllocResult) and res.prefix_lens.tolist() == [0, 8]
+    assert alloc.counters().available == 0
+    _clean(alloc)
+
+
+def test_prealloc_after_retraction_matches_the_prompt_only() -> None:
+    """SGLang's PD queue matches ``origin_input_ids``: a request pre-allocated again after
+    a retraction reuses at most its prompt (its first fill), not its outputs."""
+    alloc = _make(page_size=4, pool=256, extra_rows=2)
+    toks = _toks(40)
+    alloc.prealloc(_a(0), _a(16), [toks[:16]])
+    for n in range(17, 27):
+        alloc.decode(_a(0))
+    alloc.release(_a(0), _a(26), [toks[:26]], "finish")  # the tree holds 24 tokens of r0
+    alloc.prealloc(_a(1), _a(16), [toks[:16]])
+    alloc.release(_a(1), _a(16), None, "retract")
+    res = alloc.prealloc(_a(1), _a(26), [toks[:26]])
+    assert res.prefix_lens.tolist() == [16]
     _clean(alloc)
 
 

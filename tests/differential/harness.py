@@ -6,8 +6,9 @@ classes and through kvtrace's allocator, compared step by step.
 INPUT is a scenario file (``.jsonl``, see ``scenario.py``), a kvtrace trace
 (``.kvtrace``, converted by ``trace_adapter.py``), or ``builtin`` (the
 hand-written scenarios of ``scenarios.py``; the default when nothing else is
-asked). ``--random N`` adds N seeded random scenarios per configuration (page
-1/16 x spec off / EAGLE 3,1,4 / EAGLE 5,4,8).
+asked). ``--random N`` adds N seeded random scenarios per configuration
+(``scenarios.RANDOM_CONFIGS``: page 1/16 x spec off / EAGLE 3,1,4 / EAGLE 5,4,8,
+and two PD decode ones: page 1, page 16 with EAGLE 3,1,4).
 
 The SGLang side runs as a subprocess of ``$KVTRACE_SGLANG_PYTHON`` (or
 ``--sglang-python``), the interpreter of a venv made by

@@ -326,6 +326,9 @@ class RandomSpec:
     need_sort: bool = False
     retract_prob: float = 0.06
     abort_prob: float = 0.01
+    # PD decode: requests arrive (and come back after a retraction) by ``prealloc``
+    # of their whole length instead of chunked ``extend``.
+    pd: bool = False
 
 
 RANDOM_CONFIGS: dict[str, RandomSpec] = {
@@ -336,6 +339,9 @@ RANDOM_CONFIGS: dict[str, RandomSpec] = {
     "p1-eagle548": RandomSpec(page_size=1, spec=EAGLE_548),
     # Reserve 256 at page 16 with topk 4: longer rows so requests have room to run.
     "p16-eagle548": RandomSpec(page_size=16, spec=EAGLE_548, max_context_len=768),
+    # PD decode servers (need_sort free lists), with the decode radix cache on.
+    "p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True),
+    "p16-pd-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, pd=True, need_sort=True),
 }
 
 
@@ -437,7 +443,9 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
             extra: dict = {}
             if first:
                 extra = {"prompt_len": len(r.prompt), "prompt_tokens": r.prompt}
-            ops.append(Op("extend", r.rid, end, **extra))
+            if rs.pd:  # the whole KV arrives from the prefill server
+                end = target
+            ops.append(Op("prealloc" if rs.pd else "extend", r.rid, end, **extra))
             budget -= end
             r.length = end
             r.state = "prefill" if end < target else "prefilled"

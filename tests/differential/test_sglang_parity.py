@@ -4,9 +4,10 @@ Skipped unless ``KVTRACE_SGLANG_PYTHON`` names the interpreter of a venv made by
 ``tools/sglang_oracle/setup.sh`` (CI has no SGLang). All scenarios go through
 ONE SGLang subprocess (its import takes ~6 s); ours run in this process.
 
-``KVTRACE_DIFF_SEEDS`` (default 3) random seeds per configuration (page 1/16 x
-spec off / EAGLE 3,1,4 / EAGLE 5,4,8), 60 steps each; plus three synthetic traces
-(``traces.synth``) through the trace adapter.
+``KVTRACE_DIFF_SEEDS`` (default 3) random seeds per configuration
+(``scenarios.RANDOM_CONFIGS``: page 1/16 x spec off / EAGLE 3,1,4 / EAGLE 5,4,8, and
+PD decode at page 1 and at page 16 with EAGLE 3,1,4), 60 steps each; plus three
+synthetic traces (``traces.synth``) through the trace adapter.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def test_every_configuration_is_covered() -> None:
     for ps in (1, 16):
         for spec in (None, gen.EAGLE_314, gen.EAGLE_548):
             assert any(s.config.page_size == ps and s.config.spec == spec for s in SCENARIOS), (ps, spec)
+    # PD decode with the decode radix cache: prealloc under memory pressure, retraction
+    pd = [s for s in SCENARIOS if any(o.op == "prealloc" for st in s.steps for o in st.ops)]
+    assert any(s.config.radix_cache and s.config.need_sort and s.name.startswith("random") for s in pd)
 
 
 def test_synthetic_traces_identical_to_sglang(tmp_path) -> None:
