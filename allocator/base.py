@@ -216,7 +216,8 @@ class Allocator(Protocol):
     def prealloc(self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
         """PD decode: take a row and slots for ``fill_lens[i]`` tokens arriving from
         prefill (prefix reused from the local radix cache when enabled; HiSparse:
-        logical-only allocation)."""
+        logical-only allocation). With the radix cache, each request's KV is published
+        in the call, as SGLang's ``process_prebuilt`` does before the step's decode."""
         ...
 
     def release(
