@@ -37,12 +37,23 @@ def test_recorded_sample_is_valid_attributed_and_small(name: str) -> None:
     src = reader.meta.source
     assert src.repository and src.path and src.license and src.citation
     assert src.engine == "kvtrace-scheduler"
-    assert reader.file_bytes < 5_000_000
+    # The one-hour production trace must stay under 50 MB; the windows are small.
+    assert reader.file_bytes < (50_000_000 if name == "mooncake-conversation" else 5_000_000)
     assert name in (ROOT / "traces" / "README.md").read_text()
 
 
 def test_samples_total_under_30_mb() -> None:
     assert sum(sample_path(n).stat().st_size for n in RECORDED) < 30_000_000
+
+
+def test_the_hour_sample_is_the_whole_mooncake_hour() -> None:
+    reader = TraceReader(resolve_trace("sample:mooncake-conversation"))
+    assert reader.meta.source.path.endswith("conversation_trace.jsonl")
+    assert reader.meta.extra["duration_s"] is None  # recorded without a --duration window
+    checker = OpSequenceChecker(reader.meta)
+    for batch in reader.steps():
+        checker.check(batch)
+    assert checker.finish().requests == 12_031  # every request of the source file
 
 
 def test_make_samples_lists_every_recorded_sample() -> None:
