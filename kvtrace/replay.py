@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from allocator.base import AllocResult, AllocatorConfig, OutOfMemory, SpecConfig
-from kvtrace.errors import ConfigError, TraceError
+from allocator.base import AllocResult, OutOfMemory
+from kvtrace.config import allocator_config_for  # noqa: F401  (part of this module's API)
+from kvtrace.errors import TraceError
 from kvtrace.snapshot import Event, PoolSnapshot, RequestDelta, StepSnapshot
 from traces.schema import (
     ABORT,
@@ -127,47 +128,6 @@ class ReplayStats:
 
 class BadTraceOp(TraceError):
     """An op the trace cannot legally contain (stop mode)."""
-
-
-def allocator_config_for(
-    meta: TraceMeta,
-    *,
-    page_size: int | None = None,
-    pool_tokens: int | None = None,
-    device: str = "cpu",
-    debug_checks: bool = False,
-) -> AllocatorConfig:
-    """The allocator configuration a trace asks for, with what-if overrides.
-
-    Raises:
-        ConfigError: an override is not positive, or the pool holds no page.
-    """
-    cfg = meta.config
-    ps = cfg.page_size if page_size is None else page_size
-    pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
-    if ps <= 0:
-        raise ConfigError(f"page size must be positive, got {ps}")
-    if pool < ps:
-        raise ConfigError(f"pool of {pool} tokens holds no page of {ps} tokens")
-    spec = None
-    if cfg.spec is not None:
-        spec = SpecConfig(
-            algorithm=cfg.spec.algorithm,
-            num_steps=cfg.spec.num_steps,
-            topk=cfg.spec.topk,
-            num_draft_tokens=cfg.spec.num_draft_tokens,
-        )
-    return AllocatorConfig(
-        pool_tokens=pool // ps * ps,
-        page_size=ps,
-        max_running=cfg.max_running,
-        max_context_len=cfg.max_context_len,
-        device=device,
-        need_sort=cfg.pd_decode,
-        spec=spec,
-        hisparse=cfg.hisparse,
-        debug_checks=debug_checks,
-    )
 
 
 class _Grow:

@@ -1048,7 +1048,7 @@ def record_workload(
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
     from allocator import create_allocator
-    from allocator.base import AllocatorConfig, SpecConfig
+    from kvtrace.config import allocator_config_for
     from kvtrace.record import Recorder
 
     block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
@@ -1097,27 +1097,7 @@ def record_workload(
             "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
         },
     )
-    allocator = create_allocator(
-        AllocatorConfig(
-            pool_tokens=config.pool_tokens,
-            page_size=config.page_size,
-            max_running=config.max_running,
-            max_context_len=config.max_context_len,
-            device=options.device,
-            need_sort=config.pd_decode,
-            spec=(
-                SpecConfig(
-                    algorithm=spec.algorithm,
-                    num_steps=spec.num_steps,
-                    topk=spec.topk,
-                    num_draft_tokens=spec.num_draft_tokens,
-                )
-                if spec is not None
-                else None
-            ),
-            radix_cache=radix_cache,
-        )
-    )
+    allocator = create_allocator(allocator_config_for(meta, device=options.device, radix_cache=radix_cache))
     with Recorder(
         options.out,
         meta,

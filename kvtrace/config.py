@@ -1,0 +1,52 @@
+"""A trace's serving configuration -> the allocator configuration that serves it."""
+
+from __future__ import annotations
+
+from allocator.base import AllocatorConfig, SpecConfig
+from kvtrace.errors import ConfigError
+from traces.schema import TraceMeta
+
+
+def allocator_config_for(
+    meta: TraceMeta,
+    *,
+    page_size: int | None = None,
+    pool_tokens: int | None = None,
+    device: str = "cpu",
+    radix_cache: bool = True,
+    debug_checks: bool = False,
+) -> AllocatorConfig:
+    """The allocator configuration a trace's serving config asks for, with what-if
+    overrides. The scheduler model records with it and the replay engine replays
+    with it, so both run the same allocator for the same trace.
+
+    Raises:
+        ConfigError: an override is not positive, or the pool holds no page.
+    """
+    cfg = meta.config
+    ps = cfg.page_size if page_size is None else page_size
+    pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
+    if ps <= 0:
+        raise ConfigError(f"page size must be positive, got {ps}")
+    if pool < ps:
+        raise ConfigError(f"pool of {pool} tokens holds no page of {ps} tokens")
+    spec = None
+    if cfg.spec is not None:
+        spec = SpecConfig(
+            algorithm=cfg.spec.algorithm,
+            num_steps=cfg.spec.num_steps,
+            topk=cfg.spec.topk,
+            num_draft_tokens=cfg.spec.num_draft_tokens,
+        )
+    return AllocatorConfig(
+        pool_tokens=pool // ps * ps,
+        page_size=ps,
+        max_running=cfg.max_running,
+        max_context_len=cfg.max_context_len,
+        device=device,
+        need_sort=cfg.pd_decode,
+        spec=spec,
+        hisparse=cfg.hisparse,
+        radix_cache=radix_cache,
+        debug_checks=debug_checks,
+    )
