@@ -184,28 +184,9 @@ class RadixCache:
         if self.disable or n == 0:
             return MatchResult(0, self.root_node)
         kb = key[:n].tobytes()
-        nb = n * 8
-        psb = ps * 8
         t = self._tick()
-        node = self.root_node
-        node.last_access_time = t
-        pos = 0
-        touched = None
-        while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
-            if child is None:
-                break
-            child.last_access_time = t
-            touched = child
-            ckey = child.key
-            if kb.startswith(ckey, pos):
-                pos += len(ckey)
-                node = child
-                continue
-            m = self._matched_units(ckey, kb, pos)
-            node = self._split_node(child, m)
-            pos += m * 8
-            break
+        self.root_node.last_access_time = t
+        node, pos, touched = self._walk(kb, t)
         if touched is not None and touched in self.evictable_leaves:
             self._push(touched)
         return MatchResult(pos // 8, node)
@@ -293,6 +274,37 @@ class RadixCache:
         kb = key[:n].tobytes()
         nb = n * 8
         psb = ps * 8
+        # Past ``pos`` the key differs from every child's first page (or from the
+        # lower part of a node just split): the rest becomes a new leaf.
+        node, pos, touched = self._walk(kb, t)
+        if pos < nb:
+            leaf = self._new_node()
+            leaf.parent = node
+            leaf.key = kb[pos:]
+            leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
+            node.children[kb[pos : pos + psb]] = leaf
+            self.evictable_size_ += n - pos // 8
+            self._update_leaf_status(node)
+            self._update_leaf_status(leaf)
+            if touched is not None and touched is not node and touched in self.evictable_leaves:
+                self._push(touched)
+            return InsertResult(pos // 8, leaf)
+        if touched is not None and touched in self.evictable_leaves:
+            self._push(touched)
+        return InsertResult(pos // 8, node)
+
+    def _walk(self, kb: bytes, t: int) -> tuple[TreeNode, int, TreeNode | None]:
+        """Follow key bytes ``kb`` down from the root, stamping access time ``t`` on each
+        child entered (as SGLang's match and insert helpers do) and splitting the node
+        where the match ends inside it.
+
+        Returns:
+            The deepest node reached, the matched length in bytes (8 per unit), and the
+            last child entered (None if none).
+        """
+        psb = self.page_size * 8
+        nb = len(kb)
+        node = self.root_node
         pos = 0
         touched = None
         while pos < nb:
@@ -309,23 +321,8 @@ class RadixCache:
             m = self._matched_units(ckey, kb, pos)
             node = self._split_node(child, m)
             pos += m * 8
-            # The rest of the key differs from the lower part's first page: a new leaf.
             break
-        if pos < nb:
-            leaf = self._new_node()
-            leaf.parent = node
-            leaf.key = kb[pos:]
-            leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
-            node.children[kb[pos : pos + psb]] = leaf
-            self.evictable_size_ += n - pos // 8
-            self._update_leaf_status(node)
-            self._update_leaf_status(leaf)
-            if touched is not None and touched is not node and touched in self.evictable_leaves:
-                self._push(touched)
-            return InsertResult(pos // 8, leaf)
-        if touched is not None and touched in self.evictable_leaves:
-            self._push(touched)
-        return InsertResult(pos // 8, node)
+        return node, pos, touched
 
     def _matched_units(self, ckey: bytes, kb: bytes, pos: int) -> int:
         """Units of ``ckey`` matching ``kb[pos:]``, rounded down to a page (>= 1 page)."""
