@@ -248,21 +248,7 @@ class Recorder:
             block_hashes: per request, content-addressed prompt blocks (uint64) or None.
             token_ids: per request, explicit ids of the appended positions, or None.
         """
-        ids = self._map(rids)
-        n = ids.shape[0]
-        self._add(
-            EXTEND,
-            _Part(
-                ids,
-                _ints(seq_lens, n, "seq_lens"),
-                None,
-                None,
-                None if prefix_lens is None else _ints(prefix_lens, n, "prefix_lens"),
-                None if prompt_lens is None else _ints(prompt_lens, n, "prompt_lens"),
-                block_hashes,
-                token_ids,
-            ),
-        )
+        self._add_prompted(EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids)
 
     def prealloc(
         self,
@@ -275,10 +261,23 @@ class Recorder:
         token_ids: Sequence[np.ndarray | None] | None = None,
     ) -> None:
         """PD-disaggregated decode: each request arrives with ``seq_lens[i]`` tokens of KV."""
+        self._add_prompted(PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids)
+
+    def _add_prompted(
+        self,
+        op: int,
+        rids: IdsLike,
+        seq_lens: IntsLike,
+        prefix_lens: IntsLike | None,
+        prompt_lens: IntsLike | None,
+        block_hashes: Sequence[np.ndarray | None] | None,
+        token_ids: Sequence[np.ndarray | None] | None,
+    ) -> None:
+        """The rows of the ops that may bring a request's first row (extend, prealloc)."""
         ids = self._map(rids)
         n = ids.shape[0]
         self._add(
-            PREALLOC,
+            op,
             _Part(
                 ids,
                 _ints(seq_lens, n, "seq_lens"),
