@@ -1,3 +1,3 @@
-"""kvtrace: record, replay and diff the KV-cache allocator of LLM serving engines."""
+"""kvtrace: record and replay the KV-cache allocator of LLM serving engines."""
 
 __version__ = "0.1.0"

@@ -70,14 +70,14 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="Record, replay and diff the KV-cache allocator of LLM serving engines.",
+    help="Record and replay the KV-cache allocator of LLM serving engines, every invariant checked.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
 @app.callback()
 def _root() -> None:
-    """Record, replay and diff the KV-cache allocator of LLM serving engines.
+    """Record and replay the KV-cache allocator of LLM serving engines, every invariant checked.
 
     Add --debug anywhere to see the traceback of an error.
     """
