@@ -75,6 +75,29 @@ class AllocatorConfig:
     eviction_policy: EvictionPolicy = "lru"
     debug_checks: bool = False
 
+    def check(self) -> None:
+        """Refuse a configuration no allocator can be built from.
+
+        Raises:
+            ValueError: naming the field, the value and the limit.
+        """
+        config = self
+        ps = config.page_size
+        if ps < 1:
+            raise ValueError(f"AllocatorConfig.page_size must be >= 1, found {ps}")
+        if config.pool_tokens < 2 * ps:
+            raise ValueError(f"AllocatorConfig.pool_tokens {config.pool_tokens} is below two pages (page size {ps})")
+        if config.max_running < 1:
+            raise ValueError(f"AllocatorConfig.max_running must be >= 1, found {config.max_running}")
+        if config.max_context_len < 1:
+            raise ValueError(f"AllocatorConfig.max_context_len must be >= 1, found {config.max_context_len}")
+        if config.hisparse and config.radix_cache:
+            raise ValueError("AllocatorConfig: HiSparse is incompatible with the radix cache (set radix_cache=False)")
+        if config.hisparse and config.hisparse_ratio < 1:
+            raise ValueError(f"AllocatorConfig.hisparse_ratio must be >= 1, found {config.hisparse_ratio}")
+        if config.eviction_policy != "lru":
+            raise ValueError(f"AllocatorConfig.eviction_policy: only 'lru' is implemented, found {config.eviction_policy!r}")
+
 
 class PoolCounters(NamedTuple):
     """Token counts of the pool at one instant. Conservation (checked by invariants):

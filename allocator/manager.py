@@ -102,7 +102,7 @@ class KvAllocator:
     """
 
     def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 256) -> None:
-        _check_config(config)
+        config.check()
         self.config = config
         self.free_groups = free_groups
         ps = config.page_size
@@ -759,24 +759,6 @@ class KvAllocator:
 
         self.sync_device()
         return check_integrity(self)
-
-
-def _check_config(config: AllocatorConfig) -> None:
-    ps = config.page_size
-    if ps < 1:
-        raise ValueError(f"AllocatorConfig.page_size must be >= 1, found {ps}")
-    if config.pool_tokens < 2 * ps:
-        raise ValueError(f"AllocatorConfig.pool_tokens {config.pool_tokens} is below two pages (page size {ps})")
-    if config.max_running < 1:
-        raise ValueError(f"AllocatorConfig.max_running must be >= 1, found {config.max_running}")
-    if config.max_context_len < 1:
-        raise ValueError(f"AllocatorConfig.max_context_len must be >= 1, found {config.max_context_len}")
-    if config.hisparse and config.radix_cache:
-        raise ValueError("AllocatorConfig: HiSparse is incompatible with the radix cache (set radix_cache=False)")
-    if config.hisparse and config.hisparse_ratio < 1:
-        raise ValueError(f"AllocatorConfig.hisparse_ratio must be >= 1, found {config.hisparse_ratio}")
-    if config.eviction_policy != "lru":
-        raise ValueError(f"AllocatorConfig.eviction_policy: only 'lru' is implemented, found {config.eviction_policy!r}")
 
 
 def create_allocator(config: AllocatorConfig) -> KvAllocator:

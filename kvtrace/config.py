@@ -13,23 +13,23 @@ def allocator_config_for(
     page_size: int | None = None,
     pool_tokens: int | None = None,
     device: str = "cpu",
-    radix_cache: bool = True,
+    radix_cache: bool | None = None,
     debug_checks: bool = False,
 ) -> AllocatorConfig:
     """The allocator configuration a trace's serving config asks for, with what-if
     overrides. The scheduler model records with it and the replay engine replays
-    with it, so both run the same allocator for the same trace.
+    with it, so both run the same allocator for the same trace. ``radix_cache``
+    defaults to what the trace was recorded with.
 
     Raises:
-        ConfigError: an override is not positive, or the pool holds no page.
+        ConfigError: the resulting configuration is one no allocator can be built
+            from (``AllocatorConfig.check``), e.g. a pool below two pages.
     """
     cfg = meta.config
     ps = cfg.page_size if page_size is None else page_size
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
-    if pool < ps:
-        raise ConfigError(f"pool of {pool} tokens holds no page of {ps} tokens")
     spec = None
     if cfg.spec is not None:
         spec = SpecConfig(
@@ -38,7 +38,7 @@ def allocator_config_for(
             topk=cfg.spec.topk,
             num_draft_tokens=cfg.spec.num_draft_tokens,
         )
-    return AllocatorConfig(
+    config = AllocatorConfig(
         pool_tokens=pool // ps * ps,
         page_size=ps,
         max_running=cfg.max_running,
@@ -47,6 +47,11 @@ def allocator_config_for(
         need_sort=cfg.pd_decode,
         spec=spec,
         hisparse=cfg.hisparse,
-        radix_cache=radix_cache,
+        radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
     )
+    try:
+        config.check()
+    except ValueError as exc:
+        raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
+    return config

@@ -1080,6 +1080,7 @@ def record_workload(
             schedule_policy=config.policy,
             spec=spec,
             pd_decode=config.pd_decode,
+            radix_cache=radix_cache,
         ),
         source=source,
         model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
@@ -1093,11 +1094,10 @@ def record_workload(
             "seed": options.seed,
             "max_prefill_tokens": options.max_prefill_tokens,
             "spec_acceptance": options.spec_acceptance if spec is not None else None,
-            "radix_cache": radix_cache,
             "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
         },
     )
-    allocator = create_allocator(allocator_config_for(meta, device=options.device, radix_cache=radix_cache))
+    allocator = create_allocator(allocator_config_for(meta, device=options.device))
     with Recorder(
         options.out,
         meta,

@@ -139,6 +139,7 @@ class TraceConfig:
     spec: SpecSettings | None = None
     pd_decode: bool = False
     hisparse: bool = False
+    radix_cache: bool = True  # the engine kept a radix prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,7 @@ class TraceMeta:
                 spec=SpecSettings(**spec) if spec else None,
                 pd_decode=bool(cfg.get("pd_decode", False)),
                 hisparse=bool(cfg.get("hisparse", False)),
+                radix_cache=bool(cfg.get("radix_cache", True)),
             )
             model = dict(data.get("model") or {})
             model.pop("bytes_per_token", None)

@@ -166,6 +166,7 @@ def test_bad_options_are_usage_errors(busy_trace: Path) -> None:
         (["--steps", "9:3"], "--steps"),
         (["--steps", "x"], "--steps"),
         (["--page-size", "0"], "--page-size"),
+        (["--pool-tokens", "16"], "below two pages"),  # one rule, the allocator's, named by option
         (["--allocator", "nosuch"], "unknown allocator"),
         (["--allocator", "nosuch.module:make"], "cannot import"),
     ):
