@@ -97,6 +97,7 @@ class ReplayStats:
     """Running totals of a replay; ``ReplaySummary`` is built from them at the end."""
 
     steps: int = 0
+    steps_reported: int = 0  # steps inside the --steps window (all steps without one)
     ops: int = 0
     first_time_s: float | None = None
     last_time_s: float = 0.0
@@ -201,6 +202,7 @@ class ReplayEngine:
             self._quiet = opts.start_step is not None and batch.step < opts.start_step
             snap = self._replay_step(batch)
             if snap is not None and not self._quiet:
+                self.stats.steps_reported += 1
                 yield snap
             if self.stopped_early:
                 return

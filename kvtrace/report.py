@@ -29,6 +29,7 @@ def replay_summary(
     hit_rate = stats.reused_tokens / stats.admitted_tokens if stats.admitted_tokens else 0.0
     return {
         "steps": stats.steps,
+        "steps_reported": stats.steps_reported,
         "requests": requests,
         "ops": stats.ops,
         "device": config.device,

@@ -121,6 +121,8 @@ def replay(
     summary["truncated"] = bool(getattr(reader, "truncated", False))
     if out is not None:
         summary["state_log"] = str(out)
+    if (start is not None or stop is not None) and engine.stats.steps_reported == 0 and not engine.stopped_early:
+        err.print(f"[yellow]warning:[/yellow] --steps {steps}: no step of {trace} falls in that window")
     if summary["truncated"]:
         err.print(f"[yellow]warning:[/yellow] {trace}: the trace was cut short; replayed every complete step")
     if as_json:

@@ -138,6 +138,10 @@ def test_steps_range_replays_the_prefix_silently(busy_trace: Path, tmp_path: Pat
     _, snaps = read_state_log(log)
     steps = [snap.step for snap in snaps]
     assert steps and min(steps) >= 10 and max(steps) < 30
+    assert s["steps_reported"] == len(steps) == 20
+    code, out, err = invoke("replay", str(busy_trace), "--steps", "100000:100010", "--json")
+    assert code == 0 and json.loads(out)["steps_reported"] == 0
+    assert "no step of" in err and "falls in that window" in err
 
 
 def test_state_log_round_trips_and_opens_with_plain_pyarrow(busy_trace: Path, tmp_path: Path) -> None:
