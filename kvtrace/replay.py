@@ -342,9 +342,9 @@ class ReplayEngine:
 
     def _release(self, op: int, batch: StepBatch, rows: np.ndarray) -> None:
         alloc = self.allocator
-        rids = batch.rid[rows]
-        holds = alloc.holds_kv(rids)
-        rows, rids = rows[holds], rids[holds]
+        ended = batch.rid[rows]
+        holds = alloc.holds_kv(ended)
+        rows, rids = rows[holds], ended[holds]
         kind: ReleaseKind = "finish" if op == FINISH else ("abort" if op == ABORT else "retract")
         st = self.stats
         if kind == "finish":
@@ -361,7 +361,7 @@ class ReplayEngine:
             for lo in range(0, rids.size, per_call):
                 r = rids[lo : lo + per_call]
                 o = owned[lo : lo + per_call]
-                tokens = [self._tokens.ids(int(x), int(n)) for x, n in zip(r, o)] if kind == "finish" else None
+                tokens = self._tokens.ids_many(r, o) if kind == "finish" else None
                 t0 = self._clock()
                 res = alloc.release(r, o, tokens, kind)
                 st.allocator_s += self._clock() - t0
@@ -369,8 +369,7 @@ class ReplayEngine:
                 self._note_evicted(res.evicted_tokens)
                 self._check_call(r)
         if kind != "retract":
-            for rid in batch.rid[rows]:
-                self._tokens.drop(int(rid))
+            self._tokens.drop(ended)  # a retracted request comes back with the same tokens
 
     def _after_release(self, rids: np.ndarray, res: ReleaseResult, kind: str) -> None:
         released = res.overalloc_released
@@ -387,7 +386,7 @@ class ReplayEngine:
 
         def call(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
             seq = batch.seq_len[idx]
-            tokens = [self._tokens.ids(int(x), int(n)) for x, n in zip(r, seq)]
+            tokens = self._tokens.ids_many(r, seq)
             done = seq >= self._prefill_target.a[r]
             admitted = ~alloc.holds_kv(r)
             res = alloc.extend(r, seq, tokens, done)
@@ -407,7 +406,7 @@ class ReplayEngine:
     def _prealloc(self, batch: StepBatch, rows: np.ndarray) -> None:
         def call(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
             fill = batch.seq_len[idx]
-            tokens = [self._tokens.ids(int(x), int(n)) for x, n in zip(r, fill)]
+            tokens = self._tokens.ids_many(r, fill)
             return self.allocator.prealloc(r, fill, tokens)
 
         self._alloc_loop(batch, rows, call)
