@@ -222,6 +222,10 @@ class RecordSummary(NamedTuple):
     row_overflows: int
 
 
+# The summary fields the scheduler counts as it goes (the rest are derived).
+_COUNTED = tuple(f for f in RecordSummary._fields if f not in ("steps", "requests", "prefix_hit_rate", "duration_s"))
+
+
 class TokenSource:
     """Token ids of a request's positions, as the trace will materialise them.
 
@@ -308,28 +312,7 @@ class Scheduler:
         self.clock = 0.0
         self.step = 0
         self._total: int | None = None
-        self._stats = dict.fromkeys(
-            (
-                "rejected",
-                "aborted",
-                "retractions",
-                "retracted_requests",
-                "evicted_tokens",
-                "prefix_hit_tokens",
-                "prompt_tokens",
-                "prefill_steps",
-                "decode_steps",
-                "peak_running",
-                "peak_waiting",
-                "finished",
-                "extend_retries",
-                "spec_accepted_tokens",
-                "spec_steps",
-                "spec_ops",
-                "row_overflows",
-            ),
-            0,
-        )
+        self._stats = dict.fromkeys(_COUNTED, 0)
         self._first_admitted = np.zeros(cap, np.bool_)
 
     # ------------------------------------------------------------------ requests
@@ -459,25 +442,9 @@ class Scheduler:
         return RecordSummary(
             steps=self.step,
             requests=self.num_requests,
-            finished=s["finished"],
-            rejected=s["rejected"],
-            aborted=s["aborted"],
-            retractions=s["retractions"],
-            retracted_requests=s["retracted_requests"],
-            evicted_tokens=s["evicted_tokens"],
-            prefix_hit_tokens=s["prefix_hit_tokens"],
-            prompt_tokens=prompt,
             prefix_hit_rate=s["prefix_hit_tokens"] / prompt if prompt else 0.0,
             duration_s=self.clock,
-            prefill_steps=s["prefill_steps"],
-            decode_steps=s["decode_steps"],
-            peak_running=s["peak_running"],
-            peak_waiting=s["peak_waiting"],
-            extend_retries=s["extend_retries"],
-            spec_accepted_tokens=s["spec_accepted_tokens"],
-            spec_steps=s["spec_steps"],
-            spec_ops=s["spec_ops"],
-            row_overflows=s["row_overflows"],
+            **s,
         )
 
     def _abort_stuck(self) -> None:
