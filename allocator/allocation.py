@@ -287,9 +287,7 @@ def alloc_for_extend(
     if ps == 1:
         evicted = evict_from_tree_cache(ctx, extend_num_tokens)
         out = allocator.alloc(extend_num_tokens)
-        if out is None:
-            i = _first_short_request(extend_lens, allocator.available_size())
-            return _oom(ctx, "extend", rids[i], extend_num_tokens)
+        assert out is not None, f"extend of {extend_num_tokens} slots failed after evicting to fit"
     else:
         last_loc = np.full(bs, -1, dtype=np.int64)
         for i in range(bs):
@@ -302,10 +300,7 @@ def alloc_for_extend(
                 last_loc[i] = table[rows[i], prefix - 1]
         evicted = evict_from_tree_cache(ctx, extend_num_tokens + bs * ps)
         out = allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
-        if out is None:
-            pages = (seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps
-            i = _first_short_request(pages * ps, allocator.available_size())
-            return _oom(ctx, "extend", rids[i], extend_num_tokens)
+        assert out is not None, f"paged extend of {extend_num_tokens} slots failed after evicting to fit"
 
     # From here on nothing can fail.
     rows = rows.copy()
@@ -367,21 +362,15 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     ps = ctx.page_size
     evicted = 0
     if ps == 1:
-        # Hot path: page-1 slots come straight off the head of the free list.
-        free = allocator._free if ctx.direct_token_alloc else None
-        if free is not None and free._tail - free._head >= bs:
-            head = free._head
-            out = free._buf[head : head + bs]
-            free._head = head + bs
-        else:
+        # Hot path: page-1 slots straight off the head of the free list (a view).
+        out = allocator.alloc_view(bs) if ctx.direct_token_alloc else None
+        if out is None:
             short = _first_unfit(ctx, np.ones(bs, dtype=np.int64))
             if short is not None:
                 return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], bs)
             evicted = evict_from_tree_cache(ctx, bs)
             out = allocator.alloc(bs)
-            if out is None:
-                i = min(allocator.available_size(), bs - 1)
-                return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], bs)
+            assert out is not None, f"decode of {bs} slots failed after evicting to fit"
         taken = bs
     else:
         need = (seq % ps == 0).astype(np.int64) * ps
@@ -392,10 +381,7 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
         evicted = evict_from_tree_cache(ctx, bs * ps)
         before = ctx.pool_available()
         out = allocator.alloc_decode(seq + 1, last_loc)
-        if out is None:
-            need = (seq % ps == 0).astype(np.int64) * ps
-            i = _first_short_request(need, allocator.available_size())
-            return _oom(ctx, "decode", rids[i] if rids is not None else kv.rid[rows[i]], int(need.sum()))
+        assert out is not None, f"paged decode of {bs} requests failed after evicting to fit"
         taken = before - ctx.pool_available()
     ctx.writer.write_points(rows, seq, out)
     seq += 1
@@ -490,20 +476,14 @@ def alloc_for_spec_decode(
     bs = rows.shape[0]
     evicted = 0
     if ps == 1:
-        free = allocator._free if ctx.direct_token_alloc else None
-        if free is not None and free._tail - free._head >= num_needed:
-            head = free._head
-            out = free._buf[head : head + num_needed]
-            free._head = head + num_needed
-        else:
+        out = allocator.alloc_view(num_needed) if ctx.direct_token_alloc else None
+        if out is None:
             short = _first_unfit(ctx, counts)
             if short is not None:
                 return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], num_needed)
             evicted = evict_from_tree_cache(ctx, num_needed)
             out = allocator.alloc(num_needed)
-            if out is None:
-                i = _first_short_request(counts, allocator.available_size())
-                return _oom(ctx, "spec", rids[i] if rids is not None else kv.rid[rows[i]], num_needed)
+            assert out is not None, f"spec reserve of {num_needed} slots failed after evicting to fit"
         taken = num_needed
     else:
         writer = ctx.writer
@@ -518,10 +498,7 @@ def alloc_for_spec_decode(
             out = allocator.alloc_logical_only(cur, nxt, last_loc, num_needed)
         else:
             out = allocator.alloc_extend(cur, nxt, last_loc, num_needed)
-        if out is None:
-            need = ((nxt + ps - 1) // ps - (cur + ps - 1) // ps) * ps
-            i = _first_short_request(need, allocator.available_size())
-            return _oom(ctx, "spec", rids[i] if rids is not None else kv.rid[rows[i]], num_needed)
+        assert out is not None, f"paged spec reserve of {num_needed} slots failed after evicting to fit"
         taken = before - ctx.pool_available()
     ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
     kv.kv_allocated_len[rows] = nxt
