@@ -974,6 +974,7 @@ class RecordOptions:
     flush_interval_s: float | None = 1.0
     compact_steps_per_batch: int | None = 256
     source: TraceSource | None = None
+    command: str | None = None  # the command line stored in the trace (default: this process's)
 
 
 class RecordResult(NamedTuple):
@@ -1074,6 +1075,7 @@ def record_workload(
         flush_interval_s=options.flush_interval_s,
         dense_ids=True,
         compact_steps_per_batch=options.compact_steps_per_batch,
+        command=options.command,
     ) as recorder:
         scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
         summary = scheduler.run(requests(), progress=progress, total=total)

@@ -1,10 +1,14 @@
-"""Streaming writer and reader of kvtrace traces (one Arrow IPC stream per file).
+"""Streaming writer and reader of kvtrace traces (Arrow IPC: a stream, or a file).
 
 The writer buffers ``steps_per_batch`` whole steps, writes them as one record
 batch and flushes the file, so a recording killed with SIGKILL leaves every
-completed batch readable. The reader validates the schema and metadata once
-when it opens a file, then streams record batches (memory flat in trace
-length) and yields one ``StepBatch`` per step.
+completed batch readable. Closing it records the final status of the recording
+(complete, or interrupted and why) and, when asked to compact, rewrites the trace
+as an Arrow IPC *file* (with a footer: random access, memory-mapping, lazy scans
+in polars, pandas and DuckDB). The reader accepts both the stream and the file
+layout, validates the schema and metadata once when it opens a file, then
+streams record batches (memory flat in trace length) and yields one
+``StepBatch`` per step.
 
 Damage is classified by framing the stream itself (``_FramedSource``): a message
 whose bytes are all present but do not decode is *corrupt* (an error naming the
@@ -21,6 +25,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Literal, NamedTuple
@@ -28,6 +33,7 @@ from typing import Any, BinaryIO, Literal, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from traces.atomic import replacing
 from traces.errors import (
     TraceCorruptError,
     TraceMetadataError,
@@ -45,15 +51,20 @@ from traces.schema import (
     REQUIRED_COLUMNS,
     SCHEMA_VERSION,
     Ragged,
+    Recording,
     StepBatch,
     TraceMeta,
     arrow_schema,
+    timestamp,
 )
 
 Compression = Literal["zstd", "lz4"]
 COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
+IpcFormat = Literal["stream", "file"]
 
-_OPS_DICTIONARY = pa.array(OPS, pa.utf8())
+# A numpy array, not a list: pa.array of a list would import pandas (~0.3 s) to ask
+# whether the list is a pandas object.
+_OPS_DICTIONARY = pa.array(np.array(OPS), pa.utf8())
 _LIST_TYPES = {name: COLUMN_BY_NAME[name].type for name in ("block_hashes", "token_ids")}
 _LIST_DTYPES = {"block_hashes": np.uint64, "token_ids": np.int64}
 _ROW_COLUMNS = (
@@ -72,6 +83,8 @@ _NUMERIC = (
 # Arrow IPC has no checksums of its own, and a damaged lz4 or zstd literal run
 # decodes silently to wrong values.
 CHECKSUM_KEY = b"kvtrace.crc32"
+# Custom metadata of a stream's last (empty) record batch: the final ``Recording`` as JSON.
+RECORDING_KEY = b"kvtrace.recording"
 
 
 def _checksum(arrays: Sequence[np.ndarray]) -> bytes:
@@ -89,32 +102,55 @@ def _os_reason(exc: OSError) -> str:
     return str(exc)
 
 
+def describe_stop(exc: BaseException) -> str:
+    """Why a writer is being closed by ``exc``, in a few words (``Recording.detail``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted by Ctrl-C (SIGINT)"
+    if isinstance(exc, Exception):
+        return " ".join(f"stopped by an error: {type(exc).__name__}: {exc}".split())
+    return str(exc) or type(exc).__name__  # e.g. a signal turned into an exception
+
+
 # --------------------------------------------------------------------------------------
 # Writer
 # --------------------------------------------------------------------------------------
 
 
-def compact_trace(path: str | os.PathLike[str], *, steps_per_batch: int, compression: Compression = "zstd") -> None:
-    """Rewrite a trace in place with ``steps_per_batch`` steps per record batch.
+def compact_trace(
+    path: str | os.PathLike[str],
+    *,
+    steps_per_batch: int,
+    compression: Compression = "zstd",
+    recording: Recording | None = None,
+) -> None:
+    """Rewrite a trace in place as an Arrow IPC file with ``steps_per_batch`` steps per batch.
 
     The new file is written beside the old one and renamed over it, so a crash at
     any point leaves either the old or the new file, both complete.
+
+    Args:
+        path: the trace (a stream or a file).
+        steps_per_batch: whole steps per record batch of the new file.
+        compression: its codec.
+        recording: the recording status to store (the writer passes the final one it
+            knows at close); None keeps the metadata as read.
 
     Raises:
         TraceWriteError: the new file cannot be written (the old one is kept).
         TraceError: the trace cannot be read.
     """
     src = Path(path)
-    tmp = src.with_name(src.name + ".compacting")
     reader = TraceReader(src)
+    meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
     try:
-        with TraceWriter(tmp, reader.meta, compression=compression, steps_per_batch=steps_per_batch, overwrite=True) as out:
-            for batch in reader.steps():
-                out.write(batch)
-        os.replace(tmp, src)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with replacing(src) as tmp:
+            with TraceWriter(
+                tmp, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file"
+            ) as out:
+                for batch in reader.steps():
+                    out.write(batch)
+    except OSError as exc:
+        raise TraceWriteError(f"cannot rewrite trace {src}: {_os_reason(exc)}", path=src) from None
 
 
 class TraceWriter:
@@ -134,6 +170,12 @@ class TraceWriter:
             (``steps_per_batch=1``, fast ``lz4``) and still leave a compact file; a
             writer killed before ``close`` leaves the durable per-step file.
         compact_compression: the codec of the compacted file.
+        ipc_format: ``"stream"`` (durable batch by batch; what a recording writes) or
+            ``"file"`` (the footer is written at ``close``; what compaction writes).
+
+    When ``meta.recording`` is set, ``close`` stores the final status of the
+    recording: in a stream, in the custom metadata (``RECORDING_KEY``) of a last,
+    empty record batch; a compacted file carries it in its schema metadata.
 
     Raises:
         ValueError: a bad ``compression`` or ``steps_per_batch``.
@@ -152,7 +194,12 @@ class TraceWriter:
         compression_level: int | None = None,
         compact_steps_per_batch: int | None = None,
         compact_compression: Compression = "zstd",
+        ipc_format: IpcFormat = "stream",
     ) -> None:
+        if ipc_format not in ("stream", "file"):
+            raise ValueError(f"ipc_format must be 'stream' or 'file', not {ipc_format!r}")
+        self.ipc_format = ipc_format
+        self.recording = meta.recording  # the final one after close
         if compact_compression not in COMPRESSIONS:
             raise ValueError(f"compact_compression must be one of {', '.join(COMPRESSIONS)}, not {compact_compression!r}")
         if compact_steps_per_batch is not None and (not isinstance(compact_steps_per_batch, int) or compact_steps_per_batch < 1):
@@ -188,18 +235,17 @@ class TraceWriter:
         try:
             # One write(2) per record batch: the buffer is flushed after each batch.
             self._sink = pa.BufferedOutputStream(self._raw, buffer_size=1 << 20)
-            self._ipc = pa.ipc.new_stream(
-                self._sink,
-                self._schema,
-                # Per-buffer thread hand-offs cost more than they save on batches this small.
-                options=pa.ipc.IpcWriteOptions(compression=codec, use_threads=False),
-            )
-            # pyarrow writes the schema lazily; an empty first batch puts the schema and
-            # the metadata on disk now, so a writer killed before its first step still
-            # leaves a readable (empty, truncated) trace.
-            empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
-            self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum})
-            self._sink.flush()
+            # Per-buffer thread hand-offs cost more than they save on batches this small.
+            options = pa.ipc.IpcWriteOptions(compression=codec, use_threads=False)
+            if ipc_format == "file":
+                self._ipc = pa.ipc.new_file(self._sink, self._schema, options=options)
+            else:
+                self._ipc = pa.ipc.new_stream(self._sink, self._schema, options=options)
+                # pyarrow writes the schema lazily; an empty first batch puts the schema
+                # and the metadata on disk now, so a writer killed before its first step
+                # still leaves a readable (empty, truncated) trace.
+                self._write_empty({})
+                self._sink.flush()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
@@ -309,13 +355,33 @@ class TraceWriter:
         if self._pending:
             self._write_pending()
 
-    def close(self) -> None:
-        """Write the buffered steps and the end-of-stream marker, and close the file."""
+    def close(self, *, interrupted: str | None = None) -> None:
+        """Write the buffered steps, the recording's final status and the end of the
+        file, close it, and compact it when asked to (a complete recording only).
+
+        Args:
+            interrupted: why the writing stops before its end (``describe_stop``): the
+                recording is marked interrupted and the file is left uncompacted.
+
+        Raises:
+            TraceWriteError: the file cannot be written.
+        """
         if self._closed:
             return
+        final = self.recording
+        if final is not None:
+            final = replace(
+                final,
+                status="interrupted" if interrupted is not None else "complete",
+                detail=interrupted,
+                finished_at=timestamp(),
+                steps=self._steps_written,
+            )
         try:
             if self._pending:
                 self._write_pending()
+            if final is not None and self.ipc_format == "stream":
+                self._write_empty({RECORDING_KEY: final.to_json().encode()})
             self._ipc.close()
             self._sink.close()
         except OSError as exc:
@@ -324,8 +390,14 @@ class TraceWriter:
                 f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
             ) from None
         self._closed = True
-        if self.compact_steps_per_batch is not None:
-            compact_trace(self.path, steps_per_batch=self.compact_steps_per_batch, compression=self.compact_compression)
+        self.recording = final
+        if self.compact_steps_per_batch is not None and interrupted is None:
+            compact_trace(
+                self.path,
+                steps_per_batch=self.compact_steps_per_batch,
+                compression=self.compact_compression,
+                recording=final,
+            )
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -339,10 +411,10 @@ class TraceWriter:
         if exc_type is None:
             self.close()
             return
-        # Keep what is complete (uncompacted: leave fast); never mask the exception.
-        self.compact_steps_per_batch = None
+        # Keep what is complete, marked interrupted (uncompacted: leave fast); never
+        # mask the exception.
         try:
-            self.close()
+            self.close(interrupted=describe_stop(exc) if exc is not None else exc_type.__name__)
         except Exception:  # noqa: BLE001 - the original exception matters more
             self._abandon()
 
@@ -355,6 +427,10 @@ class TraceWriter:
             self._raw.close()
         except OSError:
             pass
+
+    def _write_empty(self, custom: dict[bytes, bytes]) -> None:
+        empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
+        self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum, **custom})
 
     def _write_pending(self) -> None:
         pending = self._pending
@@ -446,6 +522,50 @@ class _Message(NamedTuple):
     body_len: int
 
 
+class _Layout(NamedTuple):
+    """Where the message stream lies in a file, and whether its writer finished it.
+
+    A stream is the whole file. An IPC file is ``ARROW1`` + padding, the same
+    stream (end-of-stream marker included), the footer, its int32 length and
+    ``ARROW1``; a file cut short (no trailing magic) is read as the stream after
+    its leading magic, up to the cut.
+    """
+
+    ipc_format: IpcFormat
+    start: int  # first byte of the schema message
+    end: int  # end of the message stream (the footer's first byte in a complete file)
+    closed: bool  # the writer finished it: end-of-stream marker (stream) or footer (file)
+
+
+_FILE_HEAD = 8  # "ARROW1" + 2 bytes of padding
+_FILE_TAIL = 10  # int32 footer length + "ARROW1"
+
+
+def _layout(file: BinaryIO, file_bytes: int) -> _Layout | str:
+    """The layout of ``file``, or a one-line reason why its footer cannot be right."""
+    file.seek(0)
+    head = file.read(_FILE_HEAD)
+    if not head.startswith(_ARROW_FILE_MAGIC):
+        closed = False
+        if file_bytes >= 16:
+            file.seek(file_bytes - 8)
+            closed = file.read(8) == _EOS_MARKER
+        file.seek(0)
+        return _Layout("stream", 0, file_bytes, closed)
+    tail = b""
+    if file_bytes >= _FILE_HEAD + _FILE_TAIL:
+        file.seek(file_bytes - _FILE_TAIL)
+        tail = file.read(_FILE_TAIL)
+    file.seek(_FILE_HEAD)
+    if not tail.endswith(_ARROW_FILE_MAGIC):
+        return _Layout("file", _FILE_HEAD, file_bytes, False)  # cut short: no footer
+    footer_len = struct.unpack("<i", tail[:4])[0]
+    end = file_bytes - _FILE_TAIL - footer_len
+    if footer_len <= 0 or end < _FILE_HEAD + 8:
+        return f"its footer length {footer_len} does not fit in a file of {file_bytes} bytes"
+    return _Layout("file", _FILE_HEAD, end, True)
+
+
 def _parse_message_header(meta: bytes) -> tuple[int, int]:
     """``(header_type, body_len)`` of an Arrow IPC ``Message`` flatbuffer.
 
@@ -488,18 +608,17 @@ class _FramedSource(io.RawIOBase):
     ``corruption`` and also ends the stream; the reader raises it.
     """
 
-    def __init__(self, file: BinaryIO, file_bytes: int) -> None:
+    def __init__(self, file: BinaryIO, layout: _Layout) -> None:
         super().__init__()
         self._file = file
-        self._file_bytes = file_bytes
-        # A file that ends with the end-of-stream marker was closed by its writer: a
-        # message that runs past its end is damaged, not cut short.
-        self._closed_by_writer = False
-        if file_bytes >= 16:
-            file.seek(file_bytes - 8)
-            self._closed_by_writer = file.read(8) == _EOS_MARKER
-            file.seek(0)
-        self._offset = 0  # end of the last message loaded
+        self._layout = layout
+        self._file_bytes = layout.end  # where the messages end
+        # A stream that ends with the end-of-stream marker, or a file with its footer,
+        # was closed by its writer: a message that runs past the end is damaged, not
+        # cut short.
+        self._closed_by_writer = layout.closed
+        file.seek(layout.start)
+        self._offset = layout.start  # end of the last message loaded
         self._pieces: list[bytes] = []
         self._finished = False
         self.messages: list[_Message] = []
@@ -547,10 +666,13 @@ class _FramedSource(io.RawIOBase):
         if self._finished:
             return False
         offset = self._offset
-        header = self._file.read(8)
+        header = self._file.read(min(8, max(0, self._file_bytes - offset)))
         if len(header) == 0:
             self._finished = True
-            if offset > 0:
+            # A file with its footer is complete even without the marker (as older
+            # Arrow writers left it); a stream without it was not closed.
+            finished = self._layout.ipc_format == "file" and self._layout.closed
+            if offset > self._layout.start and not finished:
                 self.truncation = "no end-of-stream marker (the writer did not close the file)"
             return False
         if len(header) < 8:
@@ -562,7 +684,9 @@ class _FramedSource(io.RawIOBase):
             self._finished = True
             self.eos = True
             trailing = self._file_bytes - (offset + 8)
-            if trailing > 0:
+            if self._layout.ipc_format == "file" and not self._layout.closed:
+                self.truncation = "the file's footer is missing (the file was cut short)"
+            elif trailing > 0:
                 self.corruption = (
                     f"{trailing} bytes of unexpected data after the end-of-stream marker "
                     f"at byte {offset}"
@@ -672,34 +796,37 @@ def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
     )
 
 
-class TraceReader:
-    """Open a trace, validate it once, and stream it step by step.
+class IpcReader:
+    """Open any kvtrace Arrow IPC file (a trace, a state log) and stream its record batches.
 
-    Opening checks that the file exists and is an Arrow IPC stream, that its
-    ``kvtrace`` metadata is present and parses, that its ``format_version`` is
-    one this kvtrace reads, and that the required columns are present with the
-    right types (missing optional columns read as defaults).
+    Reads both layouts: the IPC *stream* a recording writes as it goes, and the IPC
+    *file* (with a footer) written on completion; an IPC file whose footer is
+    missing (cut short) reads as the stream after its leading magic. Damage is
+    classified by framing the messages (see ``_FramedSource``): a cut tail is
+    *truncation* (every complete batch reads back; ``truncated`` says so after
+    iteration), a complete message that does not decode is *corruption* (an error
+    naming the file and the batch).
+
+    Args:
+        path: the file.
+        what: how messages name it ("trace", "state log").
 
     Attributes:
-        path: the file.
-        meta: its ``TraceMeta``.
-        schema: its Arrow schema.
-        file_bytes: its size.
+        path, file_bytes, schema: the file, its size and its Arrow schema.
+        ipc_format: ``"stream"`` or ``"file"``.
         truncated: after an iteration reached the end: whether the tail was cut (a
-            partial record batch, or no end-of-stream marker). Complete batches
-            before the cut are read normally; nothing raises.
+            partial record batch, no end-of-stream marker, or a cut footer). Complete
+            batches before the cut are read normally; nothing raises.
         truncation_detail: one line saying what was cut and after which step.
 
     Raises:
-        TraceReadError: missing, a directory, unreadable, empty, or not an Arrow stream.
-        TraceCorruptError: the schema message is damaged.
-        TraceMetadataError: the metadata is missing or invalid.
-        TraceVersionError: a format version this kvtrace does not read.
-        TraceSchemaError: a required column is missing or has the wrong type.
+        TraceReadError: missing, a directory, unreadable, empty, or not Arrow IPC.
+        TraceCorruptError: the schema message (or the file's footer) is damaged.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, what: str = "trace") -> None:
         self.path = Path(path)
+        self.what = what
         self.truncated = False
         self.truncation_detail: str | None = None
         self.num_record_batches = 0
@@ -708,13 +835,11 @@ class TraceReader:
         self._source: _FramedSource | None = None
         self.file_bytes = self._stat()
         self.schema = self._read_schema()
-        self.meta = self._read_meta()
-        self._check_columns()
 
     # -- opening ---------------------------------------------------------------------
 
     def _fail(self, cls: type[Exception], detail: str) -> Exception:
-        return cls(f"trace {self.path}: {detail}", path=self.path)
+        return cls(f"{self.what} {self.path}: {detail}", path=self.path)
 
     def _stat(self) -> int:
         try:
@@ -724,29 +849,29 @@ class TraceReader:
         except OSError as exc:
             raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
         if self.path.is_dir():
-            raise self._fail(TraceReadError, "is a directory, not a trace file")
+            raise self._fail(TraceReadError, f"is a directory, not a {self.what} file")
         return st.st_size
 
     def _open(self) -> BinaryIO:
         try:
             return open(self.path, "rb")  # noqa: SIM115 - closed by the caller
         except IsADirectoryError:
-            raise self._fail(TraceReadError, "is a directory, not a trace file") from None
+            raise self._fail(TraceReadError, f"is a directory, not a {self.what} file") from None
         except OSError as exc:
             raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
 
     def _read_schema(self) -> pa.Schema:
         if self.file_bytes == 0:
-            raise self._fail(TraceReadError, "is empty, not an Arrow IPC stream")
+            raise self._fail(TraceReadError, "is empty, not an Arrow IPC file")
         with self._open() as file:
+            layout = _layout(file, self.file_bytes)
+            if isinstance(layout, str):
+                raise self._fail(TraceCorruptError, f"is a damaged Arrow IPC file: {layout}")
+            self._layout = layout
+            self.ipc_format = layout.ipc_format
+            file.seek(layout.start)
             head = file.read(8)
-            file.seek(0)
-            if head.startswith(_ARROW_FILE_MAGIC):
-                raise self._fail(
-                    TraceReadError,
-                    "is an Arrow IPC file, not an Arrow IPC stream (kvtrace traces are streams)",
-                )
-            source = _FramedSource(file, self.file_bytes)
+            source = _FramedSource(file, layout)
             if not source._load_next():
                 if source.truncation and len(head) == 8 and head[:4] == b"\xff\xff\xff\xff":
                     raise self._fail(
@@ -754,10 +879,10 @@ class TraceReader:
                         "ends inside its schema message; the recording was cut before any step",
                     )
                 raise self._fail(
-                    TraceReadError, "is not an Arrow IPC stream (is it a .kvtrace file?)"
+                    TraceReadError, f"is not an Arrow IPC stream or file (is it a {self.what}?)"
                 )
             if not source.messages or source.messages[0].header_type != _HEADER_SCHEMA:
-                raise self._fail(TraceReadError, "is not an Arrow IPC stream (no schema message)")
+                raise self._fail(TraceReadError, "is not an Arrow IPC stream or file (no schema message)")
             message = b"".join(source._pieces)
         try:
             schema = pa.ipc.read_schema(pa.py_buffer(message))
@@ -765,6 +890,128 @@ class TraceReader:
             return schema
         except (pa.ArrowException, OSError, ValueError) as exc:  # UnicodeDecodeError included
             raise self._fail(TraceCorruptError, f"its schema message is corrupt ({exc})") from None
+
+    # -- reading ---------------------------------------------------------------------
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of the file consumed by the iteration in progress (for progress bars)."""
+        return self._source.bytes_read if self._source is not None else self._bytes_read
+
+    def iter_batches(self) -> Iterator[pa.RecordBatch]:
+        """The raw record batches, in order (a truncated tail ends the iteration quietly).
+
+        Raises:
+            TraceCorruptError: a complete message does not decode (names the batch and
+                the last step read before it).
+        """
+        for batch, _ in self._iter_raw():
+            yield batch
+
+    def iter_batches_with_metadata(self) -> Iterator[tuple[pa.RecordBatch, Any]]:
+        """``iter_batches`` with each batch's custom metadata (a ``KeyValueMetadata`` or None)."""
+        return self._iter_raw()
+
+    def _iter_raw(self) -> Iterator[tuple[pa.RecordBatch, Any]]:
+        self.truncated = False
+        self.truncation_detail = None
+        self.num_record_batches = 0
+        self.last_step = None
+        file = self._open()
+        source = _FramedSource(file, self._layout)
+        self._source = source
+        try:
+            try:
+                reader = pa.ipc.open_stream(
+                    pa.PythonFile(source, mode="r"),
+                    options=pa.ipc.IpcReadOptions(use_threads=False),
+                )
+            except (pa.ArrowException, OSError) as exc:
+                raise self._corrupt(source, exc) from None
+            has_step = "step" in reader.schema.names
+            while True:
+                try:
+                    batch, custom = reader.read_next_batch_with_custom_metadata()
+                    # pyarrow trusts buffer sizes and offsets in the message header;
+                    # a damaged header must fail here, not crash the process later.
+                    batch.validate(full=True)
+                except StopIteration:
+                    break
+                except (pa.ArrowException, OSError) as exc:
+                    raise self._corrupt(source, exc) from None
+                self.num_record_batches += 1
+                yield batch, custom
+                if batch.num_rows and has_step:
+                    self.last_step = int(batch.column("step")[batch.num_rows - 1].as_py())
+            if source.corruption is not None:
+                raise self._corrupt(source, None)
+            if source.truncation is not None:
+                self.truncated = True
+                after = (
+                    f"after step {self.last_step}" if self.last_step is not None else "before any step"
+                )
+                self.truncation_detail = f"file truncated {after}: {source.truncation}"
+            self._iteration_ended()
+        finally:
+            self._bytes_read = source.bytes_read
+            self._source = None
+            file.close()
+
+    def _iteration_ended(self) -> None:
+        """Called when an iteration has read every batch (a hook for subclasses)."""
+
+    def _corrupt(self, source: _FramedSource, exc: BaseException | None) -> TraceCorruptError:
+        detail = source.corruption if exc is None else f"{type(exc).__name__}: {exc}"
+        return self._corrupt_detail(detail, self.num_record_batches + 1)
+
+    def _corrupt_detail(self, detail: str | None, batch_index: int | None = None) -> TraceCorruptError:
+        where = f"record batch {batch_index or self.num_record_batches}"
+        after = f"after step {self.last_step}" if self.last_step is not None else "before any step"
+        detail = " ".join(str(detail).split())
+        return TraceCorruptError(
+            f"{self.what} {self.path}: corrupt data in {where} ({after}): {detail}; "
+            "the file is damaged (steps before it can still be read)",
+            path=self.path,
+        )
+
+
+class TraceReader(IpcReader):
+    """Open a trace, validate it once, and stream it step by step.
+
+    Opening checks that the file exists and is Arrow IPC (a stream, or a file), that
+    its ``kvtrace`` metadata is present and parses, that its ``format_version`` is
+    one this kvtrace reads, and that the required columns are present with the
+    right types (missing optional columns read as defaults).
+
+    Attributes:
+        path: the file.
+        meta: its ``TraceMeta``.
+        schema: its Arrow schema.
+        file_bytes: its size.
+        ipc_format: ``"stream"`` (as recorded) or ``"file"`` (compacted).
+        truncated: after an iteration reached the end: whether the tail was cut (a
+            partial record batch, or no end-of-stream marker). Complete batches
+            before the cut are read normally; nothing raises.
+        truncation_detail: one line saying what was cut and after which step.
+        recording: how the trace was recorded (None when its metadata does not say).
+            At open, what the metadata says; after an iteration reached the end, the
+            final status: a stream's closing status, or, when its writer never
+            closed it (killed, or still recording), ``"interrupted"``.
+
+    Raises:
+        TraceReadError: missing, a directory, unreadable, empty, or not Arrow IPC.
+        TraceCorruptError: the schema message is damaged.
+        TraceMetadataError: the metadata is missing or invalid.
+        TraceVersionError: a format version this kvtrace does not read.
+        TraceSchemaError: a required column is missing or has the wrong type.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path, what="trace")
+        self.meta = self._read_meta()
+        self.recording: Recording | None = self.meta.recording
+        self._closing_status: Recording | None = None
+        self._check_columns()
 
     def _read_meta(self) -> TraceMeta:
         raw = (self.schema.metadata or {}).get(METADATA_KEY)
@@ -817,79 +1064,26 @@ class TraceReader:
                 )
         self._present = frozenset(c.name for c in COLUMNS if c.name in names)
 
-    # -- reading ---------------------------------------------------------------------
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes of the file consumed by the iteration in progress (for progress bars)."""
-        return self._source.bytes_read if self._source is not None else self._bytes_read
-
-    def iter_batches(self) -> Iterator[pa.RecordBatch]:
-        """The raw record batches, in order (a truncated tail ends the iteration quietly).
-
-        Raises:
-            TraceCorruptError: a complete message does not decode (names the batch and
-                the last step read before it).
-        """
-        for batch, _ in self._iter_raw():
-            yield batch
+    def _iteration_ended(self) -> None:
+        recording = self._closing_status or self.meta.recording
+        if recording is not None and recording.status == "recording":
+            recording = replace(
+                recording,
+                status="interrupted",
+                detail="the recorder stopped without closing the trace (killed, or still recording)",
+            )
+        self.recording = recording
 
     def _iter_raw(self) -> Iterator[tuple[pa.RecordBatch, Any]]:
-        self.truncated = False
-        self.truncation_detail = None
-        self.num_record_batches = 0
-        self.last_step = None
-        file = self._open()
-        source = _FramedSource(file, self.file_bytes)
-        self._source = source
-        try:
-            try:
-                reader = pa.ipc.open_stream(
-                    pa.PythonFile(source, mode="r"),
-                    options=pa.ipc.IpcReadOptions(use_threads=False),
-                )
-            except (pa.ArrowException, OSError) as exc:
-                raise self._corrupt(source, exc) from None
-            while True:
+        self._closing_status = None
+        for batch, custom in super()._iter_raw():
+            raw = custom.get(RECORDING_KEY) if custom is not None else None
+            if raw is not None:
                 try:
-                    batch, custom = reader.read_next_batch_with_custom_metadata()
-                    # pyarrow trusts buffer sizes and offsets in the message header;
-                    # a damaged header must fail here, not crash the process later.
-                    batch.validate(full=True)
-                except StopIteration:
-                    break
-                except (pa.ArrowException, OSError) as exc:
-                    raise self._corrupt(source, exc) from None
-                self.num_record_batches += 1
-                yield batch, custom
-                if batch.num_rows:
-                    self.last_step = int(batch.column("step")[batch.num_rows - 1].as_py())
-            if source.corruption is not None:
-                raise self._corrupt(source, None)
-            if source.truncation is not None:
-                self.truncated = True
-                after = (
-                    f"after step {self.last_step}" if self.last_step is not None else "before any step"
-                )
-                self.truncation_detail = f"file truncated {after}: {source.truncation}"
-        finally:
-            self._bytes_read = source.bytes_read
-            self._source = None
-            file.close()
-
-    def _corrupt(self, source: _FramedSource, exc: BaseException | None) -> TraceCorruptError:
-        detail = source.corruption if exc is None else f"{type(exc).__name__}: {exc}"
-        return self._corrupt_detail(detail, self.num_record_batches + 1)
-
-    def _corrupt_detail(self, detail: str | None, batch_index: int | None = None) -> TraceCorruptError:
-        where = f"record batch {batch_index or self.num_record_batches}"
-        after = f"after step {self.last_step}" if self.last_step is not None else "before any step"
-        detail = " ".join(str(detail).split())
-        return TraceCorruptError(
-            f"trace {self.path}: corrupt data in {where} ({after}): {detail}; "
-            "the file is damaged (steps before it can still be read)",
-            path=self.path,
-        )
+                    self._closing_status = Recording.from_dict(json.loads(raw))
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise self._corrupt_detail(f"its recording status is not valid ({exc})") from None
+            yield batch, custom
 
     def iter_columns(self) -> Iterator[_Columns]:
         """Each record batch as numpy columns (optional columns filled with defaults).
@@ -1061,8 +1255,14 @@ def _type_matches(name: str, found: pa.DataType, expected: pa.DataType) -> bool:
 
 
 __all__ = [
+    "CHECKSUM_KEY",
     "COMPRESSIONS",
+    "RECORDING_KEY",
     "Compression",
+    "IpcFormat",
+    "IpcReader",
     "TraceReader",
     "TraceWriter",
+    "compact_trace",
+    "describe_stop",
 ]
