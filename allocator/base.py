@@ -119,6 +119,12 @@ class PoolCounters(NamedTuple):
     running_requests: int
     free_rows: int
 
+    @property
+    def used_tokens(self) -> int:
+        """Tokens that cannot be handed out without releasing a request: neither free nor
+        evictable (``committed + overallocated + protected``)."""
+        return self.pool_tokens - self.available - self.evictable
+
 
 class RequestLens(NamedTuple):
     """Per-request bookkeeping for the asked ``rids`` (0 for a request holding no KV)."""
@@ -259,6 +265,12 @@ class Allocator(Protocol):
         (SGLang ``release_req``)."""
         ...
 
+    def end_step(self) -> None:
+        """The step is over: apply what SGLang applies after the step's forward pass (the
+        prompt publishes queued by this step's ``extend`` / ``prealloc``). The replay
+        engine calls it once per step, after the step's last call."""
+        ...
+
     def evict(self, num_tokens: int) -> int:
         """Evict at least ``num_tokens`` unlocked cached tokens (LRU); return tokens evicted."""
         ...
@@ -285,4 +297,24 @@ class Allocator(Protocol):
 
     def check_integrity(self) -> list[Violation]:
         """Every broken invariant of the whole state (empty list when sound)."""
+        ...
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An allocator whose whole state can be saved and restored (seek in a replay).
+
+    ``save_state()`` returns an opaque object that no later call mutates;
+    ``restore_state(state)`` puts the allocator back exactly as it was when the state
+    was saved (so replaying the same calls from there gives the same results), and may
+    be called any number of times with the same state. Optional: a version without it
+    is sought by replaying from the start.
+    """
+
+    def save_state(self) -> object:
+        """A snapshot of the whole state (memory proportional to what is live)."""
+        ...
+
+    def restore_state(self, state: object) -> None:
+        """Go back to a state ``save_state`` returned."""
         ...

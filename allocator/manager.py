@@ -59,6 +59,7 @@ from allocator.base import (
     RequestLens,
     Violation,
 )
+from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
 from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -753,6 +754,16 @@ class KvAllocator:
         """Make the device ``req_to_token`` (``device="cuda"``) equal to the host copy."""
         self._flush_publish()
         self.writer.sync()
+
+    def save_state(self) -> AllocatorState:
+        """A checkpoint of the whole state (``allocator.checkpoint``); between steps."""
+        return save_allocator_state(self)
+
+    def restore_state(self, state: object) -> None:
+        """Go back to a checkpoint ``save_state`` returned (any number of times)."""
+        if not isinstance(state, AllocatorState):
+            raise TypeError(f"restore_state: expected an AllocatorState, found {type(state).__name__}")
+        restore_allocator_state(self, state)
 
     def check_integrity(self) -> list[Violation]:
         from allocator.invariants import check_integrity

@@ -485,3 +485,93 @@ class RadixCache:
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self.iter_nodes())
+
+
+class RadixState(NamedTuple):
+    """A radix tree flattened for a checkpoint (``RadixCache.save_state``).
+
+    Nodes are listed depth first, root first, children in their dict order, so a
+    restore rebuilds the same dicts in the same order.
+    """
+
+    ids: np.ndarray  # int64 [n] node ids (root first)
+    parents: np.ndarray  # int64 [n] position of each node's parent (-1: the root)
+    key_offsets: np.ndarray  # int64 [n + 1] byte offsets into ``keys``
+    keys: bytes  # every node's key, concatenated
+    value_offsets: np.ndarray  # int64 [n + 1] offsets into ``values``
+    values: np.ndarray  # SLOT_DTYPE: every node's slots, concatenated
+    lock_refs: np.ndarray  # int64 [n]
+    access_times: np.ndarray  # int64 [n]
+    heap: np.ndarray  # int64 [m, 2] (access time, node id) of the live nodes' heap entries
+    evictable_leaves: np.ndarray  # int64 node ids
+    scalars: tuple[int, int, int, int, int]  # clock, next id, evictable, protected, evicted total
+
+
+def save_tree_state(tree: RadixCache) -> RadixState:
+    """Flatten ``tree`` (nothing in the result aliases the live tree)."""
+    nodes: list[TreeNode] = []
+    parents: list[int] = []
+    stack: list[tuple[TreeNode, int]] = [(tree.root_node, -1)]
+    while stack:
+        node, parent = stack.pop()
+        here = len(nodes)
+        nodes.append(node)
+        parents.append(parent)
+        # reversed: the first child in dict order is listed (and re-inserted) first
+        stack.extend((child, here) for child in reversed(list(node.children.values())))
+    lengths = np.fromiter((len(n.key) for n in nodes), np.int64, len(nodes))
+    key_offsets = np.zeros(len(nodes) + 1, np.int64)
+    np.cumsum(lengths, out=key_offsets[1:])
+    value_lens = np.fromiter((n.value.shape[0] for n in nodes), np.int64, len(nodes))
+    value_offsets = np.zeros(len(nodes) + 1, np.int64)
+    np.cumsum(value_lens, out=value_offsets[1:])
+    values = np.concatenate([n.value for n in nodes]).astype(SLOT_DTYPE, copy=False)  # a copy
+    live = {id(n) for n in nodes}
+    heap = np.array([(t, i) for t, i, n in tree._heap if id(n) in live], np.int64).reshape(-1, 2)
+    return RadixState(
+        ids=np.fromiter((n.id for n in nodes), np.int64, len(nodes)),
+        parents=np.array(parents, np.int64),
+        key_offsets=key_offsets,
+        keys=b"".join(n.key for n in nodes),
+        value_offsets=value_offsets,
+        values=values,
+        lock_refs=np.fromiter((n.lock_ref for n in nodes), np.int64, len(nodes)),
+        access_times=np.fromiter((n.last_access_time for n in nodes), np.int64, len(nodes)),
+        heap=heap,
+        evictable_leaves=np.fromiter((n.id for n in tree.evictable_leaves), np.int64),
+        scalars=(tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total),
+    )
+
+
+def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNode]:
+    """Rebuild ``tree`` in place from ``state``; return its nodes by id.
+
+    The lazily invalidated heap keeps only the entries of nodes still in the tree
+    (entries of evicted nodes can never be valid again), re-heapified: the order in
+    which valid entries pop is unchanged.
+    """
+    psb = tree.page_size * 8
+    by_id: dict[int, TreeNode] = {}
+    nodes: list[TreeNode] = []
+    keys = state.keys
+    ko = state.key_offsets.tolist()
+    vo = state.value_offsets.tolist()
+    for i, (node_id, parent, lock_ref, t) in enumerate(
+        zip(state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist())
+    ):
+        node = TreeNode(node_id, t)
+        node.key = keys[ko[i] : ko[i + 1]]
+        node.value = state.values[vo[i] : vo[i + 1]].copy()
+        node.lock_ref = lock_ref
+        if parent >= 0:
+            owner = nodes[parent]
+            node.parent = owner
+            owner.children[node.key[:psb]] = node
+        nodes.append(node)
+        by_id[node_id] = node
+    tree.root_node = nodes[0]
+    tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total = state.scalars
+    tree.evictable_leaves = {by_id[i] for i in state.evictable_leaves.tolist()}
+    tree._heap = [(t, i, by_id[i]) for t, i in state.heap.tolist()]
+    heapq.heapify(tree._heap)
+    return by_id

@@ -89,15 +89,14 @@ def profile(trace: str, top: int) -> None:
     import cProfile
     import pstats
 
-    from allocator import create_allocator
-    from kvtrace.replay import ReplayEngine, allocator_config_for
+    from kvtrace.session import ReplaySession
 
-    reader = TraceReader(resolve_trace(trace))
-    engine = ReplayEngine(reader.steps(), reader.meta, create_allocator(allocator_config_for(reader.meta)))
+    session = ReplaySession(trace, screen="inline")
     prof = cProfile.Profile()
     prof.enable()
-    engine.run()
+    session.run()
     prof.disable()
+    session.close()
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 

@@ -11,7 +11,6 @@ Specs:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -28,11 +27,18 @@ BUILTIN_NAMES = ("builtin", "token", "paged", "paged:N")
 
 @dataclass(frozen=True, slots=True)
 class AllocatorVersion:
-    """A resolved version: its spec, a label for reports, its factory."""
+    """A resolved version: its spec, a label for reports, its factory.
+
+    ``page_size``: the page size the version itself fixes (``token``: 1, ``paged:N``:
+    N), None when it takes the trace's. ``kvtrace.config.effective_config`` decides
+    the configuration from it and the user's options; the factory receives that
+    configuration unchanged.
+    """
 
     spec: str
     label: str
     factory: AllocatorFactory
+    page_size: int | None = None
 
     def create(self, config: AllocatorConfig) -> Allocator:
         """Build the allocator, checking it honours the protocol.
@@ -53,15 +59,10 @@ class AllocatorVersion:
         return alloc
 
 
-def _builtin(page_size: int | None = None) -> AllocatorFactory:
-    def factory(config: AllocatorConfig) -> Allocator:
-        from allocator import create_allocator
+def _builtin(config: AllocatorConfig) -> Allocator:
+    from allocator import create_allocator
 
-        if page_size is not None and page_size != config.page_size:
-            config = dataclasses.replace(config, page_size=page_size, pool_tokens=config.pool_tokens // page_size * page_size)
-        return create_allocator(config)
-
-    return factory
+    return create_allocator(config)
 
 
 def resolve_version(spec: str) -> AllocatorVersion:
@@ -72,16 +73,16 @@ def resolve_version(spec: str) -> AllocatorVersion:
     """
     spec = spec.strip()
     if spec in ("", "builtin"):
-        return AllocatorVersion("builtin", "builtin", _builtin())
+        return AllocatorVersion("builtin", "builtin", _builtin)
     if spec == "token":
-        return AllocatorVersion(spec, "token (page 1)", _builtin(1))
+        return AllocatorVersion(spec, "token (page 1)", _builtin, page_size=1)
     if spec == "paged":
-        return AllocatorVersion(spec, "paged", _builtin())
+        return AllocatorVersion(spec, "paged", _builtin)
     if spec.startswith("paged:"):
         size = spec.split(":", 1)[1]
         if not size.isdigit() or int(size) < 1:
             raise VersionSpecError(f"allocator '{spec}': the page size after 'paged:' must be a positive integer")
-        return AllocatorVersion(spec, f"paged (page {int(size)})", _builtin(int(size)))
+        return AllocatorVersion(spec, f"paged (page {int(size)})", _builtin, page_size=int(size))
     if spec.startswith("git:"):
         raise VersionSpecError(f"allocator '{spec}': git revisions are compared with 'kvtrace diff', not replayed in-process")
     if ":" not in spec:

@@ -4,9 +4,11 @@ One row per replayed step; ``STATE_LOG_SCHEMA`` is the single definition. Any
 Arrow reader opens it (``pyarrow.ipc.open_stream``, ``pandas``, ``polars``); the
 dashboard and diff read it back as ``StepSnapshot``s with ``read_state_log``.
 
-Columns: the step and its time, the pool counters, the per-request lengths that
-changed this step (list columns aligned by position), the step's events
-(list of structs), the op count and the allocator time.
+Columns: the step and its time, the pool counters (``allocator.base.PoolCounters``),
+the requests the step changed (list columns aligned by position: id, lengths, the
+op that changed it, its phase, the prefix it reused), the step's events (list of
+structs), the op count, the allocator time, and whether the row is a keyframe
+(its request lists hold every live request: the first step of a ``--steps`` window).
 """
 
 from __future__ import annotations
@@ -20,12 +22,22 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.errors import TraceError
-from kvtrace.snapshot import Event, PoolSnapshot, RequestDelta, StepSnapshot
+from kvtrace.snapshot import Event, PoolCounters, RequestDelta, StepSnapshot
 
-STATE_LOG_VERSION = 1
+STATE_LOG_VERSION = 2
 STATE_LOG_METADATA_KEY = b"kvtrace.statelog"
 
-_POOL_FIELDS = PoolSnapshot._fields
+_POOL_FIELDS = PoolCounters._fields
+# RequestDelta fields -> list columns (name, Arrow type, numpy dtype)
+_REQUEST_COLUMNS = (
+    ("req_rid", pa.int64(), np.int64),
+    ("req_allocated", pa.int64(), np.int64),
+    ("req_committed", pa.int64(), np.int64),
+    ("req_protected", pa.int64(), np.int64),
+    ("req_op", pa.int8(), np.int8),
+    ("req_phase", pa.int8(), np.int8),
+    ("req_prefix", pa.int64(), np.int64),
+)
 EVENT_TYPE = pa.struct(
     [
         pa.field("kind", pa.utf8()),
@@ -40,12 +52,10 @@ STATE_LOG_SCHEMA = pa.schema(
     + [
         pa.field("num_ops", pa.int32(), nullable=False),
         pa.field("allocator_s", pa.float64(), nullable=False),
-        pa.field("req_rid", pa.list_(pa.int64())),
-        pa.field("req_allocated", pa.list_(pa.int64())),
-        pa.field("req_committed", pa.list_(pa.int64())),
-        pa.field("req_protected", pa.list_(pa.int64())),
-        pa.field("events", pa.list_(EVENT_TYPE)),
+        pa.field("keyframe", pa.bool_(), nullable=False),
     ]
+    + [pa.field(name, pa.list_(arrow_type)) for name, arrow_type, _ in _REQUEST_COLUMNS]
+    + [pa.field("events", pa.list_(EVENT_TYPE))]
 )
 
 
@@ -110,13 +120,14 @@ def _to_batch(snaps: list[StepSnapshot], schema: pa.Schema) -> pa.RecordBatch:
         cols[name] = pa.array([s.pool[i] for s in snaps], pa.int64())
     cols["num_ops"] = pa.array([s.num_ops for s in snaps], pa.int32())
     cols["allocator_s"] = pa.array([s.allocator_s for s in snaps], pa.float64())
+    cols["keyframe"] = pa.array([s.keyframe for s in snaps], pa.bool_())
     offsets = np.zeros(len(snaps) + 1, np.int32)
     offsets[1:] = np.cumsum([s.requests.rids.shape[0] for s in snaps])
     off = pa.array(offsets, pa.int32())
-    for name, attr in (("req_rid", 0), ("req_allocated", 1), ("req_committed", 2), ("req_protected", 3)):
+    for attr, (name, arrow_type, dtype) in enumerate(_REQUEST_COLUMNS):
         parts = [s.requests[attr] for s in snaps]
-        values = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        cols[name] = pa.ListArray.from_arrays(off, pa.array(values, pa.int64()))
+        values = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+        cols[name] = pa.ListArray.from_arrays(off, pa.array(values, arrow_type))
     cols["events"] = pa.array(
         [[{"kind": e.kind, "rid": e.rid, "tokens": e.tokens, "detail": e.detail} for e in s.events] for s in snaps],
         pa.list_(EVENT_TYPE),
@@ -142,7 +153,10 @@ def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnaps
         raise TraceError(f"{p}: an Arrow stream, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
     info = json.loads(raw)
     if info.get("version") != STATE_LOG_VERSION:
-        raise TraceError(f"{p}: state log version {info.get('version')} is not supported (this kvtrace reads {STATE_LOG_VERSION})")
+        raise TraceError(
+            f"{p}: state log version {info.get('version')} is not supported (this kvtrace reads version "
+            f"{STATE_LOG_VERSION}); write it again with 'kvtrace replay TRACE --out LOG'"
+        )
 
     def snapshots() -> Iterator[StepSnapshot]:
         for batch in reader:
@@ -159,19 +173,21 @@ def _from_batch(batch: pa.RecordBatch) -> Iterator[StepSnapshot]:
     times = col["time_s"].to_numpy()
     num_ops = col["num_ops"].to_numpy()
     alloc_s = col["allocator_s"].to_numpy()
+    keyframes = col["keyframe"].to_numpy(zero_copy_only=False)
     lists = []
-    for name in ("req_rid", "req_allocated", "req_committed", "req_protected"):
+    for name, _, dtype in _REQUEST_COLUMNS:
         arr = col[name]
-        lists.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False)))
+        lists.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)))
     events = col["events"].to_pylist()
     for i in range(n):
         parts = [values[offs[i] : offs[i + 1]] for offs, values in lists]
         yield StepSnapshot(
             step=int(steps[i]),
             time_s=float(times[i]),
-            pool=PoolSnapshot(*(int(p[i]) for p in pools)),
+            pool=PoolCounters(*(int(p[i]) for p in pools)),
             requests=RequestDelta(*parts),
             events=tuple(Event(e["kind"], e["rid"], e["tokens"], e["detail"]) for e in events[i]),
             num_ops=int(num_ops[i]),
             allocator_s=float(alloc_s[i]),
+            keyframe=bool(keyframes[i]),
         )

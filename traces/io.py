@@ -516,6 +516,18 @@ _ARROW_FILE_MAGIC = b"ARROW1"
 _EOS_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
+class ResumePoint(NamedTuple):
+    """Where a reader can start again: the record batch holding a step's first row.
+
+    ``offset`` is the byte offset of the batch's message in the file, ``batch_index``
+    the number of record batches before it. ``TraceReader.steps(resume=...)`` reads
+    from there (the schema and dictionaries are read from the start of the file).
+    """
+
+    offset: int
+    batch_index: int
+
+
 class _Message(NamedTuple):
     offset: int
     header_type: int
@@ -608,8 +620,9 @@ class _FramedSource(io.RawIOBase):
     ``corruption`` and also ends the stream; the reader raises it.
     """
 
-    def __init__(self, file: BinaryIO, layout: _Layout) -> None:
+    def __init__(self, file: BinaryIO, layout: _Layout, resume: ResumePoint | None = None) -> None:
         super().__init__()
+        self._resume = resume
         self._file = file
         self._layout = layout
         self._file_bytes = layout.end  # where the messages end
@@ -623,6 +636,8 @@ class _FramedSource(io.RawIOBase):
         self._finished = False
         self.messages: list[_Message] = []
         self.num_record_batches = 0
+        # a dictionary message after the first record batch: resuming past it would miss it
+        self.late_dictionary = False
         self.eos = False
         self.truncation: str | None = None
         self.corruption: str | None = None
@@ -709,6 +724,15 @@ class _FramedSource(io.RawIOBase):
             return self._corrupt(offset, "a second schema message")
         if header_type != _HEADER_SCHEMA and not self.messages:
             return self._corrupt(offset, "the stream does not start with a schema")
+        if header_type == _HEADER_RECORD_BATCH and self._resume is not None:
+            # The schema and dictionaries are served; continue at the resume point.
+            resume, self._resume = self._resume, None
+            self._file.seek(resume.offset)
+            self._offset = resume.offset
+            self.num_record_batches = resume.batch_index
+            return self._load_next()
+        if header_type == _HEADER_DICTIONARY and self.num_record_batches:
+            self.late_dictionary = True
         if offset + 8 + meta_len + body_len > self._file_bytes:
             present = max(0, self._file_bytes - (offset + 8 + meta_len))
             what = "record batch" if header_type == _HEADER_RECORD_BATCH else "message"
@@ -831,6 +855,11 @@ class IpcReader:
         self.truncation_detail: str | None = None
         self.num_record_batches = 0
         self.last_step: int | None = None
+        # where the record batch just read starts, and where to resume to read the
+        # step just yielded again (``steps``); False when the file cannot be resumed
+        self.batch_position: ResumePoint | None = None
+        self.step_position: ResumePoint | None = None
+        self.resumable = True
         self._bytes_read = 0
         self._source: _FramedSource | None = None
         self.file_bytes = self._stat()
@@ -912,13 +941,13 @@ class IpcReader:
         """``iter_batches`` with each batch's custom metadata (a ``KeyValueMetadata`` or None)."""
         return self._iter_raw()
 
-    def _iter_raw(self) -> Iterator[tuple[pa.RecordBatch, Any]]:
+    def _iter_raw(self, resume: ResumePoint | None = None) -> Iterator[tuple[pa.RecordBatch, Any]]:
         self.truncated = False
         self.truncation_detail = None
-        self.num_record_batches = 0
+        self.num_record_batches = resume.batch_index if resume is not None else 0
         self.last_step = None
         file = self._open()
-        source = _FramedSource(file, self._layout)
+        source = _FramedSource(file, self._layout, resume)
         self._source = source
         try:
             try:
@@ -940,6 +969,9 @@ class IpcReader:
                 except (pa.ArrowException, OSError) as exc:
                     raise self._corrupt(source, exc) from None
                 self.num_record_batches += 1
+                message = source.messages[-1]
+                self.batch_position = ResumePoint(message.offset, self.num_record_batches - 1)
+                self.resumable = not source.late_dictionary
                 yield batch, custom
                 if batch.num_rows and has_step:
                     self.last_step = int(batch.column("step")[batch.num_rows - 1].as_py())
@@ -1074,9 +1106,9 @@ class TraceReader(IpcReader):
             )
         self.recording = recording
 
-    def _iter_raw(self) -> Iterator[tuple[pa.RecordBatch, Any]]:
+    def _iter_raw(self, resume: ResumePoint | None = None) -> Iterator[tuple[pa.RecordBatch, Any]]:
         self._closing_status = None
-        for batch, custom in super()._iter_raw():
+        for batch, custom in super()._iter_raw(resume):
             raw = custom.get(RECORDING_KEY) if custom is not None else None
             if raw is not None:
                 try:
@@ -1085,7 +1117,7 @@ class TraceReader(IpcReader):
                     raise self._corrupt_detail(f"its recording status is not valid ({exc})") from None
             yield batch, custom
 
-    def iter_columns(self) -> Iterator[_Columns]:
+    def iter_columns(self, resume: ResumePoint | None = None) -> Iterator[_Columns]:
         """Each record batch as numpy columns (optional columns filled with defaults).
 
         Raises:
@@ -1093,7 +1125,7 @@ class TraceReader(IpcReader):
             TraceSchemaError: a required column holds nulls, or an op name is unknown.
         """
         op_lut: tuple[pa.Array, np.ndarray | None] | None = None
-        for batch, custom in self._iter_raw():
+        for batch, custom in self._iter_raw(resume):
             columns, op_lut = self._to_columns(batch, op_lut)
             stored = custom.get(CHECKSUM_KEY) if custom is not None else None
             if stored is not None:
@@ -1105,25 +1137,33 @@ class TraceReader(IpcReader):
                     )
             yield columns
 
-    def steps(self, start: int | None = None, stop: int | None = None) -> Iterator[StepBatch]:
+    def steps(
+        self, start: int | None = None, stop: int | None = None, resume: ResumePoint | None = None
+    ) -> Iterator[StepBatch]:
         """Yield one ``StepBatch`` per step, in file order.
 
         Args:
             start: first step to yield (inclusive); None: from the beginning.
             stop: step to stop before (exclusive); None: to the end. Reading stops
                 early once a step ``>= stop`` is seen (steps do not decrease).
+            resume: start reading at this record batch (``step_position`` of an
+                earlier step) instead of the first one.
 
-        A step split across record batches is merged into one ``StepBatch``.
+        A step split across record batches is merged into one ``StepBatch``. While
+        a step is being consumed, ``step_position`` says where to resume to read it
+        again.
 
         Raises:
             TraceCorruptError: a complete record batch does not decode.
             TraceSchemaError: a required column holds nulls, or an op name is unknown.
         """
         pending: StepBatch | None = None
-        for columns in self.iter_columns():
+        pending_at: ResumePoint | None = None
+        for columns in self.iter_columns(resume):
             n = columns.step.shape[0]
             if n == 0:
                 continue
+            here = self.batch_position
             bounds = np.flatnonzero(columns.step[1:] != columns.step[:-1]) + 1
             starts = np.concatenate(([0], bounds)).tolist()
             stops = np.concatenate((bounds, [n])).tolist()
@@ -1134,12 +1174,15 @@ class TraceReader(IpcReader):
                         pending = _merge_steps(pending, columns.step_batch(a, b))
                         continue
                     if start is None or pending.step >= start:
+                        self.step_position = pending_at
                         yield pending
                     pending = None
                 if stop is not None and step >= stop:
                     return
                 pending = columns.step_batch(a, b)
+                pending_at = here
         if pending is not None and (start is None or pending.step >= start):
+            self.step_position = pending_at
             yield pending
 
     def _to_columns(
@@ -1258,6 +1301,7 @@ __all__ = [
     "CHECKSUM_KEY",
     "COMPRESSIONS",
     "RECORDING_KEY",
+    "ResumePoint",
     "Compression",
     "IpcFormat",
     "IpcReader",

@@ -13,11 +13,9 @@ from rich.console import Console
 
 from kvtrace.cli import app
 from kvtrace.errors import ConfigError
-from kvtrace.registry import resolve_version
-from kvtrace.replay import ReplayEngine, ReplayOptions, allocator_config_for
-from kvtrace.report import render_replay_summary, replay_summary
+from kvtrace.replay import CHECK_MODES, ReplayOptions
+from kvtrace.report import render_replay_summary
 from kvtrace.statelog import StateLogWriter
-from traces.validate import BackgroundChecker
 
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
@@ -58,11 +56,13 @@ def replay(
     page_size: Annotated[Optional[int], typer.Option("--page-size", min=1, help="What-if: replay with this page size.")] = None,
     pool_tokens: Annotated[Optional[int], typer.Option("--pool-tokens", min=1, help="What-if: replay with this many KV slots.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda (Triton kernels).")] = "cpu",
-    check: Annotated[str, typer.Option("--check", help="Invariant checks: every (after each allocator call), end, never.")] = "end",
+    check: Annotated[str, typer.Option("--check", help="Invariant checks: every (after each allocator call, what it touched), full (the whole state after each call), end, never.")] = "end",
+    max_violations: Annotated[Optional[int], typer.Option("--max-violations", min=1, help="Stop after this many invariant violations.")] = None,
+    first_violation: Annotated[bool, typer.Option("-x", "--exitfirst", help="Stop at the first invariant violation (--max-violations 1).")] = False,
     on_oom: Annotated[str, typer.Option("--on-oom", help="stop at the first out-of-memory, or skip (drop the request).")] = "stop",
     on_bad_op: Annotated[str, typer.Option("--on-bad-op", help="stop at an impossible op in the trace, or skip it.")] = "stop",
-    steps: Annotated[Optional[str], typer.Option("--steps", help="Replay range A:B (B exclusive); earlier steps run silently.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write the step-by-step state log (Arrow stream) here.")] = None,
+    steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the step-by-step state log (Arrow) here.")] = None,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
@@ -71,11 +71,11 @@ def replay(
     Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped bad ops;
     2 bad input.
     """
-    from kvtrace.cli.info import open_trace
+    from kvtrace.session import ReplaySession
 
     for name, value, allowed in (
         ("--device", device, ("cpu", "cuda")),
-        ("--check", check, ("every", "end", "never")),
+        ("--check", check, CHECK_MODES),
         ("--on-oom", on_oom, ("stop", "skip")),
         ("--on-bad-op", on_bad_op, ("stop", "skip")),
     ):
@@ -83,45 +83,37 @@ def replay(
             raise typer.BadParameter(f"'{value}' is not one of {', '.join(allowed)}", param_hint=name)
     start, stop = parse_step_range(steps)
     check_device(device)
-    version = resolve_version(allocator)
-    reader = open_trace(trace)
-    config = allocator_config_for(reader.meta, page_size=page_size, pool_tokens=pool_tokens, device=device)
-    # The step checker runs in a child process on another core; start it before the
-    # allocator (which may initialise CUDA).
-    checker = BackgroundChecker(reader.path, stop=stop)
-    alloc = version.create(config)
-    options = ReplayOptions(check=check, on_oom=on_oom, on_bad_op=on_bad_op, start_step=start, stop_step=stop)  # type: ignore[arg-type]
-    engine = ReplayEngine(reader.steps(), reader.meta, alloc, options, checker=checker)
-    err = Console(stderr=True)
-    log = None
-    if out is not None:
-        log = StateLogWriter(out, {"trace": str(trace), "allocator": version.spec, "config": _config_dict(config)})
-    t0 = time.perf_counter()
-    try:
-        with _progress(err, reader) as advance:
-            for snap in engine.snapshots():
-                if log is not None:
-                    log.write(snap)
-                advance(snap.step, snap.time_s)
-    finally:
-        checker.close()
-        if log is not None:
-            log.close()
-    wall = time.perf_counter() - t0
-    summary = replay_summary(
-        engine.stats,
-        config,
-        requests=engine.num_requests,
-        wall_s=wall,
-        held_overalloc=alloc.counters().overallocated,
-        stopped_early=engine.stopped_early,
+    options = ReplayOptions(
+        check=check,  # type: ignore[arg-type]
+        on_oom=on_oom,  # type: ignore[arg-type]
+        on_bad_op=on_bad_op,  # type: ignore[arg-type]
+        start_step=start,
+        stop_step=stop,
+        max_violations=1 if first_violation else max_violations,
     )
-    summary["trace"] = str(trace)
-    summary["allocator"] = version.spec
-    summary["truncated"] = bool(getattr(reader, "truncated", False))
+    err = Console(stderr=True)
+    with ReplaySession(
+        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options
+    ) as session:
+        log = None
+        if out is not None:
+            log = StateLogWriter(
+                out, {"trace": str(trace), "allocator": session.version.spec, "config": _config_dict(session.config)}
+            )
+        try:
+            with _progress(err, session) as advance:
+                for snap in session.snapshots():
+                    if log is not None:
+                        log.write(snap)
+                    advance(snap.step, snap.time_s)
+        finally:
+            if log is not None:
+                log.close()
+        result = session.result()
+    summary = result.to_dict()
     if out is not None:
         summary["state_log"] = str(out)
-    if (start is not None or stop is not None) and engine.stats.steps_reported == 0 and not engine.stopped_early:
+    if (start is not None or stop is not None) and result.stats.steps == 0 and not result.stopped_early:
         err.print(f"[yellow]warning:[/yellow] --steps {steps}: no step of {trace} falls in that window")
     if summary["truncated"]:
         err.print(f"[yellow]warning:[/yellow] {trace}: the trace was cut short; replayed every complete step")
@@ -129,8 +121,7 @@ def replay(
         sys.stdout.write(json.dumps(summary) + "\n")
     else:
         render_replay_summary(summary, Console(), title=f"kvtrace replay {trace}")
-    failed = summary["num_violations"] > 0 or summary["bad_ops"] > 0 or (on_oom == "stop" and summary["oom"] is not None)
-    raise typer.Exit(1 if failed else 0)
+    raise typer.Exit(1 if result.failed else 0)
 
 
 def _config_dict(config: object) -> dict[str, object]:
@@ -143,9 +134,9 @@ def _config_dict(config: object) -> dict[str, object]:
 class _progress:
     """A stderr progress line (steps, simulated time, share of the file read); silent when not a TTY."""
 
-    def __init__(self, console: Console, reader: object) -> None:
+    def __init__(self, console: Console, session: object) -> None:
         self.console = console
-        self.reader = reader
+        self.session = session
         self.enabled = console.is_terminal
         self._last = 0.0
         self._steps = 0
@@ -165,8 +156,7 @@ class _progress:
             transient=True,
         )
         self._progress.start()
-        total = float(getattr(self.reader, "file_bytes", 0) or 1)
-        self._task = self._progress.add_task("replay", total=total, info="")
+        self._task = self._progress.add_task("replay", total=1.0, info="")
 
         def advance(step: int, t: float) -> None:
             self._steps += 1
@@ -174,7 +164,7 @@ class _progress:
             if now - self._last < 0.1:
                 return
             self._last = now
-            done = float(getattr(self.reader, "bytes_read", 0) or 0)
+            done = self.session.progress  # type: ignore[attr-defined]
             self._progress.update(self._task, completed=done, info=f"step {step:,}  t={t:,.0f}s")
 
         return advance

@@ -1,0 +1,448 @@
+"""The replay session: one trace through one allocator version, the library entry of
+every consumer (the ``replay`` command, the dashboard, diff, shrink, sweeps).
+
+A session is built from a trace, a version spec and what-if overrides; it decides
+the effective configuration once (``kvtrace.config.effective_config``), screens
+every step for impossible ops (in a child process by default), drives the
+``ReplayEngine`` step by step and yields one ``StepSnapshot`` per step::
+
+    with ReplaySession("sample:tiny", version="paged:16", checkpoint_every=500) as s:
+        for snap in s.snapshots():      # or s.step(), one at a time
+            ...
+        s.seek(120)                     # any step, forwards or backwards
+        result = s.result()             # the summary (kvtrace replay --json)
+
+Seek: with ``checkpoint_every=K`` the session saves the allocator and the engine
+every K replayed steps (memory proportional to the live state, bounded by
+``checkpoint_budget``: past it, every other checkpoint is dropped and K doubles),
+so going to any step replays at most K steps. Steps replayed once are screened
+once: going back re-uses their screening.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from allocator.base import Checkpointable
+from kvtrace.config import effective_config
+from kvtrace.errors import ConfigError
+from kvtrace.registry import AllocatorVersion, resolve_version
+from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats
+from kvtrace.state import ReplayState
+from traces.io import ResumePoint, TraceReader
+
+if TYPE_CHECKING:
+    from allocator.base import Allocator, AllocatorConfig
+    from kvtrace.snapshot import StepSnapshot
+    from traces.schema import StepBatch
+    from traces.validate import Problem
+
+__all__ = ["ReplayResult", "ReplaySession", "open_trace"]
+
+ScreenMode = Literal["background", "inline"]
+DEFAULT_CHECKPOINT_BUDGET = 512 << 20
+
+
+def open_trace(spec: str | Path) -> TraceReader:
+    """Open a trace argument (a path or ``sample:NAME``), validating it once.
+
+    Raises:
+        TraceError: the file cannot be read or breaks the format (one clear line).
+    """
+    from traces.samples import resolve_trace
+
+    return TraceReader(resolve_trace(str(spec)))
+
+
+class _RecordedScreen:
+    """Screens each step once (through ``inner``, in file order) and remembers the
+    problems, so steps replayed again after a seek are screened from memory."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.frontier: int | None = None  # every step <= this one was screened
+        self._problems: dict[int, list[Problem]] = {}
+
+    def check(self, batch: StepBatch) -> list[Problem]:
+        if self.frontier is not None and batch.step <= self.frontier:
+            return self._problems.get(batch.step, [])
+        problems = self.inner.check(batch)
+        self.frontier = batch.step
+        if problems:
+            self._problems[batch.step] = problems
+        return problems
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+@dataclass
+class _Checkpoint:
+    """The state before step ``next_step``: restore it and ``step()`` replays that step."""
+
+    next_step: int
+    position: ResumePoint | None  # where ``next_step`` starts in the file
+    allocator: object
+    engine: EngineState
+    state: Any  # ReplayState.save(), or None
+    last: StepSnapshot | None  # the snapshot before (None at the start of the window)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay found: the summary every report is made from.
+
+    ``to_dict()`` is the stable ``kvtrace replay --json`` object.
+    """
+
+    trace: str
+    allocator: str
+    config: AllocatorConfig
+    options: ReplayOptions
+    stats: ReplayStats
+    requests: int
+    wall_s: float
+    overalloc_held_at_end: int
+    page_tail_at_end: int
+    stopped_early: bool
+    truncated: bool
+    completed: bool  # the replay reached the end of the trace (or its window)
+
+    @property
+    def failed(self) -> bool:
+        """Violations, skipped bad ops, or an out-of-memory that stopped the replay."""
+        st = self.stats
+        return st.num_violations > 0 or st.bad_ops > 0 or (self.options.on_oom == "stop" and st.oom is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        from kvtrace.report import replay_summary
+
+        return replay_summary(self)
+
+
+class ReplaySession:
+    """One replay of a trace through one allocator version.
+
+    Args:
+        trace: a path, ``sample:NAME``, or an open ``TraceReader``.
+        version: an allocator version spec (``kvtrace.registry``) or a resolved one.
+        page_size: what-if page size (conflicts with a version that fixes another).
+        pool_tokens: what-if pool size (rounded down to whole pages).
+        device: ``cpu`` or ``cuda``.
+        options: checks, OOM and bad-op handling, the ``--steps`` window.
+        checkpoint_every: save a checkpoint every this many replayed steps (None:
+            none; ``seek`` backwards then replays from the start).
+        checkpoint_budget: bytes the checkpoints may hold.
+        screen: screen steps in a child process (``background``) or here (``inline``).
+        track_state: keep the per-request ``ReplayState`` fold (``state``).
+        label: how reports name the trace (default: the argument as given).
+
+    Raises:
+        TraceError: the trace cannot be read.
+        VersionSpecError: the version does not resolve or its factory fails.
+        ConfigError: conflicting options, or a configuration no allocator takes.
+    """
+
+    def __init__(
+        self,
+        trace: str | Path | TraceReader,
+        *,
+        version: str | AllocatorVersion = "builtin",
+        page_size: int | None = None,
+        pool_tokens: int | None = None,
+        device: str = "cpu",
+        options: ReplayOptions | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
+        screen: ScreenMode = "background",
+        track_state: bool = False,
+        label: str | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ConfigError(f"checkpoint interval must be >= 1 step, found {checkpoint_every}")
+        self.options = options or ReplayOptions()
+        self.version = version if isinstance(version, AllocatorVersion) else resolve_version(version)
+        self.reader = trace if isinstance(trace, TraceReader) else open_trace(trace)
+        self.label = label if label is not None else str(trace if not isinstance(trace, TraceReader) else trace.path)
+        self.meta = self.reader.meta
+        self.config = effective_config(
+            self.meta,
+            version_spec=self.version.spec,
+            version_page_size=self.version.page_size,
+            page_size=page_size,
+            pool_tokens=pool_tokens,
+            device=device,
+        )
+        self._clock = clock
+        self._track_state = track_state
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_budget = checkpoint_budget
+        # The screen runs in a child process on another core; start it before the
+        # allocator (which may initialise CUDA).
+        if screen == "background":
+            from traces.validate import BackgroundChecker
+
+            inner: Any = BackgroundChecker(self.reader.path, stop=self.options.stop_step)
+        else:
+            from traces.validate import OpSequenceChecker
+
+            inner = OpSequenceChecker(self.meta)
+        self._screen = _RecordedScreen(inner)
+        try:
+            self._start()
+        except BaseException:
+            self._screen.close()
+            raise
+        self._checkpoints: list[_Checkpoint] = []
+        self._since_checkpoint = 0
+        self._wall_s = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+    def _start(self) -> None:
+        """A fresh allocator and engine at the start of the trace."""
+        self.allocator: Allocator = self.version.create(self.config)
+        self.engine = ReplayEngine(self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock)
+        self.state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
+        if getattr(self, "_timeline", None) is not None and self.state is not None:
+            self.state.timeline = self._timeline  # append-only: survives a restart
+        self.last: StepSnapshot | None = None
+        self.done = False
+        self._open_steps(None, None)
+
+    def _open_steps(self, position: ResumePoint | None, start: int | None) -> None:
+        old = getattr(self, "_steps", None)
+        if old is not None:
+            old.close()
+        self._steps: Iterator[StepBatch] = self.reader.steps(
+            start=start, stop=self.options.stop_step, resume=position
+        )
+        self._lookahead: tuple[StepBatch, ResumePoint | None] | None = None
+        self._exhausted = False
+
+    @property
+    def checkpointable(self) -> bool:
+        """Whether seeking backwards restores checkpoints (else it replays from the start)."""
+        return (
+            self.checkpoint_every is not None
+            and isinstance(self.allocator, Checkpointable)
+            and self.reader.resumable
+        )
+
+    # ------------------------------------------------------------------ stepping
+    def _peek(self) -> tuple[StepBatch, ResumePoint | None] | None:
+        if self._lookahead is None and not self._exhausted:
+            try:
+                batch = next(self._steps)
+            except StopIteration:
+                self._exhausted = True
+                return None
+            self._lookahead = (batch, self.reader.step_position)
+        return self._lookahead
+
+    def step(self) -> StepSnapshot | None:
+        """Replay up to and including the next step of the window; its snapshot, or
+        None when the replay is over (the end of the trace or window, or a stop)."""
+        if self.done:
+            return None
+        t0 = self._clock()
+        try:
+            return self._step()
+        finally:
+            self._wall_s += self._clock() - t0
+
+    def _step(self) -> StepSnapshot | None:
+        engine = self.engine
+        start = self.options.start_step
+        while True:
+            item = self._peek()
+            if item is None:
+                self._end()
+                return None
+            if (start is None or item[0].step >= start) and self._due_checkpoint():
+                self._save_checkpoint(*item)
+            self._lookahead = None
+            snap = engine.replay_step(item[0])
+            if snap is None:
+                if engine.stopped_early:
+                    self._end()
+                    return None
+                continue
+            self._since_checkpoint += 1
+            self.last = snap
+            if self.state is not None:
+                self.state.apply(snap)
+            if engine.stopped_early:
+                self._end()
+            return snap
+
+    def _end(self) -> None:
+        if not self.done:
+            self.engine.finish()
+            self.done = True
+
+    def snapshots(self) -> Iterator[StepSnapshot]:
+        """Replay step by step to the end, yielding each snapshot of the window."""
+        while True:
+            snap = self.step()
+            if snap is None:
+                return
+            yield snap
+
+    def run(self, on_snapshot: Callable[[StepSnapshot], None] | None = None) -> ReplayResult:
+        """Replay to the end (or the first stop) and return the result."""
+        for snap in self.snapshots():
+            if on_snapshot is not None:
+                on_snapshot(snap)
+        return self.result()
+
+    @property
+    def progress(self) -> float:
+        """Share of the trace file read so far (0..1), for progress bars."""
+        return min(1.0, self.reader.bytes_read / max(self.reader.file_bytes, 1))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _due_checkpoint(self) -> bool:
+        if not self.checkpointable:
+            return False
+        if not self._checkpoints:
+            return True  # the start of the window
+        assert self.checkpoint_every is not None
+        return self._since_checkpoint >= self.checkpoint_every
+
+    def _save_checkpoint(self, batch: StepBatch, position: ResumePoint | None) -> None:
+        if self._checkpoints and self._checkpoints[-1].next_step >= batch.step:
+            return  # replaying again after a seek: this one exists
+        saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
+        saved_engine = self.engine.save_state()
+        saved_state = self.state.save() if self.state is not None else None
+        nbytes = int(getattr(saved_alloc, "nbytes", 0)) + _engine_nbytes(saved_engine)
+        if saved_state is not None:
+            nbytes += sum(v.nbytes for v in saved_state.columns.values())
+        self._checkpoints.append(
+            _Checkpoint(batch.step, position, saved_alloc, saved_engine, saved_state, self.last, nbytes)
+        )
+        self._since_checkpoint = 0
+        if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
+            # Thin out: keep the first (the window's start), every other one after it.
+            self._checkpoints = self._checkpoints[:1] + self._checkpoints[2::2]
+            assert self.checkpoint_every is not None
+            self.checkpoint_every *= 2
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Memory the checkpoints hold now."""
+        return sum(c.nbytes for c in self._checkpoints)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpoints)
+
+    def seek(self, step: int) -> StepSnapshot | None:
+        """Go to the state after ``step`` (the last step of the window at or before it;
+        the first step of the window if ``step`` is before it) and return that step's
+        snapshot. Forwards or backwards; with checkpoints it replays at most
+        ``checkpoint_every`` steps.
+
+        A replay that stopped (an out-of-memory, a violation limit) cannot go past
+        the step it stopped at.
+        """
+        t0 = self._clock()
+        try:
+            return self._seek(step)
+        finally:
+            self._wall_s += self._clock() - t0
+
+    def _seek(self, target: int) -> StepSnapshot | None:
+        current = self.last.step if self.last is not None else None
+        best = self._checkpoint_for(target)
+        going_back = current is not None and target < current
+        if going_back or (best is not None and (current is None or best.next_step > current + 1)):
+            if best is not None:
+                self._restore(best)
+            elif going_back:
+                self._restart()
+        while not self.done:
+            item = self._peek()
+            if item is None:
+                self._end()
+                break
+            if self.last is not None and item[0].step > target:
+                break
+            self._step()
+        return self.last
+
+    def _checkpoint_for(self, target: int) -> _Checkpoint | None:
+        best = None
+        for c in self._checkpoints:
+            if c.next_step <= target or best is None:
+                best = c
+            else:
+                break
+        return best
+
+    def _restore(self, c: _Checkpoint) -> None:
+        self.allocator.restore_state(c.allocator)  # type: ignore[attr-defined]
+        self.engine.restore_state(c.engine)
+        if self.state is not None and c.state is not None:
+            self.state.restore(c.state, c.last.pool if c.last is not None else None)
+        self.last = c.last
+        self.done = False
+        self._open_steps(c.position, c.next_step)
+        self._since_checkpoint = 0
+
+    def _restart(self) -> None:
+        """Seek without checkpoints: a fresh allocator from the start of the trace."""
+        self._timeline = self.state.timeline if self.state is not None else None
+        self._start()
+
+    # ------------------------------------------------------------------ result
+    def result(self) -> ReplayResult:
+        """The summary of what was replayed so far (complete once ``done``)."""
+        engine = self.engine
+        counters = self.allocator.counters()
+        held = engine.overalloc_held()
+        return ReplayResult(
+            trace=self.label,
+            allocator=self.version.spec,
+            config=self.config,
+            options=self.options,
+            stats=engine.stats,
+            requests=engine.num_requests,
+            wall_s=self._wall_s,
+            overalloc_held_at_end=held,
+            page_tail_at_end=counters.overallocated - held,
+            stopped_early=engine.stopped_early,
+            truncated=bool(self.reader.truncated),
+            completed=self.done and not engine.stopped_early,
+        )
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the background screen and release the file."""
+        if self._closed:
+            return
+        self._closed = True
+        self._screen.close()
+        steps = getattr(self, "_steps", None)
+        if steps is not None:
+            steps.close()
+
+    def __enter__(self) -> ReplaySession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _engine_nbytes(state: EngineState) -> int:
+    tokens = state.tokens
+    return sum(a.nbytes for a in state.arrays.values()) + int(getattr(tokens, "nbytes", lambda: 0)())
