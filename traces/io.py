@@ -23,8 +23,10 @@ import io
 import json
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -62,9 +64,78 @@ Compression = Literal["zstd", "lz4"]
 COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
 IpcFormat = Literal["stream", "file"]
 
-# A numpy array, not a list: pa.array of a list would import pandas (~0.3 s) to ask
-# whether the list is a pandas object.
-_OPS_DICTIONARY = pa.array(np.array(OPS), pa.utf8())
+_NUMPY_TO_ARROW = {
+    np.dtype(np.int8): pa.int8(),
+    np.dtype(np.int32): pa.int32(),
+    np.dtype(np.int64): pa.int64(),
+    np.dtype(np.uint64): pa.uint64(),
+    np.dtype(np.float64): pa.float64(),
+}
+
+
+def _arrow(values: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
+    """A primitive numpy array as an Arrow array, zero-copy; ``mask`` True marks nulls.
+
+    Built from buffers rather than with ``pa.array``, which imports pandas (when it is
+    installed, ~0.3 s) to ask whether its argument is a pandas object.
+    """
+    values = np.ascontiguousarray(values)
+    arrow_type = _NUMPY_TO_ARROW[values.dtype]
+    if mask is None or not mask.any():
+        return pa.Array.from_buffers(arrow_type, values.shape[0], [None, pa.py_buffer(values)])
+    bitmap = pa.py_buffer(np.packbits(~mask, bitorder="little"))
+    nulls = int(np.count_nonzero(mask))
+    return pa.Array.from_buffers(arrow_type, values.shape[0], [bitmap, pa.py_buffer(values)], null_count=nulls)
+
+
+_INTEGER_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+_ARROW_TO_NUMPY = {
+    pa.from_numpy_dtype(np.dtype(dtype)): np.dtype(dtype) for dtype in (*_INTEGER_DTYPES, np.float64)
+}
+
+
+def _numpy(array: pa.Array) -> np.ndarray:
+    """A primitive Arrow array's values as a read-only numpy view (null slots hold
+    whatever the buffer holds).
+
+    Not ``Array.to_numpy``: its first call initialises pyarrow's pandas support,
+    importing pandas (when it is installed, ~0.3 s of ``kvtrace info``).
+    """
+    dtype = _ARROW_TO_NUMPY.get(array.type)
+    if dtype is None:  # not a type kvtrace writes
+        return array.to_numpy(zero_copy_only=False)
+    data = array.buffers()[1]
+    if data is None or len(array) == 0:
+        return np.zeros(0, dtype)
+    return np.frombuffer(data, dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
+def _validity(array: pa.Array) -> np.ndarray:
+    """bool [n]: which slots of ``array`` are not null."""
+    bitmap = array.buffers()[0]
+    if bitmap is None or array.null_count == 0:
+        return np.ones(len(array), np.bool_)
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
+    return bits[array.offset : array.offset + len(array)].astype(np.bool_)
+
+
+def _numpy_filled(array: pa.Array, fill: int) -> np.ndarray:
+    """``_numpy(array)`` with null slots set to ``fill``."""
+    values = _numpy(array)
+    if array.null_count:
+        values = np.where(_validity(array), values, fill)
+    return values
+
+
+def _string_array(strings: Sequence[str]) -> pa.Array:
+    """A utf8 Arrow array of ``strings`` (built from buffers, see ``_arrow``)."""
+    data = [text.encode() for text in strings]
+    offsets = np.zeros(len(data) + 1, np.int32)
+    np.cumsum([len(d) for d in data], out=offsets[1:])
+    return pa.StringArray.from_buffers(len(data), pa.py_buffer(offsets), pa.py_buffer(b"".join(data)))
+
+
+_OPS_DICTIONARY = _string_array(OPS)
 _LIST_TYPES = {name: COLUMN_BY_NAME[name].type for name in ("block_hashes", "token_ids")}
 _LIST_DTYPES = {"block_hashes": np.uint64, "token_ids": np.int64}
 _ROW_COLUMNS = (
@@ -100,6 +171,44 @@ def _os_reason(exc: OSError) -> str:
     if exc.errno:
         return os.strerror(exc.errno)
     return str(exc)
+
+
+class _StepWrite:
+    """Whether the main thread is writing a step, and an interruption held back meanwhile."""
+
+    depth = 0
+    held: BaseException | None = None
+
+
+@contextmanager
+def _writing_step() -> Iterator[None]:
+    """A step is being written: an interruption (``interrupt_when_safe``) waits until it is
+    on disk, so the trace and its recorded step count agree."""
+    if threading.current_thread() is not threading.main_thread():  # signals run in the main thread
+        yield
+        return
+    _StepWrite.depth += 1
+    try:
+        yield
+    finally:
+        _StepWrite.depth -= 1
+    if _StepWrite.depth == 0 and _StepWrite.held is not None:
+        held, _StepWrite.held = _StepWrite.held, None
+        raise held
+
+
+def interrupt_when_safe(exc: BaseException) -> None:
+    """For a signal handler: raise ``exc`` now, or, while a trace writer is writing a
+    step, as soon as that step is on disk (then its ``with`` block marks the trace
+    interrupted after a whole step, never half of one).
+
+    Raises:
+        BaseException: ``exc``, unless held back.
+    """
+    if _StepWrite.depth:
+        _StepWrite.held = exc
+        return
+    raise exc
 
 
 def describe_stop(exc: BaseException) -> str:
@@ -298,15 +407,16 @@ class TraceWriter:
                 f"step {step} written after step {self._last_step}: steps must increase "
                 "(write all of a step's rows in one call)"
             )
-        self._last_step = step
         n = len(batch)
-        if n == 0:
-            return
-        self._pending.append(batch)
-        self._steps_written += 1
-        self._rows_written += n
-        if len(self._pending) >= self.steps_per_batch:
-            self._write_pending()
+        with _writing_step():
+            self._last_step = step
+            if n == 0:
+                return
+            self._pending.append(batch)
+            self._steps_written += 1
+            self._rows_written += n
+            if len(self._pending) >= self.steps_per_batch:
+                self._write_pending()
 
     def write_step(
         self,
@@ -378,12 +488,13 @@ class TraceWriter:
                 steps=self._steps_written,
             )
         try:
-            if self._pending:
-                self._write_pending()
-            if final is not None and self.ipc_format == "stream":
-                self._write_empty({RECORDING_KEY: final.to_json().encode()})
-            self._ipc.close()
-            self._sink.close()
+            with _writing_step():  # the last steps, the status and the end, not a part of them
+                if self._pending:
+                    self._write_pending()
+                if final is not None and self.ipc_format == "stream":
+                    self._write_empty({RECORDING_KEY: final.to_json().encode()})
+                self._ipc.close()
+                self._sink.close()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
@@ -460,7 +571,7 @@ def _list_array(ragged: Ragged, arrow_type: pa.DataType) -> pa.Array:
     if not ragged.valid.any():
         return pa.nulls(n, arrow_type)
     offsets = pa.py_buffer(ragged.offsets.astype(np.int32))
-    values = pa.array(ragged.values, arrow_type.value_type)
+    values = _arrow(ragged.values)  # already of the column's dtype (_LIST_DTYPES)
     if ragged.valid.all():
         bitmap, null_count = None, 0
     else:
@@ -484,16 +595,16 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
     prompt = _concat([s.prompt_len for s in steps], np.int64)
     prompt_mask = prompt < 0
     arrays: dict[str, pa.Array] = {
-        "step": pa.array(step_col),
-        "time_s": pa.array(time_col),
-        "op": pa.DictionaryArray.from_arrays(pa.array(op, pa.int8()), _OPS_DICTIONARY, safe=False),
-        "rid": pa.array(rid),
-        "prompt_len": pa.array(prompt, pa.int64(), mask=prompt_mask if prompt_mask.any() else None),
+        "step": _arrow(step_col),
+        "time_s": _arrow(time_col),
+        "op": pa.DictionaryArray.from_arrays(_arrow(op), _OPS_DICTIONARY, safe=False),
+        "rid": _arrow(rid),
+        "prompt_len": _arrow(prompt, prompt_mask),
     }
     content = [step_col, time_col, op, rid]
     for name, dtype in _NUMERIC:
         column = _concat([getattr(s, name) for s in steps], dtype)
-        arrays[name] = pa.array(column)
+        arrays[name] = _arrow(column)
         content.append(column)
     content.append(prompt)
     for name, arrow_type in _LIST_TYPES.items():
@@ -1201,15 +1312,12 @@ class TraceReader(IpcReader):
                     TraceSchemaError,
                     f"column '{name}' holds {array.null_count} null values in {where()}",
                 )
-            return array.to_numpy().astype(dtype, copy=False)
+            return _numpy(array).astype(dtype, copy=False)
 
         def optional(name: str, dtype: type) -> np.ndarray:
             if name not in present:
                 return np.zeros(n, dtype)
-            array = batch.column(name)
-            if array.null_count:
-                array = array.fill_null(0)
-            return array.to_numpy().astype(dtype, copy=False)
+            return _numpy_filled(batch.column(name), 0).astype(dtype, copy=False)
 
         op_array = batch.column("op")
         if op_array.null_count:
@@ -1223,7 +1331,7 @@ class TraceReader(IpcReader):
                 op_lut = (dictionary, None)  # the indices are the op codes
             else:
                 op_lut = (dictionary, np.array([OP_CODE.get(v, -1) for v in names], np.int8))
-        indices = op_array.indices.to_numpy()
+        indices = _numpy(op_array.indices)
         if op_lut[1] is None:
             op = indices.astype(np.int8, copy=False)
         else:
@@ -1236,10 +1344,7 @@ class TraceReader(IpcReader):
                 )
 
         if "prompt_len" in present:
-            prompt_array = batch.column("prompt_len")
-            if prompt_array.null_count:
-                prompt_array = prompt_array.fill_null(-1)
-            prompt = prompt_array.to_numpy().astype(np.int64, copy=False)
+            prompt = _numpy_filled(batch.column("prompt_len"), -1).astype(np.int64, copy=False)
         else:
             prompt = np.full(n, -1, np.int64)
 
@@ -1266,14 +1371,14 @@ class TraceReader(IpcReader):
         array = batch.column(name)
         if array.null_count == n:
             return Ragged.empty(n, dtype)
-        offsets = array.offsets.to_numpy().astype(np.int64)
-        values = array.values.to_numpy()
+        offsets = _numpy(array.offsets).astype(np.int64)
+        values = _numpy(array.values)
         base = offsets[0]
         if base:
             offsets = offsets - base
         values = values[base : base + offsets[-1]]
         if array.null_count:
-            valid = ~array.is_null().to_numpy(zero_copy_only=False)
+            valid = _validity(array)
             lengths = np.diff(offsets)
             if np.any(lengths[~valid]):  # a null row with a slice: drop the slice
                 return Ragged.from_rows(
@@ -1309,4 +1414,5 @@ __all__ = [
     "TraceWriter",
     "compact_trace",
     "describe_stop",
+    "interrupt_when_safe",
 ]

@@ -181,3 +181,34 @@ def test_damage_inside_a_file_is_corruption_not_truncation(tmp_path: Path) -> No
     damaged.write_bytes(bytes(data))
     with pytest.raises(TraceCorruptError, match=r"trace .*damaged\.kvtrace: corrupt data in record batch"):
         list(TraceReader(damaged).steps())
+
+
+def test_an_interruption_during_a_step_write_lands_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler raising through ``interrupt_when_safe`` in the middle of a step
+    being written: the step reaches the file and the closing status counts it."""
+    import signal
+
+    import traces.io as trace_io
+
+    path = tmp_path / "t.kvtrace"
+    convert = trace_io._to_record_batch
+    calls = []
+
+    def convert_and_get_a_signal(steps: list, schema: pa.Schema) -> tuple:
+        calls.append(len(steps))
+        if len(calls) == 4:  # the empty first batch, then steps 0, 1, 2: Ctrl-C while writing step 2
+            signal.raise_signal(signal.SIGINT)
+        return convert(steps, schema)
+
+    monkeypatch.setattr(trace_io, "_to_record_batch", convert_and_get_a_signal)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: trace_io.interrupt_when_safe(KeyboardInterrupt()))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with TraceWriter(path, recording_meta()) as writer:
+                for batch in decode_steps(10):
+                    writer.write(batch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    got, reader = read(path)
+    assert [s.step for s in got] == [0, 1, 2] and reader.recording.steps == 3
+    assert reader.recording.detail == "interrupted by Ctrl-C (SIGINT)"
