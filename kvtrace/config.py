@@ -62,11 +62,25 @@ def allocator_config_for(
         debug_checks=debug_checks,
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
+    if config.pool_tokens < 2 * ps:
+        raise ConfigError(_pool_below_two_pages(pool, ps, page_size is not None, pool_tokens is not None))
     try:
         config.check()
     except ValueError as exc:
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
     return config
+
+
+def _pool_below_two_pages(pool: int, page_size: int, page_given: bool, pool_given: bool) -> str:
+    """One line naming the option that leaves fewer than two pages in the pool."""
+    if page_given and (not pool_given or page_size > pool // 2 > 0):
+        where = "the --pool-tokens" if pool_given else "the trace's"
+        return (
+            f"--page-size {page_size:,}: two pages of {page_size:,} tokens do not fit {where} pool of {pool:,} tokens; "
+            f"give a --page-size of at most {max(1, pool // 2):,} or a larger --pool-tokens"
+        )
+    what = f"--pool-tokens {pool:,}" if pool_given else f"the trace's pool of {pool:,} tokens"
+    return f"{what} is below two pages of {page_size:,} tokens; give --pool-tokens {2 * page_size:,} or more"
 
 
 def effective_config(

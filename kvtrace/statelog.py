@@ -1,8 +1,10 @@
-"""The state log: an Arrow IPC stream of step snapshots (``kvtrace replay --out``).
+"""The state log: an Arrow IPC file of step snapshots (``kvtrace replay --out``).
 
 One row per replayed step; ``STATE_LOG_SCHEMA`` is the single definition. Any
-Arrow reader opens it (``pyarrow.ipc.open_stream``, ``pandas``, ``polars``); the
-dashboard and diff read it back as ``StepSnapshot``s with ``read_state_log``.
+Arrow reader opens it (``pyarrow.ipc.open_file``, ``pandas.read_feather``,
+``polars.scan_ipc``, DuckDB through ``pyarrow.dataset``); the dashboard and diff
+read it back as ``StepSnapshot``s with ``read_state_log``, which also reads a log
+whose footer is missing (cut short: every complete batch) and older stream logs.
 
 Columns: the step and its time, the pool counters (``allocator.base.PoolCounters``),
 the requests the step changed (list columns aligned by position: id, lengths, the
@@ -23,6 +25,7 @@ import pyarrow as pa
 
 from kvtrace.errors import TraceError
 from kvtrace.snapshot import Event, PoolCounters, RequestDelta, StepSnapshot
+from traces.io import IpcReader
 
 STATE_LOG_VERSION = 2
 STATE_LOG_METADATA_KEY = b"kvtrace.statelog"
@@ -60,10 +63,11 @@ STATE_LOG_SCHEMA = pa.schema(
 
 
 class StateLogWriter:
-    """Streams snapshots to an Arrow IPC file, one record batch per ``steps_per_batch``.
+    """Writes snapshots to an Arrow IPC file, one record batch per ``steps_per_batch``
+    (the footer is written by ``close``).
 
     Args:
-        path: output file (overwritten).
+        path: output file (overwritten; ``kvtrace.outputs`` decides whether it may be).
         info: JSON-able description stored in the schema metadata (trace, allocator, options).
         steps_per_batch: snapshots buffered per record batch (each batch is flushed).
 
@@ -79,7 +83,7 @@ class StateLogWriter:
             self._sink = pa.OSFile(str(self.path), "wb")
         except OSError as exc:
             raise TraceError(f"{self.path}: cannot write the state log ({exc.strerror or exc})") from None
-        self._writer = pa.ipc.new_stream(
+        self._writer = pa.ipc.new_file(
             self._sink, self._schema, options=pa.ipc.IpcWriteOptions(compression="zstd")
         )
         self._steps_per_batch = steps_per_batch
@@ -135,31 +139,43 @@ def _to_batch(snaps: list[StepSnapshot], schema: pa.Schema) -> pa.RecordBatch:
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
+def open_state_log(path: str | Path) -> tuple[dict[str, Any], IpcReader]:
+    """Open a state log: its stored info and a reader of its record batches.
+
+    After an iteration, ``reader.truncated`` says whether the log was cut short.
+
+    Raises:
+        TraceError: the file is missing, not Arrow IPC, or not a kvtrace state log
+            of a version this kvtrace reads.
+    """
+    reader = IpcReader(path, what="state log")
+    p = reader.path
+    raw = (reader.schema.metadata or {}).get(STATE_LOG_METADATA_KEY)
+    if raw is None:
+        raise TraceError(f"{p}: Arrow IPC, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
+    try:
+        info = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"state log {p}: its metadata is not valid JSON ({exc})") from None
+    if not isinstance(info, dict) or info.get("version") != STATE_LOG_VERSION:
+        version = info.get("version") if isinstance(info, dict) else None
+        raise TraceError(
+            f"{p}: state log version {version} is not supported (this kvtrace reads version "
+            f"{STATE_LOG_VERSION}); write it again with 'kvtrace replay TRACE --out LOG'"
+        )
+    return info, reader
+
+
 def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnapshot]]:
     """Open a state log: its stored info and a lazy iterator of snapshots.
 
     Raises:
-        TraceError: the file is missing, not an Arrow stream, or not a kvtrace state log.
+        TraceError: as ``open_state_log``; a damaged batch while iterating.
     """
-    p = Path(path)
-    try:
-        reader = pa.ipc.open_stream(pa.OSFile(str(p), "rb"))
-    except FileNotFoundError:
-        raise TraceError(f"{p}: no such state log") from None
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise TraceError(f"{p}: not an Arrow state log ({exc})") from None
-    raw = (reader.schema.metadata or {}).get(STATE_LOG_METADATA_KEY)
-    if raw is None:
-        raise TraceError(f"{p}: an Arrow stream, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
-    info = json.loads(raw)
-    if info.get("version") != STATE_LOG_VERSION:
-        raise TraceError(
-            f"{p}: state log version {info.get('version')} is not supported (this kvtrace reads version "
-            f"{STATE_LOG_VERSION}); write it again with 'kvtrace replay TRACE --out LOG'"
-        )
+    info, reader = open_state_log(path)
 
     def snapshots() -> Iterator[StepSnapshot]:
-        for batch in reader:
+        for batch in reader.iter_batches():
             yield from _from_batch(batch)
 
     return info, snapshots()
