@@ -444,5 +444,4 @@ class ReplaySession:
 
 
 def _engine_nbytes(state: EngineState) -> int:
-    tokens = state.tokens
-    return sum(a.nbytes for a in state.arrays.values()) + int(getattr(tokens, "nbytes", lambda: 0)())
+    return sum(a.nbytes for a in state.arrays.values()) + state.tokens.nbytes
