@@ -59,10 +59,12 @@ class AllocatorState:
             h.update(np.ascontiguousarray(a).tobytes())
         h.update(repr((self.free_rows, self.kv_scalars)).encode())
         tree = self.tree
-        for a in (tree.ids, tree.parents, tree.key_offsets, tree.value_offsets, tree.values, tree.lock_refs,
-                  tree.access_times, np.sort(tree.evictable_leaves)):
+        for a in (tree.ids, tree.parents, tree.lock_refs, tree.access_times, np.sort(tree.evictable_leaves)):
             h.update(np.ascontiguousarray(a).tobytes())
-        h.update(tree.keys)
+        for key, value in zip(tree.keys, tree.values):
+            h.update(key)
+            h.update(np.ascontiguousarray(value).tobytes())
+            h.update(b"|")
         h.update(repr(tree.scalars).encode())
         # the heap's pop order (its array layout may differ after a restore)
         h.update(np.ascontiguousarray(tree.heap[np.lexsort((tree.heap[:, 1], tree.heap[:, 0]))]).tobytes())
@@ -75,12 +77,22 @@ class AllocatorState:
 
     @property
     def nbytes(self) -> int:
-        """Approximate memory held by this checkpoint."""
+        """Memory this checkpoint holds of its own (the tree's keys and slot arrays,
+        shared with the live tree and other checkpoints, are counted by ``shared``)."""
         arrays = [self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays, *self.manager_arrays]
         tree = self.tree
-        arrays += [tree.ids, tree.parents, tree.key_offsets, tree.value_offsets, tree.values, tree.lock_refs,
-                   tree.access_times, tree.heap, tree.evictable_leaves]
-        return sum(a.nbytes for a in arrays) + len(tree.keys) + _allocator_nbytes(self.token_allocator)
+        arrays += [tree.ids, tree.parents, tree.lock_refs, tree.access_times, tree.heap, tree.evictable_leaves]
+        return sum(a.nbytes for a in arrays) + 16 * len(tree.keys) + _allocator_nbytes(self.token_allocator)
+
+    def shared(self) -> dict[int, int]:
+        """The tree's keys and slot arrays this checkpoint references: id -> bytes
+        (sum over the union of several checkpoints' dicts for their shared memory)."""
+        out: dict[int, int] = {}
+        for key, value in zip(self.tree.keys, self.tree.values):
+            out[id(key)] = len(key)
+            base = value.base if value.base is not None else value
+            out[id(base)] = base.nbytes
+        return out
 
 
 def _free_lists(token_allocator: Any) -> list[np.ndarray]:

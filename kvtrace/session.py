@@ -339,8 +339,13 @@ class ReplaySession:
 
     @property
     def checkpoint_bytes(self) -> int:
-        """Memory the checkpoints hold now."""
-        return sum(c.nbytes for c in self._checkpoints)
+        """Memory the checkpoints hold now (what several share counted once)."""
+        shared: dict[int, int] = {}
+        for c in self._checkpoints:
+            more = getattr(c.allocator, "shared", None)
+            if more is not None:
+                shared.update(more())
+        return sum(c.nbytes for c in self._checkpoints) + sum(shared.values())
 
     @property
     def num_checkpoints(self) -> int:
