@@ -16,6 +16,7 @@ leaves them as they are.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,14 +51,66 @@ class AllocatorState:
     lock_node_ids: np.ndarray  # int64 [num_rows] id of each row's locked node, -1 none
     manager_arrays: tuple[np.ndarray, ...]
 
+    def digest(self) -> str:
+        """A hash of the whole state: equal digests mean equal states (rows, free-list
+        order, tree shape, access times and locks, bookkeeping)."""
+        h = hashlib.blake2b(digest_size=16)
+        for a in (self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays):
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(repr((self.free_rows, self.kv_scalars)).encode())
+        tree = self.tree
+        for a in (tree.ids, tree.parents, tree.lock_refs, tree.access_times, np.sort(tree.evictable_leaves)):
+            h.update(np.ascontiguousarray(a).tobytes())
+        for key, value in zip(tree.keys, tree.values):
+            h.update(key)
+            h.update(np.ascontiguousarray(value).tobytes())
+            h.update(b"|")
+        h.update(repr(tree.scalars).encode())
+        # the heap's pop order (its array layout may differ after a restore)
+        h.update(np.ascontiguousarray(tree.heap[np.lexsort((tree.heap[:, 1], tree.heap[:, 0]))]).tobytes())
+        for part in _free_lists(self.token_allocator):
+            h.update(np.ascontiguousarray(part).tobytes())
+        for a in self.manager_arrays:
+            trimmed = np.trim_zeros(a, "b") if a.dtype == np.bool_ else a[: _used_len(a)]
+            h.update(trimmed.tobytes())
+        return h.hexdigest()
+
     @property
     def nbytes(self) -> int:
-        """Approximate memory held by this checkpoint."""
+        """Memory this checkpoint holds of its own (the tree's keys and slot arrays,
+        shared with the live tree and other checkpoints, are counted by ``shared``)."""
         arrays = [self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays, *self.manager_arrays]
         tree = self.tree
-        arrays += [tree.ids, tree.parents, tree.key_offsets, tree.value_offsets, tree.values, tree.lock_refs,
-                   tree.access_times, tree.heap, tree.evictable_leaves]
-        return sum(a.nbytes for a in arrays) + len(tree.keys) + _allocator_nbytes(self.token_allocator)
+        arrays += [tree.ids, tree.parents, tree.lock_refs, tree.access_times, tree.heap, tree.evictable_leaves]
+        return sum(a.nbytes for a in arrays) + 16 * len(tree.keys) + _allocator_nbytes(self.token_allocator)
+
+    def shared(self) -> dict[int, int]:
+        """The tree's keys and slot arrays this checkpoint references: id -> bytes
+        (sum over the union of several checkpoints' dicts for their shared memory)."""
+        out: dict[int, int] = {}
+        for key, value in zip(self.tree.keys, self.tree.values):
+            out[id(key)] = len(key)
+            base = value.base if value.base is not None else value
+            out[id(base)] = base.nbytes
+        return out
+
+
+def _free_lists(token_allocator: Any) -> list[np.ndarray]:
+    """The free slots in reuse order, and everything free (free list + deferred)."""
+    parts = [token_allocator.free_pages_np(), np.sort(token_allocator.get_all_free_pages())]
+    mapping = getattr(token_allocator, "full_to_hisparse_device_index_mapping", None)
+    if mapping is not None:
+        device = token_allocator.hisparse_attn_allocator
+        parts += [mapping, device.free_pages_np(), np.sort(device.get_all_free_pages())]
+    return parts
+
+
+def _used_len(a: np.ndarray) -> int:
+    """Length of ``a`` up to its last entry that differs from the fill of its tail
+    (per-request arrays grow with the largest request id seen)."""
+    fill = a[-1]
+    differ = np.flatnonzero(a != fill)
+    return int(differ[-1]) + 1 if differ.shape[0] else 0
 
 
 def _allocator_nbytes(obj: Any) -> int:

@@ -491,15 +491,16 @@ class RadixState(NamedTuple):
     """A radix tree flattened for a checkpoint (``RadixCache.save_state``).
 
     Nodes are listed depth first, root first, children in their dict order, so a
-    restore rebuilds the same dicts in the same order.
+    restore rebuilds the same dicts in the same order. Keys (``bytes``) and values
+    (slot arrays, read-only views) are shared with the tree, never copied: the tree
+    only ever replaces a node's key or value, it never writes into one, so
+    consecutive checkpoints share every node that did not change.
     """
 
     ids: np.ndarray  # int64 [n] node ids (root first)
     parents: np.ndarray  # int64 [n] position of each node's parent (-1: the root)
-    key_offsets: np.ndarray  # int64 [n + 1] byte offsets into ``keys``
-    keys: bytes  # every node's key, concatenated
-    value_offsets: np.ndarray  # int64 [n + 1] offsets into ``values``
-    values: np.ndarray  # SLOT_DTYPE: every node's slots, concatenated
+    keys: tuple[bytes, ...]  # each node's key
+    values: tuple[np.ndarray, ...]  # each node's KV slots (read-only views)
     lock_refs: np.ndarray  # int64 [n]
     access_times: np.ndarray  # int64 [n]
     heap: np.ndarray  # int64 [m, 2] (access time, node id) of the live nodes' heap entries
@@ -507,8 +508,14 @@ class RadixState(NamedTuple):
     scalars: tuple[int, int, int, int, int]  # clock, next id, evictable, protected, evicted total
 
 
+def _frozen(value: np.ndarray) -> np.ndarray:
+    view = value.view()
+    view.flags.writeable = False
+    return view
+
+
 def save_tree_state(tree: RadixCache) -> RadixState:
-    """Flatten ``tree`` (nothing in the result aliases the live tree)."""
+    """Flatten ``tree`` (node metadata copied; keys and values shared read-only)."""
     nodes: list[TreeNode] = []
     parents: list[int] = []
     stack: list[tuple[TreeNode, int]] = [(tree.root_node, -1)]
@@ -519,22 +526,13 @@ def save_tree_state(tree: RadixCache) -> RadixState:
         parents.append(parent)
         # reversed: the first child in dict order is listed (and re-inserted) first
         stack.extend((child, here) for child in reversed(list(node.children.values())))
-    lengths = np.fromiter((len(n.key) for n in nodes), np.int64, len(nodes))
-    key_offsets = np.zeros(len(nodes) + 1, np.int64)
-    np.cumsum(lengths, out=key_offsets[1:])
-    value_lens = np.fromiter((n.value.shape[0] for n in nodes), np.int64, len(nodes))
-    value_offsets = np.zeros(len(nodes) + 1, np.int64)
-    np.cumsum(value_lens, out=value_offsets[1:])
-    values = np.concatenate([n.value for n in nodes]).astype(SLOT_DTYPE, copy=False)  # a copy
     live = {id(n) for n in nodes}
     heap = np.array([(t, i) for t, i, n in tree._heap if id(n) in live], np.int64).reshape(-1, 2)
     return RadixState(
         ids=np.fromiter((n.id for n in nodes), np.int64, len(nodes)),
         parents=np.array(parents, np.int64),
-        key_offsets=key_offsets,
-        keys=b"".join(n.key for n in nodes),
-        value_offsets=value_offsets,
-        values=values,
+        keys=tuple(n.key for n in nodes),
+        values=tuple(n.value if not n.value.flags.writeable else _frozen(n.value) for n in nodes),
         lock_refs=np.fromiter((n.lock_ref for n in nodes), np.int64, len(nodes)),
         access_times=np.fromiter((n.last_access_time for n in nodes), np.int64, len(nodes)),
         heap=heap,
@@ -553,20 +551,18 @@ def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNod
     psb = tree.page_size * 8
     by_id: dict[int, TreeNode] = {}
     nodes: list[TreeNode] = []
-    keys = state.keys
-    ko = state.key_offsets.tolist()
-    vo = state.value_offsets.tolist()
-    for i, (node_id, parent, lock_ref, t) in enumerate(
-        zip(state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist())
+    for node_id, parent, lock_ref, t, key, value in zip(
+        state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist(),
+        state.keys, state.values,
     ):
         node = TreeNode(node_id, t)
-        node.key = keys[ko[i] : ko[i + 1]]
-        node.value = state.values[vo[i] : vo[i + 1]].copy()
+        node.key = key
+        node.value = value
         node.lock_ref = lock_ref
         if parent >= 0:
             owner = nodes[parent]
             node.parent = owner
-            owner.children[node.key[:psb]] = node
+            owner.children[key[:psb]] = node
         nodes.append(node)
         by_id[node_id] = node
     tree.root_node = nodes[0]

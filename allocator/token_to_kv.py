@@ -73,6 +73,14 @@ class PageFreeList:
     def __len__(self) -> int:
         return self._tail - self._head
 
+    def __deepcopy__(self, memo: dict) -> PageFreeList:
+        """A copy of the live entries only (a checkpoint holds no slack; the copy grows
+        its slack again on first use, which changes no order)."""
+        clone = PageFreeList.__new__(PageFreeList)
+        clone._buf = self.view().copy()
+        clone._head, clone._tail = 0, clone._buf.shape[0]
+        return clone
+
     def view(self) -> np.ndarray:
         """The live entries (a view: valid until the next mutation)."""
         return self._buf[self._head : self._tail]

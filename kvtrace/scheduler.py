@@ -469,9 +469,7 @@ class Scheduler:
             if duration is None:
                 duration = self._decode()
         # Apply the prompt publish of this step's prefill now (SGLang: same step).
-        end_step = getattr(self.alloc, "end_step", None)
-        if end_step is not None:
-            end_step()
+        self.alloc.end_step()
         self.rec.end_step()
         if duration is None:
             if released:

@@ -339,8 +339,13 @@ class ReplaySession:
 
     @property
     def checkpoint_bytes(self) -> int:
-        """Memory the checkpoints hold now."""
-        return sum(c.nbytes for c in self._checkpoints)
+        """Memory the checkpoints hold now (what several share counted once)."""
+        shared: dict[int, int] = {}
+        for c in self._checkpoints:
+            more = getattr(c.allocator, "shared", None)
+            if more is not None:
+                shared.update(more())
+        return sum(c.nbytes for c in self._checkpoints) + sum(shared.values())
 
     @property
     def num_checkpoints(self) -> int:
@@ -444,5 +449,4 @@ class ReplaySession:
 
 
 def _engine_nbytes(state: EngineState) -> int:
-    tokens = state.tokens
-    return sum(a.nbytes for a in state.arrays.values()) + int(getattr(tokens, "nbytes", lambda: 0)())
+    return sum(a.nbytes for a in state.arrays.values()) + state.tokens.nbytes
