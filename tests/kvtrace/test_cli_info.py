@@ -383,6 +383,10 @@ def test_info_recognises_and_summarises_a_state_log(state_log: tuple[Path, dict]
     assert info["config"]["page_size"] == replayed["page_size"]
     code, table, _ = invoke("info", str(log))
     assert code == 0 and "(state log)" in table and "peak used" in table and "not written by kvtrace" not in table
+    for command in ("validate", "replay"):
+        code, _, err = invoke(command, str(log))
+        assert code == 2
+        assert_one_error_line(err, str(log), "is a kvtrace state log file, not a trace; kvtrace info shows what it holds")
 
 
 def test_a_state_log_cut_short_reads_as_far_as_it_goes(state_log: tuple[Path, dict], tmp_path: Path) -> None:
