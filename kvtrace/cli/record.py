@@ -209,6 +209,7 @@ def record_command(
     Every completed step is on disk as it is recorded: a recording stopped by Ctrl-C,
     a signal or a crash leaves its steps in the trace, marked interrupted (see
     kvtrace info). An existing --out is replaced only when the recording completes.
+
     Exit code: 0 recorded; 1 nothing recorded (every request rejected); 2 bad input.
     """
     from kvtrace.outputs import OutputFile
