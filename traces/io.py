@@ -190,8 +190,12 @@ def _writing_step() -> Iterator[None]:
     _StepWrite.depth += 1
     try:
         yield
-    finally:
+    except BaseException:
         _StepWrite.depth -= 1
+        if _StepWrite.depth == 0:
+            _StepWrite.held = None  # the write failed: its error is what the caller sees
+        raise
+    _StepWrite.depth -= 1
     if _StepWrite.depth == 0 and _StepWrite.held is not None:
         held, _StepWrite.held = _StepWrite.held, None
         raise held
