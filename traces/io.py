@@ -246,7 +246,8 @@ def compact_trace(
         steps_per_batch: whole steps per record batch of the new file.
         compression: its codec.
         recording: the recording status to store (the writer passes the final one it
-            knows at close); None keeps the metadata as read.
+            knows at close); None: the trace's own final status (read first, when the
+            trace records one).
 
     Raises:
         TraceWriteError: the new file cannot be written (the old one is kept).
@@ -254,6 +255,10 @@ def compact_trace(
     """
     src = Path(path)
     reader = TraceReader(src)
+    if recording is None and reader.meta.recording is not None:
+        for _ in reader.iter_batches():  # a stream's final status is in its last batch
+            pass
+        recording = reader.recording
     meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
     try:
         with replacing(src) as tmp:

@@ -118,13 +118,27 @@ def test_a_trace_without_recording_metadata_gets_no_closing_batch(tmp_path: Path
     assert '"recording"' not in reader.schema.metadata[b"kvtrace"].decode()  # as older traces hold
 
 
-def test_compacting_an_existing_trace_in_place(tmp_path: Path) -> None:
+def test_compacting_an_existing_trace_in_place_keeps_its_status(tmp_path: Path) -> None:
     steps = decode_steps(10)
     path = write_steps(tmp_path / "t.kvtrace", steps)
     compact_trace(path, steps_per_batch=4)
     got, reader = read(path)
-    assert reader.ipc_format == "file" and reader.num_record_batches == 3
+    assert reader.ipc_format == "file" and reader.num_record_batches == 3 and reader.recording is None
     assert all(a.equals(b) for a, b in zip(got, steps))
+    done = write_steps(tmp_path / "done.kvtrace", steps, meta=recording_meta())
+    compact_trace(done, steps_per_batch=4)
+    _, reader = read(done)
+    assert reader.ipc_format == "file" and reader.meta.recording.status == "complete"
+    killed = tmp_path / "killed.kvtrace"
+    writer = TraceWriter(killed, recording_meta())
+    for batch in steps[:4]:
+        writer.write(batch)
+    writer.flush()  # never closed
+    compact_trace(killed, steps_per_batch=4)
+    got, reader = read(killed)
+    assert len(got) == 4 and reader.meta.recording.status == "interrupted"
+    assert reader.recording.status == "interrupted"
+    writer.close()
 
 
 def test_metadata_of_older_traces_still_parses() -> None:
