@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from kvtrace.errors import TraceError
 from kvtrace.snapshot import Event, PoolCounters, RequestDelta, StepSnapshot
-from traces.io import IpcReader
+from traces.ipc import IpcReader
 
 STATE_LOG_VERSION = 2
 STATE_LOG_METADATA_KEY = b"kvtrace.statelog"

@@ -25,7 +25,8 @@ from kvtrace.cli import command, ui
 from kvtrace.cli.options import JsonOpt, NoColorOpt, QuietOpt, TraceArg, examples
 
 if TYPE_CHECKING:
-    from traces.io import IpcReader, TraceReader
+    from traces.io import TraceReader
+    from traces.ipc import IpcReader
 
 # Files at least this big show a progress bar (when stderr is a terminal).
 PROGRESS_MIN_BYTES = 32 << 20
@@ -47,7 +48,7 @@ def _is_state_log(spec: str) -> bool:
     """Whether the file is a kvtrace state log (decided from its schema metadata)."""
     from kvtrace.statelog import STATE_LOG_METADATA_KEY
     from traces.errors import TraceError
-    from traces.io import IpcReader
+    from traces.ipc import IpcReader
     from traces.samples import resolve_trace
 
     try:

@@ -280,7 +280,7 @@ def test_empty_trace_round_trips(tmp_path: Path) -> None:
 
 def _message_ends(data: bytes) -> list[int]:
     """Byte offsets where each IPC message ends (framing: 0xFFFFFFFF, length, metadata, body)."""
-    from traces.io import _parse_message_header
+    from traces.ipc import _parse_message_header
 
     ends, pos = [], 0
     while pos < len(data):
