@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
+from allocator.pages import ceil_align, new_page_tokens, num_new_pages
 from allocator.token_to_kv import SLOT_DTYPE, TokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -224,7 +225,7 @@ def extend_fits(
     if ps == 1:
         need = seq_lens - prefix_lens
     else:
-        need = ((seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps) * ps
+        need = new_page_tokens(prefix_lens, seq_lens, ps)
     short = _first_unfit(ctx, need, lock_cost)
     if short is not None:
         return _oom(ctx, "extend", rids[short], int(need.sum()), lock_cost)
@@ -326,7 +327,7 @@ def alloc_for_extend(
     if seq_max > kv.max_len_bound:
         kv.max_len_bound = seq_max
     kv.sum_committed += int((seq_lens - old_committed).sum())
-    kv.sum_allocated_ceil += int(((seq_lens + ps - 1) // ps - (old_alloc + ps - 1) // ps).sum()) * ps
+    kv.sum_allocated_ceil += num_new_pages(old_alloc, seq_lens, ps) * ps
     if num_new:
         kv.cache_protected_len[new_rows] = prefix_lens[new_idx]
         kv.sum_protected += int(prefix_lens[new_idx].sum())
@@ -426,9 +427,7 @@ def prepare_spec_decode(ctx: KvContext, rows: np.ndarray) -> SpecPlan:
     nxt = kv.kv_committed_len[rows]
     nxt += ctx.spec_reserve
     if ps > 1:
-        nxt += ps - 1
-        nxt //= ps
-        nxt *= ps
+        nxt = ceil_align(nxt, ps)
     np.maximum(nxt, cur, out=nxt)
     overflow: tuple[tuple[int, int, int], ...] = ()
     width = ctx.width
@@ -450,10 +449,10 @@ def _spec_may_overflow(ctx: KvContext) -> bool:
     cheap bound says so)."""
     kv = ctx.req_kv
     ps = ctx.page_size
-    if -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps <= ctx.width:
+    if ceil_align(kv.max_len_bound + ctx.spec_reserve, ps) <= ctx.width:
         return False
     kv.max_len_bound = int(kv.kv_allocated_len.max())
-    return -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps > ctx.width
+    return ceil_align(kv.max_len_bound + ctx.spec_reserve, ps) > ctx.width
 
 
 def alloc_for_spec_decode(
@@ -487,7 +486,7 @@ def alloc_for_spec_decode(
         taken = num_needed
     else:
         writer = ctx.writer
-        need = ((nxt + ps - 1) // ps - (cur + ps - 1) // ps) * ps
+        need = new_page_tokens(cur, nxt, ps)
         short = _first_unfit(ctx, need)
         if short is not None:
             return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
@@ -503,7 +502,7 @@ def alloc_for_spec_decode(
     ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
     kv.kv_allocated_len[rows] = nxt
     kv.sum_allocated_ceil += taken
-    bound = -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps
+    bound = ceil_align(kv.max_len_bound + ctx.spec_reserve, ps)
     kv.max_len_bound = max(kv.max_len_bound, min(bound, ctx.width))
     return SpecResult(num_needed, evicted, out)
 
@@ -582,10 +581,7 @@ def alloc_for_decode_prealloc(
             f"prealloc: request rid={rid} fill length {fill_len} exceeds the row width {pool.max_context_len}"
         )
     delta = fill_len - prefix_len
-    if ps == 1:
-        required = delta
-    else:
-        required = (-(-fill_len // ps) - (-(-prefix_len // ps))) * ps
+    required = new_page_tokens(prefix_len, fill_len, ps)
     if _first_unfit(ctx, np.array([required], dtype=np.int64)) is not None:
         return _oom(ctx, "prealloc", rid, required)
     if evict_for_radix:
@@ -627,8 +623,7 @@ def alloc_for_decode_prealloc_hisparse(ctx: KvContext, rid: int, fill_len: int) 
         np.zeros(1, dtype=np.int64), np.array([fill_len], dtype=np.int64), np.full(1, -1, dtype=np.int64), fill_len
     )
     if out is None:
-        ps = ctx.page_size
-        return _oom(ctx, "prealloc", rid, -(-fill_len // ps) * ps)
+        return _oom(ctx, "prealloc", rid, ceil_align(fill_len, ctx.page_size))
     row = pool.alloc(1)[0]
     _bind_prealloc_row(ctx, row, rid, fill_len, 0, None, None, out)
     ctx.req_kv.sum_allocated_ceil += before - ctx.pool_available()
@@ -743,20 +738,19 @@ def release_kv_cache(
     protected = int(kv.cache_protected_len[row])
     if owned > protected:
         allocator.free_segment(table[row, protected:owned], protected)
-        freed += -(-owned // ps) * ps - protected
+        freed += ceil_align(owned, ps) - protected
     ctx.tree_cache.unlock(kv.lock_node[row])
     kv.lock_node[row] = None
-    start = -(-owned // ps) * ps if ps > 1 else owned
-    start = max(start, protected)
+    start = max(ceil_align(owned, ps), protected)
     overalloc = 0
     if start < allocated:
         allocator.free_segment(table[row, start:allocated], start)
         overalloc = allocated - start
-        freed += -(-allocated // ps) * ps - start
+        freed += ceil_align(allocated, ps) - start
     ctx.req_to_token_pool.free(row)
     kv.sum_committed -= committed
     kv.sum_protected -= protected
-    kv.sum_allocated_ceil -= -(-allocated // ps) * ps
+    kv.sum_allocated_ceil -= ceil_align(allocated, ps)
     kv.kv_allocated_len[row] = 0
     kv.kv_committed_len[row] = 0
     kv.cache_protected_len[row] = 0

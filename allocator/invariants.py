@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from allocator.base import Violation
+from allocator.pages import ceil_align
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
 
     _check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps)
     _check_rows(out, allocator, rows, rids)
-    ceil_alloc = (alloc + ps - 1) // ps * ps
+    ceil_alloc = ceil_align(alloc, ps)
     _check_counters(out, kv, alloc, committed, protected, ceil_alloc)
 
     logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
@@ -288,7 +289,7 @@ def _segments(rows, starts, ends, width) -> tuple[np.ndarray, np.ndarray]:
 
 def _check_ownership(out, table, width, rows, rids, alloc, protected, free_pages, tree_values, num_pages, ps) -> None:
     flat_table = table.reshape(-1)
-    ceil_pages = (alloc + ps - 1) // ps
+    ceil_pages = ceil_align(alloc, ps) // ps
     first_page = protected // ps
     page_counts = np.maximum(ceil_pages - first_page, 0)
     total = int(page_counts.sum())

@@ -59,6 +59,7 @@ from allocator.base import (
     RequestLens,
     Violation,
 )
+from allocator.pages import ceil_align
 from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -552,7 +553,7 @@ class KvAllocator:
             return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
         ps = self.page_size
         tree = self.tree_cache
-        pages = (fill_lens + ps - 1) // ps * ps  # demand with no prefix hit
+        pages = ceil_align(fill_lens, ps)  # demand with no prefix hit
         available = self.token_to_kv_pool_allocator.available_size()
         if int(pages.sum()) <= available:
             return None
@@ -588,7 +589,7 @@ class KvAllocator:
             kv.lock_node[row] = None
             kv.sum_committed -= int(kv.kv_committed_len[row])
             kv.sum_protected -= protected
-            kv.sum_allocated_ceil -= -(-allocated // ps) * ps
+            kv.sum_allocated_ceil -= ceil_align(allocated, ps)
             kv.kv_allocated_len[row] = 0
             kv.kv_committed_len[row] = 0
             kv.cache_protected_len[row] = 0
