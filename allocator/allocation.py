@@ -21,7 +21,7 @@ One request's row, with the ranges the functions touch (page size 4)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -172,9 +172,17 @@ def _oom(ctx: KvContext, op: str, rid: int, needed: int, lock_cost: int = 0) -> 
     )
 
 
-def _first_unfit(ctx: KvContext, need_tokens: np.ndarray, lock_cost: int = 0) -> int | None:
-    """Index of the first request whose cumulative need exceeds free + evictable
-    slots, or None when the whole batch fits.
+def _kv_unfit(
+    ctx: KvContext,
+    op: str,
+    need_tokens: np.ndarray,
+    rids: np.ndarray | None,
+    rows: np.ndarray | None = None,
+    lock_cost: int = 0,
+) -> OutOfMemory | None:
+    """None when the batch's ``need_tokens`` (pool slots per request) fit in free +
+    evictable slots, else the ``OutOfMemory`` naming the first request whose
+    cumulative need does not (``rids[i]``, or the request holding ``rows[i]``).
 
     Checked before any eviction: a call that cannot succeed must change nothing
     (SGLang would evict, then raise). Evicting everything unlocked frees exactly
@@ -185,9 +193,50 @@ def _first_unfit(ctx: KvContext, need_tokens: np.ndarray, lock_cost: int = 0) ->
     tree = ctx.tree_cache
     evictable = 0 if tree.disable else tree.evictable_size() - lock_cost
     budget = ctx.token_to_kv_pool_allocator.available_size() + evictable
-    if int(need_tokens.sum()) <= budget:
+    needed = int(need_tokens.sum())
+    if needed <= budget:
         return None
-    return _first_short_request(need_tokens, budget)
+    short = _first_short_request(need_tokens, budget)
+    rid = rids[short] if rids is not None else ctx.req_kv.rid[rows[short]]
+    return _oom(ctx, op, rid, needed, lock_cost)
+
+
+def _fit_evict_take(
+    ctx: KvContext,
+    op: str,
+    need_tokens: np.ndarray,
+    evict_tokens: int | None,
+    rids: np.ndarray | None,
+    rows: np.ndarray | None,
+    take: Callable[..., np.ndarray | None],
+    *take_args: object,
+) -> tuple[np.ndarray, int, int] | OutOfMemory:
+    """The sequence of every allocation: fit, evict, take.
+
+    1. fit: ``_kv_unfit`` of ``need_tokens`` (an ``OutOfMemory``, nothing changed);
+    2. evict: ``evict_from_tree_cache(evict_tokens)``, the amount SGLang evicts for
+       (paged calls add a page per request); None: no eviction;
+    3. take: ``take(*take_args)`` allocates the slots. After 1 and 2 it cannot fail (asserted);
+       without eviction it may (free + evictable fit, free alone did not): then
+       ``OutOfMemory`` for the first request.
+
+    Returns:
+        The slots ``take`` returned, the tokens evicted and the pool slots taken
+        (whole pages), or ``OutOfMemory``.
+    """
+    # Within the free slots alone the batch fits (the usual case): no need to ask the tree.
+    if int(need_tokens.sum()) > ctx.token_to_kv_pool_allocator.available_size():
+        unfit = _kv_unfit(ctx, op, need_tokens, rids, rows)
+        if unfit is not None:
+            return unfit
+    evicted = 0 if evict_tokens is None else evict_from_tree_cache(ctx, evict_tokens)
+    before = ctx.pool_available()
+    out = take(*take_args)
+    if out is None:
+        assert evict_tokens is None, f"{op} of {int(need_tokens.sum())} slots failed after evicting to fit"
+        rid = rids[0] if rids is not None else ctx.req_kv.rid[rows[0]]
+        return _oom(ctx, op, rid, int(need_tokens.sum()))
+    return out, evicted, before - ctx.pool_available()
 
 
 def _first_short_request(need_tokens: np.ndarray, available: int) -> int:
@@ -215,21 +264,22 @@ def extend_fits(
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
     """
+    unfit = _extend_rows_unfit(ctx, rids, rows < 0)
+    if unfit is not None:
+        return unfit
+    need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
+    return _kv_unfit(ctx, "extend", need, rids, lock_cost=lock_cost)
+
+
+def _extend_rows_unfit(ctx: KvContext, rids: np.ndarray, new_mask: np.ndarray) -> OutOfMemory | None:
+    """None when the new requests (``new_mask``) get rows, else ``OutOfMemory``
+    (op ``"extend_rows"``) naming the first new request without one."""
     pool = ctx.req_to_token_pool
-    new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    if num_new > pool.available_size():
-        first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
-        return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
-    ps = ctx.page_size
-    if ps == 1:
-        need = seq_lens - prefix_lens
-    else:
-        need = new_page_tokens(prefix_lens, seq_lens, ps)
-    short = _first_unfit(ctx, need, lock_cost)
-    if short is not None:
-        return _oom(ctx, "extend", rids[short], int(need.sum()), lock_cost)
-    return None
+    if num_new <= pool.available_size():
+        return None
+    first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
+    return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
 
 
 def alloc_for_extend(
@@ -278,7 +328,7 @@ def alloc_for_extend(
         )
     new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    unfit = extend_fits(ctx, rids, rows, prefix_lens, seq_lens)
+    unfit = _extend_rows_unfit(ctx, rids, new_mask)
     if unfit is not None:
         return unfit
 
@@ -286,10 +336,11 @@ def alloc_for_extend(
     extend_num_tokens = int(extend_lens.sum())
     table = pool.req_to_token_np
     if ps == 1:
-        evicted = evict_from_tree_cache(ctx, extend_num_tokens)
-        out = allocator.alloc(extend_num_tokens)
-        assert out is not None, f"extend of {extend_num_tokens} slots failed after evicting to fit"
+        need = extend_lens
+        evict_tokens = extend_num_tokens
+        take, take_args = allocator.alloc, (extend_num_tokens,)
     else:
+        need = new_page_tokens(prefix_lens, seq_lens, ps)
         last_loc = np.full(bs, -1, dtype=np.int64)
         for i in range(bs):
             prefix = int(prefix_lens[i])
@@ -299,9 +350,12 @@ def alloc_for_extend(
                 last_loc[i] = prefix_slots[i][prefix - 1]
             else:
                 last_loc[i] = table[rows[i], prefix - 1]
-        evicted = evict_from_tree_cache(ctx, extend_num_tokens + bs * ps)
-        out = allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
-        assert out is not None, f"paged extend of {extend_num_tokens} slots failed after evicting to fit"
+        evict_tokens = extend_num_tokens + bs * ps
+        take, take_args = allocator.alloc_extend, (prefix_lens, seq_lens, last_loc, extend_num_tokens)
+    got = _fit_evict_take(ctx, "extend", need, evict_tokens, rids, None, take, *take_args)
+    if isinstance(got, OutOfMemory):
+        return got
+    out, evicted, _ = got
 
     # From here on nothing can fail.
     rows = rows.copy()
@@ -366,24 +420,18 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
         # Hot path: page-1 slots straight off the head of the free list (a view).
         out = allocator.alloc_view(bs) if ctx.direct_token_alloc else None
         if out is None:
-            short = _first_unfit(ctx, np.ones(bs, dtype=np.int64))
-            if short is not None:
-                return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], bs)
-            evicted = evict_from_tree_cache(ctx, bs)
-            out = allocator.alloc(bs)
-            assert out is not None, f"decode of {bs} slots failed after evicting to fit"
+            got = _fit_evict_take(ctx, "decode", np.ones(bs, dtype=np.int64), bs, rids, rows, allocator.alloc, bs)
+            if isinstance(got, OutOfMemory):
+                return got
+            out, evicted, _ = got
         taken = bs
     else:
         need = (seq % ps == 0).astype(np.int64) * ps
-        short = _first_unfit(ctx, need)
-        if short is not None:
-            return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
         last_loc = ctx.writer._flat[ctx.writer.row_base[rows] + (seq - 1)]
-        evicted = evict_from_tree_cache(ctx, bs * ps)
-        before = ctx.pool_available()
-        out = allocator.alloc_decode(seq + 1, last_loc)
-        assert out is not None, f"paged decode of {bs} requests failed after evicting to fit"
-        taken = before - ctx.pool_available()
+        got = _fit_evict_take(ctx, "decode", need, bs * ps, rids, rows, allocator.alloc_decode, seq + 1, last_loc)
+        if isinstance(got, OutOfMemory):
+            return got
+        out, evicted, taken = got
     ctx.writer.write_points(rows, seq, out)
     seq += 1
     allocated[rows] = seq
@@ -477,28 +525,22 @@ def alloc_for_spec_decode(
     if ps == 1:
         out = allocator.alloc_view(num_needed) if ctx.direct_token_alloc else None
         if out is None:
-            short = _first_unfit(ctx, counts)
-            if short is not None:
-                return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], num_needed)
-            evicted = evict_from_tree_cache(ctx, num_needed)
-            out = allocator.alloc(num_needed)
-            assert out is not None, f"spec reserve of {num_needed} slots failed after evicting to fit"
+            got = _fit_evict_take(ctx, "spec", counts, num_needed, rids, rows, allocator.alloc, num_needed)
+            if isinstance(got, OutOfMemory):
+                return got
+            out, evicted, _ = got
         taken = num_needed
     else:
         writer = ctx.writer
         need = new_page_tokens(cur, nxt, ps)
-        short = _first_unfit(ctx, need)
-        if short is not None:
-            return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
         last_loc = np.where(cur > 0, writer._flat[writer.row_base[rows] + np.maximum(cur - 1, 0)], -1)
-        evicted = evict_from_tree_cache(ctx, num_needed + bs * ps)
-        before = ctx.pool_available()
-        if ctx.hisparse:
-            out = allocator.alloc_logical_only(cur, nxt, last_loc, num_needed)
-        else:
-            out = allocator.alloc_extend(cur, nxt, last_loc, num_needed)
-        assert out is not None, f"paged spec reserve of {num_needed} slots failed after evicting to fit"
-        taken = before - ctx.pool_available()
+        alloc = allocator.alloc_logical_only if ctx.hisparse else allocator.alloc_extend
+        got = _fit_evict_take(
+            ctx, "spec", need, num_needed + bs * ps, rids, rows, alloc, cur, nxt, last_loc, num_needed
+        )
+        if isinstance(got, OutOfMemory):
+            return got
+        out, evicted, taken = got
     ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
     kv.kv_allocated_len[rows] = nxt
     kv.sum_allocated_ceil += taken
@@ -582,28 +624,33 @@ def alloc_for_decode_prealloc(
         )
     delta = fill_len - prefix_len
     required = new_page_tokens(prefix_len, fill_len, ps)
-    if _first_unfit(ctx, np.array([required], dtype=np.int64)) is not None:
-        return _oom(ctx, "prealloc", rid, required)
-    if evict_for_radix:
-        available = allocator.available_size()
-        if available < required:
-            ctx.tree_cache.evict(required - available)
-    before = ctx.pool_available()
     if ps == 1:
-        out = allocator.alloc(delta)
+        take, take_args = allocator.alloc, (delta,)
     else:
         last_loc = int(prefix_slots[prefix_len - 1]) if prefix_len > 0 else -1
-        out = allocator.alloc_extend(
+        take = allocator.alloc_extend
+        take_args = (
             np.array([prefix_len], dtype=np.int64),
             np.array([fill_len], dtype=np.int64),
             np.array([last_loc], dtype=np.int64),
             delta,
         )
-    if out is None:
-        return _oom(ctx, "prealloc", rid, required)
+    got = _fit_evict_take(
+        ctx,
+        "prealloc",
+        np.array([required], dtype=np.int64),
+        required if evict_for_radix else None,
+        np.array([rid], dtype=np.int64),
+        None,
+        take,
+        *take_args,
+    )
+    if isinstance(got, OutOfMemory):
+        return got
+    out, _, taken = got
     row = pool.alloc(1)[0]
     _bind_prealloc_row(ctx, row, rid, fill_len, prefix_len, prefix_slots, lock_node, out)
-    kv.sum_allocated_ceil += prefix_len + before - ctx.pool_available()
+    kv.sum_allocated_ceil += prefix_len + taken
     return row
 
 

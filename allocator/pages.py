@@ -75,6 +75,8 @@ def new_page_tokens(prefix_lens: Lengths, seq_lens: Lengths, page_size: int) -> 
     Returns:
         Slots per request, of the same kind as the lengths.
     """
+    if page_size == 1:
+        return seq_lens - prefix_lens
     return ceil_align(seq_lens, page_size) - ceil_align(prefix_lens, page_size)
 
 
