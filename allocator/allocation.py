@@ -427,7 +427,7 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
         taken = bs
     else:
         need = (seq % ps == 0).astype(np.int64) * ps
-        last_loc = ctx.writer._flat[ctx.writer.row_base[rows] + (seq - 1)]
+        last_loc = ctx.writer.read_points(rows, seq - 1)
         got = _fit_evict_take(ctx, "decode", need, bs * ps, rids, rows, allocator.alloc_decode, seq + 1, last_loc)
         if isinstance(got, OutOfMemory):
             return got
@@ -531,9 +531,8 @@ def alloc_for_spec_decode(
             out, evicted, _ = got
         taken = num_needed
     else:
-        writer = ctx.writer
         need = new_page_tokens(cur, nxt, ps)
-        last_loc = np.where(cur > 0, writer._flat[writer.row_base[rows] + np.maximum(cur - 1, 0)], -1)
+        last_loc = np.where(cur > 0, ctx.writer.read_points(rows, np.maximum(cur - 1, 0)), -1)
         alloc = allocator.alloc_logical_only if ctx.hisparse else allocator.alloc_extend
         got = _fit_evict_take(
             ctx, "spec", need, num_needed + bs * ps, rids, rows, alloc, cur, nxt, last_loc, num_needed

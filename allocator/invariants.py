@@ -187,7 +187,7 @@ def _check_rows(out, allocator, rows, rids) -> None:
             out.append(Violation("rows", f"row {row} is {where}", None, {"row": int(row)}))
         if counts[0] or counts.shape[0] > pool.size + 1:
             out.append(Violation("rows", f"a row outside 1..{pool.size} is free or in use", None, {}))
-    row_of_rid = allocator._row_of_rid
+    row_of_rid = allocator.rows_by_rid()
     mapped = np.flatnonzero(row_of_rid >= 0)
     if mapped.shape[0] != rows.shape[0] or not np.array_equal(np.sort(row_of_rid[mapped]), np.sort(rows)):
         out.append(

@@ -193,6 +193,13 @@ class KvAllocator:
         """The request's ``req_to_token`` row, -1 when it holds none."""
         return int(self._rows_of(_i64([rid]))[0])
 
+    def rows_by_rid(self) -> np.ndarray:
+        """The row each request id holds, indexed by request id (-1: none; ids past
+        the end hold none). A read-only int64 view of the live map."""
+        view = self._row_of_rid.view()
+        view.flags.writeable = False
+        return view
+
     # ------------------------------------------------------------------ publish queue
 
     def end_step(self) -> None:
