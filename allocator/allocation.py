@@ -27,14 +27,14 @@ import numpy as np
 
 from allocator.base import OutOfMemory
 from allocator.pages import ceil_align, new_page_tokens, num_new_pages
-from allocator.token_to_kv import SLOT_DTYPE, TokenToKVPoolAllocator
+from allocator.token_to_kv import SLOT_DTYPE, HiSparseTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 if TYPE_CHECKING:
     from allocator.radix_cache import RadixCache, TreeNode
     from allocator.req_kv import ReqKvTable
     from allocator.req_to_token import ReqToTokenPool
     from allocator.table_writer import CpuTableWriter
-    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+    from allocator.token_to_kv import PagedTokenToKVPoolAllocator
 
 __all__ = [
     "CheckpointResult",
@@ -52,8 +52,11 @@ __all__ = [
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "evict_from_tree_cache",
+    "extend_fits",
+    "prealloc_fits",
     "prepare_spec_decode",
     "release_kv_cache",
+    "undo_prealloc",
 ]
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -589,6 +592,39 @@ def commit_accepted_tokens(
 # ---------------------------------------------------------------------------- PD decode prealloc
 
 
+def prealloc_fits(
+    ctx: KvContext, rids: np.ndarray, fill_lens: np.ndarray, keys: Sequence[np.ndarray]
+) -> OutOfMemory | None:
+    """Whether ``alloc_for_decode_prealloc`` of each request in turn can succeed: rows
+    for the batch, and its pages within free + evictable slots less the evictable
+    tokens its prefix locks protect (``RadixCache.peek_match_lock`` of ``keys``, the
+    requests' radix keys). Whether a request's own eviction removes cache a later
+    request would have matched leaves the total unchanged (the later one needs those
+    pages, and does not lock them), so this decides the whole sequence. Changes
+    nothing.
+
+    Returns:
+        None when the batch fits, else ``OutOfMemory`` (``"prealloc_rows"``, or
+        ``"prealloc"`` naming the first request that does not fit and its own need).
+    """
+    pool = ctx.req_to_token_pool
+    bs = rids.shape[0]
+    if bs > pool.available_size():
+        return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
+    tree = ctx.tree_cache
+    pages = ceil_align(fill_lens, ctx.page_size)  # demand with no prefix hit
+    available = ctx.token_to_kv_pool_allocator.available_size()
+    if int(pages.sum()) <= available:
+        return None
+    prefix, lock_cost = tree.peek_match_lock(keys)
+    need = pages - prefix  # prefix is page aligned
+    budget = available + tree.evictable_size() - lock_cost
+    if int(need.sum()) <= budget:
+        return None
+    i = _first_short_request(need, budget)
+    return OutOfMemory("prealloc", int(rids[i]), int(need[i]), available, tree.evictable_size() - lock_cost)
+
+
 def alloc_for_decode_prealloc(
     ctx: KvContext,
     rid: int,
@@ -699,6 +735,38 @@ def _bind_prealloc_row(
     kv.lock_node[row] = lock_node
     if fill_len > kv.max_len_bound:
         kv.max_len_bound = fill_len
+
+
+def undo_prealloc(ctx: KvContext, rows: Sequence[int]) -> None:
+    """Roll back the pre-allocations (``alloc_for_decode_prealloc`` or its HiSparse
+    variant) that took ``rows``, in the order they were taken; undone newest first:
+    slots and rows go back where they were taken, locks are dropped, the bookkeeping
+    is cleared."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    allocator = ctx.token_to_kv_pool_allocator
+    table = ctx.req_to_token_pool.req_to_token_np
+    for row in reversed(rows):
+        allocated = int(kv.kv_allocated_len[row])
+        protected = int(kv.cache_protected_len[row])
+        slots = table[row, protected:allocated].astype(np.int64)
+        if isinstance(allocator, TokenToKVPoolAllocator):
+            allocator.unalloc(slots)
+        elif isinstance(allocator, HiSparseTokenToKVPoolAllocator):
+            # logical-only allocation: no device pages to give back
+            allocator.logical_attn_allocator.unalloc_pages(slots[::ps] // ps)
+        else:
+            allocator.unalloc_pages(slots[::ps] // ps)
+        ctx.tree_cache.unlock(kv.lock_node[row])
+        kv.lock_node[row] = None
+        kv.sum_committed -= int(kv.kv_committed_len[row])
+        kv.sum_protected -= protected
+        kv.sum_allocated_ceil -= ceil_align(allocated, ps)
+        kv.kv_allocated_len[row] = 0
+        kv.kv_committed_len[row] = 0
+        kv.cache_protected_len[row] = 0
+        kv.rid[row] = -1
+        ctx.req_to_token_pool.unalloc([row])
 
 
 # ---------------------------------------------------------------------------- checkpoint / release
