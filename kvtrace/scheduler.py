@@ -87,6 +87,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
+from allocator.sizing import reserve_per_decode
+from kvtrace.config import allocator_config_for, spec_config_for
 from kvtrace.step_time import StepTimeModel
 from traces.schema import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
 
@@ -106,7 +108,6 @@ __all__ = [
     "SchedulerConfig",
     "TokenSource",
     "mean_accepted_len",
-    "spec_reserve",
 ]
 
 # SGLang constants (environ.py, schedule_policy.py).
@@ -123,18 +124,6 @@ _CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids 
 _WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
 
 SchedulePolicy = Literal["fcfs", "lpm"]
-
-
-def spec_reserve(spec: SpecSettings, page_size: int) -> int:
-    """Per-request speculative reserve (``2 * alloc_len_per_decode``, SGLang ``allocation_sizing``)."""
-    if spec.algorithm == "dflash":
-        return 2 * spec.num_draft_tokens
-    if page_size == 1 or spec.topk == 1:
-        per_decode = max(spec.num_steps * spec.topk, spec.num_draft_tokens)
-    else:
-        pages = -(-(page_size - 1 + spec.num_steps) // page_size)
-        per_decode = max(pages * page_size * spec.topk, spec.num_draft_tokens)
-    return 2 * per_decode
 
 
 def mean_accepted_len(alpha: float, num_draft_tokens: int) -> float:
@@ -284,7 +273,8 @@ class Scheduler:
         # SGLang's request limits (tp_worker: max_req_len, max_req_input_len).
         self.max_req_len = min(config.max_context_len - 1, config.pool_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
-        self.reserve = spec_reserve(config.spec, self.ps) if config.spec is not None else 0
+        # The allocator's own per-request speculative reserve (0 without speculative decoding).
+        self.reserve = reserve_per_decode(spec_config_for(config.spec), self.ps)
         self.ratio_init = min(INIT_NEW_TOKEN_RATIO, 1.0)
         self.ratio_min = self.ratio_init * MIN_NEW_TOKEN_RATIO_FACTOR
         self.ratio_decay = (self.ratio_init - self.ratio_min) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -1015,7 +1005,6 @@ def record_workload(
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
     from allocator import create_allocator
-    from kvtrace.config import allocator_config_for
     from kvtrace.record import Recorder
 
     block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
