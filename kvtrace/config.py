@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from allocator.base import AllocatorConfig, SpecConfig
+from allocator.pages import floor_align
 from kvtrace.errors import ConfigError
 from traces.schema import SpecSettings, TraceMeta
 
@@ -50,7 +51,7 @@ def allocator_config_for(
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
     config = AllocatorConfig(
-        pool_tokens=pool // ps * ps,
+        pool_tokens=floor_align(pool, ps),
         page_size=ps,
         max_running=cfg.max_running,
         max_context_len=cfg.max_context_len,

@@ -56,9 +56,10 @@ class AllocatorVersion:
 def _builtin(page_size: int | None = None) -> AllocatorFactory:
     def factory(config: AllocatorConfig) -> Allocator:
         from allocator import create_allocator
+        from allocator.pages import floor_align
 
         if page_size is not None and page_size != config.page_size:
-            config = dataclasses.replace(config, page_size=page_size, pool_tokens=config.pool_tokens // page_size * page_size)
+            config = dataclasses.replace(config, page_size=page_size, pool_tokens=floor_align(config.pool_tokens, page_size))
         return create_allocator(config)
 
     return factory

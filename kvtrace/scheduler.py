@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
+from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
 from kvtrace.config import allocator_config_for, spec_config_for
 from kvtrace.step_time import StepTimeModel
@@ -322,7 +323,7 @@ class Scheduler:
             return
         max_new = max(0, min(req.output_len, self.max_req_len - req.input_len - 1))
         # allocator.max_new_tokens_for_memory: the prompt and its generation must fit the pool.
-        paged_input = -(-req.input_len // self.ps) * self.ps
+        paged_input = ceil_align(req.input_len, self.ps)
         max_new = max(0, min(max_new, self.cfg.pool_tokens - paged_input - self.ps - 1))
         rid = self.num_requests
         if rid == self.arrival.shape[0]:
@@ -567,7 +568,7 @@ class Scheduler:
 
         def reserve(extend_len: int, max_new_reserve: int) -> None:
             nonlocal total_offset, current_offset, rem_input, rem_chunk
-            paged = -(-extend_len // ps) * ps
+            paged = ceil_align(extend_len, ps)
             total_offset += paged + ps + max_new_reserve
             current_offset += paged + ps
             rem_input -= paged
@@ -619,12 +620,12 @@ class Scheduler:
             if not total_tokens < remaining_total() - pinned:
                 self.batch_is_full = bool(batch) or running_bs > 0
                 break
-            paged = -(-extend // ps) * ps
+            paged = ceil_align(extend, ps)
             if rem_chunk is None and batch and paged >= rem_input:
                 break
             if rem_chunk is not None and paged > rem_chunk:
-                extend = rem_chunk // ps * ps
-                end = (prefix + extend) // ps * ps
+                extend = floor_align(rem_chunk, ps)
+                end = floor_align(prefix + extend, ps)
                 extend = end - prefix
                 if extend <= 0:
                     break
@@ -726,7 +727,7 @@ class Scheduler:
         assert allocated is not None
         committed = self.kv[rids]
         nxt = allocated + np.maximum(0, committed + self.reserve - allocated)
-        return int((-(-nxt // ps) * ps - (-(-allocated // ps) * ps)).sum())
+        return int(new_page_tokens(allocated, nxt, ps).sum())
 
     def _fits(self, rids: np.ndarray, allocated: np.ndarray | None) -> bool:
         c = self.alloc.counters()
@@ -879,7 +880,7 @@ class Scheduler:
             if free_rows <= 0:
                 break
             fill = int(self.input_len[rid] + self.out[rid] - 1)
-            alloc_tokens = -(-fill // ps) * ps
+            alloc_tokens = ceil_align(fill, ps)
             required = max(
                 alloc_tokens + NUM_RESERVED_DECODE_TOKENS,
                 fill + int(min(self.max_new[rid], CLIP_MAX_NEW_TOKENS)) - retractable,
