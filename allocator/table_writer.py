@@ -40,6 +40,18 @@ class CpuTableWriter:
         # int64 [rows]: flat index of each row's position 0
         self.row_base = np.arange(self.table.shape[0], dtype=np.int64) * self.width
 
+    def read_points(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``table[rows[i], positions[i]]`` (e.g. the slot before each row's next one).
+
+        Args:
+            rows: int64 ``[bs]`` rows.
+            positions: int64 ``[bs]`` one in-bounds position per row.
+
+        Returns:
+            int32 ``[bs]`` slots (a copy).
+        """
+        return self._flat[self.row_base[rows] + positions]
+
     def write_points(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """``table[rows[i], positions[i]] = slots[i]`` (one slot per request: decode)."""
         index = self.row_base[rows]

@@ -38,6 +38,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# num_new_pages is defined in allocator.pages; re-exported here.
+from allocator.pages import ceil_align, num_new_pages, num_pages
+
 __all__ = [
     "SLOT_DTYPE",
     "HiSparseTokenToKVPoolAllocator",
@@ -135,12 +138,6 @@ class PageFreeList:
         self._buf, self._head, self._tail = buf, head, head + n
 
 
-def num_new_pages(prefix_lens: np.ndarray, seq_lens: np.ndarray, page_size: int) -> int:
-    """Pages an extend from ``prefix_lens`` to ``seq_lens`` needs (SGLang ``get_num_new_pages``)."""
-    ps = page_size
-    return int(((seq_lens + (ps - 1)) // ps - (prefix_lens + (ps - 1)) // ps).sum())
-
-
 def alloc_extend_layout(
     prefix_lens: np.ndarray,
     seq_lens: np.ndarray,
@@ -164,9 +161,8 @@ def alloc_extend_layout(
     total = int(ext.sum())
     if total == 0:
         return _EMPTY.copy()
-    ceil_prefix = (prefix_lens + (ps - 1)) // ps * ps
-    num1 = np.minimum(seq_lens, ceil_prefix) - prefix_lens
-    pages_per_req = (seq_lens + (ps - 1)) // ps - ceil_prefix // ps
+    num1 = np.minimum(seq_lens, ceil_align(prefix_lens, ps)) - prefix_lens
+    pages_per_req = num_pages(seq_lens, ps) - num_pages(prefix_lens, ps)
     bs = ext.shape[0]
     if bs == 1:
         n1 = int(num1[0])

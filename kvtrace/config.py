@@ -16,7 +16,26 @@ import dataclasses
 from allocator.base import AllocatorConfig, SpecConfig
 from allocator.sizing import pool_size_tokens
 from kvtrace.errors import ConfigError
-from traces.schema import TraceMeta
+from traces.schema import SpecSettings, TraceMeta
+
+
+def spec_config_for(spec: SpecSettings | None) -> SpecConfig | None:
+    """The allocator's speculative settings for a trace's (None: no speculative decoding).
+
+    Args:
+        spec: the recorded engine's speculative settings, or None.
+
+    Returns:
+        The same settings as an ``allocator.base.SpecConfig``, or None.
+    """
+    if spec is None:
+        return None
+    return SpecConfig(
+        algorithm=spec.algorithm,
+        num_steps=spec.num_steps,
+        topk=spec.topk,
+        num_draft_tokens=spec.num_draft_tokens,
+    )
 
 
 def allocator_config_for(
@@ -41,14 +60,6 @@ def allocator_config_for(
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
-    spec = None
-    if cfg.spec is not None:
-        spec = SpecConfig(
-            algorithm=cfg.spec.algorithm,
-            num_steps=cfg.spec.num_steps,
-            topk=cfg.spec.topk,
-            num_draft_tokens=cfg.spec.num_draft_tokens,
-        )
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
@@ -56,7 +67,7 @@ def allocator_config_for(
         max_context_len=cfg.max_context_len,
         device=device,
         need_sort=cfg.pd_decode,
-        spec=spec,
+        spec=spec_config_for(cfg.spec),
         hisparse=cfg.hisparse,
         radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
