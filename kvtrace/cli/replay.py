@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from kvtrace.cli import app
+from kvtrace.config import config_dict
 from kvtrace.errors import ConfigError
 from kvtrace.replay import CHECK_MODES, ReplayOptions
 from kvtrace.report import render_replay_summary
@@ -63,6 +64,7 @@ def replay(
     on_bad_op: Annotated[str, typer.Option("--on-bad-op", help="stop at an impossible op in the trace, or skip it.")] = "stop",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the step-by-step state log (Arrow) here.")] = None,
+    digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
@@ -82,8 +84,11 @@ def replay(
         if value not in allowed:
             raise typer.BadParameter(f"'{value}' is not one of {', '.join(allowed)}", param_hint=name)
     start, stop = parse_step_range(steps)
+    if digests and out is None:
+        raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device)
     options = ReplayOptions(
+        state_digest=digests,
         check=check,  # type: ignore[arg-type]
         on_oom=on_oom,  # type: ignore[arg-type]
         on_bad_op=on_bad_op,  # type: ignore[arg-type]
@@ -98,7 +103,7 @@ def replay(
         log = None
         if out is not None:
             log = StateLogWriter(
-                out, {"trace": str(trace), "allocator": session.version.spec, "config": _config_dict(session.config)}
+                out, {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
             )
         try:
             with _progress(err, session) as advance:
@@ -122,13 +127,6 @@ def replay(
     else:
         render_replay_summary(summary, Console(), title=f"kvtrace replay {trace}")
     raise typer.Exit(1 if result.failed else 0)
-
-
-def _config_dict(config: object) -> dict[str, object]:
-    import dataclasses
-
-    d = dataclasses.asdict(config)  # type: ignore[call-overload]
-    return {k: v for k, v in d.items() if v is not None}
 
 
 class _progress:

@@ -308,3 +308,73 @@ def test_a_keyframe_lists_live_requests_no_op_touched(tmp_path: Path) -> None:
         assert s.state is not None and s.state.row(1).allocated == 5 and s.state.row(1).phase == "decode"
         second = s.step()
         assert second is not None and not second.keyframe
+
+
+# -- state digests in the snapshots; a screen shared by two sessions -------------------
+
+
+def test_snapshots_carry_the_state_digest_and_the_state_log_keeps_it(busy_trace: Path, tmp_path: Path) -> None:
+    log = tmp_path / "digests.arrow"
+    with session(busy_trace, options=ReplayOptions(state_digest=True)) as s, StateLogWriter(log, {}) as writer:
+        snaps = list(s.snapshots())
+        for snap in snaps:
+            writer.write(snap)
+    assert all(snap.digest is not None and len(snap.digest) == 32 for snap in snaps)
+    assert len({snap.digest for snap in snaps}) > len(snaps) // 2
+    _, back = read_state_log(log)
+    assert [b.digest for b in back] == [snap.digest for snap in snaps]
+    with session(busy_trace) as s:
+        assert all(snap.digest is None for snap in s.snapshots())
+
+
+def test_asking_digests_of_a_version_without_them_is_one_error(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.py"
+    plain.write_text(
+        "from allocator import create_allocator\n"
+        "class NoDigest:\n"
+        "    def __init__(self, inner):\n"
+        "        self._inner = inner\n"
+        "        self.config = inner.config\n"
+        "    def __getattr__(self, name):\n"
+        "        if name in ('state_digest', 'save_state', 'restore_state'):\n"
+        "            raise AttributeError(name)\n"
+        "        return getattr(self._inner, name)\n"
+        "    def extend(self, *a): return self._inner.extend(*a)\n"
+        "    def decode(self, *a): return self._inner.decode(*a)\n"
+        "    def spec_decode(self, *a): return self._inner.spec_decode(*a)\n"
+        "    def prealloc(self, *a): return self._inner.prealloc(*a)\n"
+        "    def release(self, *a): return self._inner.release(*a)\n"
+        "    def end_step(self): return self._inner.end_step()\n"
+        "    def evict(self, n): return self._inner.evict(n)\n"
+        "    def match_prefix(self, t): return self._inner.match_prefix(t)\n"
+        "    def counters(self): return self._inner.counters()\n"
+        "    def request_lens(self, r): return self._inner.request_lens(r)\n"
+        "    def holds_kv(self, r): return self._inner.holds_kv(r)\n"
+        "    def row_slots(self, r): return self._inner.row_slots(r)\n"
+        "    def check_integrity(self): return self._inner.check_integrity()\n"
+        "def factory(config):\n"
+        "    return NoDigest(create_allocator(config))\n"
+    )
+    from kvtrace.errors import VersionSpecError
+
+    with pytest.raises(VersionSpecError, match=r"--exact: allocator '.*plain\.py:factory' \(NoDigest\) has no state_digest\(\)"):
+        session("sample:tiny", version=f"{plain}:factory", options=ReplayOptions(state_digest=True))
+    with session("sample:tiny", version=f"{plain}:factory") as s:  # without digests it replays
+        assert s.run().stats.steps == 139
+
+
+def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
+    """Lockstep: the second session screens each step from the first one's memory."""
+    ahead = ReplaySession(busy_trace, options=ReplayOptions(), screen="background")
+    behind = ReplaySession(busy_trace, options=ReplayOptions(), screen=ahead.screen)
+    try:
+        for a in ahead.snapshots():
+            b = behind.step()
+            assert b is not None
+            same_snapshot(a, b)
+        assert behind.step() is None
+    finally:
+        behind.close()
+        assert ahead.screen.frontier is not None  # closing the second left the screen alone
+        ahead.close()
+    assert straight_summary(busy_trace)["steps"] == ahead.result().stats.steps
