@@ -327,39 +327,13 @@ def test_snapshots_carry_the_state_digest_and_the_state_log_keeps_it(busy_trace:
         assert all(snap.digest is None for snap in s.snapshots())
 
 
-def test_asking_digests_of_a_version_without_them_is_one_error(tmp_path: Path) -> None:
-    plain = tmp_path / "plain.py"
-    plain.write_text(
-        "from allocator import create_allocator\n"
-        "class NoDigest:\n"
-        "    def __init__(self, inner):\n"
-        "        self._inner = inner\n"
-        "        self.config = inner.config\n"
-        "    def __getattr__(self, name):\n"
-        "        if name in ('state_digest', 'save_state', 'restore_state'):\n"
-        "            raise AttributeError(name)\n"
-        "        return getattr(self._inner, name)\n"
-        "    def extend(self, *a): return self._inner.extend(*a)\n"
-        "    def decode(self, *a): return self._inner.decode(*a)\n"
-        "    def spec_decode(self, *a): return self._inner.spec_decode(*a)\n"
-        "    def prealloc(self, *a): return self._inner.prealloc(*a)\n"
-        "    def release(self, *a): return self._inner.release(*a)\n"
-        "    def end_step(self): return self._inner.end_step()\n"
-        "    def evict(self, n): return self._inner.evict(n)\n"
-        "    def match_prefix(self, t): return self._inner.match_prefix(t)\n"
-        "    def counters(self): return self._inner.counters()\n"
-        "    def request_lens(self, r): return self._inner.request_lens(r)\n"
-        "    def holds_kv(self, r): return self._inner.holds_kv(r)\n"
-        "    def row_slots(self, r): return self._inner.row_slots(r)\n"
-        "    def check_integrity(self): return self._inner.check_integrity()\n"
-        "def factory(config):\n"
-        "    return NoDigest(create_allocator(config))\n"
-    )
+def test_asking_digests_of_a_version_without_them_is_one_error() -> None:
     from kvtrace.errors import VersionSpecError
 
-    with pytest.raises(VersionSpecError, match=r"--exact: allocator '.*plain\.py:factory' \(NoDigest\) has no state_digest\(\)"):
-        session("sample:tiny", version=f"{plain}:factory", options=ReplayOptions(state_digest=True))
-    with session("sample:tiny", version=f"{plain}:factory") as s:  # without digests it replays
+    spec = f"{Path(__file__).with_name('faulty_allocators.py')}:without_digest"
+    with pytest.raises(VersionSpecError, match=r"--exact: allocator '.*:without_digest' \(WithoutDigest\) has no state_digest\(\)"):
+        session("sample:tiny", version=spec, options=ReplayOptions(state_digest=True))
+    with session("sample:tiny", version=spec) as s:  # without digests it replays
         assert s.run().stats.steps == 139
 
 
