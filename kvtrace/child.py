@@ -5,7 +5,9 @@ streams its per-step records to the parent.
 
 ``JOB_JSON`` (``side_job``) names the trace, the version (a spec, or an
 ``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
-or a working tree), the what-if options and the ``ReplayOptions``. Stdout carries
+or a working tree), the what-if options and the ``ReplayOptions``, and optionally
+``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
+sides (``traces.validate.start_shared_checker``). Stdout carries
 the records: a state log stream (``kvtrace.statelog``; pool counters, per-request
 deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
 batch. ``CONTROL_FD`` carries JSON lines: ``{"start": {...}}`` once the session is
@@ -55,11 +57,8 @@ def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
     Raises:
         KvtraceError, TraceError: bad input (reported by ``main`` as one line).
     """
-    from kvtrace.config import config_dict
     from kvtrace.registry import AllocatorVersion, resolve_version
     from kvtrace.replay import ReplayOptions
-    from kvtrace.session import ReplaySession
-    from kvtrace.statelog import StateLogWriter
 
     if job.get("allocator_root"):
         from allocator import create_allocator
@@ -68,10 +67,28 @@ def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
     else:
         version = resolve_version(job["spec"])
     options = ReplayOptions(**job.get("options", {}))
+    screen: Any = job.get("screen", "background")
+    if job.get("screen_fd") is not None:  # a checker the parent shares between the sides
+        from multiprocessing.connection import Connection
+
+        from traces.validate import BackgroundChecker
+
+        screen = BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
+    try:
+        _replay(job, version, options, screen, out, control)
+    finally:
+        if not isinstance(screen, str):
+            screen.close()
+
+
+def _replay(job: dict[str, Any], version: Any, options: Any, screen: Any, out: BinaryIO, control: IO[str]) -> None:
+    from kvtrace.config import config_dict
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
+
     with ReplaySession(
         job["trace"], version=version, page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
-        device=job.get("device", "cpu"), options=options, screen=job.get("screen", "background"),
-        label=job.get("trace_label"),
+        device=job.get("device", "cpu"), options=options, screen=screen, label=job.get("trace_label"),
     ) as session:
         config = config_dict(session.config)
         _send(control, {"start": {"config": config, "label": version.label, "origin": version.origin}})

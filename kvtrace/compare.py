@@ -210,10 +210,22 @@ class Divergence:
 
     @classmethod
     def of(cls, step: int, op: str, diffs: Sequence[FieldDiff], context: Sequence[str] = (), max_also: int = 8) -> Divergence:
-        """The divergence reported for ``diffs[0]`` (the rest listed as ``also``)."""
+        """The divergence reported for ``diffs[0]``; the other fields are listed as
+        ``also``, grouped by field (``kv_allocated_len[r1, r2, r3 +5 more]``)."""
         first = diffs[0]
-        also = tuple(f"{d.field}{'' if d.rid is None else f'[r{d.rid}]'}" for d in diffs[1 : 1 + max_also])
-        return cls(step, op, first.rid, first.field, first.a, first.b, first.detail, also, tuple(context))
+        groups: dict[str, list[int]] = {}
+        for d in diffs[1:]:
+            rids = groups.setdefault(d.field, [])
+            if d.rid is not None:
+                rids.append(d.rid)
+        also = []
+        for name, rids in list(groups.items())[:max_also]:
+            if not rids:
+                also.append(name)
+                continue
+            more = f" +{len(rids) - 3} more" if len(rids) > 3 else ""
+            also.append(f"{name}[{', '.join(f'r{r}' for r in rids[:3])}{more}]")
+        return cls(step, op, first.rid, first.field, first.a, first.b, first.detail, tuple(also), tuple(context))
 
     def to_dict(self) -> dict[str, Any]:
         return {

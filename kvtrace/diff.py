@@ -19,6 +19,7 @@ that the CLI renders as text and a screen can render as it likes.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -172,7 +173,20 @@ def _event_text(key: tuple[Any, ...] | None) -> str:
     return f"{kind}{who}" + (f" {tokens:,} tokens" if tokens else "")
 
 
+def _same_step(sa: StepSnapshot, sb: StepSnapshot, exact: bool) -> bool:
+    """The quick check of a step's equality (equal here means ``compare_step`` finds nothing)."""
+    if sa.step != sb.step or sa.pool != sb.pool or (exact and sa.digest != sb.digest):
+        return False
+    if len(sa.events) != len(sb.events) or any(
+        (x.kind, x.rid, x.tokens) != (y.kind, y.rid, y.tokens) for x, y in zip(sa.events, sb.events)
+    ):
+        return False
+    return all(x.tobytes() == y.tobytes() for x, y in zip(sa.requests, sb.requests))
+
+
 def _step_diffs(sa: StepSnapshot | None, sb: StepSnapshot | None, exact: bool) -> list[FieldDiff]:
+    if sa is not None and sb is not None and _same_step(sa, sb, exact):
+        return []
     if sa is None or sb is None:
         return [FieldDiff(
             "step", None, "(ended)" if sa is None else sa.step, "(ended)" if sb is None else sb.step,
@@ -313,11 +327,12 @@ class _Cursor:
                 return snaps[self._pos - 1]
             self._chunk = None
 
-    def drain(self) -> None:
-        self._chunk = None
-        for _ in self._chunks:
-            pass
-        self.ended = True
+    def take_chunk_any(self) -> None:
+        """Drop the rest of the current chunk and read the next one (drain)."""
+        self._chunk = next(self._chunks, None)
+        self._pos = 0
+        if self._chunk is None:
+            self.ended = True
 
 
 def compare_sides(side_a: Any, side_b: Any, options: DiffOptions) -> tuple[int, list[ReportedDivergence]]:
@@ -358,9 +373,17 @@ def compare_sides(side_a: Any, side_b: Any, options: DiffOptions) -> tuple[int, 
         found.append(ReportedDivergence(divergence, window.history(first.rid, first.field, options.context)))
         if sa is None or sb is None:
             break  # one side ended: nothing more to compare
-    ca.drain()
-    cb.drain()
+    _drain(ca, cb)
     return steps, found
+
+
+def _drain(ca: _Cursor, cb: _Cursor) -> None:
+    """Read both streams to their end, a chunk of each in turn (a side in another
+    process must not wait for the other's to finish)."""
+    while not (ca.ended and cb.ended):
+        for cursor in (ca, cb):
+            if not cursor.ended:
+                cursor.take_chunk_any()
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -418,15 +441,25 @@ def diff_trace(
         jobs = 2 if _usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
     parallel = jobs == 2 or not in_process
     sides: list[Any] = []
+    checker: Any = None
     try:
         if parallel:
             from kvtrace.sides import ChildSide, side_job
+            from traces.validate import start_shared_checker
 
             opts = dataclasses.asdict(replay)
-            for name, version in zip("AB", versions):
-                job = side_job(version, path, trace_label=trace, page_size=page_size, pool_tokens=pool_tokens,
-                               device=device, options=opts)
-                sides.append(ChildSide(name, job, python=getattr(version, "python", None) or _python()))
+            # One op-sequence checker for both sides: each step is screened once.
+            checker, pipes = start_shared_checker(path, consumers=2, stop=replay.stop_step)
+            try:
+                for name, version, pipe in zip("AB", versions, pipes):
+                    job = side_job(version, path, trace_label=trace, page_size=page_size, pool_tokens=pool_tokens,
+                                   device=device, options=opts)
+                    job["screen_fd"] = pipe.fileno()
+                    sides.append(ChildSide(name, job, python=getattr(version, "python", sys.executable),
+                                           pass_fds=(pipe.fileno(),)))
+            finally:
+                for pipe in pipes:
+                    pipe.close()  # the children hold their own ends
         else:
             from kvtrace.session import ReplaySession
             from kvtrace.sides import SessionSide
@@ -442,6 +475,9 @@ def diff_trace(
     finally:
         for s in reversed(sides):
             s.close()
+        if checker is not None:
+            checker.terminate()
+            checker.join(timeout=10)
     notes = _config_notes(reports[0].summary, reports[1].summary)
     return DiffReport(trace, reports[0], reports[1], "parallel" if parallel else "lockstep", options.exact, steps,
                       tuple(found), time.perf_counter() - t0, notes)
@@ -516,9 +552,3 @@ def _config_notes(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:
         if a.get(key) is not None and b.get(key) is not None and a.get(key) != b.get(key):
             out.append(f"the sides replay with different {key.replace('_', ' ')}: {a.get(key)} and {b.get(key)}")
     return tuple(out)
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable

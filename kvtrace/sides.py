@@ -143,12 +143,13 @@ class ChildSide:
         name: how errors name the side (``A`` / ``B``).
         job: ``side_job(...)``.
         python: the child's interpreter.
+        pass_fds: more descriptors the child inherits (a shared checker's pipe).
 
     Raises:
         SideError (from ``chunks`` / ``summary``): the child reported an error or died.
     """
 
-    def __init__(self, name: str, job: dict[str, Any], python: str = sys.executable) -> None:
+    def __init__(self, name: str, job: dict[str, Any], python: str = sys.executable, pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name
         self.spec = job["spec"]
         self.label = job.get("label", self.spec)
@@ -162,7 +163,7 @@ class ChildSide:
         try:
             self.proc = subprocess.Popen(
                 [python, "-m", "kvtrace.child", json.dumps(job), str(write_fd)],
-                stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL, pass_fds=(write_fd,), env=env,
+                stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL, pass_fds=(write_fd, *pass_fds), env=env,
             )
         except OSError as exc:
             os.close(read_fd)
