@@ -440,36 +440,14 @@ def diff_trace(
     if jobs is None:
         jobs = 2 if _usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
     parallel = jobs == 2 or not in_process
+    what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device}
     sides: list[Any] = []
     checker: Any = None
     try:
         if parallel:
-            from kvtrace.sides import ChildSide, side_job
-            from traces.validate import start_shared_checker
-
-            opts = dataclasses.asdict(replay)
-            # One op-sequence checker for both sides: each step is screened once.
-            checker, pipes = start_shared_checker(path, consumers=2, stop=replay.stop_step)
-            try:
-                for name, version, pipe in zip("AB", versions, pipes):
-                    job = side_job(version, path, trace_label=trace, page_size=page_size, pool_tokens=pool_tokens,
-                                   device=device, options=opts)
-                    job["screen_fd"] = pipe.fileno()
-                    sides.append(ChildSide(name, job, python=getattr(version, "python", sys.executable),
-                                           pass_fds=(pipe.fileno(),)))
-            finally:
-                for pipe in pipes:
-                    pipe.close()  # the children hold their own ends
+            checker = _start_children(sides, versions, path, trace, replay, what_if)
         else:
-            from kvtrace.session import ReplaySession
-            from kvtrace.sides import SessionSide
-
-            first = ReplaySession(path, version=versions[0], page_size=page_size, pool_tokens=pool_tokens,
-                                  device=device, options=replay, label=trace)
-            sides.append(SessionSide(first))
-            second = ReplaySession(path, version=versions[1], page_size=page_size, pool_tokens=pool_tokens,
-                                   device=device, options=replay, label=trace, screen=first.screen)
-            sides.append(SessionSide(second))
+            _start_sessions(sides, versions, path, trace, replay, what_if)
         steps, found = compare_sides(sides[0], sides[1], options)
         reports = [SideReport(s.spec, s.label, s.origin, s.summary()) for s in sides]
     finally:
@@ -481,6 +459,42 @@ def diff_trace(
     notes = _config_notes(reports[0].summary, reports[1].summary)
     return DiffReport(trace, reports[0], reports[1], "parallel" if parallel else "lockstep", options.exact, steps,
                       tuple(found), time.perf_counter() - t0, notes)
+
+
+def _start_children(
+    sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
+) -> Any:
+    """Both sides in child processes (appended to ``sides`` as they start), fed by one
+    op-sequence checker (each step screened once); returns the checker's process."""
+    import dataclasses
+
+    from kvtrace.sides import ChildSide, side_job
+    from traces.validate import start_shared_checker
+
+    checker, pipes = start_shared_checker(path, consumers=2, stop=replay.stop_step)
+    try:
+        for name, version, pipe in zip("AB", versions, pipes):
+            job = side_job(version, path, trace_label=trace, options=dataclasses.asdict(replay), **what_if)
+            job["screen_fd"] = pipe.fileno()
+            sides.append(ChildSide(name, job, python=getattr(version, "python", sys.executable), pass_fds=(pipe.fileno(),)))
+    finally:
+        for pipe in pipes:
+            pipe.close()  # the children hold their own ends
+    return checker
+
+
+def _start_sessions(
+    sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
+) -> None:
+    """Both sides as sessions in this process, in lockstep: the second screens its steps
+    from the first one's memory."""
+    from kvtrace.session import ReplaySession
+    from kvtrace.sides import SessionSide
+
+    first = ReplaySession(path, version=versions[0], options=replay, label=trace, **what_if)
+    sides.append(SessionSide(first))
+    second = ReplaySession(path, version=versions[1], options=replay, label=trace, screen=first.screen, **what_if)
+    sides.append(SessionSide(second))
 
 
 def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
