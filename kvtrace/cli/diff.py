@@ -30,7 +30,7 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def diff(
     inputs: Annotated[list[str], typer.Argument(help="TRACE (a .kvtrace file or sample:NAME), or LOG_A LOG_B: two state logs (kvtrace replay --out).", show_default=False)],
     a: Annotated[Optional[str], typer.Option("--a", help="Version A (kvtrace versions lists them). Default: builtin.")] = None,
-    b: Annotated[Optional[str], typer.Option("--b", help="Version B: builtin, token, paged[:N], pre-encapsulation, NAME, module:factory, file.py:factory, git:REV[@PATH], worktree[@PATH].")] = None,
+    b: Annotated[Optional[str], typer.Option("--b", help="Version B: builtin, token, paged[:N], pre-encapsulation, NAME, module:factory, file.py:factory, git:REV\\[@PATH], worktree\\[@PATH].")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="Also compare the physical slots (request rows, free-list order) through per-step state digests.")] = False,
     context: Annotated[int, typer.Option("--context", min=0, help="Steps of the diverging request's history shown on both sides.")] = 5,
     all_: Annotated[Optional[int], typer.Option("--all", min=1, help="List up to N divergences (each request once) instead of stopping at the first.")] = None,
