@@ -6,7 +6,8 @@
 * every request row: ``req_to_token[row, 0:kv_allocated_len]`` (the physical slot of
   each position), its request id and its three lengths;
 * the free lists in reuse order (the token / page free list, the need-sort release
-  or staged lists) and the free request rows in order;
+  or staged lists; HiSparse: the logical and the device lists, not the mapping between
+  them) and the free request rows in order;
 * the radix cache's evictable and protected sizes (the tree owns the remaining slots).
 
 Hashing the whole state after every step would cost milliseconds (a 920k-slot free
