@@ -55,8 +55,10 @@ __all__ = [
     "extend_fits",
     "prealloc_fits",
     "prepare_spec_decode",
+    "record_spec_reserve",
     "release_kv_cache",
     "undo_prealloc",
+    "take_spec_slots",
 ]
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -132,6 +134,7 @@ class SpecResult(NamedTuple):
     num_tokens: int
     evicted_tokens: int
     out_cache_loc: np.ndarray
+    taken: int  # slots taken from the pool (page tails included)
 
 
 class CheckpointResult(NamedTuple):
@@ -514,12 +517,25 @@ def alloc_for_spec_decode(
     Skipped when nothing is needed. Page 1: ``alloc(num_needed)``; paged: evict for
     ``num_needed + bs * page_size``, then ``alloc_extend(prefix=cur, seq=nxt)``
     (HiSparse: logical slots only). ``kv_allocated_len = max(kv_allocated_len, nxt)``
-    (monotone). Rejected drafts are never freed here: they stay in
-    ``[committed, allocated)`` and are reused by the next step.
+    (monotone), here, beside the allocation. Rejected drafts are never freed here: they
+    stay in ``[committed, allocated)`` and are reused by the next step.
     """
+    res = take_spec_slots(ctx, rows, plan, rids)
+    if isinstance(res, SpecResult) and res.num_tokens:
+        record_spec_reserve(ctx, rows, plan, res.taken)
+    return res
+
+
+def take_spec_slots(
+    ctx: KvContext, rows: np.ndarray, plan: SpecPlan, rids: np.ndarray | None = None
+) -> SpecResult | OutOfMemory:
+    """The physical half of ``alloc_for_spec_decode``: evict, take the slots of
+    ``row[cur:nxt]`` and write them into the rows; no bookkeeping. (Before SGLang PR
+    #29432 this was the whole function and the caller updated ``kv_allocated_len``:
+    ``allocator.pre_encapsulation`` keeps that structure.)"""
     cur, nxt, num_needed, _, counts, cumsum = plan
     if num_needed == 0:
-        return SpecResult(0, 0, _NO_SLOTS)
+        return SpecResult(0, 0, _NO_SLOTS, 0)
     kv = ctx.req_kv
     allocator = ctx.token_to_kv_pool_allocator
     ps = ctx.page_size
@@ -544,11 +560,18 @@ def alloc_for_spec_decode(
             return got
         out, evicted, taken = got
     ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
-    kv.kv_allocated_len[rows] = nxt
+    return SpecResult(num_needed, evicted, out, taken)
+
+
+def record_spec_reserve(ctx: KvContext, rows: np.ndarray, plan: SpecPlan, taken: int) -> None:
+    """The bookkeeping half: ``kv_allocated_len = nxt`` and the pool sums (``taken``:
+    slots the reserve took from the pool, page tails included)."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    kv.kv_allocated_len[rows] = plan.nxt_kv_lens
     kv.sum_allocated_ceil += taken
     bound = ceil_align(kv.max_len_bound + ctx.spec_reserve, ps)
     kv.max_len_bound = max(kv.max_len_bound, min(bound, ctx.width))
-    return SpecResult(num_needed, evicted, out)
 
 
 def commit_accepted_tokens(

@@ -35,6 +35,8 @@ import numpy as np
 
 from allocator.allocation import (
     KvContext,
+    SpecPlan,
+    SpecResult,
     alloc_for_decode,
     alloc_for_decode_prealloc,
     alloc_for_decode_prealloc_hisparse,
@@ -62,6 +64,7 @@ from allocator.base import (
     Violation,
 )
 from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
+from allocator.digest import StateDigest
 from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -145,6 +148,7 @@ class KvAllocator:
         # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+        self._digest: StateDigest | None = None  # kept from the first state_digest() on
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -443,7 +447,7 @@ class KvAllocator:
                         f"reserve (committed {int(kv.kv_committed_len[rows[i]])}, reserved to "
                         f"{int(plan.nxt_kv_lens[i])})"
                     )
-        res = alloc_for_spec_decode(ctx, rows, plan, rids)
+        res = self._reserve_spec(rows, plan, rids)
         if isinstance(res, OutOfMemory):
             return res
         excess = commit_accepted_tokens(ctx, rows, accepted, asked, may_exceed=overshoot)
@@ -460,6 +464,11 @@ class KvAllocator:
             self._flush_publish()
         self.writer.end_call()
         return AllocResult(res.num_tokens, res.evicted_tokens, row_overflow=row_overflow)
+
+    def _reserve_spec(self, rows: np.ndarray, plan: SpecPlan, rids: np.ndarray) -> SpecResult | OutOfMemory:
+        """The speculative reserve of one ``spec_decode`` (a method so that a variant
+        can restructure it: ``allocator.pre_encapsulation``)."""
+        return alloc_for_spec_decode(self.ctx, rows, plan, rids)
 
     # ------------------------------------------------------------------ PD prealloc
 
@@ -718,6 +727,15 @@ class KvAllocator:
         if not isinstance(state, AllocatorState):
             raise TypeError(f"restore_state: expected an AllocatorState, found {type(state).__name__}")
         restore_allocator_state(self, state)
+
+    def state_digest(self) -> str:
+        """A digest of the physical state: every row's slots and lengths, the free
+        lists in order, the free rows (``allocator.digest``; ``Digestible``). The first
+        call hashes everything; later calls only what changed since."""
+        self._flush_publish()
+        if self._digest is None:
+            self._digest = StateDigest(self)
+        return self._digest.digest()
 
     def check_integrity(self) -> list[Violation]:
         from allocator.invariants import check_integrity

@@ -12,6 +12,7 @@ only.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from allocator.base import AllocatorConfig, SpecConfig
 from allocator.sizing import pool_size_tokens
@@ -119,3 +120,8 @@ def effective_config(
         )
     chosen = version_page_size if version_page_size is not None else page_size
     return allocator_config_for(meta, page_size=chosen, pool_tokens=pool_tokens, device=device)
+
+
+def config_dict(config: AllocatorConfig) -> dict[str, Any]:
+    """An allocator configuration as a JSON-able dict (None fields left out)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}

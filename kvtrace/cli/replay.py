@@ -105,6 +105,7 @@ def replay(
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.", show_default="every step")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the step-by-step state log (an Arrow IPC file) here.", show_default=False)] = None,
     force: ForceOpt = False,
+    digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
@@ -119,6 +120,7 @@ def replay(
     Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped
     bad ops; 2 bad input.
     """
+    from kvtrace.config import config_dict
     from kvtrace.outputs import OutputFile
     from kvtrace.replay import ReplayOptions
     from kvtrace.report import render_replay_summary
@@ -127,9 +129,12 @@ def replay(
     from traces.samples import resolve_trace
 
     start, stop = parse_step_range(steps)
+    if digests and out is None:
+        raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device.value)
     target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
     options = ReplayOptions(
+        state_digest=digests,
         check=check.value,  # type: ignore[arg-type]
         on_oom=on_oom.value,  # type: ignore[arg-type]
         on_bad_op=on_bad_op.value,  # type: ignore[arg-type]
@@ -145,7 +150,7 @@ def replay(
             _run(session, err, None)
         else:
             with target.writing() as tmp:
-                info = {"trace": str(trace), "allocator": session.version.spec, "config": _config_dict(session.config)}
+                info = {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
                 with StateLogWriter(tmp, info) as log:
                     _run(session, err, log)
         result = session.result()
@@ -170,13 +175,6 @@ def _run(session: Any, err: Console, log: Any) -> None:
             if log is not None:
                 log.write(snap)
             advance(snap.step, snap.time_s)
-
-
-def _config_dict(config: object) -> dict[str, object]:
-    import dataclasses
-
-    d = dataclasses.asdict(config)  # type: ignore[call-overload]
-    return {k: v for k, v in d.items() if v is not None}
 
 
 class _progress:
