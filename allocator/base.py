@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runti
 if TYPE_CHECKING:
     import numpy as np
 
+    from allocator.ownership import SlotOwnership
+
 # SGLang keeps this many decode steps' worth of slots free per request still
 # running after a retraction (``SGLANG_RETRACT_DECODE_STEPS``).
 RETRACT_DECODE_STEPS = 20
@@ -285,4 +287,8 @@ class Allocator(Protocol):
 
     def check_integrity(self) -> list[Violation]:
         """Every broken invariant of the whole state (empty list when sound)."""
+        ...
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owning request of every KV slot of the pool (``allocator.ownership``)."""
         ...

@@ -29,7 +29,7 @@ request's ``ReqKvInfo`` view.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -74,6 +74,9 @@ from allocator.token_to_kv import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+
+if TYPE_CHECKING:
+    from allocator.ownership import SlotOwnership
 
 __all__ = ["KvAllocator", "create_allocator"]
 
@@ -759,6 +762,13 @@ class KvAllocator:
 
         self.sync_device()
         return check_integrity(self)
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owner of every slot of the pool (``allocator.ownership``)."""
+        from allocator.ownership import slot_ownership
+
+        self._flush_publish()
+        return slot_ownership(self)
 
 
 def create_allocator(config: AllocatorConfig) -> KvAllocator:
