@@ -285,8 +285,10 @@ class Allocator(Protocol):
         """Physical KV slots of ``req_to_token[row(rid), 0:kv_allocated_len]`` (host copy)."""
         ...
 
-    def check_integrity(self) -> list[Violation]:
-        """Every broken invariant of the whole state (empty list when sound)."""
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (empty list when sound): of the whole state when
+        ``touched`` is None, else of what the calls since the previous check changed
+        (``touched``: the request ids of those calls)."""
         ...
 
     def slot_ownership(self) -> SlotOwnership:

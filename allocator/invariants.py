@@ -152,8 +152,7 @@ def _items(mask: np.ndarray) -> list[int]:
 
 
 def check_lengths(out: list[Violation], kv: ReqKvTable, rows: np.ndarray, rids: np.ndarray, alloc: np.ndarray,
-                  committed: np.ndarray, protected: np.ndarray, width: int, ps: int,
-                  lock_rows: np.ndarray | None = None) -> None:
+                  committed: np.ndarray, protected: np.ndarray, width: int, ps: int) -> None:
     """Lengths in order for rows in use, zeros in free rows (``lengths``).
 
     Args:
@@ -163,8 +162,6 @@ def check_lengths(out: list[Violation], kv: ReqKvTable, rows: np.ndarray, rids: 
             and lengths.
         width: the row width.
         ps: the page size.
-        lock_rows: the rows to examine for a radix lock left on a free row (None:
-            every free row; an incremental check passes the rows freed since the last).
     """
     bad = (protected < 0) | (protected > committed) | (committed > alloc) | (alloc > width) | (protected % ps != 0)
     for i in _items(bad):
@@ -192,8 +189,7 @@ def check_lengths(out: list[Violation], kv: ReqKvTable, rows: np.ndarray, rids: 
                 {"row": row},
             )
         )
-    candidates = np.flatnonzero(free_rows) if lock_rows is None else lock_rows[free_rows[lock_rows]]
-    locked_free = [row for row in candidates.tolist() if kv.lock_node[row] is not None]
+    locked_free = [row for row in np.flatnonzero(free_rows).tolist() if kv.lock_node[row] is not None]
     for row in locked_free[:_MAX_ITEMS]:
         out.append(Violation("lengths", f"row {row} holds no request but still holds a radix lock", None, {"row": row}))
 

@@ -76,6 +76,8 @@ from allocator.token_to_kv import (
 )
 
 if TYPE_CHECKING:
+    from allocator.incremental import IncrementalChecker
+    from allocator.journal import Journal
     from allocator.ownership import SlotOwnership
 
 __all__ = ["KvAllocator", "create_allocator"]
@@ -145,6 +147,10 @@ class KvAllocator:
         # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+        # The incremental checker (attached by the first check_integrity(touched)) and
+        # its journal, which also records the requests a prompt publish checkpoints.
+        self.journal: Journal | None = None
+        self._checker: IncrementalChecker | None = None
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -206,6 +212,8 @@ class KvAllocator:
         if not pending:
             return
         self._pending_publish = []
+        if self.journal is not None:
+            self.journal.touch([rid for rid, _, _ in pending])
         allocator = self.token_to_kv_pool_allocator
         grouped = self.free_groups
         if grouped:
@@ -757,11 +765,30 @@ class KvAllocator:
         self._flush_publish()
         self.writer.sync()
 
-    def check_integrity(self) -> list[Violation]:
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (see ``allocator.invariants``).
+
+        Args:
+            touched: None walks the whole state. Else the request ids of the calls
+                since the previous check: the first such check walks the whole state
+                and attaches an incremental checker (``allocator.incremental``), which
+                from then on verifies only what the calls changed.
+
+        Returns:
+            The violations found (empty when sound).
+        """
         from allocator.invariants import check_integrity
 
         self.sync_device()
-        return check_integrity(self)
+        if touched is None:
+            return check_integrity(self)
+        if self._checker is None:
+            from allocator.incremental import IncrementalChecker
+
+            found = check_integrity(self)
+            self._checker = IncrementalChecker(self)
+            return found
+        return self._checker.check(_i64(touched))
 
     def slot_ownership(self) -> SlotOwnership:
         """The state and owner of every slot of the pool (``allocator.ownership``)."""

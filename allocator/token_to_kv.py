@@ -27,7 +27,9 @@ hands out the very slot indices SGLang would):
   mapping empty (device pages are bound later).
 
 Free lists are numpy arrays kept in a double-ended buffer (O(1) amortised
-take-from-head, append and prepend). Slots and page ids are int32 on the host (the
+take-from-head, append and prepend). With a ``journal`` attached (an incremental
+checker, ``allocator.journal``) every page that leaves or enters a free list is
+recorded there. Slots and page ids are int32 on the host (the
 dtype of ``req_to_token``, so writing them into rows needs no conversion; a pool
 is bounded by 2**31 slots like SGLang's int32 table). ``free_pages`` etc. return
 int64 torch tensors for white-box comparison with SGLang's objects.
@@ -35,8 +37,13 @@ int64 torch tensors for white-box comparison with SGLang's objects.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from allocator.journal import Journal
 
 __all__ = [
     "SLOT_DTYPE",
@@ -61,9 +68,10 @@ class PageFreeList:
     whole list.
     """
 
-    __slots__ = ("_buf", "_head", "_tail")
+    __slots__ = ("_buf", "_head", "_tail", "journal")
 
     def __init__(self, values: np.ndarray) -> None:
+        self.journal: Journal | None = None
         n = int(values.shape[0])
         self._buf = np.empty(2 * n + 64, dtype=SLOT_DTYPE)
         self._head = (self._buf.shape[0] - n) // 2
@@ -86,13 +94,19 @@ class PageFreeList:
         head = self._head
         out = self._buf[head : head + n].copy()
         self._head = head + n
+        if self.journal is not None:
+            self.journal.take(out)
         return out
 
     def drop(self, n: int) -> None:
         """Remove the first ``n`` entries (after reading them with ``head``)."""
+        if self.journal is not None:
+            self.journal.take(self._buf[self._head : self._head + n].copy())
         self._head += n
 
     def prepend(self, values: np.ndarray) -> None:
+        if self.journal is not None:
+            self.journal.give(np.array(values, dtype=SLOT_DTYPE))
         n = int(values.shape[0])
         if n > self._head:
             self._recentre(n, 0)
@@ -100,6 +114,8 @@ class PageFreeList:
         self._buf[self._head : self._head + n] = values
 
     def append(self, values: np.ndarray) -> None:
+        if self.journal is not None:
+            self.journal.give(np.array(values, dtype=SLOT_DTYPE))
         n = int(values.shape[0])
         if self._tail + n > self._buf.shape[0]:
             self._recentre(0, n)
@@ -107,7 +123,8 @@ class PageFreeList:
         self._tail += n
 
     def replace(self, values: np.ndarray) -> None:
-        """Make ``values`` the whole list (after a merge and sort)."""
+        """Make ``values`` the whole list (after a merge and sort: the staged pages
+        were journaled when they were staged, so nothing is recorded here)."""
         n = int(values.shape[0])
         if 2 * n + 64 > self._buf.shape[0]:
             self._buf = np.empty(2 * n + 64, dtype=SLOT_DTYPE)
@@ -221,6 +238,7 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
         self.size = size
         self.need_sort = need_sort
         self.device = device
+        self.journal: Journal | None = None  # records staged frees (the free list records its own)
         self.clear()
 
     def clear(self) -> None:
@@ -298,8 +316,11 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
         if self.free_group is not None:
             self.free_group.append(np.array(free_index, dtype=SLOT_DTYPE))
         elif self.need_sort:
-            self._release.append(np.array(free_index, dtype=SLOT_DTYPE))
+            staged = np.array(free_index, dtype=SLOT_DTYPE)
+            self._release.append(staged)
             self._num_release += int(free_index.shape[0])
+            if self.journal is not None:
+                self.journal.give(staged)
         else:
             self._free.append(free_index)
 
@@ -334,6 +355,7 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         self.need_sort = need_sort
         self.device = device
         self._page_offsets = np.arange(page_size, dtype=SLOT_DTYPE)
+        self.journal: Journal | None = None  # records staged frees (the free list records its own)
         self.clear()
 
     def clear(self) -> None:
@@ -472,8 +494,11 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
 
     def _release_page_ids(self, page_ids: np.ndarray) -> None:
         if self.need_sort:
-            self.staged_pages.append(np.array(page_ids, dtype=SLOT_DTYPE))
+            staged = np.array(page_ids, dtype=SLOT_DTYPE)
+            self.staged_pages.append(staged)
             self.num_staged_pages += int(page_ids.shape[0])
+            if self.journal is not None:
+                self.journal.give(staged)
         else:
             self._free.prepend(page_ids)
 

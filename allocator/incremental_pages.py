@@ -1,0 +1,230 @@
+"""The page half of the incremental checker: a shadow of who holds every page.
+
+``PageShadow`` keeps, per page, a kind (int8, one byte a page so the random
+accesses stay in cache) and, for pages a request owns, its ``req_to_token`` row;
+per row, how many pages its request owns; and the number of pages taken or evicted
+in the current call that nobody has claimed yet. The journal's events move pages
+between kinds::
+
+    FREE --take--> NOBODY --row write (own range)--> OWNED(row) --free--> FREE
+                                                        |
+    TREE <-----------insert (checkpoint)----------------+     TREE --evict--> NOBODY --free--> FREE
+
+and each move checks the kind it starts from. A call must end with every page it
+took or evicted claimed (by a row, the tree or the free list), every row owning
+exactly its own range's pages (a free row none) and the free lists as long as the
+shadow says. What it finds are anomalies (``Changes.flag``); the full ownership and
+row passes describe them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from allocator.ownership import page_holders
+
+if TYPE_CHECKING:
+    from allocator.incremental import Changes
+    from allocator.manager import KvAllocator
+
+__all__ = ["FREE", "NOBODY", "OWNED", "RESERVED", "TREE", "PageShadow"]
+
+# Page kinds (FREE is 0 so "all free" is one any()). Pages a request may give up are
+# NOBODY or OWNED, the two largest codes.
+FREE, TREE, RESERVED, NOBODY, OWNED = 0, 1, 2, 3, 4
+
+
+class PageShadow:
+    """Who holds each page, kept from the journal.
+
+    Args:
+        allocator: the allocator whose pool is shadowed.
+    """
+
+    def __init__(self, allocator: KvAllocator) -> None:
+        self.allocator = allocator
+        self.ps = allocator.page_size
+        self.num_pages = allocator.pool_tokens // self.ps
+        self._table = allocator.req_to_token_pool.req_to_token_np
+        self._flat = self._table.reshape(-1)
+        self._row_base = allocator.writer.row_base
+        self.kind = np.zeros(0, dtype=np.int8)  # int8 [num_pages + 1] page kind
+        self.row_of = np.zeros(0, dtype=np.int32)  # int32 [num_pages + 1] owning row where kind is OWNED
+        self.held = np.zeros(0, dtype=np.int64)  # int64 [rows] pages owned through each row
+        self.free_count = 0  # pages on the free lists (with repeats, as the lists count them)
+        self.tree_count = 0  # pages in the tree
+        self.nobody = 0  # pages taken or evicted in this call and not claimed yet
+
+    def seed(self, rows: np.ndarray, allocated: np.ndarray, protected: np.ndarray) -> None:
+        """Rebuild from the real state (``rows``: rows in use with sane lengths)."""
+        a = self.allocator
+        holders = page_holders(a, rows, allocated, protected)
+        n = self.num_pages
+        kind = np.full(n + 1, NOBODY, dtype=np.int8)
+        kind[holders.free_pages[(holders.free_pages >= 0) & (holders.free_pages <= n)]] = FREE
+        kind[holders.tree_pages[(holders.tree_pages >= 0) & (holders.tree_pages <= n)]] = TREE
+        inside = (holders.req_pages >= 0) & (holders.req_pages <= n)
+        pages = holders.req_pages[inside]
+        owners = rows[holders.req_index[inside]]
+        kind[pages] = OWNED
+        kind[0] = RESERVED
+        row_of = np.full(n + 1, -1, dtype=np.int32)
+        row_of[pages] = owners
+        self.kind, self.row_of = kind, row_of
+        self.held = np.bincount(owners, minlength=a.req_kv.num_rows).astype(np.int64)
+        self.free_count = int(holders.free_pages.shape[0])
+        self.tree_count = int(holders.tree_pages.shape[0])
+        self.nobody = 0
+
+    def pages(self, slots: np.ndarray, ch: Changes) -> np.ndarray:
+        """int64 page ids of a page-aligned slot array, those outside the pool dropped."""
+        ps = self.ps
+        pages = (slots[::ps] // ps if ps > 1 else slots).astype(np.int64)
+        if pages.shape[0] and (int(pages.min()) < 0 or int(pages.max()) > self.num_pages):
+            ch.flag("a page id outside the pool")
+            pages = pages[(pages >= 0) & (pages <= self.num_pages)]
+        return pages
+
+    # ------------------------------------------------------------------ moves
+
+    def take(self, pages: np.ndarray, ch: Changes) -> None:
+        """Pages left a free list: they must have been free. (Ids outside the pool raise
+        IndexError: the checker falls back to the full walk.)"""
+        if pages.shape[0] > 256:
+            pages = pages.astype(np.int64)  # int64 indices scatter faster
+        kind = self.kind
+        if kind[pages].any():
+            ch.flag("a page left the free list while held")
+        kind[pages] = NOBODY
+        self.nobody += pages.shape[0]
+        self.free_count -= pages.shape[0]
+
+    def give(self, pages: np.ndarray, ch: Changes, to: int) -> None:
+        """Pages went to the free list (``to=FREE``) or into the tree (``to=TREE``): they
+        must come from a request or from this call's allocation / eviction."""
+        kind = self.kind
+        was = kind[pages]
+        n = pages.shape[0]
+        if n:
+            lo, hi = int(was.min()), int(was.max())
+            if lo < NOBODY:
+                ch.flag("a page freed or cached while free, cached or reserved")
+            if lo == hi == NOBODY:
+                self.nobody -= n
+            elif lo == hi == OWNED:
+                self._disown(pages)
+            else:
+                self.nobody -= int(np.count_nonzero(was == NOBODY))
+                self._disown(pages[was == OWNED])
+        kind[pages] = to
+        if to == FREE:
+            self.free_count += n
+        else:
+            self.tree_count += n
+
+    def _disown(self, pages: np.ndarray) -> None:
+        """Owned pages leave their rows (mostly one: a release, a checkpoint)."""
+        rows = self.row_of[pages]
+        if not rows.shape[0]:
+            return
+        lo = int(rows.min())
+        if lo == int(rows.max()):
+            self.held[lo] -= rows.shape[0]
+        else:
+            np.subtract.at(self.held, rows, 1)
+
+    def evict(self, pages: np.ndarray, ch: Changes, freed: bool) -> None:
+        """Pages left the tree; ``freed``: the next event gave exactly them to the free list."""
+        kind = self.kind
+        if (kind[pages] != TREE).any():
+            ch.flag("an evicted page was not cached")
+        self.tree_count -= pages.shape[0]
+        if freed:
+            kind[pages] = FREE
+            self.free_count += pages.shape[0]
+        else:
+            kind[pages] = NOBODY
+            self.nobody += pages.shape[0]
+
+    # ------------------------------------------------------------------ row entries
+
+    def verify_points(self, ch: Changes, rows: np.ndarray, positions: np.ndarray) -> None:
+        """One entry written per row (decode): a fresh page, or (page > 1) the row's own.
+
+        An entry outside the row's own range, or in a free row, is claimed all the same:
+        the row then owns more pages than its lengths say, which the end of the call
+        sees (an own page cannot land there: the page alignment check sees that). An
+        id outside the pool raises IndexError or lands on a page that is not fresh.
+        """
+        index = self._row_base[rows] + positions
+        pages = self._flat[index]
+        ps = self.ps
+        if ps > 1:
+            offset = positions % ps
+            if ((pages % ps != offset) | (pages - self._flat[index - offset] != offset)).any():
+                ch.flag("an entry breaks the page alignment")
+            pages = pages // ps
+        was = self.kind[pages]
+        fresh = was == NOBODY
+        if not fresh.all():
+            mine = ~fresh
+            if (was[mine] != OWNED).any() or (self.row_of[pages[mine]] != rows[mine]).any():
+                ch.flag("an entry points at a page its request does not hold")
+            pages, rows = pages[fresh], rows[fresh]
+        self._claim(pages, rows)
+
+    def verify_range(self, ch: Changes, row: int, start: int, end: int) -> None:
+        """``row[start:end]`` (own positions of a live row) was written: its pages must be
+        the row's or this call's allocation, which the row claims."""
+        values = self._table[row, start:end]
+        ps = self.ps
+        if ps > 1:
+            first = start - start % ps
+            offsets = np.arange(start, end) % ps
+            page_first = np.repeat(self._table[row, first:end:ps].astype(np.int64), ps)[start - first : end - first]
+            if ((values % ps != offsets) | (values - page_first != offsets)).any():
+                ch.flag("an entry breaks the page alignment")
+            values = self._table[row, first:end:ps] // ps
+        pages = values.astype(np.int64)
+        if pages.shape[0] and (int(pages.min()) < 1 or int(pages.max()) > self.num_pages):
+            ch.flag("an entry outside the pool")
+            pages = pages[(pages >= 1) & (pages <= self.num_pages)]
+        was = self.kind[pages]
+        fresh = was == NOBODY
+        if int(np.count_nonzero(fresh)) != pages.shape[0]:
+            mine = ~fresh
+            if (was[mine] != OWNED).any() or (self.row_of[pages[mine]] != row).any():
+                ch.flag("an entry points at a page its request does not hold")
+            pages = pages[fresh]
+        self._claim(pages, row)
+
+    def _claim(self, pages: np.ndarray, rows: np.ndarray | int) -> None:
+        """Rows claim pages that were NOBODY (repeats count twice: the end of the call
+        then sees more claims than pages taken)."""
+        n = pages.shape[0]
+        if not n:
+            return
+        self.kind[pages] = OWNED
+        self.row_of[pages] = rows
+        self.nobody -= n
+        if isinstance(rows, int):
+            self.held[rows] += n
+        else:
+            np.add.at(self.held, rows, 1)
+
+    # ------------------------------------------------------------------ end of call
+
+    def verify_end(self, ch: Changes, own_pages: np.ndarray) -> None:
+        """Every page taken or evicted was claimed; every row owns its own range's pages
+        (``own_pages``, per row: 0 for a free row); the free lists hold what the shadow says."""
+        if self.nobody:
+            ch.flag("pages taken or evicted in the call are held by nobody (or claimed twice)")
+            self.nobody = 0
+        tok = self.allocator.token_to_kv_pool_allocator
+        logical = getattr(tok, "logical_attn_allocator", tok)
+        if logical.available_size() != self.free_count * self.ps:
+            ch.flag("the free lists hold more or fewer pages than were given back")
+        if not np.array_equal(self.held, own_pages):
+            ch.flag("a request holds more or fewer pages than its lengths say")
