@@ -46,7 +46,7 @@ from traces.validate import BackgroundChecker, OpSequenceChecker
 if TYPE_CHECKING:
     from allocator.base import Allocator, ReleaseKind, ReleaseResult, Violation
 
-CheckMode = Literal["every", "end", "never"]
+CheckMode = Literal["every", "full", "end", "never"]
 OomMode = Literal["stop", "skip"]
 BadOpMode = Literal["stop", "skip"]
 
@@ -58,7 +58,8 @@ class ReplayOptions:
     """How to replay.
 
     Args:
-        check: run the invariant checker after every allocator call, at the end, or never.
+        check: run the invariant checker after every allocator call (``every``: checking
+            what the call changed; ``full``: walking the whole state), at the end, or never.
         on_oom: stop at the first out-of-memory, or drop the request and go on.
         on_bad_op: stop at the first impossible op in the trace, or skip its rows.
         start_step: steps before this one are replayed (their state is needed) but
@@ -357,7 +358,7 @@ class ReplayEngine:
             self._prefill_target.a[rids] = batch.seq_len[rows]
         if rids.size:
             owned = batch.seq_len[rows]
-            per_call = 1 if self.options.check == "every" and not self._quiet else rids.size
+            per_call = 1 if self.options.check in ("every", "full") and not self._quiet else rids.size
             for lo in range(0, rids.size, per_call):
                 r = rids[lo : lo + per_call]
                 o = owned[lo : lo + per_call]
@@ -476,11 +477,14 @@ class ReplayEngine:
 
     # ------------------------------------------------------------------ checks
     def _check_call(self, rids: np.ndarray) -> None:
-        if self.options.check == "every" and not self._quiet:
+        if self.options.check in ("every", "full") and not self._quiet:
             self._check(self._op_name, rids)
 
     def _check(self, op: str, rids: np.ndarray | None) -> None:
-        violations: Sequence[Violation] = self.allocator.check_integrity()
+        incremental = self.options.check == "every" and rids is not None
+        violations: Sequence[Violation] = (
+            self.allocator.check_integrity(rids) if incremental else self.allocator.check_integrity()
+        )
         if not violations:
             return
         # A pool-wide break (conservation, ...) names no request. Blame the one request

@@ -58,7 +58,7 @@ def replay(
     page_size: Annotated[Optional[int], typer.Option("--page-size", min=1, help="What-if: replay with this page size.")] = None,
     pool_tokens: Annotated[Optional[int], typer.Option("--pool-tokens", min=1, help="What-if: replay with this many KV slots.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda (Triton kernels).")] = "cpu",
-    check: Annotated[str, typer.Option("--check", help="Invariant checks: every (after each allocator call), end, never.")] = "end",
+    check: Annotated[str, typer.Option("--check", help="Invariant checks: every (after each allocator call, what it changed), full (the whole state after each call), end, never.")] = "end",
     on_oom: Annotated[str, typer.Option("--on-oom", help="stop at the first out-of-memory, or skip (drop the request).")] = "stop",
     on_bad_op: Annotated[str, typer.Option("--on-bad-op", help="stop at an impossible op in the trace, or skip it.")] = "stop",
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay range A:B (B exclusive); earlier steps run silently.")] = None,
@@ -75,7 +75,7 @@ def replay(
 
     for name, value, allowed in (
         ("--device", device, ("cpu", "cuda")),
-        ("--check", check, ("every", "end", "never")),
+        ("--check", check, ("every", "full", "end", "never")),
         ("--on-oom", on_oom, ("stop", "skip")),
         ("--on-bad-op", on_bad_op, ("stop", "skip")),
     ):
