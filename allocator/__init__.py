@@ -31,8 +31,10 @@ from allocator.base import (
     SpecConfig,
     Violation,
 )
+from allocator.incremental import IncrementalChecker
 from allocator.invariants import check_integrity
 from allocator.manager import KvAllocator, create_allocator
+from allocator.ownership import SlotOwnership, SlotState, cell_pages, reduce_cells, request_slots
 from allocator.radix_cache import RadixCache, TreeNode, bigram_units
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -48,6 +50,7 @@ __all__ = [
     "Allocator",
     "AllocatorConfig",
     "HiSparseTokenToKVPoolAllocator",
+    "IncrementalChecker",
     "KvAllocator",
     "KvContext",
     "OutOfMemory",
@@ -59,6 +62,8 @@ __all__ = [
     "ReqKvTable",
     "ReqToTokenPool",
     "RequestLens",
+    "SlotOwnership",
+    "SlotState",
     "SpecConfig",
     "TokenToKVPoolAllocator",
     "TreeNode",
@@ -69,11 +74,14 @@ __all__ = [
     "alloc_for_extend",
     "alloc_for_spec_decode",
     "bigram_units",
+    "cell_pages",
     "check_integrity",
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "create_allocator",
     "evict_from_tree_cache",
     "prepare_spec_decode",
+    "reduce_cells",
     "release_kv_cache",
+    "request_slots",
 ]

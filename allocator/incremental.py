@@ -187,11 +187,11 @@ class IncrementalChecker:
             elif kind == jr.POINTS or kind == jr.WRITE:
                 ch.writes.append(ev)
             elif kind == jr.GIVE:
-                pages.give(pages.pages(ev[1], ch) if self.ps == 1 else self._page_ids(ev[1], ch), ch, FREE)
+                pages.give(ev[1].astype(np.int64), ch, FREE)
             elif kind == jr.EVICT:
                 i = self._replay_evictions(events, i - 1, ch)
             elif kind == jr.INSERT:
-                pages.give(pages.pages(ev[2], ch), ch, TREE)
+                pages.give(pages.pages(ev[2]), ch, TREE)
                 ch.new_nodes.append(ev[1])
             elif kind == jr.LOCK:
                 ch.lock_nodes.append(ev[1])
@@ -220,25 +220,16 @@ class IncrementalChecker:
             j += 2
         pages = self.pages
         if slots:
-            evicted = pages.pages(slots[0] if len(slots) == 1 else np.concatenate(slots), ch)
+            evicted = pages.pages(slots[0] if len(slots) == 1 else np.concatenate(slots))
             freed = given[0] if len(given) == 1 else np.concatenate(given)
             if freed.shape[0] == evicted.shape[0] and np.array_equal(freed, evicted):
                 pages.evict(evicted, ch, True)
-                for k in range(i, j, 2):
-                    ch.evicted_nodes[events[k][1]] = events[k][2]
+                ch.evicted_nodes.update((events[k][1], events[k][2]) for k in range(i, j, 2))
                 return j
         ev = events[i]
-        pages.evict(pages.pages(ev[3], ch), ch, False)
+        pages.evict(pages.pages(ev[3]), ch, False)
         ch.evicted_nodes[ev[1]] = ev[2]
         return i + 1
-
-    def _page_ids(self, page_ids: np.ndarray, ch: Changes) -> np.ndarray:
-        """Free-list entries are page ids already (page size > 1)."""
-        pages = page_ids.astype(np.int64)
-        if pages.shape[0] and (int(pages.min()) < 0 or int(pages.max()) > self.pages.num_pages):
-            ch.flag("a page id outside the pool")
-            pages = pages[(pages >= 0) & (pages <= self.pages.num_pages)]
-        return pages
 
     def _replay_rows(self, rows: list[int], taken: bool, ch: Changes) -> None:
         free = self.row_free

@@ -110,12 +110,13 @@ class LockShadow:
                 self._count(node, 0, seen, ch.evicted_nodes)
         if ch.new_nodes:
             self._check_new_nodes(ch, seen)
-        for node, parent in ch.evicted_nodes.items():
-            if self.expected.pop(node, 0) > 0:
-                ch.tree.append(Violation("tree", f"node {node.id} was evicted while requests lock it", None,
-                                         {"node": node.id}))
-            seen.discard(node)
-            seen.add(parent)
+        if ch.evicted_nodes:
+            for node in self.expected.keys() & ch.evicted_nodes.keys():
+                if self.expected.pop(node) > 0:
+                    ch.tree.append(Violation("tree", f"node {node.id} was evicted while requests lock it", None,
+                                             {"node": node.id}))
+            seen.update(ch.evicted_nodes.values())
+            seen.difference_update(ch.evicted_nodes)
         if seen:
             self._check_nodes(ch, seen)
         prot_now = kv.cache_protected_len

@@ -229,3 +229,42 @@ def test_a_page_freed_behind_a_requests_back_is_caught_at_once() -> None:
     inc = alloc.check_integrity(np.array([], dtype=np.int64))
     assert {v.check for v in inc} == {v.check for v in alloc.check_integrity()} == {"conservation", "ownership", "row"}
     assert {v.rid for v in inc if v.check == "row"} == {0}
+
+
+def test_agrees_on_hisparse_prealloc_and_release() -> None:
+    """HiSparse PD decode: logical slots are journaled, the device side is checked whole."""
+    config = AllocatorConfig(pool_tokens=256, page_size=4, max_running=4, max_context_len=128, hisparse=True,
+                             radix_cache=False)
+    alloc = dual(KvAllocator, config, stop_at_violation=False)
+    toks = np.arange(100, dtype=np.int64)
+    alloc.prealloc(np.array([0, 1]), np.array([30, 17]), [toks, toks])
+    alloc.decode(np.array([0, 1]))
+    alloc.release(np.array([0]), np.array([31]), None, "finish")
+    alloc.extend(np.array([2]), np.array([9]), [toks])
+    assert_agree(alloc)
+    assert all(inc == [] for inc, _ in alloc.log)
+    tok = alloc.token_to_kv_pool_allocator
+    tok.full_to_hisparse_device_index_mapping[alloc.row_slots(2)[:4]] = 0  # a device page lost
+    alloc.decode(np.array([1, 2]))
+    assert alloc.log[-1] == (["hisparse"], ["hisparse"])
+
+
+def test_device_table_entries_written_are_compared() -> None:
+    """The device check compares every entry a call wrote with the host copy (a CPU
+    tensor stands in for the device table here; on a GPU it is the real one)."""
+    import torch
+
+    alloc = create_allocator(AllocatorConfig(pool_tokens=128, page_size=4, max_running=4, max_context_len=64))
+    toks = np.arange(20, dtype=np.int64)
+    alloc.extend(np.array([0]), np.array([10]), [toks[:10]])
+    assert alloc.check_integrity(np.array([0])) == []
+    pool = alloc.req_to_token_pool
+    pool.device_req_to_token = torch.from_numpy(pool.req_to_token_np.copy())  # in step so far
+    alloc._checker._device = True
+    alloc.decode(np.array([0]))  # written on the host only: the stand-in is not mirrored
+    inc = alloc.check_integrity(np.array([0]))
+    assert [(v.check, v.rid) for v in inc] == [("device", 0)] == [(v.check, v.rid) for v in alloc.check_integrity()]
+    pool.device_req_to_token.copy_(torch.from_numpy(pool.req_to_token_np))
+    alloc.decode(np.array([0]))
+    pool.device_req_to_token.copy_(torch.from_numpy(pool.req_to_token_np))
+    assert alloc.check_integrity(np.array([0])) == [] == alloc.check_integrity()
