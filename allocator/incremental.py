@@ -222,7 +222,7 @@ class IncrementalChecker:
         if slots:
             evicted = pages.pages(slots[0] if len(slots) == 1 else np.concatenate(slots))
             freed = given[0] if len(given) == 1 else np.concatenate(given)
-            if freed.shape[0] == evicted.shape[0] and np.array_equal(freed, evicted):
+            if freed.shape[0] == evicted.shape[0] and not np.count_nonzero(freed != evicted):
                 pages.evict(evicted, ch, True)
                 ch.evicted_nodes.update((events[k][1], events[k][2]) for k in range(i, j, 2))
                 return j
@@ -258,23 +258,25 @@ class IncrementalChecker:
         ps = self.ps
         alloc, committed, protected = kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len
         ceil_alloc = alloc if ps == 1 else (alloc + ps - 1) // ps * ps
-        sum_ceil = int(ceil_alloc.sum())
-        sum_prot = int(protected.sum())
+        # (count_nonzero and add.reduce: on arrays of a few hundred rows numpy's call
+        # overhead is the cost, and these are its cheapest calls)
+        total = np.add.reduce
+        sum_ceil = int(total(ceil_alloc))
+        sum_prot = int(total(protected))
         tree = a.tree_cache
         tok = a.token_to_kv_pool_allocator
         available = (self._hisparse.logical_attn_allocator if self._hisparse is not None else tok).available_size()
         pool = a.req_to_token_pool
+        count = np.count_nonzero
         fine = (
-            int((committed - protected).min()) >= 0 and int((alloc - committed).min()) >= 0
-            and int(protected.min()) >= 0 and int(alloc.max()) <= self.width
-            and (ps == 1 or not (protected % ps).any())
+            count(committed < protected) + count(alloc < committed) + count(protected < 0)
+            + count(alloc > self.width) + (count(protected % ps) if ps > 1 else 0) == 0
             and not any(kv.rid[row] < 0 and (alloc[row] or committed[row] or protected[row]
                                              or kv.lock_node[row] is not None) for row in ch.rows_freed)
-            and kv.sum_committed == int(committed.sum()) and kv.sum_protected == sum_prot
+            and kv.sum_committed == int(total(committed)) and kv.sum_protected == sum_prot
             and kv.sum_allocated_ceil == sum_ceil
             and available + tree.evictable_size() + tree.protected_size() + sum_ceil - sum_prot == a.pool_tokens
         )
-        num_used = int(np.count_nonzero(kv.rid >= 0))
         if not fine:
             rows = kv.rows_in_use()
             rids, used_alloc, used_committed, used_prot = kv.rid[rows], alloc[rows], committed[rows], protected[rows]
@@ -282,6 +284,8 @@ class IncrementalChecker:
             check_lengths(lengths, kv, rows, rids, used_alloc, used_committed, used_prot, self.width, ps)
             check_counters(sums, kv, used_alloc, used_committed, used_prot, used_ceil)
             check_conservation(sums, a, used_ceil, used_prot)
+        # the rows in use change only with rows taken or given back
+        num_used = int(count(kv.rid >= 0)) if ch.rows_changed or not fine else pool.size - len(pool.free_slots)
         if len(pool.free_slots) + num_used != pool.size:
             num_free = len(pool.free_slots)
             ch.rows.append(Violation("rows", f"free rows {num_free} + rows in use {num_used} = "
@@ -301,7 +305,7 @@ class IncrementalChecker:
         if ids.shape[0] and int(mapped.min()) < 0:
             ids, mapped = ids[mapped >= 0], mapped[mapped >= 0]
         found = kv.rid[mapped]
-        if not np.array_equal(found, ids):
+        if found.tobytes() != ids.tobytes():
             for i in np.flatnonzero(found != ids)[:8].tolist():
                 ch.rows.append(Violation("rows", f"rid={int(ids[i])} maps to row {int(mapped[i])}, which holds "
                                          f"rid={int(found[i])}", int(ids[i]), {"row": int(mapped[i])}))

@@ -96,7 +96,7 @@ class PageShadow:
         """Pages left a free list: they must have been free."""
         pages = pages.astype(np.int64)
         kind = self.kind
-        if self._kinds(pages).any():
+        if np.count_nonzero(self._kinds(pages)):
             ch.flag("a page left the free list while held")
         kind[pages] = NOBODY
         self.nobody += pages.shape[0]
@@ -109,16 +109,17 @@ class PageShadow:
         was = self._kinds(pages)
         n = pages.shape[0]
         if n:
-            lo, hi = int(was.min()), int(was.max())
-            if lo < NOBODY:
-                ch.flag("a page freed or cached while free, cached or reserved")
-            if lo == hi == NOBODY:
-                self.nobody -= n
-            elif lo == hi == OWNED:
+            owned = was == OWNED
+            num_owned = int(np.count_nonzero(owned))
+            if num_owned == n:
                 self._disown(pages)
             else:
-                self.nobody -= int(np.count_nonzero(was == NOBODY))
-                self._disown(pages[was == OWNED])
+                num_nobody = int(np.count_nonzero(was == NOBODY))
+                if num_owned + num_nobody != n:
+                    ch.flag("a page freed or cached while free, cached or reserved")
+                self.nobody -= num_nobody
+                if num_owned:
+                    self._disown(pages[owned])
         kind[pages] = to
         if to == FREE:
             self.free_count += n
@@ -128,18 +129,16 @@ class PageShadow:
     def _disown(self, pages: np.ndarray) -> None:
         """Owned pages leave their rows (mostly one: a release, a checkpoint)."""
         rows = self.row_of[pages]
-        if not rows.shape[0]:
-            return
-        lo = int(rows.min())
-        if lo == int(rows.max()):
-            self.held[lo] -= rows.shape[0]
+        first = int(rows[0])
+        if np.count_nonzero(rows != first):
+            self.held -= np.bincount(rows, minlength=self.held.shape[0])
         else:
-            np.subtract.at(self.held, rows, 1)
+            self.held[first] -= rows.shape[0]
 
     def evict(self, pages: np.ndarray, ch: Changes, freed: bool) -> None:
         """Pages left the tree; ``freed``: the next event gave exactly them to the free list."""
         kind = self.kind
-        if (self._kinds(pages) != TREE).any():
+        if np.count_nonzero(self._kinds(pages) != TREE):
             ch.flag("an evicted page was not cached")
         self.tree_count -= pages.shape[0]
         if freed:
@@ -164,14 +163,14 @@ class PageShadow:
         ps = self.ps
         if ps > 1:
             offset = positions % ps
-            if ((pages % ps != offset) | (pages - self._flat[index - offset] != offset)).any():
+            if np.count_nonzero((pages % ps != offset) | (pages - self._flat[index - offset] != offset)):
                 ch.flag("an entry breaks the page alignment")
             pages //= ps
         was = self._kinds(pages)
         fresh = was == NOBODY
-        if not fresh.all():
+        if np.count_nonzero(fresh) != pages.shape[0]:
             mine = ~fresh
-            if (was[mine] != OWNED).any() or (self.row_of[pages[mine]] != rows[mine]).any():
+            if np.count_nonzero(was[mine] != OWNED) or np.count_nonzero(self.row_of[pages[mine]] != rows[mine]):
                 ch.flag("an entry points at a page its request does not hold")
             pages, rows = pages[fresh], rows[fresh]
         self._claim(pages, rows)
@@ -185,7 +184,7 @@ class PageShadow:
             first = start - start % ps
             offsets = np.arange(start, end) % ps
             page_first = np.repeat(self._table[row, first:end:ps].astype(np.int64), ps)[start - first : end - first]
-            if ((values % ps != offsets) | (values - page_first != offsets)).any():
+            if np.count_nonzero((values % ps != offsets) | (values - page_first != offsets)):
                 ch.flag("an entry breaks the page alignment")
             values = self._table[row, first:end:ps] // ps
         pages = values.astype(np.int64)
@@ -193,7 +192,7 @@ class PageShadow:
         fresh = was == NOBODY
         if int(np.count_nonzero(fresh)) != pages.shape[0]:
             mine = ~fresh
-            if (was[mine] != OWNED).any() or (self.row_of[pages[mine]] != row).any():
+            if np.count_nonzero(was[mine] != OWNED) or np.count_nonzero(self.row_of[pages[mine]] != row):
                 ch.flag("an entry points at a page its request does not hold")
             pages = pages[fresh]
         self._claim(pages, row)
@@ -224,5 +223,5 @@ class PageShadow:
         logical = getattr(tok, "logical_attn_allocator", tok)
         if logical.available_size() != self.free_count * self.ps:
             ch.flag("the free lists hold more or fewer pages than were given back")
-        if not np.array_equal(self.held, own_pages):
+        if self.held.tobytes() != own_pages.tobytes():  # both int64 [rows]
             ch.flag("a request holds more or fewer pages than its lengths say")
