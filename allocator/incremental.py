@@ -8,8 +8,8 @@ taken and given back) against two shadows:
 
 * ``PageShadow`` (``allocator.incremental_pages``): who holds each page. Each move
   checks where the page comes from; a call must end with every page it took or
-  evicted claimed, every live request owning exactly its own range's pages, every
-  released request none, and the free lists as long as the shadow says.
+  evicted claimed, every row owning exactly its request's own range's pages (a row
+  given back none), and the free lists as long as the shadow says.
 * ``LockShadow`` (``allocator.incremental_tree``): how many requests lock each node.
   The lock counts along every path the call locked or unlocked and along the old
   and new lock paths of the rows it touched must equal it; new nodes are page
@@ -98,8 +98,11 @@ class IncrementalChecker:
         jr.attach_journal(allocator, self.journal)
 
     def detach(self) -> None:
-        """Stop journaling (the allocator's primitives go back to recording nothing)."""
+        """Stop journaling (the allocator's primitives go back to recording nothing); the
+        allocator's next ``check_integrity(touched)`` attaches a new checker."""
         jr.detach_journal(self.allocator)
+        if self.allocator._checker is self:
+            self.allocator._checker = None
 
     def _seed(self) -> None:
         """Rebuild the shadows from the allocator's real state."""

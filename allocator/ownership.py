@@ -148,9 +148,10 @@ def page_holders(
     flat = pool.req_to_token_np.reshape(-1)
     req_pages = flat[np.repeat(rows * width, page_counts) + page_pos].astype(np.int64) // ps
     everything = np.concatenate([free_pages, tree_pages, req_pages])
-    inside = (everything >= 0) & (everything <= num_pages)
-    outside = everything[~inside]
-    if outside.shape[0]:
+    outside = everything[:0]
+    if everything.shape[0] and (int(everything.min()) < 0 or int(everything.max()) > num_pages):
+        inside = (everything >= 0) & (everything <= num_pages)
+        outside = everything[~inside]
         everything = everything[inside]
     counts = np.bincount(everything, minlength=num_pages + 1)
     return PageHolders(num_pages, free_pages, tree_pages, tree_locked, req_pages, req_index, counts, outside)
@@ -192,12 +193,14 @@ def slot_ownership(allocator: KvAllocator) -> SlotOwnership:
     held = page_holders(allocator, rows, alloc, prot)
     num_pages = held.num_pages
     page_state = np.full(num_pages + 1, SlotState.UNOWNED, dtype=np.int8)
-    free_pages = held.free_pages[(held.free_pages >= 1) & (held.free_pages <= num_pages)]
+    free_pages, tree_pages, tree_locked = held.free_pages, held.tree_pages, held.tree_locked
+    if held.outside.shape[0]:  # a broken state: leave ids outside the pool out
+        free_pages = free_pages[(free_pages >= 0) & (free_pages <= num_pages)]
+        ok = (tree_pages >= 0) & (tree_pages <= num_pages)
+        tree_pages, tree_locked = tree_pages[ok], tree_locked[ok]
     page_state[free_pages] = SlotState.FREE
-    tree_ok = (held.tree_pages >= 1) & (held.tree_pages <= num_pages)
-    page_state[held.tree_pages[tree_ok]] = np.where(
-        held.tree_locked[tree_ok], SlotState.CACHED_LOCKED, SlotState.CACHED_EVICTABLE
-    )
+    # CACHED_LOCKED is CACHED_EVICTABLE + 1
+    page_state[tree_pages] = tree_locked.view(np.int8) + np.int8(SlotState.CACHED_EVICTABLE)
     page_state[0] = SlotState.RESERVED
     state = np.repeat(page_state, ps) if ps > 1 else page_state
     num_slots = state.shape[0]
