@@ -29,7 +29,7 @@ request's ``ReqKvInfo`` view.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -80,6 +80,11 @@ from allocator.token_to_kv import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+
+if TYPE_CHECKING:
+    from allocator.incremental import IncrementalChecker
+    from allocator.journal import Journal
+    from allocator.ownership import SlotOwnership
 
 __all__ = ["KvAllocator", "create_allocator"]
 
@@ -149,6 +154,10 @@ class KvAllocator:
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
         self._digest: StateDigest | None = None  # kept from the first state_digest() on
+        # The incremental checker (attached by the first check_integrity(touched)) and
+        # its journal, which also records the requests a prompt publish checkpoints.
+        self.journal: Journal | None = None
+        self._checker: IncrementalChecker | None = None
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -217,6 +226,8 @@ class KvAllocator:
         if not pending:
             return
         self._pending_publish = []
+        if self.journal is not None:
+            self.journal.touch([rid for rid, _, _ in pending])
         allocator = self.token_to_kv_pool_allocator
         grouped = self.free_groups
         if grouped:
@@ -737,11 +748,39 @@ class KvAllocator:
             self._digest = StateDigest(self)
         return self._digest.digest()
 
-    def check_integrity(self) -> list[Violation]:
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (see ``allocator.invariants``).
+
+        Args:
+            touched: None walks the whole state. Else the request ids of the calls
+                since the previous check: the first such check walks the whole state
+                and attaches an incremental checker (``allocator.incremental``), which
+                from then on verifies only what the calls changed.
+
+        Returns:
+            The violations found (empty when sound).
+        """
         from allocator.invariants import check_integrity
 
-        self.sync_device()
-        return check_integrity(self)
+        # NOTE: only the device mirror is synced: the prompt publishes queued for the end
+        # of the step stay queued, so a check between two calls of a step changes nothing.
+        self.writer.sync()
+        if touched is None:
+            return check_integrity(self)
+        if self._checker is None:
+            from allocator.incremental import IncrementalChecker
+
+            found = check_integrity(self)
+            self._checker = IncrementalChecker(self)
+            return found
+        return self._checker.check(_i64(touched))
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owner of every slot of the pool (``allocator.ownership``)."""
+        from allocator.ownership import slot_ownership
+
+        self._flush_publish()
+        return slot_ownership(self)
 
 
 def create_allocator(config: AllocatorConfig) -> KvAllocator:

@@ -30,6 +30,7 @@ allocated``) is counted apart.
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -251,6 +252,8 @@ class ReplayEngine:
         self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
         self._req = {name: _Grow(dtype, fill) for name, dtype, fill in _PER_REQUEST}
         self._in_window = self.options.start_step is None
+        # a version written before incremental checks takes no ``touched`` argument
+        self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
         self._any_dropped = False  # some request was dropped (skip mode): filter its ops
         self._events: list[Event] = []
         self._step = -1
@@ -632,7 +635,10 @@ class ReplayEngine:
             self._check(self._op_name, rids, touched=rids if mode == "every" else None)
 
     def _check(self, op: str, rids: np.ndarray | None, *, touched: np.ndarray | None) -> None:
-        violations: list[Violation] = self.allocator.check_integrity()
+        if touched is not None and self._checks_incrementally:
+            violations: list[Violation] = self.allocator.check_integrity(touched)  # type: ignore[call-arg]
+        else:
+            violations = self.allocator.check_integrity()
         if not violations:
             return
         # A pool-wide break (conservation, ...) names no request. Blame the one request

@@ -352,3 +352,15 @@ def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
         assert ahead.screen.frontier is not None  # closing the second left the screen alone
         ahead.close()
     assert straight_summary(busy_trace)["steps"] == ahead.result().stats.steps
+
+
+@pytest.mark.parametrize("mode", ["every", "full"])
+def test_checking_after_every_call_changes_no_result(busy_trace: Path, mode: str) -> None:
+    """The checks only read: the state after every step equals an unchecked replay's."""
+    _, plain = straight_run(busy_trace)
+    checked: dict[int, str] = {}
+    with session(busy_trace, options=ReplayOptions(check=mode)) as s:  # type: ignore[arg-type]
+        for snap in s.snapshots():
+            checked[snap.step] = s.allocator.save_state().digest()
+        assert s.result().stats.num_violations == 0
+    assert checked == plain
