@@ -132,9 +132,13 @@ class Timeline:
 
     def events_until(self, step: int) -> list[StepEvent]:
         """Events of steps <= ``step``."""
+        return self.events[: self.event_index(step)]
+
+    def event_index(self, step: int) -> int:
+        """Number of events of steps <= ``step`` (where the events after it start)."""
         import bisect
 
-        return self.events[: bisect.bisect_right(self._event_steps, step)]
+        return bisect.bisect_right(self._event_steps, step)
 
     def nbytes(self) -> int:
         return self.steps.nbytes + self.times.nbytes + self.counters.nbytes

@@ -148,24 +148,35 @@ def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnaps
         raise TraceError(f"{p}: no such state log") from None
     except (OSError, pa.ArrowInvalid) as exc:
         raise TraceError(f"{p}: not an Arrow state log ({exc})") from None
-    raw = (reader.schema.metadata or {}).get(STATE_LOG_METADATA_KEY)
-    if raw is None:
-        raise TraceError(f"{p}: an Arrow stream, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
-    info = json.loads(raw)
-    if info.get("version") != STATE_LOG_VERSION:
-        raise TraceError(
-            f"{p}: state log version {info.get('version')} is not supported (this kvtrace reads version "
-            f"{STATE_LOG_VERSION}); write it again with 'kvtrace replay TRACE --out LOG'"
-        )
+    info = state_log_info(p, reader.schema)
 
     def snapshots() -> Iterator[StepSnapshot]:
         for batch in reader:
-            yield from _from_batch(batch)
+            yield from batch_snapshots(batch)
 
     return info, snapshots()
 
 
-def _from_batch(batch: pa.RecordBatch) -> Iterator[StepSnapshot]:
+def state_log_info(path: Path, schema: pa.Schema) -> dict[str, Any]:
+    """The info stored in a state log's schema, its version checked.
+
+    Raises:
+        TraceError: not a kvtrace state log, or a version this kvtrace does not read.
+    """
+    raw = (schema.metadata or {}).get(STATE_LOG_METADATA_KEY)
+    if raw is None:
+        raise TraceError(f"{path}: an Arrow stream, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
+    info = json.loads(raw)
+    if info.get("version") != STATE_LOG_VERSION:
+        raise TraceError(
+            f"{path}: state log version {info.get('version')} is not supported (this kvtrace reads version "
+            f"{STATE_LOG_VERSION}); write it again with 'kvtrace replay TRACE --out LOG'"
+        )
+    return info
+
+
+def batch_snapshots(batch: pa.RecordBatch) -> Iterator[StepSnapshot]:
+    """The snapshots of one record batch of a state log, in order."""
     n = batch.num_rows
     col = {name: batch.column(name) for name in batch.schema.names}
     pools = [col[name].to_numpy() for name in _POOL_FIELDS]

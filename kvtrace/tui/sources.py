@@ -1,0 +1,184 @@
+"""What the dashboard replays: a live ``ReplaySession`` or a saved state log.
+
+Both give the driver the same few things: ``step()``, ``seek(step)``, the per-request
+fold (``state``), the last snapshot, a description for the header, and the page map
+(the live source asks the allocator's slot ownership through ``pagemap.pool_cells``;
+a log has only the pool counters, laid out by state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvtrace.tui.pagemap import PageCells, SlotMap, composition_cells, pool_cells
+
+if TYPE_CHECKING:
+    from kvtrace.logsession import StateLogSession
+    from kvtrace.session import ReplaySession
+    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.state import ReplayState
+
+__all__ = ["LiveSource", "LogSource", "ReplaySource", "SourceInfo", "trace_step_range"]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceInfo:
+    """What the header says about the replay."""
+
+    name: str  # the trace or log as given
+    source: str  # where the traffic came from
+    config: str  # pool and page configuration
+    version: str  # allocator version
+    first_step: int | None
+    last_step: int | None
+    live: bool  # an allocator runs (False: a saved state log)
+
+
+class ReplaySource(Protocol):
+    """The interface the driver uses (``ReplaySession`` and ``StateLogSession`` behind it)."""
+
+    info: SourceInfo
+    state: ReplayState
+
+    @property
+    def last(self) -> StepSnapshot | None: ...
+    @property
+    def done(self) -> bool: ...
+    def step(self) -> StepSnapshot | None: ...
+    def seek(self, step: int) -> StepSnapshot | None: ...
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None: ...
+    def close(self) -> None: ...
+
+
+def _config_line(page_size: int, pool_tokens: int, max_running: int | None, device: str | None) -> str:
+    pages = pool_tokens // max(page_size, 1)
+    parts = [f"pool {pool_tokens:,} tokens", f"page {page_size}", f"{pages:,} pages"]
+    if max_running:
+        parts.append(f"{max_running} running max")
+    if device:
+        parts.append(device)
+    return " · ".join(parts)
+
+
+def trace_step_range(path: str | Path) -> tuple[int, int] | None:
+    """First and last step of a trace file, from its first and last record batch (None
+    when the file cannot be read that way; the header then shows no total)."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.MessageReader.open_stream(pa.memory_map(str(path)))
+        schema = pa.ipc.read_schema(reader.read_next_message())
+        first = last = None
+        for message in reader:
+            if message.type == "record batch":
+                if first is None:
+                    first = message
+                last = message
+        if first is None or last is None:
+            return None
+        lo = pa.ipc.read_record_batch(first, schema).column("step")[0].as_py()
+        hi = pa.ipc.read_record_batch(last, schema).column("step")[-1].as_py()
+        return int(lo), int(hi)
+    except (OSError, pa.ArrowInvalid, KeyError, IndexError, StopIteration):
+        return None
+
+
+class LiveSource:
+    """A ``ReplaySession`` (built with ``track_state=True``) as a dashboard source."""
+
+    def __init__(self, session: ReplaySession) -> None:
+        assert session.state is not None, "the dashboard needs ReplaySession(track_state=True)"
+        self.session = session
+        cfg = session.config
+        src = session.meta.source
+        opts = session.options
+        rng = trace_step_range(session.reader.path)
+        first, last = rng if rng is not None else (None, None)
+        if opts.start_step is not None:
+            first = opts.start_step if first is None else max(first, opts.start_step)
+        if opts.stop_step is not None and last is not None:
+            last = min(last, opts.stop_step - 1)
+        self.info = SourceInfo(
+            name=session.label,
+            source=" · ".join(x for x in (src.engine, src.workload, session.meta.model.name) if x),
+            config=_config_line(cfg.page_size, cfg.pool_tokens, cfg.max_running, cfg.device),
+            version=session.version.spec,
+            first_step=first,
+            last_step=last,
+            live=True,
+        )
+
+    @property
+    def state(self) -> ReplayState:
+        state = self.session.state
+        assert state is not None
+        return state
+
+    @property
+    def last(self) -> StepSnapshot | None:
+        return self.session.last
+
+    @property
+    def done(self) -> bool:
+        return self.session.done
+
+    def step(self) -> StepSnapshot | None:
+        return self.session.step()
+
+    def seek(self, step: int) -> StepSnapshot | None:
+        return self.session.seek(step)
+
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
+        return pool_cells(self.session.allocator, num_cells, rid)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class LogSource:
+    """A saved state log (``kvtrace view LOG``): no allocator, so the page map is the
+    pool's composition by state."""
+
+    def __init__(self, log: StateLogSession) -> None:
+        self.log = log
+        info: dict[str, Any] = log.info
+        cfg = log.config
+        self.info = SourceInfo(
+            name=str(log.path),
+            source=f"state log of {info.get('trace', '?')}",
+            config=_config_line(int(cfg.get("page_size", 1)), int(cfg.get("pool_tokens", 0)), cfg.get("max_running"),
+                                cfg.get("device")),
+            version=str(info.get("allocator", "?")),
+            first_step=log.first_step,
+            last_step=log.last_step,
+            live=False,
+        )
+
+    @property
+    def state(self) -> ReplayState:
+        return self.log.state
+
+    @property
+    def last(self) -> StepSnapshot | None:
+        return self.log.last
+
+    @property
+    def done(self) -> bool:
+        return self.log.done
+
+    def step(self) -> StepSnapshot | None:
+        return self.log.step()
+
+    def seek(self, step: int) -> StepSnapshot | None:
+        return self.log.seek(step)
+
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
+        pool = self.log.state.pool
+        if pool is None:
+            return None
+        return None, composition_cells(pool, num_cells)
+
+    def close(self) -> None:
+        self.log.close()

@@ -1,0 +1,143 @@
+"""Occupancy over time: the pool stacked by state (committed, over-allocated, cached
+locked, cached evictable, free) step by step, drawn with textual-plot, the peak and
+the current step marked; beside it the current values with percentages.
+
+The chart spans every step replayed so far (the timeline is append-only), one bar
+per column of the plot: each column shows the step of highest use in its range, so
+no peak is lost to downsampling. ``marks`` adds labelled vertical lines (a diff view
+marks its divergence step with one).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+from textual_plot import PlotWidget
+from textual_plot.axis_formatter import NumericAxisFormatter
+
+from kvtrace.tui.pagemap import SlotState
+from kvtrace.tui.widgets.page_map import STATE_COLORS
+
+if TYPE_CHECKING:
+    from allocator.base import PoolCounters
+    from kvtrace.state import Timeline
+    from kvtrace.tui.driver import Frame
+
+__all__ = ["BANDS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "column_samples"]
+
+# (label, PoolCounters field, colour), bottom to top
+BANDS = (
+    ("committed", "committed", STATE_COLORS[SlotState.COMMITTED]),
+    ("over-allocated", "overallocated", STATE_COLORS[SlotState.OVERALLOCATED]),
+    ("cached locked", "protected", STATE_COLORS[SlotState.CACHED_LOCKED]),
+    ("cached evictable", "evictable", STATE_COLORS[SlotState.CACHED_EVICTABLE]),
+    ("free", "available", STATE_COLORS[SlotState.FREE]),
+)
+
+
+def column_samples(timeline: Timeline, size: int, columns: int) -> np.ndarray:
+    """Indices into the timeline's first ``size`` rows: per column, the row of highest use."""
+    if size <= columns:
+        return np.arange(size)
+    used = timeline.used_tokens()[:size]
+    edges = np.linspace(0, size, columns + 1).astype(np.int64)
+    return np.array([lo + int(np.argmax(used[lo:hi])) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo])
+
+
+class _TokensFormatter(NumericAxisFormatter):
+    """Axis ticks as 920k / 1.2M."""
+
+    def get_labels_for_ticks(self, ticks: list[float]) -> list[str]:  # noqa: D102
+        return [_short(t) for t in ticks]
+
+
+def _short(value: float) -> str:
+    v = abs(value)
+    if v >= 1e6:
+        return f"{value / 1e6:.3g}M"
+    if v >= 1e3:
+        return f"{value / 1e3:.3g}k"
+    return f"{value:.0f}"
+
+
+class QuietPlot(PlotWidget, can_focus=False, inherit_bindings=False):
+    """A plot that takes no keys and no focus (the dashboard's keys stay the dashboard's)."""
+
+    BINDINGS = []
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, allow_pan_and_zoom=False)
+
+
+class OccupancyChart(QuietPlot):
+    """The stacked occupancy chart."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.marks: dict[str, tuple[int, str]] = {}  # label -> (step, colour)
+        self.shown_step: int | None = None
+
+    def on_mount(self) -> None:
+        self.set_y_formatter(_TokensFormatter())
+        self.set_xlabel("step")
+
+    def show(self, frame: Frame) -> None:
+        """Draw the timeline of ``frame`` with its step marked."""
+        timeline, size = frame.timeline, frame.timeline_size
+        self.shown_step = frame.step
+        self.clear()
+        if size == 0:
+            return
+        idx = column_samples(timeline, size, max(self.size.width - 10, 8))
+        steps = timeline.steps[idx].astype(np.float64)
+        width = float(max((steps[-1] - steps[0]) / max(len(steps) - 1, 1), 1.0))
+        stacked = np.zeros(len(idx), np.int64)
+        tops = []
+        for _, field, colour in BANDS:
+            stacked = stacked + timeline.column(field)[:size][idx]
+            tops.append((stacked.copy(), colour))
+        for top, colour in reversed(tops):  # tallest first: each band drawn over the one above
+            self.bar(steps, top, width=width, bar_style=colour)
+        pool = int(timeline.column("pool_tokens")[:size].max())
+        self.set_ylimits(0, pool)
+        self.set_xlimits(float(steps[0]) - width / 2, float(steps[-1]) + width / 2)
+        peak = timeline.peak()
+        if peak is not None:
+            self.add_v_line(peak[0], "bold red")
+        for step, colour in self.marks.values():
+            self.add_v_line(step, colour)
+        if frame.step is not None:
+            self.add_v_line(frame.step, "bold white")
+
+
+class OccupancyLegend(Static):
+    """Current occupancy by state, with percentages, and the peak so far."""
+
+    def show(self, frame: Frame) -> None:
+        pool = frame.pool
+        if pool is None:
+            self.update("no step replayed yet")
+            return
+        self.update(legend_table(pool, frame.timeline.peak(), frame.step))
+
+
+def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | None) -> Table:
+    """The legend: one row per band, then used and the peak."""
+    total = max(pool.pool_tokens, 1)
+    table = Table.grid(padding=(0, 1))
+    table.add_column()
+    table.add_column(justify="right")
+    table.add_column(justify="right")
+    for label, field, colour in reversed(BANDS):
+        value = getattr(pool, field)
+        table.add_row(Text("█ ", style=colour) + Text(label), f"{value:,}", f"{100 * value / total:5.1f}%")
+    used = pool.used_tokens
+    table.add_row(Text("used"), f"{used:,}", f"{100 * used / total:5.1f}%", style="bold")
+    if peak is not None:
+        table.add_row(Text("peak", style="bold red"), f"{peak[1]:,}", f"step {peak[0]:,}")
+    table.add_row(Text("running"), f"{pool.running_requests:,}", "")
+    return table
