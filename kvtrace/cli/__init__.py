@@ -93,6 +93,7 @@ def main() -> None:
 from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
 from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
 from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
+from kvtrace.cli import view as _view  # noqa: E402,F401  (view)
 
 
 if __name__ == "__main__":  # pragma: no cover

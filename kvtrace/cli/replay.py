@@ -17,6 +17,9 @@ from kvtrace.replay import CHECK_MODES, ReplayOptions
 from kvtrace.report import render_replay_summary
 from kvtrace.statelog import StateLogWriter
 
+DEFAULT_PORT = 8000  # kvtrace.tui.run.DEFAULT_PORT (not imported: Textual loads only for the dashboard)
+DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the dashboard's seek checkpoints
+
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
     """``A:B`` -> (A, B) with either side optional; B is exclusive.
@@ -39,6 +42,16 @@ def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
     if start is not None and stop is not None and start >= stop:
         raise typer.BadParameter(f"'{text}': the range is empty (A must be below B)", param_hint="--steps")
     return start, stop
+
+
+def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: str) -> None:
+    """Raises typer.BadParameter for dashboard options that do not go together."""
+    if serve is not None and not tui:
+        raise typer.BadParameter("serving is for the dashboard; add --tui", param_hint="--serve")
+    if tui and as_json:
+        raise typer.BadParameter("the dashboard prints no JSON; drop --json or --tui", param_hint="--json")
+    if host != "127.0.0.1" and serve is None:
+        raise typer.BadParameter("--host is where --serve listens; add --tui --serve", param_hint="--host")
 
 
 def check_device(device: str) -> None:
@@ -65,6 +78,9 @@ def replay(
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the step-by-step state log (Arrow) here.")] = None,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
+    serve: Annotated[Optional[int], typer.Option("--serve", flag_value=DEFAULT_PORT, min=1, max=65535, help=f"With --tui: serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,
+    host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a trace can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
 ) -> None:
     """Replay TRACE through the allocator with its invariants checked; print a summary.
 
@@ -82,6 +98,7 @@ def replay(
         if value not in allowed:
             raise typer.BadParameter(f"'{value}' is not one of {', '.join(allowed)}", param_hint=name)
     start, stop = parse_step_range(steps)
+    check_dashboard_options(tui, serve, as_json, host)
     check_device(device)
     options = ReplayOptions(
         check=check,  # type: ignore[arg-type]
@@ -91,6 +108,28 @@ def replay(
         stop_step=stop,
         max_violations=1 if first_violation else max_violations,
     )
+    if serve is not None:
+        from kvtrace.tui.run import serve as serve_dashboard
+
+        # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
+        ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device,
+                      options=options, screen="inline").close()
+        serve_dashboard(sys.argv[1:], host=host, port=serve)
+        return
+    if tui:
+        from kvtrace.tui.run import run_live
+
+        with ReplaySession(
+            trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options,
+            checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
+        ) as session:
+            log = None
+            if out is not None:
+                log = StateLogWriter(
+                    out, {"trace": str(trace), "allocator": session.version.spec, "config": _config_dict(session.config)}
+                )
+            run_live(session, log=log)
+        return
     err = Console(stderr=True)
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options

@@ -225,7 +225,7 @@ class KvtraceApp(App[None]):
 
     def action_peak(self) -> None:
         if self.frame is not None:
-            peak = self.frame.timeline.peak()
+            peak = self.frame.peak()
             if peak is not None:
                 self.driver.command("seek", peak[0])
 

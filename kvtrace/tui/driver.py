@@ -87,6 +87,10 @@ class Frame:
     page_map_step: int | None = None
     selected_rid: int | None = None
 
+    def peak(self) -> tuple[int, int] | None:
+        """(step, used tokens) of the highest occupancy replayed so far."""
+        return self.timeline.peak(self.timeline_size)
+
     def events(self) -> list[StepEvent]:
         """Events known at this frame (every step replayed so far, in step order)."""
         return self.timeline.events[: self.num_events]

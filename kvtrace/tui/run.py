@@ -11,19 +11,21 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
 
 __all__ = ["DEFAULT_PORT", "run_live", "run_log", "serve", "serve_command"]
 
-DEFAULT_PORT = 8000
+DEFAULT_PORT = 8000  # the default of kvtrace replay --serve
 _TEMPLATES = Path(__file__).parent / "web"
 
 
-def run_live(session: ReplaySession, *, play: bool = True) -> None:
-    """Show the dashboard over ``session`` (built with ``track_state=True``) until the user quits."""
+def run_live(session: ReplaySession, *, log: StateLogWriter | None = None, play: bool = True) -> None:
+    """Show the dashboard over ``session`` (built with ``track_state=True``) until the user
+    quits; each step replayed for the first time goes to ``log`` too."""
     from kvtrace.tui.app import KvtraceApp
     from kvtrace.tui.sources import LiveSource
 
-    KvtraceApp(LiveSource(session), play=play).run()
+    KvtraceApp(LiveSource(session, log), play=play).run()
 
 
 def run_log(path: str | Path, *, play: bool = False) -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
     from kvtrace.snapshot import StepSnapshot
     from kvtrace.state import ReplayState
+    from kvtrace.statelog import StateLogWriter
 
 __all__ = ["LiveSource", "LogSource", "ReplaySource", "SourceInfo", "trace_step_range"]
 
@@ -88,9 +89,11 @@ def trace_step_range(path: str | Path) -> tuple[int, int] | None:
 class LiveSource:
     """A ``ReplaySession`` (built with ``track_state=True``) as a dashboard source."""
 
-    def __init__(self, session: ReplaySession) -> None:
+    def __init__(self, session: ReplaySession, log: StateLogWriter | None = None) -> None:
         assert session.state is not None, "the dashboard needs ReplaySession(track_state=True)"
         self.session = session
+        self.log = log  # steps replayed for the first time are written here
+        self._logged: int | None = None
         cfg = session.config
         src = session.meta.source
         opts = session.options
@@ -125,15 +128,28 @@ class LiveSource:
         return self.session.done
 
     def step(self) -> StepSnapshot | None:
-        return self.session.step()
+        snap = self.session.step()
+        if snap is not None and self.log is not None and (self._logged is None or snap.step > self._logged):
+            self.log.write(snap)
+            self._logged = snap.step
+        return snap
 
     def seek(self, step: int) -> StepSnapshot | None:
-        return self.session.seek(step)
+        frontier = self.state.timeline.last_step
+        if self.log is None or frontier is None or step <= frontier:
+            return self.session.seek(step)
+        self.session.seek(frontier)  # past the frontier: step, so that every new step is logged
+        while not self.session.done and self.session.last is not None and self.session.last.step < step:
+            if self.step() is None:
+                break
+        return self.session.last
 
     def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
         return pool_cells(self.session.allocator, num_cells, rid)
 
     def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
         self.session.close()
 
 

@@ -39,9 +39,9 @@ _HEADER = Style(bold=True, underline=True)
 def describe(e: StepEvent) -> str:
     """One line for an event."""
     who = f"rid {e.rid}" if e.rid is not None else "pool"
-    tokens = f" {e.tokens:,} tokens" if e.tokens else ""
-    detail = f" {e.detail}" if e.detail else ""
-    return f"{who}{tokens}{detail}"
+    if e.detail:
+        return f"{who}: {e.detail}"
+    return f"{who}: {e.tokens:,} tokens" if e.tokens else who
 
 
 class EventsLog(VirtualList):

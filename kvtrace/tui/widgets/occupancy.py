@@ -43,7 +43,7 @@ def column_samples(timeline: Timeline, size: int, columns: int) -> np.ndarray:
     """Indices into the timeline's first ``size`` rows: per column, the row of highest use."""
     if size <= columns:
         return np.arange(size)
-    used = timeline.used_tokens()[:size]
+    used = timeline.used_tokens(size)
     edges = np.linspace(0, size, columns + 1).astype(np.int64)
     return np.array([lo + int(np.argmax(used[lo:hi])) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo])
 
@@ -98,14 +98,14 @@ class OccupancyChart(QuietPlot):
         stacked = np.zeros(len(idx), np.int64)
         tops = []
         for _, field, colour in BANDS:
-            stacked = stacked + timeline.column(field)[:size][idx]
+            stacked = stacked + timeline.column(field, size)[idx]
             tops.append((stacked.copy(), colour))
         for top, colour in reversed(tops):  # tallest first: each band drawn over the one above
             self.bar(steps, top, width=width, bar_style=colour)
-        pool = int(timeline.column("pool_tokens")[:size].max())
+        pool = int(timeline.column("pool_tokens", size).max())
         self.set_ylimits(0, pool)
         self.set_xlimits(float(steps[0]) - width / 2, float(steps[-1]) + width / 2)
-        peak = timeline.peak()
+        peak = frame.peak()
         if peak is not None:
             self.add_v_line(peak[0], "bold red")
         for step, colour in self.marks.values():
@@ -122,16 +122,16 @@ class OccupancyLegend(Static):
         if pool is None:
             self.update("no step replayed yet")
             return
-        self.update(legend_table(pool, frame.timeline.peak(), frame.step))
+        self.update(legend_table(pool, frame.peak(), frame.step))
 
 
 def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | None) -> Table:
     """The legend: one row per band, then used and the peak."""
     total = max(pool.pool_tokens, 1)
     table = Table.grid(padding=(0, 1))
-    table.add_column()
-    table.add_column(justify="right")
-    table.add_column(justify="right")
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
     for label, field, colour in reversed(BANDS):
         value = getattr(pool, field)
         table.add_row(Text("█ ", style=colour) + Text(label), f"{value:,}", f"{100 * value / total:5.1f}%")
