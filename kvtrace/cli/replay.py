@@ -16,9 +16,7 @@ from kvtrace.errors import ConfigError
 from kvtrace.replay import CHECK_MODES, ReplayOptions
 from kvtrace.report import render_replay_summary
 from kvtrace.statelog import StateLogWriter
-
-DEFAULT_PORT = 8000  # kvtrace.tui.run.DEFAULT_PORT (not imported: Textual loads only for the dashboard)
-DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the dashboard's seek checkpoints
+from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY, DEFAULT_PORT  # (imports no Textual)
 
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None]:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtrace.cli import app
-from kvtrace.cli.replay import DEFAULT_PORT
+from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
 
 
 @app.command()

@@ -83,7 +83,7 @@ class KvtraceApp(App[None]):
         self.frames_shown = 0
         self._chart_interval_s = chart_interval_s
         self._chart_at = -1e18
-        self._clock = clock
+        self.clock = clock
         self._detail: RequestDetailScreen | None = None
         self.main = ReplayScreen()
 
@@ -110,6 +110,8 @@ class KvtraceApp(App[None]):
 
     # ------------------------------------------------------------------ frames
     def on_frame_ready(self, message: FrameReady) -> None:
+        if self.main not in self.screen_stack:  # a frame that arrives while the app closes
+            return
         frame = message.frame
         self.frame = frame
         self.frames_shown += 1
@@ -119,7 +121,7 @@ class KvtraceApp(App[None]):
         screen.query_one(RequestTable).show(frame)
         screen.query_one(EventsLog).show(frame)
         screen.query_one(PageMap).show(frame.page_cells)
-        now = self._clock()
+        now = self.clock()
         chart = screen.query_one(OccupancyChart)
         if not frame.playing or now - self._chart_at >= self._chart_interval_s or chart.shown_step is None:
             chart.show(frame)

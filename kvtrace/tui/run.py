@@ -13,9 +13,10 @@ if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
     from kvtrace.statelog import StateLogWriter
 
-__all__ = ["DEFAULT_PORT", "run_live", "run_log", "serve", "serve_command"]
+__all__ = ["DASHBOARD_CHECKPOINT_EVERY", "DEFAULT_PORT", "run_live", "run_log", "serve", "serve_command"]
 
-DEFAULT_PORT = 8000  # the default of kvtrace replay --serve
+DEFAULT_PORT = 8000  # the default of --serve
+DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the live dashboard's seek checkpoints
 _TEMPLATES = Path(__file__).parent / "web"
 
 

@@ -9,6 +9,7 @@ request whose over-allocation was just released flashes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -110,7 +111,7 @@ class RequestTable(VirtualList):
             super().__init__()
             self.rid = rid
 
-    def __init__(self, *, id: str | None = None, clock: object = time.monotonic) -> None:
+    def __init__(self, *, id: str | None = None, clock: Callable[[], float] | None = None) -> None:
         super().__init__(id=id)
         self.sort_key = "id"
         self.descending = False
@@ -121,13 +122,19 @@ class RequestTable(VirtualList):
         self._order = np.zeros(0, np.int64)
         self._scale = 1
         self._flash: dict[int, float] = {}
-        self._clock = clock
+        self._clock_fn = clock
+
+    def _clock(self) -> float:
+        """The app's clock (``KvtraceApp.clock``; tests fix it), else the monotonic one."""
+        if self._clock_fn is not None:
+            return self._clock_fn()
+        return float(getattr(self.app, "clock", time.monotonic)())
 
     # ------------------------------------------------------------------ data
     def show(self, frame: Frame) -> None:
         """Show the requests of ``frame`` (keeping the selected request selected)."""
         self._req = frame.requests
-        now = self._clock()  # type: ignore[operator]
+        now = self._clock()
         for rid in frame.released:
             self._flash[rid] = now + FLASH_S
         self._resort()
@@ -206,7 +213,7 @@ class RequestTable(VirtualList):
 
     @property
     def flashing(self) -> set[int]:
-        now = self._clock()  # type: ignore[operator]
+        now = self._clock()
         return {rid for rid, until in self._flash.items() if until > now}
 
     # ------------------------------------------------------------------ VirtualList hooks
