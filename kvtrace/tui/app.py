@@ -90,6 +90,8 @@ class KvtraceApp(App[None]):
     # ------------------------------------------------------------------ lifetime
     async def on_mount(self) -> None:
         await self.push_screen(self.main)
+        if not self.source.info.live:
+            self.main.query_one("#pages").border_title = "pool by state (a log has no slot positions)"
         self.run_worker(self._replay, thread=True, exclusive=True, name="replay")
 
     def _replay(self) -> None:

@@ -60,7 +60,7 @@ def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def log_app(path: Path, **kw: object) -> KvtraceApp:
     from kvtrace.logsession import StateLogSession
 
-    return KvtraceApp(LogSource(StateLogSession(path)), play=False, **kw)  # type: ignore[arg-type]
+    return KvtraceApp(LogSource(StateLogSession(path), label=path.name), play=False, **kw)  # type: ignore[arg-type]
 
 
 def text_of(widget: object) -> str:
