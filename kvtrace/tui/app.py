@@ -73,7 +73,7 @@ class KvtraceApp(App[None]):
         *,
         play: bool = True,
         fps: float = 20.0,
-        chart_interval_s: float = 0.5,
+        chart_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
@@ -128,6 +128,7 @@ class KvtraceApp(App[None]):
         if not frame.playing or now - self._chart_at >= self._chart_interval_s or chart.shown_step is None:
             chart.show(frame)
             self._chart_at = now
+        self.call_after_refresh(self.driver.ack, frame.seq)
         for e in frame.alerts:
             self.notify(f"step {e.step}: {e.kind} {e.detail}".strip(), title="replay", severity="error", timeout=8)
 

@@ -132,7 +132,8 @@ class ReplayDriver:
         post: called (from the driver's thread) with each ``Frame``, ``CellInfo``,
             ``RequestHistory`` and ``Failure``.
         fps: frames a second while playing.
-        map_interval_s: seconds between page-map updates while playing.
+        map_interval_s: seconds between page-map updates while playing (mapping a
+            million-slot pool costs tens of milliseconds of the replay's time).
         play: start playing at once.
         clock: monotonic seconds (tests fix it).
     """
@@ -143,7 +144,7 @@ class ReplayDriver:
         post: Callable[[object], Any],
         *,
         fps: float = 20.0,
-        map_interval_s: float = 0.5,
+        map_interval_s: float = 2.0,
         play: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -159,6 +160,8 @@ class ReplayDriver:
         self.num_cells = 0
         self.selected_rid: int | None = None
         self.frames_posted = 0
+        self.frames_acked = 0  # the UI sets it to the seq of the last frame it drew
+        self._posted_at = -1e18
         self._slot_map: SlotMap | None = None
         self._cells: PageCells | None = None
         self._map_step: int | None = None
@@ -169,6 +172,11 @@ class ReplayDriver:
         self._rate_at: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ UI-thread API
+    def ack(self, seq: int) -> None:
+        """The UI drew frame ``seq`` (while playing, the next frame waits for this, so
+        the replay does not build frames nobody sees)."""
+        self.frames_acked = max(self.frames_acked, seq)
+
     def command(self, name: str, *args: Any) -> None:
         """Queue a command: play, pause, toggle, step N, seek STEP, speed DELTA, cells N,
         select RID|None, cell INDEX, history RID, refresh."""
@@ -203,8 +211,12 @@ class ReplayDriver:
                 dirty = True
             now = self._clock()
             if dirty or now >= next_frame:
-                self._post_frame()
-                dirty = False
+                # While the UI still draws the last frame, replay on (for at most a second).
+                behind = self.frames_acked < self.frames_posted and now < self._posted_at + 1.0
+                if dirty or not behind:
+                    self._post_frame()
+                    self._posted_at = now
+                    dirty = False
                 next_frame = now + self._frame_s
 
     def _fail(self, message: str) -> None:

@@ -103,11 +103,16 @@ class PageMap(Widget):
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         start = y * width
-        row = self._chars[start : start + width]
-        segments = []
-        for i, (char, style) in enumerate(row):
-            segments.append(Segment("◆" if start + i == self.selected_cell else char,
-                                    _SELECTED if start + i == self.selected_cell else style))
+        row = list(self._chars[start : start + width])
+        sel = self.selected_cell
+        if sel is not None and start <= sel < start + len(row):
+            row[sel - start] = ("◆", _SELECTED)
+        segments: list[Segment] = []
+        for char, style in row:  # one segment per run of a style
+            if segments and segments[-1].style is style:
+                segments[-1] = Segment(segments[-1].text + char, style)
+            else:
+                segments.append(Segment(char, style))
         if len(row) < width:
             segments.append(Segment(" " * (width - len(row))))
         return Strip(segments, width)
