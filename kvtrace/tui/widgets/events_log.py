@@ -57,15 +57,17 @@ class EventsLog(VirtualList):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.kind: str | None = None  # show one kind only
-        self._events: list[StepEvent] = []
         self._shown: list[StepEvent] = []
         self._failures: list[StepEvent] = []
+        self._by_kind: dict[str | None, tuple[int, list[StepEvent], list[int]]] = {}  # scanned, events, steps
+        self._upto_step: int | None = None
+        self._num_events = 0
 
     def show(self, frame: Frame) -> None:
         """Show the events of steps up to the frame's step."""
-        timeline = frame.timeline
-        upto = timeline.event_index(frame.step) if frame.step is not None else 0
-        self._events = timeline.events[: min(upto, frame.num_events)]
+        self._timeline = frame.timeline
+        self._num_events = frame.num_events
+        self._upto_step = frame.step
         self._select()
 
     def add_failure(self, step: int | None, message: str) -> None:
@@ -82,13 +84,32 @@ class EventsLog(VirtualList):
 
     def _select(self) -> None:
         at_end = self.cursor < 0 or self.cursor >= self.num_rows - 1
-        kind = self.kind
-        shown = self._events if kind is None else [e for e in self._events if e.kind == kind]
+        shown = self._of_kind(self.kind)
         self._shown = shown + self._failures if self._failures else shown
         self.num_rows = len(self._shown)
         self.refresh_rows()
         if at_end and self.num_rows:
             self.scroll_to_row(self.num_rows - 1)
+
+    def _of_kind(self, kind: str | None) -> list[StepEvent]:
+        """The known events of ``kind`` (None: all) up to the step shown, scanning each event once."""
+        import bisect
+
+        timeline = getattr(self, "_timeline", None)
+        if timeline is None or self._upto_step is None:
+            return []
+        scanned, events, steps = self._by_kind.get(kind, (0, [], []))
+        new = timeline.events[scanned : self._num_events]
+        if kind is not None:
+            new = [e for e in new if e.kind == kind]
+        events.extend(new)
+        steps.extend(e.step for e in new)
+        self._by_kind[kind] = (max(scanned, self._num_events), events, steps)
+        return events[: bisect.bisect_right(steps, self._upto_step)]
+
+    def visible_signature(self) -> object:
+        top = int(self.scroll_y)
+        return (top, self.cursor, min(self.num_rows, top + self.page_rows + 1), self.kind, len(self._failures))
 
     @property
     def shown(self) -> list[StepEvent]:
@@ -99,11 +120,11 @@ class EventsLog(VirtualList):
 
     def render_header(self, width: int) -> Strip:
         title = f"events ({self.kind})" if self.kind else "events (all kinds)"
-        return cells([("step", 8, _HEADER, ">"), ("  " + title, width - 8, _HEADER, "<")], width, self.rich_style)
+        return cells([("step", 8, _HEADER, ">"), ("  " + title, width - 8, _HEADER, "<")], width, self.base_style)
 
     def render_row(self, index: int, width: int, selected: bool) -> Strip:
         e = self._shown[index]
-        base = self.rich_style + Style(reverse=True) if selected else self.rich_style
+        base = self.base_style + Style(reverse=True) if selected else self.base_style
         return cells(
             [(str(e.step), 8, None, ">"), ("  " + e.kind + " ", 21, _KIND_STYLE.get(e.kind), "<"), (describe(e), width, None, "<")],
             width,

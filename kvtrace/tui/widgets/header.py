@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
@@ -40,19 +39,21 @@ class ReplayHeader(Static):
             state = Text("‖ paused", style="bold yellow")
         step = "-" if frame.step is None else f"{frame.step:,}"
         total = f" of {info.last_step:,}" if info.last_step is not None else ""
-        grid = Table.grid(expand=True)
-        grid.add_column(ratio=1)
-        grid.add_column(justify="right")
-        grid.add_row(
-            Text.assemble(("kvtrace ", "bold"), (info.name, "bold cyan"), "  ", (info.source, "dim")),
-            Text.assemble("version ", (info.version, "bold"), "  ", state),
+        width = max(self.size.width - 2, 40)
+        left1 = Text.assemble(("kvtrace ", "bold"), (info.name, "bold cyan"), "  ", (info.source, "dim"))
+        right1 = Text.assemble("version ", (info.version, "bold"), "  ", state)
+        left2 = Text(info.config + ("" if info.live else " · from a state log"))
+        right2 = Text.assemble(
+            ("step ", "dim"), (step, "bold"), total,
+            ("  t=", "dim"), clock_time(frame.time_s),
+            ("  speed ", "dim"), speed_label(frame.speed, frame.achieved_speed if frame.playing else None),
         )
-        grid.add_row(
-            Text(info.config + ("" if info.live else " · from a state log")),
-            Text.assemble(
-                ("step ", "dim"), (step, "bold"), total,
-                ("  t=", "dim"), clock_time(frame.time_s),
-                ("  speed ", "dim"), speed_label(frame.speed, frame.achieved_speed if frame.playing else None),
-            ),
-        )
-        self.update(grid)
+        self.update(Text("\n").join([_spread(left1, right1, width), _spread(left2, right2, width)]), layout=False)
+
+
+def _spread(left: Text, right: Text, width: int) -> Text:
+    """``left`` and ``right`` on one line of ``width`` cells (left cut first)."""
+    room = width - right.cell_len - 1
+    if left.cell_len > room:
+        left = left[: max(room - 1, 0)] + Text("…")
+    return Text.assemble(left, " " * max(width - left.cell_len - right.cell_len, 1), right)

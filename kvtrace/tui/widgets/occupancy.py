@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 from textual_plot import PlotWidget
@@ -122,22 +121,19 @@ class OccupancyLegend(Static):
         if pool is None:
             self.update("no step replayed yet")
             return
-        self.update(legend_table(pool, frame.peak(), frame.step))
+        self.update(legend_table(pool, frame.peak(), frame.step), layout=False)  # fixed size (tcss)
 
 
-def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | None) -> Table:
-    """The legend: one row per band, then used and the peak."""
+def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | None) -> Text:
+    """The legend: one line per band, then used, the peak and the running requests."""
     total = max(pool.pool_tokens, 1)
-    table = Table.grid(padding=(0, 1))
-    table.add_column(no_wrap=True)
-    table.add_column(justify="right", no_wrap=True)
-    table.add_column(justify="right", no_wrap=True)
+    lines = []
     for label, field, colour in reversed(BANDS):
         value = getattr(pool, field)
-        table.add_row(Text("█ ", style=colour) + Text(label), f"{value:,}", f"{100 * value / total:5.1f}%")
+        lines.append(Text.assemble(("█ ", colour), f"{label:<17}{value:>10,} {100 * value / total:6.1f}%"))
     used = pool.used_tokens
-    table.add_row(Text("used"), f"{used:,}", f"{100 * used / total:5.1f}%", style="bold")
+    lines.append(Text(f"{'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
     if peak is not None:
-        table.add_row(Text("peak", style="bold red"), f"{peak[1]:,}", f"step {peak[0]:,}")
-    table.add_row(Text("running"), f"{pool.running_requests:,}", "")
-    return table
+        lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,}  step {peak[0]:,}"))
+    lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
+    return Text("\n").join(lines)

@@ -203,6 +203,7 @@ class RequestTable(VirtualList):
         """Select request ``rid`` (and scroll to it when the filter shows it)."""
         self.selected_rid = rid
         self._follow()
+        self._drawn = None
         self.refresh()
         self.post_message(self.Selected(rid))
 
@@ -217,6 +218,21 @@ class RequestTable(VirtualList):
         return {rid for rid, until in self._flash.items() if until > now}
 
     # ------------------------------------------------------------------ VirtualList hooks
+    def visible_signature(self) -> object:
+        req = self._req
+        if req is None:
+            return None
+        top = int(self.scroll_y)
+        rids = self._order[top : top + self.page_rows]
+        now = self._clock()
+        flashing = tuple(int(r) for r in rids if self._flash.get(int(r), 0.0) > now)
+        return (top, self.cursor, self.num_rows, self.sort_key, self.descending, self._scale, flashing,
+                rids.tobytes(), req.allocated[rids].tobytes(), req.committed[rids].tobytes(),
+                req.phase[rids].tobytes(), req.prefix_hit[rids].tobytes(), req.admitted_step[rids].tobytes())
+
+    def on_mount(self) -> None:
+        self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
+
     def on_cursor_moved(self, index: int) -> None:
         self.select_rid(int(self._order[index]))
 
@@ -238,7 +254,7 @@ class RequestTable(VirtualList):
         for col, (name, w) in enumerate(zip(_HEADERS, _WIDTHS)):
             label = name + (arrow if _SORT_COLUMN.get(col) == self.sort_key else "")
             parts.append((label, w, _HEADER, ">" if col >= 3 else "<"))
-        return cells(parts, width, self.rich_style)
+        return cells(parts, width, self.base_style)
 
     def render_row(self, index: int, width: int, selected: bool) -> Strip:
         req = self._req
@@ -250,7 +266,7 @@ class RequestTable(VirtualList):
         phase = PHASES[int(req.phase[rid])]
         admitted = int(req.admitted_step[rid])
         until = self._flash.get(rid)
-        base = self.rich_style
+        base = self.base_style
         if until is not None and until > self._clock():  # type: ignore[operator]
             base = base + _FLASH
         if selected:

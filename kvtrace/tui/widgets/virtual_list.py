@@ -36,6 +36,8 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         super().__init__(id=id, classes=classes)
         self.num_rows = 0
         self.cursor = -1
+        self._drawn: object = None  # visible_signature() of what is on screen
+        self._base: Style | None = None  # rich_style, cached (computing it per line is slow)
 
     # ------------------------------------------------------------------ subclass hooks
     def render_header(self, width: int) -> Strip:
@@ -43,6 +45,11 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
 
     def render_row(self, index: int, width: int, selected: bool) -> Strip:
         return Strip.blank(width)
+
+    def visible_signature(self) -> object:
+        """A value that changes whenever the rows on screen would look different (None:
+        always redraw). ``refresh_rows`` skips the redraw when it did not change."""
+        return None
 
     def on_cursor_moved(self, index: int) -> None:
         """The cursor moved to ``index`` (by key or mouse)."""
@@ -52,11 +59,23 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
 
     # ------------------------------------------------------------------ rows
     def refresh_rows(self) -> None:
-        """Call after ``num_rows`` or the rows' content changed."""
-        self.virtual_size = Size(self.size.width, self.num_rows + 1)
+        """Call after ``num_rows`` or the rows' content changed (redraws only if what is on
+        screen changed)."""
+        # The virtual height grows in steps (a change re-lays the screen out); rows past
+        # num_rows draw blank.
+        height = self.virtual_size.height
+        if self.num_rows + 1 > height or self.num_rows + 1 < height // 2:
+            self.virtual_size = Size(self.scrollable_content_region.width, self.num_rows + 1 + self.num_rows // 4)
         if self.cursor >= self.num_rows:
             self.cursor = self.num_rows - 1
-        self.refresh()
+        drawn = self.visible_signature()
+        if drawn is None or drawn != self._drawn:
+            self._drawn = drawn
+            self.refresh()
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        self._drawn = None
+        super().watch_scroll_y(old, new)
 
     @property
     def page_rows(self) -> int:
@@ -79,6 +98,7 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         changed = index != self.cursor
         self.cursor = index
         self.scroll_to_row(index)
+        self._drawn = None
         self.refresh()
         if changed and notify:
             self.on_cursor_moved(index)
@@ -109,16 +129,28 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         """A click on the header at column ``x``."""
 
     def on_resize(self) -> None:
+        self._drawn = None
         self.refresh_rows()
 
     # ------------------------------------------------------------------ Line API
+    @property
+    def base_style(self) -> Style:
+        """The widget's Rich style (cached until the CSS changes)."""
+        if self._base is None:
+            self._base = self.rich_style
+        return self._base
+
+    def notify_style_update(self) -> None:
+        self._base = None
+        super().notify_style_update()
+
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         if y == 0:
             return self.render_header(width)
         index = int(self.scroll_y) + y - 1
         if index >= self.num_rows:
-            return Strip([Segment(" " * width, self.rich_style)], width)
+            return Strip([Segment(" " * width, self.base_style)], width)
         return self.render_row(index, width, index == self.cursor)
 
 
