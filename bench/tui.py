@@ -10,7 +10,8 @@ one run:
     speed from the first step to the last, with its checkpoints and per-request
     state), best of N each, and the overhead in percent (target: at most 10%);
   * frames a second: frames the driver posted and the screen showed, over the
-    replay's wall time (target: at least 20);
+    replay's wall time (target: at least 20), and the median time the UI took to draw
+    one (the UI and the replay share the interpreter: what the UI draws, the replay waits);
   * memory: peak RSS of the process after the dashboard run, the per-request state,
     the timeline and the checkpoints the session holds.
 """
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,6 +64,7 @@ async def dashboard(trace: str, size: tuple[int, int]) -> dict[str, float]:
             "state_mb": (session.state.nbytes() if session.state is not None else 0) / 2**20,
             "checkpoint_mb": session.checkpoint_bytes / 2**20,
             "requests": float(app.frame.requests.size),
+            "draw_ms": 1000 * statistics.median(app.draw_s) if app.draw_s else float("nan"),
         }
         await pilot.press("q")
     return out
@@ -89,7 +92,8 @@ def main() -> None:
           f"(+{over:.1f}%; target <= 10%: {'ok' if over <= 10 else 'MISSED'})")
     fps = best["frames_shown"] / best["wall_s"]
     print(f"frames: {best['frames_posted']:.0f} posted, {best['frames_shown']:.0f} shown, {fps:.1f} a second "
-          f"(target >= 20: {'ok' if fps >= 20 else 'MISSED'})")
+          f"(target >= 20: {'ok' if fps >= 20 else 'MISSED'}); median {best['draw_ms']:.1f} ms from a frame's "
+          f"arrival to its screen update")
     print(f"memory with {best['requests']:,.0f} requests: peak RSS {rss_mb:.0f} MB; per-request state and "
           f"timeline {best['state_mb']:.1f} MB; checkpoints {best['checkpoint_mb']:.1f} MB")
 

@@ -77,7 +77,7 @@ def replay(
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
-    serve: Annotated[Optional[int], typer.Option("--serve", flag_value=DEFAULT_PORT, min=1, max=65535, help=f"With --tui: serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,
+    serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"With --tui: serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,
     host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a trace can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
 ) -> None:
     """Replay TRACE through the allocator with its invariants checked; print a summary.

@@ -15,7 +15,7 @@ from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
 @app.command()
 def view(
     log: Annotated[Path, typer.Argument(help="A state log written by 'kvtrace replay TRACE --out LOG'.")],
-    serve: Annotated[Optional[int], typer.Option("--serve", flag_value=DEFAULT_PORT, min=1, max=65535, help=f"Serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,
+    serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"Serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,
     host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a log can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
 ) -> None:
     """Show the replay dashboard over a saved state log: the same screens, stepping and seeking

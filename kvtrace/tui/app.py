@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,7 @@ class KvtraceApp(App[None]):
         self.driver = ReplayDriver(source, self._post_from_driver, fps=fps, play=play, clock=clock)
         self.frame: Frame | None = None
         self.frames_shown = 0
+        self.draw_s: deque[float] = deque(maxlen=10_000)  # seconds from a frame's arrival to its screen update
         self._chart_interval_s = chart_interval_s
         self._chart_at = -1e18
         self.clock = clock
@@ -114,6 +116,7 @@ class KvtraceApp(App[None]):
     def on_frame_ready(self, message: FrameReady) -> None:
         if self.main not in self.screen_stack:  # a frame that arrives while the app closes
             return
+        t0 = time.perf_counter()
         frame = message.frame
         self.frame = frame
         self.frames_shown += 1
@@ -128,9 +131,13 @@ class KvtraceApp(App[None]):
         if not frame.playing or now - self._chart_at >= self._chart_interval_s or chart.shown_step is None:
             chart.show(frame)
             self._chart_at = now
-        self.call_after_refresh(self.driver.ack, frame.seq)
+        self.call_after_refresh(self._drawn, frame.seq, t0)
         for e in frame.alerts:
             self.notify(f"step {e.step}: {e.kind} {e.detail}".strip(), title="replay", severity="error", timeout=8)
+
+    def _drawn(self, seq: int, t0: float) -> None:
+        self.draw_s.append(time.perf_counter() - t0)
+        self.driver.ack(seq)
 
     def on_replay_failed(self, message: ReplayFailed) -> None:
         step = self.frame.step if self.frame is not None else None

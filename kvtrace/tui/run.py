@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DASHBOARD_CHECKPOINT_EVERY", "DEFAULT_PORT", "run_live", "run_log", "serve", "serve_command"]
 
-DEFAULT_PORT = 8000  # the default of --serve
+DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
 DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the live dashboard's seek checkpoints
 _TEMPLATES = Path(__file__).parent / "web"
 
