@@ -134,21 +134,26 @@ class RequestDetailScreen(ModalScreen[None]):
                 f"ended at step {r.ended_step if r.ended_step >= 0 else '-'}",
                 id="detail-row",
             )
+            yield Static("[yellow]allocated[/] and [green]used[/] tokens", id="detail-caption")
             yield QuietPlot(id="detail-chart")
+            yield Static("[dark_orange]over-allocated[/] slots (allocated - used)", id="detail-over-caption")
+            yield QuietPlot(id="detail-over")
             yield Static("replaying the request's life…", id="detail-events")
 
     def show_history(self, history: RequestHistory) -> None:
         """Draw the lengths chart and list the events."""
         chart = self.query_one("#detail-chart", QuietPlot)
+        over = self.query_one("#detail-over", QuietPlot)
         chart.clear()
+        over.clear()
         if history.steps.shape[0]:
-            chart.plot(history.steps, history.allocated, line_style="yellow", hires_mode=HiResMode.BRAILLE,
-                       label="allocated")
-            chart.plot(history.steps, history.committed, line_style="green", hires_mode=HiResMode.BRAILLE,
-                       label="used")
-            chart.show_legend()
-            chart.set_xlabel("step")
-            chart.set_ylabel("tokens")
+            chart.plot(history.steps, history.allocated, line_style="yellow", hires_mode=HiResMode.BRAILLE)
+            chart.plot(history.steps, history.committed, line_style="green", hires_mode=HiResMode.BRAILLE)
+            chart.set_ylimits(0, max(int(history.allocated.max()), 1) * 1.05)
+            slack = history.allocated - history.committed
+            over.plot(history.steps, slack, line_style="dark_orange", hires_mode=HiResMode.BRAILLE)
+            over.set_ylimits(0, max(int(slack.max()), 1) * 1.1)
+            over.set_xlabel("step")
         lines = [f"step {e.step:>8}  {e.kind:<18} {describe(e)}" for e in history.events[-12:]]
         note = " (the last steps only)" if history.clipped else ""
         self.query_one("#detail-events", Static).update(

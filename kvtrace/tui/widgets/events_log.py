@@ -88,8 +88,8 @@ class EventsLog(VirtualList):
         self._shown = shown + self._failures if self._failures else shown
         self.num_rows = len(self._shown)
         self.refresh_rows()
-        if at_end and self.num_rows:
-            self.scroll_to_row(self.num_rows - 1)
+        if at_end:
+            self.scroll_to_end()
 
     def _of_kind(self, kind: str | None) -> list[StepEvent]:
         """The known events of ``kind`` (None: all) up to the step shown, scanning each event once."""

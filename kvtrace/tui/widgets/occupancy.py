@@ -134,6 +134,7 @@ def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | N
     used = pool.used_tokens
     lines.append(Text(f"{'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
     if peak is not None:
-        lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,}  step {peak[0]:,}"))
+        lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
+        lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
     lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
     return Text("\n").join(lines)

@@ -89,6 +89,10 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         elif index >= top + self.page_rows:
             self.scroll_to(y=index - self.page_rows + 1, animate=False)
 
+    def scroll_to_end(self) -> None:
+        """Scroll so that the last row is on the bottom line."""
+        self.scroll_to(y=max(self.num_rows - self.page_rows, 0), animate=False)
+
     def move_cursor(self, index: int, notify: bool = True) -> None:
         """Put the cursor on row ``index`` (clamped) and keep it visible."""
         if self.num_rows == 0:
