@@ -132,8 +132,9 @@ class ReplayDriver:
         post: called (from the driver's thread) with each ``Frame``, ``CellInfo``,
             ``RequestHistory`` and ``Failure``.
         fps: frames a second while playing.
-        map_interval_s: seconds between page-map updates while playing (mapping a
-            million-slot pool costs tens of milliseconds of the replay's time).
+        map_interval_s: seconds between page-map updates while playing as fast as it
+            goes (mapping a million-slot pool costs tens of milliseconds of the replay's
+            time; bench/tui.py); a paced replay maps every 0.5 s, a paused one every step.
         play: start playing at once.
         clock: monotonic seconds (tests fix it).
     """
@@ -144,7 +145,7 @@ class ReplayDriver:
         post: Callable[[object], Any],
         *,
         fps: float = 20.0,
-        map_interval_s: float = 2.0,
+        map_interval_s: float = 5.0,
         play: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -356,7 +357,8 @@ class ReplayDriver:
         stale = self._map_step != step
         if not stale:
             return
-        if self.playing and not self.source.done and now - self._map_at < self._map_interval_s:
+        interval = self._map_interval_s if self.speed is None else min(self._map_interval_s, 0.5)
+        if self.playing and not self.source.done and now - self._map_at < interval:
             return
         made = self.source.page_map(self.num_cells, self.selected_rid)
         self._slot_map, self._cells = (made if made is not None else (None, None))

@@ -67,6 +67,7 @@ class PageMap(Widget):
         self.cells: PageCells | None = None
         self.selected_cell: int | None = None
         self._chars: list[tuple[str, Style]] = []
+        self._lines: dict[tuple[int, int], Strip] = {}  # (y, width) -> the line drawn
 
     def show(self, cells: PageCells | None) -> None:
         """Draw ``cells`` (None: nothing to draw yet)."""
@@ -78,6 +79,7 @@ class PageMap(Widget):
             dominant = cells.dominant.tolist()
             marked = cells.highlight.tolist()
             self._chars = [("▒", _HIGHLIGHT) if hot else ("█", _STYLES[SlotState(d)]) for d, hot in zip(dominant, marked)]
+        self._lines = {}
         self.refresh()
 
     @property
@@ -97,10 +99,18 @@ class PageMap(Widget):
         index = self.cell_at(event.x, event.y)
         if index is not None:
             self.selected_cell = index
+            self._lines = {}
             self.refresh()
             self.post_message(self.CellClicked(index))
 
     def render_line(self, y: int) -> Strip:
+        key = (y, self.size.width)
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = self._render_line(y)
+        return line
+
+    def _render_line(self, y: int) -> Strip:
         width = self.size.width
         start = y * width
         row = list(self._chars[start : start + width])
