@@ -15,8 +15,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from rich.text import Text
 from textual.widgets import Static
+from textual.app import ComposeResult
+from textual.containers import Grid
+from textual.geometry import Region
+from textual.strip import Strip
+from textual_hires_canvas import Canvas
 from textual_plot import PlotWidget
 from textual_plot.axis_formatter import NumericAxisFormatter
+from textual_plot.plot_widget import Legend
 
 from kvtrace.tui.pagemap import SlotState
 from kvtrace.tui.widgets.page_map import STATE_COLORS
@@ -63,13 +69,44 @@ def _short(value: float) -> str:
     return f"{value:.0f}"
 
 
+class _CachedCanvas(Canvas):
+    """A plot canvas that keeps its drawn lines until it changes: the screen redraws the
+    box around whatever changed, and a chart inside that box need not be drawn again."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._strips: dict[int, Strip] = {}
+
+    def refresh(self, *regions: Region, **kw: bool) -> _CachedCanvas:  # type: ignore[override]
+        self._strips = {}
+        return super().refresh(*regions, **kw)  # type: ignore[return-value]
+
+    def notify_style_update(self) -> None:
+        self._strips = {}
+        super().notify_style_update()
+
+    def render_line(self, y: int) -> Strip:
+        strip = self._strips.get(y)
+        if strip is None:
+            strip = self._strips[y] = super().render_line(y)
+        return strip
+
+
 class QuietPlot(PlotWidget, can_focus=False, inherit_bindings=False):
-    """A plot that takes no keys and no focus (the dashboard's keys stay the dashboard's)."""
+    """A plot that takes no keys and no focus (the dashboard's keys stay the dashboard's)
+    and draws its canvases from a cache."""
 
     BINDINGS = []
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, allow_pan_and_zoom=False)
+
+    def compose(self) -> ComposeResult:
+        # PlotWidget's own layout, with caching canvases.
+        with Grid():
+            for canvas_id in ("margin-top", "margin-left", "plot", "margin-bottom"):
+                yield _CachedCanvas(1, 1, id=canvas_id)
+        yield Legend(id="legend")
 
 
 class OccupancyChart(QuietPlot):
