@@ -318,3 +318,20 @@ class Checkpointable(Protocol):
     def restore_state(self, state: object) -> None:
         """Go back to a state ``save_state`` returned."""
         ...
+
+
+@runtime_checkable
+class Digestible(Protocol):
+    """An allocator that can digest its physical state (``kvtrace diff --exact``).
+
+    ``state_digest()`` returns a string that is equal for two allocators exactly when
+    their physical states are equal: each request's ``req_to_token`` row over
+    ``[0, kv_allocated_len)`` with its lengths, the free lists in reuse order, the
+    free request rows. Called after every step, so it must be cheap (the built-in
+    one is kept incrementally: ``allocator.digest``). Optional: a version without it
+    is compared on its counters and per-request lengths only.
+    """
+
+    def state_digest(self) -> str:
+        """The digest of the state now (between steps)."""
+        ...

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from allocator.base import Violation
+from allocator.pages import ceil_align
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
 
     _check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps)
     _check_rows(out, allocator, rows, rids)
-    ceil_alloc = (alloc + ps - 1) // ps * ps
+    ceil_alloc = ceil_align(alloc, ps)
     _check_counters(out, kv, alloc, committed, protected, ceil_alloc)
 
     logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
@@ -186,7 +187,7 @@ def _check_rows(out, allocator, rows, rids) -> None:
             out.append(Violation("rows", f"row {row} is {where}", None, {"row": int(row)}))
         if counts[0] or counts.shape[0] > pool.size + 1:
             out.append(Violation("rows", f"a row outside 1..{pool.size} is free or in use", None, {}))
-    row_of_rid = allocator._row_of_rid
+    row_of_rid = allocator.rows_by_rid()
     mapped = np.flatnonzero(row_of_rid >= 0)
     if mapped.shape[0] != rows.shape[0] or not np.array_equal(np.sort(row_of_rid[mapped]), np.sort(rows)):
         out.append(
@@ -288,7 +289,7 @@ def _segments(rows, starts, ends, width) -> tuple[np.ndarray, np.ndarray]:
 
 def _check_ownership(out, table, width, rows, rids, alloc, protected, free_pages, tree_values, num_pages, ps) -> None:
     flat_table = table.reshape(-1)
-    ceil_pages = (alloc + ps - 1) // ps
+    ceil_pages = ceil_align(alloc, ps) // ps
     first_page = protected // ps
     page_counts = np.maximum(ceil_pages - first_page, 0)
     total = int(page_counts.sum())

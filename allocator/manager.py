@@ -35,6 +35,8 @@ import numpy as np
 
 from allocator.allocation import (
     KvContext,
+    SpecPlan,
+    SpecResult,
     alloc_for_decode,
     alloc_for_decode_prealloc,
     alloc_for_decode_prealloc_hisparse,
@@ -44,8 +46,10 @@ from allocator.allocation import (
     commit_accepted_tokens,
     evict_from_tree_cache,
     extend_fits,
+    prealloc_fits,
     prepare_spec_decode,
     release_kv_cache,
+    undo_prealloc,
 )
 from allocator.base import (
     AllocatorConfig,
@@ -60,6 +64,7 @@ from allocator.base import (
     Violation,
 )
 from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
+from allocator.digest import StateDigest
 from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -143,6 +148,7 @@ class KvAllocator:
         # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+        self._digest: StateDigest | None = None  # kept from the first state_digest() on
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -192,6 +198,13 @@ class KvAllocator:
     def row_of(self, rid: int) -> int:
         """The request's ``req_to_token`` row, -1 when it holds none."""
         return int(self._rows_of(_i64([rid]))[0])
+
+    def rows_by_rid(self) -> np.ndarray:
+        """The row each request id holds, indexed by request id (-1: none; ids past
+        the end hold none). A read-only int64 view of the live map."""
+        view = self._row_of_rid.view()
+        view.flags.writeable = False
+        return view
 
     # ------------------------------------------------------------------ publish queue
 
@@ -434,7 +447,7 @@ class KvAllocator:
                         f"reserve (committed {int(kv.kv_committed_len[rows[i]])}, reserved to "
                         f"{int(plan.nxt_kv_lens[i])})"
                     )
-        res = alloc_for_spec_decode(ctx, rows, plan, rids)
+        res = self._reserve_spec(rows, plan, rids)
         if isinstance(res, OutOfMemory):
             return res
         excess = commit_accepted_tokens(ctx, rows, accepted, asked, may_exceed=overshoot)
@@ -451,6 +464,11 @@ class KvAllocator:
             self._flush_publish()
         self.writer.end_call()
         return AllocResult(res.num_tokens, res.evicted_tokens, row_overflow=row_overflow)
+
+    def _reserve_spec(self, rows: np.ndarray, plan: SpecPlan, rids: np.ndarray) -> SpecResult | OutOfMemory:
+        """The speculative reserve of one ``spec_decode`` (a method so that a variant
+        can restructure it: ``allocator.pre_encapsulation``)."""
+        return alloc_for_spec_decode(self.ctx, rows, plan, rids)
 
     # ------------------------------------------------------------------ PD prealloc
 
@@ -497,7 +515,7 @@ class KvAllocator:
                     )
                 prompt = int(self._prompt_len[int(rids[i])])
                 keys.append(tree.make_key(token_ids[i][: fill if prompt < 0 else min(prompt, fill)]))
-            unfit = self._prealloc_fits(rids, fill_lens, keys)
+            unfit = prealloc_fits(ctx, rids, fill_lens, keys)
             if unfit is not None:
                 return unfit
         for i in range(bs):
@@ -518,9 +536,10 @@ class KvAllocator:
                         slots = tree.path_device_indices(node)[:p]
                 prefix[i] = p
                 res = alloc_for_decode_prealloc(ctx, rid, fill, p, slots, node, not tree.disable)
-            if isinstance(res, OutOfMemory):  # HiSparse, or a batch _prealloc_fits let through
+            if isinstance(res, OutOfMemory):  # HiSparse, or a batch prealloc_fits let through
                 tree.unlock(node)
-                self._undo_prealloc(done)
+                undo_prealloc(ctx, self._row_of_rid[done].tolist())
+                self._row_of_rid[done] = -1
                 self.writer.end_call()
                 return res
             self._row_of_rid[rid] = res
@@ -540,62 +559,6 @@ class KvAllocator:
         evicted = tree.evicted_tokens_total - evicted_before
         self.writer.end_call()
         return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)
-
-    def _prealloc_fits(self, rids: np.ndarray, fill_lens: np.ndarray, keys: list[np.ndarray]) -> OutOfMemory | None:
-        """Rows for the batch, and its pages within free + evictable slots less the
-        evictable tokens its prefix locks protect (``RadixCache.peek_match_lock``).
-        Whether a request's own eviction removes cache a later request would have
-        matched leaves the total unchanged (the later one needs those pages, and
-        does not lock them), so this decides the whole sequence."""
-        pool = self.req_to_token_pool
-        bs = rids.shape[0]
-        if bs > pool.available_size():
-            return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
-        ps = self.page_size
-        tree = self.tree_cache
-        pages = (fill_lens + ps - 1) // ps * ps  # demand with no prefix hit
-        available = self.token_to_kv_pool_allocator.available_size()
-        if int(pages.sum()) <= available:
-            return None
-        prefix, lock_cost = tree.peek_match_lock(keys)
-        need = pages - prefix  # prefix is page aligned
-        budget = available + tree.evictable_size() - lock_cost
-        if int(need.sum()) <= budget:
-            return None
-        over = np.flatnonzero(np.cumsum(need) > budget)
-        i = int(over[0]) if over.shape[0] else 0
-        return OutOfMemory("prealloc", int(rids[i]), int(need[i]), available, tree.evictable_size() - lock_cost)
-
-    def _undo_prealloc(self, rids_done: list[int]) -> None:
-        """Roll back preallocations of this batch, newest first (rows and slots go back
-        where they were taken; locks dropped; bookkeeping cleared)."""
-        kv = self.req_kv
-        ps = self.page_size
-        allocator = self.token_to_kv_pool_allocator
-        table = self.req_to_token_pool.req_to_token_np
-        for rid in reversed(rids_done):
-            row = int(self._row_of_rid[rid])
-            allocated = int(kv.kv_allocated_len[row])
-            protected = int(kv.cache_protected_len[row])
-            slots = table[row, protected:allocated].astype(np.int64)
-            if isinstance(allocator, TokenToKVPoolAllocator):
-                allocator.unalloc(slots)
-            elif isinstance(allocator, HiSparseTokenToKVPoolAllocator):
-                # logical-only allocation: no device pages to give back
-                allocator.logical_attn_allocator.unalloc_pages(slots[::ps] // ps)
-            else:
-                allocator.unalloc_pages(slots[::ps] // ps)
-            self.tree_cache.unlock(kv.lock_node[row])
-            kv.lock_node[row] = None
-            kv.sum_committed -= int(kv.kv_committed_len[row])
-            kv.sum_protected -= protected
-            kv.sum_allocated_ceil -= -(-allocated // ps) * ps
-            kv.kv_allocated_len[row] = 0
-            kv.kv_committed_len[row] = 0
-            kv.cache_protected_len[row] = 0
-            kv.rid[row] = -1
-            self.req_to_token_pool.unalloc([row])
-            self._row_of_rid[rid] = -1
 
     # ------------------------------------------------------------------ release
 
@@ -764,6 +727,15 @@ class KvAllocator:
         if not isinstance(state, AllocatorState):
             raise TypeError(f"restore_state: expected an AllocatorState, found {type(state).__name__}")
         restore_allocator_state(self, state)
+
+    def state_digest(self) -> str:
+        """A digest of the physical state: every row's slots and lengths, the free
+        lists in order, the free rows (``allocator.digest``; ``Digestible``). The first
+        call hashes everything; later calls only what changed since."""
+        self._flush_publish()
+        if self._digest is None:
+            self._digest = StateDigest(self)
+        return self._digest.digest()
 
     def check_integrity(self) -> list[Violation]:
         from allocator.invariants import check_integrity

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from allocator.pages import floor_align
 from allocator.token_to_kv import SLOT_DTYPE
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class RadixCache:
     def key_len(self, num_tokens: int) -> int:
         """Page-aligned key length (units) of a ``num_tokens``-token sequence."""
         units = max(num_tokens - 1, 0) if self.is_eagle else num_tokens
-        return units // self.page_size * self.page_size
+        return floor_align(units, self.page_size)
 
     # ------------------------------------------------------------------ match / insert
 
@@ -180,7 +181,7 @@ class RadixCache:
         ``(0, root)`` without touching anything.
         """
         ps = self.page_size
-        n = key.shape[0] // ps * ps
+        n = floor_align(key.shape[0], ps)
         if self.disable or n == 0:
             return MatchResult(0, self.root_node)
         kb = key[:n].tobytes()
@@ -194,7 +195,7 @@ class RadixCache:
     def peek_prefix_len(self, key: np.ndarray) -> int:
         """Length ``match_prefix`` would return, without touching or splitting anything."""
         ps = self.page_size
-        n = key.shape[0] // ps * ps
+        n = floor_align(key.shape[0], ps)
         if self.disable or n == 0:
             return 0
         kb = key[:n].tobytes()
@@ -232,7 +233,7 @@ class RadixCache:
         psb = ps * 8
         deepest: dict[int, int] = {}  # id of an unlocked node -> units matched in it
         for i, key in enumerate(keys):
-            n = key.shape[0] // ps * ps
+            n = floor_align(key.shape[0], ps)
             if n == 0:
                 continue
             kb = key[:n].tobytes()
@@ -263,7 +264,7 @@ class RadixCache:
         must cover at least the aligned key; it is copied.
         """
         ps = self.page_size
-        n = key.shape[0] // ps * ps
+        n = floor_align(key.shape[0], ps)
         if self.disable:
             return InsertResult(0, self.root_node)
         t = self._tick()
@@ -331,7 +332,7 @@ class RadixCache:
         b = np.frombuffer(kb, dtype=np.int64, count=k, offset=pos)
         neq = a[:k] != b
         m = int(neq.argmax()) if neq.any() else k
-        return m // self.page_size * self.page_size
+        return floor_align(m, self.page_size)
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """Split ``child`` after ``split_len`` units; return the new upper node."""

@@ -35,8 +35,15 @@ int64 torch tensors for white-box comparison with SGLang's objects.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+# num_new_pages is defined in allocator.pages; re-exported here.
+from allocator.pages import ceil_align, num_new_pages, num_pages
+if TYPE_CHECKING:
+    from allocator.digest import SeqHash
 
 __all__ = [
     "SLOT_DTYPE",
@@ -58,10 +65,11 @@ class PageFreeList:
 
     The live entries are ``_buf[_head:_tail]``; both ends have slack so that
     prepending (paged LIFO reuse) and appending (token FIFO reuse) never shift the
-    whole list.
+    whole list. After ``enable_hash()`` every change also updates ``_seq``, the
+    incremental hash of the sequence (``allocator.digest.SeqHash``).
     """
 
-    __slots__ = ("_buf", "_head", "_tail")
+    __slots__ = ("_buf", "_head", "_tail", "_seq")
 
     def __init__(self, values: np.ndarray) -> None:
         n = int(values.shape[0])
@@ -69,17 +77,26 @@ class PageFreeList:
         self._head = (self._buf.shape[0] - n) // 2
         self._tail = self._head + n
         self._buf[self._head : self._tail] = values
+        self._seq: SeqHash | None = None
 
     def __len__(self) -> int:
         return self._tail - self._head
 
     def __deepcopy__(self, memo: dict) -> PageFreeList:
-        """A copy of the live entries only (a checkpoint holds no slack; the copy grows
-        its slack again on first use, which changes no order)."""
+        """A copy of the live entries only (a checkpoint holds no slack and no hash; the
+        copy grows its slack again on first use, which changes no order)."""
         clone = PageFreeList.__new__(PageFreeList)
         clone._buf = self.view().copy()
         clone._head, clone._tail = 0, clone._buf.shape[0]
+        clone._seq = None
         return clone
+
+    def enable_hash(self) -> SeqHash:
+        """Start keeping the sequence hash (``allocator.digest``); returns it."""
+        from allocator.digest import SeqHash
+
+        self._seq = SeqHash(self.view())
+        return self._seq
 
     def view(self) -> np.ndarray:
         """The live entries (a view: valid until the next mutation)."""
@@ -94,10 +111,14 @@ class PageFreeList:
         head = self._head
         out = self._buf[head : head + n].copy()
         self._head = head + n
+        if self._seq is not None:
+            self._seq.pop_front(out)
         return out
 
     def drop(self, n: int) -> None:
         """Remove the first ``n`` entries (after reading them with ``head``)."""
+        if self._seq is not None:
+            self._seq.pop_front(self._buf[self._head : self._head + n])
         self._head += n
 
     def prepend(self, values: np.ndarray) -> None:
@@ -106,6 +127,8 @@ class PageFreeList:
             self._recentre(n, 0)
         self._head -= n
         self._buf[self._head : self._head + n] = values
+        if self._seq is not None:
+            self._seq.push_front(self._buf[self._head : self._head + n])
 
     def append(self, values: np.ndarray) -> None:
         n = int(values.shape[0])
@@ -113,6 +136,8 @@ class PageFreeList:
             self._recentre(0, n)
         self._buf[self._tail : self._tail + n] = values
         self._tail += n
+        if self._seq is not None:
+            self._seq.push_back(self._buf[self._tail - n : self._tail])
 
     def replace(self, values: np.ndarray) -> None:
         """Make ``values`` the whole list (after a merge and sort)."""
@@ -122,6 +147,8 @@ class PageFreeList:
         self._head = (self._buf.shape[0] - n) // 2
         self._tail = self._head + n
         self._buf[self._head : self._tail] = values
+        if self._seq is not None:
+            self._seq.reset(self.view())
 
     def _recentre(self, need_front: int, need_back: int) -> None:
         live = self._buf[self._head : self._tail]
@@ -133,12 +160,6 @@ class PageFreeList:
         head = need_front + (size - n - need_front - need_back) // 2
         buf[head : head + n] = live
         self._buf, self._head, self._tail = buf, head, head + n
-
-
-def num_new_pages(prefix_lens: np.ndarray, seq_lens: np.ndarray, page_size: int) -> int:
-    """Pages an extend from ``prefix_lens`` to ``seq_lens`` needs (SGLang ``get_num_new_pages``)."""
-    ps = page_size
-    return int(((seq_lens + (ps - 1)) // ps - (prefix_lens + (ps - 1)) // ps).sum())
 
 
 def alloc_extend_layout(
@@ -164,9 +185,8 @@ def alloc_extend_layout(
     total = int(ext.sum())
     if total == 0:
         return _EMPTY.copy()
-    ceil_prefix = (prefix_lens + (ps - 1)) // ps * ps
-    num1 = np.minimum(seq_lens, ceil_prefix) - prefix_lens
-    pages_per_req = (seq_lens + (ps - 1)) // ps - ceil_prefix // ps
+    num1 = np.minimum(seq_lens, ceil_align(prefix_lens, ps)) - prefix_lens
+    pages_per_req = num_pages(seq_lens, ps) - num_pages(prefix_lens, ps)
     bs = ext.shape[0]
     if bs == 1:
         n1 = int(num1[0])

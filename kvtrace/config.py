@@ -12,11 +12,31 @@ only.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from allocator.base import AllocatorConfig, SpecConfig
 from allocator.sizing import pool_size_tokens
 from kvtrace.errors import ConfigError
-from traces.schema import TraceMeta
+from traces.schema import SpecSettings, TraceMeta
+
+
+def spec_config_for(spec: SpecSettings | None) -> SpecConfig | None:
+    """The allocator's speculative settings for a trace's (None: no speculative decoding).
+
+    Args:
+        spec: the recorded engine's speculative settings, or None.
+
+    Returns:
+        The same settings as an ``allocator.base.SpecConfig``, or None.
+    """
+    if spec is None:
+        return None
+    return SpecConfig(
+        algorithm=spec.algorithm,
+        num_steps=spec.num_steps,
+        topk=spec.topk,
+        num_draft_tokens=spec.num_draft_tokens,
+    )
 
 
 def allocator_config_for(
@@ -41,14 +61,6 @@ def allocator_config_for(
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
-    spec = None
-    if cfg.spec is not None:
-        spec = SpecConfig(
-            algorithm=cfg.spec.algorithm,
-            num_steps=cfg.spec.num_steps,
-            topk=cfg.spec.topk,
-            num_draft_tokens=cfg.spec.num_draft_tokens,
-        )
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
@@ -56,17 +68,31 @@ def allocator_config_for(
         max_context_len=cfg.max_context_len,
         device=device,
         need_sort=cfg.pd_decode,
-        spec=spec,
+        spec=spec_config_for(cfg.spec),
         hisparse=cfg.hisparse,
         radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
+    if config.pool_tokens < 2 * ps:
+        raise ConfigError(_pool_below_two_pages(pool, ps, page_size is not None, pool_tokens is not None))
     try:
         config.check()
     except ValueError as exc:
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
     return config
+
+
+def _pool_below_two_pages(pool: int, page_size: int, page_given: bool, pool_given: bool) -> str:
+    """One line naming the option that leaves fewer than two pages in the pool."""
+    if page_given and (not pool_given or page_size > pool // 2 > 0):
+        where = "the --pool-tokens" if pool_given else "the trace's"
+        return (
+            f"--page-size {page_size:,}: two pages of {page_size:,} tokens do not fit {where} pool of {pool:,} tokens; "
+            f"give a --page-size of at most {max(1, pool // 2):,} or a larger --pool-tokens"
+        )
+    what = f"--pool-tokens {pool:,}" if pool_given else f"the trace's pool of {pool:,} tokens"
+    return f"{what} is below two pages of {page_size:,} tokens; give --pool-tokens {2 * page_size:,} or more"
 
 
 def effective_config(
@@ -94,3 +120,8 @@ def effective_config(
         )
     chosen = version_page_size if version_page_size is not None else page_size
     return allocator_config_for(meta, page_size=chosen, pool_tokens=pool_tokens, device=device)
+
+
+def config_dict(config: AllocatorConfig) -> dict[str, Any]:
+    """An allocator configuration as a JSON-able dict (None fields left out)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from kvtrace.errors import TraceError
 from kvtrace.state import ReplayState
-from kvtrace.statelog import batch_snapshots, state_log_info
+from kvtrace.statelog import open_state_log, snapshots_of
 
 __all__ = ["StateLogSession"]
 
@@ -38,35 +38,26 @@ class StateLogSession:
 
     def __init__(self, path: str | Path, checkpoint_batches: int = 8) -> None:
         self.path = Path(path)
-        try:
-            source = pa.memory_map(str(self.path))
-            reader = pa.ipc.MessageReader.open_stream(source)
-            self._schema = pa.ipc.read_schema(reader.read_next_message())
-        except FileNotFoundError:
-            raise TraceError(f"{self.path}: no such state log") from None
-        except (OSError, pa.ArrowInvalid, StopIteration) as exc:
-            raise TraceError(f"{self.path}: not an Arrow state log ({exc})") from None
-        self.info: dict[str, Any] = state_log_info(self.path, self._schema)
-        self._messages: list[Any] = []
+        self.info, reader = open_state_log(self.path)
+        self._batches = _random_access(self.path, reader)
         first_steps: list[int] = []
+        self._index: list[int] = []  # batch indices that hold steps
         self.total_steps = 0
+        self.first_step = self.last_step = 0
         try:
-            for message in reader:
-                if message.type != "record batch":
+            for i in range(len(self._batches)):
+                steps = self._batches[i].column("step")
+                if len(steps) == 0:
                     continue
-                batch = pa.ipc.read_record_batch(message, self._schema)
-                if batch.num_rows == 0:
-                    continue
-                self._messages.append(message)
-                first_steps.append(int(batch.column("step")[0].as_py()))
-                self.total_steps += batch.num_rows
-                if len(self._messages) == 1:
-                    self.first_step = first_steps[0]
-                self.last_step = int(batch.column("step")[-1].as_py())
+                self._index.append(i)
+                first_steps.append(int(steps[0].as_py()))
+                self.total_steps += len(steps)
+                self.last_step = int(steps[-1].as_py())
         except (OSError, pa.ArrowInvalid) as exc:
             raise TraceError(f"{self.path}: damaged after {self.total_steps} steps ({exc})") from None
-        if not self._messages:
+        if not self._index:
             raise TraceError(f"{self.path}: the state log holds no step")
+        self.first_step = first_steps[0]
         self._first_steps = first_steps
         config = self.info.get("config") or {}
         self.config: dict[str, Any] = config
@@ -89,12 +80,11 @@ class StateLogSession:
             if snap is not None:
                 return snap
             nxt = self._loaded + 1
-            if nxt >= len(self._messages):
+            if nxt >= len(self._index):
                 return None
             if nxt % self._every == 0 and nxt not in self._saved:
                 self._saved[nxt] = (self.state.save(), self.last)
-            batch = pa.ipc.read_record_batch(self._messages[nxt], self._schema)
-            self._pending = batch_snapshots(batch)
+            self._pending = iter(snapshots_of(self._batches[self._index[nxt]]))
             self._loaded = nxt
 
     def _peek(self) -> Any:
@@ -157,11 +147,11 @@ class StateLogSession:
     @property
     def progress(self) -> float:
         """Share of the log read so far (0..1)."""
-        return (self._loaded + 1) / len(self._messages)
+        return (self._loaded + 1) / len(self._index)
 
     def close(self) -> None:
         """Release the file (the memory map closes with the last reference)."""
-        self._messages = []
+        self._batches = []
 
     def nbytes(self) -> int:
         return self.state.nbytes() + sum(s.columns[k].nbytes for s, _ in self._saved.values() for k in s.columns)
@@ -171,3 +161,28 @@ class StateLogSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Batches(list):  # type: ignore[type-arg]
+    """Record batches held in memory (a log that is not a complete IPC file)."""
+
+
+class _FileBatches:
+    """Record batches of an IPC file, decoded on access from a memory map."""
+
+    def __init__(self, reader: pa.ipc.RecordBatchFileReader) -> None:
+        self._reader = reader
+
+    def __len__(self) -> int:
+        return int(self._reader.num_record_batches)
+
+    def __getitem__(self, index: int) -> pa.RecordBatch:
+        return self._reader.get_batch(index)
+
+
+def _random_access(path: Path, reader: Any) -> _FileBatches | _Batches:
+    """Random access to a log's record batches: the file's footer, else every batch read once."""
+    try:
+        return _FileBatches(pa.ipc.open_file(pa.memory_map(str(path))))
+    except (OSError, pa.ArrowInvalid):
+        return _Batches(reader.iter_batches())

@@ -25,15 +25,21 @@ written and flushed at ``end_step``, so a process killed at any instant leaves a
 trace holding every completed step. A larger ``steps_per_batch`` writes fewer,
 better-compressed batches and may lose the last ``steps_per_batch - 1`` completed
 steps on a hard kill; ``flush_interval_s`` bounds that loss in time. Leaving the
-``with`` block by an exception flushes every completed step and drops the step in
-progress.
+``with`` block by an exception (Ctrl-C included) flushes every completed step,
+drops the step in progress and marks the trace interrupted, saying why
+(``TraceMeta.recording``); a process killed outright leaves a trace that reads as
+interrupted too (its writer never closed it). The metadata also records the
+kvtrace version, the command line and the creation time.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
@@ -49,7 +55,9 @@ from traces.schema import (
     PREALLOC,
     RETRACT,
     SPEC,
+    Recording,
     TraceMeta,
+    timestamp,
 )
 
 if TYPE_CHECKING:
@@ -109,6 +117,10 @@ class Recorder:
             ``compression`` (a killed recorder leaves the durable per-step file).
         rid_map_path: append ``{"id": engine_id, "rid": dense}`` JSON lines here as
             ids are first seen (flushed with the trace).
+        command: the command line stored in the metadata (default: this process's).
+
+    The metadata written gets ``created_at`` (now, unless set) and a ``recording``
+    (status, kvtrace version, command line; unless set).
 
     Raises:
         traces.errors.TraceWriteError (through the writer): the file exists without
@@ -127,9 +139,16 @@ class Recorder:
         dense_ids: bool = False,
         rid_map_path: str | Path | None = None,
         compact_steps_per_batch: int | None = None,
+        command: str | None = None,
     ) -> None:
+        from kvtrace import __version__
         from traces.io import TraceWriter
 
+        if meta.recording is None:
+            command = shlex.join(sys.argv) if command is None else command
+            meta = replace(meta, recording=Recording(kvtrace_version=__version__, command=command))
+        if meta.created_at is None:
+            meta = replace(meta, created_at=timestamp())
         self.path = Path(path)
         self.meta = meta
         # Compacting: write every step durably with the fast codec, rewrite at close.
@@ -487,15 +506,23 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._flush_rid_map()
 
-    def close(self) -> None:
-        """Flush the completed steps and close the file (a step left open is dropped)."""
+    def close(self, *, interrupted: str | None = None) -> None:
+        """Flush the completed steps and close the file (a step left open is dropped).
+
+        Args:
+            interrupted: why the recording stops before its end: the trace is marked
+                interrupted (``TraceMeta.recording``) and not compacted.
+
+        Raises:
+            traces.errors.TraceWriteError: the file cannot be written.
+        """
         if self._closed:
             return
         self._closed = True
         self._open_step = False
         self._parts = {}
         try:
-            self._writer.close()
+            self._writer.close(interrupted=interrupted)
         finally:
             self._flush_rid_map()
             if self._rid_map_file is not None:
@@ -510,4 +537,11 @@ class Recorder:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        from traces.io import describe_stop
+
+        self.close(interrupted=None if exc is None else describe_stop(exc))
+
+    @property
+    def recording(self) -> Recording | None:
+        """The recording status written (the final one once closed)."""
+        return self._writer.recording

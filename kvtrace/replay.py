@@ -103,6 +103,8 @@ class ReplayOptions:
         stop_step: stop before this step (exclusive); None replays to the end.
         max_violations: stop once this many invariant violations were found
             (None: never stop for violations).
+        state_digest: put the allocator's ``state_digest()`` in every snapshot (the
+            allocator must be ``Digestible``; ``kvtrace diff --exact``).
     """
 
     check: CheckMode = "end"
@@ -111,6 +113,7 @@ class ReplayOptions:
     start_step: int | None = None
     stop_step: int | None = None
     max_violations: int | None = None
+    state_digest: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +376,7 @@ class ReplayEngine:
             num_ops=n,
             allocator_s=st.allocator_s - alloc_s_before,
             keyframe=keyframe,
+            digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
         )
 
     def finish(self) -> None:

@@ -160,3 +160,102 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
             f"--check every{' --allocator ' + s['allocator'] if s['allocator'] != 'builtin' else ''} "
             f"(-x stops at the first violation)"
         )
+
+
+# ---------------------------------------------------------------------------- kvtrace diff
+
+HISTORY_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len")
+# Rows of the side-by-side summary: label, how to read it from a replay summary.
+_SUMMARY_ROWS: tuple[tuple[str, Any], ...] = (
+    ("steps", lambda s: s.get("steps")),
+    ("peak occupancy", lambda s: None if s.get("peak_used_tokens") is None else
+        f"{s['peak_used_tokens']:,} tokens at step {s.get('peak_step')}"),
+    ("prefix hit rate", lambda s: None if s.get("prefix_hit_rate") is None else f"{100 * s['prefix_hit_rate']:.2f}%"),
+    ("evicted tokens", lambda s: s.get("evicted_tokens")),
+    ("over-allocation", lambda s: _overalloc(s.get("overalloc"))),
+    ("out of memory", lambda s: "none" if s.get("oom") is None else
+        f"step {s['oom']['step']}, request {s['oom']['rid']}"),
+    ("invariant violations", lambda s: s.get("num_violations")),
+    ("wall time", lambda s: None if s.get("wall_s") is None else f"{s['wall_s']:.2f} s"),
+)
+
+
+def _overalloc(oa: dict[str, Any] | None) -> str | None:
+    """allocated / released / held at end (a state log knows only what was released)."""
+    if not oa:
+        return None
+    parts = [oa.get(k) for k in ("allocated", "released", "held_at_end")]
+    return " / ".join("?" if p is None else f"{p:,}" for p in parts)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+def _lens(values: dict[str, Any] | None) -> str:
+    if values is None:
+        return "(unchanged)"
+    if "kv_allocated_len" in values:
+        return " / ".join(f"{values[k]:,}" for k in HISTORY_FIELDS) + f"  {values['phase']}"
+    return ", ".join(f"{k}={_cell(v)}" for k, v in values.items())
+
+
+def _history_op(row: dict[str, Any]) -> str:
+    ops = [v["op"] for v in (row["a"], row["b"]) if v is not None and "op" in v]
+    return "/".join(dict.fromkeys(ops)) or ""
+
+
+def render_diff_report(report: dict[str, Any], console: Console) -> None:
+    """Print a ``kvtrace diff`` result (``DiffReport.to_dict()``) for a terminal: the
+    verdict, each divergence the way pytest shows a failed comparison with its history
+    on both sides, and the side-by-side summary."""
+    versions = report["versions"]
+    label_a = f"A {versions['a']['label']}"
+    label_b = f"B {versions['b']['label']}"
+    console.print(f"[bold]kvtrace diff {report['trace']}[/bold]  ({report['mode']}{', exact' if report['exact'] else ''})")
+    for side in ("a", "b"):
+        v = versions[side]
+        console.print(f"  {side.upper()}  {v['spec']}  [dim]{v['origin']}[/dim]")
+    for note in report.get("notes", ()):
+        console.print(f"[yellow]note:[/yellow] {note}")
+    for i, d in enumerate(report["divergences"]):
+        who = f", request {d['rid']}" if d["rid"] is not None else ""
+        head = "FIRST DIVERGENCE" if i == 0 else f"DIVERGENCE {i + 1}"
+        console.print(f"\n[bold red]{head}[/bold red] at step {d['step']:,} ({d['op']}){who}: [bold]{d['field']}[/bold]")
+        width = max(len(label_a), len(label_b))
+        for label, value in ((label_a, d["a"]), (label_b, d["b"])):
+            console.print(f"  {label:<{width}}  {_cell(value)}", markup=False)
+        if d["detail"]:
+            console.print(f"  {d['detail']}", markup=False)
+        if d["also"]:
+            console.print(f"  also differing in this step: {', '.join(d['also'])}", markup=False)
+        if d["history"]:
+            what = f"request {d['rid']}" if d["rid"] is not None else d["field"]
+            unit = " (allocated / committed / protected, phase)" if d["rid"] is not None else ""
+            table = Table(title=f"{what}, last {len(d['history'])} steps{unit}", title_justify="left", box=None)
+            for column in ("step", "op", "A", "B"):
+                table.add_column(column)
+            for h in d["history"]:
+                mark = "[red]>[/red] " if h["step"] == d["step"] else "  "
+                table.add_row(f"{mark}{h['step']:,}", _history_op(h), _lens(h["a"]), _lens(h["b"]))
+            console.print(table)
+    summary = Table(title="\nside by side", title_justify="left", box=None)
+    summary.add_column("")
+    summary.add_column("A")
+    summary.add_column("B")
+    for label, read in _SUMMARY_ROWS:
+        x, y = _cell(read(report["a"])), _cell(read(report["b"]))
+        if x == "-" and y == "-":
+            continue
+        style = "red" if x != y and label != "wall time" else None
+        summary.add_row(label, x, y, style=style)
+    console.print(summary)
+    if report["identical"]:
+        console.print(f"[green]identical[/green] over {report['steps_compared']:,} steps")
+    else:
+        n = len(report["divergences"])
+        console.print(
+            f"[red]diverged[/red]: {n} divergence{'s' if n > 1 else ''} in {report['steps_compared']:,} steps compared"
+        )

@@ -87,6 +87,9 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
+from allocator.pages import ceil_align, floor_align, new_page_tokens
+from allocator.sizing import reserve_per_decode
+from kvtrace.config import allocator_config_for, spec_config_for
 from kvtrace.step_time import StepTimeModel
 from traces.schema import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
 
@@ -106,7 +109,6 @@ __all__ = [
     "SchedulerConfig",
     "TokenSource",
     "mean_accepted_len",
-    "spec_reserve",
 ]
 
 # SGLang constants (environ.py, schedule_policy.py).
@@ -123,18 +125,6 @@ _CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids 
 _WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
 
 SchedulePolicy = Literal["fcfs", "lpm"]
-
-
-def spec_reserve(spec: SpecSettings, page_size: int) -> int:
-    """Per-request speculative reserve (``2 * alloc_len_per_decode``, SGLang ``allocation_sizing``)."""
-    if spec.algorithm == "dflash":
-        return 2 * spec.num_draft_tokens
-    if page_size == 1 or spec.topk == 1:
-        per_decode = max(spec.num_steps * spec.topk, spec.num_draft_tokens)
-    else:
-        pages = -(-(page_size - 1 + spec.num_steps) // page_size)
-        per_decode = max(pages * page_size * spec.topk, spec.num_draft_tokens)
-    return 2 * per_decode
 
 
 def mean_accepted_len(alpha: float, num_draft_tokens: int) -> float:
@@ -284,7 +274,8 @@ class Scheduler:
         # SGLang's request limits (tp_worker: max_req_len, max_req_input_len).
         self.max_req_len = min(config.max_context_len - 1, config.pool_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
-        self.reserve = spec_reserve(config.spec, self.ps) if config.spec is not None else 0
+        # The allocator's own per-request speculative reserve (0 without speculative decoding).
+        self.reserve = reserve_per_decode(spec_config_for(config.spec), self.ps)
         self.ratio_init = min(INIT_NEW_TOKEN_RATIO, 1.0)
         self.ratio_min = self.ratio_init * MIN_NEW_TOKEN_RATIO_FACTOR
         self.ratio_decay = (self.ratio_init - self.ratio_min) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -332,7 +323,7 @@ class Scheduler:
             return
         max_new = max(0, min(req.output_len, self.max_req_len - req.input_len - 1))
         # allocator.max_new_tokens_for_memory: the prompt and its generation must fit the pool.
-        paged_input = -(-req.input_len // self.ps) * self.ps
+        paged_input = ceil_align(req.input_len, self.ps)
         max_new = max(0, min(max_new, self.cfg.pool_tokens - paged_input - self.ps - 1))
         rid = self.num_requests
         if rid == self.arrival.shape[0]:
@@ -575,7 +566,7 @@ class Scheduler:
 
         def reserve(extend_len: int, max_new_reserve: int) -> None:
             nonlocal total_offset, current_offset, rem_input, rem_chunk
-            paged = -(-extend_len // ps) * ps
+            paged = ceil_align(extend_len, ps)
             total_offset += paged + ps + max_new_reserve
             current_offset += paged + ps
             rem_input -= paged
@@ -627,12 +618,12 @@ class Scheduler:
             if not total_tokens < remaining_total() - pinned:
                 self.batch_is_full = bool(batch) or running_bs > 0
                 break
-            paged = -(-extend // ps) * ps
+            paged = ceil_align(extend, ps)
             if rem_chunk is None and batch and paged >= rem_input:
                 break
             if rem_chunk is not None and paged > rem_chunk:
-                extend = rem_chunk // ps * ps
-                end = (prefix + extend) // ps * ps
+                extend = floor_align(rem_chunk, ps)
+                end = floor_align(prefix + extend, ps)
                 extend = end - prefix
                 if extend <= 0:
                     break
@@ -734,7 +725,7 @@ class Scheduler:
         assert allocated is not None
         committed = self.kv[rids]
         nxt = allocated + np.maximum(0, committed + self.reserve - allocated)
-        return int((-(-nxt // ps) * ps - (-(-allocated // ps) * ps)).sum())
+        return int(new_page_tokens(allocated, nxt, ps).sum())
 
     def _fits(self, rids: np.ndarray, allocated: np.ndarray | None) -> bool:
         c = self.alloc.counters()
@@ -887,7 +878,7 @@ class Scheduler:
             if free_rows <= 0:
                 break
             fill = int(self.input_len[rid] + self.out[rid] - 1)
-            alloc_tokens = -(-fill // ps) * ps
+            alloc_tokens = ceil_align(fill, ps)
             required = max(
                 alloc_tokens + NUM_RESERVED_DECODE_TOKENS,
                 fill + int(min(self.max_new[rid], CLIP_MAX_NEW_TOKENS)) - retractable,
@@ -972,6 +963,7 @@ class RecordOptions:
     flush_interval_s: float | None = 1.0
     compact_steps_per_batch: int | None = 256
     source: TraceSource | None = None
+    command: str | None = None  # the command line stored in the trace (default: this process's)
 
 
 class RecordResult(NamedTuple):
@@ -1013,7 +1005,6 @@ def record_workload(
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
     from allocator import create_allocator
-    from kvtrace.config import allocator_config_for
     from kvtrace.record import Recorder
 
     block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
@@ -1072,6 +1063,7 @@ def record_workload(
         flush_interval_s=options.flush_interval_s,
         dense_ids=True,
         compact_steps_per_batch=options.compact_steps_per_batch,
+        command=options.command,
     ) as recorder:
         scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
         summary = scheduler.run(requests(), progress=progress, total=total)

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from allocator.base import Checkpointable
+from allocator.base import Checkpointable, Digestible
 from kvtrace.config import effective_config
-from kvtrace.errors import ConfigError
+from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.registry import AllocatorVersion, resolve_version
-from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats
+from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
 from kvtrace.state import ReplayState
 from traces.io import ResumePoint, TraceReader
 
@@ -140,7 +140,9 @@ class ReplaySession:
         checkpoint_every: save a checkpoint every this many replayed steps (None:
             none; ``seek`` backwards then replays from the start).
         checkpoint_budget: bytes the checkpoints may hold.
-        screen: screen steps in a child process (``background``) or here (``inline``).
+        screen: screen steps in a child process (``background``) or here (``inline``),
+            or the ``screen`` of another session of the same trace that runs ahead of
+            this one (lockstep: each step is screened once; that session owns it).
         track_state: keep the per-request ``ReplayState`` fold (``state``).
         label: how reports name the trace (default: the argument as given).
 
@@ -161,7 +163,7 @@ class ReplaySession:
         options: ReplayOptions | None = None,
         checkpoint_every: int | None = None,
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
-        screen: ScreenMode = "background",
+        screen: ScreenMode | StepScreen = "background",
         track_state: bool = False,
         label: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -187,19 +189,22 @@ class ReplaySession:
         self.checkpoint_budget = checkpoint_budget
         # The screen runs in a child process on another core; start it before the
         # allocator (which may initialise CUDA).
+        self._owns_screen = isinstance(screen, str)
         if screen == "background":
             from traces.validate import BackgroundChecker
 
-            inner: Any = BackgroundChecker(self.reader.path, stop=self.options.stop_step)
-        else:
+            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step))
+        elif screen == "inline":
             from traces.validate import OpSequenceChecker
 
-            inner = OpSequenceChecker(self.meta)
-        self._screen = _RecordedScreen(inner)
+            self._screen = _RecordedScreen(OpSequenceChecker(self.meta))
+        else:
+            self._screen = screen
         try:
             self._start()
         except BaseException:
-            self._screen.close()
+            if self._owns_screen:
+                self._screen.close()
             raise
         self._checkpoints: list[_Checkpoint] = []
         self._since_checkpoint = 0
@@ -210,6 +215,12 @@ class ReplaySession:
     def _start(self) -> None:
         """A fresh allocator and engine at the start of the trace."""
         self.allocator: Allocator = self.version.create(self.config)
+        if self.options.state_digest and not isinstance(self.allocator, Digestible):
+            raise VersionSpecError(
+                f"--exact: allocator '{self.version.spec}' ({type(self.allocator).__name__}) has no state_digest() "
+                "(the optional Digestible protocol of allocator.base), so its physical slots cannot be compared; "
+                "drop --exact"
+            )
         self.engine = ReplayEngine(self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock)
         self.state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         if getattr(self, "_timeline", None) is not None and self.state is not None:
@@ -227,6 +238,12 @@ class ReplaySession:
         )
         self._lookahead: tuple[StepBatch, ResumePoint | None] | None = None
         self._exhausted = False
+
+    @property
+    def screen(self) -> StepScreen:
+        """What screens this session's steps (pass it to a session of the same trace that
+        replays behind this one, in lockstep, to screen every step once)."""
+        return self._screen
 
     @property
     def checkpointable(self) -> bool:
@@ -436,7 +453,8 @@ class ReplaySession:
         if self._closed:
             return
         self._closed = True
-        self._screen.close()
+        if self._owns_screen:
+            self._screen.close()
         steps = getattr(self, "_steps", None)
         if steps is not None:
             steps.close()

@@ -119,6 +119,8 @@ class StepSnapshot:
     ``keyframe``: ``requests`` lists every request holding KV after the step (plus the
     ones the step released), not only the ones it changed: the first snapshot of a
     ``--steps`` window is one, so a consumer that starts there sees the whole state.
+    ``digest``: the allocator's ``state_digest()`` after the step when the replay asks
+    for it (``ReplayOptions.state_digest``; ``kvtrace diff --exact``), else None.
     """
 
     step: int
@@ -129,3 +131,4 @@ class StepSnapshot:
     num_ops: int
     allocator_s: float  # seconds spent inside allocator calls this step
     keyframe: bool = False
+    digest: str | None = None

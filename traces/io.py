@@ -1,40 +1,53 @@
-"""Streaming writer and reader of kvtrace traces (one Arrow IPC stream per file).
+"""Writer and reader of kvtrace traces (Arrow IPC: a stream, or a file).
 
 The writer buffers ``steps_per_batch`` whole steps, writes them as one record
 batch and flushes the file, so a recording killed with SIGKILL leaves every
-completed batch readable. The reader validates the schema and metadata once
-when it opens a file, then streams record batches (memory flat in trace
-length) and yields one ``StepBatch`` per step.
+completed batch readable. Closing it records the final status of the recording
+(complete, or interrupted and why) and, when asked to compact, rewrites the trace
+as an Arrow IPC *file* (with a footer: random access, memory-mapping, lazy scans
+in polars, pandas and DuckDB). The reader accepts both the stream and the file
+layout, validates the schema and metadata once when it opens a file, then
+streams record batches (memory flat in trace length) and yields one
+``StepBatch`` per step.
 
-Damage is classified by framing the stream itself (``_FramedSource``): a message
-whose bytes are all present but do not decode is *corrupt* (an error naming the
-file and the batch); a message cut by the end of the file, or a file without the
-end-of-stream marker, is *truncated* (every complete batch reads back, and
-``TraceReader.truncated`` says so after iteration).
+Opening, framing and telling truncation from corruption are ``traces.ipc``'s
+(``IpcReader``, which ``TraceReader`` extends with the trace's metadata, columns
+and steps).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import struct
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
+from traces.atomic import replacing
 from traces.errors import (
-    TraceCorruptError,
     TraceMetadataError,
-    TraceReadError,
     TraceSchemaError,
     TraceVersionError,
     TraceWriteError,
+)
+from traces.ipc import (
+    IpcFormat,
+    IpcReader,
+    ResumePoint,
+    arrow_array,
+    numpy_filled,
+    numpy_view,
+    os_reason,
+    string_array,
+    validity,
 )
 from traces.schema import (
     COLUMN_BY_NAME,
@@ -45,15 +58,17 @@ from traces.schema import (
     REQUIRED_COLUMNS,
     SCHEMA_VERSION,
     Ragged,
+    Recording,
     StepBatch,
     TraceMeta,
     arrow_schema,
+    timestamp,
 )
 
 Compression = Literal["zstd", "lz4"]
 COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
 
-_OPS_DICTIONARY = pa.array(OPS, pa.utf8())
+_OPS_DICTIONARY = string_array(OPS)
 _LIST_TYPES = {name: COLUMN_BY_NAME[name].type for name in ("block_hashes", "token_ids")}
 _LIST_DTYPES = {"block_hashes": np.uint64, "token_ids": np.int64}
 _ROW_COLUMNS = (
@@ -72,6 +87,8 @@ _NUMERIC = (
 # Arrow IPC has no checksums of its own, and a damaged lz4 or zstd literal run
 # decodes silently to wrong values.
 CHECKSUM_KEY = b"kvtrace.crc32"
+# Custom metadata of a stream's last (empty) record batch: the final ``Recording`` as JSON.
+RECORDING_KEY = b"kvtrace.recording"
 
 
 def _checksum(arrays: Sequence[np.ndarray]) -> bytes:
@@ -82,11 +99,55 @@ def _checksum(arrays: Sequence[np.ndarray]) -> bytes:
     return b"%08x" % crc
 
 
-def _os_reason(exc: OSError) -> str:
-    """The OS's words for ``exc`` ("No space left on device"), without pyarrow's decoration."""
-    if exc.errno:
-        return os.strerror(exc.errno)
-    return str(exc)
+class _StepWrite:
+    """Whether the main thread is writing a step, and an interruption held back meanwhile."""
+
+    depth = 0
+    held: BaseException | None = None
+
+
+@contextmanager
+def _writing_step() -> Iterator[None]:
+    """A step is being written: an interruption (``interrupt_when_safe``) waits until it is
+    on disk, so the trace and its recorded step count agree."""
+    if threading.current_thread() is not threading.main_thread():  # signals run in the main thread
+        yield
+        return
+    _StepWrite.depth += 1
+    try:
+        yield
+    except BaseException:
+        _StepWrite.depth -= 1
+        if _StepWrite.depth == 0:
+            _StepWrite.held = None  # the write failed: its error is what the caller sees
+        raise
+    _StepWrite.depth -= 1
+    if _StepWrite.depth == 0 and _StepWrite.held is not None:
+        held, _StepWrite.held = _StepWrite.held, None
+        raise held
+
+
+def interrupt_when_safe(exc: BaseException) -> None:
+    """For a signal handler: raise ``exc`` now, or, while a trace writer is writing a
+    step, as soon as that step is on disk (then its ``with`` block marks the trace
+    interrupted after a whole step, never half of one).
+
+    Raises:
+        BaseException: ``exc``, unless held back.
+    """
+    if _StepWrite.depth:
+        _StepWrite.held = exc
+        return
+    raise exc
+
+
+def describe_stop(exc: BaseException) -> str:
+    """Why a writer is being closed by ``exc``, in a few words (``Recording.detail``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted by Ctrl-C (SIGINT)"
+    if isinstance(exc, Exception):
+        return " ".join(f"stopped by an error: {type(exc).__name__}: {exc}".split())
+    return str(exc) or type(exc).__name__  # e.g. a signal turned into an exception
 
 
 # --------------------------------------------------------------------------------------
@@ -94,27 +155,46 @@ def _os_reason(exc: OSError) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def compact_trace(path: str | os.PathLike[str], *, steps_per_batch: int, compression: Compression = "zstd") -> None:
-    """Rewrite a trace in place with ``steps_per_batch`` steps per record batch.
+def compact_trace(
+    path: str | os.PathLike[str],
+    *,
+    steps_per_batch: int,
+    compression: Compression = "zstd",
+    recording: Recording | None = None,
+) -> None:
+    """Rewrite a trace in place as an Arrow IPC file with ``steps_per_batch`` steps per batch.
 
     The new file is written beside the old one and renamed over it, so a crash at
     any point leaves either the old or the new file, both complete.
+
+    Args:
+        path: the trace (a stream or a file).
+        steps_per_batch: whole steps per record batch of the new file.
+        compression: its codec.
+        recording: the recording status to store (the writer passes the final one it
+            knows at close); None: the trace's own final status (read first, when the
+            trace records one).
 
     Raises:
         TraceWriteError: the new file cannot be written (the old one is kept).
         TraceError: the trace cannot be read.
     """
     src = Path(path)
-    tmp = src.with_name(src.name + ".compacting")
     reader = TraceReader(src)
+    if recording is None and reader.meta.recording is not None:
+        for _ in reader.iter_batches():  # a stream's final status is in its last batch
+            pass
+        recording = reader.recording
+    meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
     try:
-        with TraceWriter(tmp, reader.meta, compression=compression, steps_per_batch=steps_per_batch, overwrite=True) as out:
-            for batch in reader.steps():
-                out.write(batch)
-        os.replace(tmp, src)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with replacing(src) as tmp:
+            with TraceWriter(
+                tmp, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file"
+            ) as out:
+                for batch in reader.steps():
+                    out.write(batch)
+    except OSError as exc:
+        raise TraceWriteError(f"cannot rewrite trace {src}: {os_reason(exc)}", path=src) from None
 
 
 class TraceWriter:
@@ -134,6 +214,12 @@ class TraceWriter:
             (``steps_per_batch=1``, fast ``lz4``) and still leave a compact file; a
             writer killed before ``close`` leaves the durable per-step file.
         compact_compression: the codec of the compacted file.
+        ipc_format: ``"stream"`` (durable batch by batch; what a recording writes) or
+            ``"file"`` (the footer is written at ``close``; what compaction writes).
+
+    When ``meta.recording`` is set, ``close`` stores the final status of the
+    recording: in a stream, in the custom metadata (``RECORDING_KEY``) of a last,
+    empty record batch; a compacted file carries it in its schema metadata.
 
     Raises:
         ValueError: a bad ``compression`` or ``steps_per_batch``.
@@ -152,7 +238,12 @@ class TraceWriter:
         compression_level: int | None = None,
         compact_steps_per_batch: int | None = None,
         compact_compression: Compression = "zstd",
+        ipc_format: IpcFormat = "stream",
     ) -> None:
+        if ipc_format not in ("stream", "file"):
+            raise ValueError(f"ipc_format must be 'stream' or 'file', not {ipc_format!r}")
+        self.ipc_format = ipc_format
+        self.recording = meta.recording  # the final one after close
         if compact_compression not in COMPRESSIONS:
             raise ValueError(f"compact_compression must be one of {', '.join(COMPRESSIONS)}, not {compact_compression!r}")
         if compact_steps_per_batch is not None and (not isinstance(compact_steps_per_batch, int) or compact_steps_per_batch < 1):
@@ -183,27 +274,26 @@ class TraceWriter:
             self._raw = pa.OSFile(str(self.path), "wb")
         except OSError as exc:
             raise TraceWriteError(
-                f"cannot create trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot create trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
         try:
             # One write(2) per record batch: the buffer is flushed after each batch.
             self._sink = pa.BufferedOutputStream(self._raw, buffer_size=1 << 20)
-            self._ipc = pa.ipc.new_stream(
-                self._sink,
-                self._schema,
-                # Per-buffer thread hand-offs cost more than they save on batches this small.
-                options=pa.ipc.IpcWriteOptions(compression=codec, use_threads=False),
-            )
-            # pyarrow writes the schema lazily; an empty first batch puts the schema and
-            # the metadata on disk now, so a writer killed before its first step still
-            # leaves a readable (empty, truncated) trace.
-            empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
-            self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum})
-            self._sink.flush()
+            # Per-buffer thread hand-offs cost more than they save on batches this small.
+            options = pa.ipc.IpcWriteOptions(compression=codec, use_threads=False)
+            if ipc_format == "file":
+                self._ipc = pa.ipc.new_file(self._sink, self._schema, options=options)
+            else:
+                self._ipc = pa.ipc.new_stream(self._sink, self._schema, options=options)
+                # pyarrow writes the schema lazily; an empty first batch puts the schema
+                # and the metadata on disk now, so a writer killed before its first step
+                # still leaves a readable (empty, truncated) trace.
+                self._write_empty({})
+                self._sink.flush()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
-                f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot write trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
 
     # -- public API ------------------------------------------------------------------
@@ -252,15 +342,16 @@ class TraceWriter:
                 f"step {step} written after step {self._last_step}: steps must increase "
                 "(write all of a step's rows in one call)"
             )
-        self._last_step = step
         n = len(batch)
-        if n == 0:
-            return
-        self._pending.append(batch)
-        self._steps_written += 1
-        self._rows_written += n
-        if len(self._pending) >= self.steps_per_batch:
-            self._write_pending()
+        with _writing_step():
+            self._last_step = step
+            if n == 0:
+                return
+            self._pending.append(batch)
+            self._steps_written += 1
+            self._rows_written += n
+            if len(self._pending) >= self.steps_per_batch:
+                self._write_pending()
 
     def write_step(
         self,
@@ -309,23 +400,50 @@ class TraceWriter:
         if self._pending:
             self._write_pending()
 
-    def close(self) -> None:
-        """Write the buffered steps and the end-of-stream marker, and close the file."""
+    def close(self, *, interrupted: str | None = None) -> None:
+        """Write the buffered steps, the recording's final status and the end of the
+        file, close it, and compact it when asked to (a complete recording only).
+
+        Args:
+            interrupted: why the writing stops before its end (``describe_stop``): the
+                recording is marked interrupted and the file is left uncompacted.
+
+        Raises:
+            TraceWriteError: the file cannot be written.
+        """
         if self._closed:
             return
+        final = self.recording
+        if final is not None:
+            final = replace(
+                final,
+                status="interrupted" if interrupted is not None else "complete",
+                detail=interrupted,
+                finished_at=timestamp(),
+                steps=self._steps_written,
+            )
         try:
-            if self._pending:
-                self._write_pending()
-            self._ipc.close()
-            self._sink.close()
+            with _writing_step():  # the last steps, the status and the end, not a part of them
+                if self._pending:
+                    self._write_pending()
+                if final is not None and self.ipc_format == "stream":
+                    self._write_empty({RECORDING_KEY: final.to_json().encode()})
+                self._ipc.close()
+                self._sink.close()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
-                f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot write trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
         self._closed = True
-        if self.compact_steps_per_batch is not None:
-            compact_trace(self.path, steps_per_batch=self.compact_steps_per_batch, compression=self.compact_compression)
+        self.recording = final
+        if self.compact_steps_per_batch is not None and interrupted is None:
+            compact_trace(
+                self.path,
+                steps_per_batch=self.compact_steps_per_batch,
+                compression=self.compact_compression,
+                recording=final,
+            )
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -339,10 +457,10 @@ class TraceWriter:
         if exc_type is None:
             self.close()
             return
-        # Keep what is complete (uncompacted: leave fast); never mask the exception.
-        self.compact_steps_per_batch = None
+        # Keep what is complete, marked interrupted (uncompacted: leave fast); never
+        # mask the exception.
         try:
-            self.close()
+            self.close(interrupted=describe_stop(exc) if exc is not None else exc_type.__name__)
         except Exception:  # noqa: BLE001 - the original exception matters more
             self._abandon()
 
@@ -356,6 +474,10 @@ class TraceWriter:
         except OSError:
             pass
 
+    def _write_empty(self, custom: dict[bytes, bytes]) -> None:
+        empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
+        self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum, **custom})
+
     def _write_pending(self) -> None:
         pending = self._pending
         self._pending = []
@@ -366,7 +488,7 @@ class TraceWriter:
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
-                f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot write trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
 
 
@@ -384,7 +506,7 @@ def _list_array(ragged: Ragged, arrow_type: pa.DataType) -> pa.Array:
     if not ragged.valid.any():
         return pa.nulls(n, arrow_type)
     offsets = pa.py_buffer(ragged.offsets.astype(np.int32))
-    values = pa.array(ragged.values, arrow_type.value_type)
+    values = arrow_array(ragged.values)  # already of the column's dtype (_LIST_DTYPES)
     if ragged.valid.all():
         bitmap, null_count = None, 0
     else:
@@ -408,16 +530,16 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
     prompt = _concat([s.prompt_len for s in steps], np.int64)
     prompt_mask = prompt < 0
     arrays: dict[str, pa.Array] = {
-        "step": pa.array(step_col),
-        "time_s": pa.array(time_col),
-        "op": pa.DictionaryArray.from_arrays(pa.array(op, pa.int8()), _OPS_DICTIONARY, safe=False),
-        "rid": pa.array(rid),
-        "prompt_len": pa.array(prompt, pa.int64(), mask=prompt_mask if prompt_mask.any() else None),
+        "step": arrow_array(step_col),
+        "time_s": arrow_array(time_col),
+        "op": pa.DictionaryArray.from_arrays(arrow_array(op), _OPS_DICTIONARY, safe=False),
+        "rid": arrow_array(rid),
+        "prompt_len": arrow_array(prompt, prompt_mask),
     }
     content = [step_col, time_col, op, rid]
     for name, dtype in _NUMERIC:
         column = _concat([getattr(s, name) for s in steps], dtype)
-        arrays[name] = pa.array(column)
+        arrays[name] = arrow_array(column)
         content.append(column)
     content.append(prompt)
     for name, arrow_type in _LIST_TYPES.items():
@@ -427,215 +549,6 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
         content.extend(ragged)
     batch = pa.RecordBatch.from_arrays([arrays[c.name] for c in COLUMNS], schema=schema)
     return batch, _checksum(content)
-
-
-# --------------------------------------------------------------------------------------
-# Stream framing: tells truncation from corruption
-# --------------------------------------------------------------------------------------
-
-_CONTINUATION = 0xFFFFFFFF
-_MAX_METADATA_BYTES = 64 << 20  # kvtrace message headers are a few hundred bytes
-_HEADER_SCHEMA, _HEADER_DICTIONARY, _HEADER_RECORD_BATCH = 1, 2, 3
-_ARROW_FILE_MAGIC = b"ARROW1"
-_EOS_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
-
-
-class ResumePoint(NamedTuple):
-    """Where a reader can start again: the record batch holding a step's first row.
-
-    ``offset`` is the byte offset of the batch's message in the file, ``batch_index``
-    the number of record batches before it. ``TraceReader.steps(resume=...)`` reads
-    from there (the schema and dictionaries are read from the start of the file).
-    """
-
-    offset: int
-    batch_index: int
-
-
-class _Message(NamedTuple):
-    offset: int
-    header_type: int
-    body_len: int
-
-
-def _parse_message_header(meta: bytes) -> tuple[int, int]:
-    """``(header_type, body_len)`` of an Arrow IPC ``Message`` flatbuffer.
-
-    Raises ``ValueError`` when the flatbuffer is malformed. Only the two scalar
-    fields the framing needs are read: ``header_type`` (field 1) and
-    ``bodyLength`` (field 3).
-    """
-    try:
-        root = struct.unpack_from("<I", meta, 0)[0]
-        vtable = root - struct.unpack_from("<i", meta, root)[0]
-        vtable_len = struct.unpack_from("<H", meta, vtable)[0]
-        if vtable < 0 or vtable_len < 4 or vtable + vtable_len > len(meta):
-            raise ValueError("bad vtable")
-
-        def field_offset(index: int) -> int:
-            slot = 4 + 2 * index
-            return struct.unpack_from("<H", meta, vtable + slot)[0] if slot < vtable_len else 0
-
-        version_at, type_at, body_at = field_offset(0), field_offset(1), field_offset(3)
-        version = struct.unpack_from("<h", meta, root + version_at)[0] if version_at else 0
-        header_type = meta[root + type_at] if type_at else 0
-        body_len = struct.unpack_from("<q", meta, root + body_at)[0] if body_at else 0
-    except (struct.error, IndexError) as exc:
-        raise ValueError(f"malformed message header ({exc})") from None
-    if not 0 <= version <= 4 or header_type not in (1, 2, 3) or body_len < 0:
-        raise ValueError(
-            f"malformed message header (version {version}, type {header_type}, body {body_len})"
-        )
-    return header_type, body_len
-
-
-class _FramedSource(io.RawIOBase):
-    """The trace file as pyarrow sees it: only complete, well-framed messages.
-
-    pyarrow's stream reader pulls bytes through ``read``. Before serving a
-    message, this source reads its framing (continuation marker, metadata
-    length, metadata flatbuffer, body length) and the whole body. A message cut
-    short by the end of the file is never served: pyarrow then sees a clean end
-    of stream and ``truncation`` says what was cut. Broken framing sets
-    ``corruption`` and also ends the stream; the reader raises it.
-    """
-
-    def __init__(self, file: BinaryIO, file_bytes: int, resume: ResumePoint | None = None) -> None:
-        super().__init__()
-        self._resume = resume
-        self._file = file
-        self._file_bytes = file_bytes
-        # A file that ends with the end-of-stream marker was closed by its writer: a
-        # message that runs past its end is damaged, not cut short.
-        self._closed_by_writer = False
-        if file_bytes >= 16:
-            file.seek(file_bytes - 8)
-            self._closed_by_writer = file.read(8) == _EOS_MARKER
-            file.seek(0)
-        self._offset = 0  # end of the last message loaded
-        self._pieces: list[bytes] = []
-        self._finished = False
-        self.messages: list[_Message] = []
-        self.num_record_batches = 0
-        # a dictionary message after the first record batch: resuming past it would miss it
-        self.late_dictionary = False
-        self.eos = False
-        self.truncation: str | None = None
-        self.corruption: str | None = None
-
-    # io.RawIOBase protocol used by pa.PythonFile
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._offset - sum(len(p) for p in self._pieces)
-
-    def read(self, size: int = -1) -> bytes:
-        out: list[bytes] = []
-        want = size if size >= 0 else 1 << 62
-        while want > 0:
-            if not self._pieces and not self._load_next():
-                break
-            head = self._pieces[0]
-            if len(head) <= want:
-                out.append(self._pieces.pop(0))
-                want -= len(head)
-            else:
-                out.append(head[:want])
-                self._pieces[0] = head[want:]
-                want = 0
-        return out[0] if len(out) == 1 else b"".join(out)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    @property
-    def bytes_read(self) -> int:
-        return self._offset
-
-    def _load_next(self) -> bool:
-        if self._finished:
-            return False
-        offset = self._offset
-        header = self._file.read(8)
-        if len(header) == 0:
-            self._finished = True
-            if offset > 0:
-                self.truncation = "no end-of-stream marker (the writer did not close the file)"
-            return False
-        if len(header) < 8:
-            return self._truncated(f"a message header is cut ({len(header)} of 8 bytes present)")
-        continuation, meta_len = struct.unpack("<Ii", header)
-        if continuation != _CONTINUATION:
-            return self._corrupt(offset, "no message starts here")
-        if meta_len == 0:  # end-of-stream marker
-            self._finished = True
-            self.eos = True
-            trailing = self._file_bytes - (offset + 8)
-            if trailing > 0:
-                self.corruption = (
-                    f"{trailing} bytes of unexpected data after the end-of-stream marker "
-                    f"at byte {offset}"
-                )
-            self._pieces = [header[:4], header[4:]]
-            self._offset = offset + 8
-            return True
-        if meta_len < 0 or meta_len > _MAX_METADATA_BYTES:
-            return self._corrupt(offset, f"impossible message header length {meta_len}")
-        meta = self._file.read(meta_len)
-        if len(meta) < meta_len:
-            return self._truncated(
-                f"the last message is cut inside its header ({len(meta)} of {meta_len} bytes present)"
-            )
-        try:
-            header_type, body_len = _parse_message_header(meta)
-        except ValueError as exc:
-            return self._corrupt(offset, str(exc))
-        if header_type == _HEADER_SCHEMA and self.messages:
-            return self._corrupt(offset, "a second schema message")
-        if header_type != _HEADER_SCHEMA and not self.messages:
-            return self._corrupt(offset, "the stream does not start with a schema")
-        if header_type == _HEADER_RECORD_BATCH and self._resume is not None:
-            # The schema and dictionaries are served; continue at the resume point.
-            resume, self._resume = self._resume, None
-            self._file.seek(resume.offset)
-            self._offset = resume.offset
-            self.num_record_batches = resume.batch_index
-            return self._load_next()
-        if header_type == _HEADER_DICTIONARY and self.num_record_batches:
-            self.late_dictionary = True
-        if offset + 8 + meta_len + body_len > self._file_bytes:
-            present = max(0, self._file_bytes - (offset + 8 + meta_len))
-            what = "record batch" if header_type == _HEADER_RECORD_BATCH else "message"
-            return self._truncated(
-                f"the last {what} is incomplete ({present} of {body_len} body bytes present)"
-            )
-        body = self._file.read(body_len) if body_len else b""
-        if len(body) < body_len:  # the file shrank while being read
-            return self._truncated(f"the last message is incomplete ({len(body)} of {body_len} bytes)")
-        self.messages.append(_Message(offset, header_type, body_len))
-        if header_type == _HEADER_RECORD_BATCH:
-            self.num_record_batches += 1
-        self._pieces = [header[:4], header[4:], meta] + ([body] if body_len else [])
-        self._offset = offset + 8 + meta_len + body_len
-        return True
-
-    def _truncated(self, detail: str) -> bool:
-        if self._closed_by_writer:
-            return self._corrupt(self._offset, f"a message runs past the end of the file: {detail}")
-        self._finished = True
-        self.truncation = detail
-        return False
-
-    def _corrupt(self, offset: int, detail: str) -> bool:
-        self._finished = True
-        self.corruption = f"{detail} (byte {offset})"
-        return False
 
 
 # --------------------------------------------------------------------------------------
@@ -696,11 +609,11 @@ def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
     )
 
 
-class TraceReader:
+class TraceReader(IpcReader):
     """Open a trace, validate it once, and stream it step by step.
 
-    Opening checks that the file exists and is an Arrow IPC stream, that its
-    ``kvtrace`` metadata is present and parses, that its ``format_version`` is
+    Opening checks that the file exists and is Arrow IPC (a stream, or a file), that
+    its ``kvtrace`` metadata is present and parses, that its ``format_version`` is
     one this kvtrace reads, and that the required columns are present with the
     right types (missing optional columns read as defaults).
 
@@ -709,13 +622,18 @@ class TraceReader:
         meta: its ``TraceMeta``.
         schema: its Arrow schema.
         file_bytes: its size.
+        ipc_format: ``"stream"`` (as recorded) or ``"file"`` (compacted).
         truncated: after an iteration reached the end: whether the tail was cut (a
             partial record batch, or no end-of-stream marker). Complete batches
             before the cut are read normally; nothing raises.
         truncation_detail: one line saying what was cut and after which step.
+        recording: how the trace was recorded (None when its metadata does not say).
+            At open, what the metadata says; after an iteration reached the end, the
+            final status: a stream's closing status, or, when its writer never
+            closed it (killed, or still recording), ``"interrupted"``.
 
     Raises:
-        TraceReadError: missing, a directory, unreadable, empty, or not an Arrow stream.
+        TraceReadError: missing, a directory, unreadable, empty, or not Arrow IPC.
         TraceCorruptError: the schema message is damaged.
         TraceMetadataError: the metadata is missing or invalid.
         TraceVersionError: a format version this kvtrace does not read.
@@ -723,80 +641,22 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.truncated = False
-        self.truncation_detail: str | None = None
-        self.num_record_batches = 0
-        self.last_step: int | None = None
-        # where the record batch just read starts, and where to resume to read the
-        # step just yielded again (``steps``); False when the file cannot be resumed
-        self.batch_position: ResumePoint | None = None
-        self.step_position: ResumePoint | None = None
-        self.resumable = True
-        self._bytes_read = 0
-        self._source: _FramedSource | None = None
-        self.file_bytes = self._stat()
-        self.schema = self._read_schema()
+        super().__init__(path, what="trace")
         self.meta = self._read_meta()
+        self.recording: Recording | None = self.meta.recording
+        self._closing_status: Recording | None = None
         self._check_columns()
-
-    # -- opening ---------------------------------------------------------------------
-
-    def _fail(self, cls: type[Exception], detail: str) -> Exception:
-        return cls(f"trace {self.path}: {detail}", path=self.path)
-
-    def _stat(self) -> int:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            raise self._fail(TraceReadError, "no such file") from None
-        except OSError as exc:
-            raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
-        if self.path.is_dir():
-            raise self._fail(TraceReadError, "is a directory, not a trace file")
-        return st.st_size
-
-    def _open(self) -> BinaryIO:
-        try:
-            return open(self.path, "rb")  # noqa: SIM115 - closed by the caller
-        except IsADirectoryError:
-            raise self._fail(TraceReadError, "is a directory, not a trace file") from None
-        except OSError as exc:
-            raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
-
-    def _read_schema(self) -> pa.Schema:
-        if self.file_bytes == 0:
-            raise self._fail(TraceReadError, "is empty, not an Arrow IPC stream")
-        with self._open() as file:
-            head = file.read(8)
-            file.seek(0)
-            if head.startswith(_ARROW_FILE_MAGIC):
-                raise self._fail(
-                    TraceReadError,
-                    "is an Arrow IPC file, not an Arrow IPC stream (kvtrace traces are streams)",
-                )
-            source = _FramedSource(file, self.file_bytes)
-            if not source._load_next():
-                if source.truncation and len(head) == 8 and head[:4] == b"\xff\xff\xff\xff":
-                    raise self._fail(
-                        TraceReadError,
-                        "ends inside its schema message; the recording was cut before any step",
-                    )
-                raise self._fail(
-                    TraceReadError, "is not an Arrow IPC stream (is it a .kvtrace file?)"
-                )
-            if not source.messages or source.messages[0].header_type != _HEADER_SCHEMA:
-                raise self._fail(TraceReadError, "is not an Arrow IPC stream (no schema message)")
-            message = b"".join(source._pieces)
-        try:
-            schema = pa.ipc.read_schema(pa.py_buffer(message))
-            _ = schema.names, [f.type for f in schema], schema.metadata  # decodes every name
-            return schema
-        except (pa.ArrowException, OSError, ValueError) as exc:  # UnicodeDecodeError included
-            raise self._fail(TraceCorruptError, f"its schema message is corrupt ({exc})") from None
 
     def _read_meta(self) -> TraceMeta:
         raw = (self.schema.metadata or {}).get(METADATA_KEY)
+        other = [key.decode(errors="replace") for key in (self.schema.metadata or {}) if key.startswith(b"kvtrace.")]
+        if raw is None and other:  # another kvtrace file, e.g. a state log ("kvtrace.statelog")
+            raise self._fail(
+                TraceMetadataError,
+                f"is a kvtrace {other[0].removeprefix('kvtrace.').replace('statelog', 'state log')} file, "
+                "not a trace; "
+                "kvtrace info shows what it holds",
+            )
         if raw is None:
             raise self._fail(
                 TraceMetadataError,
@@ -846,82 +706,26 @@ class TraceReader:
                 )
         self._present = frozenset(c.name for c in COLUMNS if c.name in names)
 
-    # -- reading ---------------------------------------------------------------------
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes of the file consumed by the iteration in progress (for progress bars)."""
-        return self._source.bytes_read if self._source is not None else self._bytes_read
-
-    def iter_batches(self) -> Iterator[pa.RecordBatch]:
-        """The raw record batches, in order (a truncated tail ends the iteration quietly).
-
-        Raises:
-            TraceCorruptError: a complete message does not decode (names the batch and
-                the last step read before it).
-        """
-        for batch, _ in self._iter_raw():
-            yield batch
+    def _iteration_ended(self) -> None:
+        recording = self._closing_status or self.meta.recording
+        if recording is not None and recording.status == "recording":
+            recording = replace(
+                recording,
+                status="interrupted",
+                detail="the recorder stopped without closing the trace (killed, or still recording)",
+            )
+        self.recording = recording
 
     def _iter_raw(self, resume: ResumePoint | None = None) -> Iterator[tuple[pa.RecordBatch, Any]]:
-        self.truncated = False
-        self.truncation_detail = None
-        self.num_record_batches = resume.batch_index if resume is not None else 0
-        self.last_step = None
-        file = self._open()
-        source = _FramedSource(file, self.file_bytes, resume)
-        self._source = source
-        try:
-            try:
-                reader = pa.ipc.open_stream(
-                    pa.PythonFile(source, mode="r"),
-                    options=pa.ipc.IpcReadOptions(use_threads=False),
-                )
-            except (pa.ArrowException, OSError) as exc:
-                raise self._corrupt(source, exc) from None
-            while True:
+        self._closing_status = None
+        for batch, custom in super()._iter_raw(resume):
+            raw = custom.get(RECORDING_KEY) if custom is not None else None
+            if raw is not None:
                 try:
-                    batch, custom = reader.read_next_batch_with_custom_metadata()
-                    # pyarrow trusts buffer sizes and offsets in the message header;
-                    # a damaged header must fail here, not crash the process later.
-                    batch.validate(full=True)
-                except StopIteration:
-                    break
-                except (pa.ArrowException, OSError) as exc:
-                    raise self._corrupt(source, exc) from None
-                self.num_record_batches += 1
-                message = source.messages[-1]
-                self.batch_position = ResumePoint(message.offset, self.num_record_batches - 1)
-                self.resumable = not source.late_dictionary
-                yield batch, custom
-                if batch.num_rows:
-                    self.last_step = int(batch.column("step")[batch.num_rows - 1].as_py())
-            if source.corruption is not None:
-                raise self._corrupt(source, None)
-            if source.truncation is not None:
-                self.truncated = True
-                after = (
-                    f"after step {self.last_step}" if self.last_step is not None else "before any step"
-                )
-                self.truncation_detail = f"file truncated {after}: {source.truncation}"
-        finally:
-            self._bytes_read = source.bytes_read
-            self._source = None
-            file.close()
-
-    def _corrupt(self, source: _FramedSource, exc: BaseException | None) -> TraceCorruptError:
-        detail = source.corruption if exc is None else f"{type(exc).__name__}: {exc}"
-        return self._corrupt_detail(detail, self.num_record_batches + 1)
-
-    def _corrupt_detail(self, detail: str | None, batch_index: int | None = None) -> TraceCorruptError:
-        where = f"record batch {batch_index or self.num_record_batches}"
-        after = f"after step {self.last_step}" if self.last_step is not None else "before any step"
-        detail = " ".join(str(detail).split())
-        return TraceCorruptError(
-            f"trace {self.path}: corrupt data in {where} ({after}): {detail}; "
-            "the file is damaged (steps before it can still be read)",
-            path=self.path,
-        )
+                    self._closing_status = Recording.from_dict(json.loads(raw))
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise self._corrupt_detail(f"its recording status is not valid ({exc})") from None
+            yield batch, custom
 
     def iter_columns(self, resume: ResumePoint | None = None) -> Iterator[_Columns]:
         """Each record batch as numpy columns (optional columns filled with defaults).
@@ -1007,15 +811,12 @@ class TraceReader:
                     TraceSchemaError,
                     f"column '{name}' holds {array.null_count} null values in {where()}",
                 )
-            return array.to_numpy().astype(dtype, copy=False)
+            return numpy_view(array).astype(dtype, copy=False)
 
         def optional(name: str, dtype: type) -> np.ndarray:
             if name not in present:
                 return np.zeros(n, dtype)
-            array = batch.column(name)
-            if array.null_count:
-                array = array.fill_null(0)
-            return array.to_numpy().astype(dtype, copy=False)
+            return numpy_filled(batch.column(name), 0).astype(dtype, copy=False)
 
         op_array = batch.column("op")
         if op_array.null_count:
@@ -1029,7 +830,7 @@ class TraceReader:
                 op_lut = (dictionary, None)  # the indices are the op codes
             else:
                 op_lut = (dictionary, np.array([OP_CODE.get(v, -1) for v in names], np.int8))
-        indices = op_array.indices.to_numpy()
+        indices = numpy_view(op_array.indices)
         if op_lut[1] is None:
             op = indices.astype(np.int8, copy=False)
         else:
@@ -1042,10 +843,7 @@ class TraceReader:
                 )
 
         if "prompt_len" in present:
-            prompt_array = batch.column("prompt_len")
-            if prompt_array.null_count:
-                prompt_array = prompt_array.fill_null(-1)
-            prompt = prompt_array.to_numpy().astype(np.int64, copy=False)
+            prompt = numpy_filled(batch.column("prompt_len"), -1).astype(np.int64, copy=False)
         else:
             prompt = np.full(n, -1, np.int64)
 
@@ -1072,14 +870,14 @@ class TraceReader:
         array = batch.column(name)
         if array.null_count == n:
             return Ragged.empty(n, dtype)
-        offsets = array.offsets.to_numpy().astype(np.int64)
-        values = array.values.to_numpy()
+        offsets = numpy_view(array.offsets).astype(np.int64)
+        values = numpy_view(array.values)
         base = offsets[0]
         if base:
             offsets = offsets - base
         values = values[base : base + offsets[-1]]
         if array.null_count:
-            valid = ~array.is_null().to_numpy(zero_copy_only=False)
+            valid = validity(array)
             lengths = np.diff(offsets)
             if np.any(lengths[~valid]):  # a null row with a slice: drop the slice
                 return Ragged.from_rows(
@@ -1104,9 +902,16 @@ def _type_matches(name: str, found: pa.DataType, expected: pa.DataType) -> bool:
 
 
 __all__ = [
+    "CHECKSUM_KEY",
     "COMPRESSIONS",
+    "RECORDING_KEY",
     "ResumePoint",
     "Compression",
+    "IpcFormat",
+    "IpcReader",
     "TraceReader",
     "TraceWriter",
+    "compact_trace",
+    "describe_stop",
+    "interrupt_when_safe",
 ]

@@ -1,8 +1,13 @@
 """THE kvtrace trace format, version 1: Arrow schema, op kinds, metadata.
 
-A trace is one Arrow IPC *stream* (file extension ``.kvtrace``), compressed with
-zstd or lz4, holding one record batch per scheduler step or per few steps (a
-batch always holds whole steps). Long format: one row per (step, request op).
+A trace is one Arrow IPC file (extension ``.kvtrace``), compressed with zstd or
+lz4, holding one record batch per scheduler step or per few steps (a batch always
+holds whole steps). Long format: one row per (step, request op). While it is
+recorded it is an IPC *stream*, flushed batch by batch (a killed recorder leaves
+every completed batch readable); the compaction at the end of a recording rewrites
+it as an IPC *file* (with a footer: random access by record batch, memory-mapping,
+lazy scans). Readers accept both. ``traces/README.md`` documents the format for
+readers without kvtrace.
 
 Columns (``COLUMNS`` below is the single definition):
 
@@ -50,13 +55,17 @@ content, so equal leading hashes share a prefix); otherwise a token unique to
 ``(r, p)``.
 
 Metadata: JSON under the schema-metadata key ``kvtrace`` (``TraceMeta``), readable
-without reading any data.
+without reading any data. ``TraceMeta.recording`` says how the trace was made and
+whether its recording completed (see ``Recording``); a stream's final status is in
+the custom metadata (key ``kvtrace.recording``) of its last, empty record batch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any, Literal, NamedTuple, Sequence
 
 import numpy as np
@@ -170,6 +179,69 @@ class TraceSource:
     citation: str | None = None
 
 
+RecordingStatus = Literal["recording", "complete", "interrupted"]
+RECORDING_STATUSES: tuple[str, ...] = ("recording", "complete", "interrupted")
+
+
+def timestamp() -> str:
+    """Now in UTC, ISO 8601 to the second (``2025-06-01T12:00:00Z``).
+
+    ``SOURCE_DATE_EPOCH`` (the reproducible-builds convention), when set, is used
+    instead of the clock, so a regenerated file can match byte for byte.
+    """
+    fixed = os.environ.get("SOURCE_DATE_EPOCH")
+    when = datetime.fromtimestamp(int(fixed), timezone.utc) if fixed else datetime.now(timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """How a trace was made and whether its recording completed.
+
+    The writer stores ``status="recording"`` when the recording starts and the final
+    status when it closes: ``"complete"``, or ``"interrupted"`` with ``detail`` saying
+    why (Ctrl-C, a signal, an error). A trace whose writer never closed (a killed
+    process) still says ``"recording"`` and reads as interrupted
+    (``TraceReader.recording`` after a full iteration).
+
+    Attributes:
+        status: ``recording``, ``complete`` or ``interrupted``.
+        detail: why an interrupted recording stopped (None otherwise).
+        kvtrace_version: the kvtrace that wrote the trace.
+        command: the command line that made it, shell-quoted (None from a library call).
+        finished_at: when the writer closed (UTC, ISO 8601).
+        steps: steps written when the writer closed.
+    """
+
+    status: RecordingStatus = "recording"
+    detail: str | None = None
+    kvtrace_version: str | None = None
+    command: str | None = None
+    finished_at: str | None = None
+    steps: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Recording:
+        """Build from parsed JSON. Raises ``ValueError`` naming the bad key."""
+        if not isinstance(data, dict):
+            raise ValueError("'recording' is not a JSON object")
+        status = data.get("status")
+        if status not in RECORDING_STATUSES:
+            raise ValueError(f"'recording.status' must be one of {', '.join(RECORDING_STATUSES)}, found {status!r}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"'recording' has an unexpected key: {exc}") from None
+
+    @property
+    def interrupted(self) -> bool:
+        """The recording did not complete (or, read before its end, has not yet)."""
+        return self.status != "complete"
+
+
 @dataclass(frozen=True, slots=True)
 class TraceMeta:
     """Everything in the schema metadata. ``to_json``/``from_json`` are the wire format."""
@@ -181,6 +253,7 @@ class TraceMeta:
     format_version: int = SCHEMA_VERSION
     created_at: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
 
     def with_config(self, **changes: Any) -> TraceMeta:
         return replace(self, config=replace(self.config, **changes))
@@ -188,6 +261,8 @@ class TraceMeta:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
+        if self.recording is None:
+            del out["recording"]  # what traces written without it have always held
         return out
 
     def to_json(self) -> str:
@@ -225,6 +300,7 @@ class TraceMeta:
             )
             model = dict(data.get("model") or {})
             model.pop("bytes_per_token", None)
+            recording = data.get("recording")
             return cls(
                 config=config,
                 source=TraceSource(**(data.get("source") or {})),
@@ -233,6 +309,7 @@ class TraceMeta:
                 format_version=version,
                 created_at=data.get("created_at"),
                 extra=dict(data.get("extra") or {}),
+                recording=None if recording is None else Recording.from_dict(recording),
             )
         except TypeError as exc:  # unknown keys in a sub-object
             raise ValueError(f"metadata has an unexpected key: {exc}") from None

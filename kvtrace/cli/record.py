@@ -17,7 +17,7 @@ Defaults model SGLang 0.5.23 serving Llama-3.1-8B (bf16) on one NVIDIA H200:
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from enum import Enum
 from pathlib import Path
@@ -25,8 +25,9 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtrace.cli import app
-from kvtrace.errors import ConfigError, WorkloadError
+from kvtrace.cli import command, ui
+from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples
+from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
 
 DEFAULT_POOL_TOKENS = 920_000
 DEFAULT_MAX_RUNNING = 256
@@ -39,6 +40,8 @@ DEFAULT_MAX_PREFILL_TOKENS = 16_384
 DEFAULT_STEPS_PER_BATCH = 1
 DEFAULT_COMPACT = 256
 FLUSH_INTERVAL_S = 1.0
+# SGLang refuses a prompt of max_req_len - 5 tokens or more (max_req_input_len).
+PROMPT_MARGIN = 5
 
 
 class WorkloadFormatOption(str, Enum):
@@ -84,30 +87,75 @@ def _parse_spec(text: str) -> Any:
 
 
 def _infer_format(path: Path) -> str:
-    if path.suffix.lower() in (".jsonl", ".json"):
-        return "mooncake"
+    from traces.workloads import WorkloadFileError, guess_format
+
     try:
-        with path.open("r", encoding="utf-8") as fh:
-            header = fh.readline()
-    except OSError:
-        header = ""
-    if "TIMESTAMP" in header and "ContextTokens" in header:
-        return "azure"
-    if "num_prefill_tokens" in header:
-        return "lengths"
+        fmt = guess_format(path)
+    except WorkloadFileError as exc:
+        raise WorkloadError(str(exc)) from None
+    if fmt is None:
+        raise typer.BadParameter(
+            f"cannot tell the format of {path}; give --format mooncake, azure or lengths",
+            param_hint="--format",
+        )
+    return fmt
+
+
+def _check_pool(pool_tokens: int, page_size: int) -> None:
+    """One line naming the option to change when the pool holds fewer than 4 pages."""
+    if pool_tokens >= 4 * page_size:
+        return
+    if page_size > 1 and pool_tokens >= 4:
+        raise typer.BadParameter(
+            f"{page_size:,} tokens per page leave fewer than 4 pages in the {pool_tokens:,}-token pool "
+            f"(--pool-tokens); give a page size of at most {pool_tokens // 4:,}",
+            param_hint="--page-size",
+        )
     raise typer.BadParameter(
-        f"cannot tell the format of {path}; give --format mooncake, azure or lengths",
-        param_hint="--format",
+        f"a pool of {pool_tokens:,} tokens holds fewer than 4 pages of {page_size:,}; "
+        f"give at least {4 * page_size:,}",
+        param_hint="--pool-tokens",
     )
 
 
-@app.command("record")
+def _nothing_recorded(summary: Any, context_len: int, pool_tokens: int) -> EmptyRecordingError:
+    limit = min(context_len - 1, pool_tokens - 1) - PROMPT_MARGIN
+    binding = "--context-len" if context_len <= pool_tokens else "--pool-tokens"
+    return EmptyRecordingError(
+        f"nothing was recorded: all {summary.rejected:,} requests were rejected on arrival, as SGLang "
+        f"rejects a prompt of {limit:,} tokens or more (the limit {binding} sets); raise {binding}"
+    )
+
+
+RECORD_EXAMPLES = examples(
+    "# the bundled Mooncake hour on the default H200 serving config",
+    "kvtrace record traces/workloads_data/mooncake-fast25/conversation_trace.jsonl --out conv.kvtrace",
+    "# ten minutes of it at page 16 with EAGLE speculative decoding",
+    "kvtrace record conversation_trace.jsonl --duration 10m --page-size 16 --spec eagle:3,1,4 -o eagle.kvtrace",
+    "# a compressed Azure trace at half its request rate",
+    "kvtrace record AzureLLMInferenceTrace_code.csv.gz --time-scale 2 -o azure.kvtrace",
+    "# length statistics with Poisson arrivals, summary as JSON",
+    "kvtrace record sharegpt.csv --format lengths --rate 5 -o sharegpt.kvtrace --json",
+)
+
+
+@command("record", epilog=RECORD_EXAMPLES)
 def record_command(
-    workload: Annotated[Path, typer.Argument(help="Workload file: Mooncake JSONL, Azure CSV or length CSV.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Trace to write (.kvtrace).")],
+    ctx: typer.Context,
+    workload: Annotated[
+        Path,
+        typer.Argument(
+            metavar="WORKLOAD",
+            help="Workload file: Mooncake JSONL, Azure CSV or length CSV (gzip or zstd compressed too).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Trace to write (.kvtrace); an interrupted recording keeps its steps there.")
+    ],
     fmt: Annotated[
         WorkloadFormatOption | None,
-        typer.Option("--format", "-f", help="Workload format (default: from the file)."),
+        typer.Option("--format", "-f", help="Workload format.", show_default="from the file"),
     ] = None,
     pool_tokens: Annotated[int, typer.Option(help="KV pool size in tokens (default: Llama-3.1-8B on one H200).")] = DEFAULT_POOL_TOKENS,
     page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 1,
@@ -116,36 +164,55 @@ def record_command(
     chunk: Annotated[int, typer.Option(help="Chunked-prefill size in tokens (0: no chunking).")] = DEFAULT_CHUNK,
     max_prefill_tokens: Annotated[int, typer.Option(help="Token budget of one prefill batch.")] = DEFAULT_MAX_PREFILL_TOKENS,
     spec: Annotated[
-        str | None, typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT, e.g. eagle:3,1,4.")
+        str | None, typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT, e.g. eagle:3,1,4.", show_default="off")
     ] = None,
     spec_acceptance: Annotated[float, typer.Option(help="Per-draft acceptance probability (alpha).")] = 0.7,
     pd_decode: Annotated[bool, typer.Option("--pd-decode", help="Model a PD-disaggregated decode server.")] = False,
-    duration: Annotated[str | None, typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.")] = None,
+    duration: Annotated[
+        str | None,
+        typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.", show_default="the whole file"),
+    ] = None,
     time_scale: Annotated[
         float, typer.Option(help="Multiply arrival times (2: half the request rate, same traffic between turns).")
     ] = 1.0,
-    rate: Annotated[float | None, typer.Option(help="Arrival rate in requests/s (lengths format).")] = None,
+    rate: Annotated[
+        float | None, typer.Option(help="Arrival rate in requests/s (lengths format only).", show_default=False)
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.")] = 0,
     policy: Annotated[PolicyOption, typer.Option(help="Waiting-queue policy.")] = PolicyOption.fcfs,
     step_time: Annotated[
-        str | None, typer.Option(help="Step-time coefficients, e.g. fixed_s=5ms,decode_req_s=20us.")
+        str | None,
+        typer.Option(help="Step-time coefficients, e.g. fixed_s=5ms,decode_req_s=20us.", show_default="fitted to an H200"),
     ] = None,
-    device: Annotated[str, typer.Option(help="Allocator device: cpu or cuda.")] = "cpu",
+    device: DeviceOpt = Device.cpu,
     steps_per_batch: Annotated[
         int, typer.Option(help="Steps per record batch while recording (1: every completed step survives a crash).")
     ] = DEFAULT_STEPS_PER_BATCH,
     compact: Annotated[
-        int, typer.Option(help="On completion, rewrite the trace with this many steps per batch (0: keep as written).")
+        int,
+        typer.Option(
+            help="On completion, rewrite the trace as an Arrow IPC file with this many steps per batch "
+            "(0: keep the stream as written)."
+        ),
     ] = DEFAULT_COMPACT,
-    compression: Annotated[str, typer.Option(help="zstd or lz4.")] = "zstd",
+    compression: Annotated[Codec, typer.Option(help="Codec of the finished trace.")] = Codec.zstd,
     flush_interval: Annotated[
         float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).")
     ] = FLUSH_INTERVAL_S,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Record a workload through the SGLang-style scheduler model on the real allocator."""
+    """Record a workload through the SGLang-style scheduler model on the real allocator.
+
+    Every completed step is on disk as it is recorded: a recording stopped by Ctrl-C,
+    a signal or a crash leaves its steps in the trace, marked interrupted (see
+    kvtrace info). An existing --out is replaced only when the recording completes.
+
+    Exit code: 0 recorded; 1 nothing recorded (every request rejected); 2 bad input.
+    """
+    from kvtrace.outputs import OutputFile
     from kvtrace.step_time import StepTimeModel
     from traces import workloads
 
@@ -153,6 +220,7 @@ def record_command(
         raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
     if workload.is_dir():
         raise WorkloadError(f"{workload}: is a directory, expected a workload file")
+    target = OutputFile(out, force=force, inputs=[workload])
     fmt_name = fmt.value if fmt is not None else _infer_format(workload)
     for name, value, low in (
         ("--pool-tokens", pool_tokens, 1),
@@ -165,10 +233,7 @@ def record_command(
     ):
         if value < low:
             raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
-    if pool_tokens < 4 * page_size:
-        raise typer.BadParameter(
-            f"a pool of {pool_tokens} tokens holds fewer than 4 pages of {page_size}", param_hint="--pool-tokens"
-        )
+    _check_pool(pool_tokens, page_size)
     if chunk < 0 or (chunk and chunk < page_size):
         raise typer.BadParameter(
             f"must be 0 (no chunking) or at least the page size {page_size}, found {chunk}", param_hint="--chunk"
@@ -179,10 +244,6 @@ def record_command(
         raise typer.BadParameter(f"must lie in [0, 1], found {spec_acceptance}", param_hint="--spec-acceptance")
     if flush_interval < 0:
         raise typer.BadParameter(f"must be >= 0, found {flush_interval}", param_hint="--flush-interval")
-    if compression not in ("zstd", "lz4"):
-        raise typer.BadParameter(f"must be zstd or lz4, found {compression!r}", param_hint="--compression")
-    if device not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"must be cpu or cuda, found {device!r}", param_hint="--device")
     if fmt_name == "lengths":
         if rate is None:
             raise typer.BadParameter("the lengths format needs an arrival rate, e.g. --rate 5", param_hint="--rate")
@@ -200,18 +261,15 @@ def record_command(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--duration") from None
     spec_settings = _parse_spec(spec) if spec is not None else None
-    if spec_settings is not None and pd_decode:
-        pass  # PD decode servers run EAGLE too; nothing to refuse.
     try:
         model = StepTimeModel.parse(step_time) if step_time else StepTimeModel()
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--step-time") from None
-    if out.exists() and not force:
-        raise typer.BadParameter(f"{out} already exists; pass --force to overwrite it", param_hint="--out")
-    if out.is_dir():
-        raise typer.BadParameter(f"{out} is a directory", param_hint="--out")
 
+    from kvtrace.cli.replay import check_device
     from kvtrace.scheduler import RecordOptions, record_workload
+
+    check_device(device.value)
 
     options = RecordOptions(
         workload=workload,
@@ -232,28 +290,53 @@ def record_command(
         seed=seed,
         policy=policy.value,  # type: ignore[arg-type]
         step_time=model,
-        device=device,
+        device=device.value,
         steps_per_batch=steps_per_batch,
-        compression=compression,
-        overwrite=force,
+        compression=compression.value,
         flush_interval_s=flush_interval or None,
         compact_steps_per_batch=compact or None,
+        command=ui.command_line(ctx.meta),
     )
+    wall0 = time.perf_counter()
+    try:
+        with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
+            result = record_workload(dataclasses.replace(options, out=live), progress=progress_cb)
+            if result.summary.steps == 0:
+                live.unlink(missing_ok=True)
+                raise _nothing_recorded(result.summary, context_len, pool_tokens)
+    except workloads.WorkloadFileError as exc:
+        raise WorkloadError(str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    except (KeyboardInterrupt, ui.Terminated):
+        if target.replaces:
+            ui.warn(f"recording interrupted; {out} was left as it was")
+        elif out.exists():
+            ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
+        raise
+    wall_s = time.perf_counter() - wall0
+    _report(result, options, out=out, workload=workload, wall_s=wall_s, spec=spec, as_json=as_json)
 
-    progress_cb = None
-    live = None
-    if not quiet and not as_json:
-        from rich.console import Console
+
+class _progress:
+    """The recording's progress bar on stderr (a no-op with -q or --json); yields the callback."""
+
+    def __init__(self, off: bool) -> None:
+        self.off = off or ui.settings.quiet
+        self._live: Any = None
+
+    def __enter__(self) -> Any:
+        if self.off:
+            return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=True)
         live = Progress(
             TextColumn("recording"),
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("{task.description}"),
             TimeElapsedColumn(),
-            console=console,
+            console=ui.console(stderr=True),
             transient=True,
         )
         task = live.add_task("", total=None)
@@ -271,21 +354,20 @@ def record_command(
             )
 
         live.start()
-    wall0 = time.perf_counter()
-    try:
-        result = record_workload(options, progress=progress_cb)
-    except workloads.WorkloadFileError as exc:
-        raise WorkloadError(str(exc)) from None
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    finally:
-        if live is not None:
-            live.stop()
-    wall_s = time.perf_counter() - wall0
+        self._live = live
+        return progress_cb
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+def _report(result: Any, options: Any, *, out: Path, workload: Path, wall_s: float, spec: str | None, as_json: bool) -> None:
+    """Print the recording's summary: the ``--json`` object, or a table."""
     summary = result.summary
     report = {
         "out": str(out),
-        "format": fmt_name,
+        "format": options.fmt,
         "steps": summary.steps,
         "requests": summary.requests,
         "finished": summary.finished,
@@ -307,33 +389,38 @@ def record_command(
         "extend_retries": summary.extend_retries,
         "row_overflows": summary.row_overflows,
         "spec_mean_accepted": (
-            summary.spec_accepted_tokens / max(1, summary.spec_ops) if spec_settings is not None else None
+            summary.spec_accepted_tokens / max(1, summary.spec_ops) if options.spec is not None else None
         ),
         "integrity_violations": result.violations,
         "block_reuse": result.block_reuse,
         "file_bytes": out.stat().st_size if out.exists() else 0,
         "config": {
-            "page_size": page_size,
-            "pool_tokens": pool_tokens,
-            "max_running": max_running,
-            "context_len": context_len,
-            "chunk": chunk or None,
-            "policy": policy.value,
+            "page_size": options.page_size,
+            "pool_tokens": options.pool_tokens,
+            "max_running": options.max_running,
+            "context_len": options.context_len,
+            "chunk": options.chunk,
+            "policy": options.policy,
             "spec": spec,
-            "pd_decode": pd_decode,
+            "pd_decode": options.pd_decode,
         },
     }
+    if summary.rejected:
+        limit = min(options.context_len - 1, options.pool_tokens - 1) - PROMPT_MARGIN
+        ui.warn(
+            f"{summary.rejected:,} of {summary.requests + summary.rejected:,} requests were rejected on arrival "
+            f"(prompts of {limit:,} tokens or more do not fit --context-len / --pool-tokens)"
+        )
     if as_json:
-        typer.echo(json.dumps(report))
+        ui.emit_json(report)
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"kvtrace record → {out}", show_header=False)
     table.add_column("", style="bold")
     table.add_column("", justify="right")
     rows = [
-        ("workload", f"{workload.name} ({fmt_name})"),
+        ("workload", f"{workload.name} ({options.fmt})"),
         ("requests", f"{summary.requests:,} ({summary.finished:,} finished, {summary.rejected:,} rejected)"),
         ("steps", f"{summary.steps:,} ({summary.prefill_steps:,} prefill, {summary.decode_steps:,} decode)"),
         ("simulated time", f"{summary.duration_s:,.1f} s"),
@@ -348,4 +435,4 @@ def record_command(
     ]
     for key, value in rows:
         table.add_row(key, value)
-    Console().print(table)
+    ui.console().print(table)

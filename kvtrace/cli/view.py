@@ -8,11 +8,20 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtrace.cli import app
+from kvtrace.cli import command
+from kvtrace.cli.options import examples
 from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
 
+VIEW_EXAMPLES = examples(
+    "# write a state log, then look at it step by step",
+    "kvtrace replay sample:mooncake-tiny --out tiny.arrow",
+    "kvtrace view tiny.arrow",
+    "# the same as a web page on port 8000 of this machine (reach it with ssh -L 8000:127.0.0.1:8000)",
+    "kvtrace view tiny.arrow --serve",
+)
 
-@app.command()
+
+@command("view", epilog=VIEW_EXAMPLES)
 def view(
     log: Annotated[Path, typer.Argument(help="A state log written by 'kvtrace replay TRACE --out LOG'.")],
     serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"Serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,

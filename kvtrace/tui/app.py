@@ -4,6 +4,7 @@ its frames to the widgets and the user's keys and clicks to the driver."""
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class KvtraceApp(App[None]):
         self.clock = clock
         self._detail: RequestDetailScreen | None = None
         self.main = ReplayScreen()
+        self.replay_closed = threading.Event()  # the worker returned and closed the source
 
     # ------------------------------------------------------------------ lifetime
     async def on_mount(self) -> None:
@@ -101,6 +103,7 @@ class KvtraceApp(App[None]):
             self.driver.run()
         finally:
             self.source.close()
+            self.replay_closed.set()
 
     def _post_from_driver(self, item: object) -> None:
         self.post_message(wrap(item))

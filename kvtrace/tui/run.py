@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
+    from kvtrace.tui.app import KvtraceApp
     from kvtrace.statelog import StateLogWriter
 
 __all__ = ["DASHBOARD_CHECKPOINT_EVERY", "DEFAULT_PORT", "run_live", "run_log", "serve", "serve_command"]
@@ -26,7 +27,7 @@ def run_live(session: ReplaySession, *, log: StateLogWriter | None = None, play:
     from kvtrace.tui.app import KvtraceApp
     from kvtrace.tui.sources import LiveSource
 
-    KvtraceApp(LiveSource(session, log), play=play).run()
+    _run(KvtraceApp(LiveSource(session, log), play=play))
 
 
 def run_log(path: str | Path, *, play: bool = False) -> None:
@@ -39,7 +40,17 @@ def run_log(path: str | Path, *, play: bool = False) -> None:
     from kvtrace.tui.app import KvtraceApp
     from kvtrace.tui.sources import LogSource
 
-    KvtraceApp(LogSource(StateLogSession(path)), play=play).run()
+    _run(KvtraceApp(LogSource(StateLogSession(path)), play=play))
+
+
+def _run(app: KvtraceApp) -> None:
+    """Run the app; return once its replay thread has closed the source (and its log)."""
+    try:
+        app.run()
+    finally:
+        app.driver.stop()
+        if app.driver.frames_posted:  # the worker started
+            app.replay_closed.wait(timeout=60)
 
 
 def serve_command(argv: list[str]) -> str:

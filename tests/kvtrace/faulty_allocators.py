@@ -13,6 +13,10 @@ Each reproduces a bug class SGLang has shipped, on top of the built-in allocator
 
 Each fault fires once, on the first request it can hit, and records that
 request (``fault_rid``) so a test can check the replay blames exactly it.
+
+``without_digest`` is not broken: the built-in allocator behind the ``Allocator``
+protocol alone (no ``state_digest``, no checkpoints), for the paths that need the
+optional protocols.
 """
 
 from __future__ import annotations
@@ -79,6 +83,25 @@ class StaleRow(_Faulty):
             self.token_to_kv_pool_allocator.free(slot)
             self.fault_rid = rid
         return out
+
+
+class WithoutDigest:
+    """The built-in allocator without the optional protocols (``Digestible``, ``Checkpointable``)."""
+
+    _HIDDEN = frozenset({"state_digest", "save_state", "restore_state"})
+
+    def __init__(self, config: AllocatorConfig) -> None:
+        self._inner = KvAllocator(config)
+        self.config = config
+
+    def __getattr__(self, name: str) -> object:
+        if name in self._HIDDEN:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def without_digest(config: AllocatorConfig) -> WithoutDigest:
+    return WithoutDigest(config)
 
 
 def leaky_overalloc(config: AllocatorConfig) -> KvAllocator:

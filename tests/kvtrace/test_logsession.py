@@ -58,11 +58,11 @@ def test_seeks_land_on_the_straight_fold(tiny_log, targets: list[int]) -> None: 
 
 
 def test_bad_logs_are_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(TraceError, match="no such state log"):
+    with pytest.raises(TraceError, match="no such file"):
         StateLogSession(tmp_path / "missing.log")
     junk = tmp_path / "junk.log"
     junk.write_bytes(b"not arrow at all")
-    with pytest.raises(TraceError, match="not an Arrow state log"):
+    with pytest.raises(TraceError, match="not an Arrow IPC stream or file"):
         StateLogSession(junk)
     other = tmp_path / "other.arrow"
     with pa.ipc.new_stream(pa.OSFile(str(other), "wb"), pa.schema([("x", pa.int64())])) as w:

@@ -308,3 +308,47 @@ def test_a_keyframe_lists_live_requests_no_op_touched(tmp_path: Path) -> None:
         assert s.state is not None and s.state.row(1).allocated == 5 and s.state.row(1).phase == "decode"
         second = s.step()
         assert second is not None and not second.keyframe
+
+
+# -- state digests in the snapshots; a screen shared by two sessions -------------------
+
+
+def test_snapshots_carry_the_state_digest_and_the_state_log_keeps_it(busy_trace: Path, tmp_path: Path) -> None:
+    log = tmp_path / "digests.arrow"
+    with session(busy_trace, options=ReplayOptions(state_digest=True)) as s, StateLogWriter(log, {}) as writer:
+        snaps = list(s.snapshots())
+        for snap in snaps:
+            writer.write(snap)
+    assert all(snap.digest is not None and len(snap.digest) == 32 for snap in snaps)
+    assert len({snap.digest for snap in snaps}) > len(snaps) // 2
+    _, back = read_state_log(log)
+    assert [b.digest for b in back] == [snap.digest for snap in snaps]
+    with session(busy_trace) as s:
+        assert all(snap.digest is None for snap in s.snapshots())
+
+
+def test_asking_digests_of_a_version_without_them_is_one_error() -> None:
+    from kvtrace.errors import VersionSpecError
+
+    spec = f"{Path(__file__).with_name('faulty_allocators.py')}:without_digest"
+    with pytest.raises(VersionSpecError, match=r"--exact: allocator '.*:without_digest' \(WithoutDigest\) has no state_digest\(\)"):
+        session("sample:tiny", version=spec, options=ReplayOptions(state_digest=True))
+    with session("sample:tiny", version=spec) as s:  # without digests it replays
+        assert s.run().stats.steps == 139
+
+
+def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
+    """Lockstep: the second session screens each step from the first one's memory."""
+    ahead = ReplaySession(busy_trace, options=ReplayOptions(), screen="background")
+    behind = ReplaySession(busy_trace, options=ReplayOptions(), screen=ahead.screen)
+    try:
+        for a in ahead.snapshots():
+            b = behind.step()
+            assert b is not None
+            same_snapshot(a, b)
+        assert behind.step() is None
+    finally:
+        behind.close()
+        assert ahead.screen.frontier is not None  # closing the second left the screen alone
+        ahead.close()
+    assert straight_summary(busy_trace)["steps"] == ahead.result().stats.steps

@@ -22,7 +22,7 @@ runner = CliRunner()
         (["replay", "sample:tiny", "--tui", "--json"], "the dashboard prints no JSON"),
         (["replay", "sample:tiny", "--host", "0.0.0.0"], "--host is where --serve listens"),
         (["replay", "sample:tiny", "--tui", "--serve", "70000"], "less than or equal to 65535"),
-        (["view", "/nonexistent/run.log"], "no such state log"),
+        (["view", "/nonexistent/run.log"], "state log /nonexistent/run.log: no such file"),
         (["view", "/nonexistent/run.log", "--host", "0.0.0.0"], "--host is where --serve listens"),
         (["replay", "sample:nosuch", "--tui"], "sample"),
     ],

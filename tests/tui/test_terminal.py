@@ -49,8 +49,13 @@ def test_kvtrace_replay_tui_in_a_terminal_steps_and_quits() -> None:
         os.write(master, b" ")  # pause (it starts playing)
         assert _read_until(master, b"paused", 30, seen), bytes(seen[-2000:])
         os.write(master, b"\x1b[C")  # → one step
+        assert _read_until(master, b"step", 30, seen), bytes(seen[-2000:])
+        time.sleep(0.5)
         os.write(master, b"q")
-        proc.wait(timeout=30)
+        end = time.monotonic() + 90  # exiting closes the replay thread, its screen process, torch
+        while proc.poll() is None and time.monotonic() < end:
+            _read_until(master, b"\x00never", 0.5, seen)  # keep draining the terminal
+        proc.wait(timeout=1)
     finally:
         if proc.poll() is None:
             proc.kill()
