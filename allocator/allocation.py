@@ -45,6 +45,7 @@ __all__ = [
     "SpecPlan",
     "SpecResult",
     "alloc_for_decode",
+    "alloc_for_decode_run",
     "alloc_for_decode_prealloc",
     "alloc_for_decode_prealloc_hisparse",
     "alloc_for_extend",
@@ -447,6 +448,71 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     kv.sum_allocated_ceil += taken
     kv.max_len_bound += 1
     return DecodeResult(out, evicted)
+
+
+def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarray | None:
+    """``num_steps`` decode steps of the same batch in one go: exactly what
+    ``num_steps`` calls of ``alloc_for_decode(ctx, rows)`` do (same slots, same
+    free-list order, same bookkeeping), when none of them would evict, merge a
+    deferred free list, or reach a row's width. Step ``j`` gives request ``i`` the
+    slot of position ``kv_allocated_len[i] + j``; the free list is consumed step by
+    step, requests in batch order::
+
+        page 1:   slots = free[0 : num_steps * bs] laid out [step, request]
+        paged:    a request whose position p is a multiple of page_size takes the next
+                  free page (step-major, request-minor); the others continue their page
+
+    Returns:
+        int64 ``[num_steps]``: the pool slots each step took (whole pages), or None
+        when the run cannot be done in one block (nothing changed: decode step by step).
+    """
+    kv = ctx.req_kv
+    bs = rows.shape[0]
+    if bs == 0 or num_steps < 1 or ctx.hisparse:
+        return None
+    if kv.max_len_bound + num_steps >= ctx.width:
+        return None  # a row might fill up: the per-step path checks and reports it
+    allocator = ctx.token_to_kv_pool_allocator
+    num_free = allocator.num_free_pages()  # not counting deferred frees
+    ps = ctx.page_size
+    seq = kv.kv_allocated_len[rows]
+    steps = np.arange(num_steps, dtype=np.int64)
+    if ps == 1:
+        total = num_steps * bs
+        # per step: bs <= free slots (no merge of deferred frees, no eviction)
+        if total > num_free:
+            return None
+        slots = allocator.alloc(total).astype(np.int64)  # type: ignore[union-attr]
+        taken = np.full(num_steps, bs, dtype=np.int64)
+    else:
+        positions = seq[None, :] + steps[:, None]  # [step, request]
+        need = positions % ps == 0
+        new_pages = np.count_nonzero(need, axis=1)
+        total_pages = int(new_pages.sum())
+        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
+        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
+            return None
+        last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
+        page_at = np.zeros(need.shape, dtype=np.int64)
+        if total_pages:
+            # row-major: step by step, requests in batch order
+            page_at[need] = allocator.alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
+        # the step of each request's latest new page so far (-1: still on its old page)
+        latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
+        reqs = np.arange(bs)[None, :]
+        slots = np.where(
+            latest >= 0,
+            page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
+            last_loc[None, :] + 1 + steps[:, None],
+        )
+        taken = new_pages.astype(np.int64) * ps
+    ctx.writer.write_points(np.tile(rows, num_steps), (seq[None, :] + steps[:, None]).reshape(-1), slots.reshape(-1))
+    kv.kv_allocated_len[rows] = seq + num_steps
+    kv.kv_committed_len[rows] += num_steps
+    kv.sum_committed += bs * num_steps
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound += num_steps
+    return taken
 
 
 def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:

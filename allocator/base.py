@@ -306,6 +306,22 @@ class Allocator(Protocol):
 
 
 @runtime_checkable
+class DecodeRuns(Protocol):
+    """An allocator that can apply a run of plain decode steps of one batch in one call
+    (the replay's fast path for decode-heavy traffic). Optional."""
+
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> np.ndarray | None:
+        """Exactly what ``num_steps`` calls of ``decode(rids)`` do, in one call.
+
+        Returns:
+            int64 ``[num_steps, len(PoolCounters._fields)]``, the pool counters after each
+            step; or None when the allocator cannot do this run in one block (nothing
+            changed: the caller decodes step by step).
+        """
+        ...
+
+
+@runtime_checkable
 class OwnershipQuery(Protocol):
     """An allocator that can say who holds each KV slot (the dashboard's page map).
     Optional: without it the page map is not shown."""

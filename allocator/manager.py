@@ -38,6 +38,7 @@ from allocator.allocation import (
     SpecPlan,
     SpecResult,
     alloc_for_decode,
+    alloc_for_decode_run,
     alloc_for_decode_prealloc,
     alloc_for_decode_prealloc_hisparse,
     alloc_for_extend,
@@ -89,6 +90,9 @@ if TYPE_CHECKING:
 __all__ = ["KvAllocator", "create_allocator"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_COUNTER_AVAILABLE = PoolCounters._fields.index("available")
+_COUNTER_COMMITTED = PoolCounters._fields.index("committed")
+_COUNTER_OVERALLOCATED = PoolCounters._fields.index("overallocated")
 _RELEASE_KINDS = ("finish", "retract", "abort")
 
 
@@ -426,6 +430,33 @@ class KvAllocator:
             self._flush_publish()
         self.writer.end_call()
         return AllocResult(rids.shape[0], res.evicted_tokens)
+
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> np.ndarray | None:
+        """``num_steps`` decode steps of the same batch in one call, exactly as
+        ``num_steps`` calls of ``decode(rids)`` (``alloc_for_decode_run``).
+
+        Returns:
+            int64 ``[num_steps, len(PoolCounters._fields)]``: the pool counters after
+            each step; or None when the run cannot be done in one block (it would evict,
+            merge deferred frees or reach a row's width, or prompts wait to be
+            published): nothing changed, decode step by step.
+        """
+        if self._pending_publish:
+            return None
+        rids = _i64(rids)
+        rows = self._held_rows(rids, "decode")
+        before = np.array(self.counters(), dtype=np.int64)
+        taken = alloc_for_decode_run(self.ctx, rows, num_steps)
+        if taken is None:
+            return None
+        self.writer.end_call()
+        out = np.repeat(before[None, :], num_steps, axis=0)
+        committed = rids.shape[0] * np.arange(1, num_steps + 1, dtype=np.int64)
+        slots = np.cumsum(taken)
+        out[:, _COUNTER_AVAILABLE] -= slots
+        out[:, _COUNTER_COMMITTED] += committed
+        out[:, _COUNTER_OVERALLOCATED] += slots - committed
+        return out
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
