@@ -305,19 +305,32 @@ class Allocator(Protocol):
         ...
 
 
+class RunResult(NamedTuple):
+    """What a run of decode / speculative steps did, step by step."""
+
+    counters: np.ndarray  # int64 [num_steps, len(PoolCounters._fields)] pool counters after each step
+    allocated: np.ndarray  # int64 [num_steps, bs] kv_allocated_len of each request after each step
+
+
 @runtime_checkable
 class DecodeRuns(Protocol):
-    """An allocator that can apply a run of plain decode steps of one batch in one call
-    (the replay's fast path for decode-heavy traffic). Optional."""
+    """An allocator that can apply a run of plain decode (or speculative) steps of one
+    batch in one call (the replay's fast path for decode-heavy traffic). Optional."""
 
-    def decode_run(self, rids: np.ndarray, num_steps: int) -> np.ndarray | None:
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> RunResult | None:
         """Exactly what ``num_steps`` calls of ``decode(rids)`` do, in one call.
 
         Returns:
-            int64 ``[num_steps, len(PoolCounters._fields)]``, the pool counters after each
-            step; or None when the allocator cannot do this run in one block (nothing
-            changed: the caller decodes step by step).
+            The pool counters and allocated lengths after each step; or None when the
+            allocator cannot do this run in one block (nothing changed: the caller
+            decodes step by step).
         """
+        ...
+
+    def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """Exactly what ``spec_decode(rids, accepted[j])`` for each row ``j`` of the int64
+        ``[num_steps, len(rids)]`` array ``accepted`` does, in one call; returns as
+        ``decode_run``."""
         ...
 
 

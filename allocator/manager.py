@@ -43,6 +43,7 @@ from allocator.allocation import (
     alloc_for_decode_prealloc_hisparse,
     alloc_for_extend,
     alloc_for_spec_decode,
+    alloc_for_spec_run,
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
@@ -62,6 +63,7 @@ from allocator.base import (
     ReleaseKind,
     ReleaseResult,
     RequestLens,
+    RunResult,
     Violation,
 )
 from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
@@ -431,32 +433,53 @@ class KvAllocator:
         self.writer.end_call()
         return AllocResult(rids.shape[0], res.evicted_tokens)
 
-    def decode_run(self, rids: np.ndarray, num_steps: int) -> np.ndarray | None:
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> RunResult | None:
         """``num_steps`` decode steps of the same batch in one call, exactly as
         ``num_steps`` calls of ``decode(rids)`` (``alloc_for_decode_run``).
 
         Returns:
-            int64 ``[num_steps, len(PoolCounters._fields)]``: the pool counters after
-            each step; or None when the run cannot be done in one block (it would evict,
-            merge deferred frees or reach a row's width, or prompts wait to be
-            published): nothing changed, decode step by step.
+            The pool counters and allocated lengths after each step; or None when the
+            run cannot be done in one block (it would evict, merge deferred frees or
+            reach a row's width, or prompts wait to be published): nothing changed,
+            decode step by step.
         """
         if self._pending_publish:
             return None
         rids = _i64(rids)
         rows = self._held_rows(rids, "decode")
         before = np.array(self.counters(), dtype=np.int64)
+        allocated = self.req_kv.kv_allocated_len[rows]
         taken = alloc_for_decode_run(self.ctx, rows, num_steps)
         if taken is None:
             return None
         self.writer.end_call()
-        out = np.repeat(before[None, :], num_steps, axis=0)
-        committed = rids.shape[0] * np.arange(1, num_steps + 1, dtype=np.int64)
-        slots = np.cumsum(taken)
-        out[:, _COUNTER_AVAILABLE] -= slots
-        out[:, _COUNTER_COMMITTED] += committed
-        out[:, _COUNTER_OVERALLOCATED] += slots - committed
-        return out
+        steps = np.arange(1, num_steps + 1, dtype=np.int64)
+        return RunResult(
+            _counters_after(before, taken, rids.shape[0] * steps), allocated[None, :] + steps[:, None]
+        )
+
+    def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """``accepted.shape[0]`` speculative steps of the same batch in one call, exactly
+        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``).
+
+        Returns:
+            The pool counters and allocated lengths after each step, or None when the
+            run cannot be done in one block (nothing changed).
+        """
+        if self._pending_publish or self.config.spec is None:
+            return None
+        rids = _i64(rids)
+        accepted = np.ascontiguousarray(accepted, dtype=np.int64)
+        if accepted.ndim != 2 or accepted.shape[1] != rids.shape[0] or (accepted.size and int(accepted.min()) < 0):
+            return None
+        rows = self._held_rows(rids, "spec_decode")
+        before = np.array(self.counters(), dtype=np.int64)
+        got = alloc_for_spec_run(self.ctx, rows, accepted)
+        if got is None:
+            return None
+        taken, allocated = got
+        self.writer.end_call()
+        return RunResult(_counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
@@ -812,6 +835,18 @@ class KvAllocator:
 
         self._flush_publish()
         return slot_ownership(self)
+
+
+def _counters_after(before: np.ndarray, taken: np.ndarray, committed: np.ndarray) -> np.ndarray:
+    """Pool counters after each step of a run: ``before`` (the counters at its start) as
+    each step takes ``taken[j]`` pool slots and the run has committed ``committed[j]``
+    tokens in all by the end of step ``j``."""
+    out = np.repeat(before[None, :], taken.shape[0], axis=0)
+    slots = np.cumsum(taken)
+    out[:, _COUNTER_AVAILABLE] -= slots
+    out[:, _COUNTER_COMMITTED] += committed
+    out[:, _COUNTER_OVERALLOCATED] += slots - committed
+    return out
 
 
 def create_allocator(config: AllocatorConfig) -> KvAllocator:
