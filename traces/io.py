@@ -87,6 +87,9 @@ _NUMERIC = (
 # Arrow IPC has no checksums of its own, and a damaged lz4 or zstd literal run
 # decodes silently to wrong values.
 CHECKSUM_KEY = b"kvtrace.crc32"
+# CRC-32 of the ``arrival_s`` column (float64, nulls as NaN), kept apart so that readers
+# from before the column still verify ``CHECKSUM_KEY``.
+ARRIVAL_CHECKSUM_KEY = b"kvtrace.crc32.arrival_s"
 # Custom metadata of a stream's last (empty) record batch: the final ``Recording`` as JSON.
 RECORDING_KEY = b"kvtrace.recording"
 
@@ -368,6 +371,7 @@ class TraceWriter:
         prompt_len: Any = None,
         block_hashes: Any = None,
         token_ids: Any = None,
+        arrival_s: Any = None,
     ) -> None:
         """Append one step from array-likes, one entry per row (see ``StepBatch.from_columns``).
 
@@ -390,6 +394,7 @@ class TraceWriter:
                 prompt_len=prompt_len,
                 block_hashes=block_hashes,
                 token_ids=token_ids,
+                arrival_s=arrival_s,
             )
         )
 
@@ -476,14 +481,14 @@ class TraceWriter:
 
     def _write_empty(self, custom: dict[bytes, bytes]) -> None:
         empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
-        self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum, **custom})
+        self._ipc.write_batch(empty, custom_metadata={**_batch_metadata(empty, checksum), **custom})
 
     def _write_pending(self) -> None:
         pending = self._pending
         self._pending = []
         record_batch, checksum = _to_record_batch(pending, self._schema)
         try:
-            self._ipc.write_batch(record_batch, custom_metadata={CHECKSUM_KEY: checksum})
+            self._ipc.write_batch(record_batch, custom_metadata=_batch_metadata(record_batch, checksum))
             self._sink.flush()
         except OSError as exc:
             self._abandon()
@@ -529,12 +534,14 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
     rid = _concat([s.rid for s in steps], np.int64)
     prompt = _concat([s.prompt_len for s in steps], np.int64)
     prompt_mask = prompt < 0
+    arrival = _concat([s.arrivals() for s in steps], np.float64)
     arrays: dict[str, pa.Array] = {
         "step": arrow_array(step_col),
         "time_s": arrow_array(time_col),
         "op": pa.DictionaryArray.from_arrays(arrow_array(op), _OPS_DICTIONARY, safe=False),
         "rid": arrow_array(rid),
         "prompt_len": arrow_array(prompt, prompt_mask),
+        "arrival_s": arrow_array(arrival, np.isnan(arrival)),
     }
     content = [step_col, time_col, op, rid]
     for name, dtype in _NUMERIC:
@@ -549,6 +556,12 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
         content.extend(ragged)
     batch = pa.RecordBatch.from_arrays([arrays[c.name] for c in COLUMNS], schema=schema)
     return batch, _checksum(content)
+
+
+def _batch_metadata(batch: pa.RecordBatch, checksum: bytes) -> dict[bytes, bytes]:
+    """A written record batch's custom metadata: its checksums."""
+    arrival = numpy_view(batch.column("arrival_s"))  # nulls hold NaN (see _to_record_batch)
+    return {CHECKSUM_KEY: checksum, ARRIVAL_CHECKSUM_KEY: _checksum([arrival])}
 
 
 # --------------------------------------------------------------------------------------
@@ -571,6 +584,7 @@ class _Columns(NamedTuple):
     prompt_len: np.ndarray
     block_hashes: Ragged
     token_ids: Ragged
+    arrival_s: np.ndarray | None  # None: the file has no arrival_s column
 
     def step_batch(self, start: int, stop: int) -> StepBatch:
         return StepBatch(
@@ -586,12 +600,16 @@ class _Columns(NamedTuple):
             self.prompt_len[start:stop],
             self.block_hashes.slice(start, stop),
             self.token_ids.slice(start, stop),
+            None if self.arrival_s is None else self.arrival_s[start:stop],
         )
 
 
 def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(first, name), getattr(second, name)])
+
+    def cat_arrivals() -> np.ndarray:
+        return np.concatenate([first.arrivals(), second.arrivals()])
 
     return StepBatch(
         first.step,
@@ -606,6 +624,7 @@ def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
         cat("prompt_len"),
         Ragged.concat([first.block_hashes, second.block_hashes]),
         Ragged.concat([first.token_ids, second.token_ids]),
+        None if first.arrival_s is None and second.arrival_s is None else cat_arrivals(),
     )
 
 
@@ -745,6 +764,14 @@ class TraceReader(IpcReader):
                         f"checksum mismatch (stored {stored.decode(errors='replace')}, "
                         f"computed {computed.decode()})"
                     )
+            stored = custom.get(ARRIVAL_CHECKSUM_KEY) if custom is not None else None
+            if stored is not None and "arrival_s" in self._present:
+                computed = _checksum([numpy_view(batch.column("arrival_s"))])
+                if computed != stored:
+                    raise self._corrupt_detail(
+                        f"arrival_s checksum mismatch (stored {stored.decode(errors='replace')}, "
+                        f"computed {computed.decode()})"
+                    )
             yield columns
 
     def steps(
@@ -860,8 +887,18 @@ class TraceReader(IpcReader):
             prompt_len=prompt,
             block_hashes=self._ragged(batch, "block_hashes", np.uint64),
             token_ids=self._ragged(batch, "token_ids", np.int64),
+            arrival_s=self._arrivals(batch),
         )
         return columns, op_lut
+
+    def _arrivals(self, batch: pa.RecordBatch) -> np.ndarray | None:
+        if "arrival_s" not in self._present:
+            return None
+        array = batch.column("arrival_s")
+        if array.null_count == len(array):
+            return None
+        values = numpy_view(array)
+        return np.where(validity(array), values, np.nan) if array.null_count else values
 
     def _ragged(self, batch: pa.RecordBatch, name: str, dtype: type) -> Ragged:
         n = batch.num_rows
@@ -902,6 +939,7 @@ def _type_matches(name: str, found: pa.DataType, expected: pa.DataType) -> bool:
 
 
 __all__ = [
+    "ARRIVAL_CHECKSUM_KEY",
     "CHECKSUM_KEY",
     "COMPRESSIONS",
     "RECORDING_KEY",
