@@ -31,6 +31,7 @@ __all__ = [
     "RecordResult",
     "record_report",
     "record_workload",
+    "spec_settings",
     "spec_text",
     "trace_defaults",
 ]
@@ -227,6 +228,21 @@ class DiscardRecorder:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def spec_settings(text: str) -> SpecSettings | None:
+    """``off`` -> None; ``ALGORITHM:STEPS,TOPK,DRAFT`` -> ``SpecSettings`` (the text is
+    checked by the command line, ``kvtrace.cli.record.parse_spec``).
+
+    Raises:
+        ValueError: text of another shape.
+    """
+    text = text.strip().lower()
+    if text in ("off", "none"):
+        return None
+    algorithm, _, numbers = text.partition(":")
+    steps, topk, draft = (int(x) for x in numbers.split(","))
+    return SpecSettings(algorithm=algorithm, num_steps=steps, topk=topk, num_draft_tokens=draft)  # type: ignore[arg-type]
 
 
 def spec_text(spec: SpecSettings | None) -> str | None:

@@ -154,6 +154,7 @@ def main() -> None:
 from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
 from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
 from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
+from kvtrace.cli import sweep as _sweep  # noqa: E402,F401  (sweep, sweep report)
 
 
 if __name__ == "__main__":  # pragma: no cover

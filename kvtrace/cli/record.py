@@ -28,12 +28,15 @@ import typer
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples
 from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
+from kvtrace.serving import (
+    DEFAULT_CHUNK,
+    DEFAULT_CONTEXT_LEN,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_POOL_TOKENS,
+    serving_settings,
+)
 
-DEFAULT_POOL_TOKENS = 920_000
-DEFAULT_MAX_RUNNING = 256
-DEFAULT_CONTEXT_LEN = 131_072
-DEFAULT_CHUNK = 8192
-DEFAULT_MAX_PREFILL_TOKENS = 16_384
 # While recording, every completed step is its own flushed record batch (a killed
 # recording keeps every completed step); on completion the trace is rewritten with
 # DEFAULT_COMPACT steps per batch, which compresses ~4x better.
@@ -62,8 +65,6 @@ def parse_spec(text: str) -> Any:
     Raises:
         typer.BadParameter: not ``off`` nor ALGORITHM:STEPS,TOPK,DRAFT with sane numbers.
     """
-    from traces.schema import SpecSettings
-
     if text.strip().lower() in ("off", "none"):
         return None
     algorithm, sep, numbers = text.partition(":")
@@ -91,7 +92,9 @@ def parse_spec(text: str) -> Any:
             f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
             param_hint="--spec",
         )
-    return SpecSettings(algorithm=algorithm, num_steps=steps, topk=topk, num_draft_tokens=draft)  # type: ignore[arg-type]
+    from kvtrace.simulate import spec_settings
+
+    return spec_settings(text)
 
 
 def _infer_format(path: Path) -> str:
@@ -161,21 +164,6 @@ RECORD_EXAMPLES = examples(
     "kvtrace record sample:mooncake-tiny --pool-tokens 120000 -o smaller.kvtrace",
 )
 
-# The serving defaults of a workload file (a trace given as the workload keeps its own).
-SERVING_DEFAULTS: dict[str, Any] = {
-    "pool_tokens": DEFAULT_POOL_TOKENS,
-    "page_size": 1,
-    "max_running": DEFAULT_MAX_RUNNING,
-    "context_len": DEFAULT_CONTEXT_LEN,
-    "chunk": DEFAULT_CHUNK,
-    "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
-    "spec": None,
-    "spec_acceptance": 0.7,
-    "pd_decode": False,
-    "seed": 0,
-    "policy": "fcfs",
-    "step_time": None,
-}
 _FROM_TRACE = "the trace's own; for a workload file "
 
 
@@ -370,28 +358,6 @@ def record_command(
         raise
     wall_s = time.perf_counter() - wall0
     _report(record_report(result, options, wall_s=wall_s), options, workload=workload, as_json=as_json)
-
-
-def serving_settings(workload: Path, fmt: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The serving options a recording runs with: those given (not None), else a
-    trace's own (a trace as the workload), else ``SERVING_DEFAULTS``.
-
-    Raises:
-        TraceError: a trace that cannot be read.
-    """
-    settings = dict(SERVING_DEFAULTS)
-    if fmt == "trace":
-        from kvtrace.simulate import trace_defaults
-        from traces.io import TraceReader
-
-        settings.update(trace_defaults(TraceReader(workload).meta))
-    settings.update({key: value for key, value in given.items() if value is not None})
-    if settings["step_time"] is None:
-        from kvtrace.step_time import StepTimeModel
-
-        settings["step_time"] = StepTimeModel()
-    settings["chunk"] = settings["chunk"] or None
-    return settings
 
 
 def check_rate(fmt: str, rate: float | None) -> None:
