@@ -327,7 +327,8 @@ class Scheduler:
         for name in ("arrival", "input_len", "max_new", "out", "kv", "state", "_first_admitted",
                      "first_scheduled_s", "first_token_s"):  # fmt: skip
             old = getattr(self, name)
-            new = np.full(cap, np.nan) if old.dtype.kind == "f" and name != "arrival" else np.zeros(cap, old.dtype)
+            # Latency clocks start unknown (NaN): a request not scheduled yet has none.
+            new = np.full(cap, np.nan) if name.startswith("first_") else np.zeros(cap, old.dtype)
             new[: old.shape[0]] = old
             setattr(self, name, new)
 

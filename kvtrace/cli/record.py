@@ -97,7 +97,13 @@ def parse_spec(text: str) -> Any:
     return spec_settings(text)
 
 
-def _infer_format(path: Path) -> str:
+def infer_format(path: Path) -> str:
+    """A workload file's format (or ``trace``), from its first bytes, name or header.
+
+    Raises:
+        WorkloadError: the file cannot be read, or is a binary file that is not a trace.
+        typer.BadParameter: nothing tells the format (give --format).
+    """
     from traces.workloads import WorkloadFileError, guess_format
 
     try:
@@ -280,7 +286,7 @@ def record_command(
     if workload.is_dir():
         raise WorkloadError(f"{workload}: is a directory, expected a workload file")
     target = OutputFile(out, force=force, inputs=[workload])
-    fmt_name = fmt.value if fmt is not None else _infer_format(workload)
+    fmt_name = fmt.value if fmt is not None else infer_format(workload)
     given = {
         "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
         "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,

@@ -48,14 +48,6 @@ class _DefaultRun(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-sweep_app = typer.Typer(
-    cls=_DefaultRun,
-    no_args_is_help=True,
-    help="What-if grids: every combination of pool size, page size, version, … over workloads or traces. "
-    "'kvtrace sweep INPUT... OPTIONS' is 'kvtrace sweep run INPUT... OPTIONS'.",
-)
-app.add_typer(sweep_app, name="sweep")
-
 SWEEP_EXAMPLES = examples(
     "# re-schedule a workload on 3 pool sizes x 3 page sizes, on every core",
     "kvtrace sweep conversation_trace.jsonl --duration 10m --pool-tokens 100k,400k,1M --page-size 1,16,64 -o r.parquet",
@@ -66,6 +58,17 @@ SWEEP_EXAMPLES = examples(
     "# the table and plots of the results",
     "kvtrace sweep report r.parquet",
 )
+
+
+sweep_app = typer.Typer(
+    cls=_DefaultRun,
+    no_args_is_help=True,
+    epilog=SWEEP_EXAMPLES,
+    help="What-if grids: every combination of pool size, page size, version, … over workloads or traces. "
+    "'kvtrace sweep INPUT... OPTIONS' is 'kvtrace sweep run INPUT... OPTIONS'.",
+)
+app.add_typer(sweep_app, name="sweep")
+
 
 
 def _axis(text: str | None, option: str, *, minimum: int = 1) -> tuple[int | None, ...]:
@@ -107,7 +110,7 @@ def _specs(text: str | None) -> tuple[str | None, ...]:
 
 def _input(arg: str, reschedule: bool) -> SweepInput:
     """One INPUT: a trace (path or sample:NAME) or a workload file, and how it runs."""
-    from kvtrace.cli.record import _infer_format
+    from kvtrace.cli.record import infer_format
     from kvtrace.sweep import SweepInput
     from traces.io import TraceReader
     from traces.samples import SAMPLE_PREFIX, resolve_trace
@@ -117,7 +120,7 @@ def _input(arg: str, reschedule: bool) -> SweepInput:
         raise WorkloadError(f"{arg}: no such file; give a workload file, a trace or sample:NAME")
     if path.is_dir():
         raise WorkloadError(f"{arg}: is a directory, expected a workload file or a trace")
-    fmt = _infer_format(path)
+    fmt = infer_format(path)
     if fmt == "trace":
         TraceReader(path)  # one line when it is not a readable trace
     kind = "replay" if fmt == "trace" and not reschedule else "simulate"

@@ -43,8 +43,9 @@ def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def run_cell(cell: Cell) -> dict[str, Any]:
     """Run ``cell`` here (a worker process or a Ray task) and return its row.
 
-    User errors (``kvtrace.errors.USER_ERRORS``, a bad workload line) and bugs alike
-    become a ``failed`` row with the message; nothing raises.
+    User errors (``kvtrace.errors.USER_ERRORS``, a bad workload line, options the
+    scheduler model refuses) and bugs alike become a ``failed`` row with the message
+    (a bug's prefixed ``internal error``); nothing raises.
     """
     from kvtrace.errors import USER_ERRORS
     from traces.workloads import WorkloadFileError
@@ -53,7 +54,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         summary = _simulate(cell) if cell.kind == "simulate" else _replay(cell)
-    except (*USER_ERRORS, WorkloadFileError) as exc:
+    except (*USER_ERRORS, WorkloadFileError, ValueError) as exc:  # ValueError: options record refuses
         row.update(status="failed", error=str(exc))
     except Exception as exc:  # noqa: BLE001 - a bug in one cell must not lose the others
         row.update(status="failed", error=f"internal error: {type(exc).__name__}: {exc}")

@@ -2,13 +2,15 @@
 
 A ``multiprocessing`` pool of ``jobs`` spawned processes (spawned, not forked: a
 worker imports torch and the allocator itself), each running one cell at a time;
-rows come back as cells finish, in any order. Workers ignore Ctrl-C: the parent
-takes it, terminates the pool and keeps what finished.
+rows come back as cells finish, in any order. A worker runs one thread (numpy,
+torch): the cells are the parallelism. Workers ignore Ctrl-C: the parent takes it,
+terminates the pool and keeps what finished.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -19,8 +21,15 @@ from kvtrace.sweep.grid import Cell
 __all__ = ["run_local"]
 
 
-def _ignore_interrupts() -> None:
+# One thread per worker: the sweep's parallelism is across cells (Ray sets the same
+# for its one-CPU tasks); set before the worker imports numpy or torch.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _init_worker() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in _THREAD_VARIABLES:
+        os.environ.setdefault(name, "1")
 
 
 def run_local(cells: Sequence[Cell], jobs: int, on_row: Callable[[dict[str, Any]], None]) -> None:
@@ -33,7 +42,7 @@ def run_local(cells: Sequence[Cell], jobs: int, on_row: Callable[[dict[str, Any]
     if not cells:
         return
     context = multiprocessing.get_context("spawn")
-    pool = context.Pool(processes=min(jobs, len(cells)), initializer=_ignore_interrupts)
+    pool = context.Pool(processes=min(jobs, len(cells)), initializer=_init_worker)
     try:
         rows: Iterator[dict[str, Any]] = pool.imap_unordered(run_cell, cells, chunksize=1)
         for row in rows:

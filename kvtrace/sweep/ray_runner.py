@@ -19,7 +19,7 @@ from typing import Any
 from kvtrace.errors import ConfigError
 from kvtrace.sweep.grid import Cell
 
-__all__ = ["TASK_RETRIES", "run_ray"]
+__all__ = ["TASK_RETRIES", "require_ray", "run_ray"]
 
 TASK_RETRIES = 3  # a cell whose worker process dies (out of memory, a node lost) runs again
 
@@ -44,6 +44,19 @@ def _run_remote(cell: Cell, data: bytes, digest: str) -> dict[str, Any]:
     return run_cell(_input_on_worker(cell, data, digest))
 
 
+def require_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        ConfigError: Ray is not installed (one line saying how to install it).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray: pip install 'kvtrace[ray]' (on every node of the cluster)") from None
+    return ray
+
+
 def run_ray(cells: Sequence[Cell], address: str, on_row: Callable[[dict[str, Any]], None]) -> None:
     """Run ``cells`` as Ray tasks on the cluster at ``address`` (``auto``: the one this
     machine belongs to; ``local``: start one here), calling ``on_row`` with each row
@@ -52,10 +65,7 @@ def run_ray(cells: Sequence[Cell], address: str, on_row: Callable[[dict[str, Any
     Raises:
         ConfigError: Ray is not installed, or no cluster answers at ``address``.
     """
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--ray needs Ray: pip install 'kvtrace[ray]' (on every node of the cluster)") from None
+    ray = require_ray()
     started = not ray.is_initialized()
     if started:
         try:

@@ -22,7 +22,7 @@ from kvtrace.sweep.grid import PARAM_PREFIX
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["PANELS", "load_results", "report_rows", "write_plots"]
+__all__ = ["PANELS", "fmt_cell", "load_results", "report_rows", "write_plots"]
 
 # (row key, panel title, y-axis label) of each plot panel.
 PANELS: tuple[tuple[str, str, str], ...] = (

@@ -203,6 +203,28 @@ def test_the_report_prints_a_table_and_plots_per_input(tmp_path: Path, inputs) -
     assert pools[-1] == 60_000 and all(0 < r["peak_occupancy"] <= 1 for r in report["rows"])
 
 
+def test_simulated_cells_keep_their_traces_when_asked(tmp_path: Path, inputs) -> None:
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    out = tmp_path / "r.parquet"
+    summary = _json(["sweep", str(inputs["workload"]), "--pool-tokens", "50k", "--keep-traces", str(kept), "-o", str(out), "-j", "1"])
+    assert summary["done"] == 1
+    (trace,) = kept.glob("four_seconds-*.kvtrace")
+    row = pq.read_table(out).to_pylist()[0]
+    assert row["out"] == str(trace) and row["file_bytes"] == trace.stat().st_size > 0
+    info = _json(["info", str(trace)])
+    assert info["steps"] == row["steps"] and info["config"]["pool_tokens"] == 50_000
+
+
+def test_without_ray_installed_ray_is_one_line(tmp_path: Path, inputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    result = CliRunner().invoke(app, ["sweep", str(inputs["trace"]), "--ray", "auto", "-o", str(tmp_path / "r.parquet")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ray needs Ray: pip install 'kvtrace[ray]'" in lines[0], lines
+    assert not parts_dir(tmp_path / "r.parquet").exists()
+
+
 @given(st.lists(st.integers(1, 5_000_000), min_size=1, max_size=6, unique=True))
 def test_counts_parse_with_and_without_units(values: list[int]) -> None:
     def spelled(v: int) -> str:
