@@ -107,12 +107,12 @@ def test_the_same_grid_through_a_local_ray_gives_the_same_numbers(tmp_path: Path
 
 def test_a_killed_sweep_keeps_its_finished_cells_and_runs_only_the_rest(tmp_path: Path, inputs) -> None:
     out = tmp_path / "killed.parquet"
-    args = [str(KVTRACE), "sweep", str(inputs["trace"]), "--pool-tokens", "30k,40k,50k,60k,70k,80k", "--check", "full", "-j", "1", "-o", str(out)]
+    args = [str(KVTRACE), "sweep", str(inputs["trace"]), "--pool-tokens", "30k,45k,60k,75k", "-j", "1", "-o", str(out)]
     proc = subprocess.Popen([*args, "-q"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     parts = parts_dir(out)
     deadline = time.monotonic() + 240
     try:
-        while len(list(parts.glob("*.parquet"))) < 2:
+        while not list(parts.glob("*.parquet")):
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "no cell finished in time"
             time.sleep(0.2)
@@ -120,14 +120,14 @@ def test_a_killed_sweep_keeps_its_finished_cells_and_runs_only_the_rest(tmp_path
         os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its worker, mid-cell
         proc.wait()
     finished = {p.stem: pq.read_table(p).to_pylist()[0] for p in parts.glob("*.parquet")}
-    assert 2 <= len(finished) < 6 and not out.exists()
+    assert 1 <= len(finished) < 4 and not out.exists()
     assert all(row["status"] == "ok" for row in finished.values())
     result = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["cells"] == 6 and summary["done"] == 6 and summary["resumed"] == len(finished)
+    assert summary["cells"] == 4 and summary["done"] == 4 and summary["resumed"] == len(finished)
     rows = {row["cell"]: row for row in pq.read_table(out).to_pylist()}
-    assert [r["param.pool_tokens"] for r in rows.values()] == [30_000, 40_000, 50_000, 60_000, 70_000, 80_000]
+    assert [r["param.pool_tokens"] for r in rows.values()] == [30_000, 45_000, 60_000, 75_000]
     for key, row in finished.items():  # not run again: the very rows of the killed run
         assert rows[key] == row
     assert not parts.exists()
