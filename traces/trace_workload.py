@@ -35,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 
 from traces.errors import TraceFormatError
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, SPEC, TraceMeta
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, SPEC, StepBatch, TraceMeta
+from traces.tokens import TokenStore, block_token_ids
 from traces.workloads import WorkloadRequest
 
 __all__ = ["TraceWorkload", "arrival_note", "read_trace_workload"]
@@ -84,7 +85,6 @@ def read_trace_workload(path: str | os.PathLike[str]) -> TraceWorkload:
 @functools.lru_cache(maxsize=4)
 def _read_cached(key: tuple[str, int, int], path: Path) -> TraceWorkload:
     from traces.io import TraceReader
-    from traces.tokens import TokenStore
 
     reader = TraceReader(path)
     collect = _Collector(reader.meta.block_size, TokenStore(reader.meta.block_size), str(path))
@@ -96,7 +96,7 @@ def _read_cached(key: tuple[str, int, int], path: Path) -> TraceWorkload:
 class _Collector:
     """Per-request facts gathered step by step (struct of arrays indexed by rid)."""
 
-    def __init__(self, block_size: int | None, store: object, path: str) -> None:
+    def __init__(self, block_size: int | None, store: TokenStore, path: str) -> None:
         self.block_size = block_size
         self.store = store
         self.path = path
@@ -122,15 +122,12 @@ class _Collector:
             old = getattr(self, name)
             setattr(self, name, np.concatenate([old, np.full(new - size, fill, old.dtype)]))
 
-    def add(self, batch: object) -> None:
-        from traces.schema import StepBatch
-
-        assert isinstance(batch, StepBatch)
+    def add(self, batch: StepBatch) -> None:
         if len(batch) == 0:
             return
         rid = batch.rid
         self._grow(int(rid.max()))
-        self.store.ingest(batch)  # type: ignore[attr-defined]
+        self.store.ingest(batch)
         new = np.flatnonzero(self.prompt[rid] < 0)
         if new.size:
             # A request's first row (a later row of the same step is not its first).
@@ -146,52 +143,52 @@ class _Collector:
         if ending.size:
             self._end(batch, ending)
 
-    def _first_rows(self, batch: object, rows: np.ndarray) -> None:
-        rid, prompt = batch.rid[rows], batch.prompt_len[rows]  # type: ignore[attr-defined]
+    def _first_rows(self, batch: StepBatch, rows: np.ndarray) -> None:
+        rid, prompt = batch.rid[rows], batch.prompt_len[rows]
         missing = np.flatnonzero(prompt < 0)
         if missing.size:
             r = int(rid[missing[0]])
             raise TraceFormatError(
-                f"{self.path}: request {r}'s first row (step {batch.step}) has no prompt_len; "  # type: ignore[attr-defined]
+                f"{self.path}: request {r}'s first row (step {batch.step}) has no prompt_len; "
                 "the trace cannot be re-scheduled (kvtrace validate shows what else is wrong)"
             )
-        arrival = batch.arrivals()[rows]  # type: ignore[attr-defined]
+        arrival = batch.arrivals()[rows]
         bad = np.flatnonzero(~np.isnan(arrival) & ~(np.isfinite(arrival) & (arrival >= 0)))
         if bad.size:
             j = int(bad[0])
             raise TraceFormatError(
-                f"{self.path}: request {int(rid[j])} (step {batch.step}) has arrival_s {float(arrival[j])!r}; "  # type: ignore[attr-defined]
+                f"{self.path}: request {int(rid[j])} (step {batch.step}) has arrival_s {float(arrival[j])!r}; "
                 "arrival times are finite seconds >= 0"
             )
         if not np.isnan(arrival).all():
             self.recorded = True
         self.prompt[rid] = prompt
-        self.arrival[rid] = np.where(np.isnan(arrival), batch.time_s, arrival)  # type: ignore[attr-defined]
-        hashes = batch.block_hashes  # type: ignore[attr-defined]
+        self.arrival[rid] = np.where(np.isnan(arrival), batch.time_s, arrival)
+        hashes = batch.block_hashes
         for i, r, p in zip(rows.tolist(), rid.tolist(), prompt.tolist()):
             if self.block_size and hashes.valid[i]:
                 row = hashes.values[hashes.offsets[i] : hashes.offsets[i + 1]].copy()
                 if row.shape[0] * self.block_size < p:
                     raise TraceFormatError(
-                        f"{self.path}: request {r} (step {batch.step}) has {row.shape[0]} block_hashes of "  # type: ignore[attr-defined]
+                        f"{self.path}: request {r} (step {batch.step}) has {row.shape[0]} block_hashes of "
                         f"{self.block_size} tokens for a {p}-token prompt; the trace cannot be re-scheduled"
                     )
                 self.hashes[r] = row
         self.order.extend(rid.tolist())
 
-    def _end(self, batch: object, rows: np.ndarray) -> None:
-        rid = batch.rid[rows]  # type: ignore[attr-defined]
-        finish = batch.op[rows] == FINISH  # type: ignore[attr-defined]
-        self.owned[rid[finish]] = batch.seq_len[rows][finish]  # type: ignore[attr-defined]
+    def _end(self, batch: StepBatch, rows: np.ndarray) -> None:
+        rid = batch.rid[rows]
+        finish = batch.op[rows] == FINISH
+        self.owned[rid[finish]] = batch.seq_len[rows][finish]
         self.ended[rid] = True
         for r in rid[self.explicit[rid]].tolist():
-            self.prompt_ids[r] = self.store.ids(r, int(self.prompt[r])).copy()  # type: ignore[attr-defined]
-        self.store.drop(rid)  # type: ignore[attr-defined]
+            self.prompt_ids[r] = self.store.ids(r, int(self.prompt[r])).copy()
+        self.store.drop(rid)
 
     def finish(self, meta: TraceMeta) -> TraceWorkload:
         rids = np.array(self.order, np.int64)
         for r in rids[self.explicit[rids] & ~self.ended[rids]].tolist():
-            self.prompt_ids[r] = self.store.ids(r, int(self.prompt[r])).copy()  # type: ignore[attr-defined]
+            self.prompt_ids[r] = self.store.ids(r, int(self.prompt[r])).copy()
         prompt, longest, owned = self.prompt[rids], self.longest[rids], self.owned[rids]
         generated = np.where((owned >= 0) & (owned < longest), owned - prompt, longest - prompt + 1)
         output = np.maximum(generated, 0)
@@ -217,8 +214,6 @@ class _Collector:
 
     def _content(self, rid: int, prompt_len: int) -> np.ndarray | None:
         """The prompt as one hash per token (block size 1)."""
-        from traces.tokens import block_token_ids
-
         ids = self.prompt_ids.get(rid)
         if ids is None:
             hashes = self.hashes.get(rid)
