@@ -108,7 +108,7 @@ class ReplayOptions:
         state_digest: put the allocator's ``state_digest()`` in every snapshot (the
             allocator must be ``Digestible``; ``kvtrace diff --exact``).
         decode_runs: apply runs of plain decode steps over one batch in one allocator
-            call where the allocator supports it (``kvtrace.runs``; same results). The
+            call where the allocator supports it (``traces.runs``; same results). The
             session's allocator then runs ahead of the snapshot being returned within
             a run; False keeps it in step after every snapshot.
     """
@@ -407,7 +407,7 @@ class ReplayEngine:
     ) -> list[StepSnapshot] | None:
         """Apply ``len(steps)`` plain steps of ``op`` (``DECODE``, or ``SPEC`` with the
         int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
-        screened clean (``kvtrace.runs``), in one allocator call; return their snapshots
+        screened clean (``traces.runs``), in one allocator call; return their snapshots
         ([] before the window). None when the allocator refuses the run: nothing
         changed, replay the steps one by one."""
         num_steps = int(steps.shape[0])

@@ -36,7 +36,7 @@ from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.registry import AllocatorVersion, resolve_version
 from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
 from kvtrace.state import ReplayState
-from kvtrace.runs import run_lengths
+from traces.runs import run_lengths
 from traces.schema import DECODE, SPEC
 from traces.io import ResumePoint, StepChunk, TraceReader
 
@@ -167,6 +167,10 @@ class ReplaySession:
             or the ``screen`` of another session of the same trace that runs ahead of
             this one (lockstep: each step is screened once; that session owns it).
         track_state: keep the per-request ``ReplayState`` fold (``state``).
+        allocator_in_step: keep the allocator's state that of the step last returned,
+            for callers that query it between steps (slot ownership, a request's
+            slots). Off, a run of decode steps may be replayed in one allocator call
+            ahead of the snapshots returned (``allocator_step`` says where it is).
         label: how reports name the trace (default: the argument as given).
 
     Raises:
@@ -188,6 +192,7 @@ class ReplaySession:
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
         screen: ScreenMode | StepScreen = "background",
         track_state: bool = False,
+        allocator_in_step: bool = False,
         label: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -208,6 +213,7 @@ class ReplaySession:
         )
         self._clock = clock
         self._track_state = track_state
+        self.allocator_in_step = allocator_in_step
         self.checkpoint_every = checkpoint_every
         self.checkpoint_budget = checkpoint_budget
         # The screen runs in a child process on another core; start it before the
@@ -262,7 +268,7 @@ class ReplaySession:
         )
         self._chunk: StepChunk | None = None
         self._chunk_steps = _NO_STEPS  # step numbers of the chunk
-        self._runs = _NO_STEPS  # kvtrace.runs.run_lengths of the chunk (computed on first use)
+        self._runs = _NO_STEPS  # traces.runs.run_lengths of the chunk (computed on first use)
         self._index = 0  # the chunk's next step
         self._pending: deque[StepSnapshot] = deque()  # a run's snapshots not returned yet
         self._exhausted = False
@@ -359,8 +365,8 @@ class ReplaySession:
 
     def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
         """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
-        allocator call (``kvtrace.runs``); None when there is none to replay here."""
-        if not self.engine.can_run_decodes():
+        allocator call (``traces.runs``); None when there is none to replay here."""
+        if self.allocator_in_step or not self.engine.can_run_decodes():
             return None
         if self._runs is _NO_STEPS:
             self._runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))

@@ -78,7 +78,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
 
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options,
-        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
+        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True, allocator_in_step=True,
     ) as session:
         if target is None:
             run_live(session)
