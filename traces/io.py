@@ -39,6 +39,7 @@ from traces.errors import (
 from traces.schema import (
     COLUMN_BY_NAME,
     COLUMNS,
+    MAX_RID,
     METADATA_KEY,
     OP_CODE,
     OPS,
@@ -48,6 +49,7 @@ from traces.schema import (
     StepBatch,
     TraceMeta,
     arrow_schema,
+    parse_meta_json,
 )
 
 Compression = Literal["zstd", "lz4"]
@@ -446,6 +448,17 @@ class _Message(NamedTuple):
     body_len: int
 
 
+def _table_field(meta: bytes, table: int, index: int) -> int:
+    """Absolute position of field ``index`` of the flatbuffer table at ``table`` (0: absent)."""
+    vtable = table - struct.unpack_from("<i", meta, table)[0]
+    vtable_len = struct.unpack_from("<H", meta, vtable)[0]
+    if vtable < 0 or vtable_len < 4 or vtable + vtable_len > len(meta):
+        raise ValueError("bad vtable")
+    slot = 4 + 2 * index
+    offset = struct.unpack_from("<H", meta, vtable + slot)[0] if slot < vtable_len else 0
+    return table + offset if offset else 0
+
+
 def _parse_message_header(meta: bytes) -> tuple[int, int]:
     """``(header_type, body_len)`` of an Arrow IPC ``Message`` flatbuffer.
 
@@ -455,19 +468,10 @@ def _parse_message_header(meta: bytes) -> tuple[int, int]:
     """
     try:
         root = struct.unpack_from("<I", meta, 0)[0]
-        vtable = root - struct.unpack_from("<i", meta, root)[0]
-        vtable_len = struct.unpack_from("<H", meta, vtable)[0]
-        if vtable < 0 or vtable_len < 4 or vtable + vtable_len > len(meta):
-            raise ValueError("bad vtable")
-
-        def field_offset(index: int) -> int:
-            slot = 4 + 2 * index
-            return struct.unpack_from("<H", meta, vtable + slot)[0] if slot < vtable_len else 0
-
-        version_at, type_at, body_at = field_offset(0), field_offset(1), field_offset(3)
-        version = struct.unpack_from("<h", meta, root + version_at)[0] if version_at else 0
-        header_type = meta[root + type_at] if type_at else 0
-        body_len = struct.unpack_from("<q", meta, root + body_at)[0] if body_at else 0
+        version_at, type_at, body_at = (_table_field(meta, root, i) for i in (0, 1, 3))
+        version = struct.unpack_from("<h", meta, version_at)[0] if version_at else 0
+        header_type = meta[type_at] if type_at else 0
+        body_len = struct.unpack_from("<q", meta, body_at)[0] if body_at else 0
     except (struct.error, IndexError) as exc:
         raise ValueError(f"malformed message header ({exc})") from None
     if not 0 <= version <= 4 or header_type not in (1, 2, 3) or body_len < 0:
@@ -475,6 +479,62 @@ def _parse_message_header(meta: bytes) -> tuple[int, int]:
             f"malformed message header (version {version}, type {header_type}, body {body_len})"
         )
     return header_type, body_len
+
+
+def _record_batch_rows(meta: bytes) -> int | None:
+    """Rows of a ``RecordBatch`` message: its ``length``, when the first column's node
+    agrees (a damaged header that disagrees counts as None; reading it fails later)."""
+    try:
+        root = struct.unpack_from("<I", meta, 0)[0]
+        header_at = _table_field(meta, root, 2)
+        if not header_at:
+            return None
+        batch = header_at + struct.unpack_from("<I", meta, header_at)[0]
+        length_at, nodes_at = _table_field(meta, batch, 0), _table_field(meta, batch, 1)
+        length = struct.unpack_from("<q", meta, length_at)[0] if length_at else 0
+        if not nodes_at:
+            return None
+        nodes = nodes_at + struct.unpack_from("<I", meta, nodes_at)[0]
+        if struct.unpack_from("<I", meta, nodes)[0] == 0:
+            return None
+        first_column_rows = struct.unpack_from("<q", meta, nodes + 4)[0]
+    except (struct.error, IndexError, ValueError):
+        return None
+    return length if length == first_column_rows and length >= 0 else None
+
+
+def count_rows(path: str | os.PathLike[str], file_bytes: int) -> int:
+    """Rows in the complete record batches of a trace stream, from the message headers
+    alone (each body is skipped, never read or decompressed).
+
+    Stops quietly at the first message that is cut, damaged or not a record batch
+    header it understands: reading the file reports those.
+    """
+    rows = 0
+    with open(path, "rb") as file:
+        offset = 0
+        while offset + 8 <= file_bytes:
+            file.seek(offset)
+            header = file.read(8)
+            continuation, meta_len = struct.unpack("<Ii", header)
+            if continuation != _CONTINUATION or not 0 < meta_len <= _MAX_METADATA_BYTES:
+                break
+            meta = file.read(meta_len)
+            if len(meta) < meta_len:
+                break
+            try:
+                header_type, body_len = _parse_message_header(meta)
+            except ValueError:
+                break
+            offset += 8 + meta_len + body_len
+            if offset > file_bytes:
+                break
+            if header_type == _HEADER_RECORD_BATCH:
+                batch_rows = _record_batch_rows(meta)
+                if batch_rows is None:
+                    break
+                rows += batch_rows
+    return rows
 
 
 class _FramedSource(io.RawIOBase):
@@ -685,6 +745,8 @@ class TraceReader:
         meta: its ``TraceMeta``.
         schema: its Arrow schema.
         file_bytes: its size.
+        num_rows: rows in its complete record batches (counted from the message
+            headers when it is opened).
         truncated: after an iteration reached the end: whether the tail was cut (a
             partial record batch, or no end-of-stream marker). Complete batches
             before the cut are read normally; nothing raises.
@@ -710,6 +772,16 @@ class TraceReader:
         self.schema = self._read_schema()
         self.meta = self._read_meta()
         self._check_columns()
+        try:
+            self.num_rows = count_rows(self.path, self.file_bytes)
+        except OSError as exc:
+            raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
+
+    @property
+    def rid_bound(self) -> int:
+        """Request ids lie below this: the trace's row count (ids are dense), at most
+        ``traces.schema.MAX_RID``. What sizes every per-request array."""
+        return min(self.num_rows, MAX_RID)
 
     # -- opening ---------------------------------------------------------------------
 
@@ -775,9 +847,9 @@ class TraceReader:
                 "it was not written by kvtrace",
             )
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._fail(TraceMetadataError, f"its kvtrace metadata is not valid JSON ({exc})") from None
+            data = parse_meta_json(raw)
+        except ValueError as exc:
+            raise self._fail(TraceMetadataError, f"its kvtrace {exc}") from None
         version = data.get("format_version") if isinstance(data, dict) else None
         if isinstance(version, int) and not isinstance(version, bool):
             if version > SCHEMA_VERSION:
@@ -1063,6 +1135,7 @@ def _type_matches(name: str, found: pa.DataType, expected: pa.DataType) -> bool:
 __all__ = [
     "COMPRESSIONS",
     "Compression",
+    "count_rows",
     "TraceReader",
     "TraceWriter",
 ]
