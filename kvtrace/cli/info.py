@@ -116,7 +116,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         tokens["spec_accepted"] += int(columns.accepted_len[is_spec].astype(np.int64).sum())
         tokens["spec_drafted"] += int(columns.draft_len[is_spec].astype(np.int64).sum())
         max_seq_len = max(max_seq_len, int(columns.seq_len.max()))
-        rid = columns.rid[(columns.rid >= 0) & (columns.rid < 1 << 28)]
+        rid = columns.rid[(columns.rid >= 0) & (columns.rid < reader.rid_bound)]
         if rid.size:
             top = int(rid.max())
             if top >= seen.shape[0]:
@@ -246,7 +246,7 @@ def validate_command(
     bad block hashes or token ids, and a truncated file.
     """
     reader = open_trace(trace)
-    checker = OpSequenceChecker(reader.meta)
+    checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
     shown: list[Problem] = []
     total = 0
     with _progress(reader, "validating") as update:
