@@ -223,14 +223,14 @@ class ReplayEngine:
         self._events = []
         alloc_s_before = st.allocator_s
         n = len(batch)
-        if n:
+        ok = self._screen(batch)
+        if ok is not None:  # skip mode: rows the checker refused never reach the replay
+            batch, ok = batch.take(np.flatnonzero(ok)), None
+        if len(batch):  # request ids are screened: below the trace's bound
             max_rid = int(batch.rid.max())
             for arr in (self._seen, self._dropped, self._prefill_target):
                 arr.ensure(max_rid)
-        ok = self._screen(batch)
-        if self.stopped_early:
-            return None
-        present = np.bincount(batch.op, minlength=len(OPS)) if n else np.zeros(len(OPS), np.int64)
+        present = np.bincount(batch.op, minlength=len(OPS)) if len(batch) else np.zeros(len(OPS), np.int64)
         if present[EXTEND] or present[PREALLOC]:
             self._tokens.ingest(batch)
             self._remember_prompts(batch, ok)
@@ -243,7 +243,7 @@ class ReplayEngine:
             if not present[op]:
                 continue
             if whole:
-                rows = np.arange(n)
+                rows = np.arange(len(batch))
             else:
                 mask = batch.op == op
                 rows = np.flatnonzero(mask if ok is None else mask & ok)
@@ -310,7 +310,15 @@ class ReplayEngine:
         for p in problems:
             self._events.append(Event("bad_op", p.rid, 0, p.problem))
         if bad_rids:
-            ok &= ~np.isin(batch.rid, np.fromiter(bad_rids, np.int64))
+            bad = np.fromiter(bad_rids, np.int64)
+            ok &= ~np.isin(batch.rid, bad)
+            # The checker adopts a bad row as recorded; the replay cannot, so the request
+            # leaves the replay (ids outside the trace's bound never entered it).
+            bad = bad[(bad >= 0) & (bad < self._checker.rid_bound)]
+            if bad.size:
+                self._dropped.ensure(int(bad.max()))
+                for rid in bad[~self._dropped.a[bad]].tolist():
+                    self._drop(rid, "dropped after a bad op")
         self.stats.skipped_ops += int((~ok).sum())
         return ok
 
@@ -446,12 +454,13 @@ class ReplayEngine:
             self._drop(res.rid)
             rows = rows[batch.rid[rows] != res.rid]
 
-    def _drop(self, rid: int) -> None:
+    def _drop(self, rid: int, detail: str = "dropped after out of memory") -> None:
         """Skip mode: the request leaves the replay; whatever it holds is released."""
         st = self.stats
+        self._dropped.ensure(rid)
         self._dropped.a[rid] = True
         st.dropped_requests += 1
-        self._events.append(Event("dropped", rid, 0, "dropped after out of memory"))
+        self._events.append(Event("dropped", rid, 0, detail))
         r = np.array([rid], np.int64)
         if self.allocator.holds_kv(r)[0]:
             lens = self.allocator.request_lens(r)
