@@ -974,6 +974,7 @@ class RecordOptions:
     flush_interval_s: float | None = 1.0
     compact_steps_per_batch: int | None = 256
     source: TraceSource | None = None
+    force: bool = False  # build the pool even when it looks bigger than the free memory
 
 
 class RecordResult(NamedTuple):
@@ -995,6 +996,8 @@ def record_workload(
         traces.workloads.WorkloadFileError: a bad row or column in the workload.
         traces.errors.TraceWriteError: the trace cannot be written.
         ValueError: inconsistent options.
+        ConfigError: the pool cannot be built, or needs more memory than the machine
+            has (without ``options.force``).
     """
     from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
 
@@ -1015,7 +1018,7 @@ def record_workload(
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
     from allocator import create_allocator
-    from kvtrace.config import allocator_config_for
+    from kvtrace.config import RECORD_OPTIONS, allocator_config_for, check_memory
     from kvtrace.record import Recorder
 
     block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
@@ -1064,7 +1067,9 @@ def record_workload(
             "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
         },
     )
-    allocator = create_allocator(allocator_config_for(meta, device=options.device))
+    allocator_config = allocator_config_for(meta, device=options.device)
+    check_memory(allocator_config, num_rids=total, names=RECORD_OPTIONS, force=options.force)
+    allocator = create_allocator(allocator_config)
     with Recorder(
         options.out,
         meta,

@@ -120,6 +120,17 @@ class TokenStore:
             block hashes (every prompt position is then unique to its request).
     """
 
+    # Bytes per request id (prompt length, filled length, logged flag) and per token
+    # of live content (an int64 id in a buffer grown by doubling).
+    BYTES_PER_RID = 17
+    BYTES_PER_TOKEN = 16
+
+    @classmethod
+    def bytes_bound(cls, num_tokens: int, num_rids: int) -> int:
+        """Most bytes a store holds for ``num_rids`` request ids whose live requests
+        hold ``num_tokens`` tokens together (the KV pool's size bounds what they hold)."""
+        return num_tokens * cls.BYTES_PER_TOKEN + num_rids * cls.BYTES_PER_RID
+
     def __init__(self, block_size: int | None) -> None:
         self.block_size = block_size
         self._prompt_len = np.full(1024, -1, np.int64)  # per rid, -1 unknown

@@ -141,7 +141,7 @@ def record_command(
     flush_interval: Annotated[
         float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).")
     ] = FLUSH_INTERVAL_S,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out; build the pool even when it looks bigger than the free memory.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
@@ -238,6 +238,7 @@ def record_command(
         overwrite=force,
         flush_interval_s=flush_interval or None,
         compact_steps_per_batch=compact or None,
+        force=force,
     )
 
     progress_cb = None

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from kvtrace.cli import app
+from kvtrace.config import check_memory, replay_names
 from kvtrace.errors import ConfigError
 from kvtrace.registry import resolve_version
 from kvtrace.replay import ReplayEngine, ReplayOptions, allocator_config_for
@@ -65,6 +66,7 @@ def replay(
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the step-by-step state log (Arrow stream) here.")] = None,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Build the pool even when it looks bigger than the free memory.")] = False,
 ) -> None:
     """Replay TRACE through the allocator with its invariants checked; print a summary.
 
@@ -86,9 +88,11 @@ def replay(
     version = resolve_version(allocator)
     reader = open_trace(trace)
     config = allocator_config_for(reader.meta, page_size=page_size, pool_tokens=pool_tokens, device=device)
+    names = replay_names(pool_tokens=pool_tokens is not None, page_size=page_size is not None)
+    check_memory(config, num_rids=reader.rid_bound, names=names, force=force)
     # The step checker runs in a child process on another core; start it before the
     # allocator (which may initialise CUDA).
-    checker = BackgroundChecker(reader.path, stop=stop)
+    checker = BackgroundChecker(reader.path, stop=stop, rid_bound=reader.rid_bound)
     alloc = version.create(config)
     options = ReplayOptions(check=check, on_oom=on_oom, on_bad_op=on_bad_op, start_step=start, stop_step=stop)  # type: ignore[arg-type]
     engine = ReplayEngine(reader.steps(), reader.meta, alloc, options, checker=checker)
