@@ -27,6 +27,7 @@ folded into the buffers on demand. Only live requests cost memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,16 +53,11 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-_offset_tables: dict[int, np.ndarray] = {}
-
-
+@functools.lru_cache(maxsize=8)  # a process sees a few block sizes (one per trace)
 def _offset_table(block_size: int) -> np.ndarray:
-    table = _offset_tables.get(block_size)
-    if table is None:
-        offsets = np.arange(block_size, dtype=np.uint64) + _OFFSET_SALT
-        table = splitmix64(offsets) & _LOW_62
-        table.flags.writeable = False
-        _offset_tables[block_size] = table
+    offsets = np.arange(block_size, dtype=np.uint64) + _OFFSET_SALT
+    table = splitmix64(offsets) & _LOW_62
+    table.flags.writeable = False
     return table
 
 
