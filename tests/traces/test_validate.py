@@ -27,6 +27,7 @@ def step(number: int, *rows: dict[str, object], time_s: float | None = None, sor
         append_len=column("append_len", 0),
         draft_len=column("draft_len", 0),
         accepted_len=column("accepted_len", 0),
+        prefix_len=column("prefix_len", 0),
         prompt_len=column("prompt_len", None),
         block_hashes=column("block_hashes", None),
         token_ids=column("token_ids", None),

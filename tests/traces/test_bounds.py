@@ -1,0 +1,226 @@
+"""Every value of an untrusted trace is checked before it sizes or drives anything.
+
+Metadata fields (``TraceMeta.from_dict``), the reader's row count (the bound of
+request ids), and the op-sequence rules on columns an op kind does not use.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.traces.test_validate import messages, row, run, step
+from traces.errors import TraceMetadataError
+from traces.io import TraceReader, count_rows
+from traces.samples import sample_path
+from traces.schema import MAX_RID, METADATA_KEY, SpecSettings, TraceMeta
+from traces.validate import BackgroundChecker, OpSequenceChecker
+
+
+def _meta(**edits: Any) -> dict[str, Any]:
+    """The JSON of a valid metadata with ``edits`` ("config.spec.topk" style paths; None removes)."""
+    data = json.loads(make_meta(spec=SpecSettings()).to_json())
+    for path, value in edits.items():
+        *parents, key = path.split("__")
+        node = data
+        for name in parents:
+            node = node[name]
+        if value is None:
+            node.pop(key, None)
+        else:
+            node[key] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        ({"config__pool_tokens": 10**12}, "'config.pool_tokens' must be an integer in [1, 2147483647], found 1000000000000"),
+        ({"config__max_context_len": 2**31}, "'config.max_context_len' must be an integer in [1, 2147483647]"),
+        ({"config__max_running": True}, "'config.max_running' is missing or not an integer"),
+        ({"config__page_size": 0}, "'config.page_size' must be positive, found 0"),
+        ({"config__chunk_size": "8k"}, "'config.chunk_size' must be an integer in [1, 2147483647], found '8k'"),
+        ({"config__pd_decode": "false"}, "'config.pd_decode' must be true or false, found 'false'"),
+        ({"config__radix_cache": 1}, "'config.radix_cache' must be true or false, found 1"),
+        ({"config__spec": [3, 1, 4]}, "'config.spec' must be an object or null, found [3, 1, 4]"),
+        ({"config__spec__num_draft_tokens": 2**30}, "'config.spec.num_draft_tokens' must be an integer in [1, 1024]"),
+        ({"config__spec__topk": 0}, "'config.spec.topk' must be an integer in [1, 1024], found 0"),
+        ({"config__spec__algorithm": "medusa"}, "'config.spec.algorithm' must be one of eagle, eagle3, standalone, dflash"),
+        ({"config__spec__width": 3}, "unexpected key 'config.spec.width'"),
+        ({"block_size": 2**40}, "'block_size' must be an integer in [1, 1048576], found 1099511627776"),
+        ({"block_size": 1.5}, "'block_size' must be an integer in [1, 1048576], found 1.5"),
+        ({"model__num_layers": "32"}, "'model.num_layers' must be an integer in [1, 1048576], found '32'"),
+        ({"model__num_kv_heads": 10**9}, "'model.num_kv_heads' must be an integer in [1, 1048576]"),
+        ({"model__dtype": 16}, "'model.dtype' must be a string, found 16"),
+        ({"model__experts": 8}, "unexpected key 'model.experts'"),
+        ({"source__license": ["MIT"]}, "'source.license' must be a string, found [\"MIT\"]"),
+        ({"source": "kimi"}, "'source' must be an object or null, found 'kimi'"),
+        ({"extra": [1]}, "'extra' must be an object or null, found [1]"),
+        ({"created_at": 20240101}, "'created_at' must be a string, found 20240101"),
+        ({"format_version": True}, "no integer 'format_version'"),
+    ],
+)
+def test_every_metadata_field_is_checked(edits: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        TraceMeta.from_dict(_meta(**edits))
+    assert message in str(info.value)
+
+
+def test_valid_metadata_round_trips_and_optional_fields_default() -> None:
+    meta = make_meta(spec=SpecSettings(num_steps=5, topk=4, num_draft_tokens=8), pd_decode=True)
+    assert TraceMeta.from_json(meta.to_json()) == meta
+    bare = TraceMeta.from_dict(_meta(config__spec=None, config__chunk_size=None, model=None, source=None))
+    assert bare.config.spec is None and bare.model.num_layers == 32 and bare.source.engine == "unknown"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "metadata is not valid JSON"),
+        (b'{"format_version": ' + b"9" * 5000 + b"}", "metadata is not valid JSON"),
+        (b"\xff\xfe", "metadata is not valid JSON"),
+        (b"[]", "metadata is not a JSON object"),
+    ],
+)
+def test_hostile_metadata_bytes_are_one_metadata_error(tmp_path: Path, raw: bytes, message: str) -> None:
+    path = write_steps(tmp_path / "t.kvtrace", decode_steps(2))
+    table = pa.ipc.open_stream(str(path)).read_all()
+    with pa.OSFile(str(tmp_path / "m.kvtrace"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema.with_metadata({METADATA_KEY: raw})) as writer:
+            writer.write_table(table)
+    with pytest.raises(TraceMetadataError) as info:
+        TraceReader(tmp_path / "m.kvtrace")
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# -------------------------------------------------------------------- rows and rid bound
+
+
+@pytest.mark.parametrize("name", ["tiny", "mooncake-tiny"])
+def test_the_row_count_comes_from_the_headers_and_bounds_request_ids(name: str) -> None:
+    reader = TraceReader(sample_path(name))
+    rows = sum(batch.num_rows for batch in reader.iter_batches())
+    assert reader.num_rows == rows and reader.rid_bound == rows
+    assert OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound).rid_bound == rows
+    assert OpSequenceChecker(reader.meta, rid_bound=10 * MAX_RID).rid_bound == MAX_RID
+
+
+def test_the_row_count_stops_at_a_cut_or_damaged_batch(tmp_path: Path) -> None:
+    path = write_steps(tmp_path / "t.kvtrace", decode_steps(6, rows=5), steps_per_batch=2)
+    full = path.stat().st_size
+    assert count_rows(path, full) == 30
+    data = path.read_bytes()
+    cut = tmp_path / "cut.kvtrace"
+    cut.write_bytes(data[: full - 40])  # inside the last batch
+    assert count_rows(cut, cut.stat().st_size) == 20 and TraceReader(cut).num_rows == 20
+    garbage = tmp_path / "garbage.kvtrace"
+    garbage.write_bytes(b"\x00" * 64)
+    assert count_rows(garbage, 64) == 0
+
+
+def test_ids_beyond_the_row_count_are_problems_and_negative_ids_keep_their_message() -> None:
+    batch = step(0, row("extend", 0, 4, 4, prompt_len=4), row("extend", 5, 4, 4, prompt_len=4),
+                 row("extend", -1, 4, 4, prompt_len=4))
+    checker = OpSequenceChecker(make_meta(), rid_bound=3)
+    found = checker.check(batch)
+    assert messages(found) == [
+        "step 0, request 5: request id outside [0, 3) (ids are dense, from 0, fewer than the trace's 3 rows)",
+        "step 0, request -1: request id outside [0, 3) (ids are dense, from 0, fewer than the trace's 3 rows)",
+    ]
+    assert checker._phase.shape[0] <= 1024  # nothing grew past the bound
+    unbounded = OpSequenceChecker(make_meta())
+    assert messages(unbounded.check(step(0, row("extend", -3, 4, 4, prompt_len=4)))) == [
+        "step 0, request -3: request id outside [0, 2**24) (ids are dense, from 0)"
+    ]
+
+
+# ------------------------------------------------------------------ columns by op kind
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)),
+             step(1, row("spec", 0, 6, 2, draft_len=2**30, accepted_len=2))],
+            ["step 1, request 0: draft_len 1073741824 exceeds config.spec.num_draft_tokens 4"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("finish", 0, 4, 0, draft_len=3))],
+            ["step 1, request 0: draft_len 3 on a finish row (only spec rows carry it; it must be 0)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("decode", 0, 5, 1, accepted_len=1))],
+            ["step 1, request 0: accepted_len 1 on a decode row (only spec rows carry it; it must be 0)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4, prefix_len=10**12))],
+            ["step 0, request 0: prefix_len 1000000000000 exceeds seq_len 4 (the matched prefix is part of the sequence)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4, prefix_len=-2))],
+            ["step 0, request 0: prefix_len is negative (-2)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("decode", 0, 5, 1, prefix_len=4))],
+            ["step 1, request 0: prefix_len 4 on a decode row (only extend and prealloc rows carry it; it must be 0)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=10**12))],
+            ["step 0, request 0: prompt_len 1000000000000 exceeds config.max_context_len 4096"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(2**62, row("decode", 0, 5, 1))],
+            ["step 4611686018427387904: step 4611686018427387904 outside [0, 2**53)"],
+        ),
+    ],
+)
+def test_columns_are_checked_against_their_meaning(steps: list[Any], expected: list[str]) -> None:
+    problems, _ = run(steps, spec=SpecSettings())
+    assert messages(problems) == expected
+
+
+def test_a_plain_decode_step_with_a_stray_column_is_not_waved_through() -> None:
+    """The fast path for decode-only steps checks the unused columns too."""
+    start = step(0, *(row("extend", r, 4, 4, prompt_len=4) for r in range(3)))
+    decode = step(1, *(row("decode", r, 5, 1, draft_len=int(r == 1)) for r in range(3)))
+    problems, _ = run([start, decode])
+    assert messages(problems) == ["step 1, request 1: draft_len 1 on a decode row (only spec rows carry it; it must be 0)"]
+
+
+def test_background_checker_follows_steps_that_go_back(tmp_path: Path) -> None:
+    """A step number out of order (2**62 then 3) is reported, never 'no reason given'."""
+    first = step(0, row("extend", 0, 1, 1, prompt_len=1), row("extend", 1, 1, 1, prompt_len=1))
+    chain = [first] + [
+        step(s, row("decode", 0, 2 + i, 1), row("decode", 1, 2 + i, 1), time_s=1.0 + i)
+        for i, s in enumerate((1, 2, 2**62, 3, 4))
+    ]
+    meta = make_meta()
+    path = tmp_path / "t.kvtrace"
+    # The writer refuses decreasing steps: write the parts apart, then join their batches.
+    parts = [
+        pa.ipc.open_stream(str(write_steps(tmp_path / f"part{i}.kvtrace", chunk, meta=meta))).read_all()
+        for i, chunk in enumerate((chain[:4], chain[4:]))
+    ]
+    table = parts[0]
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for part in parts:
+            writer.write_table(part)
+    reader = TraceReader(path)
+    inline = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
+    seen = []
+    with BackgroundChecker(path, rid_bound=reader.rid_bound) as background:
+        for batch in reader.steps():
+            problems = background.check(batch)
+            assert problems == inline.check(batch)
+            seen.extend(messages(problems))
+    assert seen == [
+        "step 4611686018427387904: step 4611686018427387904 outside [0, 2**53)",
+        "step 3: step 3 comes after step 4611686018427387904: steps must not decrease",
+        "step 4: step 4 comes after step 4611686018427387904: steps must not decrease",
+    ]
