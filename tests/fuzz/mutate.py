@@ -29,10 +29,10 @@ from traces.schema import MAX_RID, MAX_STEP, MAX_TOKENS, METADATA_KEY, OPS
 # replay takes a fraction of a second.
 SEED_SAMPLES: tuple[tuple[str, int], ...] = (
     ("tiny", 1 << 30),
-    ("mooncake-tiny", 1500),
-    ("mooncake-eagle", 1500),
-    ("mooncake-pressure", 1500),
-    ("azure-code", 1500),
+    ("mooncake-tiny", 1000),
+    ("mooncake-eagle", 1000),
+    ("mooncake-pressure", 1000),
+    ("azure-code", 1000),
 )
 _OPTIONAL = ("draft_len", "accepted_len", "prefix_len", "prompt_len", "block_hashes", "token_ids")
 _NUMERIC = ("step", "rid", "seq_len", "append_len", "draft_len", "accepted_len", "prefix_len", "prompt_len")
@@ -77,14 +77,16 @@ def load_seeds() -> list[Seed]:
         table = pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
         table = table.slice(0, _whole_steps(table, max_rows))
         meta = json.loads(reader.schema.metadata[METADATA_KEY])
-        # A context no longer than the cut needs keeps each replay's request table small.
-        longest = max(pc_max(table, "seq_len"), pc_max(table, "prompt_len"))
-        meta["config"]["max_context_len"] = min(meta["config"]["max_context_len"], 2 * longest)
+        # Rows and a context no larger than the cut needs keep each replay's request table small.
+        config = meta["config"]
+        longest = max(_column_max(table, "seq_len"), _column_max(table, "prompt_len"))
+        config["max_context_len"] = min(config["max_context_len"], longest + 64)
+        config["max_running"] = min(config["max_running"], len(np.unique(_column_numpy(table, "rid"))))
         seeds.append(Seed(name, meta, table))
     return seeds
 
 
-def pc_max(table: pa.Table, name: str) -> int:
+def _column_max(table: pa.Table, name: str) -> int:
     return int(_column_numpy(table, name).max(initial=1))
 
 
