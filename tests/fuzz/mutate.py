@@ -29,10 +29,10 @@ from traces.schema import MAX_RID, MAX_STEP, MAX_TOKENS, METADATA_KEY, OPS
 # replay takes a fraction of a second.
 SEED_SAMPLES: tuple[tuple[str, int], ...] = (
     ("tiny", 1 << 30),
-    ("mooncake-tiny", 1000),
-    ("mooncake-eagle", 1000),
-    ("mooncake-pressure", 1000),
-    ("azure-code", 1000),
+    ("mooncake-tiny", 600),
+    ("mooncake-eagle", 600),
+    ("mooncake-pressure", 600),
+    ("azure-code", 600),
 )
 _OPTIONAL = ("draft_len", "accepted_len", "prefix_len", "prompt_len", "block_hashes", "token_ids")
 _NUMERIC = ("step", "rid", "seq_len", "append_len", "draft_len", "accepted_len", "prefix_len", "prompt_len")
@@ -501,8 +501,9 @@ def make_case(seeds: list[Seed], rng: np.random.Generator) -> Case:
         edit = STRUCTURAL[int(rng.choice(len(STRUCTURAL), p=weights / weights.sum()))][0]
         try:
             note = edit(case, rng)
-        except (pa.ArrowException, OverflowError, ValueError, TypeError) as exc:
-            note = f"not applicable ({type(exc).__name__})"  # e.g. a value the retyped column cannot hold
+        except (pa.ArrowException, OverflowError, ValueError, TypeError, KeyError) as exc:
+            # e.g. a value a retyped column cannot hold, or an edit of a column dropped before
+            note = f"not applicable ({type(exc).__name__})"
         case.notes.append(f"{edit.__name__}: {note}")
     if rng.random() < 0.2:
         case.byte_edits.append(BYTE_EDITS[int(rng.integers(len(BYTE_EDITS)))])

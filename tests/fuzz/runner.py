@@ -120,8 +120,13 @@ def run_case(
 ) -> list[Failure]:
     """Build case ``case_seed``, run the commands on it, and return what went wrong."""
     rng = np.random.default_rng(case_seed)
-    case: Case = make_case(seeds, rng)
-    path = write(case, workdir / f"case-{case_seed}.kvtrace", rng)
+    path = workdir / f"case-{case_seed}.kvtrace"
+    try:
+        case: Case = make_case(seeds, rng)
+        write(case, path, rng)
+    except Exception as exc:  # noqa: BLE001 - a fault of the fuzzer itself, reported as such
+        path.unlink(missing_ok=True)
+        return [Failure(case_seed, "mutate", f"the fuzzer could not build the case: {type(exc).__name__}: {exc}", ())]
     runner = runner or CliRunner()
     failures = []
     try:
