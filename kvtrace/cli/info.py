@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -151,7 +152,17 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
     }
 
 
+def _escaped(value: Any) -> Any:
+    """``value`` with every string escaped for rich markup (metadata is the trace's text)."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {key: _escaped(item) for key, item in value.items()}
+    return value
+
+
 def _render_info(info: dict[str, Any]) -> None:
+    info = _escaped(info)
     console = Console()
     table = Table(title=f"kvtrace info: {info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")

@@ -185,3 +185,13 @@ def test_record_with_an_impossible_pool_is_one_line(tmp_path: Path) -> None:
     assert code == 2 and "not enough memory" in line and "100,000,000 rows (--max-running)" in line
     assert line.endswith("lower --max-running or --context-len, or pass --force to try anyway")
     assert not out.exists()
+
+
+def test_metadata_text_is_shown_as_text_not_markup(tmp_path: Path) -> None:
+    def edit(meta: dict[str, Any]) -> None:
+        meta["source"].update(engine="[/]oops[bold", license="[link=x]")
+
+    path = edited(tmp_path, "tiny", meta=edit)
+    code, out, err = invoke("info", str(path))
+    assert code == 0 and err == ""
+    assert "[/]oops[bold" in out and "[link=x]" in out
