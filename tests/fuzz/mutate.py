@@ -336,7 +336,7 @@ def retype_column(case: Case, rng: np.random.Generator) -> str:
 
 _RETYPED: tuple[Any, ...] = (
     "abc", "", 1.5, True, False, None, [], {}, [1, 2], {"a": 1}, -1, 0, 1, 2**31, 2**31 - 1,
-    10**12, 2**63, -(2**63) - 1, 10**30, "1" * 300, float("nan"),
+    10**12, 2**63, -(2**63) - 1, 10**30, "1" * 300, float("nan"), "[/]x[bold", "line\nbreak",
 )
 
 

@@ -74,8 +74,10 @@ CHECK_EVERY_MAX_POOL = 1 << 16
 
 
 def commands_for(path: Path, case: Case, rng: np.random.Generator) -> list[list[str]]:
-    """The commands a case runs: info, validate, and a replay with varied options."""
-    replay = ["replay", str(path), "--json"]
+    """The commands a case runs: info, validate, and a replay with varied options, most
+    with ``--json``, some rendering their tables."""
+    as_json = ["--json"] if rng.random() < 0.7 else []
+    replay = ["replay", str(path), *as_json]
     if rng.random() < 0.3:
         replay += ["--on-bad-op", "skip"]
     if rng.random() < 0.2:
@@ -83,7 +85,7 @@ def commands_for(path: Path, case: Case, rng: np.random.Generator) -> list[list[
     pool = case.seed.meta.get("config", {}).get("pool_tokens") if isinstance(case.seed.meta.get("config"), dict) else None
     if rng.random() < 0.1 and isinstance(pool, int) and pool <= CHECK_EVERY_MAX_POOL:
         replay += ["--check", "every"]
-    return [["info", str(path), "--json"], ["validate", str(path), "--json"], replay]
+    return [["info", str(path), *as_json], ["validate", str(path), *as_json], replay]
 
 
 def judge(args: list[str], exit_code: int, stdout: str, stderr: str, exception: BaseException | None) -> str | None:
@@ -102,6 +104,8 @@ def judge(args: list[str], exit_code: int, stdout: str, stderr: str, exception: 
         return None
     if errors:
         return f"exit {exit_code} with an error line: {errors[0][:300]}"
+    if "--json" not in args:
+        return None if stdout.strip() else f"exit {exit_code} and nothing on stdout"
     try:
         json.loads(stdout)
     except ValueError:
@@ -145,7 +149,8 @@ def run_case(
                 reason = f"peak memory grew by {grown / 2**20:.0f} MiB (limit {memory_limit / 2**20:.0f} MiB)"
             if reason is not None:
                 wall = time.perf_counter() - t0
-                failures.append(Failure(case_seed, " ".join(args[:1] + args[2:]), f"{reason} ({wall:.1f} s)", tuple(case.notes)))
+                command = " ".join(args[:1] + args[2:])
+                failures.append(Failure(case_seed, command, f"{reason} ({wall:.1f} s)", tuple(case.notes)))
     finally:
         path.unlink(missing_ok=True)
     return failures

@@ -58,8 +58,13 @@ def test_the_seeded_quick_run_finds_nothing(seeds: list[Seed], tmp_path: Path) -
     ],
 )
 def test_the_judge(exit_code: int, stdout: str, stderr: str, verdict: str | None) -> None:
-    found = judge(["replay"], exit_code, stdout, stderr, None)
+    found = judge(["replay", "t.kvtrace", "--json"], exit_code, stdout, stderr, None)
     assert found is None if verdict is None else verdict in str(found)
+
+
+def test_the_judge_of_a_rendered_table() -> None:
+    assert judge(["info", "t.kvtrace"], 0, "kvtrace info: t.kvtrace\n...", "", None) is None
+    assert "nothing on stdout" in str(judge(["info", "t.kvtrace"], 0, "", "", None))
 
 
 def test_an_exception_escaping_the_command_fails_the_case() -> None:
