@@ -437,6 +437,9 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
 
 _CONTINUATION = 0xFFFFFFFF
 _MAX_METADATA_BYTES = 64 << 20  # kvtrace message headers are a few hundred bytes
+# A record batch may decompress to at most this: a writer's batch of 256 steps holds a few
+# MiB. pyarrow allocates the sizes a compressed buffer declares before it decompresses.
+MAX_BATCH_BYTES = 1 << 30
 _HEADER_SCHEMA, _HEADER_DICTIONARY, _HEADER_RECORD_BATCH = 1, 2, 3
 _ARROW_FILE_MAGIC = b"ARROW1"
 _EOS_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -501,6 +504,33 @@ def _record_batch_rows(meta: bytes) -> int | None:
     except (struct.error, IndexError, ValueError):
         return None
     return length if length == first_column_rows and length >= 0 else None
+
+
+def _decompressed_size(meta: bytes, body: bytes) -> int:
+    """Bytes a ``RecordBatch`` message's body decompresses to, as its buffers declare.
+
+    An uncompressed body is its own size. A compressed buffer starts with its
+    uncompressed length (int64; -1: stored uncompressed). A header that cannot be
+    parsed counts as the body's size (reading it fails later).
+    """
+    try:
+        root = struct.unpack_from("<I", meta, 0)[0]
+        header_at = _table_field(meta, root, 2)
+        batch = header_at + struct.unpack_from("<I", meta, header_at)[0]
+        buffers_at, compression_at = _table_field(meta, batch, 2), _table_field(meta, batch, 3)
+        if not compression_at or not buffers_at:
+            return len(body)
+        vector = buffers_at + struct.unpack_from("<I", meta, buffers_at)[0]
+        count = struct.unpack_from("<I", meta, vector)[0]
+        total = 0
+        for i in range(count):
+            offset, length = struct.unpack_from("<qq", meta, vector + 4 + 16 * i)
+            if length >= 8 and 0 <= offset <= len(body) - 8:
+                declared = struct.unpack_from("<q", body, offset)[0]
+                total += length - 8 if declared == -1 else max(0, declared)
+        return total
+    except (struct.error, IndexError, ValueError):
+        return len(body)
 
 
 def count_rows(path: str | os.PathLike[str], file_bytes: int) -> int:
@@ -654,6 +684,13 @@ class _FramedSource(io.RawIOBase):
         body = self._file.read(body_len) if body_len else b""
         if len(body) < body_len:  # the file shrank while being read
             return self._truncated(f"the last message is incomplete ({len(body)} of {body_len} bytes)")
+        if header_type == _HEADER_RECORD_BATCH:
+            size = _decompressed_size(meta, body)
+            if size > MAX_BATCH_BYTES:
+                return self._corrupt(
+                    offset, f"a record batch declares {size:,} bytes of decompressed data, more than a "
+                    f"trace's batch may hold ({MAX_BATCH_BYTES:,})"
+                )
         self.messages.append(_Message(offset, header_type, body_len))
         if header_type == _HEADER_RECORD_BATCH:
             self.num_record_batches += 1

@@ -224,3 +224,41 @@ def test_background_checker_follows_steps_that_go_back(tmp_path: Path) -> None:
         "step 3: step 3 comes after step 4611686018427387904: steps must not decrease",
         "step 4: step 4 comes after step 4611686018427387904: steps must not decrease",
     ]
+
+
+def test_a_batch_declaring_a_huge_decompressed_size_is_refused_before_it_is_decoded(tmp_path: Path) -> None:
+    """pyarrow allocates what a compressed buffer declares: the reader checks the sum first."""
+    import struct
+
+    from traces.errors import TraceCorruptError
+    from traces.io import MAX_BATCH_BYTES, _parse_message_header, _table_field
+
+    path = write_steps(tmp_path / "t.kvtrace", decode_steps(4, rows=50), steps_per_batch=2)
+    data = bytearray(path.read_bytes())
+    offset, patched = 0, False
+    while not patched:
+        meta_len = struct.unpack_from("<i", data, offset + 4)[0]
+        meta = bytes(data[offset + 8 : offset + 8 + meta_len])
+        header_type, body_len = _parse_message_header(meta)
+        body_at = offset + 8 + meta_len
+        if header_type == 3:
+            root = struct.unpack_from("<I", meta, 0)[0]
+            header = _table_field(meta, root, 2)
+            batch = header + struct.unpack_from("<I", meta, header)[0]
+            vector_at = _table_field(meta, batch, 2)
+            vector = vector_at + struct.unpack_from("<I", meta, vector_at)[0]
+            for i in range(struct.unpack_from("<I", meta, vector)[0]):
+                buffer_offset, length = struct.unpack_from("<qq", meta, vector + 4 + 16 * i)
+                if length >= 8 and body_len and struct.unpack_from("<q", data, body_at + buffer_offset)[0] > 0:
+                    struct.pack_into("<q", data, body_at + buffer_offset, 1 << 40)
+                    patched = True
+                    break
+        offset = body_at + body_len
+    path.write_bytes(bytes(data))
+    with pytest.raises(TraceCorruptError) as info:
+        list(TraceReader(path).steps())
+    message = str(info.value)
+    assert f"bytes of decompressed data, more than a trace's batch may hold ({MAX_BATCH_BYTES:,})" in message
+    declared = int(message.split("declares ")[1].split(" bytes")[0].replace(",", ""))
+    assert 1 << 40 <= declared < (1 << 40) + (1 << 20)
+    assert "record batch" in str(info.value) and "\n" not in str(info.value)
