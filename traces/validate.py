@@ -51,8 +51,8 @@ NEW, PREFILL, DECODING, RETRACTED, ENDED = range(5)
 PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended")
 
 # Ids are dense from 0 (``traces.schema.MAX_RID``); per-request state costs this many
-# bytes per id up to the largest (phase, length, prompt, scratch).
-CHECKER_BYTES_PER_RID = 25
+# bytes per id up to the largest (phase, length, prompt, prefill end, scratch).
+CHECKER_BYTES_PER_RID = 33
 MAX_EXPLICIT_TOKEN = 1 << 62  # larger ids are reserved for synthetic content (traces.tokens)
 
 _OP_RANK = np.array(OP_RANK, np.int8)
@@ -140,6 +140,8 @@ class OpSequenceChecker:
         self._phase = np.zeros(1024, np.int8)
         self._length = np.zeros(1024, np.int64)
         self._prompt = np.full(1024, -1, np.int64)
+        # Where the request's prefill ends: its prompt, or its length when it was retracted.
+        self._target = np.full(1024, -1, np.int64)
         self._scratch = np.zeros(1024, np.int64)  # per rid, for the duplicate test
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -255,6 +257,7 @@ class OpSequenceChecker:
         self._phase = np.concatenate([self._phase, np.zeros(new - size, np.int8)])
         self._length = np.concatenate([self._length, np.zeros(new - size, np.int64)])
         self._prompt = np.concatenate([self._prompt, np.full(new - size, -1, np.int64)])
+        self._target = np.concatenate([self._target, np.full(new - size, -1, np.int64)])
 
     def _once(self, key: str) -> bool:
         if key in self._reported_once:
@@ -329,6 +332,9 @@ class OpSequenceChecker:
         phase = self._phase[rid]
         length = self._length[rid]
         known_prompt = self._prompt[rid]
+        is_new = phase == NEW
+        # Where the prefill ends: this row's prompt for a new request, else the one recorded.
+        target = np.where(is_new & (prompt_len >= 0), prompt_len, self._target[rid])
         counts = np.bincount(op, minlength=len(OPS))
 
         if counts[PREALLOC] and not self.pd_decode and self._once("prealloc"):
@@ -366,10 +372,11 @@ class OpSequenceChecker:
             alloc, seq_len == length + added, np.where(op == FINISH, seq_len <= length, seq_len == length)
         )
         if counts[DECODE] or counts[SPEC]:
-            ok &= ~(
-                _IS_DECODING_OP[op] & (phase == PREFILL) & (known_prompt >= 0) & (length < known_prompt)
-            )
-        is_new = phase == NEW
+            ok &= ~(_IS_DECODING_OP[op] & (phase == PREFILL) & (target >= 0) & (length < target))
+        if counts[EXTEND]:  # a new request prefills its prompt; once a prefill is done, it decodes
+            is_extend = op == EXTEND
+            ok &= ~(is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len))
+            ok &= ~(is_extend & (phase == PREFILL) & (target >= 0) & (length >= target))
         ok &= ~is_new | (prompt_len >= 0)
         ok &= (prompt_len < 0) | is_new | (known_prompt < 0) | (prompt_len == known_prompt)
         if not ok.all():
@@ -382,6 +389,10 @@ class OpSequenceChecker:
         sets_prompt = is_new & (prompt_len >= 0)
         if sets_prompt.any():
             self._prompt[rid[sets_prompt]] = prompt_len[sets_prompt]
+            self._target[rid[sets_prompt]] = prompt_len[sets_prompt]
+        if counts[RETRACT]:
+            retracted = op == RETRACT
+            self._target[rid[retracted]] = seq_len[retracted]
 
     def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
         """One message per broken rule for ``rows`` (each known to break at least one)."""
@@ -396,6 +407,7 @@ class OpSequenceChecker:
         phase = self._phase[rid]
         length = self._length[rid]
         known_prompt = self._prompt[rid]
+        target = np.where((phase == NEW) & (prompt_len >= 0), prompt_len, self._target[rid])
         explained = np.zeros(rows.shape[0], np.bool_)
 
         def report(mask: np.ndarray, message: object) -> None:
@@ -480,9 +492,10 @@ class OpSequenceChecker:
             lambda j: f"{OPS[op[j]]} of a retracted request, which holds no KV (abort ends it)",
         )
         report(
-            (is_decode | is_spec) & is_prefill & (known_prompt >= 0) & (length < known_prompt),
-            lambda j: f"{OPS[op[j]]} before the prefill is complete "
-            f"(length {int(length[j])} < prompt_len {int(known_prompt[j])})",
+            (is_decode | is_spec) & is_prefill & (target >= 0) & (length < target),
+            lambda j: f"{OPS[op[j]]} before the prefill is complete (length {int(length[j])} < "
+            + (f"prompt_len {int(target[j])})" if target[j] == known_prompt[j] else
+               f"{int(target[j])}, its length when it was retracted)"),
         )
         # Lengths are checked only where the phase made sense (one report per mistake).
         sane = ~np.logical_or.reduce(list(wrong_phase.values()))
@@ -501,6 +514,18 @@ class OpSequenceChecker:
             f"{int(before[j])} + {int(expected[j] - before[j])} appended = {int(expected[j])}",
         )
         report(is_extend & (append_len <= 0), "extend appends no tokens")
+        report(
+            is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len),
+            lambda j: f"extend to seq_len {int(seq_len[j])} beyond the prompt_len {int(prompt_len[j])} of a "
+            "new request (it prefills its prompt, then decodes)",
+        )
+        report(
+            is_extend & is_prefill & (target >= 0) & (length >= target),
+            lambda j: f"extend of a request whose prefill is complete (length {int(length[j])} >= "
+            + (f"prompt_len {int(target[j])}" if target[j] == known_prompt[j] else
+               f"{int(target[j])}, its length when it was retracted")
+            + "); after its prefill a request decodes",
+        )
         report(is_prealloc & (seq_len <= 0), "prealloc of no tokens")
         report(
             is_decode & (append_len != 1),

@@ -195,3 +195,23 @@ def test_metadata_text_is_shown_as_text_not_markup(tmp_path: Path) -> None:
     code, out, err = invoke("info", str(path))
     assert code == 0 and err == ""
     assert "[/]oops[bold" in out and "[link=x]" in out
+
+
+def test_prompt_lengths_that_end_a_prefill_early_are_problems_not_allocator_errors(tmp_path: Path) -> None:
+    """A first row claiming a 7-token prompt followed by more prefill chunks: the replay's
+    allocator would be asked to extend a request whose prefill is done."""
+    path = edited(tmp_path, "mooncake-tiny", column="prompt_len", where=first_row("extend"), value=7)
+    problems = validate_problems(path)
+    assert any("beyond the prompt_len 7 of a new request (it prefills its prompt, then decodes)" in p for p in problems)
+    line = replay_error(path)
+    assert "beyond the prompt_len 7" in line
+    code, out, err = invoke("replay", str(path), "--json", "--on-bad-op", "skip")
+    assert code == 1 and "internal error" not in err and json.loads(out)["dropped_requests"] >= 1
+
+
+def test_a_non_finite_time_in_skip_mode_keeps_the_json_valid(tmp_path: Path) -> None:
+    path = edited(tmp_path, "tiny", column="time_s", where=lambda t: t.num_rows - 1, value=float("inf"))
+    code, out, _ = invoke("replay", str(path), "--json", "--on-bad-op", "skip")
+    assert code == 1
+    summary = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert summary["duration_s"] > 0

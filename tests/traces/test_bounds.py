@@ -262,3 +262,38 @@ def test_a_batch_declaring_a_huge_decompressed_size_is_refused_before_it_is_deco
     declared = int(message.split("declares ")[1].split(" bytes")[0].replace(",", ""))
     assert 1 << 40 <= declared < (1 << 40) + (1 << 20)
     assert "record batch" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        (
+            [step(0, row("extend", 0, 10, 10, prompt_len=7))],
+            ["step 0, request 0: extend to seq_len 10 beyond the prompt_len 7 of a new request "
+             "(it prefills its prompt, then decodes)"],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("extend", 0, 6, 2))],
+            ["step 1, request 0: extend of a request whose prefill is complete (length 4 >= prompt_len 4); "
+             "after its prefill a request decodes"],
+        ),
+        (   # re-admitted after a retraction: the prefill may also cover the token sampled last
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("decode", 0, 5, 1)),
+             step(2, row("retract", 0, 5, 0)), step(3, row("extend", 0, 3, 3)),
+             step(4, row("extend", 0, 6, 3)), step(5, row("decode", 0, 7, 1))],
+            [],
+        ),
+        (
+            [step(0, row("extend", 0, 4, 4, prompt_len=4)), step(1, row("decode", 0, 5, 1)),
+             step(2, row("decode", 0, 6, 1)), step(3, row("retract", 0, 6, 0)),
+             step(4, row("extend", 0, 3, 3)), step(5, row("decode", 0, 4, 1))],
+            ["step 5, request 0: decode before the prefill is complete (length 3 < 6, its length when it "
+             "was retracted)"],
+        ),
+    ],
+)
+def test_a_prefill_ends_at_its_prompt_or_at_the_length_it_was_retracted_at(
+    steps: list[Any], expected: list[str]
+) -> None:
+    problems, _ = run(steps)
+    assert messages(problems) == expected
