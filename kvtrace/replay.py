@@ -265,9 +265,10 @@ class ReplayEngine:
             st.allocator_s += self._clock() - t0
         st.steps += 1
         st.ops += n
-        if st.first_time_s is None:
-            st.first_time_s = batch.time_s
-        st.last_time_s = batch.time_s
+        if np.isfinite(batch.time_s):  # a NaN or infinite time is a problem the checker reported
+            if st.first_time_s is None:
+                st.first_time_s = batch.time_s
+            st.last_time_s = batch.time_s
         counters = self.allocator.counters()
         pool = PoolSnapshot(*counters)
         used = pool.used_tokens

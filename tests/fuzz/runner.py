@@ -107,10 +107,14 @@ def judge(args: list[str], exit_code: int, stdout: str, stderr: str, exception: 
     if "--json" not in args:
         return None if stdout.strip() else f"exit {exit_code} and nothing on stdout"
     try:
-        json.loads(stdout)
-    except ValueError:
-        return f"exit {exit_code} and stdout is not one JSON object: {stdout[:200]!r}"
+        json.loads(stdout, parse_constant=_not_json)
+    except ValueError as exc:
+        return f"exit {exit_code} and stdout is not one JSON object ({exc}): {stdout[:200]!r}"
     return None
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def run_case(

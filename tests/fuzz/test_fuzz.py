@@ -53,6 +53,7 @@ def test_the_seeded_quick_run_finds_nothing(seeds: list[Seed], tmp_path: Path) -
         (2, "", "kvtrace: error: background validation stopped at step 3: no reason given\n", "says 'no reason given'"),
         (2, "", "kvtrace: error: one\nkvtrace: error: two\n", "without exactly one error line"),
         (0, "not json", "", "is not one JSON object"),
+        (0, '{"duration_s": Infinity}', "", "Infinity is not JSON"),
         (1, "{}", "kvtrace: error: x\n", "with an error line"),
         (3, "", "", "exit code 3"),
     ],
