@@ -222,7 +222,8 @@ class TraceMeta:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        """Strict JSON (a NaN or infinite number in ``extra`` is a ValueError): what readers accept."""
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceMeta:
@@ -287,10 +288,14 @@ class TraceMeta:
 def parse_meta_json(text: str | bytes) -> Any:
     """JSON text as Python objects; bad UTF-8, bad JSON, absurd nesting or numbers are a ValueError."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digit limits
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise ValueError(f"metadata is not valid JSON ({detail})") from None
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _is_int(value: Any) -> bool:

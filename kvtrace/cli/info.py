@@ -103,9 +103,12 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         sizes = np.diff(np.concatenate(([0], bounds, [n])))
         max_rows_per_step = max(max_rows_per_step, int(sizes.max()))
         if first_step is None:
-            first_step, first_time = int(step[0]), float(columns.time_s[0])
+            first_step = int(step[0])
         last_step = int(step[-1])
-        last_time = float(columns.time_s[-1]) if last_time is None else max(last_time, float(columns.time_s.max()))
+        times = columns.time_s[np.isfinite(columns.time_s)]  # NaN or infinite times: validate's problems
+        if times.size:
+            first_time = float(times[0]) if first_time is None else first_time
+            last_time = float(times.max()) if last_time is None else max(last_time, float(times.max()))
         rows += n
         op = columns.op
         ops += np.bincount(op, minlength=len(OPS))

@@ -85,6 +85,7 @@ def test_valid_metadata_round_trips_and_optional_fields_default() -> None:
         (b'{"format_version": ' + b"9" * 5000 + b"}", "metadata is not valid JSON"),
         (b"\xff\xfe", "metadata is not valid JSON"),
         (b"[]", "metadata is not a JSON object"),
+        (b'{"format_version": 1, "extra": {"rate": NaN}}', "metadata is not valid JSON (NaN is not a JSON number)"),
     ],
 )
 def test_hostile_metadata_bytes_are_one_metadata_error(tmp_path: Path, raw: bytes, message: str) -> None:
