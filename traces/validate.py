@@ -511,7 +511,7 @@ class OpSequenceChecker:
         report(
             is_alloc & sane & ~shrinks & (seq_len != expected),
             lambda j: f"seq_len {int(seq_len[j])} inconsistent with {OPS[op[j]]}: length before "
-            f"{int(before[j])} + {int(expected[j] - before[j])} appended = {int(expected[j])}",
+            f"{int(before[j])} + {int(expected[j]) - int(before[j])} appended = {int(expected[j])}",
         )
         report(is_extend & (append_len <= 0), "extend appends no tokens")
         report(

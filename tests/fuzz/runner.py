@@ -97,6 +97,9 @@ def judge(args: list[str], exit_code: int, stdout: str, stderr: str, exception: 
     for word in FORBIDDEN:
         if word in stderr or word in stdout:
             return f"says {word!r}: {(stderr or stdout).strip()[:400]}"
+    leaked = [line for line in stderr.splitlines() if "Warning" in line and not line.startswith("kvtrace: ")]
+    if leaked:
+        return f"a Python warning reached stderr: {leaked[0][:300]}"
     errors = [line for line in stderr.splitlines() if line.startswith("kvtrace: error: ")]
     if exit_code == 2:
         if len(errors) != 1 or stdout.strip():

@@ -56,6 +56,7 @@ def test_the_seeded_quick_run_finds_nothing(seeds: list[Seed], tmp_path: Path) -
         (0, '{"duration_s": Infinity}', "", "Infinity is not JSON"),
         (1, "{}", "kvtrace: error: x\n", "with an error line"),
         (3, "", "", "exit code 3"),
+        (1, "{}", "validate.py:514: RuntimeWarning: overflow encountered\n", "a Python warning reached stderr"),
     ],
 )
 def test_the_judge(exit_code: int, stdout: str, stderr: str, verdict: str | None) -> None:

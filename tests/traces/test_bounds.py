@@ -298,3 +298,69 @@ def test_a_prefill_ends_at_its_prompt_or_at_the_length_it_was_retracted_at(
 ) -> None:
     problems, _ = run(steps)
     assert messages(problems) == expected
+
+
+# ------------------------------------------------------------------ property-based
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from traces.schema import OPS, StepBatch  # noqa: E402
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+_FIELDS = [
+    "format_version", "block_size", "created_at", "extra", "model", "source", "config",
+    "config__page_size", "config__pool_tokens", "config__max_running", "config__max_context_len",
+    "config__chunk_size", "config__schedule_policy", "config__spec", "config__pd_decode",
+    "config__hisparse", "config__radix_cache", "config__spec__algorithm", "config__spec__num_steps",
+    "config__spec__topk", "config__spec__num_draft_tokens", "model__num_layers", "model__dtype",
+    "model__name", "source__engine", "source__license",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(_FIELDS), value=_JSON)
+def test_any_json_in_any_metadata_field_is_accepted_or_one_value_error(field: str, value: Any) -> None:
+    try:
+        meta = TraceMeta.from_dict(_meta(**{field: value}))
+    except ValueError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    else:  # what was accepted is a well-formed configuration that writes back
+        assert 1 <= meta.config.pool_tokens < 2**31 and 1 <= meta.config.max_context_len < 2**31
+        assert TraceMeta.from_json(meta.to_json()) == meta
+
+
+_BIG = st.sampled_from([-(2**63), -(2**31), -1, 0, 1, 2, 5, 100, 2**24, 2**31 - 1, 2**53, 2**62, 2**63 - 1])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, len(OPS) - 1), st.integers(0, 12) | _BIG, st.integers(0, 50) | _BIG,
+            st.integers(0, 50) | _BIG.filter(lambda v: -(2**31) <= v < 2**31),
+            st.integers(0, 5), st.integers(-1, 60) | _BIG,
+        ),
+        min_size=1, max_size=12,
+    ),
+    steps=st.lists(st.integers(0, 5) | _BIG, min_size=1, max_size=4),
+)
+def test_the_checker_never_raises_and_never_grows_past_the_bound(
+    rows: list[tuple[int, int, int, int, int, int]], steps: list[int]
+) -> None:
+    checker = OpSequenceChecker(make_meta(spec=SpecSettings()), rid_bound=16)
+    for number in steps:
+        op, rid, seq_len, append_len, draft_len, prompt_len = zip(*rows)
+        batch = StepBatch.from_columns(
+            number, 0.0, op=list(op), rid=list(rid), seq_len=list(seq_len), append_len=list(append_len),
+            draft_len=list(draft_len), accepted_len=list(draft_len), prefix_len=list(seq_len),
+            prompt_len=list(prompt_len),
+        )
+        for problem in checker.check(batch):
+            assert "\n" not in problem.problem
+    assert checker._phase.shape[0] <= 1024 and checker._scratch.shape[0] <= 1024
