@@ -21,19 +21,25 @@ One request's row, with the ranges the functions touch (page size 4)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from allocator.base import OutOfMemory
-from allocator.token_to_kv import SLOT_DTYPE, TokenToKVPoolAllocator
+from allocator.pages import ceil_align, new_page_tokens, num_new_pages, num_pages
+from allocator.token_to_kv import (
+    SLOT_DTYPE,
+    HiSparseTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    alloc_extend_layout,
+)
 
 if TYPE_CHECKING:
     from allocator.radix_cache import RadixCache, TreeNode
     from allocator.req_kv import ReqKvTable
     from allocator.req_to_token import ReqToTokenPool
     from allocator.table_writer import CpuTableWriter
-    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+    from allocator.token_to_kv import PagedTokenToKVPoolAllocator
 
 __all__ = [
     "CheckpointResult",
@@ -44,15 +50,22 @@ __all__ = [
     "SpecPlan",
     "SpecResult",
     "alloc_for_decode",
+    "alloc_for_decode_run",
     "alloc_for_decode_prealloc",
     "alloc_for_decode_prealloc_hisparse",
     "alloc_for_extend",
     "alloc_for_spec_decode",
+    "alloc_for_spec_run",
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "evict_from_tree_cache",
+    "extend_fits",
+    "prealloc_fits",
     "prepare_spec_decode",
+    "record_spec_reserve",
     "release_kv_cache",
+    "undo_prealloc",
+    "take_spec_slots",
 ]
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -128,6 +141,7 @@ class SpecResult(NamedTuple):
     num_tokens: int
     evicted_tokens: int
     out_cache_loc: np.ndarray
+    taken: int  # slots taken from the pool (page tails included)
 
 
 class CheckpointResult(NamedTuple):
@@ -171,9 +185,17 @@ def _oom(ctx: KvContext, op: str, rid: int, needed: int, lock_cost: int = 0) -> 
     )
 
 
-def _first_unfit(ctx: KvContext, need_tokens: np.ndarray, lock_cost: int = 0) -> int | None:
-    """Index of the first request whose cumulative need exceeds free + evictable
-    slots, or None when the whole batch fits.
+def _kv_unfit(
+    ctx: KvContext,
+    op: str,
+    need_tokens: np.ndarray,
+    rids: np.ndarray | None,
+    rows: np.ndarray | None = None,
+    lock_cost: int = 0,
+) -> OutOfMemory | None:
+    """None when the batch's ``need_tokens`` (pool slots per request) fit in free +
+    evictable slots, else the ``OutOfMemory`` naming the first request whose
+    cumulative need does not (``rids[i]``, or the request holding ``rows[i]``).
 
     Checked before any eviction: a call that cannot succeed must change nothing
     (SGLang would evict, then raise). Evicting everything unlocked frees exactly
@@ -184,9 +206,50 @@ def _first_unfit(ctx: KvContext, need_tokens: np.ndarray, lock_cost: int = 0) ->
     tree = ctx.tree_cache
     evictable = 0 if tree.disable else tree.evictable_size() - lock_cost
     budget = ctx.token_to_kv_pool_allocator.available_size() + evictable
-    if int(need_tokens.sum()) <= budget:
+    needed = int(need_tokens.sum())
+    if needed <= budget:
         return None
-    return _first_short_request(need_tokens, budget)
+    short = _first_short_request(need_tokens, budget)
+    rid = rids[short] if rids is not None else ctx.req_kv.rid[rows[short]]
+    return _oom(ctx, op, rid, needed, lock_cost)
+
+
+def _fit_evict_take(
+    ctx: KvContext,
+    op: str,
+    need_tokens: np.ndarray,
+    evict_tokens: int | None,
+    rids: np.ndarray | None,
+    rows: np.ndarray | None,
+    take: Callable[..., np.ndarray | None],
+    *take_args: object,
+) -> tuple[np.ndarray, int, int] | OutOfMemory:
+    """The sequence of every allocation: fit, evict, take.
+
+    1. fit: ``_kv_unfit`` of ``need_tokens`` (an ``OutOfMemory``, nothing changed);
+    2. evict: ``evict_from_tree_cache(evict_tokens)``, the amount SGLang evicts for
+       (paged calls add a page per request); None: no eviction;
+    3. take: ``take(*take_args)`` allocates the slots. After 1 and 2 it cannot fail (asserted);
+       without eviction it may (free + evictable fit, free alone did not): then
+       ``OutOfMemory`` for the first request.
+
+    Returns:
+        The slots ``take`` returned, the tokens evicted and the pool slots taken
+        (whole pages), or ``OutOfMemory``.
+    """
+    # Within the free slots alone the batch fits (the usual case): no need to ask the tree.
+    if int(need_tokens.sum()) > ctx.token_to_kv_pool_allocator.available_size():
+        unfit = _kv_unfit(ctx, op, need_tokens, rids, rows)
+        if unfit is not None:
+            return unfit
+    evicted = 0 if evict_tokens is None else evict_from_tree_cache(ctx, evict_tokens)
+    before = ctx.pool_available()
+    out = take(*take_args)
+    if out is None:
+        assert evict_tokens is None, f"{op} of {int(need_tokens.sum())} slots failed after evicting to fit"
+        rid = rids[0] if rids is not None else ctx.req_kv.rid[rows[0]]
+        return _oom(ctx, op, rid, int(need_tokens.sum()))
+    return out, evicted, before - ctx.pool_available()
 
 
 def _first_short_request(need_tokens: np.ndarray, available: int) -> int:
@@ -214,21 +277,22 @@ def extend_fits(
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
     """
+    unfit = _extend_rows_unfit(ctx, rids, rows < 0)
+    if unfit is not None:
+        return unfit
+    need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
+    return _kv_unfit(ctx, "extend", need, rids, lock_cost=lock_cost)
+
+
+def _extend_rows_unfit(ctx: KvContext, rids: np.ndarray, new_mask: np.ndarray) -> OutOfMemory | None:
+    """None when the new requests (``new_mask``) get rows, else ``OutOfMemory``
+    (op ``"extend_rows"``) naming the first new request without one."""
     pool = ctx.req_to_token_pool
-    new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    if num_new > pool.available_size():
-        first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
-        return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
-    ps = ctx.page_size
-    if ps == 1:
-        need = seq_lens - prefix_lens
-    else:
-        need = ((seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps) * ps
-    short = _first_unfit(ctx, need, lock_cost)
-    if short is not None:
-        return _oom(ctx, "extend", rids[short], int(need.sum()), lock_cost)
-    return None
+    if num_new <= pool.available_size():
+        return None
+    first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
+    return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
 
 
 def alloc_for_extend(
@@ -277,7 +341,7 @@ def alloc_for_extend(
         )
     new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    unfit = extend_fits(ctx, rids, rows, prefix_lens, seq_lens)
+    unfit = _extend_rows_unfit(ctx, rids, new_mask)
     if unfit is not None:
         return unfit
 
@@ -285,10 +349,11 @@ def alloc_for_extend(
     extend_num_tokens = int(extend_lens.sum())
     table = pool.req_to_token_np
     if ps == 1:
-        evicted = evict_from_tree_cache(ctx, extend_num_tokens)
-        out = allocator.alloc(extend_num_tokens)
-        assert out is not None, f"extend of {extend_num_tokens} slots failed after evicting to fit"
+        need = extend_lens
+        evict_tokens = extend_num_tokens
+        take, take_args = allocator.alloc, (extend_num_tokens,)
     else:
+        need = new_page_tokens(prefix_lens, seq_lens, ps)
         last_loc = np.full(bs, -1, dtype=np.int64)
         for i in range(bs):
             prefix = int(prefix_lens[i])
@@ -298,9 +363,12 @@ def alloc_for_extend(
                 last_loc[i] = prefix_slots[i][prefix - 1]
             else:
                 last_loc[i] = table[rows[i], prefix - 1]
-        evicted = evict_from_tree_cache(ctx, extend_num_tokens + bs * ps)
-        out = allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
-        assert out is not None, f"paged extend of {extend_num_tokens} slots failed after evicting to fit"
+        evict_tokens = extend_num_tokens + bs * ps
+        take, take_args = allocator.alloc_extend, (prefix_lens, seq_lens, last_loc, extend_num_tokens)
+    got = _fit_evict_take(ctx, "extend", need, evict_tokens, rids, None, take, *take_args)
+    if isinstance(got, OutOfMemory):
+        return got
+    out, evicted, _ = got
 
     # From here on nothing can fail.
     rows = rows.copy()
@@ -326,7 +394,7 @@ def alloc_for_extend(
     if seq_max > kv.max_len_bound:
         kv.max_len_bound = seq_max
     kv.sum_committed += int((seq_lens - old_committed).sum())
-    kv.sum_allocated_ceil += int(((seq_lens + ps - 1) // ps - (old_alloc + ps - 1) // ps).sum()) * ps
+    kv.sum_allocated_ceil += num_new_pages(old_alloc, seq_lens, ps) * ps
     if num_new:
         kv.cache_protected_len[new_rows] = prefix_lens[new_idx]
         kv.sum_protected += int(prefix_lens[new_idx].sum())
@@ -365,24 +433,18 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
         # Hot path: page-1 slots straight off the head of the free list (a view).
         out = allocator.alloc_view(bs) if ctx.direct_token_alloc else None
         if out is None:
-            short = _first_unfit(ctx, np.ones(bs, dtype=np.int64))
-            if short is not None:
-                return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], bs)
-            evicted = evict_from_tree_cache(ctx, bs)
-            out = allocator.alloc(bs)
-            assert out is not None, f"decode of {bs} slots failed after evicting to fit"
+            got = _fit_evict_take(ctx, "decode", np.ones(bs, dtype=np.int64), bs, rids, rows, allocator.alloc, bs)
+            if isinstance(got, OutOfMemory):
+                return got
+            out, evicted, _ = got
         taken = bs
     else:
         need = (seq % ps == 0).astype(np.int64) * ps
-        short = _first_unfit(ctx, need)
-        if short is not None:
-            return _oom(ctx, "decode", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
-        last_loc = ctx.writer._flat[ctx.writer.row_base[rows] + (seq - 1)]
-        evicted = evict_from_tree_cache(ctx, bs * ps)
-        before = ctx.pool_available()
-        out = allocator.alloc_decode(seq + 1, last_loc)
-        assert out is not None, f"paged decode of {bs} requests failed after evicting to fit"
-        taken = before - ctx.pool_available()
+        last_loc = ctx.writer.read_points(rows, seq - 1)
+        got = _fit_evict_take(ctx, "decode", need, bs * ps, rids, rows, allocator.alloc_decode, seq + 1, last_loc)
+        if isinstance(got, OutOfMemory):
+            return got
+        out, evicted, taken = got
     ctx.writer.write_points(rows, seq, out)
     seq += 1
     allocated[rows] = seq
@@ -392,6 +454,71 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     kv.sum_allocated_ceil += taken
     kv.max_len_bound += 1
     return DecodeResult(out, evicted)
+
+
+def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarray | None:
+    """``num_steps`` decode steps of the same batch in one go: exactly what
+    ``num_steps`` calls of ``alloc_for_decode(ctx, rows)`` do (same slots, same
+    free-list order, same bookkeeping), when none of them would evict, merge a
+    deferred free list, or reach a row's width. Step ``j`` gives request ``i`` the
+    slot of position ``kv_allocated_len[i] + j``; the free list is consumed step by
+    step, requests in batch order::
+
+        page 1:   slots = free[0 : num_steps * bs] laid out [step, request]
+        paged:    a request whose position p is a multiple of page_size takes the next
+                  free page (step-major, request-minor); the others continue their page
+
+    Returns:
+        int64 ``[num_steps]``: the pool slots each step took (whole pages), or None
+        when the run cannot be done in one block (nothing changed: decode step by step).
+    """
+    kv = ctx.req_kv
+    bs = rows.shape[0]
+    if bs == 0 or num_steps < 1 or ctx.hisparse:
+        return None
+    if kv.max_len_bound + num_steps >= ctx.width:
+        return None  # a row might fill up: the per-step path checks and reports it
+    allocator = ctx.token_to_kv_pool_allocator
+    num_free = allocator.num_free_pages()  # not counting deferred frees
+    ps = ctx.page_size
+    seq = kv.kv_allocated_len[rows]
+    steps = np.arange(num_steps, dtype=np.int64)
+    if ps == 1:
+        total = num_steps * bs
+        # per step: bs <= free slots (no merge of deferred frees, no eviction)
+        if total > num_free:
+            return None
+        slots = allocator.alloc(total).astype(np.int64)  # type: ignore[union-attr]
+        taken = np.full(num_steps, bs, dtype=np.int64)
+    else:
+        positions = seq[None, :] + steps[:, None]  # [step, request]
+        need = positions % ps == 0
+        new_pages = np.count_nonzero(need, axis=1)
+        total_pages = int(new_pages.sum())
+        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
+        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
+            return None
+        last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
+        page_at = np.zeros(need.shape, dtype=np.int64)
+        if total_pages:
+            # row-major: step by step, requests in batch order
+            page_at[need] = allocator.alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
+        # the step of each request's latest new page so far (-1: still on its old page)
+        latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
+        reqs = np.arange(bs)[None, :]
+        slots = np.where(
+            latest >= 0,
+            page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
+            last_loc[None, :] + 1 + steps[:, None],
+        )
+        taken = new_pages.astype(np.int64) * ps
+    ctx.writer.write_points(np.tile(rows, num_steps), (seq[None, :] + steps[:, None]).reshape(-1), slots.reshape(-1))
+    kv.kv_allocated_len[rows] = seq + num_steps
+    kv.kv_committed_len[rows] += num_steps
+    kv.sum_committed += bs * num_steps
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound += num_steps
+    return taken
 
 
 def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
@@ -426,9 +553,7 @@ def prepare_spec_decode(ctx: KvContext, rows: np.ndarray) -> SpecPlan:
     nxt = kv.kv_committed_len[rows]
     nxt += ctx.spec_reserve
     if ps > 1:
-        nxt += ps - 1
-        nxt //= ps
-        nxt *= ps
+        nxt = ceil_align(nxt, ps)
     np.maximum(nxt, cur, out=nxt)
     overflow: tuple[tuple[int, int, int], ...] = ()
     width = ctx.width
@@ -450,10 +575,99 @@ def _spec_may_overflow(ctx: KvContext) -> bool:
     cheap bound says so)."""
     kv = ctx.req_kv
     ps = ctx.page_size
-    if -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps <= ctx.width:
+    if ceil_align(kv.max_len_bound + ctx.spec_reserve, ps) <= ctx.width:
         return False
     kv.max_len_bound = int(kv.kv_allocated_len.max())
-    return -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps > ctx.width
+    return ceil_align(kv.max_len_bound + ctx.spec_reserve, ps) > ctx.width
+
+
+def alloc_for_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``accepted.shape[0]`` speculative steps of the same batch in one go: exactly what
+    as many rounds of ``prepare_spec_decode`` + ``alloc_for_spec_decode`` +
+    ``commit_accepted_tokens`` do, when none of them would evict, merge deferred
+    frees, clip a reserve at the row width, or commit past its reserve.
+
+    Step ``j`` reserves ``[cur_j, nxt_j)`` with ``nxt_j = max(cur_j, ceil_align(c_j +
+    reserve))`` (``c_j`` the committed length before it; ``cur_{j+1} = nxt_j``), then
+    commits ``accepted[j]``. The reserved ranges of all steps, step-major and requests
+    in batch order, are one paged extend (``alloc_extend_layout``): after a request's
+    first reserve its ranges start on a page boundary, so only its first one continues
+    a partial page (from the slot before ``cur_0``).
+
+    Args:
+        accepted: int64 ``[num_steps, bs]`` tokens each step commits.
+
+    Returns:
+        int64 ``[num_steps]``, the pool slots each step took (whole pages), and int64
+        ``[num_steps, bs]``, the allocated lengths after each step; or None when the run
+        cannot be done in one block (nothing changed: step by step then).
+    """
+    kv = ctx.req_kv
+    num_steps, bs = accepted.shape
+    if bs == 0 or num_steps < 1 or ctx.hisparse:
+        return None
+    ps = ctx.page_size
+    width = ctx.width
+    reserve = ctx.spec_reserve
+    cur0 = kv.kv_allocated_len[rows]
+    c = kv.kv_committed_len[rows][None, :] + np.concatenate(
+        [np.zeros((1, bs), np.int64), np.cumsum(accepted, axis=0)]
+    )  # [num_steps + 1, bs]: committed before each step, and after the last
+    target = c[:-1] + reserve
+    if ps > 1:
+        target = ceil_align(target, ps)
+    nxt = np.maximum(np.maximum.accumulate(target, axis=0), cur0[None, :])
+    if int(nxt[-1].max()) > width or bool((c[1:] > nxt).any()):
+        return None  # a reserve at the row width, or a commit past it: the per-step path reports
+    cur = np.concatenate([cur0[None, :], nxt[:-1]])
+    counts = nxt - cur  # [num_steps, bs]
+    needed = counts.sum(axis=1)  # per step
+    # max_len_bound as the per-step path keeps it (it must never make a step look at the width)
+    bound = kv.max_len_bound
+    for n in needed.tolist():
+        if ceil_align(bound + reserve, ps) > width:
+            return None
+        if n:
+            bound = max(bound, min(ceil_align(bound + reserve, ps), width))
+    allocator = ctx.token_to_kv_pool_allocator
+    num_free = allocator.num_free_pages()
+    available = allocator.available_size()
+    if ps == 1:
+        taken = needed.astype(np.int64)
+        # per step: the slots come off the free list (no merge, no eviction)
+        if int(taken.sum()) > num_free:
+            return None
+    else:
+        pages = (num_pages(nxt, ps) - num_pages(cur, ps)).sum(axis=1)
+        taken = pages.astype(np.int64) * ps
+        before = np.cumsum(pages) - pages  # pages taken by the earlier steps
+        moving = needed > 0
+        # SGLang's merge bound and its eviction target, at every step that allocates
+        if bool(((needed // ps + bs + 1 > num_free - before) & moving).any()):
+            return None
+        if bool(((needed + bs * ps > available - before * ps) & moving).any()):
+            return None
+    flat_rows = np.tile(rows, num_steps)
+    flat_cur, flat_nxt, flat_counts = cur.reshape(-1), nxt.reshape(-1), counts.reshape(-1)
+    total = int(flat_counts.sum())
+    if total:
+        if ps == 1:
+            slots = allocator.alloc(total)
+        else:
+            last_loc = np.where(cur0 > 0, ctx.writer.read_points(rows, np.maximum(cur0 - 1, 0)), -1)
+            flat_last = np.tile(last_loc, num_steps)
+            new_pages = int(taken.sum()) // ps
+            page_ids = allocator.alloc(new_pages * ps)[::ps] // ps if new_pages else np.zeros(0, np.int64)
+            slots = alloc_extend_layout(flat_cur, flat_nxt, flat_last, page_ids, ps)
+        keep = flat_counts > 0
+        counts_kept = flat_counts[keep]
+        ctx.writer.assign(flat_rows[keep], flat_cur[keep], flat_nxt[keep], slots, counts_kept, np.cumsum(counts_kept))
+    kv.kv_allocated_len[rows] = nxt[-1]
+    kv.kv_committed_len[rows] = c[-1]
+    kv.sum_committed += int(accepted.sum())
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound = bound
+    return taken, nxt
 
 
 def alloc_for_spec_decode(
@@ -464,12 +678,25 @@ def alloc_for_spec_decode(
     Skipped when nothing is needed. Page 1: ``alloc(num_needed)``; paged: evict for
     ``num_needed + bs * page_size``, then ``alloc_extend(prefix=cur, seq=nxt)``
     (HiSparse: logical slots only). ``kv_allocated_len = max(kv_allocated_len, nxt)``
-    (monotone). Rejected drafts are never freed here: they stay in
-    ``[committed, allocated)`` and are reused by the next step.
+    (monotone), here, beside the allocation. Rejected drafts are never freed here: they
+    stay in ``[committed, allocated)`` and are reused by the next step.
     """
+    res = take_spec_slots(ctx, rows, plan, rids)
+    if isinstance(res, SpecResult) and res.num_tokens:
+        record_spec_reserve(ctx, rows, plan, res.taken)
+    return res
+
+
+def take_spec_slots(
+    ctx: KvContext, rows: np.ndarray, plan: SpecPlan, rids: np.ndarray | None = None
+) -> SpecResult | OutOfMemory:
+    """The physical half of ``alloc_for_spec_decode``: evict, take the slots of
+    ``row[cur:nxt]`` and write them into the rows; no bookkeeping. (Before SGLang PR
+    #29432 this was the whole function and the caller updated ``kv_allocated_len``:
+    ``allocator.pre_encapsulation`` keeps that structure.)"""
     cur, nxt, num_needed, _, counts, cumsum = plan
     if num_needed == 0:
-        return SpecResult(0, 0, _NO_SLOTS)
+        return SpecResult(0, 0, _NO_SLOTS, 0)
     kv = ctx.req_kv
     allocator = ctx.token_to_kv_pool_allocator
     ps = ctx.page_size
@@ -478,34 +705,34 @@ def alloc_for_spec_decode(
     if ps == 1:
         out = allocator.alloc_view(num_needed) if ctx.direct_token_alloc else None
         if out is None:
-            short = _first_unfit(ctx, counts)
-            if short is not None:
-                return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], num_needed)
-            evicted = evict_from_tree_cache(ctx, num_needed)
-            out = allocator.alloc(num_needed)
-            assert out is not None, f"spec reserve of {num_needed} slots failed after evicting to fit"
+            got = _fit_evict_take(ctx, "spec", counts, num_needed, rids, rows, allocator.alloc, num_needed)
+            if isinstance(got, OutOfMemory):
+                return got
+            out, evicted, _ = got
         taken = num_needed
     else:
-        writer = ctx.writer
-        need = ((nxt + ps - 1) // ps - (cur + ps - 1) // ps) * ps
-        short = _first_unfit(ctx, need)
-        if short is not None:
-            return _oom(ctx, "spec", rids[short] if rids is not None else kv.rid[rows[short]], int(need.sum()))
-        last_loc = np.where(cur > 0, writer._flat[writer.row_base[rows] + np.maximum(cur - 1, 0)], -1)
-        evicted = evict_from_tree_cache(ctx, num_needed + bs * ps)
-        before = ctx.pool_available()
-        if ctx.hisparse:
-            out = allocator.alloc_logical_only(cur, nxt, last_loc, num_needed)
-        else:
-            out = allocator.alloc_extend(cur, nxt, last_loc, num_needed)
-        assert out is not None, f"paged spec reserve of {num_needed} slots failed after evicting to fit"
-        taken = before - ctx.pool_available()
+        need = new_page_tokens(cur, nxt, ps)
+        last_loc = np.where(cur > 0, ctx.writer.read_points(rows, np.maximum(cur - 1, 0)), -1)
+        alloc = allocator.alloc_logical_only if ctx.hisparse else allocator.alloc_extend
+        got = _fit_evict_take(
+            ctx, "spec", need, num_needed + bs * ps, rids, rows, alloc, cur, nxt, last_loc, num_needed
+        )
+        if isinstance(got, OutOfMemory):
+            return got
+        out, evicted, taken = got
     ctx.writer.assign(rows, cur, nxt, out, counts, cumsum)
-    kv.kv_allocated_len[rows] = nxt
+    return SpecResult(num_needed, evicted, out, taken)
+
+
+def record_spec_reserve(ctx: KvContext, rows: np.ndarray, plan: SpecPlan, taken: int) -> None:
+    """The bookkeeping half: ``kv_allocated_len = nxt`` and the pool sums (``taken``:
+    slots the reserve took from the pool, page tails included)."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    kv.kv_allocated_len[rows] = plan.nxt_kv_lens
     kv.sum_allocated_ceil += taken
-    bound = -(-(kv.max_len_bound + ctx.spec_reserve) // ps) * ps
+    bound = ceil_align(kv.max_len_bound + ctx.spec_reserve, ps)
     kv.max_len_bound = max(kv.max_len_bound, min(bound, ctx.width))
-    return SpecResult(num_needed, evicted, out)
 
 
 def commit_accepted_tokens(
@@ -549,6 +776,39 @@ def commit_accepted_tokens(
 # ---------------------------------------------------------------------------- PD decode prealloc
 
 
+def prealloc_fits(
+    ctx: KvContext, rids: np.ndarray, fill_lens: np.ndarray, keys: Sequence[np.ndarray]
+) -> OutOfMemory | None:
+    """Whether ``alloc_for_decode_prealloc`` of each request in turn can succeed: rows
+    for the batch, and its pages within free + evictable slots less the evictable
+    tokens its prefix locks protect (``RadixCache.peek_match_lock`` of ``keys``, the
+    requests' radix keys). Whether a request's own eviction removes cache a later
+    request would have matched leaves the total unchanged (the later one needs those
+    pages, and does not lock them), so this decides the whole sequence. Changes
+    nothing.
+
+    Returns:
+        None when the batch fits, else ``OutOfMemory`` (``"prealloc_rows"``, or
+        ``"prealloc"`` naming the first request that does not fit and its own need).
+    """
+    pool = ctx.req_to_token_pool
+    bs = rids.shape[0]
+    if bs > pool.available_size():
+        return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
+    tree = ctx.tree_cache
+    pages = ceil_align(fill_lens, ctx.page_size)  # demand with no prefix hit
+    available = ctx.token_to_kv_pool_allocator.available_size()
+    if int(pages.sum()) <= available:
+        return None
+    prefix, lock_cost = tree.peek_match_lock(keys)
+    need = pages - prefix  # prefix is page aligned
+    budget = available + tree.evictable_size() - lock_cost
+    if int(need.sum()) <= budget:
+        return None
+    i = _first_short_request(need, budget)
+    return OutOfMemory("prealloc", int(rids[i]), int(need[i]), available, tree.evictable_size() - lock_cost)
+
+
 def alloc_for_decode_prealloc(
     ctx: KvContext,
     rid: int,
@@ -582,32 +842,34 @@ def alloc_for_decode_prealloc(
             f"prealloc: request rid={rid} fill length {fill_len} exceeds the row width {pool.max_context_len}"
         )
     delta = fill_len - prefix_len
+    required = new_page_tokens(prefix_len, fill_len, ps)
     if ps == 1:
-        required = delta
-    else:
-        required = (-(-fill_len // ps) - (-(-prefix_len // ps))) * ps
-    if _first_unfit(ctx, np.array([required], dtype=np.int64)) is not None:
-        return _oom(ctx, "prealloc", rid, required)
-    if evict_for_radix:
-        available = allocator.available_size()
-        if available < required:
-            ctx.tree_cache.evict(required - available)
-    before = ctx.pool_available()
-    if ps == 1:
-        out = allocator.alloc(delta)
+        take, take_args = allocator.alloc, (delta,)
     else:
         last_loc = int(prefix_slots[prefix_len - 1]) if prefix_len > 0 else -1
-        out = allocator.alloc_extend(
+        take = allocator.alloc_extend
+        take_args = (
             np.array([prefix_len], dtype=np.int64),
             np.array([fill_len], dtype=np.int64),
             np.array([last_loc], dtype=np.int64),
             delta,
         )
-    if out is None:
-        return _oom(ctx, "prealloc", rid, required)
+    got = _fit_evict_take(
+        ctx,
+        "prealloc",
+        np.array([required], dtype=np.int64),
+        required if evict_for_radix else None,
+        np.array([rid], dtype=np.int64),
+        None,
+        take,
+        *take_args,
+    )
+    if isinstance(got, OutOfMemory):
+        return got
+    out, _, taken = got
     row = pool.alloc(1)[0]
     _bind_prealloc_row(ctx, row, rid, fill_len, prefix_len, prefix_slots, lock_node, out)
-    kv.sum_allocated_ceil += prefix_len + before - ctx.pool_available()
+    kv.sum_allocated_ceil += prefix_len + taken
     return row
 
 
@@ -627,8 +889,7 @@ def alloc_for_decode_prealloc_hisparse(ctx: KvContext, rid: int, fill_len: int) 
         np.zeros(1, dtype=np.int64), np.array([fill_len], dtype=np.int64), np.full(1, -1, dtype=np.int64), fill_len
     )
     if out is None:
-        ps = ctx.page_size
-        return _oom(ctx, "prealloc", rid, -(-fill_len // ps) * ps)
+        return _oom(ctx, "prealloc", rid, ceil_align(fill_len, ctx.page_size))
     row = pool.alloc(1)[0]
     _bind_prealloc_row(ctx, row, rid, fill_len, 0, None, None, out)
     ctx.req_kv.sum_allocated_ceil += before - ctx.pool_available()
@@ -658,6 +919,38 @@ def _bind_prealloc_row(
     kv.lock_node[row] = lock_node
     if fill_len > kv.max_len_bound:
         kv.max_len_bound = fill_len
+
+
+def undo_prealloc(ctx: KvContext, rows: Sequence[int]) -> None:
+    """Roll back the pre-allocations (``alloc_for_decode_prealloc`` or its HiSparse
+    variant) that took ``rows``, in the order they were taken; undone newest first:
+    slots and rows go back where they were taken, locks are dropped, the bookkeeping
+    is cleared."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    allocator = ctx.token_to_kv_pool_allocator
+    table = ctx.req_to_token_pool.req_to_token_np
+    for row in reversed(rows):
+        allocated = int(kv.kv_allocated_len[row])
+        protected = int(kv.cache_protected_len[row])
+        slots = table[row, protected:allocated].astype(np.int64)
+        if isinstance(allocator, TokenToKVPoolAllocator):
+            allocator.unalloc(slots)
+        elif isinstance(allocator, HiSparseTokenToKVPoolAllocator):
+            # logical-only allocation: no device pages to give back
+            allocator.logical_attn_allocator.unalloc_pages(slots[::ps] // ps)
+        else:
+            allocator.unalloc_pages(slots[::ps] // ps)
+        ctx.tree_cache.unlock(kv.lock_node[row])
+        kv.lock_node[row] = None
+        kv.sum_committed -= int(kv.kv_committed_len[row])
+        kv.sum_protected -= protected
+        kv.sum_allocated_ceil -= ceil_align(allocated, ps)
+        kv.kv_allocated_len[row] = 0
+        kv.kv_committed_len[row] = 0
+        kv.cache_protected_len[row] = 0
+        kv.rid[row] = -1
+        ctx.req_to_token_pool.unalloc([row])
 
 
 # ---------------------------------------------------------------------------- checkpoint / release
@@ -743,20 +1036,19 @@ def release_kv_cache(
     protected = int(kv.cache_protected_len[row])
     if owned > protected:
         allocator.free_segment(table[row, protected:owned], protected)
-        freed += -(-owned // ps) * ps - protected
+        freed += ceil_align(owned, ps) - protected
     ctx.tree_cache.unlock(kv.lock_node[row])
     kv.lock_node[row] = None
-    start = -(-owned // ps) * ps if ps > 1 else owned
-    start = max(start, protected)
+    start = max(ceil_align(owned, ps), protected)
     overalloc = 0
     if start < allocated:
         allocator.free_segment(table[row, start:allocated], start)
         overalloc = allocated - start
-        freed += -(-allocated // ps) * ps - start
+        freed += ceil_align(allocated, ps) - start
     ctx.req_to_token_pool.free(row)
     kv.sum_committed -= committed
     kv.sum_protected -= protected
-    kv.sum_allocated_ceil -= -(-allocated // ps) * ps
+    kv.sum_allocated_ceil -= ceil_align(allocated, ps)
     kv.kv_allocated_len[row] = 0
     kv.kv_committed_len[row] = 0
     kv.cache_protected_len[row] = 0

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runti
 if TYPE_CHECKING:
     import numpy as np
 
+    from allocator.ownership import SlotOwnership
+
 # SGLang keeps this many decode steps' worth of slots free per request still
 # running after a retraction (``SGLANG_RETRACT_DECODE_STEPS``).
 RETRACT_DECODE_STEPS = 20
@@ -126,6 +128,12 @@ class PoolCounters(NamedTuple):
     overallocated: int
     running_requests: int
     free_rows: int
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens that cannot be handed out without releasing a request: neither free nor
+        evictable (``committed + overallocated + protected``)."""
+        return self.pool_tokens - self.available - self.evictable
 
 
 class RequestLens(NamedTuple):
@@ -267,6 +275,12 @@ class Allocator(Protocol):
         (SGLang ``release_req``)."""
         ...
 
+    def end_step(self) -> None:
+        """The step is over: apply what SGLang applies after the step's forward pass (the
+        prompt publishes queued by this step's ``extend`` / ``prealloc``). The replay
+        engine calls it once per step, after the step's last call."""
+        ...
+
     def evict(self, num_tokens: int) -> int:
         """Evict at least ``num_tokens`` unlocked cached tokens (LRU); return tokens evicted."""
         ...
@@ -291,6 +305,85 @@ class Allocator(Protocol):
         """Physical KV slots of ``req_to_token[row(rid), 0:kv_allocated_len]`` (host copy)."""
         ...
 
-    def check_integrity(self) -> list[Violation]:
-        """Every broken invariant of the whole state (empty list when sound)."""
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (empty list when sound): of the whole state when
+        ``touched`` is None, else of what the calls since the previous check changed
+        (``touched``: the request ids of those calls). A version may take no
+        ``touched`` argument: it is then always asked for the whole state."""
+        ...
+
+
+class RunResult(NamedTuple):
+    """What a run of decode / speculative steps did, step by step."""
+
+    counters: np.ndarray  # int64 [num_steps, len(PoolCounters._fields)] pool counters after each step
+    allocated: np.ndarray  # int64 [num_steps, bs] kv_allocated_len of each request after each step
+
+
+@runtime_checkable
+class DecodeRuns(Protocol):
+    """An allocator that can apply a run of plain decode (or speculative) steps of one
+    batch in one call (the replay's fast path for decode-heavy traffic). Optional."""
+
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> RunResult | None:
+        """Exactly what ``num_steps`` calls of ``decode(rids)`` do, in one call.
+
+        Returns:
+            The pool counters and allocated lengths after each step; or None when the
+            allocator cannot do this run in one block (nothing changed: the caller
+            decodes step by step).
+        """
+        ...
+
+    def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """Exactly what ``spec_decode(rids, accepted[j])`` for each row ``j`` of the int64
+        ``[num_steps, len(rids)]`` array ``accepted`` does, in one call; returns as
+        ``decode_run``."""
+        ...
+
+
+@runtime_checkable
+class OwnershipQuery(Protocol):
+    """An allocator that can say who holds each KV slot (the dashboard's page map).
+    Optional: without it the page map is not shown."""
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owning request of every KV slot of the pool (``allocator.ownership``)."""
+        ...
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An allocator whose whole state can be saved and restored (seek in a replay).
+
+    ``save_state()`` returns an opaque object that no later call mutates;
+    ``restore_state(state)`` puts the allocator back exactly as it was when the state
+    was saved (so replaying the same calls from there gives the same results), and may
+    be called any number of times with the same state. Optional: a version without it
+    is sought by replaying from the start.
+    """
+
+    def save_state(self) -> object:
+        """A snapshot of the whole state (memory proportional to what is live)."""
+        ...
+
+    def restore_state(self, state: object) -> None:
+        """Go back to a state ``save_state`` returned."""
+        ...
+
+
+@runtime_checkable
+class Digestible(Protocol):
+    """An allocator that can digest its physical state (``kvtrace diff --exact``).
+
+    ``state_digest()`` returns a string that is equal for two allocators exactly when
+    their physical states are equal: each request's ``req_to_token`` row over
+    ``[0, kv_allocated_len)`` with its lengths, the free lists in reuse order, the
+    free request rows. Called after every step, so it must be cheap (the built-in
+    one is kept incrementally: ``allocator.digest``). Optional: a version without it
+    is compared on its counters and per-request lengths only.
+    """
+
+    def state_digest(self) -> str:
+        """The digest of the state now (between steps)."""
         ...

@@ -29,23 +29,29 @@ request's ``ReqKvInfo`` view.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from allocator.allocation import (
     KvContext,
+    SpecPlan,
+    SpecResult,
     alloc_for_decode,
+    alloc_for_decode_run,
     alloc_for_decode_prealloc,
     alloc_for_decode_prealloc_hisparse,
     alloc_for_extend,
     alloc_for_spec_decode,
+    alloc_for_spec_run,
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
     extend_fits,
+    prealloc_fits,
     prepare_spec_decode,
     release_kv_cache,
+    undo_prealloc,
 )
 from allocator.base import (
     AllocatorConfig,
@@ -57,8 +63,11 @@ from allocator.base import (
     ReleaseKind,
     ReleaseResult,
     RequestLens,
+    RunResult,
     Violation,
 )
+from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
+from allocator.digest import StateDigest
 from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -75,9 +84,17 @@ from allocator.token_to_kv import (
     TokenToKVPoolAllocator,
 )
 
+if TYPE_CHECKING:
+    from allocator.incremental import IncrementalChecker
+    from allocator.journal import Journal
+    from allocator.ownership import SlotOwnership
+
 __all__ = ["KvAllocator", "create_allocator"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_COUNTER_AVAILABLE = PoolCounters._fields.index("available")
+_COUNTER_COMMITTED = PoolCounters._fields.index("committed")
+_COUNTER_OVERALLOCATED = PoolCounters._fields.index("overallocated")
 _RELEASE_KINDS = ("finish", "retract", "abort")
 
 
@@ -142,6 +159,11 @@ class KvAllocator:
         # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+        self._digest: StateDigest | None = None  # kept from the first state_digest() on
+        # The incremental checker (attached by the first check_integrity(touched)) and
+        # its journal, which also records the requests a prompt publish checkpoints.
+        self.journal: Journal | None = None
+        self._checker: IncrementalChecker | None = None
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -192,6 +214,13 @@ class KvAllocator:
         """The request's ``req_to_token`` row, -1 when it holds none."""
         return int(self._rows_of(_i64([rid]))[0])
 
+    def rows_by_rid(self) -> np.ndarray:
+        """The row each request id holds, indexed by request id (-1: none; ids past
+        the end hold none). A read-only int64 view of the live map."""
+        view = self._row_of_rid.view()
+        view.flags.writeable = False
+        return view
+
     # ------------------------------------------------------------------ publish queue
 
     def end_step(self) -> None:
@@ -203,6 +232,8 @@ class KvAllocator:
         if not pending:
             return
         self._pending_publish = []
+        if self.journal is not None:
+            self.journal.touch([rid for rid, _, _ in pending])
         allocator = self.token_to_kv_pool_allocator
         grouped = self.free_groups
         if grouped:
@@ -402,6 +433,54 @@ class KvAllocator:
         self.writer.end_call()
         return AllocResult(rids.shape[0], res.evicted_tokens)
 
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> RunResult | None:
+        """``num_steps`` decode steps of the same batch in one call, exactly as
+        ``num_steps`` calls of ``decode(rids)`` (``alloc_for_decode_run``).
+
+        Returns:
+            The pool counters and allocated lengths after each step; or None when the
+            run cannot be done in one block (it would evict, merge deferred frees or
+            reach a row's width, or prompts wait to be published): nothing changed,
+            decode step by step.
+        """
+        if self._pending_publish:
+            return None
+        rids = _i64(rids)
+        rows = self._held_rows(rids, "decode")
+        before = np.array(self.counters(), dtype=np.int64)
+        allocated = self.req_kv.kv_allocated_len[rows]
+        taken = alloc_for_decode_run(self.ctx, rows, num_steps)
+        if taken is None:
+            return None
+        self.writer.end_call()
+        steps = np.arange(1, num_steps + 1, dtype=np.int64)
+        return RunResult(
+            _counters_after(before, taken, rids.shape[0] * steps), allocated[None, :] + steps[:, None]
+        )
+
+    def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """``accepted.shape[0]`` speculative steps of the same batch in one call, exactly
+        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``).
+
+        Returns:
+            The pool counters and allocated lengths after each step, or None when the
+            run cannot be done in one block (nothing changed).
+        """
+        if self._pending_publish or self.config.spec is None:
+            return None
+        rids = _i64(rids)
+        accepted = np.ascontiguousarray(accepted, dtype=np.int64)
+        if accepted.ndim != 2 or accepted.shape[1] != rids.shape[0] or (accepted.size and int(accepted.min()) < 0):
+            return None
+        rows = self._held_rows(rids, "spec_decode")
+        before = np.array(self.counters(), dtype=np.int64)
+        got = alloc_for_spec_run(self.ctx, rows, accepted)
+        if got is None:
+            return None
+        taken, allocated = got
+        self.writer.end_call()
+        return RunResult(_counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated)
+
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
         ``alloc_for_spec_decode``, then commit ``accepted_lens``.
@@ -433,7 +512,7 @@ class KvAllocator:
                         f"reserve (committed {int(kv.kv_committed_len[rows[i]])}, reserved to "
                         f"{int(plan.nxt_kv_lens[i])})"
                     )
-        res = alloc_for_spec_decode(ctx, rows, plan, rids)
+        res = self._reserve_spec(rows, plan, rids)
         if isinstance(res, OutOfMemory):
             return res
         excess = commit_accepted_tokens(ctx, rows, accepted, asked, may_exceed=overshoot)
@@ -450,6 +529,11 @@ class KvAllocator:
             self._flush_publish()
         self.writer.end_call()
         return AllocResult(res.num_tokens, res.evicted_tokens, row_overflow=row_overflow)
+
+    def _reserve_spec(self, rows: np.ndarray, plan: SpecPlan, rids: np.ndarray) -> SpecResult | OutOfMemory:
+        """The speculative reserve of one ``spec_decode`` (a method so that a variant
+        can restructure it: ``allocator.pre_encapsulation``)."""
+        return alloc_for_spec_decode(self.ctx, rows, plan, rids)
 
     # ------------------------------------------------------------------ PD prealloc
 
@@ -496,7 +580,7 @@ class KvAllocator:
                     )
                 prompt = int(self._prompt_len[int(rids[i])])
                 keys.append(tree.make_key(token_ids[i][: fill if prompt < 0 else min(prompt, fill)]))
-            unfit = self._prealloc_fits(rids, fill_lens, keys)
+            unfit = prealloc_fits(ctx, rids, fill_lens, keys)
             if unfit is not None:
                 return unfit
         for i in range(bs):
@@ -517,9 +601,10 @@ class KvAllocator:
                         slots = tree.path_device_indices(node)[:p]
                 prefix[i] = p
                 res = alloc_for_decode_prealloc(ctx, rid, fill, p, slots, node, not tree.disable)
-            if isinstance(res, OutOfMemory):  # HiSparse, or a batch _prealloc_fits let through
+            if isinstance(res, OutOfMemory):  # HiSparse, or a batch prealloc_fits let through
                 tree.unlock(node)
-                self._undo_prealloc(done)
+                undo_prealloc(ctx, self._row_of_rid[done].tolist())
+                self._row_of_rid[done] = -1
                 self.writer.end_call()
                 return res
             self._row_of_rid[rid] = res
@@ -539,62 +624,6 @@ class KvAllocator:
         evicted = tree.evicted_tokens_total - evicted_before
         self.writer.end_call()
         return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)
-
-    def _prealloc_fits(self, rids: np.ndarray, fill_lens: np.ndarray, keys: list[np.ndarray]) -> OutOfMemory | None:
-        """Rows for the batch, and its pages within free + evictable slots less the
-        evictable tokens its prefix locks protect (``RadixCache.peek_match_lock``).
-        Whether a request's own eviction removes cache a later request would have
-        matched leaves the total unchanged (the later one needs those pages, and
-        does not lock them), so this decides the whole sequence."""
-        pool = self.req_to_token_pool
-        bs = rids.shape[0]
-        if bs > pool.available_size():
-            return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
-        ps = self.page_size
-        tree = self.tree_cache
-        pages = (fill_lens + ps - 1) // ps * ps  # demand with no prefix hit
-        available = self.token_to_kv_pool_allocator.available_size()
-        if int(pages.sum()) <= available:
-            return None
-        prefix, lock_cost = tree.peek_match_lock(keys)
-        need = pages - prefix  # prefix is page aligned
-        budget = available + tree.evictable_size() - lock_cost
-        if int(need.sum()) <= budget:
-            return None
-        over = np.flatnonzero(np.cumsum(need) > budget)
-        i = int(over[0]) if over.shape[0] else 0
-        return OutOfMemory("prealloc", int(rids[i]), int(need[i]), available, tree.evictable_size() - lock_cost)
-
-    def _undo_prealloc(self, rids_done: list[int]) -> None:
-        """Roll back preallocations of this batch, newest first (rows and slots go back
-        where they were taken; locks dropped; bookkeeping cleared)."""
-        kv = self.req_kv
-        ps = self.page_size
-        allocator = self.token_to_kv_pool_allocator
-        table = self.req_to_token_pool.req_to_token_np
-        for rid in reversed(rids_done):
-            row = int(self._row_of_rid[rid])
-            allocated = int(kv.kv_allocated_len[row])
-            protected = int(kv.cache_protected_len[row])
-            slots = table[row, protected:allocated].astype(np.int64)
-            if isinstance(allocator, TokenToKVPoolAllocator):
-                allocator.unalloc(slots)
-            elif isinstance(allocator, HiSparseTokenToKVPoolAllocator):
-                # logical-only allocation: no device pages to give back
-                allocator.logical_attn_allocator.unalloc_pages(slots[::ps] // ps)
-            else:
-                allocator.unalloc_pages(slots[::ps] // ps)
-            self.tree_cache.unlock(kv.lock_node[row])
-            kv.lock_node[row] = None
-            kv.sum_committed -= int(kv.kv_committed_len[row])
-            kv.sum_protected -= protected
-            kv.sum_allocated_ceil -= -(-allocated // ps) * ps
-            kv.kv_allocated_len[row] = 0
-            kv.kv_committed_len[row] = 0
-            kv.cache_protected_len[row] = 0
-            kv.rid[row] = -1
-            self.req_to_token_pool.unalloc([row])
-            self._row_of_rid[rid] = -1
 
     # ------------------------------------------------------------------ release
 
@@ -754,11 +783,70 @@ class KvAllocator:
         self._flush_publish()
         self.writer.sync()
 
-    def check_integrity(self) -> list[Violation]:
+    def save_state(self) -> AllocatorState:
+        """A checkpoint of the whole state (``allocator.checkpoint``); between steps."""
+        return save_allocator_state(self)
+
+    def restore_state(self, state: object) -> None:
+        """Go back to a checkpoint ``save_state`` returned (any number of times)."""
+        if not isinstance(state, AllocatorState):
+            raise TypeError(f"restore_state: expected an AllocatorState, found {type(state).__name__}")
+        restore_allocator_state(self, state)
+
+    def state_digest(self) -> str:
+        """A digest of the physical state: every row's slots and lengths, the free
+        lists in order, the free rows (``allocator.digest``; ``Digestible``). The first
+        call hashes everything; later calls only what changed since."""
+        self._flush_publish()
+        if self._digest is None:
+            self._digest = StateDigest(self)
+        return self._digest.digest()
+
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (see ``allocator.invariants``).
+
+        Args:
+            touched: None walks the whole state. Else the request ids of the calls
+                since the previous check: the first such check walks the whole state
+                and attaches an incremental checker (``allocator.incremental``), which
+                from then on verifies only what the calls changed.
+
+        Returns:
+            The violations found (empty when sound).
+        """
         from allocator.invariants import check_integrity
 
-        self.sync_device()
-        return check_integrity(self)
+        # NOTE: only the device mirror is synced: the prompt publishes queued for the end
+        # of the step stay queued, so a check between two calls of a step changes nothing.
+        self.writer.sync()
+        if touched is None:
+            return check_integrity(self)
+        if self._checker is None:
+            from allocator.incremental import IncrementalChecker
+
+            found = check_integrity(self)
+            self._checker = IncrementalChecker(self)
+            return found
+        return self._checker.check(_i64(touched))
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owner of every slot of the pool (``allocator.ownership``)."""
+        from allocator.ownership import slot_ownership
+
+        self._flush_publish()
+        return slot_ownership(self)
+
+
+def _counters_after(before: np.ndarray, taken: np.ndarray, committed: np.ndarray) -> np.ndarray:
+    """Pool counters after each step of a run: ``before`` (the counters at its start) as
+    each step takes ``taken[j]`` pool slots and the run has committed ``committed[j]``
+    tokens in all by the end of step ``j``."""
+    out = np.repeat(before[None, :], taken.shape[0], axis=0)
+    slots = np.cumsum(taken)
+    out[:, _COUNTER_AVAILABLE] -= slots
+    out[:, _COUNTER_COMMITTED] += committed
+    out[:, _COUNTER_OVERALLOCATED] += slots - committed
+    return out
 
 
 def create_allocator(config: AllocatorConfig) -> KvAllocator:

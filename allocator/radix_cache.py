@@ -23,6 +23,9 @@ stop once at least the requested tokens are freed (whole nodes, may overshoot).
 Access times come from a logical clock that ticks wherever SGLang reads
 ``time.monotonic()`` (once per match or insert, once per node created), so the
 eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
+
+With a ``journal`` attached (an incremental checker, ``allocator.journal``) every
+new leaf, split, eviction and lock / unlock is recorded there.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from allocator.pages import floor_align
 from allocator.token_to_kv import SLOT_DTYPE
 
 if TYPE_CHECKING:
+    from allocator.journal import Journal
     from allocator.token_to_kv import (
         HiSparseTokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator,
@@ -123,6 +128,7 @@ class RadixCache:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.disable = disable
         self.is_eagle = is_eagle
+        self.journal: Journal | None = None
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -168,7 +174,7 @@ class RadixCache:
     def key_len(self, num_tokens: int) -> int:
         """Page-aligned key length (units) of a ``num_tokens``-token sequence."""
         units = max(num_tokens - 1, 0) if self.is_eagle else num_tokens
-        return units // self.page_size * self.page_size
+        return floor_align(units, self.page_size)
 
     # ------------------------------------------------------------------ match / insert
 
@@ -180,7 +186,7 @@ class RadixCache:
         ``(0, root)`` without touching anything.
         """
         ps = self.page_size
-        n = key.shape[0] // ps * ps
+        n = floor_align(key.shape[0], ps)
         if self.disable or n == 0:
             return MatchResult(0, self.root_node)
         kb = key[:n].tobytes()
@@ -194,7 +200,7 @@ class RadixCache:
     def peek_prefix_len(self, key: np.ndarray) -> int:
         """Length ``match_prefix`` would return, without touching or splitting anything."""
         ps = self.page_size
-        n = key.shape[0] // ps * ps
+        n = floor_align(key.shape[0], ps)
         if self.disable or n == 0:
             return 0
         kb = key[:n].tobytes()
@@ -232,7 +238,7 @@ class RadixCache:
         psb = ps * 8
         deepest: dict[int, int] = {}  # id of an unlocked node -> units matched in it
         for i, key in enumerate(keys):
-            n = key.shape[0] // ps * ps
+            n = floor_align(key.shape[0], ps)
             if n == 0:
                 continue
             kb = key[:n].tobytes()
@@ -263,7 +269,7 @@ class RadixCache:
         must cover at least the aligned key; it is copied.
         """
         ps = self.page_size
-        n = key.shape[0] // ps * ps
+        n = floor_align(key.shape[0], ps)
         if self.disable:
             return InsertResult(0, self.root_node)
         t = self._tick()
@@ -283,6 +289,8 @@ class RadixCache:
             leaf.key = kb[pos:]
             leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
             node.children[kb[pos : pos + psb]] = leaf
+            if self.journal is not None:
+                self.journal.insert(leaf)
             self.evictable_size_ += n - pos // 8
             self._update_leaf_status(node)
             self._update_leaf_status(leaf)
@@ -331,7 +339,7 @@ class RadixCache:
         b = np.frombuffer(kb, dtype=np.int64, count=k, offset=pos)
         neq = a[:k] != b
         m = int(neq.argmax()) if neq.any() else k
-        return m // self.page_size * self.page_size
+        return floor_align(m, self.page_size)
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """Split ``child`` after ``split_len`` units; return the new upper node."""
@@ -347,6 +355,8 @@ class RadixCache:
         child.parent = upper
         upper.children = {child.key[:psb]: child}
         upper.parent.children[upper.key[:psb]] = upper
+        if self.journal is not None:
+            self.journal.split(upper, child)
         return upper
 
     # ------------------------------------------------------------------ locks
@@ -355,6 +365,8 @@ class RadixCache:
         """Lock the path root..node; return the change of ``evictable_size`` (<= 0)."""
         if self.disable:
             return 0
+        if self.journal is not None:
+            self.journal.lock(node)
         delta = 0
         root = self.root_node
         while node is not root:
@@ -372,6 +384,8 @@ class RadixCache:
         """Unlock the path root..node; return the change of ``evictable_size`` (>= 0)."""
         if self.disable:
             return 0
+        if self.journal is not None:
+            self.journal.lock(node)
         delta = 0
         root = self.root_node
         while node is not root:
@@ -435,6 +449,8 @@ class RadixCache:
             x = self._pop_evictable()
             if x is None:
                 break
+            if self.journal is not None:
+                self.journal.evict(x, x.parent)
             allocator.free_segment(x.value, 0)
             n = x.value.shape[0]
             evicted += n
@@ -485,3 +501,89 @@ class RadixCache:
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self.iter_nodes())
+
+
+class RadixState(NamedTuple):
+    """A radix tree flattened for a checkpoint (``RadixCache.save_state``).
+
+    Nodes are listed depth first, root first, children in their dict order, so a
+    restore rebuilds the same dicts in the same order. Keys (``bytes``) and values
+    (slot arrays, read-only views) are shared with the tree, never copied: the tree
+    only ever replaces a node's key or value, it never writes into one, so
+    consecutive checkpoints share every node that did not change.
+    """
+
+    ids: np.ndarray  # int64 [n] node ids (root first)
+    parents: np.ndarray  # int64 [n] position of each node's parent (-1: the root)
+    keys: tuple[bytes, ...]  # each node's key
+    values: tuple[np.ndarray, ...]  # each node's KV slots (read-only views)
+    lock_refs: np.ndarray  # int64 [n]
+    access_times: np.ndarray  # int64 [n]
+    heap: np.ndarray  # int64 [m, 2] (access time, node id) of the live nodes' heap entries
+    evictable_leaves: np.ndarray  # int64 node ids
+    scalars: tuple[int, int, int, int, int]  # clock, next id, evictable, protected, evicted total
+
+
+def _frozen(value: np.ndarray) -> np.ndarray:
+    view = value.view()
+    view.flags.writeable = False
+    return view
+
+
+def save_tree_state(tree: RadixCache) -> RadixState:
+    """Flatten ``tree`` (node metadata copied; keys and values shared read-only)."""
+    nodes: list[TreeNode] = []
+    parents: list[int] = []
+    stack: list[tuple[TreeNode, int]] = [(tree.root_node, -1)]
+    while stack:
+        node, parent = stack.pop()
+        here = len(nodes)
+        nodes.append(node)
+        parents.append(parent)
+        # reversed: the first child in dict order is listed (and re-inserted) first
+        stack.extend((child, here) for child in reversed(list(node.children.values())))
+    live = {id(n) for n in nodes}
+    heap = np.array([(t, i) for t, i, n in tree._heap if id(n) in live], np.int64).reshape(-1, 2)
+    return RadixState(
+        ids=np.fromiter((n.id for n in nodes), np.int64, len(nodes)),
+        parents=np.array(parents, np.int64),
+        keys=tuple(n.key for n in nodes),
+        values=tuple(n.value if not n.value.flags.writeable else _frozen(n.value) for n in nodes),
+        lock_refs=np.fromiter((n.lock_ref for n in nodes), np.int64, len(nodes)),
+        access_times=np.fromiter((n.last_access_time for n in nodes), np.int64, len(nodes)),
+        heap=heap,
+        evictable_leaves=np.fromiter((n.id for n in tree.evictable_leaves), np.int64),
+        scalars=(tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total),
+    )
+
+
+def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNode]:
+    """Rebuild ``tree`` in place from ``state``; return its nodes by id.
+
+    The lazily invalidated heap keeps only the entries of nodes still in the tree
+    (entries of evicted nodes can never be valid again), re-heapified: the order in
+    which valid entries pop is unchanged.
+    """
+    psb = tree.page_size * 8
+    by_id: dict[int, TreeNode] = {}
+    nodes: list[TreeNode] = []
+    for node_id, parent, lock_ref, t, key, value in zip(
+        state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist(),
+        state.keys, state.values,
+    ):
+        node = TreeNode(node_id, t)
+        node.key = key
+        node.value = value
+        node.lock_ref = lock_ref
+        if parent >= 0:
+            owner = nodes[parent]
+            node.parent = owner
+            owner.children[key[:psb]] = node
+        nodes.append(node)
+        by_id[node_id] = node
+    tree.root_node = nodes[0]
+    tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total = state.scalars
+    tree.evictable_leaves = {by_id[i] for i in state.evictable_leaves.tolist()}
+    tree._heap = [(t, i, by_id[i]) for t, i in state.heap.tolist()]
+    heapq.heapify(tree._heap)
+    return by_id

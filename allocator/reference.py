@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from allocator.pages import ceil_align, num_pages
+
 __all__ = [
     "alloc_decode",
     "alloc_extend",
@@ -36,10 +38,6 @@ __all__ = [
 
 def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
-
-
-def _cdiv(values: torch.Tensor, divisor: int) -> torch.Tensor:
-    return (values + (divisor - 1)) // divisor
 
 
 def _page_slots(free_pages: torch.Tensor, page_idx: torch.Tensor, offsets: torch.Tensor | int, page_size: int) -> torch.Tensor:
@@ -152,8 +150,8 @@ def alloc_extend(
     if num_tokens == 0:
         return out_indices
 
-    ceil_prefix = _cdiv(prefix_lens, page_size) * page_size
-    num_new_pages = _cdiv(seq_lens, page_size) - _cdiv(prefix_lens, page_size)
+    ceil_prefix = ceil_align(prefix_lens, page_size)
+    num_new_pages = num_pages(seq_lens, page_size) - num_pages(prefix_lens, page_size)
     page_starts = _exclusive_cumsum(num_new_pages)
     out_starts = _exclusive_cumsum(extend_lens)
     num_part1 = torch.minimum(seq_lens, ceil_prefix) - prefix_lens

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+# ceil_align / floor_align are defined in allocator.pages; re-exported here.
+from allocator.pages import ceil_align, floor_align
+
 if TYPE_CHECKING:
     from allocator.base import AllocatorConfig, SpecConfig
 
@@ -24,14 +27,6 @@ __all__ = [
     "row_extra_len",
     "uses_bigram_keys",
 ]
-
-
-def ceil_align(length: int, page_size: int) -> int:
-    return -(-length // page_size) * page_size
-
-
-def floor_align(length: int, page_size: int) -> int:
-    return length // page_size * page_size
 
 
 def alloc_len_per_decode(spec: SpecConfig | None, page_size: int) -> int:
@@ -51,8 +46,7 @@ def alloc_len_per_decode(spec: SpecConfig | None, page_size: int) -> int:
         return tokens + 1
     if page_size == 1 or topk == 1:
         return max(steps * topk, tokens)
-    pages_per_topk = (page_size - 1 + steps + page_size - 1) // page_size
-    return max(pages_per_topk * page_size * topk, tokens)
+    return max(ceil_align(page_size - 1 + steps, page_size) * topk, tokens)
 
 
 def reserve_per_decode(spec: SpecConfig | None, page_size: int) -> int:

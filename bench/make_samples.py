@@ -4,8 +4,12 @@ Run: ``python bench/make_samples.py [--only NAME ...] [--list]``
 
 Every sample is recorded by ``kvtrace record`` (the scheduler model on the real
 allocator) from a workload file bundled in ``traces/workloads_data/``, with fixed
-seeds, so a rerun writes the same steps, rows and values (the files also match
-byte for byte unless pyarrow's compressor changes). Each trace's metadata
+seeds and a fixed creation time (``SOURCE_DATE_EPOCH``), so a rerun from the
+repository root writes the same steps, rows and values, and the same file byte for
+byte unless pyarrow's compressor or the kvtrace version changes. They are Arrow IPC
+*files* carrying their provenance (kvtrace version, command line, creation time,
+completion) and each request's arrival time (``arrival_s``), so ``kvtrace record
+sample:NAME`` schedules their requests anew as they arrived. Each trace's metadata
 ``source`` carries the data's repository, path, licence and citation;
 ``traces/README.md`` lists them.
 """
@@ -13,6 +17,7 @@ byte for byte unless pyarrow's compressor changes). Each trace's metadata
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -22,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# The samples' creation time (2025-01-01T00:00:00Z): fixed, so reruns match byte for byte.
+SAMPLES_EPOCH = "1735689600"
 DATA = ROOT / "traces" / "workloads_data"
 SAMPLES = ROOT / "traces" / "samples"
 MOONCAKE = DATA / "mooncake-fast25" / "conversation_trace.jsonl"
@@ -86,8 +93,11 @@ def make(sample: Sample) -> dict:
 
     out = SAMPLES / sample.name
     # No wall-clock flushes: record batches then depend only on the steps, so the
-    # files come out byte for byte the same.
-    args = ["record", *sample.args, "--out", str(out), "--force", "--seed", "0", "--flush-interval", "0", "--json"]
+    # files come out byte for byte the same. Paths relative to the working directory
+    # keep the command line in the metadata the same in every checkout.
+    paths = [os.path.relpath(a) if Path(a).is_absolute() else a for a in sample.args]
+    out_arg = os.path.relpath(out)
+    args = ["record", *paths, "--out", out_arg, "--force", "--seed", "0", "--flush-interval", "0", "--json"]
     t0 = time.perf_counter()
     result = CliRunner().invoke(app, args)
     if result.exit_code != 0:
@@ -110,6 +120,7 @@ def main() -> None:
                 "--flush-interval 0"
             )
         return
+    os.environ.setdefault("SOURCE_DATE_EPOCH", SAMPLES_EPOCH)
     SAMPLES.mkdir(parents=True, exist_ok=True)
     total = 0
     for sample in SAMPLES_SPEC:

@@ -1,15 +1,25 @@
 """A trace's serving configuration -> the allocator configuration that serves it, and
-whether this machine has the memory to build it."""
+whether this machine has the memory to build it.
+
+``allocator_config_for`` maps a trace's recorded serving config (with what-if
+overrides) to an ``AllocatorConfig``; the scheduler model records with it and the
+replay session replays with it, so both run the same allocator for the same trace.
+``effective_config`` is the one place a replay's configuration is decided from the
+trace, the allocator version (which may fix a page size) and the user's options.
+The pool is rounded down to whole pages by ``allocator.sizing.pool_size_tokens``
+only. ``check_memory`` refuses, before a pool is built, what the machine cannot hold.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from allocator.base import AllocatorConfig, SpecConfig
 from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
-from traces.schema import TraceMeta
+from traces.schema import SpecSettings, TraceMeta
 from traces.tokens import TokenStore
 from traces.validate import CHECKER_BYTES_PER_RID
 
@@ -44,6 +54,25 @@ def replay_names(*, pool_tokens: bool = False, page_size: bool = False) -> dict[
 _REPLAY_BYTES_PER_RID = 10 + CHECKER_BYTES_PER_RID
 
 
+def spec_config_for(spec: SpecSettings | None) -> SpecConfig | None:
+    """The allocator's speculative settings for a trace's (None: no speculative decoding).
+
+    Args:
+        spec: the recorded engine's speculative settings, or None.
+
+    Returns:
+        The same settings as an ``allocator.base.SpecConfig``, or None.
+    """
+    if spec is None:
+        return None
+    return SpecConfig(
+        algorithm=spec.algorithm,
+        num_steps=spec.num_steps,
+        topk=spec.topk,
+        num_draft_tokens=spec.num_draft_tokens,
+    )
+
+
 def allocator_config_for(
     meta: TraceMeta,
     *,
@@ -54,9 +83,8 @@ def allocator_config_for(
     debug_checks: bool = False,
 ) -> AllocatorConfig:
     """The allocator configuration a trace's serving config asks for, with what-if
-    overrides. The scheduler model records with it and the replay engine replays
-    with it, so both run the same allocator for the same trace. ``radix_cache``
-    defaults to what the trace was recorded with.
+    overrides. ``radix_cache`` defaults to what the trace was recorded with; the pool
+    is rounded down to whole pages.
 
     Raises:
         ConfigError: the resulting configuration is one no allocator can be built
@@ -67,26 +95,21 @@ def allocator_config_for(
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
-    spec = None
-    if cfg.spec is not None:
-        spec = SpecConfig(
-            algorithm=cfg.spec.algorithm,
-            num_steps=cfg.spec.num_steps,
-            topk=cfg.spec.topk,
-            num_draft_tokens=cfg.spec.num_draft_tokens,
-        )
     config = AllocatorConfig(
-        pool_tokens=pool // ps * ps,
+        pool_tokens=pool,
         page_size=ps,
         max_running=cfg.max_running,
         max_context_len=cfg.max_context_len,
         device=device,
         need_sort=cfg.pd_decode,
-        spec=spec,
+        spec=spec_config_for(cfg.spec),
         hisparse=cfg.hisparse,
         radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
     )
+    config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
+    if config.pool_tokens < 2 * ps:
+        raise ConfigError(_pool_below_two_pages(pool, ps, page_size is not None, pool_tokens is not None))
     try:
         config.check()
     except ValueError as exc:
@@ -202,3 +225,47 @@ def format_bytes(num_bytes: int) -> str:
             return f"{value:.3g} {unit}" if unit != "B" and value < 1000 else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def _pool_below_two_pages(pool: int, page_size: int, page_given: bool, pool_given: bool) -> str:
+    """One line naming the option that leaves fewer than two pages in the pool."""
+    if page_given and (not pool_given or page_size > pool // 2 > 0):
+        where = "the --pool-tokens" if pool_given else "the trace's"
+        return (
+            f"--page-size {page_size:,}: two pages of {page_size:,} tokens do not fit {where} pool of {pool:,} tokens; "
+            f"give a --page-size of at most {max(1, pool // 2):,} or a larger --pool-tokens"
+        )
+    what = f"--pool-tokens {pool:,}" if pool_given else f"the trace's pool of {pool:,} tokens"
+    return f"{what} is below two pages of {page_size:,} tokens; give --pool-tokens {2 * page_size:,} or more"
+
+
+def effective_config(
+    meta: TraceMeta,
+    *,
+    version_spec: str = "builtin",
+    version_page_size: int | None = None,
+    page_size: int | None = None,
+    pool_tokens: int | None = None,
+    device: str = "cpu",
+) -> AllocatorConfig:
+    """The configuration a replay's allocator runs with.
+
+    The page size is, in order: the version's own (``token``, ``paged:N``), the
+    ``--page-size`` option, the trace's. A version that fixes a page size and a
+    ``--page-size`` that asks for another conflict.
+
+    Raises:
+        ConfigError: the options conflict, or no allocator can be built from the result.
+    """
+    if version_page_size is not None and page_size is not None and page_size != version_page_size:
+        raise ConfigError(
+            f"--page-size {page_size} conflicts with --allocator {version_spec}, which replays with page size "
+            f"{version_page_size}; drop one of the two"
+        )
+    chosen = version_page_size if version_page_size is not None else page_size
+    return allocator_config_for(meta, page_size=chosen, pool_tokens=pool_tokens, device=device)
+
+
+def config_dict(config: AllocatorConfig) -> dict[str, Any]:
+    """An allocator configuration as a JSON-able dict (None fields left out)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}

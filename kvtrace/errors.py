@@ -43,13 +43,26 @@ class VersionSpecError(KvtraceError):
     """An allocator version spec (built-in, module, file, git revision) cannot be loaded."""
 
 
+class EmptyRecordingError(KvtraceError):
+    """A recording that wrote no step (every request was rejected); exit code 1."""
+
+    exit_code = 1
+
+
+class OutputError(KvtraceError):
+    """An output path is refused: it is one of the inputs, it exists (without ``--force``),
+    it is a directory, or its directory does not exist."""
+
+
 # Every exception the CLI reports as one line (never a traceback without --debug).
 USER_ERRORS: tuple[type[Exception], ...] = (KvtraceError, TraceError)
 
 __all__ = [
     "USER_ERRORS",
     "ConfigError",
+    "EmptyRecordingError",
     "KvtraceError",
+    "OutputError",
     "TraceCorruptError",
     "TraceError",
     "TraceFormatError",

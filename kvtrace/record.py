@@ -11,7 +11,8 @@ An engine hooks it in where its scheduler applies a step's KV operations::
         while serving:
             rec.begin_step(time.monotonic() - t0)
             rec.finish(finished_ids, owned_lens)          # released, prefix cached
-            rec.extend(prefill_ids, seq_lens, prefix_lens=hits, prompt_lens=prompt_lens)
+            rec.extend(prefill_ids, seq_lens, prefix_lens=hits, prompt_lens=prompt_lens,
+                       arrival_s=arrivals)                 # arrivals: a request's first row
             rec.decode(decode_ids, seq_lens)              # one token each
             rec.end_step()                                # the step is on disk
 
@@ -25,15 +26,21 @@ written and flushed at ``end_step``, so a process killed at any instant leaves a
 trace holding every completed step. A larger ``steps_per_batch`` writes fewer,
 better-compressed batches and may lose the last ``steps_per_batch - 1`` completed
 steps on a hard kill; ``flush_interval_s`` bounds that loss in time. Leaving the
-``with`` block by an exception flushes every completed step and drops the step in
-progress.
+``with`` block by an exception (Ctrl-C included) flushes every completed step,
+drops the step in progress and marks the trace interrupted, saying why
+(``TraceMeta.recording``); a process killed outright leaves a trace that reads as
+interrupted too (its writer never closed it). The metadata also records the
+kvtrace version, the command line and the creation time.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
@@ -49,7 +56,9 @@ from traces.schema import (
     PREALLOC,
     RETRACT,
     SPEC,
+    Recording,
     TraceMeta,
+    timestamp,
 )
 
 if TYPE_CHECKING:
@@ -59,6 +68,7 @@ __all__ = ["Recorder", "RecorderStats"]
 
 IdsLike = Sequence[Hashable] | np.ndarray
 IntsLike = Sequence[int] | np.ndarray | int
+FloatsLike = Sequence[float] | np.ndarray | float
 
 
 class RecorderStats(NamedTuple):
@@ -80,6 +90,16 @@ class _Part(NamedTuple):
     prompt_len: np.ndarray | None  # int64, -1 = null
     block_hashes: Sequence[np.ndarray | None] | None
     token_ids: Sequence[np.ndarray | None] | None
+    arrival_s: np.ndarray | None = None  # float64, NaN = unknown
+
+
+def _floats(values: FloatsLike, n: int, name: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = np.full(n, arr)
+    if arr.shape != (n,):
+        raise ValueError(f"{name} has {arr.shape[0] if arr.ndim else 1} values for {n} requests")
+    return arr
 
 
 def _ints(values: IntsLike, n: int, name: str, dtype: type = np.int64) -> np.ndarray:
@@ -109,6 +129,10 @@ class Recorder:
             ``compression`` (a killed recorder leaves the durable per-step file).
         rid_map_path: append ``{"id": engine_id, "rid": dense}`` JSON lines here as
             ids are first seen (flushed with the trace).
+        command: the command line stored in the metadata (default: this process's).
+
+    The metadata written gets ``created_at`` (now, unless set) and a ``recording``
+    (status, kvtrace version, command line; unless set).
 
     Raises:
         traces.errors.TraceWriteError (through the writer): the file exists without
@@ -127,9 +151,16 @@ class Recorder:
         dense_ids: bool = False,
         rid_map_path: str | Path | None = None,
         compact_steps_per_batch: int | None = None,
+        command: str | None = None,
     ) -> None:
+        from kvtrace import __version__
         from traces.io import TraceWriter
 
+        if meta.recording is None:
+            command = shlex.join(sys.argv) if command is None else command
+            meta = replace(meta, recording=Recording(kvtrace_version=__version__, command=command))
+        if meta.created_at is None:
+            meta = replace(meta, created_at=timestamp())
         self.path = Path(path)
         self.meta = meta
         # Compacting: write every step durably with the fast codec, rewrite at close.
@@ -236,6 +267,7 @@ class Recorder:
         prompt_lens: IntsLike | None = None,
         block_hashes: Sequence[np.ndarray | None] | None = None,
         token_ids: Sequence[np.ndarray | None] | None = None,
+        arrival_s: FloatsLike | None = None,
     ) -> None:
         """Prefill (or a prefill chunk) of each request up to ``seq_lens[i]`` tokens.
 
@@ -247,8 +279,11 @@ class Recorder:
             prompt_lens: prompt length, kept on the request's first row only.
             block_hashes: per request, content-addressed prompt blocks (uint64) or None.
             token_ids: per request, explicit ids of the appended positions, or None.
+            arrival_s: when each request arrived (seconds, the clock of ``begin_step``;
+                NaN: unknown), kept on the request's first row only: re-scheduling the
+                trace (``kvtrace record TRACE``) replays the arrivals.
         """
-        self._add_prompted(EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids)
+        self._add_prompted(EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s)
 
     def prealloc(
         self,
@@ -259,9 +294,11 @@ class Recorder:
         prompt_lens: IntsLike | None = None,
         block_hashes: Sequence[np.ndarray | None] | None = None,
         token_ids: Sequence[np.ndarray | None] | None = None,
+        arrival_s: FloatsLike | None = None,
     ) -> None:
-        """PD-disaggregated decode: each request arrives with ``seq_lens[i]`` tokens of KV."""
-        self._add_prompted(PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids)
+        """PD-disaggregated decode: each request arrives with ``seq_lens[i]`` tokens of KV
+        (the keyword arguments as for ``extend``)."""
+        self._add_prompted(PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s)
 
     def _add_prompted(
         self,
@@ -272,6 +309,7 @@ class Recorder:
         prompt_lens: IntsLike | None,
         block_hashes: Sequence[np.ndarray | None] | None,
         token_ids: Sequence[np.ndarray | None] | None,
+        arrival_s: FloatsLike | None = None,
     ) -> None:
         """The rows of the ops that may bring a request's first row (extend, prealloc)."""
         ids = self._map(rids)
@@ -287,6 +325,7 @@ class Recorder:
                 None if prompt_lens is None else _ints(prompt_lens, n, "prompt_lens"),
                 block_hashes,
                 token_ids,
+                None if arrival_s is None else _floats(arrival_s, n, "arrival_s"),
             ),
         )
 
@@ -352,6 +391,7 @@ class Recorder:
         accepted_cols: list[np.ndarray] = []
         prefix_cols: list[np.ndarray] = []
         prompt_cols: list[np.ndarray] = []
+        arrival_cols: list[np.ndarray] = []
         hashes: list[np.ndarray | None] = []
         tokens: list[np.ndarray | None] = []
         any_hashes = any_tokens = False
@@ -387,6 +427,10 @@ class Recorder:
                     prompt_cols.append(np.where(first, part.prompt_len, -1))
                 else:
                     prompt_cols.append(np.full(n, -1, np.int64))
+                if part.arrival_s is not None:
+                    arrival_cols.append(np.where(first, part.arrival_s, np.nan))
+                else:
+                    arrival_cols.append(np.full(n, np.nan))
                 if part.block_hashes is not None:
                     any_hashes = True
                     hashes.extend(h if f else None for h, f in zip(part.block_hashes, first.tolist()))
@@ -400,6 +444,7 @@ class Recorder:
         one = len(ops) == 1
         op_col = ops[0] if one else np.concatenate(ops)
         prompt = prompt_cols[0] if one else np.concatenate(prompt_cols)
+        arrival = arrival_cols[0] if one else np.concatenate(arrival_cols)
         self._writer.write_step(
             self._step,
             self._time_s,
@@ -413,6 +458,7 @@ class Recorder:
             prompt_len=prompt if (prompt >= 0).any() else None,
             block_hashes=hashes if any_hashes else None,
             token_ids=tokens if any_tokens else None,
+            arrival_s=None if np.isnan(arrival).all() else arrival,
         )
         self._rows += int(op_col.shape[0])
         self._steps_written += 1
@@ -487,15 +533,23 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._flush_rid_map()
 
-    def close(self) -> None:
-        """Flush the completed steps and close the file (a step left open is dropped)."""
+    def close(self, *, interrupted: str | None = None) -> None:
+        """Flush the completed steps and close the file (a step left open is dropped).
+
+        Args:
+            interrupted: why the recording stops before its end: the trace is marked
+                interrupted (``TraceMeta.recording``) and not compacted.
+
+        Raises:
+            traces.errors.TraceWriteError: the file cannot be written.
+        """
         if self._closed:
             return
         self._closed = True
         self._open_step = False
         self._parts = {}
         try:
-            self._writer.close()
+            self._writer.close(interrupted=interrupted)
         finally:
             self._flush_rid_map()
             if self._rid_map_file is not None:
@@ -510,4 +564,11 @@ class Recorder:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        from traces.io import describe_stop
+
+        self.close(interrupted=None if exc is None else describe_stop(exc))
+
+    @property
+    def recording(self) -> Recording | None:
+        """The recording status written (the final one once closed)."""
+        return self._writer.recording

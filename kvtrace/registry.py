@@ -1,38 +1,71 @@
-"""Allocator versions: a spec string -> a factory ``(AllocatorConfig) -> Allocator``.
+"""Allocator versions: a spec string -> how the version is built and where it runs.
 
-Specs:
-    ``builtin``               this checkout's ``allocator.create_allocator`` (page size from the trace)
-    ``token``                 the built-in allocator forced to page size 1
-    ``paged`` / ``paged:N``   the built-in allocator, paged (page size from the trace, or N)
-    ``pkg.module:factory``    a factory importable from ``sys.path``
+A version is anything that yields an ``Allocator`` for a configuration, through a
+factory ``(AllocatorConfig) -> Allocator`` (``allocator.base``; the optional
+``Checkpointable`` and ``Digestible`` protocols add seeking and ``diff --exact``).
+
+Specs (``kvtrace versions`` lists what is available and where each comes from):
+    ``builtin``                  this kvtrace's ``allocator.create_allocator`` (the trace's page size)
+    ``token``                    the built-in allocator at page size 1
+    ``paged`` / ``paged:N``      the built-in allocator, paged (the trace's page size, or N)
+    ``pre-encapsulation``        the built-in allocator with SGLang's speculative bookkeeping from
+                                 before PR #29432 (``allocator.pre_encapsulation``)
+    ``NAME``                     a factory an installed package registers in the entry-point
+                                 group ``kvtrace.allocators``
+    ``pkg.module:factory``       a factory importable from ``sys.path``
     ``path/to/file.py:factory``  a factory defined in a Python file
-(``git:REV`` versions run in their own process and are resolved by ``kvtrace diff``.)
+    ``git:REV[@PATH]``           the ``allocator`` package of revision REV of the repository at
+                                 PATH (default: the one holding the current directory), checked
+                                 out into a cached git worktree (``kvtrace.gitversions``)
+    ``worktree[@PATH]``          the ``allocator`` package of that repository's working tree,
+                                 uncommitted changes included
+
+The first five run in this process (``AllocatorVersion``). ``git:`` and
+``worktree`` versions import their own ``allocator`` package, so they run in a
+child process (``ChildVersion``, driven by ``kvtrace.child``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from allocator.base import Allocator, AllocatorConfig
 from kvtrace.errors import VersionSpecError
 
-AllocatorFactory = Callable[[AllocatorConfig], Allocator]
-BUILTIN_NAMES = ("builtin", "token", "paged", "paged:N")
+if TYPE_CHECKING:
+    from allocator.base import Allocator, AllocatorConfig
+
+AllocatorFactory = Callable[["AllocatorConfig"], "Allocator"]
+ENTRY_POINT_GROUP = "kvtrace.allocators"
+BUILTIN_NAMES = ("builtin", "token", "paged", "paged:N", "pre-encapsulation")
+VALID_FORMS = (
+    "builtin, token, paged, paged:N, pre-encapsulation, an installed name ('kvtrace versions'), "
+    "package.module:factory, path/to/file.py:factory, git:REV[@PATH], worktree[@PATH]"
+)
+_PROTOCOL_METHODS = ("extend", "decode", "spec_decode", "prealloc", "release", "counters")
 
 
 @dataclass(frozen=True, slots=True)
 class AllocatorVersion:
-    """A resolved version: its spec, a label for reports, its factory."""
+    """A version that runs in this process: its spec, a label for reports, its factory.
+
+    ``page_size``: the page size the version itself fixes (``token``: 1, ``paged:N``:
+    N), None when it takes the trace's. ``kvtrace.config.effective_config`` decides
+    the configuration from it and the user's options; the factory receives that
+    configuration unchanged. ``origin``: where it comes from (``kvtrace versions``).
+    """
 
     spec: str
     label: str
     factory: AllocatorFactory
+    page_size: int | None = None
+    origin: str = ""
 
     def create(self, config: AllocatorConfig) -> Allocator:
         """Build the allocator, checking it honours the protocol.
@@ -40,12 +73,14 @@ class AllocatorVersion:
         Raises:
             VersionSpecError: the factory fails or returns something that is not an Allocator.
         """
+        from allocator.base import Allocator
+
         try:
             alloc = self.factory(config)
         except Exception as exc:  # a user's factory may fail in any way
             raise VersionSpecError(f"allocator '{self.spec}': its factory failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(alloc, Allocator):
-            missing = [m for m in ("extend", "decode", "spec_decode", "prealloc", "release", "counters") if not hasattr(alloc, m)]
+            missing = [m for m in _PROTOCOL_METHODS if not hasattr(alloc, m)]
             raise VersionSpecError(
                 f"allocator '{self.spec}': the factory returned {type(alloc).__name__}, "
                 f"which lacks the Allocator methods {', '.join(missing) or '(some)'}"
@@ -53,47 +88,116 @@ class AllocatorVersion:
         return alloc
 
 
-def _builtin(page_size: int | None = None) -> AllocatorFactory:
-    def factory(config: AllocatorConfig) -> Allocator:
-        from allocator import create_allocator
+@dataclass(frozen=True, slots=True)
+class ChildVersion:
+    """A version that runs in a child process (``kvtrace.child``): the ``allocator``
+    package under ``allocator_root`` comes first there, this kvtrace drives it.
 
-        if page_size is not None and page_size != config.page_size:
-            config = dataclasses.replace(config, page_size=page_size, pool_tokens=config.pool_tokens // page_size * page_size)
-        return create_allocator(config)
+    ``python``: the interpreter of the child (this one unless another environment is
+    needed); ``commit``: the revision checked out (None for a working tree).
+    """
 
-    return factory
+    spec: str
+    label: str
+    allocator_root: Path
+    origin: str
+    commit: str | None = None
+    python: str = sys.executable
+    page_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    """One line of ``kvtrace versions``."""
+
+    name: str
+    kind: str  # builtin | installed | git | file
+    origin: str
+    description: str
+
+
+def _builtin(config: AllocatorConfig) -> Allocator:
+    from allocator import create_allocator
+
+    return create_allocator(config)
+
+
+def _pre_encapsulation(config: AllocatorConfig) -> Allocator:
+    from allocator.pre_encapsulation import create_allocator
+
+    return create_allocator(config)
+
+
+def _here() -> str:
+    return str(Path(__file__).resolve().parent.parent / "allocator")
 
 
 def resolve_version(spec: str) -> AllocatorVersion:
-    """Turn a version spec into an ``AllocatorVersion``.
+    """Turn the spec of a version that runs in this process into an ``AllocatorVersion``.
 
     Raises:
-        VersionSpecError: unknown name, bad syntax, module or file missing, factory not callable.
+        VersionSpecError: unknown name, bad syntax, module or file missing, factory not
+            callable, or a ``git:`` / ``worktree`` spec (those run in their own process:
+            ``resolve_any``).
+    """
+    found = resolve_any(spec)
+    if isinstance(found, ChildVersion):
+        raise VersionSpecError(
+            f"allocator '{spec}': git revisions and working trees run in their own process; "
+            "compare them with 'kvtrace diff TRACE --a ... --b ...'"
+        )
+    return found
+
+
+def resolve_any(spec: str, *, cache_dir: Path | None = None) -> AllocatorVersion | ChildVersion:
+    """Resolve any version spec (see the module doc). ``git:`` specs check the revision
+    out (or reuse the cached checkout) under ``cache_dir`` (default
+    ``kvtrace.gitversions.cache_dir()``).
+
+    Raises:
+        VersionSpecError: the spec does not resolve (one line: what and the valid forms).
     """
     spec = spec.strip()
+    builtin = _resolve_builtin(spec)
+    if builtin is not None:
+        return builtin
+    if spec.startswith("git:") or spec == "worktree" or spec.startswith("worktree@"):
+        from kvtrace import gitversions
+
+        return gitversions.resolve(spec, cache=cache_dir)
+    if ":" not in spec:
+        ep = _entry_points().get(spec)
+        if ep is not None:
+            return _from_entry_point(spec, ep)
+        raise VersionSpecError(f"unknown allocator '{spec}'; valid forms: {VALID_FORMS}")
+    return _resolve_factory(spec)
+
+
+def _resolve_builtin(spec: str) -> AllocatorVersion | None:
+    here = f"built in ({_here()})"
     if spec in ("", "builtin"):
-        return AllocatorVersion("builtin", "builtin", _builtin())
+        return AllocatorVersion("builtin", "builtin", _builtin, origin=here)
     if spec == "token":
-        return AllocatorVersion(spec, "token (page 1)", _builtin(1))
+        return AllocatorVersion(spec, "token (page 1)", _builtin, page_size=1, origin=here)
     if spec == "paged":
-        return AllocatorVersion(spec, "paged", _builtin())
+        return AllocatorVersion(spec, "paged", _builtin, origin=here)
     if spec.startswith("paged:"):
         size = spec.split(":", 1)[1]
         if not size.isdigit() or int(size) < 1:
             raise VersionSpecError(f"allocator '{spec}': the page size after 'paged:' must be a positive integer")
-        return AllocatorVersion(spec, f"paged (page {int(size)})", _builtin(int(size)))
-    if spec.startswith("git:"):
-        raise VersionSpecError(f"allocator '{spec}': git revisions are compared with 'kvtrace diff', not replayed in-process")
-    if ":" not in spec:
-        raise VersionSpecError(
-            f"unknown allocator '{spec}'; use one of {', '.join(BUILTIN_NAMES)}, "
-            "'package.module:factory' or 'path/to/file.py:factory'"
-        )
+        return AllocatorVersion(spec, f"paged (page {int(size)})", _builtin, page_size=int(size), origin=here)
+    if spec == "pre-encapsulation":
+        return AllocatorVersion(spec, spec, _pre_encapsulation, origin=here)
+    return None
+
+
+def _resolve_factory(spec: str) -> AllocatorVersion:
     target, attr = spec.rsplit(":", 1)
     if not attr.isidentifier():
-        raise VersionSpecError(f"allocator '{spec}': '{attr}' is not a valid factory name")
+        raise VersionSpecError(f"allocator '{spec}': '{attr}' is not a valid factory name; valid forms: {VALID_FORMS}")
     if target.endswith(".py"):
         module = _load_file(spec, Path(target))
+        origin = f"file {Path(target).resolve()}"
     else:
         try:
             module = importlib.import_module(target)
@@ -101,12 +205,13 @@ def resolve_version(spec: str) -> AllocatorVersion:
             raise VersionSpecError(f"allocator '{spec}': cannot import module '{target}' ({exc})") from None
         except Exception as exc:
             raise VersionSpecError(f"allocator '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc}") from None
+        origin = f"module {getattr(module, '__file__', None) or target}"
     factory = getattr(module, attr, None)
     if factory is None:
         raise VersionSpecError(f"allocator '{spec}': '{target}' has no attribute '{attr}'")
     if not callable(factory):
         raise VersionSpecError(f"allocator '{spec}': '{attr}' in '{target}' is not callable")
-    return AllocatorVersion(spec, spec, factory)
+    return AllocatorVersion(spec, spec, factory, origin=origin)
 
 
 def _load_file(spec: str, path: Path) -> object:
@@ -124,3 +229,53 @@ def _load_file(spec: str, path: Path) -> object:
         del sys.modules[name]
         raise VersionSpecError(f"allocator '{spec}': running {path} failed: {type(exc).__name__}: {exc}") from None
     return module
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _entry_point_origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    who = f"{dist.name} {dist.version}" if dist is not None else "an installed package"
+    return f"entry point of {who}: {ep.value}"
+
+
+def _from_entry_point(spec: str, ep: importlib.metadata.EntryPoint) -> AllocatorVersion:
+    try:
+        factory: Any = ep.load()
+    except Exception as exc:
+        raise VersionSpecError(
+            f"allocator '{spec}': loading its entry point {ep.value} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not callable(factory):
+        raise VersionSpecError(f"allocator '{spec}': entry point {ep.value} is not callable")
+    return AllocatorVersion(spec, spec, factory, origin=_entry_point_origin(ep))
+
+
+def list_versions() -> list[VersionInfo]:
+    """What ``kvtrace versions`` lists: the built-ins, the installed entry points, and
+    the forms that take an argument (with the repository ``worktree`` would use)."""
+    here = f"built in ({_here()})"
+    out = [
+        VersionInfo("builtin", "builtin", here, "SGLang 0.5.23 semantics at the trace's page size"),
+        VersionInfo("token", "builtin", here, "the built-in allocator at page size 1"),
+        VersionInfo("paged[:N]", "builtin", here, "the built-in allocator, paged (the trace's page size, or N)"),
+        VersionInfo(
+            "pre-encapsulation", "builtin", here,
+            "speculative bookkeeping kept by the caller and forgotten on the paged path (SGLang before #29432)",
+        ),
+    ]
+    for name, ep in sorted(_entry_points().items()):
+        out.append(VersionInfo(name, "installed", _entry_point_origin(ep), f"group {ENTRY_POINT_GROUP}"))
+    from kvtrace import gitversions
+
+    repo = gitversions.current_repository()
+    where = f"the repository at {repo}" if repo is not None else "the repository at PATH (here: not in a git repository)"
+    out.append(VersionInfo("worktree[@PATH]", "git", where, "its working tree, uncommitted changes included"))
+    cached = gitversions.cached_checkouts()
+    note = f" ({len(cached)} cached in {gitversions.cache_dir()})" if cached else ""
+    out.append(VersionInfo("git:REV[@PATH]", "git", where, f"revision REV, checked out into a cached git worktree{note}"))
+    out.append(VersionInfo("package.module:factory", "factory", "sys.path", "a factory (AllocatorConfig) -> Allocator"))
+    out.append(VersionInfo("path/to/file.py:factory", "factory", "a Python file", "a factory defined in a file"))
+    return out

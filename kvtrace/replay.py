@@ -1,37 +1,66 @@
-"""The replay engine: trace steps -> batched allocator calls -> one ``StepSnapshot`` per step.
+"""The replay engine: one trace step -> batched allocator calls -> one ``StepSnapshot``.
 
 Per step, in the trace's op order (``traces.schema.OP_ORDER``), the engine makes
 one batched allocator call per op kind: releases (finish, abort, retract), then
-prealloc, extend, decode, spec. It never trusts the trace: every step first goes
-through ``traces.validate.OpSequenceChecker``; impossible ops stop the replay
-(default) or are skipped and reported. Running out of KV slots is an outcome:
-the first OOM is recorded with its step, request, need, free and evictable, and
-the replay stops (``on_oom="stop"``) or drops the request that did not fit and
-carries on (``on_oom="skip"``).
+prealloc, extend, decode, spec, then ``end_step``. It never trusts the trace: every
+step is first screened (``traces.validate.OpSequenceChecker``, possibly in a child
+process); impossible ops stop the replay (default) or are skipped and reported.
+Running out of KV slots is an outcome: the first OOM is recorded with its step,
+request, need, free and evictable, and the replay stops (``on_oom="stop"``) or
+drops the request that did not fit and carries on (``on_oom="skip"``).
 
 The radix cache is the replay's own: prefix hits are recomputed for the replay's
 pool and page size, and admissions whose hit differs from the recorded one are
 counted.
+
+The engine is driven one step at a time (``replay_step``) by a
+``kvtrace.session.ReplaySession``, which owns the trace reader, the screening, the
+checkpoints and the summary. Steps before ``ReplayOptions.start_step`` run quietly
+(state only: no snapshot, no check, no statistics), so the statistics describe the
+window and its first snapshot is a keyframe holding the whole state.
+
+Over-allocation ledger: a request's speculative slack is ``kv_allocated_len -
+kv_committed_len``. ``overalloc_allocated`` is the slack the window's allocation
+calls created (net of what accepted tokens then filled), ``overalloc_released`` the
+slack its releases gave back, so ``held_at_start + allocated - released ==
+held_at_end`` always holds. Page-tail padding (``ceil_align(allocated) -
+allocated``) is counted apart.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from allocator.base import AllocResult, OutOfMemory
-from kvtrace.config import allocator_config_for  # noqa: F401  (part of this module's API)
+from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
 from kvtrace.errors import TraceError
-from kvtrace.snapshot import Event, PoolSnapshot, RequestDelta, StepSnapshot
+from kvtrace.snapshot import (
+    ABORTED,
+    DECODE_PHASE,
+    DROPPED,
+    DROPPED_OP,
+    FINISHED,
+    UNCHANGED_OP,
+    PREFILL,
+    RETRACTED,
+    SPEC_PHASE,
+    WAITING,
+    Event,
+    RequestDelta,
+    StepSnapshot,
+)
 from traces.schema import (
     ABORT,
     DECODE,
     EXTEND,
     FINISH,
+    MAX_RID,
     OP_ORDER,
     OPS,
     PREALLOC,
@@ -41,16 +70,25 @@ from traces.schema import (
     TraceMeta,
 )
 from traces.tokens import TokenStore
-from traces.validate import BackgroundChecker, OpSequenceChecker
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, ReleaseKind, ReleaseResult, Violation
+    from traces.validate import Problem
 
-CheckMode = Literal["every", "end", "never"]
+CheckMode = Literal["every", "full", "end", "never"]
 OomMode = Literal["stop", "skip"]
 BadOpMode = Literal["stop", "skip"]
+CHECK_MODES: tuple[CheckMode, ...] = ("every", "full", "end", "never")
 
 MAX_VIOLATIONS_KEPT = 1000
+_RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
+_USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
+
+
+class StepScreen(Protocol):
+    """What screens a step for impossible ops before it is applied."""
+
+    def check(self, batch: StepBatch) -> list[Problem]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +96,22 @@ class ReplayOptions:
     """How to replay.
 
     Args:
-        check: run the invariant checker after every allocator call, at the end, or never.
+        check: invariant checks after every allocator call (``every``: incremental,
+            what the call touched; ``full``: the whole state), at the ``end`` only, or
+            ``never``.
         on_oom: stop at the first out-of-memory, or drop the request and go on.
         on_bad_op: stop at the first impossible op in the trace, or skip its rows.
         start_step: steps before this one are replayed (their state is needed) but
-            produce no snapshots and no checks.
+            produce no snapshots, checks or statistics.
         stop_step: stop before this step (exclusive); None replays to the end.
+        max_violations: stop once this many invariant violations were found
+            (None: never stop for violations).
+        state_digest: put the allocator's ``state_digest()`` in every snapshot (the
+            allocator must be ``Digestible``; ``kvtrace diff --exact``).
+        decode_runs: apply runs of plain decode steps over one batch in one allocator
+            call where the allocator supports it (``kvtrace.runs``; same results). The
+            session's allocator then runs ahead of the snapshot being returned within
+            a run; False keeps it in step after every snapshot.
     """
 
     check: CheckMode = "end"
@@ -71,6 +119,9 @@ class ReplayOptions:
     on_bad_op: BadOpMode = "stop"
     start_step: int | None = None
     stop_step: int | None = None
+    max_violations: int | None = None
+    state_digest: bool = False
+    decode_runs: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +145,12 @@ class ViolationRecord:
 
 @dataclass
 class ReplayStats:
-    """Running totals of a replay; ``ReplaySummary`` is built from them at the end."""
+    """Running totals of the replayed window; the summary is built from them."""
 
     steps: int = 0
-    steps_reported: int = 0  # steps inside the --steps window (all steps without one)
+    steps_reported: int = 0  # steps inside the --steps window (== steps)
+    first_step: int | None = None
+    last_step: int | None = None
     ops: int = 0
     first_time_s: float | None = None
     last_time_s: float = 0.0
@@ -110,6 +163,7 @@ class ReplayStats:
     decode_tokens: int = 0
     spec_accepted: int = 0
     evicted_tokens: int = 0
+    overalloc_held_at_start: int = 0
     overalloc_allocated: int = 0
     overalloc_released: int = 0
     peak_used_tokens: int = 0
@@ -134,6 +188,8 @@ class BadTraceOp(TraceError):
 class _Grow:
     """A numpy array indexed by request id that grows on demand."""
 
+    __slots__ = ("fill", "a")
+
     def __init__(self, dtype: type, fill: int | bool) -> None:
         self.fill = fill
         self.a = np.full(1024, fill, dtype)
@@ -145,80 +201,123 @@ class _Grow:
             self.a = grown
 
 
+# Per-request arrays of the engine (all checkpointed together).
+_PER_REQUEST = (
+    ("seen", np.bool_, False),
+    ("dropped", np.bool_, False),
+    ("prefill_target", np.int64, 0),  # length at which prefill is done
+    ("phase", np.int8, 0),  # index into snapshot.PHASES
+    ("prefix", np.int64, 0),  # prefix reused by the request's last extend / prealloc
+    ("allocated", np.int64, 0),  # kv_allocated_len as of the last snapshot
+    ("committed", np.int64, 0),  # kv_committed_len as of the last snapshot
+)
+
+
+@dataclass
+class EngineState:
+    """A checkpoint of the engine's own state (the allocator's is saved separately)."""
+
+    stats: ReplayStats
+    arrays: dict[str, np.ndarray]
+    tokens: TokenStore
+    stopped_early: bool
+    in_window: bool
+    any_dropped: bool
+
+
 class ReplayEngine:
-    """Replays a trace through one allocator, one batched call per op kind per step.
+    """Replays trace steps through one allocator, one batched call per op kind per step.
 
     Args:
-        steps: the trace's steps (``TraceReader.steps()``), consumed lazily.
         meta: the trace's metadata (checked op semantics, prompt lengths).
         allocator: the allocator version to drive.
         options: see ``ReplayOptions``.
-        clock: the timer for allocator time (``time.perf_counter``; the cuda path
-            synchronises inside the allocator where it must).
-        checker: what screens each step (default: an ``OpSequenceChecker`` in this
-            process; the CLI passes a ``BackgroundChecker`` running on another core).
+        screen: what screens each step (default: an ``OpSequenceChecker`` in this process).
+        clock: the timer for allocator time.
     """
 
     def __init__(
         self,
-        steps: Iterator[StepBatch],
         meta: TraceMeta,
         allocator: Allocator,
         options: ReplayOptions | None = None,
+        screen: StepScreen | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        checker: OpSequenceChecker | BackgroundChecker | None = None,
+        rid_bound: int = MAX_RID,
     ) -> None:
+        if screen is None:
+            from traces.validate import OpSequenceChecker
+
+            screen = OpSequenceChecker(meta, rid_bound=rid_bound)
+        self.rid_bound = rid_bound  # request ids below this (the trace's TraceReader.rid_bound)
         self.meta = meta
         self.allocator = allocator
         self.options = options or ReplayOptions()
         self.stats = ReplayStats()
         self.stopped_early = False
-        self._steps = steps
+        self._screen_step = screen
         self._clock = clock
-        self._checker = checker if checker is not None else OpSequenceChecker(meta)
         self._tokens = TokenStore(meta.block_size)
-        self._page_size = allocator.config.page_size
-        # Per-request state of the replay (indexed by rid).
-        self._seen = _Grow(np.bool_, False)
-        self._dropped = _Grow(np.bool_, False)
-        self._prefill_target = _Grow(np.int64, 0)  # length at which prefill is done
+        self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
+        self._req = {name: _Grow(dtype, fill) for name, dtype, fill in _PER_REQUEST}
+        self._in_window = self.options.start_step is None
+        # a version written before incremental checks takes no ``touched`` argument
+        self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
+        self._decode_runs = isinstance(allocator, DecodeRuns)
+        self._any_dropped = False  # some request was dropped (skip mode): filter its ops
         self._events: list[Event] = []
         self._step = -1
         self._op_name = ""
-        self._quiet = False  # fast-forward before start_step: no snapshots, no checks
 
     @property
     def num_requests(self) -> int:
         """Distinct requests seen so far."""
-        return int(self._seen.a.sum())
+        return int(np.count_nonzero(self._req["seen"].a))
 
-    # ------------------------------------------------------------------ driving
-    def snapshots(self) -> Iterator[StepSnapshot]:
-        """Replay step by step, yielding a snapshot after each (from ``start_step``)."""
-        opts = self.options
-        for batch in self._steps:
-            if opts.stop_step is not None and batch.step >= opts.stop_step:
-                break
-            self._quiet = opts.start_step is not None and batch.step < opts.start_step
-            snap = self._replay_step(batch)
-            if snap is not None and not self._quiet:
-                self.stats.steps_reported += 1
-                yield snap
-            if self.stopped_early:
-                return
-        if opts.check != "never":
-            self._check("end", None)
+    @property
+    def in_window(self) -> bool:
+        """Whether the steps replayed now produce snapshots (past ``start_step``)."""
+        return self._in_window
 
-    def run(self, on_snapshot: Callable[[StepSnapshot], None] | None = None) -> ReplayStats:
-        """Replay to the end (or the first stop) and return the totals."""
-        for snap in self.snapshots():
-            if on_snapshot is not None:
-                on_snapshot(snap)
-        return self.stats
+    def overalloc_held(self) -> int:
+        """Speculative slack held by live requests now (``sum(allocated - committed)``)."""
+        return int((self._req["allocated"].a - self._req["committed"].a).sum())
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self) -> EngineState:
+        """A deep copy of the engine's state (call between steps)."""
+        return EngineState(
+            stats=copy.deepcopy(self.stats),
+            arrays={name: grow.a.copy() for name, grow in self._req.items()},
+            tokens=copy.deepcopy(self._tokens),
+            stopped_early=self.stopped_early,
+            in_window=self._in_window,
+            any_dropped=self._any_dropped,
+        )
+
+    def restore_state(self, state: EngineState) -> None:
+        """Go back to ``state`` (which stays reusable)."""
+        self.stats = copy.deepcopy(state.stats)
+        for name, saved in state.arrays.items():
+            self._req[name].a = saved.copy()
+        self._tokens = copy.deepcopy(state.tokens)
+        self.stopped_early = state.stopped_early
+        self._in_window = state.in_window
+        self._any_dropped = state.any_dropped
 
     # ------------------------------------------------------------------ one step
-    def _replay_step(self, batch: StepBatch) -> StepSnapshot | None:
+    def replay_step(self, batch: StepBatch) -> StepSnapshot | None:
+        """Apply one step; return its snapshot (None before the window, or when the
+        step's screening stopped the replay).
+
+        Raises:
+            BadTraceOp: an impossible op with ``on_bad_op="stop"``.
+        """
+        opts = self.options
+        if not self._in_window and (opts.start_step is None or batch.step >= opts.start_step):
+            self._enter_window()
         st = self.stats
+        quiet = not self._in_window
         self._step = batch.step
         self._events = []
         alloc_s_before = st.allocator_s
@@ -228,7 +327,7 @@ class ReplayEngine:
             batch, ok = batch.take(np.flatnonzero(ok)), None
         if len(batch):  # request ids are screened: below the trace's bound
             max_rid = int(batch.rid.max())
-            for arr in (self._seen, self._dropped, self._prefill_target):
+            for arr in self._req.values():
                 arr.ensure(max_rid)
         present = np.bincount(batch.op, minlength=len(OPS)) if len(batch) else np.zeros(len(OPS), np.int64)
         if present[EXTEND] or present[PREALLOC]:
@@ -239,6 +338,7 @@ class ReplayEngine:
         # Most steps hold one op kind and no bad row: then every row is that kind's.
         whole = ok is None and int(np.count_nonzero(present)) == 1
         touched: list[np.ndarray] = []
+        touched_ops: list[int] = []
         for op in OP_ORDER:
             if not present[op]:
                 continue
@@ -249,39 +349,40 @@ class ReplayEngine:
                 rows = np.flatnonzero(mask if ok is None else mask & ok)
                 if rows.size == 0:
                     continue
-            if self.stats.dropped_requests:
-                rows = rows[~self._dropped.a[batch.rid[rows]]]
+            if self._any_dropped:
+                rows = rows[~self._req["dropped"].a[batch.rid[rows]]]
                 if rows.size == 0:
                     continue
             self._op_name = OPS[op]
-            self._apply(op, batch, rows)
+            self._apply(op, batch, rows, quiet)
             touched.append(batch.rid[rows])
+            touched_ops.append(op)
             if self.stopped_early:
                 break
-        end_step = getattr(self.allocator, "end_step", None)
-        if end_step is not None and not self.stopped_early:
+        if not self.stopped_early:
             t0 = self._clock()
-            end_step()
+            self.allocator.end_step()
             st.allocator_s += self._clock() - t0
+        delta = self._request_delta(touched, touched_ops)
+        if quiet:
+            return None
         st.steps += 1
+        st.steps_reported += 1
         st.ops += n
         if np.isfinite(batch.time_s):  # a NaN or infinite time is a problem the checker reported
             if st.first_time_s is None:
                 st.first_time_s = batch.time_s
+                st.first_step = batch.step
             st.last_time_s = batch.time_s
-        counters = self.allocator.counters()
-        pool = PoolSnapshot(*counters)
+        st.last_step = batch.step
+        pool = self.allocator.counters()
         used = pool.used_tokens
         if used > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = used
             st.peak_step = batch.step
-        # A request has one row per step (the checker skips duplicates), so no unique().
-        rids = (touched[0] if len(touched) == 1 else np.concatenate(touched)) if touched else None
-        if rids is not None:
-            lens = self.allocator.request_lens(rids)
-            delta = RequestDelta(rids, lens.allocated, lens.committed, lens.protected)
-        else:
-            delta = RequestDelta.empty()
+        keyframe = st.steps == 1 and self.options.start_step is not None
+        if keyframe:
+            delta = self._with_live_requests(delta)
         return StepSnapshot(
             step=batch.step,
             time_s=batch.time_s,
@@ -290,11 +391,152 @@ class ReplayEngine:
             events=tuple(self._events),
             num_ops=n,
             allocator_s=st.allocator_s - alloc_s_before,
+            keyframe=keyframe,
+            digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
         )
 
+    def can_run_decodes(self) -> bool:
+        """Whether ``replay_decode_run`` may apply runs of plain decode steps in one
+        call: the allocator supports it and nothing needs the state after every call
+        (per-call checks, per-step state digests) or filters rows (dropped requests)."""
+        opts = self.options
+        return (
+            opts.decode_runs
+            and self._decode_runs
+            and opts.check in ("end", "never")
+            and not opts.state_digest
+            and not self._any_dropped
+        )
+
+    def replay_run(
+        self, op: int, steps: np.ndarray, times: np.ndarray, rids: np.ndarray, accepted: np.ndarray | None = None
+    ) -> list[StepSnapshot] | None:
+        """Apply ``len(steps)`` plain steps of ``op`` (``DECODE``, or ``SPEC`` with the
+        int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
+        screened clean (``kvtrace.runs``), in one allocator call; return their snapshots
+        ([] before the window). None when the allocator refuses the run: nothing
+        changed, replay the steps one by one."""
+        num_steps = int(steps.shape[0])
+        st = self.stats
+        alloc = self.allocator
+        before = alloc.request_lens(rids)
+        t0 = self._clock()
+        if op == SPEC:
+            assert accepted is not None
+            accepted = accepted.astype(np.int64)
+            res = alloc.spec_decode_run(rids, accepted)  # type: ignore[attr-defined]
+        else:
+            res = alloc.decode_run(rids, num_steps)  # type: ignore[attr-defined]
+        if res is None:
+            st.allocator_s += self._clock() - t0
+            return None
+        alloc.end_step()
+        elapsed = self._clock() - t0
+        st.allocator_s += elapsed
+        bs = int(rids.shape[0])
+        if op == SPEC:
+            committed = before.committed[None, :] + np.cumsum(accepted, axis=0)
+        else:
+            committed = before.committed[None, :] + np.arange(1, num_steps + 1, dtype=np.int64)[:, None]
+        allocated = res.allocated
+        req = self._req
+        slack = (allocated[-1] - committed[-1]) - (before.allocated - before.committed)
+        req["allocated"].a[rids] = allocated[-1]
+        req["committed"].a[rids] = committed[-1]
+        phase_code = SPEC_PHASE if op == SPEC else DECODE_PHASE
+        req["phase"].a[rids] = phase_code
+        if op == SPEC:
+            st.spec_accepted += int(accepted.sum())
+        else:
+            st.decode_tokens += bs * num_steps
+        if not self._in_window:
+            return []
+        st.overalloc_allocated += int(slack.sum())
+        st.steps += num_steps
+        st.steps_reported += num_steps
+        st.ops += bs * num_steps
+        finite = np.isfinite(times)
+        if finite.any():
+            if st.first_time_s is None:
+                st.first_time_s = float(times[finite][0])
+            st.last_time_s = float(times[finite][-1])
+        if st.first_step is None:
+            st.first_step = int(steps[0])
+        st.last_step = int(steps[-1])
+        counters = res.counters
+        used = counters[:, _USED_FROM] - counters[:, _AVAILABLE] - counters[:, _EVICTABLE]
+        top = int(np.argmax(used))
+        if int(used[top]) > st.peak_used_tokens or st.peak_step is None:
+            st.peak_used_tokens = int(used[top])
+            st.peak_step = int(steps[top])
+        op_codes = np.full(bs, op, np.int8)
+        phase = np.full(bs, phase_code, np.int8)
+        prefix = req["prefix"].a[rids]
+        per_step = elapsed / num_steps
+        return [
+            StepSnapshot(
+                step=step,
+                time_s=t,
+                pool=PoolCounters(*row),
+                requests=RequestDelta(rids, allocated[j], committed[j], before.protected, op_codes, phase, prefix),
+                events=(),
+                num_ops=bs,
+                allocator_s=per_step,
+            )
+            for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
+        ]
+
+    def finish(self) -> None:
+        """The replay is over: the end-of-replay invariant check (unless ``never``)."""
+        if self.options.check != "never" and self._in_window:
+            self._check("end", None, touched=None)
+
+    def _enter_window(self) -> None:
+        """The first step of the window: statistics start here."""
+        self._in_window = True
+        held = self.overalloc_held()
+        self.stats = ReplayStats(overalloc_held_at_start=held)
+
+    def _request_delta(self, touched: list[np.ndarray], ops: list[int]) -> RequestDelta:
+        """The touched requests' lengths after the step, and the ledger of the
+        speculative slack they changed."""
+        if not touched:
+            return RequestDelta.empty()
+        req = self._req
+        # A request has one row per step (the screen skips duplicates), so no unique().
+        rids = touched[0] if len(touched) == 1 else np.concatenate(touched)
+        op = np.repeat(np.array(ops, np.int8), [t.shape[0] for t in touched])
+        lens = self.allocator.request_lens(rids)
+        slack = lens.allocated - lens.committed
+        change = slack - (req["allocated"].a[rids] - req["committed"].a[rids])
+        if self._in_window:
+            released = lens.allocated == 0
+            self.stats.overalloc_allocated += int(change[~released].sum())
+            self.stats.overalloc_released -= int(change[released].sum())
+        req["allocated"].a[rids] = lens.allocated
+        req["committed"].a[rids] = lens.committed
+        phase = req["phase"].a[rids]
+        if self._any_dropped:
+            op = np.where(phase == DROPPED, DROPPED_OP, op).astype(np.int8)
+        return RequestDelta(rids, lens.allocated, lens.committed, lens.protected, op, phase, req["prefix"].a[rids])
+
+    def _with_live_requests(self, delta: RequestDelta) -> RequestDelta:
+        """``delta`` plus every other request holding KV (op ``UNCHANGED_OP``): a keyframe."""
+        req = self._req
+        live = np.flatnonzero(req["allocated"].a > 0)
+        extra = live[~np.isin(live, delta.rids)]
+        if extra.shape[0] == 0:
+            return delta
+        lens = self.allocator.request_lens(extra)
+        more = RequestDelta(
+            extra, lens.allocated, lens.committed, lens.protected,
+            np.full(extra.shape[0], UNCHANGED_OP, np.int8), req["phase"].a[extra], req["prefix"].a[extra],
+        )
+        return RequestDelta(*(np.concatenate([a, b]) for a, b in zip(delta, more)))
+
     def _screen(self, batch: StepBatch) -> np.ndarray | None:
-        """Run the op-sequence checker; return the mask of rows safe to apply (None: all)."""
-        problems = self._checker.check(batch)
+        """Screen the step for impossible ops; return the mask of rows safe to apply (None: all)."""
+        problems = self._screen_step.check(batch)
         if not problems:
             return None
         ok = np.ones(len(batch), np.bool_)
@@ -315,41 +557,47 @@ class ReplayEngine:
             ok &= ~np.isin(batch.rid, bad)
             # The checker adopts a bad row as recorded; the replay cannot, so the request
             # leaves the replay (ids outside the trace's bound never entered it).
-            bad = bad[(bad >= 0) & (bad < self._checker.rid_bound)]
+            bad = bad[(bad >= 0) & (bad < self.rid_bound)]
             if bad.size:
-                self._dropped.ensure(int(bad.max()))
-                for rid in bad[~self._dropped.a[bad]].tolist():
+                dropped = self._req["dropped"]
+                dropped.ensure(int(bad.max()))
+                for rid in bad[~dropped.a[bad]].tolist():
                     self._drop(rid, "dropped after a bad op")
         self.stats.skipped_ops += int((~ok).sum())
         return ok
 
     def _remember_prompts(self, batch: StepBatch, ok: np.ndarray | None) -> None:
-        new = ~self._seen.a[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
+        seen = self._req["seen"].a
+        new = ~seen[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
         if ok is not None:
             new &= ok
         if not new.any():
             return
         rids = batch.rid[new]
-        self._seen.a[rids] = True
+        seen[rids] = True
         target = np.where(batch.prompt_len[new] >= 0, batch.prompt_len[new], batch.seq_len[new])
-        self._prefill_target.a[rids] = target
+        self._req["prefill_target"].a[rids] = target
 
     # ------------------------------------------------------------------ op kinds
-    def _apply(self, op: int, batch: StepBatch, rows: np.ndarray) -> None:
+    def _apply(self, op: int, batch: StepBatch, rows: np.ndarray, quiet: bool) -> None:
+        phase = self._req["phase"].a
         if op in (FINISH, ABORT, RETRACT):
-            self._release(op, batch, rows)
+            self._release(op, batch, rows, quiet)
+            phase[batch.rid[rows]] = _RELEASE_PHASE[op]
         elif op == EXTEND:
             self._extend(batch, rows)
         elif op == DECODE:
             self._alloc_loop(batch, rows, lambda r, idx: self.allocator.decode(r))
             self.stats.decode_tokens += int(rows.size)
+            phase[batch.rid[rows]] = DECODE_PHASE
         elif op == SPEC:
             accepted = batch.accepted_len.astype(np.int64)
             self._alloc_loop(batch, rows, lambda r, idx: self.allocator.spec_decode(r, accepted[idx]))
+            phase[batch.rid[rows]] = SPEC_PHASE
         elif op == PREALLOC:
             self._prealloc(batch, rows)
 
-    def _release(self, op: int, batch: StepBatch, rows: np.ndarray) -> None:
+    def _release(self, op: int, batch: StepBatch, rows: np.ndarray, quiet: bool) -> None:
         alloc = self.allocator
         ended = batch.rid[rows]
         holds = alloc.holds_kv(ended)
@@ -363,10 +611,10 @@ class ReplayEngine:
         else:
             st.retractions += int(rids.size)
             # A retracted request is prefilled again up to its length at retraction.
-            self._prefill_target.a[rids] = batch.seq_len[rows]
+            self._req["prefill_target"].a[rids] = batch.seq_len[rows]
         if rids.size:
             owned = batch.seq_len[rows]
-            per_call = 1 if self.options.check == "every" and not self._quiet else rids.size
+            per_call = 1 if self.options.check in ("every", "full") and not quiet else rids.size
             for lo in range(0, rids.size, per_call):
                 r = rids[lo : lo + per_call]
                 o = owned[lo : lo + per_call]
@@ -381,9 +629,9 @@ class ReplayEngine:
             self._tokens.drop(ended)  # a retracted request comes back with the same tokens
 
     def _after_release(self, rids: np.ndarray, res: ReleaseResult, kind: str) -> None:
-        released = res.overalloc_released
-        self.stats.overalloc_released += int(released.sum())
-        for rid, n in zip(rids[released > 0].tolist(), released[released > 0].tolist()):
+        # The slack each request gave back: its allocated - committed before the release.
+        slack = self._req["allocated"].a[rids] - self._req["committed"].a[rids]
+        for rid, n in zip(rids[slack > 0].tolist(), slack[slack > 0].tolist()):
             self._events.append(Event("overalloc_release", rid, n, f"{n} over-allocated slots freed on {kind}"))
         if kind != "finish":
             for rid in rids.tolist():
@@ -392,31 +640,40 @@ class ReplayEngine:
     def _extend(self, batch: StepBatch, rows: np.ndarray) -> None:
         alloc = self.allocator
         st = self.stats
+        req = self._req
 
         def call(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
             seq = batch.seq_len[idx]
             tokens = self._tokens.ids_many(r, seq)
-            done = seq >= self._prefill_target.a[r]
+            done = seq >= req["prefill_target"].a[r]
             admitted = ~alloc.holds_kv(r)
             res = alloc.extend(r, seq, tokens, done)
             if isinstance(res, AllocResult):
                 prefix = res.prefix_lens if res.prefix_lens is not None else np.zeros(r.size, np.int64)
+                req["prefix"].a[r] = prefix
+                req["phase"].a[r] = np.where(done, self._decoding_phase, PREFILL)
                 st.prefill_tokens += int((seq - prefix).sum())
                 if admitted.any():
                     hit = prefix[admitted]
                     st.admissions += int(admitted.sum())
                     st.reused_tokens += int(hit.sum())
-                    st.admitted_tokens += int(self._prefill_target.a[r[admitted]].sum())
+                    st.admitted_tokens += int(req["prefill_target"].a[r[admitted]].sum())
                     st.prefix_differs += int((hit != batch.prefix_len[idx][admitted]).sum())
             return res
 
         self._alloc_loop(batch, rows, call)
 
     def _prealloc(self, batch: StepBatch, rows: np.ndarray) -> None:
+        req = self._req
+
         def call(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
             fill = batch.seq_len[idx]
             tokens = self._tokens.ids_many(r, fill)
-            return self.allocator.prealloc(r, fill, tokens)
+            res = self.allocator.prealloc(r, fill, tokens)
+            if isinstance(res, AllocResult):
+                req["prefix"].a[r] = res.prefix_lens if res.prefix_lens is not None else 0
+                req["phase"].a[r] = WAITING
+            return res
 
         self._alloc_loop(batch, rows, call)
 
@@ -436,7 +693,6 @@ class ReplayEngine:
             if isinstance(res, AllocResult):
                 self._note_evicted(res.evicted_tokens)
                 if self._op_name == "spec":
-                    st.overalloc_allocated += res.num_tokens
                     st.spec_accepted += int(batch.accepted_len[rows].sum())
                 for rid, asked, width in res.row_overflow:
                     st.row_overflows += 1
@@ -458,8 +714,11 @@ class ReplayEngine:
     def _drop(self, rid: int, detail: str = "dropped after out of memory") -> None:
         """Skip mode: the request leaves the replay; whatever it holds is released."""
         st = self.stats
-        self._dropped.ensure(rid)
-        self._dropped.a[rid] = True
+        for arr in self._req.values():
+            arr.ensure(rid)
+        self._req["dropped"].a[rid] = True
+        self._req["phase"].a[rid] = DROPPED
+        self._any_dropped = True
         st.dropped_requests += 1
         self._events.append(Event("dropped", rid, 0, detail))
         r = np.array([rid], np.int64)
@@ -486,11 +745,15 @@ class ReplayEngine:
 
     # ------------------------------------------------------------------ checks
     def _check_call(self, rids: np.ndarray) -> None:
-        if self.options.check == "every" and not self._quiet:
-            self._check(self._op_name, rids)
+        mode = self.options.check
+        if mode in ("every", "full") and self._in_window:
+            self._check(self._op_name, rids, touched=rids if mode == "every" else None)
 
-    def _check(self, op: str, rids: np.ndarray | None) -> None:
-        violations: Sequence[Violation] = self.allocator.check_integrity()
+    def _check(self, op: str, rids: np.ndarray | None, *, touched: np.ndarray | None) -> None:
+        if touched is not None and self._checks_incrementally:
+            violations: list[Violation] = self.allocator.check_integrity(touched)  # type: ignore[call-arg]
+        else:
+            violations = self.allocator.check_integrity()
         if not violations:
             return
         # A pool-wide break (conservation, ...) names no request. Blame the one request
@@ -510,3 +773,11 @@ class ReplayEngine:
         self._events.append(Event("violation", rid, 0, f"{check}: {detail}"))
         if len(st.violations) < MAX_VIOLATIONS_KEPT:
             st.violations.append(ViolationRecord(self._step, rid, op or self._op_name, check, detail))
+        limit = self.options.max_violations
+        if limit is not None and st.num_violations >= limit:
+            self.stopped_early = True
+
+
+def pool_counters_dict(pool: PoolCounters) -> dict[str, Any]:
+    """The pool counters as a JSON-able dict (with ``used_tokens``)."""
+    return {**pool._asdict(), "used_tokens": pool.used_tokens}

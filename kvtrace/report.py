@@ -9,32 +9,40 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from allocator.base import AllocatorConfig
-    from kvtrace.replay import ReplayStats
+    from kvtrace.session import ReplayResult
 
-VIOLATIONS_SHOWN = 10
+VIOLATIONS_SHOWN = 5
+RERUN_CONTEXT_STEPS = 100  # steps before the first violation in the suggested --steps window
 
 
-def replay_summary(
-    stats: ReplayStats,
-    config: AllocatorConfig,
-    *,
-    requests: int,
-    wall_s: float,
-    held_overalloc: int,
-    stopped_early: bool,
-) -> dict[str, Any]:
-    """The ``kvtrace replay --json`` object (keys are a stable contract; add, never rename)."""
+def replay_summary(result: ReplayResult) -> dict[str, Any]:
+    """The ``kvtrace replay --json`` object (keys are a stable contract; add, never rename).
+
+    It describes the replayed window (``--steps A:B``) and the configuration the
+    allocator actually ran with.
+    """
+    stats = result.stats
+    config = result.config
+    wall_s = result.wall_s
     duration = (stats.last_time_s - stats.first_time_s) if stats.first_time_s is not None else 0.0
     hit_rate = stats.reused_tokens / stats.admitted_tokens if stats.admitted_tokens else 0.0
+    opts = result.options
     return {
+        "trace": result.trace,
+        "allocator": result.allocator,
         "steps": stats.steps,
         "steps_reported": stats.steps_reported,
-        "requests": requests,
+        "first_step": stats.first_step,
+        "last_step": stats.last_step,
+        "window": {"start": opts.start_step, "stop": opts.stop_step},
+        "requests": result.requests,
         "ops": stats.ops,
         "device": config.device,
         "page_size": config.page_size,
         "pool_tokens": config.pool_tokens,
+        "max_running": config.max_running,
+        "radix_cache": config.radix_cache,
+        "check": opts.check,
         "wall_s": round(wall_s, 6),
         "allocator_s": round(stats.allocator_s, 6),
         "duration_s": round(duration, 6),
@@ -52,9 +60,11 @@ def replay_summary(
         },
         "evicted_tokens": stats.evicted_tokens,
         "overalloc": {
+            "held_at_start": stats.overalloc_held_at_start,
             "allocated": stats.overalloc_allocated,
             "released": stats.overalloc_released,
-            "held_at_end": held_overalloc,
+            "held_at_end": result.overalloc_held_at_end,
+            "page_tail_at_end": result.page_tail_at_end,
         },
         "finishes": stats.finishes,
         "retractions": stats.retractions,
@@ -67,7 +77,8 @@ def replay_summary(
         "row_overflows": stats.row_overflows,
         "violations": [asdict(v) for v in stats.violations],
         "num_violations": stats.num_violations,
-        "stopped_early": stopped_early,
+        "stopped_early": result.stopped_early,
+        "truncated": result.truncated,
     }
 
 
@@ -81,7 +92,12 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
-    table.add_row("steps / requests / ops", f"{s['steps']:,} / {s['requests']:,} / {s['ops']:,}")
+    window = s["window"]
+    span = ""
+    if window["start"] is not None or window["stop"] is not None:
+        span = f" (window {window['start'] if window['start'] is not None else ''}:{window['stop'] if window['stop'] is not None else ''}"
+        span += f", steps {s['first_step']}..{s['last_step']})" if s["first_step"] is not None else ", no step)"
+    table.add_row("steps / requests / ops", f"{s['steps']:,} / {s['requests']:,} / {s['ops']:,}{span}")
     table.add_row("pool", f"{s['pool_tokens']:,} tokens, page size {s['page_size']}, device {s['device']}")
     tok = s["tokens"]
     table.add_row(
@@ -98,9 +114,11 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
         f"{s['evicted_tokens']:,} tokens evicted",
     )
     oa = s["overalloc"]
+    start = f"held at start {oa['held_at_start']:,} + " if oa["held_at_start"] else ""
     table.add_row(
         "over-allocation",
-        f"allocated {oa['allocated']:,}, released {oa['released']:,}, still held at end {oa['held_at_end']:,}",
+        f"{start}allocated {oa['allocated']:,} - released {oa['released']:,} = held at end {oa['held_at_end']:,} "
+        f"speculative slots; page-tail padding at end {oa['page_tail_at_end']:,}",
     )
     table.add_row("releases", f"{s['finishes']:,} finished, {s['retractions']:,} retracted, {s['aborts']:,} aborted")
     oom = s["oom"]
@@ -127,9 +145,117 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
         table.add_row("", "[red]replay stopped early[/red]")
     console.print(table)
     if nv:
-        vt = Table(title=f"invariant violations (first {min(nv, VIOLATIONS_SHOWN)} of {nv})", title_justify="left")
+        shown = s["violations"][:VIOLATIONS_SHOWN]
+        vt = Table(title=f"invariant violations (first {len(shown)} of {nv:,})", title_justify="left")
         for col in ("step", "request", "op", "check", "detail"):
             vt.add_column(col)
-        for v in s["violations"][:VIOLATIONS_SHOWN]:
+        for v in shown:
             vt.add_row(str(v["step"]), "-" if v["rid"] is None else str(v["rid"]), v["op"], v["check"], v["detail"])
         console.print(vt)
+        if nv > len(shown):
+            console.print(f"... and {nv - len(shown):,} more (all of them with --json)")
+        first = shown[0]["step"]
+        console.print(
+            f"To look closer: kvtrace replay {s['trace']} --steps {max(first - RERUN_CONTEXT_STEPS, 0)}:{first + 1} "
+            f"--check every{' --allocator ' + s['allocator'] if s['allocator'] != 'builtin' else ''} "
+            f"(-x stops at the first violation)"
+        )
+
+
+# ---------------------------------------------------------------------------- kvtrace diff
+
+HISTORY_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len")
+# Rows of the side-by-side summary: label, how to read it from a replay summary.
+_SUMMARY_ROWS: tuple[tuple[str, Any], ...] = (
+    ("steps", lambda s: s.get("steps")),
+    ("peak occupancy", lambda s: None if s.get("peak_used_tokens") is None else
+        f"{s['peak_used_tokens']:,} tokens at step {s.get('peak_step')}"),
+    ("prefix hit rate", lambda s: None if s.get("prefix_hit_rate") is None else f"{100 * s['prefix_hit_rate']:.2f}%"),
+    ("evicted tokens", lambda s: s.get("evicted_tokens")),
+    ("over-allocation", lambda s: _overalloc(s.get("overalloc"))),
+    ("out of memory", lambda s: "none" if s.get("oom") is None else
+        f"step {s['oom']['step']}, request {s['oom']['rid']}"),
+    ("invariant violations", lambda s: s.get("num_violations")),
+    ("wall time", lambda s: None if s.get("wall_s") is None else f"{s['wall_s']:.2f} s"),
+)
+
+
+def _overalloc(oa: dict[str, Any] | None) -> str | None:
+    """allocated / released / held at end (a state log knows only what was released)."""
+    if not oa:
+        return None
+    parts = [oa.get(k) for k in ("allocated", "released", "held_at_end")]
+    return " / ".join("?" if p is None else f"{p:,}" for p in parts)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+def _lens(values: dict[str, Any] | None) -> str:
+    if values is None:
+        return "(unchanged)"
+    if "kv_allocated_len" in values:
+        return " / ".join(f"{values[k]:,}" for k in HISTORY_FIELDS) + f"  {values['phase']}"
+    return ", ".join(f"{k}={_cell(v)}" for k, v in values.items())
+
+
+def _history_op(row: dict[str, Any]) -> str:
+    ops = [v["op"] for v in (row["a"], row["b"]) if v is not None and "op" in v]
+    return "/".join(dict.fromkeys(ops)) or ""
+
+
+def render_diff_report(report: dict[str, Any], console: Console) -> None:
+    """Print a ``kvtrace diff`` result (``DiffReport.to_dict()``) for a terminal: the
+    verdict, each divergence the way pytest shows a failed comparison with its history
+    on both sides, and the side-by-side summary."""
+    versions = report["versions"]
+    label_a = f"A {versions['a']['label']}"
+    label_b = f"B {versions['b']['label']}"
+    console.print(f"[bold]kvtrace diff {report['trace']}[/bold]  ({report['mode']}{', exact' if report['exact'] else ''})")
+    for side in ("a", "b"):
+        v = versions[side]
+        console.print(f"  {side.upper()}  {v['spec']}  [dim]{v['origin']}[/dim]")
+    for note in report.get("notes", ()):
+        console.print(f"[yellow]note:[/yellow] {note}")
+    for i, d in enumerate(report["divergences"]):
+        who = f", request {d['rid']}" if d["rid"] is not None else ""
+        head = "FIRST DIVERGENCE" if i == 0 else f"DIVERGENCE {i + 1}"
+        console.print(f"\n[bold red]{head}[/bold red] at step {d['step']:,} ({d['op']}){who}: [bold]{d['field']}[/bold]")
+        width = max(len(label_a), len(label_b))
+        for label, value in ((label_a, d["a"]), (label_b, d["b"])):
+            console.print(f"  {label:<{width}}  {_cell(value)}", markup=False)
+        if d["detail"]:
+            console.print(f"  {d['detail']}", markup=False)
+        if d["also"]:
+            console.print(f"  also differing in this step: {', '.join(d['also'])}", markup=False)
+        if d["history"]:
+            what = f"request {d['rid']}" if d["rid"] is not None else d["field"]
+            unit = " (allocated / committed / protected, phase)" if d["rid"] is not None else ""
+            table = Table(title=f"{what}, last {len(d['history'])} steps{unit}", title_justify="left", box=None)
+            for column in ("step", "op", "A", "B"):
+                table.add_column(column)
+            for h in d["history"]:
+                mark = "[red]>[/red] " if h["step"] == d["step"] else "  "
+                table.add_row(f"{mark}{h['step']:,}", _history_op(h), _lens(h["a"]), _lens(h["b"]))
+            console.print(table)
+    summary = Table(title="\nside by side", title_justify="left", box=None)
+    summary.add_column("")
+    summary.add_column("A")
+    summary.add_column("B")
+    for label, read in _SUMMARY_ROWS:
+        x, y = _cell(read(report["a"])), _cell(read(report["b"]))
+        if x == "-" and y == "-":
+            continue
+        style = "red" if x != y and label != "wall time" else None
+        summary.add_row(label, x, y, style=style)
+    console.print(summary)
+    if report["identical"]:
+        console.print(f"[green]identical[/green] over {report['steps_compared']:,} steps")
+    else:
+        n = len(report["divergences"])
+        console.print(
+            f"[red]diverged[/red]: {n} divergence{'s' if n > 1 else ''} in {report['steps_compared']:,} steps compared"
+        )

@@ -81,32 +81,30 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
-from kvtrace.step_time import StepTimeModel
-from traces.schema import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
+from allocator.pages import ceil_align, floor_align, new_page_tokens
+from allocator.sizing import reserve_per_decode
+from kvtrace.config import spec_config_for
+from kvtrace.step_time import Percentiles, StepTimeModel
+from traces.schema import SpecSettings
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
     from kvtrace.record import Recorder
-    from traces.workloads import WorkloadFormat, WorkloadRequest
+    from traces.workloads import WorkloadRequest
 
 __all__ = [
     "CLIP_MAX_NEW_TOKENS",
-    "RecordOptions",
-    "RecordResult",
-    "record_workload",
     "RecordProgress",
     "RecordSummary",
     "Scheduler",
     "SchedulerConfig",
     "TokenSource",
     "mean_accepted_len",
-    "spec_reserve",
 ]
 
 # SGLang constants (environ.py, schedule_policy.py).
@@ -123,18 +121,6 @@ _CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids 
 _WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
 
 SchedulePolicy = Literal["fcfs", "lpm"]
-
-
-def spec_reserve(spec: SpecSettings, page_size: int) -> int:
-    """Per-request speculative reserve (``2 * alloc_len_per_decode``, SGLang ``allocation_sizing``)."""
-    if spec.algorithm == "dflash":
-        return 2 * spec.num_draft_tokens
-    if page_size == 1 or spec.topk == 1:
-        per_decode = max(spec.num_steps * spec.topk, spec.num_draft_tokens)
-    else:
-        pages = -(-(page_size - 1 + spec.num_steps) // page_size)
-        per_decode = max(pages * page_size * spec.topk, spec.num_draft_tokens)
-    return 2 * per_decode
 
 
 def mean_accepted_len(alpha: float, num_draft_tokens: int) -> float:
@@ -196,7 +182,9 @@ class RecordSummary(NamedTuple):
     """What a recording did.
 
     ``prefix_hit_rate`` = prompt tokens reused from the radix cache at each request's
-    first admission / prompt tokens of those requests.
+    first admission / prompt tokens of those requests. Latencies are on the
+    step-time model's clock, over the requests that got a first token; in PD decode
+    the first token is the step that pre-allocates the request's KV.
     """
 
     steps: int
@@ -220,10 +208,15 @@ class RecordSummary(NamedTuple):
     spec_steps: int
     spec_ops: int
     row_overflows: int
+    peak_used_tokens: int  # KV neither free nor evictable, the most after any step
+    peak_step: int
+    queue_delay_s: Percentiles  # arrival -> first scheduled (first extend or prealloc step starts)
+    ttft_s: Percentiles  # arrival -> first token (the step completing its first prefill ends)
 
 
 # The summary fields the scheduler counts as it goes (the rest are derived).
-_COUNTED = tuple(f for f in RecordSummary._fields if f not in ("steps", "requests", "prefix_hit_rate", "duration_s"))
+_DERIVED = ("steps", "requests", "prefix_hit_rate", "duration_s", "queue_delay_s", "ttft_s")
+_COUNTED = tuple(f for f in RecordSummary._fields if f not in _DERIVED)
 
 
 class TokenSource:
@@ -284,7 +277,8 @@ class Scheduler:
         # SGLang's request limits (tp_worker: max_req_len, max_req_input_len).
         self.max_req_len = min(config.max_context_len - 1, config.pool_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
-        self.reserve = spec_reserve(config.spec, self.ps) if config.spec is not None else 0
+        # The allocator's own per-request speculative reserve (0 without speculative decoding).
+        self.reserve = reserve_per_decode(spec_config_for(config.spec), self.ps)
         self.ratio_init = min(INIT_NEW_TOKEN_RATIO, 1.0)
         self.ratio_min = self.ratio_init * MIN_NEW_TOKEN_RATIO_FACTOR
         self.ratio_decay = (self.ratio_init - self.ratio_min) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -314,14 +308,18 @@ class Scheduler:
         self._total: int | None = None
         self._stats = dict.fromkeys(_COUNTED, 0)
         self._first_admitted = np.zeros(cap, np.bool_)
+        self.first_scheduled_s = np.full(cap, np.nan)  # clock at the request's first admission
+        self.first_token_s = np.full(cap, np.nan)  # clock when its first token was sampled
 
     # ------------------------------------------------------------------ requests
 
     def _grow(self) -> None:
         cap = self.arrival.shape[0] * 2
-        for name in ("arrival", "input_len", "max_new", "out", "kv", "state", "_first_admitted"):
+        for name in ("arrival", "input_len", "max_new", "out", "kv", "state", "_first_admitted",
+                     "first_scheduled_s", "first_token_s"):  # fmt: skip
             old = getattr(self, name)
-            new = np.zeros(cap, old.dtype)
+            # Latency clocks start unknown (NaN): a request not scheduled yet has none.
+            new = np.full(cap, np.nan) if name.startswith("first_") else np.zeros(cap, old.dtype)
             new[: old.shape[0]] = old
             setattr(self, name, new)
 
@@ -332,7 +330,7 @@ class Scheduler:
             return
         max_new = max(0, min(req.output_len, self.max_req_len - req.input_len - 1))
         # allocator.max_new_tokens_for_memory: the prompt and its generation must fit the pool.
-        paged_input = -(-req.input_len // self.ps) * self.ps
+        paged_input = ceil_align(req.input_len, self.ps)
         max_new = max(0, min(max_new, self.cfg.pool_tokens - paged_input - self.ps - 1))
         rid = self.num_requests
         if rid == self.arrival.shape[0]:
@@ -439,11 +437,15 @@ class Scheduler:
     def summary(self) -> RecordSummary:
         s = self._stats
         prompt = s["prompt_tokens"]
+        n = self.num_requests
+        arrival = self.arrival[:n]
         return RecordSummary(
             steps=self.step,
-            requests=self.num_requests,
+            requests=n,
             prefix_hit_rate=s["prefix_hit_tokens"] / prompt if prompt else 0.0,
             duration_s=self.clock,
+            queue_delay_s=Percentiles.of(self.first_scheduled_s[:n] - arrival),
+            ttft_s=Percentiles.of(self.first_token_s[:n] - arrival),
             **s,
         )
 
@@ -469,9 +471,7 @@ class Scheduler:
             if duration is None:
                 duration = self._decode()
         # Apply the prompt publish of this step's prefill now (SGLang: same step).
-        end_step = getattr(self.alloc, "end_step", None)
-        if end_step is not None:
-            end_step()
+        self.alloc.end_step()
         self.rec.end_step()
         if duration is None:
             if released:
@@ -482,6 +482,10 @@ class Scheduler:
         self.step += 1
         self.clock += duration
         s = self._stats
+        used = self.alloc.counters().used_tokens
+        if used > s["peak_used_tokens"]:
+            s["peak_used_tokens"] = used
+            s["peak_step"] = self.step - 1
         running = int(self.running.shape[0])
         if running > s["peak_running"]:
             s["peak_running"] = running
@@ -577,7 +581,7 @@ class Scheduler:
 
         def reserve(extend_len: int, max_new_reserve: int) -> None:
             nonlocal total_offset, current_offset, rem_input, rem_chunk
-            paged = -(-extend_len // ps) * ps
+            paged = ceil_align(extend_len, ps)
             total_offset += paged + ps + max_new_reserve
             current_offset += paged + ps
             rem_input -= paged
@@ -629,12 +633,12 @@ class Scheduler:
             if not total_tokens < remaining_total() - pinned:
                 self.batch_is_full = bool(batch) or running_bs > 0
                 break
-            paged = -(-extend // ps) * ps
+            paged = ceil_align(extend, ps)
             if rem_chunk is None and batch and paged >= rem_input:
                 break
             if rem_chunk is not None and paged > rem_chunk:
-                extend = rem_chunk // ps * ps
-                end = (prefix + extend) // ps * ps
+                extend = floor_align(rem_chunk, ps)
+                end = floor_align(prefix + extend, ps)
                 extend = end - prefix
                 if extend <= 0:
                     break
@@ -692,6 +696,7 @@ class Scheduler:
         first = fresh & ~self._first_admitted[rids]
         if first.any():
             self._first_admitted[rids[first]] = True
+            self.first_scheduled_s[rids[first]] = self.clock
             self._stats["prefix_hit_tokens"] += int(prefix_lens[first].sum())
             self._stats["prompt_tokens"] += int(self.input_len[rids[first]].sum())
         prompt_lens = np.where(first, self.input_len[rids], -1)
@@ -702,6 +707,7 @@ class Scheduler:
             prefix_lens=prefix_lens,
             prompt_lens=prompt_lens,
             block_hashes=hashes if any(h is not None for h in hashes) else None,
+            arrival_s=self.arrival[rids],
         )
         duration = self.model.prefill(before, seq_lens - before)
         self.kv[rids] = seq_lens
@@ -712,6 +718,8 @@ class Scheduler:
             self.state[new_chunked] = _CHUNKED
         done_rids = rids[done]
         if done_rids.shape[0]:
+            first_token = done_rids[np.isnan(self.first_token_s[done_rids])]
+            self.first_token_s[first_token] = self.clock + duration
             self.out[done_rids] += 1
             finished = self.out[done_rids] >= self.max_new[done_rids]
             self._finish(done_rids[finished])
@@ -736,7 +744,7 @@ class Scheduler:
         assert allocated is not None
         committed = self.kv[rids]
         nxt = allocated + np.maximum(0, committed + self.reserve - allocated)
-        return int((-(-nxt // ps) * ps - (-(-allocated // ps) * ps)).sum())
+        return int(new_page_tokens(allocated, nxt, ps).sum())
 
     def _fits(self, rids: np.ndarray, allocated: np.ndarray | None) -> bool:
         c = self.alloc.counters()
@@ -889,7 +897,7 @@ class Scheduler:
             if free_rows <= 0:
                 break
             fill = int(self.input_len[rid] + self.out[rid] - 1)
-            alloc_tokens = -(-fill // ps) * ps
+            alloc_tokens = ceil_align(fill, ps)
             required = max(
                 alloc_tokens + NUM_RESERVED_DECODE_TOKENS,
                 fill + int(min(self.max_new[rid], CLIP_MAX_NEW_TOKENS)) - retractable,
@@ -918,8 +926,11 @@ class Scheduler:
             np.asarray(result.prefix_lens, np.int64) if result.prefix_lens is not None else np.zeros(len(admitted), np.int64)
         )
         first = ~self._first_admitted[rids]
+        duration = self.model.idle()
         if first.any():
             self._first_admitted[rids[first]] = True
+            self.first_scheduled_s[rids[first]] = self.clock
+            self.first_token_s[rids[first]] = self.clock + duration
             self._stats["prefix_hit_tokens"] += int(prefix_lens[first].sum())
             self._stats["prompt_tokens"] += int(self.input_len[rids[first]].sum())
         hashes = [self.hashes[r] if f else None for r, f in zip(admitted, first.tolist())]
@@ -929,6 +940,7 @@ class Scheduler:
             prefix_lens=prefix_lens,
             prompt_lens=np.where(first, self.input_len[rids], -1),
             block_hashes=hashes if any(h is not None for h in hashes) else None,
+            arrival_s=self.arrival[rids],
         )
         self.kv[rids] = fill_lens
         done = self.out[rids] >= self.max_new[rids]
@@ -937,153 +949,4 @@ class Scheduler:
         self.state[joining] = _RUNNING
         self.running = np.concatenate([self.running, joining])
         self._stats["prefill_steps"] += 1
-        return self.model.idle()
-
-
-# ---------------------------------------------------------------------- workload -> trace
-
-MODEL_SHAPE_NAME = "Llama-3.1-8B"
-
-
-@dataclass(frozen=True, slots=True)
-class RecordOptions:
-    """Everything ``record_workload`` needs (the CLI's options, checked)."""
-
-    workload: Path
-    fmt: WorkloadFormat
-    out: Path
-    pool_tokens: int
-    page_size: int = 1
-    max_running: int = 256
-    context_len: int = 131_072
-    chunk: int | None = 8192
-    max_prefill_tokens: int = 16384
-    spec: SpecSettings | None = None
-    spec_acceptance: float = 0.7
-    pd_decode: bool = False
-    duration_s: float | None = None
-    time_scale: float = 1.0
-    rate: float | None = None
-    seed: int = 0
-    policy: SchedulePolicy = "fcfs"
-    step_time: StepTimeModel = field(default_factory=StepTimeModel)
-    device: str = "cpu"
-    steps_per_batch: int = 1
-    compression: str = "zstd"
-    overwrite: bool = False
-    flush_interval_s: float | None = 1.0
-    compact_steps_per_batch: int | None = 256
-    source: TraceSource | None = None
-    force: bool = False  # build the pool even when it looks bigger than the free memory
-
-
-class RecordResult(NamedTuple):
-    """A finished recording: the summary, the allocator's integrity check at the end
-    (one line per violation; empty when sound) and the trace metadata written."""
-
-    summary: RecordSummary
-    violations: list[str]
-    meta: TraceMeta
-    block_reuse: dict[str, float] | None
-
-
-def record_workload(
-    options: RecordOptions, progress: Callable[[RecordProgress], None] | None = None
-) -> RecordResult:
-    """Record a workload file into a trace (the library behind ``kvtrace record``).
-
-    Raises:
-        traces.workloads.WorkloadFileError: a bad row or column in the workload.
-        traces.errors.TraceWriteError: the trace cannot be written.
-        ValueError: inconsistent options.
-        ConfigError: the pool cannot be built, or needs more memory than the machine
-            has (without ``options.force``).
-    """
-    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
-
-    def requests() -> Iterator[WorkloadRequest]:
-        return read_workload(
-            options.workload,
-            options.fmt,
-            rate=options.rate,
-            seed=options.seed,
-            duration_s=options.duration_s,
-            time_scale=options.time_scale,
-        )
-
-    # Check the whole file first (a streaming pass): a bad line fails at once, not
-    # minutes into the recording, and no partial trace is left behind.
-    total = sum(1 for _ in requests())
-    if total == 0:
-        window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
-        raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
-    from allocator import create_allocator
-    from kvtrace.config import RECORD_OPTIONS, allocator_config_for, check_memory
-    from kvtrace.record import Recorder
-
-    block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
-    radix_cache = not options.pd_decode
-    spec = options.spec
-    config = SchedulerConfig(
-        page_size=options.page_size,
-        pool_tokens=options.pool_tokens // options.page_size * options.page_size,
-        max_running=options.max_running,
-        max_context_len=options.context_len,
-        chunk_size=options.chunk,
-        max_prefill_tokens=options.max_prefill_tokens,
-        policy=options.policy,
-        spec=spec,
-        spec_acceptance=options.spec_acceptance,
-        pd_decode=options.pd_decode,
-        radix_cache=radix_cache,
-        seed=options.seed,
-        step_time=options.step_time,
-    )
-    source = options.source or known_source(options.workload, options.fmt)
-    meta = TraceMeta(
-        config=TraceConfig(
-            page_size=config.page_size,
-            pool_tokens=config.pool_tokens,
-            max_running=config.max_running,
-            max_context_len=config.max_context_len,
-            chunk_size=config.chunk_size,
-            schedule_policy=config.policy,
-            spec=spec,
-            pd_decode=config.pd_decode,
-            radix_cache=radix_cache,
-        ),
-        source=source,
-        model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
-        block_size=block_size,
-        extra={
-            "recorder": "kvtrace.scheduler",
-            "workload_format": options.fmt,
-            "duration_s": options.duration_s,
-            "time_scale": options.time_scale,
-            "rate": options.rate,
-            "seed": options.seed,
-            "max_prefill_tokens": options.max_prefill_tokens,
-            "spec_acceptance": options.spec_acceptance if spec is not None else None,
-            "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
-        },
-    )
-    allocator_config = allocator_config_for(meta, device=options.device)
-    check_memory(allocator_config, num_rids=total, names=RECORD_OPTIONS, force=options.force)
-    allocator = create_allocator(allocator_config)
-    with Recorder(
-        options.out,
-        meta,
-        steps_per_batch=options.steps_per_batch,
-        compression=options.compression,
-        overwrite=options.overwrite,
-        flush_interval_s=options.flush_interval_s,
-        dense_ids=True,
-        compact_steps_per_batch=options.compact_steps_per_batch,
-    ) as recorder:
-        scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
-        summary = scheduler.run(requests(), progress=progress, total=total)
-    violations = [
-        f"{v.check}: {v.detail}" + (f" (request {v.rid})" if v.rid is not None else "")
-        for v in allocator.check_integrity()
-    ]
-    return RecordResult(summary=summary, violations=violations, meta=meta, block_reuse=None)
+        return duration

@@ -1,8 +1,13 @@
 """Immutable, host-side records of one replayed step: what every consumer reads.
 
 The replay engine builds one ``StepSnapshot`` per step from the allocator's
-results; the CLI summary, the state log, the dashboard and diff read snapshots
-only, never the allocator.
+results; the CLI summary, the state log, the per-request state (``kvtrace.state``),
+the dashboard and diff read snapshots only, never the allocator.
+
+Pool counters are the allocator's own ``PoolCounters`` (one type from the
+allocator to the screen). Each request a step changed appears once in the step's
+``RequestDelta`` with its lengths after the step, the op that changed it and the
+phase it is in now.
 """
 
 from __future__ import annotations
@@ -11,6 +16,22 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
+
+from allocator.base import PoolCounters
+from traces.schema import OPS
+
+__all__ = [
+    "DROPPED_OP",
+    "PHASES",
+    "UNCHANGED_OP",
+    "Event",
+    "EventKind",
+    "Phase",
+    "PoolCounters",
+    "RequestDelta",
+    "StepSnapshot",
+    "op_name",
+]
 
 EventKind = Literal[
     "evict",  # tokens evicted from the radix cache to make room
@@ -25,28 +46,33 @@ EventKind = Literal[
     "bad_op",  # an impossible op in the trace
 ]
 
+# A request's phase after a step (``RequestDelta.phase`` holds the index):
+#   waiting    PD decode: pre-allocated, its KV arriving from the prefill server
+#   prefill    in chunked prefill (more chunks to come)
+#   decode     prefill done, one token per step
+#   spec       prefill done, speculative steps (draft slots over-allocated)
+#   finished   released, its prefix kept in the radix cache
+#   retracted  released under memory pressure, waiting to be admitted again
+#   aborted    released, nothing cached, the request ends
+#   dropped    taken out of the replay after an out-of-memory (--on-oom skip)
+Phase = Literal["waiting", "prefill", "decode", "spec", "finished", "retracted", "aborted", "dropped"]
+PHASES: tuple[Phase, ...] = ("waiting", "prefill", "decode", "spec", "finished", "retracted", "aborted", "dropped")
+(WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE, FINISHED, RETRACTED, ABORTED, DROPPED) = range(len(PHASES))
+LIVE_PHASES = frozenset({WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE})
 
-class PoolSnapshot(NamedTuple):
-    """Pool token counts after a step; the five parts sum to ``pool_tokens``.
+# ``RequestDelta.op`` of a request the replay dropped (no trace op changed it), and
+# of a request a keyframe lists although no op changed it that step.
+DROPPED_OP = -1
+UNCHANGED_OP = -2
 
-    ``committed``: live requests' KV outside the radix cache; ``overallocated``: slots
-    requests hold beyond their committed length (speculative slack, page tails);
-    ``evictable`` / ``protected``: cached tokens unlocked / locked by a request.
-    """
 
-    pool_tokens: int
-    available: int
-    evictable: int
-    protected: int
-    committed: int
-    overallocated: int
-    running_requests: int
-    free_rows: int
-
-    @property
-    def used_tokens(self) -> int:
-        """Tokens that cannot be handed out without evicting or releasing (not free, not evictable)."""
-        return self.pool_tokens - self.available - self.evictable
+def op_name(code: int) -> str:
+    """The trace op name of a ``RequestDelta.op`` code."""
+    if code == DROPPED_OP:
+        return "dropped"
+    if code == UNCHANGED_OP:
+        return "-"
+    return OPS[code]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,30 +86,49 @@ class Event:
 
 
 class RequestDelta(NamedTuple):
-    """Bookkeeping of the requests an op touched this step (after the step).
+    """The requests a step changed, with their bookkeeping after the step.
 
-    A released request appears with ``allocated == 0``.
+    A released request appears with ``allocated == 0``. ``prefix`` is the prefix an
+    ``extend`` / ``prealloc`` reused (the radix hit when the request was admitted,
+    the already-held length for a continuing chunk), else 0.
     """
 
     rids: np.ndarray  # int64 [n]
     allocated: np.ndarray  # int64 [n] kv_allocated_len
     committed: np.ndarray  # int64 [n] kv_committed_len
     protected: np.ndarray  # int64 [n] cache_protected_len
+    op: np.ndarray  # int8 [n] trace op code that changed it (traces.schema.OPS), DROPPED_OP
+    phase: np.ndarray  # int8 [n] index into PHASES
+    prefix: np.ndarray  # int64 [n]
 
     @classmethod
     def empty(cls) -> RequestDelta:
         z = np.zeros(0, np.int64)
-        return cls(z, z, z, z)
+        b = np.zeros(0, np.int8)
+        return cls(z, z, z, z, b, b, z)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rids.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
 class StepSnapshot:
-    """The state after one replayed step."""
+    """The state after one replayed step.
+
+    ``keyframe``: ``requests`` lists every request holding KV after the step (plus the
+    ones the step released), not only the ones it changed: the first snapshot of a
+    ``--steps`` window is one, so a consumer that starts there sees the whole state.
+    ``digest``: the allocator's ``state_digest()`` after the step when the replay asks
+    for it (``ReplayOptions.state_digest``; ``kvtrace diff --exact``), else None.
+    """
 
     step: int
     time_s: float
-    pool: PoolSnapshot
+    pool: PoolCounters
     requests: RequestDelta
     events: tuple[Event, ...]
     num_ops: int
     allocator_s: float  # seconds spent inside allocator calls this step
+    keyframe: bool = False
+    digest: str | None = None

@@ -1,12 +1,19 @@
-"""The state log: an Arrow IPC stream of step snapshots (``kvtrace replay --out``).
+"""The state log: an Arrow IPC file of step snapshots (``kvtrace replay --out``).
 
 One row per replayed step; ``STATE_LOG_SCHEMA`` is the single definition. Any
-Arrow reader opens it (``pyarrow.ipc.open_stream``, ``pandas``, ``polars``); the
-dashboard and diff read it back as ``StepSnapshot``s with ``read_state_log``.
+Arrow reader opens it (``pyarrow.ipc.open_file``, ``pandas.read_feather``,
+``polars.scan_ipc``); the dashboard and diff read it back as ``StepSnapshot``s with
+``read_state_log`` (a log cut short reads up to its last complete batch).
 
-Columns: the step and its time, the pool counters, the per-request lengths that
-changed this step (list columns aligned by position), the step's events
-(list of structs), the op count and the allocator time.
+Columns: the step and its time, the pool counters (``allocator.base.PoolCounters``),
+the requests the step changed (list columns aligned by position: id, lengths, the
+op that changed it, its phase, the prefix it reused), the step's events (list of
+structs), the op count, the allocator time, whether the row is a keyframe (its
+request lists hold every live request: the first step of a ``--steps`` window), and
+the allocator's state digest (null unless the replay asked for it: ``diff --exact``).
+
+The same records, as an uncompressed IPC *stream*, are the per-step record stream a
+``kvtrace diff`` side sends its parent over a pipe (``kvtrace.child``).
 """
 
 from __future__ import annotations
@@ -14,18 +21,29 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 
 from kvtrace.errors import TraceError
-from kvtrace.snapshot import Event, PoolSnapshot, RequestDelta, StepSnapshot
+from kvtrace.snapshot import Event, PoolCounters, RequestDelta, StepSnapshot
+from traces.ipc import IpcReader
 
-STATE_LOG_VERSION = 1
+STATE_LOG_VERSION = 2
 STATE_LOG_METADATA_KEY = b"kvtrace.statelog"
 
-_POOL_FIELDS = PoolSnapshot._fields
+_POOL_FIELDS = PoolCounters._fields
+# RequestDelta fields -> list columns (name, Arrow type, numpy dtype)
+_REQUEST_COLUMNS = (
+    ("req_rid", pa.int64(), np.int64),
+    ("req_allocated", pa.int64(), np.int64),
+    ("req_committed", pa.int64(), np.int64),
+    ("req_protected", pa.int64(), np.int64),
+    ("req_op", pa.int8(), np.int8),
+    ("req_phase", pa.int8(), np.int8),
+    ("req_prefix", pa.int64(), np.int64),
+)
 EVENT_TYPE = pa.struct(
     [
         pa.field("kind", pa.utf8()),
@@ -40,38 +58,52 @@ STATE_LOG_SCHEMA = pa.schema(
     + [
         pa.field("num_ops", pa.int32(), nullable=False),
         pa.field("allocator_s", pa.float64(), nullable=False),
-        pa.field("req_rid", pa.list_(pa.int64())),
-        pa.field("req_allocated", pa.list_(pa.int64())),
-        pa.field("req_committed", pa.list_(pa.int64())),
-        pa.field("req_protected", pa.list_(pa.int64())),
-        pa.field("events", pa.list_(EVENT_TYPE)),
+        pa.field("keyframe", pa.bool_(), nullable=False),
     ]
+    + [pa.field(name, pa.list_(arrow_type)) for name, arrow_type, _ in _REQUEST_COLUMNS]
+    + [pa.field("events", pa.list_(EVENT_TYPE)), pa.field("digest", pa.utf8())]
 )
+# Columns that differ between two runs of the same replay (timings): not compared.
+TIMING_COLUMNS = ("allocator_s",)
 
 
 class StateLogWriter:
-    """Streams snapshots to an Arrow IPC file, one record batch per ``steps_per_batch``.
+    """Writes snapshots, one record batch per ``steps_per_batch``: to a file as an Arrow
+    IPC file (the footer is written by ``close``), to a binary stream as an IPC stream.
 
     Args:
-        path: output file (overwritten).
+        path: output file (overwritten; ``kvtrace.outputs`` decides whether it may be),
+            or a writable binary stream (a pipe: the per-step record stream of a
+            ``kvtrace diff`` side, ``kvtrace.child``).
         info: JSON-able description stored in the schema metadata (trace, allocator, options).
         steps_per_batch: snapshots buffered per record batch (each batch is flushed).
+        compression: ``zstd`` (files), or None (pipes: no CPU spent on it).
 
     Raises:
         TraceError: the file cannot be created.
     """
 
-    def __init__(self, path: str | Path, info: dict[str, Any], steps_per_batch: int = 256) -> None:
-        self.path = Path(path)
+    def __init__(
+        self,
+        path: str | Path | BinaryIO,
+        info: dict[str, Any],
+        steps_per_batch: int = 256,
+        compression: str | None = "zstd",
+    ) -> None:
         meta = {"version": STATE_LOG_VERSION, **info}
         self._schema = STATE_LOG_SCHEMA.with_metadata({STATE_LOG_METADATA_KEY: json.dumps(meta).encode()})
-        try:
-            self._sink = pa.OSFile(str(self.path), "wb")
-        except OSError as exc:
-            raise TraceError(f"{self.path}: cannot write the state log ({exc.strerror or exc})") from None
-        self._writer = pa.ipc.new_stream(
-            self._sink, self._schema, options=pa.ipc.IpcWriteOptions(compression="zstd")
-        )
+        options = pa.ipc.IpcWriteOptions(compression=compression)
+        if isinstance(path, (str, Path)):
+            self.path: Path | None = Path(path)
+            try:
+                self._sink: Any = pa.OSFile(str(self.path), "wb")
+            except OSError as exc:
+                raise TraceError(f"{self.path}: cannot write the state log ({exc.strerror or exc})") from None
+            self._writer = pa.ipc.new_file(self._sink, self._schema, options=options)
+        else:
+            self.path = None
+            self._sink = pa.PythonFile(path, mode="w")
+            self._writer = pa.ipc.new_stream(self._sink, self._schema, options=options)
         self._steps_per_batch = steps_per_batch
         self._buf: list[StepSnapshot] = []
         self.steps_written = 0
@@ -84,7 +116,7 @@ class StateLogWriter:
     def flush(self) -> None:
         if not self._buf:
             return
-        self._writer.write_batch(_to_batch(self._buf, self._schema))
+        self._writer.write_batch(to_record_batch(self._buf, self._schema))
         self._sink.flush()
         self.steps_written += len(self._buf)
         self._buf = []
@@ -101,57 +133,115 @@ class StateLogWriter:
         self.close()
 
 
-def _to_batch(snaps: list[StepSnapshot], schema: pa.Schema) -> pa.RecordBatch:
+def to_record_batch(snaps: list[StepSnapshot], schema: pa.Schema = STATE_LOG_SCHEMA) -> pa.RecordBatch:
+    """Snapshots -> one record batch of the state log schema (one row per snapshot)."""
+    n = len(snaps)
     cols: dict[str, Any] = {
-        "step": pa.array([s.step for s in snaps], pa.int64()),
-        "time_s": pa.array([s.time_s for s in snaps], pa.float64()),
+        "step": pa.array(np.fromiter((s.step for s in snaps), np.int64, n)),
+        "time_s": pa.array(np.fromiter((s.time_s for s in snaps), np.float64, n)),
     }
+    pools = np.array([s.pool for s in snaps], dtype=np.int64).reshape(n, len(_POOL_FIELDS))
     for i, name in enumerate(_POOL_FIELDS):
-        cols[name] = pa.array([s.pool[i] for s in snaps], pa.int64())
-    cols["num_ops"] = pa.array([s.num_ops for s in snaps], pa.int32())
-    cols["allocator_s"] = pa.array([s.allocator_s for s in snaps], pa.float64())
-    offsets = np.zeros(len(snaps) + 1, np.int32)
-    offsets[1:] = np.cumsum([s.requests.rids.shape[0] for s in snaps])
-    off = pa.array(offsets, pa.int32())
-    for name, attr in (("req_rid", 0), ("req_allocated", 1), ("req_committed", 2), ("req_protected", 3)):
+        cols[name] = pa.array(pools[:, i])
+    cols["num_ops"] = pa.array(np.fromiter((s.num_ops for s in snaps), np.int32, n))
+    cols["allocator_s"] = pa.array(np.fromiter((s.allocator_s for s in snaps), np.float64, n))
+    cols["keyframe"] = pa.array([s.keyframe for s in snaps], pa.bool_())
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum([s.requests.rids.shape[0] for s in snaps], out=offsets[1:])
+    off = pa.array(offsets)
+    for attr, (name, arrow_type, dtype) in enumerate(_REQUEST_COLUMNS):
         parts = [s.requests[attr] for s in snaps]
-        values = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        cols[name] = pa.ListArray.from_arrays(off, pa.array(values, pa.int64()))
-    cols["events"] = pa.array(
-        [[{"kind": e.kind, "rid": e.rid, "tokens": e.tokens, "detail": e.detail} for e in s.events] for s in snaps],
-        pa.list_(EVENT_TYPE),
-    )
+        values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+        cols[name] = pa.ListArray.from_arrays(off, pa.array(values, arrow_type))
+    cols["events"] = _events_column(snaps)
+    cols["digest"] = pa.array([s.digest for s in snaps], pa.utf8())
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
+
+
+def _events_column(snaps: list[StepSnapshot]) -> pa.Array:
+    offsets = np.zeros(len(snaps) + 1, np.int32)
+    np.cumsum([len(s.events) for s in snaps], out=offsets[1:])
+    events = [e for s in snaps for e in s.events]
+    values = pa.StructArray.from_arrays(
+        [
+            pa.array([e.kind for e in events], pa.utf8()),
+            pa.array([e.rid for e in events], pa.int64()),
+            pa.array([e.tokens for e in events], pa.int64()),
+            pa.array([e.detail for e in events], pa.utf8()),
+        ],
+        fields=list(EVENT_TYPE),
+    )
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+class _PipeBatches:
+    """The record batches of an IPC stream read from a pipe (``IpcReader``'s interface)."""
+
+    def __init__(self, reader: pa.ipc.RecordBatchStreamReader) -> None:
+        self.schema = reader.schema
+        self.truncated = False
+        self._reader = reader
+
+    def iter_batches(self) -> Iterator[pa.RecordBatch]:
+        return iter(self._reader)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def open_state_log(source: str | Path | BinaryIO) -> tuple[dict[str, Any], IpcReader | _PipeBatches]:
+    """Open a state log (a file, or a readable binary stream): its stored info and a
+    reader of its record batches (``reader.iter_batches()``; ``snapshots_of`` turns a
+    batch into snapshots; after an iteration ``reader.truncated`` says whether a file
+    was cut short).
+
+    Raises:
+        TraceError: the file is missing, not Arrow IPC, or not a kvtrace state log of a
+            version this kvtrace reads.
+    """
+    if isinstance(source, (str, Path)):
+        reader: IpcReader | _PipeBatches = IpcReader(source, what="state log")
+        name = str(reader.path)
+    else:
+        name = "the record stream"
+        try:
+            reader = _PipeBatches(pa.ipc.open_stream(source))
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise TraceError(f"{name}: not an Arrow state log stream ({exc})") from None
+    raw = (reader.schema.metadata or {}).get(STATE_LOG_METADATA_KEY)
+    if raw is None:
+        raise TraceError(f"{name}: Arrow IPC, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
+    try:
+        info = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"state log {name}: its metadata is not valid JSON ({exc})") from None
+    if not isinstance(info, dict) or info.get("version") != STATE_LOG_VERSION:
+        version = info.get("version") if isinstance(info, dict) else None
+        raise TraceError(
+            f"{name}: state log version {version} is not supported (this kvtrace reads version "
+            f"{STATE_LOG_VERSION}); write it again with 'kvtrace replay TRACE --out LOG'"
+        )
+    return info, reader
 
 
 def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnapshot]]:
     """Open a state log: its stored info and a lazy iterator of snapshots.
 
     Raises:
-        TraceError: the file is missing, not an Arrow stream, or not a kvtrace state log.
+        TraceError: as ``open_state_log``; a damaged batch while iterating.
     """
-    p = Path(path)
-    try:
-        reader = pa.ipc.open_stream(pa.OSFile(str(p), "rb"))
-    except FileNotFoundError:
-        raise TraceError(f"{p}: no such state log") from None
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise TraceError(f"{p}: not an Arrow state log ({exc})") from None
-    raw = (reader.schema.metadata or {}).get(STATE_LOG_METADATA_KEY)
-    if raw is None:
-        raise TraceError(f"{p}: an Arrow stream, but not a kvtrace state log (no '{STATE_LOG_METADATA_KEY.decode()}' metadata)")
-    info = json.loads(raw)
-    if info.get("version") != STATE_LOG_VERSION:
-        raise TraceError(f"{p}: state log version {info.get('version')} is not supported (this kvtrace reads {STATE_LOG_VERSION})")
+    info, reader = open_state_log(path)
 
     def snapshots() -> Iterator[StepSnapshot]:
-        for batch in reader:
-            yield from _from_batch(batch)
+        for batch in reader.iter_batches():
+            yield from snapshots_of(batch)
 
     return info, snapshots()
 
 
-def _from_batch(batch: pa.RecordBatch) -> Iterator[StepSnapshot]:
+def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
+    """The snapshots of one record batch of a state log (a log without the ``digest``
+    column, written before it existed, reads with ``digest=None``)."""
     n = batch.num_rows
     col = {name: batch.column(name) for name in batch.schema.names}
     pools = [col[name].to_numpy() for name in _POOL_FIELDS]
@@ -159,19 +249,25 @@ def _from_batch(batch: pa.RecordBatch) -> Iterator[StepSnapshot]:
     times = col["time_s"].to_numpy()
     num_ops = col["num_ops"].to_numpy()
     alloc_s = col["allocator_s"].to_numpy()
+    keyframes = col["keyframe"].to_numpy(zero_copy_only=False)
+    digests = col["digest"].to_pylist() if "digest" in col else [None] * n
     lists = []
-    for name in ("req_rid", "req_allocated", "req_committed", "req_protected"):
+    for name, _, dtype in _REQUEST_COLUMNS:
         arr = col[name]
-        lists.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False)))
+        lists.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)))
     events = col["events"].to_pylist()
+    out = []
     for i in range(n):
         parts = [values[offs[i] : offs[i + 1]] for offs, values in lists]
-        yield StepSnapshot(
+        out.append(StepSnapshot(
             step=int(steps[i]),
             time_s=float(times[i]),
-            pool=PoolSnapshot(*(int(p[i]) for p in pools)),
+            pool=PoolCounters(*(int(p[i]) for p in pools)),
             requests=RequestDelta(*parts),
             events=tuple(Event(e["kind"], e["rid"], e["tokens"], e["detail"]) for e in events[i]),
             num_ops=int(num_ops[i]),
             allocator_s=float(alloc_s[i]),
-        )
+            keyframe=bool(keyframes[i]),
+            digest=digests[i],
+        ))
+    return out

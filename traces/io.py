@@ -1,40 +1,55 @@
-"""Streaming writer and reader of kvtrace traces (one Arrow IPC stream per file).
+"""Writer and reader of kvtrace traces (Arrow IPC: a stream, or a file).
 
 The writer buffers ``steps_per_batch`` whole steps, writes them as one record
 batch and flushes the file, so a recording killed with SIGKILL leaves every
-completed batch readable. The reader validates the schema and metadata once
-when it opens a file, then streams record batches (memory flat in trace
-length) and yields one ``StepBatch`` per step.
+completed batch readable. Closing it records the final status of the recording
+(complete, or interrupted and why) and, when asked to compact, rewrites the trace
+as an Arrow IPC *file* (with a footer: random access, memory-mapping, lazy scans
+in polars, pandas and DuckDB). The reader accepts both the stream and the file
+layout, validates the schema and metadata once when it opens a file, then
+streams record batches (memory flat in trace length) and yields one
+``StepBatch`` per step.
 
-Damage is classified by framing the stream itself (``_FramedSource``): a message
-whose bytes are all present but do not decode is *corrupt* (an error naming the
-file and the batch); a message cut by the end of the file, or a file without the
-end-of-stream marker, is *truncated* (every complete batch reads back, and
-``TraceReader.truncated`` says so after iteration).
+Opening, framing and telling truncation from corruption are ``traces.ipc``'s
+(``IpcReader``, which ``TraceReader`` extends with the trace's metadata, columns
+and steps).
 """
 
 from __future__ import annotations
 
-import io
-import json
 import os
-import struct
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
+from traces.atomic import replacing
 from traces.errors import (
-    TraceCorruptError,
+    TraceError,
     TraceMetadataError,
     TraceReadError,
     TraceSchemaError,
     TraceVersionError,
     TraceWriteError,
+)
+from traces.ipc import (
+    IpcFormat,
+    IpcReader,
+    ResumePoint,
+    arrow_array,
+    count_rows,
+    numpy_filled,
+    numpy_view,
+    os_reason,
+    string_array,
+    validity,
 )
 from traces.schema import (
     COLUMN_BY_NAME,
@@ -46,16 +61,18 @@ from traces.schema import (
     REQUIRED_COLUMNS,
     SCHEMA_VERSION,
     Ragged,
+    Recording,
     StepBatch,
     TraceMeta,
     arrow_schema,
     parse_meta_json,
+    timestamp,
 )
 
 Compression = Literal["zstd", "lz4"]
 COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
 
-_OPS_DICTIONARY = pa.array(OPS, pa.utf8())
+_OPS_DICTIONARY = string_array(OPS)
 _LIST_TYPES = {name: COLUMN_BY_NAME[name].type for name in ("block_hashes", "token_ids")}
 _LIST_DTYPES = {"block_hashes": np.uint64, "token_ids": np.int64}
 _ROW_COLUMNS = (
@@ -74,6 +91,11 @@ _NUMERIC = (
 # Arrow IPC has no checksums of its own, and a damaged lz4 or zstd literal run
 # decodes silently to wrong values.
 CHECKSUM_KEY = b"kvtrace.crc32"
+# CRC-32 of the ``arrival_s`` column (float64, nulls as NaN), kept apart so that readers
+# from before the column still verify ``CHECKSUM_KEY``.
+ARRIVAL_CHECKSUM_KEY = b"kvtrace.crc32.arrival_s"
+# Custom metadata of a stream's last (empty) record batch: the final ``Recording`` as JSON.
+RECORDING_KEY = b"kvtrace.recording"
 
 
 def _checksum(arrays: Sequence[np.ndarray]) -> bytes:
@@ -84,11 +106,55 @@ def _checksum(arrays: Sequence[np.ndarray]) -> bytes:
     return b"%08x" % crc
 
 
-def _os_reason(exc: OSError) -> str:
-    """The OS's words for ``exc`` ("No space left on device"), without pyarrow's decoration."""
-    if exc.errno:
-        return os.strerror(exc.errno)
-    return str(exc)
+class _StepWrite:
+    """Whether the main thread is writing a step, and an interruption held back meanwhile."""
+
+    depth = 0
+    held: BaseException | None = None
+
+
+@contextmanager
+def _writing_step() -> Iterator[None]:
+    """A step is being written: an interruption (``interrupt_when_safe``) waits until it is
+    on disk, so the trace and its recorded step count agree."""
+    if threading.current_thread() is not threading.main_thread():  # signals run in the main thread
+        yield
+        return
+    _StepWrite.depth += 1
+    try:
+        yield
+    except BaseException:
+        _StepWrite.depth -= 1
+        if _StepWrite.depth == 0:
+            _StepWrite.held = None  # the write failed: its error is what the caller sees
+        raise
+    _StepWrite.depth -= 1
+    if _StepWrite.depth == 0 and _StepWrite.held is not None:
+        held, _StepWrite.held = _StepWrite.held, None
+        raise held
+
+
+def interrupt_when_safe(exc: BaseException) -> None:
+    """For a signal handler: raise ``exc`` now, or, while a trace writer is writing a
+    step, as soon as that step is on disk (then its ``with`` block marks the trace
+    interrupted after a whole step, never half of one).
+
+    Raises:
+        BaseException: ``exc``, unless held back.
+    """
+    if _StepWrite.depth:
+        _StepWrite.held = exc
+        return
+    raise exc
+
+
+def describe_stop(exc: BaseException) -> str:
+    """Why a writer is being closed by ``exc``, in a few words (``Recording.detail``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted by Ctrl-C (SIGINT)"
+    if isinstance(exc, Exception):
+        return " ".join(f"stopped by an error: {type(exc).__name__}: {exc}".split())
+    return str(exc) or type(exc).__name__  # e.g. a signal turned into an exception
 
 
 # --------------------------------------------------------------------------------------
@@ -96,27 +162,46 @@ def _os_reason(exc: OSError) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def compact_trace(path: str | os.PathLike[str], *, steps_per_batch: int, compression: Compression = "zstd") -> None:
-    """Rewrite a trace in place with ``steps_per_batch`` steps per record batch.
+def compact_trace(
+    path: str | os.PathLike[str],
+    *,
+    steps_per_batch: int,
+    compression: Compression = "zstd",
+    recording: Recording | None = None,
+) -> None:
+    """Rewrite a trace in place as an Arrow IPC file with ``steps_per_batch`` steps per batch.
 
     The new file is written beside the old one and renamed over it, so a crash at
     any point leaves either the old or the new file, both complete.
+
+    Args:
+        path: the trace (a stream or a file).
+        steps_per_batch: whole steps per record batch of the new file.
+        compression: its codec.
+        recording: the recording status to store (the writer passes the final one it
+            knows at close); None: the trace's own final status (read first, when the
+            trace records one).
 
     Raises:
         TraceWriteError: the new file cannot be written (the old one is kept).
         TraceError: the trace cannot be read.
     """
     src = Path(path)
-    tmp = src.with_name(src.name + ".compacting")
     reader = TraceReader(src)
+    if recording is None and reader.meta.recording is not None:
+        for _ in reader.iter_batches():  # a stream's final status is in its last batch
+            pass
+        recording = reader.recording
+    meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
     try:
-        with TraceWriter(tmp, reader.meta, compression=compression, steps_per_batch=steps_per_batch, overwrite=True) as out:
-            for batch in reader.steps():
-                out.write(batch)
-        os.replace(tmp, src)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with replacing(src) as tmp:
+            with TraceWriter(
+                tmp, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file"
+            ) as out:
+                for batch in reader.steps():
+                    out.write(batch)
+    except OSError as exc:
+        raise TraceWriteError(f"cannot rewrite trace {src}: {os_reason(exc)}", path=src) from None
 
 
 class TraceWriter:
@@ -136,6 +221,12 @@ class TraceWriter:
             (``steps_per_batch=1``, fast ``lz4``) and still leave a compact file; a
             writer killed before ``close`` leaves the durable per-step file.
         compact_compression: the codec of the compacted file.
+        ipc_format: ``"stream"`` (durable batch by batch; what a recording writes) or
+            ``"file"`` (the footer is written at ``close``; what compaction writes).
+
+    When ``meta.recording`` is set, ``close`` stores the final status of the
+    recording: in a stream, in the custom metadata (``RECORDING_KEY``) of a last,
+    empty record batch; a compacted file carries it in its schema metadata.
 
     Raises:
         ValueError: a bad ``compression`` or ``steps_per_batch``.
@@ -154,7 +245,12 @@ class TraceWriter:
         compression_level: int | None = None,
         compact_steps_per_batch: int | None = None,
         compact_compression: Compression = "zstd",
+        ipc_format: IpcFormat = "stream",
     ) -> None:
+        if ipc_format not in ("stream", "file"):
+            raise ValueError(f"ipc_format must be 'stream' or 'file', not {ipc_format!r}")
+        self.ipc_format = ipc_format
+        self.recording = meta.recording  # the final one after close
         if compact_compression not in COMPRESSIONS:
             raise ValueError(f"compact_compression must be one of {', '.join(COMPRESSIONS)}, not {compact_compression!r}")
         if compact_steps_per_batch is not None and (not isinstance(compact_steps_per_batch, int) or compact_steps_per_batch < 1):
@@ -185,27 +281,26 @@ class TraceWriter:
             self._raw = pa.OSFile(str(self.path), "wb")
         except OSError as exc:
             raise TraceWriteError(
-                f"cannot create trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot create trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
         try:
             # One write(2) per record batch: the buffer is flushed after each batch.
             self._sink = pa.BufferedOutputStream(self._raw, buffer_size=1 << 20)
-            self._ipc = pa.ipc.new_stream(
-                self._sink,
-                self._schema,
-                # Per-buffer thread hand-offs cost more than they save on batches this small.
-                options=pa.ipc.IpcWriteOptions(compression=codec, use_threads=False),
-            )
-            # pyarrow writes the schema lazily; an empty first batch puts the schema and
-            # the metadata on disk now, so a writer killed before its first step still
-            # leaves a readable (empty, truncated) trace.
-            empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
-            self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum})
-            self._sink.flush()
+            # Per-buffer thread hand-offs cost more than they save on batches this small.
+            options = pa.ipc.IpcWriteOptions(compression=codec, use_threads=False)
+            if ipc_format == "file":
+                self._ipc = pa.ipc.new_file(self._sink, self._schema, options=options)
+            else:
+                self._ipc = pa.ipc.new_stream(self._sink, self._schema, options=options)
+                # pyarrow writes the schema lazily; an empty first batch puts the schema
+                # and the metadata on disk now, so a writer killed before its first step
+                # still leaves a readable (empty, truncated) trace.
+                self._write_empty({})
+                self._sink.flush()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
-                f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot write trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
 
     # -- public API ------------------------------------------------------------------
@@ -254,15 +349,16 @@ class TraceWriter:
                 f"step {step} written after step {self._last_step}: steps must increase "
                 "(write all of a step's rows in one call)"
             )
-        self._last_step = step
         n = len(batch)
-        if n == 0:
-            return
-        self._pending.append(batch)
-        self._steps_written += 1
-        self._rows_written += n
-        if len(self._pending) >= self.steps_per_batch:
-            self._write_pending()
+        with _writing_step():
+            self._last_step = step
+            if n == 0:
+                return
+            self._pending.append(batch)
+            self._steps_written += 1
+            self._rows_written += n
+            if len(self._pending) >= self.steps_per_batch:
+                self._write_pending()
 
     def write_step(
         self,
@@ -279,6 +375,7 @@ class TraceWriter:
         prompt_len: Any = None,
         block_hashes: Any = None,
         token_ids: Any = None,
+        arrival_s: Any = None,
     ) -> None:
         """Append one step from array-likes, one entry per row (see ``StepBatch.from_columns``).
 
@@ -301,6 +398,7 @@ class TraceWriter:
                 prompt_len=prompt_len,
                 block_hashes=block_hashes,
                 token_ids=token_ids,
+                arrival_s=arrival_s,
             )
         )
 
@@ -311,23 +409,50 @@ class TraceWriter:
         if self._pending:
             self._write_pending()
 
-    def close(self) -> None:
-        """Write the buffered steps and the end-of-stream marker, and close the file."""
+    def close(self, *, interrupted: str | None = None) -> None:
+        """Write the buffered steps, the recording's final status and the end of the
+        file, close it, and compact it when asked to (a complete recording only).
+
+        Args:
+            interrupted: why the writing stops before its end (``describe_stop``): the
+                recording is marked interrupted and the file is left uncompacted.
+
+        Raises:
+            TraceWriteError: the file cannot be written.
+        """
         if self._closed:
             return
+        final = self.recording
+        if final is not None:
+            final = replace(
+                final,
+                status="interrupted" if interrupted is not None else "complete",
+                detail=interrupted,
+                finished_at=timestamp(),
+                steps=self._steps_written,
+            )
         try:
-            if self._pending:
-                self._write_pending()
-            self._ipc.close()
-            self._sink.close()
+            with _writing_step():  # the last steps, the status and the end, not a part of them
+                if self._pending:
+                    self._write_pending()
+                if final is not None and self.ipc_format == "stream":
+                    self._write_empty({RECORDING_KEY: final.to_json().encode()})
+                self._ipc.close()
+                self._sink.close()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
-                f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot write trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
         self._closed = True
-        if self.compact_steps_per_batch is not None:
-            compact_trace(self.path, steps_per_batch=self.compact_steps_per_batch, compression=self.compact_compression)
+        self.recording = final
+        if self.compact_steps_per_batch is not None and interrupted is None:
+            compact_trace(
+                self.path,
+                steps_per_batch=self.compact_steps_per_batch,
+                compression=self.compact_compression,
+                recording=final,
+            )
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -341,10 +466,10 @@ class TraceWriter:
         if exc_type is None:
             self.close()
             return
-        # Keep what is complete (uncompacted: leave fast); never mask the exception.
-        self.compact_steps_per_batch = None
+        # Keep what is complete, marked interrupted (uncompacted: leave fast); never
+        # mask the exception.
         try:
-            self.close()
+            self.close(interrupted=describe_stop(exc) if exc is not None else exc_type.__name__)
         except Exception:  # noqa: BLE001 - the original exception matters more
             self._abandon()
 
@@ -358,17 +483,21 @@ class TraceWriter:
         except OSError:
             pass
 
+    def _write_empty(self, custom: dict[bytes, bytes]) -> None:
+        empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
+        self._ipc.write_batch(empty, custom_metadata={**_batch_metadata(empty, checksum), **custom})
+
     def _write_pending(self) -> None:
         pending = self._pending
         self._pending = []
         record_batch, checksum = _to_record_batch(pending, self._schema)
         try:
-            self._ipc.write_batch(record_batch, custom_metadata={CHECKSUM_KEY: checksum})
+            self._ipc.write_batch(record_batch, custom_metadata=_batch_metadata(record_batch, checksum))
             self._sink.flush()
         except OSError as exc:
             self._abandon()
             raise TraceWriteError(
-                f"cannot write trace {self.path}: {_os_reason(exc)}", path=self.path
+                f"cannot write trace {self.path}: {os_reason(exc)}", path=self.path
             ) from None
 
 
@@ -386,7 +515,7 @@ def _list_array(ragged: Ragged, arrow_type: pa.DataType) -> pa.Array:
     if not ragged.valid.any():
         return pa.nulls(n, arrow_type)
     offsets = pa.py_buffer(ragged.offsets.astype(np.int32))
-    values = pa.array(ragged.values, arrow_type.value_type)
+    values = arrow_array(ragged.values)  # already of the column's dtype (_LIST_DTYPES)
     if ragged.valid.all():
         bitmap, null_count = None, 0
     else:
@@ -409,17 +538,19 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
     rid = _concat([s.rid for s in steps], np.int64)
     prompt = _concat([s.prompt_len for s in steps], np.int64)
     prompt_mask = prompt < 0
+    arrival = _concat([s.arrivals() for s in steps], np.float64)
     arrays: dict[str, pa.Array] = {
-        "step": pa.array(step_col),
-        "time_s": pa.array(time_col),
-        "op": pa.DictionaryArray.from_arrays(pa.array(op, pa.int8()), _OPS_DICTIONARY, safe=False),
-        "rid": pa.array(rid),
-        "prompt_len": pa.array(prompt, pa.int64(), mask=prompt_mask if prompt_mask.any() else None),
+        "step": arrow_array(step_col),
+        "time_s": arrow_array(time_col),
+        "op": pa.DictionaryArray.from_arrays(arrow_array(op), _OPS_DICTIONARY, safe=False),
+        "rid": arrow_array(rid),
+        "prompt_len": arrow_array(prompt, prompt_mask),
+        "arrival_s": arrow_array(arrival, np.isnan(arrival)),
     }
     content = [step_col, time_col, op, rid]
     for name, dtype in _NUMERIC:
         column = _concat([getattr(s, name) for s in steps], dtype)
-        arrays[name] = pa.array(column)
+        arrays[name] = arrow_array(column)
         content.append(column)
     content.append(prompt)
     for name, arrow_type in _LIST_TYPES.items():
@@ -431,284 +562,10 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
     return batch, _checksum(content)
 
 
-# --------------------------------------------------------------------------------------
-# Stream framing: tells truncation from corruption
-# --------------------------------------------------------------------------------------
-
-_CONTINUATION = 0xFFFFFFFF
-_MAX_METADATA_BYTES = 64 << 20  # kvtrace message headers are a few hundred bytes
-# A record batch may decompress to at most this: a writer's batch of 256 steps holds a few
-# MiB. pyarrow allocates the sizes a compressed buffer declares before it decompresses.
-MAX_BATCH_BYTES = 1 << 30
-_HEADER_SCHEMA, _HEADER_DICTIONARY, _HEADER_RECORD_BATCH = 1, 2, 3
-_ARROW_FILE_MAGIC = b"ARROW1"
-_EOS_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
-
-
-class _Message(NamedTuple):
-    offset: int
-    header_type: int
-    body_len: int
-
-
-def _table_field(meta: bytes, table: int, index: int) -> int:
-    """Absolute position of field ``index`` of the flatbuffer table at ``table`` (0: absent)."""
-    vtable = table - struct.unpack_from("<i", meta, table)[0]
-    vtable_len = struct.unpack_from("<H", meta, vtable)[0]
-    if vtable < 0 or vtable_len < 4 or vtable + vtable_len > len(meta):
-        raise ValueError("bad vtable")
-    slot = 4 + 2 * index
-    offset = struct.unpack_from("<H", meta, vtable + slot)[0] if slot < vtable_len else 0
-    return table + offset if offset else 0
-
-
-def _parse_message_header(meta: bytes) -> tuple[int, int]:
-    """``(header_type, body_len)`` of an Arrow IPC ``Message`` flatbuffer.
-
-    Raises ``ValueError`` when the flatbuffer is malformed. Only the two scalar
-    fields the framing needs are read: ``header_type`` (field 1) and
-    ``bodyLength`` (field 3).
-    """
-    try:
-        root = struct.unpack_from("<I", meta, 0)[0]
-        version_at, type_at, body_at = (_table_field(meta, root, i) for i in (0, 1, 3))
-        version = struct.unpack_from("<h", meta, version_at)[0] if version_at else 0
-        header_type = meta[type_at] if type_at else 0
-        body_len = struct.unpack_from("<q", meta, body_at)[0] if body_at else 0
-    except (struct.error, IndexError) as exc:
-        raise ValueError(f"malformed message header ({exc})") from None
-    if not 0 <= version <= 4 or header_type not in (1, 2, 3) or body_len < 0:
-        raise ValueError(
-            f"malformed message header (version {version}, type {header_type}, body {body_len})"
-        )
-    return header_type, body_len
-
-
-def _record_batch_rows(meta: bytes) -> int | None:
-    """Rows of a ``RecordBatch`` message: its ``length``, when the first column's node
-    agrees (a damaged header that disagrees counts as None; reading it fails later)."""
-    try:
-        root = struct.unpack_from("<I", meta, 0)[0]
-        header_at = _table_field(meta, root, 2)
-        if not header_at:
-            return None
-        batch = header_at + struct.unpack_from("<I", meta, header_at)[0]
-        length_at, nodes_at = _table_field(meta, batch, 0), _table_field(meta, batch, 1)
-        length = struct.unpack_from("<q", meta, length_at)[0] if length_at else 0
-        if not nodes_at:
-            return None
-        nodes = nodes_at + struct.unpack_from("<I", meta, nodes_at)[0]
-        if struct.unpack_from("<I", meta, nodes)[0] == 0:
-            return None
-        first_column_rows = struct.unpack_from("<q", meta, nodes + 4)[0]
-    except (struct.error, IndexError, ValueError):
-        return None
-    return length if length == first_column_rows and length >= 0 else None
-
-
-def _decompressed_size(meta: bytes, body: bytes) -> int:
-    """Bytes a ``RecordBatch`` message's body decompresses to, as its buffers declare.
-
-    An uncompressed body is its own size. A compressed buffer starts with its
-    uncompressed length (int64; -1: stored uncompressed). A header that cannot be
-    parsed counts as the body's size (reading it fails later).
-    """
-    try:
-        root = struct.unpack_from("<I", meta, 0)[0]
-        header_at = _table_field(meta, root, 2)
-        batch = header_at + struct.unpack_from("<I", meta, header_at)[0]
-        buffers_at, compression_at = _table_field(meta, batch, 2), _table_field(meta, batch, 3)
-        if not compression_at or not buffers_at:
-            return len(body)
-        vector = buffers_at + struct.unpack_from("<I", meta, buffers_at)[0]
-        count = struct.unpack_from("<I", meta, vector)[0]
-        total = 0
-        for i in range(count):
-            offset, length = struct.unpack_from("<qq", meta, vector + 4 + 16 * i)
-            if length >= 8 and 0 <= offset <= len(body) - 8:
-                declared = struct.unpack_from("<q", body, offset)[0]
-                total += length - 8 if declared == -1 else max(0, declared)
-        return total
-    except (struct.error, IndexError, ValueError):
-        return len(body)
-
-
-def count_rows(path: str | os.PathLike[str], file_bytes: int) -> int:
-    """Rows in the complete record batches of a trace stream, from the message headers
-    alone (each body is skipped, never read or decompressed).
-
-    Stops quietly at the first message that is cut, damaged or not a record batch
-    header it understands: reading the file reports those.
-    """
-    rows = 0
-    with open(path, "rb") as file:
-        offset = 0
-        while offset + 8 <= file_bytes:
-            file.seek(offset)
-            header = file.read(8)
-            continuation, meta_len = struct.unpack("<Ii", header)
-            if continuation != _CONTINUATION or not 0 < meta_len <= _MAX_METADATA_BYTES:
-                break
-            meta = file.read(meta_len)
-            if len(meta) < meta_len:
-                break
-            try:
-                header_type, body_len = _parse_message_header(meta)
-            except ValueError:
-                break
-            offset += 8 + meta_len + body_len
-            if offset > file_bytes:
-                break
-            if header_type == _HEADER_RECORD_BATCH:
-                batch_rows = _record_batch_rows(meta)
-                if batch_rows is None:
-                    break
-                rows += batch_rows
-    return rows
-
-
-class _FramedSource(io.RawIOBase):
-    """The trace file as pyarrow sees it: only complete, well-framed messages.
-
-    pyarrow's stream reader pulls bytes through ``read``. Before serving a
-    message, this source reads its framing (continuation marker, metadata
-    length, metadata flatbuffer, body length) and the whole body. A message cut
-    short by the end of the file is never served: pyarrow then sees a clean end
-    of stream and ``truncation`` says what was cut. Broken framing sets
-    ``corruption`` and also ends the stream; the reader raises it.
-    """
-
-    def __init__(self, file: BinaryIO, file_bytes: int) -> None:
-        super().__init__()
-        self._file = file
-        self._file_bytes = file_bytes
-        # A file that ends with the end-of-stream marker was closed by its writer: a
-        # message that runs past its end is damaged, not cut short.
-        self._closed_by_writer = False
-        if file_bytes >= 16:
-            file.seek(file_bytes - 8)
-            self._closed_by_writer = file.read(8) == _EOS_MARKER
-            file.seek(0)
-        self._offset = 0  # end of the last message loaded
-        self._pieces: list[bytes] = []
-        self._finished = False
-        self.messages: list[_Message] = []
-        self.num_record_batches = 0
-        self.eos = False
-        self.truncation: str | None = None
-        self.corruption: str | None = None
-
-    # io.RawIOBase protocol used by pa.PythonFile
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._offset - sum(len(p) for p in self._pieces)
-
-    def read(self, size: int = -1) -> bytes:
-        out: list[bytes] = []
-        want = size if size >= 0 else 1 << 62
-        while want > 0:
-            if not self._pieces and not self._load_next():
-                break
-            head = self._pieces[0]
-            if len(head) <= want:
-                out.append(self._pieces.pop(0))
-                want -= len(head)
-            else:
-                out.append(head[:want])
-                self._pieces[0] = head[want:]
-                want = 0
-        return out[0] if len(out) == 1 else b"".join(out)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    @property
-    def bytes_read(self) -> int:
-        return self._offset
-
-    def _load_next(self) -> bool:
-        if self._finished:
-            return False
-        offset = self._offset
-        header = self._file.read(8)
-        if len(header) == 0:
-            self._finished = True
-            if offset > 0:
-                self.truncation = "no end-of-stream marker (the writer did not close the file)"
-            return False
-        if len(header) < 8:
-            return self._truncated(f"a message header is cut ({len(header)} of 8 bytes present)")
-        continuation, meta_len = struct.unpack("<Ii", header)
-        if continuation != _CONTINUATION:
-            return self._corrupt(offset, "no message starts here")
-        if meta_len == 0:  # end-of-stream marker
-            self._finished = True
-            self.eos = True
-            trailing = self._file_bytes - (offset + 8)
-            if trailing > 0:
-                self.corruption = (
-                    f"{trailing} bytes of unexpected data after the end-of-stream marker "
-                    f"at byte {offset}"
-                )
-            self._pieces = [header[:4], header[4:]]
-            self._offset = offset + 8
-            return True
-        if meta_len < 0 or meta_len > _MAX_METADATA_BYTES:
-            return self._corrupt(offset, f"impossible message header length {meta_len}")
-        meta = self._file.read(meta_len)
-        if len(meta) < meta_len:
-            return self._truncated(
-                f"the last message is cut inside its header ({len(meta)} of {meta_len} bytes present)"
-            )
-        try:
-            header_type, body_len = _parse_message_header(meta)
-        except ValueError as exc:
-            return self._corrupt(offset, str(exc))
-        if header_type == _HEADER_SCHEMA and self.messages:
-            return self._corrupt(offset, "a second schema message")
-        if header_type != _HEADER_SCHEMA and not self.messages:
-            return self._corrupt(offset, "the stream does not start with a schema")
-        if offset + 8 + meta_len + body_len > self._file_bytes:
-            present = max(0, self._file_bytes - (offset + 8 + meta_len))
-            what = "record batch" if header_type == _HEADER_RECORD_BATCH else "message"
-            return self._truncated(
-                f"the last {what} is incomplete ({present} of {body_len} body bytes present)"
-            )
-        body = self._file.read(body_len) if body_len else b""
-        if len(body) < body_len:  # the file shrank while being read
-            return self._truncated(f"the last message is incomplete ({len(body)} of {body_len} bytes)")
-        if header_type == _HEADER_RECORD_BATCH:
-            size = _decompressed_size(meta, body)
-            if size > MAX_BATCH_BYTES:
-                return self._corrupt(
-                    offset, f"a record batch declares {size:,} bytes of decompressed data, more than a "
-                    f"trace's batch may hold ({MAX_BATCH_BYTES:,})"
-                )
-        self.messages.append(_Message(offset, header_type, body_len))
-        if header_type == _HEADER_RECORD_BATCH:
-            self.num_record_batches += 1
-        self._pieces = [header[:4], header[4:], meta] + ([body] if body_len else [])
-        self._offset = offset + 8 + meta_len + body_len
-        return True
-
-    def _truncated(self, detail: str) -> bool:
-        if self._closed_by_writer:
-            return self._corrupt(self._offset, f"a message runs past the end of the file: {detail}")
-        self._finished = True
-        self.truncation = detail
-        return False
-
-    def _corrupt(self, offset: int, detail: str) -> bool:
-        self._finished = True
-        self.corruption = f"{detail} (byte {offset})"
-        return False
+def _batch_metadata(batch: pa.RecordBatch, checksum: bytes) -> dict[bytes, bytes]:
+    """A written record batch's custom metadata: its checksums."""
+    arrival = numpy_view(batch.column("arrival_s"))  # nulls hold NaN (see _to_record_batch)
+    return {CHECKSUM_KEY: checksum, ARRIVAL_CHECKSUM_KEY: _checksum([arrival])}
 
 
 # --------------------------------------------------------------------------------------
@@ -731,6 +588,7 @@ class _Columns(NamedTuple):
     prompt_len: np.ndarray
     block_hashes: Ragged
     token_ids: Ragged
+    arrival_s: np.ndarray | None  # None: the file has no arrival_s column
 
     def step_batch(self, start: int, stop: int) -> StepBatch:
         return StepBatch(
@@ -746,12 +604,16 @@ class _Columns(NamedTuple):
             self.prompt_len[start:stop],
             self.block_hashes.slice(start, stop),
             self.token_ids.slice(start, stop),
+            None if self.arrival_s is None else self.arrival_s[start:stop],
         )
 
 
 def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(first, name), getattr(second, name)])
+
+    def cat_arrivals() -> np.ndarray:
+        return np.concatenate([first.arrivals(), second.arrivals()])
 
     return StepBatch(
         first.step,
@@ -766,14 +628,133 @@ def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
         cat("prompt_len"),
         Ragged.concat([first.block_hashes, second.block_hashes]),
         Ragged.concat([first.token_ids, second.token_ids]),
+        None if first.arrival_s is None and second.arrival_s is None else cat_arrivals(),
     )
 
 
-class TraceReader:
+class StepChunk(NamedTuple):
+    """Whole consecutive steps of a trace, column-wise (``TraceReader.chunks``): step ``i``
+    is rows ``[starts[i], stops[i])`` of ``columns``. ``position`` is where to resume
+    reading to get its steps again (the record batch holding its first row)."""
+
+    columns: _Columns
+    starts: np.ndarray  # int64 [num_steps]
+    stops: np.ndarray  # int64 [num_steps]
+    position: ResumePoint | None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.starts.shape[0])
+
+    @property
+    def first_step(self) -> int:
+        return int(self.columns.step[self.starts[0]])
+
+    @property
+    def last_step(self) -> int:
+        return int(self.columns.step[self.starts[-1]])
+
+    def step_numbers(self) -> np.ndarray:
+        """int64 [num_steps] the step number of each step."""
+        return self.columns.step[self.starts]
+
+    def step_batch(self, i: int) -> StepBatch:
+        """Step ``i`` as a ``StepBatch``."""
+        return self.columns.step_batch(int(self.starts[i]), int(self.stops[i]))
+
+    def window(self, start: int | None, stop: int | None) -> StepChunk | None:
+        """The steps within ``[start, stop)`` (None when none is)."""
+        if start is None and stop is None:
+            return self
+        steps = self.step_numbers()
+        keep = np.ones(steps.shape[0], np.bool_)
+        if start is not None:
+            keep &= steps >= start
+        if stop is not None:
+            keep &= steps < stop
+        if not keep.any():
+            return None
+        if keep.all():
+            return self
+        return StepChunk(self.columns, self.starts[keep], self.stops[keep], self.position)
+
+    @classmethod
+    def of_step(cls, batch: StepBatch, position: ResumePoint | None) -> StepChunk:
+        """A chunk of one step (a step merged from two record batches)."""
+        n = len(batch)
+        fields = {
+            name: (np.full(n, batch.step, np.int64) if name == "step"
+                   else np.full(n, batch.time_s, np.float64) if name == "time_s" else getattr(batch, name))
+            for name in _Columns._fields
+        }
+        return cls(_Columns(**fields), np.zeros(1, np.int64), np.full(1, n, np.int64), position)
+
+
+# Steps gathered into one chunk (record batches are concatenated until they hold as many).
+CHUNK_STEPS = 256
+
+
+def _concat_columns(parts: list[_Columns]) -> _Columns:
+    if len(parts) == 1:
+        return parts[0]
+    return _Columns(
+        *(
+            _concat_arrivals(parts)
+            if name == "arrival_s"
+            else Ragged.concat([getattr(p, name) for p in parts])
+            if isinstance(getattr(parts[0], name), Ragged)
+            else np.concatenate([getattr(p, name) for p in parts])
+            for name in _Columns._fields
+        )
+    )
+
+
+def _concat_arrivals(parts: list[_Columns]) -> np.ndarray | None:
+    """The parts' arrival times (NaN where a part has none), or None when none has any."""
+    if all(p.arrival_s is None for p in parts):
+        return None
+    return np.concatenate(
+        [np.full(p.op.shape[0], np.nan) if p.arrival_s is None else p.arrival_s for p in parts]
+    )
+
+
+def _columns_slice(columns: _Columns, start: int, stop: int) -> _Columns:
+    return _Columns(
+        *(
+            value if value is None else value.slice(start, stop) if isinstance(value, Ragged) else value[start:stop]
+            for value in columns
+        )
+    )
+
+
+def _chunk_of(
+    blocks: list[tuple[_Columns, ResumePoint | None]], keep_last: bool
+) -> tuple[StepChunk | None, list[tuple[_Columns, ResumePoint | None]]]:
+    """The steps of ``blocks`` (consecutive record batches' rows) as one chunk, and, with
+    ``keep_last``, the last step's rows held back as the next blocks (it may continue)."""
+    columns = _concat_columns([b for b, _ in blocks])
+    n = columns.step.shape[0]
+    bounds = np.flatnonzero(columns.step[1:] != columns.step[:-1]) + 1
+    starts = np.concatenate(([0], bounds)).astype(np.int64)
+    stops = np.concatenate((bounds, [n])).astype(np.int64)
+    position = blocks[0][1]
+    if not keep_last:
+        return StepChunk(columns, starts, stops, position), []
+    last = int(starts[-1])
+    # the held-back step resumes at the batch holding its first row
+    ends = np.cumsum([b.step.shape[0] for b, _ in blocks])
+    held_at = blocks[int(np.searchsorted(ends, last, side="right"))][1]
+    rest = [(_columns_slice(columns, last, n), held_at)]
+    if starts.shape[0] == 1:
+        return None, rest
+    return StepChunk(columns, starts[:-1], stops[:-1], position), rest
+
+
+class TraceReader(IpcReader):
     """Open a trace, validate it once, and stream it step by step.
 
-    Opening checks that the file exists and is an Arrow IPC stream, that its
-    ``kvtrace`` metadata is present and parses, that its ``format_version`` is
+    Opening checks that the file exists and is Arrow IPC (a stream, or a file), that
+    its ``kvtrace`` metadata is present and parses, that its ``format_version`` is
     one this kvtrace reads, and that the required columns are present with the
     right types (missing optional columns read as defaults).
 
@@ -782,15 +763,20 @@ class TraceReader:
         meta: its ``TraceMeta``.
         schema: its Arrow schema.
         file_bytes: its size.
+        ipc_format: ``"stream"`` (as recorded) or ``"file"`` (compacted).
         num_rows: rows in its complete record batches (counted from the message
             headers when it is opened).
         truncated: after an iteration reached the end: whether the tail was cut (a
             partial record batch, or no end-of-stream marker). Complete batches
             before the cut are read normally; nothing raises.
         truncation_detail: one line saying what was cut and after which step.
+        recording: how the trace was recorded (None when its metadata does not say).
+            At open, what the metadata says; after an iteration reached the end, the
+            final status: a stream's closing status, or, when its writer never
+            closed it (killed, or still recording), ``"interrupted"``.
 
     Raises:
-        TraceReadError: missing, a directory, unreadable, empty, or not an Arrow stream.
+        TraceReadError: missing, a directory, unreadable, empty, or not Arrow IPC.
         TraceCorruptError: the schema message is damaged.
         TraceMetadataError: the metadata is missing or invalid.
         TraceVersionError: a format version this kvtrace does not read.
@@ -798,21 +784,16 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.truncated = False
-        self.truncation_detail: str | None = None
-        self.num_record_batches = 0
-        self.last_step: int | None = None
-        self._bytes_read = 0
-        self._source: _FramedSource | None = None
-        self.file_bytes = self._stat()
-        self.schema = self._read_schema()
+        super().__init__(path, what="trace")
         self.meta = self._read_meta()
+        self.recording: Recording | None = self.meta.recording
+        self._closing_status: Recording | None = None
         self._check_columns()
         try:
-            self.num_rows = count_rows(self.path, self.file_bytes)
+            with self._open() as file:
+                self.num_rows = count_rows(file, self._layout)
         except OSError as exc:
-            raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
+            raise self._fail(TraceReadError, f"cannot read it: {os_reason(exc)}") from None
 
     @property
     def rid_bound(self) -> int:
@@ -820,63 +801,16 @@ class TraceReader:
         ``traces.schema.MAX_RID``. What sizes every per-request array."""
         return min(self.num_rows, MAX_RID)
 
-    # -- opening ---------------------------------------------------------------------
-
-    def _fail(self, cls: type[Exception], detail: str) -> Exception:
-        return cls(f"trace {self.path}: {detail}", path=self.path)
-
-    def _stat(self) -> int:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            raise self._fail(TraceReadError, "no such file") from None
-        except OSError as exc:
-            raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
-        if self.path.is_dir():
-            raise self._fail(TraceReadError, "is a directory, not a trace file")
-        return st.st_size
-
-    def _open(self) -> BinaryIO:
-        try:
-            return open(self.path, "rb")  # noqa: SIM115 - closed by the caller
-        except IsADirectoryError:
-            raise self._fail(TraceReadError, "is a directory, not a trace file") from None
-        except OSError as exc:
-            raise self._fail(TraceReadError, f"cannot read it: {_os_reason(exc)}") from None
-
-    def _read_schema(self) -> pa.Schema:
-        if self.file_bytes == 0:
-            raise self._fail(TraceReadError, "is empty, not an Arrow IPC stream")
-        with self._open() as file:
-            head = file.read(8)
-            file.seek(0)
-            if head.startswith(_ARROW_FILE_MAGIC):
-                raise self._fail(
-                    TraceReadError,
-                    "is an Arrow IPC file, not an Arrow IPC stream (kvtrace traces are streams)",
-                )
-            source = _FramedSource(file, self.file_bytes)
-            if not source._load_next():
-                if source.truncation and len(head) == 8 and head[:4] == b"\xff\xff\xff\xff":
-                    raise self._fail(
-                        TraceReadError,
-                        "ends inside its schema message; the recording was cut before any step",
-                    )
-                raise self._fail(
-                    TraceReadError, "is not an Arrow IPC stream (is it a .kvtrace file?)"
-                )
-            if not source.messages or source.messages[0].header_type != _HEADER_SCHEMA:
-                raise self._fail(TraceReadError, "is not an Arrow IPC stream (no schema message)")
-            message = b"".join(source._pieces)
-        try:
-            schema = pa.ipc.read_schema(pa.py_buffer(message))
-            _ = schema.names, [f.type for f in schema], schema.metadata  # decodes every name
-            return schema
-        except (pa.ArrowException, OSError, ValueError) as exc:  # UnicodeDecodeError included
-            raise self._fail(TraceCorruptError, f"its schema message is corrupt ({exc})") from None
-
     def _read_meta(self) -> TraceMeta:
         raw = (self.schema.metadata or {}).get(METADATA_KEY)
+        other = [key.decode(errors="replace") for key in (self.schema.metadata or {}) if key.startswith(b"kvtrace.")]
+        if raw is None and other:  # another kvtrace file, e.g. a state log ("kvtrace.statelog")
+            raise self._fail(
+                TraceMetadataError,
+                f"is a kvtrace {other[0].removeprefix('kvtrace.').replace('statelog', 'state log')} file, "
+                "not a trace; "
+                "kvtrace info shows what it holds",
+            )
         if raw is None:
             raise self._fail(
                 TraceMetadataError,
@@ -926,81 +860,28 @@ class TraceReader:
                 )
         self._present = frozenset(c.name for c in COLUMNS if c.name in names)
 
-    # -- reading ---------------------------------------------------------------------
+    def _iteration_ended(self) -> None:
+        recording = self._closing_status or self.meta.recording
+        if recording is not None and recording.status == "recording":
+            recording = replace(
+                recording,
+                status="interrupted",
+                detail="the recorder stopped without closing the trace (killed, or still recording)",
+            )
+        self.recording = recording
 
-    @property
-    def bytes_read(self) -> int:
-        """Bytes of the file consumed by the iteration in progress (for progress bars)."""
-        return self._source.bytes_read if self._source is not None else self._bytes_read
-
-    def iter_batches(self) -> Iterator[pa.RecordBatch]:
-        """The raw record batches, in order (a truncated tail ends the iteration quietly).
-
-        Raises:
-            TraceCorruptError: a complete message does not decode (names the batch and
-                the last step read before it).
-        """
-        for batch, _ in self._iter_raw():
-            yield batch
-
-    def _iter_raw(self) -> Iterator[tuple[pa.RecordBatch, Any]]:
-        self.truncated = False
-        self.truncation_detail = None
-        self.num_record_batches = 0
-        self.last_step = None
-        file = self._open()
-        source = _FramedSource(file, self.file_bytes)
-        self._source = source
-        try:
-            try:
-                reader = pa.ipc.open_stream(
-                    pa.PythonFile(source, mode="r"),
-                    options=pa.ipc.IpcReadOptions(use_threads=False),
-                )
-            except (pa.ArrowException, OSError) as exc:
-                raise self._corrupt(source, exc) from None
-            while True:
+    def _iter_raw(self, resume: ResumePoint | None = None) -> Iterator[tuple[pa.RecordBatch, Any]]:
+        self._closing_status = None
+        for batch, custom in super()._iter_raw(resume):
+            raw = custom.get(RECORDING_KEY) if custom is not None else None
+            if raw is not None:
                 try:
-                    batch, custom = reader.read_next_batch_with_custom_metadata()
-                    # pyarrow trusts buffer sizes and offsets in the message header;
-                    # a damaged header must fail here, not crash the process later.
-                    batch.validate(full=True)
-                except StopIteration:
-                    break
-                except (pa.ArrowException, OSError) as exc:
-                    raise self._corrupt(source, exc) from None
-                self.num_record_batches += 1
-                yield batch, custom
-                if batch.num_rows:
-                    self.last_step = int(batch.column("step")[batch.num_rows - 1].as_py())
-            if source.corruption is not None:
-                raise self._corrupt(source, None)
-            if source.truncation is not None:
-                self.truncated = True
-                after = (
-                    f"after step {self.last_step}" if self.last_step is not None else "before any step"
-                )
-                self.truncation_detail = f"file truncated {after}: {source.truncation}"
-        finally:
-            self._bytes_read = source.bytes_read
-            self._source = None
-            file.close()
+                    self._closing_status = Recording.from_dict(parse_meta_json(raw))
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise self._corrupt_detail(f"its recording status is not valid ({exc})") from None
+            yield batch, custom
 
-    def _corrupt(self, source: _FramedSource, exc: BaseException | None) -> TraceCorruptError:
-        detail = source.corruption if exc is None else f"{type(exc).__name__}: {exc}"
-        return self._corrupt_detail(detail, self.num_record_batches + 1)
-
-    def _corrupt_detail(self, detail: str | None, batch_index: int | None = None) -> TraceCorruptError:
-        where = f"record batch {batch_index or self.num_record_batches}"
-        after = f"after step {self.last_step}" if self.last_step is not None else "before any step"
-        detail = " ".join(str(detail).split())
-        return TraceCorruptError(
-            f"trace {self.path}: corrupt data in {where} ({after}): {detail}; "
-            "the file is damaged (steps before it can still be read)",
-            path=self.path,
-        )
-
-    def iter_columns(self) -> Iterator[_Columns]:
+    def iter_columns(self, resume: ResumePoint | None = None) -> Iterator[_Columns]:
         """Each record batch as numpy columns (optional columns filled with defaults).
 
         Raises:
@@ -1008,7 +889,7 @@ class TraceReader:
             TraceSchemaError: a required column holds nulls, or an op name is unknown.
         """
         op_lut: tuple[pa.Array, np.ndarray | None] | None = None
-        for batch, custom in self._iter_raw():
+        for batch, custom in self._iter_raw(resume):
             columns, op_lut = self._to_columns(batch, op_lut)
             stored = custom.get(CHECKSUM_KEY) if custom is not None else None
             if stored is not None:
@@ -1018,44 +899,92 @@ class TraceReader:
                         f"checksum mismatch (stored {stored.decode(errors='replace')}, "
                         f"computed {computed.decode()})"
                     )
+            stored = custom.get(ARRIVAL_CHECKSUM_KEY) if custom is not None else None
+            if stored is not None and "arrival_s" in self._present:
+                computed = _checksum([numpy_view(batch.column("arrival_s"))])
+                if computed != stored:
+                    raise self._corrupt_detail(
+                        f"arrival_s checksum mismatch (stored {stored.decode(errors='replace')}, "
+                        f"computed {computed.decode()})"
+                    )
             yield columns
 
-    def steps(self, start: int | None = None, stop: int | None = None) -> Iterator[StepBatch]:
-        """Yield one ``StepBatch`` per step, in file order.
+    def steps(
+        self, start: int | None = None, stop: int | None = None, resume: ResumePoint | None = None
+    ) -> Iterator[StepBatch]:
+        """Yield one ``StepBatch`` per step, in file order (``chunks`` one step at a time).
 
         Args:
             start: first step to yield (inclusive); None: from the beginning.
             stop: step to stop before (exclusive); None: to the end. Reading stops
                 early once a step ``>= stop`` is seen (steps do not decrease).
+            resume: start reading at this record batch (``step_position`` of an
+                earlier step) instead of the first one.
 
-        A step split across record batches is merged into one ``StepBatch``.
+        A step split across record batches is merged into one ``StepBatch``. While
+        a step is being consumed, ``step_position`` says where to resume to read it
+        again.
 
         Raises:
             TraceCorruptError: a complete record batch does not decode.
             TraceSchemaError: a required column holds nulls, or an op name is unknown.
         """
-        pending: StepBatch | None = None
-        for columns in self.iter_columns():
+        for chunk in self.chunks(start, stop, resume):
+            self.step_position = chunk.position
+            for i in range(chunk.num_steps):
+                yield chunk.step_batch(i)
+
+    def chunks(
+        self, start: int | None = None, stop: int | None = None, resume: ResumePoint | None = None
+    ) -> Iterator[StepChunk]:
+        """The trace as ``StepChunk``s: runs of whole steps, column-wise, in file order.
+
+        Record batches are gathered until they hold ``CHUNK_STEPS`` steps (a stream
+        written one step per batch still gives long chunks); a chunk never ends inside
+        a step: the last step read waits for the next batch, which may continue it.
+        Arguments as ``steps``.
+
+        Raises:
+            TraceCorruptError, TraceSchemaError: as ``steps``.
+        """
+        blocks: list[tuple[_Columns, ResumePoint | None]] = []  # rows not given out yet
+        gathered = 0  # steps in ``blocks`` (counted per batch; a step split in two counts twice)
+        batches = self.iter_columns(resume)
+        while True:
+            try:
+                columns = next(batches)
+            except StopIteration:
+                break
+            except TraceError:
+                # The steps before the damage are delivered first (the last one read may
+                # have continued in the damaged batch: it is not).
+                if blocks:
+                    chunk, _ = _chunk_of(blocks, keep_last=True)
+                    emit = chunk.window(start, stop) if chunk is not None else None
+                    if emit is not None:
+                        yield emit
+                raise
             n = columns.step.shape[0]
             if n == 0:
                 continue
-            bounds = np.flatnonzero(columns.step[1:] != columns.step[:-1]) + 1
-            starts = np.concatenate(([0], bounds)).tolist()
-            stops = np.concatenate((bounds, [n])).tolist()
-            for a, b in zip(starts, stops):
-                step = int(columns.step[a])
-                if pending is not None:
-                    if pending.step == step:
-                        pending = _merge_steps(pending, columns.step_batch(a, b))
-                        continue
-                    if start is None or pending.step >= start:
-                        yield pending
-                    pending = None
-                if stop is not None and step >= stop:
-                    return
-                pending = columns.step_batch(a, b)
-        if pending is not None and (start is None or pending.step >= start):
-            yield pending
+            blocks.append((columns, self.batch_position))
+            gathered += 1 + int(np.count_nonzero(columns.step[1:] != columns.step[:-1]))
+            if gathered < CHUNK_STEPS:
+                continue
+            chunk, blocks = _chunk_of(blocks, keep_last=True)
+            gathered = 1
+            emit = chunk.window(start, stop) if chunk is not None else None
+            if emit is not None:
+                yield emit
+            if stop is not None and chunk is not None and chunk.last_step >= stop:
+                return
+            if stop is not None and int(blocks[0][0].step[0]) >= stop:
+                return
+        if blocks:
+            chunk, _ = _chunk_of(blocks, keep_last=False)
+            emit = chunk.window(start, stop) if chunk is not None else None
+            if emit is not None:
+                yield emit
 
     def _to_columns(
         self, batch: pa.RecordBatch, op_lut: tuple[pa.Array, np.ndarray | None] | None
@@ -1073,15 +1002,12 @@ class TraceReader:
                     TraceSchemaError,
                     f"column '{name}' holds {array.null_count} null values in {where()}",
                 )
-            return array.to_numpy().astype(dtype, copy=False)
+            return numpy_view(array).astype(dtype, copy=False)
 
         def optional(name: str, dtype: type) -> np.ndarray:
             if name not in present:
                 return np.zeros(n, dtype)
-            array = batch.column(name)
-            if array.null_count:
-                array = array.fill_null(0)
-            return array.to_numpy().astype(dtype, copy=False)
+            return numpy_filled(batch.column(name), 0).astype(dtype, copy=False)
 
         op_array = batch.column("op")
         if op_array.null_count:
@@ -1095,7 +1021,7 @@ class TraceReader:
                 op_lut = (dictionary, None)  # the indices are the op codes
             else:
                 op_lut = (dictionary, np.array([OP_CODE.get(v, -1) for v in names], np.int8))
-        indices = op_array.indices.to_numpy()
+        indices = numpy_view(op_array.indices)
         if op_lut[1] is None:
             op = indices.astype(np.int8, copy=False)
         else:
@@ -1108,10 +1034,7 @@ class TraceReader:
                 )
 
         if "prompt_len" in present:
-            prompt_array = batch.column("prompt_len")
-            if prompt_array.null_count:
-                prompt_array = prompt_array.fill_null(-1)
-            prompt = prompt_array.to_numpy().astype(np.int64, copy=False)
+            prompt = numpy_filled(batch.column("prompt_len"), -1).astype(np.int64, copy=False)
         else:
             prompt = np.full(n, -1, np.int64)
 
@@ -1128,8 +1051,18 @@ class TraceReader:
             prompt_len=prompt,
             block_hashes=self._ragged(batch, "block_hashes", np.uint64),
             token_ids=self._ragged(batch, "token_ids", np.int64),
+            arrival_s=self._arrivals(batch),
         )
         return columns, op_lut
+
+    def _arrivals(self, batch: pa.RecordBatch) -> np.ndarray | None:
+        if "arrival_s" not in self._present:
+            return None
+        array = batch.column("arrival_s")
+        if array.null_count == len(array):
+            return None
+        values = numpy_view(array)
+        return np.where(validity(array), values, np.nan) if array.null_count else values
 
     def _ragged(self, batch: pa.RecordBatch, name: str, dtype: type) -> Ragged:
         n = batch.num_rows
@@ -1138,14 +1071,14 @@ class TraceReader:
         array = batch.column(name)
         if array.null_count == n:
             return Ragged.empty(n, dtype)
-        offsets = array.offsets.to_numpy().astype(np.int64)
-        values = array.values.to_numpy()
+        offsets = numpy_view(array.offsets).astype(np.int64)
+        values = numpy_view(array.values)
         base = offsets[0]
         if base:
             offsets = offsets - base
         values = values[base : base + offsets[-1]]
         if array.null_count:
-            valid = ~array.is_null().to_numpy(zero_copy_only=False)
+            valid = validity(array)
             lengths = np.diff(offsets)
             if np.any(lengths[~valid]):  # a null row with a slice: drop the slice
                 return Ragged.from_rows(
@@ -1170,9 +1103,17 @@ def _type_matches(name: str, found: pa.DataType, expected: pa.DataType) -> bool:
 
 
 __all__ = [
+    "ARRIVAL_CHECKSUM_KEY",
+    "CHECKSUM_KEY",
     "COMPRESSIONS",
+    "RECORDING_KEY",
+    "ResumePoint",
     "Compression",
-    "count_rows",
+    "IpcFormat",
+    "IpcReader",
     "TraceReader",
     "TraceWriter",
+    "compact_trace",
+    "describe_stop",
+    "interrupt_when_safe",
 ]

@@ -1,8 +1,13 @@
 """THE kvtrace trace format, version 1: Arrow schema, op kinds, metadata.
 
-A trace is one Arrow IPC *stream* (file extension ``.kvtrace``), compressed with
-zstd or lz4, holding one record batch per scheduler step or per few steps (a
-batch always holds whole steps). Long format: one row per (step, request op).
+A trace is one Arrow IPC file (extension ``.kvtrace``), compressed with zstd or
+lz4, holding one record batch per scheduler step or per few steps (a batch always
+holds whole steps). Long format: one row per (step, request op). While it is
+recorded it is an IPC *stream*, flushed batch by batch (a killed recorder leaves
+every completed batch readable); the compaction at the end of a recording rewrites
+it as an IPC *file* (with a footer: random access by record batch, memory-mapping,
+lazy scans). Readers accept both. ``traces/README.md`` documents the format for
+readers without kvtrace.
 
 Columns (``COLUMNS`` below is the single definition):
 
@@ -21,6 +26,8 @@ prefix_len      int64                     prefix the recording engine matched (i
 prompt_len      int64 (nullable)          the request's prompt length, on its first row only
 block_hashes    list<uint64> (nullable)   content-addressed prompt blocks, first row only
 token_ids       list<int64> (nullable)    explicit ids of the positions this op appends
+arrival_s       float64 (nullable)        the request's arrival, seconds since trace start,
+                                          first row only (a row's ``time_s`` is its admission)
 ==============  ========================  =====================================================
 
 Per op, ``seq_len`` and ``append_len`` mean (``L`` = the request's length before):
@@ -50,7 +57,9 @@ content, so equal leading hashes share a prefix); otherwise a token unique to
 ``(r, p)``.
 
 Metadata: JSON under the schema-metadata key ``kvtrace`` (``TraceMeta``), readable
-without reading any data.
+without reading any data. ``TraceMeta.recording`` says how the trace was made and
+whether its recording completed (see ``Recording``); a stream's final status is in
+the custom metadata (key ``kvtrace.recording``) of its last, empty record batch.
 
 Bounds (a trace is untrusted input: every value is checked against these before
 it sizes an array, indexes a table or drives an allocation):
@@ -73,13 +82,15 @@ it sizes an array, indexes a table or drives an allocation):
   ``MAX_BLOCK_SIZE``; speculative settings at most ``MAX_SPEC_TOKENS``; model
   dimensions at most ``MAX_MODEL_DIM``. Whether a pool of that size fits the
   machine is decided before it is built (``kvtrace.config.check_memory``).
-* A record batch decompresses to at most ``traces.io.MAX_BATCH_BYTES`` (1 GiB).
+* A record batch decompresses to at most ``traces.ipc.MAX_BATCH_BYTES`` (1 GiB).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any, Literal, NamedTuple, Sequence
 
 import numpy as np
@@ -136,6 +147,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("prompt_len", pa.int64(), False, nullable=True, doc="prompt length, first row only"),
     Column("block_hashes", pa.list_(pa.uint64()), False, nullable=True, doc="prompt blocks"),
     Column("token_ids", pa.list_(pa.int64()), False, nullable=True, doc="explicit token ids"),
+    Column("arrival_s", pa.float64(), False, nullable=True, doc="request arrival time, first row only"),
 )
 COLUMN_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.required)
@@ -201,6 +213,69 @@ class TraceSource:
     citation: str | None = None
 
 
+RecordingStatus = Literal["recording", "complete", "interrupted"]
+RECORDING_STATUSES: tuple[str, ...] = ("recording", "complete", "interrupted")
+
+
+def timestamp() -> str:
+    """Now in UTC, ISO 8601 to the second (``2025-06-01T12:00:00Z``).
+
+    ``SOURCE_DATE_EPOCH`` (the reproducible-builds convention), when set, is used
+    instead of the clock, so a regenerated file can match byte for byte.
+    """
+    fixed = os.environ.get("SOURCE_DATE_EPOCH")
+    when = datetime.fromtimestamp(int(fixed), timezone.utc) if fixed else datetime.now(timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """How a trace was made and whether its recording completed.
+
+    The writer stores ``status="recording"`` when the recording starts and the final
+    status when it closes: ``"complete"``, or ``"interrupted"`` with ``detail`` saying
+    why (Ctrl-C, a signal, an error). A trace whose writer never closed (a killed
+    process) still says ``"recording"`` and reads as interrupted
+    (``TraceReader.recording`` after a full iteration).
+
+    Attributes:
+        status: ``recording``, ``complete`` or ``interrupted``.
+        detail: why an interrupted recording stopped (None otherwise).
+        kvtrace_version: the kvtrace that wrote the trace.
+        command: the command line that made it, shell-quoted (None from a library call).
+        finished_at: when the writer closed (UTC, ISO 8601).
+        steps: steps written when the writer closed.
+    """
+
+    status: RecordingStatus = "recording"
+    detail: str | None = None
+    kvtrace_version: str | None = None
+    command: str | None = None
+    finished_at: str | None = None
+    steps: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Recording:
+        """Build from parsed JSON. Raises ``ValueError`` naming the bad key."""
+        if not isinstance(data, dict):
+            raise ValueError("'recording' is not a JSON object")
+        status = data.get("status")
+        if status not in RECORDING_STATUSES:
+            raise ValueError(f"'recording.status' must be one of {', '.join(RECORDING_STATUSES)}, found {status!r}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"'recording' has an unexpected key: {exc}") from None
+
+    @property
+    def interrupted(self) -> bool:
+        """The recording did not complete (or, read before its end, has not yet)."""
+        return self.status != "complete"
+
+
 @dataclass(frozen=True, slots=True)
 class TraceMeta:
     """Everything in the schema metadata. ``to_json``/``from_json`` are the wire format."""
@@ -212,6 +287,7 @@ class TraceMeta:
     format_version: int = SCHEMA_VERSION
     created_at: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
 
     def with_config(self, **changes: Any) -> TraceMeta:
         return replace(self, config=replace(self.config, **changes))
@@ -219,6 +295,8 @@ class TraceMeta:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
+        if self.recording is None:
+            del out["recording"]  # what traces written without it have always held
         return out
 
     def to_json(self) -> str:
@@ -270,6 +348,7 @@ class TraceMeta:
             _str_of(model, key, "model.", None)
         for key in source:
             _str_of(source, key, "source.", None)
+        recording = data.get("recording")
         return cls(
             config=config,
             source=TraceSource(**source),
@@ -278,6 +357,7 @@ class TraceMeta:
             format_version=version,
             created_at=_str_of(data, "created_at", "", None),
             extra=dict(_optional_object(data, "extra", "") or {}),
+            recording=None if recording is None else Recording.from_dict(recording),
         )
 
     @classmethod
@@ -552,8 +632,9 @@ class StepBatch:
     """The ops of one scheduler step, columnar (what ``TraceReader.steps()`` yields and
     ``TraceWriter.write(batch)`` takes). Rows are in ``OP_ORDER``.
 
-    ``prompt_len`` is -1 where the column is null. Optional columns absent from a
-    file read as zeros / nulls. Arrays a reader yields are read-only views.
+    ``prompt_len`` is -1 where the column is null, ``arrival_s`` NaN (or the whole
+    column None). Optional columns absent from a file read as zeros / nulls. Arrays
+    a reader yields are read-only views.
     """
 
     step: int
@@ -568,6 +649,7 @@ class StepBatch:
     prompt_len: np.ndarray  # int64 [n], -1 = null
     block_hashes: Ragged  # uint64 values
     token_ids: Ragged  # int64 values
+    arrival_s: np.ndarray | None = None  # float64 [n], NaN = null; None: no row has one
 
     def __len__(self) -> int:
         return int(self.op.shape[0])
@@ -592,6 +674,7 @@ class StepBatch:
         prompt_len: Any = None,
         block_hashes: Any = None,
         token_ids: Any = None,
+        arrival_s: Any = None,
         sort: bool = True,
     ) -> StepBatch:
         """Build a step from array-likes, one entry per row, and put its rows in ``OP_ORDER``.
@@ -603,6 +686,7 @@ class StepBatch:
             draft_len, accepted_len, prefix_len: optional (None: zeros; a scalar: every row).
             prompt_len: None (all null), or ints where a negative value or None is null.
             block_hashes, token_ids: None, a ``Ragged``, or one array-like or None per row.
+            arrival_s: None (all null), or floats where NaN or None is null.
             sort: stable-sort the rows into ``OP_ORDER`` (off: keep the order given).
 
         Raises:
@@ -635,6 +719,7 @@ class StepBatch:
             prompt_len=prompt,
             block_hashes=Ragged.coerce(block_hashes, n, np.uint64, "block_hashes"),
             token_ids=Ragged.coerce(token_ids, n, np.int64, "token_ids"),
+            arrival_s=None if arrival_s is None else _float_column(arrival_s, n, "arrival_s"),
         )
         return batch.in_op_order() if sort else batch
 
@@ -653,6 +738,7 @@ class StepBatch:
             self.prompt_len[indices],
             self.block_hashes.take(indices),
             self.token_ids.take(indices),
+            None if self.arrival_s is None else self.arrival_s[indices],
         )
 
     def is_op_ordered(self) -> bool:
@@ -682,7 +768,27 @@ class StepBatch:
             )
             and self.block_hashes.equals(other.block_hashes)
             and self.token_ids.equals(other.token_ids)
+            and np.array_equal(self.arrivals(), other.arrivals(), equal_nan=True)
         )
+
+    def arrivals(self) -> np.ndarray:
+        """float64 [n]: ``arrival_s`` with NaN where a row has none (all NaN when None)."""
+        if self.arrival_s is None:
+            return np.full(len(self), np.nan)
+        return self.arrival_s
+
+
+def _float_column(data: Any, n: int, name: str) -> np.ndarray:
+    raw = np.asarray(data, dtype=object if _has_none(data) else None)
+    if raw.dtype == object:
+        raw = np.array([np.nan if v is None else v for v in raw.reshape(-1)], np.float64)
+    if raw.ndim == 0:
+        return np.full(n, raw, np.float64)
+    if raw.shape != (n,):
+        raise ValueError(f"column '{name}' has shape {raw.shape}, expected ({n},)")
+    if raw.size and raw.dtype.kind not in "fiub":
+        raise ValueError(f"column '{name}' must hold numbers, found dtype {raw.dtype}")
+    return raw.astype(np.float64, copy=False)
 
 
 def _has_none(data: Any) -> bool:

@@ -134,6 +134,7 @@ class TokenStore:
         self._logged = np.zeros(1024, np.bool_)  # per rid, explicit ids in the log
         self._hashes: dict[int, np.ndarray] = {}
         self._buffers: dict[int, np.ndarray] = {}
+        self._explicit: set[int] = set()  # rids whose buffer holds explicit ids (not derivable)
         # The log of explicit ids not yet folded in: (rid, position, id) chunks.
         self._log: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._log_entries = 0
@@ -175,6 +176,7 @@ class TokenStore:
             hashes = batch.block_hashes
             for i, r in zip(firsts.tolist(), first_rids.tolist()):
                 self._buffers.pop(r, None)
+                self._explicit.discard(r)
                 if hashes.valid[i] and self.block_size:
                     # A copy: a view would pin the whole record batch in memory.
                     self._hashes[r] = hashes.values[hashes.offsets[i] : hashes.offsets[i + 1]].copy()
@@ -234,6 +236,7 @@ class TokenStore:
         for r in rid_array.tolist():
             self._hashes.pop(r, None)
             self._buffers.pop(r, None)
+            self._explicit.discard(r)
 
     @property
     def num_live(self) -> int:
@@ -245,6 +248,24 @@ class TokenStore:
         """Bytes held by buffers, hashes and the log."""
         total = sum(b.nbytes for b in self._buffers.values()) + sum(h.nbytes for h in self._hashes.values())
         return total + sum(r.nbytes + p.nbytes + v.nbytes for r, p, v in self._log)
+
+    def __deepcopy__(self, memo: dict) -> TokenStore:
+        """A copy without the buffers that ``block_hashes`` and request ids derive
+        (they are materialised again when asked for): a checkpoint keeps only what
+        cannot be derived (prompts, hashes, explicit ids)."""
+        clone = TokenStore.__new__(TokenStore)
+        clone.block_size = self.block_size
+        clone._prompt_len = self._prompt_len.copy()
+        clone._filled = self._filled.copy()
+        clone._logged = self._logged.copy()
+        clone._hashes = dict(self._hashes)  # the hash arrays are never written
+        clone._buffers = {r: b.copy() for r, b in self._buffers.items() if r in self._explicit}
+        for r in self._buffers.keys() - self._explicit:
+            clone._filled[r] = 0
+        clone._explicit = set(self._explicit)
+        clone._log = [tuple(a.copy() for a in part) for part in self._log]  # type: ignore[misc]
+        clone._log_entries = self._log_entries
+        return clone
 
     # -- internals -------------------------------------------------------------------
 
@@ -290,6 +311,7 @@ class TokenStore:
                 return
         buffer = self._materialise(rid, int(position.max()) + 1)
         buffer[position] = values
+        self._explicit.add(rid)
 
     def _log_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if len(self._log) > 1:

@@ -630,15 +630,21 @@ class BackgroundChecker:
     that work onto another core. The child reads the same file with its own
     ``TraceReader`` and checks every step; ``check(batch)`` returns exactly what
     ``OpSequenceChecker.check`` would return for that step, waiting for the child
-    only if the caller has caught up with it. Steps must be asked for in file order:
-    the child and the caller match steps by their position in the file, not by step
-    number (a trace whose step numbers go wrong is checked like any other).
+    only if the caller has caught up with it. Steps must be asked for in file order,
+    each once: the child and the caller match steps by their position in the file,
+    not by step number (a trace whose step numbers go wrong is checked like any other).
+
+    One checker may serve several replays of the same trace in other processes
+    (``start_shared_checker``): each attaches to its end of the checker's pipe with
+    ``conn``.
 
     Args:
         path: the trace file (the caller reads it too).
         stop: the step the caller stops before (the child need not go further).
         rid_bound: the caller's ``TraceReader.rid_bound`` (the child's reader finds the
             same); kept as ``rid_bound`` for callers that size arrays by request id.
+        conn: the reading end of a pipe a shared checker writes to (no process is
+            started then; ``close`` closes the pipe only).
 
     Raises:
         TraceError (from ``check``): the child stopped early for a reason the caller's
@@ -647,17 +653,23 @@ class BackgroundChecker:
 
     _REPORT_EVERY = 128  # steps between progress messages from the child
 
-    def __init__(self, path: str | os.PathLike[str], stop: int | None = None, rid_bound: int | None = None) -> None:
-        import multiprocessing as mp
-
-        # fork: the child starts at once, with nothing to import; it touches only
-        # numpy and pyarrow (never torch or CUDA). Elsewhere, spawn.
-        methods = mp.get_all_start_methods()
-        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_check_in_child, args=(str(path), child_conn, stop), daemon=True)
-        self._proc.start()
-        child_conn.close()
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        stop: int | None = None,
+        rid_bound: int | None = None,
+        *,
+        conn: Any = None,
+    ) -> None:
+        self._proc: Any = None
+        if conn is None:
+            ctx = _mp_context()
+            self._conn, child_conn = ctx.Pipe(duplex=False)
+            self._proc = ctx.Process(target=_check_in_child, args=(str(path), [child_conn], stop), daemon=True)
+            self._proc.start()
+            child_conn.close()
+        else:
+            self._conn = conn
         self._path = str(path)
         self.rid_bound = MAX_RID if rid_bound is None else min(rid_bound, MAX_RID)
         self._asked = -1  # position (0-based) of the last step asked for
@@ -705,9 +717,10 @@ class BackgroundChecker:
 
     def close(self) -> None:
         """Stop the child (it may still be ahead of the caller)."""
-        if self._proc.is_alive():
-            self._proc.terminate()
-        self._proc.join(timeout=5)
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.terminate()
+            self._proc.join(timeout=5)
         self._conn.close()
 
     def __enter__(self) -> BackgroundChecker:
@@ -717,8 +730,45 @@ class BackgroundChecker:
         self.close()
 
 
-def _check_in_child(path: str, conn: Any, stop: int | None) -> None:
+def _mp_context() -> Any:
+    import multiprocessing as mp
+
+    # fork: the child starts at once, with nothing to import; it touches only
+    # numpy and pyarrow (never torch or CUDA). Elsewhere, spawn.
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+def start_shared_checker(path: str | os.PathLike[str], consumers: int, stop: int | None = None) -> tuple[Any, list[Any]]:
+    """One checker process for ``consumers`` replays of the same trace in other processes.
+
+    Returns:
+        The process (``terminate`` / ``join`` it when done) and the reading end of one
+        pipe per consumer (pass its ``fileno()`` to the consumer, which attaches with
+        ``BackgroundChecker(path, stop, conn=multiprocessing.connection.Connection(fd,
+        writable=False))``; close the parent's copies once the consumers hold theirs).
+        A consumer that goes away early (its pipe breaks) is dropped; the others are
+        served to the end.
+    """
+    ctx = _mp_context()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(consumers)]
+    proc = ctx.Process(target=_check_in_child, args=(str(path), [w for _, w in pipes], stop), daemon=True)
+    proc.start()
+    for _, w in pipes:
+        w.close()
+    return proc, [r for r, _ in pipes]
+
+
+def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
     from traces.io import TraceReader
+
+    def send(message: tuple[str, int, int | None, Any]) -> None:
+        for conn in list(conns):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, OSError):  # that consumer went away
+                conns.remove(conn)
+        if not conns:
+            raise SystemExit(0)
 
     position, last = -1, None
     try:
@@ -730,19 +780,20 @@ def _check_in_child(path: str, conn: Any, stop: int | None) -> None:
             position += 1
             last = batch.step
             if problems:
-                conn.send(("problems", position, last, [(p.rid, p.problem) for p in problems]))
+                send(("problems", position, last, [(p.rid, p.problem) for p in problems]))
                 since = 0
                 continue
             since += 1
             if since >= BackgroundChecker._REPORT_EVERY:
-                conn.send(("upto", position, last, None))
+                send(("upto", position, last, None))
                 since = 0
-        conn.send(("end", position, last, None))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        send(("end", position, last, None))
+    except Exception as exc:  # noqa: BLE001 - reported to the consumers, which decide
         try:
             detail = " ".join(str(exc).split())
-            conn.send(("error", position, last, f"{type(exc).__name__}: {detail}"))
-        except (BrokenPipeError, OSError):
+            send(("error", position, last, f"{type(exc).__name__}: {detail}"))
+        except SystemExit:
             pass
     finally:
-        conn.close()
+        for conn in conns:
+            conn.close()

@@ -21,15 +21,26 @@ Formats
               sarathi-serve): ``num_prefill_tokens``, ``num_decode_tokens``. No
               timestamps: arrivals come from a seeded Poisson process at ``rate``.
 
-Arrival times are seconds since the first request (the first arrives at 0).
+``trace``     a kvtrace trace: the requests it served, with their arrivals and
+              content (``traces.trace_workload``), scheduled anew.
+
+Arrival times are seconds since the first request (the first arrives at 0; a
+trace's keep its own clock). Files compressed with gzip or zstd are read as they
+are (recognised by their first bytes, whatever their name). A binary file that
+is not a trace, or a trace given with another format, is refused with one line
+saying what it is.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
+import gzip
+import io
 import json
 import math
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -48,6 +59,7 @@ __all__ = [
     "WorkloadFormat",
     "WorkloadRequest",
     "block_reuse",
+    "guess_format",
     "known_source",
     "parse_duration",
     "read_azure",
@@ -58,8 +70,8 @@ __all__ = [
 ]
 
 MOONCAKE_BLOCK_SIZE = 512
-WorkloadFormat = Literal["mooncake", "azure", "lengths"]
-WORKLOAD_FORMATS: tuple[str, ...] = ("mooncake", "azure", "lengths")
+WorkloadFormat = Literal["mooncake", "azure", "lengths", "trace"]
+WORKLOAD_FORMATS: tuple[str, ...] = ("mooncake", "azure", "lengths", "trace")
 
 _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -129,15 +141,105 @@ def _number_field(path: Path, line: int, name: str, value: Any) -> float:
     return value
 
 
-def _open_text(path: Path) -> Any:
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_ARROW_MAGICS = (b"ARROW1", b"\xff\xff\xff\xff")  # an Arrow IPC file, an Arrow IPC stream
+_SNIFF_BYTES = 1 << 16
+_WORKLOAD_KINDS = "Mooncake JSON Lines, an Azure CSV or a lengths CSV (plain, gzip or zstd)"
+
+
+class _TextLines:
+    """The lines of a workload file; decoding and decompression errors become one
+    ``WorkloadFileError`` naming the line."""
+
+    def __init__(self, path: Path, stream: io.TextIOBase) -> None:
+        self.path = path
+        self._stream = stream
+        self.line = 0
+
+    def __enter__(self) -> _TextLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.close()
+
+    def __iter__(self) -> _TextLines:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            text = next(self._stream)
+        except UnicodeDecodeError:
+            raise WorkloadFileError(
+                self.path, self.line + 1, f"is not UTF-8 text here (binary data?); expected {_WORKLOAD_KINDS}"
+            ) from None
+        except (EOFError, OSError, zlib.error) as exc:
+            raise WorkloadFileError(
+                self.path, self.line + 1, f"cannot be decompressed ({exc}); the file is damaged or cut short"
+            ) from None
+        self.line += 1
+        return text
+
+
+def _what_binary(head: bytes) -> str | None:
+    """What ``head`` (a file's first bytes) says the file is, when it is not text."""
+    if head.startswith(_ARROW_MAGICS):
+        return (
+            "is an Arrow IPC file (a kvtrace trace or state log), not a workload of this format; "
+            "give --format trace (or no --format) to schedule a trace's requests anew"
+        )
+    if b"\x00" in head:
+        return f"is a binary file, not a workload; expected {_WORKLOAD_KINDS}"
     try:
-        return path.open("r", encoding="utf-8", newline="")
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return f"is not UTF-8 text (a binary file?); expected {_WORKLOAD_KINDS}"
+    return None
+
+
+def _decompressed(path: Path, codec: str) -> Any:
+    """A binary stream of ``path`` decompressed with ``codec`` (gzip, zstd)."""
+    if codec == "gzip":
+        return gzip.open(path, "rb")
+    import pyarrow as pa  # zstd: pyarrow's codec (the standard library has none before 3.14)
+
+    return pa.input_stream(str(path), compression="zstd")
+
+
+def _open_text(path: Path) -> _TextLines:
+    """Open a workload file as text lines, decompressing gzip and zstd.
+
+    Raises:
+        WorkloadFileError: missing, a directory, unreadable, a trace or another binary
+            file (compressed or not).
+    """
+    try:
+        with path.open("rb") as raw:
+            head = raw.read(_SNIFF_BYTES)
+        codec = "gzip" if head.startswith(_GZIP_MAGIC) else "zstd" if head.startswith(_ZSTD_MAGIC) else None
+        if codec is not None:
+            try:
+                with _decompressed(path, codec) as binary:
+                    head = binary.read(_SNIFF_BYTES)
+            except (EOFError, OSError, zlib.error) as exc:
+                raise WorkloadFileError(
+                    path, None, f"is {codec}-compressed but cannot be decompressed ({exc}); the file is damaged"
+                ) from None
+        what = _what_binary(head)
+        if what is not None:
+            prefix = f"is {codec}-compressed and " if codec else ""
+            raise WorkloadFileError(path, None, prefix + (what.removeprefix("is ") if codec else what))
+        if codec is None:
+            stream = path.open("r", encoding="utf-8", newline="")
+        else:
+            stream = io.TextIOWrapper(_decompressed(path, codec), encoding="utf-8", newline="")
     except FileNotFoundError:
         raise WorkloadFileError(path, None, "no such file; give the path of a workload file") from None
     except IsADirectoryError:
         raise WorkloadFileError(path, None, "is a directory, expected a workload file") from None
-    except OSError as exc:
+    except PermissionError as exc:
         raise WorkloadFileError(path, None, f"cannot be read ({exc.strerror})") from None
+    return _TextLines(path, stream)
 
 
 def _unsorted(path: Path, line: int, what: str, found: str, previous: str, previous_line: int) -> WorkloadFileError:
@@ -365,6 +467,36 @@ def read_lengths(path: str | Path, *, rate: float, seed: int = 0) -> Iterator[Wo
             yield WorkloadRequest(arrival_s=clock, input_len=input_len, output_len=output_len, line=line_no)
 
 
+def guess_format(path: str | Path) -> WorkloadFormat | None:
+    """The format of a workload file from its first bytes (an Arrow IPC trace), its name
+    (``.jsonl``, ``.json``, compressed or not) or its CSV header; None when none says.
+
+    Raises:
+        WorkloadFileError: the file cannot be opened, or is a trace or another binary file.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as raw:
+            if raw.read(8).startswith(_ARROW_MAGICS):
+                return "trace"
+    except OSError:
+        pass  # _open_text below says what is wrong with it
+    suffixes = [x.lower() for x in path.suffixes]
+    if suffixes and suffixes[-1] in (".gz", ".zst", ".zstd"):
+        suffixes = suffixes[:-1]
+    if suffixes and suffixes[-1] in (".jsonl", ".json"):
+        return "mooncake"
+    with _open_text(path) as lines:
+        header = next(lines, "")
+    if "TIMESTAMP" in header and "ContextTokens" in header:
+        return "azure"
+    if "num_prefill_tokens" in header:
+        return "lengths"
+    if header.lstrip().startswith("{"):
+        return "mooncake"
+    return None
+
+
 def read_workload(
     path: str | Path,
     fmt: WorkloadFormat,
@@ -388,6 +520,7 @@ def read_workload(
         ValueError: unknown format, ``rate`` missing for ``lengths``, or a
             non-positive ``time_scale``.
         WorkloadFileError: see the per-format readers.
+        TraceError: a ``trace`` that cannot be read or re-scheduled.
     """
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a positive number, found {time_scale!r}")
@@ -399,6 +532,10 @@ def read_workload(
         if rate is None:
             raise ValueError("the lengths format needs an arrival rate (requests per second)")
         requests = read_lengths(path, rate=rate, seed=seed)
+    elif fmt == "trace":
+        from traces.trace_workload import read_trace_workload
+
+        requests = iter(read_trace_workload(path).requests)
     else:
         raise ValueError(f"unknown workload format {fmt!r}; expected one of {', '.join(WORKLOAD_FORMATS)}")
     if duration_s is not None:

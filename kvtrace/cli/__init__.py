@@ -3,35 +3,65 @@
 Error contract (see README "Exit codes"): a ``KvtraceError`` or a trace-file
 ``TraceError`` (``kvtrace.errors.USER_ERRORS``) becomes one line on stderr and its
 exit code (2 for bad input); a command's usage errors (a bad option value,
-``typer.BadParameter``) become one line too and exit 2;
-``--debug`` anywhere on the command line shows the traceback instead.
+``typer.BadParameter``) become one line too and exit 2; Ctrl-C exits 130 and
+SIGTERM / SIGHUP 128 + the signal number; ``--debug`` anywhere on the command
+line shows the traceback instead.
+
+Start-up: importing this package imports typer and the command modules only; a
+command imports numpy, pyarrow, rich tables and torch inside its function, when
+it runs (``kvtrace --help`` and ``kvtrace info`` never import torch).
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
+from kvtrace import __version__
+from kvtrace.cli import ui
+from kvtrace.cli.options import NoColorOpt, QuietOpt, examples
 from kvtrace.errors import USER_ERRORS
 
 DEBUG_KEY = "kvtrace.debug"
+DEFAULT_SERVE_PORT = "8000"  # `--serve` alone (kvtrace.tui.run.DEFAULT_PORT)
 # typer vendors click and exports only BadParameter; its base is click's UsageError
 # (bad option values, missing arguments, unknown options of a command).
 _USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
 
 
+def _flags_as_flags(params: list[Any]) -> list[Any]:
+    """Boolean flags show no ``<bool>`` value in ``--help`` (an empty metavar)."""
+    for param in params:
+        if getattr(param, "is_bool_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class KvtraceCommand(TyperCommand):
+    """A kvtrace command: flags are shown as flags in its help."""
+
+    def get_params(self, ctx: typer.Context) -> list[Any]:
+        return _flags_as_flags(super().get_params(ctx))
+
+
 class KvtraceGroup(TyperGroup):
     """Root group: accepts ``--debug`` at any position and turns errors into one line."""
 
+    def get_params(self, ctx: typer.Context) -> list[Any]:
+        return _flags_as_flags(super().get_params(ctx))
+
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ui.reset()
         if "--debug" in args:
             ctx.meta[DEBUG_KEY] = True
             args = [a for a in args if a != "--debug"]
-        return super().parse_args(ctx, args)
+        ctx.meta[ui.ARGV_KEY] = list(args)
+        return super().parse_args(ctx, optional_value(args, "--serve", DEFAULT_SERVE_PORT))
 
     def invoke(self, ctx: typer.Context) -> Any:
         debug = bool(ctx.meta.get(DEBUG_KEY))
@@ -53,6 +83,12 @@ class KvtraceGroup(TyperGroup):
         except KeyboardInterrupt:
             typer.echo("kvtrace: interrupted", err=True)
             raise typer.Exit(130) from None
+        except ui.Terminated as exc:
+            typer.echo(f"kvtrace: {exc}", err=True)
+            raise typer.Exit(128 + exc.signum) from None
+        except BrokenPipeError:  # the reader of our output went away (| head)
+            sys.stderr.close()
+            raise typer.Exit(141) from None
         except Exception as exc:  # a bug in kvtrace, not the user's fault
             if debug:
                 traceback.print_exc()
@@ -64,19 +100,56 @@ class KvtraceGroup(TyperGroup):
             raise typer.Exit(2) from None
 
 
+def optional_value(args: list[str], option: str, default: str) -> list[str]:
+    """Give ``option`` its default value where it is not followed by one (``--serve [PORT]``:
+    click options take a value or none, not an optional one)."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == option and (i + 1 == len(args) or not args[i + 1].isdigit()):
+            out.append(default)
+    return out
+
+
 app = typer.Typer(
     name="kvtrace",
     cls=KvtraceGroup,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
-    help="Record and replay the KV-cache allocator of LLM serving engines, every invariant checked.",
+    epilog=examples(
+        "# what a bundled sample trace holds",
+        "kvtrace info sample:tiny",
+        "# replay it with every invariant checked after each allocator call",
+        "kvtrace replay sample:mooncake-tiny --check every",
+        "# record a production workload into a trace",
+        "kvtrace record conversation_trace.jsonl --out conv.kvtrace",
+    ),
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def command(name: str, *, epilog: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a kvtrace command: ``app.command`` with kvtrace's command class (flags
+    shown as flags) and an Examples section (``options.examples``)."""
+    return app.command(name, cls=KvtraceCommand, epilog=epilog, **kwargs)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvtrace {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", help="Print kvtrace's version and exit.", is_eager=True, callback=_print_version),
+    ] = False,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+) -> None:
     """Record and replay the KV-cache allocator of LLM serving engines, every invariant checked.
 
     Add --debug anywhere to see the traceback of an error.
@@ -93,6 +166,9 @@ def main() -> None:
 from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
 from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
 from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
+from kvtrace.cli import diff as _diff  # noqa: E402,F401  (diff, versions)
+from kvtrace.cli import view as _view  # noqa: E402,F401  (view)
+from kvtrace.cli import sweep as _sweep  # noqa: E402,F401  (sweep, sweep report)
 
 
 if __name__ == "__main__":  # pragma: no cover

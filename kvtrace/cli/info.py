@@ -1,43 +1,35 @@
 """``kvtrace info`` and ``kvtrace validate``: what a trace holds, and whether its ops make sense.
 
-Both take a trace path or ``sample:NAME`` (a bundled sample). ``info`` exits 0
-even for a truncated file (it reports what is complete and warns on stderr);
-``validate`` exits 1 when it finds a problem, and a truncated file is one
-("file truncated after step S"): a cut recording is worth flagging.
+Both take a trace path or ``sample:NAME`` (a bundled sample); ``info`` also
+recognises a state log (``kvtrace replay --out``) and summarises it. ``info``
+exits 0 even for a truncated or interrupted trace (it reports what is complete
+and warns on stderr); ``validate`` exits 1 when it finds a problem, and a
+truncated file or an interrupted recording is one: a cut recording is worth
+flagging.
+
+numpy, pyarrow and rich are imported inside the commands (``kvtrace --help``
+starts without them).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from kvtrace.cli import app
-from traces.io import TraceReader
-from traces.samples import SAMPLE_PREFIX, list_samples, resolve_trace
-from traces.schema import DECODE, EXTEND, OPS, PREALLOC, SPEC
-from traces.validate import OpSequenceChecker, Problem
+from kvtrace.cli import command, ui
+from kvtrace.cli.options import JsonOpt, NoColorOpt, QuietOpt, TraceArg, examples
+
+if TYPE_CHECKING:
+    from traces.io import TraceReader
+    from traces.ipc import IpcReader
 
 # Files at least this big show a progress bar (when stderr is a terminal).
 PROGRESS_MIN_BYTES = 32 << 20
-
-TraceArgument = Annotated[
-    str,
-    typer.Argument(
-        help=f"A .kvtrace file, or {SAMPLE_PREFIX}NAME for a bundled sample ({', '.join(list_samples())}).",
-        show_default=False,
-    ),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
 def open_trace(spec: str) -> TraceReader:
@@ -46,21 +38,40 @@ def open_trace(spec: str) -> TraceReader:
     Raises:
         TraceError: the file cannot be read or breaks the format (one clear line).
     """
+    from traces.io import TraceReader
+    from traces.samples import resolve_trace
+
     return TraceReader(resolve_trace(spec))
 
 
+def _is_state_log(spec: str) -> bool:
+    """Whether the file is a kvtrace state log (decided from its schema metadata)."""
+    from kvtrace.statelog import STATE_LOG_METADATA_KEY
+    from traces.errors import TraceError
+    from traces.ipc import IpcReader
+    from traces.samples import resolve_trace
+
+    try:
+        schema = IpcReader(resolve_trace(spec)).schema
+    except TraceError:
+        return False  # TraceReader says what is wrong, as it would for any trace
+    return STATE_LOG_METADATA_KEY in (schema.metadata or {})
+
+
 @contextmanager
-def _progress(reader: TraceReader, what: str) -> Iterator[Any]:
+def _progress(reader: IpcReader, what: str) -> Iterator[Any]:
     """A rich progress bar on stderr for big files on a terminal; else a no-op updater."""
-    if not (sys.stderr.isatty() and reader.file_bytes >= PROGRESS_MIN_BYTES):
+    if ui.settings.quiet or not (sys.stderr.isatty() and reader.file_bytes >= PROGRESS_MIN_BYTES):
         yield lambda: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     progress = Progress(
         TextColumn(f"{what} [bold]{reader.path.name}[/]"),
         BarColumn(),
         DownloadColumn(),
         TimeRemainingColumn(),
-        console=Console(stderr=True),
+        console=ui.console(stderr=True),
         transient=True,
     )
     with progress:
@@ -68,9 +79,18 @@ def _progress(reader: TraceReader, what: str) -> Iterator[Any]:
         yield lambda: progress.update(task, completed=reader.bytes_read)
 
 
-def _warn_truncated(reader: TraceReader) -> None:
+def _warn_truncated(reader: IpcReader) -> None:
     if reader.truncated:
-        typer.echo(f"kvtrace: warning: {reader.path}: {reader.truncation_detail}", err=True)
+        ui.warn(f"{reader.path}: {reader.truncation_detail}")
+
+
+def _interruption(reader: TraceReader) -> str | None:
+    """One line saying the recording did not complete (None when it did, or nothing says)."""
+    recording = reader.recording
+    if recording is None or not recording.interrupted:
+        return None
+    steps = f" after {recording.steps:,} steps" if recording.steps is not None else ""
+    return f"recording interrupted{steps}: {recording.detail or 'no reason recorded'}"
 
 
 # --------------------------------------------------------------------------------------
@@ -84,6 +104,10 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
     Vectorised per record batch: memory is flat in trace length (plus one bit
     per request id).
     """
+    import numpy as np
+
+    from traces.schema import DECODE, EXTEND, OPS, PREALLOC, SPEC
+
     meta = reader.meta
     ops = np.zeros(len(OPS), np.int64)
     tokens = {"prefill": 0, "decode": 0, "spec_accepted": 0, "spec_drafted": 0, "prealloc": 0}
@@ -129,14 +153,19 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         if on_batch is not None:
             on_batch()
     config = meta.to_dict()
+    recording = reader.recording
     return {
+        "kind": "trace",
         "path": str(reader.path),
         "format_version": meta.format_version,
+        "ipc_format": reader.ipc_format,
         "source": config["source"],
         "config": config["config"],
         "model": config["model"],
         "block_size": meta.block_size,
         "created_at": meta.created_at,
+        "recording": None if recording is None else dataclasses.asdict(recording),
+        "interrupted": bool(recording is not None and recording.interrupted),
         "steps": steps,
         "first_step": first_step,
         "last_step": last_step,
@@ -157,6 +186,8 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
 
 def _escaped(value: Any) -> Any:
     """``value`` with every string escaped for rich markup (metadata is the trace's text)."""
+    from rich.markup import escape
+
     if isinstance(value, str):
         return escape(value)
     if isinstance(value, dict):
@@ -165,8 +196,9 @@ def _escaped(value: Any) -> Any:
 
 
 def _render_info(info: dict[str, Any]) -> None:
+    from rich.table import Table
+
     info = _escaped(info)
-    console = Console()
     table = Table(title=f"kvtrace info: {info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
@@ -174,12 +206,27 @@ def _render_info(info: dict[str, Any]) -> None:
     cfg = info["config"]
     model = info["model"]
     spec = cfg.get("spec")
-    table.add_row("format version", str(info["format_version"]))
+    table.add_row("format version", f"{info['format_version']} (Arrow IPC {info['ipc_format']})")
     table.add_row("source", f"{source['engine']}: {source['workload']}")
     if source.get("license"):
         table.add_row("licence", str(source["license"]))
     if source.get("citation"):
         table.add_row("citation", str(source["citation"]))
+    recording = info["recording"]
+    if recording is not None or info["created_at"]:
+        made = info["created_at"] or "unknown time"
+        if recording is not None and recording.get("kvtrace_version"):
+            made += f" by kvtrace {recording['kvtrace_version']}"
+        table.add_row("recorded", made)
+    if recording is not None and recording.get("command"):
+        table.add_row("command", recording["command"])
+    if recording is not None:
+        if info["interrupted"]:
+            steps = f" after {recording['steps']:,} steps" if recording.get("steps") is not None else ""
+            status = f"[bold red]interrupted[/]{steps}: {recording.get('detail') or 'no reason recorded'}"
+        else:
+            status = "complete"
+        table.add_row("recording", status)
     table.add_row(
         "config",
         f"page_size {cfg['page_size']}, pool_tokens {cfg['pool_tokens']:,}, "
@@ -219,22 +266,50 @@ def _render_info(info: dict[str, Any]) -> None:
         "truncated",
         f"[bold red]yes[/]: {info['truncation_detail']}" if info["truncated"] else "no",
     )
-    console.print(table)
+    ui.console().print(table)
 
 
-@app.command("info")
-def info_command(trace: TraceArgument, json_output: JsonOption = False) -> None:
+INFO_EXAMPLES = examples(
+    "# what a bundled sample holds",
+    "kvtrace info sample:mooncake-tiny",
+    "# a trace's step count, as JSON, for a script",
+    "kvtrace info run.kvtrace --json | jq .steps",
+    "# a state log written by kvtrace replay --out",
+    "kvtrace info state.arrow",
+)
+
+
+@command("info", epilog=INFO_EXAMPLES)
+def info_command(
+    trace: TraceArg,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+) -> None:
     """Show a trace's metadata and what it holds (steps, requests, ops, tokens).
 
-    A truncated trace is summarised up to its last complete batch (exit 0, with a
-    warning on stderr).
+    A truncated trace, or one whose recording was interrupted, is summarised up to
+    its last complete batch (exit 0, with a warning on stderr). Given a state log
+    (kvtrace replay --out), summarises the replay it holds.
     """
+    if _is_state_log(trace):
+        from kvtrace.cli.statelog_info import render_state_log_info, state_log_info
+
+        summary = state_log_info(trace)
+        if json_output:
+            ui.emit_json(summary)
+        else:
+            render_state_log_info(summary)
+        return
     reader = open_trace(trace)
     with _progress(reader, "reading") as update:
         info = trace_info(reader, on_batch=update)
     _warn_truncated(reader)
+    interruption = _interruption(reader)
+    if interruption is not None and not reader.truncated:
+        ui.warn(f"{reader.path}: {interruption}; the trace holds the steps recorded before it")
     if json_output:
-        typer.echo(json.dumps(info))
+        ui.emit_json(info)
     else:
         _render_info(info)
 
@@ -243,22 +318,33 @@ def info_command(trace: TraceArgument, json_output: JsonOption = False) -> None:
 # validate
 # --------------------------------------------------------------------------------------
 
+VALIDATE_EXAMPLES = examples(
+    "# check a recording before sharing it",
+    "kvtrace validate run.kvtrace",
+    "# every problem, as JSON",
+    "kvtrace validate run.kvtrace --max-problems 1000 --json",
+)
 
-@app.command("validate")
+
+@command("validate", epilog=VALIDATE_EXAMPLES)
 def validate_command(
-    trace: TraceArgument,
-    json_output: JsonOption = False,
+    trace: TraceArg,
+    json_output: JsonOpt = False,
     max_problems: Annotated[
         int,
         typer.Option("--max-problems", min=0, help="Print at most this many problems (all are counted)."),
     ] = 20,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
 ) -> None:
     """Check that a trace's op sequence makes sense; exit 1 if it does not.
 
     Reports ops on requests that do not exist or already ended, lengths that
     shrink or do not add up, steps out of order, spec rows without spec settings,
-    bad block hashes or token ids, and a truncated file.
+    bad block hashes or token ids, a truncated file and an interrupted recording.
     """
+    from traces.validate import OpSequenceChecker, Problem
+
     reader = open_trace(trace)
     checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
     shown: list[Problem] = []
@@ -276,32 +362,35 @@ def validate_command(
                 last_batches = reader.num_record_batches
                 update()
     summary = checker.finish()
-    if reader.truncated:
-        last = reader.last_step if reader.last_step is not None else -1
-        cut = Problem(last, None, str(reader.truncation_detail))
+    last = reader.last_step if reader.last_step is not None else -1
+    # A cut file says it was interrupted already; otherwise an interrupted recording
+    # (Ctrl-C, a signal, an error: closed cleanly, but short) is a problem of its own.
+    interruption = None if reader.truncated else _interruption(reader)
+    for detail in (reader.truncation_detail if reader.truncated else None, interruption):
+        if detail is None:
+            continue
         total += 1
         if len(shown) < max_problems:
-            shown.append(cut)
-        _warn_truncated(reader)
+            shown.append(Problem(last, None, detail))
+    _warn_truncated(reader)
     ok = total == 0
     if json_output:
-        typer.echo(
-            json.dumps(
-                {
-                    "path": str(reader.path),
-                    "ok": ok,
-                    "num_problems": total,
-                    "problems": [p.to_dict() for p in shown],
-                    "truncated": reader.truncated,
-                    "truncation_detail": reader.truncation_detail,
-                    "steps": summary.steps,
-                    "rows": summary.rows,
-                    "requests": summary.requests,
-                    "ended": summary.ended,
-                    "holding_kv": summary.holding_kv,
-                    "retracted": summary.retracted,
-                }
-            )
+        ui.emit_json(
+            {
+                "path": str(reader.path),
+                "ok": ok,
+                "num_problems": total,
+                "problems": [p.to_dict() for p in shown],
+                "truncated": reader.truncated,
+                "truncation_detail": reader.truncation_detail,
+                "interrupted": bool(reader.recording is not None and reader.recording.interrupted),
+                "steps": summary.steps,
+                "rows": summary.rows,
+                "requests": summary.requests,
+                "ended": summary.ended,
+                "holding_kv": summary.holding_kv,
+                "retracted": summary.retracted,
+            }
         )
     else:
         for problem in shown:

@@ -17,7 +17,7 @@ Defaults model SGLang 0.5.23 serving Llama-3.1-8B (bf16) on one NVIDIA H200:
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from enum import Enum
 from pathlib import Path
@@ -25,26 +25,33 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtrace.cli import app
-from kvtrace.errors import ConfigError, WorkloadError
+from kvtrace.cli import command, ui
+from kvtrace.cli.options import Codec, Device, DeviceOpt, PoolForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples
+from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
+from kvtrace.serving import (
+    DEFAULT_CHUNK,
+    DEFAULT_CONTEXT_LEN,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_POOL_TOKENS,
+    serving_settings,
+)
 
-DEFAULT_POOL_TOKENS = 920_000
-DEFAULT_MAX_RUNNING = 256
-DEFAULT_CONTEXT_LEN = 131_072
-DEFAULT_CHUNK = 8192
-DEFAULT_MAX_PREFILL_TOKENS = 16_384
 # While recording, every completed step is its own flushed record batch (a killed
 # recording keeps every completed step); on completion the trace is rewritten with
 # DEFAULT_COMPACT steps per batch, which compresses ~4x better.
 DEFAULT_STEPS_PER_BATCH = 1
 DEFAULT_COMPACT = 256
 FLUSH_INTERVAL_S = 1.0
+# SGLang refuses a prompt of max_req_len - 5 tokens or more (max_req_input_len).
+PROMPT_MARGIN = 5
 
 
 class WorkloadFormatOption(str, Enum):
     mooncake = "mooncake"
     azure = "azure"
     lengths = "lengths"
+    trace = "trace"
 
 
 class PolicyOption(str, Enum):
@@ -52,15 +59,20 @@ class PolicyOption(str, Enum):
     lpm = "lpm"
 
 
-def _parse_spec(text: str) -> Any:
-    from traces.schema import SpecSettings
+def parse_spec(text: str) -> Any:
+    """``--spec`` text -> ``SpecSettings``, or None for ``off``.
 
+    Raises:
+        typer.BadParameter: not ``off`` nor ALGORITHM:STEPS,TOPK,DRAFT with sane numbers.
+    """
+    if text.strip().lower() in ("off", "none"):
+        return None
     algorithm, sep, numbers = text.partition(":")
     algorithm = algorithm.strip().lower()
     valid = ("eagle", "eagle3", "standalone")
     if algorithm not in valid or not sep:
         raise typer.BadParameter(
-            f"{text!r} is not ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
+            f"{text!r} is not off nor ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
             "(e.g. eagle:3,1,4)",
             param_hint="--spec",
         )
@@ -80,181 +92,333 @@ def _parse_spec(text: str) -> Any:
             f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
             param_hint="--spec",
         )
-    return SpecSettings(algorithm=algorithm, num_steps=steps, topk=topk, num_draft_tokens=draft)  # type: ignore[arg-type]
+    from kvtrace.simulate import spec_settings
+
+    return spec_settings(text)
 
 
-def _infer_format(path: Path) -> str:
-    if path.suffix.lower() in (".jsonl", ".json"):
-        return "mooncake"
+def infer_format(path: Path) -> str:
+    """A workload file's format (or ``trace``), from its first bytes, name or header.
+
+    Raises:
+        WorkloadError: the file cannot be read, or is a binary file that is not a trace.
+        typer.BadParameter: nothing tells the format (give --format).
+    """
+    from traces.workloads import WorkloadFileError, guess_format
+
     try:
-        with path.open("r", encoding="utf-8") as fh:
-            header = fh.readline()
-    except OSError:
-        header = ""
-    if "TIMESTAMP" in header and "ContextTokens" in header:
-        return "azure"
-    if "num_prefill_tokens" in header:
-        return "lengths"
-    raise typer.BadParameter(
-        f"cannot tell the format of {path}; give --format mooncake, azure or lengths",
-        param_hint="--format",
-    )
-
-
-@app.command("record")
-def record_command(
-    workload: Annotated[Path, typer.Argument(help="Workload file: Mooncake JSONL, Azure CSV or length CSV.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Trace to write (.kvtrace).")],
-    fmt: Annotated[
-        WorkloadFormatOption | None,
-        typer.Option("--format", "-f", help="Workload format (default: from the file)."),
-    ] = None,
-    pool_tokens: Annotated[int, typer.Option(help="KV pool size in tokens (default: Llama-3.1-8B on one H200).")] = DEFAULT_POOL_TOKENS,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 1,
-    max_running: Annotated[int, typer.Option(help="Request rows (max running requests).")] = DEFAULT_MAX_RUNNING,
-    context_len: Annotated[int, typer.Option(help="Model context length.")] = DEFAULT_CONTEXT_LEN,
-    chunk: Annotated[int, typer.Option(help="Chunked-prefill size in tokens (0: no chunking).")] = DEFAULT_CHUNK,
-    max_prefill_tokens: Annotated[int, typer.Option(help="Token budget of one prefill batch.")] = DEFAULT_MAX_PREFILL_TOKENS,
-    spec: Annotated[
-        str | None, typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT, e.g. eagle:3,1,4.")
-    ] = None,
-    spec_acceptance: Annotated[float, typer.Option(help="Per-draft acceptance probability (alpha).")] = 0.7,
-    pd_decode: Annotated[bool, typer.Option("--pd-decode", help="Model a PD-disaggregated decode server.")] = False,
-    duration: Annotated[str | None, typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.")] = None,
-    time_scale: Annotated[
-        float, typer.Option(help="Multiply arrival times (2: half the request rate, same traffic between turns).")
-    ] = 1.0,
-    rate: Annotated[float | None, typer.Option(help="Arrival rate in requests/s (lengths format).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.")] = 0,
-    policy: Annotated[PolicyOption, typer.Option(help="Waiting-queue policy.")] = PolicyOption.fcfs,
-    step_time: Annotated[
-        str | None, typer.Option(help="Step-time coefficients, e.g. fixed_s=5ms,decode_req_s=20us.")
-    ] = None,
-    device: Annotated[str, typer.Option(help="Allocator device: cpu or cuda.")] = "cpu",
-    steps_per_batch: Annotated[
-        int, typer.Option(help="Steps per record batch while recording (1: every completed step survives a crash).")
-    ] = DEFAULT_STEPS_PER_BATCH,
-    compact: Annotated[
-        int, typer.Option(help="On completion, rewrite the trace with this many steps per batch (0: keep as written).")
-    ] = DEFAULT_COMPACT,
-    compression: Annotated[str, typer.Option(help="zstd or lz4.")] = "zstd",
-    flush_interval: Annotated[
-        float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).")
-    ] = FLUSH_INTERVAL_S,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out; build the pool even when it looks bigger than the free memory.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-) -> None:
-    """Record a workload through the SGLang-style scheduler model on the real allocator."""
-    from kvtrace.step_time import StepTimeModel
-    from traces import workloads
-
-    if not workload.exists():
-        raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
-    if workload.is_dir():
-        raise WorkloadError(f"{workload}: is a directory, expected a workload file")
-    fmt_name = fmt.value if fmt is not None else _infer_format(workload)
-    for name, value, low in (
-        ("--pool-tokens", pool_tokens, 1),
-        ("--page-size", page_size, 1),
-        ("--max-running", max_running, 1),
-        ("--context-len", context_len, 2),
-        ("--max-prefill-tokens", max_prefill_tokens, 1),
-        ("--steps-per-batch", steps_per_batch, 1),
-        ("--compact", compact, 0),
-    ):
-        if value < low:
-            raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
-    if pool_tokens < 4 * page_size:
+        fmt = guess_format(path)
+    except WorkloadFileError as exc:
+        raise WorkloadError(str(exc)) from None
+    if fmt is None:
         raise typer.BadParameter(
-            f"a pool of {pool_tokens} tokens holds fewer than 4 pages of {page_size}", param_hint="--pool-tokens"
+            f"cannot tell the format of {path}; give --format mooncake, azure or lengths",
+            param_hint="--format",
         )
+    return fmt
+
+
+def check_serving(pool_tokens: int, page_size: int, chunk: int) -> None:
+    """The serving options' checks that involve two of them (one line naming the option).
+
+    Raises:
+        typer.BadParameter: the pool holds fewer than 4 pages, or the chunk is below a page.
+    """
+    _check_pool(pool_tokens, page_size)
     if chunk < 0 or (chunk and chunk < page_size):
         raise typer.BadParameter(
             f"must be 0 (no chunking) or at least the page size {page_size}, found {chunk}", param_hint="--chunk"
         )
+
+
+def _check_pool(pool_tokens: int, page_size: int) -> None:
+    """One line naming the option to change when the pool holds fewer than 4 pages."""
+    if pool_tokens >= 4 * page_size:
+        return
+    if page_size > 1 and pool_tokens >= 4:
+        raise typer.BadParameter(
+            f"{page_size:,} tokens per page leave fewer than 4 pages in the {pool_tokens:,}-token pool "
+            f"(--pool-tokens); give a page size of at most {pool_tokens // 4:,}",
+            param_hint="--page-size",
+        )
+    raise typer.BadParameter(
+        f"a pool of {pool_tokens:,} tokens holds fewer than 4 pages of {page_size:,}; "
+        f"give at least {4 * page_size:,}",
+        param_hint="--pool-tokens",
+    )
+
+
+def _nothing_recorded(summary: Any, context_len: int, pool_tokens: int) -> EmptyRecordingError:
+    limit = min(context_len - 1, pool_tokens - 1) - PROMPT_MARGIN
+    binding = "--context-len" if context_len <= pool_tokens else "--pool-tokens"
+    return EmptyRecordingError(
+        f"nothing was recorded: all {summary.rejected:,} requests were rejected on arrival, as SGLang "
+        f"rejects a prompt of {limit:,} tokens or more (the limit {binding} sets); raise {binding}"
+    )
+
+
+RECORD_EXAMPLES = examples(
+    "# the bundled Mooncake hour on the default H200 serving config",
+    "kvtrace record traces/workloads_data/mooncake-fast25/conversation_trace.jsonl --out conv.kvtrace",
+    "# ten minutes of it at page 16 with EAGLE speculative decoding",
+    "kvtrace record conversation_trace.jsonl --duration 10m --page-size 16 --spec eagle:3,1,4 -o eagle.kvtrace",
+    "# a compressed Azure trace at half its request rate",
+    "kvtrace record AzureLLMInferenceTrace_code.csv.gz --time-scale 2 -o azure.kvtrace",
+    "# length statistics with Poisson arrivals, summary as JSON",
+    "kvtrace record sharegpt.csv --format lengths --rate 5 -o sharegpt.kvtrace --json",
+    "# what-if: the same requests of a trace scheduled anew on a smaller pool",
+    "kvtrace record sample:mooncake-tiny --pool-tokens 120000 -o smaller.kvtrace",
+)
+
+_FROM_TRACE = "the trace's own; for a workload file "
+
+
+@command("record", epilog=RECORD_EXAMPLES)
+def record_command(
+    ctx: typer.Context,
+    workload: Annotated[
+        Path,
+        typer.Argument(
+            metavar="WORKLOAD",
+            help="Workload file: Mooncake JSONL, Azure CSV or length CSV (gzip or zstd compressed too), "
+            "or a trace (a path or sample:NAME) whose requests are scheduled anew.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Trace to write (.kvtrace); an interrupted recording keeps its steps there.")
+    ],
+    fmt: Annotated[
+        WorkloadFormatOption | None,
+        typer.Option("--format", "-f", help="Workload format.", show_default="from the file"),
+    ] = None,
+    pool_tokens: Annotated[
+        int | None,
+        typer.Option(help="KV pool size in tokens.", show_default=_FROM_TRACE + f"{DEFAULT_POOL_TOKENS:,}: Llama-3.1-8B on one H200"),
+    ] = None,
+    page_size: Annotated[int | None, typer.Option(help="Tokens per KV page.", show_default=_FROM_TRACE + "1")] = None,
+    max_running: Annotated[
+        int | None, typer.Option(help="Request rows (max running requests).", show_default=_FROM_TRACE + str(DEFAULT_MAX_RUNNING))
+    ] = None,
+    context_len: Annotated[
+        int | None, typer.Option(help="Model context length.", show_default=_FROM_TRACE + f"{DEFAULT_CONTEXT_LEN:,}")
+    ] = None,
+    chunk: Annotated[
+        int | None,
+        typer.Option(help="Chunked-prefill size in tokens (0: no chunking).", show_default=_FROM_TRACE + str(DEFAULT_CHUNK)),
+    ] = None,
+    max_prefill_tokens: Annotated[
+        int | None,
+        typer.Option(help="Token budget of one prefill batch.", show_default=_FROM_TRACE + f"{DEFAULT_MAX_PREFILL_TOKENS:,}"),
+    ] = None,
+    spec: Annotated[
+        str | None,
+        typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT (e.g. eagle:3,1,4), or off.", show_default=_FROM_TRACE + "off"),
+    ] = None,
+    spec_acceptance: Annotated[
+        float | None, typer.Option(help="Per-draft acceptance probability (alpha).", show_default=_FROM_TRACE + "0.7")
+    ] = None,
+    pd_decode: Annotated[
+        bool | None,
+        typer.Option("--pd-decode/--no-pd-decode", help="Model a PD-disaggregated decode server.", show_default=_FROM_TRACE + "off"),
+    ] = None,
+    duration: Annotated[
+        str | None,
+        typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.", show_default="the whole file"),
+    ] = None,
+    time_scale: Annotated[
+        float, typer.Option(help="Multiply arrival times (2: half the request rate, same traffic between turns).")
+    ] = 1.0,
+    rate: Annotated[
+        float | None, typer.Option(help="Arrival rate in requests/s (lengths format only).", show_default=False)
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.", show_default=_FROM_TRACE + "0")
+    ] = None,
+    policy: Annotated[PolicyOption | None, typer.Option(help="Waiting-queue policy.", show_default=_FROM_TRACE + "fcfs")] = None,
+    step_time: Annotated[
+        str | None,
+        typer.Option(
+            help="Step-time coefficients, e.g. fixed_s=5ms,decode_req_s=20us.",
+            show_default=_FROM_TRACE + "fitted to an H200",
+        ),
+    ] = None,
+    device: DeviceOpt = Device.cpu,
+    steps_per_batch: Annotated[
+        int, typer.Option(help="Steps per record batch while recording (1: every completed step survives a crash).")
+    ] = DEFAULT_STEPS_PER_BATCH,
+    compact: Annotated[
+        int,
+        typer.Option(
+            help="On completion, rewrite the trace as an Arrow IPC file with this many steps per batch "
+            "(0: keep the stream as written)."
+        ),
+    ] = DEFAULT_COMPACT,
+    compression: Annotated[Codec, typer.Option(help="Codec of the finished trace.")] = Codec.zstd,
+    flush_interval: Annotated[
+        float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).")
+    ] = FLUSH_INTERVAL_S,
+    force: PoolForceOpt = False,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Record a workload through the SGLang-style scheduler model on the real allocator.
+
+    Given a trace, its requests (arrivals, prompts, content, output lengths) are
+    scheduled anew: options not given keep the values the trace was recorded with.
+
+    Every completed step is on disk as it is recorded: a recording stopped by Ctrl-C,
+    a signal or a crash leaves its steps in the trace, marked interrupted (see
+    kvtrace info). An existing --out is replaced only when the recording completes.
+
+    Exit code: 0 recorded; 1 nothing recorded (every request rejected); 2 bad input.
+    """
+    from kvtrace.outputs import OutputFile
+    from kvtrace.step_time import StepTimeModel
+    from traces import workloads
+    from traces.samples import SAMPLE_PREFIX, resolve_trace
+
+    if str(workload).startswith(SAMPLE_PREFIX):
+        workload = resolve_trace(str(workload))
+    if not workload.exists():
+        raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
+    if workload.is_dir():
+        raise WorkloadError(f"{workload}: is a directory, expected a workload file")
+    target = OutputFile(out, force=force, inputs=[workload])
+    fmt_name = fmt.value if fmt is not None else infer_format(workload)
+    given = {
+        "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
+        "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,
+        "pd_decode": pd_decode, "seed": seed, "policy": policy.value if policy is not None else None,
+    }  # fmt: skip
+    if spec is not None:
+        given["spec"] = parse_spec(spec)
+    if step_time is not None:
+        try:
+            given["step_time"] = StepTimeModel.parse(step_time)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--step-time") from None
+    settings = serving_settings(workload, fmt_name, given)
+    for name, low in (
+        ("pool_tokens", 1), ("page_size", 1), ("max_running", 1), ("context_len", 2), ("max_prefill_tokens", 1),
+    ):  # fmt: skip
+        if settings[name] < low:
+            raise typer.BadParameter(f"must be >= {low}, found {settings[name]}", param_hint="--" + name.replace("_", "-"))
+    for name, value, low in (("--steps-per-batch", steps_per_batch, 1), ("--compact", compact, 0)):
+        if value < low:
+            raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
+    check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
     if not time_scale > 0:
         raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
-    if not 0.0 <= spec_acceptance <= 1.0:
-        raise typer.BadParameter(f"must lie in [0, 1], found {spec_acceptance}", param_hint="--spec-acceptance")
+    if not 0.0 <= settings["spec_acceptance"] <= 1.0:
+        raise typer.BadParameter(f"must lie in [0, 1], found {settings['spec_acceptance']}", param_hint="--spec-acceptance")
     if flush_interval < 0:
         raise typer.BadParameter(f"must be >= 0, found {flush_interval}", param_hint="--flush-interval")
-    if compression not in ("zstd", "lz4"):
-        raise typer.BadParameter(f"must be zstd or lz4, found {compression!r}", param_hint="--compression")
-    if device not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"must be cpu or cuda, found {device!r}", param_hint="--device")
-    if fmt_name == "lengths":
-        if rate is None:
-            raise typer.BadParameter("the lengths format needs an arrival rate, e.g. --rate 5", param_hint="--rate")
-        if not rate > 0:
-            raise typer.BadParameter(f"must be a positive number of requests per second, found {rate}", param_hint="--rate")
-    elif rate is not None:
-        raise typer.BadParameter(
-            f"applies to the lengths format only; {fmt_name} workloads carry their own arrival times",
-            param_hint="--rate",
-        )
+    check_rate(fmt_name, rate)
     duration_s = None
     if duration is not None:
         try:
             duration_s = workloads.parse_duration(duration)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--duration") from None
-    spec_settings = _parse_spec(spec) if spec is not None else None
-    if spec_settings is not None and pd_decode:
-        pass  # PD decode servers run EAGLE too; nothing to refuse.
-    try:
-        model = StepTimeModel.parse(step_time) if step_time else StepTimeModel()
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--step-time") from None
-    if out.exists() and not force:
-        raise typer.BadParameter(f"{out} already exists; pass --force to overwrite it", param_hint="--out")
-    if out.is_dir():
-        raise typer.BadParameter(f"{out} is a directory", param_hint="--out")
 
-    from kvtrace.scheduler import RecordOptions, record_workload
+    from kvtrace.cli.replay import check_device
+    from kvtrace.simulate import RecordOptions, record_report, record_workload
+
+    check_device(device.value)
 
     options = RecordOptions(
         workload=workload,
         fmt=fmt_name,  # type: ignore[arg-type]
         out=out,
-        pool_tokens=pool_tokens,
-        page_size=page_size,
-        max_running=max_running,
-        context_len=context_len,
-        chunk=chunk or None,
-        max_prefill_tokens=max_prefill_tokens,
-        spec=spec_settings,
-        spec_acceptance=spec_acceptance,
-        pd_decode=pd_decode,
         duration_s=duration_s,
         time_scale=time_scale,
         rate=rate,
-        seed=seed,
-        policy=policy.value,  # type: ignore[arg-type]
-        step_time=model,
-        device=device,
+        device=device.value,
         steps_per_batch=steps_per_batch,
-        compression=compression,
-        overwrite=force,
+        compression=compression.value,
         flush_interval_s=flush_interval or None,
         compact_steps_per_batch=compact or None,
+        command=ui.command_line(ctx.meta),
         force=force,
+        **settings,
     )
+    if fmt_name == "trace":
+        _note_trace_workload(workload)
+    wall0 = time.perf_counter()
+    try:
+        with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
+            result = record_workload(dataclasses.replace(options, out=live), progress=progress_cb)
+            if result.summary.steps == 0:
+                live.unlink(missing_ok=True)
+                raise _nothing_recorded(result.summary, options.context_len, options.pool_tokens)
+    except workloads.WorkloadFileError as exc:
+        raise WorkloadError(str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    except (KeyboardInterrupt, ui.Terminated):
+        if target.replaces:
+            ui.warn(f"recording interrupted; {out} was left as it was")
+        elif out.exists():
+            ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
+        raise
+    wall_s = time.perf_counter() - wall0
+    _report(record_report(result, options, wall_s=wall_s), options, workload=workload, as_json=as_json)
 
-    progress_cb = None
-    live = None
-    if not quiet and not as_json:
-        from rich.console import Console
+
+def check_rate(fmt: str, rate: float | None) -> None:
+    """``--rate`` is needed by the lengths format, and only there.
+
+    Raises:
+        typer.BadParameter: missing for lengths, not positive, or given for another format.
+    """
+    if fmt == "lengths":
+        if rate is None:
+            raise typer.BadParameter("the lengths format needs an arrival rate, e.g. --rate 5", param_hint="--rate")
+        if not rate > 0:
+            raise typer.BadParameter(f"must be a positive number of requests per second, found {rate}", param_hint="--rate")
+    elif rate is not None:
+        raise typer.BadParameter(
+            f"applies to the lengths format only; {fmt} workloads carry their own arrival times",
+            param_hint="--rate",
+        )
+
+
+def _note_trace_workload(trace: Path) -> None:
+    """Warn about what scheduling a trace anew cannot know."""
+    from traces.trace_workload import arrival_note, read_trace_workload
+
+    workload = read_trace_workload(trace)
+    note = arrival_note(workload)
+    if note is not None:
+        ui.warn(f"{trace}: {note}")
+    if workload.unfinished:
+        ui.warn(
+            f"{trace}: {workload.unfinished:,} requests never finished in the trace (aborted, or live at its end); "
+            "each generates what it had generated there"
+        )
+
+
+class _progress:
+    """The recording's progress bar on stderr (a no-op with -q or --json); yields the callback."""
+
+    def __init__(self, off: bool) -> None:
+        self.off = off or ui.settings.quiet
+        self._live: Any = None
+
+    def __enter__(self) -> Any:
+        if self.off:
+            return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=True)
         live = Progress(
             TextColumn("recording"),
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("{task.description}"),
             TimeElapsedColumn(),
-            console=console,
+            console=ui.console(stderr=True),
             transient=True,
         )
         task = live.add_task("", total=None)
@@ -272,81 +436,49 @@ def record_command(
             )
 
         live.start()
-    wall0 = time.perf_counter()
-    try:
-        result = record_workload(options, progress=progress_cb)
-    except workloads.WorkloadFileError as exc:
-        raise WorkloadError(str(exc)) from None
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    finally:
-        if live is not None:
-            live.stop()
-    wall_s = time.perf_counter() - wall0
-    summary = result.summary
-    report = {
-        "out": str(out),
-        "format": fmt_name,
-        "steps": summary.steps,
-        "requests": summary.requests,
-        "finished": summary.finished,
-        "rejected": summary.rejected,
-        "aborts": summary.aborted,
-        "retractions": summary.retractions,
-        "retracted_requests": summary.retracted_requests,
-        "evicted_tokens": summary.evicted_tokens,
-        "prefix_hit_rate": summary.prefix_hit_rate,
-        "prefix_hit_tokens": summary.prefix_hit_tokens,
-        "prompt_tokens": summary.prompt_tokens,
-        "duration_s": summary.duration_s,
-        "wall_s": wall_s,
-        "steps_per_s": summary.steps / wall_s if wall_s > 0 else 0.0,
-        "prefill_steps": summary.prefill_steps,
-        "decode_steps": summary.decode_steps,
-        "peak_running": summary.peak_running,
-        "peak_waiting": summary.peak_waiting,
-        "extend_retries": summary.extend_retries,
-        "row_overflows": summary.row_overflows,
-        "spec_mean_accepted": (
-            summary.spec_accepted_tokens / max(1, summary.spec_ops) if spec_settings is not None else None
-        ),
-        "integrity_violations": result.violations,
-        "block_reuse": result.block_reuse,
-        "file_bytes": out.stat().st_size if out.exists() else 0,
-        "config": {
-            "page_size": page_size,
-            "pool_tokens": pool_tokens,
-            "max_running": max_running,
-            "context_len": context_len,
-            "chunk": chunk or None,
-            "policy": policy.value,
-            "spec": spec,
-            "pd_decode": pd_decode,
-        },
-    }
+        self._live = live
+        return progress_cb
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+def _report(report: dict[str, Any], options: Any, *, workload: Path, as_json: bool) -> None:
+    """Print the recording's summary: the ``--json`` object, or a table."""
+    rejected, requests = report["rejected"], report["requests"]
+    if rejected:
+        limit = min(options.context_len - 1, options.pool_tokens - 1) - PROMPT_MARGIN
+        ui.warn(
+            f"{rejected:,} of {requests + rejected:,} requests were rejected on arrival "
+            f"(prompts of {limit:,} tokens or more do not fit --context-len / --pool-tokens)"
+        )
     if as_json:
-        typer.echo(json.dumps(report))
+        ui.emit_json(report)
         return
-    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvtrace record → {out}", show_header=False)
+    r = report
+    table = Table(title=f"kvtrace record → {r['out']}", show_header=False)
     table.add_column("", style="bold")
     table.add_column("", justify="right")
+    ttft = r["ttft_s"]
     rows = [
-        ("workload", f"{workload.name} ({fmt_name})"),
-        ("requests", f"{summary.requests:,} ({summary.finished:,} finished, {summary.rejected:,} rejected)"),
-        ("steps", f"{summary.steps:,} ({summary.prefill_steps:,} prefill, {summary.decode_steps:,} decode)"),
-        ("simulated time", f"{summary.duration_s:,.1f} s"),
-        ("wall time", f"{wall_s:,.1f} s ({report['steps_per_s']:,.0f} steps/s)"),
-        ("prefix hit rate", f"{summary.prefix_hit_rate:.1%} of {summary.prompt_tokens:,} prompt tokens"),
-        ("retractions", f"{summary.retractions:,} ({summary.retracted_requests:,} requests)"),
-        ("aborts", f"{summary.aborted:,}"),
-        ("evicted tokens", f"{summary.evicted_tokens:,}"),
-        ("peak running / waiting", f"{summary.peak_running:,} / {summary.peak_waiting:,}"),
-        ("allocator integrity", "clean" if not result.violations else f"{len(result.violations)} violations"),
-        ("trace size", f"{report['file_bytes'] / 1e6:,.2f} MB"),
+        ("workload", f"{workload.name} ({options.fmt})"),
+        ("requests", f"{r['requests']:,} ({r['finished']:,} finished, {r['rejected']:,} rejected)"),
+        ("steps", f"{r['steps']:,} ({r['prefill_steps']:,} prefill, {r['decode_steps']:,} decode)"),
+        ("simulated time", f"{r['duration_s']:,.1f} s"),
+        ("wall time", f"{r['wall_s']:,.1f} s ({r['steps_per_s']:,.0f} steps/s)"),
+        ("prefix hit rate", f"{r['prefix_hit_rate']:.1%} of {r['prompt_tokens']:,} prompt tokens"),
+        ("peak KV in use", f"{r['peak_used_tokens']:,} of {options.pool_tokens:,} tokens at step {r['peak_step']:,}"),
+        ("time to first token", f"p50 {ttft['p50']:,.3f} s, p99 {ttft['p99']:,.3f} s" if ttft["count"] else "none"),
+        ("retractions", f"{r['retractions']:,} ({r['retracted_requests']:,} requests)"),
+        ("aborts", f"{r['aborts']:,}"),
+        ("evicted tokens", f"{r['evicted_tokens']:,}"),
+        ("peak running / waiting", f"{r['peak_running']:,} / {r['peak_waiting']:,}"),
+        ("allocator integrity", "clean" if not r["integrity_violations"] else f"{len(r['integrity_violations'])} violations"),
+        ("trace size", f"{r['file_bytes'] / 1e6:,.2f} MB"),
     ]
     for key, value in rows:
         table.add_row(key, value)
-    Console().print(table)
+    ui.console().print(table)

@@ -1,24 +1,38 @@
-"""``kvtrace replay``: run a trace through an allocator with every invariant checked."""
+"""``kvtrace replay``: run a trace through an allocator with every invariant checked.
+
+The replay pipeline (``kvtrace.session``, the allocator, torch) is imported inside
+the command, when it runs.
+"""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 
-from kvtrace.cli import app
-from kvtrace.config import check_memory, replay_names
+from kvtrace.cli import command, ui
+from kvtrace.cli.options import (
+    CheckMode,
+    Device,
+    DeviceOpt,
+    PoolForceOpt,
+    JsonOpt,
+    NoColorOpt,
+    OnBadOp,
+    OnOom,
+    QuietOpt,
+    TraceArg,
+    WhatIfPageSizeOpt,
+    WhatIfPoolTokensOpt,
+    examples,
+)
 from kvtrace.errors import ConfigError
-from kvtrace.registry import resolve_version
-from kvtrace.replay import ReplayEngine, ReplayOptions, allocator_config_for
-from kvtrace.report import render_replay_summary, replay_summary
-from kvtrace.statelog import StateLogWriter
-from traces.validate import BackgroundChecker
+from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY, DEFAULT_PORT  # (imports no Textual)
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
@@ -44,113 +58,182 @@ def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
     return start, stop
 
 
+def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: str) -> None:
+    """Raises typer.BadParameter for dashboard options that do not go together."""
+    if serve is not None and not tui:
+        raise typer.BadParameter("serving is for the dashboard; add --tui", param_hint="--serve")
+    if tui and as_json:
+        raise typer.BadParameter("the dashboard prints no JSON; drop --json or --tui", param_hint="--json")
+    if host != "127.0.0.1" and serve is None:
+        raise typer.BadParameter("--host is where --serve listens; add --tui --serve", param_hint="--host")
+
+
+def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: int | None, device: str,
+               options: Any, target: Any) -> None:
+    """The replay in the live dashboard (with --out, the steps it replays go to the log)."""
+    from kvtrace.config import config_dict
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
+    from kvtrace.tui.run import run_live
+
+    with ReplaySession(
+        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options,
+        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
+    ) as session:
+        if target is None:
+            run_live(session)
+            return
+        with target.writing() as tmp:
+            info = {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
+            run_live(session, log=StateLogWriter(tmp, info))
+
+
 def check_device(device: str) -> None:
-    """Raises ConfigError when cuda is asked for and no GPU is visible."""
+    """Raises ConfigError when cuda is asked for and no GPU, or no Triton, is there."""
     if device == "cuda":
+        import importlib.util
+
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: torch sees no CUDA GPU on this machine; use --device cpu")
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError(
+                "--device cuda needs Triton, which is installed on Linux (x86_64, aarch64) only; use --device cpu"
+            )
 
 
-@app.command()
+REPLAY_EXAMPLES = examples(
+    "# replay a bundled sample with its recorded configuration",
+    "kvtrace replay sample:mooncake-tiny",
+    "# check every invariant after each allocator call, stop at the first violation",
+    "kvtrace replay run.kvtrace --check every -x",
+    "# what-if: the recorded schedule on a smaller pool with 16-token pages",
+    "kvtrace replay run.kvtrace --pool-tokens 100000 --page-size 16",
+    "# steps 1000 to 1100 only, with a state log for kvtrace info or polars",
+    "kvtrace replay run.kvtrace --steps 1000:1100 --out window.arrow",
+)
+
+
+@command("replay", epilog=REPLAY_EXAMPLES)
 def replay(
-    trace: Annotated[str, typer.Argument(help="Trace file (.kvtrace) or sample:NAME.")],
-    page_size: Annotated[Optional[int], typer.Option("--page-size", min=1, help="What-if: replay with this page size.")] = None,
-    pool_tokens: Annotated[Optional[int], typer.Option("--pool-tokens", min=1, help="What-if: replay with this many KV slots.")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, or cuda (Triton kernels).")] = "cpu",
-    check: Annotated[str, typer.Option("--check", help="Invariant checks: every (after each allocator call), end, never.")] = "end",
-    on_oom: Annotated[str, typer.Option("--on-oom", help="stop at the first out-of-memory, or skip (drop the request).")] = "stop",
-    on_bad_op: Annotated[str, typer.Option("--on-bad-op", help="stop at an impossible op in the trace, or skip it.")] = "stop",
-    steps: Annotated[Optional[str], typer.Option("--steps", help="Replay range A:B (B exclusive); earlier steps run silently.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write the step-by-step state log (Arrow stream) here.")] = None,
+    trace: TraceArg,
+    page_size: WhatIfPageSizeOpt = None,
+    pool_tokens: WhatIfPoolTokensOpt = None,
+    device: DeviceOpt = Device.cpu,
+    check: Annotated[
+        CheckMode,
+        typer.Option(
+            "--check",
+            help="Invariant checks: every (after each allocator call, what it touched), full (the whole state "
+            "after each call), end, never.",
+        ),
+    ] = CheckMode.end,
+    max_violations: Annotated[Optional[int], typer.Option("--max-violations", min=1, help="Stop after this many invariant violations.", show_default="no limit")] = None,
+    first_violation: Annotated[bool, typer.Option("-x", "--exitfirst", help="Stop at the first invariant violation (--max-violations 1).")] = False,
+    on_oom: Annotated[OnOom, typer.Option("--on-oom", help="At an out-of-memory: stop, or skip (drop the request).")] = OnOom.stop,
+    on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
+    steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.", show_default="every step")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the step-by-step state log (an Arrow IPC file) here.", show_default=False)] = None,
+    force: PoolForceOpt = False,
+    digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Build the pool even when it looks bigger than the free memory.")] = False,
+    tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
+    serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"With --tui: serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]", show_default=False)] = None,
+    host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a trace can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Replay TRACE through the allocator with its invariants checked; print a summary.
 
-    Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped bad ops;
-    2 bad input.
-    """
-    from kvtrace.cli.info import open_trace
+    What-if options (--page-size, --pool-tokens) replay the recorded schedule: the same
+    requests in the same steps, so a pool smaller than the recording's runs out of
+    memory early instead of scheduling fewer requests at a time (kvtrace record TRACE
+    --pool-tokens N schedules the same requests anew).
 
-    for name, value, allowed in (
-        ("--device", device, ("cpu", "cuda")),
-        ("--check", check, ("every", "end", "never")),
-        ("--on-oom", on_oom, ("stop", "skip")),
-        ("--on-bad-op", on_bad_op, ("stop", "skip")),
-    ):
-        if value not in allowed:
-            raise typer.BadParameter(f"'{value}' is not one of {', '.join(allowed)}", param_hint=name)
+    Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped
+    bad ops; 2 bad input.
+    """
+    from kvtrace.config import config_dict
+    from kvtrace.outputs import OutputFile
+    from kvtrace.replay import ReplayOptions
+    from kvtrace.report import render_replay_summary
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
+    from traces.samples import resolve_trace
+
     start, stop = parse_step_range(steps)
-    check_device(device)
-    version = resolve_version(allocator)
-    reader = open_trace(trace)
-    config = allocator_config_for(reader.meta, page_size=page_size, pool_tokens=pool_tokens, device=device)
-    names = replay_names(pool_tokens=pool_tokens is not None, page_size=page_size is not None)
-    check_memory(config, num_rids=reader.rid_bound, names=names, force=force)
-    # The step checker runs in a child process on another core; start it before the
-    # allocator (which may initialise CUDA).
-    checker = BackgroundChecker(reader.path, stop=stop, rid_bound=reader.rid_bound)
-    alloc = version.create(config)
-    options = ReplayOptions(check=check, on_oom=on_oom, on_bad_op=on_bad_op, start_step=start, stop_step=stop)  # type: ignore[arg-type]
-    engine = ReplayEngine(reader.steps(), reader.meta, alloc, options, checker=checker)
-    err = Console(stderr=True)
-    log = None
-    if out is not None:
-        log = StateLogWriter(out, {"trace": str(trace), "allocator": version.spec, "config": _config_dict(config)})
-    t0 = time.perf_counter()
-    try:
-        with _progress(err, reader) as advance:
-            for snap in engine.snapshots():
-                if log is not None:
-                    log.write(snap)
-                advance(snap.step, snap.time_s)
-    finally:
-        checker.close()
-        if log is not None:
-            log.close()
-    wall = time.perf_counter() - t0
-    summary = replay_summary(
-        engine.stats,
-        config,
-        requests=engine.num_requests,
-        wall_s=wall,
-        held_overalloc=alloc.counters().overallocated,
-        stopped_early=engine.stopped_early,
+    check_dashboard_options(tui, serve, as_json, host)
+    if digests and out is None:
+        raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
+    check_device(device.value)
+    target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
+    options = ReplayOptions(
+        state_digest=digests,
+        check=check.value,  # type: ignore[arg-type]
+        on_oom=on_oom.value,  # type: ignore[arg-type]
+        on_bad_op=on_bad_op.value,  # type: ignore[arg-type]
+        start_step=start,
+        stop_step=stop,
+        max_violations=1 if first_violation else max_violations,
     )
-    summary["trace"] = str(trace)
-    summary["allocator"] = version.spec
-    summary["truncated"] = bool(getattr(reader, "truncated", False))
+    if serve is not None:
+        import sys
+
+        from kvtrace.tui.run import serve as serve_dashboard
+
+        # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
+        ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
+                      options=options, screen="inline", force_memory=force).close()
+        serve_dashboard(sys.argv[1:], host=host, port=serve)
+        return
+    if tui:
+        _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target)
+        return
+    err = ui.console(stderr=True)
+    with ReplaySession(
+        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
+        force_memory=force,
+    ) as session:
+        if target is None:
+            _run(session, err, None)
+        else:
+            with target.writing() as tmp:
+                info = {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
+                with StateLogWriter(tmp, info) as log:
+                    _run(session, err, log)
+        result = session.result()
+    summary = result.to_dict()
     if out is not None:
         summary["state_log"] = str(out)
-    if (start is not None or stop is not None) and engine.stats.steps_reported == 0 and not engine.stopped_early:
-        err.print(f"[yellow]warning:[/yellow] --steps {steps}: no step of {trace} falls in that window")
+    if (start is not None or stop is not None) and result.stats.steps == 0 and not result.stopped_early:
+        ui.warn(f"--steps {steps}: no step of {trace} falls in that window")
     if summary["truncated"]:
-        err.print(f"[yellow]warning:[/yellow] {trace}: the trace was cut short; replayed every complete step")
+        ui.warn(f"{trace}: the trace was cut short; replayed every complete step")
     if as_json:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        ui.emit_json(summary)
     else:
-        render_replay_summary(summary, Console(), title=f"kvtrace replay {trace}")
-    failed = summary["num_violations"] > 0 or summary["bad_ops"] > 0 or (on_oom == "stop" and summary["oom"] is not None)
-    raise typer.Exit(1 if failed else 0)
+        render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}")
+    raise typer.Exit(1 if result.failed else 0)
 
 
-def _config_dict(config: object) -> dict[str, object]:
-    import dataclasses
-
-    d = dataclasses.asdict(config)  # type: ignore[call-overload]
-    return {k: v for k, v in d.items() if v is not None}
+def _run(session: Any, err: Console, log: Any) -> None:
+    """Replay every step, writing each snapshot to the state log (if any), with progress."""
+    with _progress(err, session) as advance:
+        for snap in session.snapshots():
+            if log is not None:
+                log.write(snap)
+            advance(snap.step, snap.time_s)
 
 
 class _progress:
     """A stderr progress line (steps, simulated time, share of the file read); silent when not a TTY."""
 
-    def __init__(self, console: Console, reader: object) -> None:
+    def __init__(self, console: Console, session: object) -> None:
         self.console = console
-        self.reader = reader
-        self.enabled = console.is_terminal
+        self.session = session
+        self.enabled = console.is_terminal and not ui.settings.quiet
         self._last = 0.0
         self._steps = 0
 
@@ -169,8 +252,7 @@ class _progress:
             transient=True,
         )
         self._progress.start()
-        total = float(getattr(self.reader, "file_bytes", 0) or 1)
-        self._task = self._progress.add_task("replay", total=total, info="")
+        self._task = self._progress.add_task("replay", total=1.0, info="")
 
         def advance(step: int, t: float) -> None:
             self._steps += 1
@@ -178,7 +260,7 @@ class _progress:
             if now - self._last < 0.1:
                 return
             self._last = now
-            done = float(getattr(self.reader, "bytes_read", 0) or 0)
+            done = self.session.progress  # type: ignore[attr-defined]
             self._progress.update(self._task, completed=done, info=f"step {step:,}  t={t:,.0f}s")
 
         return advance

@@ -175,6 +175,11 @@ def test_rows_are_handed_out_from_the_end_in_batch_order() -> None:
     alloc.extend(_a(9), _a(2), [_toks(2, 400)])
     assert alloc.row_of(9) == 3  # the row just freed
     assert alloc.req_to_token_pool.free_slots == [1, 2]
+    rows = alloc.rows_by_rid()
+    assert (rows[7], rows[8], rows[9]) == (-1, 4, 3)
+    assert np.flatnonzero(rows >= 0).tolist() == [8, 9]
+    with pytest.raises(ValueError):
+        rows[7] = 1  # a read-only view
 
 
 # ---------------------------------------------------------------------------- radix behaviour (§10)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from allocator.table_writer import pack_ranges
+from allocator.req_to_token import ReqToTokenPool
+from allocator.table_writer import CpuTableWriter, pack_ranges
 
 
 def _naive(flat: np.ndarray, row_base: np.ndarray, rows, starts, ends) -> dict[tuple[int, int], int]:
@@ -41,3 +42,13 @@ def test_pack_ranges_matches_a_per_position_gather() -> None:
         pack_ranges(flat, row_base, rows, starts, ends, counts, out)
         assert (out != -7).all()
         assert _unpack(out, bs) == _naive(flat, row_base, rows.tolist(), starts.tolist(), ends.tolist())
+
+
+def test_read_points_reads_what_write_points_wrote() -> None:
+    writer = CpuTableWriter(ReqToTokenPool(4, 16))
+    rows = np.array([3, 1, 4], dtype=np.int64)
+    positions = np.array([0, 15, 7], dtype=np.int64)
+    writer.write_points(rows, positions, np.array([11, 22, 33], dtype=np.int32))
+    got = writer.read_points(rows, positions)
+    assert got.tolist() == [11, 22, 33] and got.dtype == np.int32
+    assert writer.read_points(rows, np.array([1, 14, 6], dtype=np.int64)).tolist() == [0, 0, 0]  # neighbours

@@ -5,7 +5,10 @@ see ``sglang_driver.py``); ``compare_scenario`` walks them in lockstep and retur
 the FIRST divergence: the step, the op that touched the field, the request, the
 field, both values and a few steps of context.
 
-Stdlib + numpy only (no kvtrace import), so it can be tested on synthetic dumps.
+The step comparison itself is kvtrace's (``kvtrace.compare``, the one ``kvtrace
+diff`` uses): a dump becomes a ``StepView`` (call outcomes; per request its row,
+lengths and ``req_to_token`` slots; the pool sizes and free lists in order; the
+radix tree's shape) and ``compare_step`` lists what differs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from kvtrace import compare as core
 
 try:
     from . import scenario as sc
@@ -65,40 +70,38 @@ def read_blocks(lines: Iterable[str]) -> dict[str, RunBlock]:
 
 @dataclass(frozen=True, slots=True)
 class Divergence:
+    """A scenario's first divergence: ``kvtrace.compare.Divergence`` (side A is SGLang,
+    side B ours) with the scenario and, with ``--fine``, the call after which it shows."""
+
     scenario: str
-    step: int
-    op: str  # the op of that step that touched the field ("-" for pool fields changed by several)
-    rid: int | None
-    field: str
-    sglang: Any
-    ours: Any
-    detail: str = ""
-    also: tuple[str, ...] = ()  # other fields that differ in the same step
-    context: tuple[str, ...] = ()
+    core: core.Divergence
     phase: str = ""  # --fine: the batched call after which the dumps differ
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
+
+    @property
+    def sglang(self) -> Any:
+        return self.core.a
+
+    @property
+    def ours(self) -> Any:
+        return self.core.b
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "scenario": self.scenario, "step": self.step, "op": self.op, "rid": self.rid,
-            "field": self.field, "sglang": self.sglang, "ours": self.ours, "detail": self.detail,
-            "also": list(self.also), "context": list(self.context), "phase": self.phase,
-        }
+        d = self.core.to_dict()
+        d["sglang"], d["ours"] = d.pop("a"), d.pop("b")
+        return {"scenario": self.scenario, **d, "phase": self.phase}
 
     def render(self) -> str:
-        who = f" rid {self.rid}" if self.rid is not None else ""
+        c = self.core
+        who = f" rid {c.rid}" if c.rid is not None else ""
         after = f", after the {self.phase} call" if self.phase and self.phase != "end" else ""
-        lines = [
-            f"FIRST DIVERGENCE in {self.scenario!r} at step {self.step} ({self.op}{after}){who}: {self.field}",
-            f"  sglang: {_short(self.sglang)}",
-            f"  ours:   {_short(self.ours)}",
-        ]
-        if self.detail:
-            lines.append(f"  {self.detail}")
-        if self.also:
-            lines.append(f"  also differing in this step: {', '.join(self.also)}")
-        if self.context:
+        lines = [f"FIRST DIVERGENCE in {self.scenario!r} at step {c.step} ({c.op}{after}){who}: {c.field}"]
+        lines += c.body("sglang:", "ours:")
+        if c.context:
             lines.append("  context:")
-            lines.extend(f"    {c}" for c in self.context)
+            lines.extend(f"    {line}" for line in c.context)
         return "\n".join(lines)
 
 
@@ -115,25 +118,6 @@ class ScenarioResult:
             "scenario": self.scenario, "status": self.status, "steps_compared": self.steps_compared,
             "divergence": self.divergence.to_dict() if self.divergence else None, "note": self.note,
         }
-
-
-def _short(value: Any, limit: int = 240) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if neq.size else n
-
-
-def _list_diff(name: str, a_runs: Sequence[Sequence[int]], b_runs: Sequence[Sequence[int]]) -> tuple[Any, Any, str]:
-    a, b = sc.unrle(a_runs), sc.unrle(b_runs)
-    i = _first_diff(a, b)
-    lo = max(0, i - 3)
-    detail = f"{name}: lengths {a.size} vs {b.size}; first difference at index {i}"
-    return a[lo : i + 6].tolist(), b[lo : i + 6].tolist(), detail + (f" (showing from index {lo})" if lo else "")
 
 
 def _ops_of_step(step: sc.Step | None) -> str:
@@ -165,44 +149,36 @@ def _event_key(ev: dict[str, Any]) -> tuple:
     return (ev.get("op"), tuple(ev.get("rids", ())), ev.get("outcome"), tuple(ev.get("skipped", ())))
 
 
-def compare_step(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, int | None, Any, Any, str]]:
-    """Every differing field of one step: (field, rid, sglang value, ours value, detail)."""
-    diffs: list[tuple[str, int | None, Any, Any, str]] = []
-    ea = [_event_key(e) for e in a.get("events", ())]
-    eb = [_event_key(e) for e in b.get("events", ())]
-    if ea != eb:
-        for x, y in zip(ea + [None] * len(eb), eb + [None] * len(ea)):
-            if x != y:
-                op = (x or y)[0]
-                rid = None
-                diffs.append((f"events.{op}", rid, _event_str(x), _event_str(y), "call outcome (ok / oom / skipped)"))
-                break
-    ra = {r[0]: r for r in a["reqs"]}
-    rb = {r[0]: r for r in b["reqs"]}
-    for rid in sorted(set(ra) | set(rb)):
-        x, y = ra.get(rid), rb.get(rid)
-        if x is None or y is None:
-            diffs.append(("holds_kv", rid, x is not None, y is not None, "request holds KV on one side only"))
-            continue
-        for k, name in enumerate(REQ_FIELDS, start=1):
-            if x[k] != y[k]:
-                if name == "req_to_token":
-                    va, vb, detail = _list_diff(f"req_to_token row of r{rid}", x[k], y[k])
-                    diffs.append((name, rid, va, vb, detail))
-                else:
-                    diffs.append((name, rid, x[k], y[k], ""))
+def step_view(d: dict[str, Any]) -> core.StepView:
+    """One driver's dump of a step as the comparator reads it."""
+    reqs = d["reqs"]
+    n = len(reqs)
+    slots = np.empty(n, dtype=object)
+    for i, r in enumerate(reqs):
+        slots[i] = tuple(sc.unrle(r[5]).tolist())
+    requests = {name: np.array([r[k] for r in reqs], dtype=np.int64) for k, name in enumerate(REQ_FIELDS[:-1], start=1)}
+    requests["req_to_token"] = slots
+    pool: dict[str, Any] = {}
     for name in POOL_FIELDS:
-        x, y = a.get(name), b.get(name)
-        if x != y:
-            if isinstance(x, list):
-                va, vb, detail = _list_diff(name, x, y)
-                diffs.append((name, None, va, vb, detail))
-            else:
-                diffs.append((name, None, x, y, ""))
-    ta, tb = a.get("tree"), b.get("tree")
-    if ta is not None and tb is not None and ta != tb:
-        diffs.append(("tree", None, *_tree_diff(ta, tb)))
-    return diffs
+        value = d.get(name)
+        pool[name] = tuple(sc.unrle(value).tolist()) if isinstance(value, list) else value
+    return core.StepView(
+        step=int(d.get("step", 0)),
+        events=[_event_key(e) for e in d.get("events", ())],
+        rids=np.array([r[0] for r in reqs], dtype=np.int64),
+        requests=requests,
+        pool=pool,
+        physical={"tree": d.get("tree")},
+        presence="holds_kv",
+    )
+
+
+def compare_step(a: dict[str, Any], b: dict[str, Any]) -> list[core.FieldDiff]:
+    """Every differing field of one step: (field, rid, sglang value, ours value, detail)."""
+    return core.compare_step(
+        step_view(a), step_view(b), describe={"tree": _tree_diff},
+        event_text=_event_str, event_detail="call outcome (ok / oom / skipped)",
+    )
 
 
 def _tree_diff(a: list[list[int]], b: list[list[int]]) -> tuple[Any, Any, str]:
@@ -267,10 +243,10 @@ def compare_scenario(
                     note=(f"step {step_no}: SGLang wrote past the req_to_token row for {sorted(ova)} "
                           f"(rid, positions asked); ours reported {sorted(ovb)}; comparison stops here (§10)"),
                 )
-            return ScenarioResult(name, "diverged", i, Divergence(
-                name, step_no, _op_for(sstep, None), sorted(ova)[0][0], "row_overflow",
+            return ScenarioResult(name, "diverged", i, Divergence(name, core.Divergence(
+                step_no, _op_for(sstep, None), sorted(ova)[0][0], "row_overflow",
                 sorted(ova), sorted(ovb), "SGLang overflowed the row; ours did not report it",
-            ))
+            )))
         diffs = compare_step(a, b)
         if not diffs:
             continue
@@ -284,7 +260,7 @@ def compare_scenario(
                           "referenced by the radix tree: a release whose owned length is below its "
                           "cache_protected_len frees tree slots); ours conserves the pool; comparison stops here"),
                 )
-        field_, rid, va, vb, detail = diffs[0]
+        rid = diffs[0].rid
         phase = str(a.get("phase", ""))
         ctx = []
         seen: list[int] = []
@@ -298,10 +274,9 @@ def compare_scenario(
             ctx.append(f"step {sn}: {_ops_of_step(steps_by_no.get(sn))}")
         ctx.append(f"sglang after step {step_no}: {_state_line(a)}")
         ctx.append(f"ours   after step {step_no}: {_state_line(b)}")
-        also = tuple(f"{f}{'' if r is None else f'[r{r}]'}" for f, r, *_ in diffs[1:8])
         op = phase if phase and phase != "end" else _op_for(sstep, rid)
         return ScenarioResult(name, "diverged", i + 1, Divergence(
-            name, step_no, op, rid, field_, va, vb, detail, also, tuple(ctx), phase,
+            name, core.Divergence.of(step_no, op, diffs, ctx, max_also=7), phase,
         ))
     if len(sglang.steps) != len(ours.steps):
         return ScenarioResult(name, "error", n, note=f"step counts differ: sglang {len(sglang.steps)}, ours {len(ours.steps)}")

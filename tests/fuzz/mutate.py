@@ -431,7 +431,7 @@ def _message_spans(data: bytearray) -> list[tuple[int, int]]:
             break
         meta = bytes(data[offset + 8 : offset + 8 + meta_len])
         try:
-            from traces.io import _parse_message_header
+            from traces.ipc import _parse_message_header
 
             _, body_len = _parse_message_header(meta)
         except ValueError:

@@ -40,7 +40,9 @@ def edited(
 ) -> Path:
     """A copy of ``sample`` with one metadata edit or one cell set to ``value``."""
     with pa.OSFile(str(sample_path(sample))) as source:
-        reader = pa.ipc.open_stream(source)
+        is_file = source.read(6) == b"ARROW1"  # samples are IPC files; recordings streams
+        source.seek(0)
+        reader = pa.ipc.open_file(source) if is_file else pa.ipc.open_stream(source)
         schema, table = reader.schema, reader.read_all()
     data = json.loads(schema.metadata[METADATA_KEY])
     if meta is not None:

@@ -357,3 +357,104 @@ def test_damaged_files_of_every_kind_never_crash(tmp_path: Path) -> None:
             if code == 2:
                 assert_one_error_line(err, str(damaged))
     assert 2 in seen_codes and 1 in seen_codes
+
+
+# -- state logs -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def state_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    log = tmp_path_factory.mktemp("statelog") / "state.arrow"
+    result = runner.invoke(app, ["replay", "sample:mooncake-tiny", "--out", str(log), "--json"])
+    assert result.exit_code == 0, result.output
+    return log, json.loads(result.stdout)
+
+
+def test_info_recognises_and_summarises_a_state_log(state_log: tuple[Path, dict]) -> None:
+    log, replayed = state_log
+    code, out, err = invoke("info", str(log), "--json")
+    assert code == 0 and err == ""
+    info = json.loads(out)
+    assert info["kind"] == "state_log" and info["ipc_format"] == "file" and not info["truncated"]
+    assert info["trace"] == "sample:mooncake-tiny" and info["allocator"] == "builtin"
+    assert info["steps"] == replayed["steps"] and info["peak_used_tokens"] == replayed["peak_used_tokens"]
+    assert info["peak_step"] == replayed["peak_step"]
+    assert info["events"]["evict"]["tokens"] == replayed["evicted_tokens"]
+    assert info["config"]["page_size"] == replayed["page_size"]
+    code, table, _ = invoke("info", str(log))
+    assert code == 0 and "(state log)" in table and "peak used" in table and "not written by kvtrace" not in table
+    for command in ("validate", "replay"):
+        code, _, err = invoke(command, str(log))
+        assert code == 2
+        assert_one_error_line(err, str(log), "is a kvtrace state log file, not a trace; kvtrace info shows what it holds")
+
+
+def test_a_state_log_cut_short_reads_as_far_as_it_goes(state_log: tuple[Path, dict], tmp_path: Path) -> None:
+    from kvtrace.statelog import read_state_log
+
+    log, replayed = state_log
+    data = log.read_bytes()
+    for size in (len(data) - 20, len(data) // 2):  # in the footer; in the middle of the batches
+        cut = tmp_path / f"cut-{size}.arrow"
+        cut.write_bytes(data[:size])
+        code, out, err = invoke("info", str(cut), "--json")
+        info = json.loads(out)
+        assert code == 0 and info["truncated"] and err.startswith(f"kvtrace: warning: {cut}: file truncated")
+        _, snapshots = read_state_log(cut)
+        steps = [s.step for s in snapshots]
+        assert steps == list(range(info["steps"])) and 0 < len(steps) <= replayed["steps"]
+
+
+def test_data_tools_read_a_state_log(state_log: tuple[Path, dict]) -> None:
+    log, replayed = state_log
+    pl = pytest.importorskip("polars", reason="polars is not installed (pip install -e '.[dev]')")
+    used = pl.scan_ipc(log).select((pl.col("pool_tokens") - pl.col("available") - pl.col("evictable")).max()).collect()
+    assert used.item() == replayed["peak_used_tokens"]
+    pd = pytest.importorskip("pandas", reason="pandas is not installed (pip install -e '.[dev]')")
+    assert len(pd.read_feather(log, columns=["step"])) == replayed["steps"]
+    duckdb = pytest.importorskip("duckdb", reason="duckdb is not installed (pip install -e '.[dev]')")
+    import pyarrow.dataset as ds
+
+    steps = ds.dataset(log, format="arrow")  # noqa: F841 - DuckDB finds it by name
+    evicted = duckdb.sql(
+        "SELECT sum(e.tokens) FROM (SELECT unnest(events) AS e FROM steps) WHERE e.kind = 'evict'"
+    ).fetchall()
+    assert evicted == [(replayed["evicted_tokens"],)]
+
+
+def test_data_tools_read_a_recorded_trace(tmp_path: Path) -> None:
+    out = tmp_path / "t.kvtrace"
+    workload = Path(__file__).resolve().parents[2] / "traces" / "workloads_data" / "mooncake-fast25" / "conversation_trace.jsonl"
+    result = runner.invoke(app, ["record", str(workload), "--duration", "10s", "--page-size", "16", "--out", str(out), "-q", "--json"])
+    assert result.exit_code == 0, result.output
+    steps = json.loads(result.stdout)["steps"]
+    pl = pytest.importorskip("polars", reason="polars is not installed (pip install -e '.[dev]')")
+    assert pl.scan_ipc(out).select(pl.col("step").n_unique()).collect().item() == steps
+    pd = pytest.importorskip("pandas", reason="pandas is not installed (pip install -e '.[dev]')")
+    assert pd.read_feather(out, columns=["step"])["step"].nunique() == steps
+    duckdb = pytest.importorskip("duckdb", reason="duckdb is not installed (pip install -e '.[dev]')")
+    import pyarrow.dataset as ds
+
+    trace = ds.dataset(out, format="arrow")  # noqa: F841 - DuckDB finds it by name
+    assert duckdb.sql("SELECT count(DISTINCT step) FROM trace").fetchall() == [(steps,)]
+
+
+def test_damaged_compacted_traces_never_crash(tmp_path: Path) -> None:
+    """The IPC file layout under the same damage as the stream test above."""
+    from traces.io import compact_trace
+
+    compacted = tmp_path / "tiny-file.kvtrace"
+    compacted.write_bytes(sample_path("tiny").read_bytes())
+    compact_trace(compacted, steps_per_batch=16)
+    data = compacted.read_bytes()
+    assert data[:6] == b"ARROW1"
+    rng = np.random.default_rng(21)
+    damaged = tmp_path / "damaged.kvtrace"
+    for i in range(48):
+        damaged.write_bytes(_damage(data, i % 6, rng))
+        for command in ("info", "validate"):
+            code, _, err = invoke(command, str(damaged), "--json")
+            assert code in (0, 1, 2), err
+            assert "Traceback" not in err and "internal error" not in err, err
+            if code == 2:
+                assert_one_error_line(err, str(damaged))

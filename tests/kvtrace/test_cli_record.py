@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import kvtrace
 from kvtrace.cli import app
 from traces.errors import TraceError
 from traces.io import TraceReader
@@ -81,6 +82,10 @@ def test_summary_table_and_overwrite_refused(tmp_path: Path) -> None:
         (["--chunk", "8"], "at least the page size 16"),
         (["--step-time", "warp=3"], "unknown step-time coefficient"),
         (["--policy", "random"], "random"),
+        (["--pool-tokens", "1"], "Invalid value for --pool-tokens: a pool of 1 tokens holds fewer than 4 pages of 16"),
+        (["--page-size", "1000000"], "Invalid value for --page-size: 1,000,000 tokens per page leave fewer than 4 pages"),
+        (["--device", "tpu"], "--device"),
+        (["--compression", "gzip"], "--compression"),
     ],
 )
 def test_bad_options_exit_2(tmp_path: Path, extra: list[str], message: str) -> None:
@@ -178,6 +183,183 @@ def test_sigkill_keeps_every_completed_step(tmp_path: Path) -> None:
     assert problems == []
     report = _validate(out)
     assert [p["problem"] for p in report["problems"]] == [report["truncation_detail"]]
+    assert report["interrupted"] is True
+    info = _info(out)
+    assert info["interrupted"] is True and info["recording"]["status"] == "interrupted"
+    assert "without closing the trace" in info["recording"]["detail"]
+
+
+def _info(path: Path) -> dict:
+    result = CliRunner().invoke(app, ["info", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _start_recording(out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "kvtrace", "record", str(MOONCAKE), "--format", "mooncake",
+        "--out", str(out), "--page-size", "16", *extra,
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(proc: subprocess.Popen, path_of: object, steps: int) -> None:
+    """Until the trace being written (``path_of()``) holds ``steps`` steps."""
+    deadline = time.monotonic() + 120
+    seen = 0
+    while seen < steps:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "the recording made no progress"
+        time.sleep(0.2)
+        path = path_of()  # type: ignore[operator]
+        if path is None:
+            continue
+        try:
+            seen = sum(1 for _ in TraceReader(path).steps())
+        except TraceError:
+            continue  # not created yet
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "detail"),
+    [(signal.SIGINT, 130, "interrupted by Ctrl-C (SIGINT)"), (signal.SIGTERM, 128 + signal.SIGTERM, "terminated by SIGTERM")],
+)
+def test_an_interrupted_recording_says_so(tmp_path: Path, signum: int, code: int, detail: str) -> None:
+    """Ctrl-C (a real SIGINT) or kill (SIGTERM) mid-recording: the trace keeps its steps,
+    is marked interrupted with the reason, and info and validate report it."""
+    out = tmp_path / "stopped.kvtrace"
+    proc = _start_recording(out, "--quiet")
+    try:
+        _wait_for_steps(proc, lambda: out, 100)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == code, stderr
+    assert f"holds the steps recorded so far, marked interrupted" in stderr and "Traceback" not in stderr
+    info = _info(out)
+    recording = info["recording"]
+    assert info["interrupted"] is True and recording["status"] == "interrupted" and recording["detail"] == detail
+    assert recording["steps"] == info["steps"] >= 100 and not info["truncated"]
+    assert recording["kvtrace_version"] == kvtrace.__version__ and info["created_at"] is not None
+    assert recording["command"].startswith("kvtrace record ") and f"--out {out}" in recording["command"]
+    assert info["ipc_format"] == "stream"  # not compacted: leave fast
+    report = _validate(out)
+    assert not report["ok"] and report["interrupted"] is True
+    assert [p["problem"] for p in report["problems"]] == [f"recording interrupted after {info['steps']:,} steps: {detail}"]
+    table = CliRunner().invoke(app, ["info", str(out)])
+    assert "interrupted" in table.stdout and f"kvtrace: warning: {out}: recording interrupted" in table.stderr
+
+
+def test_an_interrupted_recording_over_an_old_trace_keeps_the_old_one(tmp_path: Path) -> None:
+    out = tmp_path / "kept.kvtrace"
+    out.write_bytes(b"a previous trace")
+    proc = _start_recording(out, "--quiet", "--force")
+
+    def live() -> Path | None:
+        found = list(tmp_path.glob(".kept.kvtrace.*.tmp"))
+        return found[0] if found else None
+
+    try:
+        _wait_for_steps(proc, live, 50)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and f"{out} was left as it was" in stderr
+    assert out.read_bytes() == b"a previous trace"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.kvtrace"]  # no half file
+
+
+def test_a_complete_recording_records_its_provenance(tmp_path: Path) -> None:
+    out = tmp_path / "done.kvtrace"
+    code, _, output = _record([str(MOONCAKE), "--duration", "10s", "--out", str(out), *SMALL])
+    assert code == 0, output
+    info = _info(out)
+    assert info["ipc_format"] == "file" and info["interrupted"] is False
+    assert info["recording"]["status"] == "complete" and info["recording"]["steps"] == info["steps"]
+    assert info["recording"]["command"] == f"kvtrace record {MOONCAKE} --duration 10s --out {out} " + " ".join(SMALL) + " --json"
+    assert info["created_at"].endswith("Z") and info["recording"]["finished_at"] >= info["created_at"]
+    assert _validate(out)["ok"]
+
+
+def _small_mooncake(tmp_path: Path) -> Path:
+    lines = MOONCAKE.read_text().splitlines()[:25]
+    path = tmp_path / "small.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_gzip_and_zstd_workloads_are_read_as_they_are(tmp_path: Path) -> None:
+    import gzip
+
+    import pyarrow as pa
+
+    plain = _small_mooncake(tmp_path)
+    gz = tmp_path / "small.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    zst = tmp_path / "small.data"  # no telling suffix: recognised by its first bytes
+    with pa.output_stream(str(zst), compression="zstd") as sink:
+        sink.write(plain.read_bytes())
+    reports = {}
+    for source in (plain, gz, zst):
+        out = tmp_path / f"{source.name}.kvtrace"
+        extra = ["--format", "mooncake"] if source is zst else []
+        code, report, output = _record([str(source), "--out", str(out), *extra, *SMALL])
+        assert code == 0, output
+        reports[source.name] = report
+        assert report["format"] == "mooncake"
+    assert len({(r["steps"], r["requests"], r["prefix_hit_rate"]) for r in reports.values()}) == 1
+    a, b = TraceReader(tmp_path / "small.jsonl.kvtrace"), TraceReader(tmp_path / "small.jsonl.gz.kvtrace")
+    assert all(x.equals(y) for x, y in zip(a.steps(), b.steps()))
+
+
+@pytest.mark.parametrize("kind", ["trace", "gzip-trace", "binary", "latin-1", "cut-gzip"])
+def test_a_trace_or_a_binary_is_one_line_naming_what_it_is(tmp_path: Path, kind: str) -> None:
+    import gzip
+
+    from traces.samples import sample_path
+
+    path = tmp_path / f"{kind}.input"
+    expected = {
+        "trace": "is an Arrow IPC file (a kvtrace trace or state log), not a workload",
+        "gzip-trace": "is gzip-compressed and an Arrow IPC file",
+        "binary": "is a binary file, not a workload",
+        "latin-1": "is not UTF-8 text",
+        "cut-gzip": "cannot be decompressed",
+    }[kind]
+    if kind == "trace":
+        path.write_bytes(sample_path("tiny").read_bytes())
+    elif kind == "gzip-trace":
+        path.write_bytes(gzip.compress(sample_path("tiny").read_bytes()))
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "latin-1":
+        path.write_bytes("num_prefill_tokens,num_decode_tokens\n12,3\ncaf\u00e9,4\n".encode("latin-1"))
+    else:
+        path.write_bytes(gzip.compress(_small_mooncake(tmp_path).read_bytes())[:600])
+    out = tmp_path / "x.kvtrace"
+    # A trace is a workload of its own format (scheduled anew); with another --format it is refused.
+    for extra in ([], ["--format", "lengths", "--rate", "2"])[1 if kind == "trace" else 0 :]:
+        result = CliRunner().invoke(app, ["record", str(path), "--out", str(out), *extra])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kvtrace: error: {path}") and expected in lines[0], lines
+        assert "Traceback" not in result.stderr and "internal error" not in result.stderr and not out.exists()
+
+
+def test_when_every_request_is_rejected_record_says_why_and_exits_1(tmp_path: Path) -> None:
+    out = tmp_path / "none.kvtrace"
+    result = CliRunner().invoke(app, ["record", str(MOONCAKE), "--duration", "10s", "--context-len", "100", "--out", str(out), "-q"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nothing was recorded: all 38 requests were rejected on arrival" in lines[0]
+    assert "raise --context-len" in lines[0] and not out.exists()
+    some = CliRunner().invoke(app, ["record", str(MOONCAKE), "--duration", "10s", "--context-len", "9000", "--out", str(out), "-q"])
+    assert some.exit_code == 0 and "kvtrace: warning: " in some.stderr and "rejected on arrival" in some.stderr
 
 
 def test_a_completed_recording_is_compacted(tmp_path: Path) -> None:

@@ -10,12 +10,11 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from allocator import create_allocator
 from kvtrace.cli import app
-from kvtrace.replay import ReplayEngine, ReplayOptions, allocator_config_for
+from kvtrace.replay import ReplayOptions
+from kvtrace.session import ReplayResult, ReplaySession
 from kvtrace.statelog import STATE_LOG_SCHEMA, read_state_log
 from tests.traces.conftest import make_meta, write_steps
-from traces.io import TraceReader
 from traces.schema import StepBatch
 from traces.synth import generate
 
@@ -45,13 +44,14 @@ def busy_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def run_engine(path: Path, **options: object) -> ReplayEngine:
-    reader = TraceReader(path)
+def open_session(path: Path, version: str = "builtin", **options: object) -> ReplaySession:
     overrides = {k: options.pop(k) for k in ("page_size", "pool_tokens") if k in options}
-    config = allocator_config_for(reader.meta, **overrides)  # type: ignore[arg-type]
-    engine = ReplayEngine(reader.steps(), reader.meta, create_allocator(config), ReplayOptions(**options))  # type: ignore[arg-type]
-    engine.run()
-    return engine
+    return ReplaySession(path, version=version, options=ReplayOptions(**options), screen="inline", **overrides)  # type: ignore[arg-type]
+
+
+def run_engine(path: Path, **options: object) -> ReplayResult:
+    with open_session(path, **options) as session:
+        return session.run()
 
 
 def test_replay_json_has_the_design_keys_and_is_clean(busy_trace: Path) -> None:
@@ -148,7 +148,7 @@ def test_state_log_round_trips_and_opens_with_plain_pyarrow(busy_trace: Path, tm
     log = tmp_path / "state.arrow"
     code, s = replay_json(str(busy_trace), "--out", str(log))
     assert code == 0 and s["state_log"] == str(log)
-    table = pa.ipc.open_stream(pa.OSFile(str(log), "rb")).read_all()
+    table = pa.ipc.open_file(pa.memory_map(str(log))).read_all()  # an IPC file: footer, random access
     assert table.schema.remove_metadata() == STATE_LOG_SCHEMA
     assert table.num_rows == s["steps"]
     used = (table["pool_tokens"].to_numpy() - table["available"].to_numpy() - table["evictable"].to_numpy())
@@ -194,11 +194,8 @@ def test_cuda_without_gpu_is_a_clear_error(busy_trace: Path) -> None:
 
 
 def test_engine_snapshots_conserve_the_pool(busy_trace: Path) -> None:
-    reader = TraceReader(busy_trace)
-    config = allocator_config_for(reader.meta)
-    engine = ReplayEngine(reader.steps(), reader.meta, create_allocator(config))
     last = None
-    for snap in engine.snapshots():
+    for snap in open_session(busy_trace).snapshots():
         p = snap.pool
         assert p.available + p.evictable + p.protected + p.committed + p.overallocated == p.pool_tokens
         assert np.all(snap.requests.committed <= np.maximum(snap.requests.allocated, snap.requests.committed))
@@ -221,18 +218,14 @@ def spec_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("factory", ["leaky_overalloc", "double_free", "stale_row"])
 def test_injected_fault_is_blamed_on_its_step_and_request(spec_trace: Path, factory: str) -> None:
-    from kvtrace.registry import resolve_version
-
-    reader = TraceReader(spec_trace)
-    version = resolve_version(f"{FAULTY}:{factory}")
-    alloc = version.create(allocator_config_for(reader.meta))
-    engine = ReplayEngine(reader.steps(), reader.meta, alloc, ReplayOptions(check="every"))
+    session = open_session(spec_trace, f"{FAULTY}:{factory}", check="every")
+    alloc = session.allocator
     fault_step = None
-    for snap in engine.snapshots():
+    for snap in session.snapshots():
         if fault_step is None and alloc.fault_rid is not None:  # type: ignore[attr-defined]
             fault_step = snap.step
     assert fault_step is not None, "the fault never fired on this trace"
-    violations = engine.stats.violations
+    violations = session.result().stats.violations
     assert violations, "the checker missed the injected fault"
     first = violations[0]
     assert first.step == fault_step
@@ -253,3 +246,41 @@ def test_injected_fault_through_the_cli_exits_1_with_blame(spec_trace: Path) -> 
     # With --check end the leak is still found, at the end.
     code, s = replay_json(str(spec_trace), "--allocator", f"{FAULTY}:leaky_overalloc")
     assert code == 1 and s["num_violations"] >= 1
+
+
+@pytest.fixture(scope="module")
+def churn_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Speculative and plain decoding with retractions and aborts (faults on every release path)."""
+    path = tmp_path_factory.mktemp("faults") / "churn.kvtrace"
+    generate(path, num_requests=40, seed=11, page_size=16, spec=True, spec_fraction=0.7, early_stop_prob=0.3,
+             retract_prob=0.05, abort_prob=0.05)
+    return path
+
+
+_FAULT_OPS = {
+    "leaky_overalloc": {"finish", "abort"},
+    "double_free": {"finish"},
+    "stale_row": {"decode"},
+    "leak_on_retract": {"retract"},
+    "overwritten_row": {"decode"},
+    "lock_leak": {"abort", "retract"},
+    "counters_off": {"decode"},
+}
+
+
+@pytest.mark.parametrize("factory", sorted(_FAULT_OPS))
+def test_incremental_and_full_checks_blame_a_fault_alike(churn_trace: Path, factory: str) -> None:
+    firsts = []
+    for mode in ("every", "full"):
+        session = open_session(churn_trace, f"{FAULTY}:{factory}", check=mode)
+        alloc = session.allocator
+        fault_step = None
+        for snap in session.snapshots():
+            if fault_step is None and alloc.fault_rid is not None:  # type: ignore[attr-defined]
+                fault_step = snap.step
+        assert fault_step is not None, f"{factory} never fired on this trace"
+        first = session.result().stats.violations[0]
+        assert (first.step, first.rid) == (fault_step, alloc.fault_rid), (mode, first)  # type: ignore[attr-defined]
+        assert first.op in _FAULT_OPS[factory]
+        firsts.append((first.step, first.rid, first.op, first.check))
+    assert firsts[0] == firsts[1]

@@ -10,16 +10,11 @@ import numpy as np
 import pytest
 
 from allocator import create_allocator
-from allocator.base import AllocatorConfig, SpecConfig
+from allocator.base import AllocatorConfig
+from kvtrace.config import spec_config_for
 from kvtrace.record import Recorder
-from kvtrace.scheduler import (
-    CLIP_MAX_NEW_TOKENS,
-    RecordOptions,
-    Scheduler,
-    SchedulerConfig,
-    mean_accepted_len,
-    record_workload,
-)
+from kvtrace.scheduler import CLIP_MAX_NEW_TOKENS, Scheduler, SchedulerConfig, mean_accepted_len
+from kvtrace.simulate import RecordOptions, record_workload
 from traces.io import TraceReader
 from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC, SpecSettings, TraceConfig, TraceMeta
 from traces.workloads import WorkloadRequest
@@ -42,11 +37,7 @@ class Rig:
                 page_size=config.page_size,
                 max_running=config.max_running + 1,  # one row for the hog
                 max_context_len=config.max_context_len,
-                spec=(
-                    SpecConfig(num_steps=config.spec.num_steps, topk=config.spec.topk, num_draft_tokens=config.spec.num_draft_tokens)
-                    if config.spec
-                    else None
-                ),
+                spec=spec_config_for(config.spec),
                 radix_cache=config.radix_cache,
                 need_sort=config.pd_decode,
             )
@@ -251,6 +242,27 @@ def test_spec_acceptance_distribution_mean(tmp_path: Path) -> None:
     assert mean_accepted_len(0.7, 4) == pytest.approx(1 + 0.7 + 0.49 + 0.343)
     freq = np.bincount(draws, minlength=5)[1:] / draws.shape[0]
     assert freq == pytest.approx([0.3, 0.21, 0.147, 0.343], abs=0.005)
+    rig.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecSettings("eagle", 3, 1, 4),
+        SpecSettings("eagle3", 5, 4, 8),
+        SpecSettings("standalone", 3, 2, 4),
+        SpecSettings("dflash", 1, 1, 16),
+        SpecSettings("uno", 3, 1, 4),  # type: ignore[arg-type]  (the allocator knows it; the CLI does not)
+    ],
+)
+def test_scheduler_reserves_what_the_allocator_reserves(tmp_path: Path, page_size: int, spec: SpecSettings) -> None:
+    """The decode memory check charges each request the allocator's own reserve."""
+    config = SchedulerConfig(page_size=page_size, pool_tokens=8192, max_running=4, max_context_len=4096, spec=spec)
+    rig = Rig(tmp_path, config)
+    assert rig.sched.reserve == rig.alloc.ctx.spec_reserve > 0
+    if spec.algorithm == "uno":
+        assert rig.sched.reserve == 2 * (spec.num_draft_tokens + 1)
     rig.close()
 
 

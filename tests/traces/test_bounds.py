@@ -16,7 +16,7 @@ import pytest
 from tests.traces.conftest import decode_steps, make_meta, write_steps
 from tests.traces.test_validate import messages, row, run, step
 from traces.errors import TraceMetadataError
-from traces.io import TraceReader, count_rows
+from traces.io import TraceReader
 from traces.samples import sample_path
 from traces.schema import MAX_RID, METADATA_KEY, SpecSettings, TraceMeta
 from traces.validate import BackgroundChecker, OpSequenceChecker
@@ -114,14 +114,18 @@ def test_the_row_count_comes_from_the_headers_and_bounds_request_ids(name: str) 
 def test_the_row_count_stops_at_a_cut_or_damaged_batch(tmp_path: Path) -> None:
     path = write_steps(tmp_path / "t.kvtrace", decode_steps(6, rows=5), steps_per_batch=2)
     full = path.stat().st_size
-    assert count_rows(path, full) == 30
+    assert TraceReader(path).num_rows == 30
     data = path.read_bytes()
     cut = tmp_path / "cut.kvtrace"
     cut.write_bytes(data[: full - 40])  # inside the last batch
-    assert count_rows(cut, cut.stat().st_size) == 20 and TraceReader(cut).num_rows == 20
-    garbage = tmp_path / "garbage.kvtrace"
-    garbage.write_bytes(b"\x00" * 64)
-    assert count_rows(garbage, 64) == 0
+    assert TraceReader(cut).num_rows == 20
+
+
+@pytest.mark.parametrize("name", ["tiny", "mooncake-tiny"])
+def test_the_row_count_of_a_sample_matches_its_batches(name: str) -> None:
+    """Both layouts (a stream, an IPC file with its footer) are counted from the headers."""
+    reader = TraceReader(sample_path(name))
+    assert reader.num_rows == sum(batch.num_rows for batch in reader.iter_batches()) > 0
 
 
 def test_ids_beyond_the_row_count_are_problems_and_negative_ids_keep_their_message() -> None:
@@ -232,7 +236,7 @@ def test_a_batch_declaring_a_huge_decompressed_size_is_refused_before_it_is_deco
     import struct
 
     from traces.errors import TraceCorruptError
-    from traces.io import MAX_BATCH_BYTES, _parse_message_header, _table_field
+    from traces.ipc import MAX_BATCH_BYTES, _parse_message_header, _table_field
 
     path = write_steps(tmp_path / "t.kvtrace", decode_steps(4, rows=50), steps_per_batch=2)
     data = bytearray(path.read_bytes())

@@ -280,7 +280,7 @@ def test_empty_trace_round_trips(tmp_path: Path) -> None:
 
 def _message_ends(data: bytes) -> list[int]:
     """Byte offsets where each IPC message ends (framing: 0xFFFFFFFF, length, metadata, body)."""
-    from traces.io import _parse_message_header
+    from traces.ipc import _parse_message_header
 
     ends, pos = [], 0
     while pos < len(data):
@@ -412,7 +412,7 @@ def test_open_errors(tmp_path: Path) -> None:
         "adir": (TraceReadError, "is a directory"),
         "empty.kvtrace": (TraceReadError, "is empty"),
         "text.kvtrace": (TraceReadError, "is not an Arrow IPC stream"),
-        "file-format.kvtrace": (TraceReadError, "is an Arrow IPC file, not an Arrow IPC stream"),
+        "file-format.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),  # read, then judged
         "newer.kvtrace": (TraceVersionError, "format version 2, but this kvtrace reads format version 1 at most; upgrade kvtrace"),
         "nometa.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),
         "badjson.kvtrace": (TraceMetadataError, "kvtrace metadata is not valid JSON"),

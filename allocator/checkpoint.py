@@ -1,0 +1,197 @@
+"""Checkpoints of the built-in allocator: save the whole state, restore it exactly.
+
+A replay session seeks by restoring the nearest checkpoint and replaying forward,
+so a restore must give back a state from which the same calls produce the same
+results: the same free-list order, rows, radix tree (node ids, access times, lock
+counts, LRU heap order) and bookkeeping.
+
+Memory is proportional to what is live, not to the pool's capacity: the
+``req_to_token`` table (``rows x width`` int32, 134 MB for 256 rows of a 128k
+context) is saved as the live prefix ``[0, kv_allocated_len)`` of each row in use;
+the free lists as their live entries; the tree as flat arrays. Entries of a row past
+its ``kv_allocated_len`` are never read before they are written, so a restore
+leaves them as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from allocator.radix_cache import RadixState, restore_tree_state, save_tree_state
+
+if TYPE_CHECKING:
+    from allocator.manager import KvAllocator
+
+__all__ = ["AllocatorState", "restore_allocator_state", "save_allocator_state"]
+
+# KvAllocator's own per-request arrays (indexed by request id).
+_MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed")
+# ReqKvTable's columns and sums.
+_KV_ARRAYS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "rid")
+_KV_SCALARS = ("sum_committed", "sum_protected", "sum_allocated_ceil", "max_len_bound")
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorState:
+    """Everything ``KvAllocator`` needs to resume: opaque to callers, never mutated."""
+
+    rows: np.ndarray  # int64 [r] rows in use
+    row_lens: np.ndarray  # int64 [r] their kv_allocated_len
+    row_slots: np.ndarray  # int32 [sum(row_lens)] table[row, :len] of each, concatenated
+    free_rows: tuple[int, ...]
+    token_allocator: Any  # a deep copy of the token-to-KV allocator
+    tree: RadixState
+    kv_arrays: tuple[np.ndarray, ...]
+    kv_scalars: tuple[int, ...]
+    lock_node_ids: np.ndarray  # int64 [num_rows] id of each row's locked node, -1 none
+    manager_arrays: tuple[np.ndarray, ...]
+
+    def digest(self) -> str:
+        """A hash of the whole state: equal digests mean equal states (rows, free-list
+        order, tree shape, access times and locks, bookkeeping)."""
+        h = hashlib.blake2b(digest_size=16)
+        for a in (self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays):
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(repr((self.free_rows, self.kv_scalars)).encode())
+        tree = self.tree
+        for a in (tree.ids, tree.parents, tree.lock_refs, tree.access_times, np.sort(tree.evictable_leaves)):
+            h.update(np.ascontiguousarray(a).tobytes())
+        for key, value in zip(tree.keys, tree.values):
+            h.update(key)
+            h.update(np.ascontiguousarray(value).tobytes())
+            h.update(b"|")
+        h.update(repr(tree.scalars).encode())
+        # the heap's pop order (its array layout may differ after a restore)
+        h.update(np.ascontiguousarray(tree.heap[np.lexsort((tree.heap[:, 1], tree.heap[:, 0]))]).tobytes())
+        for part in _free_lists(self.token_allocator):
+            h.update(np.ascontiguousarray(part).tobytes())
+        for a in self.manager_arrays:
+            trimmed = np.trim_zeros(a, "b") if a.dtype == np.bool_ else a[: _used_len(a)]
+            h.update(trimmed.tobytes())
+        return h.hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory this checkpoint holds of its own (the tree's keys and slot arrays,
+        shared with the live tree and other checkpoints, are counted by ``shared``)."""
+        arrays = [self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays, *self.manager_arrays]
+        tree = self.tree
+        arrays += [tree.ids, tree.parents, tree.lock_refs, tree.access_times, tree.heap, tree.evictable_leaves]
+        return sum(a.nbytes for a in arrays) + 16 * len(tree.keys) + _allocator_nbytes(self.token_allocator)
+
+    def shared(self) -> dict[int, int]:
+        """The tree's keys and slot arrays this checkpoint references: id -> bytes
+        (sum over the union of several checkpoints' dicts for their shared memory)."""
+        out: dict[int, int] = {}
+        for key, value in zip(self.tree.keys, self.tree.values):
+            out[id(key)] = len(key)
+            base = value.base if value.base is not None else value
+            out[id(base)] = base.nbytes
+        return out
+
+
+def _free_lists(token_allocator: Any) -> list[np.ndarray]:
+    """The free slots in reuse order, and everything free (free list + deferred)."""
+    parts = [token_allocator.free_pages_np(), np.sort(token_allocator.get_all_free_pages())]
+    mapping = getattr(token_allocator, "full_to_hisparse_device_index_mapping", None)
+    if mapping is not None:
+        device = token_allocator.hisparse_attn_allocator
+        parts += [mapping, device.free_pages_np(), np.sort(device.get_all_free_pages())]
+    return parts
+
+
+def _used_len(a: np.ndarray) -> int:
+    """Length of ``a`` up to its last entry that differs from the fill of its tail
+    (per-request arrays grow with the largest request id seen)."""
+    fill = a[-1]
+    differ = np.flatnonzero(a != fill)
+    return int(differ[-1]) + 1 if differ.shape[0] else 0
+
+
+def _allocator_nbytes(obj: Any) -> int:
+    total = 0
+    for value in vars(obj).values():
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif hasattr(value, "__slots__") and hasattr(value, "_buf"):
+            total += value._buf.nbytes
+        elif hasattr(value, "__dict__"):
+            total += _allocator_nbytes(value)
+        elif isinstance(value, list):
+            total += sum(v.nbytes for v in value if isinstance(v, np.ndarray))
+    return total
+
+
+def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
+    """A checkpoint of ``alloc`` between steps (pending publishes are applied first)."""
+    alloc.end_step()
+    alloc.writer.sync()
+    kv = alloc.req_kv
+    rows = kv.rows_in_use()
+    lens = kv.kv_allocated_len[rows].astype(np.int64)
+    table = alloc.req_to_token_pool.req_to_token_np
+    row_slots = (
+        np.concatenate([table[row, :n] for row, n in zip(rows.tolist(), lens.tolist())])
+        if rows.shape[0]
+        else np.zeros(0, table.dtype)
+    )
+    lock_ids = np.array([-1 if node is None else node.id for node in kv.lock_node], np.int64)
+    return AllocatorState(
+        rows=rows.astype(np.int64),
+        row_lens=lens,
+        row_slots=row_slots,
+        free_rows=tuple(alloc.req_to_token_pool.free_slots),
+        token_allocator=_copy_without_journal(alloc.token_to_kv_pool_allocator),
+        tree=save_tree_state(alloc.tree_cache),
+        kv_arrays=tuple(getattr(kv, name).copy() for name in _KV_ARRAYS),
+        kv_scalars=tuple(getattr(kv, name) for name in _KV_SCALARS),
+        lock_node_ids=lock_ids,
+        manager_arrays=tuple(getattr(alloc, name).copy() for name in _MANAGER_ARRAYS),
+    )
+
+
+def _copy_without_journal(token_allocator: Any) -> Any:
+    """A deep copy of the token allocator with no incremental-checker journal."""
+    journal = getattr(token_allocator, "journal", None)
+    return copy.deepcopy(token_allocator, {id(journal): None} if journal is not None else {})
+
+
+def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
+    """Put ``alloc`` back exactly as it was when ``state`` was saved (in place: every
+    object other code holds a reference to stays the same object).
+
+    An attached incremental checker is detached (the next ``check_integrity(touched)``
+    walks the whole state and attaches a new one) and the state digest is rebuilt
+    from scratch on its next use."""
+    alloc.end_step()
+    checker = getattr(alloc, "_checker", None)
+    if checker is not None:
+        checker.detach()
+    alloc._digest = None
+    pool = alloc.req_to_token_pool
+    pool.free_slots = list(state.free_rows)
+    # The token allocator is replaced attribute by attribute, so references to it
+    # (the context, the radix cache) stay valid.
+    fresh = _copy_without_journal(state.token_allocator)
+    vars(alloc.token_to_kv_pool_allocator).clear()
+    vars(alloc.token_to_kv_pool_allocator).update(vars(fresh))
+    by_id = restore_tree_state(alloc.tree_cache, state.tree)
+    kv = alloc.req_kv
+    for name, saved in zip(_KV_ARRAYS, state.kv_arrays):
+        getattr(kv, name)[:] = saved  # in place: the columns are views of torch tensors
+    for name, value in zip(_KV_SCALARS, state.kv_scalars):
+        setattr(kv, name, value)
+    kv.lock_node = [None if i < 0 else by_id[i] for i in state.lock_node_ids.tolist()]
+    for name, saved in zip(_MANAGER_ARRAYS, state.manager_arrays):
+        setattr(alloc, name, saved.copy())
+    alloc._pending_publish = []
+    if state.rows.shape[0]:
+        starts = np.zeros_like(state.rows)
+        alloc.writer.assign(state.rows, starts, state.row_lens, state.row_slots)
+    alloc.writer.end_call()
+    alloc.writer.sync()

@@ -1,0 +1,134 @@
+"""The child process of a ``kvtrace diff`` side: one version replays one trace and
+streams its per-step records to the parent.
+
+    python -m kvtrace.child JOB_JSON CONTROL_FD
+
+``JOB_JSON`` (``side_job``) names the trace, the version (a spec, or an
+``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
+or a working tree), the what-if options and the ``ReplayOptions``, and optionally
+``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
+sides (``traces.validate.start_shared_checker``). Stdout carries
+the records: a state log stream (``kvtrace.statelog``; pool counters, per-request
+deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
+batch. ``CONTROL_FD`` carries JSON lines: ``{"start": {...}}`` once the session is
+set up (the configuration, the version's label and origin), then ``{"end":
+SUMMARY}`` (the ``kvtrace replay --json`` object) or ``{"error": MESSAGE, "user":
+bool}``.
+
+Nothing here imports ``allocator`` (or anything that does) before the checkout's
+package is installed under that name; this checkout's ``kvtrace`` and ``traces``
+drive it. A later driver of another engine (SGLang's own allocator in its own
+environment) writes the same two streams.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+__all__ = ["install_allocator", "main", "run_job"]
+
+
+def install_allocator(root: str | Path) -> None:
+    """Make ``root/allocator`` the ``allocator`` package of this process (before any
+    import of it), whatever else is on ``sys.path``."""
+    package = Path(root) / "allocator"
+    init = package / "__init__.py"
+    spec = importlib.util.spec_from_file_location("allocator", init, submodule_search_locations=[str(package)])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{init}: not an importable allocator package")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["allocator"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["allocator"]
+        raise
+
+
+def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
+    """Replay ``job`` and stream its records to ``out``, messages to ``control``.
+
+    Raises:
+        KvtraceError, TraceError: bad input (reported by ``main`` as one line).
+    """
+    from kvtrace.registry import AllocatorVersion, resolve_version
+    from kvtrace.replay import ReplayOptions
+
+    if job.get("allocator_root"):
+        from allocator import create_allocator
+
+        version = AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
+    else:
+        version = resolve_version(job["spec"])
+    options = ReplayOptions(**job.get("options", {}))
+    screen: Any = job.get("screen", "background")
+    if job.get("screen_fd") is not None:  # a checker the parent shares between the sides
+        from multiprocessing.connection import Connection
+
+        from traces.validate import BackgroundChecker
+
+        screen = BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
+    try:
+        _replay(job, version, options, screen, out, control)
+    finally:
+        if not isinstance(screen, str):
+            screen.close()
+
+
+def _replay(job: dict[str, Any], version: Any, options: Any, screen: Any, out: BinaryIO, control: IO[str]) -> None:
+    from kvtrace.config import config_dict
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
+
+    with ReplaySession(
+        job["trace"], version=version, page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
+        device=job.get("device", "cpu"), options=options, screen=screen, label=job.get("trace_label"),
+    ) as session:
+        config = config_dict(session.config)
+        _send(control, {"start": {"config": config, "label": version.label, "origin": version.origin}})
+        info = {"trace": job.get("trace_label") or job["trace"], "allocator": version.spec, "config": config}
+        with StateLogWriter(out, info, steps_per_batch=int(job.get("steps_per_batch", 256)), compression=None) as log:
+            for snap in session.snapshots():
+                log.write(snap)
+        _send(control, {"end": session.result().to_dict()})
+
+
+def _send(control: IO[str], message: dict[str, Any]) -> None:
+    control.write(json.dumps(message) + "\n")
+    control.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd)."""
+    args = sys.argv[1:] if argv is None else argv
+    job = json.loads(args[0])
+    control = os.fdopen(int(args[1]), "w")
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # stdout is the record stream: nothing else may write there
+    try:
+        if job.get("allocator_root"):
+            install_allocator(job["allocator_root"])
+        run_job(job, out, control)
+    except BrokenPipeError:
+        return 0  # the parent stopped reading (it found what it wanted, or was interrupted)
+    except BaseException as exc:  # reported to the parent, which decides what to print
+        from kvtrace.errors import USER_ERRORS
+
+        user = isinstance(exc, USER_ERRORS)
+        text = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        try:
+            _send(control, {"error": text, "user": user, "traceback": traceback.format_exc()})
+        except (BrokenPipeError, OSError):
+            pass
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

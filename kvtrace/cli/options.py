@@ -1,0 +1,122 @@
+"""The arguments and options kvtrace's commands share, each defined once.
+
+A command declares them by type (``json_output: JsonOpt = False``), so every
+command spells, documents and checks them the same way. Closed sets are Enums,
+so ``--help`` lists their choices; flags are plain booleans, shown as flags.
+``examples`` builds the Examples section every command's ``--help`` ends with.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from kvtrace.cli import ui
+from traces.samples import SAMPLE_PREFIX, list_samples
+
+
+class Device(str, Enum):
+    """Where the allocator's tensors live."""
+
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class CheckMode(str, Enum):
+    """When the replay checks the allocator's invariants (``kvtrace.replay.CHECK_MODES``)."""
+
+    every = "every"
+    full = "full"
+    end = "end"
+    never = "never"
+
+
+class OnOom(str, Enum):
+    """What the replay does at an out-of-memory."""
+
+    stop = "stop"
+    skip = "skip"
+
+
+class OnBadOp(str, Enum):
+    """What the replay does at an impossible op in the trace."""
+
+    stop = "stop"
+    skip = "skip"
+
+
+class Codec(str, Enum):
+    """Compression of a trace's record batches."""
+
+    zstd = "zstd"
+    lz4 = "lz4"
+
+
+def examples(*lines: str) -> str:
+    """The ``Examples`` section of a command's help (its ``epilog``).
+
+    Args:
+        lines: ``"# what it does"`` comments and ``kvtrace …`` command lines.
+    """
+    body = "\n".join(f"  [dim]{line}[/dim]" if line.startswith("#") else f"  $ {line}" for line in lines)
+    return f"[b]Examples[/b]\n\b\n{body}"
+
+
+TraceArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="TRACE",
+        help=f"A trace file (.kvtrace), or {SAMPLE_PREFIX}NAME for a bundled sample ({', '.join(list_samples())}).",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="Print one JSON object on stdout (numbers rounded); progress and warnings go to stderr."),
+]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet", "-q", help="No progress bar or notes on stderr (errors and warnings still print).", callback=ui.set_quiet
+    ),
+]
+NoColorOpt = Annotated[
+    bool,
+    typer.Option("--no-color", help="Plain text without colours (also when NO_COLOR is set).", callback=ui.set_no_color),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option("--force", help="Replace an existing output file (an input is never overwritten)."),
+]
+PoolForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an existing output file (an input is never overwritten); build the pool even when it "
+        "looks bigger than the machine's available memory.",
+    ),
+]
+DeviceOpt = Annotated[
+    Device,
+    typer.Option("--device", help="Allocator device: cpu, or cuda (Triton kernels on an NVIDIA GPU)."),
+]
+WhatIfPageSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--page-size",
+        min=1,
+        help="What-if: replay the recorded schedule with this page size.",
+        show_default="the trace's",
+    ),
+]
+WhatIfPoolTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--pool-tokens",
+        min=1,
+        help="What-if: replay the recorded schedule with this many KV slots (a smaller pool runs out early).",
+        show_default="the trace's",
+    ),
+]

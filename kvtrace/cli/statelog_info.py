@@ -1,0 +1,139 @@
+"""``kvtrace info`` on a state log (``kvtrace replay --out``): what replay it holds.
+
+One streaming pass over the log's record batches, vectorised per batch: the steps
+and their time span, the peak of used KV, the final pool counters, the events by
+kind, and the allocator time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtrace.cli import ui
+
+# The allocator settings the summary table shows (the JSON has them all).
+_CONFIG_SHOWN = ("page_size", "pool_tokens", "max_running", "max_context_len", "device", "radix_cache")
+
+
+def state_log_info(spec: str) -> dict[str, Any]:
+    """Everything ``kvtrace info LOG --json`` prints for a state log.
+
+    Raises:
+        TraceError: the file is not a state log this kvtrace reads, or is damaged.
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from kvtrace.snapshot import PoolCounters
+    from kvtrace.statelog import open_state_log
+    from traces.samples import resolve_trace
+
+    stored, reader = open_state_log(resolve_trace(spec))
+    steps = keyframes = ops = 0
+    allocator_s = 0.0
+    first_step = last_step = peak_step = None
+    first_time = last_time = None
+    peak_used = -1
+    final: dict[str, int] | None = None
+    events: dict[str, dict[str, int]] = {}
+    for batch in reader.iter_batches():
+        n = batch.num_rows
+        if n == 0:
+            continue
+        step = batch.column("step").to_numpy()
+        time_s = batch.column("time_s").to_numpy()
+        used = (
+            batch.column("pool_tokens").to_numpy()
+            - batch.column("available").to_numpy()
+            - batch.column("evictable").to_numpy()
+        )
+        top = int(np.argmax(used))
+        if int(used[top]) > peak_used:
+            peak_used, peak_step = int(used[top]), int(step[top])
+        if first_step is None:
+            first_step, first_time = int(step[0]), float(time_s[0])
+        last_step, last_time = int(step[-1]), float(time_s[-1])
+        steps += n
+        keyframes += int(np.count_nonzero(batch.column("keyframe").to_numpy(zero_copy_only=False)))
+        ops += int(batch.column("num_ops").to_numpy().sum())
+        allocator_s += float(batch.column("allocator_s").to_numpy().sum())
+        final = {name: int(batch.column(name)[n - 1].as_py()) for name in PoolCounters._fields}
+        flat = pc.list_flatten(batch.column("events"))
+        if len(flat):
+            kinds = flat.field("kind").to_numpy(zero_copy_only=False).astype(str)
+            tokens = flat.field("tokens").fill_null(0).to_numpy()
+            names, index = np.unique(kinds, return_inverse=True)
+            counts = np.bincount(index, minlength=names.shape[0])
+            sums = np.bincount(index, weights=tokens, minlength=names.shape[0])
+            for name, count, total in zip(names.tolist(), counts.tolist(), sums.tolist()):
+                entry = events.setdefault(name, {"count": 0, "tokens": 0})
+                entry["count"] += int(count)
+                entry["tokens"] += int(total)
+    if reader.truncated:
+        ui.warn(f"{reader.path}: {reader.truncation_detail}")
+    return {
+        "kind": "state_log",
+        "path": str(reader.path),
+        "version": stored.get("version"),
+        "ipc_format": reader.ipc_format,
+        "trace": stored.get("trace"),
+        "allocator": stored.get("allocator"),
+        "config": stored.get("config"),
+        "steps": steps,
+        "first_step": first_step,
+        "last_step": last_step,
+        "keyframes": keyframes,
+        "duration_s": 0.0 if first_time is None else float(last_time - first_time),  # type: ignore[operator]
+        "ops": ops,
+        "allocator_s": allocator_s,
+        "peak_used_tokens": max(peak_used, 0),
+        "peak_step": peak_step,
+        "final": final,
+        "events": dict(sorted(events.items())),
+        "file_bytes": reader.file_bytes,
+        "record_batches": reader.num_record_batches,
+        "truncated": reader.truncated,
+        "truncation_detail": reader.truncation_detail,
+    }
+
+
+def render_state_log_info(info: dict[str, Any]) -> None:
+    """The state-log summary as a table on stdout."""
+    from rich.table import Table
+
+    table = Table(title=f"kvtrace info: {info['path']} (state log)", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("state log", f"version {info['version']} (Arrow IPC {info['ipc_format']})")
+    table.add_row("replay of", f"{info['trace']} with allocator {info['allocator']}")
+    config = info["config"] or {}
+    shown = [key for key in _CONFIG_SHOWN if key in config]
+    if shown:
+        table.add_row("config", ", ".join(f"{key} {config[key]:,}" if isinstance(config[key], int) and not isinstance(config[key], bool) else f"{key} {config[key]}" for key in shown))
+    span = "" if info["first_step"] is None else f" ({info['first_step']}..{info['last_step']})"
+    keyframes = f", {info['keyframes']:,} keyframes" if info["keyframes"] else ""
+    table.add_row("steps", f"{info['steps']:,}{span}{keyframes}")
+    table.add_row("duration", f"{info['duration_s']:,.2f} s (simulated)")
+    table.add_row("ops", f"{info['ops']:,} ({info['allocator_s']:,.3f} s in the allocator)")
+    peak = "" if info["peak_step"] is None else f" at step {info['peak_step']:,}"
+    table.add_row("peak used", f"{info['peak_used_tokens']:,} tokens{peak}")
+    final = info["final"]
+    if final is not None:
+        table.add_row(
+            "at the end",
+            f"{final['available']:,} available, {final['evictable']:,} evictable, {final['protected']:,} protected, "
+            f"{final['committed']:,} committed, {final['overallocated']:,} over-allocated of {final['pool_tokens']:,}; "
+            f"{final['running_requests']:,} requests running",
+        )
+    events = info["events"]
+    table.add_row(
+        "events",
+        ", ".join(f"{kind} {e['count']:,}" + (f" ({e['tokens']:,} tokens)" if e["tokens"] else "") for kind, e in events.items())
+        or "none",
+    )
+    table.add_row("file", f"{info['file_bytes']:,} bytes, {info['record_batches']:,} record batches")
+    table.add_row(
+        "truncated",
+        f"[bold red]yes[/]: {info['truncation_detail']}" if info["truncated"] else "no",
+    )
+    ui.console().print(table)

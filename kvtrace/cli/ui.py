@@ -1,0 +1,183 @@
+"""What the command line prints, in one place.
+
+* ``warn``: the one warning style, ``kvtrace: warning: …`` on stderr.
+* ``console``: a rich console that honours ``--no-color`` (and ``NO_COLOR``) and
+  never wraps lines when the output is a pipe or a file.
+* ``emit_json`` / ``rounded``: ``--json`` output, one object, numbers rounded.
+* ``settings``: the ``-q`` / ``--no-color`` state the shared options set.
+* ``terminate_on_signals``: SIGINT, SIGTERM and SIGHUP become exceptions between
+  two steps of a trace being written, so a command stopped that way closes its
+  files (a recording marks its trace interrupted after a whole step).
+
+Nothing here imports rich, numpy or pyarrow at import time (``kvtrace --help``
+must start fast).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# Width given to rich when the output is not a terminal: wide enough that no line
+# is ever wrapped (tables size to their content).
+PIPE_WIDTH = 10_000
+# ``--json`` floats keep this many significant digits, and never fewer decimals
+# than JSON_MIN_DECIMALS (a millisecond of a long duration survives).
+JSON_DIGITS = 6
+JSON_MIN_DECIMALS = 3
+ARGV_KEY = "kvtrace.argv"
+
+
+@dataclass
+class Settings:
+    """Output settings of the command being run (reset at the start of each command line)."""
+
+    quiet: bool = False
+    no_color: bool = False
+
+
+settings = Settings()
+
+
+def reset() -> None:
+    """Back to the defaults (the root command calls this before parsing)."""
+    settings.quiet = False
+    settings.no_color = False
+
+
+def set_quiet(value: bool) -> bool:
+    """Option callback of ``-q`` / ``--quiet``."""
+    if value:
+        settings.quiet = True
+    return value
+
+
+def set_no_color(value: bool) -> bool:
+    """Option callback of ``--no-color``."""
+    if value:
+        settings.no_color = True
+    return value
+
+
+def color() -> bool:
+    """Whether colours and styles are allowed (no ``--no-color``, no ``NO_COLOR``)."""
+    return not settings.no_color and not os.environ.get("NO_COLOR")
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr) for this command's output.
+
+    On a terminal it wraps at the terminal's width; into a pipe or a file it never
+    wraps. Without colour (``--no-color``, ``NO_COLOR``) it prints plain text.
+    """
+    from rich.console import Console
+
+    file = sys.stderr if stderr else sys.stdout
+    terminal = file.isatty()
+    return Console(
+        file=file,
+        no_color=not color(),
+        highlight=False,
+        width=None if terminal else PIPE_WIDTH,
+        color_system="auto" if color() else None,
+    )
+
+
+def warn(message: str) -> None:
+    """Print ``kvtrace: warning: MESSAGE`` on stderr (also with ``-q``)."""
+    sys.stderr.write(f"kvtrace: warning: {message}\n")
+    sys.stderr.flush()
+
+
+def note(message: str) -> None:
+    """Print ``kvtrace: MESSAGE`` on stderr, unless ``-q``."""
+    if not settings.quiet:
+        sys.stderr.write(f"kvtrace: {message}\n")
+        sys.stderr.flush()
+
+
+def rounded(value: Any) -> Any:
+    """``value`` with every float rounded for JSON (nested dicts, lists and tuples too).
+
+    Floats keep ``JSON_DIGITS`` significant digits but at least ``JSON_MIN_DECIMALS``
+    decimals; NaN and infinities become None (JSON has neither).
+    """
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        if value == 0.0:
+            return 0.0
+        magnitude = math.floor(math.log10(abs(value)))
+        return round(value, max(JSON_MIN_DECIMALS, JSON_DIGITS - 1 - magnitude))
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(item) for item in value]
+    return value
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as one JSON object on stdout, numbers rounded (``--json``)."""
+    sys.stdout.write(json.dumps(rounded(obj)) + "\n")
+    sys.stdout.flush()
+
+
+def command_line(meta: dict[str, Any]) -> str:
+    """The command line being run, shell-quoted (``kvtrace record w.jsonl --out t.kvtrace``).
+
+    Args:
+        meta: the click context's ``meta`` (the root command stores the arguments there).
+    """
+    args = meta.get(ARGV_KEY)
+    if args is None:
+        args = sys.argv[1:]
+    return shlex.join(["kvtrace", *args])
+
+
+class Terminated(BaseException):
+    """A termination signal turned into an exception (``terminate_on_signals``).
+
+    A ``BaseException`` like ``KeyboardInterrupt``: code that closes its files on
+    the way out (``with`` blocks) does so, and ``except Exception`` does not swallow it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
+@contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM and SIGHUP raise
+    ``Terminated``, each once the step a trace writer may be writing is on disk
+    (``traces.io.interrupt_when_safe``). Outside the main thread, where handlers
+    cannot be installed, nothing changes."""
+    from traces.io import interrupt_when_safe
+
+    names = ("SIGINT", "SIGTERM", "SIGHUP")
+    signums = [getattr(signal, name) for name in names if hasattr(signal, name)]
+
+    def handler(signum: int, frame: object) -> None:
+        interrupt_when_safe(KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum))
+
+    try:
+        previous = {signum: signal.signal(signum, handler) for signum in signums}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)

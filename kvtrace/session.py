@@ -1,0 +1,599 @@
+"""The replay session: one trace through one allocator version, the library entry of
+every consumer (the ``replay`` command, the dashboard, diff, shrink, sweeps).
+
+A session is built from a trace, a version spec and what-if overrides; it decides
+the effective configuration once (``kvtrace.config.effective_config``), screens
+every step for impossible ops (in a child process by default), drives the
+``ReplayEngine`` step by step and yields one ``StepSnapshot`` per step::
+
+    with ReplaySession("sample:tiny", version="paged:16", checkpoint_every=500) as s:
+        for snap in s.snapshots():      # or s.step(), one at a time
+            ...
+        s.seek(120)                     # any step, forwards or backwards
+        result = s.result()             # the summary (kvtrace replay --json)
+
+Seek: with ``checkpoint_every=K`` the session saves the allocator and the engine
+every K replayed steps (memory proportional to the live state, bounded by
+``checkpoint_budget``: past it, every other checkpoint is dropped and K doubles),
+so going to any step replays at most K steps. Steps replayed once are screened
+once: going back re-uses their screening.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
+
+from allocator.base import Checkpointable, Digestible
+from kvtrace.config import check_memory, effective_config, replay_names
+from kvtrace.errors import ConfigError, VersionSpecError
+from kvtrace.registry import AllocatorVersion, resolve_version
+from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
+from kvtrace.state import ReplayState
+from kvtrace.runs import run_lengths
+from traces.schema import DECODE, SPEC
+from traces.io import ResumePoint, StepChunk, TraceReader
+
+if TYPE_CHECKING:
+    from allocator.base import Allocator, AllocatorConfig
+    from kvtrace.snapshot import StepSnapshot
+    from traces.schema import StepBatch
+    from traces.validate import Problem
+
+__all__ = ["ReplayResult", "ReplaySession", "open_trace"]
+
+ScreenMode = Literal["background", "inline"]
+DEFAULT_CHECKPOINT_BUDGET = 512 << 20
+MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
+_NO_STEPS = np.zeros(0, np.int64)
+
+
+def open_trace(spec: str | Path) -> TraceReader:
+    """Open a trace argument (a path or ``sample:NAME``), validating it once.
+
+    Raises:
+        TraceError: the file cannot be read or breaks the format (one clear line).
+    """
+    from traces.samples import resolve_trace
+
+    return TraceReader(resolve_trace(str(spec)))
+
+
+class _StepNumber(NamedTuple):
+    """A step as the background checker needs it: its number (it reads the rows itself)."""
+
+    step: int
+
+
+class _RecordedScreen:
+    """Screens each step once (through ``inner``, in file order) and remembers the
+    problems, so steps replayed again after a seek are screened from memory."""
+
+    def __init__(self, inner: Any) -> None:
+        from traces.validate import BackgroundChecker
+
+        self.inner = inner
+        self._rows_needed = not isinstance(inner, BackgroundChecker)
+        self.frontier: int | None = None  # every step <= this one was screened
+        self._problems: dict[int, list[Problem]] = {}
+
+    def check(self, batch: StepBatch) -> list[Problem]:
+        if self.frontier is not None and batch.step <= self.frontier:
+            return self._problems.get(batch.step, [])
+        problems = self.inner.check(batch)
+        self.frontier = batch.step
+        if problems:
+            self._problems[batch.step] = problems
+        return problems
+
+    def check_at(self, chunk: StepChunk, i: int) -> list[Problem]:
+        """``check`` of step ``i`` of ``chunk``, building its rows only for a screen that
+        reads them (the background checker reads the file itself)."""
+        if self._rows_needed:
+            return self.check(chunk.step_batch(i))
+        return self.check(_StepNumber(int(chunk.columns.step[chunk.starts[i]])))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+@dataclass
+class _Checkpoint:
+    """The state before step ``next_step``: restore it and ``step()`` replays that step."""
+
+    next_step: int
+    position: ResumePoint | None  # where ``next_step`` starts in the file
+    allocator: object
+    engine: EngineState
+    state: Any  # ReplayState.save(), or None
+    last: StepSnapshot | None  # the snapshot before (None at the start of the window)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay found: the summary every report is made from.
+
+    ``to_dict()`` is the stable ``kvtrace replay --json`` object.
+    """
+
+    trace: str
+    allocator: str
+    config: AllocatorConfig
+    options: ReplayOptions
+    stats: ReplayStats
+    requests: int
+    wall_s: float
+    overalloc_held_at_end: int
+    page_tail_at_end: int
+    stopped_early: bool
+    truncated: bool
+    completed: bool  # the replay reached the end of the trace (or its window)
+
+    @property
+    def failed(self) -> bool:
+        """Violations, skipped bad ops, or an out-of-memory that stopped the replay."""
+        st = self.stats
+        return st.num_violations > 0 or st.bad_ops > 0 or (self.options.on_oom == "stop" and st.oom is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        from kvtrace.report import replay_summary
+
+        return replay_summary(self)
+
+
+class ReplaySession:
+    """One replay of a trace through one allocator version.
+
+    Args:
+        trace: a path, ``sample:NAME``, or an open ``TraceReader``.
+        version: an allocator version spec (``kvtrace.registry``) or a resolved one.
+        page_size: what-if page size (conflicts with a version that fixes another).
+        pool_tokens: what-if pool size (rounded down to whole pages).
+        device: ``cpu`` or ``cuda``.
+        options: checks, OOM and bad-op handling, the ``--steps`` window.
+        checkpoint_every: save a checkpoint every this many replayed steps (None:
+            none; ``seek`` backwards then replays from the start).
+        checkpoint_budget: bytes the checkpoints may hold.
+        screen: screen steps in a child process (``background``) or here (``inline``),
+            or the ``screen`` of another session of the same trace that runs ahead of
+            this one (lockstep: each step is screened once; that session owns it).
+        track_state: keep the per-request ``ReplayState`` fold (``state``).
+        label: how reports name the trace (default: the argument as given).
+        force_memory: build the pool even when ``kvtrace.config.check_memory`` finds
+            it bigger than the machine's available memory.
+
+    Raises:
+        TraceError: the trace cannot be read.
+        VersionSpecError: the version does not resolve or its factory fails.
+        ConfigError: conflicting options, a configuration no allocator takes, or one
+            the machine's memory cannot hold (without ``force_memory``).
+    """
+
+    def __init__(
+        self,
+        trace: str | Path | TraceReader,
+        *,
+        version: str | AllocatorVersion = "builtin",
+        page_size: int | None = None,
+        pool_tokens: int | None = None,
+        device: str = "cpu",
+        options: ReplayOptions | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
+        screen: ScreenMode | StepScreen = "background",
+        track_state: bool = False,
+        label: str | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        force_memory: bool = False,
+    ) -> None:
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ConfigError(f"checkpoint interval must be >= 1 step, found {checkpoint_every}")
+        self.options = options or ReplayOptions()
+        self.version = version if isinstance(version, AllocatorVersion) else resolve_version(version)
+        self.reader = trace if isinstance(trace, TraceReader) else open_trace(trace)
+        self.label = label if label is not None else str(trace if not isinstance(trace, TraceReader) else trace.path)
+        self.meta = self.reader.meta
+        self.config = effective_config(
+            self.meta,
+            version_spec=self.version.spec,
+            version_page_size=self.version.page_size,
+            page_size=page_size,
+            pool_tokens=pool_tokens,
+            device=device,
+        )
+        check_memory(
+            self.config,
+            num_rids=self.reader.rid_bound,
+            names=replay_names(pool_tokens=pool_tokens is not None, page_size=page_size is not None),
+            force=force_memory,
+        )
+        self._clock = clock
+        self._track_state = track_state
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_budget = checkpoint_budget
+        # The screen runs in a child process on another core; start it before the
+        # allocator (which may initialise CUDA).
+        self._owns_screen = isinstance(screen, str)
+        if screen == "background":
+            from traces.validate import BackgroundChecker
+
+            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound))
+        elif screen == "inline":
+            from traces.validate import OpSequenceChecker
+
+            self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
+        else:
+            self._screen = screen
+        try:
+            self._start()
+        except BaseException:
+            if self._owns_screen:
+                self._screen.close()
+            raise
+        self._checkpoints: list[_Checkpoint] = []
+        self._since_checkpoint = 0
+        self._run_limit: int | None = None  # a seek's target: no run goes past it
+        self._wall_s = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+    def _start(self) -> None:
+        """A fresh allocator and engine at the start of the trace."""
+        self.allocator: Allocator = self.version.create(self.config)
+        if self.options.state_digest and not isinstance(self.allocator, Digestible):
+            raise VersionSpecError(
+                f"--exact: allocator '{self.version.spec}' ({type(self.allocator).__name__}) has no state_digest() "
+                "(the optional Digestible protocol of allocator.base), so its physical slots cannot be compared; "
+                "drop --exact"
+            )
+        self.engine = ReplayEngine(
+            self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock,
+            rid_bound=self.reader.rid_bound,
+        )
+        self.state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
+        if getattr(self, "_timeline", None) is not None and self.state is not None:
+            self.state.timeline = self._timeline  # append-only: survives a restart
+        self.last: StepSnapshot | None = None
+        self.done = False
+        self._open_steps(None, None)
+
+    def _open_steps(self, position: ResumePoint | None, start: int | None) -> None:
+        old = getattr(self, "_chunks", None)
+        if old is not None:
+            old.close()
+        self._chunks: Iterator[StepChunk] = self.reader.chunks(
+            start=start, stop=self.options.stop_step, resume=position
+        )
+        self._chunk: StepChunk | None = None
+        self._chunk_steps = _NO_STEPS  # step numbers of the chunk
+        self._runs = _NO_STEPS  # kvtrace.runs.run_lengths of the chunk (computed on first use)
+        self._index = 0  # the chunk's next step
+        self._pending: deque[StepSnapshot] = deque()  # a run's snapshots not returned yet
+        self._exhausted = False
+
+    @property
+    def screen(self) -> StepScreen:
+        """What screens this session's steps (pass it to a session of the same trace that
+        replays behind this one, in lockstep, to screen every step once)."""
+        return self._screen
+
+    @property
+    def checkpointable(self) -> bool:
+        """Whether seeking backwards restores checkpoints (else it replays from the start)."""
+        return (
+            self.checkpoint_every is not None
+            and isinstance(self.allocator, Checkpointable)
+            and self.reader.resumable
+        )
+
+    # ------------------------------------------------------------------ stepping
+    def _peek(self) -> tuple[StepChunk, int] | None:
+        """The chunk and index of the next step (None at the end)."""
+        while self._chunk is None or self._index >= self._chunk.num_steps:
+            if self._exhausted:
+                return None
+            try:
+                self._chunk = next(self._chunks)
+            except StopIteration:
+                self._exhausted = True
+                self._chunk = None
+                return None
+            self._chunk_steps = self._chunk.step_numbers()
+            self._runs = _NO_STEPS
+            self._index = 0
+        return self._chunk, self._index
+
+    @property
+    def allocator_step(self) -> int | None:
+        """The step the allocator's state is after. It runs ahead of ``last`` while a
+        run of decode steps replayed in one call is being returned step by step."""
+        if self._pending:
+            return self._pending[-1].step
+        return self.last.step if self.last is not None else None
+
+    def step(self) -> StepSnapshot | None:
+        """Replay up to and including the next step of the window; its snapshot, or
+        None when the replay is over (the end of the trace or window, or a stop)."""
+        if self.done and not self._pending:
+            return None
+        t0 = self._clock()
+        try:
+            return self._step()
+        finally:
+            self._wall_s += self._clock() - t0
+
+    def _step(self) -> StepSnapshot | None:
+        if self._pending:
+            return self._shown(self._pending.popleft())
+        engine = self.engine
+        start = self.options.start_step
+        while True:
+            at = self._peek()
+            if at is None:
+                self._end()
+                return None
+            chunk, i = at
+            step = int(self._chunk_steps[i])
+            if (start is None or step >= start) and self._due_checkpoint():
+                self._save_checkpoint(step, chunk.position)
+            snaps = self._try_run(chunk, i, step)
+            if snaps is not None:
+                if snaps:
+                    self._since_checkpoint += len(snaps)
+                    self._pending.extend(snaps[1:])
+                    return self._shown(snaps[0])
+                continue
+            self._index += 1
+            snap = engine.replay_step(chunk.step_batch(i))
+            if snap is None:
+                if engine.stopped_early:
+                    self._end()
+                    return None
+                continue
+            self._since_checkpoint += 1
+            if engine.stopped_early:
+                self._end()
+            return self._shown(snap)
+
+    def _shown(self, snap: StepSnapshot) -> StepSnapshot:
+        self.last = snap
+        if self.state is not None:
+            self.state.apply(snap)
+        return snap
+
+    def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
+        """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
+        allocator call (``kvtrace.runs``); None when there is none to replay here."""
+        if not self.engine.can_run_decodes():
+            return None
+        if self._runs is _NO_STEPS:
+            self._runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))
+        n = int(self._runs[i])
+        start = self.options.start_step
+        steps = self._chunk_steps[i : i + n]
+        # A run stays on one side of the window's start, stops at a seek's target and
+        # ends where the next checkpoint is due.
+        if start is not None and step < start:
+            n = int(np.count_nonzero(steps < start))
+        if self._run_limit is not None:
+            n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
+        if self.checkpointable and self.checkpoint_every is not None:
+            n = min(n, max(self.checkpoint_every - self._since_checkpoint, 1))
+        if n < MIN_RUN_STEPS:
+            return None
+        n = self._screened(chunk, i, n)
+        if n < MIN_RUN_STEPS:
+            return None
+        cols = chunk.columns
+        first, size = int(chunk.starts[i]), int(chunk.stops[i] - chunk.starts[i])
+        rids = cols.rid[first : first + size]
+        op = int(cols.op[first])
+        accepted = None
+        if op == SPEC:  # the run's steps are contiguous rows of equal size
+            accepted = cols.accepted_len[first : first + n * size].reshape(n, size)
+        snaps = self.engine.replay_run(op, self._chunk_steps[i : i + n], cols.time_s[chunk.starts[i : i + n]], rids, accepted)
+        if snaps is None:
+            return None
+        self._index += n
+        return snaps
+
+    def _screened(self, chunk: StepChunk, i: int, n: int) -> int:
+        """Screen steps ``i .. i + n - 1`` of ``chunk``; how many lead with no problem (a
+        step with one is replayed by itself; its problems are remembered)."""
+        screen = self._screen
+        check_at = getattr(screen, "check_at", None)
+        for j in range(n):
+            problems = check_at(chunk, i + j) if check_at is not None else screen.check(chunk.step_batch(i + j))
+            if problems:
+                return j
+        return n
+
+    def _end(self) -> None:
+        if not self.done:
+            self.engine.finish()
+            self.done = True
+
+    def snapshots(self) -> Iterator[StepSnapshot]:
+        """Replay step by step to the end, yielding each snapshot of the window."""
+        while True:
+            snap = self.step()
+            if snap is None:
+                return
+            yield snap
+
+    def run(self, on_snapshot: Callable[[StepSnapshot], None] | None = None) -> ReplayResult:
+        """Replay to the end (or the first stop) and return the result."""
+        for snap in self.snapshots():
+            if on_snapshot is not None:
+                on_snapshot(snap)
+        return self.result()
+
+    @property
+    def progress(self) -> float:
+        """Share of the trace file read so far (0..1), for progress bars."""
+        return min(1.0, self.reader.bytes_read / max(self.reader.file_bytes, 1))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _due_checkpoint(self) -> bool:
+        if not self.checkpointable:
+            return False
+        if not self._checkpoints:
+            return True  # the start of the window
+        assert self.checkpoint_every is not None
+        return self._since_checkpoint >= self.checkpoint_every
+
+    def _save_checkpoint(self, step: int, position: ResumePoint | None) -> None:
+        if self._checkpoints and self._checkpoints[-1].next_step >= step:
+            return  # replaying again after a seek: this one exists
+        saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
+        saved_engine = self.engine.save_state()
+        saved_state = self.state.save() if self.state is not None else None
+        nbytes = int(getattr(saved_alloc, "nbytes", 0)) + _engine_nbytes(saved_engine)
+        if saved_state is not None:
+            nbytes += sum(v.nbytes for v in saved_state.columns.values())
+        self._checkpoints.append(
+            _Checkpoint(step, position, saved_alloc, saved_engine, saved_state, self.last, nbytes)
+        )
+        self._since_checkpoint = 0
+        if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
+            # Thin out: keep the first (the window's start), every other one after it.
+            self._checkpoints = self._checkpoints[:1] + self._checkpoints[2::2]
+            assert self.checkpoint_every is not None
+            self.checkpoint_every *= 2
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Memory the checkpoints hold now (what several share counted once)."""
+        shared: dict[int, int] = {}
+        for c in self._checkpoints:
+            more = getattr(c.allocator, "shared", None)
+            if more is not None:
+                shared.update(more())
+        return sum(c.nbytes for c in self._checkpoints) + sum(shared.values())
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpoints)
+
+    def seek(self, step: int) -> StepSnapshot | None:
+        """Go to the state after ``step`` (the last step of the window at or before it;
+        the first step of the window if ``step`` is before it) and return that step's
+        snapshot. Forwards or backwards; with checkpoints it replays at most
+        ``checkpoint_every`` steps.
+
+        A replay that stopped (an out-of-memory, a violation limit) cannot go past
+        the step it stopped at.
+        """
+        t0 = self._clock()
+        try:
+            return self._seek(step)
+        finally:
+            self._wall_s += self._clock() - t0
+
+    def _seek(self, target: int) -> StepSnapshot | None:
+        # The snapshots of a run already applied are returned first when they reach the
+        # target; past it, the allocator's state is ahead of the target: go back.
+        while self._pending and self._pending[0].step <= target:
+            self._shown(self._pending.popleft())
+        current = self.allocator_step
+        best = self._checkpoint_for(target)
+        going_back = current is not None and target < current
+        if going_back or (best is not None and (current is None or best.next_step > current + 1)):
+            if best is not None:
+                self._restore(best)
+            elif going_back:
+                self._restart()
+        self._run_limit = target
+        try:
+            while True:
+                if self._pending:  # a run stops at the target: all of it is shown
+                    self._shown(self._pending.popleft())
+                    continue
+                if self.done:
+                    break
+                at = self._peek()
+                if at is None:
+                    self._end()
+                    break
+                if self.last is not None and int(self._chunk_steps[at[1]]) > target:
+                    break
+                self._step()
+        finally:
+            self._run_limit = None
+        return self.last
+
+    def _checkpoint_for(self, target: int) -> _Checkpoint | None:
+        best = None
+        for c in self._checkpoints:
+            if c.next_step <= target or best is None:
+                best = c
+            else:
+                break
+        return best
+
+    def _restore(self, c: _Checkpoint) -> None:
+        self.allocator.restore_state(c.allocator)  # type: ignore[attr-defined]
+        self.engine.restore_state(c.engine)
+        if self.state is not None and c.state is not None:
+            self.state.restore(c.state, c.last.pool if c.last is not None else None)
+        self.last = c.last
+        self.done = False
+        self._open_steps(c.position, c.next_step)
+        self._since_checkpoint = 0
+
+    def _restart(self) -> None:
+        """Seek without checkpoints: a fresh allocator from the start of the trace."""
+        self._timeline = self.state.timeline if self.state is not None else None
+        self._start()
+
+    # ------------------------------------------------------------------ result
+    def result(self) -> ReplayResult:
+        """The summary of what was replayed so far (complete once ``done``)."""
+        engine = self.engine
+        counters = self.allocator.counters()
+        held = engine.overalloc_held()
+        return ReplayResult(
+            trace=self.label,
+            allocator=self.version.spec,
+            config=self.config,
+            options=self.options,
+            stats=engine.stats,
+            requests=engine.num_requests,
+            wall_s=self._wall_s,
+            overalloc_held_at_end=held,
+            page_tail_at_end=counters.overallocated - held,
+            stopped_early=engine.stopped_early,
+            truncated=bool(self.reader.truncated),
+            completed=self.done and not engine.stopped_early,
+        )
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the background screen and release the file."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_screen:
+            self._screen.close()
+        chunks = getattr(self, "_chunks", None)
+        if chunks is not None:
+            chunks.close()
+
+    def __enter__(self) -> ReplaySession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _engine_nbytes(state: EngineState) -> int:
+    return sum(a.nbytes for a in state.arrays.values()) + state.tokens.nbytes

@@ -1,0 +1,164 @@
+"""The command line speaks its ecosystem's conventions: --version, examples in every
+help, flags shown as flags, choices listed, defaults that come from the trace saying
+so, shell completion, -q and --no-color everywhere, one warning style, no hard
+wrapping into a pipe, rounded JSON, and a start-up that never imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import kvtrace
+from kvtrace.cli import app, ui
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ("info", "validate", "record", "replay", "sweep run", "sweep report")
+runner = CliRunner()
+
+
+def help_of(*command: str) -> str:
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"kvtrace {kvtrace.__version__}\n"
+    from importlib.metadata import version
+
+    assert version("kvtrace") == kvtrace.__version__  # one version: pyproject reads it from the package
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_every_help_has_examples_and_shows_flags_as_flags(command: str) -> None:
+    text = help_of(*command.split())
+    assert "Examples" in text and "$ kvtrace " in text
+    assert "<bool>" not in text
+    assert "--quiet" in text and "-q" in text and "--no-color" in text
+
+
+def test_choices_and_defaults_from_the_trace_are_shown() -> None:
+    replay = help_of("replay")
+    for choices in ("<cpu|cuda>", "<every|full|end|never>", "<stop|skip>"):
+        assert choices in replay, choices
+    assert replay.count("[default: (the trace's)]") == 2  # --page-size, --pool-tokens
+    record = help_of("record")
+    assert "<cpu|cuda>" in record and "<zstd|lz4>" in record and "<mooncake|azure|lengths|trace>" in record
+    assert "[default: (from the file)]" in record
+
+
+def test_shell_completion() -> None:
+    root = help_of()
+    assert "--install-completion" in root and "--show-completion" in root
+    script = runner.invoke(app, ["--show-completion", "bash"])
+    assert script.exit_code == 0 and "_KVTRACE_COMPLETE=complete_bash" in script.stdout
+
+    def complete(words: str, cword: int) -> list[str]:
+        env = dict(os.environ, COMP_WORDS=words, COMP_CWORD=str(cword), _KVTRACE_COMPLETE="complete_bash")
+        env["PYTHONPATH"] = str(ROOT)
+        out = subprocess.run([sys.executable, "-m", "kvtrace"], env=env, capture_output=True, text=True, cwd=ROOT)
+        return out.stdout.split()
+
+    assert complete("kvtrace rep", 1) == ["replay"]
+    assert complete("kvtrace replay sample:tiny --device ", 4) == ["cpu", "cuda"]
+
+
+@pytest.mark.parametrize("placement", ["root", "command"])
+def test_quiet_and_no_color_everywhere(placement: str) -> None:
+    colour = runner.invoke(app, ["info", "sample:tiny"], env={"FORCE_COLOR": "1"})
+    assert "\x1b[" in colour.stdout  # rich colours a forced terminal ...
+    for command in (["info", "sample:tiny"], ["validate", "sample:tiny"], ["replay", "sample:tiny"]):
+        args = ["-q", "--no-color", *command] if placement == "root" else [*command, "-q", "--no-color"]
+        result = runner.invoke(app, args, env={"FORCE_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        assert "\x1b[" not in result.stdout and "\x1b[" not in result.stderr  # ... but not with --no-color
+
+
+def test_one_warning_style(tmp_path: Path) -> None:
+    from traces.samples import sample_path
+
+    cut = tmp_path / "cut.kvtrace"
+    cut.write_bytes(sample_path("tiny").read_bytes()[:-5000])
+    outputs = [
+        runner.invoke(app, ["info", str(cut)]).stderr,
+        runner.invoke(app, ["replay", str(cut)]).stderr,
+        runner.invoke(app, ["replay", "sample:tiny", "--steps", "100000:100010"]).stderr,
+    ]
+    for stderr in outputs:
+        lines = [line for line in stderr.splitlines() if line]
+        assert lines and all(line.startswith("kvtrace: warning: ") for line in lines), stderr
+
+
+def test_no_hard_wrapping_into_a_pipe() -> None:
+    result = runner.invoke(app, ["info", "sample:tiny"])  # CliRunner's stdout is not a terminal
+    ops = "extend 158, decode 302, spec 124, prealloc 9, finish 26, retract 5, abort 6"
+    assert any(ops in line for line in result.stdout.splitlines())  # one line, 80 columns or not
+    assert max(len(line) for line in result.stdout.splitlines()) > 80
+
+
+def _floats(value: Any) -> list[float]:
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, dict):
+        return [x for item in value.values() for x in _floats(item)]
+    if isinstance(value, list):
+        return [x for item in value for x in _floats(item)]
+    return []
+
+
+def test_json_numbers_are_rounded() -> None:
+    assert ui.rounded({"a": [1 / 3, 2.0e-9 / 3, 1e7 / 3, float("nan")], "b": 7}) == {
+        "a": [0.333333, 6.66667e-10, 3333333.333, None],
+        "b": 7,
+    }
+    for command in (["info", "sample:tiny"], ["replay", "sample:tiny"]):
+        result = runner.invoke(app, [*command, "--json"])
+        floats = _floats(json.loads(result.stdout))
+        assert floats and all(x == ui.rounded(x) for x in floats), command
+
+
+def test_help_and_info_never_import_torch() -> None:
+    """The start-up contract (bench/startup.py measures the time): torch only where an
+    allocator runs; pandas (which pyarrow pulls in when it can) not at all."""
+    code = (
+        "import sys\n"
+        "import kvtrace.cli\n"
+        "assert 'torch' not in sys.modules, 'import kvtrace.cli imported torch'\n"
+        "assert 'numpy' not in sys.modules and 'pyarrow' not in sys.modules, 'kvtrace.cli imported numpy or pyarrow'\n"
+        "import allocator.base\n"
+        "assert 'torch' not in sys.modules, 'allocator.base imported torch'\n"
+        "sys.argv = ['kvtrace', 'info', 'sample:tiny', '--json']\n"
+        "try:\n"
+        "    kvtrace.cli.main()\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "heavy = [m for m in ('torch', 'triton', 'pandas') if m in sys.modules]\n"
+        "assert not heavy, f'kvtrace info imported {heavy}'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["steps"] == 139
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--pool-tokens", "1"], "kvtrace: error: --pool-tokens 1 is below two pages of 16 tokens; give --pool-tokens 32 or more"),
+        (
+            ["--page-size", "1000000"],
+            "kvtrace: error: --page-size 1,000,000: two pages of 1,000,000 tokens do not fit the trace's pool of "
+            "3,968 tokens; give a --page-size of at most 1,984 or a larger --pool-tokens",
+        ),
+    ],
+)
+def test_a_pool_below_two_pages_names_the_option(args: list[str], line: str) -> None:
+    result = runner.invoke(app, ["replay", "sample:tiny", *args])
+    assert result.exit_code == 2 and result.stderr.strip() == line

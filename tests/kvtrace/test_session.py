@@ -1,0 +1,400 @@
+"""The replay session: effective configuration, seek through checkpoints, windows,
+the over-allocation ledger, and the per-request state fold."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
+from kvtrace.errors import ConfigError
+from kvtrace.replay import ReplayOptions
+from kvtrace.session import ReplaySession
+from kvtrace.snapshot import PHASES, UNCHANGED_OP, StepSnapshot
+from kvtrace.state import ReplayState
+from kvtrace.statelog import StateLogWriter, read_state_log
+from tests.traces.conftest import make_meta, write_steps
+from traces.schema import SpecSettings, StepBatch
+from traces.synth import generate
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def busy_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every op kind: chunked prefill, spec and plain decode, PD prealloc, retract, abort."""
+    path = tmp_path_factory.mktemp("session") / "busy.kvtrace"
+    generate(
+        path, num_requests=50, seed=5, page_size=16, spec=True, pd_decode=True,
+        retract_prob=0.05, abort_prob=0.03, prefix_groups=2, continue_prob=0.5, steps_per_batch=3,
+    )
+    return path
+
+
+def session(path: Path | str, **kwargs: object) -> ReplaySession:
+    options = kwargs.pop("options", None) or ReplayOptions()
+    return ReplaySession(path, screen="inline", options=options, **kwargs)  # type: ignore[arg-type]
+
+
+def same_snapshot(a: StepSnapshot, b: StepSnapshot) -> None:
+    assert a.step == b.step and a.time_s == b.time_s
+    assert a.pool == b.pool
+    for x, y in zip(a.requests, b.requests):
+        np.testing.assert_array_equal(x, y)
+    assert a.events == b.events and a.num_ops == b.num_ops
+
+
+# -- one place decides the configuration -----------------------------------------------
+
+
+def test_a_page_size_that_conflicts_with_the_version_is_one_error_naming_both() -> None:
+    result = runner.invoke(app, ["replay", "sample:tiny", "--page-size", "4", "--allocator", "paged:16"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--page-size 4" in lines[0] and "paged:16" in lines[0]
+    with pytest.raises(ConfigError, match="conflicts"):
+        session("sample:tiny", version="token", page_size=16)
+
+
+def test_the_summary_reports_the_configuration_the_allocator_ran_with() -> None:
+    with session("sample:tiny", version="paged:32", pool_tokens=4010) as s:
+        result = s.run()
+        assert s.allocator.config.page_size == 32
+        assert s.allocator.counters().pool_tokens == 4000  # 4010 rounded down to whole pages
+    summary = result.to_dict()
+    assert summary["page_size"] == 32 and summary["pool_tokens"] == 4000
+    # the same page size asked twice is no conflict
+    with session("sample:tiny", version="paged:32", page_size=32) as s:
+        assert s.config.page_size == 32
+
+
+# -- seek ------------------------------------------------------------------------------
+
+
+def straight_run(path: Path, **kwargs: object) -> tuple[list[StepSnapshot], dict[int, str]]:
+    """Every snapshot, and the allocator's state digest after every step (runs of decode
+    steps replayed one by one, so the allocator is in step with every snapshot)."""
+    snaps, digests = [], {}
+    options = kwargs.pop("options", None) or ReplayOptions()
+    with session(path, options=dataclasses.replace(options, decode_runs=False), **kwargs) as s:
+        for snap in s.snapshots():
+            snaps.append(snap)
+            digests[snap.step] = s.allocator.save_state().digest()
+    return snaps, digests
+
+
+def test_seek_forwards_and_backwards_gives_the_straight_run_state(busy_trace: Path) -> None:
+    snaps, digests = straight_run(busy_trace)
+    by_step = {snap.step: snap for snap in snaps}
+    rng = random.Random(7)
+    targets = [rng.choice(snaps).step for _ in range(25)] + [snaps[0].step, snaps[-1].step, snaps[3].step]
+    with session(busy_trace, checkpoint_every=9) as s:
+        s.run()
+        assert s.num_checkpoints >= len(snaps) // 9
+        for target in targets:
+            snap = s.seek(target)
+            assert snap is not None and snap.step == target
+            same_snapshot(snap, by_step[target])
+            assert s.allocator.save_state().digest() == digests[target], f"state differs after seek({target})"
+        # going on from a seek replays the rest exactly
+        s.seek(snaps[10].step)
+        rest = list(s.snapshots())
+        assert [x.step for x in rest] == [x.step for x in snaps[11:]]
+        for a, b in zip(rest, snaps[11:]):
+            same_snapshot(a, b)
+        assert s.result().to_dict()["evicted_tokens"] == straight_summary(busy_trace)["evicted_tokens"]
+
+
+def straight_summary(path: Path) -> dict:
+    with session(path) as s:
+        return s.run().to_dict()
+
+
+def test_seek_without_checkpoints_replays_from_the_start(busy_trace: Path) -> None:
+    snaps, digests = straight_run(busy_trace)
+    with session(busy_trace) as s:
+        assert not s.checkpointable
+        s.seek(snaps[40].step)
+        s.seek(snaps[5].step)
+        assert s.last is not None and s.last.step == snaps[5].step
+        assert s.allocator.save_state().digest() == digests[snaps[5].step]
+
+
+def test_seek_between_steps_lands_on_the_step_before(tmp_path: Path) -> None:
+    meta = make_meta(page_size=1, pool_tokens=512)
+    steps = [
+        StepBatch.from_columns(0, 0.0, op=["extend"], rid=[0], seq_len=[10], append_len=[10], prompt_len=[10]),
+        StepBatch.from_columns(5, 0.5, op=["decode"], rid=[0], seq_len=[11], append_len=[1]),
+        StepBatch.from_columns(9, 0.9, op=["finish"], rid=[0], seq_len=[11], append_len=[0]),
+    ]
+    path = write_steps(tmp_path / "gaps.kvtrace", steps, meta=meta)
+    with session(path, checkpoint_every=1) as s:
+        s.run()
+        assert s.seek(7).step == 5  # type: ignore[union-attr]
+        assert s.seek(-3).step == 0  # before the first step: the first step  # type: ignore[union-attr]
+        assert s.seek(100).step == 9  # type: ignore[union-attr]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), every=st.integers(1, 20), picks=st.lists(st.floats(0, 1), min_size=3, max_size=8))
+def test_random_traces_seek_to_the_straight_run_state(tmp_path: Path, seed: int, every: int, picks: list[float]) -> None:
+    path = tmp_path / f"r{seed}.kvtrace"
+    page_size = [1, 16, 64][seed % 3]
+    generate(path, num_requests=12, seed=seed, page_size=page_size, spec=bool(seed % 2), chunk_size=max(3 * page_size - 5, 24),
+             retract_prob=0.05, abort_prob=0.05, steps_per_batch=1 + seed % 5, overwrite=True)
+    snaps, digests = straight_run(path)
+    with session(path, checkpoint_every=every) as s:
+        for p in picks:
+            target = snaps[min(int(p * len(snaps)), len(snaps) - 1)].step
+            snap = s.seek(target)
+            assert snap is not None and snap.step == target
+            assert s.allocator.save_state().digest() == digests[target]
+
+
+def test_checkpoints_stay_within_their_budget(busy_trace: Path) -> None:
+    with session(busy_trace, checkpoint_every=1, checkpoint_budget=300_000) as s:
+        s.run()
+        assert s.checkpoint_bytes <= 300_000 + max(c.nbytes for c in s._checkpoints)
+        assert s.checkpoint_every > 1  # thinned out and doubled
+        last = s.last
+        assert last is not None
+        assert s.seek(last.step // 2) is not None
+
+
+# -- windows and the over-allocation ledger -------------------------------------------
+
+
+def ledger_balances(summary: dict) -> None:
+    oa = summary["overalloc"]
+    assert oa["held_at_start"] + oa["allocated"] - oa["released"] == oa["held_at_end"], oa
+
+
+def test_the_overalloc_ledger_balances_over_the_whole_trace_and_a_window(busy_trace: Path) -> None:
+    whole = straight_summary(busy_trace)
+    ledger_balances(whole)
+    assert whole["overalloc"]["allocated"] > 0 and whole["overalloc"]["held_at_start"] == 0
+    steps = whole["steps"]
+    with session(busy_trace, options=ReplayOptions(start_step=steps // 3, stop_step=2 * steps // 3)) as s:
+        window = s.run().to_dict()
+    ledger_balances(window)
+    assert window["overalloc"]["held_at_start"] > 0 or window["overalloc"]["allocated"] > 0
+    assert window["first_step"] >= steps // 3 and window["last_step"] < 2 * steps // 3
+    assert window["peak_step"] is not None and steps // 3 <= window["peak_step"] < 2 * steps // 3
+
+
+def test_a_window_summary_covers_the_window_only(busy_trace: Path) -> None:
+    whole = straight_summary(busy_trace)
+    with session(busy_trace, options=ReplayOptions(start_step=30, stop_step=60)) as s:
+        window = s.run().to_dict()
+    assert window["steps"] == 30 and window["tokens"]["decode"] < whole["tokens"]["decode"]
+    assert window["ops"] < whole["ops"]
+
+
+def test_a_window_starts_with_a_keyframe_holding_the_whole_state(busy_trace: Path, tmp_path: Path) -> None:
+    start = 40
+    with session(busy_trace, track_state=True) as s:
+        for snap in s.snapshots():
+            if snap.step == start:
+                break
+        full = s.state
+        assert full is not None
+        live_full = full.live_rids()
+    log = tmp_path / "window.arrow"
+    with session(busy_trace, options=ReplayOptions(start_step=start)) as s, StateLogWriter(log, {}) as writer:
+        for snap in s.snapshots():
+            writer.write(snap)
+    _, snaps = read_state_log(log)
+    first = next(snaps)
+    assert first.keyframe and first.step == start
+    state = ReplayState(16)
+    state.apply(first)
+    np.testing.assert_array_equal(state.live_rids(), live_full)
+    for name in ("allocated", "committed", "protected"):
+        np.testing.assert_array_equal(state.column(name)[live_full], full.column(name)[live_full])
+    assert set(live_full.tolist()) <= set(first.requests.rids.tolist())
+    assert not any(snap.keyframe for snap in snaps)  # only the first
+
+
+# -- the per-request state fold --------------------------------------------------------
+
+
+def test_the_fold_of_a_live_session_equals_the_fold_of_its_state_log(busy_trace: Path, tmp_path: Path) -> None:
+    log = tmp_path / "state.arrow"
+    with session(busy_trace, track_state=True) as s, StateLogWriter(log, {}) as writer:
+        for snap in s.snapshots():
+            writer.write(snap)
+        live = s.state
+    assert live is not None
+    _, snaps = read_state_log(log)
+    back = ReplayState(16)
+    for snap in snaps:
+        back.apply(snap)
+    for name in ("phase", "allocated", "committed", "protected", "prefix_hit", "admitted_step", "ended_step"):
+        np.testing.assert_array_equal(back.column(name), live.column(name), err_msg=name)
+    assert back.timeline.events == live.timeline.events
+    np.testing.assert_array_equal(back.timeline.used_tokens(), live.timeline.used_tokens())
+
+
+def test_phases_admissions_and_ends_follow_the_ops(tmp_path: Path) -> None:
+    meta = make_meta(page_size=1, pool_tokens=4096, chunk_size=8)
+    b = StepBatch.from_columns
+    steps = [
+        b(0, 0.0, op=["extend"], rid=[0], seq_len=[8], append_len=[8], prompt_len=[12]),  # chunk 1 of 2
+        b(1, 0.1, op=["extend"], rid=[0], seq_len=[12], append_len=[4]),  # prefill done
+        b(2, 0.2, op=["decode"], rid=[0], seq_len=[13], append_len=[1]),
+        b(3, 0.3, op=["retract"], rid=[0], seq_len=[13], append_len=[0]),
+        b(4, 0.4, op=["extend"], rid=[0], seq_len=[13], append_len=[13]),  # admitted again
+        b(5, 0.5, op=["decode"], rid=[0], seq_len=[14], append_len=[1]),
+        b(6, 0.6, op=["finish"], rid=[0], seq_len=[14], append_len=[0]),
+    ]
+    path = write_steps(tmp_path / "life.kvtrace", steps, meta=meta)
+    phases, rows = [], []
+    with session(path, track_state=True) as s:
+        for _ in s.snapshots():
+            assert s.state is not None
+            row = s.state.row(0)
+            phases.append(row.phase)
+            rows.append(row)
+    assert phases == ["prefill", "decode", "decode", "retracted", "decode", "decode", "finished"]
+    assert rows[0].admitted_step == 0 and rows[-1].ended_step == 6
+    assert rows[3].allocated == 0 and rows[2].used == 13 and rows[2].pages == 13
+    assert s.state.column("admissions")[0] == 2  # type: ignore[union-attr]
+    history = s.state.history(0)  # type: ignore[union-attr]
+    assert [e.kind for e in history] == ["retract"]
+
+
+def test_a_spec_request_shows_its_overallocation_and_its_release(busy_trace: Path) -> None:
+    with session(busy_trace, track_state=True) as s:
+        seen_over = False
+        for snap in s.snapshots():
+            state = s.state
+            assert state is not None
+            live = state.live_rids()
+            over = state.column("allocated")[live] - state.column("committed")[live]
+            seen_over |= bool((over > 0).any())
+        assert seen_over
+        releases = [e for e in s.state.timeline.events if e.kind == "overalloc_release"]  # type: ignore[union-attr]
+        assert releases and all(e.rid is not None and e.tokens > 0 for e in releases)
+        assert sum(e.tokens for e in releases) == s.result().stats.overalloc_released
+    assert set(s.state.phase_counts()) == set(PHASES)  # type: ignore[union-attr]
+
+
+def test_cli_json_of_a_window_names_it(busy_trace: Path) -> None:
+    result = runner.invoke(app, ["replay", str(busy_trace), "--steps", "10:30", "--json"])
+    s = json.loads(result.stdout)
+    assert s["window"] == {"start": 10, "stop": 30} and s["first_step"] == 10 and s["last_step"] == 29
+    ledger_balances(s)
+
+
+def test_a_keyframe_lists_live_requests_no_op_touched(tmp_path: Path) -> None:
+    meta = make_meta(page_size=1, pool_tokens=4096)
+    b = StepBatch.from_columns
+    steps = [
+        b(0, 0.0, op=["extend", "extend"], rid=[0, 1], seq_len=[8, 5], append_len=[8, 5], prompt_len=[8, 5]),
+        b(1, 0.1, op=["decode"], rid=[0], seq_len=[9], append_len=[1]),  # request 1 waits this step
+        b(2, 0.2, op=["decode", "decode"], rid=[0, 1], seq_len=[10, 6], append_len=[1, 1]),
+    ]
+    path = write_steps(tmp_path / "idle.kvtrace", steps, meta=meta)
+    with session(path, options=ReplayOptions(start_step=1), track_state=True) as s:
+        first = s.step()
+        assert first is not None and first.keyframe
+        assert first.requests.rids.tolist() == [0, 1]
+        assert first.requests.op.tolist() == [1, UNCHANGED_OP]  # decode, and no op
+        assert s.state is not None and s.state.row(1).allocated == 5 and s.state.row(1).phase == "decode"
+        second = s.step()
+        assert second is not None and not second.keyframe
+
+
+# -- state digests in the snapshots; a screen shared by two sessions -------------------
+
+
+def test_snapshots_carry_the_state_digest_and_the_state_log_keeps_it(busy_trace: Path, tmp_path: Path) -> None:
+    log = tmp_path / "digests.arrow"
+    with session(busy_trace, options=ReplayOptions(state_digest=True)) as s, StateLogWriter(log, {}) as writer:
+        snaps = list(s.snapshots())
+        for snap in snaps:
+            writer.write(snap)
+    assert all(snap.digest is not None and len(snap.digest) == 32 for snap in snaps)
+    assert len({snap.digest for snap in snaps}) > len(snaps) // 2
+    _, back = read_state_log(log)
+    assert [b.digest for b in back] == [snap.digest for snap in snaps]
+    with session(busy_trace) as s:
+        assert all(snap.digest is None for snap in s.snapshots())
+
+
+def test_asking_digests_of_a_version_without_them_is_one_error() -> None:
+    from kvtrace.errors import VersionSpecError
+
+    spec = f"{Path(__file__).with_name('faulty_allocators.py')}:without_digest"
+    with pytest.raises(VersionSpecError, match=r"--exact: allocator '.*:without_digest' \(WithoutDigest\) has no state_digest\(\)"):
+        session("sample:tiny", version=spec, options=ReplayOptions(state_digest=True))
+    with session("sample:tiny", version=spec) as s:  # without digests it replays
+        assert s.run().stats.steps == 139
+
+
+def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
+    """Lockstep: the second session screens each step from the first one's memory."""
+    ahead = ReplaySession(busy_trace, options=ReplayOptions(), screen="background")
+    behind = ReplaySession(busy_trace, options=ReplayOptions(), screen=ahead.screen)
+    try:
+        for a in ahead.snapshots():
+            b = behind.step()
+            assert b is not None
+            same_snapshot(a, b)
+        assert behind.step() is None
+    finally:
+        behind.close()
+        assert ahead.screen.frontier is not None  # closing the second left the screen alone
+        ahead.close()
+    assert straight_summary(busy_trace)["steps"] == ahead.result().stats.steps
+
+
+@pytest.mark.parametrize("mode", ["every", "full"])
+def test_checking_after_every_call_changes_no_result(busy_trace: Path, mode: str) -> None:
+    """The checks only read: the state after every step equals an unchecked replay's."""
+    _, plain = straight_run(busy_trace)
+    checked: dict[int, str] = {}
+    with session(busy_trace, options=ReplayOptions(check=mode)) as s:  # type: ignore[arg-type]
+        for snap in s.snapshots():
+            checked[snap.step] = s.allocator.save_state().digest()
+        assert s.result().stats.num_violations == 0
+    assert checked == plain
+
+
+def _without_timing(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k not in ("wall_s", "allocator_s", "speedup_vs_realtime")}
+
+
+@pytest.mark.parametrize("trace", ["sample:tiny", "sample:mooncake-tiny", "sample:mooncake-eagle"])
+def test_runs_of_decode_steps_in_one_call_change_no_snapshot(trace: str, busy_trace: Path) -> None:
+    """Runs replayed in one allocator call (the default) against every step by itself."""
+    results = []
+    for runs in (True, False):
+        with session(trace, options=ReplayOptions(decode_runs=runs), track_state=True) as s:
+            snaps = list(s.snapshots())
+            results.append((snaps, _without_timing(s.result().to_dict()), s.allocator.save_state().digest()))
+    (fast, fast_summary, fast_digest), (slow, slow_summary, slow_digest) = results
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        same_snapshot(a, b)
+    assert fast_summary == slow_summary and fast_digest == slow_digest
+
+
+def test_runs_are_used_on_decode_heavy_traces() -> None:
+    from kvtrace.runs import run_lengths
+    from traces.io import TraceReader
+    from traces.schema import DECODE, SPEC
+
+    for name, op in (("sample:mooncake-tiny", DECODE), ("sample:mooncake-eagle", SPEC)):
+        from traces.samples import resolve_trace
+
+        lengths = np.concatenate([run_lengths(c, op) for c in TraceReader(resolve_trace(name)).chunks()])
+        assert (lengths >= 2).mean() > 0.3, name

@@ -1,0 +1,163 @@
+"""Allocator versions: the registry's forms, ``kvtrace versions``, entry points, and
+``git:REV`` / ``worktree`` versions of a repository created here (each runs in a child
+process with its own ``allocator`` package)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtrace import gitversions
+from kvtrace.cli import app
+from kvtrace.errors import VersionSpecError
+from kvtrace.registry import VALID_FORMS, AllocatorVersion, ChildVersion, resolve_any, resolve_version
+
+runner = CliRunner()
+ALLOCATOR = Path(__file__).resolve().parents[2] / "allocator"
+
+
+def _git(repo: Path, *args: str) -> str:
+    out = subprocess.run(
+        ["git", "-c", "user.email=kvtrace@example.com", "-c", "user.name=kvtrace", *args],
+        cwd=repo, check=True, capture_output=True, text=True,
+    )
+    return out.stdout.strip()
+
+
+@pytest.fixture()
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A git repository holding a copy of this checkout's allocator package, committed;
+    checkouts cached under the test's own directory."""
+    root = tmp_path / "repo"
+    shutil.copytree(ALLOCATOR, root / "allocator", ignore=shutil.ignore_patterns("__pycache__"))
+    _git(tmp_path, "init", "-q", str(root))
+    _git(root, "add", "allocator")
+    _git(root, "commit", "-qm", "allocator")
+    monkeypatch.setenv(gitversions.CACHE_ENV, str(tmp_path / "cache"))
+    return root
+
+
+def test_the_builtin_forms_resolve_in_this_process() -> None:
+    for spec, page in (("builtin", None), ("token", 1), ("paged", None), ("paged:32", 32), ("pre-encapsulation", None)):
+        v = resolve_version(spec)
+        assert isinstance(v, AllocatorVersion) and v.page_size == page and "built in" in v.origin
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nosuch", f"unknown allocator 'nosuch'; valid forms: {VALID_FORMS}"),
+        ("paged:0", "the page size after 'paged:' must be a positive integer"),
+        ("no.such.module:f", "cannot import module 'no.such.module'"),
+        ("missing.py:f", "no such file missing.py"),
+        ("git:", "give a revision after 'git:'"),
+    ],
+)
+def test_a_spec_that_does_not_resolve_is_one_line(spec: str, message: str) -> None:
+    with pytest.raises(VersionSpecError) as info:
+        resolve_any(spec)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_git_versions_do_not_replay_in_this_process(repo: Path) -> None:
+    with pytest.raises(VersionSpecError, match="run in their own process"):
+        resolve_version(f"worktree@{repo}")
+
+
+def test_versions_lists_every_form_with_its_origin() -> None:
+    result = runner.invoke(app, ["versions"])
+    assert result.exit_code == 0, result.output
+    for name in ("builtin", "token", "paged[:N]", "pre-encapsulation", "worktree[@PATH]", "git:REV[@PATH]",
+                 "package.module:factory", "path/to/file.py:factory"):
+        assert name in result.output
+    assert str(ALLOCATOR) in result.output
+    data = json.loads(runner.invoke(app, ["versions", "--json"]).stdout)
+    assert {v["kind"] for v in data["versions"]} >= {"builtin", "git", "factory"}
+    assert all(v["origin"] for v in data["versions"]) and data["forms"] == VALID_FORMS
+
+
+def test_an_entry_point_registers_a_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "kvtest_versions.py").write_text(
+        "from allocator import create_allocator\n\ndef factory(config):\n    return create_allocator(config)\n"
+    )
+    info = tmp_path / "kvtest_versions-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtest-versions\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[kvtrace.allocators]\nmine = kvtest_versions:factory\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    v = resolve_any("mine")
+    assert isinstance(v, AllocatorVersion) and "kvtest-versions 0.3" in v.origin and "kvtest_versions:factory" in v.origin
+    listed = runner.invoke(app, ["versions"]).output
+    assert "mine" in listed and "kvtest-versions 0.3" in listed
+    result = runner.invoke(app, ["diff", "sample:tiny", "--b", "mine", "--jobs", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["identical"] is True
+
+
+def test_git_revisions_resolve_to_cached_checkouts(repo: Path, tmp_path: Path) -> None:
+    head = _git(repo, "rev-parse", "HEAD")
+    v = resolve_any(f"git:HEAD@{repo}")
+    assert isinstance(v, ChildVersion) and v.commit == head
+    assert v.allocator_root == tmp_path / "cache" / "worktrees" / head
+    assert (v.allocator_root / "allocator" / "manager.py").is_file()
+    marker = v.allocator_root / "allocator" / "kept.txt"
+    marker.write_text("reused")
+    again = resolve_any(f"git:{head[:12]}@{repo}")  # the same commit: the same checkout, not a new one
+    assert again.allocator_root == v.allocator_root and marker.read_text() == "reused"
+    assert [c.commit for c in gitversions.cached_checkouts()] == [head]
+    w = resolve_any(f"worktree@{repo}")
+    assert isinstance(w, ChildVersion) and w.allocator_root == repo and w.commit is None
+    for spec, message in ((f"git:nosuch@{repo}", "no revision 'nosuch'"),
+                          (f"git:HEAD@{tmp_path / 'cache'}", "is not inside a git repository"),
+                          (f"worktree@{tmp_path / 'nowhere'}", "no such directory")):
+        with pytest.raises(VersionSpecError, match=message):
+            resolve_any(spec)
+
+
+def test_old_checkouts_are_removed_beyond_the_cache_size(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gitversions, "KEEP", 1)
+    first = resolve_any(f"git:HEAD@{repo}")
+    (repo / "allocator" / "extra.py").write_text("X = 1\n")
+    _git(repo, "add", "allocator")
+    _git(repo, "commit", "-qm", "second")
+    second = resolve_any(f"git:HEAD@{repo}")
+    assert second.allocator_root != first.allocator_root
+    assert not first.allocator_root.exists()
+    assert str(first.allocator_root) not in _git(repo, "worktree", "list")  # unregistered too
+
+
+def _diff(*args: str) -> tuple[int, dict]:
+    result = runner.invoke(app, ["diff", *args, "--json"])
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_git_head_and_the_clean_worktree_are_identical_and_an_edit_is_found(repo: Path) -> None:
+    code, out = _diff("sample:tiny", "--a", f"git:HEAD@{repo}", "--b", f"worktree@{repo}", "--exact")
+    assert (code, out["identical"], out["steps_compared"], out["mode"]) == (0, True, 139, "parallel")
+    assert out["versions"]["a"]["origin"].startswith("commit ") and str(repo) in out["versions"]["b"]["origin"]
+    # an uncommitted edit: the working tree's allocator becomes the pre-encapsulation one
+    init = repo / "allocator" / "__init__.py"
+    init.write_text(init.read_text() + "\nfrom allocator.pre_encapsulation import create_allocator  # noqa: E402,F811\n")
+    code, out = _diff("sample:tiny", "--a", f"git:HEAD@{repo}", "--b", f"worktree@{repo}")
+    first = out["first_divergence"]
+    assert code == 1
+    assert (first["step"], first["op"], first["rid"], first["field"], first["a"], first["b"]) == (
+        1, "spec", 0, "kv_allocated_len", 400, 379,
+    )
+
+
+def test_a_revision_that_fails_in_its_process_is_one_line_naming_the_side(repo: Path) -> None:
+    (repo / "allocator" / "manager.py").write_text("raise RuntimeError('this revision is broken')\n")
+    _git(repo, "commit", "-qam", "broken")
+    result = runner.invoke(app, ["diff", "sample:tiny", "--b", f"git:HEAD@{repo}"])
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("kvtrace: error: side B (git:HEAD@")
+    assert "this revision is broken" in line
