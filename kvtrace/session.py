@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from allocator.base import Checkpointable, Digestible
-from kvtrace.config import effective_config
+from kvtrace.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.registry import AllocatorVersion, resolve_version
 from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
@@ -172,11 +172,14 @@ class ReplaySession:
             slots). Off, a run of decode steps may be replayed in one allocator call
             ahead of the snapshots returned (``allocator_step`` says where it is).
         label: how reports name the trace (default: the argument as given).
+        force_memory: build the pool even when ``kvtrace.config.check_memory`` finds
+            it bigger than the machine's available memory.
 
     Raises:
         TraceError: the trace cannot be read.
         VersionSpecError: the version does not resolve or its factory fails.
-        ConfigError: conflicting options, or a configuration no allocator takes.
+        ConfigError: conflicting options, a configuration no allocator takes, or one
+            the machine's memory cannot hold (without ``force_memory``).
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class ReplaySession:
         allocator_in_step: bool = False,
         label: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        force_memory: bool = False,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ConfigError(f"checkpoint interval must be >= 1 step, found {checkpoint_every}")
@@ -211,6 +215,12 @@ class ReplaySession:
             pool_tokens=pool_tokens,
             device=device,
         )
+        check_memory(
+            self.config,
+            num_rids=self.reader.rid_bound,
+            names=replay_names(pool_tokens=pool_tokens is not None, page_size=page_size is not None),
+            force=force_memory,
+        )
         self._clock = clock
         self._track_state = track_state
         self.allocator_in_step = allocator_in_step
@@ -222,11 +232,11 @@ class ReplaySession:
         if screen == "background":
             from traces.validate import BackgroundChecker
 
-            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step))
+            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound))
         elif screen == "inline":
             from traces.validate import OpSequenceChecker
 
-            self._screen = _RecordedScreen(OpSequenceChecker(self.meta))
+            self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
         else:
             self._screen = screen
         try:
@@ -251,7 +261,10 @@ class ReplaySession:
                 "(the optional Digestible protocol of allocator.base), so its physical slots cannot be compared; "
                 "drop --exact"
             )
-        self.engine = ReplayEngine(self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock)
+        self.engine = ReplayEngine(
+            self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock,
+            rid_bound=self.reader.rid_bound,
+        )
         self.state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         if getattr(self, "_timeline", None) is not None and self.state is not None:
             self.state.timeline = self._timeline  # append-only: survives a restart
