@@ -31,12 +31,19 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-__all__ = ["install_allocator", "main", "run_job"]
+__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "main", "run_job"]
+
+# Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance. A
+# package older than one of them lacks the name (its allocators implement none of them):
+# this checkout's definition stands in, so a commit that predates them still replays.
+OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible")
+_OWN_BASE = Path(__file__).resolve().parent.parent / "allocator" / "base.py"
 
 
 def install_allocator(root: str | Path) -> None:
     """Make ``root/allocator`` the ``allocator`` package of this process (before any
-    import of it), whatever else is on ``sys.path``."""
+    import of it), whatever else is on ``sys.path``; add the optional protocols it
+    predates (``OPTIONAL_PROTOCOLS``)."""
     package = Path(root) / "allocator"
     init = package / "__init__.py"
     spec = importlib.util.spec_from_file_location("allocator", init, submodule_search_locations=[str(package)])
@@ -49,6 +56,16 @@ def install_allocator(root: str | Path) -> None:
     except BaseException:
         del sys.modules["allocator"]
         raise
+    base = importlib.import_module("allocator.base")
+    missing = [name for name in OPTIONAL_PROTOCOLS if not hasattr(base, name)]
+    if missing:
+        own_spec = importlib.util.spec_from_file_location("kvtrace_own_allocator_base", _OWN_BASE)
+        assert own_spec is not None and own_spec.loader is not None
+        own = importlib.util.module_from_spec(own_spec)
+        sys.modules[own_spec.name] = own  # its dataclasses look their module up there
+        own_spec.loader.exec_module(own)
+        for name in missing:
+            setattr(base, name, getattr(own, name))
 
 
 def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:

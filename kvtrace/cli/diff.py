@@ -9,7 +9,7 @@ valid forms). Rich, numpy, pyarrow and torch are imported inside the commands.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,6 +28,9 @@ from kvtrace.cli.options import (
     examples,
 )
 
+if TYPE_CHECKING:
+    from kvtrace.rangediff import RangeSettings
+
 DIFF_EXAMPLES = examples(
     "# a refactor in the working tree against the last commit",
     "kvtrace diff sample:mooncake-eagle --a git:HEAD --b worktree",
@@ -37,6 +40,10 @@ DIFF_EXAMPLES = examples(
     "kvtrace diff run.kvtrace --a git:main --b git:my-branch --exact --all 10 --json",
     "# two state logs written by kvtrace replay --out LOG --digests",
     "kvtrace diff a.arrow b.arrow --exact",
+    "# every commit of a refactor series that touches allocator/, compared with main, on two traces",
+    "kvtrace diff sample:mooncake-eagle sample:azure-code --range main..HEAD",
+    "# only the first commit that changed the allocator's behaviour, in about log2(N) replays",
+    "kvtrace diff sample:mooncake-eagle --range v0.4..HEAD --bisect",
 )
 
 
@@ -45,8 +52,9 @@ def diff(
     inputs: Annotated[
         list[str],
         typer.Argument(
-            metavar="TRACE | LOG_A LOG_B",
-            help="A trace (a .kvtrace file or sample:NAME), or two state logs (kvtrace replay --out).",
+            metavar="TRACE... | LOG_A LOG_B",
+            help="A trace (a .kvtrace file or sample:NAME), or two state logs (kvtrace replay --out); "
+            "with --range, one or more traces.",
             show_default=False,
         ),
     ],
@@ -89,12 +97,49 @@ def diff(
     ] = CheckMode.end,
     on_oom: Annotated[OnOom, typer.Option("--on-oom", help="At an out-of-memory: stop a side, or skip (drop the request).")] = OnOom.stop,
     on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
+    rev_range: Annotated[
+        str | None,
+        typer.Option(
+            "--range",
+            metavar="BASE..HEAD",
+            help="Replay every commit on the first-parent path from BASE to HEAD that touches --path, on each "
+            "TRACE, and compare it with BASE: a table, then the first diverging commit's divergence. Results "
+            "are cached (allocator tree, trace, options) under $KVTRACE_CACHE_DIR or ~/.cache/kvtrace.",
+            show_default=False,
+        ),
+    ] = None,
+    paths: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--path",
+            metavar="PATH",
+            help="With --range: a commit is replayed when its first-parent diff touches this path (relative to "
+            "the repository's top; repeatable); the others are listed as skipped.",
+            show_default="allocator",
+        ),
+    ] = None,
+    repo: Annotated[
+        str | None,
+        typer.Option(
+            "--repo", metavar="DIR", help="With --range: the git repository.", show_default="the one holding the current directory"
+        ),
+    ] = None,
+    bisect: Annotated[
+        bool,
+        typer.Option(
+            "--bisect",
+            help="With --range: find the first commit that differs from BASE in at most ceil(log2(N+1)) replays of "
+            "the N commits (plus BASE's) instead of N. It assumes that once a commit differs, every later one "
+            "does (a series that diverges and then comes back can mislead it; the full table cannot be misled).",
+        ),
+    ] = False,
     jobs: Annotated[
         int | None,
         typer.Option(
             "--jobs",
             min=1,
-            help="2: the sides replay in two processes in parallel; 1: in lockstep in this process.",
+            help="2: the sides replay in two processes in parallel; 1: in lockstep in this process. With --range: "
+            "how many replays run at once (default: every usable core).",
             show_default="2 for traces of 2 MB and more when two cores are free",
         ),
     ] = None,
@@ -106,7 +151,12 @@ def diff(
     two saved state logs. Prints "identical over N steps" or the first divergence (step, op,
     request, field, A and B), the request's last steps on both sides and a side-by-side summary.
 
-    Exit code: 0 identical; 1 diverged; 2 bad input.
+    With --range BASE..HEAD: every commit of a series against BASE, on every TRACE; one line
+    per commit (identical, the first divergence, an error, or skipped), then the first
+    diverging commit's divergence as above.
+
+    Exit code: 0 identical (every commit); 1 diverged (some commit diverged or does not
+    replay); 2 bad input.
     """
     from kvtrace.cli.replay import check_device, parse_step_range
     from kvtrace.diff import DiffOptions, diff_logs, diff_trace
@@ -115,6 +165,22 @@ def diff(
 
     start, stop = parse_step_range(steps)
     options = DiffOptions(exact=exact, context=context, max_divergences=all_ or 1)
+    if rev_range is None:
+        for name, value in (("--path", paths), ("--repo", repo), ("--bisect", bisect or None)):
+            if value is not None:
+                raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
+    else:
+        for name, value in (("--a", a), ("--b", b)):
+            if value is not None:
+                raise typer.BadParameter(f"--range compares every commit with BASE; drop {name}", param_hint=name)
+        check_device(device.value)
+        replay = ReplayOptions(
+            check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
+        )
+        from kvtrace.rangediff import RangeSettings
+
+        settings = RangeSettings(options, replay, page_size, pool_tokens, device.value)
+        _diff_range(inputs, rev_range, settings, paths=paths, repo=repo, bisect=bisect, jobs=jobs, as_json=as_json)
     if len(inputs) == 2:
         for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens)):
             if value is not None:
@@ -139,6 +205,25 @@ def diff(
     else:
         render_diff_report(result, ui.console())
     raise typer.Exit(0 if report.identical else 1)
+
+
+def _diff_range(
+    inputs: list[str], rev_range: str, settings: RangeSettings, *, paths: list[str] | None, repo: str | None,
+    bisect: bool, jobs: int | None, as_json: bool,
+) -> None:
+    """``kvtrace diff TRACE... --range BASE..HEAD``: run, render, exit 0 or 1."""
+    from kvtrace.rangediff import diff_range
+    from kvtrace.report import render_range_report
+
+    report = diff_range(
+        inputs, rev_range, paths=paths or ("allocator",), repo=repo, bisect=bisect, jobs=jobs, on_replay=ui.note,
+        settings=settings,
+    )
+    if as_json:
+        ui.emit_json(report.to_dict())
+    else:
+        render_range_report(report.to_dict(), ui.console())
+    raise typer.Exit(0 if report.preserved else 1)
 
 
 VERSIONS_EXAMPLES = examples(
