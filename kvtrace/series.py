@@ -183,12 +183,16 @@ def allocator_checkout(repo: Path, tree: str, cache: Path | None = None) -> Iter
     root = _trees(cache)
     root.mkdir(parents=True, exist_ok=True)
     path = root / tree
-    with open(root / f"{tree}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / ALLOCATOR_PACKAGE / "__init__.py").is_file():
-            _extract(repo, tree, path)
+    # Two locks: "use" is held shared for as long as the tree is in use (prune_checkouts
+    # removes a tree only when it gets it exclusively), "extract" exclusively while one
+    # run extracts it (the others wait, then find it there).
+    with open(root / f"{tree}.use", "w") as use:
+        fcntl.flock(use, fcntl.LOCK_SH)
+        with open(root / f"{tree}.extract", "w") as extract:
+            fcntl.flock(extract, fcntl.LOCK_EX)
+            if not (path / ALLOCATOR_PACKAGE / "__init__.py").is_file():
+                _extract(repo, tree, path)
         os.utime(path)  # its last use, for prune_checkouts
-        fcntl.flock(lock, fcntl.LOCK_SH)  # others may use it too; pruning may not remove it
         yield path
 
 
@@ -219,9 +223,9 @@ def prune_checkouts(cache: Path | None = None, keep: int = TREES_KEEP) -> None:
     trees = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
                    key=lambda p: p.stat().st_mtime, reverse=True)
     for old in trees[keep:]:
-        with open(root / f"{old.name}.lock", "w") as lock:
+        with open(root / f"{old.name}.use", "w") as use:
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # in use right now
-            shutil.rmtree(old, ignore_errors=True)  # the lock file stays: another run may hold it open
+            shutil.rmtree(old, ignore_errors=True)  # the lock files stay: another run may hold them open

@@ -29,7 +29,6 @@ from traces.synth import generate
 
 runner = CliRunner()
 ALLOCATOR = Path(__file__).resolve().parents[2] / "allocator"
-PACKAGE_TEXT = "allocator"
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -273,6 +272,38 @@ def test_bad_ranges_are_one_line_and_exit_2(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: error:") and message in lines[0], lines
     assert not (tmp_path / "cache" / "replays").exists()  # nothing was replayed
+
+
+def test_pruning_never_removes_a_tree_in_use_and_pruned_records_are_a_miss(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from kvtrace.replaycache import ReplayCache
+    from kvtrace.series import allocator_checkout, prune_checkouts
+    from kvtrace.statelog import STATE_LOG_SCHEMA
+
+    repo = _start(tmp_path)
+    old = _git(repo, "rev-parse", "HEAD:allocator")
+    (repo / "allocator" / "extra.py").write_text("X = 1\n")
+    _commit(repo, "extra")
+    new = _git(repo, "rev-parse", "HEAD:allocator")
+    cache = tmp_path / "cache"
+    with allocator_checkout(repo, old, cache) as root:
+        assert (root / "allocator" / "__init__.py").is_file() and not (root / "allocator" / "extra.py").exists()
+    with allocator_checkout(repo, new, cache) as root:
+        assert (root / "allocator" / "extra.py").read_text() == "X = 1\n"
+        prune_checkouts(cache, keep=0)
+        assert root.is_dir()  # in use: kept
+    assert not (cache / "trees" / old).exists()  # not in use: removed
+    prune_checkouts(cache, keep=0)
+    assert not (cache / "trees" / new).exists()
+
+    replays = ReplayCache(cache / "replays")
+    writer = replays.writer()
+    writer.write(pa.RecordBatch.from_pylist([], schema=STATE_LOG_SCHEMA))
+    stored = replays.put("k", writer, {"steps": 0})
+    assert replays.get("k") == stored and stored.log.is_file()
+    replays.prune(keep_bytes=0, grace_s=0)
+    assert replays.get("k") is None and not stored.log.exists()
 
 
 def test_a_directory_outside_git_is_one_line(tmp_path: Path) -> None:
