@@ -165,22 +165,23 @@ def diff(
 
     start, stop = parse_step_range(steps)
     options = DiffOptions(exact=exact, context=context, max_divergences=all_ or 1)
-    if rev_range is None:
-        for name, value in (("--path", paths), ("--repo", repo), ("--bisect", bisect or None)):
-            if value is not None:
-                raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
-    else:
+    replay = ReplayOptions(
+        check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
+    )
+    if rev_range is not None:
         for name, value in (("--a", a), ("--b", b)):
             if value is not None:
                 raise typer.BadParameter(f"--range compares every commit with BASE; drop {name}", param_hint=name)
         check_device(device.value)
-        replay = ReplayOptions(
-            check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
-        )
         from kvtrace.rangediff import RangeSettings
 
         settings = RangeSettings(options, replay, page_size, pool_tokens, device.value)
-        _diff_range(inputs, rev_range, settings, paths=paths, repo=repo, bisect=bisect, jobs=jobs, as_json=as_json)
+        raise typer.Exit(
+            _diff_range(inputs, rev_range, settings, paths=paths, repo=repo, bisect=bisect, jobs=jobs, as_json=as_json)
+        )
+    for name, value in (("--path", paths), ("--repo", repo), ("--bisect", bisect or None)):
+        if value is not None:
+            raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
     if len(inputs) == 2:
         for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens)):
             if value is not None:
@@ -192,9 +193,6 @@ def diff(
         if jobs is not None and jobs not in (1, 2):
             raise typer.BadParameter(f"{jobs}: use 1 (lockstep in one process) or 2 (two processes)", param_hint="--jobs")
         check_device(device.value)
-        replay = ReplayOptions(
-            check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
-        )
         report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
                             pool_tokens=pool_tokens, device=device.value, jobs=jobs)
     else:
@@ -210,8 +208,9 @@ def diff(
 def _diff_range(
     inputs: list[str], rev_range: str, settings: RangeSettings, *, paths: list[str] | None, repo: str | None,
     bisect: bool, jobs: int | None, as_json: bool,
-) -> None:
-    """``kvtrace diff TRACE... --range BASE..HEAD``: run, render, exit 0 or 1."""
+) -> int:
+    """``kvtrace diff TRACE... --range BASE..HEAD``: run and render. Returns the exit code
+    (0 every commit replayed is identical to BASE, 1 otherwise)."""
     from kvtrace.rangediff import diff_range
     from kvtrace.report import render_range_report
 
@@ -223,7 +222,7 @@ def _diff_range(
         ui.emit_json(report.to_dict())
     else:
         render_range_report(report.to_dict(), ui.console())
-    raise typer.Exit(0 if report.preserved else 1)
+    return 0 if report.preserved else 1
 
 
 VERSIONS_EXAMPLES = examples(
