@@ -36,7 +36,7 @@ __all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "main", "run_job"]
 # Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance. A
 # package older than one of them lacks the name (its allocators implement none of them):
 # this checkout's definition stands in, so a commit that predates them still replays.
-OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible")
+OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
 _OWN_BASE = Path(__file__).resolve().parent.parent / "allocator" / "base.py"
 
 

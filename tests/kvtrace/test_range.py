@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvtrace import gitversions
+from kvtrace.child import OPTIONAL_PROTOCOLS
 from kvtrace.cli import app
 from kvtrace.rangediff import first_true
 from traces.io import TraceReader
@@ -223,7 +224,7 @@ def test_a_series_that_preserves_behaviour_exits_0_and_base_that_does_not_replay
     repo = _start(tmp_path)
     base = _git(repo, "rev-parse", "HEAD")
     _move_module(repo, "digest", "state_digest")
-    for protocol in ("Checkpointable", "Digestible"):
+    for protocol in OPTIONAL_PROTOCOLS:
         _replace(repo / "allocator" / "base.py", rf"\n@runtime_checkable\nclass {protocol}\(Protocol\):.*?(?=\n\n\n|\Z)", "")
     assert "Digestible" not in (repo / "allocator" / "base.py").read_text()
     _commit(repo, "Move the state digest; an allocator.base without the optional protocols")
