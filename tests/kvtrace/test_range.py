@@ -218,21 +218,29 @@ def test_the_table_marks_the_diverging_commit_and_every_later_one_bisect_finds_i
 def test_a_series_that_preserves_behaviour_exits_0_and_base_that_does_not_replay_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec_trace: tuple[str, int]
 ) -> None:
-    """The commit also drops the optional protocols from ``allocator.base``, as a package
-    older than them lacks them: the child supplies them, so it replays (with --exact too)."""
+    """The first commit has no ``spec_decode_run`` (its ``DecodeRuns`` declares other
+    methods than this kvtrace calls, as before it had one): this kvtrace's protocol stands
+    in, the allocator does not satisfy it and replays step by step. The second also drops
+    the optional protocols from ``allocator.base``, as a package older than them lacks
+    them: the child supplies them. Both replay (with --exact too)."""
     monkeypatch.setenv(gitversions.CACHE_ENV, str(tmp_path / "cache"))
     repo = _start(tmp_path)
     base = _git(repo, "rev-parse", "HEAD")
+    _rename(repo, "spec_decode_run", "spec_decode_run_v0")
+    _commit(repo, "An allocator whose DecodeRuns has no spec_decode_run")
     _move_module(repo, "digest", "state_digest")
     for protocol in OPTIONAL_PROTOCOLS:
         _replace(repo / "allocator" / "base.py", rf"\n@runtime_checkable\nclass {protocol}\(Protocol\):.*?(?=\n\n\n|\Z)", "")
     assert "Digestible" not in (repo / "allocator" / "base.py").read_text()
     _commit(repo, "Move the state digest; an allocator.base without the optional protocols")
     trace = spec_trace[0]
-    out = _range(trace, "sample:tiny", "--range", f"{base}..", "--repo", str(repo), "--exact", "--jobs", "2", code=0)
-    assert [c["status"] for c in out["commits"]] == ["identical"]
-    assert out["first_diverging_commit"] is None and out["traces"] == [trace, "sample:tiny"] and out["exact"]
-    assert set(out["commits"][0]["first_divergence"]) == {trace, "sample:tiny"} and out["replays"] == 4
+    out = _range(trace, "sample:tiny", "--range", f"{base}..", "--repo", str(repo), "--jobs", "2", code=0)
+    assert [c["status"] for c in out["commits"]] == ["identical", "identical"]
+    assert out["first_diverging_commit"] is None and out["traces"] == [trace, "sample:tiny"] and not out["exact"]
+    assert set(out["commits"][0]["first_divergence"]) == {trace, "sample:tiny"} and out["replays"] == 6
+    # --exact: state digests (Digestible), and no runs
+    out = _range(trace, "--range", f"{base}..", "--repo", str(repo), "--exact", "--jobs", "2", code=0)
+    assert [c["status"] for c in out["commits"]] == ["identical", "identical"] and out["exact"]
     # BASE whose allocator does not import: nothing to compare with
     with (repo / "allocator" / "base.py").open("a") as f:
         f.write("\nraise ImportError('no base here')\n")
