@@ -103,6 +103,7 @@ def versions(as_json: JsonOption = False) -> None:
         "builtin": "{origin}",
         "installed": f"installed (entry-point group {ENTRY_POINT_GROUP})",
         "git": "git, from {origin} (each runs in its own process)",
+        "sglang": "SGLang (driven in its own process)",
         "factory": "factories",
     }
     for kind, title in titles.items():
@@ -111,5 +112,5 @@ def versions(as_json: JsonOption = False) -> None:
         if not rows:
             console.print("  (none)", markup=False)
         for v in rows:
-            where = f"  [{v.origin}]" if kind in ("installed", "factory") else ""
+            where = f"  [{v.origin}]" if kind in ("installed", "factory", "sglang") else ""
             console.print(f"  {v.name:<{width}}  {v.description}{where}", markup=False)

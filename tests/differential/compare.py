@@ -21,10 +21,7 @@ import numpy as np
 
 from kvtrace import compare as core
 
-try:
-    from . import scenario as sc
-except ImportError:  # pragma: no cover - used as a script
-    import scenario as sc  # type: ignore[no-redef]
+from kvtrace.sglang import scenario as sc
 
 REQ_FIELDS = ("row", "kv_allocated_len", "kv_committed_len", "cache_protected_len", "req_to_token")
 POOL_FIELDS = ("available", "evictable", "protected", "free_pages", "release_pages", "free_rows")

@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from tests.differential import compare, scenario as sc, scenarios as gen
+from kvtrace.sglang import scenario as sc
+from tests.differential import compare, scenarios as gen
 
-DRIVER = Path(__file__).with_name("sglang_driver.py")
+DRIVER = Path(__file__).resolve().parents[2] / "kvtrace" / "sglang" / "driver.py"
 ENV_VAR = "KVTRACE_SGLANG_PYTHON"
 
 

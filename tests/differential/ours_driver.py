@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import numpy as np
 
-from tests.differential import scenario as sc
+from kvtrace.sglang import scenario as sc
 
 
 def _to_np(values: Any) -> np.ndarray:

@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from tests.differential import compare, harness, scenario as sc, scenarios as gen, trace_adapter
+from kvtrace.sglang import scenario as sc
+from tests.differential import compare, harness, scenarios as gen, trace_adapter
 
 NUM_SEEDS = int(os.environ.get("KVTRACE_DIFF_SEEDS", "3"))
 SCENARIOS: list[sc.Scenario] = gen.hand_written() + gen.random_scenarios(range(NUM_SEEDS))
