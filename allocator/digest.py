@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from allocator.manager import KvAllocator
     from allocator.token_to_kv import PageFreeList
 
-__all__ = ["SeqHash", "StateDigest", "compose_digest", "full_digest", "rows_hash", "seq_value"]
+__all__ = ["SeqHash", "StateDigest", "compose_digest", "full_digest", "row_terms", "rows_hash", "seq_value"]
 
 _MOD64 = 1 << 64
 _B = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
@@ -211,14 +211,32 @@ def seq_value(values: np.ndarray) -> tuple[int, int]:
     return _poly(np.asarray(values), 0), int(values.shape[0])
 
 
+def row_terms(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """uint64 per row: ``sum(mix(row, pos, table[row, pos]))`` over ``[starts[i], ends[i])``
+    of each ``rows[i]`` (vectorised over all the positions at once; empty ranges sum to 0)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+    out = np.zeros(rows.shape[0], dtype=np.uint64)
+    keep = np.flatnonzero(counts > 0)
+    if keep.shape[0] == 0:
+        return out
+    rows_k, counts_k = rows[keep], counts[keep]
+    cumsum = np.add.accumulate(counts_k)
+    first = cumsum - counts_k
+    positions = np.repeat(np.asarray(starts, dtype=np.int64)[keep] - first, counts_k)
+    positions += np.arange(int(cumsum[-1]), dtype=np.int64)
+    owner = np.repeat(rows_k, counts_k)
+    flat = table.reshape(-1)
+    terms = _mix(owner, positions, flat[owner * table.shape[1] + positions])
+    out[keep] = np.add.reduceat(terms, first)
+    return out
+
+
 def rows_hash(table: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> int:
     """``sum(mix(row, pos, table[row, pos]))`` mod 2**64 over ``[0, lens[i])`` of each
     ``rows[i]`` (the row part of the digest, from scratch)."""
-    total = 0
-    for row, n in zip(np.asarray(rows).tolist(), np.asarray(lens).tolist()):
-        terms = _mix(np.full(n, row, dtype=np.int64), np.arange(n, dtype=np.int64), table[row, :n])
-        total = (total + int(terms.sum(dtype=np.uint64))) % _MOD64
-    return total
+    terms = row_terms(table, rows, np.zeros(len(rows), dtype=np.int64), lens)
+    return int(terms.sum(dtype=np.uint64))
 
 
 def _compose(alloc: KvAllocator, rows_total: int, lists: list[tuple[Any, Any]]) -> str:

@@ -44,7 +44,7 @@ from . import scenario as sc
 from . import wire
 from . import world
 
-__all__ = ["AllocatorServer", "serve"]
+__all__ = ["AllocatorServer", "IncrementalDigest", "pool_counters", "serve", "state_digest"]
 
 
 def _allocator_module(name: str) -> ModuleType:
@@ -96,6 +96,7 @@ class AllocatorServer:
         self.eng = world.SGLangEngine(self.config)
         self.ps = self.config.page_size
         self.pages = _allocator_module("pages")
+        self.digest: IncrementalDigest | None = None  # from the first state_digest() on
         self.prompt: dict[int, int] = {}  # rid -> where its prefill first completed
         self.prefilling: set[int] = set()  # rids holding KV, prefill not complete
 
@@ -132,6 +133,7 @@ class AllocatorServer:
         available = int(self.eng.alloc.available_size())
         before = world.evicted_tokens()
         res = self.eng.extend(rids, seq_lens, toks, plens, done)
+        self._rewritten(rids)  # stashes now, the prompt publish at the end of the step
         if res.outcome != "ok":
             new = [i for i, h in enumerate(held) if h == 0]
             if "alloc_req_slots" in res.detail:
@@ -179,6 +181,7 @@ class AllocatorServer:
         available = int(self.eng.alloc.available_size())
         before = world.evicted_tokens()
         res = self.eng.prealloc(rids, fills, toks, plens)
+        self._rewritten(rids)
         if res.outcome != "ok":
             if "req_pool_indices" in res.detail:
                 return self._rows_oom("prealloc_rows", rids, list(range(len(rids))))
@@ -246,19 +249,7 @@ class AllocatorServer:
     def counters(self) -> tuple[int, ...]:
         """``PoolCounters`` fields, in order."""
         self.eng.publish()
-        committed = overallocated = 0
-        ps = self.ps
-        for req in self.eng.reqs.values():
-            kv = req.kv
-            if kv.holds_kv:
-                committed += int(kv.kv_committed_len) - int(kv.cache_protected_len)
-                overallocated += int(self.pages.ceil_align(int(kv.kv_allocated_len), ps)) - int(kv.kv_committed_len)
-        pool = self.eng.pool
-        free_rows = int(pool.available_size())
-        return (
-            int(self.eng.alloc.size), int(self.eng.alloc.available_size()), int(self.eng.tree.evictable_size()),
-            int(self.eng.tree.protected_size()), committed, overallocated, int(pool.size) - free_rows, free_rows,
-        )
+        return pool_counters(self.eng)
 
     def request_lens(self, rids_b: bytes) -> tuple[bytes, bytes, bytes]:
         self.eng.publish()
@@ -307,19 +298,19 @@ class AllocatorServer:
     def check_integrity(self) -> list[dict[str, Any]]:
         """Conservation and single ownership of SGLang's pool (page ids when paged):
         every page is exactly one of free, cached in the tree, or held by one request
-        (``[cache_protected_len, ceil_align(kv_allocated_len))`` of its row)."""
-        self.eng.publish()
+        (``[cache_protected_len, ceil_align(kv_allocated_len))`` of its row). A queued
+        prompt publish stays queued (a check must not reorder the step)."""
         out: list[dict[str, Any]] = []
-        counters = self.counters()
+        counters = pool_counters(self.eng)
         pool_tokens, rest = counters[0], sum(counters[1:6])
         if rest != pool_tokens:
             out.append({"check": "conservation", "rid": None, "detail": (
                 f"available {counters[1]} + evictable {counters[2]} + protected {counters[3]} + committed "
                 f"{counters[4]} + overallocated {counters[5]} = {rest}, not the pool's {pool_tokens}")})
         ps = self.ps
-        parts = [self._free_ids(), self._side_ids()]
+        parts = [free_ids(self.eng), side_ids(self.eng)]
         holders = ["free"] * parts[0].shape[0] + ["free (release list)"] * parts[1].shape[0]
-        for node in self._tree_nodes():
+        for node in tree_nodes(self.eng):
             ids = node.value.numpy()[::ps] // ps if ps > 1 else node.value.numpy()
             parts.append(np.asarray(ids, np.int64))
             holders += ["the radix tree"] * len(ids)
@@ -347,54 +338,165 @@ class AllocatorServer:
                 f"{lost.shape[0]} pages are held by nobody (leaked), e.g. {lost[:5].tolist()}")})
         return out
 
-    def _free_ids(self) -> np.ndarray:
-        return self.eng.alloc.free_pages.numpy().astype(np.int64)
-
-    def _side_ids(self) -> np.ndarray:
-        alloc = self.eng.alloc
-        if self.ps == 1:
-            return alloc.release_pages.numpy().astype(np.int64)
-        staged = alloc.staged_pages
-        return np.concatenate([s.numpy() for s in staged]).astype(np.int64) if staged else np.zeros(0, np.int64)
-
-    def _tree_nodes(self) -> list[Any]:
-        if not self.config.radix_cache:
-            return []
-        stack = list(self.eng.tree.root_node.children.values())
-        nodes = []
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
-        return nodes
-
     def state_digest(self) -> str:
         """kvtrace's digest (``allocator.digest.compose_digest``) of SGLang's state."""
         self.eng.publish()
-        digest = _allocator_module("digest")
-        pool = self.eng.pool
-        num_rows = int(pool.req_to_token.shape[0])
-        columns = tuple(np.zeros(num_rows, np.int64) for _ in range(4))
-        columns[0][:] = -1
-        for rid, req in self.eng.reqs.items():
-            kv = req.kv
-            if kv.holds_kv:
-                row = kv.req_pool_idx
-                columns[0][row] = rid
-                columns[1][row] = kv.kv_allocated_len
-                columns[2][row] = kv.kv_committed_len
-                columns[3][row] = kv.cache_protected_len
-        rows = np.flatnonzero(columns[0] >= 0)
-        total = digest.rows_hash(pool.req_to_token.numpy(), rows, columns[1][rows])
-        lists = [(digest.seq_value(self._free_ids()), digest.seq_value(self._side_ids()))]
-        tree = self.eng.tree
-        return digest.compose_digest(total, columns, list(pool.free_slots), lists,
-                                     int(tree.evictable_size()), int(tree.protected_size()))
+        if self.digest is None:
+            self.digest = IncrementalDigest(self.eng)
+        return self.digest.value()
+
+    def _rewritten(self, rids: list[int]) -> None:
+        if self.digest is not None:
+            self.digest.rewritten.update(rids)
+
+
+# ---------------------------------------------------------------------------- SGLang's state
+
+
+def pool_counters(eng: world.SGLangEngine) -> tuple[int, ...]:
+    """The fields of kvtrace's ``PoolCounters`` (in order) read off an SGLang world."""
+    pages = _allocator_module("pages")
+    committed = overallocated = 0
+    for req in eng.reqs.values():
+        kv = req.kv
+        if kv.holds_kv:
+            committed += int(kv.kv_committed_len) - int(kv.cache_protected_len)
+            overallocated += int(pages.ceil_align(int(kv.kv_allocated_len), eng.ps)) - int(kv.kv_committed_len)
+    free_rows = int(eng.pool.available_size())
+    return (
+        int(eng.alloc.size), int(eng.alloc.available_size()), int(eng.tree.evictable_size()),
+        int(eng.tree.protected_size()), committed, overallocated, int(eng.pool.size) - free_rows, free_rows,
+    )
+
+
+def free_ids(eng: world.SGLangEngine) -> np.ndarray:
+    """The allocator's free list in reuse order (slot ids at page 1, page ids otherwise)."""
+    return eng.alloc.free_pages.numpy().astype(np.int64)
+
+
+def side_ids(eng: world.SGLangEngine) -> np.ndarray:
+    """The need-sort side list: ``release_pages`` at page 1, the staged pages otherwise."""
+    alloc = eng.alloc
+    if eng.ps == 1:
+        return alloc.release_pages.numpy().astype(np.int64)
+    staged = alloc.staged_pages
+    return np.concatenate([s.numpy() for s in staged]).astype(np.int64) if staged else np.zeros(0, np.int64)
+
+
+def tree_nodes(eng: world.SGLangEngine) -> list[Any]:
+    """Every node of the radix tree but the root."""
+    if not eng.config.radix_cache:
+        return []
+    stack = list(eng.tree.root_node.children.values())
+    nodes = []
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def _digest_columns(eng: world.SGLangEngine) -> tuple[np.ndarray, ...]:
+    """int64 ``[rows + 1]`` each: request id (-1 free), allocated, committed, protected."""
+    num_rows = int(eng.pool.req_to_token.shape[0])
+    columns = tuple(np.zeros(num_rows, np.int64) for _ in range(4))
+    columns[0][:] = -1
+    for rid, req in eng.reqs.items():
+        kv = req.kv
+        if kv.holds_kv:
+            row = kv.req_pool_idx
+            columns[0][row] = rid
+            columns[1][row] = kv.kv_allocated_len
+            columns[2][row] = kv.kv_committed_len
+            columns[3][row] = kv.cache_protected_len
+    return columns
+
+
+def state_digest(eng: world.SGLangEngine) -> str:
+    """kvtrace's physical-state digest (``allocator/digest.py``) of an SGLang world
+    between steps, from scratch: rows with their request ids and lengths, the free
+    lists in order, the free request rows, the tree's sizes. Equal to the built-in
+    allocator's ``state_digest()`` exactly when the states are equal."""
+    digest = _allocator_module("digest")
+    columns = _digest_columns(eng)
+    rows = np.flatnonzero(columns[0] >= 0)
+    total = digest.rows_hash(eng.pool.req_to_token.numpy(), rows, columns[1][rows])
+    lists = [(digest.seq_value(free_ids(eng)), digest.seq_value(side_ids(eng)))]
+    return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
+                                 int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
+
+
+class IncrementalDigest:
+    """``state_digest`` kept from what changed since the last call (a step of decode
+    at page 1 must not hash a 900k-slot free list and every row again):
+
+    * a row whose request is the same and whose length only grew, and that no
+      checkpoint rewrote (``rewritten``: the server names the requests of every
+      extend, prealloc and prompt publish), adds the terms of its new positions;
+      any other row is hashed again;
+    * the free list: when SGLang only took from its head (the tensor is a view of the
+      one seen last, further along the same storage), the taken entries leave the
+      hash; any other change (a free concatenates a new tensor) hashes it again.
+    """
+
+    def __init__(self, eng: world.SGLangEngine) -> None:
+        self.eng = eng
+        self.digest = _allocator_module("digest")
+        n = int(eng.pool.req_to_token.shape[0])
+        self.rid = np.full(n, -1, np.int64)
+        self.length = np.zeros(n, np.int64)
+        self.row_hash = np.zeros(n, np.uint64)
+        self.rewritten: set[int] = set()  # request ids whose rows a checkpoint may have rewritten
+        self._free: Any = None  # the free-list tensor hashed last
+        self._free_seq: Any = None
+
+    def value(self) -> str:
+        eng, digest = self.eng, self.digest
+        columns = _digest_columns(eng)
+        rid, length = columns[0], columns[1] * (columns[0] >= 0)
+        same = (rid == self.rid) & (length >= self.length)
+        if self.rewritten:
+            same &= ~np.isin(rid, np.fromiter(self.rewritten, np.int64, len(self.rewritten)))
+            self.rewritten.clear()
+        starts = np.where(same, self.length, 0)
+        changed = np.flatnonzero((length != self.length) | ~same)
+        if changed.shape[0]:
+            terms = digest.row_terms(eng.pool.req_to_token.numpy(), changed, starts[changed], length[changed])
+            base = np.where(same[changed], self.row_hash[changed], np.uint64(0))
+            self.row_hash[changed] = base + terms
+            self.rid[changed] = rid[changed]
+            self.length[changed] = length[changed]
+        total = int(self.row_hash.sum(dtype=np.uint64))
+        lists = [(self._free_value(), digest.seq_value(side_ids(eng)))]
+        return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
+                                     int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
+
+    def _free_value(self) -> tuple[int, int]:
+        cur, prev = self.eng.alloc.free_pages, self._free
+        if (
+            prev is not None and cur.numel() <= prev.numel()
+            and cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and cur.storage_offset() + cur.numel() == prev.storage_offset() + prev.numel()
+        ):
+            taken = cur.storage_offset() - prev.storage_offset()
+            if taken:
+                self._free_seq.pop_front(prev[:taken].numpy())
+        else:
+            self._free_seq = self.digest.SeqHash(cur.numpy())
+        self._free = cur
+        return self._free_seq.value()
+
+
+def _dispatch(server: AllocatorServer | None, method: str, args: tuple[Any, ...]) -> Any:
+    if server is None or method.startswith("_") or not hasattr(server, method):
+        raise ValueError(f"unknown call {method!r} (or no init first)")
+    return getattr(server, method)(*args)
 
 
 def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
     """Answer ``(method, args)`` messages until the pipe closes (see ``wire``). The first
     message is ``("init", (config,))``; its reply is ``{"sglang": VERSION, "row_width": N}``.
+    ``("batch", [(method, args), ...])`` makes several calls in one round trip.
     A failing call replies ``("error", text, traceback)``; the server goes on.
 
     Returns:
@@ -407,13 +509,16 @@ def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
         except wire.WireClosed:
             return 0
         try:
-            if method == "init":
+            if method == "init":  # a new world (the driver may serve allocator after allocator)
+                if server is not None:
+                    server.eng.close()
+                    server = None
                 server = AllocatorServer(*args)
                 value: Any = {"sglang": world.SG.version, "row_width": server.eng.row_width}
-            elif server is None or method.startswith("_") or not hasattr(server, method):
-                raise ValueError(f"unknown call {method!r} (or no init first)")
+            elif method == "batch":  # several calls in one round trip: their values, in order
+                value = [_dispatch(server, m, a) for m, a in args]
             else:
-                value = getattr(server, method)(*args)
+                value = _dispatch(server, method, args)
             wire.send(replies, ("ok", value))
         except Exception as exc:  # the parent decides what to print
             wire.send(replies, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=12)))

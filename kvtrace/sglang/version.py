@@ -109,17 +109,35 @@ def resolve_sglang(spec: str) -> AllocatorVersion:
     )
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Close the driver's input (it exits at end of file); kill it if it lingers."""
-    try:
-        if proc.stdin is not None:
-            proc.stdin.close()
-        proc.wait(timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+# Drivers whose allocator was dropped, by interpreter: the next allocator for the same
+# interpreter sends them a new ``init`` instead of paying SGLang's import again (tests,
+# benchmarks and sweeps replay many traces in one process).
+_IDLE: dict[str, list[tuple[subprocess.Popen[bytes], Any]]] = {}
+
+
+def _park(python: str, proc: subprocess.Popen[bytes], stderr: Any) -> None:
+    """An allocator was dropped: keep its driver (and the file of its stderr) for the
+    next one; it exits when this process does (its input closes)."""
+    if proc.poll() is None:
+        _IDLE.setdefault(python, []).append((proc, stderr))
+    else:
+        stderr.close()
+
+
+def _start_driver(python: str) -> tuple[subprocess.Popen[bytes], Any]:
+    idle = _IDLE.get(python)
+    while idle:
+        proc, stderr = idle.pop()
+        if proc.poll() is None:
+            return proc, stderr
+        stderr.close()
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the driver imports nothing of this checkout by name
+    stderr = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [python, str(DRIVER), "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
+    )
+    return proc, stderr
 
 
 class SGLangAllocator:
@@ -137,27 +155,44 @@ class SGLangAllocator:
     def __init__(self, config: AllocatorConfig, *, python: str = sys.executable) -> None:
         self.config = config
         self.python = python
-        self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # the driver imports nothing of this checkout by name
         try:
-            self._proc = subprocess.Popen(
-                [python, str(DRIVER), "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=self._stderr, env=env,
-            )
+            self._proc, self._stderr = _start_driver(python)
         except OSError as exc:
             raise SGLangError(f"sglang ({python}): cannot start the driver: {exc}") from None
-        self._finalizer = weakref.finalize(self, _stop, self._proc)
+        self._finalizer = weakref.finalize(self, _park, python, self._proc, self._stderr)
+        # Round trips are what a replay through SGLang mostly costs: calls that answer
+        # nothing (end_step) wait for the next call and go with it; the pool counters
+        # (and, once asked, the digest) come with each request_lens, which the replay
+        # engine asks right before them; holds_kv is answered from the calls' outcomes.
+        self._deferred: list[tuple[str, tuple[Any, ...]]] = []
+        self._prefetched: dict[str, Any] = {}
+        self._want_digest = False
+        self._holding: set[int] = set()
         info = self._call("init", dataclasses.asdict(config))
         self.sglang_version: str = info["sglang"]
         self.row_width: int = info["row_width"]
 
     def close(self) -> None:
-        """Stop the driver process (also done when the allocator is garbage collected)."""
+        """Hand the driver process to the next allocator of this interpreter (also done
+        when the allocator is garbage collected); it exits with this process."""
         self._finalizer()
-        self._stderr.close()
 
     def _call(self, method: str, *args: Any) -> Any:
+        """One call (with the deferred ones before it) in one round trip; its value."""
+        if self._deferred:
+            return self._batch([(method, args)])[0]
+        self._prefetched.clear()
+        return self._round_trip(method, args)
+
+    def _batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Several calls (after the deferred ones) in one round trip; their values."""
+        self._prefetched.clear()
+        skip = len(self._deferred)
+        calls = [*self._deferred, *calls]
+        self._deferred = []
+        return self._round_trip("batch", calls)[skip:]
+
+    def _round_trip(self, method: str, args: Any) -> Any:
         proc = self._proc
         try:
             assert proc.stdin is not None and proc.stdout is not None
@@ -175,13 +210,14 @@ class SGLangAllocator:
         return reply[1]
 
     # ------------------------------------------------------------------ allocation calls
-    @staticmethod
-    def _outcome(reply: tuple[Any, ...]) -> AllocOutcome:
+    def _outcome(self, reply: tuple[Any, ...], rids: np.ndarray | None = None) -> AllocOutcome:
         from allocator.base import AllocResult, OutOfMemory
 
         if reply[0] == "oom":
             return OutOfMemory(*reply[1:])
         _, num, evicted, prefix, overflow = reply
+        if rids is not None:
+            self._holding.update(int(r) for r in rids)
         prefix_lens = None if prefix is None else np.frombuffer(prefix, "<i8").astype(np.int64)
         return AllocResult(num, evicted, prefix_lens, tuple(tuple(x) for x in overflow))
 
@@ -192,7 +228,7 @@ class SGLangAllocator:
         return self._outcome(self._call(
             "extend", wire.pack_ints(rids), wire.pack_ints(seq_lens), [wire.pack_ints(t) for t in token_ids],
             done.astype(np.uint8).tobytes(),
-        ))
+        ), rids)
 
     def decode(self, rids: np.ndarray) -> AllocOutcome:
         return self._outcome(self._call("decode", wire.pack_ints(rids)))
@@ -203,7 +239,7 @@ class SGLangAllocator:
     def prealloc(self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
         return self._outcome(self._call(
             "prealloc", wire.pack_ints(rids), wire.pack_ints(fill_lens), [wire.pack_ints(t) for t in token_ids],
-        ))
+        ), rids)
 
     def release(
         self, rids: np.ndarray, owned_lens: np.ndarray, token_ids: Sequence[np.ndarray] | None, kind: ReleaseKind,
@@ -212,10 +248,12 @@ class SGLangAllocator:
 
         tokens = None if token_ids is None else [wire.pack_ints(t) for t in token_ids]
         freed, cached, overalloc, evicted = self._call("release", wire.pack_ints(rids), wire.pack_ints(owned_lens), tokens, kind)
+        self._holding.difference_update(int(r) for r in rids)
         return ReleaseResult(freed, cached, np.frombuffer(overalloc, "<i8").astype(np.int64), evicted)
 
     def end_step(self) -> None:
-        self._call("end_step")
+        self._prefetched.clear()
+        self._deferred.append(("end_step", ()))
 
     def evict(self, num_tokens: int) -> int:
         return int(self._call("evict", int(num_tokens)))
@@ -227,16 +265,23 @@ class SGLangAllocator:
     def counters(self) -> PoolCounters:
         from allocator.base import PoolCounters
 
-        return PoolCounters(*self._call("counters"))
+        value = self._prefetched.pop("counters", None)
+        return PoolCounters(*(value if value is not None else self._call("counters")))
 
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         from allocator.base import RequestLens
 
-        cols = self._call("request_lens", wire.pack_ints(rids))
-        return RequestLens(*(np.frombuffer(c, "<i8").astype(np.int64) for c in cols))
+        calls: list[tuple[str, tuple[Any, ...]]] = [("request_lens", (wire.pack_ints(rids),)), ("counters", ())]
+        if self._want_digest:
+            calls.append(("state_digest", ()))
+        values = self._batch(calls)
+        self._prefetched = dict(zip(("counters", "state_digest"), values[1:]))
+        return RequestLens(*(np.frombuffer(c, "<i8").astype(np.int64) for c in values[0]))
 
     def holds_kv(self, rids: np.ndarray) -> np.ndarray:
-        return np.frombuffer(self._call("holds_kv", wire.pack_ints(rids)), np.uint8).astype(bool)
+        """Answered here: a request holds KV from a successful extend / prealloc to its release."""
+        holding = self._holding
+        return np.fromiter((int(r) in holding for r in rids), bool, len(rids))
 
     def row_slots(self, rid: int) -> np.ndarray:
         return np.frombuffer(self._call("row_slots", int(rid)), "<i8").astype(np.int64)
@@ -248,4 +293,6 @@ class SGLangAllocator:
 
     def state_digest(self) -> str:
         """kvtrace's physical-state digest computed from SGLang's state (``allocator.digest``)."""
-        return str(self._call("state_digest"))
+        self._want_digest = True
+        value = self._prefetched.pop("state_digest", None)
+        return str(value if value is not None else self._call("state_digest"))
