@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import json
 import importlib.abc
 import os
 import sys
@@ -78,8 +79,8 @@ class _Step:
         self.time_s = time_s
         self.rank = -1
         self.kinds: set[str] = set()
-        self.rids: set[str] = set()
-        self.prefilled: set[str] = set()  # extends of this step that completed their prefill
+        self.rids: set[int] = set()
+        self.prefilled: set[int] = set()  # extends of this step that completed their prefill
         self.published = False
         self.rows: dict[str, list[list[Any]]] = {}
 
@@ -96,11 +97,13 @@ class LiveRecorder:
         self.recorder: Any = None  # kvtrace.record.Recorder, made at the first call
         self.steps_closed = 0  # steps closed so far (the open one is number steps_closed)
         self.failed: str | None = None
+        self.ids: dict[str, int] = {}  # SGLang's request id -> the trace's dense id (first call first)
+        self._new_ids: list[tuple[str, int]] = []  # not yet in the rid map file
         self._t0 = time.monotonic()
         self._step: _Step | None = None
         self._closed: deque[_Step] = deque()
-        self._lens: dict[str, int] = {}  # rid -> length as recorded
-        self._spec_open: dict[str, tuple[list[Any], int]] = {}  # rid -> (spec row, committed at reserve)
+        self._lens: dict[int, int] = {}  # dense id -> length as recorded
+        self._spec_open: dict[int, tuple[list[Any], int]] = {}  # dense id -> (spec row, committed at reserve)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
@@ -133,10 +136,21 @@ class LiveRecorder:
         )
         version = importlib.metadata.version("sglang")
         meta = TraceMeta(config=config, source=TraceSource(engine=f"sglang {version}", workload="live"))
-        self.recorder = Recorder(self.path, meta, steps_per_batch=1, rid_map_path=self.path + ".rids.jsonl")
+        self.recorder = Recorder(self.path, meta, steps_per_batch=1, dense_ids=True)
+        self._rid_map = open(self.path + ".rids.jsonl", "w", encoding="utf-8")
+
+    def dense_id(self, rid: Any) -> int:
+        """The trace's id of an SGLang request id, given in the order requests first
+        reach an allocation call (the order the trace writes them)."""
+        key = str(rid)
+        dense = self.ids.get(key)
+        if dense is None:
+            dense = self.ids[key] = len(self.ids)
+            self._new_ids.append((key, dense))
+        return dense
 
     # ------------------------------------------------------------------ steps
-    def _open(self, kind: str, rids: list[str]) -> _Step:
+    def _open(self, kind: str, rids: list[int]) -> _Step:
         step = self._step
         rank = _RANK[kind]
         if (
@@ -185,6 +199,11 @@ class LiveRecorder:
             rec.spec([r[0] for r in part], accepted, [r[4] for r in part],
                      token_ids=[_ids(r[3], r[2], r[2] + a) for r, a in zip(part, accepted)])
         rec.end_step()
+        if self._new_ids:
+            for key, dense in self._new_ids:
+                self._rid_map.write(json.dumps({"id": key, "rid": dense}) + "\n")
+            self._new_ids.clear()
+            self._rid_map.flush()
 
     def _accepted(self, row: list[Any]) -> int:
         if row[5] is None:  # not resolved by a later reserve or release: read it now
@@ -192,7 +211,7 @@ class LiveRecorder:
             self._resolve_spec(row[0], int(req.kv.kv_committed_len) if req.kv.holds_kv else row[2])
         return int(row[5])
 
-    def _resolve_spec(self, rid: str, committed: int) -> None:
+    def _resolve_spec(self, rid: int, committed: int) -> None:
         open_row = self._spec_open.pop(rid, None)
         if open_row is not None and open_row[0][5] is None:
             open_row[0][5] = max(committed - open_row[1], 0)
@@ -200,9 +219,9 @@ class LiveRecorder:
     # ------------------------------------------------------------------ the calls
     def extend(self, batch: Any) -> None:
         reqs = batch.reqs
-        rids = [str(r.rid) for r in reqs]
         if self.recorder is None:
             self._start(batch.tree_cache, batch.req_to_token_pool, batch.token_to_kv_pool_allocator)
+        rids = [self.dense_id(r.rid) for r in reqs]
         step = self._open("extend", rids)
         part = step.rows.setdefault("extend", [])
         for rid, req, prefix, extend in zip(rids, reqs, batch.prefix_lens, batch.extend_lens):
@@ -217,7 +236,7 @@ class LiveRecorder:
 
     def decode(self, batch: Any) -> None:
         reqs = batch.reqs
-        rids = [str(r.rid) for r in reqs]
+        rids = [self.dense_id(r.rid) for r in reqs]
         step = self._open("decode", rids)
         part = step.rows.setdefault("decode", [])
         for rid, req in zip(rids, reqs):
@@ -226,7 +245,7 @@ class LiveRecorder:
             self._lens[rid] = pos + 1
 
     def spec(self, reqs: list[Any], draft: int) -> None:
-        rids = [str(r.rid) for r in reqs]
+        rids = [self.dense_id(r.rid) for r in reqs]
         step = self._open("spec", rids)
         part = step.rows.setdefault("spec", [])
         for rid, req in zip(rids, reqs):
@@ -238,9 +257,9 @@ class LiveRecorder:
             self._spec_open[rid] = (row, committed)
 
     def prealloc(self, queue: Any, req: Any, prefix: int) -> None:
-        rid = str(req.rid)
         if self.recorder is None:
             self._start(queue.tree_cache, queue.req_to_token_pool, queue.token_to_kv_pool_allocator)
+        rid = self.dense_id(req.rid)
         step = self._open("prealloc", [rid])
         fill = int(req.kv.kv_allocated_len)
         ids = (list(req.origin_input_ids) + list(req.output_ids))[:fill]
@@ -251,7 +270,7 @@ class LiveRecorder:
     def release(self, kind: str, req: Any, owned: int, committed: int) -> None:
         """``committed``: the request's ``kv_committed_len`` before the release (which
         clears it) resolves its last speculative step."""
-        rid = str(req.rid)
+        rid = self.ids.get(str(req.rid), -1)
         if rid not in self._lens:
             return  # admitted before recording started
         self._resolve_spec(rid, committed)
@@ -261,7 +280,7 @@ class LiveRecorder:
 
     def published(self, req: Any) -> None:
         step = self._step
-        if step is not None and str(req.rid) in step.prefilled:
+        if step is not None and self.ids.get(str(req.rid), -1) in step.prefilled:
             step.published = True
 
     def close(self) -> None:
@@ -274,6 +293,7 @@ class LiveRecorder:
             self._write(self._closed.popleft())
         self.recorder.close()
         self.recorder = None
+        self._rid_map.close()
 
 
 def _ids(req: Any, lo: int, hi: int) -> np.ndarray | None:

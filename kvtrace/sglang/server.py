@@ -396,8 +396,9 @@ def tree_nodes(eng: world.SGLangEngine) -> list[Any]:
     return nodes
 
 
-def _digest_columns(eng: world.SGLangEngine) -> tuple[np.ndarray, ...]:
-    """int64 ``[rows + 1]`` each: request id (-1 free), allocated, committed, protected."""
+def _digest_columns(eng: world.SGLangEngine, rid_of: Any = None) -> tuple[np.ndarray, ...]:
+    """int64 ``[rows + 1]`` each: request id (-1 free; ``rid_of(rid)`` when given),
+    allocated, committed, protected."""
     num_rows = int(eng.pool.req_to_token.shape[0])
     columns = tuple(np.zeros(num_rows, np.int64) for _ in range(4))
     columns[0][:] = -1
@@ -405,20 +406,21 @@ def _digest_columns(eng: world.SGLangEngine) -> tuple[np.ndarray, ...]:
         kv = req.kv
         if kv.holds_kv:
             row = kv.req_pool_idx
-            columns[0][row] = rid
+            columns[0][row] = rid if rid_of is None else rid_of(rid)
             columns[1][row] = kv.kv_allocated_len
             columns[2][row] = kv.kv_committed_len
             columns[3][row] = kv.cache_protected_len
     return columns
 
 
-def state_digest(eng: world.SGLangEngine) -> str:
+def state_digest(eng: world.SGLangEngine, rid_of: Any = None) -> str:
     """kvtrace's physical-state digest (``allocator/digest.py``) of an SGLang world
     between steps, from scratch: rows with their request ids and lengths, the free
     lists in order, the free request rows, the tree's sizes. Equal to the built-in
-    allocator's ``state_digest()`` exactly when the states are equal."""
+    allocator's ``state_digest()`` exactly when the states are equal. ``rid_of``: the
+    id a trace gives each request (a recorder's dense ids), when not the world's own."""
     digest = _allocator_module("digest")
-    columns = _digest_columns(eng)
+    columns = _digest_columns(eng, rid_of)
     rows = np.flatnonzero(columns[0] >= 0)
     total = digest.rows_hash(eng.pool.req_to_token.numpy(), rows, columns[1][rows])
     lists = [(digest.seq_value(free_ids(eng)), digest.seq_value(side_ids(eng)))]

@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
     def emit(_dump: dict) -> None:
         # The hooks' open step is the one this scenario step's calls went to.
         if live.recorder is not None and live._step is not None:
-            states[live.steps_closed] = {"digest": server.state_digest(eng), "counters": server.pool_counters(eng)}
+            digest = server.state_digest(eng, rid_of=live.dense_id)  # the trace's request ids
+            states[live.steps_closed] = {"digest": digest, "counters": server.pool_counters(eng)}
         _append_outputs(eng, content)
 
     sc.run_scenario(scen, eng, emit)
