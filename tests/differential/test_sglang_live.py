@@ -25,7 +25,7 @@ import pytest
 from kvtrace.replay import ReplayOptions
 from kvtrace.session import ReplaySession
 from kvtrace.sglang import scenario as sc
-from tests.differential import trace_adapter
+from tests.differential import harness, trace_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {
@@ -37,13 +37,7 @@ _SYNTHETIC = 1 << 62
 
 
 def _sglang_python() -> str:
-    python = os.environ.get("KVTRACE_SGLANG_PYTHON")
-    if not python:
-        pytest.skip("SGLang unavailable: KVTRACE_SGLANG_PYTHON is not set (tools/sglang_oracle/setup.sh)")
-    probe = subprocess.run([python, "-c", "import pyarrow, sglang"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"SGLang environment without sglang or pyarrow: {probe.stderr.strip().splitlines()[-1:]}")
-    return python
+    return harness.require_sglang(("pyarrow",))
 
 
 def _as_engine_ids(scen: sc.Scenario) -> sc.Scenario:

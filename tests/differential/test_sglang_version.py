@@ -20,22 +20,15 @@ from typer.testing import CliRunner
 from kvtrace.cli import app
 from kvtrace.errors import VersionSpecError
 from kvtrace.registry import resolve_any
-from kvtrace.sglang import KNOWN_SGLANG_VERSIONS, wire
-from kvtrace.sglang.version import ENV_VAR, probe
+from kvtrace.sglang import wire
+from kvtrace.sglang.version import ENV_VAR
+from tests.differential import harness
 
 runner = CliRunner()
 
 
 def _sglang_python() -> str:
-    python = os.environ.get(ENV_VAR)
-    if not python:
-        pytest.skip(f"SGLang unavailable: {ENV_VAR} is not set (create the venv with tools/sglang_oracle/setup.sh)")
-    version, why = probe(python)
-    if version is None:
-        pytest.skip(f"SGLang unavailable: {why}")
-    if version not in KNOWN_SGLANG_VERSIONS:
-        pytest.skip(f"SGLang unavailable: {python} has sglang {version}, the driver knows {KNOWN_SGLANG_VERSIONS}")
-    return python
+    return harness.require_sglang()
 
 
 # ---------------------------------------------------------------------------- without SGLang

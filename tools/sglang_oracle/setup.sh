@@ -36,6 +36,7 @@ if [ ! -x "$TARGET/bin/python" ]; then
   echo "setup.sh: creating venv $TARGET"
   "$PY" -m venv "$TARGET"
 fi
+TARGET="$(cd "$TARGET" && pwd)"
 VPY="$TARGET/bin/python"
 PIP=("$VPY" -m pip install --disable-pip-version-check -q)
 
