@@ -108,6 +108,11 @@ itself is not run because a trace already fixes which requests run when):
    (``scenario.tree_shape``: each node by its first slot, its parent, length, lock
    count and the rank of its access time), so a split or an access time that
    differs shows up before it changes an eviction.
+10. Threads: ``torch.set_num_threads(1)`` at import. SGLang's torch fallbacks work on
+   small tensors; with torch's default intra-op threads on a shared CPU they wait on
+   each other (``alloc_extend_naive`` of 8,192 tokens: ~1.3 ms on one thread, ~130 ms
+   with two threads at load 8 on 2 cores). Results are the same; only the speed of
+   the replay, the tests and ``bench/sglang_allocator.py`` changes.
 """
 
 from __future__ import annotations
@@ -218,6 +223,7 @@ def load_sglang(tree_kind: str = "radix") -> SimpleNamespace:
 
     SG = _import_sglang()
     SG.version = importlib.metadata.version("sglang")
+    SG.torch.set_num_threads(1)  # decision 10
     SG.radix_cache.time = _LogicalClock()
     cls = SG.radix_cache.RadixCache
     original = cls.evict
