@@ -39,10 +39,13 @@ if TYPE_CHECKING:
     from allocator.base import AllocatorConfig, AllocOutcome, PoolCounters, ReleaseKind, ReleaseResult, RequestLens
     from kvtrace.registry import AllocatorVersion
 
-__all__ = ["DRIVER", "ENV_VAR", "SGLangAllocator", "SGLangError", "probe", "resolve_sglang"]
+__all__ = ["DRIVER", "ENV_VAR", "UNCHECKED_VAR", "SGLangAllocator", "SGLangError", "probe", "resolve_sglang"]
 
 DRIVER = Path(__file__).resolve().with_name("driver.py")
 ENV_VAR = "KVTRACE_SGLANG_PYTHON"
+# Set to 1 to drive an sglang release the driver does not know (a development checkout
+# whose allocation functions kept 0.5.23's signatures).
+UNCHECKED_VAR = "KVTRACE_SGLANG_UNCHECKED"
 _PROBE = "import importlib.metadata as m, sys; sys.stdout.write(m.version('sglang'))"
 
 
@@ -82,7 +85,8 @@ def resolve_sglang(spec: str) -> AllocatorVersion:
 
     Raises:
         VersionSpecError: no interpreter given after ``sglang:``, no sglang there, or an
-            sglang release the driver does not know (one line, with what to do).
+            sglang release the driver does not know (one line, with what to do; ``$KVTRACE_SGLANG_UNCHECKED=1``
+            lets an unknown release through).
     """
     from kvtrace.registry import AllocatorVersion
 
@@ -97,10 +101,11 @@ def resolve_sglang(spec: str) -> AllocatorVersion:
             f"allocator '{spec}': {why}; install it there, or make an environment with tools/sglang_oracle/setup.sh "
             "and use sglang:ENV/bin/python"
         )
-    if version not in KNOWN_SGLANG_VERSIONS:
+    if version not in KNOWN_SGLANG_VERSIONS and os.environ.get(UNCHECKED_VAR) != "1":
         raise VersionSpecError(
             f"allocator '{spec}': sglang {version} is not a version the driver knows "
-            f"({', '.join(KNOWN_SGLANG_VERSIONS)}); use an environment with sglang {KNOWN_SGLANG_VERSIONS[-1]}"
+            f"({', '.join(KNOWN_SGLANG_VERSIONS)}); use an environment with sglang {KNOWN_SGLANG_VERSIONS[-1]}, "
+            f"or set {UNCHECKED_VAR}=1 to drive it anyway"
         )
     exe = sys.executable if python is None else str(Path(python).expanduser())
     return AllocatorVersion(

@@ -48,6 +48,13 @@ def test_unknown_sglang_version_is_one_line(tmp_path: Path) -> None:
         resolve_any(f"sglang:{fake}")
 
 
+def test_unknown_sglang_version_may_be_driven_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake_python(tmp_path, "0.5.24.dev3")
+    monkeypatch.setenv("KVTRACE_SGLANG_UNCHECKED", "1")
+    version = resolve_any(f"sglang:{fake}")
+    assert version.label == "sglang 0.5.24.dev3" and fake in version.origin
+
+
 def test_missing_interpreter_and_missing_sglang(tmp_path: Path) -> None:
     with pytest.raises(VersionSpecError, match="is not an executable file"):
         resolve_any(f"sglang:{tmp_path / 'nope'}")
