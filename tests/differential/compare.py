@@ -1,7 +1,7 @@
 """Step-by-step comparison of two differential runs (SGLang's real classes vs ours).
 
 Both sides write the same JSON-lines dump (``scenario.STATE_FIELDS`` per step,
-see ``sglang_driver.py``); ``compare_scenario`` walks them in lockstep and returns
+see ``kvtrace/sglang/driver.py``); ``compare_scenario`` walks them in lockstep and returns
 the FIRST divergence: the step, the op that touched the field, the request, the
 field, both values and a few steps of context.
 
