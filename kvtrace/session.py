@@ -237,8 +237,8 @@ class ReplaySession:
             from traces.validate import OpSequenceChecker
 
             self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
-        else:
-            self._screen = screen
+        else:  # each step is asked for once, in order: seeks and refused runs read the memory
+            self._screen = screen if isinstance(screen, _RecordedScreen) else _RecordedScreen(screen)
         try:
             self._start()
         except BaseException:
