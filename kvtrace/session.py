@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["ReplayResult", "ReplaySession", "open_trace"]
 
 ScreenMode = Literal["background", "inline"]
-DEFAULT_CHECKPOINT_BUDGET = 512 << 20
+DEFAULT_CHECKPOINT_BUDGET = 1 << 30
 MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
 _NO_STEPS = np.zeros(0, np.int64)
 
