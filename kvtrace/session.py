@@ -73,28 +73,37 @@ class _StepNumber(NamedTuple):
 
 class _RecordedScreen:
     """Screens each step once (through ``inner``, in file order) and remembers the
-    problems, so steps replayed again after a seek are screened from memory."""
+    problems, so steps replayed again after a seek are screened from memory.
+
+    Steps are known by their *ordinal* (their position in the file, from 0), which the
+    session sets in ``at`` before each ``check``: step numbers may repeat or go back in
+    a damaged trace, and such a step must still be screened, not read from memory."""
 
     def __init__(self, inner: Any) -> None:
         from traces.validate import BackgroundChecker
 
         self.inner = inner
         self._rows_needed = not isinstance(inner, BackgroundChecker)
-        self.frontier: int | None = None  # every step <= this one was screened
+        self.frontier = -1  # every step at an ordinal <= this one was screened
+        self.at = 0  # the ordinal of the step the next check() is about
         self._problems: dict[int, list[Problem]] = {}
 
     def check(self, batch: StepBatch) -> list[Problem]:
-        if self.frontier is not None and batch.step <= self.frontier:
-            return self._problems.get(batch.step, [])
+        at = self.at
+        if at <= self.frontier:
+            return self._problems.get(at, [])
+        if at != self.frontier + 1:
+            raise AssertionError(f"step ordinal {at} screened before {self.frontier + 1}")
         problems = self.inner.check(batch)
-        self.frontier = batch.step
+        self.frontier = at
         if problems:
-            self._problems[batch.step] = problems
+            self._problems[at] = problems
         return problems
 
-    def check_at(self, chunk: StepChunk, i: int) -> list[Problem]:
-        """``check`` of step ``i`` of ``chunk``, building its rows only for a screen that
-        reads them (the background checker reads the file itself)."""
+    def check_at(self, chunk: StepChunk, i: int, ordinal: int) -> list[Problem]:
+        """``check`` of step ``i`` of ``chunk`` (at ``ordinal``), building its rows only for
+        a screen that reads them (the background checker reads the file itself)."""
+        self.at = ordinal
         if self._rows_needed:
             return self.check(chunk.step_batch(i))
         return self.check(_StepNumber(int(chunk.columns.step[chunk.starts[i]])))  # type: ignore[arg-type]
@@ -111,6 +120,7 @@ class _Checkpoint:
 
     next_step: int
     position: ResumePoint | None  # where ``next_step`` starts in the file
+    ordinal: int  # next_step's position among the trace's steps (from 0)
     allocator: object
     engine: EngineState
     state: Any  # ReplayState.save(), or None
@@ -270,9 +280,9 @@ class ReplaySession:
             self.state.timeline = self._timeline  # append-only: survives a restart
         self.last: StepSnapshot | None = None
         self.done = False
-        self._open_steps(None, None)
+        self._open_steps(None, None, 0)
 
-    def _open_steps(self, position: ResumePoint | None, start: int | None) -> None:
+    def _open_steps(self, position: ResumePoint | None, start: int | None, ordinal: int) -> None:
         old = getattr(self, "_chunks", None)
         if old is not None:
             old.close()
@@ -283,6 +293,8 @@ class ReplaySession:
         self._chunk_steps = _NO_STEPS  # step numbers of the chunk
         self._runs = _NO_STEPS  # traces.runs.run_lengths of the chunk (computed on first use)
         self._index = 0  # the chunk's next step
+        self._chunk_base = ordinal  # the ordinal of the chunk's first step
+        self._next_base = ordinal  # the ordinal of the next chunk's first step
         self._pending: deque[StepSnapshot] = deque()  # a run's snapshots not returned yet
         self._exhausted = False
 
@@ -316,6 +328,8 @@ class ReplaySession:
             self._chunk_steps = self._chunk.step_numbers()
             self._runs = _NO_STEPS
             self._index = 0
+            self._chunk_base = self._next_base
+            self._next_base += self._chunk.num_steps
         return self._chunk, self._index
 
     @property
@@ -350,7 +364,7 @@ class ReplaySession:
             chunk, i = at
             step = int(self._chunk_steps[i])
             if (start is None or step >= start) and self._due_checkpoint():
-                self._save_checkpoint(step, chunk.position)
+                self._save_checkpoint(step, chunk.position, self._chunk_base + i)
             snaps = self._try_run(chunk, i, step)
             if snaps is not None:
                 if snaps:
@@ -359,6 +373,7 @@ class ReplaySession:
                     return self._shown(snaps[0])
                 continue
             self._index += 1
+            self._screen.at = self._chunk_base + i  # (a screen of this session's own kind)
             snap = engine.replay_step(chunk.step_batch(i))
             if snap is None:
                 if engine.stopped_early:
@@ -416,10 +431,9 @@ class ReplaySession:
     def _screened(self, chunk: StepChunk, i: int, n: int) -> int:
         """Screen steps ``i .. i + n - 1`` of ``chunk``; how many lead with no problem (a
         step with one is replayed by itself; its problems are remembered)."""
-        screen = self._screen
-        check_at = getattr(screen, "check_at", None)
+        check_at = self._screen.check_at
         for j in range(n):
-            problems = check_at(chunk, i + j) if check_at is not None else screen.check(chunk.step_batch(i + j))
+            problems = check_at(chunk, i + j, self._chunk_base + i + j)
             if problems:
                 return j
         return n
@@ -458,7 +472,7 @@ class ReplaySession:
         assert self.checkpoint_every is not None
         return self._since_checkpoint >= self.checkpoint_every
 
-    def _save_checkpoint(self, step: int, position: ResumePoint | None) -> None:
+    def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
         if self._checkpoints and self._checkpoints[-1].next_step >= step:
             return  # replaying again after a seek: this one exists
         saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
@@ -468,7 +482,7 @@ class ReplaySession:
         if saved_state is not None:
             nbytes += sum(v.nbytes for v in saved_state.columns.values())
         self._checkpoints.append(
-            _Checkpoint(step, position, saved_alloc, saved_engine, saved_state, self.last, nbytes)
+            _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state, self.last, nbytes)
         )
         self._since_checkpoint = 0
         if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
@@ -554,7 +568,7 @@ class ReplaySession:
             self.state.restore(c.state, c.last.pool if c.last is not None else None)
         self.last = c.last
         self.done = False
-        self._open_steps(c.position, c.next_step)
+        self._open_steps(c.position, c.next_step, c.ordinal)
         self._since_checkpoint = 0
 
     def _restart(self) -> None:
