@@ -43,6 +43,7 @@ def diff(
     on_bad_op: Annotated[str, typer.Option("--on-bad-op", help="stop at an impossible op in the trace, or skip it.")] = "stop",
     jobs: Annotated[Optional[int], typer.Option("--jobs", help="2: the sides replay in two processes in parallel; 1: in lockstep in this process. Default: 2 for traces of 2 MB and more when two cores are free.")] = None,
     as_json: JsonOption = False,
+    tui: Annotated[bool, typer.Option("--tui", help="Then show both replays side by side in the dashboard, at the first divergence (keys move both sides together).")] = False,
 ) -> None:
     """Replay TRACE through versions A and B and compare them after every step; or compare
     two saved state logs. Prints "identical over N steps" or the first divergence (step, op,
@@ -77,6 +78,10 @@ def diff(
                             pool_tokens=pool_tokens, device=device, jobs=jobs)
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
+    if tui:
+        from kvtrace.tui.run import show_diff
+
+        raise typer.Exit(show_diff(report, inputs, a=a or "builtin", b=b, page_size=page_size, pool_tokens=pool_tokens, device=device, options={"check": check, "on_oom": on_oom, "on_bad_op": on_bad_op, "start_step": start, "stop_step": stop}, as_json=as_json))
     result = report.to_dict()
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")

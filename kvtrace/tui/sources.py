@@ -1,9 +1,9 @@
 """What the dashboard replays: a live ``ReplaySession`` or a saved state log.
 
-Both give the driver the same few things: ``step()``, ``seek(step)``, the per-request
-fold (``state``), the last snapshot, a description for the header, and the page map
-(the live source asks the allocator's slot ownership through ``pagemap.pool_cells``;
-a log has only the pool counters, laid out by state).
+Both give the replayer (``kvtrace.tui.replayer``) the same few things: ``step()``,
+``seek(step)``, the per-request fold (``state``), the last snapshot, a description for
+the header, and the page map (the live source asks the allocator's slot ownership
+through ``pagemap.page_map``; a log has only the pool counters, laid out by state).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvtrace.tui.pagemap import PageCells, SlotMap, composition_cells, pool_cells
+from kvtrace.tui.pagemap import PageCells, composition_cells, page_map
 
 if TYPE_CHECKING:
+    from allocator.ownership import SlotOwnership
     from kvtrace.logsession import StateLogSession
     from kvtrace.session import ReplaySession
-    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.snapshot import SnapshotBlock, StepSnapshot
     from kvtrace.state import ReplayState
     from kvtrace.statelog import StateLogWriter
 
@@ -35,6 +36,7 @@ class SourceInfo:
     first_step: int | None
     last_step: int | None
     live: bool  # an allocator runs (False: a saved state log)
+    page_size: int = 1
 
 
 class ReplaySource(Protocol):
@@ -49,7 +51,10 @@ class ReplaySource(Protocol):
     def done(self) -> bool: ...
     def step(self) -> StepSnapshot | None: ...
     def seek(self, step: int) -> StepSnapshot | None: ...
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None: ...
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
+        """The page map (with the slot ownership it was reduced from, when the source has
+        slots); None when there is none (a version without ``slot_ownership()``)."""
+        ...
     def close(self) -> None: ...
 
 
@@ -106,6 +111,7 @@ class LiveSource:
             first_step=first,
             last_step=last,
             live=True,
+            page_size=cfg.page_size,
         )
 
     @property
@@ -129,6 +135,10 @@ class LiveSource:
             self._logged = snap.step
         return snap
 
+    def fold(self) -> SnapshotBlock | None:
+        """Fold the steps replayed since the last fold (``ReplaySession.fold``)."""
+        return self.session.fold()
+
     def seek(self, step: int) -> StepSnapshot | None:
         frontier = self.state.timeline.last_step
         if self.log is None or frontier is None or step <= frontier:
@@ -139,8 +149,8 @@ class LiveSource:
                 break
         return self.session.last
 
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
-        return pool_cells(self.session.allocator, num_cells, rid)
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
+        return page_map(self.session.allocator, num_cells, rid)
 
     def close(self) -> None:
         if self.log is not None:
@@ -165,6 +175,7 @@ class LogSource:
             first_step=log.first_step,
             last_step=log.last_step,
             live=False,
+            page_size=int(cfg.get("page_size", 1)),
         )
 
     @property
@@ -185,7 +196,7 @@ class LogSource:
     def seek(self, step: int) -> StepSnapshot | None:
         return self.log.seek(step)
 
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
         pool = self.log.state.pool
         if pool is None:
             return None

@@ -1,4 +1,5 @@
-"""The replay driver without a screen: commands in, frames out, errors reported."""
+"""The screen's driver and the replayer, without a screen (the replayer in a thread):
+commands in, frames out, errors reported."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import pytest
 
 from kvtrace.errors import TraceError
 from kvtrace.session import ReplaySession
-from kvtrace.tui.driver import CellInfo, Failure, Frame, ReplayDriver, RequestHistory
+from kvtrace.tui.driver import CellInfo, Driver, Failure, Frame, RequestHistory
+from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource
 
 
 class _Run:
-    """A driver running in a thread, what it posts collected in a queue."""
+    """A driver running in a thread over a paused replayer in another, what it posts
+    collected in a queue."""
 
     def __init__(self, source: object, **kw: object) -> None:
         self.items: queue.Queue[object] = queue.Queue()
-        self.driver = ReplayDriver(source, self.items.put, play=False, **kw)  # type: ignore[arg-type]
+        self.driver = Driver(ThreadReplay(source, play=False), self.items.put, **kw)  # type: ignore[arg-type]
         self.thread = threading.Thread(target=self.driver.run, daemon=True)
         self.thread.start()
 
@@ -51,7 +54,8 @@ def test_commands_move_the_replay_and_frames_follow() -> None:
     try:
         run.driver.command("cells", 50)
         run.driver.command("step", 30)
-        frame = run.wait(lambda f: isinstance(f, Frame) and f.step == 29)
+        # the page map follows the records that moved the replay (a message of its own)
+        frame = run.wait(lambda f: isinstance(f, Frame) and f.step == 29 and f.page_map_step == 29)
         assert frame.page_cells is not None and frame.page_cells.tokens.shape[0] == 50
         assert frame.requests.size > 0 and frame.timeline_size == 30
         run.driver.command("seek", 5)
@@ -63,7 +67,8 @@ def test_commands_move_the_replay_and_frames_follow() -> None:
         history = run.wait(lambda h: isinstance(h, RequestHistory))
         assert history.rid == 1 and history.steps.shape[0] > 0
         assert (history.committed <= history.allocated).all()
-        run.wait(lambda f: isinstance(f, Frame) and f.step == 5)  # back where it was
+        run.driver.command("step", 1)  # the replay came back to step 5 after the history
+        run.wait(lambda f: isinstance(f, Frame) and f.step == 6 and f.timeline_size == 30)
         run.driver.command("play")
         last = run.wait(lambda f: isinstance(f, Frame) and f.done)
         assert last.step == 138 and not last.playing
