@@ -89,6 +89,7 @@ class Timeline:
         self.size = 0
         self.events: list[StepEvent] = []
         self._event_steps: list[int] = []
+        self._peak = (0, -1)  # (rows scanned, index of the highest use among them): rows never change
 
     @property
     def last_step(self) -> int | None:
@@ -157,9 +158,19 @@ class Timeline:
         n = self.size if size is None else size
         if not n:
             return None
-        used = self.used_tokens(n)
-        i = int(np.argmax(used))
-        return int(self.steps[i]), int(used[i])
+        scanned, i = self._peak if self._peak[0] <= n else (0, -1)
+        if n > scanned:  # only the rows appended since the last call (a dashboard asks every frame)
+            new = self._used_rows(scanned, n)
+            j = scanned + int(np.argmax(new))
+            if i < 0 or new[j - scanned] > self._used_rows(i, i + 1)[0]:
+                i = j
+            self._peak = (n, i)
+        return int(self.steps[i]), int(self._used_rows(i, i + 1)[0])
+
+    def _used_rows(self, lo: int, hi: int) -> np.ndarray:
+        rows = self.counters[lo:hi]
+        f = self._FIELDS
+        return rows[:, f.index("pool_tokens")] - rows[:, f.index("available")] - rows[:, f.index("evictable")]
 
     def events_until(self, step: int) -> list[StepEvent]:
         """Events of steps <= ``step``."""

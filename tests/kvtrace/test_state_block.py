@@ -1,5 +1,6 @@
 """``ReplayState.apply_block`` folds to exactly the state ``apply`` reaches step by step, in
-any chunking, from snapshots and from a state log's record batches (``block_of``)."""
+any chunking, from snapshots and from a state log's record batches (``block_of``); the
+timeline's peak, asked every frame, scans only the rows appended since."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from kvtrace.replay import ReplayOptions
 from kvtrace.session import ReplaySession
 from kvtrace.snapshot import SnapshotBlock, StepSnapshot
-from kvtrace.state import ReplayState
+from kvtrace.state import ReplayState, Timeline
 from kvtrace.statelog import block_of, to_record_batch
 
 _SNAPS: dict[str, list[StepSnapshot]] = {}
@@ -81,3 +82,20 @@ def test_steps_already_known_extend_nothing_twice() -> None:
     assert state.timeline.size == 90
     assert [e.step for e in state.timeline.events] == sorted(e.step for e in state.timeline.events)
     assert state.timeline.events == _reference(snaps[:90], 16).timeline.events
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=300), st.data())
+def test_the_peak_asked_as_the_timeline_grows_is_the_first_highest_use(rows: list[tuple[int, int]], data: st.DataObject) -> None:
+    timeline = Timeline()
+    n = len(rows)
+    timeline.steps = np.arange(n, dtype=np.int64) * 3
+    timeline.counters = np.zeros((n, len(Timeline._FIELDS)), np.int64)
+    timeline.counters[:, 0] = 128  # pool_tokens; available, evictable below
+    timeline.counters[:, 1:3] = rows
+    timeline.size = n
+    sizes = data.draw(st.lists(st.integers(1, n), min_size=1, max_size=8))  # growing, then any
+    for size in sorted(sizes) + sizes:
+        used = 128 - timeline.counters[:size, 1] - timeline.counters[:size, 2]
+        k = int(np.argmax(used))
+        assert timeline.peak(size) == (int(timeline.steps[k]), int(used[k]))
