@@ -247,6 +247,9 @@ class ReplaySession:
                 "(the optional Digestible protocol of allocator.base), so its physical slots cannot be compared; "
                 "drop --exact"
             )
+        # A runtime-checkable protocol's isinstance tests every method (tens of µs): once here,
+        # not at every step.
+        self._saves_state = isinstance(self.allocator, Checkpointable)
         self.engine = ReplayEngine(self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock)
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         self._unfolded: list[StepSnapshot] = []  # replayed, not yet folded into the state
@@ -281,7 +284,7 @@ class ReplaySession:
         """Whether seeking backwards restores checkpoints (else it replays from the start)."""
         return (
             self.checkpoint_every is not None
-            and isinstance(self.allocator, Checkpointable)
+            and self._saves_state
             and self.reader.resumable
         )
 
