@@ -428,7 +428,7 @@ def _live_source(job: dict[str, Any]) -> ReplaySource:
     session = ReplaySession(
         job["trace"], version=job_version(job), page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
         device=job.get("device", "cpu"), options=options, screen=job_screen(job, options), label=job.get("trace_label"),
-        checkpoint_every=settings.get("checkpoint_every"), track_state=True,
+        checkpoint_every=settings.get("checkpoint_every"), track_state=True, allocator_in_step=True,
     )
     log = None
     if settings.get("log"):

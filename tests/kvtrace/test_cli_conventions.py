@@ -59,7 +59,9 @@ def test_shell_completion() -> None:
     root = help_of()
     assert "--install-completion" in root and "--show-completion" in root
     script = runner.invoke(app, ["--show-completion", "bash"])
-    assert script.exit_code == 0 and "_KVTRACE_COMPLETE=complete_bash" in script.stdout
+    assert script.exit_code == 0 and "_KVTRACE_COMPLETE=complete_bash" in script.stdout, (
+        script.output, repr(script.exception)
+    )
 
     def complete(words: str, cword: int) -> list[str]:
         env = dict(os.environ, COMP_WORDS=words, COMP_CWORD=str(cword), _KVTRACE_COMPLETE="complete_bash")

@@ -27,6 +27,7 @@ def step(number: int, *rows: dict[str, object], time_s: float | None = None, sor
         append_len=column("append_len", 0),
         draft_len=column("draft_len", 0),
         accepted_len=column("accepted_len", 0),
+        prefix_len=column("prefix_len", 0),
         prompt_len=column("prompt_len", None),
         block_hashes=column("block_hashes", None),
         token_ids=column("token_ids", None),
@@ -159,7 +160,11 @@ def test_a_valid_sequence_of_every_op_has_no_problem() -> None:
                 step(2, row("spec", 0, 7, 1, draft_len=4, accepted_len=1)),
             ],
             {},
-            ["step 1, request 0: spec rows but the metadata has no spec settings (config.spec is null; reported once)"],
+            [
+                "step 1, request 0: spec row but the metadata has no spec settings (config.spec is null)",
+                "step 1, request 1: spec row but the metadata has no spec settings (config.spec is null)",
+                "step 2, request 0: spec row but the metadata has no spec settings (config.spec is null)",
+            ],
         ),
         (
             [
@@ -262,8 +267,8 @@ def test_bad_request_ids_and_op_codes() -> None:
     )
     problems, _ = run([batch])
     assert messages(problems) == [
-        "step 0, request -3: request id outside [0, 2**28) (ids are dense, from 0)",
-        f"step 0, request {2**40}: request id outside [0, 2**28) (ids are dense, from 0)",
+        "step 0, request -3: request id outside [0, 2**24) (ids are dense, from 0)",
+        f"step 0, request {2**40}: request id outside [0, 2**24) (ids are dense, from 0)",
     ]
     bad_op = StepBatch(
         0, 0.0, np.array([9], np.int8), np.array([0]), np.array([1]), np.array([1], np.int32),
@@ -296,13 +301,13 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     bad_steps = list(steps)
     last = bad_steps[5]
     bad_steps[5] = StepBatch.from_columns(
-        last.step, last.time_s, op=["decode"], rid=[999], seq_len=[10], append_len=[1]
+        last.step, last.time_s, op=["decode"], rid=[99], seq_len=[10], append_len=[1]
     )
     bad = write_steps(tmp_path / "bad.kvtrace", bad_steps, meta=TraceReader(good).meta)
     found = {}
     for path in (good, bad):
         reader = TraceReader(path)
-        inline = OpSequenceChecker(reader.meta)
+        inline = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
         found[path] = 0
         with BackgroundChecker(path) as background:
             for batch in TraceReader(path).steps():

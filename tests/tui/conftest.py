@@ -22,7 +22,7 @@ def live_app(trace: str = TINY, *, play: bool = False, fixed_clock: bool = False
     """A dashboard over a live session of ``trace``, replayed in a thread (screened inline:
     no child process; ``test_process.py`` runs the replay in its own process)."""
     session_kw.setdefault("checkpoint_every", 20)
-    session = ReplaySession(trace, track_state=True, screen="inline", **session_kw)  # type: ignore[arg-type]
+    session = ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True, **session_kw)  # type: ignore[arg-type]
     link = ThreadReplay(LiveSource(session), play=play)
     if fixed_clock:
         return KvtraceApp(link, clock=lambda: 0.0)

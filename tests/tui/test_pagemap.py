@@ -1,6 +1,7 @@
-"""What the screen adds to the allocator's ownership query: the selected request's cells,
-a clicked cell's owners, no map for a version without the query, the composition of a
-state log (hypothesis)."""
+"""The allocator's slot map agrees with the pool counters at the step a session returns
+(``allocator_in_step``), and what the screen adds to it: the selected request's cells, a
+clicked cell's owners, no map for a version without the query, the composition of a state
+log (hypothesis)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,37 @@ from kvtrace.tui.pagemap import cell_detail, composition_cells, page_map
 FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")
 
 
+def _check_step(session: ReplaySession) -> None:
+    own = session.allocator.slot_ownership()  # the allocator at the step returned (allocator_in_step)
+    counts = np.bincount(own.state, minlength=NUM_STATES)
+    pool = session.last.pool
+    step = session.last.step
+    assert counts[SlotState.UNOWNED] == 0, step
+    assert counts[SlotState.FREE] == pool.available, step
+    assert counts[SlotState.COMMITTED] == pool.committed, step
+    assert counts[SlotState.OVERALLOCATED] + counts[SlotState.PAGE_TAIL] == pool.overallocated, step
+    assert counts[SlotState.CACHED_EVICTABLE] == pool.evictable, step
+    assert counts[SlotState.CACHED_LOCKED] == pool.protected, step
+    # every request holding KV owns exactly its [protected, ceil_align(allocated)) slots
+    lens = session.state
+    for rid in lens.live_rids()[:4]:
+        row = lens.row(int(rid))
+        ps = own.page_size
+        assert int((own.owner == rid).sum()) == -(-row.allocated // ps) * ps - row.protected, (step, rid)
+
+
+def test_slot_states_match_the_counters_at_every_step() -> None:
+    # tiny: every step (page 16, spec, prealloc, retract, abort); mooncake-tiny: a 200k-token
+    # pool, every 50th step (mapping it costs ~25 ms)
+    for trace, every in (("sample:tiny", 1), ("sample:mooncake-tiny", 50)):
+        with ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True) as s:
+            for i, _ in enumerate(s.snapshots()):
+                if i % every == 0:
+                    _check_step(s)
+
+
 def test_the_selected_requests_cells_and_a_cells_owners() -> None:
-    with ReplaySession("sample:tiny", track_state=True, screen="inline") as s:
+    with ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True) as s:
         s.seek(60)
         rid = int(s.state.live_rids()[0])
         made = page_map(s.allocator, 37, rid)
