@@ -116,6 +116,8 @@ class Replayer:
                     self._apply(name, args)
                 if self.playing and not self.source.done:
                     self._advance(due)
+                else:
+                    self._exact()
             except USER_ERRORS as exc:
                 self._fail(str(exc))
             except Exception as exc:  # noqa: BLE001  a bug must not freeze the screen
@@ -167,9 +169,23 @@ class Replayer:
         self.end.records(block)
         self._buf = []
 
-    def _advance(self, deadline: float) -> None:
-        """Replay steps until ``deadline`` (as fast as it goes, or at the pace asked)."""
+    def _exact(self) -> None:
+        """Bring the allocator to the step shown and keep it there (paused: the page map,
+        a cell's owners and stepping are exact): the steps of a run it replayed ahead
+        are shown first (the pause lands at the end of the run)."""
         src = self.source
+        src.set_exact(True)
+        while src.last is not None and (src.allocator_step or 0) > src.last.step:
+            snap = src.step()
+            if snap is None:
+                break
+            self._send_step(snap)
+
+    def _advance(self, deadline: float) -> None:
+        """Replay steps until ``deadline`` (as fast as it goes, or at the pace asked; runs
+        of decode steps in one allocator call, as ``kvtrace replay`` does)."""
+        src = self.source
+        src.set_exact(False)
         clock = self._clock
         speed = self.speed
         while True:
@@ -189,6 +205,8 @@ class Replayer:
     # ------------------------------------------------------------------ commands
     def _apply(self, name: str, args: list[Any]) -> None:
         src = self.source
+        if name in ("step", "seek", "cell", "history"):
+            self._exact()
         if name == "play":
             self.playing = True
         elif name == "pause":
@@ -292,7 +310,8 @@ class Replayer:
             self.end.send({"kind": "cells", "step": last.step, "note": NO_PAGE_MAP})
             return
         c = self._cells
-        self.end.send({"kind": "cells", "step": last.step, "edges": c.edges, "tokens": c.tokens, "dominant": c.dominant,
+        step = self.source.allocator_step  # while playing, up to a run's length past ``last``
+        self.end.send({"kind": "cells", "step": step, "edges": c.edges, "tokens": c.tokens, "dominant": c.dominant,
                        "highlight": c.highlight, "positional": c.positional})
 
     def _cell_message(self, index: int) -> dict[str, Any]:

@@ -49,6 +49,15 @@ class ReplaySource(Protocol):
     def last(self) -> StepSnapshot | None: ...
     @property
     def done(self) -> bool: ...
+    @property
+    def allocator_step(self) -> int | None:
+        """The step the page map would show (a live replay's allocator may run ahead of
+        ``last`` inside a run of decode steps replayed in one call)."""
+        ...
+    def set_exact(self, exact: bool) -> None:
+        """Keep the allocator at the step returned (paused: the page map is exact), or let
+        runs of decode steps replay in one call (playing: as fast as ``kvtrace replay``)."""
+        ...
     def step(self) -> StepSnapshot | None: ...
     def seek(self, step: int) -> StepSnapshot | None: ...
     def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
@@ -128,6 +137,13 @@ class LiveSource:
     def done(self) -> bool:
         return self.session.done
 
+    @property
+    def allocator_step(self) -> int | None:
+        return self.session.allocator_step
+
+    def set_exact(self, exact: bool) -> None:
+        self.session.allocator_in_step = exact
+
     def step(self) -> StepSnapshot | None:
         snap = self.session.step()
         if snap is not None and self.log is not None and (self._logged is None or snap.step > self._logged):
@@ -189,6 +205,14 @@ class LogSource:
     @property
     def done(self) -> bool:
         return self.log.done
+
+    @property
+    def allocator_step(self) -> int | None:
+        last = self.log.last
+        return None if last is None else last.step
+
+    def set_exact(self, exact: bool) -> None:
+        pass  # a log has no allocator
 
     def step(self) -> StepSnapshot | None:
         return self.log.step()

@@ -95,6 +95,10 @@ class _Broken:
         self.inner, self.exc = inner, exc
         self.info, self.state = inner.info, inner.state
         self.last, self.done = None, False
+        self.allocator_step = None
+
+    def set_exact(self, exact: bool) -> None:
+        pass
 
     def step(self):  # noqa: ANN201
         raise self.exc
@@ -117,5 +121,29 @@ def test_errors_in_the_replay_are_posted_not_raised(exc: Exception) -> None:
         assert str(exc) in failure.message
         assert ("internal error" in failure.message) == isinstance(exc, RuntimeError)
         run.wait(lambda f: isinstance(f, Frame) and not f.playing)  # still alive, paused
+    finally:
+        run.stop()
+
+
+def test_playing_replays_runs_and_a_pause_lands_where_the_allocator_is() -> None:
+    """Playing lets runs of decode steps replay in one call (the allocator ahead of the
+    steps sent); once paused, the page map is the allocator's at the step shown."""
+    from allocator.ownership import SlotState
+
+    session = ReplaySession("sample:mooncake-tiny", track_state=True, screen="inline", checkpoint_every=500,
+                            allocator_in_step=True)
+    run = _Run(LiveSource(session))
+    try:
+        run.driver.command("cells", 64)
+        run.driver.command("play")
+        run.wait(lambda f: isinstance(f, Frame) and f.step is not None and f.step > 200 and f.playing)
+        assert not session.allocator_in_step  # runs allowed while playing
+        run.driver.command("pause")
+        frame = run.wait(lambda f: isinstance(f, Frame) and not f.playing and f.page_map_step == f.step)
+        assert session.allocator_in_step and session.allocator_step == frame.step
+        by_state = frame.page_cells.tokens.sum(axis=0)
+        assert by_state[SlotState.COMMITTED] == frame.pool.committed
+        assert by_state[SlotState.FREE] == frame.pool.available
+        assert by_state[SlotState.OVERALLOCATED] + by_state[SlotState.PAGE_TAIL] == frame.pool.overallocated
     finally:
         run.stop()
