@@ -105,6 +105,7 @@ class KvtraceApp(App[None]):
         self._detail: RequestDetailScreen | None = None
         self._divergence: int | None = None  # the divergence the sides were sent to
         self.replay_closed = threading.Event()  # every worker returned and closed its replay
+        self._alerted: set[tuple[int, object]] = set()  # (side, event) notified
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -167,6 +168,9 @@ class KvtraceApp(App[None]):
         dash.show(frame, info, self.clock())
         self.call_after_refresh(self._drawn, driver, frame.seq, t0)
         for e in frame.alerts:
+            if (frame.side, e) in self._alerted:  # repeated by a frame drawn after it
+                continue
+            self._alerted.add((frame.side, e))
             where = f"{self._side_label(frame.side)} " if self.report is not None else ""
             self.notify(f"{where}step {e.step}: {e.kind} {e.detail}".strip(), title="replay", severity="error", timeout=8)
 

@@ -185,6 +185,9 @@ class Driver:
         self._shown_step: int | None = None
         self._shown_events = 0
         self._rate_at: tuple[float, float] | None = None
+        # What each frame not yet drawn announced: a newer frame replaces it in the UI's
+        # queue, so the next ones repeat it until the UI acknowledges one drawn after it.
+        self._unacked: list[tuple[int, frozenset[int], tuple[StepEvent, ...]]] = []
 
     # ------------------------------------------------------------------ UI-thread API
     def command(self, name: str, *args: Any) -> None:
@@ -323,6 +326,10 @@ class Driver:
                     released.add(e.rid)
         alerts = [e for e in timeline.events[self._shown_events:num_events] if e.kind in ALERT_KINDS]
         self._shown_events = max(self._shown_events, num_events)
+        self._unacked = [u for u in self._unacked if u[0] > self.frames_acked]
+        self._unacked.append((self.frames_posted + 1, frozenset(released), tuple(alerts)))
+        released = set().union(*(u[1] for u in self._unacked))
+        alerts = [e for u in self._unacked for e in u[2]]
         achieved = None
         if last is not None:
             wall = self._clock()

@@ -147,3 +147,35 @@ def test_playing_replays_runs_and_a_pause_lands_where_the_allocator_is() -> None
         assert by_state[SlotState.OVERALLOCATED] + by_state[SlotState.PAGE_TAIL] == frame.pool.overallocated
     finally:
         run.stop()
+
+
+def test_frames_not_drawn_pass_their_alerts_and_releases_on() -> None:
+    """A newer frame replaces an undrawn one in the UI's queue: until the UI acknowledges a
+    frame, each new one repeats what the undrawn ones announced (the app notifies once)."""
+    items: queue.Queue[object] = queue.Queue()
+    session = ReplaySession("sample:tiny", track_state=True, screen="inline", pool_tokens=640, allocator_in_step=True)
+    driver = Driver(ThreadReplay(LiveSource(session), play=False), items.put)
+    thread = threading.Thread(target=driver.run, daemon=True)
+    thread.start()
+    try:
+        driver.command("play")  # the OOM stops the replay; no frame is acknowledged
+        frames: list[Frame] = []
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not (frames and frames[-1].done and len(frames) >= 2):
+            try:
+                item = items.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if isinstance(item, Frame):
+                frames.append(item)
+        oom = [i for i, f in enumerate(frames) if any(e.kind == "oom" for e in f.alerts)]
+        assert oom and oom == list(range(oom[0], len(frames)))  # every later frame repeats it
+        released = [f.released for f in frames]
+        assert all(a <= b for a, b in zip(released, released[1:]))  # releases accumulate until drawn
+        driver.ack(frames[-1].seq)
+        driver.command("step", -1)
+        later = next(f for f in iter(lambda: items.get(timeout=30), None) if isinstance(f, Frame))
+        assert later.alerts == () and later.released == frozenset()
+    finally:
+        driver.stop()
+        thread.join(timeout=10)
