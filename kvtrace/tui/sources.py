@@ -78,19 +78,20 @@ def _config_line(page_size: int, pool_tokens: int, max_running: int | None, devi
 
 
 def trace_step_range(path: str | Path) -> tuple[int, int] | None:
-    """First and last step of a trace file (one pass over its record batches, about 0.2 s
-    for the one-hour sample; None when the file cannot be read that way: the header then
-    shows no total)."""
-    import pyarrow as pa
+    """First and last step of a trace file, an IPC stream or file (one pass over its record
+    batches, a fraction of a second for the one-hour sample; None when it cannot be read:
+    the header then shows no total)."""
+    from traces.errors import TraceError
+    from traces.ipc import IpcReader, numpy_view
 
     first = last = None
     try:
-        for batch in pa.ipc.open_stream(pa.memory_map(str(path))):
+        for batch in IpcReader(path).iter_batches():
             if batch.num_rows:
-                steps = batch.column("step")
-                first = int(steps[0].as_py()) if first is None else first
-                last = int(steps[-1].as_py())
-    except (OSError, pa.ArrowInvalid, KeyError):
+                steps = numpy_view(batch.column("step"))
+                first = int(steps[0]) if first is None else first
+                last = int(steps[-1])
+    except (OSError, KeyError, TraceError):
         pass  # a damaged tail: what was read stands (the replay reports the damage)
     return (first, last) if first is not None and last is not None else None
 
