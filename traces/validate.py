@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from traces.schema import (
     StepBatch,
     TraceMeta,
 )
+
+if TYPE_CHECKING:
+    from traces.io import StepChunk
 
 # Request phases (values of the per-request state array).
 NEW, PREFILL, DECODING, RETRACTED, ENDED = range(5)
@@ -220,6 +223,41 @@ class OpSequenceChecker:
         if np.count_nonzero(self._scratch[rid] != order):
             return False
         self._length[rid] = seq_len
+        return True
+
+    def check_decode_run(self, chunk: StepChunk, i: int, m: int) -> bool:
+        """Check and apply steps ``i`` to ``i + m - 1`` of ``chunk`` at once, a run of plain
+        decode steps over one batch (``traces.runs.run_lengths``), when every row passes
+        the fast path's tests (``_plain_decode_step``) and the steps and times go on;
+        returns False (nothing applied) when any step needs the per-step checks.
+        """
+        cols = chunk.columns
+        first, last = int(chunk.starts[i]), int(chunk.stops[i + m - 1])
+        steps = cols.step[chunk.starts[i : i + m]]
+        times = cols.time_s[chunk.starts[i : i + m]]
+        if (
+            int(steps[0]) < 0
+            or int(steps[-1]) >= MAX_STEP
+            or np.count_nonzero(steps[1:] < steps[:-1])
+            or (self._last_step is not None and int(steps[0]) < self._last_step)
+            or not np.isfinite(times).all()
+            or np.count_nonzero(times[1:] < times[:-1])
+            or (self._last_time is not None and float(times[0]) < self._last_time)
+            or np.count_nonzero(cols.append_len[first:last] != 1)
+            or np.count_nonzero(cols.draft_len[first:last])
+            or np.count_nonzero(cols.accepted_len[first:last])
+            or np.count_nonzero(cols.prefix_len[first:last])
+            or int(cols.seq_len[int(chunk.starts[i + m - 1]) : last].max()) > self.max_context_len
+            or not self._plain_decode_step(chunk.step_batch(i))
+        ):
+            return False
+        # run_lengths holds every later step to the first one's requests, each one longer.
+        rid = cols.rid[int(chunk.starts[i + m - 1]) : last]
+        self._length[rid] = cols.seq_len[int(chunk.starts[i + m - 1]) : last]
+        self._last_step = int(steps[-1]) if self._last_step is None else max(int(steps[-1]), self._last_step)
+        self._last_time = float(times[-1]) if self._last_time is None else max(float(times[-1]), self._last_time)
+        self._steps += m
+        self._rows += last - first
         return True
 
     def _scratch_grow(self, max_rid: int) -> None:
@@ -760,6 +798,7 @@ def start_shared_checker(path: str | os.PathLike[str], consumers: int, stop: int
 
 def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
     from traces.io import TraceReader
+    from traces.runs import run_lengths
 
     def send(message: tuple[str, int, int | None, Any]) -> None:
         for conn in list(conns):
@@ -775,18 +814,31 @@ def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
         reader = TraceReader(path)
         checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
         since = 0
-        for batch in reader.steps(stop=stop):
-            problems = checker.check(batch)
-            position += 1
-            last = batch.step
-            if problems:
-                send(("problems", position, last, [(p.rid, p.problem) for p in problems]))
-                since = 0
-                continue
-            since += 1
-            if since >= BackgroundChecker._REPORT_EVERY:
-                send(("upto", position, last, None))
-                since = 0
+        for chunk in reader.chunks(stop=stop):
+            runs = run_lengths(chunk, DECODE)
+            steps = chunk.step_numbers()
+            i, k = 0, steps.shape[0]
+            while i < k:
+                m = int(runs[i])
+                if m > 1 and checker.check_decode_run(chunk, i, m):
+                    position += m
+                    last = int(steps[i + m - 1])
+                    i += m
+                    since += m
+                else:
+                    batch = chunk.step_batch(i)
+                    problems = checker.check(batch)
+                    position += 1
+                    last = batch.step
+                    i += 1
+                    if problems:
+                        send(("problems", position, last, [(p.rid, p.problem) for p in problems]))
+                        since = 0
+                        continue
+                    since += 1
+                if since >= BackgroundChecker._REPORT_EVERY:
+                    send(("upto", position, last, None))
+                    since = 0
         send(("end", position, last, None))
     except Exception as exc:  # noqa: BLE001 - reported to the consumers, which decide
         try:

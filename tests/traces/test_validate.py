@@ -320,3 +320,81 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     background.check(next(iter(TraceReader(bad).steps())))
     background.close()
     assert not background._proc.is_alive()
+
+
+def _decode_run_steps(num_steps: int, rows: int) -> list[StepBatch]:
+    """A prefill of ``rows`` requests, then plain decode steps of all of them."""
+    rid = np.arange(rows, dtype=np.int64)
+    prompt = 40 + 3 * rid
+    steps = [StepBatch.from_columns(0, 0.0, op=["extend"] * rows, rid=rid, seq_len=prompt, append_len=prompt,
+                                    prompt_len=prompt)]
+    for s in range(1, num_steps + 1):
+        steps.append(StepBatch.from_columns(s, 0.01 * s, op=["decode"] * rows, rid=rid, seq_len=prompt + s,
+                                            append_len=np.ones(rows, np.int64)))
+    return steps
+
+
+def _with(batch: StepBatch, **changes: object) -> StepBatch:
+    import dataclasses
+
+    return dataclasses.replace(batch, **changes)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["length jump", "time back", "unknown request", "append 2", "draft", "past context", "nan time", "prefix"],
+)
+def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, damage: str) -> None:
+    """The background checker screens runs of plain decode steps at once
+    (``check_decode_run``); a run with a bad step gives, step by step, the problems
+    the in-process checker gives."""
+    from tests.traces.conftest import make_meta, write_steps
+    from traces.io import TraceReader
+    from traces.validate import BackgroundChecker, OpSequenceChecker
+
+    steps = _decode_run_steps(600, rows=4)
+    k = 300
+    b = steps[k]
+    steps[k] = {
+        "length jump": lambda: _with(b, seq_len=b.seq_len + np.array([0, 0, 5, 0])),
+        "time back": lambda: _with(b, time_s=0.5),
+        "unknown request": lambda: _with(b, rid=np.array([0, 1, 2, 7], b.rid.dtype)),
+        "append 2": lambda: _with(b, append_len=b.append_len + 1),
+        "draft": lambda: _with(b, draft_len=np.array([0, 1, 0, 0], b.draft_len.dtype)),
+        "past context": lambda: _with(b, seq_len=b.seq_len + 5000),
+        "nan time": lambda: _with(b, time_s=float("nan")),
+        "prefix": lambda: _with(b, prefix_len=np.array([0, 0, 0, 3], b.prefix_len.dtype)),
+    }[damage]()
+    path = write_steps(tmp_path / "run.kvtrace", steps, meta=make_meta(pool_tokens=1 << 16), steps_per_batch=64)
+    reader = TraceReader(path)
+    inline = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
+    found = []
+    with BackgroundChecker(path, rid_bound=reader.rid_bound) as background:
+        for batch in TraceReader(path).steps():
+            problems = background.check(batch)
+            assert problems == inline.check(batch), batch.step
+            found += problems
+    assert found, damage  # the damage is found
+
+
+def test_check_decode_run_applies_a_run_as_its_steps(tmp_path) -> None:
+    """A clean run applied at once leaves the checker where step by step leaves it."""
+    from tests.traces.conftest import write_steps
+    from traces.io import TraceReader
+    from traces.runs import run_lengths
+
+    steps = _decode_run_steps(50, rows=3)
+    meta = make_meta(pool_tokens=1 << 16)
+    chunk = next(TraceReader(write_steps(tmp_path / "t.kvtrace", steps, meta=meta)).chunks())
+    one, many = OpSequenceChecker(meta), OpSequenceChecker(meta)
+    for batch in steps:
+        assert one.check(batch) == []
+    # The first decode after a prefill moves its requests to decoding: the per-step path.
+    assert not many.check_decode_run(chunk, 0, 1) and not many.check_decode_run(chunk, 1, 50)
+    assert many.check(chunk.step_batch(0)) == [] and many.check(chunk.step_batch(1)) == []
+    assert int(run_lengths(chunk)[2]) == 49
+    assert many.check_decode_run(chunk, 2, 49)
+    assert many.finish() == one.finish()
+    assert [many.length_of(r) for r in range(3)] == [one.length_of(r) for r in range(3)]
+    assert not many.check_decode_run(chunk, 2, 49)  # the same steps again: lengths no longer follow
+    assert many.finish() == one.finish()  # ... and nothing was applied
