@@ -1,25 +1,31 @@
 """The dashboard's cost: replay wall time with and without it, frames a second, memory.
 
 Usage:
-    python bench/tui.py [TRACE] [--repeat N] [--size WxH]
+    python bench/tui.py [TRACE] [--repeat N] [--size WxH] [--profile-ui FILE]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
-one run:
+one run, for N interleaved pairs (without, then with the dashboard; the machine may be
+shared, so the spread is shown):
   * the replay wall time without the dashboard (``ReplaySession.run()``, what
-    ``kvtrace replay`` does) and with it (``KvtraceApp`` headless, playing at full
-    speed from the first step to the last, with its checkpoints and per-request
-    state), best of N each, and the overhead in percent (target: at most 10%);
-  * frames a second: frames the driver posted and the screen showed, over the
-    replay's wall time (target: at least 20), and the median time the UI took to draw
-    one (the UI and the replay share the interpreter: what the UI draws, the replay waits);
-  * memory: peak RSS of the process after the dashboard run, the per-request state,
-    the timeline and the checkpoints the session holds.
+    ``kvtrace replay`` does) and with it (``KvtraceApp`` headless, the replay in its own
+    process as ``kvtrace replay --tui`` runs it, with its checkpoints and per-request
+    state, playing at full speed from the first step to the last), the overhead of each
+    pair in percent (target: at most 10%), and the CPU seconds of the replay process
+    against those of the plain replay;
+  * frames a second the screen showed over the replay's wall time (target: at least 20),
+    the median time from a frame's arrival to its screen update, and the CPU seconds of
+    the screen's process;
+  * memory: peak RSS of the screen's process and of the replay process, the screen's
+    per-request state and timeline;
+  * the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import dataclasses
 import os
 import resource
 import statistics
@@ -30,39 +36,69 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvtrace.registry import resolve_version  # noqa: E402
+from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.session import ReplaySession  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
+from kvtrace.tui.link import ChildReplay  # noqa: E402
+from kvtrace.tui.replayer import dashboard_job  # noqa: E402
 from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY  # noqa: E402
-from kvtrace.tui.sources import LiveSource  # noqa: E402
+from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
-def plain(trace: str) -> tuple[float, int]:
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _proc_peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def plain(trace: str) -> dict[str, float]:
     with ReplaySession(trace) as s:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = s.run()
-        return time.perf_counter() - t0, result.stats.steps
+        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "steps": result.stats.steps}
 
 
-async def dashboard(trace: str, size: tuple[int, int]) -> dict[str, float]:
-    session = ReplaySession(trace, track_state=True, checkpoint_every=DASHBOARD_CHECKPOINT_EVERY)
-    app = KvtraceApp(LiveSource(session), play=True)
+async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None) -> dict[str, float]:
+    job = dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
+                        pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
+                        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+    link = ChildReplay(job)
+    link.wait_started()
+    pid = link.proc.pid
+    app = KvtraceApp(link)
     async with app.run_test(size=size) as pilot:
         while app.frame is None:
             await pilot.pause(0.01)
-        t0 = time.perf_counter()
-        shown0, posted0 = app.frames_shown, app.driver.frames_posted
+        t0, c0, child0 = time.perf_counter(), time.process_time(), _proc_cpu_s(pid)
+        shown0 = app.frames_shown
+        if profile is not None:
+            profile.enable()
+        await pilot.press("space")
         while app.frame is None or not app.frame.done:
             await pilot.pause(0.05)
         wall = time.perf_counter() - t0
+        if profile is not None:
+            profile.disable()
+        state = app.driver.state
         out = {
             "wall_s": wall,
-            "steps": float(session.state.timeline.size if session.state is not None else 0),
+            "child_cpu_s": _proc_cpu_s(pid) - child0,
+            "ui_cpu_s": time.process_time() - c0,
+            "child_peak_mb": _proc_peak_mb(pid),
+            "steps": float(state.timeline.size if state is not None else 0),
             "frames_shown": float(app.frames_shown - shown0),
-            "frames_posted": float(app.driver.frames_posted - posted0),
-            "state_mb": (session.state.nbytes() if session.state is not None else 0) / 2**20,
-            "checkpoint_mb": session.checkpoint_bytes / 2**20,
+            "state_mb": (state.nbytes() if state is not None else 0) / 2**20,
             "requests": float(app.frame.requests.size),
             "draw_ms": 1000 * statistics.median(app.draw_s) if app.draw_s else float("nan"),
         }
@@ -70,32 +106,55 @@ async def dashboard(trace: str, size: tuple[int, int]) -> dict[str, float]:
     return out
 
 
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):+.1f}%, {min(values):+.1f}% to {max(values):+.1f}%"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=DEFAULT_TRACE)
-    ap.add_argument("--repeat", type=int, default=1, metavar="N", help="runs of each (the best is kept)")
+    ap.add_argument("--repeat", type=int, default=3, metavar="N", help="interleaved pairs of runs")
     ap.add_argument("--size", default="180x50", metavar="WxH", help="terminal size of the headless dashboard")
+    ap.add_argument("--profile-ui", metavar="FILE", help="cProfile the screen's process while it plays (pstats file)")
     args = ap.parse_args()
     w, h = (int(v) for v in args.size.split("x"))
-    print(f"trace {args.trace}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, terminal {w}x{h}")
-    plain_runs, dash_runs = [], []
+    profile = cProfile.Profile() if args.profile_ui else None
+    load0 = os.getloadavg()
+    print(f"trace {args.trace}, {os.cpu_count()} CPUs, load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} "
+          f"(1 / 5 / 15 min), terminal {w}x{h}", flush=True)
+    rows = []
     for i in range(args.repeat):
-        plain_runs.append(plain(args.trace))
-        dash_runs.append(asyncio.run(dashboard(args.trace, (w, h))))
-        print(f"run {i + 1}: without {plain_runs[-1][0]:.2f} s, with the dashboard {dash_runs[-1]['wall_s']:.2f} s")
-    base, steps = min(plain_runs)
-    best = min(dash_runs, key=lambda d: d["wall_s"])
+        p = plain(args.trace)
+        d = asyncio.run(dashboard(args.trace, (w, h), profile))
+        over = 100 * (d["wall_s"] / p["wall_s"] - 1)
+        cpu_over = 100 * (d["child_cpu_s"] / p["cpu_s"] - 1)
+        fps = d["frames_shown"] / d["wall_s"]
+        rows.append((p, d, over, cpu_over, fps))
+        print(f"pair {i + 1}: without {p['wall_s']:.2f} s ({p['cpu_s']:.2f} s CPU); with the dashboard {d['wall_s']:.2f} s "
+              f"(+{over:.1f}%; replay process {d['child_cpu_s']:.2f} s CPU, {cpu_over:+.1f}%), {fps:.1f} frames/s, "
+              f"median draw {d['draw_ms']:.1f} ms, screen process {d['ui_cpu_s']:.2f} s CPU; load {os.getloadavg()[0]:.1f}",
+              flush=True)
+    overs = [r[2] for r in rows]
+    cpu_overs = [r[3] for r in rows]
+    fpss = [r[4] for r in rows]
+    steps = rows[0][0]["steps"]
+    ok = statistics.median(overs) <= 10
+    print(f"replay of {steps:,} steps, wall time with the dashboard against without: {_spread(overs)} "
+          f"(target <= +10%: {'ok' if ok else 'MISSED'})")
+    print(f"replay process CPU against the plain replay's: {_spread(cpu_overs)}")
+    fps_ok = statistics.median(fpss) >= 20
+    print(f"frames a second: median {statistics.median(fpss):.1f}, {min(fpss):.1f} to {max(fpss):.1f} "
+          f"(target >= 20: {'ok' if fps_ok else 'MISSED'})")
+    last = rows[-1][1]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    over = 100 * (best["wall_s"] / base - 1)
-    print(f"replay {steps:,} steps without the dashboard: {base:.2f} s")
-    print(f"replay with the dashboard (playing at full speed): {best['wall_s']:.2f} s "
-          f"(+{over:.1f}%; target <= 10%: {'ok' if over <= 10 else 'MISSED'})")
-    fps = best["frames_shown"] / best["wall_s"]
-    print(f"frames: {best['frames_posted']:.0f} posted, {best['frames_shown']:.0f} shown, {fps:.1f} a second "
-          f"(target >= 20: {'ok' if fps >= 20 else 'MISSED'}); median {best['draw_ms']:.1f} ms from a frame's "
-          f"arrival to its screen update")
-    print(f"memory with {best['requests']:,.0f} requests: peak RSS {rss_mb:.0f} MB; per-request state and "
-          f"timeline {best['state_mb']:.1f} MB; checkpoints {best['checkpoint_mb']:.1f} MB")
+    print(f"memory with {last['requests']:,.0f} requests: screen process peak RSS {rss_mb:.0f} MB (this process, "
+          f"which also ran the plain replays), replay process peak RSS {last['child_peak_mb']:.0f} MB; the screen's "
+          f"per-request state and timeline {last['state_mb']:.1f} MB")
+    load1 = os.getloadavg()
+    print(f"load average at the end {load1[0]:.1f} / {load1[1]:.1f} / {load1[2]:.1f}")
+    if profile is not None:
+        profile.dump_stats(args.profile_ui)
+        print(f"screen profile: {args.profile_ui}")
 
 
 if __name__ == "__main__":

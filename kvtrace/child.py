@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "main", "run_job"]
+__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "job_screen", "job_version", "main", "run_job"]
 
 # Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance before
 # calling their methods. A package older than one of them lacks the name, or defines it
@@ -84,33 +84,55 @@ def _methods(protocol: type) -> set[str]:
 
 
 def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
-    """Replay ``job`` and stream its records to ``out``, messages to ``control``.
+    """Replay ``job`` and stream its records to ``out``, messages to ``control``; a
+    dashboard job (``"dashboard"`` in it: ``kvtrace.tui.replayer``) also takes commands
+    on stdin.
 
     Raises:
         KvtraceError, TraceError: bad input (reported by ``main`` as one line).
     """
-    from kvtrace.registry import AllocatorVersion, resolve_version
+    if "dashboard" in job:
+        from kvtrace.tui.replayer import run_dashboard_job
+
+        run_dashboard_job(job, out, control, sys.stdin.buffer)
+        return
     from kvtrace.replay import ReplayOptions
 
-    if job.get("allocator_root"):
-        from allocator import create_allocator
-
-        version = AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
-    else:
-        version = resolve_version(job["spec"])
+    version = job_version(job)
     options = ReplayOptions(**job.get("options", {}))
-    screen: Any = job.get("screen", "background")
-    if job.get("screen_fd") is not None:  # a checker the parent shares between the sides
-        from multiprocessing.connection import Connection
-
-        from traces.validate import BackgroundChecker
-
-        screen = BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
+    screen = job_screen(job, options)
     try:
         _replay(job, version, options, screen, out, control)
     finally:
         if not isinstance(screen, str):
             screen.close()
+
+
+def job_version(job: dict[str, Any]) -> Any:
+    """The ``AllocatorVersion`` a job names (its checkout's ``allocator`` when it has a root).
+
+    Raises:
+        VersionSpecError: the spec does not resolve.
+    """
+    from kvtrace.registry import AllocatorVersion, resolve_version
+
+    if job.get("allocator_root"):
+        from allocator import create_allocator
+
+        return AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
+    return resolve_version(job["spec"])
+
+
+def job_screen(job: dict[str, Any], options: Any) -> Any:
+    """What screens the job's steps: a mode (``background``, ``inline``), or the checker
+    the parent shares between the sides (``screen_fd``)."""
+    if job.get("screen_fd") is None:
+        return job.get("screen", "background")
+    from multiprocessing.connection import Connection
+
+    from traces.validate import BackgroundChecker
+
+    return BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
 
 
 def _replay(job: dict[str, Any], version: Any, options: Any, screen: Any, out: BinaryIO, control: IO[str]) -> None:

@@ -35,6 +35,7 @@ from kvtrace.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.registry import AllocatorVersion, resolve_version
 from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
+from kvtrace.snapshot import SnapshotBlock
 from kvtrace.state import ReplayState
 from traces.runs import run_lengths
 from traces.schema import DECODE, SPEC
@@ -52,6 +53,7 @@ ScreenMode = Literal["background", "inline"]
 DEFAULT_CHECKPOINT_BUDGET = 1 << 30
 MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
 _NO_STEPS = np.zeros(0, np.int64)
+_FOLD_STEPS = 1024  # steps replayed before the state folds them (it also folds whenever it is read)
 
 
 def open_trace(spec: str | Path) -> TraceReader:
@@ -271,13 +273,17 @@ class ReplaySession:
                 "(the optional Digestible protocol of allocator.base), so its physical slots cannot be compared; "
                 "drop --exact"
             )
+        # A runtime-checkable protocol's isinstance tests every method (tens of µs): once here,
+        # not at every step.
+        self._saves_state = isinstance(self.allocator, Checkpointable)
         self.engine = ReplayEngine(
             self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock,
             rid_bound=self.reader.rid_bound,
         )
-        self.state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
-        if getattr(self, "_timeline", None) is not None and self.state is not None:
-            self.state.timeline = self._timeline  # append-only: survives a restart
+        self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
+        self._unfolded: list[StepSnapshot] = []  # replayed, not yet folded into the state
+        if getattr(self, "_timeline", None) is not None and self._state is not None:
+            self._state.timeline = self._timeline  # append-only: survives a restart
         self.last: StepSnapshot | None = None
         self.done = False
         self._open_steps(None, None, 0)
@@ -309,7 +315,7 @@ class ReplaySession:
         """Whether seeking backwards restores checkpoints (else it replays from the start)."""
         return (
             self.checkpoint_every is not None
-            and isinstance(self.allocator, Checkpointable)
+            and self._saves_state
             and self.reader.resumable
         )
 
@@ -387,8 +393,10 @@ class ReplaySession:
 
     def _shown(self, snap: StepSnapshot) -> StepSnapshot:
         self.last = snap
-        if self.state is not None:
-            self.state.apply(snap)
+        if self._state is not None:
+            self._unfolded.append(snap)
+            if len(self._unfolded) >= _FOLD_STEPS:
+                self.fold()
         return snap
 
     def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
@@ -437,6 +445,25 @@ class ReplaySession:
             if problems:
                 return j
         return n
+
+    @property
+    def state(self) -> ReplayState | None:
+        """The per-request fold of every step replayed so far (``track_state=True``), else None."""
+        if self._unfolded:
+            self.fold()
+        return self._state
+
+    def fold(self) -> SnapshotBlock | None:
+        """Fold the steps replayed since the last fold into ``state`` (they are folded
+        in blocks, ``ReplayState.apply_block``) and return them as that block (None when
+        there were none, or no state is kept): a consumer streaming those same steps
+        (a dashboard's replay process) sends the block instead of building another."""
+        if self._state is None or not self._unfolded:
+            return None
+        block = SnapshotBlock.of(self._unfolded)
+        self._unfolded = []
+        self._state.apply_block(block)
+        return block
 
     def _end(self) -> None:
         if not self.done:

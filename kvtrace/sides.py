@@ -24,7 +24,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
     from kvtrace.snapshot import StepSnapshot
 
-__all__ = ["Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "side_job"]
+__all__ = ["Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "side_job", "spawn_child"]
 
 SESSION_CHUNK_STEPS = 64
 CHILD_BATCH_STEPS = 256
@@ -136,6 +136,37 @@ def side_job(
     return job
 
 
+def spawn_child(
+    job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
+    commands: bool = False,
+) -> tuple[subprocess.Popen[bytes], IO[str]]:
+    """Start ``python -m kvtrace.child JOB CONTROL_FD`` (this checkout's ``kvtrace`` first
+    on its path): its stdout is the record stream (a pipe), ``stderr`` where its
+    messages go, stdin a pipe of commands when ``commands`` (else nothing).
+
+    Returns:
+        The process and the reading end of its control channel (JSON lines).
+
+    Raises:
+        SideError: the interpreter cannot be started.
+    """
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.Popen(
+            [python, "-m", "kvtrace.child", json.dumps(job), str(write_fd)],
+            stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
+            pass_fds=(write_fd, *pass_fds), env=env,
+        )
+    except OSError as exc:
+        os.close(read_fd)
+        raise SideError(f"cannot start {python}: {exc}") from None
+    finally:
+        os.close(write_fd)
+    return proc, os.fdopen(read_fd, "r")
+
+
 class ChildSide:
     """A version replaying in a child process (``python -m kvtrace.child``).
 
@@ -156,21 +187,11 @@ class ChildSide:
         self.origin = job.get("origin", "")
         self.start_info: dict[str, Any] | None = None
         self._messages: list[dict[str, Any]] | None = None
-        read_fd, write_fd = os.pipe()
         self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
         try:
-            self.proc = subprocess.Popen(
-                [python, "-m", "kvtrace.child", json.dumps(job), str(write_fd)],
-                stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL, pass_fds=(write_fd, *pass_fds), env=env,
-            )
-        except OSError as exc:
-            os.close(read_fd)
-            raise SideError(f"side {name} ({self.spec}): cannot start {python}: {exc}") from None
-        finally:
-            os.close(write_fd)
-        self._control = os.fdopen(read_fd, "r")
+            self.proc, self._control = spawn_child(job, python, stderr=self._stderr, pass_fds=pass_fds)
+        except SideError as exc:
+            raise SideError(f"side {name} ({self.spec}): {exc}") from None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUED_BATCHES)
         self._thread = threading.Thread(target=self._read, name=f"kvtrace-side-{name}", daemon=True)
         self._thread.start()

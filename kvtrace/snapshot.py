@@ -12,6 +12,8 @@ phase it is in now.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -29,6 +31,7 @@ __all__ = [
     "Phase",
     "PoolCounters",
     "RequestDelta",
+    "SnapshotBlock",
     "StepSnapshot",
     "op_name",
 ]
@@ -132,3 +135,60 @@ class StepSnapshot:
     allocator_s: float  # seconds spent inside allocator calls this step
     keyframe: bool = False
     digest: str | None = None
+
+
+class SnapshotBlock(NamedTuple):
+    """Consecutive snapshots as columns: what ``ReplayState.apply_block`` folds with a few
+    vectorised operations instead of a loop over steps (``of`` a list of snapshots;
+    ``kvtrace.statelog.block_of`` a state log's record batch, without building them)."""
+
+    steps: np.ndarray  # int64 [k]
+    times: np.ndarray  # float64 [k]
+    pools: np.ndarray  # int64 [k, len(PoolCounters._fields)]
+    keyframes: np.ndarray  # bool [k]
+    num_ops: np.ndarray  # int32 [k]
+    allocator_s: np.ndarray  # float64 [k]
+    row_counts: np.ndarray  # int64 [k] requests in each step's delta
+    requests: RequestDelta  # the k deltas, concatenated in step order
+    event_steps: list[int]  # the step of each event
+    events: list[Event]  # every event of the k steps, in order
+    digests: list[str | None]  # [k] the allocator's state digest after each step (None: not asked)
+
+    @classmethod
+    def of(cls, snaps: Sequence[StepSnapshot]) -> SnapshotBlock:
+        """The block of ``snaps`` (consecutive, in step order)."""
+        k = len(snaps)
+        nf = len(PoolCounters._fields)
+        if k == 0:
+            return cls(np.zeros(0, np.int64), np.zeros(0), np.zeros((0, nf), np.int64), np.zeros(0, bool),
+                       np.zeros(0, np.int32), np.zeros(0), np.zeros(0, np.int64), RequestDelta.empty(), [], [], [])
+        parts = list(zip(*[s.requests for s in snaps]))  # per field: the k steps' arrays
+        counts = np.fromiter(map(len, parts[0]), np.int64, k)
+        delta = RequestDelta(*(np.concatenate(p) for p in parts))
+        event_steps: list[int] = []
+        events: list[Event] = []
+        for s in snaps:
+            if s.events:
+                event_steps.extend([s.step] * len(s.events))
+                events.extend(s.events)
+        return cls(
+            steps=np.fromiter([s.step for s in snaps], np.int64, k),
+            times=np.fromiter([s.time_s for s in snaps], np.float64, k),
+            pools=np.fromiter(chain.from_iterable(s.pool for s in snaps), np.int64, k * nf).reshape(k, nf),
+            keyframes=np.fromiter([s.keyframe for s in snaps], bool, k),
+            num_ops=np.fromiter([s.num_ops for s in snaps], np.int32, k),
+            allocator_s=np.fromiter([s.allocator_s for s in snaps], np.float64, k),
+            row_counts=counts,
+            requests=delta,
+            event_steps=event_steps,
+            events=events,
+            digests=[s.digest for s in snaps],
+        )
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.steps.shape[0])
+
+    def pool(self, i: int) -> PoolCounters:
+        """The pool counters after step ``i`` of the block."""
+        return PoolCounters(*(int(v) for v in self.pools[i]))

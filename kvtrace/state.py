@@ -27,11 +27,13 @@ from kvtrace.snapshot import (
     LIVE_PHASES,
     PHASES,
     UNCHANGED_OP,
+    RequestDelta,
+    SnapshotBlock,
     StepSnapshot,
 )
 from traces.schema import EXTEND, PREALLOC
 
-__all__ = ["RequestRow", "ReplayState", "StepEvent", "Timeline"]
+__all__ = ["ReplayState", "RequestRow", "SavedState", "StepEvent", "Timeline"]
 
 _LIVE = np.array([i in LIVE_PHASES for i in range(len(PHASES))])
 _ENDED = np.array([name in ("finished", "aborted", "dropped") for name in PHASES])
@@ -87,6 +89,7 @@ class Timeline:
         self.size = 0
         self.events: list[StepEvent] = []
         self._event_steps: list[int] = []
+        self._peak = (0, -1)  # (rows scanned, index of the highest use among them): rows never change
 
     @property
     def last_step(self) -> int | None:
@@ -110,6 +113,31 @@ class Timeline:
             self.events.append(StepEvent(snap.step, e.kind, e.rid, e.tokens, e.detail))
             self._event_steps.append(snap.step)
 
+    def extend(self, block: SnapshotBlock) -> None:
+        """Record the steps of ``block`` past the last step known (``append`` for each, at once)."""
+        first = 0
+        if self.size:
+            first = int(np.searchsorted(block.steps, self.steps[self.size - 1], side="right"))
+        k = block.num_steps - first
+        if k <= 0:
+            return
+        need = self.size + k
+        if need > self.steps.shape[0]:
+            grow = max(need, self.steps.shape[0] * 2)
+            self.steps = np.resize(self.steps, grow)
+            self.times = np.resize(self.times, grow)
+            self.counters = np.resize(self.counters, (grow, len(self._FIELDS)))
+        i = self.size
+        self.steps[i:need] = block.steps[first:]
+        self.times[i:need] = block.times[first:]
+        self.counters[i:need] = block.pools[first:]
+        self.size = need
+        low = int(block.steps[first])
+        for step, e in zip(block.event_steps, block.events):
+            if step >= low:
+                self.events.append(StepEvent(step, e.kind, e.rid, e.tokens, e.detail))
+                self._event_steps.append(step)
+
     def column(self, name: str, size: int | None = None) -> np.ndarray:
         """One pool counter over the known steps, or the first ``size`` of them (a view).
 
@@ -130,9 +158,19 @@ class Timeline:
         n = self.size if size is None else size
         if not n:
             return None
-        used = self.used_tokens(n)
-        i = int(np.argmax(used))
-        return int(self.steps[i]), int(used[i])
+        scanned, i = self._peak if self._peak[0] <= n else (0, -1)
+        if n > scanned:  # only the rows appended since the last call (a dashboard asks every frame)
+            new = self._used_rows(scanned, n)
+            j = scanned + int(np.argmax(new))
+            if i < 0 or new[j - scanned] > self._used_rows(i, i + 1)[0]:
+                i = j
+            self._peak = (n, i)
+        return int(self.steps[i]), int(self._used_rows(i, i + 1)[0])
+
+    def _used_rows(self, lo: int, hi: int) -> np.ndarray:
+        rows = self.counters[lo:hi]
+        f = self._FIELDS
+        return rows[:, f.index("pool_tokens")] - rows[:, f.index("available")] - rows[:, f.index("evictable")]
 
     def events_until(self, step: int) -> list[StepEvent]:
         """Events of steps <= ``step``."""
@@ -149,9 +187,12 @@ class Timeline:
 
 
 @dataclass
-class _Saved:
+class SavedState:
+    """The per-request columns of a ``ReplayState`` at one step (``save`` / ``restore``;
+    a dashboard's replay process sends them to its screen after a seek)."""
+
     step: int | None
-    columns: dict[str, np.ndarray]
+    columns: dict[str, np.ndarray]  # name -> per-request column (index = request id)
 
 
 class ReplayState:
@@ -201,6 +242,72 @@ class ReplayState:
         self.pool = snap.pool
         self.timeline.append(snap)
 
+    def apply_block(self, block: SnapshotBlock) -> None:
+        """Fold consecutive snapshots at once: the same state as ``apply`` on each in
+        order, in a few vectorised operations over all their rows (the dashboard folds
+        thousands of steps a second this way)."""
+        k = block.num_steps
+        if k == 0:
+            return
+        ends = np.cumsum(block.row_counts)
+        starts = ends - block.row_counts
+        lo = 0
+        for key in np.flatnonzero(block.keyframes).tolist() + [k]:  # a keyframe first clears the lengths
+            if key > lo:
+                self._fold_rows(block, int(starts[lo]), int(ends[key - 1]), lo, key)
+            if key < k:
+                self._clear_lengths()
+                lo = key
+        self.step = int(block.steps[-1])
+        self.pool = block.pool(k - 1)
+        self.timeline.extend(block)
+
+    def _fold_rows(self, block: SnapshotBlock, r0: int, r1: int, s0: int, s1: int) -> None:
+        """Fold rows ``[r0, r1)`` of the block (those of its steps ``[s0, s1)``)."""
+        if r1 <= r0:
+            return
+        d = RequestDelta(*(a[r0:r1] for a in block.requests))
+        row_step = np.repeat(block.steps[s0:s1], block.row_counts[s0:s1])
+        cols = self._cols
+        self._ensure(int(d.rids.max()))
+        n = r1 - r0
+        order = np.lexsort((np.arange(n), d.rids))  # by request, then in step order
+        rid = d.rids[order]
+        first = np.ones(n, bool)
+        first[1:] = rid[1:] != rid[:-1]
+        last = np.ones(n, bool)
+        last[:-1] = first[1:]
+        phase = d.phase[order]
+        op = d.op[order]
+        step = row_step[order]
+        before = np.where(first, cols["phase"][rid], np.roll(phase, 1))  # the phase before each row
+        changed = op != UNCHANGED_OP
+        was_live = (before >= 0) & _LIVE[np.maximum(before, 0)]
+        admitted = changed & ((op == EXTEND) | (op == PREALLOC)) & ~was_live
+        if admitted.any():
+            at = np.flatnonzero(admitted)
+            ar = rid[at]
+            a_first = np.ones(at.shape[0], bool)
+            a_first[1:] = ar[1:] != ar[:-1]
+            a_last = np.ones(at.shape[0], bool)
+            a_last[:-1] = a_first[1:]
+            cols["prefix_hit"][ar[a_last]] = d.prefix[order][at[a_last]]
+            fr = ar[a_first]
+            unset = cols["admitted_step"][fr] < 0
+            cols["admitted_step"][fr[unset]] = step[at[a_first]][unset]
+            np.add.at(cols["admissions"], ar, 1)
+        for mask, name in ((_ENDED[phase] & changed, "ended_step"), (changed, "last_step")):
+            at = np.flatnonzero(mask)
+            if at.shape[0]:
+                keep = np.ones(at.shape[0], bool)
+                keep[:-1] = rid[at][1:] != rid[at][:-1]
+                cols[name][rid[at[keep]]] = step[at[keep]]
+        final = order[last]
+        cols["phase"][rid[last]] = phase[last]
+        cols["allocated"][rid[last]] = d.allocated[final]
+        cols["committed"][rid[last]] = d.committed[final]
+        cols["protected"][rid[last]] = d.protected[final]
+
     def _clear_lengths(self) -> None:
         cols = self._cols
         for name in ("allocated", "committed", "protected"):
@@ -217,11 +324,11 @@ class ReplayState:
             self._cols[name] = grown
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> _Saved:
+    def save(self) -> SavedState:
         """The per-request columns now (the timeline is append-only and not saved)."""
-        return _Saved(self.step, {k: v.copy() for k, v in self._cols.items()})
+        return SavedState(self.step, {k: v.copy() for k, v in self._cols.items()})
 
-    def restore(self, saved: _Saved, pool: PoolCounters | None) -> None:
+    def restore(self, saved: SavedState, pool: PoolCounters | None) -> None:
         self.step = saved.step
         self.pool = pool
         self._cols = {k: v.copy() for k, v in saved.columns.items()}

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.errors import TraceError
-from kvtrace.snapshot import Event, PoolCounters, RequestDelta, StepSnapshot
+from kvtrace.snapshot import Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
 from traces.ipc import IpcReader
 
 STATE_LOG_VERSION = 2
@@ -113,6 +113,14 @@ class StateLogWriter:
         if len(self._buf) >= self._steps_per_batch:
             self.flush()
 
+    def write_block(self, block: SnapshotBlock) -> None:
+        """Write the steps of ``block`` as one record batch now (after any buffered)."""
+        self.flush()
+        if block.num_steps:
+            self._writer.write_batch(record_batch_of(block, self._schema))
+            self._sink.flush()
+            self.steps_written += block.num_steps
+
     def flush(self) -> None:
         if not self._buf:
             return
@@ -135,33 +143,33 @@ class StateLogWriter:
 
 def to_record_batch(snaps: list[StepSnapshot], schema: pa.Schema = STATE_LOG_SCHEMA) -> pa.RecordBatch:
     """Snapshots -> one record batch of the state log schema (one row per snapshot)."""
-    n = len(snaps)
-    cols: dict[str, Any] = {
-        "step": pa.array(np.fromiter((s.step for s in snaps), np.int64, n)),
-        "time_s": pa.array(np.fromiter((s.time_s for s in snaps), np.float64, n)),
-    }
-    pools = np.array([s.pool for s in snaps], dtype=np.int64).reshape(n, len(_POOL_FIELDS))
+    return record_batch_of(SnapshotBlock.of(snaps), schema)
+
+
+def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) -> pa.RecordBatch:
+    """A block of snapshots -> one record batch of the state log schema (one row per step)."""
+    n = block.num_steps
+    cols: dict[str, Any] = {"step": pa.array(block.steps), "time_s": pa.array(block.times)}
     for i, name in enumerate(_POOL_FIELDS):
-        cols[name] = pa.array(pools[:, i])
-    cols["num_ops"] = pa.array(np.fromiter((s.num_ops for s in snaps), np.int32, n))
-    cols["allocator_s"] = pa.array(np.fromiter((s.allocator_s for s in snaps), np.float64, n))
-    cols["keyframe"] = pa.array([s.keyframe for s in snaps], pa.bool_())
+        cols[name] = pa.array(block.pools[:, i])
+    cols["num_ops"] = pa.array(block.num_ops)
+    cols["allocator_s"] = pa.array(block.allocator_s)
+    cols["keyframe"] = pa.array(block.keyframes, pa.bool_())
     offsets = np.zeros(n + 1, np.int32)
-    np.cumsum([s.requests.rids.shape[0] for s in snaps], out=offsets[1:])
+    np.cumsum(block.row_counts, out=offsets[1:])
     off = pa.array(offsets)
-    for attr, (name, arrow_type, dtype) in enumerate(_REQUEST_COLUMNS):
-        parts = [s.requests[attr] for s in snaps]
-        values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-        cols[name] = pa.ListArray.from_arrays(off, pa.array(values, arrow_type))
-    cols["events"] = _events_column(snaps)
-    cols["digest"] = pa.array([s.digest for s in snaps], pa.utf8())
+    for values, (name, arrow_type, dtype) in zip(block.requests, _REQUEST_COLUMNS):
+        cols[name] = pa.ListArray.from_arrays(off, pa.array(values.astype(dtype, copy=False), arrow_type))
+    cols["events"] = _events_column(block)
+    cols["digest"] = pa.array(block.digests, pa.utf8())
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
-def _events_column(snaps: list[StepSnapshot]) -> pa.Array:
-    offsets = np.zeros(len(snaps) + 1, np.int32)
-    np.cumsum([len(s.events) for s in snaps], out=offsets[1:])
-    events = [e for s in snaps for e in s.events]
+def _events_column(block: SnapshotBlock) -> pa.Array:
+    offsets = np.zeros(block.num_steps + 1, np.int32)
+    if block.events:
+        np.cumsum(np.bincount(np.searchsorted(block.steps, block.event_steps), minlength=block.num_steps), out=offsets[1:])
+    events = block.events
     values = pa.StructArray.from_arrays(
         [
             pa.array([e.kind for e in events], pa.utf8()),
@@ -237,6 +245,38 @@ def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnaps
             yield from snapshots_of(batch)
 
     return info, snapshots()
+
+
+def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
+    """The steps of one record batch of a state log as a ``SnapshotBlock`` (columns, no
+    per-step objects: what a dashboard folds at thousands of steps a second)."""
+    col = {name: batch.column(name) for name in batch.schema.names}
+    steps = col["step"].to_numpy()
+    lists = []
+    counts = np.zeros(batch.num_rows, np.int64)
+    for name, _, dtype in _REQUEST_COLUMNS:
+        offsets = col[name].offsets.to_numpy()
+        values = col[name].values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+        lists.append(values.astype(dtype, copy=False))
+        counts = np.diff(offsets).astype(np.int64)
+    events_col = col["events"]
+    flat = events_col.flatten()
+    event_steps = np.repeat(steps, np.diff(events_col.offsets.to_numpy())).tolist() if len(flat) else []
+    events = [Event(k, r, t, d) for k, r, t, d in zip(flat.field("kind").to_pylist(), flat.field("rid").to_pylist(),
+                                                      flat.field("tokens").to_pylist(), flat.field("detail").to_pylist())]
+    return SnapshotBlock(
+        steps=steps.astype(np.int64, copy=False),
+        times=col["time_s"].to_numpy(),
+        pools=np.stack([col[name].to_numpy() for name in _POOL_FIELDS], axis=1).astype(np.int64, copy=False),
+        keyframes=col["keyframe"].to_numpy(zero_copy_only=False),
+        num_ops=col["num_ops"].to_numpy(),
+        allocator_s=col["allocator_s"].to_numpy(),
+        row_counts=counts,
+        requests=RequestDelta(*lists),
+        event_steps=event_steps,
+        events=events,
+        digests=col["digest"].to_pylist() if "digest" in col else [None] * batch.num_rows,
+    )
 
 
 def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:

@@ -8,23 +8,30 @@ would press, waits for the replay thread, and saves what the screen shows:
   * dashboard.svg: the one-hour Mooncake sample at its peak occupancy, one request selected
     (its pages highlighted on the page map);
   * detail.svg: a speculative-decoding request's lengths over its life (sample:mooncake-eagle);
-  * help.svg: the key reference.
+  * help.svg: the key reference;
+  * diff.svg: ``kvtrace diff sample:mooncake-eagle --b pre-encapsulation --tui`` at the first
+    divergence.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtrace.session import ReplaySession  # noqa: E402
+from kvtrace.diff import DiffOptions, diff_trace  # noqa: E402
+from kvtrace.registry import resolve_version  # noqa: E402
+from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
+from kvtrace.tui.link import ChildReplay  # noqa: E402
+from kvtrace.tui.replayer import dashboard_job  # noqa: E402
 from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY  # noqa: E402
-from kvtrace.tui.sources import LiveSource  # noqa: E402
+from traces.samples import resolve_trace  # noqa: E402
 
 SIZE = (170, 48)
 
@@ -39,9 +46,18 @@ async def _settle(pilot, until, timeout_s: float = 600.0) -> None:  # noqa: ANN0
     await pilot.pause(1.5)  # row flashes fade
 
 
+def _link(trace: str, version: str = "builtin") -> ChildReplay:
+    """The replay in its own process, paused, as ``kvtrace replay --tui`` starts it."""
+    job = dashboard_job(resolve_version(version), str(resolve_trace(trace)), trace_label=trace, page_size=None,
+                        pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
+                        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+    link = ChildReplay(job)
+    link.wait_started()
+    return link
+
+
 def _app(trace: str) -> KvtraceApp:
-    session = ReplaySession(trace, track_state=True, checkpoint_every=DASHBOARD_CHECKPOINT_EVERY)
-    return KvtraceApp(LiveSource(session), play=False)
+    return KvtraceApp(_link(trace))
 
 
 async def dashboard(out: Path) -> None:
@@ -80,12 +96,25 @@ async def detail(out: Path) -> None:
         await pilot.press("escape", "q")
 
 
+async def diff(out: Path) -> None:
+    trace, b = "sample:mooncake-eagle", "pre-encapsulation"
+    report = diff_trace(trace, "builtin", b, jobs=1, options=DiffOptions(max_divergences=3))
+    app = KvtraceApp([_link(trace), _link(trace, b)], diff=report)
+    step = report.divergences[0].divergence.step
+    async with app.run_test(size=SIZE) as pilot:
+        await _settle(pilot, lambda a: all(f is not None and f.step == step for f in a.frames)
+                      and all(f.page_cells is not None for f in a.frames))
+        app.save_screenshot(str(out / "diff.svg"))
+        await pilot.press("q")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     asyncio.run(detail(args.out))
+    asyncio.run(diff(args.out))
     asyncio.run(dashboard(args.out))
     print(f"wrote {', '.join(sorted(p.name for p in args.out.glob('*.svg')))} to {args.out}")
 

@@ -146,6 +146,7 @@ def diff(
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
+    tui: Annotated[bool, typer.Option("--tui", help="Then show both replays side by side in the dashboard, at the first divergence (keys move both sides together).")] = False,
 ) -> None:
     """Replay TRACE through versions A and B and compare them after every step; or compare
     two saved state logs. Prints "identical over N steps" or the first divergence (step, op,
@@ -197,6 +198,10 @@ def diff(
                             pool_tokens=pool_tokens, device=device.value, jobs=jobs)
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
+    if tui:
+        from kvtrace.tui.run import show_diff
+
+        raise typer.Exit(show_diff(report, inputs, a=a or "builtin", b=b, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options={"check": check.value, "on_oom": on_oom.value, "on_bad_op": on_bad_op.value, "start_step": start, "stop_step": stop}, as_json=as_json))
     result = report.to_dict()
     if as_json:
         ui.emit_json(result)

@@ -70,22 +70,25 @@ def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: s
 
 def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: int | None, device: str,
                options: Any, target: Any) -> None:
-    """The replay in the live dashboard (with --out, the steps it replays go to the log)."""
-    from kvtrace.config import config_dict
-    from kvtrace.session import ReplaySession
-    from kvtrace.statelog import StateLogWriter
-    from kvtrace.tui.run import run_live
+    """The replay in the live dashboard, in a process of its own (with --out, the steps it
+    replays go to the log)."""
+    import dataclasses
 
-    with ReplaySession(
-        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options,
-        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True, allocator_in_step=True,
-    ) as session:
-        if target is None:
-            run_live(session)
-            return
-        with target.writing() as tmp:
-            info = {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
-            run_live(session, log=StateLogWriter(tmp, info))
+    from kvtrace.registry import resolve_version
+    from kvtrace.tui.replayer import dashboard_job
+    from kvtrace.tui.run import run_live
+    from traces.samples import resolve_trace
+
+    version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
+    job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
+                        pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options),
+                        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=True)
+    if target is None:
+        run_live(job)
+        return
+    with target.writing() as tmp:
+        job["dashboard"]["log"] = str(tmp)
+        run_live(job)
 
 
 def check_device(device: str) -> None:

@@ -1,48 +1,59 @@
-"""KvtraceApp: the dashboard. Starts the replay driver in a thread worker and routes
-its frames to the widgets and the user's keys and clicks to the driver."""
+"""KvtraceApp: the dashboard of one replay, or of two side by side (``kvtrace diff --tui``).
+
+Each replay runs on the other side of a link (``kvtrace.tui.link``: its own process, or a
+thread); a ``Driver`` per replay, in a thread worker of the app, folds what it sends and
+posts frames. The app routes frames to the widgets and the user's keys and clicks to the
+replays: in a diff every key moves both sides together.
+"""
 
 from __future__ import annotations
 
 import bisect
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from textual import events
 from textual.app import App
 from textual.binding import Binding
+from textual.widget import Widget
 from textual.widgets import Input, Static
 
 from kvtrace.snapshot import PHASES
 from kvtrace.state import RequestRow
-from kvtrace.tui.driver import ALERT_KINDS, Frame, ReplayDriver
+from kvtrace.tui.driver import ALERT_KINDS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
-from kvtrace.tui.screens import GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
+from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
+from kvtrace.tui.widgets.dashboard import Dashboard
+from kvtrace.tui.widgets.divergence import DivergenceBanner
 from kvtrace.tui.widgets.events_log import EVENT_KINDS, EventsLog
-from kvtrace.tui.widgets.header import ReplayHeader
-from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
 from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
 
 if TYPE_CHECKING:
+    from kvtrace.diff import DiffReport
     from kvtrace.tui.driver import CellInfo
-    from kvtrace.tui.sources import ReplaySource
+    from kvtrace.tui.link import ReplayLink
 
-__all__ = ["KvtraceApp"]
+__all__ = ["KvtraceApp", "cell_text"]
+
+DIVERGENCE_COLOUR = "bold magenta"
 
 
 class KvtraceApp(App[None]):
-    """The live dashboard over a replay source.
+    """The live dashboard.
 
     Args:
-        source: a ``LiveSource`` (a replay session) or a ``LogSource`` (a state log);
-            the app closes it when it exits.
-        play: start playing at once (else paused at the first step).
+        links: the replay (a ``ReplayLink``), or two for a diff (A, B); the app closes
+            them when it exits.
+        diff: what ``kvtrace diff`` found (with two links): the screen marks the
+            divergence, selects its request and starts the sides at its step.
         fps: frames a second while playing.
         chart_interval_s: seconds between redraws of the occupancy chart while playing.
-        clock: monotonic seconds (tests fix it).
+        clock: monotonic seconds (tests fix it: row flashes, achieved speed).
     """
 
     CSS_PATH = "kvtrace.tcss"
@@ -55,6 +66,8 @@ class KvtraceApp(App[None]):
         Binding("shift+left", "step(-100)", "-100", show=False),
         Binding("plus,equals_sign", "speed(1)", "Faster", key_display="+"),
         Binding("minus", "speed(-1)", "Slower", key_display="-"),
+        Binding("d", "divergence(0)", "Divergence"),
+        Binding("D", "divergence(1)", "Next divergence", show=False),
         Binding("g", "goto", "Go to"),
         Binding("n", "next_event(1)", "Next event"),
         Binding("N", "next_event(-1)", "Prev event", show=False),
@@ -71,49 +84,77 @@ class KvtraceApp(App[None]):
 
     def __init__(
         self,
-        source: ReplaySource,
+        links: ReplayLink | Sequence[ReplayLink],
         *,
-        play: bool = True,
+        diff: DiffReport | None = None,
         fps: float = 20.0,
         chart_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
-        self.source = source
-        self.driver = ReplayDriver(source, self._post_from_driver, fps=fps, play=play, clock=clock)
-        self.frame: Frame | None = None
+        links = list(links) if isinstance(links, (list, tuple)) else [links]  # type: ignore[list-item]
+        if diff is not None and len(links) != 2:
+            raise ValueError(f"a diff shows two replays, found {len(links)}")
+        self.report = diff
+        self.drivers = [Driver(link, self._post_from_driver, side=i, fps=fps, clock=clock) for i, link in enumerate(links)]
+        self.frames: list[Frame | None] = [None] * len(links)
         self.frames_shown = 0
         self.draw_s: deque[float] = deque(maxlen=10_000)  # seconds from a frame's arrival to its screen update
-        self._chart_interval_s = chart_interval_s
-        self._chart_at = -1e18
         self.clock = clock
+        self.main = ReplayScreen() if diff is None else DiffScreen(diff)
+        self._chart_interval_s = chart_interval_s
         self._detail: RequestDetailScreen | None = None
-        self.main = ReplayScreen()
-        self.replay_closed = threading.Event()  # the worker returned and closed the source
+        self._divergence: int | None = None  # the divergence the sides were sent to
+        self.replay_closed = threading.Event()  # every worker returned and closed its replay
+        self._alerted: set[tuple[int, object]] = set()  # (side, event) notified
 
     # ------------------------------------------------------------------ lifetime
-    async def on_mount(self) -> None:
-        await self.push_screen(self.main)
-        if not self.source.info.live:
-            self.main.query_one("#pages").border_title = "pool by state (a log has no slot positions)"
-        self.run_worker(self._replay, thread=True, exclusive=True, name="replay")
+    @property
+    def driver(self) -> Driver:
+        """The (first) replay's driver."""
+        return self.drivers[0]
 
-    def _replay(self) -> None:
+    @property
+    def frame(self) -> Frame | None:
+        """The (first) replay's last frame shown."""
+        return self.frames[0]
+
+    @property
+    def dashboards(self) -> list[Dashboard]:
+        return list(self.main.query(Dashboard))
+
+    async def on_mount(self) -> None:
+        # The threads that read the replay's pipes wait for the GIL while the screen draws:
+        # hand it over every 1 ms rather than every 5 ms (Python's default), so that they
+        # keep up with a replay running at full speed on the other core.
+        sys.setswitchinterval(0.001)
+        await self.push_screen(self.main)
+        if self.report is not None:
+            self._go_to_divergence(0)
+        for driver in self.drivers:
+            self.run_worker(lambda d=driver: self._replay(d), thread=True, name=f"replay-{driver.side}")
+
+    def _replay(self, driver: Driver) -> None:
         try:
-            self.driver.run()
+            driver.run()
         finally:
-            self.source.close()
-            self.replay_closed.set()
+            if all(d.closed.is_set() for d in self.drivers):
+                self.replay_closed.set()
 
     def _post_from_driver(self, item: object) -> None:
         self.post_message(wrap(item))
 
+    def stop_replays(self) -> None:
+        """Ask every driver to stop (each then closes its replay)."""
+        for d in self.drivers:
+            d.stop()
+
     async def action_quit(self) -> None:
-        self.driver.stop()
+        self.stop_replays()
         self.exit()
 
     def on_unmount(self) -> None:
-        self.driver.stop()
+        self.stop_replays()
 
     # ------------------------------------------------------------------ frames
     def on_frame_ready(self, message: FrameReady) -> None:
@@ -121,102 +162,167 @@ class KvtraceApp(App[None]):
             return
         t0 = time.perf_counter()
         frame = message.frame
-        self.frame = frame
+        driver = self.drivers[frame.side]
+        info = driver.info
+        assert info is not None
+        dash = self.dashboards[frame.side]
+        if self.frames[frame.side] is None:
+            dash.set_info(info)
+        self.frames[frame.side] = frame
         self.frames_shown += 1
-        screen = self.main
-        screen.query_one(ReplayHeader).show(self.source.info, frame)
-        screen.query_one(OccupancyLegend).show(frame)
-        screen.query_one(RequestTable).show(frame)
-        screen.query_one(EventsLog).show(frame)
-        screen.query_one(PageMap).show(frame.page_cells)
-        now = self.clock()
-        chart = screen.query_one(OccupancyChart)
-        if not frame.playing or now - self._chart_at >= self._chart_interval_s or chart.shown_step is None:
-            chart.show(frame)
-            self._chart_at = now
-        self.call_after_refresh(self._drawn, frame.seq, t0)
+        dash.show(frame, info, self.clock())
+        self.call_after_refresh(self._drawn, driver, frame.seq, t0)
         for e in frame.alerts:
-            self.notify(f"step {e.step}: {e.kind} {e.detail}".strip(), title="replay", severity="error", timeout=8)
+            if (frame.side, e) in self._alerted:  # repeated by a frame drawn after it
+                continue
+            self._alerted.add((frame.side, e))
+            where = f"{self._side_label(frame.side)} " if self.report is not None else ""
+            self.notify(f"{where}step {e.step}: {e.kind} {e.detail}".strip(), title="replay", severity="error", timeout=8)
 
-    def _drawn(self, seq: int, t0: float) -> None:
+    def _drawn(self, driver: Driver, seq: int, t0: float) -> None:
         self.draw_s.append(time.perf_counter() - t0)
-        self.driver.ack(seq)
+        driver.ack(seq)
+
+    def _side_label(self, side: int) -> str:
+        if self.report is None:
+            return ""
+        r = self.report.a if side == 0 else self.report.b
+        return f"{'AB'[side]} ({r.label})"
 
     def on_replay_failed(self, message: ReplayFailed) -> None:
-        step = self.frame.step if self.frame is not None else None
-        self.main.query_one(EventsLog).add_failure(step, message.failure.message)
-        self.notify(message.failure.message, title="replay failed", severity="error", timeout=15)
+        side = message.failure.side
+        frame = self.frames[side]
+        step = frame.step if frame is not None else None
+        self.dashboards[side].query_one(EventsLog).add_failure(step, message.failure.message)
+        title = f"replay {self._side_label(side)} failed" if self.report is not None else "replay failed"
+        self.notify(message.failure.message, title=title, severity="error", timeout=15)
 
     def on_cell_info_ready(self, message: CellInfoReady) -> None:
-        self.main.query_one("#cell-info", Static).update(cell_text(message.info))
+        self.dashboards[message.info.side].query_one("#cell-info", Static).update(cell_text(message.info))
 
     def on_history_ready(self, message: HistoryReady) -> None:
-        if self._detail is not None and self._detail.row.rid == message.history.rid:
-            self._detail.show_history(message.history)
+        h = message.history
+        if self._detail is not None and self._detail.row.rid == h.rid and self._detail.side == h.side:
+            self._detail.show_history(h)
 
     # ------------------------------------------------------------------ widget messages
+    def _side_of(self, widget: Widget | None) -> int:
+        node: Any = widget
+        while node is not None:
+            if isinstance(node, Dashboard):
+                return node.side
+            node = node.parent
+        return 0
+
+    def _all(self, name: str, *args: Any) -> None:
+        for d in self.drivers:
+            d.command(name, *args)
+
     def on_request_table_selected(self, message: RequestTable.Selected) -> None:
-        self.driver.command("select", message.rid)
+        self._all("select", message.rid)
+        for dash in self.dashboards:  # a diff follows the request on both sides
+            table = dash.query_one(RequestTable)
+            if table is not message.table and table.selected_rid != message.rid:
+                table.select_rid(message.rid)
 
     def on_request_table_opened(self, message: RequestTable.Opened) -> None:
-        self._open_detail(message.rid)
+        self._open_detail(self._side_of(message.table), message.rid)
 
     def on_page_map_resized(self, message: PageMap.Resized) -> None:
-        self.driver.command("cells", message.num_cells)
+        self.drivers[self._side_of(message.page_map)].command("cells", message.num_cells)
 
     def on_page_map_cell_clicked(self, message: PageMap.CellClicked) -> None:
-        self.driver.command("cell", message.index)
+        self.drivers[self._side_of(message.page_map)].command("cell", message.index)
 
     def on_events_log_chosen(self, message: EventsLog.Chosen) -> None:
-        self.driver.command("seek", message.step)
+        self._all("seek", message.step)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         if event.input.id != "filter":
             return
+        tables = [dash.query_one(RequestTable) for dash in self.dashboards]
         try:
-            self.main.query_one(RequestTable).set_filter(event.value)
+            for table in tables:
+                table.set_filter(event.value)
         except ValueError as exc:
             self.notify(str(exc), title="filter", severity="warning")
             return
         event.input.display = False
-        self.main.query_one(RequestTable).focus()
+        tables[self._side_of(event.input)].focus()
 
     def on_key(self, event: events.Key) -> None:
-        box = self.main.query_one("#filter", Input)
-        if event.key == "escape" and box.display:
-            box.display = False
-            self.main.query_one(RequestTable).focus()
+        if event.key != "escape":
+            return
+        for dash in self.dashboards:
+            box = dash.query_one("#filter", Input)
+            if box.display:
+                box.display = False
+                dash.query_one(RequestTable).focus()
 
     # ------------------------------------------------------------------ actions
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Typing in an input box is not a command."""
+        """Typing in an input box is not a command; the divergence keys are a diff's."""
         if isinstance(self.focused, Input) and action not in ("quit", "help"):
             return False
+        if action == "divergence" and self.report is None:
+            return False  # not shown
         return True
 
+    def _focused_side(self) -> int:
+        return self._side_of(self.focused)
+
     def action_toggle_play(self) -> None:
-        self.driver.command("toggle")
+        self._all("toggle")
 
     def action_step(self, n: int) -> None:
-        self.driver.command("step", n)
+        self._all("step", n)
 
     def action_speed(self, delta: int) -> None:
-        self.driver.command("speed", delta)
+        self._all("speed", delta)
 
     def action_goto(self) -> None:
-        info = self.source.info
+        info = self.driver.info
+        first, last = (info.first_step, info.last_step) if info is not None else (None, None)
 
         def go(step: int | None) -> None:
             if step is not None:
-                self.driver.command("seek", step)
+                self._all("seek", step)
 
-        self.push_screen(GotoScreen(info.first_step, info.last_step), go)
+        self.push_screen(GotoScreen(first, last), go)
+
+    def action_divergence(self, which: int) -> None:
+        """Both sides to the first divergence (0), or the next one (1)."""
+        report = self.report
+        if report is None:
+            return
+        if report.identical:
+            self.notify(f"identical over {report.steps_compared:,} steps: no divergence", timeout=3)
+            return
+        index = 0 if which == 0 or self._divergence is None else (self._divergence + 1) % len(report.divergences)
+        self._go_to_divergence(index)
+
+    def _go_to_divergence(self, index: int) -> None:
+        report = self.report
+        assert report is not None
+        if report.identical:
+            return
+        self._divergence = index
+        d = report.divergences[index].divergence
+        self.main.query_one(DivergenceBanner).show(report, index)
+        for dash in self.dashboards:
+            dash.mark("divergence", d.step, DIVERGENCE_COLOUR)
+            if d.rid is not None:  # a pool counter's divergence keeps the selection
+                dash.query_one(RequestTable).select_rid(d.rid)
+        if d.rid is not None:
+            self._all("select", d.rid)
+        self._all("seek", d.step)
 
     def action_next_event(self, direction: int) -> None:
-        frame = self.frame
+        side = self._focused_side()
+        frame = self.frames[side]
         if frame is None or frame.step is None:
             return
-        log = self.main.query_one(EventsLog)
+        log = self.dashboards[side].query_one(EventsLog)
         events = frame.events()
         if log.kind is not None:
             events = [e for e in events if e.kind == log.kind]
@@ -231,63 +337,73 @@ class KvtraceApp(App[None]):
             what = log.kind or "event"
             self.notify(f"no {'later' if direction > 0 else 'earlier'} {what} replayed so far", timeout=3)
             return
-        self.driver.command("seek", target)
+        self._all("seek", target)
 
     def action_cycle_kind(self) -> None:
-        log = self.main.query_one(EventsLog)
         kinds = (None, *EVENT_KINDS)
-        log.set_kind(kinds[(kinds.index(log.kind) + 1) % len(kinds)])
+        for dash in self.dashboards:
+            log = dash.query_one(EventsLog)
+            log.set_kind(kinds[(kinds.index(log.kind) + 1) % len(kinds)])
 
     def action_peak(self) -> None:
-        if self.frame is not None:
-            peak = self.frame.peak()
+        frame = self.frames[self._focused_side()]
+        if frame is not None:
+            peak = frame.peak()
             if peak is not None:
-                self.driver.command("seek", peak[0])
+                self._all("seek", peak[0])
 
     def action_first_alert(self) -> None:
-        if self.frame is None:
+        frame = self.frames[self._focused_side()]
+        if frame is None:
             return
-        for e in self.frame.events():
+        for e in frame.events():
             if e.kind in ALERT_KINDS:
-                self.driver.command("seek", e.step)
+                self._all("seek", e.step)
                 return
         self.notify("no OOM, violation or impossible op replayed so far", timeout=3)
 
     def action_filter(self) -> None:
-        box = self.main.query_one("#filter", Input)
+        dash = self.dashboards[self._focused_side()]
+        box = dash.query_one("#filter", Input)
         box.display = True
-        box.value = self.main.query_one(RequestTable).filter_text
+        box.value = dash.query_one(RequestTable).filter_text
         box.focus()
 
     def action_sort(self) -> None:
-        self.main.query_one(RequestTable).cycle_sort()
+        for dash in self.dashboards:
+            dash.query_one(RequestTable).cycle_sort()
 
     def action_reverse(self) -> None:
-        table = self.main.query_one(RequestTable)
-        table.set_sort(table.sort_key, not table.descending)
+        for dash in self.dashboards:
+            table = dash.query_one(RequestTable)
+            table.set_sort(table.sort_key, not table.descending)
 
     def action_detail(self) -> None:
-        rid = self.main.query_one(RequestTable).selected_rid
+        side = self._focused_side()
+        rid = self.dashboards[side].query_one(RequestTable).selected_rid
         if rid is None:
             self.notify("select a request first (click a row, or tab to the table and use ↑ ↓)", timeout=3)
             return
-        self._open_detail(rid)
+        self._open_detail(side, rid)
 
-    def _open_detail(self, rid: int) -> None:
+    def _open_detail(self, side: int, rid: int) -> None:
+        frame = self.frames[side]
+        if frame is None:
+            return
         try:
-            row = self.source.state.row(rid) if self.frame is None else _row_of(self.frame, rid)
+            row = _row_of(frame, rid)
         except KeyError:
             return
-        self._detail = RequestDetailScreen(row)
+        self._detail = RequestDetailScreen(row, side, self._side_label(side))
 
         def closed(_: None) -> None:
             self._detail = None
 
         self.push_screen(self._detail, closed)
-        self.driver.command("history", rid)
+        self.drivers[side].command("history", rid)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(diff=self.report is not None))
 
 
 def _row_of(frame: Frame, rid: int) -> RequestRow:

@@ -1,40 +1,42 @@
-"""The replay driver: runs a source in one thread, takes commands, posts frames.
+"""The screen's side of a replay: folds what the replayer sends into its own ``ReplayState``
+and posts frames.
 
-The dashboard's worker thread runs ``ReplayDriver.run()``; the UI thread only calls
-``command(...)`` (a queue) and receives what the driver posts: ``Frame`` (coalesced:
-at most ``fps`` a second while playing, one after every command), ``CellInfo``,
-``RequestHistory`` and ``Failure``. A frame holds copies of the per-request columns
-and a bounded view of the append-only timeline, so widgets read it while the
-replay goes on. Nothing here imports Textual.
-
-Playing paces the replay at ``speed`` times real (simulated) time, or as fast as it
-goes (``speed`` None, the default).
+The dashboard's worker thread runs ``Driver.run()``; the UI thread only calls
+``command(...)`` (queued to the replayer, never waiting for it) and ``ack(seq)``, and
+receives what the driver posts: ``Frame`` (at most ``fps`` a second, the next one only
+once the screen drew the last or a second passed), ``CellInfo``, ``RequestHistory`` and
+``Failure``. The replayer (``kvtrace.tui.replayer``, in its own process or a thread) runs
+on regardless: the driver folds every record it sends, and the frames show the latest
+fold. A frame holds copies of the per-request columns and a bounded view of the
+append-only timeline, so widgets read it while the fold goes on. Nothing here imports
+Textual.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvtrace.errors import USER_ERRORS
+from allocator.base import PoolCounters
+from kvtrace.state import ReplayState, SavedState, StepEvent
+from kvtrace.tui.pagemap import CellDetail, PageCells
+from kvtrace.tui.replayer import MAX_HISTORY_STEPS, SPEEDS
+from kvtrace.tui.sources import SourceInfo
 
 if TYPE_CHECKING:
-    from allocator.base import PoolCounters
-    from kvtrace.state import ReplayState, StepEvent, Timeline
-    from kvtrace.tui.pagemap import CellDetail, PageCells, SlotMap
-    from kvtrace.tui.sources import ReplaySource
+    from kvtrace.snapshot import SnapshotBlock
+    from kvtrace.state import Timeline
+    from kvtrace.tui.link import ReplayLink
 
-__all__ = ["SPEEDS", "CellInfo", "Failure", "Frame", "ReplayDriver", "RequestColumns", "RequestHistory"]
+__all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
+           "RequestHistory"]
 
-SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 ALERT_KINDS = frozenset({"oom", "violation", "bad_op"})
-MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class Frame:
     """What the screen shows at one instant of the replay."""
 
     seq: int
+    side: int  # which replay (0; a diff shows sides 0 and 1)
     step: int | None
     time_s: float
     pool: PoolCounters | None
@@ -85,6 +88,7 @@ class Frame:
     alerts: tuple[StepEvent, ...] = ()  # OOM / violation / bad-op events since the last frame
     page_cells: PageCells | None = None
     page_map_step: int | None = None
+    page_map_note: str | None = None  # why there is no page map
     selected_rid: int | None = None
 
     def peak(self) -> tuple[int, int] | None:
@@ -100,6 +104,7 @@ class Frame:
 class CellInfo:
     """Answer to a page-map cell selection."""
 
+    side: int
     step: int | None
     detail: CellDetail | None  # None: no slot positions (a state log)
     tokens: dict[str, int] = field(default_factory=dict)
@@ -109,6 +114,7 @@ class CellInfo:
 class RequestHistory:
     """One request's lengths step by step (for the detail chart) and its events."""
 
+    side: int
     rid: int
     steps: np.ndarray
     allocated: np.ndarray
@@ -119,74 +125,84 @@ class RequestHistory:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """An error raised inside the replay (the driver pauses)."""
+    """An error inside the replay (the replayer pauses), or the replay process gone."""
 
+    side: int
     message: str
 
 
-class ReplayDriver:
-    """Owns a replay source and runs it in the calling thread (``run``).
+class _Position(NamedTuple):
+    step: int
+    time_s: float
+    pool: PoolCounters
+
+
+class Driver:
+    """Folds one replayer's records and posts frames (``run`` is a worker thread's body).
 
     Args:
-        source: what to replay.
+        link: the replayer (``link.ChildReplay`` or ``link.ThreadReplay``).
         post: called (from the driver's thread) with each ``Frame``, ``CellInfo``,
             ``RequestHistory`` and ``Failure``.
-        fps: frames a second while playing.
-        map_interval_s: seconds between page-map updates while playing as fast as it
-            goes (mapping a million-slot pool costs tens of milliseconds of the replay's
-            time; bench/tui.py); a paced replay maps every 0.5 s, a paused one every step.
-        play: start playing at once.
-        clock: monotonic seconds (tests fix it).
+        side: the side its items say they come from.
+        fps: frames a second at most.
+        clock: monotonic seconds (the achieved speed; tests fix it).
     """
 
     def __init__(
         self,
-        source: ReplaySource,
+        link: ReplayLink,
         post: Callable[[object], Any],
         *,
+        side: int = 0,
         fps: float = 20.0,
-        map_interval_s: float = 5.0,
-        play: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.source = source
+        self.link = link
         self._post = post
+        self.side = side
         self._frame_s = 1.0 / fps
-        self._map_interval_s = map_interval_s
         self._clock = clock
-        self._queue: queue.SimpleQueue[tuple[str, tuple[Any, ...]]] = queue.SimpleQueue()
         self._stopped = threading.Event()
-        self.playing = play
+        self.started = threading.Event()  # run() began
+        self.closed = threading.Event()  # run() returned and the replayer is gone
+        self.info: SourceInfo | None = None
+        self.state: ReplayState | None = None
+        self.playing = False
         self.speed_index = len(SPEEDS) - 1
-        self.num_cells = 0
+        self.done = False
         self.selected_rid: int | None = None
         self.frames_posted = 0
         self.frames_acked = 0  # the UI sets it to the seq of the last frame it drew
-        self._posted_at = -1e18
-        self._slot_map: SlotMap | None = None
+        self.steps_folded = 0
+        self._held: list[dict[str, Any]] = []  # messages waiting for the records sent before them
+        self._last: _Position | None = None
         self._cells: PageCells | None = None
         self._map_step: int | None = None
-        self._map_at = -1e18
-        self._last_step: int | None = None
-        self._last_events = 0
-        self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
+        self._map_note: str | None = None
+        self._changed = False
+        self._posted_at = -1e18
+        self._shown_step: int | None = None
+        self._shown_events = 0
         self._rate_at: tuple[float, float] | None = None
+        # What each frame not yet drawn announced: a newer frame replaces it in the UI's
+        # queue, so the next ones repeat it until the UI acknowledges one drawn after it.
+        self._unacked: list[tuple[int, frozenset[int], tuple[StepEvent, ...]]] = []
 
     # ------------------------------------------------------------------ UI-thread API
+    def command(self, name: str, *args: Any) -> None:
+        """Send a command to the replayer (see ``kvtrace.tui.replayer``)."""
+        if name == "select":
+            self.selected_rid = args[0]
+        self.link.command(name, *args)
+
     def ack(self, seq: int) -> None:
-        """The UI drew frame ``seq`` (while playing, the next frame waits for this, so
-        the replay does not build frames nobody sees)."""
+        """The UI drew frame ``seq`` (the next frame waits for this, or a second)."""
         self.frames_acked = max(self.frames_acked, seq)
 
-    def command(self, name: str, *args: Any) -> None:
-        """Queue a command: play, pause, toggle, step N, seek STEP, speed DELTA, cells N,
-        select RID|None, cell INDEX, history RID, refresh."""
-        self._queue.put((name, args))
-
     def stop(self) -> None:
-        """Ask ``run`` to return (thread-safe)."""
+        """Ask ``run`` to return (thread-safe); it then closes the replayer."""
         self._stopped.set()
-        self._queue.put(("refresh", ()))
 
     @property
     def speed(self) -> float | None:
@@ -194,144 +210,140 @@ class ReplayDriver:
 
     # ------------------------------------------------------------------ worker body
     def run(self) -> None:
-        """Replay until ``stop()``: play, obey commands, post frames."""
-        next_frame = self._clock()
-        dirty = True
-        self._anchor_now()
+        """Fold and post until ``stop()``, then close the replayer."""
+        self.started.set()
+        try:
+            self._loop()
+        finally:
+            self.link.close()
+            self.closed.set()
+
+    def _loop(self) -> None:
+        link = self.link
+        gone = False
+        frame_s = self._frame_s
         while not self._stopped.is_set():
-            running = self.playing and not self.source.done
-            try:
-                dirty |= self._drain(block=not running and not dirty)
-                if self.playing and not self.source.done:
-                    self._advance_until(next_frame)
-            except USER_ERRORS as exc:
-                self._fail(str(exc))
-                dirty = True
-            except Exception as exc:  # noqa: BLE001  a bug must not freeze the screen
-                self._fail(f"internal error: {type(exc).__name__}: {exc}")
-                dirty = True
-            now = self._clock()
-            if dirty or now >= next_frame:
-                # While the UI still draws the last frame, replay on (for at most a second).
-                behind = self.frames_acked < self.frames_posted and now < self._posted_at + 1.0
-                if dirty or not behind:
-                    self._post_frame()
-                    self._posted_at = now
-                    dirty = False
-                next_frame = now + self._frame_s
+            wait = max(min(self._posted_at + frame_s - time.monotonic(), 0.1), 0.005)
+            if gone:
+                time.sleep(wait)
+                item = None
+            else:
+                item = link.get(wait)
+            deadline = time.monotonic() + frame_s
+            while item is not None:
+                gone |= self._take(item)
+                if gone or time.monotonic() >= deadline:
+                    break  # a frame is due: fold the rest after it
+                item = link.get(0)
+            now = time.monotonic()
+            behind = self.frames_acked < self.frames_posted and now < self._posted_at + 1.0
+            if self._changed and self.info is not None and now >= self._posted_at + frame_s and not behind:
+                self._post_frame(now)
 
-    def _fail(self, message: str) -> None:
-        self.playing = False
-        self._post(Failure(message))
-
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; True when any changed what is shown."""
-        changed = False
-        try:
-            item = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
-        except queue.Empty:
-            return False
-        while True:
-            changed |= self._apply(*item)
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return changed
-
-    def _apply(self, name: str, args: tuple[Any, ...]) -> bool:
-        src = self.source
-        if name == "play":
-            self.playing = True
-        elif name == "pause":
+    def _take(self, item: tuple[str, Any]) -> bool:
+        """Apply one item from the link; True when the replayer is gone."""
+        kind, value = item
+        if kind == "records":
+            self._fold(value)
+        elif kind == "msg":
+            self._held.append(value)
+        elif kind == "closed":
+            self.done = self._changed = True
             self.playing = False
-        elif name == "toggle":
-            self.playing = not self.playing
-        elif name == "step":
-            self.playing = False
-            n = int(args[0])
-            if n > 0:
-                for _ in range(n):
-                    if src.step() is None:
-                        break
-            elif src.last is not None:
-                src.seek(max(src.last.step + n, 0))
-        elif name == "seek":
-            self.playing = False
-            src.seek(int(args[0]))
-        elif name == "speed":
-            self.speed_index = min(max(self.speed_index + int(args[0]), 0), len(SPEEDS) - 1)
-        elif name == "cells":
-            self.num_cells = int(args[0])
-            self._map_step = None
-        elif name == "select":
-            self.selected_rid = args[0]
-            self._map_step = None
-        elif name == "cell":
-            self._post(self._cell_info(int(args[0])))
-            return False
-        elif name == "history":
-            self._post(self._history(int(args[0])))
-        elif name != "refresh":
-            raise ValueError(f"unknown driver command {name!r}")
-        self._anchor_now()
-        return True
+            if value is not None:
+                self._post(Failure(self.side, value))
+            return True
+        while self._held and self._held[0].get("records", 0) <= self.steps_folded:
+            self._message(self._held.pop(0))
+        return False
 
-    def _anchor_now(self) -> None:
-        last = self.source.last
-        self._anchor = (self._clock(), last.time_s if last is not None else 0.0)
+    def _fold(self, block: SnapshotBlock) -> None:
+        state = self.state
+        k = block.num_steps
+        if state is not None and k:
+            state.apply_block(block)
+            self._last = _Position(int(block.steps[-1]), float(block.times[-1]), block.pool(k - 1))
+            self._changed = True
+        self.steps_folded += k
 
-    def _advance_until(self, deadline: float) -> None:
-        """Replay steps until the frame deadline (as fast as it goes, or paced)."""
-        src = self.source
-        clock = self._clock
-        speed = self.speed
-        while True:
-            now = clock()
-            if now >= deadline:
-                return
-            if speed is not None and src.last is not None:
-                target = self._anchor[1] + speed * (now - self._anchor[0])
-                if src.last.time_s >= target:  # ahead of the pace: wait (commands wake us)
-                    self._wait(deadline - now)
-                    return
-            if src.step() is None:
-                return
-
-    def _wait(self, seconds: float) -> None:
-        try:
-            item = self._queue.get(timeout=max(seconds, 0.0))
-        except queue.Empty:
+    def _message(self, m: dict[str, Any]) -> None:
+        kind = m["kind"]
+        if kind == "info":
+            fields = {k: v for k, v in m.items() if k in SourceInfo.__dataclass_fields__}
+            self.info = SourceInfo(**fields)
+            self.state = ReplayState(self.info.page_size)
+        elif kind == "status":
+            self.playing, self.speed_index, self.done = bool(m["playing"]), int(m["speed_index"]), bool(m["done"])
+            if self.playing:
+                self._rate_at = None
+        elif kind == "position":
+            self._restore(m)
+        elif kind == "cells":
+            self._map_step = m["step"]
+            self._map_note = m.get("note")
+            self._cells = None if "note" in m else PageCells(
+                np.asarray(m["edges"]), np.asarray(m["tokens"]), np.asarray(m["dominant"]), np.asarray(m["highlight"]),
+                bool(m["positional"]))
+        elif kind == "cell":
+            d = m["detail"]
+            detail = None if d is None else CellDetail(d["index"], d["first_page"], d["last_page"], d["tokens"],
+                                                       [(int(r), int(n)) for r, n in d["owners"]])
+            self._post(CellInfo(self.side, m["step"], detail, m["tokens"]))
             return
-        self._queue.put(item)  # handled by the next _drain (order kept: nothing else reads the queue)
+        elif kind == "history":
+            events = [StepEvent(int(s), str(k), None if r is None else int(r), int(t), str(d)) for s, k, r, t, d in m["events"]]
+            self._post(RequestHistory(self.side, int(m["rid"]), np.asarray(m["steps"]), np.asarray(m["allocated"]),
+                                      np.asarray(m["committed"]), events, bool(m["clipped"])))
+            return
+        elif kind == "failure":
+            self.playing = False
+            self._post(Failure(self.side, str(m["message"])))
+        self._changed = True
+
+    def _restore(self, m: dict[str, Any]) -> None:
+        state = self.state
+        if state is None:
+            return
+        pool = None if m["pool"] is None else PoolCounters(*(int(v) for v in m["pool"]))
+        columns = {name: np.array(col) for name, col in m["columns"].items()}
+        state.restore(SavedState(m["state_step"], columns), pool)
+        self._last = None if m["step"] is None or pool is None else _Position(int(m["step"]), float(m["time_s"]), pool)
 
     # ------------------------------------------------------------------ frames
-    def _post_frame(self) -> None:
-        src = self.source
-        state = src.state
-        last = src.last
+    def _post_frame(self, now: float) -> None:
+        """Post the frame of the fold now (``now``: monotonic seconds)."""
+        state = self.state
+        assert state is not None
+        last = self._last
         step = last.step if last is not None else None
         timeline = state.timeline
-        now = self._clock()
         num_events = len(timeline.events)
         released: set[int] = set()
-        if step is not None and (self._last_step is None or step > self._last_step):
-            lo = timeline.event_index(self._last_step if self._last_step is not None else -1)
+        if step is not None and (self._shown_step is None or step > self._shown_step):
+            lo = timeline.event_index(self._shown_step if self._shown_step is not None else -1)
             for e in timeline.events[lo:timeline.event_index(step)]:
                 if e.kind == "overalloc_release" and e.rid is not None:
                     released.add(e.rid)
-        alerts = [e for e in timeline.events[self._last_events:num_events] if e.kind in ALERT_KINDS]
-        self._last_events = max(self._last_events, num_events)
+        alerts = [e for e in timeline.events[self._shown_events:num_events] if e.kind in ALERT_KINDS]
+        self._shown_events = max(self._shown_events, num_events)
+        self._unacked = [u for u in self._unacked if u[0] > self.frames_acked]
+        self._unacked.append((self.frames_posted + 1, frozenset(released), tuple(alerts)))
+        released = set().union(*(u[1] for u in self._unacked))
+        alerts = [e for u in self._unacked for e in u[2]]
         achieved = None
         if last is not None:
-            if self._rate_at is not None and now > self._rate_at[0] and self.playing:
-                achieved = (last.time_s - self._rate_at[1]) / (now - self._rate_at[0])
-            self._rate_at = (now, last.time_s)
-        self._refresh_map(step, now)
-        self._last_step = step
+            wall = self._clock()
+            if self._rate_at is not None and wall > self._rate_at[0] and self.playing:
+                achieved = (last.time_s - self._rate_at[1]) / (wall - self._rate_at[0])
+            self._rate_at = (wall, last.time_s)
+        self._shown_step = step
         self.frames_posted += 1
+        self._posted_at = now
+        self._changed = False
         self._post(
             Frame(
                 seq=self.frames_posted,
+                side=self.side,
                 step=step,
                 time_s=last.time_s if last is not None else 0.0,
                 pool=last.pool if last is not None else None,
@@ -339,72 +351,15 @@ class ReplayDriver:
                 timeline=timeline,
                 timeline_size=timeline.size,
                 num_events=num_events,
-                playing=self.playing and not src.done,
+                playing=self.playing and not self.done,
                 speed=self.speed,
                 achieved_speed=achieved,
-                done=src.done,
+                done=self.done,
                 released=frozenset(released),
                 alerts=tuple(alerts),
                 page_cells=self._cells,
                 page_map_step=self._map_step,
+                page_map_note=self._map_note,
                 selected_rid=self.selected_rid,
             )
         )
-
-    def _refresh_map(self, step: int | None, now: float) -> None:
-        if self.num_cells <= 0 or step is None:
-            return
-        stale = self._map_step != step
-        if not stale:
-            return
-        interval = self._map_interval_s if self.speed is None else min(self._map_interval_s, 0.5)
-        if self.playing and not self.source.done and now - self._map_at < interval:
-            return
-        made = self.source.page_map(self.num_cells, self.selected_rid)
-        self._slot_map, self._cells = (made if made is not None else (None, None))
-        self._map_step = step
-        self._map_at = now
-
-    # ------------------------------------------------------------------ queries
-    def _cell_info(self, index: int) -> CellInfo:
-        from kvtrace.tui.pagemap import STATE_LABELS, cell_detail
-
-        cells = self._cells
-        if cells is None or not 0 <= index < cells.tokens.shape[0]:
-            return CellInfo(self._map_step, None)
-        tokens = {STATE_LABELS[s]: int(c) for s, c in enumerate(cells.tokens[index]) if c}
-        if self._slot_map is None:
-            return CellInfo(self._map_step, None, tokens)
-        return CellInfo(self._map_step, cell_detail(self._slot_map, cells, index), tokens)
-
-    def _history(self, rid: int) -> RequestHistory:
-        """Replay the request's life (seeking back through checkpoints), then return."""
-        src = self.source
-        state = src.state
-        here = src.last.step if src.last is not None else None
-        try:
-            row = state.row(rid)
-        except KeyError:
-            return RequestHistory(rid, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), [], False)
-        hi = row.ended_step if row.ended_step >= 0 else (here if here is not None else row.admitted_step)
-        lo = row.admitted_step if row.admitted_step >= 0 else hi
-        clipped = hi - lo > MAX_HISTORY_STEPS
-        lo = max(lo, hi - MAX_HISTORY_STEPS)
-        steps: list[int] = []
-        alloc: list[int] = []
-        used: list[int] = []
-        snap = src.seek(lo - 1) if lo > 0 else src.seek(lo)
-        while snap is not None and snap.step <= hi:
-            if snap.step >= lo:
-                hit = np.flatnonzero(snap.requests.rids == rid)
-                if hit.shape[0]:
-                    i = int(hit[0])
-                    steps.append(snap.step)
-                    alloc.append(int(snap.requests.allocated[i]))
-                    used.append(int(snap.requests.committed[i]))
-            snap = src.step()
-        if here is not None:
-            src.seek(here)
-        events = [e for e in state.timeline.events if e.rid == rid]
-        return RequestHistory(rid, np.array(steps, np.int64), np.array(alloc, np.int64), np.array(used, np.int64),
-                              events, clipped)

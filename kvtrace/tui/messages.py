@@ -10,14 +10,15 @@ __all__ = ["CellInfoReady", "FrameReady", "HistoryReady", "ReplayFailed"]
 
 
 class FrameReady(Message):
-    """A new frame; a newer one replaces it in the queue (the screen shows the latest)."""
+    """A new frame; a newer one of the same side replaces it in the queue (the screen
+    shows the latest of each side)."""
 
     def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
 
     def can_replace(self, message: Message) -> bool:
-        return isinstance(message, FrameReady)
+        return isinstance(message, FrameReady) and message.frame.side == self.frame.side
 
 
 class CellInfoReady(Message):

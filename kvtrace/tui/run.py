@@ -1,56 +1,142 @@
-"""Entries of the dashboard commands: run the app in this terminal, or serve it as a web
-page (textual-serve: every browser connection starts the same command in a child
-process, its screen streamed over a websocket)."""
+"""Entries of the dashboard commands: run the app in this terminal (the replay in a process
+of its own), or serve it as a web page (textual-serve: every browser connection starts
+the same command in a child process, its screen streamed over a websocket)."""
 
 from __future__ import annotations
 
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtrace.session import ReplaySession
+    from kvtrace.diff import DiffReport
     from kvtrace.tui.app import KvtraceApp
-    from kvtrace.statelog import StateLogWriter
 
-__all__ = ["DASHBOARD_CHECKPOINT_EVERY", "DEFAULT_PORT", "run_live", "run_log", "serve", "serve_command"]
+__all__ = [
+    "DASHBOARD_CHECKPOINT_EVERY", "DEFAULT_PORT", "run_diff", "run_live", "run_log", "serve", "serve_command", "show_diff",
+]
 
 DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
 DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the live dashboard's seek checkpoints
 _TEMPLATES = Path(__file__).parent / "web"
 
 
-def run_live(session: ReplaySession, *, log: StateLogWriter | None = None, play: bool = True) -> None:
-    """Show the dashboard over ``session`` (built with ``track_state=True``) until the user
-    quits; each step replayed for the first time goes to ``log`` too."""
-    from kvtrace.tui.app import KvtraceApp
-    from kvtrace.tui.sources import LiveSource
+def run_live(job: dict[str, Any]) -> None:
+    """Show the dashboard over the replay ``job`` (``replayer.dashboard_job``) until the
+    user quits. The replay runs in its own process; with a log in the job, each step it
+    replays for the first time is written there (closed before this returns).
 
-    _run(KvtraceApp(LiveSource(session, log), play=play))
+    Raises:
+        ReplayProcessError: the replay could not start (a bad trace, version or option:
+            its one-line message).
+    """
+    from kvtrace.tui.link import ChildReplay
+
+    _run([ChildReplay(job)])
 
 
 def run_log(path: str | Path, *, play: bool = False) -> None:
-    """Show the dashboard over a saved state log.
+    """Show the dashboard over a saved state log (read in a process of its own).
 
     Raises:
-        TraceError: the log cannot be read.
+        ReplayProcessError: the log cannot be read (its one-line message).
     """
-    from kvtrace.logsession import StateLogSession
+    from kvtrace.tui.link import ChildReplay
+    from kvtrace.tui.replayer import log_job
+
+    _run([ChildReplay(log_job(str(path), label=str(path), play=play))])
+
+
+def run_diff(report: DiffReport, jobs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """Show the replays of A and B side by side (``jobs``: their ``dashboard_job`` or
+    ``log_job``), at the first divergence ``report`` found.
+
+    Raises:
+        ReplayProcessError: a side could not start.
+    """
+    from kvtrace.tui.link import ChildReplay
+
+    links: list[ChildReplay] = []
+    try:
+        for job in jobs:
+            links.append(ChildReplay(job))
+    except BaseException:
+        for link in links:
+            link.close()
+        raise
+    _run(links, report)
+
+
+def show_diff(
+    report: DiffReport,
+    inputs: list[str],
+    *,
+    a: str,
+    b: str | None,
+    page_size: int | None,
+    pool_tokens: int | None,
+    device: str,
+    options: dict[str, Any],
+    as_json: bool = False,
+) -> int:
+    """``kvtrace diff ... --tui``: the replays of A and B side by side at the divergence
+    ``report`` found (a trace: each version replayed in a process of its own, with the
+    what-ifs and replay ``options`` the diff used; two state logs: each log).
+
+    Returns:
+        The diff's exit code (0 identical, 1 diverged).
+
+    Raises:
+        ConfigError: ``--json`` with ``--tui``. ReplayProcessError: a side could not start.
+    """
+    import dataclasses
+
+    from kvtrace.errors import ConfigError
+    from kvtrace.registry import resolve_any
+    from kvtrace.replay import ReplayOptions
+    from kvtrace.tui.replayer import dashboard_job, log_job
+    from traces.samples import resolve_trace
+
+    if as_json:
+        raise ConfigError("--tui shows the diff on the screen; drop --json (or --tui)")
+    if len(inputs) == 2:
+        jobs = (log_job(inputs[0], label=inputs[0], play=False), log_job(inputs[1], label=inputs[1], play=False))
+    else:
+        trace = inputs[0]
+        replay = dataclasses.asdict(ReplayOptions(**options))  # type: ignore[arg-type]
+        jobs = tuple(  # type: ignore[assignment]
+            dashboard_job(resolve_any(spec), str(resolve_trace(trace)), trace_label=trace, page_size=page_size,
+                          pool_tokens=pool_tokens, device=device, options=replay,
+                          checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+            for spec in (a, b or "builtin")
+        )
+    run_diff(report, jobs)  # type: ignore[arg-type]
+    return 0 if report.identical else 1
+
+
+def _run(links: list[Any], report: DiffReport | None = None) -> None:
+    """Wait for the replays to start, run the app, and return once every replay has
+    closed (and written its log)."""
     from kvtrace.tui.app import KvtraceApp
-    from kvtrace.tui.sources import LogSource
 
-    _run(KvtraceApp(LogSource(StateLogSession(path)), play=play))
-
-
-def _run(app: KvtraceApp) -> None:
-    """Run the app; return once its replay thread has closed the source (and its log)."""
+    try:
+        for link in links:
+            link.wait_started()
+    except BaseException:
+        for link in links:
+            link.close()
+        raise
+    app: KvtraceApp = KvtraceApp(links, diff=report)
     try:
         app.run()
     finally:
-        app.driver.stop()
-        if app.driver.frames_posted:  # the worker started
-            app.replay_closed.wait(timeout=60)
+        app.stop_replays()
+        for driver in app.drivers:
+            if driver.started.is_set():
+                driver.closed.wait(timeout=90)
+            else:
+                driver.link.close()
 
 
 def serve_command(argv: list[str]) -> str:

@@ -1,4 +1,5 @@
-"""Screens (layout only): the replay dashboard, the key help, go-to-step, request detail."""
+"""Screens (layout only): the replay dashboard, the diff of two replays, the key help,
+go-to-step, request detail."""
 
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Input, Static
 from textual_plot import HiResMode
 
+from kvtrace.tui.widgets.dashboard import Dashboard
+from kvtrace.tui.widgets.divergence import DivergenceBanner, divergence_text
 from kvtrace.tui.widgets.events_log import describe
-from kvtrace.tui.widgets.header import ReplayHeader
-from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend, QuietPlot
-from kvtrace.tui.widgets.page_map import PageMap, legend
-from kvtrace.tui.widgets.request_table import RequestTable
+from kvtrace.tui.widgets.occupancy import QuietPlot
 
 if TYPE_CHECKING:
+    from kvtrace.diff import DiffReport
     from kvtrace.state import RequestRow
     from kvtrace.tui.driver import RequestHistory
 
-__all__ = ["KEYS", "GotoScreen", "HelpScreen", "ReplayScreen", "RequestDetailScreen"]
+__all__ = ["DIFF_KEYS", "KEYS", "DiffScreen", "GotoScreen", "HelpScreen", "ReplayScreen", "RequestDetailScreen"]
 
 KEYS = (
     ("space", "play / pause"),
@@ -41,47 +42,54 @@ KEYS = (
     ("?", "this help"),
     ("q", "quit"),
 )
+DIFF_KEYS = (
+    ("d", "both sides to the first divergence (its request selected)"),
+    ("D", "both sides to the next divergence (kvtrace diff --all N)"),
+    ("tab", "the other side's panels"),
+)
 
 
 class ReplayScreen(Screen):
-    """The dashboard: header, occupancy chart and legend, page map, requests, events."""
+    """The dashboard of one replay."""
 
     def compose(self) -> ComposeResult:
-        from kvtrace.tui.widgets.events_log import EventsLog
+        yield Dashboard(0, id="side-0")
+        yield Footer()
 
-        yield ReplayHeader(id="header")
-        with Horizontal(id="top"):
-            with Vertical(id="occupancy", classes="panel") as v:
-                v.border_title = "occupancy"
-                with Horizontal():
-                    yield OccupancyChart(id="chart")
-                    yield OccupancyLegend(id="legend")
-            with Vertical(id="pages", classes="panel") as v:
-                v.border_title = "page map"
-                yield PageMap(id="pagemap")
-                yield Static(legend(), id="pagemap-legend")
-                yield Static("click a cell to see its pages and owners", id="cell-info")
-        with Horizontal(id="bottom"):
-            with Vertical(id="requests", classes="panel") as v:
-                v.border_title = "requests"
-                yield RequestTable(id="table")
-                yield Input(placeholder="filter: phases, live, over, ids, A-B (enter applies, esc closes)", id="filter")
-            with Vertical(id="events", classes="panel") as v:
-                v.border_title = "events"
-                yield EventsLog(id="events-log")
+
+class DiffScreen(Screen):
+    """Two replays side by side (``kvtrace diff --tui``): what the diff found, then the
+    dashboards of A and B."""
+
+    def __init__(self, report: DiffReport) -> None:
+        super().__init__()
+        self.report = report
+
+    def compose(self) -> ComposeResult:
+        yield DivergenceBanner(divergence_text(self.report, None), id="divergence")
+        with Horizontal(id="sides"):
+            for side, r in enumerate((self.report.a, self.report.b)):
+                dash = Dashboard(side, compact=True, id=f"side-{side}")
+                dash.border_title = f"{'AB'[side]}  {r.label}"
+                yield dash
         yield Footer()
 
 
 class HelpScreen(ModalScreen[None]):
-    """The key reference."""
+    """The key reference (with the diff's keys in a diff)."""
 
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
 
+    def __init__(self, diff: bool = False) -> None:
+        super().__init__()
+        self.diff = diff
+
     def compose(self) -> ComposeResult:
-        table = Table(title="kvtrace dashboard keys", show_header=False, box=None, padding=(0, 2))
+        title = "kvtrace diff keys (both sides move together)" if self.diff else "kvtrace dashboard keys"
+        table = Table(title=title, show_header=False, box=None, padding=(0, 2))
         table.add_column(style="bold cyan", no_wrap=True)
         table.add_column()
-        for key, what in KEYS:
+        for key, what in (DIFF_KEYS + KEYS) if self.diff else KEYS:
             table.add_row(key, what)
         yield Static(table, id="help-body")
 
@@ -120,14 +128,16 @@ class RequestDetailScreen(ModalScreen[None]):
 
     BINDINGS = [Binding("escape,enter,q", "close", "Close")]
 
-    def __init__(self, row: RequestRow) -> None:
+    def __init__(self, row: RequestRow, side: int = 0, label: str = "") -> None:
         super().__init__()
         self.row = row
+        self.side = side
+        self.label = label
 
     def compose(self) -> ComposeResult:
         r = self.row
         with Vertical(id="detail-body") as v:
-            v.border_title = f"request {r.rid}"
+            v.border_title = f"request {r.rid}" + (f" ({self.label})" if self.label else "")
             yield Static(
                 f"phase {r.phase} · used {r.used:,} · allocated {r.allocated:,} · over-allocated {r.overallocated:,} · "
                 f"pages {r.pages:,} · prefix hit {r.prefix_hit:,} · admitted at step {r.admitted_step} · "

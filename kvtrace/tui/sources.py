@@ -1,9 +1,9 @@
 """What the dashboard replays: a live ``ReplaySession`` or a saved state log.
 
-Both give the driver the same few things: ``step()``, ``seek(step)``, the per-request
-fold (``state``), the last snapshot, a description for the header, and the page map
-(the live source asks the allocator's slot ownership through ``pagemap.pool_cells``;
-a log has only the pool counters, laid out by state).
+Both give the replayer (``kvtrace.tui.replayer``) the same few things: ``step()``,
+``seek(step)``, the per-request fold (``state``), the last snapshot, a description for
+the header, and the page map (the live source asks the allocator's slot ownership
+through ``pagemap.page_map``; a log has only the pool counters, laid out by state).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvtrace.tui.pagemap import PageCells, SlotMap, composition_cells, pool_cells
+from kvtrace.tui.pagemap import PageCells, composition_cells, page_map
 
 if TYPE_CHECKING:
+    from allocator.ownership import SlotOwnership
     from kvtrace.logsession import StateLogSession
     from kvtrace.session import ReplaySession
-    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.snapshot import SnapshotBlock, StepSnapshot
     from kvtrace.state import ReplayState
     from kvtrace.statelog import StateLogWriter
 
@@ -35,6 +36,7 @@ class SourceInfo:
     first_step: int | None
     last_step: int | None
     live: bool  # an allocator runs (False: a saved state log)
+    page_size: int = 1
 
 
 class ReplaySource(Protocol):
@@ -47,9 +49,21 @@ class ReplaySource(Protocol):
     def last(self) -> StepSnapshot | None: ...
     @property
     def done(self) -> bool: ...
+    @property
+    def allocator_step(self) -> int | None:
+        """The step the page map would show (a live replay's allocator may run ahead of
+        ``last`` inside a run of decode steps replayed in one call)."""
+        ...
+    def set_exact(self, exact: bool) -> None:
+        """Keep the allocator at the step returned (paused: the page map is exact), or let
+        runs of decode steps replay in one call (playing: as fast as ``kvtrace replay``)."""
+        ...
     def step(self) -> StepSnapshot | None: ...
     def seek(self, step: int) -> StepSnapshot | None: ...
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None: ...
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
+        """The page map (with the slot ownership it was reduced from, when the source has
+        slots); None when there is none (a version without ``slot_ownership()``)."""
+        ...
     def close(self) -> None: ...
 
 
@@ -64,19 +78,20 @@ def _config_line(page_size: int, pool_tokens: int, max_running: int | None, devi
 
 
 def trace_step_range(path: str | Path) -> tuple[int, int] | None:
-    """First and last step of a trace file (one pass over its record batches, about 0.2 s
-    for the one-hour sample; None when the file cannot be read that way: the header then
-    shows no total)."""
-    import pyarrow as pa
+    """First and last step of a trace file, an IPC stream or file (one pass over its record
+    batches, a fraction of a second for the one-hour sample; None when it cannot be read:
+    the header then shows no total)."""
+    from traces.errors import TraceError
+    from traces.ipc import IpcReader, numpy_view
 
     first = last = None
     try:
-        for batch in pa.ipc.open_stream(pa.memory_map(str(path))):
+        for batch in IpcReader(path).iter_batches():
             if batch.num_rows:
-                steps = batch.column("step")
-                first = int(steps[0].as_py()) if first is None else first
-                last = int(steps[-1].as_py())
-    except (OSError, pa.ArrowInvalid, KeyError):
+                steps = numpy_view(batch.column("step"))
+                first = int(steps[0]) if first is None else first
+                last = int(steps[-1])
+    except (OSError, KeyError, TraceError):
         pass  # a damaged tail: what was read stands (the replay reports the damage)
     return (first, last) if first is not None and last is not None else None
 
@@ -106,6 +121,7 @@ class LiveSource:
             first_step=first,
             last_step=last,
             live=True,
+            page_size=cfg.page_size,
         )
 
     @property
@@ -122,12 +138,23 @@ class LiveSource:
     def done(self) -> bool:
         return self.session.done
 
+    @property
+    def allocator_step(self) -> int | None:
+        return self.session.allocator_step
+
+    def set_exact(self, exact: bool) -> None:
+        self.session.allocator_in_step = exact
+
     def step(self) -> StepSnapshot | None:
         snap = self.session.step()
         if snap is not None and self.log is not None and (self._logged is None or snap.step > self._logged):
             self.log.write(snap)
             self._logged = snap.step
         return snap
+
+    def fold(self) -> SnapshotBlock | None:
+        """Fold the steps replayed since the last fold (``ReplaySession.fold``)."""
+        return self.session.fold()
 
     def seek(self, step: int) -> StepSnapshot | None:
         frontier = self.state.timeline.last_step
@@ -139,8 +166,8 @@ class LiveSource:
                 break
         return self.session.last
 
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
-        return pool_cells(self.session.allocator, num_cells, rid)
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
+        return page_map(self.session.allocator, num_cells, rid)
 
     def close(self) -> None:
         if self.log is not None:
@@ -165,6 +192,7 @@ class LogSource:
             first_step=log.first_step,
             last_step=log.last_step,
             live=False,
+            page_size=int(cfg.get("page_size", 1)),
         )
 
     @property
@@ -179,13 +207,21 @@ class LogSource:
     def done(self) -> bool:
         return self.log.done
 
+    @property
+    def allocator_step(self) -> int | None:
+        last = self.log.last
+        return None if last is None else last.step
+
+    def set_exact(self, exact: bool) -> None:
+        pass  # a log has no allocator
+
     def step(self) -> StepSnapshot | None:
         return self.log.step()
 
     def seek(self, step: int) -> StepSnapshot | None:
         return self.log.seek(step)
 
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotMap | None, PageCells] | None:
+    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
         pool = self.log.state.pool
         if pool is None:
             return None

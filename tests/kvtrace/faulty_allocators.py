@@ -24,7 +24,7 @@ request (``fault_rid``) so a test can check the replay blames exactly it.
 
 ``without_digest`` is not broken: the built-in allocator behind the ``Allocator``
 protocol alone (no ``state_digest``, no checkpoints), for the paths that need the
-optional protocols.
+optional protocols; ``without_ownership`` hides only ``slot_ownership`` (no page map).
 """
 
 from __future__ import annotations
@@ -110,6 +110,16 @@ class WithoutDigest:
 
 def without_digest(config: AllocatorConfig) -> WithoutDigest:
     return WithoutDigest(config)
+
+
+class WithoutOwnership(WithoutDigest):
+    """The built-in allocator without the optional ``OwnershipQuery`` (``slot_ownership``)."""
+
+    _HIDDEN = frozenset({"slot_ownership"})
+
+
+def without_ownership(config: AllocatorConfig) -> WithoutOwnership:
+    return WithoutOwnership(config)
 
 
 class LeakOnRetract(_Faulty):

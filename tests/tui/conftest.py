@@ -11,6 +11,7 @@ import pytest
 from kvtrace.session import ReplaySession
 from kvtrace.statelog import StateLogWriter
 from kvtrace.tui.app import KvtraceApp
+from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource, LogSource
 
 TINY = "sample:tiny"
@@ -18,12 +19,14 @@ SIZE = (160, 48)
 
 
 def live_app(trace: str = TINY, *, play: bool = False, fixed_clock: bool = False, **session_kw: object) -> KvtraceApp:
-    """A dashboard over a live session of ``trace`` (screened inline: no child process)."""
+    """A dashboard over a live session of ``trace``, replayed in a thread (screened inline:
+    no child process; ``test_process.py`` runs the replay in its own process)."""
     session_kw.setdefault("checkpoint_every", 20)
     session = ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True, **session_kw)  # type: ignore[arg-type]
+    link = ThreadReplay(LiveSource(session), play=play)
     if fixed_clock:
-        return KvtraceApp(LiveSource(session), play=play, clock=lambda: 0.0)
-    return KvtraceApp(LiveSource(session), play=play)
+        return KvtraceApp(link, clock=lambda: 0.0)
+    return KvtraceApp(link)
 
 
 async def settle(pilot, until: Callable[[KvtraceApp], bool], timeout_s: float = 20.0) -> None:  # noqa: ANN001
@@ -60,7 +63,7 @@ def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def log_app(path: Path, **kw: object) -> KvtraceApp:
     from kvtrace.logsession import StateLogSession
 
-    return KvtraceApp(LogSource(StateLogSession(path), label=path.name), play=False, **kw)  # type: ignore[arg-type]
+    return KvtraceApp(ThreadReplay(LogSource(StateLogSession(path), label=path.name), play=False), **kw)  # type: ignore[arg-type]
 
 
 def text_of(widget: object) -> str:

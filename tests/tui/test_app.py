@@ -28,7 +28,7 @@ async def test_stepping_keys_and_seeking_back() -> None:
 
         with ReplaySession("sample:tiny", track_state=True, screen="inline") as ref:
             ref.seek(3)
-            assert app.source.state.table() == ref.state.table()
+            assert app.driver.state.table() == ref.state.table()
 
 
 async def test_space_plays_to_the_end_and_pauses() -> None:
@@ -191,7 +191,7 @@ async def test_view_of_a_state_log_steps_and_seeks(tiny_log) -> None:  # noqa: A
         await settle(pilot, at_step(99))
         await pilot.press("left")
         await settle(pilot, at_step(98))
-        assert not app.source.info.live
+        assert not app.driver.info.live
         cells = app.frame.page_cells
         assert cells is not None and not cells.positional
         assert int(cells.tokens.sum()) == app.frame.pool.pool_tokens

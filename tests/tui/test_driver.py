@@ -1,4 +1,5 @@
-"""The replay driver without a screen: commands in, frames out, errors reported."""
+"""The screen's driver and the replayer, without a screen (the replayer in a thread):
+commands in, frames out, errors reported."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import pytest
 
 from kvtrace.errors import TraceError
 from kvtrace.session import ReplaySession
-from kvtrace.tui.driver import CellInfo, Failure, Frame, ReplayDriver, RequestHistory
+from kvtrace.tui.driver import CellInfo, Driver, Failure, Frame, RequestHistory
+from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource
 
 
 class _Run:
-    """A driver running in a thread, what it posts collected in a queue."""
+    """A driver running in a thread over a paused replayer in another, what it posts
+    collected in a queue."""
 
     def __init__(self, source: object, **kw: object) -> None:
         self.items: queue.Queue[object] = queue.Queue()
-        self.driver = ReplayDriver(source, self.items.put, play=False, **kw)  # type: ignore[arg-type]
+        self.driver = Driver(ThreadReplay(source, play=False), self.items.put, **kw)  # type: ignore[arg-type]
         self.thread = threading.Thread(target=self.driver.run, daemon=True)
         self.thread.start()
 
@@ -51,7 +54,8 @@ def test_commands_move_the_replay_and_frames_follow() -> None:
     try:
         run.driver.command("cells", 50)
         run.driver.command("step", 30)
-        frame = run.wait(lambda f: isinstance(f, Frame) and f.step == 29)
+        # the page map follows the records that moved the replay (a message of its own)
+        frame = run.wait(lambda f: isinstance(f, Frame) and f.step == 29 and f.page_map_step == 29)
         assert frame.page_cells is not None and frame.page_cells.tokens.shape[0] == 50
         assert frame.requests.size > 0 and frame.timeline_size == 30
         run.driver.command("seek", 5)
@@ -63,7 +67,8 @@ def test_commands_move_the_replay_and_frames_follow() -> None:
         history = run.wait(lambda h: isinstance(h, RequestHistory))
         assert history.rid == 1 and history.steps.shape[0] > 0
         assert (history.committed <= history.allocated).all()
-        run.wait(lambda f: isinstance(f, Frame) and f.step == 5)  # back where it was
+        run.driver.command("step", 1)  # the replay came back to step 5 after the history
+        run.wait(lambda f: isinstance(f, Frame) and f.step == 6 and f.timeline_size == 30)
         run.driver.command("play")
         last = run.wait(lambda f: isinstance(f, Frame) and f.done)
         assert last.step == 138 and not last.playing
@@ -90,6 +95,10 @@ class _Broken:
         self.inner, self.exc = inner, exc
         self.info, self.state = inner.info, inner.state
         self.last, self.done = None, False
+        self.allocator_step = None
+
+    def set_exact(self, exact: bool) -> None:
+        pass
 
     def step(self):  # noqa: ANN201
         raise self.exc
@@ -114,3 +123,59 @@ def test_errors_in_the_replay_are_posted_not_raised(exc: Exception) -> None:
         run.wait(lambda f: isinstance(f, Frame) and not f.playing)  # still alive, paused
     finally:
         run.stop()
+
+
+def test_playing_replays_runs_and_a_pause_lands_where_the_allocator_is() -> None:
+    """Playing lets runs of decode steps replay in one call (the allocator ahead of the
+    steps sent); once paused, the page map is the allocator's at the step shown."""
+    from allocator.ownership import SlotState
+
+    session = ReplaySession("sample:mooncake-tiny", track_state=True, screen="inline", checkpoint_every=500,
+                            allocator_in_step=True)
+    run = _Run(LiveSource(session))
+    try:
+        run.driver.command("cells", 64)
+        run.driver.command("play")
+        run.wait(lambda f: isinstance(f, Frame) and f.step is not None and f.step > 200 and f.playing)
+        assert not session.allocator_in_step  # runs allowed while playing
+        run.driver.command("pause")
+        frame = run.wait(lambda f: isinstance(f, Frame) and not f.playing and f.page_map_step == f.step)
+        assert session.allocator_in_step and session.allocator_step == frame.step
+        by_state = frame.page_cells.tokens.sum(axis=0)
+        assert by_state[SlotState.COMMITTED] == frame.pool.committed
+        assert by_state[SlotState.FREE] == frame.pool.available
+        assert by_state[SlotState.OVERALLOCATED] + by_state[SlotState.PAGE_TAIL] == frame.pool.overallocated
+    finally:
+        run.stop()
+
+
+def test_frames_not_drawn_pass_their_alerts_and_releases_on() -> None:
+    """A newer frame replaces an undrawn one in the UI's queue: until the UI acknowledges a
+    frame, each new one repeats what the undrawn ones announced (the app notifies once)."""
+    items: queue.Queue[object] = queue.Queue()
+    session = ReplaySession("sample:tiny", track_state=True, screen="inline", pool_tokens=640, allocator_in_step=True)
+    driver = Driver(ThreadReplay(LiveSource(session), play=False), items.put)
+    thread = threading.Thread(target=driver.run, daemon=True)
+    thread.start()
+    try:
+        driver.command("play")  # the OOM stops the replay; no frame is acknowledged
+        frames: list[Frame] = []
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not (frames and frames[-1].done and len(frames) >= 2):
+            try:
+                item = items.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if isinstance(item, Frame):
+                frames.append(item)
+        oom = [i for i, f in enumerate(frames) if any(e.kind == "oom" for e in f.alerts)]
+        assert oom and oom == list(range(oom[0], len(frames)))  # every later frame repeats it
+        released = [f.released for f in frames]
+        assert all(a <= b for a, b in zip(released, released[1:]))  # releases accumulate until drawn
+        driver.ack(frames[-1].seq)
+        driver.command("step", -1)
+        later = next(f for f in iter(lambda: items.get(timeout=30), None) if isinstance(f, Frame))
+        assert later.alerts == () and later.released == frozenset()
+    finally:
+        driver.stop()
+        thread.join(timeout=10)

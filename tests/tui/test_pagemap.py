@@ -1,20 +1,26 @@
-"""The page-map data: every slot's state agrees with the pool counters at every step, the
-cells add up, the composition of a state log adds up (hypothesis)."""
+"""The allocator's slot map agrees with the pool counters at the step a session returns
+(``allocator_in_step``), and what the screen adds to it: the selected request's cells, a
+clicked cell's owners, no map for a version without the query, the composition of a state
+log (hypothesis)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator.base import PoolCounters
+from allocator.ownership import NUM_STATES, SlotState
 from kvtrace.session import ReplaySession
-from kvtrace.tui.pagemap import NUM_STATES, SlotState, cell_detail, composition_cells, reduce_cells, slot_ownership
+from kvtrace.tui.pagemap import cell_detail, composition_cells, page_map
+
+FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")
 
 
 def _check_step(session: ReplaySession) -> None:
-    own = slot_ownership(session.allocator)
-    assert own is not None
+    own = session.allocator.slot_ownership()  # the allocator at the step returned (allocator_in_step)
     counts = np.bincount(own.state, minlength=NUM_STATES)
     pool = session.last.pool
     step = session.last.step
@@ -42,22 +48,37 @@ def test_slot_states_match_the_counters_at_every_step() -> None:
                     _check_step(s)
 
 
-def test_cells_add_up_and_highlight_the_selected_request() -> None:
+def test_the_selected_requests_cells_and_a_cells_owners() -> None:
     with ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True) as s:
         s.seek(60)
-        own = slot_ownership(s.allocator)
         rid = int(s.state.live_rids()[0])
-        cells = reduce_cells(own, 37, highlight_rid=rid)
+        made = page_map(s.allocator, 37, rid)
+        assert made is not None
+        own, cells = made
         ps = own.page_size
-        assert cells.tokens.shape == (37, NUM_STATES)
-        assert int(cells.tokens.sum()) == own.state.shape[0] - ps  # every slot but page 0's
+        assert cells.tokens.shape == (37, NUM_STATES) and cells.positional
+        assert int(cells.tokens.sum()) == own.state.shape[0]  # every slot, page 0 included
         assert (np.diff(cells.edges) % ps == 0).all()  # whole pages
         owned = np.flatnonzero(own.owner == rid)
         expect = np.unique(np.searchsorted(cells.edges, owned, side="right") - 1)
-        assert np.array_equal(np.flatnonzero(cells.highlight), expect)
+        assert expect.shape[0] and np.array_equal(np.flatnonzero(cells.highlight), expect)
         detail = cell_detail(own, cells, int(expect[0]))
         assert rid in [r for r, _ in detail.owners]
+        lo, hi = int(cells.edges[expect[0]]), int(cells.edges[expect[0] + 1])
+        assert (detail.first_page, detail.last_page) == (lo // ps, hi // ps - 1)
+        for owner, slots in detail.owners:  # each owner's own slots in the cell (committed, over, tail)
+            mine = (own.owner[lo:hi] == owner) & np.isin(own.state[lo:hi], [SlotState.COMMITTED,
+                                                                             SlotState.OVERALLOCATED,
+                                                                             SlotState.PAGE_TAIL])
+            assert slots == int(mine.sum()), owner
         assert sum(detail.tokens.values()) == int(cells.tokens[expect[0]].sum())
+        assert not page_map(s.allocator, 37, None)[1].highlight.any()  # type: ignore[index]
+
+
+def test_a_version_without_the_ownership_query_has_no_page_map() -> None:
+    with ReplaySession("sample:tiny", version=f"{FAULTY}:without_ownership", screen="inline") as s:
+        s.seek(10)
+        assert page_map(s.allocator, 20, None) is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,4 +99,5 @@ def test_composition_of_counters(parts: list[int], num_cells: int) -> None:
         assert by_state[SlotState.CACHED_EVICTABLE] == evictable
         assert by_state[SlotState.FREE] == available
         assert (cells.tokens.sum(axis=1) == np.diff(cells.edges)).all()
-    assert not cells.positional
+        assert (cells.tokens[np.arange(cells.tokens.shape[0]), cells.dominant] == cells.tokens.max(axis=1)).all()
+    assert not cells.positional and not cells.highlight.any()

@@ -13,7 +13,7 @@ from tests.tui.conftest import SIZE, at_step, live_app, log_app, settle
 async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
     await pilot.press("g")
     await pilot.press(*str(step), "enter")
-    await settle(pilot, at_step(step))
+    await settle(pilot, lambda a: at_step(step)(a) and a.frame.page_map_step == step)  # the map comes after
 
 
 def test_dashboard(snap_compare) -> None:  # noqa: ANN001

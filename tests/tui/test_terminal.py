@@ -46,13 +46,13 @@ def test_kvtrace_replay_tui_in_a_terminal_steps_and_quits() -> None:
     seen = bytearray()
     try:
         assert _read_until(master, b"sample:tiny", 90, seen), bytes(seen[-2000:])
-        os.write(master, b" ")  # pause (it starts playing)
-        assert _read_until(master, b"paused", 30, seen), bytes(seen[-2000:])
+        os.write(master, b" ")  # pause (it starts playing; on a loaded machine it may be done first)
+        assert _read_until(master, b"paused", 30, seen) or b"done" in seen, bytes(seen[-2000:])
         os.write(master, b"\x1b[C")  # → one step
         assert _read_until(master, b"step", 30, seen), bytes(seen[-2000:])
         time.sleep(0.5)
         os.write(master, b"q")
-        end = time.monotonic() + 90  # exiting closes the replay thread, its screen process, torch
+        end = time.monotonic() + 90  # exiting closes the replay process (torch) and the screen
         while proc.poll() is None and time.monotonic() < end:
             _read_until(master, b"\x00never", 0.5, seen)  # keep draining the terminal
         proc.wait(timeout=1)

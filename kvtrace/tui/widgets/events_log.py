@@ -50,9 +50,14 @@ class EventsLog(VirtualList):
     class Chosen(Message):
         """The user chose an event: seek to ``step``."""
 
-        def __init__(self, step: int) -> None:
+        def __init__(self, log: EventsLog, step: int) -> None:
             super().__init__()
+            self.log = log
             self.step = step
+
+        @property
+        def control(self) -> EventsLog:
+            return self.log
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -116,7 +121,7 @@ class EventsLog(VirtualList):
         return self._shown
 
     def on_activated(self, index: int) -> None:
-        self.post_message(self.Chosen(self._shown[index].step))
+        self.post_message(self.Chosen(self, self._shown[index].step))
 
     def render_header(self, width: int) -> Strip:
         title = f"events ({self.kind})" if self.kind else "events (all kinds)"

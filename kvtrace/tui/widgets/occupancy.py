@@ -24,7 +24,7 @@ from textual_plot import PlotWidget
 from textual_plot.axis_formatter import NumericAxisFormatter
 from textual_plot.plot_widget import Legend
 
-from kvtrace.tui.pagemap import SlotState
+from allocator.ownership import SlotState
 from kvtrace.tui.widgets.page_map import STATE_COLORS
 
 if TYPE_CHECKING:

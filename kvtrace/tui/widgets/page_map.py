@@ -14,7 +14,8 @@ from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 
-from kvtrace.tui.pagemap import STATE_LABELS, SlotState
+from allocator.ownership import SlotState
+from kvtrace.tui.pagemap import STATE_LABELS
 
 if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
@@ -36,7 +37,7 @@ _HIGHLIGHT = Style(color="bright_white", bgcolor="magenta", bold=True)
 _SELECTED = Style(color="black", bgcolor="bright_white", bold=True)
 
 
-def legend(states: tuple[SlotState, ...] = tuple(SlotState)[:6]) -> Text:
+def legend(states: tuple[SlotState, ...] = tuple(SlotState)[:7]) -> Text:
     """A one-line colour key."""
     text = Text()
     for s in states:
@@ -51,16 +52,26 @@ class PageMap(Widget):
     class Resized(Message):
         """The map now has room for ``num_cells`` cells."""
 
-        def __init__(self, num_cells: int) -> None:
+        def __init__(self, page_map: PageMap, num_cells: int) -> None:
             super().__init__()
+            self.page_map = page_map
             self.num_cells = num_cells
+
+        @property
+        def control(self) -> PageMap:
+            return self.page_map
 
     class CellClicked(Message):
         """The user clicked cell ``index``."""
 
-        def __init__(self, index: int) -> None:
+        def __init__(self, page_map: PageMap, index: int) -> None:
             super().__init__()
+            self.page_map = page_map
             self.index = index
+
+        @property
+        def control(self) -> PageMap:
+            return self.page_map
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -88,7 +99,7 @@ class PageMap(Widget):
 
     def on_resize(self, event: events.Resize) -> None:
         if self.num_cells:
-            self.post_message(self.Resized(self.num_cells))
+            self.post_message(self.Resized(self, self.num_cells))
 
     def cell_at(self, x: int, y: int) -> int | None:
         """The cell index drawn at (x, y), if any."""
@@ -101,7 +112,7 @@ class PageMap(Widget):
             self.selected_cell = index
             self._lines = {}
             self.refresh()
-            self.post_message(self.CellClicked(index))
+            self.post_message(self.CellClicked(self, index))
 
     def render_line(self, y: int) -> Strip:
         key = (y, self.size.width)

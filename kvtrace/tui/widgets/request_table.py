@@ -100,16 +100,26 @@ class RequestTable(VirtualList):
     class Selected(Message):
         """The selection moved to request ``rid`` (None: cleared)."""
 
-        def __init__(self, rid: int | None) -> None:
+        def __init__(self, table: RequestTable, rid: int | None) -> None:
             super().__init__()
+            self.table = table
             self.rid = rid
+
+        @property
+        def control(self) -> RequestTable:
+            return self.table
 
     class Opened(Message):
         """Enter on request ``rid`` (show its detail)."""
 
-        def __init__(self, rid: int) -> None:
+        def __init__(self, table: RequestTable, rid: int) -> None:
             super().__init__()
+            self.table = table
             self.rid = rid
+
+        @property
+        def control(self) -> RequestTable:
+            return self.table
 
     def __init__(self, *, id: str | None = None, clock: Callable[[], float] | None = None) -> None:
         super().__init__(id=id)
@@ -205,7 +215,7 @@ class RequestTable(VirtualList):
         self._follow()
         self._drawn = None
         self.refresh()
-        self.post_message(self.Selected(rid))
+        self.post_message(self.Selected(self, rid))
 
     @property
     def shown_rids(self) -> np.ndarray:
@@ -233,11 +243,14 @@ class RequestTable(VirtualList):
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
 
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._follow)  # a selection made before the table had a size
+
     def on_cursor_moved(self, index: int) -> None:
         self.select_rid(int(self._order[index]))
 
     def on_activated(self, index: int) -> None:
-        self.post_message(self.Opened(int(self._order[index])))
+        self.post_message(self.Opened(self, int(self._order[index])))
 
     def on_header_click(self, x: int) -> None:
         edge = 0

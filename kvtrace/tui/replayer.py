@@ -1,0 +1,461 @@
+"""The replay side of the dashboard: runs a source, obeys the screen's commands, streams
+the snapshots of the steps it replays and answers the screen's questions.
+
+It runs in a process of its own (``python -m kvtrace.child`` with a dashboard job, started
+by ``link.ChildReplay``), so that the replay has one core while the screen draws on the
+other, or in a thread (``link.ThreadReplay``). Nothing here imports Textual.
+
+What it sends (``link.ReplayerEnd``), in order:
+
+* records: the snapshots of every step replayed while playing or stepping, and of every
+  step replayed for the first time (the screen's timeline is append-only), a
+  ``SnapshotBlock`` every ``batch_s``; the screen folds them into its own ``ReplayState``. Steps replayed again
+  inside a seek are not sent: the ``position`` message replaces them;
+* messages (dicts, ``kind``):
+  ``info`` (first: ``SourceInfo``'s fields),
+  ``status`` (``playing``, ``speed_index``, ``done``; when it changes),
+  ``position`` (after a seek: ``step``, ``time_s``, ``pool``, the per-request
+  ``columns`` of ``ReplayState.save()``),
+  ``cells`` (the page map at ``step``: ``edges``, ``tokens``, ``dominant``,
+  ``highlight``, ``positional``; or a ``note`` saying why there is none),
+  ``cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
+  ``history`` (a request's lengths step by step and its events),
+  ``failure`` (an error inside the replay: the replayer pauses).
+
+Commands (``[name, *args]``): play, pause, toggle, step N (N < 0: back), seek STEP,
+speed DELTA (an index into ``SPEEDS``), cells N (the page map's size), select RID|None,
+cell INDEX, history RID, refresh, quit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+from kvtrace.errors import USER_ERRORS
+from kvtrace.snapshot import SnapshotBlock
+
+if TYPE_CHECKING:
+    from allocator.ownership import SlotOwnership
+    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.tui.link import ReplayerEnd
+    from kvtrace.tui.pagemap import PageCells
+    from kvtrace.tui.sources import ReplaySource
+
+__all__ = ["MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "log_job", "run_dashboard_job"]
+
+SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
+MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
+PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
+
+
+class Replayer:
+    """Runs ``source`` until the screen says quit (or goes away).
+
+    Args:
+        source: what to replay.
+        end: the link to the screen.
+        play: start playing at once.
+        batch_s: seconds between record batches (and status checks) while playing.
+        map_interval_s: seconds between page maps while playing as fast as it goes
+            (mapping a million-slot pool takes some 40 ms of the replay's time;
+            bench/ownership.py); a paced replay maps every ``PACED_MAP_S``, a paused
+            one at every step shown.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        source: ReplaySource,
+        end: ReplayerEnd,
+        *,
+        play: bool = True,
+        batch_s: float = 0.05,
+        map_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source = source
+        self.end = end
+        self.playing = play
+        self.speed_index = len(SPEEDS) - 1
+        self.num_cells = 0
+        self.selected_rid: int | None = None
+        self._batch_s = batch_s
+        self._map_interval_s = map_interval_s
+        self._clock = clock
+        self._buf: list[StepSnapshot] = []
+        self._frontier: int | None = None  # the highest step sent
+        self._own: SlotOwnership | None = None
+        self._cells: PageCells | None = None
+        self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, rid) of the map sent
+        self._map_at = -1e18
+        self._status: tuple[Any, ...] | None = None
+        self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
+
+    @property
+    def speed(self) -> float | None:
+        return SPEEDS[self.speed_index]
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Replay and answer until ``quit`` (or the screen goes away)."""
+        self.end.send({"kind": "info", **_info_dict(self.source.info)})
+        self._anchor_now()
+        due = self._clock()
+        while True:
+            running = self.playing and not self.source.done
+            try:
+                commands = self.end.commands(0.0 if running else 0.25)
+                if commands is None or any(name == "quit" for name, _ in commands):
+                    self._flush()
+                    return
+                for name, args in commands:
+                    self._apply(name, args)
+                if self.playing and not self.source.done:
+                    self._advance(due)
+                else:
+                    self._exact()
+            except USER_ERRORS as exc:
+                self._fail(str(exc))
+            except Exception as exc:  # noqa: BLE001  a bug must not freeze the screen
+                self._fail(f"internal error: {type(exc).__name__}: {exc}")
+            now = self._clock()
+            if now >= due or not (self.playing and not self.source.done):
+                self._publish(now)
+                due = now + self._batch_s
+
+    def _publish(self, now: float) -> None:
+        """Send what the screen has not seen: records, the play state, the page map."""
+        self._flush()
+        status = (self.playing and not self.source.done, self.speed_index, self.source.done)
+        if status != self._status:
+            self._status = status
+            self.end.send({"kind": "status", "playing": status[0], "speed_index": status[1], "done": status[2]})
+        try:
+            self._refresh_map(now)
+        except USER_ERRORS as exc:
+            self._fail(str(exc))
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"internal error while mapping the pool: {type(exc).__name__}: {exc}")
+
+    def _fail(self, message: str) -> None:
+        self.playing = False
+        self._flush()
+        self.end.send({"kind": "failure", "message": message})
+
+    def _anchor_now(self) -> None:
+        last = self.source.last
+        self._anchor = (self._clock(), last.time_s if last is not None else 0.0)
+
+    def _send_step(self, snap: StepSnapshot) -> None:
+        self._buf.append(snap)
+        if self._frontier is None or snap.step > self._frontier:
+            self._frontier = snap.step
+
+    def _flush(self) -> None:
+        """Send the steps buffered, as one block (the session's own when it just folded
+        exactly these steps: no second copy)."""
+        buf = self._buf
+        if not buf:
+            return
+        fold = getattr(self.source, "fold", None)
+        block = fold() if fold is not None else None
+        if block is None or block.num_steps != len(buf) or int(block.steps[0]) != buf[0].step \
+                or int(block.steps[-1]) != buf[-1].step:
+            block = SnapshotBlock.of(buf)
+        self.end.records(block)
+        self._buf = []
+
+    def _exact(self) -> None:
+        """Bring the allocator to the step shown and keep it there (paused: the page map,
+        a cell's owners and stepping are exact): the steps of a run it replayed ahead
+        are shown first (the pause lands at the end of the run)."""
+        src = self.source
+        src.set_exact(True)
+        while src.last is not None and (src.allocator_step or 0) > src.last.step:
+            snap = src.step()
+            if snap is None:
+                break
+            self._send_step(snap)
+
+    def _advance(self, deadline: float) -> None:
+        """Replay steps until ``deadline`` (as fast as it goes, or at the pace asked; runs
+        of decode steps in one allocator call, as ``kvtrace replay`` does)."""
+        src = self.source
+        src.set_exact(False)
+        clock = self._clock
+        speed = self.speed
+        while True:
+            now = clock()
+            if now >= deadline:
+                return
+            if speed is not None and src.last is not None:
+                target = self._anchor[1] + speed * (now - self._anchor[0])
+                if src.last.time_s >= target:  # ahead of the pace
+                    time.sleep(max(deadline - now, 0.0))
+                    return
+            snap = src.step()
+            if snap is None:
+                return
+            self._send_step(snap)
+
+    # ------------------------------------------------------------------ commands
+    def _apply(self, name: str, args: list[Any]) -> None:
+        src = self.source
+        if name in ("step", "seek", "cell", "history"):
+            self._exact()
+        if name == "play":
+            self.playing = True
+        elif name == "pause":
+            self.playing = False
+        elif name == "toggle":
+            self.playing = not self.playing
+        elif name == "step":
+            self.playing = False
+            n = int(args[0])
+            if n > 0:
+                for _ in range(n):
+                    snap = src.step()
+                    if snap is None:
+                        break
+                    self._send_step(snap)
+            elif src.last is not None:
+                self._seek(max(src.last.step + n, 0))
+        elif name == "seek":
+            self.playing = False
+            self._seek(int(args[0]))
+        elif name == "speed":
+            self.speed_index = min(max(self.speed_index + int(args[0]), 0), len(SPEEDS) - 1)
+        elif name == "cells":
+            self.num_cells = int(args[0])
+        elif name == "select":
+            self.selected_rid = None if args[0] is None else int(args[0])
+        elif name == "cell":
+            self._flush()
+            self.end.send(self._cell_message(int(args[0])))
+        elif name == "history":
+            self._flush()
+            self.end.send(self._history_message(int(args[0])))
+        elif name != "refresh":
+            raise ValueError(f"unknown dashboard command {name!r}")
+        self._anchor_now()
+
+    def _seek(self, target: int) -> None:
+        """Go to ``target``; steps past the frontier are replayed and sent (the screen's
+        timeline must hold every step), the others are not: ``position`` says where
+        the replay now is, with the per-request columns there."""
+        src = self.source
+        frontier = self._frontier
+        if frontier is not None and target <= frontier:
+            src.seek(target)
+        else:
+            if frontier is not None and (src.last is None or src.last.step < frontier):
+                src.seek(frontier)
+            flush_at = self._clock() + self._batch_s
+            while not src.done and (src.last is None or src.last.step < target):
+                snap = src.step()
+                if snap is None:
+                    break
+                self._send_step(snap)
+                if self._clock() >= flush_at:  # the screen shows a long seek's progress
+                    self._flush()
+                    flush_at = self._clock() + self._batch_s
+        self._flush()
+        self.end.send(self._position_message())
+
+    def _position_message(self) -> dict[str, Any]:
+        src = self.source
+        last = src.last
+        saved = src.state.save()
+        phase = saved.columns["phase"]
+        seen = np.flatnonzero(phase >= 0)
+        n = int(seen[-1]) + 1 if seen.shape[0] else 0
+        return {
+            "kind": "position",
+            "step": None if last is None else last.step,
+            "time_s": 0.0 if last is None else last.time_s,
+            "pool": None if last is None else list(last.pool),
+            "state_step": saved.step,
+            "columns": {name: col[:n] for name, col in saved.columns.items()},
+        }
+
+    # ------------------------------------------------------------------ page map
+    def _refresh_map(self, now: float) -> None:
+        last = self.source.last
+        if self.num_cells <= 0 or last is None:
+            return
+        key = (last.step, self.num_cells, self.selected_rid)
+        if key == self._map_key:
+            return
+        moving = self.playing and not self.source.done
+        interval = self._map_interval_s if self.speed is None else min(self._map_interval_s, PACED_MAP_S)
+        if moving and now - self._map_at < interval:
+            return
+        if self._map_key is not None and self._own is not None and self._cells is not None and key[:2] == self._map_key[:2]:
+            from kvtrace.tui.pagemap import highlight_cells  # only the selection changed
+
+            mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
+            self._cells = self._cells._replace(highlight=mark)
+        else:
+            made = self.source.page_map(self.num_cells, self.selected_rid)
+            self._own, self._cells = made if made is not None else (None, None)
+        self._map_key = key
+        self._map_at = now
+        if self._cells is None:
+            from kvtrace.tui.pagemap import NO_PAGE_MAP
+
+            self.end.send({"kind": "cells", "step": last.step, "note": NO_PAGE_MAP})
+            return
+        c = self._cells
+        step = self.source.allocator_step  # while playing, up to a run's length past ``last``
+        self.end.send({"kind": "cells", "step": step, "edges": c.edges, "tokens": c.tokens, "dominant": c.dominant,
+                       "highlight": c.highlight, "positional": c.positional})
+
+    def _cell_message(self, index: int) -> dict[str, Any]:
+        from kvtrace.tui.pagemap import STATE_LABELS, cell_detail
+
+        step = None if self._map_key is None else self._map_key[0]
+        cells = self._cells
+        if cells is None or not 0 <= index < cells.tokens.shape[0]:
+            return {"kind": "cell", "step": step, "tokens": {}, "detail": None}
+        tokens = {STATE_LABELS[s]: int(c) for s, c in enumerate(cells.tokens[index]) if c}
+        detail = None
+        if self._own is not None:
+            d = cell_detail(self._own, cells, index)
+            detail = {"index": d.index, "first_page": d.first_page, "last_page": d.last_page, "tokens": d.tokens,
+                      "owners": [list(o) for o in d.owners]}
+        return {"kind": "cell", "step": step, "tokens": tokens, "detail": detail}
+
+    # ------------------------------------------------------------------ request history
+    def _history_message(self, rid: int) -> dict[str, Any]:
+        """Replay the request's life (seeking back through checkpoints), then come back."""
+        src = self.source
+        state = src.state
+        here = src.last.step if src.last is not None else None
+        empty = {"kind": "history", "rid": rid, "steps": np.zeros(0, np.int64), "allocated": np.zeros(0, np.int64),
+                 "committed": np.zeros(0, np.int64), "events": [], "clipped": False}
+        try:
+            row = state.row(rid)
+        except KeyError:
+            return empty
+        hi = row.ended_step if row.ended_step >= 0 else (here if here is not None else row.admitted_step)
+        lo = row.admitted_step if row.admitted_step >= 0 else hi
+        clipped = hi - lo > MAX_HISTORY_STEPS
+        lo = max(lo, hi - MAX_HISTORY_STEPS)
+        steps: list[int] = []
+        alloc: list[int] = []
+        used: list[int] = []
+        snap = src.seek(lo - 1) if lo > 0 else src.seek(lo)
+        while snap is not None and snap.step <= hi:
+            if snap.step >= lo:
+                hit = np.flatnonzero(snap.requests.rids == rid)
+                if hit.shape[0]:
+                    i = int(hit[0])
+                    steps.append(snap.step)
+                    alloc.append(int(snap.requests.allocated[i]))
+                    used.append(int(snap.requests.committed[i]))
+            if self._frontier is not None and snap.step >= self._frontier:
+                break  # past what the screen knows: stop here
+            snap = src.step()
+        if here is not None:
+            src.seek(here)
+        events = [list(e) for e in state.timeline.events if e.rid == rid]
+        return {**empty, "steps": np.array(steps, np.int64), "allocated": np.array(alloc, np.int64),
+                "committed": np.array(used, np.int64), "events": events, "clipped": clipped}
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    return {name: getattr(info, name) for name in info.__dataclass_fields__}
+
+
+# ---------------------------------------------------------------------------- child process jobs
+
+
+def dashboard_job(
+    version: Any,
+    trace: str,
+    *,
+    trace_label: str,
+    page_size: int | None,
+    pool_tokens: int | None,
+    device: str,
+    options: dict[str, Any],
+    checkpoint_every: int,
+    play: bool,
+    log: str | None = None,
+) -> dict[str, Any]:
+    """The job of a live dashboard's replay process (``kvtrace.child``): a diff side's job
+    (``kvtrace.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
+    settings; ``log``: a state log to write every step replayed for the first time to."""
+    from kvtrace.sides import side_job
+
+    job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
+                   options=options)
+    job["dashboard"] = {"checkpoint_every": checkpoint_every, "play": play, "log": log}
+    return job
+
+
+def log_job(path: str, *, label: str | None = None, play: bool = False) -> dict[str, Any]:
+    """The job of a dashboard's process over a saved state log (no allocator)."""
+    return {"state_log": str(path), "trace_label": label, "dashboard": {"play": play}}
+
+
+def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], commands: BinaryIO) -> None:
+    """The body of a dashboard's replay process: set the source up, then ``Replayer.run``.
+
+    Raises:
+        KvtraceError, TraceError: bad input (``kvtrace.child.main`` reports it as one line).
+    """
+    import signal
+
+    from kvtrace.tui.link import PipeEnd
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the screen decides when this process ends
+    settings = job["dashboard"]
+    source = _log_source(job) if job.get("state_log") else _live_source(job)
+    try:
+        info = {"trace": source.info.name, "allocator": source.info.version}
+        end = PipeEnd(out, control, commands, info)
+        try:
+            Replayer(source, end, play=bool(settings.get("play", True))).run()
+        finally:
+            end.close()
+    finally:
+        source.close()
+
+
+def _log_source(job: dict[str, Any]) -> ReplaySource:
+    from kvtrace.logsession import StateLogSession
+    from kvtrace.tui.sources import LogSource
+
+    return LogSource(StateLogSession(job["state_log"]), label=job.get("trace_label"))
+
+
+def _live_source(job: dict[str, Any]) -> ReplaySource:
+    from kvtrace.child import job_screen, job_version
+    from kvtrace.config import config_dict
+    from kvtrace.replay import ReplayOptions
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
+    from kvtrace.tui.sources import LiveSource
+
+    settings = job["dashboard"]
+    options = ReplayOptions(**job.get("options", {}))
+    session = ReplaySession(
+        job["trace"], version=job_version(job), page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
+        device=job.get("device", "cpu"), options=options, screen=job_screen(job, options), label=job.get("trace_label"),
+        checkpoint_every=settings.get("checkpoint_every"), track_state=True, allocator_in_step=True,
+    )
+    log = None
+    if settings.get("log"):
+        info = {"trace": job.get("trace_label") or job["trace"], "allocator": session.version.spec,
+                "config": config_dict(session.config)}
+        try:
+            log = StateLogWriter(settings["log"], info)
+        except BaseException:
+            session.close()
+            raise
+    return LiveSource(session, log)

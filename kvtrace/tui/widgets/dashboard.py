@@ -1,0 +1,100 @@
+"""One replay's panels: header, occupancy chart and legend, page map, requests, events.
+
+The replay screen shows one ``Dashboard``; the diff screen shows two side by side
+(``compact``: no legend beside the chart, a smaller page map). ``show`` routes a frame
+to every panel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Input, Static
+
+from kvtrace.tui.widgets.events_log import EventsLog
+from kvtrace.tui.widgets.header import ReplayHeader
+from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
+from kvtrace.tui.widgets.page_map import PageMap, legend
+from kvtrace.tui.widgets.request_table import RequestTable
+
+if TYPE_CHECKING:
+    from kvtrace.tui.driver import Frame
+    from kvtrace.tui.sources import SourceInfo
+
+__all__ = ["Dashboard"]
+
+
+class Dashboard(Vertical):
+    """The panels of one replay (side ``side``).
+
+    Args:
+        side: which replay it shows (0; a diff: 0 for A, 1 for B).
+        compact: the diff's layout (half a screen wide).
+        chart_interval_s: seconds between redraws of the occupancy chart while playing.
+    """
+
+    def __init__(self, side: int = 0, *, compact: bool = False, chart_interval_s: float = 1.0, id: str | None = None) -> None:
+        super().__init__(id=id, classes="compact" if compact else None)
+        self.side = side
+        self.compact = compact
+        self.frame: Frame | None = None
+        self._chart_interval_s = chart_interval_s
+        self._chart_at = -1e18
+
+    def compose(self) -> ComposeResult:
+        yield ReplayHeader(id="header")
+        with Horizontal(id="top"):
+            with Vertical(id="occupancy", classes="panel") as v:
+                v.border_title = "occupancy"
+                with Horizontal():
+                    yield OccupancyChart(id="chart")
+                    if not self.compact:
+                        yield OccupancyLegend(id="legend")
+            with Vertical(id="pages", classes="panel") as v:
+                v.border_title = "page map"
+                yield PageMap(id="pagemap")
+                yield Static(legend(), id="pagemap-legend")
+                yield Static("click a cell to see its pages and owners", id="cell-info")
+        with Horizontal(id="bottom"):
+            with Vertical(id="requests", classes="panel") as v:
+                v.border_title = "requests"
+                yield RequestTable(id="table")
+                yield Input(placeholder="filter: phases, live, over, ids, A-B (enter applies, esc closes)", id="filter")
+            with Vertical(id="events", classes="panel") as v:
+                v.border_title = "events"
+                yield EventsLog(id="events-log")
+
+    def set_info(self, info: SourceInfo) -> None:
+        """Say where the replay comes from (a state log has no slot positions)."""
+        if not info.live:
+            self.query_one("#pages").border_title = "pool by state (a log has no slot positions)"
+
+    def show(self, frame: Frame, info: SourceInfo, now: float) -> None:
+        """Draw ``frame`` in every panel (the chart at most every ``chart_interval_s``
+        while playing; ``now``: the app's clock)."""
+        self.frame = frame
+        self.query_one(ReplayHeader).show(info, frame)
+        if not self.compact:
+            self.query_one(OccupancyLegend).show(frame)
+        self.query_one(RequestTable).show(frame)
+        self.query_one(EventsLog).show(frame)
+        pages = self.query_one(PageMap)
+        pages.show(frame.page_cells)
+        if frame.page_map_note is not None:
+            self.query_one("#cell-info", Static).update(frame.page_map_note)
+        chart = self.query_one(OccupancyChart)
+        if not frame.playing or now - self._chart_at >= self._chart_interval_s or chart.shown_step is None:
+            chart.show(frame)
+            self._chart_at = now
+
+    def mark(self, label: str, step: int | None, colour: str) -> None:
+        """Mark ``step`` on the occupancy chart (None: remove the mark)."""
+        chart = self.query_one(OccupancyChart)
+        if step is None:
+            chart.marks.pop(label, None)
+        else:
+            chart.marks[label] = (step, colour)
+        if self.frame is not None:
+            chart.show(self.frame)

@@ -1,0 +1,96 @@
+"""The replay in its own process (``link.ChildReplay`` over ``python -m kvtrace.child``, as
+``kvtrace replay --tui`` runs it): keys move it, the screen's fold equals a session's,
+the page map comes across (or a note for a version without the ownership query), the
+steps replayed go to the state log, and errors in the child (an OOM, a crash, a bad
+setup) are notifications and events, never a frozen screen."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from kvtrace.logsession import StateLogSession
+from kvtrace.registry import resolve_version
+from kvtrace.replay import ReplayOptions
+from kvtrace.session import ReplaySession
+from kvtrace.tui.app import KvtraceApp
+from kvtrace.tui.link import ChildReplay, ReplayProcessError
+from kvtrace.tui.pagemap import NO_PAGE_MAP
+from kvtrace.tui.replayer import dashboard_job, log_job
+from kvtrace.tui.widgets.events_log import EventsLog
+from tests.tui.conftest import SIZE, TINY, at_step, settle
+from traces.samples import resolve_trace
+
+FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")
+
+
+def _child(version: str = "builtin", *, log: str | None = None, **options: object) -> ChildReplay:
+    job = dashboard_job(resolve_version(version), str(resolve_trace(TINY)), trace_label=TINY, page_size=None,
+                        pool_tokens=options.pop("pool_tokens", None), device="cpu",  # type: ignore[arg-type]
+                        options=dataclasses.asdict(ReplayOptions(**options)),  # type: ignore[arg-type]
+                        checkpoint_every=20, play=False, log=log)
+    job["screen"] = "inline"
+    link = ChildReplay(job)
+    link.wait_started()
+    return link
+
+
+async def test_keys_move_the_replay_process_and_the_fold_follows(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    link = _child(log=str(log))
+    app = KvtraceApp(link)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, lambda a: a.frame.step is None)  # paused before the first step
+        assert app.driver.info is not None and app.driver.info.live
+        await pilot.press("g", *"90", "enter")
+        await settle(pilot, lambda a: at_step(90)(a) and a.frame.page_map_step == 90)
+        cells = app.frame.page_cells
+        assert cells is not None and cells.positional
+        assert int(cells.tokens.sum()) == app.frame.pool.pool_tokens + 16  # every slot, page 0 included
+        await pilot.press("shift+left")  # back through a checkpoint: a position message
+        await settle(pilot, at_step(0))
+        await pilot.press("right", "right", "right")
+        await settle(pilot, at_step(3))
+        with ReplaySession(TINY, track_state=True, screen="inline") as ref:
+            ref.seek(3)
+            assert app.driver.state.table() == ref.state.table()
+            assert app.frame.pool == ref.last.pool
+        assert app.frame.timeline_size == 91  # the timeline keeps every step replayed
+        await pilot.press("q")
+    assert link.proc.wait(timeout=30) == 0
+    with StateLogSession(log) as saved:  # every step replayed once, in order
+        assert (saved.first_step, saved.last_step) == (0, 90)
+
+
+async def test_a_version_without_the_ownership_query_says_so() -> None:
+    app = KvtraceApp(_child(f"{FAULTY}:without_ownership"))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("right")
+        await settle(pilot, lambda a: at_step(0)(a) and a.frame.page_map_note is not None)
+        assert app.frame.page_map_note == NO_PAGE_MAP and app.frame.page_cells is None
+        await pilot.pause(0.2)
+        assert "no page map" in str(app.dashboards[0].query_one("#cell-info").content)
+
+
+async def test_an_oom_and_a_crash_in_the_replay_process_are_reported() -> None:
+    link = _child(pool_tokens=640)  # too small for the tiny sample: an OOM stops the replay
+    app = KvtraceApp(link)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.done)
+        assert any(n.severity == "error" and "oom" in n.message for n in app._notifications)
+        os.kill(link.proc.pid, signal.SIGKILL)
+        await settle(pilot, lambda a: any("exited with code -9" in n.message for n in a._notifications))
+        log = app.dashboards[0].query_one(EventsLog)
+        assert any("exited with code -9" in str(e.detail) for e in log.shown)
+        await pilot.press("left")  # the screen still answers
+        await pilot.press("q")
+
+
+def test_a_bad_setup_is_one_line() -> None:
+    with pytest.raises(ReplayProcessError, match="state log .*: no such file"):
+        ChildReplay(log_job("/nonexistent/run.log")).wait_started(timeout=60)
