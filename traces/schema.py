@@ -265,6 +265,13 @@ class Recording:
         status = data.get("status")
         if status not in RECORDING_STATUSES:
             raise ValueError(f"'recording.status' must be one of {', '.join(RECORDING_STATUSES)}, found {status!r}")
+        for key in ("detail", "kvtrace_version", "command", "finished_at"):
+            value = data.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"'recording.{key}' must be a string, found {_found(value)}")
+        steps = data.get("steps")
+        if steps is not None and not (_is_int(steps) and 0 <= steps < MAX_STEP):
+            raise ValueError(f"'recording.steps' must be an integer in [0, 2**53), found {_found(steps)}")
         try:
             return cls(**data)
         except TypeError as exc:
