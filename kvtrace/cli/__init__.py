@@ -155,6 +155,7 @@ from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
 from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
 from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
 from kvtrace.cli import diff as _diff  # noqa: E402,F401  (diff, versions)
+from kvtrace.cli import shrink as _shrink  # noqa: E402,F401  (shrink)
 
 
 if __name__ == "__main__":  # pragma: no cover
