@@ -36,11 +36,19 @@ _LAZY: dict[str, str] = {
     "RequestLens": "allocator.base",
     "SpecConfig": "allocator.base",
     "Violation": "allocator.base",
+    # allocator.incremental
+    "IncrementalChecker": "allocator.incremental",
     # allocator.invariants
     "check_integrity": "allocator.invariants",
     # allocator.manager
     "KvAllocator": "allocator.manager",
     "create_allocator": "allocator.manager",
+    # allocator.ownership
+    "SlotOwnership": "allocator.ownership",
+    "SlotState": "allocator.ownership",
+    "cell_pages": "allocator.ownership",
+    "reduce_cells": "allocator.ownership",
+    "request_slots": "allocator.ownership",
     # allocator.radix_cache
     "RadixCache": "allocator.radix_cache",
     "TreeNode": "allocator.radix_cache",
@@ -82,8 +90,10 @@ if TYPE_CHECKING:
         SpecConfig,
         Violation,
     )
+    from allocator.incremental import IncrementalChecker
     from allocator.invariants import check_integrity
     from allocator.manager import KvAllocator, create_allocator
+    from allocator.ownership import SlotOwnership, SlotState, cell_pages, reduce_cells, request_slots
     from allocator.radix_cache import RadixCache, TreeNode, bigram_units
     from allocator.req_kv import ReqKvInfo, ReqKvTable
     from allocator.req_to_token import ReqToTokenPool
@@ -113,6 +123,7 @@ __all__ = [
     "Allocator",
     "AllocatorConfig",
     "HiSparseTokenToKVPoolAllocator",
+    "IncrementalChecker",
     "KvAllocator",
     "KvContext",
     "OutOfMemory",
@@ -124,6 +135,8 @@ __all__ = [
     "ReqKvTable",
     "ReqToTokenPool",
     "RequestLens",
+    "SlotOwnership",
+    "SlotState",
     "SpecConfig",
     "TokenToKVPoolAllocator",
     "TreeNode",
@@ -134,11 +147,14 @@ __all__ = [
     "alloc_for_extend",
     "alloc_for_spec_decode",
     "bigram_units",
+    "cell_pages",
     "check_integrity",
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "create_allocator",
     "evict_from_tree_cache",
     "prepare_spec_decode",
+    "reduce_cells",
     "release_kv_cache",
+    "request_slots",
 ]

@@ -26,8 +26,13 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
-from allocator.pages import ceil_align, new_page_tokens, num_new_pages
-from allocator.token_to_kv import SLOT_DTYPE, HiSparseTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from allocator.pages import ceil_align, new_page_tokens, num_new_pages, num_pages
+from allocator.token_to_kv import (
+    SLOT_DTYPE,
+    HiSparseTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    alloc_extend_layout,
+)
 
 if TYPE_CHECKING:
     from allocator.radix_cache import RadixCache, TreeNode
@@ -45,10 +50,12 @@ __all__ = [
     "SpecPlan",
     "SpecResult",
     "alloc_for_decode",
+    "alloc_for_decode_run",
     "alloc_for_decode_prealloc",
     "alloc_for_decode_prealloc_hisparse",
     "alloc_for_extend",
     "alloc_for_spec_decode",
+    "alloc_for_spec_run",
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "evict_from_tree_cache",
@@ -449,6 +456,71 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     return DecodeResult(out, evicted)
 
 
+def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarray | None:
+    """``num_steps`` decode steps of the same batch in one go: exactly what
+    ``num_steps`` calls of ``alloc_for_decode(ctx, rows)`` do (same slots, same
+    free-list order, same bookkeeping), when none of them would evict, merge a
+    deferred free list, or reach a row's width. Step ``j`` gives request ``i`` the
+    slot of position ``kv_allocated_len[i] + j``; the free list is consumed step by
+    step, requests in batch order::
+
+        page 1:   slots = free[0 : num_steps * bs] laid out [step, request]
+        paged:    a request whose position p is a multiple of page_size takes the next
+                  free page (step-major, request-minor); the others continue their page
+
+    Returns:
+        int64 ``[num_steps]``: the pool slots each step took (whole pages), or None
+        when the run cannot be done in one block (nothing changed: decode step by step).
+    """
+    kv = ctx.req_kv
+    bs = rows.shape[0]
+    if bs == 0 or num_steps < 1 or ctx.hisparse:
+        return None
+    if kv.max_len_bound + num_steps >= ctx.width:
+        return None  # a row might fill up: the per-step path checks and reports it
+    allocator = ctx.token_to_kv_pool_allocator
+    num_free = allocator.num_free_pages()  # not counting deferred frees
+    ps = ctx.page_size
+    seq = kv.kv_allocated_len[rows]
+    steps = np.arange(num_steps, dtype=np.int64)
+    if ps == 1:
+        total = num_steps * bs
+        # per step: bs <= free slots (no merge of deferred frees, no eviction)
+        if total > num_free:
+            return None
+        slots = allocator.alloc(total).astype(np.int64)  # type: ignore[union-attr]
+        taken = np.full(num_steps, bs, dtype=np.int64)
+    else:
+        positions = seq[None, :] + steps[:, None]  # [step, request]
+        need = positions % ps == 0
+        new_pages = np.count_nonzero(need, axis=1)
+        total_pages = int(new_pages.sum())
+        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
+        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
+            return None
+        last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
+        page_at = np.zeros(need.shape, dtype=np.int64)
+        if total_pages:
+            # row-major: step by step, requests in batch order
+            page_at[need] = allocator.alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
+        # the step of each request's latest new page so far (-1: still on its old page)
+        latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
+        reqs = np.arange(bs)[None, :]
+        slots = np.where(
+            latest >= 0,
+            page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
+            last_loc[None, :] + 1 + steps[:, None],
+        )
+        taken = new_pages.astype(np.int64) * ps
+    ctx.writer.write_points(np.tile(rows, num_steps), (seq[None, :] + steps[:, None]).reshape(-1), slots.reshape(-1))
+    kv.kv_allocated_len[rows] = seq + num_steps
+    kv.kv_committed_len[rows] += num_steps
+    kv.sum_committed += bs * num_steps
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound += num_steps
+    return taken
+
+
 def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
     """Exact row-width check, run only when the cheap length bound says it may matter."""
     kv = ctx.req_kv
@@ -507,6 +579,95 @@ def _spec_may_overflow(ctx: KvContext) -> bool:
         return False
     kv.max_len_bound = int(kv.kv_allocated_len.max())
     return ceil_align(kv.max_len_bound + ctx.spec_reserve, ps) > ctx.width
+
+
+def alloc_for_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``accepted.shape[0]`` speculative steps of the same batch in one go: exactly what
+    as many rounds of ``prepare_spec_decode`` + ``alloc_for_spec_decode`` +
+    ``commit_accepted_tokens`` do, when none of them would evict, merge deferred
+    frees, clip a reserve at the row width, or commit past its reserve.
+
+    Step ``j`` reserves ``[cur_j, nxt_j)`` with ``nxt_j = max(cur_j, ceil_align(c_j +
+    reserve))`` (``c_j`` the committed length before it; ``cur_{j+1} = nxt_j``), then
+    commits ``accepted[j]``. The reserved ranges of all steps, step-major and requests
+    in batch order, are one paged extend (``alloc_extend_layout``): after a request's
+    first reserve its ranges start on a page boundary, so only its first one continues
+    a partial page (from the slot before ``cur_0``).
+
+    Args:
+        accepted: int64 ``[num_steps, bs]`` tokens each step commits.
+
+    Returns:
+        int64 ``[num_steps]``, the pool slots each step took (whole pages), and int64
+        ``[num_steps, bs]``, the allocated lengths after each step; or None when the run
+        cannot be done in one block (nothing changed: step by step then).
+    """
+    kv = ctx.req_kv
+    num_steps, bs = accepted.shape
+    if bs == 0 or num_steps < 1 or ctx.hisparse:
+        return None
+    ps = ctx.page_size
+    width = ctx.width
+    reserve = ctx.spec_reserve
+    cur0 = kv.kv_allocated_len[rows]
+    c = kv.kv_committed_len[rows][None, :] + np.concatenate(
+        [np.zeros((1, bs), np.int64), np.cumsum(accepted, axis=0)]
+    )  # [num_steps + 1, bs]: committed before each step, and after the last
+    target = c[:-1] + reserve
+    if ps > 1:
+        target = ceil_align(target, ps)
+    nxt = np.maximum(np.maximum.accumulate(target, axis=0), cur0[None, :])
+    if int(nxt[-1].max()) > width or bool((c[1:] > nxt).any()):
+        return None  # a reserve at the row width, or a commit past it: the per-step path reports
+    cur = np.concatenate([cur0[None, :], nxt[:-1]])
+    counts = nxt - cur  # [num_steps, bs]
+    needed = counts.sum(axis=1)  # per step
+    # max_len_bound as the per-step path keeps it (it must never make a step look at the width)
+    bound = kv.max_len_bound
+    for n in needed.tolist():
+        if ceil_align(bound + reserve, ps) > width:
+            return None
+        if n:
+            bound = max(bound, min(ceil_align(bound + reserve, ps), width))
+    allocator = ctx.token_to_kv_pool_allocator
+    num_free = allocator.num_free_pages()
+    available = allocator.available_size()
+    if ps == 1:
+        taken = needed.astype(np.int64)
+        # per step: the slots come off the free list (no merge, no eviction)
+        if int(taken.sum()) > num_free:
+            return None
+    else:
+        pages = (num_pages(nxt, ps) - num_pages(cur, ps)).sum(axis=1)
+        taken = pages.astype(np.int64) * ps
+        before = np.cumsum(pages) - pages  # pages taken by the earlier steps
+        moving = needed > 0
+        # SGLang's merge bound and its eviction target, at every step that allocates
+        if bool(((needed // ps + bs + 1 > num_free - before) & moving).any()):
+            return None
+        if bool(((needed + bs * ps > available - before * ps) & moving).any()):
+            return None
+    flat_rows = np.tile(rows, num_steps)
+    flat_cur, flat_nxt, flat_counts = cur.reshape(-1), nxt.reshape(-1), counts.reshape(-1)
+    total = int(flat_counts.sum())
+    if total:
+        if ps == 1:
+            slots = allocator.alloc(total)
+        else:
+            last_loc = np.where(cur0 > 0, ctx.writer.read_points(rows, np.maximum(cur0 - 1, 0)), -1)
+            flat_last = np.tile(last_loc, num_steps)
+            new_pages = int(taken.sum()) // ps
+            page_ids = allocator.alloc(new_pages * ps)[::ps] // ps if new_pages else np.zeros(0, np.int64)
+            slots = alloc_extend_layout(flat_cur, flat_nxt, flat_last, page_ids, ps)
+        keep = flat_counts > 0
+        counts_kept = flat_counts[keep]
+        ctx.writer.assign(flat_rows[keep], flat_cur[keep], flat_nxt[keep], slots, counts_kept, np.cumsum(counts_kept))
+    kv.kv_allocated_len[rows] = nxt[-1]
+    kv.kv_committed_len[rows] = c[-1]
+    kv.sum_committed += int(accepted.sum())
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound = bound
+    return taken, nxt
 
 
 def alloc_for_spec_decode(

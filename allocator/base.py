@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runti
 if TYPE_CHECKING:
     import numpy as np
 
+    from allocator.ownership import SlotOwnership
+
 # SGLang keeps this many decode steps' worth of slots free per request still
 # running after a retraction (``SGLANG_RETRACT_DECODE_STEPS``).
 RETRACT_DECODE_STEPS = 20
@@ -295,8 +297,50 @@ class Allocator(Protocol):
         """Physical KV slots of ``req_to_token[row(rid), 0:kv_allocated_len]`` (host copy)."""
         ...
 
-    def check_integrity(self) -> list[Violation]:
-        """Every broken invariant of the whole state (empty list when sound)."""
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (empty list when sound): of the whole state when
+        ``touched`` is None, else of what the calls since the previous check changed
+        (``touched``: the request ids of those calls). A version may take no
+        ``touched`` argument: it is then always asked for the whole state."""
+        ...
+
+
+class RunResult(NamedTuple):
+    """What a run of decode / speculative steps did, step by step."""
+
+    counters: np.ndarray  # int64 [num_steps, len(PoolCounters._fields)] pool counters after each step
+    allocated: np.ndarray  # int64 [num_steps, bs] kv_allocated_len of each request after each step
+
+
+@runtime_checkable
+class DecodeRuns(Protocol):
+    """An allocator that can apply a run of plain decode (or speculative) steps of one
+    batch in one call (the replay's fast path for decode-heavy traffic). Optional."""
+
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> RunResult | None:
+        """Exactly what ``num_steps`` calls of ``decode(rids)`` do, in one call.
+
+        Returns:
+            The pool counters and allocated lengths after each step; or None when the
+            allocator cannot do this run in one block (nothing changed: the caller
+            decodes step by step).
+        """
+        ...
+
+    def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """Exactly what ``spec_decode(rids, accepted[j])`` for each row ``j`` of the int64
+        ``[num_steps, len(rids)]`` array ``accepted`` does, in one call; returns as
+        ``decode_run``."""
+        ...
+
+
+@runtime_checkable
+class OwnershipQuery(Protocol):
+    """An allocator that can say who holds each KV slot (the dashboard's page map).
+    Optional: without it the page map is not shown."""
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owning request of every KV slot of the pool (``allocator.ownership``)."""
         ...
 
 

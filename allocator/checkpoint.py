@@ -146,7 +146,7 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         row_lens=lens,
         row_slots=row_slots,
         free_rows=tuple(alloc.req_to_token_pool.free_slots),
-        token_allocator=copy.deepcopy(alloc.token_to_kv_pool_allocator),
+        token_allocator=_copy_without_journal(alloc.token_to_kv_pool_allocator),
         tree=save_tree_state(alloc.tree_cache),
         kv_arrays=tuple(getattr(kv, name).copy() for name in _KV_ARRAYS),
         kv_scalars=tuple(getattr(kv, name) for name in _KV_SCALARS),
@@ -155,15 +155,29 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
     )
 
 
+def _copy_without_journal(token_allocator: Any) -> Any:
+    """A deep copy of the token allocator with no incremental-checker journal."""
+    journal = getattr(token_allocator, "journal", None)
+    return copy.deepcopy(token_allocator, {id(journal): None} if journal is not None else {})
+
+
 def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     """Put ``alloc`` back exactly as it was when ``state`` was saved (in place: every
-    object other code holds a reference to stays the same object)."""
+    object other code holds a reference to stays the same object).
+
+    An attached incremental checker is detached (the next ``check_integrity(touched)``
+    walks the whole state and attaches a new one) and the state digest is rebuilt
+    from scratch on its next use."""
     alloc.end_step()
+    checker = getattr(alloc, "_checker", None)
+    if checker is not None:
+        checker.detach()
+    alloc._digest = None
     pool = alloc.req_to_token_pool
     pool.free_slots = list(state.free_rows)
     # The token allocator is replaced attribute by attribute, so references to it
     # (the context, the radix cache) stay valid.
-    fresh = copy.deepcopy(state.token_allocator)
+    fresh = _copy_without_journal(state.token_allocator)
     vars(alloc.token_to_kv_pool_allocator).clear()
     vars(alloc.token_to_kv_pool_allocator).update(vars(fresh))
     by_id = restore_tree_state(alloc.tree_cache, state.tree)

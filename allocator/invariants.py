@@ -31,12 +31,21 @@ import numpy as np
 
 from allocator.base import Violation
 from allocator.pages import ceil_align
+from allocator.ownership import PageHolders, page_holders
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
     from allocator.manager import KvAllocator
+    from allocator.req_kv import ReqKvTable
 
-__all__ = ["check_integrity"]
+__all__ = [
+    "check_conservation",
+    "check_counters",
+    "check_hisparse",
+    "check_integrity",
+    "check_lengths",
+    "check_pages",
+]
 
 # At most this many violations of one kind are itemised (the rest are counted).
 _MAX_ITEMS = 8
@@ -54,7 +63,6 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
     out: list[Violation] = []
     pool = allocator.req_to_token_pool
     kv = allocator.req_kv
-    tree = allocator.tree_cache
     tok = allocator.token_to_kv_pool_allocator
     ps = allocator.page_size
     width = pool.max_context_len
@@ -64,12 +72,34 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
     committed = kv.kv_committed_len[rows]
     protected = kv.cache_protected_len[rows]
 
-    _check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps)
+    check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps)
     _check_rows(out, allocator, rows, rids)
     ceil_alloc = ceil_align(alloc, ps)
-    _check_counters(out, kv, alloc, committed, protected, ceil_alloc)
+    check_counters(out, kv, alloc, committed, protected, ceil_alloc)
+    check_conservation(out, allocator, ceil_alloc, protected)
+    _check_tree(out, allocator, rows, rids)
+    ok_lengths = (protected >= 0) & (protected <= alloc) & (alloc <= width) & (protected % ps == 0)
+    check_pages(out, allocator, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths], protected[ok_lengths])
+    if isinstance(tok, HiSparseTokenToKVPoolAllocator):
+        check_hisparse(out, tok, tok.logical_attn_allocator.get_all_free_pages(), ps)
+    if pool.device_req_to_token is not None:
+        _check_device(out, pool, rows, rids, alloc)
+    return out
 
+
+def check_conservation(out: list[Violation], allocator: KvAllocator, ceil_alloc: np.ndarray,
+                       protected: np.ndarray) -> None:
+    """``available + evictable + protected + uncached == pool tokens`` (``conservation``).
+
+    Args:
+        out: violations are appended here.
+        allocator: the allocator checked.
+        ceil_alloc, protected: int64 ``ceil_align(kv_allocated_len)`` and
+            ``cache_protected_len`` of every row in use.
+    """
+    tok = allocator.token_to_kv_pool_allocator
     logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
+    tree = allocator.tree_cache
     available = logical.available_size()
     uncached = int((ceil_alloc - protected).sum())
     evictable = tree.evictable_size()
@@ -87,24 +117,11 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
             )
         )
 
-    num_pages = total // ps
-    free_pages = logical.get_all_free_pages()
-    tree_values = tree.all_values_flatten()
-    _check_tree(out, allocator, rows, rids)
-    table = pool.req_to_token_np
-    ok_lengths = (protected >= 0) & (protected <= alloc) & (alloc <= width) & (protected % ps == 0)
-    _check_ownership(out, table, width, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths],
-                     protected[ok_lengths], free_pages, tree_values, num_pages, ps)
-    _check_row_entries(out, allocator, table, width, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths],
-                       protected[ok_lengths], free_pages, num_pages, ps)
-    if isinstance(tok, HiSparseTokenToKVPoolAllocator):
-        _check_hisparse(out, tok, free_pages, ps)
-    if pool.device_req_to_token is not None:
-        _check_device(out, pool, rows, rids, alloc)
-    return out
 
-
-def _check_hisparse(out, tok: HiSparseTokenToKVPoolAllocator, free_logical_pages: np.ndarray, ps: int) -> None:
+def check_hisparse(out: list[Violation], tok: HiSparseTokenToKVPoolAllocator, free_logical_pages: np.ndarray,
+                   ps: int) -> None:
+    """The HiSparse device side (``hisparse``): every device page free or mapped from
+    exactly one live logical page, and no free logical slot still mapped."""
     mapping = tok.full_to_hisparse_device_index_mapping[:-1]
     mapped = np.flatnonzero(mapping > 0)
     if mapped.shape[0] == 0:
@@ -135,7 +152,18 @@ def _items(mask: np.ndarray) -> list[int]:
     return np.flatnonzero(mask)[:_MAX_ITEMS].tolist()
 
 
-def _check_lengths(out, kv, rows, rids, alloc, committed, protected, width, ps) -> None:
+def check_lengths(out: list[Violation], kv: ReqKvTable, rows: np.ndarray, rids: np.ndarray, alloc: np.ndarray,
+                  committed: np.ndarray, protected: np.ndarray, width: int, ps: int) -> None:
+    """Lengths in order for rows in use, zeros in free rows (``lengths``).
+
+    Args:
+        out: violations are appended here.
+        kv: the bookkeeping columns.
+        rows, rids, alloc, committed, protected: int64 rows in use, their request ids
+            and lengths.
+        width: the row width.
+        ps: the page size.
+    """
     bad = (protected < 0) | (protected > committed) | (committed > alloc) | (alloc > width) | (protected % ps != 0)
     for i in _items(bad):
         out.append(
@@ -207,7 +235,9 @@ def _check_rows(out, allocator, rows, rids) -> None:
             )
 
 
-def _check_counters(out, kv, alloc, committed, protected, ceil_alloc) -> None:
+def check_counters(out: list[Violation], kv: ReqKvTable, alloc: np.ndarray, committed: np.ndarray,
+                   protected: np.ndarray, ceil_alloc: np.ndarray) -> None:
+    """The incrementally kept sums equal the recomputed ones (``counters``)."""
     for name, kept, real in (
         ("sum_committed", kv.sum_committed, int(committed.sum())),
         ("sum_protected", kv.sum_protected, int(protected.sum())),
@@ -287,41 +317,49 @@ def _segments(rows, starts, ends, width) -> tuple[np.ndarray, np.ndarray]:
     return flat, positions
 
 
-def _check_ownership(out, table, width, rows, rids, alloc, protected, free_pages, tree_values, num_pages, ps) -> None:
-    flat_table = table.reshape(-1)
-    ceil_pages = ceil_align(alloc, ps) // ps
-    first_page = protected // ps
-    page_counts = np.maximum(ceil_pages - first_page, 0)
-    total = int(page_counts.sum())
-    offsets = np.cumsum(page_counts) - page_counts
-    page_pos = (np.repeat(first_page - offsets, page_counts) + np.arange(total, dtype=np.int64)) * ps
-    owner = np.repeat(np.arange(rows.shape[0]), page_counts)
-    req_pages = flat_table[np.repeat(rows * width, page_counts) + page_pos].astype(np.int64) // ps
-    tree_pages = tree_values[::ps] // ps if ps > 1 else tree_values
-    everything = np.concatenate([free_pages, tree_pages, req_pages])
-    if everything.shape[0] and (everything.min() < 0 or everything.max() > num_pages):
-        bad = everything[(everything < 0) | (everything > num_pages)]
+def check_pages(out: list[Violation], allocator: KvAllocator, rows: np.ndarray, rids: np.ndarray,
+                alloc: np.ndarray, protected: np.ndarray) -> None:
+    """The ownership and row-entry passes over the whole pool (``ownership``, ``row``).
+
+    Args:
+        out: violations are appended here.
+        allocator: the allocator checked.
+        rows, rids, alloc, protected: int64 rows in use with sane lengths, their
+            request ids, ``kv_allocated_len`` and ``cache_protected_len``.
+    """
+    holders = page_holders(allocator, rows, alloc, protected)
+    _check_ownership(out, holders, rids)
+    pool = allocator.req_to_token_pool
+    _check_row_entries(out, allocator, pool.req_to_token_np, pool.max_context_len, rows, rids, alloc, protected,
+                       holders.free_pages, holders.num_pages, allocator.page_size)
+
+
+def _check_ownership(out: list[Violation], holders: PageHolders, rids: np.ndarray) -> None:
+    free_pages, tree_pages, req_pages = holders.free_pages, holders.tree_pages, holders.req_pages
+    owner = holders.req_index
+    num_pages = holders.num_pages
+    if holders.outside.shape[0]:
+        bad = holders.outside
         out.append(Violation("ownership", f"page ids outside 0..{num_pages}: {bad[:_MAX_ITEMS].tolist()}", None,
                              {"count": int(bad.shape[0])}))
-        everything = everything[(everything >= 0) & (everything <= num_pages)]
-    counts = np.bincount(everything, minlength=num_pages + 1)
+    counts = holders.counts
     if counts[0]:
         out.append(Violation("ownership", f"page 0 (reserved) is held {int(counts[0])} times", None,
                              {"count": int(counts[0])}))
     twice = np.flatnonzero(counts[1:] > 1) + 1
     for page in twice[:_MAX_ITEMS].tolist():
-        holders = []
+        holders_named = []
         n_free = int((free_pages == page).sum())
         if n_free:
-            holders.append(f"free list x{n_free}")
+            holders_named.append(f"free list x{n_free}")
         n_tree = int((tree_pages == page).sum())
         if n_tree:
-            holders.append(f"radix tree x{n_tree}")
+            holders_named.append(f"radix tree x{n_tree}")
         for i in np.unique(owner[req_pages == page]).tolist():
-            holders.append(f"rid={int(rids[i])}")
+            holders_named.append(f"rid={int(rids[i])}")
         rid = int(rids[owner[req_pages == page][0]]) if (req_pages == page).any() else None
-        out.append(Violation("ownership", f"page {page} is held {int(counts[page])} times: {', '.join(holders)}",
-                             rid, {"page": page, "count": int(counts[page])}))
+        out.append(Violation("ownership", f"page {page} is held {int(counts[page])} times: "
+                             f"{', '.join(holders_named)}", rid, {"page": page, "count": int(counts[page])}))
     if twice.shape[0] > _MAX_ITEMS:
         out.append(Violation("ownership", f"{twice.shape[0]} pages are held more than once", None,
                              {"count": int(twice.shape[0])}))

@@ -29,7 +29,7 @@ request's ``ReqKvInfo`` view.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -38,10 +38,12 @@ from allocator.allocation import (
     SpecPlan,
     SpecResult,
     alloc_for_decode,
+    alloc_for_decode_run,
     alloc_for_decode_prealloc,
     alloc_for_decode_prealloc_hisparse,
     alloc_for_extend,
     alloc_for_spec_decode,
+    alloc_for_spec_run,
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
@@ -61,6 +63,7 @@ from allocator.base import (
     ReleaseKind,
     ReleaseResult,
     RequestLens,
+    RunResult,
     Violation,
 )
 from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
@@ -81,9 +84,17 @@ from allocator.token_to_kv import (
     TokenToKVPoolAllocator,
 )
 
+if TYPE_CHECKING:
+    from allocator.incremental import IncrementalChecker
+    from allocator.journal import Journal
+    from allocator.ownership import SlotOwnership
+
 __all__ = ["KvAllocator", "create_allocator"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_COUNTER_AVAILABLE = PoolCounters._fields.index("available")
+_COUNTER_COMMITTED = PoolCounters._fields.index("committed")
+_COUNTER_OVERALLOCATED = PoolCounters._fields.index("overallocated")
 _RELEASE_KINDS = ("finish", "retract", "abort")
 
 
@@ -149,6 +160,10 @@ class KvAllocator:
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
         self._digest: StateDigest | None = None  # kept from the first state_digest() on
+        # The incremental checker (attached by the first check_integrity(touched)) and
+        # its journal, which also records the requests a prompt publish checkpoints.
+        self.journal: Journal | None = None
+        self._checker: IncrementalChecker | None = None
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -217,6 +232,8 @@ class KvAllocator:
         if not pending:
             return
         self._pending_publish = []
+        if self.journal is not None:
+            self.journal.touch([rid for rid, _, _ in pending])
         allocator = self.token_to_kv_pool_allocator
         grouped = self.free_groups
         if grouped:
@@ -415,6 +432,54 @@ class KvAllocator:
             self._flush_publish()
         self.writer.end_call()
         return AllocResult(rids.shape[0], res.evicted_tokens)
+
+    def decode_run(self, rids: np.ndarray, num_steps: int) -> RunResult | None:
+        """``num_steps`` decode steps of the same batch in one call, exactly as
+        ``num_steps`` calls of ``decode(rids)`` (``alloc_for_decode_run``).
+
+        Returns:
+            The pool counters and allocated lengths after each step; or None when the
+            run cannot be done in one block (it would evict, merge deferred frees or
+            reach a row's width, or prompts wait to be published): nothing changed,
+            decode step by step.
+        """
+        if self._pending_publish:
+            return None
+        rids = _i64(rids)
+        rows = self._held_rows(rids, "decode")
+        before = np.array(self.counters(), dtype=np.int64)
+        allocated = self.req_kv.kv_allocated_len[rows]
+        taken = alloc_for_decode_run(self.ctx, rows, num_steps)
+        if taken is None:
+            return None
+        self.writer.end_call()
+        steps = np.arange(1, num_steps + 1, dtype=np.int64)
+        return RunResult(
+            _counters_after(before, taken, rids.shape[0] * steps), allocated[None, :] + steps[:, None]
+        )
+
+    def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """``accepted.shape[0]`` speculative steps of the same batch in one call, exactly
+        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``).
+
+        Returns:
+            The pool counters and allocated lengths after each step, or None when the
+            run cannot be done in one block (nothing changed).
+        """
+        if self._pending_publish or self.config.spec is None:
+            return None
+        rids = _i64(rids)
+        accepted = np.ascontiguousarray(accepted, dtype=np.int64)
+        if accepted.ndim != 2 or accepted.shape[1] != rids.shape[0] or (accepted.size and int(accepted.min()) < 0):
+            return None
+        rows = self._held_rows(rids, "spec_decode")
+        before = np.array(self.counters(), dtype=np.int64)
+        got = alloc_for_spec_run(self.ctx, rows, accepted)
+        if got is None:
+            return None
+        taken, allocated = got
+        self.writer.end_call()
+        return RunResult(_counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
@@ -737,11 +802,51 @@ class KvAllocator:
             self._digest = StateDigest(self)
         return self._digest.digest()
 
-    def check_integrity(self) -> list[Violation]:
+    def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
+        """Every broken invariant (see ``allocator.invariants``).
+
+        Args:
+            touched: None walks the whole state. Else the request ids of the calls
+                since the previous check: the first such check walks the whole state
+                and attaches an incremental checker (``allocator.incremental``), which
+                from then on verifies only what the calls changed.
+
+        Returns:
+            The violations found (empty when sound).
+        """
         from allocator.invariants import check_integrity
 
-        self.sync_device()
-        return check_integrity(self)
+        # NOTE: only the device mirror is synced: the prompt publishes queued for the end
+        # of the step stay queued, so a check between two calls of a step changes nothing.
+        self.writer.sync()
+        if touched is None:
+            return check_integrity(self)
+        if self._checker is None:
+            from allocator.incremental import IncrementalChecker
+
+            found = check_integrity(self)
+            self._checker = IncrementalChecker(self)
+            return found
+        return self._checker.check(_i64(touched))
+
+    def slot_ownership(self) -> SlotOwnership:
+        """The state and owner of every slot of the pool (``allocator.ownership``)."""
+        from allocator.ownership import slot_ownership
+
+        self._flush_publish()
+        return slot_ownership(self)
+
+
+def _counters_after(before: np.ndarray, taken: np.ndarray, committed: np.ndarray) -> np.ndarray:
+    """Pool counters after each step of a run: ``before`` (the counters at its start) as
+    each step takes ``taken[j]`` pool slots and the run has committed ``committed[j]``
+    tokens in all by the end of step ``j``."""
+    out = np.repeat(before[None, :], taken.shape[0], axis=0)
+    slots = np.cumsum(taken)
+    out[:, _COUNTER_AVAILABLE] -= slots
+    out[:, _COUNTER_COMMITTED] += committed
+    out[:, _COUNTER_OVERALLOCATED] += slots - committed
+    return out
 
 
 def create_allocator(config: AllocatorConfig) -> KvAllocator:

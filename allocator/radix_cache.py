@@ -23,6 +23,9 @@ stop once at least the requested tokens are freed (whole nodes, may overshoot).
 Access times come from a logical clock that ticks wherever SGLang reads
 ``time.monotonic()`` (once per match or insert, once per node created), so the
 eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
+
+With a ``journal`` attached (an incremental checker, ``allocator.journal``) every
+new leaf, split, eviction and lock / unlock is recorded there.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from allocator.pages import floor_align
 from allocator.token_to_kv import SLOT_DTYPE
 
 if TYPE_CHECKING:
+    from allocator.journal import Journal
     from allocator.token_to_kv import (
         HiSparseTokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator,
@@ -124,6 +128,7 @@ class RadixCache:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.disable = disable
         self.is_eagle = is_eagle
+        self.journal: Journal | None = None
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -284,6 +289,8 @@ class RadixCache:
             leaf.key = kb[pos:]
             leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
             node.children[kb[pos : pos + psb]] = leaf
+            if self.journal is not None:
+                self.journal.insert(leaf)
             self.evictable_size_ += n - pos // 8
             self._update_leaf_status(node)
             self._update_leaf_status(leaf)
@@ -348,6 +355,8 @@ class RadixCache:
         child.parent = upper
         upper.children = {child.key[:psb]: child}
         upper.parent.children[upper.key[:psb]] = upper
+        if self.journal is not None:
+            self.journal.split(upper, child)
         return upper
 
     # ------------------------------------------------------------------ locks
@@ -356,6 +365,8 @@ class RadixCache:
         """Lock the path root..node; return the change of ``evictable_size`` (<= 0)."""
         if self.disable:
             return 0
+        if self.journal is not None:
+            self.journal.lock(node)
         delta = 0
         root = self.root_node
         while node is not root:
@@ -373,6 +384,8 @@ class RadixCache:
         """Unlock the path root..node; return the change of ``evictable_size`` (>= 0)."""
         if self.disable:
             return 0
+        if self.journal is not None:
+            self.journal.lock(node)
         delta = 0
         root = self.root_node
         while node is not root:
@@ -436,6 +449,8 @@ class RadixCache:
             x = self._pop_evictable()
             if x is None:
                 break
+            if self.journal is not None:
+                self.journal.evict(x, x.parent)
             allocator.free_segment(x.value, 0)
             n = x.value.shape[0]
             evicted += n

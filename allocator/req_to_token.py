@@ -10,12 +10,20 @@ rows are reused last-in-first-out exactly as in SGLang::
 The table is int32 ``(size + 1, width)`` on the host. With ``device="cuda"`` a
 device copy exists as well (``device_req_to_token``); the host copy stays the
 reference that every read uses, and the table writer keeps both in step.
+
+With a ``journal`` attached (an incremental checker, ``allocator.journal``) the
+rows handed out and given back are recorded there.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from allocator.journal import Journal
 
 __all__ = ["ReqToTokenPool"]
 
@@ -50,6 +58,7 @@ class ReqToTokenPool:
         if torch.device(device).type != "cpu":
             self.device_req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
         self.free_slots: list[int] = list(range(1, size + 1))
+        self.journal: Journal | None = None
 
     def available_size(self) -> int:
         """Free rows."""
@@ -67,18 +76,26 @@ class ReqToTokenPool:
             return []
         rows = self.free_slots[-need_size:]
         del self.free_slots[-need_size:]
+        if self.journal is not None:
+            self.journal.rows_taken(rows)
         return rows
 
     def free(self, row: int) -> None:
         """Give one row back (appended: the next allocation reuses it first)."""
+        if self.journal is not None:
+            self.journal.rows_freed([row])
         self.free_slots.append(row)
 
     def free_rows(self, rows: list[int]) -> None:
         """Give rows back in this order."""
+        if self.journal is not None:
+            self.journal.rows_freed(rows)
         self.free_slots.extend(rows)
 
     def unalloc(self, rows: list[int]) -> None:
         """Undo the allocation that returned ``rows`` (restores ``free_slots`` exactly)."""
+        if self.journal is not None:
+            self.journal.rows_freed(rows)
         self.free_slots.extend(rows)
 
     def clear(self) -> None:

@@ -12,6 +12,9 @@ batched) and ``sync()`` before anything reads the device table.
 
 NOTE: no writer writes outside a row: callers clip positions at the row width
 first (and report the request), so the writers only see in-bounds ranges.
+
+With a ``journal`` attached (an incremental checker, ``allocator.journal``) every
+range written is recorded there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from allocator.journal import Journal
     from allocator.req_to_token import ReqToTokenPool
 
 __all__ = ["CpuTableWriter", "CudaTableWriter", "make_table_writer"]
@@ -42,6 +46,7 @@ class CpuTableWriter:
         # int64 [rows]: lowest position written per row since the state digest last
         # looked (int64 max: none); None until a digest is asked for (allocator.digest)
         self.dirty_lo: np.ndarray | None = None
+        self.journal: Journal | None = None
 
     def read_points(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``table[rows[i], positions[i]]`` (e.g. the slot before each row's next one).
@@ -57,6 +62,8 @@ class CpuTableWriter:
 
     def write_points(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """``table[rows[i], positions[i]] = slots[i]`` (one slot per request: decode)."""
+        if self.journal is not None:
+            self.journal.points(rows, positions)
         index = self.row_base[rows]
         index += positions
         self._flat[index] = slots
@@ -77,6 +84,8 @@ class CpuTableWriter:
 
         ``counts`` (``ends - starts``) and ``ends_cumsum`` (its inclusive cumulative
         sum) may be passed when the caller has them already."""
+        if self.journal is not None:
+            self.journal.write(rows, starts, ends)
         bs = rows.shape[0]
         if self.dirty_lo is not None:
             np.minimum.at(self.dirty_lo, rows, np.where(ends > starts, starts, np.iinfo(np.int64).max))
@@ -106,6 +115,8 @@ class CpuTableWriter:
 
     def assign_row(self, row: int, start: int, slots: np.ndarray) -> None:
         """``table[row, start:start + len(slots)] = slots`` (one request)."""
+        if self.journal is not None:
+            self.journal.write(np.array([row]), np.array([start]), np.array([start + slots.shape[0]]))
         self.table[row, start : start + slots.shape[0]] = slots
         if self.dirty_lo is not None and slots.shape[0]:
             self.dirty_lo[row] = min(int(self.dirty_lo[row]), start)

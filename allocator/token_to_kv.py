@@ -27,7 +27,9 @@ hands out the very slot indices SGLang would):
   mapping empty (device pages are bound later).
 
 Free lists are numpy arrays kept in a double-ended buffer (O(1) amortised
-take-from-head, append and prepend). Slots and page ids are int32 on the host (the
+take-from-head, append and prepend). With a ``journal`` attached (an incremental
+checker, ``allocator.journal``) every page that leaves or enters a free list is
+recorded there. Slots and page ids are int32 on the host (the
 dtype of ``req_to_token``, so writing them into rows needs no conversion; a pool
 is bounded by 2**31 slots like SGLang's int32 table). ``free_pages`` etc. return
 int64 torch tensors for white-box comparison with SGLang's objects.
@@ -42,8 +44,10 @@ import torch
 
 # num_new_pages is defined in allocator.pages; re-exported here.
 from allocator.pages import ceil_align, num_new_pages, num_pages
+
 if TYPE_CHECKING:
     from allocator.digest import SeqHash
+    from allocator.journal import Journal
 
 __all__ = [
     "SLOT_DTYPE",
@@ -69,9 +73,10 @@ class PageFreeList:
     incremental hash of the sequence (``allocator.digest.SeqHash``).
     """
 
-    __slots__ = ("_buf", "_head", "_tail", "_seq")
+    __slots__ = ("_buf", "_head", "_tail", "_seq", "journal")
 
     def __init__(self, values: np.ndarray) -> None:
+        self.journal: Journal | None = None
         n = int(values.shape[0])
         self._buf = np.empty(2 * n + 64, dtype=SLOT_DTYPE)
         self._head = (self._buf.shape[0] - n) // 2
@@ -88,7 +93,8 @@ class PageFreeList:
         clone = PageFreeList.__new__(PageFreeList)
         clone._buf = self.view().copy()
         clone._head, clone._tail = 0, clone._buf.shape[0]
-        clone._seq = None
+        clone._seq = None  # a digest re-enables it on the copy it uses
+        clone.journal = None  # a checker attaches to the live allocator, never to a copy
         return clone
 
     def enable_hash(self) -> SeqHash:
@@ -113,15 +119,21 @@ class PageFreeList:
         self._head = head + n
         if self._seq is not None:
             self._seq.pop_front(out)
+        if self.journal is not None:
+            self.journal.take(out)
         return out
 
     def drop(self, n: int) -> None:
         """Remove the first ``n`` entries (after reading them with ``head``)."""
         if self._seq is not None:
             self._seq.pop_front(self._buf[self._head : self._head + n])
+        if self.journal is not None:
+            self.journal.take(self._buf[self._head : self._head + n].copy())
         self._head += n
 
     def prepend(self, values: np.ndarray) -> None:
+        if self.journal is not None:
+            self.journal.give(np.array(values, dtype=SLOT_DTYPE))
         n = int(values.shape[0])
         if n > self._head:
             self._recentre(n, 0)
@@ -131,6 +143,8 @@ class PageFreeList:
             self._seq.push_front(self._buf[self._head : self._head + n])
 
     def append(self, values: np.ndarray) -> None:
+        if self.journal is not None:
+            self.journal.give(np.array(values, dtype=SLOT_DTYPE))
         n = int(values.shape[0])
         if self._tail + n > self._buf.shape[0]:
             self._recentre(0, n)
@@ -140,7 +154,8 @@ class PageFreeList:
             self._seq.push_back(self._buf[self._tail - n : self._tail])
 
     def replace(self, values: np.ndarray) -> None:
-        """Make ``values`` the whole list (after a merge and sort)."""
+        """Make ``values`` the whole list (after a merge and sort: the staged pages
+        were journaled when they were staged, so nothing is recorded here)."""
         n = int(values.shape[0])
         if 2 * n + 64 > self._buf.shape[0]:
             self._buf = np.empty(2 * n + 64, dtype=SLOT_DTYPE)
@@ -249,6 +264,7 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
         self.size = size
         self.need_sort = need_sort
         self.device = device
+        self.journal: Journal | None = None  # records staged frees (the free list records its own)
         self.clear()
 
     def clear(self) -> None:
@@ -326,8 +342,11 @@ class TokenToKVPoolAllocator(_FreeGroupMixin):
         if self.free_group is not None:
             self.free_group.append(np.array(free_index, dtype=SLOT_DTYPE))
         elif self.need_sort:
-            self._release.append(np.array(free_index, dtype=SLOT_DTYPE))
+            staged = np.array(free_index, dtype=SLOT_DTYPE)
+            self._release.append(staged)
             self._num_release += int(free_index.shape[0])
+            if self.journal is not None:
+                self.journal.give(staged)
         else:
             self._free.append(free_index)
 
@@ -362,6 +381,7 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
         self.need_sort = need_sort
         self.device = device
         self._page_offsets = np.arange(page_size, dtype=SLOT_DTYPE)
+        self.journal: Journal | None = None  # records staged frees (the free list records its own)
         self.clear()
 
     def clear(self) -> None:
@@ -500,8 +520,11 @@ class PagedTokenToKVPoolAllocator(_FreeGroupMixin):
 
     def _release_page_ids(self, page_ids: np.ndarray) -> None:
         if self.need_sort:
-            self.staged_pages.append(np.array(page_ids, dtype=SLOT_DTYPE))
+            staged = np.array(page_ids, dtype=SLOT_DTYPE)
+            self.staged_pages.append(staged)
             self.num_staged_pages += int(page_ids.shape[0])
+            if self.journal is not None:
+                self.journal.give(staged)
         else:
             self._free.prepend(page_ids)
 

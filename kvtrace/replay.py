@@ -30,6 +30,7 @@ allocated``) is counted apart.
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from allocator.base import AllocResult, OutOfMemory
+from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
 from kvtrace.errors import TraceError
 from kvtrace.snapshot import (
     ABORTED,
@@ -70,7 +71,7 @@ from traces.schema import (
 from traces.tokens import TokenStore
 
 if TYPE_CHECKING:
-    from allocator.base import Allocator, PoolCounters, ReleaseKind, ReleaseResult, Violation
+    from allocator.base import Allocator, ReleaseKind, ReleaseResult, Violation
     from traces.validate import Problem
 
 CheckMode = Literal["every", "full", "end", "never"]
@@ -80,6 +81,7 @@ CHECK_MODES: tuple[CheckMode, ...] = ("every", "full", "end", "never")
 
 MAX_VIOLATIONS_KEPT = 1000
 _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
+_USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
 
 
 class StepScreen(Protocol):
@@ -105,6 +107,10 @@ class ReplayOptions:
             (None: never stop for violations).
         state_digest: put the allocator's ``state_digest()`` in every snapshot (the
             allocator must be ``Digestible``; ``kvtrace diff --exact``).
+        decode_runs: apply runs of plain decode steps over one batch in one allocator
+            call where the allocator supports it (``kvtrace.runs``; same results). The
+            session's allocator then runs ahead of the snapshot being returned within
+            a run; False keeps it in step after every snapshot.
     """
 
     check: CheckMode = "end"
@@ -114,6 +120,7 @@ class ReplayOptions:
     stop_step: int | None = None
     max_violations: int | None = None
     state_digest: bool = False
+    decode_runs: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +258,9 @@ class ReplayEngine:
         self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
         self._req = {name: _Grow(dtype, fill) for name, dtype, fill in _PER_REQUEST}
         self._in_window = self.options.start_step is None
+        # a version written before incremental checks takes no ``touched`` argument
+        self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
+        self._decode_runs = isinstance(allocator, DecodeRuns)
         self._any_dropped = False  # some request was dropped (skip mode): filter its ops
         self._events: list[Event] = []
         self._step = -1
@@ -378,6 +388,97 @@ class ReplayEngine:
             keyframe=keyframe,
             digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
         )
+
+    def can_run_decodes(self) -> bool:
+        """Whether ``replay_decode_run`` may apply runs of plain decode steps in one
+        call: the allocator supports it and nothing needs the state after every call
+        (per-call checks, per-step state digests) or filters rows (dropped requests)."""
+        opts = self.options
+        return (
+            opts.decode_runs
+            and self._decode_runs
+            and opts.check in ("end", "never")
+            and not opts.state_digest
+            and not self._any_dropped
+        )
+
+    def replay_run(
+        self, op: int, steps: np.ndarray, times: np.ndarray, rids: np.ndarray, accepted: np.ndarray | None = None
+    ) -> list[StepSnapshot] | None:
+        """Apply ``len(steps)`` plain steps of ``op`` (``DECODE``, or ``SPEC`` with the
+        int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
+        screened clean (``kvtrace.runs``), in one allocator call; return their snapshots
+        ([] before the window). None when the allocator refuses the run: nothing
+        changed, replay the steps one by one."""
+        num_steps = int(steps.shape[0])
+        st = self.stats
+        alloc = self.allocator
+        before = alloc.request_lens(rids)
+        t0 = self._clock()
+        if op == SPEC:
+            assert accepted is not None
+            accepted = accepted.astype(np.int64)
+            res = alloc.spec_decode_run(rids, accepted)  # type: ignore[attr-defined]
+        else:
+            res = alloc.decode_run(rids, num_steps)  # type: ignore[attr-defined]
+        if res is None:
+            st.allocator_s += self._clock() - t0
+            return None
+        alloc.end_step()
+        elapsed = self._clock() - t0
+        st.allocator_s += elapsed
+        bs = int(rids.shape[0])
+        if op == SPEC:
+            committed = before.committed[None, :] + np.cumsum(accepted, axis=0)
+        else:
+            committed = before.committed[None, :] + np.arange(1, num_steps + 1, dtype=np.int64)[:, None]
+        allocated = res.allocated
+        req = self._req
+        slack = (allocated[-1] - committed[-1]) - (before.allocated - before.committed)
+        req["allocated"].a[rids] = allocated[-1]
+        req["committed"].a[rids] = committed[-1]
+        phase_code = SPEC_PHASE if op == SPEC else DECODE_PHASE
+        req["phase"].a[rids] = phase_code
+        if op == SPEC:
+            st.spec_accepted += int(accepted.sum())
+        else:
+            st.decode_tokens += bs * num_steps
+        if not self._in_window:
+            return []
+        st.overalloc_allocated += int(slack.sum())
+        st.steps += num_steps
+        st.steps_reported += num_steps
+        st.ops += bs * num_steps
+        finite = np.isfinite(times)
+        if finite.any():
+            if st.first_time_s is None:
+                st.first_time_s = float(times[finite][0])
+            st.last_time_s = float(times[finite][-1])
+        if st.first_step is None:
+            st.first_step = int(steps[0])
+        st.last_step = int(steps[-1])
+        counters = res.counters
+        used = counters[:, _USED_FROM] - counters[:, _AVAILABLE] - counters[:, _EVICTABLE]
+        top = int(np.argmax(used))
+        if int(used[top]) > st.peak_used_tokens or st.peak_step is None:
+            st.peak_used_tokens = int(used[top])
+            st.peak_step = int(steps[top])
+        op_codes = np.full(bs, op, np.int8)
+        phase = np.full(bs, phase_code, np.int8)
+        prefix = req["prefix"].a[rids]
+        per_step = elapsed / num_steps
+        return [
+            StepSnapshot(
+                step=step,
+                time_s=t,
+                pool=PoolCounters(*row),
+                requests=RequestDelta(rids, allocated[j], committed[j], before.protected, op_codes, phase, prefix),
+                events=(),
+                num_ops=bs,
+                allocator_s=per_step,
+            )
+            for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
+        ]
 
     def finish(self) -> None:
         """The replay is over: the end-of-replay invariant check (unless ``never``)."""
@@ -632,7 +733,10 @@ class ReplayEngine:
             self._check(self._op_name, rids, touched=rids if mode == "every" else None)
 
     def _check(self, op: str, rids: np.ndarray | None, *, touched: np.ndarray | None) -> None:
-        violations: list[Violation] = self.allocator.check_integrity()
+        if touched is not None and self._checks_incrementally:
+            violations: list[Violation] = self.allocator.check_integrity(touched)  # type: ignore[call-arg]
+        else:
+            violations = self.allocator.check_integrity()
         if not violations:
             return
         # A pool-wide break (conservation, ...) names no request. Blame the one request

@@ -22,10 +22,13 @@ once: going back re-uses their screening.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
 
 from allocator.base import Checkpointable, Digestible
 from kvtrace.config import effective_config
@@ -33,7 +36,9 @@ from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.registry import AllocatorVersion, resolve_version
 from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
 from kvtrace.state import ReplayState
-from traces.io import ResumePoint, TraceReader
+from kvtrace.runs import run_lengths
+from traces.schema import DECODE, SPEC
+from traces.io import ResumePoint, StepChunk, TraceReader
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, AllocatorConfig
@@ -45,6 +50,8 @@ __all__ = ["ReplayResult", "ReplaySession", "open_trace"]
 
 ScreenMode = Literal["background", "inline"]
 DEFAULT_CHECKPOINT_BUDGET = 512 << 20
+MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
+_NO_STEPS = np.zeros(0, np.int64)
 
 
 def open_trace(spec: str | Path) -> TraceReader:
@@ -58,12 +65,21 @@ def open_trace(spec: str | Path) -> TraceReader:
     return TraceReader(resolve_trace(str(spec)))
 
 
+class _StepNumber(NamedTuple):
+    """A step as the background checker needs it: its number (it reads the rows itself)."""
+
+    step: int
+
+
 class _RecordedScreen:
     """Screens each step once (through ``inner``, in file order) and remembers the
     problems, so steps replayed again after a seek are screened from memory."""
 
     def __init__(self, inner: Any) -> None:
+        from traces.validate import BackgroundChecker
+
         self.inner = inner
+        self._rows_needed = not isinstance(inner, BackgroundChecker)
         self.frontier: int | None = None  # every step <= this one was screened
         self._problems: dict[int, list[Problem]] = {}
 
@@ -75,6 +91,13 @@ class _RecordedScreen:
         if problems:
             self._problems[batch.step] = problems
         return problems
+
+    def check_at(self, chunk: StepChunk, i: int) -> list[Problem]:
+        """``check`` of step ``i`` of ``chunk``, building its rows only for a screen that
+        reads them (the background checker reads the file itself)."""
+        if self._rows_needed:
+            return self.check(chunk.step_batch(i))
+        return self.check(_StepNumber(int(chunk.columns.step[chunk.starts[i]])))  # type: ignore[arg-type]
 
     def close(self) -> None:
         close = getattr(self.inner, "close", None)
@@ -208,6 +231,7 @@ class ReplaySession:
             raise
         self._checkpoints: list[_Checkpoint] = []
         self._since_checkpoint = 0
+        self._run_limit: int | None = None  # a seek's target: no run goes past it
         self._wall_s = 0.0
         self._closed = False
 
@@ -230,13 +254,17 @@ class ReplaySession:
         self._open_steps(None, None)
 
     def _open_steps(self, position: ResumePoint | None, start: int | None) -> None:
-        old = getattr(self, "_steps", None)
+        old = getattr(self, "_chunks", None)
         if old is not None:
             old.close()
-        self._steps: Iterator[StepBatch] = self.reader.steps(
+        self._chunks: Iterator[StepChunk] = self.reader.chunks(
             start=start, stop=self.options.stop_step, resume=position
         )
-        self._lookahead: tuple[StepBatch, ResumePoint | None] | None = None
+        self._chunk: StepChunk | None = None
+        self._chunk_steps = _NO_STEPS  # step numbers of the chunk
+        self._runs = _NO_STEPS  # kvtrace.runs.run_lengths of the chunk (computed on first use)
+        self._index = 0  # the chunk's next step
+        self._pending: deque[StepSnapshot] = deque()  # a run's snapshots not returned yet
         self._exhausted = False
 
     @property
@@ -255,20 +283,34 @@ class ReplaySession:
         )
 
     # ------------------------------------------------------------------ stepping
-    def _peek(self) -> tuple[StepBatch, ResumePoint | None] | None:
-        if self._lookahead is None and not self._exhausted:
+    def _peek(self) -> tuple[StepChunk, int] | None:
+        """The chunk and index of the next step (None at the end)."""
+        while self._chunk is None or self._index >= self._chunk.num_steps:
+            if self._exhausted:
+                return None
             try:
-                batch = next(self._steps)
+                self._chunk = next(self._chunks)
             except StopIteration:
                 self._exhausted = True
+                self._chunk = None
                 return None
-            self._lookahead = (batch, self.reader.step_position)
-        return self._lookahead
+            self._chunk_steps = self._chunk.step_numbers()
+            self._runs = _NO_STEPS
+            self._index = 0
+        return self._chunk, self._index
+
+    @property
+    def allocator_step(self) -> int | None:
+        """The step the allocator's state is after. It runs ahead of ``last`` while a
+        run of decode steps replayed in one call is being returned step by step."""
+        if self._pending:
+            return self._pending[-1].step
+        return self.last.step if self.last is not None else None
 
     def step(self) -> StepSnapshot | None:
         """Replay up to and including the next step of the window; its snapshot, or
         None when the replay is over (the end of the trace or window, or a stop)."""
-        if self.done:
+        if self.done and not self._pending:
             return None
         t0 = self._clock()
         try:
@@ -277,29 +319,90 @@ class ReplaySession:
             self._wall_s += self._clock() - t0
 
     def _step(self) -> StepSnapshot | None:
+        if self._pending:
+            return self._shown(self._pending.popleft())
         engine = self.engine
         start = self.options.start_step
         while True:
-            item = self._peek()
-            if item is None:
+            at = self._peek()
+            if at is None:
                 self._end()
                 return None
-            if (start is None or item[0].step >= start) and self._due_checkpoint():
-                self._save_checkpoint(*item)
-            self._lookahead = None
-            snap = engine.replay_step(item[0])
+            chunk, i = at
+            step = int(self._chunk_steps[i])
+            if (start is None or step >= start) and self._due_checkpoint():
+                self._save_checkpoint(step, chunk.position)
+            snaps = self._try_run(chunk, i, step)
+            if snaps is not None:
+                if snaps:
+                    self._since_checkpoint += len(snaps)
+                    self._pending.extend(snaps[1:])
+                    return self._shown(snaps[0])
+                continue
+            self._index += 1
+            snap = engine.replay_step(chunk.step_batch(i))
             if snap is None:
                 if engine.stopped_early:
                     self._end()
                     return None
                 continue
             self._since_checkpoint += 1
-            self.last = snap
-            if self.state is not None:
-                self.state.apply(snap)
             if engine.stopped_early:
                 self._end()
-            return snap
+            return self._shown(snap)
+
+    def _shown(self, snap: StepSnapshot) -> StepSnapshot:
+        self.last = snap
+        if self.state is not None:
+            self.state.apply(snap)
+        return snap
+
+    def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
+        """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
+        allocator call (``kvtrace.runs``); None when there is none to replay here."""
+        if not self.engine.can_run_decodes():
+            return None
+        if self._runs is _NO_STEPS:
+            self._runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))
+        n = int(self._runs[i])
+        start = self.options.start_step
+        steps = self._chunk_steps[i : i + n]
+        # A run stays on one side of the window's start, stops at a seek's target and
+        # ends where the next checkpoint is due.
+        if start is not None and step < start:
+            n = int(np.count_nonzero(steps < start))
+        if self._run_limit is not None:
+            n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
+        if self.checkpointable and self.checkpoint_every is not None:
+            n = min(n, max(self.checkpoint_every - self._since_checkpoint, 1))
+        if n < MIN_RUN_STEPS:
+            return None
+        n = self._screened(chunk, i, n)
+        if n < MIN_RUN_STEPS:
+            return None
+        cols = chunk.columns
+        first, size = int(chunk.starts[i]), int(chunk.stops[i] - chunk.starts[i])
+        rids = cols.rid[first : first + size]
+        op = int(cols.op[first])
+        accepted = None
+        if op == SPEC:  # the run's steps are contiguous rows of equal size
+            accepted = cols.accepted_len[first : first + n * size].reshape(n, size)
+        snaps = self.engine.replay_run(op, self._chunk_steps[i : i + n], cols.time_s[chunk.starts[i : i + n]], rids, accepted)
+        if snaps is None:
+            return None
+        self._index += n
+        return snaps
+
+    def _screened(self, chunk: StepChunk, i: int, n: int) -> int:
+        """Screen steps ``i .. i + n - 1`` of ``chunk``; how many lead with no problem (a
+        step with one is replayed by itself; its problems are remembered)."""
+        screen = self._screen
+        check_at = getattr(screen, "check_at", None)
+        for j in range(n):
+            problems = check_at(chunk, i + j) if check_at is not None else screen.check(chunk.step_batch(i + j))
+            if problems:
+                return j
+        return n
 
     def _end(self) -> None:
         if not self.done:
@@ -335,8 +438,8 @@ class ReplaySession:
         assert self.checkpoint_every is not None
         return self._since_checkpoint >= self.checkpoint_every
 
-    def _save_checkpoint(self, batch: StepBatch, position: ResumePoint | None) -> None:
-        if self._checkpoints and self._checkpoints[-1].next_step >= batch.step:
+    def _save_checkpoint(self, step: int, position: ResumePoint | None) -> None:
+        if self._checkpoints and self._checkpoints[-1].next_step >= step:
             return  # replaying again after a seek: this one exists
         saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
         saved_engine = self.engine.save_state()
@@ -345,7 +448,7 @@ class ReplaySession:
         if saved_state is not None:
             nbytes += sum(v.nbytes for v in saved_state.columns.values())
         self._checkpoints.append(
-            _Checkpoint(batch.step, position, saved_alloc, saved_engine, saved_state, self.last, nbytes)
+            _Checkpoint(step, position, saved_alloc, saved_engine, saved_state, self.last, nbytes)
         )
         self._since_checkpoint = 0
         if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
@@ -384,7 +487,11 @@ class ReplaySession:
             self._wall_s += self._clock() - t0
 
     def _seek(self, target: int) -> StepSnapshot | None:
-        current = self.last.step if self.last is not None else None
+        # The snapshots of a run already applied are returned first when they reach the
+        # target; past it, the allocator's state is ahead of the target: go back.
+        while self._pending and self._pending[0].step <= target:
+            self._shown(self._pending.popleft())
+        current = self.allocator_step
         best = self._checkpoint_for(target)
         going_back = current is not None and target < current
         if going_back or (best is not None and (current is None or best.next_step > current + 1)):
@@ -392,14 +499,23 @@ class ReplaySession:
                 self._restore(best)
             elif going_back:
                 self._restart()
-        while not self.done:
-            item = self._peek()
-            if item is None:
-                self._end()
-                break
-            if self.last is not None and item[0].step > target:
-                break
-            self._step()
+        self._run_limit = target
+        try:
+            while True:
+                if self._pending:  # a run stops at the target: all of it is shown
+                    self._shown(self._pending.popleft())
+                    continue
+                if self.done:
+                    break
+                at = self._peek()
+                if at is None:
+                    self._end()
+                    break
+                if self.last is not None and int(self._chunk_steps[at[1]]) > target:
+                    break
+                self._step()
+        finally:
+            self._run_limit = None
         return self.last
 
     def _checkpoint_for(self, target: int) -> _Checkpoint | None:
@@ -455,9 +571,9 @@ class ReplaySession:
         self._closed = True
         if self._owns_screen:
             self._screen.close()
-        steps = getattr(self, "_steps", None)
-        if steps is not None:
-            steps.close()
+        chunks = getattr(self, "_chunks", None)
+        if chunks is not None:
+            chunks.close()
 
     def __enter__(self) -> ReplaySession:
         return self

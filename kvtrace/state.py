@@ -110,31 +110,39 @@ class Timeline:
             self.events.append(StepEvent(snap.step, e.kind, e.rid, e.tokens, e.detail))
             self._event_steps.append(snap.step)
 
-    def column(self, name: str) -> np.ndarray:
-        """One pool counter over the known steps (a view)."""
-        return self.counters[: self.size, self._FIELDS.index(name)]
+    def column(self, name: str, size: int | None = None) -> np.ndarray:
+        """One pool counter over the known steps, or the first ``size`` of them (a view).
 
-    def used_tokens(self) -> np.ndarray:
-        pool = self.column("pool_tokens")
-        return pool - self.column("available") - self.column("evictable")
+        A reader in another thread than the one appending passes the ``size`` it saw.
+        """
+        return self.counters[: self.size if size is None else size, self._FIELDS.index(name)]
+
+    def used_tokens(self, size: int | None = None) -> np.ndarray:
+        n = self.size if size is None else size
+        return self.column("pool_tokens", n) - self.column("available", n) - self.column("evictable", n)
 
     def index_of(self, step: int) -> int:
         """Index of the last known step <= ``step`` (-1 if none)."""
         return int(np.searchsorted(self.steps[: self.size], step, side="right")) - 1
 
-    def peak(self) -> tuple[int, int] | None:
-        """(step, used tokens) of the highest occupancy known, or None."""
-        if not self.size:
+    def peak(self, size: int | None = None) -> tuple[int, int] | None:
+        """(step, used tokens) of the highest occupancy known (in the first ``size`` steps), or None."""
+        n = self.size if size is None else size
+        if not n:
             return None
-        used = self.used_tokens()
+        used = self.used_tokens(n)
         i = int(np.argmax(used))
         return int(self.steps[i]), int(used[i])
 
     def events_until(self, step: int) -> list[StepEvent]:
         """Events of steps <= ``step``."""
+        return self.events[: self.event_index(step)]
+
+    def event_index(self, step: int) -> int:
+        """Number of events of steps <= ``step`` (where the events after it start)."""
         import bisect
 
-        return self.events[: bisect.bisect_right(self._event_steps, step)]
+        return bisect.bisect_right(self._event_steps, step)
 
     def nbytes(self) -> int:
         return self.steps.nbytes + self.times.nbytes + self.counters.nbytes

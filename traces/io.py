@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from traces.atomic import replacing
 from traces.errors import (
+    TraceError,
     TraceMetadataError,
     TraceSchemaError,
     TraceVersionError,
@@ -609,6 +610,113 @@ def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
     )
 
 
+class StepChunk(NamedTuple):
+    """Whole consecutive steps of a trace, column-wise (``TraceReader.chunks``): step ``i``
+    is rows ``[starts[i], stops[i])`` of ``columns``. ``position`` is where to resume
+    reading to get its steps again (the record batch holding its first row)."""
+
+    columns: _Columns
+    starts: np.ndarray  # int64 [num_steps]
+    stops: np.ndarray  # int64 [num_steps]
+    position: ResumePoint | None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.starts.shape[0])
+
+    @property
+    def first_step(self) -> int:
+        return int(self.columns.step[self.starts[0]])
+
+    @property
+    def last_step(self) -> int:
+        return int(self.columns.step[self.starts[-1]])
+
+    def step_numbers(self) -> np.ndarray:
+        """int64 [num_steps] the step number of each step."""
+        return self.columns.step[self.starts]
+
+    def step_batch(self, i: int) -> StepBatch:
+        """Step ``i`` as a ``StepBatch``."""
+        return self.columns.step_batch(int(self.starts[i]), int(self.stops[i]))
+
+    def window(self, start: int | None, stop: int | None) -> StepChunk | None:
+        """The steps within ``[start, stop)`` (None when none is)."""
+        if start is None and stop is None:
+            return self
+        steps = self.step_numbers()
+        keep = np.ones(steps.shape[0], np.bool_)
+        if start is not None:
+            keep &= steps >= start
+        if stop is not None:
+            keep &= steps < stop
+        if not keep.any():
+            return None
+        if keep.all():
+            return self
+        return StepChunk(self.columns, self.starts[keep], self.stops[keep], self.position)
+
+    @classmethod
+    def of_step(cls, batch: StepBatch, position: ResumePoint | None) -> StepChunk:
+        """A chunk of one step (a step merged from two record batches)."""
+        n = len(batch)
+        fields = {
+            name: (np.full(n, batch.step, np.int64) if name == "step"
+                   else np.full(n, batch.time_s, np.float64) if name == "time_s" else getattr(batch, name))
+            for name in _Columns._fields
+        }
+        return cls(_Columns(**fields), np.zeros(1, np.int64), np.full(1, n, np.int64), position)
+
+
+# Steps gathered into one chunk (record batches are concatenated until they hold as many).
+CHUNK_STEPS = 256
+
+
+def _concat_columns(parts: list[_Columns]) -> _Columns:
+    if len(parts) == 1:
+        return parts[0]
+    return _Columns(
+        *(
+            Ragged.concat([getattr(p, name) for p in parts])
+            if isinstance(getattr(parts[0], name), Ragged)
+            else np.concatenate([getattr(p, name) for p in parts])
+            for name in _Columns._fields
+        )
+    )
+
+
+def _columns_slice(columns: _Columns, start: int, stop: int) -> _Columns:
+    return _Columns(
+        *(
+            value.slice(start, stop) if isinstance(value, Ragged) else value[start:stop]
+            for value in columns
+        )
+    )
+
+
+def _chunk_of(
+    blocks: list[tuple[_Columns, ResumePoint | None]], keep_last: bool
+) -> tuple[StepChunk | None, list[tuple[_Columns, ResumePoint | None]]]:
+    """The steps of ``blocks`` (consecutive record batches' rows) as one chunk, and, with
+    ``keep_last``, the last step's rows held back as the next blocks (it may continue)."""
+    columns = _concat_columns([b for b, _ in blocks])
+    n = columns.step.shape[0]
+    bounds = np.flatnonzero(columns.step[1:] != columns.step[:-1]) + 1
+    starts = np.concatenate(([0], bounds)).astype(np.int64)
+    stops = np.concatenate((bounds, [n])).astype(np.int64)
+    position = blocks[0][1]
+    if not keep_last:
+        return StepChunk(columns, starts, stops, position), []
+    last = int(starts[-1])
+    # the held-back step resumes at the batch holding its first row
+    ends = np.cumsum([b.step.shape[0] for b, _ in blocks])
+    held_at = blocks[int(np.searchsorted(ends, last, side="right"))][1]
+    rest = [(_columns_slice(columns, last, n), held_at)]
+    if starts.shape[0] == 1:
+        return None, rest
+    return StepChunk(columns, starts[:-1], stops[:-1], position), rest
+
+
 class TraceReader(IpcReader):
     """Open a trace, validate it once, and stream it step by step.
 
@@ -750,7 +858,7 @@ class TraceReader(IpcReader):
     def steps(
         self, start: int | None = None, stop: int | None = None, resume: ResumePoint | None = None
     ) -> Iterator[StepBatch]:
-        """Yield one ``StepBatch`` per step, in file order.
+        """Yield one ``StepBatch`` per step, in file order (``chunks`` one step at a time).
 
         Args:
             start: first step to yield (inclusive); None: from the beginning.
@@ -767,33 +875,62 @@ class TraceReader(IpcReader):
             TraceCorruptError: a complete record batch does not decode.
             TraceSchemaError: a required column holds nulls, or an op name is unknown.
         """
-        pending: StepBatch | None = None
-        pending_at: ResumePoint | None = None
-        for columns in self.iter_columns(resume):
+        for chunk in self.chunks(start, stop, resume):
+            self.step_position = chunk.position
+            for i in range(chunk.num_steps):
+                yield chunk.step_batch(i)
+
+    def chunks(
+        self, start: int | None = None, stop: int | None = None, resume: ResumePoint | None = None
+    ) -> Iterator[StepChunk]:
+        """The trace as ``StepChunk``s: runs of whole steps, column-wise, in file order.
+
+        Record batches are gathered until they hold ``CHUNK_STEPS`` steps (a stream
+        written one step per batch still gives long chunks); a chunk never ends inside
+        a step: the last step read waits for the next batch, which may continue it.
+        Arguments as ``steps``.
+
+        Raises:
+            TraceCorruptError, TraceSchemaError: as ``steps``.
+        """
+        blocks: list[tuple[_Columns, ResumePoint | None]] = []  # rows not given out yet
+        gathered = 0  # steps in ``blocks`` (counted per batch; a step split in two counts twice)
+        batches = self.iter_columns(resume)
+        while True:
+            try:
+                columns = next(batches)
+            except StopIteration:
+                break
+            except TraceError:
+                # The steps before the damage are delivered first (the last one read may
+                # have continued in the damaged batch: it is not).
+                if blocks:
+                    chunk, _ = _chunk_of(blocks, keep_last=True)
+                    emit = chunk.window(start, stop) if chunk is not None else None
+                    if emit is not None:
+                        yield emit
+                raise
             n = columns.step.shape[0]
             if n == 0:
                 continue
-            here = self.batch_position
-            bounds = np.flatnonzero(columns.step[1:] != columns.step[:-1]) + 1
-            starts = np.concatenate(([0], bounds)).tolist()
-            stops = np.concatenate((bounds, [n])).tolist()
-            for a, b in zip(starts, stops):
-                step = int(columns.step[a])
-                if pending is not None:
-                    if pending.step == step:
-                        pending = _merge_steps(pending, columns.step_batch(a, b))
-                        continue
-                    if start is None or pending.step >= start:
-                        self.step_position = pending_at
-                        yield pending
-                    pending = None
-                if stop is not None and step >= stop:
-                    return
-                pending = columns.step_batch(a, b)
-                pending_at = here
-        if pending is not None and (start is None or pending.step >= start):
-            self.step_position = pending_at
-            yield pending
+            blocks.append((columns, self.batch_position))
+            gathered += 1 + int(np.count_nonzero(columns.step[1:] != columns.step[:-1]))
+            if gathered < CHUNK_STEPS:
+                continue
+            chunk, blocks = _chunk_of(blocks, keep_last=True)
+            gathered = 1
+            emit = chunk.window(start, stop) if chunk is not None else None
+            if emit is not None:
+                yield emit
+            if stop is not None and chunk is not None and chunk.last_step >= stop:
+                return
+            if stop is not None and int(blocks[0][0].step[0]) >= stop:
+                return
+        if blocks:
+            chunk, _ = _chunk_of(blocks, keep_last=False)
+            emit = chunk.window(start, stop) if chunk is not None else None
+            if emit is not None:
+                yield emit
 
     def _to_columns(
         self, batch: pa.RecordBatch, op_lut: tuple[pa.Array, np.ndarray | None] | None

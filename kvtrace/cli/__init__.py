@@ -28,6 +28,7 @@ from kvtrace.cli.options import NoColorOpt, QuietOpt, examples
 from kvtrace.errors import USER_ERRORS
 
 DEBUG_KEY = "kvtrace.debug"
+DEFAULT_SERVE_PORT = "8000"  # `--serve` alone (kvtrace.tui.run.DEFAULT_PORT)
 # typer vendors click and exports only BadParameter; its base is click's UsageError
 # (bad option values, missing arguments, unknown options of a command).
 _USAGE_ERROR: type[Exception] = typer.BadParameter.__mro__[1]
@@ -60,7 +61,7 @@ class KvtraceGroup(TyperGroup):
             ctx.meta[DEBUG_KEY] = True
             args = [a for a in args if a != "--debug"]
         ctx.meta[ui.ARGV_KEY] = list(args)
-        return super().parse_args(ctx, args)
+        return super().parse_args(ctx, optional_value(args, "--serve", DEFAULT_SERVE_PORT))
 
     def invoke(self, ctx: typer.Context) -> Any:
         debug = bool(ctx.meta.get(DEBUG_KEY))
@@ -97,6 +98,17 @@ class KvtraceGroup(TyperGroup):
                 err=True,
             )
             raise typer.Exit(2) from None
+
+
+def optional_value(args: list[str], option: str, default: str) -> list[str]:
+    """Give ``option`` its default value where it is not followed by one (``--serve [PORT]``:
+    click options take a value or none, not an optional one)."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == option and (i + 1 == len(args) or not args[i + 1].isdigit()):
+            out.append(default)
+    return out
 
 
 app = typer.Typer(
@@ -155,6 +167,7 @@ from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
 from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
 from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
 from kvtrace.cli import diff as _diff  # noqa: E402,F401  (diff, versions)
+from kvtrace.cli import view as _view  # noqa: E402,F401  (view)
 from kvtrace.cli import shrink as _shrink  # noqa: E402,F401  (shrink)
 
 

@@ -29,6 +29,7 @@ from kvtrace.cli.options import (
     examples,
 )
 from kvtrace.errors import ConfigError
+from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY, DEFAULT_PORT  # (imports no Textual)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -55,6 +56,36 @@ def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
     if start is not None and stop is not None and start >= stop:
         raise typer.BadParameter(f"'{text}': the range is empty (A must be below B)", param_hint="--steps")
     return start, stop
+
+
+def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: str) -> None:
+    """Raises typer.BadParameter for dashboard options that do not go together."""
+    if serve is not None and not tui:
+        raise typer.BadParameter("serving is for the dashboard; add --tui", param_hint="--serve")
+    if tui and as_json:
+        raise typer.BadParameter("the dashboard prints no JSON; drop --json or --tui", param_hint="--json")
+    if host != "127.0.0.1" and serve is None:
+        raise typer.BadParameter("--host is where --serve listens; add --tui --serve", param_hint="--host")
+
+
+def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: int | None, device: str,
+               options: Any, target: Any) -> None:
+    """The replay in the live dashboard (with --out, the steps it replays go to the log)."""
+    from kvtrace.config import config_dict
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter
+    from kvtrace.tui.run import run_live
+
+    with ReplaySession(
+        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options,
+        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
+    ) as session:
+        if target is None:
+            run_live(session)
+            return
+        with target.writing() as tmp:
+            info = {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
+            run_live(session, log=StateLogWriter(tmp, info))
 
 
 def check_device(device: str) -> None:
@@ -107,6 +138,9 @@ def replay(
     force: ForceOpt = False,
     digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
+    tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
+    serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"With --tui: serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]", show_default=False)] = None,
+    host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a trace can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -129,6 +163,7 @@ def replay(
     from traces.samples import resolve_trace
 
     start, stop = parse_step_range(steps)
+    check_dashboard_options(tui, serve, as_json, host)
     if digests and out is None:
         raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device.value)
@@ -142,6 +177,19 @@ def replay(
         stop_step=stop,
         max_violations=1 if first_violation else max_violations,
     )
+    if serve is not None:
+        import sys
+
+        from kvtrace.tui.run import serve as serve_dashboard
+
+        # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
+        ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
+                      options=options, screen="inline").close()
+        serve_dashboard(sys.argv[1:], host=host, port=serve)
+        return
+    if tui:
+        _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target)
+        return
     err = ui.console(stderr=True)
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options

@@ -10,6 +10,14 @@ Each reproduces a bug class SGLang has shipped, on top of the built-in allocator
   ("committed KV cache already freed", SGLang #13801/#28702).
 * ``stale_row``: a decode returns the slot it just wrote to the free list, so the
   request's ``req_to_token`` row points at a free slot (stale page tails, #35401).
+* ``leak_on_retract``: a retraction frees the request's KV one page short, so its
+  last page is held by nobody.
+* ``overwritten_row``: a decode also writes its new slot over an earlier position
+  of another request's row, whose old page is then held by nobody and the new one
+  twice.
+* ``lock_leak``: an abort or retraction forgets to unlock the request's radix
+  path, so the path's lock counts stay one too high.
+* ``counters_off``: a decode forgets to count one committed token in the kept sums.
 
 Each fault fires once, on the first request it can hit, and records that
 request (``fault_rid``) so a test can check the replay blames exactly it.
@@ -21,7 +29,7 @@ optional protocols.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -104,6 +112,85 @@ def without_digest(config: AllocatorConfig) -> WithoutDigest:
     return WithoutDigest(config)
 
 
+class LeakOnRetract(_Faulty):
+    def release(
+        self, rids: np.ndarray, owned_lens: np.ndarray, token_ids: Sequence[np.ndarray] | None, kind: ReleaseKind
+    ) -> ReleaseResult:
+        if self._fired() or kind != "retract":
+            return super().release(rids, owned_lens, token_ids, kind)
+        tok = self.token_to_kv_pool_allocator
+        original: Callable[..., None] = tok.free_segment
+        ps = self.page_size
+
+        def one_page_short(free_index: np.ndarray, start_pos: int = 0) -> None:
+            tok.free_segment = original  # type: ignore[method-assign]  # only the first free of the call
+            if free_index.shape[0]:
+                self.fault_rid = int(np.asarray(rids)[0])
+                free_index = free_index[: (free_index.shape[0] - 1) // ps * ps]
+            original(free_index, start_pos)
+
+        tok.free_segment = one_page_short  # type: ignore[method-assign]
+        try:
+            return super().release(rids, owned_lens, token_ids, kind)
+        finally:
+            tok.free_segment = original  # type: ignore[method-assign]
+
+
+class OverwrittenRow(_Faulty):
+    def decode(self, rids: np.ndarray) -> AllocOutcome:
+        out = super().decode(rids)
+        rids = np.asarray(rids)
+        if self._fired() or not isinstance(out, AllocResult) or rids.shape[0] < 2:
+            return out
+        victim = int(rids[-1])
+        lens = self.request_lens(np.array([victim]))
+        pos = int(lens.allocated[0]) - 2
+        if pos >= int(lens.protected[0]):
+            donor = self.row_slots(int(rids[0]))[-1:]
+            self.writer.assign_row(self.row_of(victim), pos, donor.astype(np.int32))
+            self.fault_rid = victim
+        return out
+
+
+class LockLeak(_Faulty):
+    def release(
+        self, rids: np.ndarray, owned_lens: np.ndarray, token_ids: Sequence[np.ndarray] | None, kind: ReleaseKind
+    ) -> ReleaseResult:
+        victim = None
+        if not self._fired() and kind != "finish":
+            self.end_step()
+            root = self.tree_cache.root_node
+            victim = next((rid for rid in np.asarray(rids).tolist()
+                           if self.req_kv.lock_node[self.row_of(rid)] not in (None, root)), None)
+        if victim is None:
+            return super().release(rids, owned_lens, token_ids, kind)
+        tree = self.tree_cache
+        node = self.req_kv.lock_node[self.row_of(victim)]
+        original: Callable[..., None] = tree.unlock
+
+        def unlock(n: object) -> None:
+            if n is node:
+                tree.unlock = original  # type: ignore[method-assign]
+                self.fault_rid = victim
+                return
+            original(n)
+
+        tree.unlock = unlock  # type: ignore[method-assign]
+        try:
+            return super().release(rids, owned_lens, token_ids, kind)
+        finally:
+            tree.unlock = original  # type: ignore[method-assign]
+
+
+class CountersOff(_Faulty):
+    def decode(self, rids: np.ndarray) -> AllocOutcome:
+        out = super().decode(rids)
+        if not self._fired() and isinstance(out, AllocResult) and len(rids):
+            self.req_kv.sum_committed -= 1
+            self.fault_rid = int(np.asarray(rids)[0])
+        return out
+
+
 def leaky_overalloc(config: AllocatorConfig) -> KvAllocator:
     return LeakyOveralloc(config)
 
@@ -114,3 +201,19 @@ def double_free(config: AllocatorConfig) -> KvAllocator:
 
 def stale_row(config: AllocatorConfig) -> KvAllocator:
     return StaleRow(config)
+
+
+def leak_on_retract(config: AllocatorConfig) -> KvAllocator:
+    return LeakOnRetract(config)
+
+
+def overwritten_row(config: AllocatorConfig) -> KvAllocator:
+    return OverwrittenRow(config)
+
+
+def lock_leak(config: AllocatorConfig) -> KvAllocator:
+    return LockLeak(config)
+
+
+def counters_off(config: AllocatorConfig) -> KvAllocator:
+    return CountersOff(config)

@@ -246,3 +246,41 @@ def test_injected_fault_through_the_cli_exits_1_with_blame(spec_trace: Path) -> 
     # With --check end the leak is still found, at the end.
     code, s = replay_json(str(spec_trace), "--allocator", f"{FAULTY}:leaky_overalloc")
     assert code == 1 and s["num_violations"] >= 1
+
+
+@pytest.fixture(scope="module")
+def churn_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Speculative and plain decoding with retractions and aborts (faults on every release path)."""
+    path = tmp_path_factory.mktemp("faults") / "churn.kvtrace"
+    generate(path, num_requests=40, seed=11, page_size=16, spec=True, spec_fraction=0.7, early_stop_prob=0.3,
+             retract_prob=0.05, abort_prob=0.05)
+    return path
+
+
+_FAULT_OPS = {
+    "leaky_overalloc": {"finish", "abort"},
+    "double_free": {"finish"},
+    "stale_row": {"decode"},
+    "leak_on_retract": {"retract"},
+    "overwritten_row": {"decode"},
+    "lock_leak": {"abort", "retract"},
+    "counters_off": {"decode"},
+}
+
+
+@pytest.mark.parametrize("factory", sorted(_FAULT_OPS))
+def test_incremental_and_full_checks_blame_a_fault_alike(churn_trace: Path, factory: str) -> None:
+    firsts = []
+    for mode in ("every", "full"):
+        session = open_session(churn_trace, f"{FAULTY}:{factory}", check=mode)
+        alloc = session.allocator
+        fault_step = None
+        for snap in session.snapshots():
+            if fault_step is None and alloc.fault_rid is not None:  # type: ignore[attr-defined]
+                fault_step = snap.step
+        assert fault_step is not None, f"{factory} never fired on this trace"
+        first = session.result().stats.violations[0]
+        assert (first.step, first.rid) == (fault_step, alloc.fault_rid), (mode, first)  # type: ignore[attr-defined]
+        assert first.op in _FAULT_OPS[factory]
+        firsts.append((first.step, first.rid, first.op, first.check))
+    assert firsts[0] == firsts[1]

@@ -3,6 +3,7 @@ the over-allocation ledger, and the per-request state fold."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -79,9 +80,11 @@ def test_the_summary_reports_the_configuration_the_allocator_ran_with() -> None:
 
 
 def straight_run(path: Path, **kwargs: object) -> tuple[list[StepSnapshot], dict[int, str]]:
-    """Every snapshot, and the allocator's state digest after every step."""
+    """Every snapshot, and the allocator's state digest after every step (runs of decode
+    steps replayed one by one, so the allocator is in step with every snapshot)."""
     snaps, digests = [], {}
-    with session(path, **kwargs) as s:
+    options = kwargs.pop("options", None) or ReplayOptions()
+    with session(path, options=dataclasses.replace(options, decode_runs=False), **kwargs) as s:
         for snap in s.snapshots():
             snaps.append(snap)
             digests[snap.step] = s.allocator.save_state().digest()
@@ -352,3 +355,46 @@ def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
         assert ahead.screen.frontier is not None  # closing the second left the screen alone
         ahead.close()
     assert straight_summary(busy_trace)["steps"] == ahead.result().stats.steps
+
+
+@pytest.mark.parametrize("mode", ["every", "full"])
+def test_checking_after_every_call_changes_no_result(busy_trace: Path, mode: str) -> None:
+    """The checks only read: the state after every step equals an unchecked replay's."""
+    _, plain = straight_run(busy_trace)
+    checked: dict[int, str] = {}
+    with session(busy_trace, options=ReplayOptions(check=mode)) as s:  # type: ignore[arg-type]
+        for snap in s.snapshots():
+            checked[snap.step] = s.allocator.save_state().digest()
+        assert s.result().stats.num_violations == 0
+    assert checked == plain
+
+
+def _without_timing(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k not in ("wall_s", "allocator_s", "speedup_vs_realtime")}
+
+
+@pytest.mark.parametrize("trace", ["sample:tiny", "sample:mooncake-tiny", "sample:mooncake-eagle"])
+def test_runs_of_decode_steps_in_one_call_change_no_snapshot(trace: str, busy_trace: Path) -> None:
+    """Runs replayed in one allocator call (the default) against every step by itself."""
+    results = []
+    for runs in (True, False):
+        with session(trace, options=ReplayOptions(decode_runs=runs), track_state=True) as s:
+            snaps = list(s.snapshots())
+            results.append((snaps, _without_timing(s.result().to_dict()), s.allocator.save_state().digest()))
+    (fast, fast_summary, fast_digest), (slow, slow_summary, slow_digest) = results
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        same_snapshot(a, b)
+    assert fast_summary == slow_summary and fast_digest == slow_digest
+
+
+def test_runs_are_used_on_decode_heavy_traces() -> None:
+    from kvtrace.runs import run_lengths
+    from traces.io import TraceReader
+    from traces.schema import DECODE, SPEC
+
+    for name, op in (("sample:mooncake-tiny", DECODE), ("sample:mooncake-eagle", SPEC)):
+        from traces.samples import resolve_trace
+
+        lengths = np.concatenate([run_lengths(c, op) for c in TraceReader(resolve_trace(name)).chunks()])
+        assert (lengths >= 2).mean() > 0.3, name

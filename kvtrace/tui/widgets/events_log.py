@@ -1,0 +1,132 @@
+"""The events log: every event up to the step shown (over-allocation releases,
+evictions, retractions, aborts, OOM, invariant violations, impossible ops), newest
+last, optionally one kind only; choosing an event seeks to its step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.style import Style
+from textual.message import Message
+from textual.strip import Strip
+
+from kvtrace.tui.widgets.virtual_list import VirtualList, cells
+
+if TYPE_CHECKING:
+    from kvtrace.state import StepEvent
+    from kvtrace.tui.driver import Frame
+
+__all__ = ["EVENT_KINDS", "EventsLog"]
+
+EVENT_KINDS = ("overalloc_release", "evict", "retract", "abort", "finish", "oom", "violation", "bad_op", "dropped",
+               "row_overflow")
+_KIND_STYLE = {
+    "overalloc_release": Style(color="yellow"),
+    "evict": Style(color="cyan"),
+    "retract": Style(color="magenta"),
+    "abort": Style(color="red"),
+    "finish": Style(color="bright_black"),
+    "oom": Style(color="bright_red", bold=True),
+    "violation": Style(color="bright_red", bold=True),
+    "bad_op": Style(color="red", bold=True),
+    "dropped": Style(color="red"),
+    "row_overflow": Style(color="bright_red"),
+    "error": Style(color="white", bgcolor="red", bold=True),
+}
+_HEADER = Style(bold=True, underline=True)
+
+
+def describe(e: StepEvent) -> str:
+    """One line for an event."""
+    who = f"rid {e.rid}" if e.rid is not None else "pool"
+    if e.detail:
+        return f"{who}: {e.detail}"
+    return f"{who}: {e.tokens:,} tokens" if e.tokens else who
+
+
+class EventsLog(VirtualList):
+    """The events of the replay up to the frame's step."""
+
+    class Chosen(Message):
+        """The user chose an event: seek to ``step``."""
+
+        def __init__(self, step: int) -> None:
+            super().__init__()
+            self.step = step
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.kind: str | None = None  # show one kind only
+        self._shown: list[StepEvent] = []
+        self._failures: list[StepEvent] = []
+        self._by_kind: dict[str | None, tuple[int, list[StepEvent], list[int]]] = {}  # scanned, events, steps
+        self._upto_step: int | None = None
+        self._num_events = 0
+
+    def show(self, frame: Frame) -> None:
+        """Show the events of steps up to the frame's step."""
+        self._timeline = frame.timeline
+        self._num_events = frame.num_events
+        self._upto_step = frame.step
+        self._select()
+
+    def add_failure(self, step: int | None, message: str) -> None:
+        """Log an error raised inside the replay (shown after the events)."""
+        from kvtrace.state import StepEvent
+
+        self._failures.append(StepEvent(step if step is not None else -1, "error", None, 0, message))
+        self._select()
+
+    def set_kind(self, kind: str | None) -> None:
+        """Show only ``kind`` (None: every kind)."""
+        self.kind = kind
+        self._select()
+
+    def _select(self) -> None:
+        at_end = self.cursor < 0 or self.cursor >= self.num_rows - 1
+        shown = self._of_kind(self.kind)
+        self._shown = shown + self._failures if self._failures else shown
+        self.num_rows = len(self._shown)
+        self.refresh_rows()
+        if at_end:
+            self.scroll_to_end()
+
+    def _of_kind(self, kind: str | None) -> list[StepEvent]:
+        """The known events of ``kind`` (None: all) up to the step shown, scanning each event once."""
+        import bisect
+
+        timeline = getattr(self, "_timeline", None)
+        if timeline is None or self._upto_step is None:
+            return []
+        scanned, events, steps = self._by_kind.get(kind, (0, [], []))
+        new = timeline.events[scanned : self._num_events]
+        if kind is not None:
+            new = [e for e in new if e.kind == kind]
+        events.extend(new)
+        steps.extend(e.step for e in new)
+        self._by_kind[kind] = (max(scanned, self._num_events), events, steps)
+        return events[: bisect.bisect_right(steps, self._upto_step)]
+
+    def visible_signature(self) -> object:
+        top = int(self.scroll_y)
+        return (top, self.cursor, min(self.num_rows, top + self.page_rows + 1), self.kind, len(self._failures))
+
+    @property
+    def shown(self) -> list[StepEvent]:
+        return self._shown
+
+    def on_activated(self, index: int) -> None:
+        self.post_message(self.Chosen(self._shown[index].step))
+
+    def render_header(self, width: int) -> Strip:
+        title = f"events ({self.kind})" if self.kind else "events (all kinds)"
+        return cells([("step", 8, _HEADER, ">"), ("  " + title, width - 8, _HEADER, "<")], width, self.base_style)
+
+    def render_row(self, index: int, width: int, selected: bool) -> Strip:
+        e = self._shown[index]
+        base = self.base_style + Style(reverse=True) if selected else self.base_style
+        return cells(
+            [(str(e.step), 8, None, ">"), ("  " + e.kind + " ", 21, _KIND_STYLE.get(e.kind), "<"), (describe(e), width, None, "<")],
+            width,
+            base,
+        )

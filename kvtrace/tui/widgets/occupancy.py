@@ -1,0 +1,177 @@
+"""Occupancy over time: the pool stacked by state (committed, over-allocated, cached
+locked, cached evictable, free) step by step, drawn with textual-plot, the peak and
+the current step marked; beside it the current values with percentages.
+
+The chart spans every step replayed so far (the timeline is append-only), one bar
+per column of the plot: each column shows the step of highest use in its range, so
+no peak is lost to downsampling. ``marks`` adds labelled vertical lines (a diff view
+marks its divergence step with one).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from rich.text import Text
+from textual.widgets import Static
+from textual.app import ComposeResult
+from textual.containers import Grid
+from textual.geometry import Region
+from textual.strip import Strip
+from textual_hires_canvas import Canvas
+from textual_plot import PlotWidget
+from textual_plot.axis_formatter import NumericAxisFormatter
+from textual_plot.plot_widget import Legend
+
+from kvtrace.tui.pagemap import SlotState
+from kvtrace.tui.widgets.page_map import STATE_COLORS
+
+if TYPE_CHECKING:
+    from allocator.base import PoolCounters
+    from kvtrace.state import Timeline
+    from kvtrace.tui.driver import Frame
+
+__all__ = ["BANDS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "column_samples"]
+
+# (label, PoolCounters field, colour), bottom to top
+BANDS = (
+    ("committed", "committed", STATE_COLORS[SlotState.COMMITTED]),
+    ("over-allocated", "overallocated", STATE_COLORS[SlotState.OVERALLOCATED]),
+    ("cached locked", "protected", STATE_COLORS[SlotState.CACHED_LOCKED]),
+    ("cached evictable", "evictable", STATE_COLORS[SlotState.CACHED_EVICTABLE]),
+    ("free", "available", STATE_COLORS[SlotState.FREE]),
+)
+
+
+def column_samples(timeline: Timeline, size: int, columns: int) -> np.ndarray:
+    """Indices into the timeline's first ``size`` rows: per column, the row of highest use."""
+    if size <= columns:
+        return np.arange(size)
+    used = timeline.used_tokens(size)
+    edges = np.linspace(0, size, columns + 1).astype(np.int64)
+    return np.array([lo + int(np.argmax(used[lo:hi])) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo])
+
+
+class _TokensFormatter(NumericAxisFormatter):
+    """Axis ticks as 920k / 1.2M."""
+
+    def get_labels_for_ticks(self, ticks: list[float]) -> list[str]:  # noqa: D102
+        return [_short(t) for t in ticks]
+
+
+def _short(value: float) -> str:
+    v = abs(value)
+    if v >= 1e6:
+        return f"{value / 1e6:.3g}M"
+    if v >= 1e3:
+        return f"{value / 1e3:.3g}k"
+    return f"{value:.0f}"
+
+
+class _CachedCanvas(Canvas):
+    """A plot canvas that keeps its drawn lines until it changes: the screen redraws the
+    box around whatever changed, and a chart inside that box need not be drawn again."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._strips: dict[int, Strip] = {}
+
+    def refresh(self, *regions: Region, **kw: bool) -> _CachedCanvas:  # type: ignore[override]
+        self._strips = {}
+        return super().refresh(*regions, **kw)  # type: ignore[return-value]
+
+    def notify_style_update(self) -> None:
+        self._strips = {}
+        super().notify_style_update()
+
+    def render_line(self, y: int) -> Strip:
+        strip = self._strips.get(y)
+        if strip is None:
+            strip = self._strips[y] = super().render_line(y)
+        return strip
+
+
+class QuietPlot(PlotWidget, can_focus=False, inherit_bindings=False):
+    """A plot that takes no keys and no focus (the dashboard's keys stay the dashboard's)
+    and draws its canvases from a cache."""
+
+    BINDINGS = []
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, allow_pan_and_zoom=False)
+
+    def compose(self) -> ComposeResult:
+        # PlotWidget's own layout, with caching canvases.
+        with Grid():
+            for canvas_id in ("margin-top", "margin-left", "plot", "margin-bottom"):
+                yield _CachedCanvas(1, 1, id=canvas_id)
+        yield Legend(id="legend")
+
+
+class OccupancyChart(QuietPlot):
+    """The stacked occupancy chart."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.marks: dict[str, tuple[int, str]] = {}  # label -> (step, colour)
+        self.shown_step: int | None = None
+
+    def on_mount(self) -> None:
+        self.set_y_formatter(_TokensFormatter())
+        self.set_xlabel("step")
+
+    def show(self, frame: Frame) -> None:
+        """Draw the timeline of ``frame`` with its step marked."""
+        timeline, size = frame.timeline, frame.timeline_size
+        self.shown_step = frame.step
+        self.clear()
+        if size == 0:
+            return
+        idx = column_samples(timeline, size, max(self.size.width - 10, 8))
+        steps = timeline.steps[idx].astype(np.float64)
+        width = float(max((steps[-1] - steps[0]) / max(len(steps) - 1, 1), 1.0))
+        stacked = np.zeros(len(idx), np.int64)
+        tops = []
+        for _, field, colour in BANDS:
+            stacked = stacked + timeline.column(field, size)[idx]
+            tops.append((stacked.copy(), colour))
+        for top, colour in reversed(tops):  # tallest first: each band drawn over the one above
+            self.bar(steps, top, width=width, bar_style=colour)
+        pool = int(timeline.column("pool_tokens", size).max())
+        self.set_ylimits(0, pool)
+        self.set_xlimits(float(steps[0]) - width / 2, float(steps[-1]) + width / 2)
+        peak = frame.peak()
+        if peak is not None:
+            self.add_v_line(peak[0], "bold red")
+        for step, colour in self.marks.values():
+            self.add_v_line(step, colour)
+        if frame.step is not None:
+            self.add_v_line(frame.step, "bold white")
+
+
+class OccupancyLegend(Static):
+    """Current occupancy by state, with percentages, and the peak so far."""
+
+    def show(self, frame: Frame) -> None:
+        pool = frame.pool
+        if pool is None:
+            self.update("no step replayed yet")
+            return
+        self.update(legend_table(pool, frame.peak(), frame.step), layout=False)  # fixed size (tcss)
+
+
+def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | None) -> Text:
+    """The legend: one line per band, then used, the peak and the running requests."""
+    total = max(pool.pool_tokens, 1)
+    lines = []
+    for label, field, colour in reversed(BANDS):
+        value = getattr(pool, field)
+        lines.append(Text.assemble(("█ ", colour), f"{label:<17}{value:>10,} {100 * value / total:6.1f}%"))
+    used = pool.used_tokens
+    lines.append(Text(f"{'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
+    if peak is not None:
+        lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
+        lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
+    lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
+    return Text("\n").join(lines)

@@ -1,0 +1,128 @@
+"""The page map: the pool as a grid, one cell per group of pages, coloured by the state
+holding most of its slots; the selected request's cells stand out; clicking a cell
+asks for its pages and owners."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import events
+from textual.message import Message
+from textual.strip import Strip
+from textual.widget import Widget
+
+from kvtrace.tui.pagemap import STATE_LABELS, SlotState
+
+if TYPE_CHECKING:
+    from kvtrace.tui.pagemap import PageCells
+
+__all__ = ["STATE_COLORS", "PageMap", "legend"]
+
+STATE_COLORS = {
+    SlotState.FREE: "grey23",
+    SlotState.COMMITTED: "green",
+    SlotState.OVERALLOCATED: "yellow",
+    SlotState.PAGE_TAIL: "dark_khaki",
+    SlotState.CACHED_EVICTABLE: "dodger_blue2",
+    SlotState.CACHED_LOCKED: "purple",
+    SlotState.RESERVED: "grey50",
+    SlotState.UNOWNED: "bright_red",
+}
+_STYLES = {s: Style(color=c) for s, c in STATE_COLORS.items()}
+_HIGHLIGHT = Style(color="bright_white", bgcolor="magenta", bold=True)
+_SELECTED = Style(color="black", bgcolor="bright_white", bold=True)
+
+
+def legend(states: tuple[SlotState, ...] = tuple(SlotState)[:6]) -> Text:
+    """A one-line colour key."""
+    text = Text()
+    for s in states:
+        text.append("█ ", style=STATE_COLORS[s])
+        text.append(STATE_LABELS[s] + "  ")
+    return text
+
+
+class PageMap(Widget):
+    """A grid of ``PageCells``, one character per cell, row by row."""
+
+    class Resized(Message):
+        """The map now has room for ``num_cells`` cells."""
+
+        def __init__(self, num_cells: int) -> None:
+            super().__init__()
+            self.num_cells = num_cells
+
+    class CellClicked(Message):
+        """The user clicked cell ``index``."""
+
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index = index
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.cells: PageCells | None = None
+        self.selected_cell: int | None = None
+        self._chars: list[tuple[str, Style]] = []
+        self._lines: dict[tuple[int, int], Strip] = {}  # (y, width) -> the line drawn
+
+    def show(self, cells: PageCells | None) -> None:
+        """Draw ``cells`` (None: nothing to draw yet)."""
+        if cells is self.cells:
+            return
+        self.cells = cells
+        self._chars = []
+        if cells is not None:
+            dominant = cells.dominant.tolist()
+            marked = cells.highlight.tolist()
+            self._chars = [("▒", _HIGHLIGHT) if hot else ("█", _STYLES[SlotState(d)]) for d, hot in zip(dominant, marked)]
+        self._lines = {}
+        self.refresh()
+
+    @property
+    def num_cells(self) -> int:
+        return self.size.width * self.size.height
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.num_cells:
+            self.post_message(self.Resized(self.num_cells))
+
+    def cell_at(self, x: int, y: int) -> int | None:
+        """The cell index drawn at (x, y), if any."""
+        index = y * self.size.width + x
+        return index if 0 <= x < self.size.width and 0 <= index < len(self._chars) else None
+
+    def on_click(self, event: events.Click) -> None:
+        index = self.cell_at(event.x, event.y)
+        if index is not None:
+            self.selected_cell = index
+            self._lines = {}
+            self.refresh()
+            self.post_message(self.CellClicked(index))
+
+    def render_line(self, y: int) -> Strip:
+        key = (y, self.size.width)
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = self._render_line(y)
+        return line
+
+    def _render_line(self, y: int) -> Strip:
+        width = self.size.width
+        start = y * width
+        row = list(self._chars[start : start + width])
+        sel = self.selected_cell
+        if sel is not None and start <= sel < start + len(row):
+            row[sel - start] = ("◆", _SELECTED)
+        segments: list[Segment] = []
+        for char, style in row:  # one segment per run of a style
+            if segments and segments[-1].style is style:
+                segments[-1] = Segment(segments[-1].text + char, style)
+            else:
+                segments.append(Segment(char, style))
+        if len(row) < width:
+            segments.append(Segment(" " * (width - len(row))))
+        return Strip(segments, width)

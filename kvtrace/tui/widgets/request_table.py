@@ -1,0 +1,290 @@
+"""The requests table: one row per request seen, sortable, filterable, virtualised.
+
+Columns: id, phase, an inline bar of used (committed) and over-allocated slots
+scaled to the largest allocation shown, used, allocated, over-allocated, pages,
+prefix hit, admitted step. The selection follows its request across steps; a
+request whose over-allocation was just released flashes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+from rich.style import Style
+from textual.message import Message
+from textual.strip import Strip
+
+from kvtrace.snapshot import PHASES
+from kvtrace.tui.widgets.virtual_list import VirtualList, cells
+
+if TYPE_CHECKING:
+    from kvtrace.tui.driver import Frame, RequestColumns
+
+__all__ = ["SORT_KEYS", "RequestFilter", "RequestTable"]
+
+SORT_KEYS = ("id", "phase", "used", "allocated", "over", "pages", "prefix", "admitted")
+_WIDTHS = (7, 10, 14, 9, 11, 7, 7, 8, 10)
+_HEADERS = ("id", "phase", "used|over", "used", "allocated", "over", "pages", "prefix", "admitted")
+_SORT_COLUMN = {0: "id", 1: "phase", 3: "used", 4: "allocated", 5: "over", 6: "pages", 7: "prefix", 8: "admitted"}
+_PHASE_STYLE = {
+    "waiting": Style(color="bright_black"),
+    "prefill": Style(color="cyan"),
+    "decode": Style(color="green"),
+    "spec": Style(color="bright_green"),
+    "finished": Style(color="bright_black"),
+    "retracted": Style(color="yellow"),
+    "aborted": Style(color="red"),
+    "dropped": Style(color="bright_red"),
+}
+FLASH_S = 1.0
+_USED = Style(color="green")
+_OVER = Style(color="yellow")
+_CURSOR = Style(reverse=True)
+_FLASH = Style(bgcolor="dark_orange3", color="white", bold=True)
+_HEADER = Style(bold=True, underline=True)
+
+
+class RequestFilter(NamedTuple):
+    """A parsed ``/`` filter: phase names, ``live``, ``over`` (over-allocated > 0),
+    request ids and id ranges ``A-B``; a request matches every kind of term given
+    (ids and phases: any of them)."""
+
+    phases: frozenset[int]
+    live: bool
+    over: bool
+    ids: tuple[tuple[int, int], ...]  # inclusive ranges
+
+    @classmethod
+    def parse(cls, text: str) -> RequestFilter:
+        """Raises ValueError naming a term that is none of those."""
+        phases: set[int] = set()
+        ids: list[tuple[int, int]] = []
+        live = over = False
+        for term in text.lower().split():
+            if term in PHASES:
+                phases.add(PHASES.index(term))
+            elif term == "live":
+                live = True
+            elif term == "over":
+                over = True
+            elif term.isdigit():
+                ids.append((int(term), int(term)))
+            elif "-" in term and all(p.isdigit() for p in term.split("-", 1)):
+                lo, hi = (int(p) for p in term.split("-", 1))
+                ids.append((min(lo, hi), max(lo, hi)))
+            else:
+                raise ValueError(f"'{term}' is not a phase ({', '.join(PHASES)}), live, over, an id or A-B")
+        return cls(frozenset(phases), live, over, tuple(ids))
+
+    def mask(self, req: RequestColumns) -> np.ndarray:
+        """Bool per request id: seen and matching."""
+        m = req.phase >= 0
+        if self.phases:
+            m &= np.isin(req.phase, list(self.phases))
+        if self.live:
+            m &= (req.allocated > 0) & (req.phase <= PHASES.index("spec"))
+        if self.over:
+            m &= req.allocated > req.committed
+        if self.ids:
+            rid = np.arange(req.size)
+            m &= np.logical_or.reduce([(rid >= lo) & (rid <= hi) for lo, hi in self.ids])
+        return m
+
+
+class RequestTable(VirtualList):
+    """The requests at the frame shown."""
+
+    class Selected(Message):
+        """The selection moved to request ``rid`` (None: cleared)."""
+
+        def __init__(self, rid: int | None) -> None:
+            super().__init__()
+            self.rid = rid
+
+    class Opened(Message):
+        """Enter on request ``rid`` (show its detail)."""
+
+        def __init__(self, rid: int) -> None:
+            super().__init__()
+            self.rid = rid
+
+    def __init__(self, *, id: str | None = None, clock: Callable[[], float] | None = None) -> None:
+        super().__init__(id=id)
+        self.sort_key = "id"
+        self.descending = False
+        self.filter = RequestFilter.parse("")
+        self.filter_text = ""
+        self.selected_rid: int | None = None
+        self._req: RequestColumns | None = None
+        self._order = np.zeros(0, np.int64)
+        self._scale = 1
+        self._flash: dict[int, float] = {}
+        self._clock_fn = clock
+
+    def _clock(self) -> float:
+        """The app's clock (``KvtraceApp.clock``; tests fix it), else the monotonic one."""
+        if self._clock_fn is not None:
+            return self._clock_fn()
+        return float(getattr(self.app, "clock", time.monotonic)())
+
+    # ------------------------------------------------------------------ data
+    def show(self, frame: Frame) -> None:
+        """Show the requests of ``frame`` (keeping the selected request selected)."""
+        self._req = frame.requests
+        now = self._clock()
+        for rid in frame.released:
+            self._flash[rid] = now + FLASH_S
+        self._resort()
+
+    def set_sort(self, key: str, descending: bool | None = None) -> None:
+        """Sort by ``key`` (one of ``SORT_KEYS``); the same key again reverses."""
+        if descending is None:
+            descending = (not self.descending) if key == self.sort_key else key != "id"
+        self.sort_key, self.descending = key, descending
+        self._resort()
+
+    def cycle_sort(self) -> None:
+        self.set_sort(SORT_KEYS[(SORT_KEYS.index(self.sort_key) + 1) % len(SORT_KEYS)])
+
+    def set_filter(self, text: str) -> None:
+        """Raises ValueError for a term the filter does not know (the filter stays as it was)."""
+        self.filter = RequestFilter.parse(text)
+        self.filter_text = text.strip()
+        self._resort()
+
+    def _sort_values(self, req: RequestColumns, rids: np.ndarray) -> np.ndarray:
+        key = self.sort_key
+        if key == "id":
+            return rids
+        if key == "phase":
+            return req.phase[rids]
+        if key == "used":
+            return req.committed[rids]
+        if key == "allocated":
+            return req.allocated[rids]
+        if key == "over":
+            return req.allocated[rids] - req.committed[rids]
+        if key == "pages":
+            return -(-req.allocated[rids] // req.page_size)
+        if key == "prefix":
+            return req.prefix_hit[rids]
+        return req.admitted_step[rids]
+
+    def _resort(self) -> None:
+        req = self._req
+        if req is None:
+            return
+        rids = np.flatnonzero(self.filter.mask(req))
+        values = self._sort_values(req, rids)
+        if self.sort_key == "id":
+            order = rids[::-1] if self.descending else rids
+        else:
+            idx = np.lexsort((rids, -values if self.descending else values))
+            order = rids[idx]
+        self._order = order
+        self._scale = max(int(req.allocated[order].max()) if order.shape[0] else 1, 1)
+        self.num_rows = int(order.shape[0])
+        self.refresh_rows()
+        self._follow()
+
+    def _follow(self) -> None:
+        if self.selected_rid is None:
+            self.cursor = -1
+            return
+        hit = np.flatnonzero(self._order == self.selected_rid)
+        self.cursor = int(hit[0]) if hit.shape[0] else -1
+        if self.cursor >= 0:
+            self.scroll_to_row(self.cursor)
+
+    def select_rid(self, rid: int | None) -> None:
+        """Select request ``rid`` (and scroll to it when the filter shows it)."""
+        self.selected_rid = rid
+        self._follow()
+        self._drawn = None
+        self.refresh()
+        self.post_message(self.Selected(rid))
+
+    @property
+    def shown_rids(self) -> np.ndarray:
+        """Request ids in display order."""
+        return self._order
+
+    @property
+    def flashing(self) -> set[int]:
+        now = self._clock()
+        return {rid for rid, until in self._flash.items() if until > now}
+
+    # ------------------------------------------------------------------ VirtualList hooks
+    def visible_signature(self) -> object:
+        req = self._req
+        if req is None:
+            return None
+        top = int(self.scroll_y)
+        rids = self._order[top : top + self.page_rows]
+        now = self._clock()
+        flashing = tuple(int(r) for r in rids if self._flash.get(int(r), 0.0) > now)
+        return (top, self.cursor, self.num_rows, self.sort_key, self.descending, self._scale, flashing,
+                rids.tobytes(), req.allocated[rids].tobytes(), req.committed[rids].tobytes(),
+                req.phase[rids].tobytes(), req.prefix_hit[rids].tobytes(), req.admitted_step[rids].tobytes())
+
+    def on_mount(self) -> None:
+        self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
+
+    def on_cursor_moved(self, index: int) -> None:
+        self.select_rid(int(self._order[index]))
+
+    def on_activated(self, index: int) -> None:
+        self.post_message(self.Opened(int(self._order[index])))
+
+    def on_header_click(self, x: int) -> None:
+        edge = 0
+        for col, w in enumerate(_WIDTHS):
+            edge += w
+            if x < edge:
+                if col in _SORT_COLUMN:
+                    self.set_sort(_SORT_COLUMN[col])
+                return
+
+    def render_header(self, width: int) -> Strip:
+        arrow = "↓" if self.descending else "↑"
+        parts = []
+        for col, (name, w) in enumerate(zip(_HEADERS, _WIDTHS)):
+            label = name + (arrow if _SORT_COLUMN.get(col) == self.sort_key else "")
+            parts.append((label, w, _HEADER, ">" if col >= 3 else "<"))
+        return cells(parts, width, self.base_style)
+
+    def render_row(self, index: int, width: int, selected: bool) -> Strip:
+        req = self._req
+        assert req is not None
+        rid = int(self._order[index])
+        alloc = int(req.allocated[rid])
+        used = int(req.committed[rid])
+        over = alloc - used
+        phase = PHASES[int(req.phase[rid])]
+        admitted = int(req.admitted_step[rid])
+        until = self._flash.get(rid)
+        base = self.base_style
+        if until is not None and until > self._clock():  # type: ignore[operator]
+            base = base + _FLASH
+        if selected:
+            base = base + _CURSOR
+        bar_w = _WIDTHS[2] - 2
+        n_used = used * bar_w // self._scale
+        n_over = max(alloc * bar_w // self._scale - n_used, 1 if over > 0 else 0)
+        parts = [
+            (str(rid), _WIDTHS[0], None, "<"),
+            (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
+            ("█" * n_used, n_used, _USED, "<"),
+            ("█" * n_over, n_over, _OVER, "<"),
+            ("", _WIDTHS[2] - n_used - n_over, None, "<"),
+            (f"{used:,}", _WIDTHS[3], None, ">"),
+            (f"{alloc:,}", _WIDTHS[4], None, ">"),
+            (f"{over:,}" if over else "·", _WIDTHS[5], _OVER if over else None, ">"),
+            (f"{-(-alloc // req.page_size):,}", _WIDTHS[6], None, ">"),
+            (f"{int(req.prefix_hit[rid]):,}", _WIDTHS[7], None, ">"),
+            (str(admitted) if admitted >= 0 else "·", _WIDTHS[8], None, ">"),
+        ]
+        return cells(parts, width, base)

@@ -1,0 +1,174 @@
+"""A virtualised list with a pinned header line and a cursor (base of the request table
+and the events log): only the rows on screen are rendered, so 12,000 rows scroll as
+fast as 12."""
+
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
+from textual.binding import Binding
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+__all__ = ["VirtualList"]
+
+
+class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
+    """Rows ``0..num_rows`` drawn by ``render_row``; line 0 is the header (``render_header``).
+
+    Subclasses set ``num_rows`` (then ``refresh_rows()``) and implement the two render
+    methods; ``cursor`` is the selected row (-1: none); ``on_cursor_moved`` and
+    ``on_activated`` (enter, or a click on the selected row) are the hooks.
+    """
+
+    BINDINGS = [
+        Binding("up", "cursor(-1)", "Up", show=False),
+        Binding("down", "cursor(1)", "Down", show=False),
+        Binding("pageup", "cursor(-20)", "Page up", show=False),
+        Binding("pagedown", "cursor(20)", "Page down", show=False),
+        Binding("home", "cursor_to(0)", "First", show=False),
+        Binding("end", "cursor_to(-1)", "Last", show=False),
+    ]
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.num_rows = 0
+        self.cursor = -1
+        self._drawn: object = None  # visible_signature() of what is on screen
+        self._base: Style | None = None  # rich_style, cached (computing it per line is slow)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def render_header(self, width: int) -> Strip:
+        return Strip.blank(width)
+
+    def render_row(self, index: int, width: int, selected: bool) -> Strip:
+        return Strip.blank(width)
+
+    def visible_signature(self) -> object:
+        """A value that changes whenever the rows on screen would look different (None:
+        always redraw). ``refresh_rows`` skips the redraw when it did not change."""
+        return None
+
+    def on_cursor_moved(self, index: int) -> None:
+        """The cursor moved to ``index`` (by key or mouse)."""
+
+    def on_activated(self, index: int) -> None:
+        """Enter on, or a second click of, row ``index``."""
+
+    # ------------------------------------------------------------------ rows
+    def refresh_rows(self) -> None:
+        """Call after ``num_rows`` or the rows' content changed (redraws only if what is on
+        screen changed)."""
+        # The virtual height grows in steps (a change re-lays the screen out); rows past
+        # num_rows draw blank.
+        height = self.virtual_size.height
+        if self.num_rows + 1 > height or self.num_rows + 1 < height // 2:
+            self.virtual_size = Size(self.scrollable_content_region.width, self.num_rows + 1 + self.num_rows // 4)
+        if self.cursor >= self.num_rows:
+            self.cursor = self.num_rows - 1
+        drawn = self.visible_signature()
+        if drawn is None or drawn != self._drawn:
+            self._drawn = drawn
+            self.refresh()
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        self._drawn = None
+        super().watch_scroll_y(old, new)
+
+    @property
+    def page_rows(self) -> int:
+        return max(self.scrollable_content_region.height - 1, 1)
+
+    def scroll_to_row(self, index: int) -> None:
+        """Scroll so that row ``index`` is visible."""
+        top = int(self.scroll_y)
+        if index < top:
+            self.scroll_to(y=index, animate=False)
+        elif index >= top + self.page_rows:
+            self.scroll_to(y=index - self.page_rows + 1, animate=False)
+
+    def scroll_to_end(self) -> None:
+        """Scroll so that the last row is on the bottom line."""
+        self.scroll_to(y=max(self.num_rows - self.page_rows, 0), animate=False)
+
+    def move_cursor(self, index: int, notify: bool = True) -> None:
+        """Put the cursor on row ``index`` (clamped) and keep it visible."""
+        if self.num_rows == 0:
+            self.cursor = -1
+            return
+        index = min(max(index, 0), self.num_rows - 1)
+        changed = index != self.cursor
+        self.cursor = index
+        self.scroll_to_row(index)
+        self._drawn = None
+        self.refresh()
+        if changed and notify:
+            self.on_cursor_moved(index)
+
+    def action_cursor(self, delta: int) -> None:
+        self.move_cursor((self.cursor if self.cursor >= 0 else 0) + delta if self.cursor >= 0 else 0)
+
+    def action_cursor_to(self, index: int) -> None:
+        self.move_cursor(self.num_rows - 1 if index < 0 else index)
+
+    def key_enter(self, event: events.Key) -> None:
+        if self.cursor >= 0:
+            event.stop()
+            self.on_activated(self.cursor)
+
+    def on_click(self, event: events.Click) -> None:
+        if event.y == 0:
+            self.on_header_click(event.x)
+            return
+        index = int(self.scroll_y) + event.y - 1
+        if 0 <= index < self.num_rows:
+            again = index == self.cursor
+            self.move_cursor(index)
+            if again or event.chain > 1:
+                self.on_activated(index)
+
+    def on_header_click(self, x: int) -> None:
+        """A click on the header at column ``x``."""
+
+    def on_resize(self) -> None:
+        self._drawn = None
+        self.refresh_rows()
+
+    # ------------------------------------------------------------------ Line API
+    @property
+    def base_style(self) -> Style:
+        """The widget's Rich style (cached until the CSS changes)."""
+        if self._base is None:
+            self._base = self.rich_style
+        return self._base
+
+    def notify_style_update(self) -> None:
+        self._base = None
+        super().notify_style_update()
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        if y == 0:
+            return self.render_header(width)
+        index = int(self.scroll_y) + y - 1
+        if index >= self.num_rows:
+            return Strip([Segment(" " * width, self.base_style)], width)
+        return self.render_row(index, width, index == self.cursor)
+
+
+def cells(parts: list[tuple[str, int, Style | None, str]], width: int, base: Style | None = None) -> Strip:
+    """A line of fixed-width columns: (text, width, style, align '<' or '>')."""
+    segments: list[Segment] = []
+    used = 0
+    for text, w, style, align in parts:
+        if used >= width:
+            break
+        w = min(w, width - used)
+        body = text[:w].rjust(w) if align == ">" else text[:w].ljust(w)
+        segments.append(Segment(body, (base + style) if (base and style) else (style or base)))
+        used += w
+    if used < width:
+        segments.append(Segment(" " * (width - used), base))
+    return Strip(segments, width)

@@ -1,0 +1,75 @@
+"""Shared set-up of the dashboard tests: apps over the tiny sample, paused, and a helper
+that waits until the replay thread has shown a given step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtrace.session import ReplaySession
+from kvtrace.statelog import StateLogWriter
+from kvtrace.tui.app import KvtraceApp
+from kvtrace.tui.sources import LiveSource, LogSource
+
+TINY = "sample:tiny"
+SIZE = (160, 48)
+
+
+def live_app(trace: str = TINY, *, play: bool = False, fixed_clock: bool = False, **session_kw: object) -> KvtraceApp:
+    """A dashboard over a live session of ``trace`` (screened inline: no child process)."""
+    session_kw.setdefault("checkpoint_every", 20)
+    session = ReplaySession(trace, track_state=True, screen="inline", **session_kw)  # type: ignore[arg-type]
+    if fixed_clock:
+        return KvtraceApp(LiveSource(session), play=play, clock=lambda: 0.0)
+    return KvtraceApp(LiveSource(session), play=play)
+
+
+async def settle(pilot, until: Callable[[KvtraceApp], bool], timeout_s: float = 20.0) -> None:  # noqa: ANN001
+    """Let the replay thread work until ``until(app)`` holds (fails after ``timeout_s``)."""
+    import time
+
+    app = pilot.app
+    t0 = time.monotonic()
+    while not (app.frame is not None and until(app)):
+        if time.monotonic() - t0 > timeout_s:
+            step = app.frame.step if app.frame is not None else None
+            raise AssertionError(f"the dashboard did not settle in {timeout_s} s (frame step {step})")
+        await pilot.pause(0.02)
+    await pilot.pause()
+
+
+def at_step(step: int) -> Callable[[KvtraceApp], bool]:
+    return lambda app: app.frame.step == step and not app.frame.playing
+
+
+@pytest.fixture(scope="session")
+def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A state log of the tiny sample (small batches, so seeks cross several)."""
+    path = tmp_path_factory.mktemp("logs") / "tiny.log"
+    with ReplaySession(TINY, screen="inline") as s:
+        info = {"trace": TINY, "allocator": s.version.spec, "config": {"page_size": s.config.page_size,
+                                                                       "pool_tokens": s.config.pool_tokens}}
+        with StateLogWriter(path, info, steps_per_batch=16) as log:
+            for snap in s.snapshots():
+                log.write(snap)
+    return path
+
+
+def log_app(path: Path, **kw: object) -> KvtraceApp:
+    from kvtrace.logsession import StateLogSession
+
+    return KvtraceApp(LogSource(StateLogSession(path), label=path.name), play=False, **kw)  # type: ignore[arg-type]
+
+
+def text_of(widget: object) -> str:
+    """The plain text a Static shows (strings, Rich Text or tables)."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=300, file=io.StringIO(), color_system=None)
+    with console.capture() as cap:
+        console.print(getattr(widget, "content"))
+    return cap.get()

@@ -1,0 +1,199 @@
+"""Pilot tests: every key of the dashboard and every mouse selection, on the tiny sample."""
+
+from __future__ import annotations
+
+from kvtrace.tui.screens import GotoScreen, HelpScreen, RequestDetailScreen
+from kvtrace.tui.widgets.events_log import EventsLog
+from kvtrace.tui.widgets.page_map import PageMap
+from kvtrace.tui.widgets.request_table import RequestTable
+from tests.tui.conftest import SIZE, at_step, live_app, log_app, settle, text_of
+
+
+async def test_stepping_keys_and_seeking_back() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("right")
+        await settle(pilot, at_step(0))
+        for _ in range(4):
+            await pilot.press("right")
+        await settle(pilot, at_step(4))
+        await pilot.press("left")
+        await settle(pilot, at_step(3))
+        await pilot.press("shift+right")
+        await settle(pilot, at_step(103))
+        await pilot.press("shift+left")
+        await settle(pilot, at_step(3))
+        # going back restored a checkpoint: the fold equals a straight replay to step 3
+        from kvtrace.session import ReplaySession
+
+        with ReplaySession("sample:tiny", track_state=True, screen="inline") as ref:
+            ref.seek(3)
+            assert app.source.state.table() == ref.state.table()
+
+
+async def test_space_plays_to_the_end_and_pauses() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, lambda a: not a.frame.playing)
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.done)
+        assert app.frame.step == 138
+        await pilot.press("left")
+        await settle(pilot, at_step(137))
+        await pilot.press("space")  # plays again from 137
+        await settle(pilot, lambda a: a.frame.done and a.frame.step == 138)
+
+
+async def test_speed_keys_change_the_pace() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.driver.speed is None  # as fast as it goes
+        await pilot.press("minus")
+        await pilot.press("minus")
+        await settle(pilot, lambda a: a.frame.speed == 1_000.0)
+        await pilot.press("plus")
+        await settle(pilot, lambda a: a.frame.speed == 10_000.0)
+        header = text_of(app.main.query_one("#header"))
+        assert "10,000×" in header
+
+
+async def test_goto_peak_and_event_keys() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g")
+        assert isinstance(app.screen, GotoScreen)
+        await pilot.press(*"120", "enter")
+        await settle(pilot, at_step(120))
+        peak = app.frame.peak()
+        assert peak is not None
+        await pilot.press("P")
+        await settle(pilot, at_step(peak[0]))
+        events = app.frame.events()
+        later = [e.step for e in app.frame.timeline.events[: app.frame.num_events] if e.step > peak[0]]
+        assert later, "the tiny sample has events after its peak"
+        await pilot.press("n")
+        await settle(pilot, at_step(later[0]))
+        earlier = [e.step for e in events if e.step < later[0]]
+        await pilot.press("N")
+        await settle(pilot, at_step(earlier[-1]))
+        log = app.main.query_one(EventsLog)
+        await pilot.press("k")  # the events log shows one kind; n follows it
+        assert log.kind == "overalloc_release"
+        assert all(e.kind == "overalloc_release" for e in log.shown)
+
+
+async def test_o_jumps_to_the_first_oom() -> None:
+    # A pool too small for the tiny sample: the replay stops at an out-of-memory.
+    app = live_app(pool_tokens=640)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.done)
+        ooms = [e for e in app.frame.events() if e.kind == "oom"]
+        assert ooms, "a 640-token pool runs out"
+        await pilot.press("shift+left")
+        await settle(pilot, lambda a: not a.frame.done)
+        await pilot.press("o")
+        await settle(pilot, at_step(ooms[0].step))
+        assert any(n.severity == "error" and "oom" in n.message for n in app._notifications)
+
+
+async def test_filter_sort_and_reverse_keys() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("shift+right")
+        await settle(pilot, at_step(99))
+        table = app.main.query_one(RequestTable)
+        everyone = len(table.shown_rids)
+        await pilot.press("slash")
+        await pilot.press(*"finished", "enter")
+        await pilot.pause()
+        req = app.frame.requests
+        assert 0 < len(table.shown_rids) < everyone
+        assert all(req.phase[r] == 4 for r in table.shown_rids)
+        await pilot.press("slash")
+        await pilot.press("ctrl+a", "ctrl+k", *"nonsense", "enter")  # a bad term: warned, filter kept
+        await pilot.pause()
+        assert table.filter_text == "finished"
+        await pilot.press("escape")
+        await pilot.press("s")  # id -> phase
+        assert table.sort_key == "phase"
+        await pilot.press("s", "s")  # -> used -> allocated (largest first)
+        assert table.sort_key == "allocated" and table.descending
+        await pilot.press("r")
+        assert not table.descending
+
+
+async def test_enter_opens_the_request_detail_with_its_history() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("shift+right")
+        await settle(pilot, at_step(99))
+        await pilot.press("enter")  # nothing selected: a hint, no screen
+        assert not isinstance(app.screen, RequestDetailScreen)
+        table = app.main.query_one(RequestTable)
+        table.focus()
+        await pilot.press("down")  # selects the first row
+        await pilot.pause()
+        rid = table.selected_rid
+        assert rid is not None
+        await pilot.press("enter")
+        assert isinstance(app.screen, RequestDetailScreen)
+        screen = app.screen
+        await settle(pilot, lambda a: "steps changed it" in text_of(screen.query_one("#detail-events")))
+        await settle(pilot, at_step(99))  # back where it was after replaying the request's life
+        await pilot.press("escape")
+        assert not isinstance(app.screen, RequestDetailScreen)
+
+
+async def test_help_and_quit_keys() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_mouse_selects_rows_cells_events_and_sorts() -> None:
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("shift+right")
+        await settle(pilot, at_step(99))
+        table = app.main.query_one(RequestTable)
+        # a click on a row selects its request; the page map highlights its cells
+        live = [int(r) for r in table.shown_rids if app.frame.requests.allocated[r] > 0]
+        row = [int(r) for r in table.shown_rids].index(live[0])
+        await pilot.click(RequestTable, offset=(2, row + 1))
+        assert table.selected_rid == live[0]
+        await settle(pilot, lambda a: a.frame.selected_rid == live[0] and a.frame.page_cells is not None
+                     and bool(a.frame.page_cells.highlight.any()))
+        # a click on the header sorts by that column
+        await pilot.click(RequestTable, offset=(40, 0))
+        assert table.sort_key == "allocated"
+        # a click on a page-map cell shows its pages and owners
+        await pilot.click(PageMap, offset=(0, 0))
+        await settle(pilot, lambda a: "pages " in text_of(a.main.query_one("#cell-info")))
+        # a click on an event (twice: select, then choose) seeks to its step
+        log = app.main.query_one(EventsLog)
+        first = log.shown[0].step
+        await pilot.click(EventsLog, offset=(5, 1))
+        await pilot.click(EventsLog, offset=(5, 1))
+        await settle(pilot, at_step(first))
+
+
+async def test_view_of_a_state_log_steps_and_seeks(tiny_log) -> None:  # noqa: ANN001
+    app = log_app(tiny_log)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("shift+right")
+        await settle(pilot, at_step(99))
+        await pilot.press("left")
+        await settle(pilot, at_step(98))
+        assert not app.source.info.live
+        cells = app.frame.page_cells
+        assert cells is not None and not cells.positional
+        assert int(cells.tokens.sum()) == app.frame.pool.pool_tokens
+        await pilot.click(PageMap, offset=(0, 0))
+        await settle(pilot, lambda a: "no slot positions" in text_of(a.main.query_one("#cell-info")))

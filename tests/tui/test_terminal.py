@@ -1,0 +1,64 @@
+"""The real ``kvtrace`` entry point in a pseudo-terminal: the dashboard starts, steps on
+→, and quits with q (exit 0)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+KVTRACE = Path(sys.executable).parent / "kvtrace"
+
+
+def _read_until(fd: int, needle: bytes, timeout_s: float, seen: bytearray) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return needle in seen
+            if not chunk:
+                return needle in seen
+            seen.extend(chunk)
+            if needle in seen:
+                return True
+    return needle in seen
+
+
+def test_kvtrace_replay_tui_in_a_terminal_steps_and_quits() -> None:
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "140", "LINES": "40"}
+    proc = subprocess.Popen(
+        [str(KVTRACE), "replay", "sample:tiny", "--tui"],
+        stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True, start_new_session=True,
+    )
+    os.close(slave)
+    seen = bytearray()
+    try:
+        assert _read_until(master, b"sample:tiny", 90, seen), bytes(seen[-2000:])
+        os.write(master, b" ")  # pause (it starts playing)
+        assert _read_until(master, b"paused", 30, seen), bytes(seen[-2000:])
+        os.write(master, b"\x1b[C")  # → one step
+        assert _read_until(master, b"step", 30, seen), bytes(seen[-2000:])
+        time.sleep(0.5)
+        os.write(master, b"q")
+        end = time.monotonic() + 90  # exiting closes the replay thread, its screen process, torch
+        while proc.poll() is None and time.monotonic() < end:
+            _read_until(master, b"\x00never", 0.5, seen)  # keep draining the terminal
+        proc.wait(timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert proc.returncode == 0, bytes(seen[-2000:])
