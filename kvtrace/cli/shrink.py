@@ -98,6 +98,8 @@ def shrink(
         result = shrink_trace(trace, oracle, page_size=page_size, pool_tokens=pool_tokens, jobs=jobs,
                               max_time=max_time, on_progress=progress, command=command_text)
     summary = result.to_dict()
+    if result.confirmed is not None and not result.confirmed.reproduced:
+        ui.warn(f"the shrunk trace did not fail again when judged once more: {result.confirmed.detail}")
     if result.reproduced:
         if target_out is not None:
             with target_out.writing() as tmp:

@@ -18,8 +18,9 @@ An out-of-memory candidate with fewer requests is judged at the pool that just
 fails to hold it (``kvtrace.shrink.oracle``), so removing requests and shrinking
 the pool go together. The phases repeat until none makes progress, the deadline
 passes, or Ctrl-C.
-Delta debugging here removes chunks of 1/n of the units and halves the chunks
-when no removal reproduces (Zeller's ddmin on complements).
+
+Delta debugging here removes one of n chunks of the units at a time, from n = 2,
+and doubles n when no removal reproduces (Zeller's ddmin on complements).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Search:
         runner: judges candidates.
         failure: the failure found on the input (its request guides the first guesses).
         page_size: the page size the versions replay with.
+        best: the candidate to start from (it must fail).
         on_change: called with the phase name whenever the best candidate or phase changes.
     """
 
@@ -210,8 +212,8 @@ class Search:
                 lo = probes[-1]
                 continue
             lo = probes[hit - 1] if hit > 0 else lo
-            hi = probes[hit]
             self._accept(cands[hit], outcomes[hit])
+            hi = self.best.pool_tokens or probes[hit]  # an out-of-memory may have failed lower still
             progressed = True
         return progressed
 

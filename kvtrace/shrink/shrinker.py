@@ -79,7 +79,6 @@ class ShrinkResult:
     wall_s: float
     stopped: Stopped
     jobs: int
-    page_size: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -207,8 +206,7 @@ def shrink_trace(
                                                page_size, pool_tokens, command, Path(workdir))
     return ShrinkResult(
         trace, oracle, found, "", before, table.size(best), data, result_meta, confirmed, runner.counts,
-        time.perf_counter() - t0, stopped, jobs, search.page_size if search is not None else None,
-        tuple(notes[stopped]),
+        time.perf_counter() - t0, stopped, jobs, tuple(notes[stopped]),
     )
 
 

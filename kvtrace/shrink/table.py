@@ -103,9 +103,26 @@ class TraceTable:
         steps: its steps, in order.
 
     Attributes:
+        step, op, rid, seq_len, append_len, draft_len, accepted_len, prefix_len,
+            prompt_len, block_hashes, token_ids: the trace's columns, one entry per row.
+        first: bool per row: the request's first row (its admission).
+        readmit: bool per row: a row that re-admits a retracted request.
+        first_prefill: bool per row: the admission and the prefill chunks right after it.
+        shortenable: bool per row: a row a candidate may give a shorter length.
+        finish_tail: int64 per row: tokens a ``finish`` leaves unowned (an early stop).
         unit: int64 per row: the row that heads its unit (itself, or the ``retract``
             that re-admits it), -1 for a request's first row (never removed alone).
+        prompt: int64 per request id: its prompt length (-1: no such request).
     """
+
+    op: np.ndarray  # int8 [n]
+    rid: np.ndarray  # int64 [n]
+    seq_len: np.ndarray  # int64 [n]
+    append_len: np.ndarray  # int32 [n]
+    draft_len: np.ndarray  # int32 [n]
+    accepted_len: np.ndarray  # int32 [n]
+    prefix_len: np.ndarray  # int64 [n]
+    prompt_len: np.ndarray  # int64 [n], -1 = null
 
     def __init__(self, meta: TraceMeta, steps: list[StepBatch]) -> None:
         self.meta = meta

@@ -63,6 +63,7 @@ def test_each_broken_allocator_shrinks_to_a_small_trace_and_a_test(
     small, test_file = tmp_path / "small.kvtrace", tmp_path / f"test_{fault}.py"
     out = shrink_json("sample:tiny", "--until", "violation", "--allocator", broken, "--baseline", "builtin",
                       "--out", str(small), "--emit-test", str(test_file), "--jobs", "1", code=0)
+    assert {"out", "signature", "before", "after", "candidates", "wall_s"} <= set(out)
     assert out["before"] == TINY and out["after"]["requests"] <= 5 and out["after"]["steps"] <= 50
     assert out["out"] == str(small) and out["test"] == str(test_file) and out["confirmed"] is True
     assert out["candidates"] >= out["reproducing"] > 0 and out["stopped"] == "done"
@@ -101,8 +102,12 @@ def test_an_out_of_memory_keeps_its_op_and_the_expect_failure_test_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     test_file = tmp_path / "test_small_pool.py"
-    out = shrink_json("sample:tiny", "--until", "oom", "--pool-tokens", "1200", "--emit-test", str(test_file),
-                      "--expect-failure", "--jobs", "1", code=0)
+    result = runner.invoke(app, ["shrink", "sample:tiny", "--until", "oom", "--pool-tokens", "1200", "--emit-test",
+                                 str(test_file), "--expect-failure", "--jobs", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    # progress on stderr (one note per phase when stderr is not a terminal)
+    assert "kvtrace: shrink [requests]" in result.stderr and " ops" in result.stderr
     op = out["signature"].removeprefix("oom:")
     assert out["signature"].startswith("oom:") and out["after"]["requests"] <= 5
     assert out["after"]["pool_tokens"] <= 1200
