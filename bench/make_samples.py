@@ -6,12 +6,12 @@ Every sample is recorded by ``kvtrace record`` (the scheduler model on the real
 allocator) from a workload file bundled in ``traces/workloads_data/``, with fixed
 seeds and a fixed creation time (``SOURCE_DATE_EPOCH``), so a rerun from the
 repository root writes the same steps, rows and values, and the same file byte for
-byte unless pyarrow's compressor or the kvtrace version changes. The bundled files
-were recorded before traces carried their provenance (kvtrace version, command
-line, creation time, completion) and were compacted into the Arrow IPC *file*
-layout: they are IPC streams, and a rerun writes IPC files with that metadata and
-the same content. Each trace's metadata ``source`` carries the data's repository,
-path, licence and citation; ``traces/README.md`` lists them.
+byte unless pyarrow's compressor or the kvtrace version changes. They are Arrow IPC
+*files* carrying their provenance (kvtrace version, command line, creation time,
+completion) and each request's arrival time (``arrival_s``), so ``kvtrace record
+sample:NAME`` schedules their requests anew as they arrived. Each trace's metadata
+``source`` carries the data's repository, path, licence and citation;
+``traces/README.md`` lists them.
 """
 
 from __future__ import annotations

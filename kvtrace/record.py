@@ -11,7 +11,8 @@ An engine hooks it in where its scheduler applies a step's KV operations::
         while serving:
             rec.begin_step(time.monotonic() - t0)
             rec.finish(finished_ids, owned_lens)          # released, prefix cached
-            rec.extend(prefill_ids, seq_lens, prefix_lens=hits, prompt_lens=prompt_lens)
+            rec.extend(prefill_ids, seq_lens, prefix_lens=hits, prompt_lens=prompt_lens,
+                       arrival_s=arrivals)                 # arrivals: a request's first row
             rec.decode(decode_ids, seq_lens)              # one token each
             rec.end_step()                                # the step is on disk
 
@@ -67,6 +68,7 @@ __all__ = ["Recorder", "RecorderStats"]
 
 IdsLike = Sequence[Hashable] | np.ndarray
 IntsLike = Sequence[int] | np.ndarray | int
+FloatsLike = Sequence[float] | np.ndarray | float
 
 
 class RecorderStats(NamedTuple):
@@ -88,6 +90,16 @@ class _Part(NamedTuple):
     prompt_len: np.ndarray | None  # int64, -1 = null
     block_hashes: Sequence[np.ndarray | None] | None
     token_ids: Sequence[np.ndarray | None] | None
+    arrival_s: np.ndarray | None = None  # float64, NaN = unknown
+
+
+def _floats(values: FloatsLike, n: int, name: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = np.full(n, arr)
+    if arr.shape != (n,):
+        raise ValueError(f"{name} has {arr.shape[0] if arr.ndim else 1} values for {n} requests")
+    return arr
 
 
 def _ints(values: IntsLike, n: int, name: str, dtype: type = np.int64) -> np.ndarray:
@@ -255,6 +267,7 @@ class Recorder:
         prompt_lens: IntsLike | None = None,
         block_hashes: Sequence[np.ndarray | None] | None = None,
         token_ids: Sequence[np.ndarray | None] | None = None,
+        arrival_s: FloatsLike | None = None,
     ) -> None:
         """Prefill (or a prefill chunk) of each request up to ``seq_lens[i]`` tokens.
 
@@ -266,8 +279,11 @@ class Recorder:
             prompt_lens: prompt length, kept on the request's first row only.
             block_hashes: per request, content-addressed prompt blocks (uint64) or None.
             token_ids: per request, explicit ids of the appended positions, or None.
+            arrival_s: when each request arrived (seconds, the clock of ``begin_step``;
+                NaN: unknown), kept on the request's first row only: re-scheduling the
+                trace (``kvtrace record TRACE``) replays the arrivals.
         """
-        self._add_prompted(EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids)
+        self._add_prompted(EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s)
 
     def prealloc(
         self,
@@ -278,9 +294,11 @@ class Recorder:
         prompt_lens: IntsLike | None = None,
         block_hashes: Sequence[np.ndarray | None] | None = None,
         token_ids: Sequence[np.ndarray | None] | None = None,
+        arrival_s: FloatsLike | None = None,
     ) -> None:
-        """PD-disaggregated decode: each request arrives with ``seq_lens[i]`` tokens of KV."""
-        self._add_prompted(PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids)
+        """PD-disaggregated decode: each request arrives with ``seq_lens[i]`` tokens of KV
+        (the keyword arguments as for ``extend``)."""
+        self._add_prompted(PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s)
 
     def _add_prompted(
         self,
@@ -291,6 +309,7 @@ class Recorder:
         prompt_lens: IntsLike | None,
         block_hashes: Sequence[np.ndarray | None] | None,
         token_ids: Sequence[np.ndarray | None] | None,
+        arrival_s: FloatsLike | None = None,
     ) -> None:
         """The rows of the ops that may bring a request's first row (extend, prealloc)."""
         ids = self._map(rids)
@@ -306,6 +325,7 @@ class Recorder:
                 None if prompt_lens is None else _ints(prompt_lens, n, "prompt_lens"),
                 block_hashes,
                 token_ids,
+                None if arrival_s is None else _floats(arrival_s, n, "arrival_s"),
             ),
         )
 
@@ -371,6 +391,7 @@ class Recorder:
         accepted_cols: list[np.ndarray] = []
         prefix_cols: list[np.ndarray] = []
         prompt_cols: list[np.ndarray] = []
+        arrival_cols: list[np.ndarray] = []
         hashes: list[np.ndarray | None] = []
         tokens: list[np.ndarray | None] = []
         any_hashes = any_tokens = False
@@ -406,6 +427,10 @@ class Recorder:
                     prompt_cols.append(np.where(first, part.prompt_len, -1))
                 else:
                     prompt_cols.append(np.full(n, -1, np.int64))
+                if part.arrival_s is not None:
+                    arrival_cols.append(np.where(first, part.arrival_s, np.nan))
+                else:
+                    arrival_cols.append(np.full(n, np.nan))
                 if part.block_hashes is not None:
                     any_hashes = True
                     hashes.extend(h if f else None for h, f in zip(part.block_hashes, first.tolist()))
@@ -419,6 +444,7 @@ class Recorder:
         one = len(ops) == 1
         op_col = ops[0] if one else np.concatenate(ops)
         prompt = prompt_cols[0] if one else np.concatenate(prompt_cols)
+        arrival = arrival_cols[0] if one else np.concatenate(arrival_cols)
         self._writer.write_step(
             self._step,
             self._time_s,
@@ -432,6 +458,7 @@ class Recorder:
             prompt_len=prompt if (prompt >= 0).any() else None,
             block_hashes=hashes if any_hashes else None,
             token_ids=tokens if any_tokens else None,
+            arrival_s=None if np.isnan(arrival).all() else arrival,
         )
         self._rows += int(op_col.shape[0])
         self._steps_written += 1

@@ -81,7 +81,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
@@ -89,20 +88,17 @@ import numpy as np
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
 from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
-from kvtrace.config import allocator_config_for, spec_config_for
-from kvtrace.step_time import StepTimeModel
-from traces.schema import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
+from kvtrace.config import spec_config_for
+from kvtrace.step_time import Percentiles, StepTimeModel
+from traces.schema import SpecSettings
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
     from kvtrace.record import Recorder
-    from traces.workloads import WorkloadFormat, WorkloadRequest
+    from traces.workloads import WorkloadRequest
 
 __all__ = [
     "CLIP_MAX_NEW_TOKENS",
-    "RecordOptions",
-    "RecordResult",
-    "record_workload",
     "RecordProgress",
     "RecordSummary",
     "Scheduler",
@@ -186,7 +182,9 @@ class RecordSummary(NamedTuple):
     """What a recording did.
 
     ``prefix_hit_rate`` = prompt tokens reused from the radix cache at each request's
-    first admission / prompt tokens of those requests.
+    first admission / prompt tokens of those requests. Latencies are on the
+    step-time model's clock, over the requests that got a first token; in PD decode
+    the first token is the step that pre-allocates the request's KV.
     """
 
     steps: int
@@ -210,10 +208,15 @@ class RecordSummary(NamedTuple):
     spec_steps: int
     spec_ops: int
     row_overflows: int
+    peak_used_tokens: int  # KV neither free nor evictable, the most after any step
+    peak_step: int
+    queue_delay_s: Percentiles  # arrival -> first scheduled (first extend or prealloc step starts)
+    ttft_s: Percentiles  # arrival -> first token (the step completing its first prefill ends)
 
 
 # The summary fields the scheduler counts as it goes (the rest are derived).
-_COUNTED = tuple(f for f in RecordSummary._fields if f not in ("steps", "requests", "prefix_hit_rate", "duration_s"))
+_DERIVED = ("steps", "requests", "prefix_hit_rate", "duration_s", "queue_delay_s", "ttft_s")
+_COUNTED = tuple(f for f in RecordSummary._fields if f not in _DERIVED)
 
 
 class TokenSource:
@@ -305,14 +308,18 @@ class Scheduler:
         self._total: int | None = None
         self._stats = dict.fromkeys(_COUNTED, 0)
         self._first_admitted = np.zeros(cap, np.bool_)
+        self.first_scheduled_s = np.full(cap, np.nan)  # clock at the request's first admission
+        self.first_token_s = np.full(cap, np.nan)  # clock when its first token was sampled
 
     # ------------------------------------------------------------------ requests
 
     def _grow(self) -> None:
         cap = self.arrival.shape[0] * 2
-        for name in ("arrival", "input_len", "max_new", "out", "kv", "state", "_first_admitted"):
+        for name in ("arrival", "input_len", "max_new", "out", "kv", "state", "_first_admitted",
+                     "first_scheduled_s", "first_token_s"):  # fmt: skip
             old = getattr(self, name)
-            new = np.zeros(cap, old.dtype)
+            # Latency clocks start unknown (NaN): a request not scheduled yet has none.
+            new = np.full(cap, np.nan) if name.startswith("first_") else np.zeros(cap, old.dtype)
             new[: old.shape[0]] = old
             setattr(self, name, new)
 
@@ -430,11 +437,15 @@ class Scheduler:
     def summary(self) -> RecordSummary:
         s = self._stats
         prompt = s["prompt_tokens"]
+        n = self.num_requests
+        arrival = self.arrival[:n]
         return RecordSummary(
             steps=self.step,
-            requests=self.num_requests,
+            requests=n,
             prefix_hit_rate=s["prefix_hit_tokens"] / prompt if prompt else 0.0,
             duration_s=self.clock,
+            queue_delay_s=Percentiles.of(self.first_scheduled_s[:n] - arrival),
+            ttft_s=Percentiles.of(self.first_token_s[:n] - arrival),
             **s,
         )
 
@@ -471,6 +482,10 @@ class Scheduler:
         self.step += 1
         self.clock += duration
         s = self._stats
+        used = self.alloc.counters().used_tokens
+        if used > s["peak_used_tokens"]:
+            s["peak_used_tokens"] = used
+            s["peak_step"] = self.step - 1
         running = int(self.running.shape[0])
         if running > s["peak_running"]:
             s["peak_running"] = running
@@ -681,6 +696,7 @@ class Scheduler:
         first = fresh & ~self._first_admitted[rids]
         if first.any():
             self._first_admitted[rids[first]] = True
+            self.first_scheduled_s[rids[first]] = self.clock
             self._stats["prefix_hit_tokens"] += int(prefix_lens[first].sum())
             self._stats["prompt_tokens"] += int(self.input_len[rids[first]].sum())
         prompt_lens = np.where(first, self.input_len[rids], -1)
@@ -691,6 +707,7 @@ class Scheduler:
             prefix_lens=prefix_lens,
             prompt_lens=prompt_lens,
             block_hashes=hashes if any(h is not None for h in hashes) else None,
+            arrival_s=self.arrival[rids],
         )
         duration = self.model.prefill(before, seq_lens - before)
         self.kv[rids] = seq_lens
@@ -701,6 +718,8 @@ class Scheduler:
             self.state[new_chunked] = _CHUNKED
         done_rids = rids[done]
         if done_rids.shape[0]:
+            first_token = done_rids[np.isnan(self.first_token_s[done_rids])]
+            self.first_token_s[first_token] = self.clock + duration
             self.out[done_rids] += 1
             finished = self.out[done_rids] >= self.max_new[done_rids]
             self._finish(done_rids[finished])
@@ -907,8 +926,11 @@ class Scheduler:
             np.asarray(result.prefix_lens, np.int64) if result.prefix_lens is not None else np.zeros(len(admitted), np.int64)
         )
         first = ~self._first_admitted[rids]
+        duration = self.model.idle()
         if first.any():
             self._first_admitted[rids[first]] = True
+            self.first_scheduled_s[rids[first]] = self.clock
+            self.first_token_s[rids[first]] = self.clock + duration
             self._stats["prefix_hit_tokens"] += int(prefix_lens[first].sum())
             self._stats["prompt_tokens"] += int(self.input_len[rids[first]].sum())
         hashes = [self.hashes[r] if f else None for r, f in zip(admitted, first.tolist())]
@@ -918,6 +940,7 @@ class Scheduler:
             prefix_lens=prefix_lens,
             prompt_lens=np.where(first, self.input_len[rids], -1),
             block_hashes=hashes if any(h is not None for h in hashes) else None,
+            arrival_s=self.arrival[rids],
         )
         self.kv[rids] = fill_lens
         done = self.out[rids] >= self.max_new[rids]
@@ -926,149 +949,4 @@ class Scheduler:
         self.state[joining] = _RUNNING
         self.running = np.concatenate([self.running, joining])
         self._stats["prefill_steps"] += 1
-        return self.model.idle()
-
-
-# ---------------------------------------------------------------------- workload -> trace
-
-MODEL_SHAPE_NAME = "Llama-3.1-8B"
-
-
-@dataclass(frozen=True, slots=True)
-class RecordOptions:
-    """Everything ``record_workload`` needs (the CLI's options, checked)."""
-
-    workload: Path
-    fmt: WorkloadFormat
-    out: Path
-    pool_tokens: int
-    page_size: int = 1
-    max_running: int = 256
-    context_len: int = 131_072
-    chunk: int | None = 8192
-    max_prefill_tokens: int = 16384
-    spec: SpecSettings | None = None
-    spec_acceptance: float = 0.7
-    pd_decode: bool = False
-    duration_s: float | None = None
-    time_scale: float = 1.0
-    rate: float | None = None
-    seed: int = 0
-    policy: SchedulePolicy = "fcfs"
-    step_time: StepTimeModel = field(default_factory=StepTimeModel)
-    device: str = "cpu"
-    steps_per_batch: int = 1
-    compression: str = "zstd"
-    overwrite: bool = False
-    flush_interval_s: float | None = 1.0
-    compact_steps_per_batch: int | None = 256
-    source: TraceSource | None = None
-    command: str | None = None  # the command line stored in the trace (default: this process's)
-
-
-class RecordResult(NamedTuple):
-    """A finished recording: the summary, the allocator's integrity check at the end
-    (one line per violation; empty when sound) and the trace metadata written."""
-
-    summary: RecordSummary
-    violations: list[str]
-    meta: TraceMeta
-    block_reuse: dict[str, float] | None
-
-
-def record_workload(
-    options: RecordOptions, progress: Callable[[RecordProgress], None] | None = None
-) -> RecordResult:
-    """Record a workload file into a trace (the library behind ``kvtrace record``).
-
-    Raises:
-        traces.workloads.WorkloadFileError: a bad row or column in the workload.
-        traces.errors.TraceWriteError: the trace cannot be written.
-        ValueError: inconsistent options.
-    """
-    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
-
-    def requests() -> Iterator[WorkloadRequest]:
-        return read_workload(
-            options.workload,
-            options.fmt,
-            rate=options.rate,
-            seed=options.seed,
-            duration_s=options.duration_s,
-            time_scale=options.time_scale,
-        )
-
-    # Check the whole file first (a streaming pass): a bad line fails at once, not
-    # minutes into the recording, and no partial trace is left behind.
-    total = sum(1 for _ in requests())
-    if total == 0:
-        window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
-        raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
-    from allocator import create_allocator
-    from kvtrace.record import Recorder
-
-    block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
-    radix_cache = not options.pd_decode
-    spec = options.spec
-    config = SchedulerConfig(
-        page_size=options.page_size,
-        pool_tokens=options.pool_tokens // options.page_size * options.page_size,
-        max_running=options.max_running,
-        max_context_len=options.context_len,
-        chunk_size=options.chunk,
-        max_prefill_tokens=options.max_prefill_tokens,
-        policy=options.policy,
-        spec=spec,
-        spec_acceptance=options.spec_acceptance,
-        pd_decode=options.pd_decode,
-        radix_cache=radix_cache,
-        seed=options.seed,
-        step_time=options.step_time,
-    )
-    source = options.source or known_source(options.workload, options.fmt)
-    meta = TraceMeta(
-        config=TraceConfig(
-            page_size=config.page_size,
-            pool_tokens=config.pool_tokens,
-            max_running=config.max_running,
-            max_context_len=config.max_context_len,
-            chunk_size=config.chunk_size,
-            schedule_policy=config.policy,
-            spec=spec,
-            pd_decode=config.pd_decode,
-            radix_cache=radix_cache,
-        ),
-        source=source,
-        model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
-        block_size=block_size,
-        extra={
-            "recorder": "kvtrace.scheduler",
-            "workload_format": options.fmt,
-            "duration_s": options.duration_s,
-            "time_scale": options.time_scale,
-            "rate": options.rate,
-            "seed": options.seed,
-            "max_prefill_tokens": options.max_prefill_tokens,
-            "spec_acceptance": options.spec_acceptance if spec is not None else None,
-            "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
-        },
-    )
-    allocator = create_allocator(allocator_config_for(meta, device=options.device))
-    with Recorder(
-        options.out,
-        meta,
-        steps_per_batch=options.steps_per_batch,
-        compression=options.compression,
-        overwrite=options.overwrite,
-        flush_interval_s=options.flush_interval_s,
-        dense_ids=True,
-        compact_steps_per_batch=options.compact_steps_per_batch,
-        command=options.command,
-    ) as recorder:
-        scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
-        summary = scheduler.run(requests(), progress=progress, total=total)
-    violations = [
-        f"{v.check}: {v.detail}" + (f" (request {v.rid})" if v.rid is not None else "")
-        for v in allocator.check_integrity()
-    ]
-    return RecordResult(summary=summary, violations=violations, meta=meta, block_reuse=None)
+        return duration

@@ -54,10 +54,11 @@ Example: 64 decoding requests of about 4,600 tokens each give a step of
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["StepTimeModel"]
+__all__ = ["Percentiles", "StepTimeModel"]
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -136,3 +137,28 @@ class StepTimeModel:
                 raise ValueError(f"step-time coefficient {name} must be >= 0, found {part!r}")
             changes[name] = seconds
         return replace(model, **changes)
+
+
+class Percentiles(NamedTuple):
+    """A latency distribution on the model's clock, in seconds (NaN without values)."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Percentiles:
+        """Summarise ``values``, ignoring NaN (requests that never got that far)."""
+        finite = values[~np.isnan(values)]
+        if finite.shape[0] == 0:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan, nan)
+        p50, p90, p99 = (float(x) for x in np.percentile(finite, [50, 90, 99]))
+        return cls(int(finite.shape[0]), float(finite.mean()), p50, p90, p99, float(finite.max()))
+
+    def to_dict(self) -> dict[str, float | int]:
+        """The JSON object (``count``, ``mean``, ``p50``, ``p90``, ``p99``, ``max``)."""
+        return self._asdict()

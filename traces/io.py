@@ -88,6 +88,9 @@ _NUMERIC = (
 # Arrow IPC has no checksums of its own, and a damaged lz4 or zstd literal run
 # decodes silently to wrong values.
 CHECKSUM_KEY = b"kvtrace.crc32"
+# CRC-32 of the ``arrival_s`` column (float64, nulls as NaN), kept apart so that readers
+# from before the column still verify ``CHECKSUM_KEY``.
+ARRIVAL_CHECKSUM_KEY = b"kvtrace.crc32.arrival_s"
 # Custom metadata of a stream's last (empty) record batch: the final ``Recording`` as JSON.
 RECORDING_KEY = b"kvtrace.recording"
 
@@ -369,6 +372,7 @@ class TraceWriter:
         prompt_len: Any = None,
         block_hashes: Any = None,
         token_ids: Any = None,
+        arrival_s: Any = None,
     ) -> None:
         """Append one step from array-likes, one entry per row (see ``StepBatch.from_columns``).
 
@@ -391,6 +395,7 @@ class TraceWriter:
                 prompt_len=prompt_len,
                 block_hashes=block_hashes,
                 token_ids=token_ids,
+                arrival_s=arrival_s,
             )
         )
 
@@ -477,14 +482,14 @@ class TraceWriter:
 
     def _write_empty(self, custom: dict[bytes, bytes]) -> None:
         empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
-        self._ipc.write_batch(empty, custom_metadata={CHECKSUM_KEY: checksum, **custom})
+        self._ipc.write_batch(empty, custom_metadata={**_batch_metadata(empty, checksum), **custom})
 
     def _write_pending(self) -> None:
         pending = self._pending
         self._pending = []
         record_batch, checksum = _to_record_batch(pending, self._schema)
         try:
-            self._ipc.write_batch(record_batch, custom_metadata={CHECKSUM_KEY: checksum})
+            self._ipc.write_batch(record_batch, custom_metadata=_batch_metadata(record_batch, checksum))
             self._sink.flush()
         except OSError as exc:
             self._abandon()
@@ -530,12 +535,14 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
     rid = _concat([s.rid for s in steps], np.int64)
     prompt = _concat([s.prompt_len for s in steps], np.int64)
     prompt_mask = prompt < 0
+    arrival = _concat([s.arrivals() for s in steps], np.float64)
     arrays: dict[str, pa.Array] = {
         "step": arrow_array(step_col),
         "time_s": arrow_array(time_col),
         "op": pa.DictionaryArray.from_arrays(arrow_array(op), _OPS_DICTIONARY, safe=False),
         "rid": arrow_array(rid),
         "prompt_len": arrow_array(prompt, prompt_mask),
+        "arrival_s": arrow_array(arrival, np.isnan(arrival)),
     }
     content = [step_col, time_col, op, rid]
     for name, dtype in _NUMERIC:
@@ -550,6 +557,12 @@ def _to_record_batch(steps: list[StepBatch], schema: pa.Schema) -> tuple[pa.Reco
         content.extend(ragged)
     batch = pa.RecordBatch.from_arrays([arrays[c.name] for c in COLUMNS], schema=schema)
     return batch, _checksum(content)
+
+
+def _batch_metadata(batch: pa.RecordBatch, checksum: bytes) -> dict[bytes, bytes]:
+    """A written record batch's custom metadata: its checksums."""
+    arrival = numpy_view(batch.column("arrival_s"))  # nulls hold NaN (see _to_record_batch)
+    return {CHECKSUM_KEY: checksum, ARRIVAL_CHECKSUM_KEY: _checksum([arrival])}
 
 
 # --------------------------------------------------------------------------------------
@@ -572,6 +585,7 @@ class _Columns(NamedTuple):
     prompt_len: np.ndarray
     block_hashes: Ragged
     token_ids: Ragged
+    arrival_s: np.ndarray | None  # None: the file has no arrival_s column
 
     def step_batch(self, start: int, stop: int) -> StepBatch:
         return StepBatch(
@@ -587,12 +601,16 @@ class _Columns(NamedTuple):
             self.prompt_len[start:stop],
             self.block_hashes.slice(start, stop),
             self.token_ids.slice(start, stop),
+            None if self.arrival_s is None else self.arrival_s[start:stop],
         )
 
 
 def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(first, name), getattr(second, name)])
+
+    def cat_arrivals() -> np.ndarray:
+        return np.concatenate([first.arrivals(), second.arrivals()])
 
     return StepBatch(
         first.step,
@@ -607,6 +625,7 @@ def _merge_steps(first: StepBatch, second: StepBatch) -> StepBatch:
         cat("prompt_len"),
         Ragged.concat([first.block_hashes, second.block_hashes]),
         Ragged.concat([first.token_ids, second.token_ids]),
+        None if first.arrival_s is None and second.arrival_s is None else cat_arrivals(),
     )
 
 
@@ -677,7 +696,9 @@ def _concat_columns(parts: list[_Columns]) -> _Columns:
         return parts[0]
     return _Columns(
         *(
-            Ragged.concat([getattr(p, name) for p in parts])
+            _concat_arrivals(parts)
+            if name == "arrival_s"
+            else Ragged.concat([getattr(p, name) for p in parts])
             if isinstance(getattr(parts[0], name), Ragged)
             else np.concatenate([getattr(p, name) for p in parts])
             for name in _Columns._fields
@@ -685,10 +706,19 @@ def _concat_columns(parts: list[_Columns]) -> _Columns:
     )
 
 
+def _concat_arrivals(parts: list[_Columns]) -> np.ndarray | None:
+    """The parts' arrival times (NaN where a part has none), or None when none has any."""
+    if all(p.arrival_s is None for p in parts):
+        return None
+    return np.concatenate(
+        [np.full(p.op.shape[0], np.nan) if p.arrival_s is None else p.arrival_s for p in parts]
+    )
+
+
 def _columns_slice(columns: _Columns, start: int, stop: int) -> _Columns:
     return _Columns(
         *(
-            value.slice(start, stop) if isinstance(value, Ragged) else value[start:stop]
+            value if value is None else value.slice(start, stop) if isinstance(value, Ragged) else value[start:stop]
             for value in columns
         )
     )
@@ -853,6 +883,14 @@ class TraceReader(IpcReader):
                         f"checksum mismatch (stored {stored.decode(errors='replace')}, "
                         f"computed {computed.decode()})"
                     )
+            stored = custom.get(ARRIVAL_CHECKSUM_KEY) if custom is not None else None
+            if stored is not None and "arrival_s" in self._present:
+                computed = _checksum([numpy_view(batch.column("arrival_s"))])
+                if computed != stored:
+                    raise self._corrupt_detail(
+                        f"arrival_s checksum mismatch (stored {stored.decode(errors='replace')}, "
+                        f"computed {computed.decode()})"
+                    )
             yield columns
 
     def steps(
@@ -997,8 +1035,18 @@ class TraceReader(IpcReader):
             prompt_len=prompt,
             block_hashes=self._ragged(batch, "block_hashes", np.uint64),
             token_ids=self._ragged(batch, "token_ids", np.int64),
+            arrival_s=self._arrivals(batch),
         )
         return columns, op_lut
+
+    def _arrivals(self, batch: pa.RecordBatch) -> np.ndarray | None:
+        if "arrival_s" not in self._present:
+            return None
+        array = batch.column("arrival_s")
+        if array.null_count == len(array):
+            return None
+        values = numpy_view(array)
+        return np.where(validity(array), values, np.nan) if array.null_count else values
 
     def _ragged(self, batch: pa.RecordBatch, name: str, dtype: type) -> Ragged:
         n = batch.num_rows
@@ -1039,6 +1087,7 @@ def _type_matches(name: str, found: pa.DataType, expected: pa.DataType) -> bool:
 
 
 __all__ = [
+    "ARRIVAL_CHECKSUM_KEY",
     "CHECKSUM_KEY",
     "COMPRESSIONS",
     "RECORDING_KEY",

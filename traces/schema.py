@@ -26,6 +26,8 @@ prefix_len      int64                     prefix the recording engine matched (i
 prompt_len      int64 (nullable)          the request's prompt length, on its first row only
 block_hashes    list<uint64> (nullable)   content-addressed prompt blocks, first row only
 token_ids       list<int64> (nullable)    explicit ids of the positions this op appends
+arrival_s       float64 (nullable)        the request's arrival, seconds since trace start,
+                                          first row only (a row's ``time_s`` is its admission)
 ==============  ========================  =====================================================
 
 Per op, ``seq_len`` and ``append_len`` mean (``L`` = the request's length before):
@@ -114,6 +116,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("prompt_len", pa.int64(), False, nullable=True, doc="prompt length, first row only"),
     Column("block_hashes", pa.list_(pa.uint64()), False, nullable=True, doc="prompt blocks"),
     Column("token_ids", pa.list_(pa.int64()), False, nullable=True, doc="explicit token ids"),
+    Column("arrival_s", pa.float64(), False, nullable=True, doc="request arrival time, first row only"),
 )
 COLUMN_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.required)
@@ -508,8 +511,9 @@ class StepBatch:
     """The ops of one scheduler step, columnar (what ``TraceReader.steps()`` yields and
     ``TraceWriter.write(batch)`` takes). Rows are in ``OP_ORDER``.
 
-    ``prompt_len`` is -1 where the column is null. Optional columns absent from a
-    file read as zeros / nulls. Arrays a reader yields are read-only views.
+    ``prompt_len`` is -1 where the column is null, ``arrival_s`` NaN (or the whole
+    column None). Optional columns absent from a file read as zeros / nulls. Arrays
+    a reader yields are read-only views.
     """
 
     step: int
@@ -524,6 +528,7 @@ class StepBatch:
     prompt_len: np.ndarray  # int64 [n], -1 = null
     block_hashes: Ragged  # uint64 values
     token_ids: Ragged  # int64 values
+    arrival_s: np.ndarray | None = None  # float64 [n], NaN = null; None: no row has one
 
     def __len__(self) -> int:
         return int(self.op.shape[0])
@@ -548,6 +553,7 @@ class StepBatch:
         prompt_len: Any = None,
         block_hashes: Any = None,
         token_ids: Any = None,
+        arrival_s: Any = None,
         sort: bool = True,
     ) -> StepBatch:
         """Build a step from array-likes, one entry per row, and put its rows in ``OP_ORDER``.
@@ -559,6 +565,7 @@ class StepBatch:
             draft_len, accepted_len, prefix_len: optional (None: zeros; a scalar: every row).
             prompt_len: None (all null), or ints where a negative value or None is null.
             block_hashes, token_ids: None, a ``Ragged``, or one array-like or None per row.
+            arrival_s: None (all null), or floats where NaN or None is null.
             sort: stable-sort the rows into ``OP_ORDER`` (off: keep the order given).
 
         Raises:
@@ -591,6 +598,7 @@ class StepBatch:
             prompt_len=prompt,
             block_hashes=Ragged.coerce(block_hashes, n, np.uint64, "block_hashes"),
             token_ids=Ragged.coerce(token_ids, n, np.int64, "token_ids"),
+            arrival_s=None if arrival_s is None else _float_column(arrival_s, n, "arrival_s"),
         )
         return batch.in_op_order() if sort else batch
 
@@ -609,6 +617,7 @@ class StepBatch:
             self.prompt_len[indices],
             self.block_hashes.take(indices),
             self.token_ids.take(indices),
+            None if self.arrival_s is None else self.arrival_s[indices],
         )
 
     def is_op_ordered(self) -> bool:
@@ -638,7 +647,27 @@ class StepBatch:
             )
             and self.block_hashes.equals(other.block_hashes)
             and self.token_ids.equals(other.token_ids)
+            and np.array_equal(self.arrivals(), other.arrivals(), equal_nan=True)
         )
+
+    def arrivals(self) -> np.ndarray:
+        """float64 [n]: ``arrival_s`` with NaN where a row has none (all NaN when None)."""
+        if self.arrival_s is None:
+            return np.full(len(self), np.nan)
+        return self.arrival_s
+
+
+def _float_column(data: Any, n: int, name: str) -> np.ndarray:
+    raw = np.asarray(data, dtype=object if _has_none(data) else None)
+    if raw.dtype == object:
+        raw = np.array([np.nan if v is None else v for v in raw.reshape(-1)], np.float64)
+    if raw.ndim == 0:
+        return np.full(n, raw, np.float64)
+    if raw.shape != (n,):
+        raise ValueError(f"column '{name}' has shape {raw.shape}, expected ({n},)")
+    if raw.size and raw.dtype.kind not in "fiub":
+        raise ValueError(f"column '{name}' must hold numbers, found dtype {raw.dtype}")
+    return raw.astype(np.float64, copy=False)
 
 
 def _has_none(data: Any) -> bool:

@@ -21,10 +21,14 @@ Formats
               sarathi-serve): ``num_prefill_tokens``, ``num_decode_tokens``. No
               timestamps: arrivals come from a seeded Poisson process at ``rate``.
 
-Arrival times are seconds since the first request (the first arrives at 0).
-Files compressed with gzip or zstd are read as they are (recognised by their
-first bytes, whatever their name). A kvtrace trace or any other binary file is
-refused with one line saying what it is.
+``trace``     a kvtrace trace: the requests it served, with their arrivals and
+              content (``traces.trace_workload``), scheduled anew.
+
+Arrival times are seconds since the first request (the first arrives at 0; a
+trace's keep its own clock). Files compressed with gzip or zstd are read as they
+are (recognised by their first bytes, whatever their name). A binary file that
+is not a trace, or a trace given with another format, is refused with one line
+saying what it is.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ __all__ = [
 ]
 
 MOONCAKE_BLOCK_SIZE = 512
-WorkloadFormat = Literal["mooncake", "azure", "lengths"]
-WORKLOAD_FORMATS: tuple[str, ...] = ("mooncake", "azure", "lengths")
+WorkloadFormat = Literal["mooncake", "azure", "lengths", "trace"]
+WORKLOAD_FORMATS: tuple[str, ...] = ("mooncake", "azure", "lengths", "trace")
 
 _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -181,8 +185,8 @@ def _what_binary(head: bytes) -> str | None:
     """What ``head`` (a file's first bytes) says the file is, when it is not text."""
     if head.startswith(_ARROW_MAGICS):
         return (
-            "is an Arrow IPC file (a kvtrace trace or state log), not a workload; "
-            f"kvtrace record reads {_WORKLOAD_KINDS}; replay a trace with kvtrace replay"
+            "is an Arrow IPC file (a kvtrace trace or state log), not a workload of this format; "
+            "give --format trace (or no --format) to schedule a trace's requests anew"
         )
     if b"\x00" in head:
         return f"is a binary file, not a workload; expected {_WORKLOAD_KINDS}"
@@ -464,13 +468,19 @@ def read_lengths(path: str | Path, *, rate: float, seed: int = 0) -> Iterator[Wo
 
 
 def guess_format(path: str | Path) -> WorkloadFormat | None:
-    """The format of a workload file from its name (``.jsonl``, ``.json``, compressed or
-    not) or its CSV header; None when neither says.
+    """The format of a workload file from its first bytes (an Arrow IPC trace), its name
+    (``.jsonl``, ``.json``, compressed or not) or its CSV header; None when none says.
 
     Raises:
         WorkloadFileError: the file cannot be opened, or is a trace or another binary file.
     """
     path = Path(path)
+    try:
+        with path.open("rb") as raw:
+            if raw.read(8).startswith(_ARROW_MAGICS):
+                return "trace"
+    except OSError:
+        pass  # _open_text below says what is wrong with it
     suffixes = [x.lower() for x in path.suffixes]
     if suffixes and suffixes[-1] in (".gz", ".zst", ".zstd"):
         suffixes = suffixes[:-1]
@@ -510,6 +520,7 @@ def read_workload(
         ValueError: unknown format, ``rate`` missing for ``lengths``, or a
             non-positive ``time_scale``.
         WorkloadFileError: see the per-format readers.
+        TraceError: a ``trace`` that cannot be read or re-scheduled.
     """
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a positive number, found {time_scale!r}")
@@ -521,6 +532,10 @@ def read_workload(
         if rate is None:
             raise ValueError("the lengths format needs an arrival rate (requests per second)")
         requests = read_lengths(path, rate=rate, seed=seed)
+    elif fmt == "trace":
+        from traces.trace_workload import read_trace_workload
+
+        requests = iter(read_trace_workload(path).requests)
     else:
         raise ValueError(f"unknown workload format {fmt!r}; expected one of {', '.join(WORKLOAD_FORMATS)}")
     if duration_s is not None:

@@ -28,12 +28,15 @@ import typer
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples
 from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
+from kvtrace.serving import (
+    DEFAULT_CHUNK,
+    DEFAULT_CONTEXT_LEN,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_POOL_TOKENS,
+    serving_settings,
+)
 
-DEFAULT_POOL_TOKENS = 920_000
-DEFAULT_MAX_RUNNING = 256
-DEFAULT_CONTEXT_LEN = 131_072
-DEFAULT_CHUNK = 8192
-DEFAULT_MAX_PREFILL_TOKENS = 16_384
 # While recording, every completed step is its own flushed record batch (a killed
 # recording keeps every completed step); on completion the trace is rewritten with
 # DEFAULT_COMPACT steps per batch, which compresses ~4x better.
@@ -48,6 +51,7 @@ class WorkloadFormatOption(str, Enum):
     mooncake = "mooncake"
     azure = "azure"
     lengths = "lengths"
+    trace = "trace"
 
 
 class PolicyOption(str, Enum):
@@ -55,15 +59,20 @@ class PolicyOption(str, Enum):
     lpm = "lpm"
 
 
-def _parse_spec(text: str) -> Any:
-    from traces.schema import SpecSettings
+def parse_spec(text: str) -> Any:
+    """``--spec`` text -> ``SpecSettings``, or None for ``off``.
 
+    Raises:
+        typer.BadParameter: not ``off`` nor ALGORITHM:STEPS,TOPK,DRAFT with sane numbers.
+    """
+    if text.strip().lower() in ("off", "none"):
+        return None
     algorithm, sep, numbers = text.partition(":")
     algorithm = algorithm.strip().lower()
     valid = ("eagle", "eagle3", "standalone")
     if algorithm not in valid or not sep:
         raise typer.BadParameter(
-            f"{text!r} is not ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
+            f"{text!r} is not off nor ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
             "(e.g. eagle:3,1,4)",
             param_hint="--spec",
         )
@@ -83,10 +92,18 @@ def _parse_spec(text: str) -> Any:
             f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
             param_hint="--spec",
         )
-    return SpecSettings(algorithm=algorithm, num_steps=steps, topk=topk, num_draft_tokens=draft)  # type: ignore[arg-type]
+    from kvtrace.simulate import spec_settings
+
+    return spec_settings(text)
 
 
-def _infer_format(path: Path) -> str:
+def infer_format(path: Path) -> str:
+    """A workload file's format (or ``trace``), from its first bytes, name or header.
+
+    Raises:
+        WorkloadError: the file cannot be read, or is a binary file that is not a trace.
+        typer.BadParameter: nothing tells the format (give --format).
+    """
     from traces.workloads import WorkloadFileError, guess_format
 
     try:
@@ -99,6 +116,19 @@ def _infer_format(path: Path) -> str:
             param_hint="--format",
         )
     return fmt
+
+
+def check_serving(pool_tokens: int, page_size: int, chunk: int) -> None:
+    """The serving options' checks that involve two of them (one line naming the option).
+
+    Raises:
+        typer.BadParameter: the pool holds fewer than 4 pages, or the chunk is below a page.
+    """
+    _check_pool(pool_tokens, page_size)
+    if chunk < 0 or (chunk and chunk < page_size):
+        raise typer.BadParameter(
+            f"must be 0 (no chunking) or at least the page size {page_size}, found {chunk}", param_hint="--chunk"
+        )
 
 
 def _check_pool(pool_tokens: int, page_size: int) -> None:
@@ -136,7 +166,11 @@ RECORD_EXAMPLES = examples(
     "kvtrace record AzureLLMInferenceTrace_code.csv.gz --time-scale 2 -o azure.kvtrace",
     "# length statistics with Poisson arrivals, summary as JSON",
     "kvtrace record sharegpt.csv --format lengths --rate 5 -o sharegpt.kvtrace --json",
+    "# what-if: the same requests of a trace scheduled anew on a smaller pool",
+    "kvtrace record sample:mooncake-tiny --pool-tokens 120000 -o smaller.kvtrace",
 )
+
+_FROM_TRACE = "the trace's own; for a workload file "
 
 
 @command("record", epilog=RECORD_EXAMPLES)
@@ -146,7 +180,8 @@ def record_command(
         Path,
         typer.Argument(
             metavar="WORKLOAD",
-            help="Workload file: Mooncake JSONL, Azure CSV or length CSV (gzip or zstd compressed too).",
+            help="Workload file: Mooncake JSONL, Azure CSV or length CSV (gzip or zstd compressed too), "
+            "or a trace (a path or sample:NAME) whose requests are scheduled anew.",
             show_default=False,
         ),
     ],
@@ -157,17 +192,36 @@ def record_command(
         WorkloadFormatOption | None,
         typer.Option("--format", "-f", help="Workload format.", show_default="from the file"),
     ] = None,
-    pool_tokens: Annotated[int, typer.Option(help="KV pool size in tokens (default: Llama-3.1-8B on one H200).")] = DEFAULT_POOL_TOKENS,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 1,
-    max_running: Annotated[int, typer.Option(help="Request rows (max running requests).")] = DEFAULT_MAX_RUNNING,
-    context_len: Annotated[int, typer.Option(help="Model context length.")] = DEFAULT_CONTEXT_LEN,
-    chunk: Annotated[int, typer.Option(help="Chunked-prefill size in tokens (0: no chunking).")] = DEFAULT_CHUNK,
-    max_prefill_tokens: Annotated[int, typer.Option(help="Token budget of one prefill batch.")] = DEFAULT_MAX_PREFILL_TOKENS,
-    spec: Annotated[
-        str | None, typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT, e.g. eagle:3,1,4.", show_default="off")
+    pool_tokens: Annotated[
+        int | None,
+        typer.Option(help="KV pool size in tokens.", show_default=_FROM_TRACE + f"{DEFAULT_POOL_TOKENS:,}: Llama-3.1-8B on one H200"),
     ] = None,
-    spec_acceptance: Annotated[float, typer.Option(help="Per-draft acceptance probability (alpha).")] = 0.7,
-    pd_decode: Annotated[bool, typer.Option("--pd-decode", help="Model a PD-disaggregated decode server.")] = False,
+    page_size: Annotated[int | None, typer.Option(help="Tokens per KV page.", show_default=_FROM_TRACE + "1")] = None,
+    max_running: Annotated[
+        int | None, typer.Option(help="Request rows (max running requests).", show_default=_FROM_TRACE + str(DEFAULT_MAX_RUNNING))
+    ] = None,
+    context_len: Annotated[
+        int | None, typer.Option(help="Model context length.", show_default=_FROM_TRACE + f"{DEFAULT_CONTEXT_LEN:,}")
+    ] = None,
+    chunk: Annotated[
+        int | None,
+        typer.Option(help="Chunked-prefill size in tokens (0: no chunking).", show_default=_FROM_TRACE + str(DEFAULT_CHUNK)),
+    ] = None,
+    max_prefill_tokens: Annotated[
+        int | None,
+        typer.Option(help="Token budget of one prefill batch.", show_default=_FROM_TRACE + f"{DEFAULT_MAX_PREFILL_TOKENS:,}"),
+    ] = None,
+    spec: Annotated[
+        str | None,
+        typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT (e.g. eagle:3,1,4), or off.", show_default=_FROM_TRACE + "off"),
+    ] = None,
+    spec_acceptance: Annotated[
+        float | None, typer.Option(help="Per-draft acceptance probability (alpha).", show_default=_FROM_TRACE + "0.7")
+    ] = None,
+    pd_decode: Annotated[
+        bool | None,
+        typer.Option("--pd-decode/--no-pd-decode", help="Model a PD-disaggregated decode server.", show_default=_FROM_TRACE + "off"),
+    ] = None,
     duration: Annotated[
         str | None,
         typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.", show_default="the whole file"),
@@ -178,11 +232,16 @@ def record_command(
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in requests/s (lengths format only).", show_default=False)
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.")] = 0,
-    policy: Annotated[PolicyOption, typer.Option(help="Waiting-queue policy.")] = PolicyOption.fcfs,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.", show_default=_FROM_TRACE + "0")
+    ] = None,
+    policy: Annotated[PolicyOption | None, typer.Option(help="Waiting-queue policy.", show_default=_FROM_TRACE + "fcfs")] = None,
     step_time: Annotated[
         str | None,
-        typer.Option(help="Step-time coefficients, e.g. fixed_s=5ms,decode_req_s=20us.", show_default="fitted to an H200"),
+        typer.Option(
+            help="Step-time coefficients, e.g. fixed_s=5ms,decode_req_s=20us.",
+            show_default=_FROM_TRACE + "fitted to an H200",
+        ),
     ] = None,
     device: DeviceOpt = Device.cpu,
     steps_per_batch: Annotated[
@@ -206,6 +265,9 @@ def record_command(
 ) -> None:
     """Record a workload through the SGLang-style scheduler model on the real allocator.
 
+    Given a trace, its requests (arrivals, prompts, content, output lengths) are
+    scheduled anew: options not given keep the values the trace was recorded with.
+
     Every completed step is on disk as it is recorded: a recording stopped by Ctrl-C,
     a signal or a crash leaves its steps in the trace, marked interrupted (see
     kvtrace info). An existing --out is replaced only when the recording completes.
@@ -215,59 +277,54 @@ def record_command(
     from kvtrace.outputs import OutputFile
     from kvtrace.step_time import StepTimeModel
     from traces import workloads
+    from traces.samples import SAMPLE_PREFIX, resolve_trace
 
+    if str(workload).startswith(SAMPLE_PREFIX):
+        workload = resolve_trace(str(workload))
     if not workload.exists():
         raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
     if workload.is_dir():
         raise WorkloadError(f"{workload}: is a directory, expected a workload file")
     target = OutputFile(out, force=force, inputs=[workload])
-    fmt_name = fmt.value if fmt is not None else _infer_format(workload)
-    for name, value, low in (
-        ("--pool-tokens", pool_tokens, 1),
-        ("--page-size", page_size, 1),
-        ("--max-running", max_running, 1),
-        ("--context-len", context_len, 2),
-        ("--max-prefill-tokens", max_prefill_tokens, 1),
-        ("--steps-per-batch", steps_per_batch, 1),
-        ("--compact", compact, 0),
-    ):
+    fmt_name = fmt.value if fmt is not None else infer_format(workload)
+    given = {
+        "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
+        "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,
+        "pd_decode": pd_decode, "seed": seed, "policy": policy.value if policy is not None else None,
+    }  # fmt: skip
+    if spec is not None:
+        given["spec"] = parse_spec(spec)
+    if step_time is not None:
+        try:
+            given["step_time"] = StepTimeModel.parse(step_time)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--step-time") from None
+    settings = serving_settings(workload, fmt_name, given)
+    for name, low in (
+        ("pool_tokens", 1), ("page_size", 1), ("max_running", 1), ("context_len", 2), ("max_prefill_tokens", 1),
+    ):  # fmt: skip
+        if settings[name] < low:
+            raise typer.BadParameter(f"must be >= {low}, found {settings[name]}", param_hint="--" + name.replace("_", "-"))
+    for name, value, low in (("--steps-per-batch", steps_per_batch, 1), ("--compact", compact, 0)):
         if value < low:
             raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
-    _check_pool(pool_tokens, page_size)
-    if chunk < 0 or (chunk and chunk < page_size):
-        raise typer.BadParameter(
-            f"must be 0 (no chunking) or at least the page size {page_size}, found {chunk}", param_hint="--chunk"
-        )
+    check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
     if not time_scale > 0:
         raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
-    if not 0.0 <= spec_acceptance <= 1.0:
-        raise typer.BadParameter(f"must lie in [0, 1], found {spec_acceptance}", param_hint="--spec-acceptance")
+    if not 0.0 <= settings["spec_acceptance"] <= 1.0:
+        raise typer.BadParameter(f"must lie in [0, 1], found {settings['spec_acceptance']}", param_hint="--spec-acceptance")
     if flush_interval < 0:
         raise typer.BadParameter(f"must be >= 0, found {flush_interval}", param_hint="--flush-interval")
-    if fmt_name == "lengths":
-        if rate is None:
-            raise typer.BadParameter("the lengths format needs an arrival rate, e.g. --rate 5", param_hint="--rate")
-        if not rate > 0:
-            raise typer.BadParameter(f"must be a positive number of requests per second, found {rate}", param_hint="--rate")
-    elif rate is not None:
-        raise typer.BadParameter(
-            f"applies to the lengths format only; {fmt_name} workloads carry their own arrival times",
-            param_hint="--rate",
-        )
+    check_rate(fmt_name, rate)
     duration_s = None
     if duration is not None:
         try:
             duration_s = workloads.parse_duration(duration)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--duration") from None
-    spec_settings = _parse_spec(spec) if spec is not None else None
-    try:
-        model = StepTimeModel.parse(step_time) if step_time else StepTimeModel()
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--step-time") from None
 
     from kvtrace.cli.replay import check_device
-    from kvtrace.scheduler import RecordOptions, record_workload
+    from kvtrace.simulate import RecordOptions, record_report, record_workload
 
     check_device(device.value)
 
@@ -275,35 +332,26 @@ def record_command(
         workload=workload,
         fmt=fmt_name,  # type: ignore[arg-type]
         out=out,
-        pool_tokens=pool_tokens,
-        page_size=page_size,
-        max_running=max_running,
-        context_len=context_len,
-        chunk=chunk or None,
-        max_prefill_tokens=max_prefill_tokens,
-        spec=spec_settings,
-        spec_acceptance=spec_acceptance,
-        pd_decode=pd_decode,
         duration_s=duration_s,
         time_scale=time_scale,
         rate=rate,
-        seed=seed,
-        policy=policy.value,  # type: ignore[arg-type]
-        step_time=model,
         device=device.value,
         steps_per_batch=steps_per_batch,
         compression=compression.value,
         flush_interval_s=flush_interval or None,
         compact_steps_per_batch=compact or None,
         command=ui.command_line(ctx.meta),
+        **settings,
     )
+    if fmt_name == "trace":
+        _note_trace_workload(workload)
     wall0 = time.perf_counter()
     try:
         with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
             result = record_workload(dataclasses.replace(options, out=live), progress=progress_cb)
             if result.summary.steps == 0:
                 live.unlink(missing_ok=True)
-                raise _nothing_recorded(result.summary, context_len, pool_tokens)
+                raise _nothing_recorded(result.summary, options.context_len, options.pool_tokens)
     except workloads.WorkloadFileError as exc:
         raise WorkloadError(str(exc)) from None
     except ValueError as exc:
@@ -315,7 +363,40 @@ def record_command(
             ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
         raise
     wall_s = time.perf_counter() - wall0
-    _report(result, options, out=out, workload=workload, wall_s=wall_s, spec=spec, as_json=as_json)
+    _report(record_report(result, options, wall_s=wall_s), options, workload=workload, as_json=as_json)
+
+
+def check_rate(fmt: str, rate: float | None) -> None:
+    """``--rate`` is needed by the lengths format, and only there.
+
+    Raises:
+        typer.BadParameter: missing for lengths, not positive, or given for another format.
+    """
+    if fmt == "lengths":
+        if rate is None:
+            raise typer.BadParameter("the lengths format needs an arrival rate, e.g. --rate 5", param_hint="--rate")
+        if not rate > 0:
+            raise typer.BadParameter(f"must be a positive number of requests per second, found {rate}", param_hint="--rate")
+    elif rate is not None:
+        raise typer.BadParameter(
+            f"applies to the lengths format only; {fmt} workloads carry their own arrival times",
+            param_hint="--rate",
+        )
+
+
+def _note_trace_workload(trace: Path) -> None:
+    """Warn about what scheduling a trace anew cannot know."""
+    from traces.trace_workload import arrival_note, read_trace_workload
+
+    workload = read_trace_workload(trace)
+    note = arrival_note(workload)
+    if note is not None:
+        ui.warn(f"{trace}: {note}")
+    if workload.unfinished:
+        ui.warn(
+            f"{trace}: {workload.unfinished:,} requests never finished in the trace (aborted, or live at its end); "
+            "each generates what it had generated there"
+        )
 
 
 class _progress:
@@ -362,53 +443,13 @@ class _progress:
             self._live.stop()
 
 
-def _report(result: Any, options: Any, *, out: Path, workload: Path, wall_s: float, spec: str | None, as_json: bool) -> None:
+def _report(report: dict[str, Any], options: Any, *, workload: Path, as_json: bool) -> None:
     """Print the recording's summary: the ``--json`` object, or a table."""
-    summary = result.summary
-    report = {
-        "out": str(out),
-        "format": options.fmt,
-        "steps": summary.steps,
-        "requests": summary.requests,
-        "finished": summary.finished,
-        "rejected": summary.rejected,
-        "aborts": summary.aborted,
-        "retractions": summary.retractions,
-        "retracted_requests": summary.retracted_requests,
-        "evicted_tokens": summary.evicted_tokens,
-        "prefix_hit_rate": summary.prefix_hit_rate,
-        "prefix_hit_tokens": summary.prefix_hit_tokens,
-        "prompt_tokens": summary.prompt_tokens,
-        "duration_s": summary.duration_s,
-        "wall_s": wall_s,
-        "steps_per_s": summary.steps / wall_s if wall_s > 0 else 0.0,
-        "prefill_steps": summary.prefill_steps,
-        "decode_steps": summary.decode_steps,
-        "peak_running": summary.peak_running,
-        "peak_waiting": summary.peak_waiting,
-        "extend_retries": summary.extend_retries,
-        "row_overflows": summary.row_overflows,
-        "spec_mean_accepted": (
-            summary.spec_accepted_tokens / max(1, summary.spec_ops) if options.spec is not None else None
-        ),
-        "integrity_violations": result.violations,
-        "block_reuse": result.block_reuse,
-        "file_bytes": out.stat().st_size if out.exists() else 0,
-        "config": {
-            "page_size": options.page_size,
-            "pool_tokens": options.pool_tokens,
-            "max_running": options.max_running,
-            "context_len": options.context_len,
-            "chunk": options.chunk,
-            "policy": options.policy,
-            "spec": spec,
-            "pd_decode": options.pd_decode,
-        },
-    }
-    if summary.rejected:
+    rejected, requests = report["rejected"], report["requests"]
+    if rejected:
         limit = min(options.context_len - 1, options.pool_tokens - 1) - PROMPT_MARGIN
         ui.warn(
-            f"{summary.rejected:,} of {summary.requests + summary.rejected:,} requests were rejected on arrival "
+            f"{rejected:,} of {requests + rejected:,} requests were rejected on arrival "
             f"(prompts of {limit:,} tokens or more do not fit --context-len / --pool-tokens)"
         )
     if as_json:
@@ -416,22 +457,26 @@ def _report(result: Any, options: Any, *, out: Path, workload: Path, wall_s: flo
         return
     from rich.table import Table
 
-    table = Table(title=f"kvtrace record → {out}", show_header=False)
+    r = report
+    table = Table(title=f"kvtrace record → {r['out']}", show_header=False)
     table.add_column("", style="bold")
     table.add_column("", justify="right")
+    ttft = r["ttft_s"]
     rows = [
         ("workload", f"{workload.name} ({options.fmt})"),
-        ("requests", f"{summary.requests:,} ({summary.finished:,} finished, {summary.rejected:,} rejected)"),
-        ("steps", f"{summary.steps:,} ({summary.prefill_steps:,} prefill, {summary.decode_steps:,} decode)"),
-        ("simulated time", f"{summary.duration_s:,.1f} s"),
-        ("wall time", f"{wall_s:,.1f} s ({report['steps_per_s']:,.0f} steps/s)"),
-        ("prefix hit rate", f"{summary.prefix_hit_rate:.1%} of {summary.prompt_tokens:,} prompt tokens"),
-        ("retractions", f"{summary.retractions:,} ({summary.retracted_requests:,} requests)"),
-        ("aborts", f"{summary.aborted:,}"),
-        ("evicted tokens", f"{summary.evicted_tokens:,}"),
-        ("peak running / waiting", f"{summary.peak_running:,} / {summary.peak_waiting:,}"),
-        ("allocator integrity", "clean" if not result.violations else f"{len(result.violations)} violations"),
-        ("trace size", f"{report['file_bytes'] / 1e6:,.2f} MB"),
+        ("requests", f"{r['requests']:,} ({r['finished']:,} finished, {r['rejected']:,} rejected)"),
+        ("steps", f"{r['steps']:,} ({r['prefill_steps']:,} prefill, {r['decode_steps']:,} decode)"),
+        ("simulated time", f"{r['duration_s']:,.1f} s"),
+        ("wall time", f"{r['wall_s']:,.1f} s ({r['steps_per_s']:,.0f} steps/s)"),
+        ("prefix hit rate", f"{r['prefix_hit_rate']:.1%} of {r['prompt_tokens']:,} prompt tokens"),
+        ("peak KV in use", f"{r['peak_used_tokens']:,} of {options.pool_tokens:,} tokens at step {r['peak_step']:,}"),
+        ("time to first token", f"p50 {ttft['p50']:,.3f} s, p99 {ttft['p99']:,.3f} s" if ttft["count"] else "none"),
+        ("retractions", f"{r['retractions']:,} ({r['retracted_requests']:,} requests)"),
+        ("aborts", f"{r['aborts']:,}"),
+        ("evicted tokens", f"{r['evicted_tokens']:,}"),
+        ("peak running / waiting", f"{r['peak_running']:,} / {r['peak_waiting']:,}"),
+        ("allocator integrity", "clean" if not r["integrity_violations"] else f"{len(r['integrity_violations'])} violations"),
+        ("trace size", f"{r['file_bytes'] / 1e6:,.2f} MB"),
     ]
     for key, value in rows:
         table.add_row(key, value)

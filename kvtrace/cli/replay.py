@@ -149,7 +149,8 @@ def replay(
 
     What-if options (--page-size, --pool-tokens) replay the recorded schedule: the same
     requests in the same steps, so a pool smaller than the recording's runs out of
-    memory early instead of scheduling fewer requests at a time.
+    memory early instead of scheduling fewer requests at a time (kvtrace record TRACE
+    --pool-tokens N schedules the same requests anew).
 
     Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped
     bad ops; 2 bad input.

@@ -19,7 +19,7 @@ import kvtrace
 from kvtrace.cli import app, ui
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("info", "validate", "record", "replay")
+COMMANDS = ("info", "validate", "record", "replay", "sweep run", "sweep report")
 runner = CliRunner()
 
 
@@ -39,7 +39,7 @@ def test_version() -> None:
 
 @pytest.mark.parametrize("command", ["", *COMMANDS])
 def test_every_help_has_examples_and_shows_flags_as_flags(command: str) -> None:
-    text = help_of(*([command] if command else []))
+    text = help_of(*command.split())
     assert "Examples" in text and "$ kvtrace " in text
     assert "<bool>" not in text
     assert "--quiet" in text and "-q" in text and "--no-color" in text
@@ -51,7 +51,7 @@ def test_choices_and_defaults_from_the_trace_are_shown() -> None:
         assert choices in replay, choices
     assert replay.count("[default: (the trace's)]") == 2  # --page-size, --pool-tokens
     record = help_of("record")
-    assert "<cpu|cuda>" in record and "<zstd|lz4>" in record and "<mooncake|azure|lengths>" in record
+    assert "<cpu|cuda>" in record and "<zstd|lz4>" in record and "<mooncake|azure|lengths|trace>" in record
     assert "[default: (from the file)]" in record
 
 

@@ -1,0 +1,125 @@
+"""Run one sweep cell and return its result row.
+
+A simulated cell is ``kvtrace record`` (the scheduler model under the cell's
+configuration; ``kvtrace.simulate``), its row the ``record --json`` object; a
+replayed cell is ``kvtrace replay --json`` (``kvtrace.session``). The row is flat:
+nested objects become ``parent.child`` columns and lists JSON text, beside the
+cell's ``param.*`` columns, ``cell`` (its key), ``input``, ``kind``, ``status``
+(``ok`` or ``failed``), ``error`` and ``cell_wall_s``. A cell that fails (a user
+error: a configuration no allocator takes, a version that does not load) is a
+``failed`` row saying why, not a crash of the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtrace.sweep.grid import Cell
+
+__all__ = ["flatten", "run_cell"]
+
+# Columns every row has, in this order.
+ROW_HEAD = ("cell", "input", "kind", "status", "error")
+
+
+def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested summary as flat columns: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists
+    (violations) become JSON text; None stays None."""
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, (list, tuple)):
+            out[name] = json.dumps(value, default=str)
+        else:
+            out[name] = value
+    return out
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Run ``cell`` here (a worker process or a Ray task) and return its row.
+
+    User errors (``kvtrace.errors.USER_ERRORS``, a bad workload line, options the
+    scheduler model refuses) and bugs alike become a ``failed`` row with the message
+    (a bug's prefixed ``internal error``); nothing raises.
+    """
+    from kvtrace.errors import USER_ERRORS
+    from traces.workloads import WorkloadFileError
+
+    row: dict[str, Any] = {"cell": cell.key, "input": cell.input.label, "kind": cell.kind, **cell.params()}
+    t0 = time.perf_counter()
+    try:
+        summary = _simulate(cell) if cell.kind == "simulate" else _replay(cell)
+    except (*USER_ERRORS, WorkloadFileError, ValueError) as exc:  # ValueError: options record refuses
+        row.update(status="failed", error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a bug in one cell must not lose the others
+        row.update(status="failed", error=f"internal error: {type(exc).__name__}: {exc}")
+    else:
+        row.update(status="ok", error=None)
+        row.update(flatten(summary))
+    row["cell_wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def _replay(cell: Cell) -> dict[str, Any]:
+    """``kvtrace replay INPUT --json`` with the cell's options."""
+    from kvtrace.replay import ReplayOptions
+    from kvtrace.session import ReplaySession
+
+    s = cell.settings
+    options = ReplayOptions(check=s.check, on_oom=s.on_oom)  # type: ignore[arg-type]
+    with ReplaySession(
+        cell.input.label,
+        version=cell.version,
+        page_size=cell.page_size,
+        pool_tokens=cell.pool_tokens,
+        device=s.device,
+        options=options,
+        screen="inline",  # the sweep's parallelism is across cells
+    ) as session:
+        return session.run().to_dict()
+
+
+def _simulate(cell: Cell) -> dict[str, Any]:
+    """``kvtrace record INPUT --json`` with the cell's options (the trace kept only
+    with ``keep_traces``)."""
+    from kvtrace.serving import serving_settings
+    from kvtrace.simulate import RecordOptions, record_report, record_workload, spec_settings
+
+    from kvtrace.registry import resolve_version
+
+    s = cell.settings
+    path = Path(cell.input.path)
+    given: dict[str, Any] = {
+        "pool_tokens": cell.pool_tokens,
+        "page_size": cell.page_size or resolve_version(cell.version).page_size,  # token, paged:N fix theirs
+        "max_running": cell.max_running,
+        "chunk": cell.chunk,
+        "seed": s.seed,
+    }
+    if cell.spec is not None:
+        given["spec"] = spec_settings(cell.spec)
+    settings = serving_settings(path, cell.input.fmt, given)
+    out = None
+    if s.keep_traces is not None:
+        out = Path(s.keep_traces) / f"{Path(cell.input.label.removeprefix('sample:')).stem}-{cell.key}.kvtrace"
+    options = RecordOptions(
+        workload=path,
+        fmt=cell.input.fmt,  # type: ignore[arg-type]
+        out=out,
+        duration_s=s.duration_s,
+        time_scale=s.time_scale,
+        rate=s.rate,
+        device=s.device,
+        overwrite=True,
+        flush_interval_s=None,
+        version=cell.version,
+        **settings,
+    )
+    t0 = time.perf_counter()
+    result = record_workload(options)
+    return record_report(result, options, wall_s=time.perf_counter() - t0)

@@ -1,0 +1,191 @@
+"""A sweep's grid: inputs x allocator versions x pool sizes x page sizes x speculative
+settings x request rows x chunk sizes, one ``Cell`` per combination.
+
+An input is *simulated* (a workload file: the scheduler model runs under the cell's
+configuration, as ``kvtrace record`` does) or *replayed* (a trace: its recorded
+schedule through the cell's allocator, as ``kvtrace replay`` does; ``reschedule``
+simulates a trace instead, as ``kvtrace record TRACE`` does). An axis left out
+(None) keeps the input's own value. Everything here is plain data: cells travel to
+worker processes and Ray tasks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from itertools import product
+from typing import Any, Literal
+
+__all__ = [
+    "PARAM_PREFIX",
+    "Cell",
+    "Grid",
+    "SweepInput",
+    "SweepSettings",
+    "parse_counts",
+    "parse_specs",
+]
+
+CellKind = Literal["simulate", "replay"]
+PARAM_PREFIX = "param."  # result columns of the cell's requested parameters
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)", re.IGNORECASE)
+_SPEC = re.compile(r"off|none|[a-z0-9]+:\d+,\d+,\d+", re.IGNORECASE)
+
+
+def parse_counts(text: str, option: str, *, minimum: int = 1) -> list[int]:
+    """``"100k,400k,1M"`` -> ``[100000, 400000, 1000000]`` (k, M, G: powers of 1,000).
+
+    Raises:
+        ValueError: a value that is not a count, a fraction of a unit, below
+            ``minimum``, or repeated (the message names ``option``).
+    """
+    values: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        match = _COUNT.fullmatch(part)
+        if match is None:
+            raise ValueError(f"{option}: {part!r} is not a count; give integers such as 64, 100k, 1M, comma-separated")
+        number = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
+        if not number.is_integer():
+            raise ValueError(f"{option}: {part!r} is not a whole number of tokens")
+        value = int(number)
+        if value < minimum:
+            raise ValueError(f"{option}: {part!r} must be at least {minimum}")
+        if value in values:
+            raise ValueError(f"{option}: {part!r} is given twice")
+        values.append(value)
+    return values
+
+
+def parse_specs(text: str) -> list[str]:
+    """``"off,eagle:3,1,4,eagle:5,4,8"`` -> ``["off", "eagle:3,1,4", "eagle:5,4,8"]``
+    (the commas inside a setting belong to it).
+
+    Raises:
+        ValueError: text that is not such a list.
+    """
+    found = [m.group(0).lower() for m in _SPEC.finditer(text)]
+    if ",".join(found) != text.strip().lower() or not found:
+        raise ValueError(
+            f"--spec: {text!r} is not a comma-separated list of off and ALGORITHM:STEPS,TOPK,DRAFT "
+            "(e.g. off,eagle:3,1,4)"
+        )
+    return ["off" if s == "none" else s for s in found]
+
+
+@dataclass(frozen=True, slots=True)
+class SweepInput:
+    """One input of a sweep: as given (the label in results), its file, and how it runs.
+
+    Attributes:
+        label: the argument as given (a path or ``sample:NAME``).
+        path: the file.
+        fmt: ``trace``, or the workload format (``mooncake``, ``azure``, ``lengths``).
+        kind: ``simulate`` or ``replay``.
+        stamp: the file's size and modification time: a changed file is a new input,
+            whose cells run again.
+    """
+
+    label: str
+    path: str
+    fmt: str
+    kind: CellKind
+    stamp: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SweepSettings:
+    """What every cell shares (not an axis). A sweep resumed with other settings would
+    mix incomparable cells, so they are part of every cell's key.
+
+    Attributes:
+        check, on_oom, device: replayed cells, as ``kvtrace replay``.
+        duration_s, time_scale, rate, seed: simulated cells, as ``kvtrace record``.
+        keep_traces: a directory where simulated cells keep their traces (None: none).
+    """
+
+    check: str = "end"
+    on_oom: str = "stop"
+    device: str = "cpu"
+    duration_s: float | None = None
+    time_scale: float = 1.0
+    rate: float | None = None
+    seed: int | None = None
+    keep_traces: str | None = None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that change a cell's numbers (``keep_traces`` does not)."""
+        out = asdict(self)
+        del out["keep_traces"]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One run of a sweep: an input under one configuration (None: the input's own)."""
+
+    input: SweepInput
+    version: str = "builtin"
+    pool_tokens: int | None = None
+    page_size: int | None = None
+    spec: str | None = None
+    max_running: int | None = None
+    chunk: int | None = None
+    settings: SweepSettings = field(default_factory=SweepSettings)
+
+    @property
+    def kind(self) -> CellKind:
+        return self.input.kind
+
+    def params(self) -> dict[str, Any]:
+        """The cell's parameters as result columns (``param.version``, …)."""
+        return {
+            PARAM_PREFIX + "version": self.version,
+            PARAM_PREFIX + "pool_tokens": self.pool_tokens,
+            PARAM_PREFIX + "page_size": self.page_size,
+            PARAM_PREFIX + "spec": self.spec,
+            PARAM_PREFIX + "max_running": self.max_running,
+            PARAM_PREFIX + "chunk": self.chunk,
+        }
+
+    @property
+    def key(self) -> str:
+        """A stable id of the cell's input, kind, parameters and settings."""
+        ident = {
+            "input": self.input.label,
+            "stamp": self.input.stamp,
+            "kind": self.kind,
+            **self.params(),
+            "settings": self.settings.fingerprint(),
+        }
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+
+    def describe(self) -> str:
+        """One line for messages: the input and the parameters that are set."""
+        parts = [f"{k.removeprefix(PARAM_PREFIX)}={v}" for k, v in self.params().items() if v is not None]
+        return f"{self.input.label} ({self.kind}; {', '.join(parts)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The axes of a sweep; ``cells()`` is every combination, in a stable order."""
+
+    inputs: tuple[SweepInput, ...]
+    versions: tuple[str, ...] = ("builtin",)
+    pool_tokens: tuple[int | None, ...] = (None,)
+    page_sizes: tuple[int | None, ...] = (None,)
+    specs: tuple[str | None, ...] = (None,)
+    max_running: tuple[int | None, ...] = (None,)
+    chunks: tuple[int | None, ...] = (None,)
+    settings: SweepSettings = field(default_factory=SweepSettings)
+
+    def cells(self) -> list[Cell]:
+        """Every combination: inputs outermost, chunk sizes innermost."""
+        return [
+            Cell(source, version, pool, page, spec, rows, chunk, self.settings)
+            for source, version, pool, page, spec, rows, chunk in product(
+                self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks
+            )
+        ]

@@ -1,0 +1,242 @@
+"""kvtrace sweep: a grid gives the numbers of the separate runs (local processes and a
+local Ray), a killed sweep keeps its finished cells and runs only the rest, bad input
+is one line with exit 2, and the report prints and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
+from kvtrace.cli.ui import rounded
+from kvtrace.sweep import parse_counts, parse_specs, parts_dir
+from kvtrace.sweep.cells import flatten
+
+ROOT = Path(__file__).resolve().parents[2]
+MOONCAKE = ROOT / "traces" / "workloads_data" / "mooncake-fast25" / "conversation_trace.jsonl"
+KVTRACE = Path(sys.executable).with_name("kvtrace")
+# Keys that measure this machine's wall clock, and the trace a sweep does not keep.
+NOT_COMPARED = {"wall_s", "allocator_s", "speedup_vs_realtime", "steps_per_s", "out", "file_bytes"}
+POOLS, PAGES = ("40000", "60000"), ("1", "16")
+
+
+def _json(args: list[str]) -> dict[str, Any]:
+    result = CliRunner().invoke(app, [*args, "--json", "-q"])
+    assert result.exit_code in (0, 1), result.output
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A small workload (4 s of Mooncake arrivals) and a trace recorded from it."""
+    base = tmp_path_factory.mktemp("sweep")
+    workload = base / "four_seconds.jsonl"
+    lines = MOONCAKE.read_text().splitlines()
+    first = json.loads(lines[0])["timestamp"]
+    workload.write_text("\n".join(ln for ln in lines[:200] if json.loads(ln)["timestamp"] - first < 4000) + "\n")
+    trace = base / "recorded.kvtrace"
+    report = _json(["record", str(workload), "--out", str(trace), "--page-size", "16", "--pool-tokens", "60000"])
+    assert report["requests"] > 10
+    return {"workload": workload, "trace": trace}
+
+
+@pytest.fixture(scope="module")
+def separate_runs(inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], dict]:
+    """The four kvtrace record runs of the workload and the four kvtrace replay runs of
+    the trace that the 2 x 2 grids stand for."""
+    base = tmp_path_factory.mktemp("separate")
+    runs = {}
+    for pool in POOLS:
+        for page in PAGES:
+            what_if = ["--pool-tokens", pool, "--page-size", page]
+            out = base / f"{pool}-{page}.kvtrace"
+            runs["workload", pool, page] = _json(["record", str(inputs["workload"]), "--out", str(out), *what_if])
+            runs["trace", pool, page] = _json(["replay", str(inputs["trace"]), *what_if])
+    return runs
+
+
+def _sweep(inputs: dict[str, Path], out: Path, *extra: str) -> dict[str, Any]:
+    args = ["sweep", str(inputs["workload"]), str(inputs["trace"]), "--pool-tokens", ",".join(POOLS)]
+    return _json([*args, "--page-size", ",".join(PAGES), "--out", str(out), *extra])
+
+
+def _check_against(out: Path, inputs: dict[str, Path], separate: dict[tuple[str, str, str], dict]) -> None:
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}
+    for row in rows:
+        which = "workload" if row["input"] == str(inputs["workload"]) else "trace"
+        assert row["kind"] == ("simulate" if which == "workload" else "replay")
+        expected = flatten(separate[which, str(row["param.pool_tokens"]), str(row["param.page_size"])])
+        compared = [k for k in expected if k not in NOT_COMPARED]
+        assert len(compared) > 30
+        for key in compared:
+            assert rounded(row.get(key)) == expected[key], (which, row["param.pool_tokens"], row["param.page_size"], key)
+
+
+def test_a_2x2_grid_gives_the_numbers_of_the_separate_runs(tmp_path: Path, inputs, separate_runs) -> None:
+    out = tmp_path / "results.parquet"
+    summary = _sweep(inputs, out, "--jobs", "2")
+    assert summary == {**summary, "out": str(out), "cells": 8, "done": 8, "failed": 0, "resumed": 0, "runner": "local"}
+    assert not parts_dir(out).exists()
+    _check_against(out, inputs, separate_runs)
+
+
+def test_the_same_grid_through_a_local_ray_gives_the_same_numbers(tmp_path: Path, inputs, separate_runs) -> None:
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtrace[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        out = tmp_path / "ray.parquet"
+        summary = _sweep(inputs, out, "--ray", "auto")
+        assert summary["runner"] == "ray" and summary["done"] == 8 and summary["failed"] == 0
+        _check_against(out, inputs, separate_runs)
+    finally:
+        ray.shutdown()
+
+
+def test_a_killed_sweep_keeps_its_finished_cells_and_runs_only_the_rest(tmp_path: Path, inputs) -> None:
+    out = tmp_path / "killed.parquet"
+    args = [str(KVTRACE), "sweep", str(inputs["trace"]), "--pool-tokens", "30k,45k,60k,75k", "-j", "1", "-o", str(out)]
+    proc = subprocess.Popen([*args, "-q"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    parts = parts_dir(out)
+    deadline = time.monotonic() + 240
+    try:
+        while not list(parts.glob("*.parquet")):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no cell finished in time"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its worker, mid-cell
+        proc.wait()
+    finished = {p.stem: pq.read_table(p).to_pylist()[0] for p in parts.glob("*.parquet")}
+    assert 1 <= len(finished) < 4 and not out.exists()
+    assert all(row["status"] == "ok" for row in finished.values())
+    result = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["cells"] == 4 and summary["done"] == 4 and summary["resumed"] == len(finished)
+    rows = {row["cell"]: row for row in pq.read_table(out).to_pylist()}
+    assert [r["param.pool_tokens"] for r in rows.values()] == [30_000, 45_000, 60_000, 75_000]
+    for key, row in finished.items():  # not run again: the very rows of the killed run
+        assert rows[key] == row
+    assert not parts.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--check", "sometimes"], "'sometimes' is not one of"),
+        (["--on-oom", "retry"], "'retry' is not one of"),
+        (["--device", "tpu"], "'tpu' is not one of"),
+        (["--pool-tokens", "10q"], "'10q' is not a count"),
+        (["--page-size", "16,16"], "'16' is given twice"),
+        (["--spec", "eagle:3,1"], "is not a comma-separated list of off and ALGORITHM"),
+        (["--spec", "off,eagle:3,1,4"], "applies to simulated cells; "),
+        (["--versions", "nosuch"], "unknown allocator 'nosuch'"),
+        (["--versions", "paged:16", "--page-size", "1"], "conflicts with --versions paged:16"),
+        (["--pool-tokens", "20"], "fewer than two pages of 16"),
+        (["--rate", "3"], "applies to lengths workloads only"),
+    ],
+)
+def test_bad_options_are_one_line_and_exit_2(tmp_path: Path, inputs, extra: list[str], message: str) -> None:
+    out = tmp_path / "r.parquet"
+    result = CliRunner().invoke(app, ["sweep", str(inputs["trace"]), "-o", str(out), *extra])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: ") and message in lines[0], lines
+    assert not out.exists() and not parts_dir(out).exists()
+
+
+def test_bad_inputs_and_outputs_are_one_line_and_exit_2(tmp_path: Path, inputs) -> None:
+    cases = [
+        (["sweep", str(inputs["trace"]), "-o", str(inputs["trace"])], "is the input"),
+        (["sweep", str(inputs["workload"]), "-o", str(inputs["workload"])], "is the input"),
+        (["sweep", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "r.parquet")], "no such file"),
+        (["sweep", str(inputs["trace"]), str(inputs["trace"]), "-o", str(tmp_path / "r.parquet")], "given twice"),
+        (["sweep", "report", str(inputs["workload"])], "not a Parquet file"),
+        (["sweep", "report", str(tmp_path / "none.parquet")], "no such file"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, lines)
+
+
+def test_failed_cells_are_rows_saying_why_and_exit_1(tmp_path: Path, inputs) -> None:
+    """A version whose factory fails: every cell fails, the sweep still writes its rows."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def create(config):\n    raise RuntimeError('no allocator today')\n")
+    out = tmp_path / "r.parquet"
+    result = CliRunner().invoke(app, ["sweep", str(inputs["trace"]), "--versions", f"{broken}:create", "-o", str(out), "-j", "1"])
+    assert result.exit_code == 1, result.output
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 1 and rows[0]["status"] == "failed" and "no allocator today" in rows[0]["error"]
+    assert "1 cells failed" in result.stderr
+
+
+def test_the_report_prints_a_table_and_plots_per_input(tmp_path: Path, inputs) -> None:
+    out = tmp_path / "r.parquet"
+    args = ["sweep", str(inputs["trace"]), "--pool-tokens", "50k,60k", "--page-size", "16,32", "-o", str(out), "-j", "2"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    shown = CliRunner().invoke(app, ["sweep", "report", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "hit rate" in shown.stdout and "60,000" in shown.stdout and "recorded.kvtrace" in shown.stdout
+    png = tmp_path / "r-plots" / "recorded.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = CliRunner().invoke(app, ["sweep", "report", str(out), "--json"])
+    assert again.exit_code == 2 and "already exists; pass --force" in again.stderr
+    report = _json(["sweep", "report", str(out), "--force"])
+    assert report["cells"] == 4 and report["plots"] == [str(png)]
+    pools = sorted({r["pool_tokens"] for r in report["rows"]})
+    assert pools[-1] == 60_000 and all(0 < r["peak_occupancy"] <= 1 for r in report["rows"])
+
+
+def test_simulated_cells_keep_their_traces_when_asked(tmp_path: Path, inputs) -> None:
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    out = tmp_path / "r.parquet"
+    summary = _json(["sweep", str(inputs["workload"]), "--pool-tokens", "50k", "--keep-traces", str(kept), "-o", str(out), "-j", "1"])
+    assert summary["done"] == 1
+    (trace,) = kept.glob("four_seconds-*.kvtrace")
+    row = pq.read_table(out).to_pylist()[0]
+    assert row["out"] == str(trace) and row["file_bytes"] == trace.stat().st_size > 0
+    info = _json(["info", str(trace)])
+    assert info["steps"] == row["steps"] and info["config"]["pool_tokens"] == 50_000
+
+
+def test_without_ray_installed_ray_is_one_line(tmp_path: Path, inputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    result = CliRunner().invoke(app, ["sweep", str(inputs["trace"]), "--ray", "auto", "-o", str(tmp_path / "r.parquet")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ray needs Ray: pip install 'kvtrace[ray]'" in lines[0], lines
+    assert not parts_dir(tmp_path / "r.parquet").exists()
+
+
+@given(st.lists(st.integers(1, 5_000_000), min_size=1, max_size=6, unique=True))
+def test_counts_parse_with_and_without_units(values: list[int]) -> None:
+    def spelled(v: int) -> str:
+        for scale, unit in ((1_000_000, "M"), (1_000, "k")):
+            if v % scale == 0:
+                return f"{v // scale}{unit}"
+        return str(v)
+
+    assert parse_counts(",".join(spelled(v) for v in values), "--pool-tokens") == values
+
+
+def test_spec_lists_keep_the_commas_of_each_setting() -> None:
+    assert parse_specs("off,eagle:3,1,4,eagle3:5,4,8") == ["off", "eagle:3,1,4", "eagle3:5,4,8"]
+    with pytest.raises(ValueError, match="--spec"):
+        parse_specs("eagle:3,1,4,")
