@@ -105,6 +105,8 @@ class TraceTable:
     Attributes:
         step, op, rid, seq_len, append_len, draft_len, accepted_len, prefix_len,
             prompt_len, block_hashes, token_ids: the trace's columns, one entry per row.
+        arrival_s: float64 per row, NaN where none (None: no row has one; a
+            request's arrival is on its first row, which goes only with the request).
         first: bool per row: the request's first row (its admission).
         readmit: bool per row: a row that re-admits a retracted request.
         first_prefill: bool per row: the admission and the prefill chunks right after it.
@@ -123,6 +125,7 @@ class TraceTable:
     accepted_len: np.ndarray  # int32 [n]
     prefix_len: np.ndarray  # int64 [n]
     prompt_len: np.ndarray  # int64 [n], -1 = null
+    arrival_s: np.ndarray | None  # float64 [n], NaN = null
 
     def __init__(self, meta: TraceMeta, steps: list[StepBatch]) -> None:
         self.meta = meta
@@ -135,6 +138,8 @@ class TraceTable:
             setattr(self, name, np.concatenate(parts) if parts else np.zeros(0, np.int64))
         self.block_hashes = Ragged.concat([b.block_hashes for b in steps]) if steps else Ragged.empty(0, np.uint64)
         self.token_ids = Ragged.concat([b.token_ids for b in steps]) if steps else Ragged.empty(0, np.int64)
+        has_arrival = any(b.arrival_s is not None for b in steps)
+        self.arrival_s = np.concatenate([b.arrivals() for b in steps]) if has_arrival else None
         self._derive()
 
     # ------------------------------------------------------------------ per-row facts
@@ -279,11 +284,13 @@ def build(table: TraceTable, cand: Candidate, extra: dict[str, Any] | None = Non
         "draft_len": table.draft_len[rows], "accepted_len": table.accepted_len[rows],
         "prefix_len": prefix_len, "prompt_len": prompt_len,
     }
+    arrival = None if table.arrival_s is None else table.arrival_s[rows]
     steps = [
         StepBatch(
             number, table.step_time[int(step[lo])],
             *(columns[name][lo:hi] for name in _COLUMNS[1:]),
             hashes.slice(lo, hi), tokens.slice(lo, hi),
+            None if arrival is None else arrival[lo:hi],
         )
         for number, (lo, hi) in enumerate(zip(starts, stops))
     ]

@@ -131,3 +131,23 @@ def test_a_signature_names_the_counter_of_a_counters_violation() -> None:
     assert str(sig) == "violation:counters.sum_committed"
     assert sig.matching_violation([ViolationRecord(9, 1, "decode", "counters", "sum_protected kept as 1, recomputed 0"), v]) is v
     assert str(Signature.of_violation(ViolationRecord(3, 1, "x", "ownership", "page 4 is held twice"))) == "violation:ownership"
+
+
+def test_arrivals_stay_with_the_requests_kept() -> None:
+    reader = open_trace("sample:tiny")
+    steps = list(reader.steps())
+    arrival = {}  # each request arrives 0.25 s per request id before its admission
+    with_arrivals = []
+    for b in steps:
+        first = np.array([r not in arrival for r in b.rid.tolist()])
+        for r in b.rid[first].tolist():
+            arrival[r] = b.time_s - 0.25 * r
+        with_arrivals.append(replace(b, arrival_s=np.where(first, [arrival.get(r, 0.0) for r in b.rid.tolist()], np.nan)))
+    t = TraceTable(reader.meta, with_arrivals)
+    rids = np.unique(t.rid)
+    kept = rids[[2, 5, 11]]
+    meta, out = build(t, t.without_requests(t.all_rows(), np.setdiff1d(rids, kept)))
+    assert validate_steps(meta, out) == []
+    got = [float(a) for b in out for a in b.arrivals() if not np.isnan(a)]
+    assert sorted(got) == sorted(arrival[int(r)] for r in kept)  # one arrival per request, on its first row
+    assert build(TraceTable(reader.meta, steps), t.all_rows())[1][0].arrival_s is None
