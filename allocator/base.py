@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 # SGLang keeps this many decode steps' worth of slots free per request still
 # running after a retraction (``SGLANG_RETRACT_DECODE_STEPS``).
 RETRACT_DECODE_STEPS = 20
+# Slot indices and positions are int32 (the dtype of req_to_token).
+MAX_SLOTS = (1 << 31) - 1
 
 SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash", "uno"]
 EvictionPolicy = Literal["lru"]
@@ -89,6 +91,12 @@ class AllocatorConfig:
             raise ValueError(f"AllocatorConfig.page_size must be >= 1, found {ps}")
         if config.pool_tokens < 2 * ps:
             raise ValueError(f"AllocatorConfig.pool_tokens {config.pool_tokens} is below two pages (page size {ps})")
+        for name in ("pool_tokens", "max_context_len"):
+            if getattr(config, name) > MAX_SLOTS:
+                raise ValueError(
+                    f"AllocatorConfig.{name} {getattr(config, name)} exceeds 2**31 - 1 "
+                    "(slot indices and positions are int32, as in SGLang's req_to_token)"
+                )
         if config.max_running < 1:
             raise ValueError(f"AllocatorConfig.max_running must be >= 1, found {config.max_running}")
         if config.max_context_len < 1:

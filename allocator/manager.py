@@ -29,6 +29,7 @@ request's ``ReqKvInfo`` view.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -443,7 +444,7 @@ class KvAllocator:
             reach a row's width, or prompts wait to be published): nothing changed,
             decode step by step.
         """
-        if self._pending_publish:
+        if self._pending_publish or not _runs_are_exact(type(self)):
             return None
         rids = _i64(rids)
         rows = self._held_rows(rids, "decode")
@@ -466,7 +467,7 @@ class KvAllocator:
             The pool counters and allocated lengths after each step, or None when the
             run cannot be done in one block (nothing changed).
         """
-        if self._pending_publish or self.config.spec is None:
+        if self._pending_publish or self.config.spec is None or not _runs_are_exact(type(self)):
             return None
         rids = _i64(rids)
         accepted = np.ascontiguousarray(accepted, dtype=np.int64)
@@ -852,3 +853,15 @@ def _counters_after(before: np.ndarray, taken: np.ndarray, committed: np.ndarray
 def create_allocator(config: AllocatorConfig) -> KvAllocator:
     """The built-in allocator for ``config`` (SGLang 0.5.23 semantics)."""
     return KvAllocator(config)
+
+
+# What a step of decode or speculative decode goes through: a subclass that changes any
+# of it (a variant under test, a deliberately broken allocator) replays runs step by step.
+_STEP_PATH = ("decode", "spec_decode", "_reserve_spec", "_held_rows", "_flush_publish", "counters")
+
+
+@functools.cache
+def _runs_are_exact(cls: type) -> bool:
+    """Whether ``cls`` allocates a step exactly as ``KvAllocator`` does, so its
+    ``decode_run`` / ``spec_decode_run`` equal its steps one by one."""
+    return all(getattr(cls, name) is getattr(KvAllocator, name) for name in _STEP_PATH)

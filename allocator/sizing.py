@@ -7,7 +7,7 @@ and sizes ``req_to_token`` rows with the same headroom.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 # ceil_align / floor_align are defined in allocator.pages; re-exported here.
 from allocator.pages import ceil_align, floor_align
@@ -16,9 +16,11 @@ if TYPE_CHECKING:
     from allocator.base import AllocatorConfig, SpecConfig
 
 __all__ = [
+    "PoolMemory",
     "alloc_len_per_decode",
     "ceil_align",
     "floor_align",
+    "pool_memory",
     "pool_size_tokens",
     "req_to_token_width",
     "reserve_per_decode",
@@ -86,3 +88,57 @@ def pool_size_tokens(config: AllocatorConfig) -> int:
 def uses_bigram_keys(spec: SpecConfig | None) -> bool:
     """EAGLE and EAGLE3 key the radix tree by token bigrams (SGLang ``is_eagle``)."""
     return spec is not None and spec.algorithm in ("eagle", "eagle3")
+
+
+# Host bytes per unit of what an allocator holds (see ``pool_memory``).
+_SLOT_BYTES = 4  # int32 slot indices and page ids (the dtype of req_to_token)
+_FREE_LIST_BYTES_PER_PAGE = 3 * _SLOT_BYTES  # a double-ended buffer of 2n + 64, plus the initial arange
+_CACHED_BYTES_PER_TOKEN = 16  # radix keys (int64 token ids) and values (slot indices), whole pool cached
+_BYTES_PER_ROW = 3 * 8 + 8 + 8 + 36  # ReqKvTable columns, rid, lock_node, a free_slots entry
+_BYTES_PER_RID = 25  # KvAllocator's row, prompt, prefilling and stash columns, per request id
+
+
+class PoolMemory(NamedTuple):
+    """Host memory an allocator of a configuration needs, in bytes, by part.
+
+    ``req_to_token`` and ``free_lists`` are allocated when it is built; ``bookkeeping``
+    grows with the request rows and the largest request id; ``radix_cache`` is the
+    tree's keys and values when the whole pool is cached (its most).
+    """
+
+    req_to_token: int
+    free_lists: int
+    bookkeeping: int
+    radix_cache: int
+
+    @property
+    def total(self) -> int:
+        return self.req_to_token + self.free_lists + self.bookkeeping + self.radix_cache
+
+
+def pool_memory(config: AllocatorConfig, num_rids: int = 0) -> PoolMemory:
+    """What the built-in allocator of ``config`` needs on the host (an estimate from the
+    sizes, computed without allocating anything; the device copy of ``req_to_token``
+    is not counted).
+
+    Args:
+        config: the allocator configuration.
+        num_rids: the largest request id it will see, plus one (per-id columns).
+
+    Returns:
+        The bytes of each part (``PoolMemory.total`` is the sum).
+    """
+    rows = config.max_running + config.extra_rows
+    pool = pool_size_tokens(config)
+    pages = pool // config.page_size
+    if config.hisparse:
+        pages *= 1 + config.hisparse_ratio
+        pool_pages_mapping = 8 * (pool * config.hisparse_ratio + config.page_size + 1)
+    else:
+        pool_pages_mapping = 0
+    return PoolMemory(
+        req_to_token=(rows + 1) * req_to_token_width(config) * _SLOT_BYTES,
+        free_lists=pages * _FREE_LIST_BYTES_PER_PAGE + pool_pages_mapping,
+        bookkeeping=(rows + 1) * _BYTES_PER_ROW + num_rids * _BYTES_PER_RID,
+        radix_cache=0 if not config.radix_cache else pool * _CACHED_BYTES_PER_TOKEN,
+    )

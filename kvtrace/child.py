@@ -31,12 +31,21 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-__all__ = ["install_allocator", "main", "run_job"]
+__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "main", "run_job"]
+
+# Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance before
+# calling their methods. A package older than one of them lacks the name, or defines it
+# with fewer methods than this kvtrace calls (``DecodeRuns`` before ``spec_decode_run``):
+# this checkout's definition stands in, so such a commit still replays (without the
+# protocol when its allocators lack one of those methods).
+OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
+_OWN_BASE = Path(__file__).resolve().parent.parent / "allocator" / "base.py"
 
 
 def install_allocator(root: str | Path) -> None:
     """Make ``root/allocator`` the ``allocator`` package of this process (before any
-    import of it), whatever else is on ``sys.path``."""
+    import of it), whatever else is on ``sys.path``; add the optional protocols it
+    predates (``OPTIONAL_PROTOCOLS``)."""
     package = Path(root) / "allocator"
     init = package / "__init__.py"
     spec = importlib.util.spec_from_file_location("allocator", init, submodule_search_locations=[str(package)])
@@ -49,6 +58,29 @@ def install_allocator(root: str | Path) -> None:
     except BaseException:
         del sys.modules["allocator"]
         raise
+    base = importlib.import_module("allocator.base")
+    own = _own_base()
+    for name in OPTIONAL_PROTOCOLS:
+        theirs = getattr(base, name, None)
+        if theirs is None or _methods(theirs) != _methods(getattr(own, name)):
+            setattr(base, name, getattr(own, name))
+
+
+def _own_base() -> Any:
+    """This checkout's ``allocator/base.py`` as a module of its own (not ``allocator.base``)."""
+    name = "kvtrace_own_allocator_base"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _OWN_BASE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _methods(protocol: type) -> set[str]:
+    """The public names a protocol class declares (what isinstance checks)."""
+    return {n for n in vars(protocol) if not n.startswith("_")}
 
 
 def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:

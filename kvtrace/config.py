@@ -1,4 +1,5 @@
-"""A trace's serving configuration -> the allocator configuration that serves it.
+"""A trace's serving configuration -> the allocator configuration that serves it, and
+whether this machine has the memory to build it.
 
 ``allocator_config_for`` maps a trace's recorded serving config (with what-if
 overrides) to an ``AllocatorConfig``; the scheduler model records with it and the
@@ -6,18 +7,51 @@ replay session replays with it, so both run the same allocator for the same trac
 ``effective_config`` is the one place a replay's configuration is decided from the
 trace, the allocator version (which may fix a page size) and the user's options.
 The pool is rounded down to whole pages by ``allocator.sizing.pool_size_tokens``
-only.
+only. ``check_memory`` refuses, before a pool is built, what the machine cannot hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from allocator.base import AllocatorConfig, SpecConfig
-from allocator.sizing import pool_size_tokens
+from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
 from traces.schema import SpecSettings, TraceMeta
+from traces.tokens import TokenStore
+from traces.validate import CHECKER_BYTES_PER_RID
+
+# What a user calls each sizing field: where a replay takes it from (the trace's
+# metadata, unless an option overrides it), and the options of ``kvtrace record``.
+TRACE_FIELDS: dict[str, str] = {
+    "pool_tokens": "metadata config.pool_tokens",
+    "page_size": "metadata config.page_size",
+    "max_running": "metadata config.max_running",
+    "max_context_len": "metadata config.max_context_len",
+}
+RECORD_OPTIONS: dict[str, str] = {
+    "pool_tokens": "--pool-tokens",
+    "page_size": "--page-size",
+    "max_running": "--max-running",
+    "max_context_len": "--context-len",
+}
+
+
+def replay_names(*, pool_tokens: bool = False, page_size: bool = False) -> dict[str, str]:
+    """``TRACE_FIELDS`` with the fields a replay's what-if options override named by them."""
+    names = dict(TRACE_FIELDS)
+    if pool_tokens:
+        names["pool_tokens"] = "--pool-tokens"
+    if page_size:
+        names["page_size"] = "--page-size"
+    return names
+
+
+# The replay engine's per-request columns (seen, dropped, prefill target) and those
+# of the op-sequence checker screening its steps.
+_REPLAY_BYTES_PER_RID = 10 + CHECKER_BYTES_PER_RID
 
 
 def spec_config_for(spec: SpecSettings | None) -> SpecConfig | None:
@@ -81,6 +115,116 @@ def allocator_config_for(
     except ValueError as exc:
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
     return config
+
+
+class MemoryEstimate(NamedTuple):
+    """Host memory a replay or a recording needs, in bytes, by part.
+
+    ``pool``: the allocator (``allocator.sizing.pool_memory``); ``token_store``: the
+    token content its radix cache is fed (``TokenStore.bytes_bound``); ``requests``:
+    the per-request columns of the replay engine and of its step checker.
+    """
+
+    pool: PoolMemory
+    token_store: int
+    requests: int
+
+    @property
+    def total(self) -> int:
+        return self.pool.total + self.token_store + self.requests
+
+
+def estimate_memory(config: AllocatorConfig, num_rids: int) -> MemoryEstimate:
+    """What serving ``config`` for ``num_rids`` request ids needs (nothing is allocated).
+
+    Args:
+        config: the allocator configuration.
+        num_rids: request ids run below this (``TraceReader.rid_bound``, or the
+            number of requests of a workload).
+    """
+    return MemoryEstimate(
+        pool=pool_memory(config, num_rids),
+        token_store=TokenStore.bytes_bound(pool_size_tokens(config), num_rids),
+        requests=num_rids * _REPLAY_BYTES_PER_RID,
+    )
+
+
+def check_memory(
+    config: AllocatorConfig,
+    *,
+    num_rids: int,
+    names: Mapping[str, str] = TRACE_FIELDS,
+    force: bool = False,
+    available: int | None = None,
+) -> MemoryEstimate:
+    """Refuse, before anything is allocated, a configuration this machine cannot hold.
+
+    One function for every command that builds a pool (``replay``, ``record``).
+
+    Args:
+        config: the allocator configuration about to be built.
+        num_rids: request ids run below this.
+        names: what the user calls ``pool_tokens``, ``page_size``, ``max_running``
+            and ``max_context_len`` (an option, or a metadata field of the trace).
+        force: only estimate; never refuse.
+        available: bytes the machine can give (default: psutil's available memory).
+
+    Returns:
+        The estimate.
+
+    Raises:
+        ConfigError: one line: the estimate, what is available, the part that needs
+            the most and the option or metadata field behind it, and ``--force``.
+    """
+    estimate = estimate_memory(config, num_rids)
+    if force:
+        return estimate
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    if estimate.total <= available:
+        return estimate
+    part, behind = _largest_part(config, estimate, num_rids, names)
+    options = [name for name in behind if name.startswith("--")]
+    advice = f"lower {' or '.join(options)}, or pass --force" if options else "pass --force"
+    raise ConfigError(
+        f"not enough memory: the allocator needs about {format_bytes(estimate.total)} and this machine "
+        f"has {format_bytes(available)} available; {part}; {advice} to try anyway"
+    )
+
+
+def _largest_part(
+    config: AllocatorConfig, estimate: MemoryEstimate, num_rids: int, names: Mapping[str, str]
+) -> tuple[str, list[str]]:
+    """The part of the estimate that needs the most, in words, and the names behind it."""
+    pool = estimate.pool
+    table = pool.req_to_token
+    slots = pool.free_lists + pool.radix_cache + estimate.token_store
+    ids = estimate.requests + pool.bookkeeping
+    if table >= slots and table >= ids:
+        rows = config.max_running + config.extra_rows
+        behind = [names["max_running"], names["max_context_len"]]
+        return (
+            f"its request table alone is {rows:,} rows ({behind[0]}) x {req_to_token_width(config):,} "
+            f"positions ({behind[1]} plus headroom) x 4 bytes = {format_bytes(table)}"
+        ), behind
+    if slots >= ids:
+        return (
+            f"its {pool_size_tokens(config):,} KV slots ({names['pool_tokens']}) need "
+            f"{format_bytes(slots)} of free lists, radix cache and token content"
+        ), [names["pool_tokens"]]
+    return f"its {num_rids:,} request ids need {format_bytes(ids)} of per-request state", []
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``: binary units, three significant digits."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{value:.3g} {unit}" if unit != "B" and value < 1000 else f"{value:.0f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def _pool_below_two_pages(pool: int, page_size: int, page_given: bool, pool_given: bool) -> str:

@@ -37,7 +37,10 @@ if TYPE_CHECKING:
     from kvtrace.sides import Chunk
     from kvtrace.snapshot import StepSnapshot
 
-__all__ = ["DiffOptions", "DiffReport", "ReportedDivergence", "RequestStep", "compare_sides", "diff_logs", "diff_trace"]
+__all__ = [
+    "DiffOptions", "DiffReport", "ReportedDivergence", "RequestStep", "SideReport", "compare_sides", "diff_logs", "diff_trace",
+    "usable_cpus",
+]
 
 Mode = Literal["lockstep", "parallel", "logs"]
 REQUEST_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "prefix_len", "phase", "op")
@@ -389,7 +392,8 @@ def _drain(ca: _Cursor, cb: _Cursor) -> None:
 # ---------------------------------------------------------------------------- entry points
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -438,7 +442,7 @@ def diff_trace(
     versions = [resolve_any(spec_a), resolve_any(spec_b)]
     in_process = all(isinstance(v, AllocatorVersion) for v in versions)
     if jobs is None:
-        jobs = 2 if _usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
+        jobs = 2 if usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
     parallel = jobs == 2 or not in_process
     what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device}
     sides: list[Any] = []

@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtrace.errors import VersionSpecError
+from kvtrace.errors import KvtraceError, VersionSpecError
 from kvtrace.registry import ChildVersion
 
-__all__ = ["CachedCheckout", "cache_dir", "cached_checkouts", "current_repository", "resolve"]
+__all__ = ["CachedCheckout", "cache_dir", "cached_checkouts", "current_repository", "resolve", "run_git"]
 
 KEEP = 8  # cached checkouts kept (least recently used removed first)
 CACHE_ENV = "KVTRACE_CACHE_DIR"
@@ -52,15 +52,26 @@ def cache_dir() -> Path:
     return Path(base) / "kvtrace"
 
 
-def _git(args: list[str], cwd: Path | str, spec: str) -> str:
+def run_git(
+    args: list[str], cwd: Path | str, what: str, error: type[KvtraceError] = VersionSpecError, stdin: str | None = None
+) -> str:
+    """``git ARGS`` in ``cwd`` (``stdin`` fed to it): its stdout, stripped.
+
+    Raises:
+        ``error``: git is missing or fails (one line starting with ``what``, with git's last line).
+    """
     try:
-        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(["git", *args], cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300)
     except FileNotFoundError:
-        raise VersionSpecError(f"allocator '{spec}': git is not installed (needed for git: and worktree versions)") from None
+        raise error(f"{what}: git is not installed (git: and worktree versions and --range need it)") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise VersionSpecError(f"allocator '{spec}': git {args[0]} failed in {cwd}: {last}")
+        raise error(f"{what}: git {args[0]} failed in {cwd}: {last}")
     return proc.stdout.strip()
+
+
+def _git(args: list[str], cwd: Path | str, spec: str) -> str:
+    return run_git(args, cwd, f"allocator '{spec}'")
 
 
 def current_repository(path: str | Path = ".") -> Path | None:

@@ -60,6 +60,7 @@ from traces.schema import (
     DECODE,
     EXTEND,
     FINISH,
+    MAX_RID,
     OP_ORDER,
     OPS,
     PREALLOC,
@@ -108,7 +109,7 @@ class ReplayOptions:
         state_digest: put the allocator's ``state_digest()`` in every snapshot (the
             allocator must be ``Digestible``; ``kvtrace diff --exact``).
         decode_runs: apply runs of plain decode steps over one batch in one allocator
-            call where the allocator supports it (``kvtrace.runs``; same results). The
+            call where the allocator supports it (``traces.runs``; same results). The
             session's allocator then runs ahead of the snapshot being returned within
             a run; False keeps it in step after every snapshot.
     """
@@ -242,11 +243,13 @@ class ReplayEngine:
         options: ReplayOptions | None = None,
         screen: StepScreen | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        rid_bound: int = MAX_RID,
     ) -> None:
         if screen is None:
             from traces.validate import OpSequenceChecker
 
-            screen = OpSequenceChecker(meta)
+            screen = OpSequenceChecker(meta, rid_bound=rid_bound)
+        self.rid_bound = rid_bound  # request ids below this (the trace's TraceReader.rid_bound)
         self.meta = meta
         self.allocator = allocator
         self.options = options or ReplayOptions()
@@ -319,12 +322,14 @@ class ReplayEngine:
         self._events = []
         alloc_s_before = st.allocator_s
         n = len(batch)
-        if n:
+        ok = self._screen(batch)
+        if ok is not None:  # skip mode: rows the checker refused never reach the replay
+            batch, ok = batch.take(np.flatnonzero(ok)), None
+        if len(batch):  # request ids are screened: below the trace's bound
             max_rid = int(batch.rid.max())
             for arr in self._req.values():
                 arr.ensure(max_rid)
-        ok = self._screen(batch)
-        present = np.bincount(batch.op, minlength=len(OPS)) if n else np.zeros(len(OPS), np.int64)
+        present = np.bincount(batch.op, minlength=len(OPS)) if len(batch) else np.zeros(len(OPS), np.int64)
         if present[EXTEND] or present[PREALLOC]:
             self._tokens.ingest(batch)
             self._remember_prompts(batch, ok)
@@ -338,7 +343,7 @@ class ReplayEngine:
             if not present[op]:
                 continue
             if whole:
-                rows = np.arange(n)
+                rows = np.arange(len(batch))
             else:
                 mask = batch.op == op
                 rows = np.flatnonzero(mask if ok is None else mask & ok)
@@ -364,10 +369,11 @@ class ReplayEngine:
         st.steps += 1
         st.steps_reported += 1
         st.ops += n
-        if st.first_time_s is None:
-            st.first_time_s = batch.time_s
-            st.first_step = batch.step
-        st.last_time_s = batch.time_s
+        if np.isfinite(batch.time_s):  # a NaN or infinite time is a problem the checker reported
+            if st.first_time_s is None:
+                st.first_time_s = batch.time_s
+                st.first_step = batch.step
+            st.last_time_s = batch.time_s
         st.last_step = batch.step
         pool = self.allocator.counters()
         used = pool.used_tokens
@@ -407,7 +413,7 @@ class ReplayEngine:
     ) -> list[StepSnapshot] | None:
         """Apply ``len(steps)`` plain steps of ``op`` (``DECODE``, or ``SPEC`` with the
         int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
-        screened clean (``kvtrace.runs``), in one allocator call; return their snapshots
+        screened clean (``traces.runs``), in one allocator call; return their snapshots
         ([] before the window). None when the allocator refuses the run: nothing
         changed, replay the steps one by one."""
         num_steps = int(steps.shape[0])
@@ -547,7 +553,16 @@ class ReplayEngine:
         for p in problems:
             self._events.append(Event("bad_op", p.rid, 0, p.problem))
         if bad_rids:
-            ok &= ~np.isin(batch.rid, np.fromiter(bad_rids, np.int64))
+            bad = np.fromiter(bad_rids, np.int64)
+            ok &= ~np.isin(batch.rid, bad)
+            # The checker adopts a bad row as recorded; the replay cannot, so the request
+            # leaves the replay (ids outside the trace's bound never entered it).
+            bad = bad[(bad >= 0) & (bad < self.rid_bound)]
+            if bad.size:
+                dropped = self._req["dropped"]
+                dropped.ensure(int(bad.max()))
+                for rid in bad[~dropped.a[bad]].tolist():
+                    self._drop(rid, "dropped after a bad op")
         self.stats.skipped_ops += int((~ok).sum())
         return ok
 
@@ -696,14 +711,16 @@ class ReplayEngine:
             self._drop(res.rid)
             rows = rows[batch.rid[rows] != res.rid]
 
-    def _drop(self, rid: int) -> None:
+    def _drop(self, rid: int, detail: str = "dropped after out of memory") -> None:
         """Skip mode: the request leaves the replay; whatever it holds is released."""
         st = self.stats
+        for arr in self._req.values():
+            arr.ensure(rid)
         self._req["dropped"].a[rid] = True
         self._req["phase"].a[rid] = DROPPED
         self._any_dropped = True
         st.dropped_requests += 1
-        self._events.append(Event("dropped", rid, 0, "dropped after out of memory"))
+        self._events.append(Event("dropped", rid, 0, detail))
         r = np.array([rid], np.int64)
         if self.allocator.holds_kv(r)[0]:
             lens = self.allocator.request_lens(r)

@@ -259,3 +259,96 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
         console.print(
             f"[red]diverged[/red]: {n} divergence{'s' if n > 1 else ''} in {report['steps_compared']:,} steps compared"
         )
+
+
+# ---------------------------------------------------------------------------- kvtrace diff --range
+
+_SUBJECT_CHARS = 60
+_ERROR_CHARS = 40  # of an error in its cell; the whole message follows the table
+
+
+def _range_cell(result: dict[str, Any]) -> str:
+    from rich.markup import escape
+
+    if result["status"] == "identical":
+        return "[green]identical[/green]"
+    if result["status"] == "error":
+        error = result["error"] or ""
+        short = error if len(error) <= _ERROR_CHARS else error[: _ERROR_CHARS - 3] + "..."
+        return f"[red]error: {escape(short)}[/red]"
+    d = result["first_divergence"]
+    who = f", request {d['rid']}" if d["rid"] is not None else ""
+    return f"[red]step {d['step']:,} ({d['op']}{who}): {escape(str(d['field']))}[/red]"
+
+
+def _replay_times(results: list[dict[str, Any]]) -> str:
+    """Each trace's replay time; "(cached)" once when none ran now, else after each that did not."""
+    timed = [r for r in results if r["replay_s"] is not None]
+    every = bool(timed) and all(r["cached"] for r in timed)
+    times = [
+        "-" if r["replay_s"] is None else f"{r['replay_s']:.1f} s" + (" cached" if r["cached"] and not every else "")
+        for r in results
+    ]
+    return ", ".join(times) + (" (cached)" if every else "")
+
+
+def render_range_report(report: dict[str, Any], console: Console) -> None:
+    """Print a ``kvtrace diff --range`` result (``RangeReport.to_dict()``): one line per
+    commit (short hash, subject, identical / the first divergence / an error on each
+    trace, replay time), then the first diverging commit's divergence on each trace
+    where it diverged, as ``render_diff_report`` prints a diff."""
+    from rich.markup import escape
+
+    commits = report["commits"]
+    touched = [c for c in commits if c["status"] != "skipped"]
+    paths = ", ".join(report["paths"])
+    how = ["bisect"] if report["bisect"] else []
+    how += ["exact"] if report["exact"] else []
+    console.print(
+        f"[bold]kvtrace diff --range {escape(report['range'])}[/bold]  ({len(commits)} commits on the first-parent path, "
+        f"{len(touched)} touching {escape(paths)}; {report['replays']} replayed, {report['cached']} from the cache, "
+        f"{report['jobs']} at a time{''.join(', ' + h for h in how)})"
+    )
+    table = Table(box=None, title_justify="left")
+    for column in ("commit", "subject", *report["traces"], "replay"):
+        table.add_column(escape(column))
+    subject = escape(report["base_subject"][:_SUBJECT_CHARS])
+    table.add_row(f"  {report['base'][:10]}", subject, *("[dim]BASE[/dim]" for _ in report["traces"]),
+                  _replay_times(report["base_replays"]))
+    first = report["first_diverging_commit"]
+    for c in commits:
+        mark = "[red]>[/red] " if c["commit"] == first else "  "
+        cells: list[str]
+        if c["status"] == "skipped":
+            cells = [f"[dim]skipped (touches no {escape(paths)})[/dim]"] * len(report["traces"])
+        elif c["status"] == "untested":
+            cells = ["[dim]not replayed (bisect)[/dim]"] * len(report["traces"])
+        else:
+            cells = [_range_cell(t) for t in c["traces"]]
+        table.add_row(f"{mark}{c['short']}", escape(c["subject"][:_SUBJECT_CHARS]), *cells, _replay_times(c["traces"]))
+    console.print(table)
+    for c in commits:
+        if c["status"] == "error":
+            by_message: dict[str, list[str]] = {}
+            for t in c["traces"]:
+                if t["status"] == "error":
+                    by_message.setdefault(t["error"] or "", []).append(t["trace"])
+            for error, where in by_message.items():
+                console.print(f"[red]{c['short']} does not replay[/red] on {escape(', '.join(where))}: {escape(error)}")
+    if first is not None:
+        c = next(c for c in commits if c["commit"] == first)
+        console.print(f"\n[bold red]FIRST DIVERGING COMMIT[/bold red] {c['short']}  {escape(c['subject'])}")
+        for diff in report["divergences"]:
+            console.print()
+            render_diff_report(diff, console)
+    tested = [c for c in commits if c["status"] not in ("skipped", "untested")]
+    identical = sum(1 for c in tested if c["status"] == "identical")
+    errors = sum(1 for c in tested if c["status"] == "error")
+    verdict = [f"{identical} of {len(tested)} commits replayed identical to BASE"]
+    if errors:
+        verdict.append(f"[red]{errors} do{'es' if errors == 1 else ''} not replay[/red]")
+    if first is not None:
+        verdict.append(f"first diverging: [red]{first[:10]}[/red]")
+    else:
+        verdict.append("none diverges" + (" (bisect: among those it replayed)" if report["bisect"] else ""))
+    console.print(("\n" if first is not None else "") + "; ".join(verdict))

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from allocator.base import Checkpointable, Digestible
-from kvtrace.config import effective_config
+from kvtrace.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.registry import AllocatorVersion, resolve_version
 from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
 from kvtrace.state import ReplayState
-from kvtrace.runs import run_lengths
+from traces.runs import run_lengths
 from traces.schema import DECODE, SPEC
 from traces.io import ResumePoint, StepChunk, TraceReader
 
@@ -167,12 +167,19 @@ class ReplaySession:
             or the ``screen`` of another session of the same trace that runs ahead of
             this one (lockstep: each step is screened once; that session owns it).
         track_state: keep the per-request ``ReplayState`` fold (``state``).
+        allocator_in_step: keep the allocator's state that of the step last returned,
+            for callers that query it between steps (slot ownership, a request's
+            slots). Off, a run of decode steps may be replayed in one allocator call
+            ahead of the snapshots returned (``allocator_step`` says where it is).
         label: how reports name the trace (default: the argument as given).
+        force_memory: build the pool even when ``kvtrace.config.check_memory`` finds
+            it bigger than the machine's available memory.
 
     Raises:
         TraceError: the trace cannot be read.
         VersionSpecError: the version does not resolve or its factory fails.
-        ConfigError: conflicting options, or a configuration no allocator takes.
+        ConfigError: conflicting options, a configuration no allocator takes, or one
+            the machine's memory cannot hold (without ``force_memory``).
     """
 
     def __init__(
@@ -188,8 +195,10 @@ class ReplaySession:
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
         screen: ScreenMode | StepScreen = "background",
         track_state: bool = False,
+        allocator_in_step: bool = False,
         label: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        force_memory: bool = False,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ConfigError(f"checkpoint interval must be >= 1 step, found {checkpoint_every}")
@@ -206,8 +215,15 @@ class ReplaySession:
             pool_tokens=pool_tokens,
             device=device,
         )
+        check_memory(
+            self.config,
+            num_rids=self.reader.rid_bound,
+            names=replay_names(pool_tokens=pool_tokens is not None, page_size=page_size is not None),
+            force=force_memory,
+        )
         self._clock = clock
         self._track_state = track_state
+        self.allocator_in_step = allocator_in_step
         self.checkpoint_every = checkpoint_every
         self.checkpoint_budget = checkpoint_budget
         # The screen runs in a child process on another core; start it before the
@@ -216,11 +232,11 @@ class ReplaySession:
         if screen == "background":
             from traces.validate import BackgroundChecker
 
-            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step))
+            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound))
         elif screen == "inline":
             from traces.validate import OpSequenceChecker
 
-            self._screen = _RecordedScreen(OpSequenceChecker(self.meta))
+            self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
         else:
             self._screen = screen
         try:
@@ -245,7 +261,10 @@ class ReplaySession:
                 "(the optional Digestible protocol of allocator.base), so its physical slots cannot be compared; "
                 "drop --exact"
             )
-        self.engine = ReplayEngine(self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock)
+        self.engine = ReplayEngine(
+            self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock,
+            rid_bound=self.reader.rid_bound,
+        )
         self.state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         if getattr(self, "_timeline", None) is not None and self.state is not None:
             self.state.timeline = self._timeline  # append-only: survives a restart
@@ -262,7 +281,7 @@ class ReplaySession:
         )
         self._chunk: StepChunk | None = None
         self._chunk_steps = _NO_STEPS  # step numbers of the chunk
-        self._runs = _NO_STEPS  # kvtrace.runs.run_lengths of the chunk (computed on first use)
+        self._runs = _NO_STEPS  # traces.runs.run_lengths of the chunk (computed on first use)
         self._index = 0  # the chunk's next step
         self._pending: deque[StepSnapshot] = deque()  # a run's snapshots not returned yet
         self._exhausted = False
@@ -359,8 +378,8 @@ class ReplaySession:
 
     def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
         """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
-        allocator call (``kvtrace.runs``); None when there is none to replay here."""
-        if not self.engine.can_run_decodes():
+        allocator call (``traces.runs``); None when there is none to replay here."""
+        if self.allocator_in_step or not self.engine.can_run_decodes():
             return None
         if self._runs is _NO_STEPS:
             self._runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))

@@ -70,6 +70,7 @@ class RecordOptions:
     source: TraceSource | None = None
     command: str | None = None  # the command line stored in the trace (default: this process's)
     version: str = "builtin"  # the allocator version the scheduler model runs on (kvtrace.registry)
+    force: bool = False  # build the pool even when it looks bigger than the free memory
 
 
 class RecordResult(NamedTuple):
@@ -94,7 +95,8 @@ def record_workload(
         traces.errors.TraceError: a trace workload that cannot be read or re-scheduled,
             or a trace that cannot be written.
         VersionSpecError: ``options.version`` does not resolve or its factory fails.
-        ConfigError: a version that fixes another page size than ``options.page_size``.
+        ConfigError: a version that fixes another page size than ``options.page_size``,
+            or a pool that needs more memory than the machine has (without ``options.force``).
         ValueError: inconsistent options.
     """
     from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
@@ -115,7 +117,7 @@ def record_workload(
     if total == 0:
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
-    from kvtrace.config import effective_config
+    from kvtrace.config import RECORD_OPTIONS, check_memory, effective_config
     from kvtrace.record import Recorder
     from kvtrace.registry import resolve_version
 
@@ -182,6 +184,7 @@ def record_workload(
         page_size=options.page_size,
         device=options.device,
     )
+    check_memory(allocator_config, num_rids=total, names=RECORD_OPTIONS, force=options.force)
     allocator = version.create(allocator_config)
     recorder: Any
     if options.out is None:

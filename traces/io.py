@@ -17,7 +17,6 @@ and steps).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import zlib
@@ -35,6 +34,7 @@ from traces.atomic import replacing
 from traces.errors import (
     TraceError,
     TraceMetadataError,
+    TraceReadError,
     TraceSchemaError,
     TraceVersionError,
     TraceWriteError,
@@ -44,6 +44,7 @@ from traces.ipc import (
     IpcReader,
     ResumePoint,
     arrow_array,
+    count_rows,
     numpy_filled,
     numpy_view,
     os_reason,
@@ -53,6 +54,7 @@ from traces.ipc import (
 from traces.schema import (
     COLUMN_BY_NAME,
     COLUMNS,
+    MAX_RID,
     METADATA_KEY,
     OP_CODE,
     OPS,
@@ -63,6 +65,7 @@ from traces.schema import (
     StepBatch,
     TraceMeta,
     arrow_schema,
+    parse_meta_json,
     timestamp,
 )
 
@@ -761,6 +764,8 @@ class TraceReader(IpcReader):
         schema: its Arrow schema.
         file_bytes: its size.
         ipc_format: ``"stream"`` (as recorded) or ``"file"`` (compacted).
+        num_rows: rows in its complete record batches (counted from the message
+            headers when it is opened).
         truncated: after an iteration reached the end: whether the tail was cut (a
             partial record batch, or no end-of-stream marker). Complete batches
             before the cut are read normally; nothing raises.
@@ -784,6 +789,17 @@ class TraceReader(IpcReader):
         self.recording: Recording | None = self.meta.recording
         self._closing_status: Recording | None = None
         self._check_columns()
+        try:
+            with self._open() as file:
+                self.num_rows = count_rows(file, self._layout)
+        except OSError as exc:
+            raise self._fail(TraceReadError, f"cannot read it: {os_reason(exc)}") from None
+
+    @property
+    def rid_bound(self) -> int:
+        """Request ids lie below this: the trace's row count (ids are dense), at most
+        ``traces.schema.MAX_RID``. What sizes every per-request array."""
+        return min(self.num_rows, MAX_RID)
 
     def _read_meta(self) -> TraceMeta:
         raw = (self.schema.metadata or {}).get(METADATA_KEY)
@@ -802,9 +818,9 @@ class TraceReader(IpcReader):
                 "it was not written by kvtrace",
             )
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._fail(TraceMetadataError, f"its kvtrace metadata is not valid JSON ({exc})") from None
+            data = parse_meta_json(raw)
+        except ValueError as exc:
+            raise self._fail(TraceMetadataError, f"its kvtrace {exc}") from None
         version = data.get("format_version") if isinstance(data, dict) else None
         if isinstance(version, int) and not isinstance(version, bool):
             if version > SCHEMA_VERSION:
@@ -860,7 +876,7 @@ class TraceReader(IpcReader):
             raw = custom.get(RECORDING_KEY) if custom is not None else None
             if raw is not None:
                 try:
-                    self._closing_status = Recording.from_dict(json.loads(raw))
+                    self._closing_status = Recording.from_dict(parse_meta_json(raw))
                 except (ValueError, UnicodeDecodeError) as exc:
                     raise self._corrupt_detail(f"its recording status is not valid ({exc})") from None
             yield batch, custom

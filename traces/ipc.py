@@ -130,6 +130,9 @@ _CONTINUATION = 0xFFFFFFFF
 _MAX_METADATA_BYTES = 64 << 20  # kvtrace message headers are a few hundred bytes
 _HEADER_SCHEMA, _HEADER_DICTIONARY, _HEADER_RECORD_BATCH = 1, 2, 3
 _ARROW_FILE_MAGIC = b"ARROW1"
+# A record batch may decompress to at most this: a writer's batch of 256 steps holds a few
+# MiB. pyarrow allocates the sizes a compressed buffer declares before it decompresses.
+MAX_BATCH_BYTES = 1 << 30
 _EOS_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
@@ -195,6 +198,17 @@ def _layout(file: BinaryIO, file_bytes: int) -> _Layout | str:
     return _Layout("file", _FILE_HEAD, end, True)
 
 
+def _table_field(meta: bytes, table: int, index: int) -> int:
+    """Absolute position of field ``index`` of the flatbuffer table at ``table`` (0: absent)."""
+    vtable = table - struct.unpack_from("<i", meta, table)[0]
+    vtable_len = struct.unpack_from("<H", meta, vtable)[0]
+    if vtable < 0 or vtable_len < 4 or vtable + vtable_len > len(meta):
+        raise ValueError("bad vtable")
+    slot = 4 + 2 * index
+    offset = struct.unpack_from("<H", meta, vtable + slot)[0] if slot < vtable_len else 0
+    return table + offset if offset else 0
+
+
 def _parse_message_header(meta: bytes) -> tuple[int, int]:
     """``(header_type, body_len)`` of an Arrow IPC ``Message`` flatbuffer.
 
@@ -204,19 +218,10 @@ def _parse_message_header(meta: bytes) -> tuple[int, int]:
     """
     try:
         root = struct.unpack_from("<I", meta, 0)[0]
-        vtable = root - struct.unpack_from("<i", meta, root)[0]
-        vtable_len = struct.unpack_from("<H", meta, vtable)[0]
-        if vtable < 0 or vtable_len < 4 or vtable + vtable_len > len(meta):
-            raise ValueError("bad vtable")
-
-        def field_offset(index: int) -> int:
-            slot = 4 + 2 * index
-            return struct.unpack_from("<H", meta, vtable + slot)[0] if slot < vtable_len else 0
-
-        version_at, type_at, body_at = field_offset(0), field_offset(1), field_offset(3)
-        version = struct.unpack_from("<h", meta, root + version_at)[0] if version_at else 0
-        header_type = meta[root + type_at] if type_at else 0
-        body_len = struct.unpack_from("<q", meta, root + body_at)[0] if body_at else 0
+        version_at, type_at, body_at = (_table_field(meta, root, i) for i in (0, 1, 3))
+        version = struct.unpack_from("<h", meta, version_at)[0] if version_at else 0
+        header_type = meta[type_at] if type_at else 0
+        body_len = struct.unpack_from("<q", meta, body_at)[0] if body_at else 0
     except (struct.error, IndexError) as exc:
         raise ValueError(f"malformed message header ({exc})") from None
     if not 0 <= version <= 4 or header_type not in (1, 2, 3) or body_len < 0:
@@ -224,6 +229,87 @@ def _parse_message_header(meta: bytes) -> tuple[int, int]:
             f"malformed message header (version {version}, type {header_type}, body {body_len})"
         )
     return header_type, body_len
+
+
+def _record_batch_rows(meta: bytes) -> int | None:
+    """Rows of a ``RecordBatch`` message: its ``length``, when the first column's node
+    agrees (a damaged header that disagrees counts as None; reading it fails later)."""
+    try:
+        root = struct.unpack_from("<I", meta, 0)[0]
+        header_at = _table_field(meta, root, 2)
+        if not header_at:
+            return None
+        batch = header_at + struct.unpack_from("<I", meta, header_at)[0]
+        length_at, nodes_at = _table_field(meta, batch, 0), _table_field(meta, batch, 1)
+        length = struct.unpack_from("<q", meta, length_at)[0] if length_at else 0
+        if not nodes_at:
+            return None
+        nodes = nodes_at + struct.unpack_from("<I", meta, nodes_at)[0]
+        if struct.unpack_from("<I", meta, nodes)[0] == 0:
+            return None
+        first_column_rows = struct.unpack_from("<q", meta, nodes + 4)[0]
+    except (struct.error, IndexError, ValueError):
+        return None
+    return length if length == first_column_rows and length >= 0 else None
+
+
+def _decompressed_size(meta: bytes, body: bytes) -> int:
+    """Bytes a ``RecordBatch`` message's body decompresses to, as its buffers declare.
+
+    An uncompressed body is its own size. A compressed buffer starts with its
+    uncompressed length (int64; -1: stored uncompressed). A header that cannot be
+    parsed counts as the body's size (reading it fails later).
+    """
+    try:
+        root = struct.unpack_from("<I", meta, 0)[0]
+        header_at = _table_field(meta, root, 2)
+        batch = header_at + struct.unpack_from("<I", meta, header_at)[0]
+        buffers_at, compression_at = _table_field(meta, batch, 2), _table_field(meta, batch, 3)
+        if not compression_at or not buffers_at:
+            return len(body)
+        vector = buffers_at + struct.unpack_from("<I", meta, buffers_at)[0]
+        count = struct.unpack_from("<I", meta, vector)[0]
+        total = 0
+        for i in range(count):
+            offset, length = struct.unpack_from("<qq", meta, vector + 4 + 16 * i)
+            if length >= 8 and 0 <= offset <= len(body) - 8:
+                declared = struct.unpack_from("<q", body, offset)[0]
+                total += length - 8 if declared == -1 else max(0, declared)
+        return total
+    except (struct.error, IndexError, ValueError):
+        return len(body)
+
+
+def count_rows(file: BinaryIO, layout: _Layout) -> int:
+    """Rows in the complete record batches of a file's message stream, from the
+    message headers alone (each body is skipped, never read or decompressed).
+
+    Stops quietly at the first message that is cut, damaged or not a record batch
+    header it understands: reading the file reports those.
+    """
+    rows = 0
+    offset = layout.start
+    while offset + 8 <= layout.end:
+        file.seek(offset)
+        continuation, meta_len = struct.unpack("<Ii", file.read(8))
+        if continuation != _CONTINUATION or not 0 < meta_len <= _MAX_METADATA_BYTES:
+            break
+        meta = file.read(meta_len)
+        if len(meta) < meta_len:
+            break
+        try:
+            header_type, body_len = _parse_message_header(meta)
+        except ValueError:
+            break
+        offset += 8 + meta_len + body_len
+        if offset > layout.end:
+            break
+        if header_type == _HEADER_RECORD_BATCH:
+            batch_rows = _record_batch_rows(meta)
+            if batch_rows is None:
+                break
+            rows += batch_rows
+    return rows
 
 
 class _FramedSource(io.RawIOBase):
@@ -359,6 +445,13 @@ class _FramedSource(io.RawIOBase):
         body = self._file.read(body_len) if body_len else b""
         if len(body) < body_len:  # the file shrank while being read
             return self._truncated(f"the last message is incomplete ({len(body)} of {body_len} bytes)")
+        if header_type == _HEADER_RECORD_BATCH:
+            size = _decompressed_size(meta, body)
+            if size > MAX_BATCH_BYTES:
+                return self._corrupt(
+                    offset, f"a record batch declares {size:,} bytes of decompressed data, more than a "
+                    f"trace's batch may hold ({MAX_BATCH_BYTES:,})"
+                )
         self.messages.append(_Message(offset, header_type, body_len))
         if header_type == _HEADER_RECORD_BATCH:
             self.num_record_batches += 1

@@ -60,6 +60,29 @@ Metadata: JSON under the schema-metadata key ``kvtrace`` (``TraceMeta``), readab
 without reading any data. ``TraceMeta.recording`` says how the trace was made and
 whether its recording completed (see ``Recording``); a stream's final status is in
 the custom metadata (key ``kvtrace.recording``) of its last, empty record batch.
+
+Bounds (a trace is untrusted input: every value is checked against these before
+it sizes an array, indexes a table or drives an allocation):
+
+* ``rid`` lies in ``[0, min(rows of the trace, MAX_RID))``: ids are dense, so a
+  trace of ``R`` rows names at most ``R`` requests. Per-request state costs about
+  80 bytes per id up to the largest id (the checker, the replay, the token store
+  and the allocator each keep a few numpy columns indexed by id), so the bound
+  keeps it proportional to the trace and below 1.3 GiB at the hard cap of
+  ``MAX_RID`` = 2**24 requests.
+* ``step`` lies in ``[0, MAX_STEP)`` (2**53: exact in JSON and float64) and never
+  decreases.
+* ``seq_len`` and ``prompt_len`` are at most ``config.max_context_len``;
+  ``prefix_len`` lies in ``[0, seq_len]`` on ``extend`` and ``prealloc`` rows and is
+  0 on the others; ``draft_len`` and ``accepted_len`` are 0 except on ``spec``
+  rows, where ``draft_len <= config.spec.num_draft_tokens``.
+* Metadata: ``config.pool_tokens`` and ``config.max_context_len`` below 2**31
+  (slot indices and positions are int32, as in SGLang's ``req_to_token``);
+  ``config.max_running`` and ``config.page_size`` likewise; ``block_size`` at most
+  ``MAX_BLOCK_SIZE``; speculative settings at most ``MAX_SPEC_TOKENS``; model
+  dimensions at most ``MAX_MODEL_DIM``. Whether a pool of that size fits the
+  machine is decided before it is built (``kvtrace.config.check_memory``).
+* A record batch decompresses to at most ``traces.ipc.MAX_BATCH_BYTES`` (1 GiB).
 """
 
 from __future__ import annotations
@@ -76,6 +99,14 @@ import pyarrow as pa
 SCHEMA_VERSION = 1
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
+
+# Bounds of the values a trace may hold (see the module docstring).
+MAX_RID = 1 << 24  # requests per trace
+MAX_STEP = 1 << 53  # steps are exact in JSON and float64 below this
+MAX_TOKENS = (1 << 31) - 1  # pool slots, positions and rows are int32
+MAX_BLOCK_SIZE = 1 << 20  # tokens per content-addressed block
+MAX_SPEC_TOKENS = 1024  # speculative steps, top-k and draft tokens
+MAX_MODEL_DIM = 1 << 20  # layers, KV heads, head dim
 
 # Op kinds; the dictionary index of each is its code in the ``op`` column.
 OPS: tuple[str, ...] = ("extend", "decode", "spec", "prealloc", "finish", "retract", "abort")
@@ -269,61 +300,151 @@ class TraceMeta:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        """Strict JSON (a NaN or infinite number in ``extra`` is a ValueError): what readers accept."""
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceMeta:
-        """Build from parsed JSON. Raises ``ValueError`` naming the missing or bad key."""
+        """Build from parsed JSON, checking every field's type and bounds.
+
+        Raises:
+            ValueError: naming the missing or bad key, what it must be and what was found.
+        """
         if not isinstance(data, dict):
             raise ValueError("metadata is not a JSON object")
         version = data.get("format_version")
-        if not isinstance(version, int):
+        if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError("metadata has no integer 'format_version'")
         cfg = data.get("config")
         if not isinstance(cfg, dict):
             raise ValueError("metadata has no 'config' object")
         for key in ("page_size", "pool_tokens", "max_running", "max_context_len"):
-            if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool):
+            if not _is_int(cfg.get(key)):
                 raise ValueError(f"metadata 'config.{key}' is missing or not an integer")
             if cfg[key] <= 0:
                 raise ValueError(f"metadata 'config.{key}' must be positive, found {cfg[key]}")
-        spec = cfg.get("spec")
-        try:
-            config = TraceConfig(
-                page_size=cfg["page_size"],
-                pool_tokens=cfg["pool_tokens"],
-                max_running=cfg["max_running"],
-                max_context_len=cfg["max_context_len"],
-                chunk_size=cfg.get("chunk_size"),
-                schedule_policy=cfg.get("schedule_policy", "fcfs"),
-                spec=SpecSettings(**spec) if spec else None,
-                pd_decode=bool(cfg.get("pd_decode", False)),
-                hisparse=bool(cfg.get("hisparse", False)),
-                radix_cache=bool(cfg.get("radix_cache", True)),
-            )
-            model = dict(data.get("model") or {})
-            model.pop("bytes_per_token", None)
-            recording = data.get("recording")
-            return cls(
-                config=config,
-                source=TraceSource(**(data.get("source") or {})),
-                model=ModelShape(**model),
-                block_size=data.get("block_size"),
-                format_version=version,
-                created_at=data.get("created_at"),
-                extra=dict(data.get("extra") or {}),
-                recording=None if recording is None else Recording.from_dict(recording),
-            )
-        except TypeError as exc:  # unknown keys in a sub-object
-            raise ValueError(f"metadata has an unexpected key: {exc}") from None
+            _int_in(cfg, key, "config.", 1, MAX_TOKENS)
+        spec = _optional_object(cfg, "spec", "config.")
+        config = TraceConfig(
+            page_size=cfg["page_size"],
+            pool_tokens=cfg["pool_tokens"],
+            max_running=cfg["max_running"],
+            max_context_len=cfg["max_context_len"],
+            chunk_size=_int_in(cfg, "chunk_size", "config.", 1, MAX_TOKENS, None),
+            schedule_policy=_str_of(cfg, "schedule_policy", "config.", "fcfs"),
+            spec=None if spec is None else _spec_settings(spec),
+            pd_decode=_bool_of(cfg, "pd_decode", "config.", False),
+            hisparse=_bool_of(cfg, "hisparse", "config.", False),
+            radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
+        )
+        model = dict(_optional_object(data, "model", "") or {})
+        model.pop("bytes_per_token", None)
+        source = _optional_object(data, "source", "") or {}
+        _known_keys(model, ModelShape, "model.")
+        _known_keys(source, TraceSource, "source.")
+        for key in ("num_layers", "num_kv_heads", "head_dim"):
+            _int_in(model, key, "model.", 1, MAX_MODEL_DIM, None)
+        for key in ("name", "dtype"):
+            _str_of(model, key, "model.", None)
+        for key in source:
+            _str_of(source, key, "source.", None)
+        recording = data.get("recording")
+        return cls(
+            config=config,
+            source=TraceSource(**source),
+            model=ModelShape(**model),
+            block_size=_int_in(data, "block_size", "", 1, MAX_BLOCK_SIZE, None),
+            format_version=version,
+            created_at=_str_of(data, "created_at", "", None),
+            extra=dict(_optional_object(data, "extra", "") or {}),
+            recording=None if recording is None else Recording.from_dict(recording),
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TraceMeta:
-        try:
-            data = json.loads(text)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"metadata is not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_meta_json(text))
+
+
+def parse_meta_json(text: str | bytes) -> Any:
+    """JSON text as Python objects; bad UTF-8, bad JSON, absurd nesting or numbers are a ValueError."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digit limits
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ValueError(f"metadata is not valid JSON ({detail})") from None
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _found(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int_in(obj: dict[str, Any], key: str, where: str, lo: int, hi: int, default: Any = ...) -> Any:
+    """``obj[key]`` as an integer in ``[lo, hi]``; ``default`` when absent or null (``...``: required)."""
+    value = obj.get(key)
+    if value is None and default is not ...:
+        return default
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"metadata '{where}{key}' must be an integer in [{lo}, {hi}], found {_found(value)}")
+    return value
+
+
+def _bool_of(obj: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    value = obj.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"metadata '{where}{key}' must be true or false, found {_found(value)}")
+    return value
+
+
+def _str_of(obj: dict[str, Any], key: str, where: str, default: str | None) -> Any:
+    value = obj.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"metadata '{where}{key}' must be a string, found {_found(value)}")
+    return value
+
+
+def _optional_object(obj: dict[str, Any], key: str, where: str) -> dict[str, Any] | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"metadata '{where}{key}' must be an object or null, found {_found(value)}")
+    return value
+
+
+def _known_keys(obj: dict[str, Any], record: type, where: str) -> None:
+    unknown = sorted(set(obj) - set(record.__dataclass_fields__))  # type: ignore[attr-defined]
+    if unknown:
+        raise ValueError(f"metadata has an unexpected key '{where}{unknown[0]}'")
+
+
+def _spec_settings(spec: dict[str, Any]) -> SpecSettings:
+    _known_keys(spec, SpecSettings, "config.spec.")
+    algorithm = spec.get("algorithm", "eagle")
+    valid = SpecAlgorithm.__args__  # type: ignore[attr-defined]
+    if algorithm not in valid:
+        raise ValueError(
+            f"metadata 'config.spec.algorithm' must be one of {', '.join(valid)}, found {_found(algorithm)}"
+        )
+    defaults = SpecSettings()
+    return SpecSettings(
+        algorithm=algorithm,
+        num_steps=_int_in(spec, "num_steps", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.num_steps),
+        topk=_int_in(spec, "topk", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.topk),
+        num_draft_tokens=_int_in(
+            spec, "num_draft_tokens", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.num_draft_tokens
+        ),
+    )
 
 
 def arrow_schema(meta: TraceMeta) -> pa.Schema:

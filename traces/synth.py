@@ -312,8 +312,9 @@ class _Simulator:
                 budget -= chunk
                 end = start + chunk
                 fields = self._first_row_fields(rid)
-                if "prefix_len" not in fields:
-                    fields["prefix_len"] = start
+                # The matched prefix is part of the sequence: a first chunk shorter than
+                # the hit records only what it holds.
+                fields["prefix_len"] = min(int(fields.get("prefix_len", start)), end)  # type: ignore[call-overload]
                 tokens = self._ids(rid)[start:end] if w.is_explicit[rid] else None
                 rows.add(EXTEND, rid, end, chunk, tokens=tokens, **fields)  # type: ignore[arg-type]
                 self.length[rid] = end

@@ -27,6 +27,7 @@ folded into the buffers on demand. Only live requests cost memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,16 +53,11 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-_offset_tables: dict[int, np.ndarray] = {}
-
-
+@functools.lru_cache(maxsize=8)  # a process sees a few block sizes (one per trace)
 def _offset_table(block_size: int) -> np.ndarray:
-    table = _offset_tables.get(block_size)
-    if table is None:
-        offsets = np.arange(block_size, dtype=np.uint64) + _OFFSET_SALT
-        table = splitmix64(offsets) & _LOW_62
-        table.flags.writeable = False
-        _offset_tables[block_size] = table
+    offsets = np.arange(block_size, dtype=np.uint64) + _OFFSET_SALT
+    table = splitmix64(offsets) & _LOW_62
+    table.flags.writeable = False
     return table
 
 
@@ -119,6 +115,17 @@ class TokenStore:
         block_size: tokens per block hash (``TraceMeta.block_size``); None ignores
             block hashes (every prompt position is then unique to its request).
     """
+
+    # Bytes per request id (prompt length, filled length, logged flag) and per token
+    # of live content (an int64 id in a buffer grown by doubling).
+    BYTES_PER_RID = 17
+    BYTES_PER_TOKEN = 16
+
+    @classmethod
+    def bytes_bound(cls, num_tokens: int, num_rids: int) -> int:
+        """Most bytes a store holds for ``num_rids`` request ids whose live requests
+        hold ``num_tokens`` tokens together (the KV pool's size bounds what they hold)."""
+        return num_tokens * cls.BYTES_PER_TOKEN + num_rids * cls.BYTES_PER_RID
 
     def __init__(self, block_size: int | None) -> None:
         self.block_size = block_size

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from traces.schema import (
     DECODE,
     EXTEND,
     FINISH,
+    MAX_RID,
+    MAX_SPEC_TOKENS,
+    MAX_STEP,
     OP_RANK,
     OPS,
     PREALLOC,
@@ -43,17 +46,23 @@ from traces.schema import (
     TraceMeta,
 )
 
+if TYPE_CHECKING:
+    from traces.io import StepChunk
+
 # Request phases (values of the per-request state array).
 NEW, PREFILL, DECODING, RETRACTED, ENDED = range(5)
 PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended")
 
-# Ids are dense from 0; per-request state costs 17 bytes per id up to the largest.
-MAX_RID = 1 << 28
+# Ids are dense from 0 (``traces.schema.MAX_RID``); per-request state costs this many
+# bytes per id up to the largest (phase, length, prompt, prefill end, scratch).
+CHECKER_BYTES_PER_RID = 33
 MAX_EXPLICIT_TOKEN = 1 << 62  # larger ids are reserved for synthetic content (traces.tokens)
 
 _OP_RANK = np.array(OP_RANK, np.int8)
 _IS_ALLOC = np.array([True, True, True, True, False, False, False])
 _IS_DECODING_OP = np.array([False, True, True, False, False, False, False])
+# Ops whose rows carry the recording engine's matched prefix (others hold prefix_len 0).
+_HAS_PREFIX = np.array([True, False, False, True, False, False, False])
 # Tokens an op may append, indexed by op code.
 _MIN_APPEND = np.array([1, 1, 0, 1, 0, 0, 0], np.int32)
 _MAX_APPEND = np.array([2**31 - 1, 1, 2**31 - 1, 2**31 - 1, 0, 0, 0], np.int32)
@@ -115,17 +124,27 @@ class OpSequenceChecker:
     Args:
         meta: the trace metadata (``max_context_len``, spec settings, PD decode,
             ``block_size``).
+        rid_bound: request ids must lie below this (``TraceReader.rid_bound``: the
+            trace's row count, at most ``MAX_RID``); None: ``MAX_RID``.
     """
 
-    def __init__(self, meta: TraceMeta) -> None:
+    def __init__(self, meta: TraceMeta, rid_bound: int | None = None) -> None:
         self.meta = meta
         self.max_context_len = meta.config.max_context_len
         self.block_size = meta.block_size
         self.spec_enabled = meta.config.spec is not None
+        # Without spec settings, spec rows are reported once; their drafts stay bounded.
+        self.max_draft_len = meta.config.spec.num_draft_tokens if meta.config.spec else MAX_SPEC_TOKENS
         self.pd_decode = meta.config.pd_decode
+        self.rid_bound = MAX_RID if rid_bound is None else max(0, min(int(rid_bound), MAX_RID))
+        bound = "2**24" if self.rid_bound == MAX_RID else f"{self.rid_bound:,}"
+        rows = "" if self.rid_bound == MAX_RID else f", fewer than the trace's {self.rid_bound:,} rows"
+        self._rid_message = f"request id outside [0, {bound}) (ids are dense, from 0{rows})"
         self._phase = np.zeros(1024, np.int8)
         self._length = np.zeros(1024, np.int64)
         self._prompt = np.full(1024, -1, np.int64)
+        # Where the request's prefill ends: its prompt, or its length when it was retracted.
+        self._target = np.full(1024, -1, np.int64)
         self._scratch = np.zeros(1024, np.int64)  # per rid, for the duplicate test
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -147,10 +166,10 @@ class OpSequenceChecker:
             return []
         if n:
             rid = batch.rid
-            in_range = (rid >= 0) & (rid < MAX_RID)
+            in_range = (rid >= 0) & (rid < self.rid_bound)
             if not in_range.all():
                 for i in np.flatnonzero(~in_range).tolist():
-                    found.append((i, "request id outside [0, 2**28) (ids are dense, from 0)", int(rid[i])))
+                    found.append((i, self._rid_message, int(rid[i])))
             rows = np.flatnonzero(in_range)
             if rows.size:
                 self._grow(int(rid[rows].max()))
@@ -183,24 +202,62 @@ class OpSequenceChecker:
         if int(op.min()) != DECODE or int(op.max()) != DECODE or batch.token_ids.values.shape[0]:
             return False
         lo, hi = int(rid.min()), int(rid.max())
-        if lo < 0 or hi >= MAX_RID:
+        if lo < 0 or hi >= self.rid_bound:
+            return False
+        # Unused columns hold 0. (count_nonzero: a fraction of the cost of .any() / .all().)
+        if np.count_nonzero(batch.draft_len) or np.count_nonzero(batch.accepted_len) or np.count_nonzero(batch.prefix_len):
             return False
         self._grow(hi)
         seq_len = batch.seq_len
-        if not (
-            (self._phase[rid] == DECODING).all()
-            and (seq_len == self._length[rid] + 1).all()
-            and (batch.append_len == 1).all()
-            and int(seq_len.max()) <= self.max_context_len
+        if (
+            np.count_nonzero(self._phase[rid] != DECODING)
+            or np.count_nonzero(seq_len != self._length[rid] + 1)
+            or np.count_nonzero(batch.append_len != 1)
+            or int(seq_len.max()) > self.max_context_len
         ):
             return False
         # Distinct rids: scatter row numbers, read them back (no sort).
         order = np.arange(rid.shape[0])
         self._scratch_grow(hi)
         self._scratch[rid] = order
-        if not (self._scratch[rid] == order).all():
+        if np.count_nonzero(self._scratch[rid] != order):
             return False
         self._length[rid] = seq_len
+        return True
+
+    def check_decode_run(self, chunk: StepChunk, i: int, m: int) -> bool:
+        """Check and apply steps ``i`` to ``i + m - 1`` of ``chunk`` at once, a run of plain
+        decode steps over one batch (``traces.runs.run_lengths``), when every row passes
+        the fast path's tests (``_plain_decode_step``) and the steps and times go on;
+        returns False (nothing applied) when any step needs the per-step checks.
+        """
+        cols = chunk.columns
+        first, last = int(chunk.starts[i]), int(chunk.stops[i + m - 1])
+        steps = cols.step[chunk.starts[i : i + m]]
+        times = cols.time_s[chunk.starts[i : i + m]]
+        if (
+            int(steps[0]) < 0
+            or int(steps[-1]) >= MAX_STEP
+            or np.count_nonzero(steps[1:] < steps[:-1])
+            or (self._last_step is not None and int(steps[0]) < self._last_step)
+            or not np.isfinite(times).all()
+            or np.count_nonzero(times[1:] < times[:-1])
+            or (self._last_time is not None and float(times[0]) < self._last_time)
+            or np.count_nonzero(cols.append_len[first:last] != 1)
+            or np.count_nonzero(cols.draft_len[first:last])
+            or np.count_nonzero(cols.accepted_len[first:last])
+            or np.count_nonzero(cols.prefix_len[first:last])
+            or int(cols.seq_len[int(chunk.starts[i + m - 1]) : last].max()) > self.max_context_len
+            or not self._plain_decode_step(chunk.step_batch(i))
+        ):
+            return False
+        # run_lengths holds every later step to the first one's requests, each one longer.
+        rid = cols.rid[int(chunk.starts[i + m - 1]) : last]
+        self._length[rid] = cols.seq_len[int(chunk.starts[i + m - 1]) : last]
+        self._last_step = int(steps[-1]) if self._last_step is None else max(int(steps[-1]), self._last_step)
+        self._last_time = float(times[-1]) if self._last_time is None else max(float(times[-1]), self._last_time)
+        self._steps += m
+        self._rows += last - first
         return True
 
     def _scratch_grow(self, max_rid: int) -> None:
@@ -234,10 +291,11 @@ class OpSequenceChecker:
         size = self._phase.shape[0]
         if max_rid < size:
             return
-        new = max(max_rid + 1, 2 * size)
+        new = max(max_rid + 1, min(2 * size, self.rid_bound))
         self._phase = np.concatenate([self._phase, np.zeros(new - size, np.int8)])
         self._length = np.concatenate([self._length, np.zeros(new - size, np.int64)])
         self._prompt = np.concatenate([self._prompt, np.full(new - size, -1, np.int64)])
+        self._target = np.concatenate([self._target, np.full(new - size, -1, np.int64)])
 
     def _once(self, key: str) -> bool:
         if key in self._reported_once:
@@ -248,6 +306,8 @@ class OpSequenceChecker:
     def _check_step(self, batch: StepBatch, found: list[tuple[int, str, int | None]]) -> None:
         step, time_s = batch.step, batch.time_s
         # Equal steps are one step fed in parts (a reader merges them); only a decrease is wrong.
+        if not 0 <= step < MAX_STEP:
+            found.append((-1, f"step {step} outside [0, 2**53)", None))
         if self._last_step is not None and step < self._last_step:
             found.append(
                 (-1, f"step {step} comes after step {self._last_step}: steps must not decrease", None)
@@ -310,14 +370,11 @@ class OpSequenceChecker:
         phase = self._phase[rid]
         length = self._length[rid]
         known_prompt = self._prompt[rid]
+        is_new = phase == NEW
+        # Where the prefill ends: this row's prompt for a new request, else the one recorded.
+        target = np.where(is_new & (prompt_len >= 0), prompt_len, self._target[rid])
         counts = np.bincount(op, minlength=len(OPS))
 
-        if counts[SPEC] and not self.spec_enabled and self._once("spec"):
-            first = int(np.flatnonzero(op == SPEC)[0])
-            found.append(
-                (int(rows[first]), "spec rows but the metadata has no spec settings "
-                 "(config.spec is null; reported once)", int(rid[first]))
-            )
         if counts[PREALLOC] and not self.pd_decode and self._once("prealloc"):
             first = int(np.flatnonzero(op == PREALLOC)[0])
             found.append(
@@ -329,11 +386,21 @@ class OpSequenceChecker:
         ok = _ALLOWED[op, phase]
         ok &= (append_len >= _MIN_APPEND[op]) & (append_len <= _MAX_APPEND[op])
         ok &= (seq_len >= 0) & (~alloc | (seq_len <= self.max_context_len))
-        added = append_len
-        if counts[SPEC]:
-            is_spec = op == SPEC
+        ok &= prompt_len <= self.max_context_len
+        is_spec = op == SPEC
+        if counts[SPEC] and not self.spec_enabled:
+            ok &= ~is_spec  # no allocator can verify drafts it has no settings for
+        # Columns an op kind does not use hold 0; the matched prefix is part of the sequence.
+        # (Whole-batch counts first: most steps hold no draft and no prefix at all.)
+        if counts[SPEC] or np.count_nonzero(batch.draft_len) or np.count_nonzero(batch.accepted_len):
             draft_len = take(batch.draft_len).astype(np.int64)
             accepted_len = take(batch.accepted_len).astype(np.int64)
+            ok &= np.where(is_spec, draft_len <= self.max_draft_len, (draft_len == 0) & (accepted_len == 0))
+        if np.count_nonzero(batch.prefix_len):
+            prefix_len = take(batch.prefix_len)
+            ok &= np.where(_HAS_PREFIX[op], (prefix_len >= 0) & (prefix_len <= seq_len), prefix_len == 0)
+        added = append_len
+        if counts[SPEC]:
             added = np.where(is_spec, accepted_len, append_len)
             ok &= ~is_spec | (
                 (accepted_len == append_len) & (accepted_len <= draft_len + 1)
@@ -343,10 +410,11 @@ class OpSequenceChecker:
             alloc, seq_len == length + added, np.where(op == FINISH, seq_len <= length, seq_len == length)
         )
         if counts[DECODE] or counts[SPEC]:
-            ok &= ~(
-                _IS_DECODING_OP[op] & (phase == PREFILL) & (known_prompt >= 0) & (length < known_prompt)
-            )
-        is_new = phase == NEW
+            ok &= ~(_IS_DECODING_OP[op] & (phase == PREFILL) & (target >= 0) & (length < target))
+        if counts[EXTEND]:  # a new request prefills its prompt; once a prefill is done, it decodes
+            is_extend = op == EXTEND
+            ok &= ~(is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len))
+            ok &= ~(is_extend & (phase == PREFILL) & (target >= 0) & (length >= target))
         ok &= ~is_new | (prompt_len >= 0)
         ok &= (prompt_len < 0) | is_new | (known_prompt < 0) | (prompt_len == known_prompt)
         if not ok.all():
@@ -359,6 +427,10 @@ class OpSequenceChecker:
         sets_prompt = is_new & (prompt_len >= 0)
         if sets_prompt.any():
             self._prompt[rid[sets_prompt]] = prompt_len[sets_prompt]
+            self._target[rid[sets_prompt]] = prompt_len[sets_prompt]
+        if counts[RETRACT]:
+            retracted = op == RETRACT
+            self._target[rid[retracted]] = seq_len[retracted]
 
     def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
         """One message per broken rule for ``rows`` (each known to break at least one)."""
@@ -368,10 +440,12 @@ class OpSequenceChecker:
         append_len = batch.append_len[rows].astype(np.int64)
         draft_len = batch.draft_len[rows].astype(np.int64)
         accepted_len = batch.accepted_len[rows].astype(np.int64)
+        prefix_len = batch.prefix_len[rows]
         prompt_len = batch.prompt_len[rows]
         phase = self._phase[rid]
         length = self._length[rid]
         known_prompt = self._prompt[rid]
+        target = np.where((phase == NEW) & (prompt_len >= 0), prompt_len, self._target[rid])
         explained = np.zeros(rows.shape[0], np.bool_)
 
         def report(mask: np.ndarray, message: object) -> None:
@@ -395,11 +469,38 @@ class OpSequenceChecker:
         for name, values, where in (
             ("seq_len", seq_len, True), ("append_len", append_len, True),
             ("draft_len", draft_len, is_spec), ("accepted_len", accepted_len, is_spec),
+            ("prefix_len", prefix_len, is_extend | is_prealloc),
         ):
             report(
                 where & (values < 0),
                 lambda j, name=name, values=values: f"{name} is negative ({int(values[j])})",
             )
+        # Columns an op kind does not use must hold 0.
+        for name, values, where in (
+            ("draft_len", draft_len, ~is_spec), ("accepted_len", accepted_len, ~is_spec),
+            ("prefix_len", prefix_len, ~(is_extend | is_prealloc)),
+        ):
+            users = "spec rows" if name != "prefix_len" else "extend and prealloc rows"
+            report(
+                where & (values != 0),
+                lambda j, name=name, values=values, users=users: f"{name} {int(values[j])} on a "
+                f"{OPS[op[j]]} row (only {users} carry it; it must be 0)",
+            )
+        report(
+            (is_extend | is_prealloc) & (prefix_len > seq_len) & (seq_len >= 0),
+            lambda j: f"prefix_len {int(prefix_len[j])} exceeds seq_len {int(seq_len[j])} "
+            "(the matched prefix is part of the sequence)",
+        )
+        if not self.spec_enabled:
+            report(is_spec, "spec row but the metadata has no spec settings (config.spec is null)")
+        report(
+            is_spec & (draft_len > self.max_draft_len),
+            lambda j: f"draft_len {int(draft_len[j])} exceeds config.spec.num_draft_tokens {self.max_draft_len}",
+        )
+        report(  # a prompt as long as the row's seq_len is reported once, below
+            (prompt_len > self.max_context_len) & ~(is_alloc & (seq_len > self.max_context_len)),
+            lambda j: f"prompt_len {int(prompt_len[j])} exceeds config.max_context_len {self.max_context_len}",
+        )
 
         # Ops on requests in the wrong phase.
         wrong_phase = {
@@ -429,9 +530,10 @@ class OpSequenceChecker:
             lambda j: f"{OPS[op[j]]} of a retracted request, which holds no KV (abort ends it)",
         )
         report(
-            (is_decode | is_spec) & is_prefill & (known_prompt >= 0) & (length < known_prompt),
-            lambda j: f"{OPS[op[j]]} before the prefill is complete "
-            f"(length {int(length[j])} < prompt_len {int(known_prompt[j])})",
+            (is_decode | is_spec) & is_prefill & (target >= 0) & (length < target),
+            lambda j: f"{OPS[op[j]]} before the prefill is complete (length {int(length[j])} < "
+            + (f"prompt_len {int(target[j])})" if target[j] == known_prompt[j] else
+               f"{int(target[j])}, its length when it was retracted)"),
         )
         # Lengths are checked only where the phase made sense (one report per mistake).
         sane = ~np.logical_or.reduce(list(wrong_phase.values()))
@@ -447,9 +549,21 @@ class OpSequenceChecker:
         report(
             is_alloc & sane & ~shrinks & (seq_len != expected),
             lambda j: f"seq_len {int(seq_len[j])} inconsistent with {OPS[op[j]]}: length before "
-            f"{int(before[j])} + {int(expected[j] - before[j])} appended = {int(expected[j])}",
+            f"{int(before[j])} + {int(expected[j]) - int(before[j])} appended = {int(expected[j])}",
         )
         report(is_extend & (append_len <= 0), "extend appends no tokens")
+        report(
+            is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len),
+            lambda j: f"extend to seq_len {int(seq_len[j])} beyond the prompt_len {int(prompt_len[j])} of a "
+            "new request (it prefills its prompt, then decodes)",
+        )
+        report(
+            is_extend & is_prefill & (target >= 0) & (length >= target),
+            lambda j: f"extend of a request whose prefill is complete (length {int(length[j])} >= "
+            + (f"prompt_len {int(target[j])}" if target[j] == known_prompt[j] else
+               f"{int(target[j])}, its length when it was retracted")
+            + "); after its prefill a request decodes",
+        )
         report(is_prealloc & (seq_len <= 0), "prealloc of no tokens")
         report(
             is_decode & (append_len != 1),
@@ -554,7 +668,9 @@ class BackgroundChecker:
     that work onto another core. The child reads the same file with its own
     ``TraceReader`` and checks every step; ``check(batch)`` returns exactly what
     ``OpSequenceChecker.check`` would return for that step, waiting for the child
-    only if the caller has caught up with it. Steps must be asked for in file order.
+    only if the caller has caught up with it. Steps must be asked for in file order,
+    each once: the child and the caller match steps by their position in the file,
+    not by step number (a trace whose step numbers go wrong is checked like any other).
 
     One checker may serve several replays of the same trace in other processes
     (``start_shared_checker``): each attaches to its end of the checker's pipe with
@@ -563,6 +679,8 @@ class BackgroundChecker:
     Args:
         path: the trace file (the caller reads it too).
         stop: the step the caller stops before (the child need not go further).
+        rid_bound: the caller's ``TraceReader.rid_bound`` (the child's reader finds the
+            same); kept as ``rid_bound`` for callers that size arrays by request id.
         conn: the reading end of a pipe a shared checker writes to (no process is
             started then; ``close`` closes the pipe only).
 
@@ -573,7 +691,14 @@ class BackgroundChecker:
 
     _REPORT_EVERY = 128  # steps between progress messages from the child
 
-    def __init__(self, path: str | os.PathLike[str], stop: int | None = None, *, conn: Any = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        stop: int | None = None,
+        rid_bound: int | None = None,
+        *,
+        conn: Any = None,
+    ) -> None:
         self._proc: Any = None
         if conn is None:
             ctx = _mp_context()
@@ -584,39 +709,47 @@ class BackgroundChecker:
         else:
             self._conn = conn
         self._path = str(path)
-        self._upto = -1  # every step <= this one has been checked by the child
-        self._problems: dict[int, list[Problem]] = {}
+        self.rid_bound = MAX_RID if rid_bound is None else min(rid_bound, MAX_RID)
+        self._asked = -1  # position (0-based) of the last step asked for
+        self._upto = -1  # every step at a position <= this one has been checked by the child
+        self._last_step: int | None = None  # the step number at position ``_upto``
+        self._problems: dict[int, list[Problem]] = {}  # by position
         self._ended = False
         self._error: str | None = None
 
     def check(self, batch: StepBatch) -> list[Problem]:
-        step = batch.step
-        while self._upto < step and not self._ended:
+        """The problems of the next step in file order (``batch``, as the caller read it).
+
+        Raises:
+            TraceError: the child stopped before this step (naming why).
+        """
+        self._asked += 1
+        position = self._asked
+        while self._upto < position and not self._ended:
             self._receive()
-        if self._upto < step:
-            raise TraceError(
-                f"background validation stopped at step {self._upto}: {self._error or 'no reason given'}",
-                path=self._path,
+        if self._upto < position:
+            after = "before the first step" if self._last_step is None else f"after step {self._last_step}"
+            reason = self._error or (
+                f"it read {self._upto + 1} steps and the replay asked for step {batch.step} beyond them "
+                "(did the file change while it was read?)"
             )
-        return self._problems.pop(step, [])
+            raise TraceError(f"background validation stopped {after}: {reason}", path=self._path)
+        return self._problems.pop(position, [])
 
     def _receive(self) -> None:
         try:
-            kind, step, payload = self._conn.recv()
+            kind, position, step, payload = self._conn.recv()
         except (EOFError, OSError):
             self._ended = True
             self._error = self._error or "the checker process exited"
             return
+        if position > self._upto:
+            self._upto, self._last_step = position, step
         if kind == "problems":
-            self._problems[step] = [Problem(step, rid, text) for rid, text in payload]
-            self._upto = max(self._upto, step - 1)
-        elif kind == "upto":
-            self._upto = max(self._upto, step)
+            self._problems[position] = [Problem(step, rid, text) for rid, text in payload]
         elif kind == "end":
-            self._upto = max(self._upto, step)
             self._ended = True
-        else:  # "error"
-            self._upto = max(self._upto, step)
+        elif kind == "error":
             self._error = payload
             self._ended = True
 
@@ -665,8 +798,9 @@ def start_shared_checker(path: str | os.PathLike[str], consumers: int, stop: int
 
 def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
     from traces.io import TraceReader
+    from traces.runs import run_lengths
 
-    def send(message: tuple[str, int, Any]) -> None:
+    def send(message: tuple[str, int, int | None, Any]) -> None:
         for conn in list(conns):
             try:
                 conn.send(message)
@@ -675,24 +809,41 @@ def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
         if not conns:
             raise SystemExit(0)
 
-    last = -1
+    position, last = -1, None
     try:
         reader = TraceReader(path)
-        checker = OpSequenceChecker(reader.meta)
+        checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
         since = 0
-        for batch in reader.steps(stop=stop):
-            problems = checker.check(batch)
-            if problems:
-                send(("problems", batch.step, [(p.rid, p.problem) for p in problems]))
-            last = batch.step
-            since += 1
-            if since >= BackgroundChecker._REPORT_EVERY:
-                send(("upto", last, None))
-                since = 0
-        send(("end", last, None))
+        for chunk in reader.chunks(stop=stop):
+            runs = run_lengths(chunk, DECODE)
+            steps = chunk.step_numbers()
+            i, k = 0, steps.shape[0]
+            while i < k:
+                m = int(runs[i])
+                if m > 1 and checker.check_decode_run(chunk, i, m):
+                    position += m
+                    last = int(steps[i + m - 1])
+                    i += m
+                    since += m
+                else:
+                    batch = chunk.step_batch(i)
+                    problems = checker.check(batch)
+                    position += 1
+                    last = batch.step
+                    i += 1
+                    if problems:
+                        send(("problems", position, last, [(p.rid, p.problem) for p in problems]))
+                        since = 0
+                        continue
+                    since += 1
+                if since >= BackgroundChecker._REPORT_EVERY:
+                    send(("upto", position, last, None))
+                    since = 0
+        send(("end", position, last, None))
     except Exception as exc:  # noqa: BLE001 - reported to the consumers, which decide
         try:
-            send(("error", last, f"{type(exc).__name__}: {exc}"))
+            detail = " ".join(str(exc).split())
+            send(("error", position, last, f"{type(exc).__name__}: {detail}"))
         except SystemExit:
             pass
     finally:

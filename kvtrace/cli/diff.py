@@ -4,59 +4,184 @@
 The commands parse and render; ``kvtrace.diff`` does the work and returns a
 ``DiffReport`` (``--json`` prints its ``to_dict()``). Exit codes: 0 identical,
 1 diverged, 2 bad input (one line; a version that does not resolve lists the
-valid forms).
+valid forms). Rich, numpy, pyarrow and torch are imported inside the commands.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
-from kvtrace.cli import app
+from kvtrace.cli import command, ui
+from kvtrace.cli.options import (
+    CheckMode,
+    Device,
+    DeviceOpt,
+    JsonOpt,
+    NoColorOpt,
+    OnBadOp,
+    OnOom,
+    QuietOpt,
+    WhatIfPageSizeOpt,
+    WhatIfPoolTokensOpt,
+    examples,
+)
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+if TYPE_CHECKING:
+    from kvtrace.rangediff import RangeSettings
+
+DIFF_EXAMPLES = examples(
+    "# a refactor in the working tree against the last commit",
+    "kvtrace diff sample:mooncake-eagle --a git:HEAD --b worktree",
+    "# the bug class SGLang's encapsulation removed, found at its step and request",
+    "kvtrace diff sample:mooncake-eagle --b pre-encapsulation",
+    "# physical slots too, up to 10 divergences, as JSON",
+    "kvtrace diff run.kvtrace --a git:main --b git:my-branch --exact --all 10 --json",
+    "# two state logs written by kvtrace replay --out LOG --digests",
+    "kvtrace diff a.arrow b.arrow --exact",
+    "# every commit of a refactor series that touches allocator/, compared with main, on two traces",
+    "kvtrace diff sample:mooncake-eagle sample:azure-code --range main..HEAD",
+    "# only the first commit that changed the allocator's behaviour, in about log2(N) replays",
+    "kvtrace diff sample:mooncake-eagle --range v0.4..HEAD --bisect",
+)
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise typer.BadParameter(f"'{value}' is not one of {', '.join(allowed)}", param_hint=name)
-
-
-@app.command()
+@command("diff", epilog=DIFF_EXAMPLES)
 def diff(
-    inputs: Annotated[list[str], typer.Argument(help="TRACE (a .kvtrace file or sample:NAME), or LOG_A LOG_B: two state logs (kvtrace replay --out).", show_default=False)],
-    a: Annotated[Optional[str], typer.Option("--a", help="Version A (kvtrace versions lists them). Default: builtin.")] = None,
-    b: Annotated[Optional[str], typer.Option("--b", help="Version B: builtin, token, paged[:N], pre-encapsulation, NAME, module:factory, file.py:factory, git:REV\\[@PATH], worktree\\[@PATH].")] = None,
-    exact: Annotated[bool, typer.Option("--exact", help="Also compare the physical slots (request rows, free-list order) through per-step state digests.")] = False,
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="TRACE... | LOG_A LOG_B",
+            help="A trace (a .kvtrace file or sample:NAME), or two state logs (kvtrace replay --out); "
+            "with --range, one or more traces.",
+            show_default=False,
+        ),
+    ],
+    a: Annotated[
+        str | None,
+        typer.Option("--a", help="Version A (kvtrace versions lists them).", show_default="builtin"),
+    ] = None,
+    b: Annotated[
+        str | None,
+        typer.Option(
+            "--b",
+            help="Version B: builtin, token, paged[:N], pre-encapsulation, NAME, module:factory, file.py:factory, "
+            "git:REV\\[@PATH], worktree\\[@PATH].",
+            show_default=False,
+        ),
+    ] = None,
+    exact: Annotated[
+        bool,
+        typer.Option("--exact", help="Also compare the physical slots (request rows, free-list order) through per-step state digests."),
+    ] = False,
     context: Annotated[int, typer.Option("--context", min=0, help="Steps of the diverging request's history shown on both sides.")] = 5,
-    all_: Annotated[Optional[int], typer.Option("--all", min=1, help="List up to N divergences (each request once) instead of stopping at the first.")] = None,
-    steps: Annotated[Optional[str], typer.Option("--steps", help="Compare steps A:B only (B exclusive; earlier steps replay silently).")] = None,
-    page_size: Annotated[Optional[int], typer.Option("--page-size", min=1, help="What-if page size for both sides.")] = None,
-    pool_tokens: Annotated[Optional[int], typer.Option("--pool-tokens", min=1, help="What-if pool size for both sides.")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, or cuda (Triton kernels).")] = "cpu",
-    check: Annotated[str, typer.Option("--check", help="Invariant checks on both sides: every (a violation is then an outcome compared step by step, blamed on its request), full, end, never.")] = "end",
-    on_oom: Annotated[str, typer.Option("--on-oom", help="stop a side at its first out-of-memory, or skip (drop the request).")] = "stop",
-    on_bad_op: Annotated[str, typer.Option("--on-bad-op", help="stop at an impossible op in the trace, or skip it.")] = "stop",
-    jobs: Annotated[Optional[int], typer.Option("--jobs", help="2: the sides replay in two processes in parallel; 1: in lockstep in this process. Default: 2 for traces of 2 MB and more when two cores are free.")] = None,
-    as_json: JsonOption = False,
+    all_: Annotated[
+        int | None,
+        typer.Option("--all", min=1, help="List up to N divergences (each request once) instead of stopping at the first.", show_default=False),
+    ] = None,
+    steps: Annotated[
+        str | None,
+        typer.Option("--steps", help="Compare steps A:B only (B exclusive; earlier steps replay silently).", show_default="every step"),
+    ] = None,
+    page_size: WhatIfPageSizeOpt = None,
+    pool_tokens: WhatIfPoolTokensOpt = None,
+    device: DeviceOpt = Device.cpu,
+    check: Annotated[
+        CheckMode,
+        typer.Option(
+            "--check",
+            help="Invariant checks on both sides: every (a violation is then an outcome compared step by step, "
+            "blamed on its request), full, end, never.",
+        ),
+    ] = CheckMode.end,
+    on_oom: Annotated[OnOom, typer.Option("--on-oom", help="At an out-of-memory: stop a side, or skip (drop the request).")] = OnOom.stop,
+    on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
+    rev_range: Annotated[
+        str | None,
+        typer.Option(
+            "--range",
+            metavar="BASE..HEAD",
+            help="Replay every commit on the first-parent path from BASE to HEAD that touches --path, on each "
+            "TRACE, and compare it with BASE: a table, then the first diverging commit's divergence. Results "
+            "are cached (allocator tree, trace, options) under $KVTRACE_CACHE_DIR or ~/.cache/kvtrace.",
+            show_default=False,
+        ),
+    ] = None,
+    paths: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--path",
+            metavar="PATH",
+            help="With --range: a commit is replayed when its first-parent diff touches this path (relative to "
+            "the repository's top; repeatable); the others are listed as skipped.",
+            show_default="allocator",
+        ),
+    ] = None,
+    repo: Annotated[
+        str | None,
+        typer.Option(
+            "--repo", metavar="DIR", help="With --range: the git repository.", show_default="the one holding the current directory"
+        ),
+    ] = None,
+    bisect: Annotated[
+        bool,
+        typer.Option(
+            "--bisect",
+            help="With --range: find the first commit that differs from BASE in at most ceil(log2(N+1)) replays of "
+            "the N commits (plus BASE's) instead of N. It assumes that once a commit differs, every later one "
+            "does (a series that diverges and then comes back can mislead it; the full table cannot be misled).",
+        ),
+    ] = False,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            min=1,
+            help="2: the sides replay in two processes in parallel; 1: in lockstep in this process. With --range: "
+            "how many replays run at once (default: every usable core).",
+            show_default="2 for traces of 2 MB and more when two cores are free",
+        ),
+    ] = None,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Replay TRACE through versions A and B and compare them after every step; or compare
     two saved state logs. Prints "identical over N steps" or the first divergence (step, op,
     request, field, A and B), the request's last steps on both sides and a side-by-side summary.
 
-    Exit code: 0 identical; 1 diverged; 2 bad input.
+    With --range BASE..HEAD: every commit of a series against BASE, on every TRACE; one line
+    per commit (identical, the first divergence, an error, or skipped), then the first
+    diverging commit's divergence as above.
+
+    Exit code: 0 identical (every commit); 1 diverged (some commit diverged or does not
+    replay); 2 bad input.
     """
     from kvtrace.cli.replay import check_device, parse_step_range
     from kvtrace.diff import DiffOptions, diff_logs, diff_trace
-    from kvtrace.replay import CHECK_MODES, ReplayOptions
+    from kvtrace.replay import ReplayOptions
     from kvtrace.report import render_diff_report
 
     start, stop = parse_step_range(steps)
     options = DiffOptions(exact=exact, context=context, max_divergences=all_ or 1)
+    replay = ReplayOptions(
+        check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
+    )
+    if rev_range is not None:
+        for name, value in (("--a", a), ("--b", b)):
+            if value is not None:
+                raise typer.BadParameter(f"--range compares every commit with BASE; drop {name}", param_hint=name)
+        check_device(device.value)
+        from kvtrace.rangediff import RangeSettings
+
+        settings = RangeSettings(options, replay, page_size, pool_tokens, device.value)
+        raise typer.Exit(
+            _diff_range(inputs, rev_range, settings, paths=paths, repo=repo, bisect=bisect, jobs=jobs, as_json=as_json)
+        )
+    for name, value in (("--path", paths), ("--repo", repo), ("--bisect", bisect or None)):
+        if value is not None:
+            raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
     if len(inputs) == 2:
         for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens)):
             if value is not None:
@@ -65,39 +190,66 @@ def diff(
     elif len(inputs) == 1:
         if b is None:
             raise typer.BadParameter("give the version to compare with --b SPEC (and --a SPEC, default builtin)", param_hint="--b")
-        _choice("--device", device, ("cpu", "cuda"))
-        _choice("--check", check, CHECK_MODES)
-        _choice("--on-oom", on_oom, ("stop", "skip"))
-        _choice("--on-bad-op", on_bad_op, ("stop", "skip"))
         if jobs is not None and jobs not in (1, 2):
             raise typer.BadParameter(f"{jobs}: use 1 (lockstep in one process) or 2 (two processes)", param_hint="--jobs")
-        check_device(device)
-        replay = ReplayOptions(check=check, on_oom=on_oom, on_bad_op=on_bad_op, start_step=start, stop_step=stop)  # type: ignore[arg-type]
+        check_device(device.value)
         report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
-                            pool_tokens=pool_tokens, device=device, jobs=jobs)
+                            pool_tokens=pool_tokens, device=device.value, jobs=jobs)
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
     result = report.to_dict()
     if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
+        ui.emit_json(result)
     else:
-        render_diff_report(result, Console(highlight=False))
+        render_diff_report(result, ui.console())
     raise typer.Exit(0 if report.identical else 1)
 
 
-@app.command()
-def versions(as_json: JsonOption = False) -> None:
+def _diff_range(
+    inputs: list[str], rev_range: str, settings: RangeSettings, *, paths: list[str] | None, repo: str | None,
+    bisect: bool, jobs: int | None, as_json: bool,
+) -> int:
+    """``kvtrace diff TRACE... --range BASE..HEAD``: run and render. Returns the exit code
+    (0 every commit replayed is identical to BASE, 1 otherwise)."""
+    from kvtrace.rangediff import diff_range
+    from kvtrace.report import render_range_report
+
+    report = diff_range(
+        inputs, rev_range, paths=paths or ("allocator",), repo=repo, bisect=bisect, jobs=jobs, on_replay=ui.note,
+        settings=settings,
+    )
+    if as_json:
+        ui.emit_json(report.to_dict())
+    else:
+        render_range_report(report.to_dict(), ui.console())
+    return 0 if report.preserved else 1
+
+
+VERSIONS_EXAMPLES = examples(
+    "# every form kvtrace diff --a / --b and kvtrace replay --allocator accept, with where each comes from",
+    "kvtrace versions",
+    "# their names, for a script",
+    "kvtrace versions --json | jq '.versions[].name'",
+)
+
+
+@command("versions", epilog=VERSIONS_EXAMPLES)
+def versions(
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
     """List the allocator versions kvtrace diff and replay accept, with where each comes from."""
     from kvtrace.registry import ENTRY_POINT_GROUP, VALID_FORMS, list_versions
 
     found = list_versions()
     if as_json:
-        sys.stdout.write(json.dumps({
+        ui.emit_json({
             "versions": [{"name": v.name, "kind": v.kind, "origin": v.origin, "description": v.description} for v in found],
             "forms": VALID_FORMS,
-        }) + "\n")
+        })
         return
-    console = Console(highlight=False, soft_wrap=True)
+    console = ui.console()
     width = max(len(v.name) for v in found)
     titles = {
         "builtin": "{origin}",

@@ -127,9 +127,12 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         sizes = np.diff(np.concatenate(([0], bounds, [n])))
         max_rows_per_step = max(max_rows_per_step, int(sizes.max()))
         if first_step is None:
-            first_step, first_time = int(step[0]), float(columns.time_s[0])
+            first_step = int(step[0])
         last_step = int(step[-1])
-        last_time = float(columns.time_s[-1]) if last_time is None else max(last_time, float(columns.time_s.max()))
+        times = columns.time_s[np.isfinite(columns.time_s)]  # NaN or infinite times: validate's problems
+        if times.size:
+            first_time = float(times[0]) if first_time is None else first_time
+            last_time = float(times.max()) if last_time is None else max(last_time, float(times.max()))
         rows += n
         op = columns.op
         ops += np.bincount(op, minlength=len(OPS))
@@ -141,7 +144,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         tokens["spec_accepted"] += int(columns.accepted_len[is_spec].astype(np.int64).sum())
         tokens["spec_drafted"] += int(columns.draft_len[is_spec].astype(np.int64).sum())
         max_seq_len = max(max_seq_len, int(columns.seq_len.max()))
-        rid = columns.rid[(columns.rid >= 0) & (columns.rid < 1 << 28)]
+        rid = columns.rid[(columns.rid >= 0) & (columns.rid < reader.rid_bound)]
         if rid.size:
             top = int(rid.max())
             if top >= seen.shape[0]:
@@ -181,9 +184,21 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
     }
 
 
+def _escaped(value: Any) -> Any:
+    """``value`` with every string escaped for rich markup (metadata is the trace's text)."""
+    from rich.markup import escape
+
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {key: _escaped(item) for key, item in value.items()}
+    return value
+
+
 def _render_info(info: dict[str, Any]) -> None:
     from rich.table import Table
 
+    info = _escaped(info)
     table = Table(title=f"kvtrace info: {info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
@@ -331,7 +346,7 @@ def validate_command(
     from traces.validate import OpSequenceChecker, Problem
 
     reader = open_trace(trace)
-    checker = OpSequenceChecker(reader.meta)
+    checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
     shown: list[Problem] = []
     total = 0
     with _progress(reader, "validating") as update:

@@ -90,6 +90,14 @@ ForceOpt = Annotated[
     bool,
     typer.Option("--force", help="Replace an existing output file (an input is never overwritten)."),
 ]
+PoolForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an existing output file (an input is never overwritten); build the pool even when it "
+        "looks bigger than the machine's available memory.",
+    ),
+]
 DeviceOpt = Annotated[
     Device,
     typer.Option("--device", help="Allocator device: cpu, or cuda (Triton kernels on an NVIDIA GPU)."),

@@ -17,7 +17,7 @@ from kvtrace.cli.options import (
     CheckMode,
     Device,
     DeviceOpt,
-    ForceOpt,
+    PoolForceOpt,
     JsonOpt,
     NoColorOpt,
     OnBadOp,
@@ -78,7 +78,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
 
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device, options=options,
-        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
+        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True, allocator_in_step=True,
     ) as session:
         if target is None:
             run_live(session)
@@ -135,7 +135,7 @@ def replay(
     on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.", show_default="every step")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the step-by-step state log (an Arrow IPC file) here.", show_default=False)] = None,
-    force: ForceOpt = False,
+    force: PoolForceOpt = False,
     digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
@@ -185,7 +185,7 @@ def replay(
 
         # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
         ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
-                      options=options, screen="inline").close()
+                      options=options, screen="inline", force_memory=force).close()
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:
@@ -193,7 +193,8 @@ def replay(
         return
     err = ui.console(stderr=True)
     with ReplaySession(
-        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options
+        trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
+        force_memory=force,
     ) as session:
         if target is None:
             _run(session, err, None)

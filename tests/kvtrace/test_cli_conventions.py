@@ -19,7 +19,7 @@ import kvtrace
 from kvtrace.cli import app, ui
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("info", "validate", "record", "replay", "sweep run", "sweep report")
+COMMANDS = ("info", "validate", "record", "replay", "diff", "versions", "sweep run", "sweep report")
 runner = CliRunner()
 
 
@@ -53,13 +53,19 @@ def test_choices_and_defaults_from_the_trace_are_shown() -> None:
     record = help_of("record")
     assert "<cpu|cuda>" in record and "<zstd|lz4>" in record and "<mooncake|azure|lengths|trace>" in record
     assert "[default: (from the file)]" in record
+    diff = help_of("diff")
+    for choices in ("<cpu|cuda>", "<every|full|end|never>", "<stop|skip>"):
+        assert choices in diff, choices
+    assert diff.count("[default: (the trace's)]") == 2
 
 
 def test_shell_completion() -> None:
     root = help_of()
     assert "--install-completion" in root and "--show-completion" in root
     script = runner.invoke(app, ["--show-completion", "bash"])
-    assert script.exit_code == 0 and "_KVTRACE_COMPLETE=complete_bash" in script.stdout
+    assert script.exit_code == 0 and "_KVTRACE_COMPLETE=complete_bash" in script.stdout, (
+        script.output, repr(script.exception)
+    )
 
     def complete(words: str, cword: int) -> list[str]:
         env = dict(os.environ, COMP_WORDS=words, COMP_CWORD=str(cword), _KVTRACE_COMPLETE="complete_bash")
@@ -75,7 +81,13 @@ def test_shell_completion() -> None:
 def test_quiet_and_no_color_everywhere(placement: str) -> None:
     colour = runner.invoke(app, ["info", "sample:tiny"], env={"FORCE_COLOR": "1"})
     assert "\x1b[" in colour.stdout  # rich colours a forced terminal ...
-    for command in (["info", "sample:tiny"], ["validate", "sample:tiny"], ["replay", "sample:tiny"]):
+    for command in (
+        ["info", "sample:tiny"],
+        ["validate", "sample:tiny"],
+        ["replay", "sample:tiny"],
+        ["diff", "sample:tiny", "--b", "builtin", "--jobs", "1"],
+        ["versions"],
+    ):
         args = ["-q", "--no-color", *command] if placement == "root" else [*command, "-q", "--no-color"]
         result = runner.invoke(app, args, env={"FORCE_COLOR": "1"})
         assert result.exit_code == 0, result.output
@@ -119,7 +131,7 @@ def test_json_numbers_are_rounded() -> None:
         "a": [0.333333, 6.66667e-10, 3333333.333, None],
         "b": 7,
     }
-    for command in (["info", "sample:tiny"], ["replay", "sample:tiny"]):
+    for command in (["info", "sample:tiny"], ["replay", "sample:tiny"], ["diff", "sample:tiny", "--b", "token", "--jobs", "1"]):
         result = runner.invoke(app, [*command, "--json"])
         floats = _floats(json.loads(result.stdout))
         assert floats and all(x == ui.rounded(x) for x in floats), command
@@ -127,7 +139,22 @@ def test_json_numbers_are_rounded() -> None:
 
 def test_help_and_info_never_import_torch() -> None:
     """The start-up contract (bench/startup.py measures the time): torch only where an
-    allocator runs; pandas (which pyarrow pulls in when it can) not at all."""
+    allocator runs; pandas (which pyarrow pulls in when it can) not at all; ``versions``
+    imports none of numpy, pyarrow and torch."""
+    versions = (
+        "import sys\n"
+        "import kvtrace.cli\n"
+        "sys.argv = ['kvtrace', 'versions', '--json']\n"
+        "try:\n"
+        "    kvtrace.cli.main()\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "heavy = [m for m in ('torch', 'numpy', 'pyarrow', 'pandas') if m in sys.modules]\n"
+        "assert not heavy, f'kvtrace versions imported {heavy}'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", versions], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["versions"]
     code = (
         "import sys\n"
         "import kvtrace.cli\n"

@@ -102,7 +102,7 @@ def test_validate_clean_sample() -> None:
 def _bad_trace(path: Path, num_bad: int) -> Path:
     """A trace whose requests 0..num_bad-1 decode without ever being extended."""
     with TraceWriter(path, make_meta()) as writer:
-        writer.write_step(0, 0.0, op=["extend"], rid=[99], seq_len=[5], append_len=[5], prompt_len=[5])
+        writer.write_step(0, 0.0, op=["extend"], rid=[num_bad], seq_len=[5], append_len=[5], prompt_len=[5])
         for s in range(1, num_bad + 1):
             writer.write_step(s, float(s), op=["decode"], rid=[s - 1], seq_len=[9], append_len=[1])
     return path

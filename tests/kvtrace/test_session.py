@@ -389,7 +389,7 @@ def test_runs_of_decode_steps_in_one_call_change_no_snapshot(trace: str, busy_tr
 
 
 def test_runs_are_used_on_decode_heavy_traces() -> None:
-    from kvtrace.runs import run_lengths
+    from traces.runs import run_lengths
     from traces.io import TraceReader
     from traces.schema import DECODE, SPEC
 

@@ -27,6 +27,7 @@ def step(number: int, *rows: dict[str, object], time_s: float | None = None, sor
         append_len=column("append_len", 0),
         draft_len=column("draft_len", 0),
         accepted_len=column("accepted_len", 0),
+        prefix_len=column("prefix_len", 0),
         prompt_len=column("prompt_len", None),
         block_hashes=column("block_hashes", None),
         token_ids=column("token_ids", None),
@@ -159,7 +160,11 @@ def test_a_valid_sequence_of_every_op_has_no_problem() -> None:
                 step(2, row("spec", 0, 7, 1, draft_len=4, accepted_len=1)),
             ],
             {},
-            ["step 1, request 0: spec rows but the metadata has no spec settings (config.spec is null; reported once)"],
+            [
+                "step 1, request 0: spec row but the metadata has no spec settings (config.spec is null)",
+                "step 1, request 1: spec row but the metadata has no spec settings (config.spec is null)",
+                "step 2, request 0: spec row but the metadata has no spec settings (config.spec is null)",
+            ],
         ),
         (
             [
@@ -262,8 +267,8 @@ def test_bad_request_ids_and_op_codes() -> None:
     )
     problems, _ = run([batch])
     assert messages(problems) == [
-        "step 0, request -3: request id outside [0, 2**28) (ids are dense, from 0)",
-        f"step 0, request {2**40}: request id outside [0, 2**28) (ids are dense, from 0)",
+        "step 0, request -3: request id outside [0, 2**24) (ids are dense, from 0)",
+        f"step 0, request {2**40}: request id outside [0, 2**24) (ids are dense, from 0)",
     ]
     bad_op = StepBatch(
         0, 0.0, np.array([9], np.int8), np.array([0]), np.array([1]), np.array([1], np.int32),
@@ -296,13 +301,13 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     bad_steps = list(steps)
     last = bad_steps[5]
     bad_steps[5] = StepBatch.from_columns(
-        last.step, last.time_s, op=["decode"], rid=[999], seq_len=[10], append_len=[1]
+        last.step, last.time_s, op=["decode"], rid=[99], seq_len=[10], append_len=[1]
     )
     bad = write_steps(tmp_path / "bad.kvtrace", bad_steps, meta=TraceReader(good).meta)
     found = {}
     for path in (good, bad):
         reader = TraceReader(path)
-        inline = OpSequenceChecker(reader.meta)
+        inline = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
         found[path] = 0
         with BackgroundChecker(path) as background:
             for batch in TraceReader(path).steps():
@@ -315,3 +320,81 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     background.check(next(iter(TraceReader(bad).steps())))
     background.close()
     assert not background._proc.is_alive()
+
+
+def _decode_run_steps(num_steps: int, rows: int) -> list[StepBatch]:
+    """A prefill of ``rows`` requests, then plain decode steps of all of them."""
+    rid = np.arange(rows, dtype=np.int64)
+    prompt = 40 + 3 * rid
+    steps = [StepBatch.from_columns(0, 0.0, op=["extend"] * rows, rid=rid, seq_len=prompt, append_len=prompt,
+                                    prompt_len=prompt)]
+    for s in range(1, num_steps + 1):
+        steps.append(StepBatch.from_columns(s, 0.01 * s, op=["decode"] * rows, rid=rid, seq_len=prompt + s,
+                                            append_len=np.ones(rows, np.int64)))
+    return steps
+
+
+def _with(batch: StepBatch, **changes: object) -> StepBatch:
+    import dataclasses
+
+    return dataclasses.replace(batch, **changes)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["length jump", "time back", "unknown request", "append 2", "draft", "past context", "nan time", "prefix"],
+)
+def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, damage: str) -> None:
+    """The background checker screens runs of plain decode steps at once
+    (``check_decode_run``); a run with a bad step gives, step by step, the problems
+    the in-process checker gives."""
+    from tests.traces.conftest import make_meta, write_steps
+    from traces.io import TraceReader
+    from traces.validate import BackgroundChecker, OpSequenceChecker
+
+    steps = _decode_run_steps(600, rows=4)
+    k = 300
+    b = steps[k]
+    steps[k] = {
+        "length jump": lambda: _with(b, seq_len=b.seq_len + np.array([0, 0, 5, 0])),
+        "time back": lambda: _with(b, time_s=0.5),
+        "unknown request": lambda: _with(b, rid=np.array([0, 1, 2, 7], b.rid.dtype)),
+        "append 2": lambda: _with(b, append_len=b.append_len + 1),
+        "draft": lambda: _with(b, draft_len=np.array([0, 1, 0, 0], b.draft_len.dtype)),
+        "past context": lambda: _with(b, seq_len=b.seq_len + 5000),
+        "nan time": lambda: _with(b, time_s=float("nan")),
+        "prefix": lambda: _with(b, prefix_len=np.array([0, 0, 0, 3], b.prefix_len.dtype)),
+    }[damage]()
+    path = write_steps(tmp_path / "run.kvtrace", steps, meta=make_meta(pool_tokens=1 << 16), steps_per_batch=64)
+    reader = TraceReader(path)
+    inline = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
+    found = []
+    with BackgroundChecker(path, rid_bound=reader.rid_bound) as background:
+        for batch in TraceReader(path).steps():
+            problems = background.check(batch)
+            assert problems == inline.check(batch), batch.step
+            found += problems
+    assert found, damage  # the damage is found
+
+
+def test_check_decode_run_applies_a_run_as_its_steps(tmp_path) -> None:
+    """A clean run applied at once leaves the checker where step by step leaves it."""
+    from tests.traces.conftest import write_steps
+    from traces.io import TraceReader
+    from traces.runs import run_lengths
+
+    steps = _decode_run_steps(50, rows=3)
+    meta = make_meta(pool_tokens=1 << 16)
+    chunk = next(TraceReader(write_steps(tmp_path / "t.kvtrace", steps, meta=meta)).chunks())
+    one, many = OpSequenceChecker(meta), OpSequenceChecker(meta)
+    for batch in steps:
+        assert one.check(batch) == []
+    # The first decode after a prefill moves its requests to decoding: the per-step path.
+    assert not many.check_decode_run(chunk, 0, 1) and not many.check_decode_run(chunk, 1, 50)
+    assert many.check(chunk.step_batch(0)) == [] and many.check(chunk.step_batch(1)) == []
+    assert int(run_lengths(chunk)[2]) == 49
+    assert many.check_decode_run(chunk, 2, 49)
+    assert many.finish() == one.finish()
+    assert [many.length_of(r) for r in range(3)] == [one.length_of(r) for r in range(3)]
+    assert not many.check_decode_run(chunk, 2, 49)  # the same steps again: lengths no longer follow
+    assert many.finish() == one.finish()  # ... and nothing was applied

@@ -20,7 +20,7 @@ SIZE = (160, 48)
 def live_app(trace: str = TINY, *, play: bool = False, fixed_clock: bool = False, **session_kw: object) -> KvtraceApp:
     """A dashboard over a live session of ``trace`` (screened inline: no child process)."""
     session_kw.setdefault("checkpoint_every", 20)
-    session = ReplaySession(trace, track_state=True, screen="inline", **session_kw)  # type: ignore[arg-type]
+    session = ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True, **session_kw)  # type: ignore[arg-type]
     if fixed_clock:
         return KvtraceApp(LiveSource(session), play=play, clock=lambda: 0.0)
     return KvtraceApp(LiveSource(session), play=play)

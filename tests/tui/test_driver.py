@@ -43,7 +43,7 @@ class _Run:
 
 
 def _live() -> LiveSource:
-    return LiveSource(ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=16))
+    return LiveSource(ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=16, allocator_in_step=True))
 
 
 def test_commands_move_the_replay_and_frames_follow() -> None:

@@ -36,14 +36,14 @@ def test_slot_states_match_the_counters_at_every_step() -> None:
     # tiny: every step (page 16, spec, prealloc, retract, abort); mooncake-tiny: a 200k-token
     # pool, every 50th step (mapping it costs ~25 ms)
     for trace, every in (("sample:tiny", 1), ("sample:mooncake-tiny", 50)):
-        with ReplaySession(trace, track_state=True, screen="inline") as s:
+        with ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True) as s:
             for i, _ in enumerate(s.snapshots()):
                 if i % every == 0:
                     _check_step(s)
 
 
 def test_cells_add_up_and_highlight_the_selected_request() -> None:
-    with ReplaySession("sample:tiny", track_state=True, screen="inline") as s:
+    with ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True) as s:
         s.seek(60)
         own = slot_ownership(s.allocator)
         rid = int(s.state.live_rids()[0])

@@ -1,4 +1,4 @@
-"""Runs of plain decode steps: the replay's fast path for decode-heavy traffic.
+"""Runs of plain decode steps: the fast path of decode-heavy traffic.
 
 A *plain* step holds rows of one op kind only, ``decode`` or ``spec``, and no
 explicit token ids. A *run* is consecutive plain steps of one kind over the same
@@ -6,7 +6,8 @@ batch: the same requests in the same order, each longer by what it appends (one
 token, or its accepted tokens). What a run does to an allocator is fully determined
 by its state at the start of the run and the accepted counts, so the engine applies
 it in one call (``allocator.base.DecodeRuns``) and builds the run's snapshots from
-vectors; each step is still screened and snapshotted.
+vectors; each step is still snapshotted. The op-sequence checker screens a run of
+plain decode steps at once too (``traces.validate.OpSequenceChecker.check_decode_run``).
 
 ``run_lengths(chunk)`` finds them column-wise, for a whole ``StepChunk`` at once::
 
