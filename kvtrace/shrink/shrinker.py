@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvtrace.diff import PARALLEL_MIN_BYTES
-from kvtrace.diff import _usable_cpus as usable_cpus
+from kvtrace.diff import usable_cpus
 from kvtrace.errors import ConfigError
 from kvtrace.shrink.oracle import Failure, Oracle, Outcome
 from kvtrace.shrink.runner import Counts, Evaluator, OutOfTime, Runner, validate_steps, write_steps

@@ -258,6 +258,10 @@ def build(table: TraceTable, cand: Candidate, extra: dict[str, Any] | None = Non
     rid = table.rid[rows]
     a = table.appends(cand)
     seq_len = _lengths(table, rows, op, rid, a)
+    clipped = _readmissions(table, rows, op, a, seq_len)
+    changed = clipped is not a
+    if changed:
+        a, seq_len = clipped, _lengths(table, rows, op, rid, clipped)
     prompt = _prompts(table, cand, a)
     prompt_len = np.where(table.prompt_len[rows] >= 0, prompt[rid], -1)
     hashes = table.block_hashes.take(rows)
@@ -265,11 +269,13 @@ def build(table: TraceTable, cand: Candidate, extra: dict[str, Any] | None = Non
     if bs and hashes.valid.any():
         hashes = _cut(hashes, np.where(prompt_len >= 0, ceil_align(np.maximum(prompt_len, 0), bs) // bs, 0))
     tokens = table.token_ids.take(rows)
-    if tokens.valid.any() and cand.append:
+    if tokens.valid.any() and (cand.append or changed):
         tokens = _cut(tokens, a)
-    # the recorded prefix (informative) never longer than the prompt it matched
+    # the recorded prefix (informative) never longer than the prompt it matched, nor than
+    # the sequence it is part of
     prefix_len = table.prefix_len[rows]
     prefix_len = np.where(prompt[rid] >= 0, np.minimum(prefix_len, prompt[rid]), prefix_len)
+    prefix_len = np.minimum(prefix_len, np.maximum(seq_len, 0))
     # requests numbered by arrival, steps from 0
     uniq, first_at = np.unique(rid, return_index=True)
     new_id = np.empty(uniq.shape[0], np.int64)
@@ -318,6 +324,28 @@ def _lengths(table: TraceTable, rows: np.ndarray, op: np.ndarray, rid: np.ndarra
     length = np.empty(n, np.int64)
     length[order] = total - base[np.cumsum(rs) - 1]
     return np.where(op == FINISH, np.maximum(0, length - table.finish_tail[rows]), length)
+
+
+def _readmissions(table: TraceTable, rows: np.ndarray, op: np.ndarray, a: np.ndarray, seq_len: np.ndarray) -> np.ndarray:
+    """The appends with each re-admission's ``extend`` chunks clipped so the request
+    rebuilds no more than the length it was retracted at (less, when a cut removed
+    some of its decodes), each chunk keeping at least one token; ``a`` itself when
+    nothing changes."""
+    head = table.unit[rows]
+    again = (op == EXTEND) & (head >= 0) & (head != rows)
+    again &= table.op[np.maximum(head, 0)] == RETRACT
+    if not again.any():
+        return a
+    out = a.copy()
+    at = np.searchsorted(rows, head)  # the retraction heads the unit and is kept with it
+    members = np.flatnonzero(again)
+    for h in np.unique(head[members]).tolist():
+        chunks = members[head[members] == h]
+        left = int(seq_len[at[chunks[0]]])  # its length when it was retracted
+        for j, i in enumerate(chunks.tolist()):
+            out[i] = max(1, min(int(out[i]), left - (chunks.shape[0] - 1 - j)))
+            left -= int(out[i])
+    return out if not np.array_equal(out, a) else a
 
 
 def _prompts(table: TraceTable, cand: Candidate, a: np.ndarray) -> np.ndarray:
