@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from allocator.manager import KvAllocator
     from allocator.token_to_kv import PageFreeList
 
-__all__ = ["SeqHash", "StateDigest", "full_digest"]
+__all__ = ["SeqHash", "StateDigest", "compose_digest", "full_digest", "row_terms", "rows_hash", "seq_value"]
 
 _MOD64 = 1 << 64
 _B = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
@@ -173,16 +173,79 @@ def _free_list_objects(allocator: Any) -> list[tuple[PageFreeList, list[np.ndarr
     return parts
 
 
-def _compose(alloc: KvAllocator, rows_total: int, lists: list[tuple[Any, Any]]) -> str:
-    kv = alloc.req_kv
+def compose_digest(
+    rows_total: int,
+    columns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    free_rows: list[int],
+    lists: list[tuple[tuple[int, int], tuple[int, int] | None]],
+    evictable: int,
+    protected: int,
+) -> str:
+    """The digest from its parts (any implementation that can read them computes the
+    same one: ``kvtrace.sglang.server`` does it from SGLang's own objects).
+
+    Args:
+        rows_total: the sum of the row terms (``rows_hash``) mod 2**64.
+        columns: int64 ``[num_rows + 1]`` per ``req_to_token`` row (row 0 unused): the
+            request id holding it (-1 free), ``kv_allocated_len``, ``kv_committed_len``,
+            ``cache_protected_len`` (0 for a free row).
+        free_rows: the free request rows in order.
+        lists: per token allocator, ``(seq_value(free list), seq_value(its release or
+            staged list))`` (page ids when paged).
+        evictable, protected: the radix cache's sizes.
+
+    Returns:
+        32 hex digits.
+    """
     h = hashlib.blake2b(digest_size=16)
     h.update(rows_total.to_bytes(8, "little"))
-    for a in (kv.rid, kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len):
-        h.update(a)  # int64, contiguous: hashed in place
-    h.update(array("q", alloc.req_to_token_pool.free_slots))
-    tree = alloc.tree_cache
-    h.update(repr((lists, tree.evictable_size(), tree.protected_size())).encode())
+    for a in columns:
+        h.update(np.ascontiguousarray(a, dtype=np.int64))
+    h.update(array("q", free_rows))
+    h.update(repr((lists, int(evictable), int(protected))).encode())
     return h.hexdigest()
+
+
+def seq_value(values: np.ndarray) -> tuple[int, int]:
+    """``SeqHash(values).value()``: the (hash, length) of a whole sequence."""
+    return _poly(np.asarray(values), 0), int(values.shape[0])
+
+
+def row_terms(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """uint64 per row: ``sum(mix(row, pos, table[row, pos]))`` over ``[starts[i], ends[i])``
+    of each ``rows[i]`` (vectorised over all the positions at once; empty ranges sum to 0)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+    out = np.zeros(rows.shape[0], dtype=np.uint64)
+    keep = np.flatnonzero(counts > 0)
+    if keep.shape[0] == 0:
+        return out
+    rows_k, counts_k = rows[keep], counts[keep]
+    cumsum = np.add.accumulate(counts_k)
+    first = cumsum - counts_k
+    positions = np.repeat(np.asarray(starts, dtype=np.int64)[keep] - first, counts_k)
+    positions += np.arange(int(cumsum[-1]), dtype=np.int64)
+    owner = np.repeat(rows_k, counts_k)
+    flat = table.reshape(-1)
+    terms = _mix(owner, positions, flat[owner * table.shape[1] + positions])
+    out[keep] = np.add.reduceat(terms, first)
+    return out
+
+
+def rows_hash(table: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> int:
+    """``sum(mix(row, pos, table[row, pos]))`` mod 2**64 over ``[0, lens[i])`` of each
+    ``rows[i]`` (the row part of the digest, from scratch)."""
+    terms = row_terms(table, rows, np.zeros(len(rows), dtype=np.int64), lens)
+    return int(terms.sum(dtype=np.uint64))
+
+
+def _compose(alloc: KvAllocator, rows_total: int, lists: list[tuple[Any, Any]]) -> str:
+    kv = alloc.req_kv
+    tree = alloc.tree_cache
+    return compose_digest(
+        rows_total, (kv.rid, kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len),
+        alloc.req_to_token_pool.free_slots, lists, tree.evictable_size(), tree.protected_size(),
+    )
 
 
 def full_digest(alloc: KvAllocator) -> str:
@@ -191,19 +254,13 @@ def full_digest(alloc: KvAllocator) -> str:
     alloc.end_step()
     kv = alloc.req_kv
     rows = np.flatnonzero(kv.rid >= 0)
-    lens = kv.kv_allocated_len[rows].astype(np.int64)
-    total = 0
-    table = alloc.req_to_token_pool.req_to_token_np
-    for row, n in zip(rows.tolist(), lens.tolist()):
-        positions = np.arange(n, dtype=np.int64)
-        terms = _mix(np.full(n, row, dtype=np.int64), positions, table[row, :n])
-        total = (total + int(terms.sum(dtype=np.uint64))) % _MOD64
+    total = rows_hash(alloc.req_to_token_pool.req_to_token_np, rows, kv.kv_allocated_len[rows])
     lists = []
     for sub, side in _free_list_objects(alloc.token_to_kv_pool_allocator):
         side_value = None
         if side is not None:
-            side_value = SeqHash(np.concatenate(side) if side else _NONE).value()
-        lists.append((SeqHash(sub._free.view()).value(), side_value))
+            side_value = seq_value(np.concatenate(side) if side else _NONE)
+        lists.append((seq_value(sub._free.view()), side_value))
     return _compose(alloc, total, lists)
 
 

@@ -13,8 +13,9 @@ within-step order:
 5. the prompt publish (checkpoint) of requests whose prefill completed this step.
 
 The publish of step 5 is queued by ``extend`` / ``prealloc`` and applied at the end
-of the step: at the end of ``decode`` / ``spec_decode``, or at the start of any
-other call (including reads), or by ``end_step()``. Call ``end_step()`` before
+of the step: at the end of ``spec_decode`` (the step's last allocation; a ``decode``
+may be followed by one), or at the start of any other call (including reads), or by
+``end_step()``. Call ``end_step()`` before
 inspecting the SGLang-named attributes directly.
 
 Frees inside one ``release(kind="finish" | "abort")`` batch and inside one publish
@@ -429,8 +430,8 @@ class KvAllocator:
         res = alloc_for_decode(self.ctx, rows, rids)
         if isinstance(res, OutOfMemory):
             return res
-        if self._pending_publish:
-            self._flush_publish()
+        # NOTE: no prompt publish here: a spec_decode of the same step (some requests
+        # decode, others verify drafts) must run before it, as in SGLang's step.
         self.writer.end_call()
         return AllocResult(rids.shape[0], res.evicted_tokens)
 

@@ -1,11 +1,18 @@
-"""Time the allocator's allocation functions against SGLang 0.5.23's own on the CPU.
+"""Time the allocator's allocation functions against SGLang 0.5.23's own, in the same run, on the CPU.
 
 Same pool as SGLang's measurement: 1,000,000 tokens, 512 request rows, row width
 32,768. Every call is timed alone (``perf_counter_ns``) and the state is reset
 between calls (untimed) so each call does the same work; the table gives the
 median and p90 in microseconds over many repetitions, SGLang's median beside it
-and the ratio (ours / SGLang). ``--passes 2`` (default) runs everything twice and
-keeps each row's better pass (the machine may be shared: passes can differ).
+and the ratio (ours / SGLang). SGLang's figures are measured in this run by
+``bench/sglang_allocator.py`` (the same cases on SGLang's own functions) under the
+interpreter of an SGLang environment (``--sglang PYTHON``, default
+``$KVTRACE_SGLANG_PYTHON``; ``tools/sglang_oracle/setup.sh`` makes one); without one
+the SGLang columns stay empty. ``--passes 2`` (default) runs everything twice, ours
+and SGLang's passes alternating, and keeps each row's better pass on each side (the
+machine may be shared: passes can differ). torch runs on one thread on both sides
+(``kvtrace/sglang/world.py``, decision 10: its intra-op threads only wait on each
+other on a shared CPU).
 
 Rows (``fn`` = the allocation function itself, as SGLang's figures measure it;
 ``api`` = the ``KvAllocator`` batched call, which adds request-id lookup, the
@@ -26,7 +33,7 @@ radix match for new requests and the commit of accepted tokens):
 
 Targets: every row at or below SGLang; decode, extend and spec at most half.
 
-Usage: ``python bench/allocator.py [--passes 2] [--quick] [--json out.json]``
+Usage: ``python bench/allocator.py [--passes 2] [--quick] [--sglang PYTHON] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -60,20 +70,6 @@ ROWS = 512
 ROW_WIDTH = 32_768
 EAGLE = SpecConfig("eagle", 3, 1, 4)
 
-# SGLang 0.5.23 on a 2-core AMD EPYC, torch 2.13 CPU, median us (faster of two passes).
-SGLANG_US: dict[tuple[str, int, str], float] = {
-    ("decode", 1, "B=1"): 18.0, ("decode", 1, "B=32"): 19.9, ("decode", 1, "B=256"): 39.9,
-    ("decode", 16, "B=1"): 51.3, ("decode", 16, "B=32"): 84.1, ("decode", 16, "B=256"): 121.0,
-    ("decode", 64, "B=1"): 50.8, ("decode", 64, "B=32"): 58.0, ("decode", 64, "B=256"): 121.7,
-    ("extend", 1, "1x8192"): 103.8, ("extend", 16, "1x8192"): 596.7, ("extend", 64, "1x8192"): 627.6,
-    ("extend", 1, "8x1024"): 313.3, ("extend", 16, "8x1024"): 767.0, ("extend", 64, "8x1024"): 752.8,
-    ("spec", 1, "B=32"): 16.1, ("spec", 1, "B=256"): 60.8,
-    ("spec", 16, "B=32"): 254.8, ("spec", 16, "B=256"): 367.9,
-    ("release", 1, "nothing cached"): 261.0, ("release", 1, "2048 duplicates"): 609.0,
-    ("release", 16, "nothing cached"): 368.0, ("release", 16, "2048 duplicates"): 570.0,
-    ("match", 1, "full"): 68.1, ("match", 1, "50%"): 32.8,
-    ("match", 16, "full"): 82.2, ("match", 16, "50%"): 40.5,
-}
 # Rows whose target is half of SGLang's time (the others: at or below).
 HALF_TARGET = ("decode", "extend", "spec")
 
@@ -347,43 +343,76 @@ def run_pass(quick: bool) -> dict[tuple[str, int, str, str], tuple[float, float]
     return results
 
 
+def sglang_pass(python: str, quick: bool) -> tuple[str, dict[tuple[str, int, str], float]]:
+    """One pass of ``bench/sglang_allocator.py`` under ``python``: SGLang's version and
+    each row's median (us)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sglang.json"
+        cmd = [python, str(Path(__file__).with_name("sglang_allocator.py")), "--json", str(out)]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"bench/sglang_allocator.py failed under {python}:\n{done.stderr[-3000:]}")
+        data = json.loads(out.read_text())
+    rows = {}
+    for key, (median, _p90) in data["results"].items():
+        kind, ps, case = key.split("|")
+        rows[(kind, int(ps), case)] = median
+    return data["sglang"], rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=2, help="full passes; each row keeps its best median")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--sglang", default=os.environ.get("KVTRACE_SGLANG_PYTHON"),
+                        help="interpreter of an SGLang 0.5.23 environment (default: $KVTRACE_SGLANG_PYTHON)")
     parser.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     args = parser.parse_args()
+    import torch
 
+    torch.set_num_threads(1)  # as on SGLang's side (world.py, decision 10)
     best: dict[tuple[str, int, str, str], tuple[float, float]] = {}
+    theirs: dict[tuple[str, int, str], float] = {}
+    version = None
+    if not args.sglang:
+        print("no SGLang environment (--sglang / $KVTRACE_SGLANG_PYTHON): ours only", file=sys.stderr)
     for p in range(args.passes):
         print(f"pass {p + 1}/{args.passes} ...", file=sys.stderr, flush=True)
         for key, value in run_pass(args.quick).items():
             if key not in best or value[0] < best[key][0]:
                 best[key] = value
+        if args.sglang:
+            version, rows = sglang_pass(args.sglang, args.quick)
+            for key, median in rows.items():
+                theirs[key] = min(median, theirs.get(key, median))
 
     print(f"{'call':<9}{'case':<17}{'page':>5}{'':>8}{'median us':>11}{'p90 us':>9}{'SGLang us':>11}"
           f"{'ratio':>7}  target")
-    rows = []
+    rows_out = []
     failed = 0
     for (kind, ps, case, which), (median, p90) in best.items():
-        sglang = SGLANG_US[(kind, ps, case)]
-        ratio = median / sglang
+        sglang = theirs.get((kind, ps, case))
+        ratio = median / sglang if sglang else None
         limit = 0.5 if kind in HALF_TARGET else 1.0
-        ok = ratio <= limit
-        verdict = ("ok" if ok else "MISSED") + f" (<= {limit:g}x)"
         if which == "api":
             verdict = "(batched API call, informative)"
         elif which == "prep+fn":
             verdict = "(with the prepare step, informative)"
-        elif not ok:
-            failed += 1
-        print(f"{kind:<9}{case:<17}{ps:>5}{which:>8}{median:>11.1f}{p90:>9.1f}{sglang:>11.1f}{ratio:>7.2f}  {verdict}")
-        rows.append({"call": kind, "case": case, "page_size": ps, "measured": which, "median_us": median,
-                     "p90_us": p90, "sglang_us": sglang, "ratio": ratio})
-    print(f"\nbest of {args.passes} pass(es) per row; the machine may be shared with other work. "
-          f"{'all targets met' if not failed else f'{failed} target(s) missed'}")
+        elif ratio is None:
+            verdict = "(no SGLang figure)"
+        else:
+            verdict = ("ok" if ratio <= limit else "MISSED") + f" (<= {limit:g}x)"
+            failed += ratio > limit
+        their_text = f"{sglang:>11.1f}{ratio:>7.2f}" if ratio is not None else f"{'-':>11}{'-':>7}"
+        print(f"{kind:<9}{case:<17}{ps:>5}{which:>8}{median:>11.1f}{p90:>9.1f}{their_text}  {verdict}")
+        rows_out.append({"call": kind, "case": case, "page_size": ps, "measured": which, "median_us": median,
+                         "p90_us": p90, "sglang_us": sglang, "ratio": ratio})
+    where = f"SGLang {version} ({args.sglang}) measured in this run" if version else "no SGLang figures"
+    print(f"\nbest of {args.passes} pass(es) per row and side; {where}; the machine may be shared with other "
+          f"work. {'all targets met' if not failed else f'{failed} target(s) missed'}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"sglang": version, "rows": rows_out}, indent=2))
     return 0
 
 

@@ -47,6 +47,7 @@ DEFAULT_BEFORE = "47cc964"
 TIMING_KEYS = {"wall_s", "allocator_s", "speedup_vs_realtime", "device", "state_log", "trace"}
 AZURE_CODE = ROOT / "traces/workloads_data/azure-llm-inference-2023/AzureLLMInferenceTrace_code.csv"
 MIN_STEPS = 1000
+LOG_TIMING_COLUMNS = ("allocator_s",)  # a state log's per-step timing: not a result
 
 
 def decode_trace(path: Path, page_size: int, requests: int = 32, steps: int = 6000, step_s: float = 0.01) -> Path:
@@ -95,7 +96,7 @@ def replay(code: Path, trace: Path, log: Path | None = None) -> dict:
 
 def logs_identical(a: Path, b: Path) -> bool:
     """The two state logs hold the same rows (their header metadata, which names the
-    run, aside)."""
+    run, and the per-step timing aside)."""
     import pyarrow as pa
 
     def rows(path: Path) -> pa.Table:
@@ -103,7 +104,8 @@ def logs_identical(a: Path, b: Path) -> bool:
             head = source.read(6)
             source.seek(0)
             reader = pa.ipc.open_file(source) if head == b"ARROW1" else pa.ipc.open_stream(source)
-            return reader.read_all().replace_schema_metadata(None)
+            table = reader.read_all().replace_schema_metadata(None)
+            return table.drop_columns([c for c in LOG_TIMING_COLUMNS if c in table.column_names])
 
     return rows(a).equals(rows(b))
 
@@ -138,19 +140,29 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="*", help="more traces to time")
     ap.add_argument("--before", default=DEFAULT_BEFORE, metavar="REV", help="the code to compare with")
+    ap.add_argument("--before-tree", type=Path, metavar="DIR",
+                    help="that code already extracted (git archive REV allocator kvtrace traces | tar -x -C DIR), "
+                         "where the checkout has no git history")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-logs", action="store_true", help="skip the state-log comparison")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
+    print(f"{len(os.sched_getaffinity(0))} CPUs usable (of {os.cpu_count()}); load average {load:.1f}")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        if args.before_tree is not None:
+            before = args.before_tree.resolve()
+            print(f"before: the code in {before}; after: {ROOT}")
+            _table(traces_to_run(args.traces, tmp), before, tmp, args.repeat, not args.no_logs)
+            return
         before = tmp / "before"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(before), args.before], cwd=ROOT, check=True)
+        print(f"before: {args.before}; after: the working tree {ROOT}")
         try:
             _table(traces_to_run(args.traces, tmp), before, tmp, args.repeat, not args.no_logs)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
-    print(f"{os.cpu_count()} CPUs; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 def _table(traces: list[tuple[str, Path]], before: Path, tmp: Path, repeat: int, logs: bool) -> None:

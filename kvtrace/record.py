@@ -329,12 +329,15 @@ class Recorder:
             ),
         )
 
-    def decode(self, rids: IdsLike, seq_lens: IntsLike | None = None) -> None:
-        """One decode token per request; ``seq_lens`` (after the op) default to length + 1."""
+    def decode(
+        self, rids: IdsLike, seq_lens: IntsLike | None = None, *, token_ids: Sequence[np.ndarray | None] | None = None,
+    ) -> None:
+        """One decode token per request; ``seq_lens`` (after the op) default to length + 1;
+        ``token_ids``: per request, the id of the decoded position (one-element array) or None."""
         ids = self._map(rids)
         n = ids.shape[0]
         lens = self._lens[ids] + 1 if seq_lens is None else _ints(seq_lens, n, "seq_lens")
-        self._add(DECODE, _Part(ids, lens, None, None, None, None, None, None))
+        self._add(DECODE, _Part(ids, lens, None, None, None, None, None, token_ids))
 
     def spec(
         self,
@@ -342,14 +345,18 @@ class Recorder:
         accepted_lens: IntsLike,
         draft_lens: IntsLike,
         seq_lens: IntsLike | None = None,
+        *,
+        token_ids: Sequence[np.ndarray | None] | None = None,
     ) -> None:
         """One speculative step: ``draft_lens`` drafts verified, ``accepted_lens`` tokens
-        committed; ``seq_lens`` (after the op) default to length + accepted."""
+        committed; ``seq_lens`` (after the op) default to length + accepted; ``token_ids``:
+        per request, the ids of the accepted positions or None."""
         ids = self._map(rids)
         n = ids.shape[0]
         accepted = _ints(accepted_lens, n, "accepted_lens", np.int32)
         lens = self._lens[ids] + accepted if seq_lens is None else _ints(seq_lens, n, "seq_lens")
-        self._add(SPEC, _Part(ids, lens, _ints(draft_lens, n, "draft_lens", np.int32), accepted, None, None, None, None))
+        draft = _ints(draft_lens, n, "draft_lens", np.int32)
+        self._add(SPEC, _Part(ids, lens, draft, accepted, None, None, None, token_ids))
 
     def finish(self, rids: IdsLike, owned_lens: IntsLike | None = None) -> None:
         """Release; the owned prefix is kept in the radix cache. ``owned_lens``: tokens

@@ -14,6 +14,9 @@ Specs (``kvtrace versions`` lists what is available and where each comes from):
                                  group ``kvtrace.allocators``
     ``pkg.module:factory``       a factory importable from ``sys.path``
     ``path/to/file.py:factory``  a factory defined in a Python file
+    ``sglang`` / ``sglang:PYTHON``  SGLang's own allocator (the sglang of this interpreter, or of
+                                 another environment's PYTHON), driven in a process of its own
+                                 (``kvtrace.sglang``)
     ``git:REV[@PATH]``           the ``allocator`` package of revision REV of the repository at
                                  PATH (default: the one holding the current directory), checked
                                  out into a cached git worktree (``kvtrace.gitversions``)
@@ -45,7 +48,7 @@ AllocatorFactory = Callable[["AllocatorConfig"], "Allocator"]
 ENTRY_POINT_GROUP = "kvtrace.allocators"
 BUILTIN_NAMES = ("builtin", "token", "paged", "paged:N", "pre-encapsulation")
 VALID_FORMS = (
-    "builtin, token, paged, paged:N, pre-encapsulation, an installed name ('kvtrace versions'), "
+    "builtin, token, paged, paged:N, pre-encapsulation, sglang, sglang:PYTHON, an installed name ('kvtrace versions'), "
     "package.module:factory, path/to/file.py:factory, git:REV[@PATH], worktree[@PATH]"
 )
 _PROTOCOL_METHODS = ("extend", "decode", "spec_decode", "prealloc", "release", "counters")
@@ -111,7 +114,7 @@ class VersionInfo:
     """One line of ``kvtrace versions``."""
 
     name: str
-    kind: str  # builtin | installed | git | file
+    kind: str  # builtin | installed | git | sglang | factory
     origin: str
     description: str
 
@@ -165,6 +168,10 @@ def resolve_any(spec: str, *, cache_dir: Path | None = None) -> AllocatorVersion
         from kvtrace import gitversions
 
         return gitversions.resolve(spec, cache=cache_dir)
+    if spec == "sglang" or spec.startswith("sglang:"):
+        from kvtrace.sglang.version import resolve_sglang
+
+        return resolve_sglang(spec)
     if ":" not in spec:
         ep = _entry_points().get(spec)
         if ep is not None:
@@ -253,6 +260,32 @@ def _from_entry_point(spec: str, ep: importlib.metadata.EntryPoint) -> Allocator
     return AllocatorVersion(spec, spec, factory, origin=_entry_point_origin(ep))
 
 
+def _sglang_versions() -> list[VersionInfo]:
+    """``sglang`` (this interpreter) and ``sglang:PYTHON`` (``$KVTRACE_SGLANG_PYTHON``
+    probed when set), each with the sglang found or why not."""
+    import os
+
+    from kvtrace.sglang import KNOWN_SGLANG_VERSIONS
+    from kvtrace.sglang.version import ENV_VAR, probe
+
+    def origin(python: str | None) -> str:
+        version, why = probe(python)
+        where = python or sys.executable
+        if version is None:
+            return f"unavailable: {why}"
+        known = "" if version in KNOWN_SGLANG_VERSIONS else f", not a version the driver knows ({', '.join(KNOWN_SGLANG_VERSIONS)})"
+        return f"sglang {version} at {where}{known}"
+
+    env = os.environ.get(ENV_VAR)
+    return [
+        VersionInfo("sglang", "sglang", origin(None), "SGLang's own allocator classes, the sglang of this interpreter"),
+        VersionInfo(
+            "sglang:PYTHON", "sglang", origin(env) if env else f"(${ENV_VAR} not set)",
+            "SGLang's own allocator classes in another environment (PYTHON: its interpreter)",
+        ),
+    ]
+
+
 def list_versions() -> list[VersionInfo]:
     """What ``kvtrace versions`` lists: the built-ins, the installed entry points, and
     the forms that take an argument (with the repository ``worktree`` would use)."""
@@ -276,6 +309,7 @@ def list_versions() -> list[VersionInfo]:
     cached = gitversions.cached_checkouts()
     note = f" ({len(cached)} cached in {gitversions.cache_dir()})" if cached else ""
     out.append(VersionInfo("git:REV[@PATH]", "git", where, f"revision REV, checked out into a cached git worktree{note}"))
+    out.extend(_sglang_versions())
     out.append(VersionInfo("package.module:factory", "factory", "sys.path", "a factory (AllocatorConfig) -> Allocator"))
     out.append(VersionInfo("path/to/file.py:factory", "factory", "a Python file", "a factory defined in a file"))
     return out

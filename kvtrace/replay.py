@@ -614,17 +614,16 @@ class ReplayEngine:
             self._req["prefill_target"].a[rids] = batch.seq_len[rows]
         if rids.size:
             owned = batch.seq_len[rows]
-            per_call = 1 if self.options.check in ("every", "full") and not quiet else rids.size
-            for lo in range(0, rids.size, per_call):
-                r = rids[lo : lo + per_call]
-                o = owned[lo : lo + per_call]
-                tokens = self._tokens.ids_many(r, o) if kind == "finish" else None
-                t0 = self._clock()
-                res = alloc.release(r, o, tokens, kind)
-                st.allocator_s += self._clock() - t0
-                self._after_release(r, res, kind)
-                self._note_evicted(res.evicted_tokens)
-                self._check_call(r)
+            # One call for the step's releases of this kind, checks or not: SGLang frees a
+            # batch's finished requests in one free group, so splitting the call would
+            # change the free list's order.
+            tokens = self._tokens.ids_many(rids, owned) if kind == "finish" else None
+            t0 = self._clock()
+            res = alloc.release(rids, owned, tokens, kind)
+            st.allocator_s += self._clock() - t0
+            self._after_release(rids, res, kind)
+            self._note_evicted(res.evicted_tokens)
+            self._check_call(rids)
         if kind != "retract":
             self._tokens.drop(ended)  # a retracted request comes back with the same tokens
 

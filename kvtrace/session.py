@@ -407,7 +407,8 @@ class ReplaySession:
         if op == SPEC:  # the run's steps are contiguous rows of equal size
             accepted = cols.accepted_len[first : first + n * size].reshape(n, size)
         snaps = self.engine.replay_run(op, self._chunk_steps[i : i + n], cols.time_s[chunk.starts[i : i + n]], rids, accepted)
-        if snaps is None:
+        if snaps is None:  # the allocator refused (it would evict, ...): these steps go one by one
+            self._runs[i : i + n] = 0
             return None
         self._index += n
         return snaps

@@ -160,7 +160,7 @@ class OpSequenceChecker:
         found: list[tuple[int, str, int | None]] = []  # (row, message, rid); row -1: the step
         self._check_step(batch, found)
         n = len(batch)
-        if n and not found and self._plain_decode_step(batch):
+        if n and not found and self._plain_step(batch):
             self._steps += 1
             self._rows += n
             return []
@@ -193,26 +193,28 @@ class OpSequenceChecker:
         self._problems += len(found)
         return [Problem(batch.step, r, message) for _, message, r in found]
 
-    def _plain_decode_step(self, batch: StepBatch) -> bool:
-        """Fast path for the commonest step: only decode rows of distinct requests that
-        are decoding, each one token longer, no explicit ids. Applies the step and
-        returns True when every row is fine; returns False (nothing applied) when any
-        row needs the general checks."""
+    def _plain_step(self, batch: StepBatch) -> bool:
+        """Fast path for the commonest steps: only ``decode`` rows (or only ``spec`` rows)
+        of distinct requests that are decoding, each as long as it was plus what it
+        appends, and nothing else set (no prompt, prefix, hashes or explicit ids).
+        Applies the step and returns True when every row is fine; returns False
+        (nothing applied) when any row needs the general checks."""
         op, rid = batch.op, batch.rid
-        if int(op.min()) != DECODE or int(op.max()) != DECODE or batch.token_ids.values.shape[0]:
+        kind = int(op[0])
+        if kind not in (DECODE, SPEC) or np.count_nonzero(op != kind) or (kind == SPEC and not self.spec_enabled):
             return False
         lo, hi = int(rid.min()), int(rid.max())
         if lo < 0 or hi >= self.rid_bound:
             return False
-        # Unused columns hold 0. (count_nonzero: a fraction of the cost of .any() / .all().)
-        if np.count_nonzero(batch.draft_len) or np.count_nonzero(batch.accepted_len) or np.count_nonzero(batch.prefix_len):
+        if not self._plain_columns(batch.append_len, batch.draft_len, batch.accepted_len, batch.prefix_len,
+                                   batch.prompt_len, batch.block_hashes.valid, batch.token_ids.valid, kind):
             return False
         self._grow(hi)
         seq_len = batch.seq_len
+        added = 1 if kind == DECODE else batch.accepted_len
         if (
             np.count_nonzero(self._phase[rid] != DECODING)
-            or np.count_nonzero(seq_len != self._length[rid] + 1)
-            or np.count_nonzero(batch.append_len != 1)
+            or np.count_nonzero(seq_len != self._length[rid] + added)
             or int(seq_len.max()) > self.max_context_len
         ):
             return False
@@ -225,35 +227,73 @@ class OpSequenceChecker:
         self._length[rid] = seq_len
         return True
 
-    def check_decode_run(self, chunk: StepChunk, i: int, m: int) -> bool:
+    def _plain_columns(
+        self,
+        append_len: np.ndarray,
+        draft_len: np.ndarray,
+        accepted_len: np.ndarray,
+        prefix_len: np.ndarray,
+        prompt_len: np.ndarray,
+        hashes_valid: np.ndarray,
+        tokens_valid: np.ndarray,
+        kind: int,
+    ) -> bool:
+        """Rows of ``kind`` (decode or spec) whose other columns pass every column rule
+        as they stand: what a plain step's rows hold. (count_nonzero: a fraction of the
+        cost of .any() / .all().)"""
+        if (
+            np.count_nonzero(prefix_len)
+            or np.count_nonzero(prompt_len >= 0)
+            or np.count_nonzero(hashes_valid)
+            or np.count_nonzero(tokens_valid)
+        ):
+            return False
+        if kind == DECODE:
+            return not (np.count_nonzero(append_len != 1) or np.count_nonzero(draft_len) or np.count_nonzero(accepted_len))
+        draft = draft_len.astype(np.int64)
+        accepted = accepted_len.astype(np.int64)
+        return not (
+            np.count_nonzero(accepted != append_len)
+            or np.count_nonzero(accepted > draft + 1)
+            or int(accepted.min()) < 0
+            or int(draft.min()) < 0
+            or int(draft.max()) > self.max_draft_len
+        )
+
+    def check_run(self, chunk: StepChunk, i: int, m: int) -> bool:
         """Check and apply steps ``i`` to ``i + m - 1`` of ``chunk`` at once, a run of plain
-        decode steps over one batch (``traces.runs.run_lengths``), when every row passes
-        the fast path's tests (``_plain_decode_step``) and the steps and times go on;
+        decode (or spec) steps over one batch (``traces.runs.run_lengths``), when every
+        row passes the fast path's tests (``_plain_step``) and the steps and times go on;
         returns False (nothing applied) when any step needs the per-step checks.
         """
         cols = chunk.columns
         first, last = int(chunk.starts[i]), int(chunk.stops[i + m - 1])
+        last_first = int(chunk.starts[i + m - 1])
         steps = cols.step[chunk.starts[i : i + m]]
         times = cols.time_s[chunk.starts[i : i + m]]
+        kind = int(cols.op[first])
         if (
-            int(steps[0]) < 0
+            kind not in (DECODE, SPEC)
+            or int(steps[0]) < 0
             or int(steps[-1]) >= MAX_STEP
             or np.count_nonzero(steps[1:] < steps[:-1])
             or (self._last_step is not None and int(steps[0]) < self._last_step)
             or not np.isfinite(times).all()
             or np.count_nonzero(times[1:] < times[:-1])
             or (self._last_time is not None and float(times[0]) < self._last_time)
-            or np.count_nonzero(cols.append_len[first:last] != 1)
-            or np.count_nonzero(cols.draft_len[first:last])
-            or np.count_nonzero(cols.accepted_len[first:last])
-            or np.count_nonzero(cols.prefix_len[first:last])
-            or int(cols.seq_len[int(chunk.starts[i + m - 1]) : last].max()) > self.max_context_len
-            or not self._plain_decode_step(chunk.step_batch(i))
+            or np.count_nonzero(cols.op[first:last] != kind)
+            or not self._plain_columns(
+                cols.append_len[first:last], cols.draft_len[first:last], cols.accepted_len[first:last],
+                cols.prefix_len[first:last], cols.prompt_len[first:last],
+                cols.block_hashes.valid[first:last], cols.token_ids.valid[first:last], kind,
+            )
+            or int(cols.seq_len[last_first:last].max()) > self.max_context_len
+            or not self._plain_step(chunk.step_batch(i))
         ):
             return False
         # run_lengths holds every later step to the first one's requests, each one longer.
-        rid = cols.rid[int(chunk.starts[i + m - 1]) : last]
-        self._length[rid] = cols.seq_len[int(chunk.starts[i + m - 1]) : last]
+        rid = cols.rid[last_first:last]
+        self._length[rid] = cols.seq_len[last_first:last]
         self._last_step = int(steps[-1]) if self._last_step is None else max(int(steps[-1]), self._last_step)
         self._last_time = float(times[-1]) if self._last_time is None else max(float(times[-1]), self._last_time)
         self._steps += m
@@ -815,12 +855,12 @@ def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
         checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
         since = 0
         for chunk in reader.chunks(stop=stop):
-            runs = run_lengths(chunk, DECODE)
+            runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))
             steps = chunk.step_numbers()
             i, k = 0, steps.shape[0]
             while i < k:
                 m = int(runs[i])
-                if m > 1 and checker.check_decode_run(chunk, i, m):
+                if m > 1 and checker.check_run(chunk, i, m):
                     position += m
                     last = int(steps[i + m - 1])
                     i += m

@@ -255,6 +255,7 @@ def versions(
         "builtin": "{origin}",
         "installed": f"installed (entry-point group {ENTRY_POINT_GROUP})",
         "git": "git, from {origin} (each runs in its own process)",
+        "sglang": "SGLang (driven in its own process)",
         "factory": "factories",
     }
     for kind, title in titles.items():
@@ -263,5 +264,5 @@ def versions(
         if not rows:
             console.print("  (none)", markup=False)
         for v in rows:
-            where = f"  [{v.origin}]" if kind in ("installed", "factory") else ""
+            where = f"  [{v.origin}]" if kind in ("installed", "factory", "sglang") else ""
             console.print(f"  {v.name:<{width}}  {v.description}{where}", markup=False)

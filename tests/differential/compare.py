@@ -1,7 +1,7 @@
 """Step-by-step comparison of two differential runs (SGLang's real classes vs ours).
 
 Both sides write the same JSON-lines dump (``scenario.STATE_FIELDS`` per step,
-see ``sglang_driver.py``); ``compare_scenario`` walks them in lockstep and returns
+see ``kvtrace/sglang/driver.py``); ``compare_scenario`` walks them in lockstep and returns
 the FIRST divergence: the step, the op that touched the field, the request, the
 field, both values and a few steps of context.
 
@@ -21,10 +21,7 @@ import numpy as np
 
 from kvtrace import compare as core
 
-try:
-    from . import scenario as sc
-except ImportError:  # pragma: no cover - used as a script
-    import scenario as sc  # type: ignore[no-redef]
+from kvtrace.sglang import scenario as sc
 
 REQ_FIELDS = ("row", "kv_allocated_len", "kv_committed_len", "cache_protected_len", "req_to_token")
 POOL_FIELDS = ("available", "evictable", "protected", "free_pages", "release_pages", "free_rows")

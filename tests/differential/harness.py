@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from tests.differential import compare, scenario as sc, scenarios as gen
+from kvtrace.sglang import scenario as sc
+from tests.differential import compare, scenarios as gen
 
-DRIVER = Path(__file__).with_name("sglang_driver.py")
+DRIVER = Path(__file__).resolve().parents[2] / "kvtrace" / "sglang" / "driver.py"
 ENV_VAR = "KVTRACE_SGLANG_PYTHON"
 
 
@@ -46,25 +47,44 @@ def sglang_python(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get(ENV_VAR) or None
 
 
-def sglang_unusable(python: str | None) -> str | None:
+def sglang_unusable(python: str | None, modules: tuple[str, ...] = ()) -> str | None:
     """Why the SGLang interpreter cannot be used (None when it looks usable).
 
-    Cheap check (no SGLang import, which takes ~6 s): the interpreter exists and
-    has the ``sglang`` distribution installed.
+    Cheap check (no SGLang import, which takes ~6 s): the interpreter runs, has an
+    sglang release the driver knows (``kvtrace.sglang.version.probe``) and, when asked,
+    the ``modules`` (e.g. ``pyarrow`` for the live recorder).
     """
+    from kvtrace.sglang import KNOWN_SGLANG_VERSIONS
+    from kvtrace.sglang.version import probe
+
     if not python:
         return f"{ENV_VAR} is not set (create the venv with tools/sglang_oracle/setup.sh)"
-    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        return f"{ENV_VAR}={python} is not an executable file"
-    probe = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-        capture_output=True, text=True, timeout=60,
-    )
-    if probe.returncode != 0:
-        return f"{python} has no sglang installed ({probe.stderr.strip().splitlines()[-1:]})"
-    if not probe.stdout.strip().startswith("0.5.23"):
-        return f"{python} has sglang {probe.stdout.strip()}, the oracle needs 0.5.23"
+    version, why = probe(python)
+    if version is None:
+        return f"{ENV_VAR}: {why}"
+    if version not in KNOWN_SGLANG_VERSIONS:
+        return f"{python} has sglang {version}, the driver knows {', '.join(KNOWN_SGLANG_VERSIONS)}"
+    for module in modules:
+        done = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return f"{python} cannot import {module} (re-run tools/sglang_oracle/setup.sh on that venv)"
     return None
+
+
+def require_sglang(modules: tuple[str, ...] = ()) -> str:
+    """The SGLang interpreter for a test, else skip it with the reason; with
+    ``$KVTRACE_REQUIRE_SGLANG=1`` (``.ci/run`` sets it) a missing SGLang fails the test
+    instead, so the parity tests cannot silently skip in CI."""
+    import pytest
+
+    python = sglang_python()
+    why = sglang_unusable(python, modules)
+    if why is None:
+        assert python is not None
+        return python
+    if os.environ.get("KVTRACE_REQUIRE_SGLANG") == "1":
+        pytest.fail(f"SGLang required ($KVTRACE_REQUIRE_SGLANG=1) but unavailable: {why}")
+    pytest.skip(f"SGLang unavailable: {why}")
 
 
 def run_sglang(

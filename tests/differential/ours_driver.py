@@ -1,7 +1,7 @@
 """Run differential scenarios through kvtrace's allocator (``allocator.create_allocator``).
 
 Runs in kvtrace's own environment and writes the same JSON-lines dump as
-``sglang_driver.py`` (``scenario.STATE_FIELDS`` per step), from our state: the
+``kvtrace/sglang/driver.py`` (``scenario.STATE_FIELDS`` per step), from our state: the
 batched ``Allocator`` protocol (``extend``, ``decode``, ``spec_decode``,
 ``prealloc``, ``release``, ``request_lens``, ``holds_kv``, ``row_slots``) plus the
 SGLang-named attributes of the built-in allocator (``req_to_token_pool``,
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import numpy as np
 
-from tests.differential import scenario as sc
+from kvtrace.sglang import scenario as sc
 
 
 def _to_np(values: Any) -> np.ndarray:

@@ -16,10 +16,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-try:  # as a package module (tests) or as a script next to scenario.py
-    from . import scenario as sc
-except ImportError:  # pragma: no cover
-    import scenario as sc  # type: ignore[no-redef]
+from kvtrace.sglang import scenario as sc
 
 Op, Step, Scenario, Cfg, Spec = sc.Op, sc.Step, sc.Scenario, sc.ScenarioConfig, sc.SpecSpec
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tests.differential import compare, scenario as sc
+from kvtrace.sglang import scenario as sc
+from tests.differential import compare
 
 
 def _dump(step: int, **over):

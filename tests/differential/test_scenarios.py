@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 import pytest
 
-from tests.differential import ours_driver, scenario as sc, scenarios as gen
+from kvtrace.sglang import scenario as sc
+from tests.differential import ours_driver, scenarios as gen
 
 SEEDS = range(12)
 

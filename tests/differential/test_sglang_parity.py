@@ -1,7 +1,7 @@
 """Parity of kvtrace's allocator with SGLang 0.5.23's real classes, step by step.
 
 Skipped unless ``KVTRACE_SGLANG_PYTHON`` names the interpreter of a venv made by
-``tools/sglang_oracle/setup.sh`` (CI has no SGLang). All scenarios go through
+``tools/sglang_oracle/setup.sh`` (``.ci/run`` builds one and requires it). All scenarios go through
 ONE SGLang subprocess (its import takes ~6 s); ours run in this process.
 
 ``KVTRACE_DIFF_SEEDS`` (default 3) random seeds per configuration
@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from tests.differential import compare, harness, scenario as sc, scenarios as gen, trace_adapter
+from kvtrace.sglang import scenario as sc
+from tests.differential import compare, harness, scenarios as gen, trace_adapter
 
 NUM_SEEDS = int(os.environ.get("KVTRACE_DIFF_SEEDS", "3"))
 SCENARIOS: list[sc.Scenario] = gen.hand_written() + gen.random_scenarios(range(NUM_SEEDS))
@@ -24,10 +25,7 @@ SCENARIOS: list[sc.Scenario] = gen.hand_written() + gen.random_scenarios(range(N
 
 @pytest.fixture(scope="module")
 def parity() -> compare.Summary:
-    python = harness.sglang_python()
-    why = harness.sglang_unusable(python)
-    if why:
-        pytest.skip(f"SGLang oracle unavailable: {why}")
+    python = harness.require_sglang()
     summary, _times = harness.differential(SCENARIOS, python)
     return summary
 
@@ -58,10 +56,7 @@ def test_every_configuration_is_covered() -> None:
 def test_synthetic_traces_identical_to_sglang(tmp_path) -> None:
     from traces.synth import generate
 
-    python = harness.sglang_python()
-    why = harness.sglang_unusable(python)
-    if why:
-        pytest.skip(f"SGLang oracle unavailable: {why}")
+    python = harness.require_sglang()
     shapes = {
         "trace-p16": dict(page_size=16),
         "trace-p1-spec": dict(page_size=1, spec=True, chunk_size=64),

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.differential import ours_driver, scenario as sc, trace_adapter
+from kvtrace.sglang import scenario as sc
+from tests.differential import ours_driver, trace_adapter
 from traces.io import TraceReader
 from traces.schema import OPS
 from traces.synth import generate

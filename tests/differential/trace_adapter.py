@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from tests.differential import scenario as sc
+from kvtrace.sglang import scenario as sc
 from traces.io import TraceReader
 from traces.schema import OPS, TraceMeta
 from traces.tokens import TokenStore

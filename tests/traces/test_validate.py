@@ -346,7 +346,7 @@ def _with(batch: StepBatch, **changes: object) -> StepBatch:
 )
 def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, damage: str) -> None:
     """The background checker screens runs of plain decode steps at once
-    (``check_decode_run``); a run with a bad step gives, step by step, the problems
+    (``check_run``); a run with a bad step gives, step by step, the problems
     the in-process checker gives."""
     from tests.traces.conftest import make_meta, write_steps
     from traces.io import TraceReader
@@ -377,7 +377,7 @@ def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, d
     assert found, damage  # the damage is found
 
 
-def test_check_decode_run_applies_a_run_as_its_steps(tmp_path) -> None:
+def test_check_run_applies_a_run_as_its_steps(tmp_path) -> None:
     """A clean run applied at once leaves the checker where step by step leaves it."""
     from tests.traces.conftest import write_steps
     from traces.io import TraceReader
@@ -390,11 +390,11 @@ def test_check_decode_run_applies_a_run_as_its_steps(tmp_path) -> None:
     for batch in steps:
         assert one.check(batch) == []
     # The first decode after a prefill moves its requests to decoding: the per-step path.
-    assert not many.check_decode_run(chunk, 0, 1) and not many.check_decode_run(chunk, 1, 50)
+    assert not many.check_run(chunk, 0, 1) and not many.check_run(chunk, 1, 50)
     assert many.check(chunk.step_batch(0)) == [] and many.check(chunk.step_batch(1)) == []
     assert int(run_lengths(chunk)[2]) == 49
-    assert many.check_decode_run(chunk, 2, 49)
+    assert many.check_run(chunk, 2, 49)
     assert many.finish() == one.finish()
     assert [many.length_of(r) for r in range(3)] == [one.length_of(r) for r in range(3)]
-    assert not many.check_decode_run(chunk, 2, 49)  # the same steps again: lengths no longer follow
+    assert not many.check_run(chunk, 2, 49)  # the same steps again: lengths no longer follow
     assert many.finish() == one.finish()  # ... and nothing was applied

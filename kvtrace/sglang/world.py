@@ -1,15 +1,13 @@
-"""Run differential scenarios through SGLang 0.5.23's REAL allocator classes.
+"""SGLang 0.5.23's REAL allocator classes, driven one batched call at a time.
 
-Runs INSIDE the SGLang virtual environment (``tools/sglang_oracle/setup.sh``):
-it imports ``sglang`` and the sibling ``scenario`` module (stdlib + numpy), never
-kvtrace, allocator or traces.
-
-    $KVTRACE_SGLANG_PYTHON tests/differential/sglang_driver.py SCENARIOS.jsonl [-o OUT.jsonl]
-
-Output (JSON lines, one block per scenario): a header ``{"scenario", "engine":
-"sglang", "config", "row_width"}``, one state dump per step (``scenario.STATE_FIELDS``
-plus ``step`` and ``events``), then ``{"end": name, "steps", "wall_s"}`` or
-``{"end": name, "error": "..."}``.
+Runs INSIDE an SGLang environment (``tools/sglang_oracle/setup.sh``, or any
+environment where ``sglang`` imports), loaded by ``driver.py`` as part of a
+package of its own: it imports the standard library, numpy, torch, sglang and its
+sibling ``scenario`` module, never kvtrace, allocator or traces. ``SGLangEngine``
+is one SGLang world behind the ``scenario.Engine`` contract; ``driver.py`` runs
+scenario files through it (the differential tests) and ``server.py`` serves the
+``Allocator`` protocol of a kvtrace version from it (``kvtrace replay --allocator
+sglang``).
 
 What runs for real (SGLang's own code, unmodified): ``ReqToTokenPool``,
 ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` (torch fallbacks:
@@ -110,22 +108,24 @@ itself is not run because a trace already fixes which requests run when):
    (``scenario.tree_shape``: each node by its first slot, its parent, length, lock
    count and the rank of its access time), so a split or an access time that
    differs shows up before it changes an eviction.
+10. Threads: ``torch.set_num_threads(1)`` at import. SGLang's torch fallbacks work on
+   small tensors; with torch's default intra-op threads on a shared CPU they wait on
+   each other (``alloc_extend_naive`` of 8,192 tokens: ~1.3 ms on one thread, ~130 ms
+   with two threads at load 8 on 2 cores). Results are the same; only the speed of
+   the replay, the tests and ``bench/sglang_allocator.py`` changes.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import importlib.abc
 import importlib.machinery
 import io
-import json
 import logging
 import os
 import sys
 import time
-import traceback
 import types
 import warnings
 from array import array
@@ -134,8 +134,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import scenario as sc  # noqa: E402  (sibling module, stdlib + numpy only)
+from . import scenario as sc
 
 # --------------------------------------------------------------------------- import stubs
 
@@ -201,7 +200,46 @@ def _import_sglang() -> SimpleNamespace:
     )
 
 
-SG: SimpleNamespace  # set by main()
+SG: SimpleNamespace  # set by load_sglang()
+_EVICTED = [0]  # tokens RadixCache.evict removed so far (all instances of this process)
+
+
+def load_sglang(tree_kind: str = "radix") -> SimpleNamespace:
+    """Import SGLang's allocator path once per process (decisions 1, 2 and 4), count the
+    tokens ``RadixCache.evict`` removes (``evicted_tokens()``), and return the namespace
+    of the SGLang names the engine uses (``SG``; ``SG.version`` is the installed
+    version). SGLang prints (tree dumps): callers keep stdout for their own data.
+
+    Raises:
+        ImportError: sglang (or a module of its allocator path) does not import.
+    """
+    global SG
+    if "SG" in globals():
+        return SG
+    if tree_kind == "unified":
+        # The Rust tree core cannot be deep-copied, and the OOM rollback needs that.
+        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    import importlib.metadata
+
+    SG = _import_sglang()
+    SG.version = importlib.metadata.version("sglang")
+    SG.torch.set_num_threads(1)  # decision 10
+    SG.radix_cache.time = _LogicalClock()
+    cls = SG.radix_cache.RadixCache
+    original = cls.evict
+
+    def evict(self: Any, params: Any) -> Any:
+        res = original(self, params)
+        _EVICTED[0] += int(getattr(res, "num_tokens_evicted", 0) or 0)
+        return res
+
+    cls.evict = evict
+    return SG
+
+
+def evicted_tokens() -> int:
+    """Tokens evicted from the radix cache by this process so far."""
+    return _EVICTED[0]
 
 
 class _LogicalClock(types.ModuleType):
@@ -279,6 +317,14 @@ class SGLangEngine:
         self.prompt_tokens: dict[int, np.ndarray] = {}
         self._overflow: list[tuple[int, int, int]] = []
         self._row_rid: dict[int, int] = {}
+        # The pool's free + evictable slots when the last call ran out of memory (read
+        # before the rollback: SGLang had matched, locked and evicted what it could).
+        self.oom_budget = 0
+        # (positions held before, positions after) per request of the last allocation
+        # call: the match or held prefix and the target (extend, prealloc), the row's
+        # allocated length and the reserve's end (spec). Survives a rollback.
+        self.last_lens: tuple[list[int], list[int]] = ([], [])
+        SG.allocation.assign_req_to_token_pool_func = self._assign_req_to_token_pool
 
     def close(self) -> None:
         self._ctx.restore()
@@ -400,12 +446,12 @@ class SGLangEngine:
             text = str(exc)
             if "out of memory" not in text.lower() and "runs out of memory" not in text:
                 raise
-            self._restore(snap)
+            self._rollback(snap)
             return sc.CallResult("oom", text.splitlines()[0])
         except AssertionError as exc:
             text = str(exc)
             if "KV cache is full" in text or "req_pool_indices is full" in text:
-                self._restore(snap)
+                self._rollback(snap)
                 return sc.CallResult("oom", text.splitlines()[0])
             if "exceeds req_to_token row width" in text:
                 # Paged topk>1 reserve past the row: SGLang fails fast (eagle_utils).
@@ -413,6 +459,11 @@ class SGLangEngine:
                 return sc.CallResult("ok", "row overflow assertion", tuple(self._overflow) or ((-1, -1, self.row_width),))
             raise
         return sc.CallResult("ok", "", tuple(self._overflow))
+
+    def _rollback(self, snap: tuple[Any, dict[int, dict[str, Any]], list[tuple[int, Any]]]) -> None:
+        """Note the budget the failed call saw (``oom_budget``), then undo it."""
+        self.oom_budget = int(self.alloc.available_size()) + int(self.tree.evictable_size())
+        self._restore(snap)
 
     # -- the kernel replacement (decision 3) ---------------------------------------
     def _assign_req_to_token_pool(
@@ -463,6 +514,7 @@ class SGLangEngine:
                 req.extend_end = seq_len
             torch = SG.torch
             prefix_lens = [r.prefix_len for r in reqs]
+            self.last_lens = (prefix_lens, list(seq_lens))
             extend_lens = [r.extend_end - r.prefix_len for r in reqs]
             batch = self._batch(
                 reqs, prefix_lens=prefix_lens, extend_lens=extend_lens,
@@ -519,9 +571,10 @@ class SGLangEngine:
             for r, a in zip(reqs, accepted):
                 r.kv.kv_committed_len += a
 
-        _cur, nxt, needed = SG.page_aligned_decode_alloc_lens(
+        cur, nxt, needed = SG.page_aligned_decode_alloc_lens(
             reqs, reserve=SG.alloc_reserve_per_decode(), page_size=self.ps,
         )
+        self.last_lens = (list(cur), list(nxt))
         bound = needed + (len(reqs) * self.ps if self.ps > 1 else 0)
         # (a reserve past the row trips eagle_prepare_for_decode's assertion at page > 1)
         safe = self._fits_without_eviction(bound) and max(nxt, default=0) <= self.row_width
@@ -529,6 +582,8 @@ class SGLangEngine:
 
     def prealloc(self, rids, fill_lens, token_ids, prompt_lens) -> sc.CallResult:
         reqs = [self._req(rid, pl) for rid, pl in zip(rids, prompt_lens)]
+
+        self.last_lens = ([], [])
 
         def run() -> None:
             q = object.__new__(SG.pd_decode.DecodePreallocQueue)
@@ -549,6 +604,8 @@ class SGLangEngine:
                     total = match.decode_prefix_len
                 else:
                     prefix_indices, prefix_len, total = None, 0, 0
+                self.last_lens[0].append(total)
+                self.last_lens[1].append(fill)
                 q._pre_alloc(req, prefix_indices, prefix_len, total)
                 req.kv.cache_protected_len = total
                 self._row_rid[req.kv.req_pool_idx] = rid
@@ -636,58 +693,3 @@ class SGLangEngine:
         return sc.tree_shape(out)
 
 
-def run_file(path: str, out: Any, tree_kind: str, only: set[str] | None, fine: bool = False) -> int:
-    scenarios = sc.load_scenarios(path)
-    failures = 0
-    for scen in scenarios:
-        if only and scen.name not in only:
-            continue
-        t0 = time.perf_counter()
-        eng = None
-        try:
-            eng = SGLangEngine(scen.config, tree_kind)
-            SG.allocation.assign_req_to_token_pool_func = eng._assign_req_to_token_pool
-            out.write(json.dumps({"scenario": scen.name, "engine": f"sglang-0.5.23/{tree_kind}",
-                                  "config": scen.config.to_dict(), "row_width": eng.row_width}) + "\n")
-            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
-            out.write(json.dumps({"end": scen.name, "steps": stats.steps, "ops": stats.ops,
-                                  "wall_s": round(time.perf_counter() - t0, 4)}) + "\n")
-        except Exception as exc:  # report per scenario, keep going
-            failures += 1
-            tb = traceback.format_exc(limit=8)
-            out.write(json.dumps({"end": scen.name, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}) + "\n")
-        finally:
-            if eng is not None:
-                eng.close()
-        out.flush()
-    return failures
-
-
-def main(argv: list[str] | None = None) -> int:
-    global SG
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenarios", help="scenario JSON-lines file")
-    ap.add_argument("-o", "--out", help="output JSON-lines file (default: stdout)")
-    ap.add_argument("--tree", choices=("radix", "unified"), default="radix",
-                    help="radix: the plain Python RadixCache; unified: UnifiedRadixCache")
-    ap.add_argument("--only", action="append", help="run only this scenario (repeatable)")
-    ap.add_argument("--fine", action="store_true", help="also dump after every batched call")
-    args = ap.parse_args(argv)
-    if args.tree == "unified":
-        # The Rust tree core cannot be deep-copied, and the OOM rollback needs that.
-        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
-    real_stdout = sys.stdout
-    sys.stdout = sys.stderr  # SGLang prints (tree dumps); keep them off the data stream
-    SG = _import_sglang()
-    SG.radix_cache.time = _LogicalClock()
-    out = open(args.out, "w") if args.out else real_stdout
-    try:
-        failures = run_file(args.scenarios, out, args.tree, set(args.only) if args.only else None, args.fine)
-    finally:
-        if args.out:
-            out.close()
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Differential scenarios: the file format, token content, and the step runner both drivers share.
 
-This module is imported by ``sglang_driver.py`` (inside SGLang's own virtual
+This module is imported by ``driver.py`` and ``world.py`` (inside SGLang's own virtual
 environment) and by ``ours_driver.py``; it needs only the standard library and
 numpy and imports nothing from kvtrace, allocator or traces.
 

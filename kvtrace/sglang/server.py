@@ -1,0 +1,526 @@
+"""Serve kvtrace's ``Allocator`` protocol from SGLang's real classes (runs in the driver).
+
+``AllocatorServer`` is the SGLang side of the versions ``sglang`` and
+``sglang:PYTHON``: kvtrace's replay engine (in the parent) makes its batched
+calls (``extend``, ``decode``, ``spec_decode``, ``prealloc``, ``release``,
+``end_step``, ``counters``, ``request_lens``, ``state_digest``, ...) and this
+server answers each through one ``world.SGLangEngine`` call, with the emulation
+decisions of ``world.py``. What the protocol leaves to the allocator is decided
+as kvtrace's built-in allocator decides it (``allocator/manager.py``), since SGLang's
+scheduler would decide it from the same facts:
+
+* the prompt a checkpoint splits at is where the request's prefill first completed
+  (its first ``prealloc`` fill, or the ``extend`` whose ``prefill_done`` is set), kept
+  across a retraction and forgotten at finish / abort;
+* ``remaining`` of a retraction (SGLang's ``release_req(remaing_req_count=...)``):
+  after each retracted request, the requests still holding KV whose prefill is done;
+* an allocation that does not fit is rolled back (decision 8) and reported as
+  ``OutOfMemory`` naming the first request whose cumulative page need exceeds the
+  free + evictable slots SGLang saw when it failed (``needed``: the batch's need;
+  ``prealloc``: the request SGLang failed on and its own need; rows: the first new
+  request without one) — SGLang itself names no request.
+
+The physical-state digest (``state_digest``, for ``kvtrace diff --exact``) is
+kvtrace's (``allocator/digest.py``, loaded by path: it imports numpy only) computed
+from SGLang's own rows, free lists and tree, so it equals the built-in allocator's
+``state_digest()`` exactly when the states are equal.
+
+    python driver.py --serve      # requests on stdin, replies on stdout (wire.py)
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import IO, Any
+
+import numpy as np
+
+from . import scenario as sc
+from . import wire
+from . import world
+
+__all__ = ["AllocatorServer", "IncrementalDigest", "pool_counters", "serve", "state_digest"]
+
+
+def _allocator_module(name: str) -> ModuleType:
+    """``allocator/<name>.py`` of the kvtrace checkout holding this file, loaded by
+    path (``pages`` and ``digest`` import numpy and the standard library only)."""
+    key = f"kvtrace_sglang_allocator_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    path = Path(__file__).resolve().parents[2] / "allocator" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(key, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not found next to the driver")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ints(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
+class AllocatorServer:
+    """One SGLang world answering the ``Allocator`` protocol (see the module doc).
+
+    Args:
+        config: the fields of kvtrace's ``AllocatorConfig`` (a dict; ``spec`` a dict or None).
+
+    Raises:
+        sc.ScenarioError: a configuration the driver does not run (HiSparse, a
+            speculative algorithm it does not drive, a CUDA device).
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        if config.get("hisparse"):
+            raise sc.ScenarioError("HiSparse is not driven on SGLang's side (its pools need a GPU)")
+        if config.get("device", "cpu") != "cpu":
+            raise sc.ScenarioError("SGLang's allocator is driven on the CPU only (--device cpu)")
+        world.load_sglang()
+        spec = config.get("spec")
+        self.config = sc.ScenarioConfig(
+            pool_tokens=int(config["pool_tokens"]), page_size=int(config["page_size"]),
+            max_running=int(config["max_running"]), max_context_len=int(config["max_context_len"]),
+            need_sort=bool(config.get("need_sort", False)), radix_cache=bool(config.get("radix_cache", True)),
+            extra_rows=int(config.get("extra_rows", 0)),
+            spec=None if spec is None else sc.SpecSpec(
+                spec["algorithm"], int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
+        )
+        self.eng = world.SGLangEngine(self.config)
+        self.ps = self.config.page_size
+        self.pages = _allocator_module("pages")
+        self.digest: IncrementalDigest | None = None  # from the first state_digest() on
+        self.prompt: dict[int, int] = {}  # rid -> where its prefill first completed
+        self.prefilling: set[int] = set()  # rids holding KV, prefill not complete
+
+    # ------------------------------------------------------------------ helpers
+    def _req_kv(self, rid: int) -> Any | None:
+        req = self.eng.reqs.get(rid)
+        return req.kv if req is not None and req.kv.holds_kv else None
+
+    def _held(self, rid: int) -> int:
+        kv = self._req_kv(rid)
+        return int(kv.kv_allocated_len) if kv is not None else 0
+
+    def _oom(self, op: str, rids: list[int], held: list[int], target: list[int], available: int) -> tuple:
+        """``("oom", ...)`` for a batch whose page need did not fit (see the module doc)."""
+        need = self.pages.new_page_tokens(np.asarray(held, np.int64), np.asarray(target, np.int64), self.ps)
+        budget = self.eng.oom_budget
+        over = np.flatnonzero(np.cumsum(need) > budget)
+        i = int(over[0]) if over.shape[0] else 0
+        return ("oom", op, int(rids[i]), int(need.sum()), available, budget - available)
+
+    def _rows_oom(self, op: str, rids: list[int], new: list[int]) -> tuple:
+        free_rows = int(self.eng.pool.available_size())
+        first = new[free_rows] if free_rows < len(new) else new[-1]
+        return ("oom", op, int(rids[first]), len(new), free_rows, 0)
+
+    # ------------------------------------------------------------------ allocation calls
+    def extend(self, rids_b: bytes, seq_b: bytes, token_ids: list[bytes], done_b: bytes) -> tuple:
+        rids = _ints(rids_b).tolist()
+        seq_lens = _ints(seq_b).tolist()
+        done = [bool(x) for x in done_b]
+        held = [self._held(r) for r in rids]
+        toks = [_ints(t) for t in token_ids]
+        plens = [self.prompt.get(r, s if d else s + 1) for r, s, d in zip(rids, seq_lens, done)]
+        available = int(self.eng.alloc.available_size())
+        before = world.evicted_tokens()
+        res = self.eng.extend(rids, seq_lens, toks, plens, done)
+        self._rewritten(rids)  # stashes now, the prompt publish at the end of the step
+        if res.outcome != "ok":
+            new = [i for i, h in enumerate(held) if h == 0]
+            if "alloc_req_slots" in res.detail:
+                return self._rows_oom("extend_rows", rids, new)
+            matched = self.eng.last_lens[0]
+            prefix = [h if h else int(m) for h, m in zip(held, matched)]
+            return self._oom("extend", rids, prefix, seq_lens, available)
+        prefix = [h if h else int(self.eng.reqs[r].prefix_len) for r, h in zip(rids, held)]
+        for r, s, d in zip(rids, seq_lens, done):
+            if d:
+                self.prompt.setdefault(r, s)
+                self.prefilling.discard(r)
+            else:
+                self.prefilling.add(r)
+        num = sum(s - p for s, p in zip(seq_lens, prefix))
+        return ("ok", num, world.evicted_tokens() - before, wire.pack_ints(prefix), list(res.row_overflow))
+
+    def decode(self, rids_b: bytes) -> tuple:
+        rids = _ints(rids_b).tolist()
+        committed = [int(self.eng.reqs[r].kv.kv_committed_len) for r in rids]
+        available = int(self.eng.alloc.available_size())
+        before = world.evicted_tokens()
+        res = self.eng.decode(rids)
+        if res.outcome != "ok":
+            return self._oom("decode", rids, committed, [c + 1 for c in committed], available)
+        return ("ok", len(rids), world.evicted_tokens() - before, None, list(res.row_overflow))
+
+    def spec_decode(self, rids_b: bytes, accepted_b: bytes) -> tuple:
+        rids = _ints(rids_b).tolist()
+        accepted = _ints(accepted_b).tolist()
+        available = int(self.eng.alloc.available_size())
+        before = world.evicted_tokens()
+        res = self.eng.spec(rids, accepted)
+        cur, nxt = self.eng.last_lens
+        if res.outcome != "ok":
+            return self._oom("spec", rids, cur, nxt, available)
+        num = sum(int(n) - int(c) for c, n in zip(cur, nxt))
+        return ("ok", num, world.evicted_tokens() - before, None, list(res.row_overflow))
+
+    def prealloc(self, rids_b: bytes, fills_b: bytes, token_ids: list[bytes]) -> tuple:
+        rids = _ints(rids_b).tolist()
+        fills = _ints(fills_b).tolist()
+        toks = [_ints(t) for t in token_ids]
+        plens = [self.prompt.get(r, f) for r, f in zip(rids, fills)]
+        available = int(self.eng.alloc.available_size())
+        before = world.evicted_tokens()
+        res = self.eng.prealloc(rids, fills, toks, plens)
+        self._rewritten(rids)
+        if res.outcome != "ok":
+            if "req_pool_indices" in res.detail:
+                return self._rows_oom("prealloc_rows", rids, list(range(len(rids))))
+            prefix, fill = self.eng.last_lens
+            k = len(prefix) - 1
+            need = int(self.pages.ceil_align(fill[k], self.ps)) - int(prefix[k])
+            evictable = self.eng.oom_budget - available
+            return ("oom", "prealloc", int(rids[k]), need, available, evictable)
+        for r, f in zip(rids, fills):
+            self.prompt.setdefault(r, f)
+            self.prefilling.discard(r)
+        prefix = [int(p) for p in self.eng.last_lens[0]]
+        num = sum(f - p for f, p in zip(fills, prefix))
+        return ("ok", num, world.evicted_tokens() - before, wire.pack_ints(prefix), [])
+
+    def release(self, rids_b: bytes, owned_b: bytes, token_ids: list[bytes] | None, kind: str) -> tuple:
+        rids = _ints(rids_b).tolist()
+        owned = _ints(owned_b).tolist()
+        kvs = [self._req_kv(r) for r in rids]
+        missing = [r for r, kv in zip(rids, kvs) if kv is None]
+        if missing:
+            raise ValueError(f"release: request rid={missing[0]} holds no KV")
+        owned = [min(o, int(kv.kv_committed_len)) for o, kv in zip(owned, kvs)]
+        overalloc = [
+            max(int(kv.kv_allocated_len) - max(int(self.pages.ceil_align(o, self.ps)), int(kv.cache_protected_len)), 0)
+            for o, kv in zip(owned, kvs)
+        ]
+        if token_ids is not None:
+            toks = [_ints(t) for t in token_ids]
+        else:
+            toks = [self._tokens_of(r) for r in rids]
+        plens = [self.prompt.get(r, o) for r, o in zip(rids, owned)]
+        remaining = []
+        if kind == "retract":
+            pool = self.eng.pool
+            in_use = int(pool.size) - int(pool.available_size())
+            prefilling = set(self.prefilling)
+            for r in rids:
+                in_use -= 1
+                prefilling.discard(r)
+                remaining.append(in_use - len(prefilling))
+        else:
+            remaining = [0] * len(rids)
+        available = int(self.eng.alloc.available_size())
+        sizes = int(self.eng.tree.evictable_size()) + int(self.eng.tree.protected_size())
+        before = world.evicted_tokens()
+        self.eng.release(kind, rids, owned, toks, plens, remaining)
+        evicted = world.evicted_tokens() - before
+        for r in rids:
+            self.prefilling.discard(r)
+            if kind != "retract":
+                self.prompt.pop(r, None)
+        freed = int(self.eng.alloc.available_size()) - available - evicted
+        cached = max(int(self.eng.tree.evictable_size()) + int(self.eng.tree.protected_size()) - sizes + evicted, 0)
+        return (freed, cached, wire.pack_ints(overalloc), evicted)
+
+    def _tokens_of(self, rid: int) -> np.ndarray:
+        req = self.eng.reqs[rid]
+        return np.asarray(list(req.origin_input_ids) + list(req.output_ids), dtype=np.int64)
+
+    def end_step(self) -> None:
+        self.eng.publish()
+
+    # ------------------------------------------------------------------ reads
+    def counters(self) -> tuple[int, ...]:
+        """``PoolCounters`` fields, in order."""
+        self.eng.publish()
+        return pool_counters(self.eng)
+
+    def request_lens(self, rids_b: bytes) -> tuple[bytes, bytes, bytes]:
+        self.eng.publish()
+        out: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for rid in _ints(rids_b).tolist():
+            kv = self._req_kv(rid)
+            values = (0, 0, 0) if kv is None else (kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len)
+            for column, value in zip(out, values):
+                column.append(int(value))
+        return tuple(wire.pack_ints(c) for c in out)  # type: ignore[return-value]
+
+    def holds_kv(self, rids_b: bytes) -> bytes:
+        return bytes(self._req_kv(r) is not None for r in _ints(rids_b).tolist())
+
+    def row_slots(self, rid: int) -> bytes:
+        self.eng.publish()
+        kv = self._req_kv(rid)
+        if kv is None:
+            return b""
+        return wire.pack_ints(self.eng.pool.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len].numpy())
+
+    def evict(self, num_tokens: int) -> int:
+        self.eng.publish()
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        before = world.evicted_tokens()
+        self.eng.tree.evict(EvictParams(num_tokens=int(num_tokens)))
+        return world.evicted_tokens() - before
+
+    def match_prefix(self, token_ids: bytes) -> int:
+        """SGLang's match of a new request with these fill ids, on a copy of the tree
+        (a query must not touch access times or split nodes)."""
+        self.eng.publish()
+        toks = _ints(token_ids)
+        if toks.shape[0] < 2 or not self.config.radix_cache:
+            return 0
+        tree = copy.deepcopy(self.eng.tree, {id(self.eng.pool.req_to_token): self.eng.pool.req_to_token})
+        probe = world.SG.schedule_batch.Req(
+            rid="kvtrace-probe", origin_input_text="", origin_input_ids=list(toks.tolist()),
+            sampling_params=world.SG.SamplingParams(max_new_tokens=1),
+        )
+        fill = probe.origin_input_ids
+        world.SG.common.match_kv_cache(probe, tree, fill, max_prefix_len=len(fill) - 1)
+        return int(probe.prefix_len)
+
+    def check_integrity(self) -> list[dict[str, Any]]:
+        """Conservation and single ownership of SGLang's pool (page ids when paged):
+        every page is exactly one of free, cached in the tree, or held by one request
+        (``[cache_protected_len, ceil_align(kv_allocated_len))`` of its row). A queued
+        prompt publish stays queued (a check must not reorder the step)."""
+        out: list[dict[str, Any]] = []
+        counters = pool_counters(self.eng)
+        pool_tokens, rest = counters[0], sum(counters[1:6])
+        if rest != pool_tokens:
+            out.append({"check": "conservation", "rid": None, "detail": (
+                f"available {counters[1]} + evictable {counters[2]} + protected {counters[3]} + committed "
+                f"{counters[4]} + overallocated {counters[5]} = {rest}, not the pool's {pool_tokens}")})
+        ps = self.ps
+        parts = [free_ids(self.eng), side_ids(self.eng)]
+        holders = ["free"] * parts[0].shape[0] + ["free (release list)"] * parts[1].shape[0]
+        for node in tree_nodes(self.eng):
+            ids = node.value.numpy()[::ps] // ps if ps > 1 else node.value.numpy()
+            parts.append(np.asarray(ids, np.int64))
+            holders += ["the radix tree"] * len(ids)
+        table = self.eng.pool.req_to_token
+        for rid, req in self.eng.reqs.items():
+            kv = req.kv
+            if not kv.holds_kv:
+                continue
+            lo, hi = int(kv.cache_protected_len), int(kv.kv_allocated_len)
+            slots = table[kv.req_pool_idx, lo:hi].numpy().astype(np.int64)
+            ids = slots[::ps] // ps if ps > 1 else slots
+            parts.append(ids)
+            holders += [f"request {rid}"] * len(ids)
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        counts = np.bincount(ids, minlength=pool_tokens // ps + 1)
+        twice = np.flatnonzero(counts[1:] > 1) + 1
+        if twice.shape[0]:
+            page = int(twice[0])
+            who = sorted({holders[i] for i in np.flatnonzero(ids == page).tolist()})
+            out.append({"check": "ownership", "rid": None, "detail": (
+                f"{twice.shape[0]} pages are held more than once, e.g. page {page} by {', '.join(who)}")})
+        lost = np.flatnonzero(counts[1:] == 0) + 1
+        if lost.shape[0]:
+            out.append({"check": "ownership", "rid": None, "detail": (
+                f"{lost.shape[0]} pages are held by nobody (leaked), e.g. {lost[:5].tolist()}")})
+        return out
+
+    def state_digest(self) -> str:
+        """kvtrace's digest (``allocator.digest.compose_digest``) of SGLang's state."""
+        self.eng.publish()
+        if self.digest is None:
+            self.digest = IncrementalDigest(self.eng)
+        return self.digest.value()
+
+    def _rewritten(self, rids: list[int]) -> None:
+        if self.digest is not None:
+            self.digest.rewritten.update(rids)
+
+
+# ---------------------------------------------------------------------------- SGLang's state
+
+
+def pool_counters(eng: world.SGLangEngine) -> tuple[int, ...]:
+    """The fields of kvtrace's ``PoolCounters`` (in order) read off an SGLang world."""
+    pages = _allocator_module("pages")
+    committed = overallocated = 0
+    for req in eng.reqs.values():
+        kv = req.kv
+        if kv.holds_kv:
+            committed += int(kv.kv_committed_len) - int(kv.cache_protected_len)
+            overallocated += int(pages.ceil_align(int(kv.kv_allocated_len), eng.ps)) - int(kv.kv_committed_len)
+    free_rows = int(eng.pool.available_size())
+    return (
+        int(eng.alloc.size), int(eng.alloc.available_size()), int(eng.tree.evictable_size()),
+        int(eng.tree.protected_size()), committed, overallocated, int(eng.pool.size) - free_rows, free_rows,
+    )
+
+
+def free_ids(eng: world.SGLangEngine) -> np.ndarray:
+    """The allocator's free list in reuse order (slot ids at page 1, page ids otherwise)."""
+    return eng.alloc.free_pages.numpy().astype(np.int64)
+
+
+def side_ids(eng: world.SGLangEngine) -> np.ndarray:
+    """The need-sort side list: ``release_pages`` at page 1, the staged pages otherwise."""
+    alloc = eng.alloc
+    if eng.ps == 1:
+        return alloc.release_pages.numpy().astype(np.int64)
+    staged = alloc.staged_pages
+    return np.concatenate([s.numpy() for s in staged]).astype(np.int64) if staged else np.zeros(0, np.int64)
+
+
+def tree_nodes(eng: world.SGLangEngine) -> list[Any]:
+    """Every node of the radix tree but the root."""
+    if not eng.config.radix_cache:
+        return []
+    stack = list(eng.tree.root_node.children.values())
+    nodes = []
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def _digest_columns(eng: world.SGLangEngine, rid_of: Any = None) -> tuple[np.ndarray, ...]:
+    """int64 ``[rows + 1]`` each: request id (-1 free; ``rid_of(rid)`` when given),
+    allocated, committed, protected."""
+    num_rows = int(eng.pool.req_to_token.shape[0])
+    columns = tuple(np.zeros(num_rows, np.int64) for _ in range(4))
+    columns[0][:] = -1
+    for rid, req in eng.reqs.items():
+        kv = req.kv
+        if kv.holds_kv:
+            row = kv.req_pool_idx
+            columns[0][row] = rid if rid_of is None else rid_of(rid)
+            columns[1][row] = kv.kv_allocated_len
+            columns[2][row] = kv.kv_committed_len
+            columns[3][row] = kv.cache_protected_len
+    return columns
+
+
+def state_digest(eng: world.SGLangEngine, rid_of: Any = None) -> str:
+    """kvtrace's physical-state digest (``allocator/digest.py``) of an SGLang world
+    between steps, from scratch: rows with their request ids and lengths, the free
+    lists in order, the free request rows, the tree's sizes. Equal to the built-in
+    allocator's ``state_digest()`` exactly when the states are equal. ``rid_of``: the
+    id a trace gives each request (a recorder's dense ids), when not the world's own."""
+    digest = _allocator_module("digest")
+    columns = _digest_columns(eng, rid_of)
+    rows = np.flatnonzero(columns[0] >= 0)
+    total = digest.rows_hash(eng.pool.req_to_token.numpy(), rows, columns[1][rows])
+    lists = [(digest.seq_value(free_ids(eng)), digest.seq_value(side_ids(eng)))]
+    return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
+                                 int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
+
+
+class IncrementalDigest:
+    """``state_digest`` kept from what changed since the last call (a step of decode
+    at page 1 must not hash a 900k-slot free list and every row again):
+
+    * a row whose request is the same and whose length only grew, and that no
+      checkpoint rewrote (``rewritten``: the server names the requests of every
+      extend, prealloc and prompt publish), adds the terms of its new positions;
+      any other row is hashed again;
+    * the free list: when SGLang only took from its head (the tensor is a view of the
+      one seen last, further along the same storage), the taken entries leave the
+      hash; any other change (a free concatenates a new tensor) hashes it again.
+    """
+
+    def __init__(self, eng: world.SGLangEngine) -> None:
+        self.eng = eng
+        self.digest = _allocator_module("digest")
+        n = int(eng.pool.req_to_token.shape[0])
+        self.rid = np.full(n, -1, np.int64)
+        self.length = np.zeros(n, np.int64)
+        self.row_hash = np.zeros(n, np.uint64)
+        self.rewritten: set[int] = set()  # request ids whose rows a checkpoint may have rewritten
+        self._free: Any = None  # the free-list tensor hashed last
+        self._free_seq: Any = None
+
+    def value(self) -> str:
+        eng, digest = self.eng, self.digest
+        columns = _digest_columns(eng)
+        rid, length = columns[0], columns[1] * (columns[0] >= 0)
+        same = (rid == self.rid) & (length >= self.length)
+        if self.rewritten:
+            same &= ~np.isin(rid, np.fromiter(self.rewritten, np.int64, len(self.rewritten)))
+            self.rewritten.clear()
+        starts = np.where(same, self.length, 0)
+        changed = np.flatnonzero((length != self.length) | ~same)
+        if changed.shape[0]:
+            terms = digest.row_terms(eng.pool.req_to_token.numpy(), changed, starts[changed], length[changed])
+            base = np.where(same[changed], self.row_hash[changed], np.uint64(0))
+            self.row_hash[changed] = base + terms
+            self.rid[changed] = rid[changed]
+            self.length[changed] = length[changed]
+        total = int(self.row_hash.sum(dtype=np.uint64))
+        lists = [(self._free_value(), digest.seq_value(side_ids(eng)))]
+        return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
+                                     int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
+
+    def _free_value(self) -> tuple[int, int]:
+        cur, prev = self.eng.alloc.free_pages, self._free
+        if (
+            prev is not None and cur.numel() <= prev.numel()
+            and cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and cur.storage_offset() + cur.numel() == prev.storage_offset() + prev.numel()
+        ):
+            taken = cur.storage_offset() - prev.storage_offset()
+            if taken:
+                self._free_seq.pop_front(prev[:taken].numpy())
+        else:
+            self._free_seq = self.digest.SeqHash(cur.numpy())
+        self._free = cur
+        return self._free_seq.value()
+
+
+def _dispatch(server: AllocatorServer | None, method: str, args: tuple[Any, ...]) -> Any:
+    if server is None or method.startswith("_") or not hasattr(server, method):
+        raise ValueError(f"unknown call {method!r} (or no init first)")
+    return getattr(server, method)(*args)
+
+
+def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
+    """Answer ``(method, args)`` messages until the pipe closes (see ``wire``). The first
+    message is ``("init", (config,))``; its reply is ``{"sglang": VERSION, "row_width": N}``.
+    ``("batch", [(method, args), ...])`` makes several calls in one round trip.
+    A failing call replies ``("error", text, traceback)``; the server goes on.
+
+    Returns:
+        The exit code (0 when the parent closed the pipe).
+    """
+    server: AllocatorServer | None = None
+    while True:
+        try:
+            method, args = wire.recv(requests)
+        except wire.WireClosed:
+            return 0
+        try:
+            if method == "init":  # a new world (the driver may serve allocator after allocator)
+                if server is not None:
+                    server.eng.close()
+                    server = None
+                server = AllocatorServer(*args)
+                value: Any = {"sglang": world.SG.version, "row_width": server.eng.row_width}
+            elif method == "batch":  # several calls in one round trip: their values, in order
+                value = [_dispatch(server, m, a) for m, a in args]
+            else:
+                value = _dispatch(server, method, args)
+            wire.send(replies, ("ok", value))
+        except Exception as exc:  # the parent decides what to print
+            wire.send(replies, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=12)))
