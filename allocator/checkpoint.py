@@ -42,7 +42,8 @@ class AllocatorState:
 
     rows: np.ndarray  # int64 [r] rows in use
     row_lens: np.ndarray  # int64 [r] their kv_allocated_len
-    row_slots: np.ndarray  # int32 [sum(row_lens)] table[row, :len] of each, concatenated
+    row_slots: np.ndarray  # int32: table[row, :len] of each row, concatenated, packed by pages
+    slots_page: int  # row_slots holds every slot (1) or the first slot of each page (page size)
     free_rows: tuple[int, ...]
     token_allocator: Any  # a deep copy of the token-to-KV allocator
     tree: RadixState
@@ -55,7 +56,7 @@ class AllocatorState:
         """A hash of the whole state: equal digests mean equal states (rows, free-list
         order, tree shape, access times and locks, bookkeeping)."""
         h = hashlib.blake2b(digest_size=16)
-        for a in (self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays):
+        for a in (self.rows, self.row_lens, self.slots(), self.lock_node_ids, *self.kv_arrays):
             h.update(np.ascontiguousarray(a).tobytes())
         h.update(repr((self.free_rows, self.kv_scalars)).encode())
         tree = self.tree
@@ -74,6 +75,10 @@ class AllocatorState:
             trimmed = np.trim_zeros(a, "b") if a.dtype == np.bool_ else a[: _used_len(a)]
             h.update(trimmed.tobytes())
         return h.hexdigest()
+
+    def slots(self) -> np.ndarray:
+        """``table[row, :len]`` of every row in use, concatenated (unpacked)."""
+        return unpack_slots(self.row_slots, self.row_lens, self.slots_page)
 
     @property
     def nbytes(self) -> int:
@@ -141,10 +146,12 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         else np.zeros(0, table.dtype)
     )
     lock_ids = np.array([-1 if node is None else node.id for node in kv.lock_node], np.int64)
+    packed, slots_page = pack_slots(row_slots, lens, alloc.config.page_size)
     return AllocatorState(
         rows=rows.astype(np.int64),
         row_lens=lens,
-        row_slots=row_slots,
+        row_slots=packed,
+        slots_page=slots_page,
         free_rows=tuple(alloc.req_to_token_pool.free_slots),
         token_allocator=_copy_without_journal(alloc.token_to_kv_pool_allocator),
         tree=save_tree_state(alloc.tree_cache),
@@ -153,6 +160,41 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         lock_node_ids=lock_ids,
         manager_arrays=tuple(getattr(alloc, name).copy() for name in _MANAGER_ARRAYS),
     )
+
+
+def _positions(row_lens: np.ndarray) -> np.ndarray:
+    """int64 [sum(row_lens)]: each entry's position in its row."""
+    total = int(row_lens.sum())
+    starts = np.cumsum(row_lens) - row_lens
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, row_lens)
+
+
+def pack_slots(row_slots: np.ndarray, row_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, int]:
+    """Rows' slots stored as the first slot of each page when every page of every row
+    is whole and aligned (``page * page_size + offset``, as a paged allocator lays
+    them out): ``page_size`` times smaller. Otherwise (page size 1, or a layout that
+    breaks the rule) the slots themselves.
+
+    Returns:
+        The stored array and what ``unpack_slots`` needs (the page size, or 1).
+    """
+    if page_size <= 1 or row_slots.shape[0] == 0:
+        return row_slots, 1
+    offset = _positions(row_lens) % page_size
+    base = row_slots.astype(np.int64) - offset
+    inside = offset != 0
+    if np.count_nonzero(base % page_size) or np.count_nonzero(base[1:][inside[1:]] != base[:-1][inside[1:]]):
+        return row_slots, 1
+    return row_slots[~inside], page_size
+
+
+def unpack_slots(stored: np.ndarray, row_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """The inverse of ``pack_slots``."""
+    if page_size <= 1:
+        return stored
+    offset = _positions(row_lens) % page_size
+    page_index = np.cumsum(offset == 0) - 1
+    return (stored[page_index].astype(np.int64) + offset).astype(stored.dtype)
 
 
 def _copy_without_journal(token_allocator: Any) -> Any:
@@ -192,6 +234,6 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     alloc._pending_publish = []
     if state.rows.shape[0]:
         starts = np.zeros_like(state.rows)
-        alloc.writer.assign(state.rows, starts, state.row_lens, state.row_slots)
+        alloc.writer.assign(state.rows, starts, state.row_lens, state.slots())
     alloc.writer.end_call()
     alloc.writer.sync()

@@ -50,7 +50,7 @@ MIN_STEPS = 1000
 LOG_TIMING_COLUMNS = ("allocator_s",)  # a state log's per-step timing: not a result
 
 
-def decode_trace(path: Path, page_size: int, requests: int = 32, steps: int = 6000, step_s: float = 0.01) -> Path:
+def decode_trace(path: Path, page_size: int, requests: int = 32, steps: int = 30_000, step_s: float = 0.01) -> Path:
     """One prefill of ``requests`` prompts, then ``steps`` plain decode steps of all of them."""
     meta = TraceMeta(
         config=TraceConfig(page_size=page_size, pool_tokens=1 << 20, max_running=256, max_context_len=131_072)
@@ -110,13 +110,13 @@ def logs_identical(a: Path, b: Path) -> bool:
     return rows(a).equals(rows(b))
 
 
-def traces_to_run(extra: list[str], tmp: Path) -> list[tuple[str, Path]]:
+def traces_to_run(extra: list[str], tmp: Path, samples: bool = True) -> list[tuple[str, Path]]:
     out: list[tuple[str, Path]] = []
-    for name in list_samples():
+    for name in list_samples() if samples else []:
         path = sample_path(name)
         if TraceReader(path).num_rows and _steps(path) > MIN_STEPS:
             out.append((name, path))
-    azure = record_azure(tmp / "azure-code-10m.kvtrace")
+    azure = record_azure(tmp / "azure-code-10m.kvtrace") if samples else None
     if azure is not None:
         out.append(("azure-code-10m (recorded)", azure))
     out.append(("decode 32 req, page 1", decode_trace(tmp / "decode-p1.kvtrace", 1)))
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                          "where the checkout has no git history")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-logs", action="store_true", help="skip the state-log comparison")
+    ap.add_argument("--synthetic-only", action="store_true",
+                    help="only the synthetic decode traces (and any TRACE given), not the samples")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     print(f"{len(os.sched_getaffinity(0))} CPUs usable (of {os.cpu_count()}); load average {load:.1f}")
@@ -153,13 +155,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.before_tree is not None:
             before = args.before_tree.resolve()
             print(f"before: the code in {before}; after: {ROOT}")
-            _table(traces_to_run(args.traces, tmp), before, tmp, args.repeat, not args.no_logs)
+            _table(traces_to_run(args.traces, tmp, not args.synthetic_only), before, tmp, args.repeat, not args.no_logs)
             return
         before = tmp / "before"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(before), args.before], cwd=ROOT, check=True)
         print(f"before: {args.before}; after: the working tree {ROOT}")
         try:
-            _table(traces_to_run(args.traces, tmp), before, tmp, args.repeat, not args.no_logs)
+            _table(traces_to_run(args.traces, tmp, not args.synthetic_only), before, tmp, args.repeat, not args.no_logs)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

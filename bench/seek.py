@@ -33,10 +33,10 @@ DEFAULT_TRACE = "sample:mooncake-conversation"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=DEFAULT_TRACE)
-    ap.add_argument("--every", type=int, default=2000, metavar="K", help="steps between checkpoints")
+    ap.add_argument("--every", type=int, default=1500, metavar="K", help="steps between checkpoints")
     ap.add_argument("--seeks", type=int, default=50, metavar="N")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget", type=int, default=512, metavar="MB", help="checkpoint memory budget")
+    ap.add_argument("--budget", type=int, default=1024, metavar="MB", help="checkpoint memory budget")
     args = ap.parse_args()
     print(f"trace {args.trace}, checkpoint every {args.every} steps, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
 

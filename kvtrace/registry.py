@@ -266,7 +266,7 @@ def _sglang_versions() -> list[VersionInfo]:
     import os
 
     from kvtrace.sglang import KNOWN_SGLANG_VERSIONS
-    from kvtrace.sglang.version import ENV_VAR, probe
+    from kvtrace.sglang.probe import ENV_VAR, probe
 
     def origin(python: str | None) -> str:
         version, why = probe(python)

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["ReplayResult", "ReplaySession", "open_trace"]
 
 ScreenMode = Literal["background", "inline"]
-DEFAULT_CHECKPOINT_BUDGET = 512 << 20
+DEFAULT_CHECKPOINT_BUDGET = 1 << 30
 MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
 _NO_STEPS = np.zeros(0, np.int64)
 
@@ -237,8 +237,8 @@ class ReplaySession:
             from traces.validate import OpSequenceChecker
 
             self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
-        else:
-            self._screen = screen
+        else:  # each step is asked for once, in order: seeks and refused runs read the memory
+            self._screen = screen if isinstance(screen, _RecordedScreen) else _RecordedScreen(screen)
         try:
             self._start()
         except BaseException:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 
 from kvtrace.errors import KvtraceError, VersionSpecError
 from kvtrace.sglang import KNOWN_SGLANG_VERSIONS, wire
+from kvtrace.sglang.probe import ENV_VAR, probe
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,42 +42,13 @@ if TYPE_CHECKING:
 __all__ = ["DRIVER", "ENV_VAR", "UNCHECKED_VAR", "SGLangAllocator", "SGLangError", "probe", "resolve_sglang"]
 
 DRIVER = Path(__file__).resolve().with_name("driver.py")
-ENV_VAR = "KVTRACE_SGLANG_PYTHON"
 # Set to 1 to drive an sglang release the driver does not know (a development checkout
 # whose allocation functions kept 0.5.23's signatures).
 UNCHECKED_VAR = "KVTRACE_SGLANG_UNCHECKED"
-_PROBE = "import importlib.metadata as m, sys; sys.stdout.write(m.version('sglang'))"
 
 
 class SGLangError(KvtraceError):
     """SGLang's side failed: its driver did not start, or a call raised inside SGLang."""
-
-
-def probe(python: str | None = None) -> tuple[str | None, str | None]:
-    """The sglang version an interpreter has, without importing sglang.
-
-    Args:
-        python: an interpreter path (None: this one).
-
-    Returns:
-        ``(version, None)``, or ``(None, why not)`` in one line.
-    """
-    if python is None:
-        try:
-            return importlib.metadata.version("sglang"), None
-        except importlib.metadata.PackageNotFoundError:
-            return None, f"sglang is not installed in this interpreter ({sys.executable})"
-    path = Path(python).expanduser()
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        return None, f"{python} is not an executable file"
-    try:
-        done = subprocess.run([str(path), "-c", _PROBE], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{python} does not run ({exc})"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return None, f"sglang is not installed for {python} ({last})"
-    return done.stdout.strip(), None
 
 
 def resolve_sglang(spec: str) -> AllocatorVersion:

@@ -51,11 +51,11 @@ def sglang_unusable(python: str | None, modules: tuple[str, ...] = ()) -> str | 
     """Why the SGLang interpreter cannot be used (None when it looks usable).
 
     Cheap check (no SGLang import, which takes ~6 s): the interpreter runs, has an
-    sglang release the driver knows (``kvtrace.sglang.version.probe``) and, when asked,
+    sglang release the driver knows (``kvtrace.sglang.probe.probe``) and, when asked,
     the ``modules`` (e.g. ``pyarrow`` for the live recorder).
     """
     from kvtrace.sglang import KNOWN_SGLANG_VERSIONS
-    from kvtrace.sglang.version import probe
+    from kvtrace.sglang.probe import probe
 
     if not python:
         return f"{ENV_VAR} is not set (create the venv with tools/sglang_oracle/setup.sh)"
