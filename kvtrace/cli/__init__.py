@@ -169,6 +169,7 @@ from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
 from kvtrace.cli import diff as _diff  # noqa: E402,F401  (diff, versions)
 from kvtrace.cli import view as _view  # noqa: E402,F401  (view)
 from kvtrace.cli import sweep as _sweep  # noqa: E402,F401  (sweep, sweep report)
+from kvtrace.cli import shrink as _shrink  # noqa: E402,F401  (shrink)
 
 
 if __name__ == "__main__":  # pragma: no cover

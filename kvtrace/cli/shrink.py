@@ -1,0 +1,233 @@
+"""``kvtrace shrink``: reduce a failing trace to the smallest one that fails the same
+way, and optionally write it as a pytest regression test.
+
+The command parses options and renders; ``kvtrace.shrink`` does the work. Exit
+codes: 0 shrunk, 1 the failure did not reproduce on the input, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from kvtrace.cli import command, ui
+from kvtrace.cli.options import (
+    Device,
+    DeviceOpt,
+    ForceOpt,
+    JsonOpt,
+    NoColorOpt,
+    QuietOpt,
+    TraceArg,
+    WhatIfPageSizeOpt,
+    WhatIfPoolTokensOpt,
+    examples,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvtrace.shrink import Progress, ShrinkResult
+
+SHRINK_EXAMPLES = examples(
+    "# the smallest trace on which a broken allocator still breaks an invariant",
+    "kvtrace shrink run.kvtrace --until violation --allocator mine.py:create --out small.kvtrace",
+    "# keep one invariant check, stop after two minutes, write a regression test",
+    "kvtrace shrink run.kvtrace --until violation:ownership --allocator mine.py:create --max-time 120 "
+    "--emit-test tests/regress/test_ownership.py",
+    "# the smallest trace on which two versions diverge",
+    "kvtrace shrink sample:mooncake-eagle --until divergence --a builtin --b pre-encapsulation --out div.kvtrace",
+    "# the smallest trace that runs out of memory in a 50,000-token pool",
+    "kvtrace shrink run.kvtrace --until oom --pool-tokens 50000 --out oom.kvtrace",
+)
+
+
+@command("shrink", epilog=SHRINK_EXAMPLES)
+def shrink(
+    ctx: typer.Context,
+    trace: TraceArg,
+    until: Annotated[str, typer.Option("--until", help="The failure to keep: violation, violation:CHECK (e.g. violation:ownership), oom, or divergence.", show_default=False)],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the shrunk trace here.", show_default=False)] = None,
+    allocator: Annotated[Optional[str], typer.Option("--allocator", help="violation, oom: the version replayed (kvtrace versions lists them; git: and worktree versions only as --a / --b).", show_default="builtin")] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="violation, oom: a version that must not fail the same way on the result (e.g. builtin), so the failure stays the --allocator's own.", show_default=False)] = None,
+    a: Annotated[Optional[str], typer.Option("--a", help="divergence: version A.", show_default="builtin")] = None,
+    b: Annotated[Optional[str], typer.Option("--b", help="divergence: version B.", show_default=False)] = None,
+    exact: Annotated[bool, typer.Option("--exact", help="divergence: compare the physical slots too (state digests).")] = False,
+    page_size: WhatIfPageSizeOpt = None,
+    pool_tokens: WhatIfPoolTokensOpt = None,
+    device: DeviceOpt = Device.cpu,
+    max_time: Annotated[Optional[float], typer.Option("--max-time", min=0, help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Processes judging candidates in parallel.", show_default="every usable core; 1 for a trace under 2 MB")] = None,
+    emit_test: Annotated[Optional[Path], typer.Option("--emit-test", help="Write a pytest test here (tests/regress/test_NAME.py) that replays the shrunk trace, stored beside it as test_NAME.kvtrace.", show_default=False)] = None,
+    expect_failure: Annotated[bool, typer.Option("--expect-failure", help="The emitted test asserts the failure is still there (default: that it is gone).")] = False,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Shrink TRACE to the smallest trace that still fails the same way: an invariant
+    violation or an out-of-memory of --allocator, or a divergence of --a and --b.
+
+    Candidates (fewer requests, fewer steps, shorter prompts and outputs, a smaller
+    pool) are replayed in parallel; the failure's signature (the check, the op kind
+    that ran out, the first differing field) must stay the same. The result is a valid
+    trace whose metadata says what it was shrunk from.
+
+    Exit code: 0 shrunk; 1 the failure did not reproduce on TRACE; 2 bad input.
+    """
+    from kvtrace.cli.replay import check_device
+    from kvtrace.outputs import OutputFile
+    from kvtrace.shrink import shrink_trace
+    from traces.samples import resolve_trace
+
+    target = _target(until)
+    oracle = _oracle(target, allocator, baseline, a, b, exact, device.value)
+    if out is None and emit_test is None:
+        raise typer.BadParameter("say where the shrunk trace goes: --out SMALL.kvtrace, --emit-test, or both", param_hint="--out")
+    if expect_failure and emit_test is None:
+        raise typer.BadParameter("applies to the emitted test: add --emit-test tests/regress/test_NAME.py", param_hint="--expect-failure")
+    check_device(device.value)
+    inputs = [resolve_trace(trace)]
+    target_out = None if out is None else OutputFile(out, force=force, inputs=inputs)
+    test_files = None if emit_test is None else _test_outputs(emit_test, force, inputs)
+    command_text = ui.command_line(ctx.meta)
+    with _Progress(ui.console(stderr=True)) as progress:
+        result = shrink_trace(trace, oracle, page_size=page_size, pool_tokens=pool_tokens, jobs=jobs,
+                              max_time=max_time, on_progress=progress, command=command_text)
+    summary = result.to_dict()
+    if result.confirmed is not None and not result.confirmed.reproduced:
+        ui.warn(f"the shrunk trace did not fail again when judged once more: {result.confirmed.detail}")
+    if result.reproduced:
+        if target_out is not None:
+            with target_out.writing() as tmp:
+                result.write(tmp)
+        if test_files is not None:
+            _write_test(result, test_files, expect_failure, command_text)
+    summary["out"] = None if out is None or not result.reproduced else str(out)
+    summary["test"] = None if emit_test is None or not result.reproduced else str(emit_test)
+    if as_json:
+        ui.emit_json(summary)
+    else:
+        _render(result, summary, ui.console())
+    raise typer.Exit(0 if result.reproduced else 1)
+
+
+def _target(until: str) -> Any:
+    from kvtrace.errors import ConfigError
+    from kvtrace.shrink.signature import Target
+
+    try:
+        return Target.parse(until)
+    except ConfigError:
+        raise typer.BadParameter(
+            f"'{until}': give violation, violation:CHECK (e.g. violation:ownership), oom or divergence",
+            param_hint="--until",
+        ) from None
+
+
+def _oracle(target: Any, allocator: str | None, baseline: str | None, a: str | None, b: str | None,
+            exact: bool, device: str) -> Any:
+    from kvtrace.shrink import Oracle
+
+    if target.kind == "divergence":
+        for name, value in (("--allocator", allocator), ("--baseline", baseline)):
+            if value is not None:
+                raise typer.BadParameter(f"a divergence compares --a and --b; {name} applies to violation and oom", param_hint=name)
+        if b is None:
+            raise typer.BadParameter("give the version to compare with --b SPEC (and --a SPEC, default builtin)", param_hint="--b")
+        return Oracle(target, a=a or "builtin", b=b, exact=exact, device=device)
+    for name, value in (("--a", a), ("--b", b), ("--exact", exact or None)):
+        if value is not None:
+            raise typer.BadParameter(f"applies to --until divergence; for {target.kind} give --allocator", param_hint=name)
+    return Oracle(target, allocator=allocator or "builtin", baseline=baseline, device=device)
+
+
+def _test_outputs(path: Path, force: bool, inputs: list[Path]) -> tuple[Any, Any]:
+    from kvtrace.outputs import OutputFile
+
+    if path.suffix != ".py" or not path.name.startswith("test_"):
+        raise typer.BadParameter(f"{path}: name the test test_NAME.py (pytest collects test_*.py)", param_hint="--emit-test")
+    return (OutputFile(path, option="--emit-test", force=force, inputs=inputs),
+            OutputFile(path.with_suffix(".kvtrace"), option="--emit-test", force=force, inputs=inputs))
+
+
+def _write_test(result: ShrinkResult, files: tuple[Any, Any], expect_failure: bool, command_text: str) -> None:
+    from kvtrace.shrink import emit_test
+
+    source_file, trace_file = files
+    with trace_file.writing() as tmp:
+        result.write(tmp)
+    text = emit_test(result, stem=source_file.path.stem, trace_file=trace_file.path.name,
+                     expect_failure=expect_failure, command=command_text)
+    with source_file.writing() as tmp:
+        tmp.write_text(text)
+
+
+def _render(result: ShrinkResult, summary: dict[str, Any], console: Console) -> None:
+    def line(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    if not result.reproduced:
+        line(f"kvtrace shrink {result.trace}: the failure did not reproduce: {result.reason}")
+        return
+    f, before, after = result.failure, summary["before"], result.after
+    assert f is not None and after is not None
+    oracle = result.oracle
+    who = f"{oracle.a} vs {oracle.b}" if f.signature.kind == "divergence" else oracle.allocator
+    line(f"kvtrace shrink {result.trace}: {f.signature.describe()} ({who})")
+    line(f"  found at step {f.step:,}" + (f", request {f.rid}" if f.rid is not None else "") + f": {f.detail}")
+    line(f"  shrunk {_size(before)} to {_size(after.to_dict())}, pool {after.pool_tokens:,} tokens")
+    c = result.counts
+    procs = "1 process" if result.jobs == 1 else f"{result.jobs} processes"
+    line(f"  {c.tried:,} candidates ({c.reproduced:,} reproduced, {c.invalid:,} invalid, {c.crashed:,} crashed) "
+         f"in {result.wall_s:.1f} s on {procs}")
+    for note in result.notes:
+        line(f"  note: {note}")
+    if summary["out"]:
+        line(f"  wrote {summary['out']}")
+    if summary["test"]:
+        line(f"  wrote {summary['test']} (the trace beside it: {Path(summary['test']).with_suffix('.kvtrace').name})")
+
+
+def _size(d: dict[str, int]) -> str:
+    r = d["requests"]
+    return f"{r:,} request{'s' if r != 1 else ''}, {d['steps']:,} steps, {d['ops']:,} ops"
+
+
+class _Progress:
+    """Progress on stderr: a live line on a terminal (candidates, size, time left), a
+    note per phase otherwise; nothing with -q."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live = console.is_terminal and not ui.settings.quiet
+        self._phase = ""
+        self._last = 0.0
+
+    def __enter__(self) -> _Progress:
+        if self.live:
+            from rich.status import Status
+
+            self._status = Status("shrink: finding the failure", console=self.console)
+            self._status.start()
+        return self
+
+    def __call__(self, p: Progress) -> None:
+        size = "" if p.size is None else f"{p.size.requests:,} requests / {p.size.steps:,} steps / {p.size.ops:,} ops"
+        left = "" if p.left_s is None else f", {p.left_s:,.0f} s left"
+        text = f"shrink [{p.phase}] {p.counts.tried:,} candidates, {size}{left}"
+        if self.live:
+            now = time.monotonic()
+            if now - self._last >= 0.1:
+                self._last = now
+                self._status.update(text)
+        elif p.phase != self._phase:
+            ui.note(text)
+        self._phase = p.phase
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self._status.stop()

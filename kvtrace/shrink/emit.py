@@ -1,0 +1,161 @@
+"""The regression test ``kvtrace shrink --emit-test`` writes: a plain pytest module that
+replays the shrunk trace (stored beside it) through the public API and asserts the
+failure is gone, or with ``--expect-failure`` that it is still there.
+
+The version under test is a constant at the top of the test (``builtin`` for a test
+that the failure is gone, the failing version for one that it is still there); the
+environment variable ``KVTRACE_REGRESS_ALLOCATOR`` replaces it for one run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtrace.shrink.shrinker import ShrinkResult
+
+__all__ = ["ENV_VERSION", "emit_test", "function_name"]
+
+ENV_VERSION = "KVTRACE_REGRESS_ALLOCATOR"
+
+_HEADER = '''"""Regression test: {what}, on a trace shrunk by kvtrace shrink.
+
+{story}
+
+Made by: {command}
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+'''
+
+_VIOLATION = '''from kvtrace.replay import ReplayOptions
+from kvtrace.session import ReplaySession
+
+TRACE = Path(__file__).with_name({trace_file_q})
+ALLOCATOR = os.environ.get({env_q}, {version_q})
+CHECK = {check_q}  # the invariant check that broke{field_note}
+
+
+def {name}() -> None:
+    with ReplaySession(TRACE, version=ALLOCATOR, options=ReplayOptions(check="every"), screen="inline") as session:
+        result = session.run()
+    broken = [v for v in result.stats.violations if v.check == CHECK{field_test}]
+{assertion}
+'''
+
+_OOM = '''from kvtrace.replay import ReplayOptions
+from kvtrace.session import ReplaySession
+
+TRACE = Path(__file__).with_name({trace_file_q})
+ALLOCATOR = os.environ.get({env_q}, {version_q})
+OP = {op_q}  # the op kind that ran out of KV slots
+
+
+def {name}() -> None:
+    options = ReplayOptions(check="never", on_oom="stop")
+    with ReplaySession(TRACE, version=ALLOCATOR, options=options, screen="inline") as session:
+        oom = session.run().stats.oom
+{assertion}
+'''
+
+_DIVERGENCE = '''from kvtrace.diff import DiffOptions, diff_trace
+
+TRACE = Path(__file__).with_name({trace_file_q})
+A = {a_q}
+B = os.environ.get({env_q}, {version_q})
+FIELD = {field_q}  # the first field that differed
+
+
+def {name}() -> None:
+    report = diff_trace(str(TRACE), A, B, options=DiffOptions(exact={exact}), jobs=1)
+    first = report.first_divergence
+{assertion}
+'''
+
+_ASSERT = {
+    ("violation", False): '    assert not broken, f"{ALLOCATOR}: step {broken[0].step}, request {broken[0].rid}: '
+                          '{broken[0].check}: {broken[0].detail}"',
+    ("violation", True): '    assert broken, f"{ALLOCATOR}: no {CHECK} violation any more"',
+    ("oom", False): '    assert oom is None or oom.op != OP, (\n'
+                    '        f"{ALLOCATOR}: out of memory in {OP} at step {oom.step}, request {oom.rid}: "\n'
+                    '        f"needed {oom.needed}, free {oom.free}, evictable {oom.evictable}"\n'
+                    '    )',
+    ("oom", True): '    assert oom is not None and oom.op == OP, f"{ALLOCATOR}: no out of memory in {OP} any more"',
+    ("divergence", False): '    assert first is None, f"{A} and {B} diverge: " + " ".join(first.divergence.body(A, B))',
+    ("divergence", True): '    assert first is not None and first.divergence.field == FIELD, (\n'
+                          '        f"{A} and {B}: no divergence in {FIELD} any more"\n'
+                          '    )',
+}
+
+
+def function_name(stem: str) -> str:
+    """``test_double_free`` for a test file ``test_double_free.py`` (any stem: an identifier)."""
+    name = re.sub(r"\W", "_", stem)
+    return name if name.startswith("test_") else f"test_{name}"
+
+
+def emit_test(result: ShrinkResult, *, stem: str, trace_file: str, expect_failure: bool, command: str | None) -> str:
+    """The source of the regression test for a shrink's result.
+
+    Args:
+        result: a shrink that found its failure.
+        stem: the test file's name without ``.py`` (names the test function).
+        trace_file: the name of the shrunk trace beside the test.
+        expect_failure: assert the failure is still there (else: that it is gone).
+        command: the command line that made it.
+    """
+    failure, oracle, after = result.failure, result.oracle, result.after
+    assert failure is not None and after is not None
+    sig = failure.signature
+    kind = sig.kind
+    found_with = f"{oracle.a} vs {oracle.b}" if kind == "divergence" else oracle.allocator
+    failing = oracle.b if kind == "divergence" else oracle.allocator
+    good = "builtin" if kind == "divergence" or oracle.baseline is None else oracle.baseline
+    version = failing if expect_failure else good
+    before = result.before
+    how = {
+        "violation": "replays it through ALLOCATOR with the invariants checked after every allocator call",
+        "oom": "replays it through ALLOCATOR (stopping at an out-of-memory)",
+        "divergence": "diffs versions A and B on it",
+    }[kind]
+    story = "\n\n".join(textwrap.fill(p, 88) for p in (
+        f"{trace_file} (beside this file) holds {_count(after.requests, 'request')} in "
+        f"{_count(after.steps, 'step')} ({_count(after.ops, 'op')}); it was shrunk from {result.trace} "
+        f"({before['requests']:,} requests, {before['steps']:,} steps, {before['ops']:,} ops), where {found_with} "
+        f"showed at step {failure.step}: {failure.detail}.",
+        f"The test {how} and asserts that {_claim(kind, sig.name, expect_failure)}. {ENV_VERSION} replaces "
+        f"{'B' if kind == 'divergence' else 'ALLOCATOR'} for one run (kvtrace versions lists the versions).",
+    ))
+    header = _HEADER.format(what=sig.describe(), story=story, command=command or "(a library call)")
+    fields = {"trace_file_q": json.dumps(trace_file), "env_q": json.dumps(ENV_VERSION), "version_q": json.dumps(version),
+              "name": function_name(stem), "assertion": _ASSERT[(kind, expect_failure)]}
+    if kind == "violation":
+        body = _VIOLATION.format(
+            **fields, check_q=json.dumps(sig.name),
+            field_note=f" (counter {sig.field})" if sig.field else "",
+            field_test=f" and v.detail.startswith({json.dumps(sig.field + ' ')})" if sig.field else "",
+        )
+    elif kind == "oom":
+        body = _OOM.format(**fields, op_q=json.dumps(sig.name))
+    else:
+        body = _DIVERGENCE.format(**fields, a_q=json.dumps(oracle.a), field_q=json.dumps(sig.name), exact=oracle.exact)
+    return header + body
+
+
+def _claim(kind: str, name: str, expect_failure: bool) -> str:
+    if kind == "violation":
+        return f"the {name} check {'still breaks' if expect_failure else 'holds'}"
+    if kind == "oom":
+        return f"it {'still runs' if expect_failure else 'never runs'} out of memory in {name}"
+    return f"A and B {'still diverge first in ' + name if expect_failure else 'are identical'}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
