@@ -282,7 +282,7 @@ def _page_size(oracle: Oracle, meta: TraceMeta) -> int:
 
 
 def _input_size(reader: Any) -> dict[str, int]:
-    from kvtrace.cli.info import trace_info
+    from kvtrace.traceinfo import trace_info
     from traces.io import TraceReader
 
     info = trace_info(TraceReader(reader.path))

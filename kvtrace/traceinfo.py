@@ -1,0 +1,99 @@
+"""What ``kvtrace info`` reports about a trace, computed in one streaming pass (a
+library function: the ``info`` command renders it, ``kvtrace shrink`` sizes its input
+with it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from traces.io import TraceReader
+
+__all__ = ["trace_info"]
+
+
+def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
+    """Everything ``kvtrace info --json`` prints, computed in one streaming pass.
+
+    Vectorised per record batch: memory is flat in trace length (plus one bit
+    per request id).
+    """
+    import numpy as np
+
+    from traces.schema import DECODE, EXTEND, OPS, PREALLOC, SPEC
+
+    meta = reader.meta
+    ops = np.zeros(len(OPS), np.int64)
+    tokens = {"prefill": 0, "decode": 0, "spec_accepted": 0, "spec_drafted": 0, "prealloc": 0}
+    seen = np.zeros(1024, np.bool_)
+    steps = rows = 0
+    first_step = last_step = None
+    first_time = last_time = None
+    max_seq_len = 0
+    max_rows_per_step = 0
+    for columns in reader.iter_columns():
+        n = columns.step.shape[0]
+        if n == 0:
+            continue
+        step = columns.step
+        bounds = np.flatnonzero(step[1:] != step[:-1]) + 1
+        steps += bounds.shape[0] + 1 - int(last_step is not None and int(step[0]) == last_step)
+        sizes = np.diff(np.concatenate(([0], bounds, [n])))
+        max_rows_per_step = max(max_rows_per_step, int(sizes.max()))
+        if first_step is None:
+            first_step = int(step[0])
+        last_step = int(step[-1])
+        times = columns.time_s[np.isfinite(columns.time_s)]  # NaN or infinite times: validate's problems
+        if times.size:
+            first_time = float(times[0]) if first_time is None else first_time
+            last_time = float(times.max()) if last_time is None else max(last_time, float(times.max()))
+        rows += n
+        op = columns.op
+        ops += np.bincount(op, minlength=len(OPS))
+        append = columns.append_len.astype(np.int64)
+        tokens["prefill"] += int(append[op == EXTEND].sum())
+        tokens["decode"] += int(append[op == DECODE].sum())
+        tokens["prealloc"] += int(append[op == PREALLOC].sum())
+        is_spec = op == SPEC
+        tokens["spec_accepted"] += int(columns.accepted_len[is_spec].astype(np.int64).sum())
+        tokens["spec_drafted"] += int(columns.draft_len[is_spec].astype(np.int64).sum())
+        max_seq_len = max(max_seq_len, int(columns.seq_len.max()))
+        rid = columns.rid[(columns.rid >= 0) & (columns.rid < reader.rid_bound)]
+        if rid.size:
+            top = int(rid.max())
+            if top >= seen.shape[0]:
+                seen = np.concatenate([seen, np.zeros(max(top + 1, 2 * seen.shape[0]) - seen.shape[0], np.bool_)])
+            seen[rid] = True
+        if on_batch is not None:
+            on_batch()
+    config = meta.to_dict()
+    recording = reader.recording
+    return {
+        "kind": "trace",
+        "path": str(reader.path),
+        "format_version": meta.format_version,
+        "ipc_format": reader.ipc_format,
+        "source": config["source"],
+        "config": config["config"],
+        "model": config["model"],
+        "block_size": meta.block_size,
+        "created_at": meta.created_at,
+        "recording": None if recording is None else dataclasses.asdict(recording),
+        "interrupted": bool(recording is not None and recording.interrupted),
+        "steps": steps,
+        "first_step": first_step,
+        "last_step": last_step,
+        "rows": rows,
+        "max_rows_per_step": max_rows_per_step,
+        "requests": int(seen.sum()),
+        "ops": {name: int(count) for name, count in zip(OPS, ops)},
+        "tokens": tokens,
+        "max_seq_len": max_seq_len,
+        "duration_s": 0.0 if first_time is None else float(last_time - first_time),  # type: ignore[operator]
+        "file_bytes": reader.file_bytes,
+        "record_batches": reader.num_record_batches,
+        "truncated": reader.truncated,
+        "truncation_detail": reader.truncation_detail,
+        "extra": config["extra"],
+    }
