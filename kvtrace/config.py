@@ -167,7 +167,8 @@ def check_memory(
         names: what the user calls ``pool_tokens``, ``page_size``, ``max_running``
             and ``max_context_len`` (an option, or a metadata field of the trace).
         force: only estimate; never refuse.
-        available: bytes the machine can give (default: psutil's available memory).
+        available: bytes the machine can give (default: psutil's available memory, at
+            most ``$KVTRACE_MEMORY_LIMIT`` when set: ``memory_limit()``).
 
     Returns:
         The estimate.
@@ -183,6 +184,9 @@ def check_memory(
         import psutil
 
         available = int(psutil.virtual_memory().available)
+        limit = memory_limit()
+        if limit is not None:
+            available = min(available, limit)
     if estimate.total <= available:
         return estimate
     part, behind = _largest_part(config, estimate, num_rids, names)
@@ -190,8 +194,35 @@ def check_memory(
     advice = f"lower {' or '.join(options)}, or pass --force" if options else "pass --force"
     raise ConfigError(
         f"not enough memory: the allocator needs about {format_bytes(estimate.total)} and this machine "
-        f"has {format_bytes(available)} available; {part}; {advice} to try anyway"
+        f"has {format_bytes(available)} available{_limit_note()}; {part}; {advice} to try anyway"
     )
+
+
+MEMORY_LIMIT_VAR = "KVTRACE_MEMORY_LIMIT"
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def memory_limit() -> int | None:
+    """``$KVTRACE_MEMORY_LIMIT`` in bytes (``2G``, ``512M``, ``65536``; binary units), the
+    most a pool may be estimated to need on a shared machine; None when unset.
+
+    Raises:
+        ConfigError: a value that is not a size.
+    """
+    import os
+
+    text = os.environ.get(MEMORY_LIMIT_VAR, "").strip()
+    if not text:
+        return None
+    number, unit = text.rstrip("kKmMgGtTiIbB"), text[len(text.rstrip("kKmMgGtTiIbB")) :].lower()
+    unit = unit.removesuffix("b").removesuffix("i")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0 or value != value:
+        raise ConfigError(f"${MEMORY_LIMIT_VAR}={text!r} is not a size; give bytes or a size such as 512M or 2G")
+    return int(value * _UNITS[unit])
 
 
 def _largest_part(
@@ -215,6 +246,11 @@ def _largest_part(
             f"{format_bytes(slots)} of free lists, radix cache and token content"
         ), [names["pool_tokens"]]
     return f"its {num_rids:,} request ids need {format_bytes(ids)} of per-request state", []
+
+
+def _limit_note() -> str:
+    limit = memory_limit()
+    return "" if limit is None else f" (at most ${MEMORY_LIMIT_VAR}={format_bytes(limit)})"
 
 
 def format_bytes(num_bytes: int) -> str:

@@ -82,3 +82,25 @@ def test_format_bytes() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1536, 1000 * 1024, 5 * GIB, 3 << 40)] == [
         "0 B", "1023 B", "1.5 KiB", "1000 KiB", "5 GiB", "3 TiB",
     ]
+
+
+def test_the_memory_limit_variable_caps_what_a_pool_may_take(monkeypatch) -> None:
+    """``$KVTRACE_MEMORY_LIMIT`` lowers what check_memory takes as available; a bad value is one line."""
+    from allocator.base import AllocatorConfig
+    from kvtrace.config import MEMORY_LIMIT_VAR, check_memory, memory_limit
+    from kvtrace.errors import ConfigError
+
+    config = AllocatorConfig(page_size=16, pool_tokens=1 << 20, max_running=256, max_context_len=32_768)
+    monkeypatch.delenv(MEMORY_LIMIT_VAR, raising=False)
+    assert memory_limit() is None
+    needed = check_memory(config, num_rids=1000, force=True).total
+    monkeypatch.setenv(MEMORY_LIMIT_VAR, str(needed * 2))
+    assert memory_limit() == needed * 2
+    check_memory(config, num_rids=1000)  # fits under the limit
+    monkeypatch.setenv(MEMORY_LIMIT_VAR, "1M")
+    assert memory_limit() == 1 << 20
+    with pytest.raises(ConfigError, match=r"at most \$KVTRACE_MEMORY_LIMIT=1 MiB"):
+        check_memory(config, num_rids=1000)
+    monkeypatch.setenv(MEMORY_LIMIT_VAR, "lots")
+    with pytest.raises(ConfigError, match="is not a size"):
+        memory_limit()
