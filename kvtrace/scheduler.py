@@ -90,7 +90,7 @@ from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
 from kvtrace.config import spec_config_for
 from kvtrace.step_time import Percentiles, StepTimeModel
-from traces.schema import SpecSettings
+from traces.schema import SpecSettings, TraceConfig
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
@@ -164,6 +164,20 @@ class SchedulerConfig:
     radix_cache: bool = True
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
+
+    def trace_config(self) -> TraceConfig:
+        """The serving configuration a trace recorded under this one carries."""
+        return TraceConfig(
+            page_size=self.page_size,
+            pool_tokens=self.pool_tokens,
+            max_running=self.max_running,
+            max_context_len=self.max_context_len,
+            chunk_size=self.chunk_size,
+            schedule_policy=self.policy,
+            spec=self.spec,
+            pd_decode=self.pd_decode,
+            radix_cache=self.radix_cache,
+        )
 
 
 class RecordProgress(NamedTuple):

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from allocator.pages import floor_align
 from kvtrace.scheduler import RecordProgress, RecordSummary, SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.step_time import StepTimeModel
-from traces.schema import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
+from traces.schema import ModelShape, SpecSettings, TraceMeta, TraceSource
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest
@@ -131,11 +132,10 @@ def record_workload(
         block_size = workload.block_size
         if source is None:
             source = dataclasses.replace(workload.meta.source, engine="kvtrace-scheduler")
-    radix_cache = not options.pd_decode
     spec = options.spec
     config = SchedulerConfig(
         page_size=options.page_size,
-        pool_tokens=options.pool_tokens // options.page_size * options.page_size,
+        pool_tokens=floor_align(options.pool_tokens, options.page_size),
         max_running=options.max_running,
         max_context_len=options.context_len,
         chunk_size=options.chunk,
@@ -144,23 +144,13 @@ def record_workload(
         spec=spec,
         spec_acceptance=options.spec_acceptance,
         pd_decode=options.pd_decode,
-        radix_cache=radix_cache,
+        radix_cache=not options.pd_decode,
         seed=options.seed,
         step_time=options.step_time,
     )
     source = source or known_source(options.workload, options.fmt)
     meta = TraceMeta(
-        config=TraceConfig(
-            page_size=config.page_size,
-            pool_tokens=config.pool_tokens,
-            max_running=config.max_running,
-            max_context_len=config.max_context_len,
-            chunk_size=config.chunk_size,
-            schedule_policy=config.policy,
-            spec=spec,
-            pd_decode=config.pd_decode,
-            radix_cache=radix_cache,
-        ),
+        config=config.trace_config(),
         source=source,
         model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
         block_size=block_size,

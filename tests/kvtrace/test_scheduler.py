@@ -16,7 +16,7 @@ from kvtrace.record import Recorder
 from kvtrace.scheduler import CLIP_MAX_NEW_TOKENS, Scheduler, SchedulerConfig, mean_accepted_len
 from kvtrace.simulate import RecordOptions, record_workload
 from traces.io import TraceReader
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC, SpecSettings, TraceConfig, TraceMeta
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC, SpecSettings, TraceMeta
 from traces.workloads import WorkloadRequest
 
 DATA = Path(__file__).resolve().parents[2] / "traces" / "workloads_data"
@@ -42,16 +42,7 @@ class Rig:
                 need_sort=config.pd_decode,
             )
         )
-        meta = TraceMeta(
-            config=TraceConfig(
-                page_size=config.page_size,
-                pool_tokens=config.pool_tokens,
-                max_running=config.max_running,
-                max_context_len=config.max_context_len,
-                spec=config.spec,
-                pd_decode=config.pd_decode,
-            )
-        )
+        meta = TraceMeta(config=config.trace_config())
         self.rec = Recorder(self.path, meta, dense_ids=True)
         self.sched = Scheduler(self.alloc, self.rec, config, block_size=block_size)
 
