@@ -136,6 +136,17 @@ def side_job(
     return job
 
 
+def stop_child(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """End a child of ``spawn_child`` that still runs: SIGTERM, then SIGKILL after ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def spawn_child(
     job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
     commands: bool = False,
@@ -252,13 +263,7 @@ class ChildSide:
 
     def close(self) -> None:
         """Stop the child if it still runs (the parent stopped reading early)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_child(self.proc)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         if not self._control.closed:

@@ -409,13 +409,9 @@ class ChildReplay:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
             self.get(0.05)  # drain, so that a child blocked on a full pipe gets out
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from kvtrace.sides import stop_child
+
+        stop_child(self.proc)
         deadline = time.monotonic() + 10
         while any(t.is_alive() for t in self._threads[:2]) and time.monotonic() < deadline:
             self.get(0.05)
