@@ -943,13 +943,7 @@ def undo_prealloc(ctx: KvContext, rows: Sequence[int]) -> None:
             allocator.unalloc_pages(slots[::ps] // ps)
         ctx.tree_cache.unlock(kv.lock_node[row])
         kv.lock_node[row] = None
-        kv.sum_committed -= int(kv.kv_committed_len[row])
-        kv.sum_protected -= protected
-        kv.sum_allocated_ceil -= ceil_align(allocated, ps)
-        kv.kv_allocated_len[row] = 0
-        kv.kv_committed_len[row] = 0
-        kv.cache_protected_len[row] = 0
-        kv.rid[row] = -1
+        kv.clear_row(row)
         ctx.req_to_token_pool.unalloc([row])
 
 
@@ -1046,11 +1040,5 @@ def release_kv_cache(
         overalloc = allocated - start
         freed += ceil_align(allocated, ps) - start
     ctx.req_to_token_pool.free(row)
-    kv.sum_committed -= committed
-    kv.sum_protected -= protected
-    kv.sum_allocated_ceil -= ceil_align(allocated, ps)
-    kv.kv_allocated_len[row] = 0
-    kv.kv_committed_len[row] = 0
-    kv.cache_protected_len[row] = 0
-    kv.rid[row] = -1
+    kv.clear_row(row)
     return ReleaseOutcome(freed, cached, overalloc)

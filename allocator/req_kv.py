@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from allocator.pages import ceil_align
+
 if TYPE_CHECKING:
     from allocator.radix_cache import TreeNode
 
@@ -69,6 +71,18 @@ class ReqKvTable:
 
     def rows_in_use(self) -> np.ndarray:
         return np.flatnonzero(self.rid >= 0)
+
+    def clear_row(self, row: int) -> None:
+        """The row's request is gone: its lengths leave the kept sums and the row's
+        columns go back to zero (``rid`` -1). The lock and the slots are the caller's."""
+        allocated = int(self.kv_allocated_len[row])
+        self.sum_committed -= int(self.kv_committed_len[row])
+        self.sum_protected -= int(self.cache_protected_len[row])
+        self.sum_allocated_ceil -= ceil_align(allocated, self.page_size)
+        self.kv_allocated_len[row] = 0
+        self.kv_committed_len[row] = 0
+        self.cache_protected_len[row] = 0
+        self.rid[row] = -1
 
 
 class ReqKvInfo:
