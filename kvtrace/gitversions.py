@@ -70,6 +70,22 @@ def run_git(
     return proc.stdout.strip()
 
 
+def commit_of(repo: Path, rev: str, what: str, error: type[KvtraceError]) -> str:
+    """The commit ``rev`` names in ``repo`` (full hash).
+
+    Raises:
+        ``error``: no such revision (one line starting with ``what``).
+    """
+    found = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
+        cwd=repo, capture_output=True, text=True, timeout=60,
+    )
+    commit = found.stdout.strip()
+    if found.returncode != 0 or not commit:
+        raise error(f"{what}: no revision '{rev}' in {repo}")
+    return commit
+
+
 def _git(args: list[str], cwd: Path | str, spec: str) -> str:
     return run_git(args, cwd, f"allocator '{spec}'")
 
@@ -126,13 +142,7 @@ def resolve(spec: str, *, cache: Path | None = None) -> ChildVersion:
         return ChildVersion(spec, "worktree", repo, origin=f"the working tree of {repo}")
     if not rev:
         raise VersionSpecError(f"allocator '{spec}': give a revision after 'git:' (git:REV or git:REV@PATH)")
-    found = subprocess.run(
-        ["git", "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
-        cwd=repo, capture_output=True, text=True, timeout=60,
-    )
-    commit = found.stdout.strip()
-    if found.returncode != 0 or not commit:
-        raise VersionSpecError(f"allocator '{spec}': no revision '{rev}' in {repo}")
+    commit = commit_of(repo, rev, f"allocator '{spec}'", VersionSpecError)
     probe = subprocess.run(
         ["git", "cat-file", "-e", f"{commit}:allocator/__init__.py"], cwd=repo, capture_output=True, timeout=60
     )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtrace.errors import ConfigError
-from kvtrace.gitversions import cache_dir, current_repository, run_git
+from kvtrace.gitversions import cache_dir, commit_of, current_repository, run_git
 
 __all__ = ["ALLOCATOR_PACKAGE", "Commit", "Series", "allocator_checkout", "parse_range", "prune_checkouts", "read_series"]
 
@@ -86,17 +86,6 @@ def parse_range(text: str) -> tuple[str, str]:
     return base.strip(), head.strip() or "HEAD"
 
 
-def _commit_of(repo: Path, rev: str, what: str) -> str:
-    found = subprocess.run(
-        ["git", "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
-        cwd=repo, capture_output=True, text=True, timeout=60,
-    )
-    commit = found.stdout.strip()
-    if found.returncode != 0 or not commit:
-        raise ConfigError(f"{what}: no revision '{rev}' in {repo}")
-    return commit
-
-
 def _objects(repo: Path, names: Sequence[str], what: str) -> dict[str, str | None]:
     """``REV:PATH`` names -> their object ids (None where the path does not exist), one git call."""
     unique = list(dict.fromkeys(names))
@@ -130,7 +119,7 @@ def read_series(rev_range: str, *, paths: Sequence[str] = (ALLOCATOR_PACKAGE,), 
     if top is None:
         raise ConfigError(f"{what}: {where} is not inside a git repository; give one with --repo PATH")
     base_rev, head_rev = parse_range(rev_range)
-    base, head = _commit_of(top, base_rev, what), _commit_of(top, head_rev, what)
+    base, head = commit_of(top, base_rev, what, ConfigError), commit_of(top, head_rev, what, ConfigError)
     ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", base, head], cwd=top, capture_output=True, timeout=60)
     if ancestor.returncode != 0:
         raise ConfigError(f"{what}: {base_rev} ({base[:SHORT]}) is not an ancestor of {head_rev} ({head[:SHORT]}) in {top}")
