@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pathlib import Path
 
 import numpy as np
@@ -108,15 +110,24 @@ def test_random_states_and_tight_pools(page_size: int, lens: list[int], num_step
         stepwise.append(np.array(alloc.counters(), np.int64))
     want = alloc.save_state().digest()
     alloc.restore_state(saved)
-    got = alloc.decode_run(rids, num_steps)
+    counters = _run_matches_steps(alloc, alloc.decode_run(rids, num_steps), saved, stepwise, want, ran_out)
+    if counters is not None:
+        assert counters.shape == (num_steps, len(PoolCounters._fields))
+
+
+def _run_matches_steps(
+    alloc: Any, got: Any, saved: Any, stepwise: list[np.ndarray], want: str, failed: bool
+) -> np.ndarray | None:
+    """A run's result against the steps one by one: refused, it changed nothing; done,
+    no step failed and the counters and the final state are the steps'. Its counters."""
     counters = None if got is None else got.counters
     if counters is None:
         assert alloc.save_state().digest() == saved.digest()
-        return
-    assert not ran_out, "a run was done in one block although a step runs out of memory"
+        return None
+    assert not failed, "a run was done in one block although a step fails"
     np.testing.assert_array_equal(counters, np.array(stepwise))
     assert alloc.save_state().digest() == want
-    assert counters.shape == (num_steps, len(PoolCounters._fields))
+    return counters
 
 
 def spec_points(path: Path) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
@@ -206,11 +217,4 @@ def test_random_spec_runs(page_size: int, lens: list[int], accepted: list[list[i
         stepwise.append(np.array(alloc.counters(), np.int64))
     want = alloc.save_state().digest()
     alloc.restore_state(saved)
-    got = alloc.spec_decode_run(rids, acc)
-    counters = None if got is None else got.counters
-    if counters is None:
-        assert alloc.save_state().digest() == saved.digest()
-        return
-    assert not failed, "a run was done in one block although a step fails"
-    np.testing.assert_array_equal(counters, np.array(stepwise))
-    assert alloc.save_state().digest() == want
+    _run_matches_steps(alloc, alloc.spec_decode_run(rids, acc), saved, stepwise, want, failed)
