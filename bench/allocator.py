@@ -39,13 +39,11 @@ Usage: ``python bench/allocator.py [--passes 2] [--quick] [--sglang PYTHON] [--j
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -64,6 +62,7 @@ from allocator.allocation import (  # noqa: E402
 from allocator.radix_cache import RadixCache  # noqa: E402
 from allocator.sizing import row_extra_len  # noqa: E402
 from allocator.token_to_kv import TokenToKVPoolAllocator  # noqa: E402
+from calltimer import time_calls  # noqa: E402  (bench/, beside this script)
 
 POOL_TOKENS = 1_000_000
 ROWS = 512
@@ -86,22 +85,7 @@ def _config(page_size: int, spec: SpecConfig | None = None) -> AllocatorConfig:
 
 def _time(fn: Callable[[], object], reset: Callable[[], None], reps: int) -> list[float]:
     """Microseconds of ``reps`` calls of ``fn``, ``reset`` (untimed) after each."""
-    out = []
-    clock = time.perf_counter_ns
-    gc.disable()
-    try:
-        for _ in range(max(20, reps // 10)):  # warm-up, not recorded
-            fn()
-            reset()
-        for _ in range(reps):
-            t0 = clock()
-            fn()
-            t1 = clock()
-            out.append((t1 - t0) / 1000.0)
-            reset()
-    finally:
-        gc.enable()
-    return out
+    return time_calls(fn, reset, reps, warmup=max(20, reps // 10))
 
 
 def _a(values) -> np.ndarray:

@@ -26,16 +26,15 @@ torch runs on one thread (``world.load_sglang``, decision 10).
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import sys
-import time
 from array import array
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from calltimer import time_calls  # bench/, beside this script
 
 POOL_TOKENS = 1_000_000
 ROWS = 512
@@ -57,22 +56,8 @@ sc = importlib.import_module(f"{PKG.__name__}.scenario")
 
 
 def _time(fn: Callable[[], object], reset: Callable[[], None], reps: int) -> list[float]:
-    out = []
-    clock = time.perf_counter_ns
-    gc.disable()
-    try:
-        for _ in range(max(5, reps // 10)):
-            fn()
-            reset()
-        for _ in range(reps):
-            t0 = clock()
-            fn()
-            t1 = clock()
-            out.append((t1 - t0) / 1000.0)
-            reset()
-    finally:
-        gc.enable()
-    return out
+    """Microseconds of ``reps`` calls of ``fn``, ``reset`` (untimed) after each."""
+    return time_calls(fn, reset, reps, warmup=max(5, reps // 10))
 
 
 def _engine(page_size: int, spec: bool = False) -> Any:
