@@ -212,6 +212,14 @@ class ReplayLink(Protocol):
         ...
 
 
+def _take(inbox: queue.Queue[Item], timeout: float) -> Item | None:
+    """The next item of ``inbox``, waiting up to ``timeout`` s (0: only one already there)."""
+    try:
+        return inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait()
+    except queue.Empty:
+        return None
+
+
 class ThreadReplay:
     """A ``Replayer`` over ``source`` in a thread of this process.
 
@@ -247,10 +255,7 @@ class ThreadReplay:
                 continue
 
     def get(self, timeout: float) -> Item | None:
-        try:
-            return self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
+        return _take(self._inbox, timeout)
 
     def command(self, name: str, *args: Any) -> None:
         self._commands.put((name, list(args)))
@@ -390,10 +395,7 @@ class ChildReplay:
         return f"the replay process exited with code {code}{why}"
 
     def get(self, timeout: float) -> Item | None:
-        try:
-            return self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
+        return _take(self._inbox, timeout)
 
     def command(self, name: str, *args: Any) -> None:
         self._outbox.put([name, *args])
