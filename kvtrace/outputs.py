@@ -24,7 +24,7 @@ from pathlib import Path
 from kvtrace.errors import OutputError
 from traces.atomic import replacing
 
-__all__ = ["OutputFile"]
+__all__ = ["OutputFile", "distinct_outputs"]
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -32,6 +32,25 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet)
         return a.resolve() == b.resolve()
+
+
+def distinct_outputs(outputs: Iterable[OutputFile | None]) -> None:
+    """Refuse a command's outputs that name the same file (one would overwrite the other).
+
+    Raises:
+        OutputError: one line naming both options and the file.
+    """
+    seen: list[OutputFile] = []
+    for output in outputs:
+        if output is None:
+            continue
+        for other in seen:
+            if _same_file(output.path, other.path):
+                raise OutputError(
+                    f"{other.option} {other.path} and {output.option} {output.path} are the same file; "
+                    "give them different paths"
+                )
+        seen.append(output)
 
 
 class OutputFile:

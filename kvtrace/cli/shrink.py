@@ -79,7 +79,7 @@ def shrink(
     Exit code: 0 shrunk; 1 the failure did not reproduce on TRACE; 2 bad input.
     """
     from kvtrace.cli.replay import check_device
-    from kvtrace.outputs import OutputFile
+    from kvtrace.outputs import OutputFile, distinct_outputs
     from kvtrace.shrink import shrink_trace
     from traces.samples import resolve_trace
 
@@ -93,6 +93,7 @@ def shrink(
     inputs = [resolve_trace(trace)]
     target_out = None if out is None else OutputFile(out, force=force, inputs=inputs)
     test_files = None if emit_test is None else _test_outputs(emit_test, force, inputs)
+    distinct_outputs([target_out, *(test_files or ())])
     command_text = ui.command_line(ctx.meta)
     with _Progress(ui.console(stderr=True)) as progress:
         result = shrink_trace(trace, oracle, page_size=page_size, pool_tokens=pool_tokens, jobs=jobs,
@@ -146,12 +147,12 @@ def _oracle(target: Any, allocator: str | None, baseline: str | None, a: str | N
 
 
 def _test_outputs(path: Path, force: bool, inputs: list[Path]) -> tuple[Any, Any]:
-    from kvtrace.outputs import OutputFile
+    from kvtrace.outputs import OutputFile, distinct_outputs
 
     if path.suffix != ".py" or not path.name.startswith("test_"):
         raise typer.BadParameter(f"{path}: name the test test_NAME.py (pytest collects test_*.py)", param_hint="--emit-test")
     return (OutputFile(path, option="--emit-test", force=force, inputs=inputs),
-            OutputFile(path.with_suffix(".kvtrace"), option="--emit-test", force=force, inputs=inputs))
+            OutputFile(path.with_suffix(".kvtrace"), option="--emit-test's trace", force=force, inputs=inputs))
 
 
 def _write_test(result: ShrinkResult, files: tuple[Any, Any], expect_failure: bool, command_text: str) -> None:

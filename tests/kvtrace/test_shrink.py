@@ -175,6 +175,8 @@ def test_help_has_examples_and_the_shared_flags() -> None:
         (["--until", "violation", "--emit-test", "regress.py"], "test_NAME.py"),
         (["--until", "violation", "--allocator", "nosuch", "--out", "x.kvtrace"], "valid forms"),
         (["--until", "violation", "--out", "README.md"], "already exists"),
+        (["--until", "violation", "--out", "/tmp/test_kvtrace_same.kvtrace", "--emit-test",
+          "/tmp/test_kvtrace_same.py"], "are the same file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
