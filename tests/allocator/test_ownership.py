@@ -16,7 +16,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from allocator import AllocatorConfig, SpecConfig, create_allocator
 from allocator.ownership import NUM_STATES, SlotState, cell_pages, reduce_cells, request_slots
-from tests.allocator.test_state_machine import _machine
+from tests.allocator.test_state_machine import _machine, machine_config
 
 _LETTER = {
     SlotState.FREE: "F",
@@ -134,14 +134,7 @@ def test_a_request_holding_nothing_has_no_slots() -> None:
      pytest.param(64, SpecConfig("standalone", 3, 1, 4), id="page64-standalone")],
 )
 def test_state_counts_equal_counters_on_random_sequences(page_size: int, spec: SpecConfig | None) -> None:
-    config = AllocatorConfig(
-        pool_tokens={1: 400, 16: 384, 64: 640}[page_size],
-        page_size=page_size,
-        max_running=5,
-        extra_rows=1,
-        max_context_len=320,
-        spec=spec,
-    )
+    config = machine_config(page_size, spec)
 
     class Machine(_machine(config)):  # type: ignore[misc]
         @invariant()

@@ -251,6 +251,18 @@ def _machine(config: AllocatorConfig) -> type[RuleBasedStateMachine]:
     return KvMachine
 
 
+def machine_config(page_size: int, spec: SpecConfig | None) -> AllocatorConfig:
+    """The small pool the state machines run on (a few requests fill it)."""
+    return AllocatorConfig(
+        pool_tokens={1: 400, 16: 384, 64: 640}[page_size],
+        page_size=page_size,
+        max_running=5,
+        extra_rows=1,
+        max_context_len=320,
+        spec=spec,
+    )
+
+
 _CONFIGS = [
     pytest.param(1, None, id="page1"),
     pytest.param(16, None, id="page16"),
@@ -263,14 +275,7 @@ _CONFIGS = [
 
 @pytest.mark.parametrize(("page_size", "spec"), _CONFIGS)
 def test_state_machine(page_size: int, spec: SpecConfig | None) -> None:
-    config = AllocatorConfig(
-        pool_tokens={1: 400, 16: 384, 64: 640}[page_size],
-        page_size=page_size,
-        max_running=5,
-        extra_rows=1,
-        max_context_len=320,
-        spec=spec,
-    )
+    config = machine_config(page_size, spec)
     run_state_machine_as_test(
         _machine(config),
         settings=settings(
