@@ -11,7 +11,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +25,10 @@ from kvtrace.cli import app
 from kvtrace.rangediff import first_true
 from traces.io import TraceReader
 from traces.schema import SPEC
+from tests.kvtrace.test_versions import ALLOCATOR, _git
 from traces.synth import generate
 
 runner = CliRunner()
-ALLOCATOR = Path(__file__).resolve().parents[2] / "allocator"
-
-
-def _git(repo: Path, *args: str) -> str:
-    out = subprocess.run(
-        ["git", "-c", "user.email=kvtrace@example.com", "-c", "user.name=kvtrace", *args],
-        cwd=repo, check=True, capture_output=True, text=True,
-    )
-    return out.stdout.strip()
 
 
 def _commit(repo: Path, message: str) -> str:
