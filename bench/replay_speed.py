@@ -89,7 +89,7 @@ def replay(code: Path, trace: Path, log: Path | None = None) -> dict:
         cmd += ["--out", str(log), "--force"]
     env = {**os.environ, "PYTHONPATH": str(code)}
     proc = subprocess.run(cmd, cwd=code, capture_output=True, text=True, env=env)
-    if proc.returncode not in (0, 1):
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
         raise SystemExit(f"replay of {trace} with {code} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout)
 
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(tmp_name)
         if args.before_tree is not None:
             before = args.before_tree.resolve()
+            if not (before / "kvtrace" / "__main__.py").is_file():
+                raise SystemExit(f"--before-tree {before}: no kvtrace package there (git archive REV allocator "
+                                 "kvtrace traces pyproject.toml | tar -x -C DIR)")
             print(f"before: the code in {before}; after: {ROOT}")
             _table(traces_to_run(args.traces, tmp, not args.synthetic_only), before, tmp, args.repeat, not args.no_logs)
             return
