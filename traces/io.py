@@ -647,10 +647,6 @@ class StepChunk(NamedTuple):
         return int(self.starts.shape[0])
 
     @property
-    def first_step(self) -> int:
-        return int(self.columns.step[self.starts[0]])
-
-    @property
     def last_step(self) -> int:
         return int(self.columns.step[self.starts[-1]])
 
@@ -677,17 +673,6 @@ class StepChunk(NamedTuple):
         if keep.all():
             return self
         return StepChunk(self.columns, self.starts[keep], self.stops[keep], self.position)
-
-    @classmethod
-    def of_step(cls, batch: StepBatch, position: ResumePoint | None) -> StepChunk:
-        """A chunk of one step (a step merged from two record batches)."""
-        n = len(batch)
-        fields = {
-            name: (np.full(n, batch.step, np.int64) if name == "step"
-                   else np.full(n, batch.time_s, np.float64) if name == "time_s" else getattr(batch, name))
-            for name in _Columns._fields
-        }
-        return cls(_Columns(**fields), np.zeros(1, np.int64), np.full(1, n, np.int64), position)
 
 
 # Steps gathered into one chunk (record batches are concatenated until they hold as many).
