@@ -27,11 +27,10 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.errors import TraceError
+from kvtrace.logformat import STATE_LOG_METADATA_KEY, STATE_LOG_VERSION
 from kvtrace.snapshot import Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
 from traces.ipc import IpcReader
 
-STATE_LOG_VERSION = 2
-STATE_LOG_METADATA_KEY = b"kvtrace.statelog"
 
 _POOL_FIELDS = PoolCounters._fields
 # RequestDelta fields -> list columns (name, Arrow type, numpy dtype)

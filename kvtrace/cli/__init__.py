@@ -7,13 +7,18 @@ exit code (2 for bad input); a command's usage errors (a bad option value,
 SIGTERM / SIGHUP 128 + the signal number; ``--debug`` anywhere on the command
 line shows the traceback instead.
 
-Start-up: importing this package imports typer and the command modules only; a
-command imports numpy, pyarrow, rich tables and torch inside its function, when
-it runs (``kvtrace --help`` and ``kvtrace info`` never import torch).
+Start-up: importing this package imports typer only. The console script imports
+the module of the command it runs (``COMMAND_MODULES``), or all of them for the
+root help, completion or a name it does not know; ``app`` (what tests and
+library users invoke) has every command. A command imports numpy, pyarrow, rich
+tables and torch inside its function, when it runs (``kvtrace --help`` and
+``kvtrace info`` never import torch).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -111,7 +116,7 @@ def optional_value(args: list[str], option: str, default: str) -> list[str]:
     return out
 
 
-app = typer.Typer(
+_app = typer.Typer(
     name="kvtrace",
     cls=KvtraceGroup,
     no_args_is_help=True,
@@ -132,7 +137,12 @@ app = typer.Typer(
 def command(name: str, *, epilog: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a kvtrace command: ``app.command`` with kvtrace's command class (flags
     shown as flags) and an Examples section (``options.examples``)."""
-    return app.command(name, cls=KvtraceCommand, epilog=epilog, **kwargs)
+    return _app.command(name, cls=KvtraceCommand, epilog=epilog, **kwargs)
+
+
+def add_group(group: typer.Typer, name: str) -> None:
+    """Register a command group (``kvtrace sweep run|report``) on the root app."""
+    _app.add_typer(group, name=name)
 
 
 def _print_version(value: bool) -> None:
@@ -141,7 +151,7 @@ def _print_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback()
+@_app.callback()
 def _root(
     version: Annotated[
         bool,
@@ -156,20 +166,53 @@ def _root(
     """
 
 
+# Each command's module, in the order of the root help. A module registers its
+# commands on the root app when imported (``command``, ``add_group``).
+COMMAND_MODULES: dict[str, str] = {
+    "info": "info",
+    "validate": "info",
+    "record": "record",
+    "replay": "replay",
+    "diff": "diff",
+    "versions": "diff",
+    "view": "view",
+    "sweep": "sweep",
+    "shrink": "shrink",
+}
+_loaded: set[str] = set()
+
+
+def load_commands(names: list[str] | None = None) -> typer.Typer:
+    """Import the modules of the named commands (None: every command) and return the root app."""
+    modules = dict.fromkeys(COMMAND_MODULES.values()) if names is None else [COMMAND_MODULES[n] for n in names]
+    for module in modules:
+        if module not in _loaded:
+            importlib.import_module(f"kvtrace.cli.{module}")
+            _loaded.add(module)
+    return _app
+
+
+def command_named(args: list[str]) -> str | None:
+    """The command a command line runs when it is one of kvtrace's (None: the root's help or
+    options alone, shell completion, or a name kvtrace does not have)."""
+    if any(key.endswith("_COMPLETE") for key in os.environ if key.startswith("_KVTRACE")):
+        return None
+    first = next((arg for arg in args if not arg.startswith("-")), None)
+    return first if first in COMMAND_MODULES else None
+
+
+def __getattr__(name: str) -> Any:
+    """``app``: the root app with every command registered."""
+    if name == "app":
+        return load_commands()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: registers only the command it runs (start-up time)."""
+    name = command_named(sys.argv[1:])
+    app = load_commands(None if name is None else [name])
     app(prog_name="kvtrace")
-
-
-# Command groups live in their own modules and register themselves on ``app``
-# when imported; add one import line per module below.
-from kvtrace.cli import info as _info  # noqa: E402,F401  (info, validate)
-from kvtrace.cli import record as _record  # noqa: E402,F401  (record)
-from kvtrace.cli import replay as _replay  # noqa: E402,F401  (replay)
-from kvtrace.cli import diff as _diff  # noqa: E402,F401  (diff, versions)
-from kvtrace.cli import view as _view  # noqa: E402,F401  (view)
-from kvtrace.cli import sweep as _sweep  # noqa: E402,F401  (sweep, sweep report)
-from kvtrace.cli import shrink as _shrink  # noqa: E402,F401  (shrink)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -45,7 +45,7 @@ def open_trace(spec: str) -> TraceReader:
 
 def _is_state_log(spec: str) -> bool:
     """Whether the file is a kvtrace state log (decided from its schema metadata)."""
-    from kvtrace.statelog import STATE_LOG_METADATA_KEY
+    from kvtrace.logformat import is_state_log_schema
     from traces.errors import TraceError
     from traces.ipc import IpcReader
     from traces.samples import resolve_trace
@@ -54,7 +54,7 @@ def _is_state_log(spec: str) -> bool:
         schema = IpcReader(resolve_trace(spec)).schema
     except TraceError:
         return False  # TraceReader says what is wrong, as it would for any trace
-    return STATE_LOG_METADATA_KEY in (schema.metadata or {})
+    return is_state_log_schema(schema)
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from kvtrace.cli import KvtraceCommand, _flags_as_flags, app, ui
+from kvtrace.cli import KvtraceCommand, _flags_as_flags, add_group, ui
 from kvtrace.cli.options import (
     CheckMode,
     Device,
@@ -67,7 +67,7 @@ sweep_app = typer.Typer(
     help="What-if grids: every combination of pool size, page size, version, … over workloads or traces. "
     "'kvtrace sweep INPUT... OPTIONS' is 'kvtrace sweep run INPUT... OPTIONS'.",
 )
-app.add_typer(sweep_app, name="sweep")
+add_group(sweep_app, "sweep")
 
 
 

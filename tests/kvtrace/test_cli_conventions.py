@@ -62,10 +62,11 @@ def test_choices_and_defaults_from_the_trace_are_shown() -> None:
 def test_shell_completion() -> None:
     root = help_of()
     assert "--install-completion" in root and "--show-completion" in root
-    # In a process of its own: the shell is named on the command line, as a user types it.
+    # In a process of its own, started by bash as a user's would be (typer before 0.29
+    # finds the shell among the process's parents), the shell also named on the command line.
     script = subprocess.run(
-        [sys.executable, "-m", "kvtrace", "--show-completion", "bash"], capture_output=True, text=True,
-        env={**os.environ, "SHELL": "/bin/bash"},
+        ["bash", "-c", '"$0" -m kvtrace --show-completion bash; exit $?', sys.executable],
+        capture_output=True, text=True, env={**os.environ, "SHELL": "/bin/bash"},
     )
     assert script.returncode == 0 and "_KVTRACE_COMPLETE=complete_bash" in script.stdout, script.stderr
 
@@ -169,12 +170,27 @@ def test_help_and_info_never_import_torch() -> None:
         "    kvtrace.cli.main()\n"
         "except SystemExit as exc:\n"
         "    assert exc.code in (0, None), exc.code\n"
-        "heavy = [m for m in ('torch', 'triton', 'pandas') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'triton', 'pandas', 'pydantic') if m in sys.modules]\n"
         "assert not heavy, f'kvtrace info imported {heavy}'\n"
+        "others = sorted(m for m in sys.modules if m.startswith('kvtrace.cli.') and m.rsplit('.', 1)[1] in {'record', 'replay', 'diff', 'view', 'sweep', 'shrink'})\n"
+        "assert not others, f'kvtrace info imported the modules of other commands: {others}'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["steps"] == 139
+
+
+def test_command_modules_name_every_command_once() -> None:
+    """``COMMAND_MODULES`` (what the console script imports for one command) names
+    exactly the commands the modules register, so a lazily started command is the
+    one the full app has."""
+    from kvtrace.cli import COMMAND_MODULES, command_named
+
+    registered = [info.name for info in app.registered_commands] + [group.name for group in app.registered_groups]
+    assert sorted(registered) == sorted(COMMAND_MODULES)
+    assert command_named(["-q", "--no-color", "replay", "x.kvtrace"]) == "replay"
+    assert command_named(["--help"]) is None
+    assert command_named(["nosuch", "info"]) is None
 
 
 @pytest.mark.parametrize(
