@@ -21,7 +21,7 @@ runner = CliRunner()
         (["replay", "sample:tiny", "--serve", "9000"], "serving is for the dashboard; add --tui"),
         (["replay", "sample:tiny", "--tui", "--json"], "the dashboard prints no JSON"),
         (["replay", "sample:tiny", "--host", "0.0.0.0"], "--host is where --serve listens"),
-        (["replay", "sample:tiny", "--tui", "--serve", "70000"], "less than or equal to 65535"),
+        (["replay", "sample:tiny", "--tui", "--serve", "70000"], "'--serve': 70000 is not in the range 1<=x<=65535"),
         (["view", "/nonexistent/run.log"], "state log /nonexistent/run.log: no such file"),
         (["view", "/nonexistent/run.log", "--host", "0.0.0.0"], "--host is where --serve listens"),
         (["replay", "sample:nosuch", "--tui"], "sample"),
