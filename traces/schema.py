@@ -353,6 +353,7 @@ class TraceMeta:
             _int_in(model, key, "model.", 1, MAX_MODEL_DIM, None)
         for key in ("name", "dtype"):
             _str_of(model, key, "model.", None)
+        model = {key: value for key, value in model.items() if value is not None}  # null: the default shape's
         for key in source:
             _str_of(source, key, "source.", None)
         recording = data.get("recording")

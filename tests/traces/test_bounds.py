@@ -76,6 +76,12 @@ def test_valid_metadata_round_trips_and_optional_fields_default() -> None:
     assert TraceMeta.from_json(meta.to_json()) == meta
     bare = TraceMeta.from_dict(_meta(config__spec=None, config__chunk_size=None, model=None, source=None))
     assert bare.config.spec is None and bare.model.num_layers == 32 and bare.source.engine == "unknown"
+    # A model field that is null means what its absence means: the default shape's.
+    data = _meta()
+    data["model"].update(num_layers=None, head_dim=None, dtype=None)
+    nulls = TraceMeta.from_dict(data)
+    assert (nulls.model.num_layers, nulls.model.head_dim, nulls.model.dtype) == (32, 128, "bfloat16")
+    assert nulls.to_dict()["model"]["bytes_per_token"] == nulls.model.bytes_per_token
 
 
 @pytest.mark.parametrize(
