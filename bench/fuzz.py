@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import queue as queue_module
 import sys
 import tempfile
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     deadline = time.time() + args.max_seconds if args.max_seconds is not None else float("inf")
+    # One core per worker: torch, Arrow and BLAS thread pools sized to the machine, in
+    # every worker at once, fight over the cores (a third of the cases per minute on 16).
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(variable, "1")
     ctx = mp.get_context("spawn")  # each worker imports kvtrace afresh: no shared state
     queue: mp.Queue = ctx.Queue()
     stop = args.start + args.cases

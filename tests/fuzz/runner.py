@@ -17,8 +17,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import typer
+import typer.testing as typer_testing
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
@@ -29,6 +32,7 @@ from tests.fuzz.mutate import Case, Seed, make_case, write
 FORBIDDEN = ("internal error", "factory failed", "no reason given", "Traceback")
 DEFAULT_TIME_LIMIT_S = 30.0
 DEFAULT_MEMORY_LIMIT = 1 << 30
+_build_command = typer_testing._get_command
 
 
 class CaseTimeout(BaseException):
@@ -46,6 +50,33 @@ class Failure:
 
     def __str__(self) -> str:
         return f"case {self.seed} ({'; '.join(self.notes)}): {self.command}: {self.reason}"
+
+
+class BuiltCliRunner(CliRunner):
+    """Typer's test runner, with the command tree built once: ``CliRunner.invoke``
+    rebuilds it from the app's signatures on every call (half of a case's time).
+    Every typer version's runner builds it through ``typer.testing._get_command``,
+    which this runner answers from its cache while it invokes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._built: dict[int, Any] = {}
+
+    def _get_command(self, app: typer.Typer) -> Any:
+        built = self._built.get(id(app))
+        if built is None:
+            built = self._built[id(app)] = _build_command(app)
+        return built
+
+    def invoke(self, app: typer.Typer, args: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        typer_testing._get_command = self._get_command
+        try:
+            return super().invoke(app, args, **kwargs)
+        finally:
+            typer_testing._get_command = _build_command
+
+
+_SHARED_RUNNER = BuiltCliRunner()  # the command tree, built on the first case
 
 
 def _peak_rss() -> int:
@@ -140,7 +171,7 @@ def run_case(
     except Exception as exc:  # noqa: BLE001 - a fault of the fuzzer itself, reported as such
         path.unlink(missing_ok=True)
         return [Failure(case_seed, "mutate", f"the fuzzer could not build the case: {type(exc).__name__}: {exc}", ())]
-    runner = runner or CliRunner()
+    runner = runner or _SHARED_RUNNER
     failures = []
     # The product's own memory check refuses a pool past half the case's budget (the
     # estimate leaves out the interpreter's own growth): one clear line, not a swollen process.
