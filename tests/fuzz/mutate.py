@@ -201,10 +201,25 @@ def nudge(case: Case, rng: np.random.Generator) -> str:
     return f"{name}[{rows[:3].tolist()}...] += {delta}"
 
 
+def _op_dictionary(table: pa.Table) -> pa.DictionaryArray | None:
+    """The op column as a dictionary array (an earlier edit may have retyped it to plain
+    strings: encoded again; to anything else, or dropped: None)."""
+    if "op" not in table.column_names:
+        return None
+    column = table.column("op").combine_chunks()
+    if pa.types.is_dictionary(column.type):
+        return column
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return column.dictionary_encode()
+    return None
+
+
 def change_op(case: Case, rng: np.random.Generator) -> str:
     """Rows given another op kind (dictionary index)."""
     seed = case.seed
-    column = seed.table.column("op").combine_chunks()
+    column = _op_dictionary(seed.table)
+    if column is None:
+        return "op changed: skipped (the op column is no longer strings)"
     indices = column.indices.to_numpy(zero_copy_only=False).copy()
     rows = _rows(rng, indices.shape[0])
     indices[rows] = rng.integers(0, len(column.dictionary), rows.shape[0])
@@ -216,7 +231,9 @@ def change_op(case: Case, rng: np.random.Generator) -> str:
 def change_op_names(case: Case, rng: np.random.Generator) -> str:
     """The op dictionary permuted, extended or given an unknown name."""
     seed = case.seed
-    column = seed.table.column("op").combine_chunks()
+    column = _op_dictionary(seed.table)
+    if column is None:
+        return "op dictionary: skipped (the op column is no longer strings)"
     names = list(OPS)
     kind = int(rng.integers(3))
     if kind == 0:
