@@ -173,6 +173,15 @@ class PageShadow:
             if np.count_nonzero(was[mine] != OWNED) or np.count_nonzero(self.row_of[pages[mine]] != rows[mine]):
                 ch.flag("an entry points at a page its request does not hold")
             pages, rows = pages[fresh], rows[fresh]
+            if ps > 1:
+                index, offset = index[fresh], offset[fresh]
+        if ps > 1 and pages.shape[0] > 1:
+            # A run of decode steps writes several positions of one new page: the page is
+            # claimed once per page of a row (the alignment check tied each entry to the
+            # entry at its page's start, ``index - offset``).
+            _, first = np.unique(index - offset, return_index=True)
+            if first.shape[0] != pages.shape[0]:
+                pages, rows = pages[first], rows[first]
         self._claim(pages, rows)
 
     def verify_range(self, ch: Changes, row: int, start: int, end: int) -> None:
@@ -209,7 +218,10 @@ class PageShadow:
         if isinstance(rows, int):
             self.held[rows] += n
         else:
-            np.add.at(self.held, rows, 1)
+            counts = np.bincount(rows, minlength=self.held.shape[0]) if int(rows.min()) >= 0 else None
+            if counts is None or counts.shape[0] != self.held.shape[0]:
+                raise IndexError("a row outside the request-row pool")  # the full walk says what
+            self.held += counts
 
     # ------------------------------------------------------------------ end of call
 
