@@ -1,9 +1,10 @@
 """The page half of the incremental checker: a shadow of who holds every page.
 
-``PageShadow`` keeps, per page, a kind (int8, one byte a page so the random
-accesses stay in cache) and, for pages a request owns, its ``req_to_token`` row;
-per row, how many pages its request owns; and the number of pages taken or evicted
-in the current call that nobody has claimed yet. The journal's events move pages
+``PageShadow`` keeps, per page, one code (``holder``: a kind, or for a page a request
+owns ``OWNED + `` its ``req_to_token`` row, so one gather says both whose a page is and
+what kind; int16 while the rows allow, so the random accesses stay in cache); per
+row, how many pages its request owns; and the number of pages taken or evicted in
+the current call that nobody has claimed yet. The journal's events move pages
 between kinds::
 
     FREE --take--> NOBODY --row write (own range)--> OWNED(row) --free--> FREE
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["FREE", "NOBODY", "OWNED", "RESERVED", "TREE", "PageShadow"]
 
 # Page kinds (FREE is 0 so "all free" is one any()). Pages a request may give up are
-# NOBODY or OWNED, the two largest codes.
+# NOBODY or owned, the largest codes: a page row r owns holds OWNED + r.
 FREE, TREE, RESERVED, NOBODY, OWNED = 0, 1, 2, 3, 4
 
 
@@ -50,8 +51,9 @@ class PageShadow:
         self._table = allocator.req_to_token_pool.req_to_token_np
         self._flat = self._table.reshape(-1)
         self._row_base = allocator.writer.row_base
-        self.kind = np.zeros(0, dtype=np.int8)  # int8 [num_pages + 1] page kind
-        self.row_of = np.zeros(0, dtype=np.int32)  # int32 [num_pages + 1] owning row where kind is OWNED
+        rows = allocator.req_kv.num_rows
+        self._dtype = np.int16 if OWNED + rows <= np.iinfo(np.int16).max else np.int32
+        self.holder = np.zeros(0, dtype=self._dtype)  # [num_pages + 1] kind, or OWNED + owning row
         self.held = np.zeros(0, dtype=np.int64)  # int64 [rows] pages owned through each row
         self.free_count = 0  # pages on the free lists (with repeats, as the lists count them)
         self.tree_count = 0  # pages in the tree
@@ -62,17 +64,15 @@ class PageShadow:
         a = self.allocator
         holders = page_holders(a, rows, allocated, protected)
         n = self.num_pages
-        kind = np.full(n + 1, NOBODY, dtype=np.int8)
-        kind[holders.free_pages[(holders.free_pages >= 0) & (holders.free_pages <= n)]] = FREE
-        kind[holders.tree_pages[(holders.tree_pages >= 0) & (holders.tree_pages <= n)]] = TREE
+        holder = np.full(n + 1, NOBODY, dtype=self._dtype)
+        holder[holders.free_pages[(holders.free_pages >= 0) & (holders.free_pages <= n)]] = FREE
+        holder[holders.tree_pages[(holders.tree_pages >= 0) & (holders.tree_pages <= n)]] = TREE
         inside = (holders.req_pages >= 0) & (holders.req_pages <= n)
         pages = holders.req_pages[inside]
         owners = rows[holders.req_index[inside]]
-        kind[pages] = OWNED
-        kind[0] = RESERVED
-        row_of = np.full(n + 1, -1, dtype=np.int32)
-        row_of[pages] = owners
-        self.kind, self.row_of = kind, row_of
+        holder[pages] = OWNED + owners
+        holder[0] = RESERVED
+        self.holder = holder
         self.held = np.bincount(owners, minlength=a.req_kv.num_rows).astype(np.int64)
         self.free_count = int(holders.free_pages.shape[0])
         self.tree_count = int(holders.tree_pages.shape[0])
@@ -84,68 +84,57 @@ class PageShadow:
         ps = self.ps
         return (slots[::ps] // ps if ps > 1 else slots).astype(np.int64)
 
-    def _kinds(self, pages: np.ndarray) -> np.ndarray:
-        """The kinds of ``pages``. An id outside the pool reads as page 0 (reserved: an
-        anomaly) or the last page; the move's scatter then raises IndexError, on which
+    def _holders(self, pages: np.ndarray) -> np.ndarray:
+        """The holder codes of ``pages``. An id outside the pool reads as page 0 (reserved:
+        an anomaly) or the last page; the move's scatter then raises IndexError, on which
         the checker falls back to the full walk."""
-        return np.take(self.kind, pages, mode="clip")
+        return np.take(self.holder, pages, mode="clip")
 
     # ------------------------------------------------------------------ moves
 
     def take(self, pages: np.ndarray, ch: Changes) -> None:
         """Pages left a free list: they must have been free."""
         pages = pages.astype(np.int64)
-        kind = self.kind
-        if np.count_nonzero(self._kinds(pages)):
+        if np.count_nonzero(self._holders(pages)):
             ch.flag("a page left the free list while held")
-        kind[pages] = NOBODY
+        self.holder[pages] = NOBODY
         self.nobody += pages.shape[0]
         self.free_count -= pages.shape[0]
 
     def give(self, pages: np.ndarray, ch: Changes, to: int) -> None:
         """Pages went to the free list (``to=FREE``) or into the tree (``to=TREE``): they
         must come from a request or from this call's allocation / eviction."""
-        kind = self.kind
-        was = self._kinds(pages)
+        was = self._holders(pages)
         n = pages.shape[0]
         if n:
-            owned = was == OWNED
-            num_owned = int(np.count_nonzero(owned))
-            if num_owned == n:
-                self._disown(pages)
+            first = int(was[0])
+            if first >= OWNED and not np.count_nonzero(was != first):  # one row's (a release, a checkpoint)
+                self.held[first - OWNED] -= n
             else:
+                owned = was >= OWNED
+                num_owned = int(np.count_nonzero(owned))
                 num_nobody = int(np.count_nonzero(was == NOBODY))
                 if num_owned + num_nobody != n:
                     ch.flag("a page freed or cached while free, cached or reserved")
                 self.nobody -= num_nobody
                 if num_owned:
-                    self._disown(pages[owned])
-        kind[pages] = to
+                    self.held -= np.bincount(was[owned] - OWNED, minlength=self.held.shape[0])
+        self.holder[pages] = to
         if to == FREE:
             self.free_count += n
         else:
             self.tree_count += n
 
-    def _disown(self, pages: np.ndarray) -> None:
-        """Owned pages leave their rows (mostly one: a release, a checkpoint)."""
-        rows = self.row_of[pages]
-        first = int(rows[0])
-        if np.count_nonzero(rows != first):
-            self.held -= np.bincount(rows, minlength=self.held.shape[0])
-        else:
-            self.held[first] -= rows.shape[0]
-
     def evict(self, pages: np.ndarray, ch: Changes, freed: bool) -> None:
         """Pages left the tree; ``freed``: the next event gave exactly them to the free list."""
-        kind = self.kind
-        if np.count_nonzero(self._kinds(pages) != TREE):
+        if np.count_nonzero(self._holders(pages) != TREE):
             ch.flag("an evicted page was not cached")
         self.tree_count -= pages.shape[0]
         if freed:
-            kind[pages] = FREE
+            self.holder[pages] = FREE
             self.free_count += pages.shape[0]
         else:
-            kind[pages] = NOBODY
+            self.holder[pages] = NOBODY
             self.nobody += pages.shape[0]
 
     # ------------------------------------------------------------------ row entries
@@ -166,13 +155,22 @@ class PageShadow:
             if np.count_nonzero((pages % ps != offset) | (pages - self._flat[index - offset] != offset)):
                 ch.flag("an entry breaks the page alignment")
             pages //= ps
-        was = self._kinds(pages)
+        was = self._holders(pages)
         fresh = was == NOBODY
         if np.count_nonzero(fresh) != pages.shape[0]:
             mine = ~fresh
-            if np.count_nonzero(was[mine] != OWNED) or np.count_nonzero(self.row_of[pages[mine]] != rows[mine]):
+            if np.count_nonzero(was[mine] != rows[mine] + OWNED):
                 ch.flag("an entry points at a page its request does not hold")
             pages, rows = pages[fresh], rows[fresh]
+            if ps > 1:
+                index, offset = index[fresh], offset[fresh]
+        if ps > 1 and pages.shape[0] > 1:
+            # A run of decode steps writes several positions of one new page: the page is
+            # claimed once per page of a row (the alignment check tied each entry to the
+            # entry at its page's start, ``index - offset``).
+            _, first = np.unique(index - offset, return_index=True)
+            if first.shape[0] != pages.shape[0]:
+                pages, rows = pages[first], rows[first]
         self._claim(pages, rows)
 
     def verify_range(self, ch: Changes, row: int, start: int, end: int) -> None:
@@ -188,11 +186,10 @@ class PageShadow:
                 ch.flag("an entry breaks the page alignment")
             values = self._table[row, first:end:ps] // ps
         pages = values.astype(np.int64)
-        was = self._kinds(pages)
+        was = self._holders(pages)
         fresh = was == NOBODY
         if int(np.count_nonzero(fresh)) != pages.shape[0]:
-            mine = ~fresh
-            if np.count_nonzero(was[mine] != OWNED) or np.count_nonzero(self.row_of[pages[mine]] != row):
+            if np.count_nonzero(was[~fresh] != row + OWNED):
                 ch.flag("an entry points at a page its request does not hold")
             pages = pages[fresh]
         self._claim(pages, row)
@@ -203,13 +200,15 @@ class PageShadow:
         n = pages.shape[0]
         if not n:
             return
-        self.kind[pages] = OWNED
-        self.row_of[pages] = rows
-        self.nobody -= n
         if isinstance(rows, int):
             self.held[rows] += n
         else:
-            np.add.at(self.held, rows, 1)
+            counts = np.bincount(rows, minlength=self.held.shape[0]) if int(rows.min()) >= 0 else None
+            if counts is None or counts.shape[0] != self.held.shape[0]:
+                raise IndexError("a row outside the request-row pool")  # the full walk says what
+            self.held += counts
+        self.holder[pages] = rows + OWNED
+        self.nobody -= n
 
     # ------------------------------------------------------------------ end of call
 

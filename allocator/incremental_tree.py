@@ -111,7 +111,7 @@ class LockShadow:
         if ch.new_nodes:
             self._check_new_nodes(ch, seen)
         if ch.evicted_nodes:
-            for node in self.expected.keys() & ch.evicted_nodes.keys():
+            for node in sorted(self.expected.keys() & ch.evicted_nodes.keys(), key=lambda n: n.id):
                 if self.expected.pop(node) > 0:
                     ch.tree.append(Violation("tree", f"node {node.id} was evicted while requests lock it", None,
                                              {"node": node.id}))
@@ -149,14 +149,21 @@ class LockShadow:
             seen.add(node)
 
     def _check_nodes(self, ch: Changes, nodes: set[TreeNode]) -> None:
-        """Lock counts and evictable-leaf listing of the nodes on the touched paths."""
+        """Lock counts and evictable-leaf listing of the nodes on the touched paths (the
+        violations in node id order, whatever the set's order)."""
         tree = self.allocator.tree_cache
         root = tree.root_node
         leaves = tree.evictable_leaves
-        bad_lock = 0
+        bad: list[TreeNode] = []
         for node in nodes:
             if node is root or node.parent is None:
                 continue  # the root, or a node evicted in this call
+            if node.lock_ref != self.expected.get(node, 0) or (node.lock_ref == 0 and not node.children) != (
+                node in leaves
+            ):
+                bad.append(node)
+        bad_lock = 0
+        for node in sorted(bad, key=lambda n: n.id):
             want = self.expected.get(node, 0)
             if node.lock_ref != want:
                 bad_lock += 1

@@ -397,13 +397,19 @@ class ReplayEngine:
 
     def can_run_decodes(self) -> bool:
         """Whether ``replay_decode_run`` may apply runs of plain decode steps in one
-        call: the allocator supports it and nothing needs the state after every call
-        (per-call checks, per-step state digests) or filters rows (dropped requests)."""
+        call: the allocator supports it and nothing needs the state after every step
+        (full per-call checks, per-step state digests) or filters rows (dropped
+        requests). Under ``--check every`` a run is one allocator call, checked once
+        incrementally after it, while no violation has been found: after one, steps go
+        one by one, so that a lasting break is reported at each step as without runs."""
         opts = self.options
+        checks_fit = opts.check in ("end", "never") or (
+            opts.check == "every" and self._checks_incrementally and not self.stats.num_violations
+        )
         return (
             opts.decode_runs
             and self._decode_runs
-            and opts.check in ("end", "never")
+            and checks_fit
             and not opts.state_digest
             and not self._any_dropped
         )
@@ -463,6 +469,11 @@ class ReplayEngine:
         if st.first_step is None:
             st.first_step = int(steps[0])
         st.last_step = int(steps[-1])
+        events: tuple[Event, ...] = ()
+        if self.options.check == "every":  # the run's one call, checked as one call
+            self._step, self._op_name, self._events = st.last_step, OPS[op], []
+            self._check(self._op_name, rids, touched=rids)
+            events = tuple(self._events)
         counters = res.counters
         used = counters[:, _USED_FROM] - counters[:, _AVAILABLE] - counters[:, _EVICTABLE]
         top = int(np.argmax(used))
@@ -479,7 +490,7 @@ class ReplayEngine:
                 time_s=t,
                 pool=PoolCounters(*row),
                 requests=RequestDelta(rids, allocated[j], committed[j], before.protected, op_codes, phase, prefix),
-                events=(),
+                events=events if j == num_steps - 1 else (),
                 num_ops=bs,
                 allocator_s=per_step,
             )

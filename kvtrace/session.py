@@ -376,6 +376,8 @@ class ReplaySession:
                 if snaps:
                     self._since_checkpoint += len(snaps)
                     self._pending.extend(snaps[1:])
+                    if engine.stopped_early:  # the run's check found violations enough
+                        self._end()
                     return self._shown(snaps[0])
                 continue
             self._index += 1

@@ -268,3 +268,63 @@ def test_device_table_entries_written_are_compared() -> None:
     alloc.decode(np.array([0]))
     pool.device_req_to_token.copy_(torch.from_numpy(pool.req_to_token_np))
     assert alloc.check_integrity(np.array([0])) == [] == alloc.check_integrity()
+
+
+# ---------------------------------------------------------------------------- runs in one call
+
+
+def _break_after_run(alloc: KvAllocator, rids: np.ndarray, how: str) -> bool:
+    """Break the state a run left as the faulty allocators break a step's; whether it broke."""
+    if how == "stale_slot":  # the last slot a run wrote goes back to the free list
+        alloc.token_to_kv_pool_allocator.free(alloc.row_slots(int(rids[-1]))[-1:])
+    elif how == "counters":
+        alloc.req_kv.sum_committed -= 1
+    elif how == "overwrite" and rids.shape[0] > 1:  # another row's slot over an earlier own position
+        lens = alloc.request_lens(rids[-1:])
+        pos = int(lens.allocated[0]) - 2
+        if pos < int(lens.protected[0]):
+            return False
+        alloc.writer.assign_row(alloc.row_of(int(rids[-1])), pos, alloc.row_slots(int(rids[0]))[-1:].astype(np.int32))
+    else:
+        return False
+    return True
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    page_size=st.sampled_from([1, 4, 16]),
+    spec=st.booleans(),
+    warmup=st.integers(4, 40),
+    num_steps=st.integers(2, 12),
+    broken=st.sampled_from(["sound", "stale_slot", "counters", "overwrite"]),
+)
+def test_a_run_checked_in_one_call_agrees_with_the_full_walk(
+    seed: int, page_size: int, spec: bool, warmup: int, num_steps: int, broken: str
+) -> None:
+    """``decode_run`` / ``spec_decode_run`` (several steps in one call, as ``--check every``
+    replays them) checked incrementally once: clean after a sound run, and after a run
+    whose result was then broken the same check names as the full walk."""
+    config = _config(page_size, spec, 4096, False)
+    sim = RandomScheduler(config, seed)
+    alloc = sim.alloc
+    for _ in range(warmup):
+        sim.step()
+    rids = np.array([r.rid for r in sim.running.values() if r.state == "decode"], dtype=np.int64)
+    if rids.shape[0] == 0:
+        return
+    assert alloc.check_integrity(np.zeros(0, np.int64)) == []  # the full walk, then the checker attaches
+    if spec:
+        rng = np.random.default_rng(seed)
+        accepted = rng.integers(1, EAGLE.num_draft_tokens + 1, (num_steps, rids.shape[0]))
+        done = alloc.spec_decode_run(rids, accepted)
+    else:
+        done = alloc.decode_run(rids, num_steps)
+    if done is None:
+        return  # refused: nothing changed
+    fired = _break_after_run(alloc, rids, broken)
+    inc = sorted({v.check for v in alloc.check_integrity(rids)})
+    full = sorted({v.check for v in alloc.check_integrity()})
+    assert inc == full
+    assert bool(full) == fired, (broken, full)
+    assert alloc._checker is not None and alloc._checker.unconfirmed == 0, alloc._checker.last_unconfirmed

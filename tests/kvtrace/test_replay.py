@@ -284,3 +284,15 @@ def test_incremental_and_full_checks_blame_a_fault_alike(churn_trace: Path, fact
         assert first.op in _FAULT_OPS[factory]
         firsts.append((first.step, first.rid, first.op, first.check))
     assert firsts[0] == firsts[1]
+
+
+@pytest.mark.parametrize("factory", sorted(_FAULT_OPS))
+def test_runs_checked_in_one_call_report_a_fault_as_step_by_step(churn_trace: Path, factory: str) -> None:
+    """--check every replays runs of decode steps in one call while nothing is broken; the
+    violations (each step, request, op and detail) are those of every step by itself."""
+    reports = []
+    for runs in (True, False):
+        result = run_engine(churn_trace, version=f"{FAULTY}:{factory}", check="every", decode_runs=runs)
+        reports.append((result.stats.num_violations, result.stats.violations))
+    assert reports[0][0] > 0
+    assert reports[0] == reports[1]

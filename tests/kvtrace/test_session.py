@@ -362,7 +362,8 @@ def test_checking_after_every_call_changes_no_result(busy_trace: Path, mode: str
     """The checks only read: the state after every step equals an unchecked replay's."""
     _, plain = straight_run(busy_trace)
     checked: dict[int, str] = {}
-    with session(busy_trace, options=ReplayOptions(check=mode)) as s:  # type: ignore[arg-type]
+    options = ReplayOptions(check=mode, decode_runs=False)  # type: ignore[arg-type]
+    with session(busy_trace, options=options) as s:
         for snap in s.snapshots():
             checked[snap.step] = s.allocator.save_state().digest()
         assert s.result().stats.num_violations == 0
@@ -386,6 +387,35 @@ def test_runs_of_decode_steps_in_one_call_change_no_snapshot(trace: str, busy_tr
     for a, b in zip(fast, slow):
         same_snapshot(a, b)
     assert fast_summary == slow_summary and fast_digest == slow_digest
+
+
+@pytest.mark.parametrize("trace", ["sample:mooncake-tiny", "sample:mooncake-eagle", "busy"])
+def test_checking_every_call_in_runs_changes_no_snapshot(trace: str, busy_trace: Path) -> None:
+    """--check every replays runs in one call, checked once: the same snapshots, summary and
+    end state as every step by itself, checked after each call."""
+    path = busy_trace if trace == "busy" else trace
+    results = []
+    for runs in (True, False):
+        with session(path, options=ReplayOptions(check="every", decode_runs=runs)) as s:
+            calls = 0
+            check = s.allocator.check_integrity
+
+            def counted(touched: np.ndarray | None = None) -> list:
+                nonlocal calls
+                calls += 1
+                return check(touched)
+
+            s.allocator.check_integrity = counted  # type: ignore[method-assign]
+            snaps = list(s.snapshots())
+            results.append((snaps, _without_timing(s.result().to_dict()), s.allocator.save_state().digest(), calls))
+            assert s.allocator._checker.unconfirmed == 0  # type: ignore[attr-defined]
+    (fast, fast_summary, fast_digest, fast_calls), (slow, slow_summary, slow_digest, slow_calls) = results
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        same_snapshot(a, b)
+    assert fast_summary == slow_summary and fast_digest == slow_digest
+    assert fast_summary["num_violations"] == 0
+    assert fast_calls < slow_calls  # runs were replayed, and checked, in one call each
 
 
 def test_runs_are_used_on_decode_heavy_traces() -> None:
