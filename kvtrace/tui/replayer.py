@@ -7,10 +7,11 @@ other, or in a thread (``link.ThreadReplay``). Nothing here imports Textual.
 
 What it sends (``link.ReplayerEnd``), in order:
 
-* records: the snapshots of every step replayed while playing or stepping, and of every
-  step replayed for the first time (the screen's timeline is append-only), a
-  ``SnapshotBlock`` every ``batch_s``; the screen folds them into its own ``ReplayState``. Steps replayed again
-  inside a seek are not sent: the ``position`` message replaces them;
+* records: the steps replayed while playing or stepping, and every step replayed for
+  the first time (the screen's timeline is append-only), a ``StepsUpdate`` every
+  ``batch_s`` (their timeline rows, and the rows of the requests they changed as this
+  side's fold has them); the screen folds them into its own ``ReplayState``. Steps
+  replayed again inside a seek are not sent: the ``position`` message replaces them;
 * messages (dicts, ``kind``):
   ``info`` (first: ``SourceInfo``'s fields),
   ``status`` (``playing``, ``speed_index``, ``done``; when it changes),
@@ -37,6 +38,7 @@ import numpy as np
 
 from kvtrace.errors import USER_ERRORS
 from kvtrace.snapshot import SnapshotBlock
+from kvtrace.tui.updates import StepsUpdate
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
@@ -156,8 +158,10 @@ class Replayer:
             self._frontier = snap.step
 
     def _flush(self) -> None:
-        """Send the steps buffered, as one block (the session's own when it just folded
-        exactly these steps: no second copy)."""
+        """Send the steps buffered as one ``StepsUpdate``: their timeline and the rows of
+        the requests they changed, read from the source's fold (which is at the last of
+        them: every move of the source other than a step flushes first). The block is
+        the session's own when it just folded exactly these steps (no second copy)."""
         buf = self._buf
         if not buf:
             return
@@ -166,7 +170,7 @@ class Replayer:
         if block is None or block.num_steps != len(buf) or int(block.steps[0]) != buf[0].step \
                 or int(block.steps[-1]) != buf[-1].step:
             block = SnapshotBlock.of(buf)
-        self.end.records(block)
+        self.end.records(StepsUpdate.of(block, self.source.state))
         self._buf = []
 
     def _exact(self) -> None:
@@ -247,6 +251,7 @@ class Replayer:
         """Go to ``target``; steps past the frontier are replayed and sent (the screen's
         timeline must hold every step), the others are not: ``position`` says where
         the replay now is, with the per-request columns there."""
+        self._flush()  # the rows sent are read from the fold: before it moves
         src = self.source
         frontier = self._frontier
         if frontier is not None and target <= frontier:
@@ -417,8 +422,7 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     settings = job["dashboard"]
     source = _log_source(job) if job.get("state_log") else _live_source(job)
     try:
-        info = {"trace": source.info.name, "allocator": source.info.version}
-        end = PipeEnd(out, control, commands, info)
+        end = PipeEnd(out, control, commands)
         try:
             Replayer(source, end, play=bool(settings.get("play", True))).run()
         finally:
