@@ -69,10 +69,13 @@ def plain(trace: str) -> dict[str, float]:
         return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "steps": result.stats.steps}
 
 
-async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None) -> dict[str, float]:
+async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None,
+                    profile_replay: str | None = None) -> dict[str, float]:
     job = dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
                         pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
                         checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+    if profile_replay:
+        job["dashboard"]["profile"] = profile_replay
     link = ChildReplay(job)
     link.wait_started()
     pid = link.proc.pid

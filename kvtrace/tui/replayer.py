@@ -423,12 +423,29 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     source = _log_source(job) if job.get("state_log") else _live_source(job)
     try:
         end = PipeEnd(out, control, commands)
+        replayer = Replayer(source, end, play=bool(settings.get("play", True)))
         try:
-            Replayer(source, end, play=bool(settings.get("play", True))).run()
+            if settings.get("profile"):
+                _profiled(replayer.run, settings["profile"])
+            else:
+                replayer.run()
         finally:
             end.close()
     finally:
         source.close()
+
+
+def _profiled(body: Callable[[], None], path: str) -> None:
+    """Run ``body`` under cProfile, timed in CPU seconds of this process (what the replay
+    costs, not what it waits for), and save its statistics to ``path`` (bench/tui.py's
+    ``--profile-replay``)."""
+    import cProfile
+
+    profile = cProfile.Profile(time.process_time)
+    try:
+        profile.runcall(body)
+    finally:
+        profile.dump_stats(path)
 
 
 def _log_source(job: dict[str, Any]) -> ReplaySource:
