@@ -3,8 +3,8 @@ and posts frames.
 
 The dashboard's worker thread runs ``Driver.run()``; the UI thread only calls
 ``command(...)`` (queued to the replayer, never waiting for it) and ``ack(seq)``, and
-receives what the driver posts: ``Frame`` (at most ``fps`` a second, the next one only
-once the screen drew the last or a second passed), ``CellInfo``, ``RequestHistory`` and
+receives what the driver posts: ``Frame`` (at most ``fps`` a second, and at most one
+waiting while the screen draws another, until a second passed), ``CellInfo``, ``RequestHistory`` and
 ``Failure``. The replayer (``kvtrace.tui.replayer``, in its own process or a thread) runs
 on regardless: the driver folds every record it sends, and the frames show the latest
 fold. A frame holds copies of the per-request columns and a bounded view of the
@@ -237,7 +237,9 @@ class Driver:
                     break  # a frame is due: fold the rest after it
                 item = link.get(0)
             now = time.monotonic()
-            behind = self.frames_acked < self.frames_posted and now < self._posted_at + 1.0
+            # One frame may wait while the screen draws another (a newer one replaces it
+            # in the queue): the screen then finds the next frame ready when it is done.
+            behind = self.frames_posted - self.frames_acked > 1 and now < self._posted_at + 1.0
             if self._changed and self.info is not None and now >= self._due and not behind:
                 # Frames keep a cadence (a frame a little late does not delay the next),
                 # without catching up on time the screen was idle or slow.

@@ -61,7 +61,9 @@ class Replayer:
         source: what to replay.
         end: the link to the screen.
         play: start playing at once.
-        batch_s: seconds between record batches (and status checks) while playing.
+        batch_s: seconds between record batches (and status checks) while playing:
+            shorter than the screen's frame (20 a second), so that each frame has steps
+            to show that the one before did not.
         map_interval_s: seconds between page maps while playing as fast as it goes
             (mapping a million-slot pool takes some 40 ms of the replay's time;
             bench/ownership.py); a paced replay maps every ``PACED_MAP_S``, a paused
@@ -75,7 +77,7 @@ class Replayer:
         end: ReplayerEnd,
         *,
         play: bool = True,
-        batch_s: float = 0.05,
+        batch_s: float = 0.03,
         map_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
