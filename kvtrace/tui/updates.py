@@ -36,9 +36,9 @@ class StepsUpdate(NamedTuple):
     """Consecutive replayed steps as the screen folds them.
 
     ``timeline`` is their ``SnapshotBlock`` without request rows (``row_counts`` all 0);
-    ``rids`` the requests they changed (every request seen when one of them is a
-    keyframe, which clears the others' lengths) and ``rows`` those requests' columns
-    after the last step (``ReplayState.rows``).
+    ``rids`` the requests they changed and ``rows`` those requests' columns after the
+    last step (``ReplayState.rows``). A keyframe among the steps clears every length
+    when the timeline is folded; it lists every request holding KV, so those are sent.
     """
 
     timeline: SnapshotBlock
@@ -60,10 +60,7 @@ class StepsUpdate(NamedTuple):
         Returns:
             The update: the block's timeline, the changed requests' columns.
         """
-        if block.keyframes.any():
-            rids = state.seen_rids()
-        else:
-            rids = np.unique(block.requests.rids)
+        rids = np.unique(block.requests.rids)
         timeline = block._replace(row_counts=np.zeros(block.num_steps, np.int64), requests=RequestDelta.empty())
         return cls(timeline, rids, state.rows(rids))
 
