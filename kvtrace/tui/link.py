@@ -20,7 +20,6 @@ for the replay.
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
 import queue
@@ -267,20 +266,6 @@ class ThreadReplay:
         self._thread.join()
 
 
-def _widen_pipe(stream: IO[bytes] | None) -> None:
-    """Give the record pipe 1 MiB (Linux; the default 64 KiB is a tenth of what the replay
-    writes in 50 ms at full speed): the screen's reader thread, which waits for the GIL
-    between reads while the screen draws, then reads a record batch in one or two reads
-    instead of a dozen, and the replay does not wait for it."""
-    setsize = getattr(fcntl, "F_SETPIPE_SZ", None)
-    if stream is None or setsize is None:
-        return
-    try:
-        fcntl.fcntl(stream.fileno(), setsize, 1 << 20)
-    except OSError:
-        pass  # over /proc/sys/fs/pipe-max-size: the default stands
-
-
 class ChildReplay:
     """The replay in its own process (``python -m kvtrace.child``, a dashboard job).
 
@@ -299,7 +284,6 @@ class ChildReplay:
         self.name = str(job.get("trace_label") or job.get("state_log") or job.get("trace"))
         self._stderr = tempfile.TemporaryFile()
         self.proc, self._control = spawn_child(job, python, stderr=self._stderr, commands=True)
-        _widen_pipe(self.proc.stdout)
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)
         self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
         self._started = threading.Event()
