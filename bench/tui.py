@@ -1,23 +1,26 @@
 """The dashboard's cost: replay wall time with and without it, frames a second, memory.
 
 Usage:
-    python bench/tui.py [TRACE] [--repeat N] [--size WxH] [--profile-ui FILE]
+    python bench/tui.py [TRACE] [--repeat N] [--size WxH] [--profile-ui FILE] [--profile-replay FILE]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
-one run, for N interleaved pairs (without, then with the dashboard; the machine may be
-shared, so the spread is shown):
-  * the replay wall time without the dashboard (``ReplaySession.run()``, what
-    ``kvtrace replay`` does) and with it (``KvtraceApp`` headless, the replay in its own
-    process as ``kvtrace replay --tui`` runs it, with its checkpoints and per-request
-    state, playing at full speed from the first step to the last), the overhead of each
-    pair in percent (target: at most 10%), and the CPU seconds of the replay process
-    against those of the plain replay;
+one run, for N interleaved pairs (their order alternates: without then with the
+dashboard, then with then without; the machine may be shared, so the spread is shown):
+  * the replay wall time without the dashboard (``ReplaySession.run()`` in a process of
+    its own, what ``kvtrace replay`` does) and with it (``KvtraceApp`` headless in this
+    process, the replay in its own process as ``kvtrace replay --tui`` runs it, with its
+    checkpoints and per-request state, playing at full speed from the first step to the
+    last), their ratio and the overhead in percent (target: at most 10%), and the CPU
+    seconds of the replay process against those of the plain replay;
   * frames a second the screen showed over the replay's wall time (target: at least 20),
     the median time from a frame's arrival to its screen update, and the CPU seconds of
     the screen's process;
-  * memory: peak RSS of the screen's process and of the replay process, the screen's
-    per-request state and timeline;
-  * the load average before and after.
+  * memory: peak RSS of the screen's process (this one) and of the replay process, the
+    screen's per-request state and timeline;
+  * the load average before, after each pair and at the end.
+
+``--profile-ui`` saves a cProfile of the screen's thread while it plays, ``--profile-replay``
+one of the replay process (in its CPU seconds).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 
 from kvtrace.registry import resolve_version  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
-from kvtrace.session import ReplaySession  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import ChildReplay  # noqa: E402
 from kvtrace.tui.replayer import dashboard_job  # noqa: E402
@@ -62,17 +66,29 @@ def _proc_peak_mb(pid: int) -> float:
     return float("nan")
 
 
-def plain(trace: str) -> dict[str, float]:
+def _plain_here(trace: str) -> dict[str, float]:
+    from kvtrace.session import ReplaySession
+
     with ReplaySession(trace) as s:
         t0, c0 = time.perf_counter(), time.process_time()
         result = s.run()
         return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "steps": result.stats.steps}
 
 
-async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None) -> dict[str, float]:
+def plain(trace: str) -> dict[str, float]:
+    """The plain replay in a fresh process (as ``kvtrace replay`` runs), so that this
+    process holds only the screen."""
+    out = subprocess.run([sys.executable, __file__, trace, "--plain-once"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None,
+                    profile_replay: str | None = None) -> dict[str, float]:
     job = dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
                         pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
                         checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+    if profile_replay:
+        job["dashboard"]["profile"] = profile_replay
     link = ChildReplay(job)
     link.wait_started()
     pid = link.proc.pid
@@ -86,7 +102,7 @@ async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile
             profile.enable()
         await pilot.press("space")
         while app.frame is None or not app.frame.done:
-            await pilot.pause(0.05)
+            await asyncio.sleep(0.05)  # not pilot.pause: it makes every widget answer, and redraws
         wall = time.perf_counter() - t0
         if profile is not None:
             profile.disable()
@@ -116,7 +132,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, metavar="N", help="interleaved pairs of runs")
     ap.add_argument("--size", default="180x50", metavar="WxH", help="terminal size of the headless dashboard")
     ap.add_argument("--profile-ui", metavar="FILE", help="cProfile the screen's process while it plays (pstats file)")
+    ap.add_argument("--profile-replay", metavar="FILE", help="cProfile the replay process, in CPU seconds (pstats file)")
+    ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
+    if args.plain_once:
+        print(json.dumps(_plain_here(args.trace)))
+        return
     w, h = (int(v) for v in args.size.split("x"))
     profile = cProfile.Profile() if args.profile_ui else None
     load0 = os.getloadavg()
@@ -124,14 +145,18 @@ def main() -> None:
           f"(1 / 5 / 15 min), terminal {w}x{h}", flush=True)
     rows = []
     for i in range(args.repeat):
-        p = plain(args.trace)
-        d = asyncio.run(dashboard(args.trace, (w, h), profile))
+        if i % 2 == 0:
+            p = plain(args.trace)
+            d = asyncio.run(dashboard(args.trace, (w, h), profile, args.profile_replay))
+        else:
+            d = asyncio.run(dashboard(args.trace, (w, h), profile, args.profile_replay))
+            p = plain(args.trace)
         over = 100 * (d["wall_s"] / p["wall_s"] - 1)
         cpu_over = 100 * (d["child_cpu_s"] / p["cpu_s"] - 1)
         fps = d["frames_shown"] / d["wall_s"]
         rows.append((p, d, over, cpu_over, fps))
         print(f"pair {i + 1}: without {p['wall_s']:.2f} s ({p['cpu_s']:.2f} s CPU); with the dashboard {d['wall_s']:.2f} s "
-              f"(+{over:.1f}%; replay process {d['child_cpu_s']:.2f} s CPU, {cpu_over:+.1f}%), {fps:.1f} frames/s, "
+              f"(x{d['wall_s'] / p['wall_s']:.2f}, {over:+.1f}%; replay process {d['child_cpu_s']:.2f} s CPU, {cpu_over:+.1f}%), {fps:.1f} frames/s, "
               f"median draw {d['draw_ms']:.1f} ms, screen process {d['ui_cpu_s']:.2f} s CPU; load {os.getloadavg()[0]:.1f}",
               flush=True)
     overs = [r[2] for r in rows]
@@ -139,7 +164,8 @@ def main() -> None:
     fpss = [r[4] for r in rows]
     steps = rows[0][0]["steps"]
     ok = statistics.median(overs) <= 10
-    print(f"replay of {steps:,} steps, wall time with the dashboard against without: {_spread(overs)} "
+    ratio = statistics.median(r[1]["wall_s"] / r[0]["wall_s"] for r in rows)
+    print(f"replay of {steps:,} steps, wall time with the dashboard against without: x{ratio:.2f}, {_spread(overs)} "
           f"(target <= +10%: {'ok' if ok else 'MISSED'})")
     print(f"replay process CPU against the plain replay's: {_spread(cpu_overs)}")
     fps_ok = statistics.median(fpss) >= 20
@@ -147,8 +173,7 @@ def main() -> None:
           f"(target >= 20: {'ok' if fps_ok else 'MISSED'})")
     last = rows[-1][1]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"memory with {last['requests']:,.0f} requests: screen process peak RSS {rss_mb:.0f} MB (this process, "
-          f"which also ran the plain replays), replay process peak RSS {last['child_peak_mb']:.0f} MB; the screen's "
+    print(f"memory with {last['requests']:,.0f} requests: screen process peak RSS {rss_mb:.0f} MB, replay process peak RSS {last['child_peak_mb']:.0f} MB; the screen's "
           f"per-request state and timeline {last['state_mb']:.1f} MB")
     load1 = os.getloadavg()
     print(f"load average at the end {load1[0]:.1f} / {load1[1]:.1f} / {load1[2]:.1f}")

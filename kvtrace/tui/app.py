@@ -9,7 +9,6 @@ replays: in a diff every key moves both sides together.
 from __future__ import annotations
 
 import bisect
-import sys
 import threading
 import time
 from collections import deque
@@ -124,10 +123,6 @@ class KvtraceApp(App[None]):
         return list(self.main.query(Dashboard))
 
     async def on_mount(self) -> None:
-        # The threads that read the replay's pipes wait for the GIL while the screen draws:
-        # hand it over every 1 ms rather than every 5 ms (Python's default), so that they
-        # keep up with a replay running at full speed on the other core.
-        sys.setswitchinterval(0.001)
         await self.push_screen(self.main)
         if self.report is not None:
             self._go_to_divergence(0)

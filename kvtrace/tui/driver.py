@@ -3,8 +3,8 @@ and posts frames.
 
 The dashboard's worker thread runs ``Driver.run()``; the UI thread only calls
 ``command(...)`` (queued to the replayer, never waiting for it) and ``ack(seq)``, and
-receives what the driver posts: ``Frame`` (at most ``fps`` a second, the next one only
-once the screen drew the last or a second passed), ``CellInfo``, ``RequestHistory`` and
+receives what the driver posts: ``Frame`` (at most ``fps`` a second, and at most one
+waiting while the screen draws another, until a second passed), ``CellInfo``, ``RequestHistory`` and
 ``Failure``. The replayer (``kvtrace.tui.replayer``, in its own process or a thread) runs
 on regardless: the driver folds every record it sends, and the frames show the latest
 fold. A frame holds copies of the per-request columns and a bounded view of the
@@ -29,9 +29,9 @@ from kvtrace.tui.replayer import MAX_HISTORY_STEPS, SPEEDS
 from kvtrace.tui.sources import SourceInfo
 
 if TYPE_CHECKING:
-    from kvtrace.snapshot import SnapshotBlock
     from kvtrace.state import Timeline
     from kvtrace.tui.link import ReplayLink
+    from kvtrace.tui.updates import StepsUpdate
 
 __all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
            "RequestHistory"]
@@ -182,6 +182,7 @@ class Driver:
         self._map_note: str | None = None
         self._changed = False
         self._posted_at = -1e18
+        self._due = -1e18  # when the next frame may be posted
         self._shown_step: int | None = None
         self._shown_events = 0
         self._rate_at: tuple[float, float] | None = None
@@ -223,7 +224,7 @@ class Driver:
         gone = False
         frame_s = self._frame_s
         while not self._stopped.is_set():
-            wait = max(min(self._posted_at + frame_s - time.monotonic(), 0.1), 0.005)
+            wait = max(min(self._due - time.monotonic(), 0.1), 0.005)
             if gone:
                 time.sleep(wait)
                 item = None
@@ -236,8 +237,13 @@ class Driver:
                     break  # a frame is due: fold the rest after it
                 item = link.get(0)
             now = time.monotonic()
-            behind = self.frames_acked < self.frames_posted and now < self._posted_at + 1.0
-            if self._changed and self.info is not None and now >= self._posted_at + frame_s and not behind:
+            # One frame may wait while the screen draws another (a newer one replaces it
+            # in the queue): the screen then finds the next frame ready when it is done.
+            behind = self.frames_posted - self.frames_acked > 1 and now < self._posted_at + 1.0
+            if self._changed and self.info is not None and now >= self._due and not behind:
+                # Frames keep a cadence (a frame a little late does not delay the next),
+                # without catching up on time the screen was idle or slow.
+                self._due = max(self._due + frame_s, now + frame_s / 2)
                 self._post_frame(now)
 
     def _take(self, item: tuple[str, Any]) -> bool:
@@ -257,11 +263,12 @@ class Driver:
             self._message(self._held.pop(0))
         return False
 
-    def _fold(self, block: SnapshotBlock) -> None:
+    def _fold(self, update: StepsUpdate) -> None:
         state = self.state
-        k = block.num_steps
+        k = update.num_steps
         if state is not None and k:
-            state.apply_block(block)
+            update.apply(state)
+            block = update.timeline
             self._last = _Position(int(block.steps[-1]), float(block.times[-1]), block.pool(k - 1))
             self._changed = True
         self.steps_folded += k

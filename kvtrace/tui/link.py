@@ -1,14 +1,15 @@
 """How the screen and the replay side of the dashboard talk: a child process, or a thread.
 
 The replay side (``kvtrace.tui.replayer.Replayer``) says two things, in order: the
-snapshots of the steps it replays (``records``) and messages (``send``: dicts with a
-``kind``); it hears commands (``commands``). The screen's side (``ReplayLink``) gets
-``("records", SnapshotBlock)``, ``("msg", dict)`` and, once the other side is gone,
-``("closed", reason)``, and sends commands without ever waiting for the replay.
+steps it replays (``records``: ``kvtrace.tui.updates.StepsUpdate``) and messages
+(``send``: dicts with a ``kind``); it hears commands (``commands``). The screen's side
+(``ReplayLink``) gets ``("records", StepsUpdate)``, ``("msg", dict)`` and, once the
+other side is gone, ``("closed", reason)``, and sends commands without ever waiting
+for the replay.
 
 * ``ChildReplay``: the replay in its own process, ``python -m kvtrace.child JOB
   CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.sides``): stdout carries
-  the records as a state-log stream (``kvtrace.statelog``), the control fd JSON lines
+  the records as update frames (``kvtrace.tui.updates``), the control fd JSON lines
   (the messages, with numpy arrays packed; the child's ``start``, ``error``), stdin
   the commands (JSON lines). Each message carries ``records``, the steps sent before
   it, so the screen applies it after folding them (two pipes keep no common order).
@@ -19,7 +20,6 @@ snapshots of the steps it replays (``records``) and messages (``send``: dicts wi
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
 import queue
@@ -36,9 +36,9 @@ import numpy as np
 from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
-    from kvtrace.snapshot import SnapshotBlock
     from kvtrace.tui.replayer import Replayer
     from kvtrace.tui.sources import ReplaySource
+    from kvtrace.tui.updates import StepsUpdate
 
 __all__ = [
     "ChildReplay",
@@ -52,7 +52,7 @@ __all__ = [
     "unpack",
 ]
 
-Item = tuple[str, Any]  # ("records", SnapshotBlock) | ("msg", dict) | ("closed", str | None)
+Item = tuple[str, Any]  # ("records", StepsUpdate) | ("msg", dict) | ("closed", str | None)
 _QUEUED = 64  # items waiting for the screen before the replay waits (back-pressure)
 START_TIMEOUT_S = 300.0
 
@@ -96,8 +96,8 @@ def unpack(value: Any) -> Any:
 class ReplayerEnd(Protocol):
     """What the replayer talks through."""
 
-    def records(self, block: SnapshotBlock) -> None:
-        """Send the snapshots of consecutive steps (in order)."""
+    def records(self, update: StepsUpdate) -> None:
+        """Send consecutive steps (in order)."""
         ...
 
     def send(self, message: dict[str, Any]) -> None:
@@ -111,29 +111,28 @@ class ReplayerEnd(Protocol):
 
 
 class PipeEnd:
-    """The replayer's end in a child process: records to ``out`` (a state-log stream),
+    """The replayer's end in a child process: records to ``out`` (update frames),
     messages to ``control`` (JSON lines), commands from ``commands`` (JSON lines).
 
     Args:
         out: the record stream (the child's stdout).
         control: the control channel (text, line buffered by ``send``).
         commands: the command stream (the child's stdin).
-        info: what the state-log stream's metadata says (trace, allocator, config).
     """
 
-    def __init__(self, out: BinaryIO, control: IO[str], commands: BinaryIO, info: dict[str, Any]) -> None:
-        from kvtrace.statelog import StateLogWriter
-
-        self._log = StateLogWriter(out, info, steps_per_batch=1 << 30, compression=None)
+    def __init__(self, out: BinaryIO, control: IO[str], commands: BinaryIO) -> None:
+        self._out = out
         self._control = control
         self._fd = commands.fileno()
         self._pending = b""
         self._eof = False
         self.sent = 0
 
-    def records(self, block: SnapshotBlock) -> None:
-        self._log.write_block(block)
-        self.sent += block.num_steps
+    def records(self, update: StepsUpdate) -> None:
+        from kvtrace.tui.updates import write_update
+
+        write_update(self._out, update)
+        self.sent += update.num_steps
 
     def send(self, message: dict[str, Any]) -> None:
         self._control.write(json.dumps(pack({**message, "records": self.sent})) + "\n")
@@ -159,7 +158,7 @@ class PipeEnd:
         return out
 
     def close(self) -> None:
-        self._log.close()
+        self._out.flush()
 
 
 class _ThreadEnd:
@@ -170,9 +169,9 @@ class _ThreadEnd:
         self._commands = commands
         self.sent = 0
 
-    def records(self, block: SnapshotBlock) -> None:
-        self._inbox.put(("records", block))
-        self.sent += block.num_steps
+    def records(self, update: StepsUpdate) -> None:
+        self._inbox.put(("records", update))
+        self.sent += update.num_steps
 
     def send(self, message: dict[str, Any]) -> None:
         self._inbox.put(("msg", {**message, "records": self.sent}))
@@ -267,20 +266,6 @@ class ThreadReplay:
         self._thread.join()
 
 
-def _widen_pipe(stream: IO[bytes] | None) -> None:
-    """Give the record pipe 1 MiB (Linux; the default 64 KiB is a tenth of what the replay
-    writes in 50 ms at full speed): the screen's reader thread, which waits for the GIL
-    between reads while the screen draws, then reads a record batch in one or two reads
-    instead of a dozen, and the replay does not wait for it."""
-    setsize = getattr(fcntl, "F_SETPIPE_SZ", None)
-    if stream is None or setsize is None:
-        return
-    try:
-        fcntl.fcntl(stream.fileno(), setsize, 1 << 20)
-    except OSError:
-        pass  # over /proc/sys/fs/pipe-max-size: the default stands
-
-
 class ChildReplay:
     """The replay in its own process (``python -m kvtrace.child``, a dashboard job).
 
@@ -299,7 +284,6 @@ class ChildReplay:
         self.name = str(job.get("trace_label") or job.get("state_log") or job.get("trace"))
         self._stderr = tempfile.TemporaryFile()
         self.proc, self._control = spawn_child(job, python, stderr=self._stderr, commands=True)
-        _widen_pipe(self.proc.stdout)
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)
         self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
         self._started = threading.Event()
@@ -317,13 +301,12 @@ class ChildReplay:
 
     # ------------------------------------------------------------------ threads
     def _read_records(self) -> None:
-        from kvtrace.statelog import block_of, open_state_log
+        from kvtrace.tui.updates import read_update
 
         try:
             assert self.proc.stdout is not None
-            _, reader = open_state_log(self.proc.stdout)
-            for batch in reader.iter_batches():
-                self._inbox.put(("records", block_of(batch)))
+            while (update := read_update(self.proc.stdout)) is not None:
+                self._inbox.put(("records", update))
         except BaseException:  # noqa: BLE001  the stream broke: the control channel or the exit says why
             pass
         self._end("records")

@@ -7,10 +7,11 @@ other, or in a thread (``link.ThreadReplay``). Nothing here imports Textual.
 
 What it sends (``link.ReplayerEnd``), in order:
 
-* records: the snapshots of every step replayed while playing or stepping, and of every
-  step replayed for the first time (the screen's timeline is append-only), a
-  ``SnapshotBlock`` every ``batch_s``; the screen folds them into its own ``ReplayState``. Steps replayed again
-  inside a seek are not sent: the ``position`` message replaces them;
+* records: the steps replayed while playing or stepping, and every step replayed for
+  the first time (the screen's timeline is append-only), a ``StepsUpdate`` every
+  ``batch_s`` (their timeline rows, and the rows of the requests they changed as this
+  side's fold has them); the screen folds them into its own ``ReplayState``. Steps
+  replayed again inside a seek are not sent: the ``position`` message replaces them;
 * messages (dicts, ``kind``):
   ``info`` (first: ``SourceInfo``'s fields),
   ``status`` (``playing``, ``speed_index``, ``done``; when it changes),
@@ -37,6 +38,7 @@ import numpy as np
 
 from kvtrace.errors import USER_ERRORS
 from kvtrace.snapshot import SnapshotBlock
+from kvtrace.tui.updates import StepsUpdate
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
@@ -59,7 +61,9 @@ class Replayer:
         source: what to replay.
         end: the link to the screen.
         play: start playing at once.
-        batch_s: seconds between record batches (and status checks) while playing.
+        batch_s: seconds between record batches (and status checks) while playing:
+            shorter than the screen's frame (20 a second), so that each frame has steps
+            to show that the one before did not.
         map_interval_s: seconds between page maps while playing as fast as it goes
             (mapping a million-slot pool takes some 40 ms of the replay's time;
             bench/ownership.py); a paced replay maps every ``PACED_MAP_S``, a paused
@@ -73,7 +77,7 @@ class Replayer:
         end: ReplayerEnd,
         *,
         play: bool = True,
-        batch_s: float = 0.05,
+        batch_s: float = 0.03,
         map_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -156,8 +160,10 @@ class Replayer:
             self._frontier = snap.step
 
     def _flush(self) -> None:
-        """Send the steps buffered, as one block (the session's own when it just folded
-        exactly these steps: no second copy)."""
+        """Send the steps buffered as one ``StepsUpdate``: their timeline and the rows of
+        the requests they changed, read from the source's fold (which is at the last of
+        them: every move of the source other than a step flushes first). The block is
+        the session's own when it just folded exactly these steps (no second copy)."""
         buf = self._buf
         if not buf:
             return
@@ -166,7 +172,7 @@ class Replayer:
         if block is None or block.num_steps != len(buf) or int(block.steps[0]) != buf[0].step \
                 or int(block.steps[-1]) != buf[-1].step:
             block = SnapshotBlock.of(buf)
-        self.end.records(block)
+        self.end.records(StepsUpdate.of(block, self.source.state))
         self._buf = []
 
     def _exact(self) -> None:
@@ -247,6 +253,7 @@ class Replayer:
         """Go to ``target``; steps past the frontier are replayed and sent (the screen's
         timeline must hold every step), the others are not: ``position`` says where
         the replay now is, with the per-request columns there."""
+        self._flush()  # the rows sent are read from the fold: before it moves
         src = self.source
         frontier = self._frontier
         if frontier is not None and target <= frontier:
@@ -417,14 +424,30 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     settings = job["dashboard"]
     source = _log_source(job) if job.get("state_log") else _live_source(job)
     try:
-        info = {"trace": source.info.name, "allocator": source.info.version}
-        end = PipeEnd(out, control, commands, info)
+        end = PipeEnd(out, control, commands)
+        replayer = Replayer(source, end, play=bool(settings.get("play", True)))
         try:
-            Replayer(source, end, play=bool(settings.get("play", True))).run()
+            if settings.get("profile"):
+                _profiled(replayer.run, settings["profile"])
+            else:
+                replayer.run()
         finally:
             end.close()
     finally:
         source.close()
+
+
+def _profiled(body: Callable[[], None], path: str) -> None:
+    """Run ``body`` under cProfile, timed in CPU seconds of this process (what the replay
+    costs, not what it waits for), and save its statistics to ``path`` (bench/tui.py's
+    ``--profile-replay``)."""
+    import cProfile
+
+    profile = cProfile.Profile(time.process_time)
+    try:
+        profile.runcall(body)
+    finally:
+        profile.dump_stats(path)
 
 
 def _log_source(job: dict[str, Any]) -> ReplaySource:

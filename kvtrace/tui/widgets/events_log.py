@@ -67,6 +67,7 @@ class EventsLog(VirtualList):
         self._by_kind: dict[str | None, tuple[int, list[StepEvent], list[int]]] = {}  # scanned, events, steps
         self._upto_step: int | None = None
         self._num_events = 0
+        self._rows: dict[tuple[StepEvent, bool, int], Strip] = {}  # drawn rows: the log scrolls by a few a frame
 
     def show(self, frame: Frame) -> None:
         """Show the events of steps up to the frame's step."""
@@ -127,11 +128,22 @@ class EventsLog(VirtualList):
         title = f"events ({self.kind})" if self.kind else "events (all kinds)"
         return cells([("step", 8, _HEADER, ">"), ("  " + title, width - 8, _HEADER, "<")], width, self.base_style)
 
+    def notify_style_update(self) -> None:
+        self._rows = {}
+        super().notify_style_update()
+
     def render_row(self, index: int, width: int, selected: bool) -> Strip:
         e = self._shown[index]
-        base = self.base_style + Style(reverse=True) if selected else self.base_style
-        return cells(
-            [(str(e.step), 8, None, ">"), ("  " + e.kind + " ", 21, _KIND_STYLE.get(e.kind), "<"), (describe(e), width, None, "<")],
-            width,
-            base,
-        )
+        key = (e, selected, width)
+        strip = self._rows.get(key)
+        if strip is None:
+            if len(self._rows) > 4 * self.page_rows + 64:
+                self._rows = {}
+            base = self.base_style + Style(reverse=True) if selected else self.base_style
+            strip = self._rows[key] = cells(
+                [(str(e.step), 8, None, ">"), ("  " + e.kind + " ", 21, _KIND_STYLE.get(e.kind), "<"),
+                 (describe(e), width, None, "<")],
+                width,
+                base,
+            )
+        return strip

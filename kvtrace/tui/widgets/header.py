@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.text import Text
-from textual.widgets import Static
+
+from kvtrace.tui.widgets.text_lines import TextLines
 
 if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
@@ -27,8 +28,8 @@ def speed_label(speed: float | None, achieved: float | None) -> str:
     return asked if achieved is None else f"{asked} ({achieved:,.0f}× real time)"
 
 
-class ReplayHeader(Static):
-    """Two lines about the replay; ``show`` redraws it for a frame."""
+class ReplayHeader(TextLines):
+    """Two lines about the replay; ``show`` redraws what changed for a frame."""
 
     def show(self, info: SourceInfo, frame: Frame) -> None:
         if frame.done:
@@ -48,7 +49,7 @@ class ReplayHeader(Static):
             ("  t=", "dim"), clock_time(frame.time_s),
             ("  speed ", "dim"), speed_label(frame.speed, frame.achieved_speed if frame.playing else None),
         )
-        self.update(Text("\n").join([_spread(left1, right1, width), _spread(left2, right2, width)]), layout=False)
+        self.set_lines([_spread(left1, right1, width), _spread(left2, right2, width)])
 
 
 def _spread(left: Text, right: Text, width: int) -> Text:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.text import Text
-from textual.widgets import Static
 from textual.app import ComposeResult
 from textual.containers import Grid
 from textual.geometry import Region
@@ -26,6 +25,7 @@ from textual_plot.plot_widget import Legend
 
 from allocator.ownership import SlotState
 from kvtrace.tui.widgets.page_map import STATE_COLORS
+from kvtrace.tui.widgets.text_lines import TextLines
 
 if TYPE_CHECKING:
     from allocator.base import PoolCounters
@@ -150,18 +150,18 @@ class OccupancyChart(QuietPlot):
             self.add_v_line(frame.step, "bold white")
 
 
-class OccupancyLegend(Static):
+class OccupancyLegend(TextLines):
     """Current occupancy by state, with percentages, and the peak so far."""
 
     def show(self, frame: Frame) -> None:
         pool = frame.pool
         if pool is None:
-            self.update("no step replayed yet")
+            self.set_lines([Text("no step replayed yet")])
             return
-        self.update(legend_table(pool, frame.peak(), frame.step), layout=False)  # fixed size (tcss)
+        self.set_lines(legend_lines(pool, frame.peak()))
 
 
-def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | None) -> Text:
+def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None) -> list[Text]:
     """The legend: one line per band, then used, the peak and the running requests."""
     total = max(pool.pool_tokens, 1)
     lines = []
@@ -174,4 +174,4 @@ def legend_table(pool: PoolCounters, peak: tuple[int, int] | None, step: int | N
         lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
         lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
     lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
-    return Text("\n").join(lines)
+    return lines

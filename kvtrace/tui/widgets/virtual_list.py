@@ -12,7 +12,7 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-__all__ = ["VirtualList"]
+__all__ = ["VirtualList", "cells", "rows_height"]
 
 
 class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
@@ -61,11 +61,11 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
     def refresh_rows(self) -> None:
         """Call after ``num_rows`` or the rows' content changed (redraws only if what is on
         screen changed)."""
-        # The virtual height grows in steps (a change re-lays the screen out); rows past
+        # The virtual height goes by steps (a change re-lays the screen out); rows past
         # num_rows draw blank.
-        height = self.virtual_size.height
-        if self.num_rows + 1 > height or self.num_rows + 1 < height // 2:
-            self.virtual_size = Size(self.scrollable_content_region.width, self.num_rows + 1 + self.num_rows // 4)
+        height = rows_height(self.num_rows + 1)
+        if height != self.virtual_size.height:
+            self.virtual_size = Size(self.scrollable_content_region.width, height)
         if self.cursor >= self.num_rows:
             self.cursor = self.num_rows - 1
         drawn = self.visible_signature()
@@ -156,6 +156,17 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         if index >= self.num_rows:
             return Strip([Segment(" " * width, self.base_style)], width)
         return self.render_row(index, width, index == self.cursor)
+
+
+def rows_height(lines: int) -> int:
+    """The virtual height of a list of ``lines`` lines: the first of 16, 21, 27, 34, ...
+    (about 1.25 times apart) that holds them. The screen is laid out again only when a
+    list passes one of them, and the height (hence the scrollbar) depends on the number
+    of rows alone, not on the frames that led to it."""
+    height = 16
+    while height < lines:
+        height = height * 5 // 4 + 1
+    return height
 
 
 def cells(parts: list[tuple[str, int, Style | None, str]], width: int, base: Style | None = None) -> Strip:
