@@ -23,7 +23,7 @@ from textual.widgets import Input, Static
 
 from kvtrace.snapshot import PHASES
 from kvtrace.state import RequestRow
-from kvtrace.tui.driver import ALERT_KINDS, Driver, Frame
+from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
 from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
 from kvtrace.tui.widgets.dashboard import Dashboard
@@ -86,7 +86,7 @@ class KvtraceApp(App[None]):
         links: ReplayLink | Sequence[ReplayLink],
         *,
         diff: DiffReport | None = None,
-        fps: float = 20.0,
+        fps: float = DEFAULT_FPS,
         chart_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

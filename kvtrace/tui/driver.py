@@ -28,6 +28,10 @@ from kvtrace.tui.pagemap import CellDetail, PageCells
 from kvtrace.tui.replayer import MAX_HISTORY_STEPS, SPEEDS
 from kvtrace.tui.sources import SourceInfo
 
+# Frames a second at most while playing: above the 20 the screen is held to, so that a
+# frame arriving a little late still leaves 20 a second (a ceiling of exactly 20 cannot).
+DEFAULT_FPS = 24.0
+
 if TYPE_CHECKING:
     from kvtrace.state import Timeline
     from kvtrace.tui.link import ReplayLink
@@ -155,7 +159,7 @@ class Driver:
         post: Callable[[object], Any],
         *,
         side: int = 0,
-        fps: float = 20.0,
+        fps: float = DEFAULT_FPS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.link = link
