@@ -179,23 +179,23 @@ COMMAND_MODULES: dict[str, str] = {
     "sweep": "sweep",
     "shrink": "shrink",
 }
-_loaded: set[str] = set()
+# Set while the shell asks the console script to complete a word (click's completion).
+_COMPLETION_VAR = "_KVTRACE_COMPLETE"
 
 
 def load_commands(names: list[str] | None = None) -> typer.Typer:
-    """Import the modules of the named commands (None: every command) and return the root app."""
-    modules = dict.fromkeys(COMMAND_MODULES.values()) if names is None else [COMMAND_MODULES[n] for n in names]
-    for module in modules:
-        if module not in _loaded:
-            importlib.import_module(f"kvtrace.cli.{module}")
-            _loaded.add(module)
+    """Import the modules of the named commands (None: every command) and return the root
+    app (a module imported before registers nothing again: Python imports it once)."""
+    modules = COMMAND_MODULES.values() if names is None else [COMMAND_MODULES[n] for n in names]
+    for module in dict.fromkeys(modules):
+        importlib.import_module(f"kvtrace.cli.{module}")
     return _app
 
 
 def command_named(args: list[str]) -> str | None:
     """The command a command line runs when it is one of kvtrace's (None: the root's help or
     options alone, shell completion, or a name kvtrace does not have)."""
-    if any(key.endswith("_COMPLETE") for key in os.environ if key.startswith("_KVTRACE")):
+    if _COMPLETION_VAR in os.environ:
         return None
     first = next((arg for arg in args if not arg.startswith("-")), None)
     return first if first in COMMAND_MODULES else None
