@@ -167,8 +167,8 @@ def check_memory(
         names: what the user calls ``pool_tokens``, ``page_size``, ``max_running``
             and ``max_context_len`` (an option, or a metadata field of the trace).
         force: only estimate; never refuse.
-        available: bytes the machine can give (default: psutil's available memory, at
-            most ``$KVTRACE_MEMORY_LIMIT`` when set: ``memory_limit()``).
+        available: bytes the machine can give (default: psutil's available memory);
+            at most ``$KVTRACE_MEMORY_LIMIT`` when that is set (``memory_limit()``).
 
     Returns:
         The estimate.
@@ -184,9 +184,9 @@ def check_memory(
         import psutil
 
         available = int(psutil.virtual_memory().available)
-        limit = memory_limit()
-        if limit is not None:
-            available = min(available, limit)
+    limit = memory_limit()
+    if limit is not None:
+        available = min(available, limit)
     if estimate.total <= available:
         return estimate
     part, behind = _largest_part(config, estimate, num_rids, names)
@@ -194,7 +194,7 @@ def check_memory(
     advice = f"lower {' or '.join(options)}, or pass --force" if options else "pass --force"
     raise ConfigError(
         f"not enough memory: the allocator needs about {format_bytes(estimate.total)} and this machine "
-        f"has {format_bytes(available)} available{_limit_note()}; {part}; {advice} to try anyway"
+        f"has {format_bytes(available)} available{_limit_note(limit)}; {part}; {advice} to try anyway"
     )
 
 
@@ -209,6 +209,7 @@ def memory_limit() -> int | None:
     Raises:
         ConfigError: a value that is not a size.
     """
+    import math
     import os
 
     text = os.environ.get(MEMORY_LIMIT_VAR, "").strip()
@@ -220,7 +221,7 @@ def memory_limit() -> int | None:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or not value > 0 or value != value:
+    if unit not in _UNITS or not (value > 0 and math.isfinite(value)) or value * _UNITS[unit] >= 1 << 63:
         raise ConfigError(f"${MEMORY_LIMIT_VAR}={text!r} is not a size; give bytes or a size such as 512M or 2G")
     return int(value * _UNITS[unit])
 
@@ -248,8 +249,7 @@ def _largest_part(
     return f"its {num_rids:,} request ids need {format_bytes(ids)} of per-request state", []
 
 
-def _limit_note() -> str:
-    limit = memory_limit()
+def _limit_note(limit: int | None) -> str:
     return "" if limit is None else f" (at most ${MEMORY_LIMIT_VAR}={format_bytes(limit)})"
 
 

@@ -101,6 +101,9 @@ def test_the_memory_limit_variable_caps_what_a_pool_may_take(monkeypatch) -> Non
     assert memory_limit() == 1 << 20
     with pytest.raises(ConfigError, match=r"at most \$KVTRACE_MEMORY_LIMIT=1 MiB"):
         check_memory(config, num_rids=1000)
-    monkeypatch.setenv(MEMORY_LIMIT_VAR, "lots")
-    with pytest.raises(ConfigError, match="is not a size"):
-        memory_limit()
+    with pytest.raises(ConfigError, match=r"at most \$KVTRACE_MEMORY_LIMIT=1 MiB"):
+        check_memory(config, num_rids=1000, available=1 << 40)  # the limit holds for a given figure too
+    for bad in ("lots", "inf", "nan", "-2G", "9e30T"):
+        monkeypatch.setenv(MEMORY_LIMIT_VAR, bad)
+        with pytest.raises(ConfigError, match="is not a size"):
+            memory_limit()
