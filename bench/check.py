@@ -32,16 +32,14 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from beforecode import code_at  # noqa: E402  (bench/, beside this script)
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
@@ -57,28 +55,6 @@ def replay(code: Path, trace: str, *args: str) -> tuple[dict, float]:
     if proc.returncode not in (0, 1) or not proc.stdout.strip():
         raise SystemExit(f"replay of {trace} with {code} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout), (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
-@contextmanager
-def code_at(rev: str | None, tree: Path | None) -> Iterator[Path | None]:
-    """The code to compare with: ``tree``, or ``rev`` checked out into a temporary git
-    worktree (removed afterwards), or None."""
-    if tree is not None:
-        if not (tree / "kvtrace" / "__main__.py").is_file():
-            raise SystemExit(f"--before-tree {tree}: no kvtrace package there (git archive REV allocator "
-                             "kvtrace traces pyproject.toml | tar -x -C DIR)")
-        yield tree.resolve()
-        return
-    if rev is None:
-        yield None
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        where = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(where), rev], cwd=ROOT, check=True)
-        try:
-            yield where
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=ROOT, check=False)
 
 
 def window(trace: str, steps: str) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from beforecode import code_at  # noqa: E402  (bench/, beside this script)
 from traces.io import TraceReader, TraceWriter  # noqa: E402
 from traces.samples import list_samples, sample_path  # noqa: E402
 from traces.schema import DECODE, EXTEND, Ragged, StepBatch, TraceConfig, TraceMeta  # noqa: E402
@@ -150,23 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     print(f"{len(os.sched_getaffinity(0))} CPUs usable (of {os.cpu_count()}); load average {load:.1f}")
-    with tempfile.TemporaryDirectory() as tmp_name:
+    with tempfile.TemporaryDirectory() as tmp_name, code_at(args.before, args.before_tree) as before:
         tmp = Path(tmp_name)
-        if args.before_tree is not None:
-            before = args.before_tree.resolve()
-            if not (before / "kvtrace" / "__main__.py").is_file():
-                raise SystemExit(f"--before-tree {before}: no kvtrace package there (git archive REV allocator "
-                                 "kvtrace traces pyproject.toml | tar -x -C DIR)")
-            print(f"before: the code in {before}; after: {ROOT}")
-            _table(traces_to_run(args.traces, tmp, not args.synthetic_only), before, tmp, args.repeat, not args.no_logs)
-            return
-        before = tmp / "before"
-        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(before), args.before], cwd=ROOT, check=True)
-        print(f"before: {args.before}; after: the working tree {ROOT}")
-        try:
-            _table(traces_to_run(args.traces, tmp, not args.synthetic_only), before, tmp, args.repeat, not args.no_logs)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
+        assert before is not None  # --before has a default
+        what = f"the code in {before}" if args.before_tree is not None else args.before
+        print(f"before: {what}; after: the working tree {ROOT}")
+        _table(traces_to_run(args.traces, tmp, not args.synthetic_only), before, tmp, args.repeat, not args.no_logs)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
