@@ -64,7 +64,7 @@ class TextLines(Widget):
             if y < len(self._lines):
                 text = self._lines[y]
                 console = self.app.console
-                # Text.render leaves a line's own style out when it has no spans: under all
+                # Text.render leaves out the style of a line that has no spans: it goes under them all.
                 style = base + console.get_style(text.style) if text.style else base
                 strip = Strip(list(text.render(console))).apply_style(style).adjust_cell_length(width, base)
             else:
