@@ -193,12 +193,16 @@ def load_commands(names: list[str] | None = None) -> typer.Typer:
 
 
 def command_named(args: list[str]) -> str | None:
-    """The command a command line runs when it is one of kvtrace's (None: the root's help or
-    options alone, shell completion, or a name kvtrace does not have)."""
+    """The command a command line runs when it is one of kvtrace's (None: the root's help,
+    its options alone, shell completion, or a name kvtrace does not have)."""
     if _COMPLETION_VAR in os.environ:
         return None
-    first = next((arg for arg in args if not arg.startswith("-")), None)
-    return first if first in COMMAND_MODULES else None
+    index = next((i for i, arg in enumerate(args) if not arg.startswith("-")), None)
+    if index is None or args[index] not in COMMAND_MODULES:
+        return None
+    if any(arg in ("-h", "--help") for arg in args[:index]):
+        return None  # the root's help (it lists every command), whatever follows
+    return args[index]
 
 
 def __getattr__(name: str) -> Any:

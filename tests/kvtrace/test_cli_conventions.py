@@ -190,6 +190,12 @@ def test_command_modules_name_every_command_once() -> None:
     assert sorted(registered) == sorted(COMMAND_MODULES)
     assert command_named(["-q", "--no-color", "replay", "x.kvtrace"]) == "replay"
     assert command_named(["--help"]) is None
+    assert command_named(["--help", "replay"]) is None and command_named(["-q", "-h", "info"]) is None
+    assert command_named(["replay", "--help"]) == "replay"
+    # The root's help lists every command even when a command's name follows it.
+    root_help = subprocess.run([sys.executable, "-m", "kvtrace", "--help", "replay"], capture_output=True, text=True,
+                               cwd=ROOT, env={**os.environ, "COLUMNS": "100"})
+    assert root_help.returncode == 0 and all(f" {name} " in root_help.stdout for name in COMMAND_MODULES), root_help.stdout
     assert command_named(["nosuch", "info"]) is None
 
 
