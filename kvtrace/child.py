@@ -24,6 +24,7 @@ environment) writes the same two streams.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -31,7 +32,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "job_screen", "job_version", "main", "run_job"]
+__all__ = ["OPTIONAL_PROTOCOLS", "WholeWrites", "install_allocator", "job_screen", "job_version", "main", "pipe_writer",
+           "run_job"]
 
 # Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance before
 # calling their methods. A package older than one of them lacks the name, or defines it
@@ -40,6 +42,50 @@ __all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "job_screen", "job_version
 # protocol when its allocators lack one of those methods).
 OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
 _OWN_BASE = Path(__file__).resolve().parent.parent / "allocator" / "base.py"
+
+
+class WholeWrites(io.RawIOBase):
+    """The writing end of a pipe whose ``write`` writes every byte it is given.
+
+    A write to a full pipe that is interrupted (a debugger or a sampling profiler
+    attaching through ptrace) may write part of its bytes; the buffered file Python
+    opens on such a descriptor was seen to drop the rest (4,096 bytes missing from the
+    middle of a dashboard's update frame under py-spy, the screen then unpickling
+    garbage). Here a part written is followed by the rest, so the stream stays whole.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._broken = False  # the reader went away: what is still written is dropped
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            os.close(self._fd)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            while view and not self._broken:
+                view = view[os.write(self._fd, view):]
+        except BrokenPipeError:
+            self._broken = True
+            raise
+        return size
+
+
+def pipe_writer(fd: int, *, text: bool = False) -> Any:
+    """A buffered binary (or line-buffered ``text``) file writing to pipe ``fd`` through
+    ``WholeWrites``."""
+    binary = io.BufferedWriter(WholeWrites(fd), buffer_size=1 << 16)
+    return io.TextIOWrapper(binary, encoding="utf-8", line_buffering=True) if text else binary
 
 
 def install_allocator(root: str | Path) -> None:
@@ -162,13 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd)."""
     args = sys.argv[1:] if argv is None else argv
     job = json.loads(args[0])
-    control = os.fdopen(int(args[1]), "w")
-    out = sys.stdout.buffer
-    sys.stdout = sys.stderr  # stdout is the record stream: nothing else may write there
+    control = pipe_writer(int(args[1]), text=True)
+    sys.stdout.flush()
+    out = pipe_writer(os.dup(1))
+    # Stdout is the record stream: nothing else may write there. Python's prints go to
+    # stderr, and so do a library's own writes to descriptor 1.
+    sys.stdout = sys.stderr
+    os.dup2(2, 1)
     try:
         if job.get("allocator_root"):
             install_allocator(job["allocator_root"])
         run_job(job, out, control)
+        out.flush()
     except BrokenPipeError:
         return 0  # the parent stopped reading (it found what it wanted, or was interrupted)
     except BaseException as exc:  # reported to the parent, which decides what to print

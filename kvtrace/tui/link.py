@@ -288,6 +288,7 @@ class ChildReplay:
         self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
         self._started = threading.Event()
         self._start_error: str | None = None
+        self._stream_error: str | None = None
         self._closing = False
         self._ended = {"records": False, "control": False}
         self._lock = threading.Lock()
@@ -307,8 +308,14 @@ class ChildReplay:
             assert self.proc.stdout is not None
             while (update := read_update(self.proc.stdout)) is not None:
                 self._inbox.put(("records", update))
-        except BaseException:  # noqa: BLE001  the stream broke: the control channel or the exit says why
-            pass
+        except BaseException as exc:  # noqa: BLE001  the stream broke
+            if not self._closing and self.proc.poll() is None:
+                # The child lives on but its updates cannot be read: stop it (its control
+                # channel then ends too) and say why, rather than wait for it forever.
+                from kvtrace.sides import stop_child
+
+                self._stream_error = f"the replay process's update stream broke ({type(exc).__name__}: {exc})"
+                stop_child(self.proc)
         self._end("records")
 
     def _read_control(self) -> None:
@@ -371,6 +378,8 @@ class ChildReplay:
         """Why the child is gone: its error message, else its exit code and last line of stderr."""
         if self._start_error is not None:
             return self._start_error
+        if self._stream_error is not None:
+            return self._stream_error
         code = self.proc.poll()
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-1:]

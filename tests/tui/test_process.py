@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,36 @@ async def test_an_oom_and_a_crash_in_the_replay_process_are_reported() -> None:
 def test_a_bad_setup_is_one_line() -> None:
     with pytest.raises(ReplayProcessError, match="state log .*: no such file"):
         ChildReplay(log_job("/nonexistent/run.log")).wait_started(timeout=60)
+
+
+_GARBLED_CHILD = """
+import json, os, sys, time
+control = os.fdopen(int(sys.argv[-1]), "w")
+fields = dict(name="fake", source="", config="", version="builtin", first_step=0, last_step=9, live=True, page_size=1)
+control.write(json.dumps({"kind": "info", "records": 0, **fields}) + "\\n")
+control.flush()
+out = sys.stdout.buffer
+out.write((40).to_bytes(8, "little") + b"not a pickle of an update, forty bytes!!")
+out.flush()
+time.sleep(120)  # alive, as a child whose stream broke would be
+"""
+
+
+def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> None:
+    script = tmp_path / "garbled_child.py"
+    script.write_text(_GARBLED_CHILD)
+    python = tmp_path / "python"  # an interpreter that runs the script whatever module it is asked for
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    link = ChildReplay(log_job("unused.log"), python=str(python))
+    link.wait_started(timeout=60)
+    deadline = time.monotonic() + 60
+    items = []
+    while time.monotonic() < deadline and not (items and items[-1][0] == "closed"):
+        item = link.get(0.1)
+        if item is not None:
+            items.append(item)
+    assert items and items[-1][0] == "closed", items
+    assert "update stream broke (UnpicklingError" in str(items[-1][1])
+    assert link.proc.poll() is not None  # stopped, not left running
+    link.close()
