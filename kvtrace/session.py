@@ -282,6 +282,8 @@ class ReplaySession:
         )
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         self._unfolded: list[StepSnapshot] = []  # replayed, not yet folded into the state
+        self._unfolded_runs: list[int] = []  # the run each of them is a step of (0: none)
+        self._runs_replayed = 0
         if getattr(self, "_timeline", None) is not None and self._state is not None:
             self._state.timeline = self._timeline  # append-only: survives a restart
         self.last: StepSnapshot | None = None
@@ -359,7 +361,7 @@ class ReplaySession:
 
     def _step(self) -> StepSnapshot | None:
         if self._pending:
-            return self._shown(self._pending.popleft())
+            return self._shown_pending()
         engine = self.engine
         start = self.options.start_step
         while True:
@@ -376,9 +378,10 @@ class ReplaySession:
                 if snaps:
                     self._since_checkpoint += len(snaps)
                     self._pending.extend(snaps[1:])
+                    self._runs_replayed += 1
                     if engine.stopped_early:  # the run's check found violations enough
                         self._end()
-                    return self._shown(snaps[0])
+                    return self._shown(snaps[0], self._runs_replayed)
                 continue
             self._index += 1
             self._screen.at = self._chunk_base + i  # (a screen of this session's own kind)
@@ -393,13 +396,20 @@ class ReplaySession:
                 self._end()
             return self._shown(snap)
 
-    def _shown(self, snap: StepSnapshot) -> StepSnapshot:
+    def _shown(self, snap: StepSnapshot, run: int = 0) -> StepSnapshot:
+        """``snap`` is returned (``run``: the serial number of the decode run it is a
+        step of, 0 for a step replayed by itself)."""
         self.last = snap
         if self._state is not None:
             self._unfolded.append(snap)
+            self._unfolded_runs.append(run)
             if len(self._unfolded) >= _FOLD_STEPS:
                 self.fold()
         return snap
+
+    def _shown_pending(self) -> StepSnapshot:
+        """Return the next step of the run being returned."""
+        return self._shown(self._pending.popleft(), self._runs_replayed)
 
     def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
         """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
@@ -459,11 +469,19 @@ class ReplaySession:
         """Fold the steps replayed since the last fold into ``state`` (they are folded
         in blocks, ``ReplayState.apply_block``) and return them as that block (None when
         there were none, or no state is kept): a consumer streaming those same steps
-        (a dashboard's replay process) sends the block instead of building another."""
+        (a dashboard's replay process) sends the block instead of building another.
+
+        The steps of a decode run other than the last of it in the block carry no
+        request rows there: each of them lists the run's batch, whose lengths the next
+        step overwrites (same requests, op and phase; no admission or end), so folding
+        the last alone gives the same state, for a fraction of the rows."""
         if self._state is None or not self._unfolded:
             return None
-        block = SnapshotBlock.of(self._unfolded)
+        runs = self._unfolded_runs
+        rows = [run == 0 or run != after for run, after in zip(runs, runs[1:] + [0])]
+        block = SnapshotBlock.of(self._unfolded, rows)
         self._unfolded = []
+        self._unfolded_runs = []
         self._state.apply_block(block)
         return block
 
@@ -553,7 +571,7 @@ class ReplaySession:
         # The snapshots of a run already applied are returned first when they reach the
         # target; past it, the allocator's state is ahead of the target: go back.
         while self._pending and self._pending[0].step <= target:
-            self._shown(self._pending.popleft())
+            self._shown_pending()
         current = self.allocator_step
         best = self._checkpoint_for(target)
         going_back = current is not None and target < current
@@ -566,7 +584,7 @@ class ReplaySession:
         try:
             while True:
                 if self._pending:  # a run stops at the target: all of it is shown
-                    self._shown(self._pending.popleft())
+                    self._shown_pending()
                     continue
                 if self.done:
                     break

@@ -155,16 +155,32 @@ class SnapshotBlock(NamedTuple):
     digests: list[str | None]  # [k] the allocator's state digest after each step (None: not asked)
 
     @classmethod
-    def of(cls, snaps: Sequence[StepSnapshot]) -> SnapshotBlock:
-        """The block of ``snaps`` (consecutive, in step order)."""
+    def of(cls, snaps: Sequence[StepSnapshot], rows: Sequence[bool] | None = None) -> SnapshotBlock:
+        """The block of ``snaps`` (consecutive, in step order).
+
+        Args:
+            snaps: the steps.
+            rows: whether each step's request rows go in (None: every step's); a step
+                left out has a row count of 0 (``ReplaySession.fold`` leaves out the
+                rows a later step of the same decode run overwrites).
+        """
         k = len(snaps)
         nf = len(PoolCounters._fields)
         if k == 0:
             return cls(np.zeros(0, np.int64), np.zeros(0), np.zeros((0, nf), np.int64), np.zeros(0, bool),
                        np.zeros(0, np.int32), np.zeros(0), np.zeros(0, np.int64), RequestDelta.empty(), [], [], [])
-        parts = list(zip(*[s.requests for s in snaps]))  # per field: the k steps' arrays
-        counts = np.fromiter(map(len, parts[0]), np.int64, k)
-        delta = RequestDelta(*(np.concatenate(p) for p in parts))
+        with_rows = snaps if rows is None else [s for s, keep in zip(snaps, rows, strict=True) if keep]
+        if with_rows:
+            parts = list(zip(*[s.requests for s in with_rows]))  # per field: the steps' arrays
+            delta = RequestDelta(*(np.concatenate(p) for p in parts))
+            lengths = np.fromiter(map(len, parts[0]), np.int64, len(with_rows))
+        else:
+            delta, lengths = RequestDelta.empty(), np.zeros(0, np.int64)
+        if rows is None:
+            counts = lengths
+        else:
+            counts = np.zeros(k, np.int64)
+            counts[np.fromiter(rows, bool, k)] = lengths
         event_steps: list[int] = []
         events: list[Event] = []
         for s in snaps:

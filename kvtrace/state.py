@@ -272,7 +272,7 @@ class ReplayState:
         cols = self._cols
         self._ensure(int(d.rids.max()))
         n = r1 - r0
-        order = np.lexsort((np.arange(n), d.rids))  # by request, then in step order
+        order = np.argsort(d.rids, kind="stable")  # by request, then in step order
         rid = d.rids[order]
         first = np.ones(n, bool)
         first[1:] = rid[1:] != rid[:-1]

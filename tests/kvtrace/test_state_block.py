@@ -99,3 +99,50 @@ def test_the_peak_asked_as_the_timeline_grows_is_the_first_highest_use(rows: lis
         used = 128 - timeline.counters[:size, 1] - timeline.counters[:size, 2]
         k = int(np.argmax(used))
         assert timeline.peak(size) == (int(timeline.steps[k]), int(used[k]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(fold_at=st.lists(st.integers(1, 1452), max_size=12))
+def test_a_session_folds_a_runs_last_step_only_to_the_same_state(fold_at: list[int]) -> None:
+    # The dashboard's replay folds whenever it sends an update: a run's steps may fall
+    # on either side of a fold. Folding only each run's last step in a block must reach
+    # the state that folding every step of every run reaches.
+    stops = set(fold_at)
+    with ReplaySession("sample:mooncake-tiny", screen="inline", track_state=True) as runs:
+        ref = ReplayState(runs.config.page_size)
+        n = 0
+        while (snap := runs.step()) is not None:
+            ref.apply(snap)
+            n += 1
+            if n in stops:
+                assert runs.fold() is not None
+                assert runs.state is not None
+                _same(runs.state, ref)
+        assert runs._runs_replayed > 10  # the trace has runs to fold
+        assert runs.state is not None
+        _same(runs.state, ref)
+
+
+def test_a_fold_leaves_out_the_rows_a_run_overwrites() -> None:
+    with ReplaySession("sample:mooncake-tiny", screen="inline", track_state=True) as s:
+        while len(s._pending) < 2:  # the first step of a run of three or more
+            assert s.step() is not None
+        s.fold()  # the run's first step, and what came before it
+        shown = []
+        while s._pending:
+            shown.append(s.step())
+        block = s.fold()
+        assert block is not None and block.num_steps == len(shown) >= 2
+        assert block.row_counts[:-1].tolist() == [0] * (len(shown) - 1)  # overwritten by the last
+        assert block.row_counts[-1] == shown[-1].requests.num_requests > 0
+
+
+def test_a_block_leaves_out_the_rows_asked() -> None:
+    snaps = _snaps("sample:tiny")[:20]
+    rows = [i % 3 != 1 for i in range(20)]
+    block = SnapshotBlock.of(snaps, rows)
+    assert block.num_steps == 20 and block.steps.tolist() == [s.step for s in snaps]
+    for i, s in enumerate(snaps):
+        assert block.row_counts[i] == (s.requests.num_requests if rows[i] else 0)
+    kept = SnapshotBlock.of([s for s, r in zip(snaps, rows) if r])
+    assert np.array_equal(block.requests.rids, kept.requests.rids)
