@@ -55,6 +55,7 @@ __all__ = [
 Item = tuple[str, Any]  # ("records", StepsUpdate) | ("msg", dict) | ("closed", str | None)
 _QUEUED = 64  # items waiting for the screen before the replay waits (back-pressure)
 START_TIMEOUT_S = 300.0
+PIPE_BYTES = 1 << 20  # the update pipe's capacity: some 40 updates of the one-hour sample at full speed
 
 
 class ReplayProcessError(KvtraceError):
@@ -266,6 +267,21 @@ class ThreadReplay:
         self._thread.join()
 
 
+def _widen_pipe(fd: int, size: int = PIPE_BYTES) -> None:
+    """Let pipe ``fd`` hold ``size`` bytes (Linux; elsewhere, or past the system's limit,
+    it keeps its own size): the replay then writes on while the screen draws a frame,
+    instead of waiting for it to read."""
+    import fcntl
+
+    setsize = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if setsize is None:
+        return
+    try:
+        fcntl.fcntl(fd, setsize, size)
+    except OSError:
+        pass
+
+
 class ChildReplay:
     """The replay in its own process (``python -m kvtrace.child``, a dashboard job).
 
@@ -284,6 +300,8 @@ class ChildReplay:
         self.name = str(job.get("trace_label") or job.get("state_log") or job.get("trace"))
         self._stderr = tempfile.TemporaryFile()
         self.proc, self._control = spawn_child(job, python, stderr=self._stderr, commands=True)
+        assert self.proc.stdout is not None
+        _widen_pipe(self.proc.stdout.fileno())
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)
         self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
         self._started = threading.Event()
