@@ -1,11 +1,13 @@
 """The dashboard's cost: replay wall time with and without it, frames a second, memory.
 
 Usage:
-    python bench/tui.py [TRACE] [--repeat N] [--size WxH] [--profile-ui FILE] [--profile-replay FILE]
+    python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
 one run, for N interleaved pairs (their order alternates: without then with the
-dashboard, then with then without; the machine may be shared, so the spread is shown):
+dashboard, then with then without; the machine may be shared, so the spread is shown;
+``--together`` runs each pair's two replays at the same time instead, so that a host
+whose speed drifts from minute to minute slows both alike, given cores for both):
   * the replay wall time without the dashboard (``ReplaySession.run()`` in a process of
     its own, what ``kvtrace replay`` does) and with it (``KvtraceApp`` headless in this
     process, the replay in its own process as ``kvtrace replay --tui`` runs it, with its
@@ -75,11 +77,21 @@ def _plain_here(trace: str) -> dict[str, float]:
         return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "steps": result.stats.steps}
 
 
-def plain(trace: str) -> dict[str, float]:
+def start_plain(trace: str) -> subprocess.Popen[str]:
     """The plain replay in a fresh process (as ``kvtrace replay`` runs), so that this
-    process holds only the screen."""
-    out = subprocess.run([sys.executable, __file__, trace, "--plain-once"], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    process holds only the screen; ``plain_result`` waits for its figures."""
+    return subprocess.Popen([sys.executable, __file__, trace, "--plain-once"], stdout=subprocess.PIPE, text=True)
+
+
+def plain_result(proc: subprocess.Popen[str]) -> dict[str, float]:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"the plain replay failed with code {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def plain(trace: str) -> dict[str, float]:
+    return plain_result(start_plain(trace))
 
 
 async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None,
@@ -133,6 +145,8 @@ def main() -> None:
     ap.add_argument("--size", default="180x50", metavar="WxH", help="terminal size of the headless dashboard")
     ap.add_argument("--profile-ui", metavar="FILE", help="cProfile the screen's process while it plays (pstats file)")
     ap.add_argument("--profile-replay", metavar="FILE", help="cProfile the replay process, in CPU seconds (pstats file)")
+    ap.add_argument("--together", action="store_true",
+                    help="run each pair's two replays at the same time (a machine with six cores or more)")
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
     if args.plain_once:
@@ -143,9 +157,19 @@ def main() -> None:
     load0 = os.getloadavg()
     print(f"trace {args.trace}, {os.cpu_count()} CPUs, load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} "
           f"(1 / 5 / 15 min), terminal {w}x{h}", flush=True)
+    if args.together:
+        print("each pair runs the two replays at the same time: a machine whose speed drifts (a shared host) "
+              "slows both alike", flush=True)
+        if (os.cpu_count() or 1) < 6:
+            print(f"warning: {os.cpu_count()} CPUs: the two replays, their checkers and the screen need six; "
+                  "they compete for cores and the ratio means little", flush=True)
     rows = []
     for i in range(args.repeat):
-        if i % 2 == 0:
+        if args.together:
+            proc = start_plain(args.trace)
+            d = asyncio.run(dashboard(args.trace, (w, h), profile, args.profile_replay))
+            p = plain_result(proc)
+        elif i % 2 == 0:
             p = plain(args.trace)
             d = asyncio.run(dashboard(args.trace, (w, h), profile, args.profile_replay))
         else:
