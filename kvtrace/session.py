@@ -478,7 +478,8 @@ class ReplaySession:
         if self._state is None or not self._unfolded:
             return None
         runs = self._unfolded_runs
-        rows = [run == 0 or run != after for run, after in zip(runs, runs[1:] + [0])]
+        rows = [run == 0 or run != after or snap.keyframe
+                for snap, run, after in zip(self._unfolded, runs, runs[1:] + [0])]
         block = SnapshotBlock.of(self._unfolded, rows)
         self._unfolded = []
         self._unfolded_runs = []
