@@ -2,6 +2,7 @@
 
 Usage:
     python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE]
+    python bench/tui.py [TRACE] --no-screen [--repeat N]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
 one run, for N interleaved pairs (their order alternates: without then with the
@@ -20,6 +21,10 @@ whose speed drifts from minute to minute slows both alike, given cores for both)
   * memory: peak RSS of the screen's process (this one) and of the replay process, the
     screen's per-request state and timeline;
   * the load average before, after each pair and at the end.
+
+``--no-screen`` instead runs the dashboard's replay process with no screen (its updates
+pickled and dropped) beside the plain replay, each pair at the same time: what the replay
+process adds by itself, apart from sharing the machine with a screen.
 
 ``--profile-ui`` saves a cProfile of the screen's thread while it plays, ``--profile-replay``
 one of the replay process (in its CPU seconds).
@@ -77,10 +82,52 @@ def _plain_here(trace: str) -> dict[str, float]:
         return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "steps": result.stats.steps}
 
 
-def start_plain(trace: str) -> subprocess.Popen[str]:
+class _Discard:
+    """A replayer's end with no screen: updates pickled as for the pipe, then dropped."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.done = False
+
+    def records(self, update: object) -> None:
+        import pickle
+
+        pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def send(self, message: dict[str, object]) -> None:
+        if message.get("kind") == "status" and message.get("done"):
+            self.done = True
+
+    def commands(self, timeout: float) -> list[tuple[str, list[object]]] | None:
+        return None if self.done else []
+
+
+def _replay_process_here(trace: str) -> dict[str, float]:
+    """The dashboard's replay process without a screen: the session as ``kvtrace replay
+    --tui`` builds it, playing at full speed, the page map asked for, updates discarded."""
+    from kvtrace.session import ReplaySession
+    from kvtrace.tui.replayer import Replayer
+    from kvtrace.tui.sources import LiveSource
+
+    session = ReplaySession(trace, checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
+                            allocator_in_step=True)
+    source = LiveSource(session)
+    try:
+        replayer = Replayer(source, _Discard(), play=True)
+        replayer.num_cells = 2_000
+        t0, c0 = time.perf_counter(), time.process_time()
+        replayer.run()
+        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                "steps": float(source.state.timeline.size)}
+    finally:
+        source.close()
+
+
+def start_plain(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
     """The plain replay in a fresh process (as ``kvtrace replay`` runs), so that this
-    process holds only the screen; ``plain_result`` waits for its figures."""
-    return subprocess.Popen([sys.executable, __file__, trace, "--plain-once"], stdout=subprocess.PIPE, text=True)
+    process holds only the screen; ``plain_result`` waits for its figures. ``what``:
+    ``--replay-process-once`` for the dashboard's replay process without a screen."""
+    return subprocess.Popen([sys.executable, __file__, trace, what], stdout=subprocess.PIPE, text=True)
 
 
 def plain_result(proc: subprocess.Popen[str]) -> dict[str, float]:
@@ -134,6 +181,25 @@ async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile
     return out
 
 
+def no_screen(trace: str, repeat: int) -> None:
+    """``--no-screen``: what the replay process adds by itself, pairs run at the same time."""
+    print(f"trace {trace}, {os.cpu_count()} CPUs; the dashboard's replay process with no screen against the plain "
+          "replay, each pair at the same time", flush=True)
+    if (os.cpu_count() or 1) < 4:
+        print(f"warning: {os.cpu_count()} CPUs: the two replays and their checkers need four; they compete for cores",
+              flush=True)
+    ratios = []
+    for i in range(repeat):
+        proc = start_plain(trace)
+        d = plain_result(start_plain(trace, "--replay-process-once"))
+        p = plain_result(proc)
+        ratios.append(d["wall_s"] / p["wall_s"])
+        print(f"pair {i + 1}: plain {p['wall_s']:.2f} s ({p['cpu_s']:.2f} s CPU), replay process {d['wall_s']:.2f} s "
+              f"({d['cpu_s']:.2f} s CPU): x{ratios[-1]:.2f}", flush=True)
+    print(f"replay process against the plain replay: median x{statistics.median(ratios):.2f}, "
+          f"x{min(ratios):.2f} to x{max(ratios):.2f}")
+
+
 def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):+.1f}%, {min(values):+.1f}% to {max(values):+.1f}%"
 
@@ -147,10 +213,20 @@ def main() -> None:
     ap.add_argument("--profile-replay", metavar="FILE", help="cProfile the replay process, in CPU seconds (pstats file)")
     ap.add_argument("--together", action="store_true",
                     help="run each pair's two replays at the same time (a machine with six cores or more)")
+    ap.add_argument("--no-screen", action="store_true",
+                    help="the dashboard's replay process with no screen (updates discarded) against the plain replay, "
+                         "each pair at the same time (a machine with four cores or more)")
+    ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
     if args.plain_once:
         print(json.dumps(_plain_here(args.trace)))
+        return
+    if args.replay_process_once:
+        print(json.dumps(_replay_process_here(args.trace)))
+        return
+    if args.no_screen:
+        no_screen(args.trace, args.repeat)
         return
     w, h = (int(v) for v in args.size.split("x"))
     profile = cProfile.Profile() if args.profile_ui else None
