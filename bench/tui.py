@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from kvtrace.registry import resolve_version  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
-from kvtrace.tui.link import ChildReplay  # noqa: E402
+from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
 from kvtrace.tui.replayer import dashboard_job  # noqa: E402
 from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
@@ -127,7 +127,8 @@ def start_plain(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]
     """The plain replay in a fresh process (as ``kvtrace replay`` runs), so that this
     process holds only the screen; ``plain_result`` waits for its figures. ``what``:
     ``--replay-process-once`` for the dashboard's replay process without a screen."""
-    return subprocess.Popen([sys.executable, __file__, trace, what], stdout=subprocess.PIPE, text=True)
+    env = {**CHILD_ENV, **os.environ} if what == "--replay-process-once" else None  # as ChildReplay starts it
+    return subprocess.Popen([sys.executable, __file__, trace, what], stdout=subprocess.PIPE, text=True, env=env)
 
 
 def plain_result(proc: subprocess.Popen[str]) -> dict[str, float]:

@@ -149,11 +149,13 @@ def stop_child(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
 
 def spawn_child(
     job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
-    commands: bool = False,
+    commands: bool = False, env_defaults: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], IO[str]]:
     """Start ``python -m kvtrace.child JOB CONTROL_FD`` (this checkout's ``kvtrace`` first
     on its path): its stdout is the record stream (a pipe), ``stderr`` where its
-    messages go, stdin a pipe of commands when ``commands`` (else nothing).
+    messages go, stdin a pipe of commands when ``commands`` (else nothing);
+    ``env_defaults``: environment variables for it that this process's environment
+    does not set itself.
 
     Returns:
         The process and the reading end of its control channel (JSON lines).
@@ -162,7 +164,7 @@ def spawn_child(
         SideError: the interpreter cannot be started.
     """
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ)
+    env = {**(env_defaults or {}), **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     try:
         proc = subprocess.Popen(

@@ -129,3 +129,28 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
     assert "update stream broke (UnpicklingError" in str(items[-1][1])
     assert link.proc.poll() is not None  # stopped, not left running
     link.close()
+
+
+def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtrace.tui.link import CHILD_ENV
+
+    def environ(link: ChildReplay) -> dict[str, str]:
+        raw = Path(f"/proc/{link.proc.pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("no /proc: the environment of another process cannot be read here")
+    for name in CHILD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    link = _child()
+    try:
+        assert {k: environ(link).get(k) for k in CHILD_ENV} == CHILD_ENV
+    finally:
+        link.close()
+    monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", "1")
+    link = _child()
+    try:
+        assert environ(link)["NUMPY_MADVISE_HUGEPAGE"] == "1"
+    finally:
+        link.close()
