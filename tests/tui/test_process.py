@@ -104,6 +104,7 @@ control = os.fdopen(int(sys.argv[-1]), "w")
 fields = dict(name="fake", source="", config="", version="builtin", first_step=0, last_step=9, live=True, page_size=1)
 control.write(json.dumps({"kind": "info", "records": 0, **fields}) + "\\n")
 control.flush()
+sys.stdin.readline()  # the screen's first command: it has seen the info message
 out = sys.stdout.buffer
 out.write((40).to_bytes(8, "little") + b"not a pickle of an update, forty bytes!!")
 out.flush()
@@ -119,6 +120,7 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
     python.chmod(0o755)
     link = ChildReplay(log_job("unused.log"), python=str(python))
     link.wait_started(timeout=60)
+    link.command("play")
     deadline = time.monotonic() + 60
     items = []
     while time.monotonic() < deadline and not (items and items[-1][0] == "closed"):
