@@ -60,7 +60,11 @@ START_TIMEOUT_S = 300.0
 # its replay of the one-hour sample, 1.2 s without them (the plain replay: 0.8 to 0.9 s
 # either way). A variable the user sets wins.
 CHILD_ENV = {"NUMPY_MADVISE_HUGEPAGE": "0"}
-PIPE_BYTES = 1 << 20  # the update pipe's capacity: some 40 updates of the one-hour sample at full speed
+# The update pipe's capacity: some 40 updates of the one-hour sample at full speed. With the
+# default 64 KiB the replay process spent 0.33 to 0.60 s of a one-hour replay in
+# write_update (pickling, and waiting for the screen to read); with 1 MiB, 0.18 to 0.25 s
+# (2 runs each, the screen's process held at nice 10 so that it reads late).
+PIPE_BYTES = 1 << 20
 
 
 class ReplayProcessError(KvtraceError):
