@@ -282,8 +282,7 @@ class ReplaySession:
         )
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         self._unfolded: list[StepSnapshot] = []  # replayed, not yet folded into the state
-        self._unfolded_runs: list[int] = []  # the run each of them is a step of (0: none)
-        self._runs_replayed = 0
+        self._unfolded_continued: list[bool] = []  # for each of them: the next step of its run follows it
         if getattr(self, "_timeline", None) is not None and self._state is not None:
             self._state.timeline = self._timeline  # append-only: survives a restart
         self.last: StepSnapshot | None = None
@@ -378,10 +377,9 @@ class ReplaySession:
                 if snaps:
                     self._since_checkpoint += len(snaps)
                     self._pending.extend(snaps[1:])
-                    self._runs_replayed += 1
                     if engine.stopped_early:  # the run's check found violations enough
                         self._end()
-                    return self._shown(snaps[0], self._runs_replayed)
+                    return self._shown(snaps[0], continued=len(snaps) > 1)
                 continue
             self._index += 1
             self._screen.at = self._chunk_base + i  # (a screen of this session's own kind)
@@ -396,20 +394,21 @@ class ReplaySession:
                 self._end()
             return self._shown(snap)
 
-    def _shown(self, snap: StepSnapshot, run: int = 0) -> StepSnapshot:
-        """``snap`` is returned (``run``: the serial number of the decode run it is a
-        step of, 0 for a step replayed by itself)."""
+    def _shown(self, snap: StepSnapshot, continued: bool = False) -> StepSnapshot:
+        """``snap`` is returned (``continued``: it is a step of a decode run whose next
+        step will be returned next)."""
         self.last = snap
         if self._state is not None:
             self._unfolded.append(snap)
-            self._unfolded_runs.append(run)
+            self._unfolded_continued.append(continued)
             if len(self._unfolded) >= _FOLD_STEPS:
                 self.fold()
         return snap
 
     def _shown_pending(self) -> StepSnapshot:
         """Return the next step of the run being returned."""
-        return self._shown(self._pending.popleft(), self._runs_replayed)
+        snap = self._pending.popleft()
+        return self._shown(snap, continued=bool(self._pending))
 
     def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
         """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
@@ -477,12 +476,12 @@ class ReplaySession:
         the last alone gives the same state, for a fraction of the rows."""
         if self._state is None or not self._unfolded:
             return None
-        runs = self._unfolded_runs
-        rows = [run == 0 or run != after or snap.keyframe
-                for snap, run, after in zip(self._unfolded, runs, runs[1:] + [0])]
+        # The last step listed keeps its rows: the rest of its run, if any, is folded later.
+        rows = [not continued or snap.keyframe for snap, continued in zip(self._unfolded, self._unfolded_continued)]
+        rows[-1] = True
         block = SnapshotBlock.of(self._unfolded, rows)
         self._unfolded = []
-        self._unfolded_runs = []
+        self._unfolded_continued = []
         self._state.apply_block(block)
         return block
 
