@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,6 @@ class _Discard:
     """A replayer's end with no screen: updates pickled as for the pipe, then dropped."""
 
     def __init__(self) -> None:
-        self.sent = 0
         self.done = False
 
     def records(self, update: object) -> None:
@@ -105,13 +105,9 @@ class _Discard:
 def _replay_process_here(trace: str) -> dict[str, float]:
     """The dashboard's replay process without a screen: the session as ``kvtrace replay
     --tui`` builds it, playing at full speed, the page map asked for, updates discarded."""
-    from kvtrace.session import ReplaySession
-    from kvtrace.tui.replayer import Replayer
-    from kvtrace.tui.sources import LiveSource
+    from kvtrace.tui.replayer import Replayer, live_source
 
-    session = ReplaySession(trace, checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, track_state=True,
-                            allocator_in_step=True)
-    source = LiveSource(session)
+    source = live_source(_job(trace))
     try:
         replayer = Replayer(source, _Discard(), play=True)
         replayer.num_cells = 2_000
@@ -123,30 +119,36 @@ def _replay_process_here(trace: str) -> dict[str, float]:
         source.close()
 
 
-def start_plain(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
-    """The plain replay in a fresh process (as ``kvtrace replay`` runs), so that this
-    process holds only the screen; ``plain_result`` waits for its figures. ``what``:
-    ``--replay-process-once`` for the dashboard's replay process without a screen."""
-    env = {**CHILD_ENV, **os.environ} if what == "--replay-process-once" else None  # as ChildReplay starts it
+def start_once(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
+    """One replay in a fresh process, so that this process holds only the screen: the
+    plain replay (as ``kvtrace replay`` runs it), or with ``--replay-process-once`` the
+    dashboard's replay process without a screen (with the environment ``ChildReplay``
+    gives it); ``result`` waits for its figures."""
+    env = {**CHILD_ENV, **os.environ} if what == "--replay-process-once" else None
     return subprocess.Popen([sys.executable, __file__, trace, what], stdout=subprocess.PIPE, text=True, env=env)
 
 
-def plain_result(proc: subprocess.Popen[str]) -> dict[str, float]:
+def result(proc: subprocess.Popen[str]) -> dict[str, float]:
     out, _ = proc.communicate()
     if proc.returncode != 0:
-        raise SystemExit(f"the plain replay failed with code {proc.returncode}")
+        raise SystemExit(f"{' '.join(map(str, proc.args))} failed with code {proc.returncode}")
     return json.loads(out.strip().splitlines()[-1])
 
 
 def plain(trace: str) -> dict[str, float]:
-    return plain_result(start_plain(trace))
+    return result(start_once(trace))
+
+
+def _job(trace: str) -> dict[str, Any]:
+    """The dashboard's replay job for ``trace``, as ``kvtrace replay TRACE --tui`` makes it."""
+    return dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
+                         pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
+                         checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
 
 
 async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile | None,
                     profile_replay: str | None = None) -> dict[str, float]:
-    job = dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
-                        pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
-                        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+    job = _job(trace)
     if profile_replay:
         job["dashboard"]["profile"] = profile_replay
     link = ChildReplay(job)
@@ -191,9 +193,9 @@ def no_screen(trace: str, repeat: int) -> None:
               flush=True)
     ratios = []
     for i in range(repeat):
-        proc = start_plain(trace)
-        d = plain_result(start_plain(trace, "--replay-process-once"))
-        p = plain_result(proc)
+        proc = start_once(trace)
+        d = result(start_once(trace, "--replay-process-once"))
+        p = result(proc)
         ratios.append(d["wall_s"] / p["wall_s"])
         print(f"pair {i + 1}: plain {p['wall_s']:.2f} s ({p['cpu_s']:.2f} s CPU), replay process {d['wall_s']:.2f} s "
               f"({d['cpu_s']:.2f} s CPU): x{ratios[-1]:.2f}", flush=True)
@@ -243,9 +245,9 @@ def main() -> None:
     rows = []
     for i in range(args.repeat):
         if args.together:
-            proc = start_plain(args.trace)
+            proc = start_once(args.trace)
             d = asyncio.run(dashboard(args.trace, (w, h), profile, args.profile_replay))
-            p = plain_result(proc)
+            p = result(proc)
         elif i % 2 == 0:
             p = plain(args.trace)
             d = asyncio.run(dashboard(args.trace, (w, h), profile, args.profile_replay))

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
     from kvtrace.tui.sources import ReplaySource
 
-__all__ = ["MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "log_job", "run_dashboard_job"]
+__all__ = ["MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "live_source", "log_job", "run_dashboard_job"]
 
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
@@ -422,7 +422,7 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the screen decides when this process ends
     settings = job["dashboard"]
-    source = _log_source(job) if job.get("state_log") else _live_source(job)
+    source = _log_source(job) if job.get("state_log") else live_source(job)
     try:
         end = PipeEnd(out, control, commands)
         replayer = Replayer(source, end, play=bool(settings.get("play", True)))
@@ -457,7 +457,7 @@ def _log_source(job: dict[str, Any]) -> ReplaySource:
     return LogSource(StateLogSession(job["state_log"]), label=job.get("trace_label"))
 
 
-def _live_source(job: dict[str, Any]) -> ReplaySource:
+def live_source(job: dict[str, Any]) -> ReplaySource:
     from kvtrace.child import job_screen, job_version
     from kvtrace.config import config_dict
     from kvtrace.replay import ReplayOptions
