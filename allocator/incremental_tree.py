@@ -154,23 +154,21 @@ class LockShadow:
         tree = self.allocator.tree_cache
         root = tree.root_node
         leaves = tree.evictable_leaves
-        bad: list[TreeNode] = []
+        bad: list[tuple[int, TreeNode, int, bool]] = []  # (id, node, locks wanted, is an evictable leaf)
         for node in nodes:
             if node is root or node.parent is None:
                 continue  # the root, or a node evicted in this call
-            if node.lock_ref != self.expected.get(node, 0) or (node.lock_ref == 0 and not node.children) != (
-                node in leaves
-            ):
-                bad.append(node)
-        bad_lock = 0
-        for node in sorted(bad, key=lambda n: n.id):
             want = self.expected.get(node, 0)
+            leaf = node.lock_ref == 0 and not node.children
+            if node.lock_ref != want or leaf != (node in leaves):
+                bad.append((node.id, node, want, leaf))
+        bad_lock = 0
+        for _, node, want, leaf in sorted(bad, key=lambda b: b[0]):
             if node.lock_ref != want:
                 bad_lock += 1
                 if bad_lock <= _MAX_ITEMS:
                     ch.tree.append(Violation("tree", f"node {node.id}: lock_ref {node.lock_ref}, requests lock it "
                                              f"{want} times", None, {"node": node.id, "lock_ref": node.lock_ref}))
-            leaf = node.lock_ref == 0 and not node.children
             if leaf != (node in leaves):
                 ch.tree.append(Violation("tree", f"node {node.id}: evictable leaf {leaf} but listed {not leaf}",
                                          None, {"node": node.id}))
