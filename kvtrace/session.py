@@ -53,6 +53,7 @@ ScreenMode = Literal["background", "inline"]
 DEFAULT_CHECKPOINT_BUDGET = 1 << 30
 MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
 _NO_STEPS = np.zeros(0, np.int64)
+TRUNCATED_NOTE = "the trace was cut short; replayed every complete step"
 _FOLD_STEPS = 1024  # steps replayed before the state folds them (it also folds whenever it is read)
 
 

@@ -162,7 +162,7 @@ def replay(
     from kvtrace.outputs import OutputFile
     from kvtrace.replay import ReplayOptions
     from kvtrace.report import render_replay_summary
-    from kvtrace.session import ReplaySession
+    from kvtrace.session import TRUNCATED_NOTE, ReplaySession
     from kvtrace.statelog import StateLogWriter
     from traces.samples import resolve_trace
 
@@ -213,7 +213,7 @@ def replay(
     if (start is not None or stop is not None) and result.stats.steps == 0 and not result.stopped_early:
         ui.warn(f"--steps {steps}: no step of {trace} falls in that window")
     if summary["truncated"]:
-        ui.warn(f"{trace}: the trace was cut short; replayed every complete step")
+        ui.warn(f"{trace}: {TRUNCATED_NOTE}")
     if as_json:
         ui.emit_json(summary)
     else:

@@ -188,9 +188,11 @@ class KvtraceApp(App[None]):
         side = message.failure.side
         frame = self.frames[side]
         step = frame.step if frame is not None else None
-        self.dashboards[side].query_one(EventsLog).add_failure(step, message.failure.message)
-        title = f"replay {self._side_label(side)} failed" if self.report is not None else "replay failed"
-        self.notify(message.failure.message, title=title, severity="error", timeout=15)
+        severity = message.failure.severity
+        self.dashboards[side].query_one(EventsLog).add_failure(step, message.failure.message, kind=severity)
+        what = "failed" if severity == "error" else "warning"
+        title = f"replay {self._side_label(side)} {what}" if self.report is not None else f"replay {what}"
+        self.notify(message.failure.message, title=title, severity=severity, timeout=15)
 
     def on_cell_info_ready(self, message: CellInfoReady) -> None:
         self.dashboards[message.info.side].query_one("#cell-info", Static).update(cell_text(message.info))

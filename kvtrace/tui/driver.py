@@ -129,10 +129,12 @@ class RequestHistory:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """An error inside the replay (the replayer pauses), or the replay process gone."""
+    """An error inside the replay (the replayer pauses), or the replay process gone; or,
+    ``severity`` ``warning``, what the replay of a damaged input left out (it went on)."""
 
     side: int
     message: str
+    severity: str = "error"
 
 
 class _Position(NamedTuple):
@@ -309,6 +311,8 @@ class Driver:
         elif kind == "failure":
             self.playing = False
             self._post(Failure(self.side, str(m["message"])))
+        elif kind == "warning":
+            self._post(Failure(self.side, str(m["message"]), severity="warning"))
         self._changed = True
 
     def _restore(self, m: dict[str, Any]) -> None:

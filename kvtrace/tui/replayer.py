@@ -21,7 +21,8 @@ What it sends (``link.ReplayerEnd``), in order:
   ``highlight``, ``positional``; or a ``note`` saying why there is none),
   ``cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
   ``history`` (a request's lengths step by step and its events),
-  ``failure`` (an error inside the replay: the replayer pauses).
+  ``failure`` (an error inside the replay: the replayer pauses),
+  ``warning`` (once the replay is done: what it left out of a damaged input).
 
 Commands (``[name, *args]``): play, pause, toggle, step N (N < 0: back), seek STEP,
 speed DELTA (an index into ``SPEEDS``), cells N (the page map's size), select RID|None,
@@ -97,6 +98,7 @@ class Replayer:
         self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, rid) of the map sent
         self._map_at = -1e18
         self._status: tuple[Any, ...] | None = None
+        self._end_noted = False  # the source's end note (a damaged input) was asked for
         self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
 
     @property
@@ -136,6 +138,11 @@ class Replayer:
         self._flush()
         status = (self.playing and not self.source.done, self.speed_index, self.source.done)
         if status != self._status:
+            if status[2] and not self._end_noted:
+                self._end_noted = True
+                note = self.source.end_note
+                if note is not None:
+                    self.end.send({"kind": "warning", "message": note})
             self._status = status
             self.end.send({"kind": "status", "playing": status[0], "speed_index": status[1], "done": status[2]})
         try:

@@ -54,6 +54,10 @@ class ReplaySource(Protocol):
         """The step the page map would show (a live replay's allocator may run ahead of
         ``last`` inside a run of decode steps replayed in one call)."""
         ...
+    @property
+    def end_note(self) -> str | None:
+        """Once the replay is done: what it left out of a damaged input (None: nothing)."""
+        ...
     def set_exact(self, exact: bool) -> None:
         """Keep the allocator at the step returned (paused: the page map is exact), or let
         runs of decode steps replay in one call (playing: as fast as ``kvtrace replay``)."""
@@ -142,6 +146,12 @@ class LiveSource:
     def allocator_step(self) -> int | None:
         return self.session.allocator_step
 
+    @property
+    def end_note(self) -> str | None:
+        from kvtrace.session import TRUNCATED_NOTE
+
+        return TRUNCATED_NOTE if self.session.done and self.session.reader.truncated else None
+
     def set_exact(self, exact: bool) -> None:
         self.session.allocator_in_step = exact
 
@@ -211,6 +221,10 @@ class LogSource:
     def allocator_step(self) -> int | None:
         last = self.log.last
         return None if last is None else last.step
+
+    @property
+    def end_note(self) -> str | None:
+        return None  # a log cut short reads to its last complete batch; its header says how far
 
     def set_exact(self, exact: bool) -> None:
         pass  # a log has no allocator

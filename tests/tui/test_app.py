@@ -197,3 +197,22 @@ async def test_view_of_a_state_log_steps_and_seeks(tiny_log) -> None:  # noqa: A
         assert int(cells.tokens.sum()) == app.frame.pool.pool_tokens
         await pilot.click(PageMap, offset=(0, 0))
         await settle(pilot, lambda a: "no slot positions" in text_of(a.main.query_one("#cell-info")))
+
+
+async def test_a_trace_cut_short_is_said_once_the_replay_is_done(tmp_path) -> None:  # noqa: ANN001
+    from kvtrace.session import TRUNCATED_NOTE
+    from traces.samples import resolve_trace
+
+    data = resolve_trace("sample:mooncake-tiny").read_bytes()
+    cut = tmp_path / "cut.kvtrace"
+    cut.write_bytes(data[: len(data) * 2 // 3])  # the last record batches lost
+    app = live_app(str(cut))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.done and any(TRUNCATED_NOTE in n.message for n in a._notifications))
+        assert app.frame.step is not None and app.frame.step > 0  # the complete steps replayed
+        note = next(n for n in app._notifications if TRUNCATED_NOTE in n.message)
+        assert note.severity == "warning"
+        log = app.dashboards[0].query_one(EventsLog)
+        assert [e.kind for e in log.shown if TRUNCATED_NOTE in str(e.detail)] == ["warning"]
+        await pilot.press("q")

@@ -76,11 +76,11 @@ class EventsLog(VirtualList):
         self._upto_step = frame.step
         self._select()
 
-    def add_failure(self, step: int | None, message: str) -> None:
-        """Log an error raised inside the replay (shown after the events)."""
+    def add_failure(self, step: int | None, message: str, kind: str = "error") -> None:
+        """Log an error raised inside the replay, or a ``warning`` (shown after the events)."""
         from kvtrace.state import StepEvent
 
-        self._failures.append(StepEvent(step if step is not None else -1, "error", None, 0, message))
+        self._failures.append(StepEvent(step if step is not None else -1, kind, None, 0, message))
         self._select()
 
     def set_kind(self, kind: str | None) -> None:
