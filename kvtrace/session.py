@@ -179,6 +179,9 @@ class ReplaySession:
         screen: screen steps in a child process (``background``) or here (``inline``),
             or the ``screen`` of another session of the same trace that runs ahead of
             this one (lockstep: each step is screened once; that session owns it).
+        checker_nice: lower the ``background`` checker's priority by this much
+            (``os.nice``): a replay that shares the machine with a screen lets the
+            screen and itself go first (the checker runs ahead in the gaps).
         track_state: keep the per-request ``ReplayState`` fold (``state``).
         allocator_in_step: keep the allocator's state that of the step last returned,
             for callers that query it between steps (slot ownership, a request's
@@ -207,6 +210,7 @@ class ReplaySession:
         checkpoint_every: int | None = None,
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
         screen: ScreenMode | StepScreen = "background",
+        checker_nice: int = 0,
         track_state: bool = False,
         allocator_in_step: bool = False,
         label: str | None = None,
@@ -245,7 +249,8 @@ class ReplaySession:
         if screen == "background":
             from traces.validate import BackgroundChecker
 
-            self._screen: Any = _RecordedScreen(BackgroundChecker(self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound))
+            self._screen: Any = _RecordedScreen(BackgroundChecker(
+                self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound, nice=checker_nice))
         elif screen == "inline":
             from traces.validate import OpSequenceChecker
 

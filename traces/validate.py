@@ -723,6 +723,9 @@ class BackgroundChecker:
             same); kept as ``rid_bound`` for callers that size arrays by request id.
         conn: the reading end of a pipe a shared checker writes to (no process is
             started then; ``close`` closes the pipe only).
+        nice: how much to lower the child's priority (``os.nice``): a caller that shares
+            the machine with a screen lets the screen and the replay go first, the
+            child filling the gaps (it runs ahead; it is waited for only when caught up).
 
     Raises:
         TraceError (from ``check``): the child stopped early for a reason the caller's
@@ -738,12 +741,13 @@ class BackgroundChecker:
         rid_bound: int | None = None,
         *,
         conn: Any = None,
+        nice: int = 0,
     ) -> None:
         self._proc: Any = None
         if conn is None:
             ctx = _mp_context()
             self._conn, child_conn = ctx.Pipe(duplex=False)
-            self._proc = ctx.Process(target=_check_in_child, args=(str(path), [child_conn], stop), daemon=True)
+            self._proc = ctx.Process(target=_check_in_child, args=(str(path), [child_conn], stop, nice), daemon=True)
             self._proc.start()
             child_conn.close()
         else:
@@ -836,9 +840,15 @@ def start_shared_checker(path: str | os.PathLike[str], consumers: int, stop: int
     return proc, [r for r, _ in pipes]
 
 
-def _check_in_child(path: str, conns: list[Any], stop: int | None) -> None:
+def _check_in_child(path: str, conns: list[Any], stop: int | None, nice: int = 0) -> None:
     from traces.io import TraceReader
     from traces.runs import run_lengths
+
+    if nice > 0 and hasattr(os, "nice"):
+        try:
+            os.nice(nice)
+        except OSError:  # not allowed here: check at the priority given
+            pass
 
     def send(message: tuple[str, int, int | None, Any]) -> None:
         for conn in list(conns):

@@ -48,11 +48,15 @@ if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
     from kvtrace.tui.sources import ReplaySource
 
-__all__ = ["MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "live_source", "log_job", "run_dashboard_job"]
+__all__ = ["CHECKER_NICE", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "live_source", "log_job", "run_dashboard_job"]
 
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
 PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
+# The replay's op-sequence checker runs at a lower priority beside a screen: on two cores
+# the replay, the screen and the checker want more than the machine has, and the checker,
+# which runs ahead, can wait (bench/tui.py: wall time +35% -> +18% here, 2 cores).
+CHECKER_NICE = 10
 
 
 class Replayer:
@@ -478,6 +482,7 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
         job["trace"], version=job_version(job), page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
         device=job.get("device", "cpu"), options=options, screen=job_screen(job, options), label=job.get("trace_label"),
         checkpoint_every=settings.get("checkpoint_every"), track_state=True, allocator_in_step=True,
+        checker_nice=CHECKER_NICE,
     )
     log = None
     if settings.get("log"):

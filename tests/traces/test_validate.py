@@ -322,6 +322,30 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     assert not background._proc.is_alive()
 
 
+def test_background_checker_runs_at_the_priority_asked(tmp_path) -> None:
+    """``nice``: the child lowers its own priority by that much, and checks as before."""
+    import os
+    import time
+
+    from traces.io import TraceReader
+    from traces.synth import generate
+    from traces.validate import BackgroundChecker
+
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no os.getpriority here")
+    path = tmp_path / "t.kvtrace"
+    generate(path, num_requests=20, seed=5)
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    for nice, wanted in ((0, own), (5, min(own + 5, 19))):
+        with BackgroundChecker(path, nice=nice) as background:
+            pid = background._proc.pid
+            deadline = time.monotonic() + 30
+            while os.getpriority(os.PRIO_PROCESS, pid) != wanted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.getpriority(os.PRIO_PROCESS, pid) == wanted  # a zombie keeps its priority
+            assert all(background.check(batch) == [] for batch in TraceReader(path).steps())
+
+
 def _decode_run_steps(num_steps: int, rows: int) -> list[StepBatch]:
     """A prefill of ``rows`` requests, then plain decode steps of all of them."""
     rid = np.arange(rows, dtype=np.int64)

@@ -156,3 +156,30 @@ def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_th
         assert environ(link)["NUMPY_MADVISE_HUGEPAGE"] == "1"
     finally:
         link.close()
+
+
+def test_the_replay_process_checks_its_steps_at_a_lower_priority() -> None:
+    """Beside a screen the op-sequence checker (the replay process's own child, ahead of
+    it) runs ``CHECKER_NICE`` lower than the replay and the screen."""
+    from kvtrace.tui.replayer import CHECKER_NICE
+
+    if not hasattr(os, "getpriority") or not Path("/proc/self/task").exists():
+        pytest.skip("no /proc or os.getpriority here: another process's children and priority cannot be read")
+    job = dashboard_job(resolve_version("builtin"), str(resolve_trace("sample:mooncake-conversation")),
+                        trace_label="sample", page_size=None, pool_tokens=None, device="cpu",
+                        options=dataclasses.asdict(ReplayOptions()), checkpoint_every=2000, play=False)
+    link = ChildReplay(job)
+    try:
+        link.wait_started()
+        pid = link.proc.pid
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+        assert len(children) == 1, children  # the checker (it checks the hour's 77,271 steps for seconds)
+        wanted = min(os.getpriority(os.PRIO_PROCESS, pid) + CHECKER_NICE, 19)
+        deadline = time.monotonic() + 30
+        while os.getpriority(os.PRIO_PROCESS, children[0]) != wanted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, children[0]) == wanted
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)  # the replay's own is not
+    finally:
+        link.close()
