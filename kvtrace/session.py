@@ -128,7 +128,8 @@ class _Checkpoint:
     engine: EngineState
     state: Any  # ReplayState.save(), or None
     last: StepSnapshot | None  # the snapshot before (None at the start of the window)
-    nbytes: int
+    nbytes: int  # its own memory
+    shared: dict[int, int]  # memory it may share with others: id -> bytes (``AllocatorState.shared``)
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,7 @@ class ReplaySession:
                 self._screen.close()
             raise
         self._checkpoints: list[_Checkpoint] = []
+        self._shared: dict[int, int] = {}  # the union of the checkpoints' shared memory
         self._since_checkpoint = 0
         self._run_limit: int | None = None  # a seek's target: no run goes past it
         self._wall_s = 0.0
@@ -534,25 +536,27 @@ class ReplaySession:
         nbytes = int(getattr(saved_alloc, "nbytes", 0)) + _engine_nbytes(saved_engine)
         if saved_state is not None:
             nbytes += sum(v.nbytes for v in saved_state.columns.values())
+        shares = getattr(saved_alloc, "shared", None)
+        shared = shares() if shares is not None else {}
         self._checkpoints.append(
-            _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state, self.last, nbytes)
+            _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state, self.last, nbytes, shared)
         )
+        self._shared.update(shared)
         self._since_checkpoint = 0
         if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
             # Thin out: keep the first (the window's start), every other one after it.
             self._checkpoints = self._checkpoints[:1] + self._checkpoints[2::2]
+            self._shared = {}
+            for c in self._checkpoints:
+                self._shared.update(c.shared)
             assert self.checkpoint_every is not None
             self.checkpoint_every *= 2
 
     @property
     def checkpoint_bytes(self) -> int:
-        """Memory the checkpoints hold now (what several share counted once)."""
-        shared: dict[int, int] = {}
-        for c in self._checkpoints:
-            more = getattr(c.allocator, "shared", None)
-            if more is not None:
-                shared.update(more())
-        return sum(c.nbytes for c in self._checkpoints) + sum(shared.values())
+        """Memory the checkpoints hold now (what several share counted once: the union
+        of their ``shared``, kept as they come and go)."""
+        return sum(c.nbytes for c in self._checkpoints) + sum(self._shared.values())
 
     @property
     def num_checkpoints(self) -> int:

@@ -169,6 +169,27 @@ def test_checkpoints_stay_within_their_budget(busy_trace: Path) -> None:
         assert s.seek(last.step // 2) is not None
 
 
+def test_the_checkpoints_memory_counts_what_they_share_once(busy_trace: Path) -> None:
+    """``checkpoint_bytes``, kept as checkpoints come and are thinned out, equals the sum
+    over the checkpoints held, with the memory they share (the tree's keys and slot
+    arrays) counted once."""
+
+    def counted_afresh(s: ReplaySession) -> int:
+        shared: dict[int, int] = {}
+        for c in s._checkpoints:
+            shared.update(c.allocator.shared())
+        return sum(c.nbytes for c in s._checkpoints) + sum(shared.values())
+
+    with session(busy_trace, checkpoint_every=1, checkpoint_budget=300_000) as s:
+        seen, thinned = 0, False
+        while s.step() is not None:
+            assert s.checkpoint_bytes == counted_afresh(s)
+            thinned |= s.num_checkpoints < seen
+            seen = s.num_checkpoints
+        assert thinned and seen > 2
+        assert any(c.shared for c in s._checkpoints)
+
+
 # -- windows and the over-allocation ledger -------------------------------------------
 
 
