@@ -113,9 +113,11 @@ class EventsLog(VirtualList):
         self._by_kind[kind] = (max(scanned, self._num_events), events, steps)
         return events[: bisect.bisect_right(steps, self._upto_step)]
 
-    def visible_signature(self) -> object:
-        top = int(self.scroll_y)
-        return (top, self.cursor, min(self.num_rows, top + self.page_rows + 1), self.kind, len(self._failures))
+    def view_signature(self) -> object:
+        return self.kind
+
+    def row_signatures(self, start: int, stop: int) -> list[object]:
+        return list(self._shown[start:stop])
 
     @property
     def shown(self) -> list[StepEvent]:

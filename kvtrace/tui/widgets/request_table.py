@@ -228,17 +228,23 @@ class RequestTable(VirtualList):
         return {rid for rid, until in self._flash.items() if until > now}
 
     # ------------------------------------------------------------------ VirtualList hooks
-    def visible_signature(self) -> object:
+    def view_signature(self) -> object:
         req = self._req
         if req is None:
             return None
-        top = int(self.scroll_y)
-        rids = self._order[top : top + self.page_rows]
+        return (self.sort_key, self.descending, req.page_size)  # the header
+
+    def row_signatures(self, start: int, stop: int) -> list[object]:
+        req = self._req
+        assert req is not None
+        rids = self._order[start:stop]
+        alloc, used = req.allocated[rids], req.committed[rids]
+        n_used, n_over = _bar_cells(alloc, used, self._scale)  # the bars, not their scale: it moves often
         now = self._clock()
-        flashing = tuple(int(r) for r in rids if self._flash.get(int(r), 0.0) > now)
-        return (top, self.cursor, self.num_rows, self.sort_key, self.descending, self._scale, flashing,
-                rids.tobytes(), req.allocated[rids].tobytes(), req.committed[rids].tobytes(),
-                req.phase[rids].tobytes(), req.prefix_hit[rids].tobytes(), req.admitted_step[rids].tobytes())
+        flash = self._flash
+        return list(zip(rids.tolist(), alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
+                        req.phase[rids].tolist(), req.prefix_hit[rids].tolist(), req.admitted_step[rids].tolist(),
+                        [flash.get(r, 0.0) > now for r in rids.tolist()]))
 
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
@@ -284,9 +290,7 @@ class RequestTable(VirtualList):
             base = base + _FLASH
         if selected:
             base = base + _CURSOR
-        bar_w = _WIDTHS[2] - 2
-        n_used = used * bar_w // self._scale
-        n_over = max(alloc * bar_w // self._scale - n_used, 1 if over > 0 else 0)
+        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale))
         parts = [
             (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
@@ -301,3 +305,15 @@ class RequestTable(VirtualList):
             (str(admitted) if admitted >= 0 else "·", _WIDTHS[8], None, ">"),
         ]
         return cells(parts, width, base)
+
+
+_BAR_W = _WIDTHS[2] - 2  # cells of the used|over bar
+
+
+def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cells of the bar's used and over-allocated parts (arrays or single values), scaled
+    so that ``scale`` slots fill the bar; a request holding any over-allocation shows
+    at least one cell of it."""
+    n_used = np.asarray(used) * _BAR_W // scale
+    n_over = np.maximum(np.asarray(alloc) * _BAR_W // scale - n_used, np.asarray(alloc) > np.asarray(used))
+    return n_used, n_over

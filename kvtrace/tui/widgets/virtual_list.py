@@ -8,7 +8,7 @@ from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
@@ -21,6 +21,12 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
     Subclasses set ``num_rows`` (then ``refresh_rows()``) and implement the two render
     methods; ``cursor`` is the selected row (-1: none); ``on_cursor_moved`` and
     ``on_activated`` (enter, or a click on the selected row) are the hooks.
+    """
+
+    DEFAULT_CSS = """
+    VirtualList {
+        overflow-x: hidden;  /* rows fit the width: no horizontal scrolling */
+    }
     """
 
     BINDINGS = [
@@ -36,7 +42,9 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         super().__init__(id=id, classes=classes)
         self.num_rows = 0
         self.cursor = -1
-        self._drawn: object = None  # visible_signature() of what is on screen
+        # What is on screen: ((top row, width, view_signature()), [(row signature, cursor
+        # on it) per line]); None: unknown (the next refresh_rows redraws every line).
+        self._drawn: tuple[tuple[int, int, object], list[tuple[object, bool]]] | None = None
         self._base: Style | None = None  # rich_style, cached (computing it per line is slow)
 
     # ------------------------------------------------------------------ subclass hooks
@@ -46,9 +54,15 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
     def render_row(self, index: int, width: int, selected: bool) -> Strip:
         return Strip.blank(width)
 
-    def visible_signature(self) -> object:
-        """A value that changes whenever the rows on screen would look different (None:
-        always redraw). ``refresh_rows`` skips the redraw when it did not change."""
+    def view_signature(self) -> object:
+        """A value that changes whenever every line would look different (the header,
+        a scale the rows share); None: always redraw every line."""
+        return None
+
+    def row_signatures(self, start: int, stop: int) -> list[object] | None:
+        """One value per row ``start .. stop - 1`` that changes whenever the row would look
+        different (the cursor aside: the list adds it); None: redraw every line.
+        ``refresh_rows`` redraws only the lines whose value changed."""
         return None
 
     def on_cursor_moved(self, index: int) -> None:
@@ -59,19 +73,34 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
 
     # ------------------------------------------------------------------ rows
     def refresh_rows(self) -> None:
-        """Call after ``num_rows`` or the rows' content changed (redraws only if what is on
-        screen changed)."""
+        """Call after ``num_rows`` or the rows' content changed: redraws the lines on
+        screen that changed (all of them when the list scrolled, or the view changed)."""
         # The virtual height goes by steps (a change re-lays the screen out); rows past
         # num_rows draw blank.
+        width = self.scrollable_content_region.width
         height = rows_height(self.num_rows + 1)
         if height != self.virtual_size.height:
-            self.virtual_size = Size(self.scrollable_content_region.width, height)
+            self.virtual_size = Size(width, height)
         if self.cursor >= self.num_rows:
             self.cursor = self.num_rows - 1
-        drawn = self.visible_signature()
-        if drawn is None or drawn != self._drawn:
-            self._drawn = drawn
+        top = int(self.scroll_y)
+        stop = min(self.num_rows, top + self.page_rows)
+        view = self.view_signature()
+        rows = self.row_signatures(top, stop) if view is not None else None
+        if rows is None:
+            self._drawn = None
             self.refresh()
+            return
+        cursor = self.cursor - top
+        lines = [(row, y == cursor) for y, row in enumerate(rows)]
+        drawn, self._drawn = self._drawn, ((top, width, view), lines)
+        if drawn is None or drawn[0] != self._drawn[0]:
+            self.refresh()
+            return
+        before = drawn[1]
+        for y in range(max(len(before), len(lines))):
+            if y >= len(before) or y >= len(lines) or before[y] != lines[y]:
+                self.refresh(Region(0, y + 1, width, 1))  # line 0 is the header
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         self._drawn = None
