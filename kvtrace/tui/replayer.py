@@ -54,8 +54,9 @@ SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
 PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
 # The replay's op-sequence checker runs at a lower priority beside a screen: on two cores
-# the replay, the screen and the checker want more than the machine has, and the checker,
-# which runs ahead, can wait (bench/tui.py: wall time +35% -> +18% here, 2 cores).
+# the replay (a core), the screen (half a core) and the checker (a third of one) want more
+# than the machine has, and the checker, which runs ahead, can wait (bench/tui.py on two
+# cores: median wall-time overhead +35% and +43% before, +25% after; bench/RESULTS.md).
 CHECKER_NICE = 10
 
 
