@@ -215,4 +215,9 @@ async def test_a_trace_cut_short_is_said_once_the_replay_is_done(tmp_path) -> No
         assert note.severity == "warning"
         log = app.dashboards[0].query_one(EventsLog)
         assert [e.kind for e in log.shown if TRUNCATED_NOTE in str(e.detail)] == ["warning"]
+        line = next(log.render_row(i, 120, False).text for i, e in enumerate(log.shown) if e.kind == "warning")
+        assert line.split()[0].isdigit()  # the step it was noted at
+        assert line.split()[1:] == ["warning", *TRUNCATED_NOTE.split()]  # the words, no "pool:"
+        log.add_failure(None, "the replay process exited")  # an error at no step
+        assert log.render_row(log.num_rows - 1, 120, False).text.split() == ["·", "error", *"the replay process exited".split()]
         await pilot.press("q")

@@ -32,12 +32,16 @@ _KIND_STYLE = {
     "dropped": Style(color="red"),
     "row_overflow": Style(color="bright_red"),
     "error": Style(color="white", bgcolor="red", bold=True),
+    "warning": Style(color="yellow", bold=True),
 }
+_FAILURE_KINDS = ("error", "warning")  # add_failure's lines: the replay's own words, at a step or none
 _HEADER = Style(bold=True, underline=True)
 
 
 def describe(e: StepEvent) -> str:
     """One line for an event."""
+    if e.kind in _FAILURE_KINDS:
+        return e.detail or ""
     who = f"rid {e.rid}" if e.rid is not None else "pool"
     if e.detail:
         return f"{who}: {e.detail}"
@@ -124,7 +128,9 @@ class EventsLog(VirtualList):
         return self._shown
 
     def on_activated(self, index: int) -> None:
-        self.post_message(self.Chosen(self, self._shown[index].step))
+        step = self._shown[index].step
+        if step >= 0:  # a failure at no step has nowhere to go
+            self.post_message(self.Chosen(self, step))
 
     def render_header(self, width: int) -> Strip:
         title = f"events ({self.kind})" if self.kind else "events (all kinds)"
@@ -143,7 +149,8 @@ class EventsLog(VirtualList):
                 self._rows = {}
             base = self.base_style + Style(reverse=True) if selected else self.base_style
             strip = self._rows[key] = cells(
-                [(str(e.step), 8, None, ">"), ("  " + e.kind + " ", 21, _KIND_STYLE.get(e.kind), "<"),
+                [(str(e.step) if e.step >= 0 else "·", 8, None, ">"),
+                 ("  " + e.kind + " ", 21, _KIND_STYLE.get(e.kind), "<"),
                  (describe(e), width, None, "<")],
                 width,
                 base,
