@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -37,10 +38,33 @@ if TYPE_CHECKING:
     from kvtrace.tui.link import ReplayLink
     from kvtrace.tui.updates import StepsUpdate
 
-__all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
+__all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "AchievedSpeed", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
            "RequestHistory"]
 
 ALERT_KINDS = frozenset({"oom", "violation", "bad_op"})
+
+
+class AchievedSpeed:
+    """Simulated seconds replayed per wall second, over the frames of the last ``window_s``
+    (frame to frame it jumps: a frame that brought a message but no step reads 0×)."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._marks: deque[tuple[float, float]] = deque()  # (wall, simulated) of the frames shown
+
+    def reset(self) -> None:
+        """Forget the frames so far (playing starts, or the replay jumped)."""
+        self._marks.clear()
+
+    def mark(self, wall: float, simulated: float) -> float | None:
+        """Note a frame at ``wall`` showing ``simulated``; the speed over the window (None
+        before a second frame)."""
+        marks = self._marks
+        marks.append((wall, simulated))
+        while len(marks) > 2 and wall - marks[1][0] >= self.window_s:
+            marks.popleft()
+        first_wall, first_sim = marks[0]
+        return (simulated - first_sim) / (wall - first_wall) if wall > first_wall else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +215,7 @@ class Driver:
         self._due = -1e18  # when the next frame may be posted
         self._shown_step: int | None = None
         self._shown_events = 0
-        self._rate_at: tuple[float, float] | None = None
+        self._speed = AchievedSpeed()
         # What each frame not yet drawn announced: a newer frame replaces it in the UI's
         # queue, so the next ones repeat it until the UI acknowledges one drawn after it.
         self._unacked: list[tuple[int, frozenset[int], tuple[StepEvent, ...]]] = []
@@ -288,9 +312,10 @@ class Driver:
         elif kind == "status":
             self.playing, self.speed_index, self.done = bool(m["playing"]), int(m["speed_index"]), bool(m["done"])
             if self.playing:
-                self._rate_at = None
+                self._speed.reset()
         elif kind == "position":
             self._restore(m)
+            self._speed.reset()  # simulated time jumped
         elif kind == "cells":
             self._map_step = m["step"]
             self._map_note = m.get("note")
@@ -347,10 +372,8 @@ class Driver:
         alerts = [e for u in self._unacked for e in u[2]]
         achieved = None
         if last is not None:
-            wall = self._clock()
-            if self._rate_at is not None and wall > self._rate_at[0] and self.playing:
-                achieved = (last.time_s - self._rate_at[1]) / (wall - self._rate_at[0])
-            self._rate_at = (wall, last.time_s)
+            speed = self._speed.mark(self._clock(), last.time_s)
+            achieved = speed if self.playing else None
         self._shown_step = step
         self.frames_posted += 1
         self._posted_at = now

@@ -179,3 +179,18 @@ def test_frames_not_drawn_pass_their_alerts_and_releases_on() -> None:
     finally:
         driver.stop()
         thread.join(timeout=10)
+
+
+def test_the_achieved_speed_is_measured_over_the_last_second_of_frames() -> None:
+    from kvtrace.tui.driver import AchievedSpeed
+
+    speed = AchievedSpeed(window_s=1.0)
+    assert speed.mark(0.0, 0.0) is None  # one frame: no speed yet
+    got = [speed.mark(0.05 * i, 10.0 * i if i != 7 else 60.0) for i in range(1, 41)]  # frame 7 brought no step
+    assert all(g is not None and g > 100 for g in got)  # 200x, and never 0x for the frame with no step
+    assert got[-1] == pytest.approx(200.0)
+    for i in range(41, 61):  # the replay slows to 100x: within a second the speed says so
+        last = speed.mark(0.05 * i, 400.0 + 5.0 * (i - 40))
+    assert last == pytest.approx(100.0)
+    speed.reset()
+    assert speed.mark(10.0, 0.0) is None and speed.mark(10.5, 50.0) == pytest.approx(100.0)
