@@ -180,3 +180,32 @@ async def test_a_request_whose_lengths_stay_is_drawn_again_when_its_bar_rescales
         table.refresh()
         await pilot.pause()
         assert _screen_text(app) == drawn
+
+
+async def test_a_list_that_grows_tells_its_scrollbar_without_laying_the_screen_out(monkeypatch) -> None:  # noqa: ANN001
+    """The virtual height goes up by steps as rows come; each step updates the scrollbar
+    and the rows reachable, without a layout of the whole screen."""
+    from textual.screen import Screen
+
+    from kvtrace.tui.widgets.virtual_list import rows_height
+
+    app = _ListApp([100 + i for i in range(40)])
+    async with app.run_test(size=(40, 12)) as pilot:
+        rows = app.query_one(_Rows)
+        await _drawn(pilot, rows)
+        layouts = []
+        real = Screen._refresh_layout
+        monkeypatch.setattr(Screen, "_refresh_layout", lambda self, *a, **k: (layouts.append(1), real(self, *a, **k)))
+        rows.values.extend(100 + i for i in range(40, 400))
+        for n in range(40, 401, 40):
+            rows.num_rows = n
+            rows.refresh_rows()
+            await pilot.pause()
+            assert rows.virtual_size.height == rows_height(n + 1)
+            assert rows.vertical_scrollbar.window_virtual_size == rows_height(n + 1)
+        assert layouts == []
+        rows.scroll_to_end()
+        await pilot.pause()
+        rows.refresh_rows()
+        await pilot.pause()
+        assert "row399=499" in _screen_text(app)

@@ -80,7 +80,7 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         width = self.scrollable_content_region.width
         height = rows_height(self.num_rows + 1)
         if height != self.virtual_size.height:
-            self.virtual_size = Size(width, height)
+            self._set_virtual_size(Size(width, height))
         if self.cursor >= self.num_rows:
             self.cursor = self.num_rows - 1
         top = int(self.scroll_y)
@@ -101,6 +101,18 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         for y in range(max(len(before), len(lines))):
             if y >= len(before) or y >= len(lines) or before[y] != lines[y]:
                 self.refresh(Region(0, y + 1, width, 1))  # line 0 is the header
+
+    def _set_virtual_size(self, size: Size) -> None:
+        """A new virtual size, telling only the scrollbars: the list's own size never
+        depends on it, but Textual lays the whole screen out again for a new virtual
+        size (some 25 ms of the screen's time, and every widget drawn again). A
+        scrollbar shown or hidden by it still lays the screen out (its own reactive)."""
+        update = getattr(self, "_scroll_update", None)  # Textual's: the scrollbars follow the virtual size
+        if update is None or not self.container_size:
+            self.virtual_size = size
+            return
+        self.set_reactive(VirtualList.virtual_size, size)
+        update(size)
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         self._drawn = None
