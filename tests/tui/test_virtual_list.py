@@ -209,3 +209,29 @@ async def test_a_list_that_grows_tells_its_scrollbar_without_laying_the_screen_o
         rows.refresh_rows()
         await pilot.pause()
         assert "row399=499" in _screen_text(app)
+
+
+async def test_the_scrollbar_is_drawn_again_only_when_its_thumb_moves(monkeypatch) -> None:  # noqa: ANN001
+    """Scrolling a long list a row at a time moves the thumb a cell-eighth every few
+    rows: the scrollbar is drawn only then, and the screen always shows the scrollbar a
+    full redraw would."""
+    from textual.scrollbar import ScrollBar
+
+    app = _ListApp([100 + i for i in range(2000)])
+    async with app.run_test(size=(40, 12)) as pilot:
+        rows = app.query_one(_Rows)
+        await _drawn(pilot, rows)
+        drawn = []
+        real = ScrollBar.render
+        monkeypatch.setattr(ScrollBar, "render", lambda self: (drawn.append(1), real(self))[1])
+        bar = rows.vertical_scrollbar
+        for y in range(1, 301):
+            rows.scroll_to(y=y, animate=False)
+            await pilot.pause()
+            if y % 60 == 0:  # what is on screen equals the scrollbar drawn afresh
+                shown = app.export_screenshot()
+                bar.refresh()
+                await pilot.pause()
+                assert app.export_screenshot() == shown, y
+        assert "row300=400" in _screen_text(app) and bar.position == rows.scroll_y == 300
+        assert 0 < len(drawn) < 100  # a thumb move every few rows, not 300 draws

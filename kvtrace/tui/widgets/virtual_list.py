@@ -4,12 +4,15 @@ fast as 12."""
 
 from __future__ import annotations
 
+from math import ceil
+
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding
 from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
+from textual.scrollbar import ScrollBar
 from textual.strip import Strip
 
 __all__ = ["VirtualList", "cells", "rows_height"]
@@ -116,7 +119,28 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         self._drawn = None
+        if self.show_vertical_scrollbar and self._same_thumb(new):
+            # A list that follows its newest row scrolls at every frame, its scrollbar's
+            # thumb a cell-eighth every dozen frames: keep the scrollbar's position
+            # (dragging reads it) without drawing the scrollbar again.
+            self.vertical_scrollbar.set_reactive(ScrollBar.position, new)
+            if round(old) != round(new):
+                self.refresh(self.size.region)
+            return
         super().watch_scroll_y(old, new)
+
+    def _same_thumb(self, position: float) -> bool:
+        """Whether the scrollbar at ``position`` looks as it does now (drawn by its own
+        renderer, as Textual draws it)."""
+        bar = self.vertical_scrollbar
+        height, thickness = bar.size.height, bar.size.width
+        if not height or not thickness:
+            return False
+        virtual = bar.window_virtual_size
+        shape = {"size": height, "virtual_size": ceil(virtual), "thickness": thickness, "vertical": True,
+                 "window_size": ceil(bar.window_size if bar.window_size < virtual else 0)}
+        render = bar.renderer.render_bar
+        return render(position=bar.position, **shape).segments == render(position=position, **shape).segments
 
     @property
     def page_rows(self) -> int:
