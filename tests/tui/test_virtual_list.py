@@ -41,6 +41,19 @@ class _ListApp(App[None]):
         yield _Rows(self.values)
 
 
+def _counting(monkeypatch, owner: type, name: str) -> list[int]:  # noqa: ANN001
+    """Count the calls of method ``name`` of ``owner`` (still called) in the list returned."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 async def _drawn(pilot, rows: _Rows) -> None:  # noqa: ANN001
     """Wait until the list is on screen and nothing more is being drawn."""
     for _ in range(50):
@@ -193,9 +206,7 @@ async def test_a_list_that_grows_tells_its_scrollbar_without_laying_the_screen_o
     async with app.run_test(size=(40, 12)) as pilot:
         rows = app.query_one(_Rows)
         await _drawn(pilot, rows)
-        layouts = []
-        real = Screen._refresh_layout
-        monkeypatch.setattr(Screen, "_refresh_layout", lambda self, *a, **k: (layouts.append(1), real(self, *a, **k)))
+        layouts = _counting(monkeypatch, Screen, "_refresh_layout")
         rows.values.extend(100 + i for i in range(40, 400))
         for n in range(40, 401, 40):
             rows.num_rows = n
@@ -221,9 +232,7 @@ async def test_the_scrollbar_is_drawn_again_only_when_its_thumb_moves(monkeypatc
     async with app.run_test(size=(40, 12)) as pilot:
         rows = app.query_one(_Rows)
         await _drawn(pilot, rows)
-        drawn = []
-        real = ScrollBar.render
-        monkeypatch.setattr(ScrollBar, "render", lambda self: (drawn.append(1), real(self))[1])
+        drawn = _counting(monkeypatch, ScrollBar, "render")
         bar = rows.vertical_scrollbar
         for y in range(1, 301):
             rows.scroll_to(y=y, animate=False)
