@@ -1,7 +1,7 @@
 """The dashboard's cost: replay wall time with and without it, frames a second, memory.
 
 Usage:
-    python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE]
+    python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE] [--force]
     python bench/tui.py [TRACE] --no-screen [--repeat N]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
@@ -43,8 +43,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -219,9 +219,13 @@ def main() -> None:
     ap.add_argument("--no-screen", action="store_true",
                     help="the dashboard's replay process with no screen (updates discarded) against the plain replay, "
                          "each pair at the same time (a machine with four cores or more)")
+    ap.add_argument("--force", action="store_true", help="overwrite the --profile-ui / --profile-replay files")
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
+    for out in (args.profile_ui, args.profile_replay):
+        if out and Path(out).exists() and not args.force:
+            ap.error(f"{out} exists (pass --force to overwrite it)")
     if args.plain_once:
         print(json.dumps(_plain_here(args.trace)))
         return
