@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvtrace.registry import resolve_version  # noqa: E402
+from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
@@ -124,7 +125,7 @@ def start_once(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
     plain replay (as ``kvtrace replay`` runs it), or with ``--replay-process-once`` the
     dashboard's replay process without a screen (with the environment ``ChildReplay``
     gives it); ``result`` waits for its figures."""
-    env = {**CHILD_ENV, **os.environ} if what == "--replay-process-once" else None
+    env = child_environ(CHILD_ENV) if what == "--replay-process-once" else None
     return subprocess.Popen([sys.executable, __file__, trace, what], stdout=subprocess.PIPE, text=True, env=env)
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
     from kvtrace.snapshot import StepSnapshot
 
-__all__ = ["Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "side_job", "spawn_child"]
+__all__ = ["Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "child_environ", "side_job", "spawn_child"]
 
 SESSION_CHUNK_STEPS = 64
 CHILD_BATCH_STEPS = 256
@@ -147,6 +147,12 @@ def stop_child(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
             proc.wait()
 
 
+def child_environ(defaults: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child, with ``defaults`` for the variables it does
+    not set itself (a variable the user set wins)."""
+    return {**(defaults or {}), **os.environ}
+
+
 def spawn_child(
     job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
     commands: bool = False, env_defaults: dict[str, str] | None = None,
@@ -164,7 +170,7 @@ def spawn_child(
         SideError: the interpreter cannot be started.
     """
     read_fd, write_fd = os.pipe()
-    env = {**(env_defaults or {}), **os.environ}
+    env = child_environ(env_defaults)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     try:
         proc = subprocess.Popen(
