@@ -171,7 +171,9 @@ async def test_mouse_selects_rows_cells_events_and_sorts() -> None:
         await settle(pilot, lambda a: a.frame.selected_rid == live[0] and a.frame.page_cells is not None
                      and bool(a.frame.page_cells.highlight.any()))
         # a click on the header sorts by that column
-        await pilot.click(RequestTable, offset=(40, 0))
+        from kvtrace.tui.widgets.request_table import _WIDTHS
+
+        await pilot.click(RequestTable, offset=(sum(_WIDTHS[:4]) + 2, 0))  # inside the allocated column
         assert table.sort_key == "allocated"
         # a click on a page-map cell shows its pages and owners
         await pilot.click(PageMap, offset=(0, 0))

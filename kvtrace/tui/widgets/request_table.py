@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["SORT_KEYS", "RequestFilter", "RequestTable"]
 
 SORT_KEYS = ("id", "phase", "used", "allocated", "over", "pages", "prefix", "admitted")
-_WIDTHS = (7, 10, 14, 9, 11, 7, 7, 8, 10)
+_WIDTHS = (8, 10, 14, 9, 11, 8, 8, 8, 10)  # a value as wide as its column would touch the one before
 _HEADERS = ("id", "phase", "used|over", "used", "allocated", "over", "pages", "prefix", "admitted")
 _SORT_COLUMN = {0: "id", 1: "phase", 3: "used", 4: "allocated", 5: "over", 6: "pages", 7: "prefix", 8: "admitted"}
 _PHASE_STYLE = {
