@@ -26,7 +26,7 @@ from kvtrace.state import RequestRow
 from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
 from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
-from kvtrace.tui.widgets.dashboard import Dashboard
+from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner
 from kvtrace.tui.widgets.events_log import EVENT_KINDS, EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
@@ -51,7 +51,7 @@ class KvtraceApp(App[None]):
         diff: what ``kvtrace diff`` found (with two links): the screen marks the
             divergence, selects its request and starts the sides at its step.
         fps: frames a second while playing.
-        chart_interval_s: seconds between redraws of the occupancy chart while playing.
+        cadence: how often the occupancy chart and the events log are drawn while playing.
         clock: monotonic seconds (tests fix it: row flashes, achieved speed).
     """
 
@@ -87,7 +87,7 @@ class KvtraceApp(App[None]):
         *,
         diff: DiffReport | None = None,
         fps: float = DEFAULT_FPS,
-        chart_interval_s: float = 1.0,
+        cadence: Cadence = Cadence(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
@@ -100,8 +100,7 @@ class KvtraceApp(App[None]):
         self.frames_shown = 0
         self.draw_s: deque[float] = deque(maxlen=10_000)  # seconds from a frame's arrival to its screen update
         self.clock = clock
-        self.main = ReplayScreen() if diff is None else DiffScreen(diff)
-        self._chart_interval_s = chart_interval_s
+        self.main = ReplayScreen(cadence) if diff is None else DiffScreen(diff, cadence)
         self._detail: RequestDetailScreen | None = None
         self._divergence: int | None = None  # the divergence the sides were sent to
         self.replay_closed = threading.Event()  # every worker returned and closed its replay

@@ -13,7 +13,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Input, Static
 from textual_plot import HiResMode
 
-from kvtrace.tui.widgets.dashboard import Dashboard
+from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner, divergence_text
 from kvtrace.tui.widgets.events_log import describe
 from kvtrace.tui.widgets.occupancy import QuietPlot
@@ -50,10 +50,15 @@ DIFF_KEYS = (
 
 
 class ReplayScreen(Screen):
-    """The dashboard of one replay."""
+    """The dashboard of one replay (``cadence``: how often its costliest panels are drawn
+    while playing)."""
+
+    def __init__(self, cadence: Cadence = Cadence()) -> None:
+        super().__init__()
+        self.cadence = cadence
 
     def compose(self) -> ComposeResult:
-        yield Dashboard(0, id="side-0")
+        yield Dashboard(0, cadence=self.cadence, id="side-0")
         yield Footer()
 
 
@@ -61,15 +66,16 @@ class DiffScreen(Screen):
     """Two replays side by side (``kvtrace diff --tui``): what the diff found, then the
     dashboards of A and B."""
 
-    def __init__(self, report: DiffReport) -> None:
+    def __init__(self, report: DiffReport, cadence: Cadence = Cadence()) -> None:
         super().__init__()
         self.report = report
+        self.cadence = cadence
 
     def compose(self) -> ComposeResult:
         yield DivergenceBanner(divergence_text(self.report, None), id="divergence")
         with Horizontal(id="sides"):
             for side, r in enumerate((self.report.a, self.report.b)):
-                dash = Dashboard(side, compact=True, id=f"side-{side}")
+                dash = Dashboard(side, compact=True, cadence=self.cadence, id=f"side-{side}")
                 dash.border_title = f"{'AB'[side]}  {r.label}"
                 yield dash
         yield Footer()

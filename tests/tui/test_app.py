@@ -223,3 +223,47 @@ async def test_a_trace_cut_short_is_said_once_the_replay_is_done(tmp_path) -> No
         log.add_failure(None, "the replay process exited")  # an error at no step
         assert log.render_row(log.num_rows - 1, 120, False).text.split() == ["·", "error", *"the replay process exited".split()]
         await pilot.press("q")
+
+
+async def test_events_log_is_drawn_at_its_cadence_while_playing() -> None:
+    """While playing, the events log follows the frames at most every ``Cadence.events_s``
+    (at full speed each frame scrolls it by a screenful); paused, or with an alert, at
+    once."""
+    import dataclasses
+
+    from kvtrace.state import StepEvent
+    from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
+
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, lambda a: not a.frame.playing)
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.done)
+        done = app.frame
+        steps = sorted({e.step for e in done.events()})
+        assert len(steps) >= 3, steps
+        dash = app.main.query_one(Dashboard)
+        log = app.main.query_one(EventsLog)
+        assert dash.cadence == Cadence()
+        gap = dash.cadence.events_s
+        t0 = app.clock() + 10 * gap  # past the frames the replay itself sent
+
+        def playing_at(step: int, **kw: object):  # noqa: ANN202
+            return dataclasses.replace(done, step=step, playing=True, done=False, **kw)
+
+        def last_shown() -> int:
+            return log.shown[-1].step
+
+        dash.show(playing_at(steps[0]), app.driver.info, t0)
+        assert last_shown() == steps[0]
+        dash.show(playing_at(steps[1]), app.driver.info, t0 + gap / 2)
+        assert last_shown() == steps[0]  # too soon: the log waits
+        dash.show(playing_at(steps[1]), app.driver.info, t0 + gap)
+        assert last_shown() == steps[1]
+        dash.show(dataclasses.replace(done, step=steps[2], playing=False), app.driver.info, t0 + gap)
+        assert last_shown() == steps[2]  # paused: at once
+        dash.show(playing_at(steps[1]), app.driver.info, t0 + gap * 1.25)
+        assert last_shown() == steps[2]  # playing again: the log waits
+        alert = StepEvent(steps[1], "oom", None, 0, "")
+        dash.show(playing_at(steps[1], alerts=(alert,)), app.driver.info, t0 + gap + gap / 4)
+        assert last_shown() == steps[1]  # an alert: at once

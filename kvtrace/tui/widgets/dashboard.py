@@ -7,7 +7,7 @@ to every panel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
@@ -23,7 +23,19 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.sources import SourceInfo
 
-__all__ = ["Dashboard"]
+__all__ = ["Cadence", "Dashboard"]
+
+
+class Cadence(NamedTuple):
+    """How often the costliest panels are drawn while the replay plays (every frame
+    otherwise). At full speed each frame brings a new stretch of the chart and a screenful
+    of new events: the events log, scrolled at every frame, took 8 of the screen's 18 ms
+    a frame on the one-hour sample (bench/tui.py; bench/RESULTS.md), which two cores pay
+    for in replay time. A frame with an OOM, a violation or an impossible op shows the
+    log at once."""
+
+    chart_s: float = 1.0  # the occupancy chart
+    events_s: float = 0.25  # the events log, scrolled to its newest event
 
 
 class Dashboard(Vertical):
@@ -32,16 +44,17 @@ class Dashboard(Vertical):
     Args:
         side: which replay it shows (0; a diff: 0 for A, 1 for B).
         compact: the diff's layout (half a screen wide).
-        chart_interval_s: seconds between redraws of the occupancy chart while playing.
+        cadence: how often the chart and the events log are drawn while playing.
     """
 
-    def __init__(self, side: int = 0, *, compact: bool = False, chart_interval_s: float = 1.0, id: str | None = None) -> None:
+    def __init__(self, side: int = 0, *, compact: bool = False, cadence: Cadence = Cadence(), id: str | None = None) -> None:
         super().__init__(id=id, classes="compact" if compact else None)
         self.side = side
         self.compact = compact
+        self.cadence = cadence
         self.frame: Frame | None = None
-        self._chart_interval_s = chart_interval_s
         self._chart_at = -1e18
+        self._events_at = -1e18
 
     def compose(self) -> ComposeResult:
         yield ReplayHeader(id="header")
@@ -72,20 +85,22 @@ class Dashboard(Vertical):
             self.query_one("#pages").border_title = "pool by state (a log has no slot positions)"
 
     def show(self, frame: Frame, info: SourceInfo, now: float) -> None:
-        """Draw ``frame`` in every panel (the chart at most every ``chart_interval_s``
-        while playing; ``now``: the app's clock)."""
+        """Draw ``frame`` in every panel (while playing, the chart and the events log at
+        the ``cadence``; ``now``: the app's clock)."""
         self.frame = frame
         self.query_one(ReplayHeader).show(info, frame)
         if not self.compact:
             self.query_one(OccupancyLegend).show(frame)
         self.query_one(RequestTable).show(frame)
-        self.query_one(EventsLog).show(frame)
+        if not frame.playing or frame.alerts or now - self._events_at >= self.cadence.events_s:
+            self.query_one(EventsLog).show(frame)
+            self._events_at = now
         pages = self.query_one(PageMap)
         pages.show(frame.page_cells)
         if frame.page_map_note is not None:
             self.query_one("#cell-info", Static).update(frame.page_map_note)
         chart = self.query_one(OccupancyChart)
-        if not frame.playing or now - self._chart_at >= self._chart_interval_s or chart.shown_step is None:
+        if not frame.playing or now - self._chart_at >= self.cadence.chart_s or chart.shown_step is None:
             chart.show(frame)
             self._chart_at = now
 
