@@ -20,7 +20,11 @@ whose speed drifts from minute to minute slows both alike, given cores for both)
     the screen's process;
   * memory: peak RSS of the screen's process (this one) and of the replay process, the
     screen's per-request state and timeline;
-  * the load average before, after each pair and at the end.
+  * the load average before, after each pair and at the end;
+  * first, how much this machine's CPUs slow each other: a CPU-bound loop timed on one CPU
+    alone and while another CPU spins. Where they share a physical core or a power budget
+    (the 2-vCPU machine of bench/RESULTS.md: +12% to +30% from run to run), every CPU
+    second the screen spends slows the replay, however the work is split between processes.
 
 ``--no-screen`` instead runs the dashboard's replay process with no screen (its updates
 pickled and dropped) beside the plain replay, each pair at the same time: what the replay
@@ -204,6 +208,47 @@ def no_screen(trace: str, repeat: int) -> None:
           f"x{min(ratios):.2f} to x{max(ratios):.2f}")
 
 
+def _spin_cpu_s(iterations: int) -> float:
+    """CPU seconds this process takes for a fixed pure-Python loop."""
+    t0 = time.process_time()
+    x = 0
+    for i in range(iterations):
+        x += i
+    return time.process_time() - t0
+
+
+def cpu_interference(repeat: int = 3, iterations: int = 20_000_000) -> float | None:
+    """How much slower (percent, median of ``repeat``) a CPU-bound loop runs on one CPU
+    while another CPU is busy than while it is idle; None on a single CPU or where
+    affinity cannot be set."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    here, there = cpus[0], cpus[1]
+    spinner = ("import os, sys, time\n"
+               f"os.sched_setaffinity(0, {{{there}}})\n"
+               "end = time.monotonic() + float(sys.argv[1])\n"
+               "while time.monotonic() < end: pass\n")
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {here})
+    try:
+        slowdowns = []
+        _spin_cpu_s(iterations // 4)  # warm up (the first loop runs slow)
+        for _ in range(repeat):
+            alone = _spin_cpu_s(iterations)
+            busy = subprocess.Popen([sys.executable, "-c", spinner, str(4 * alone + 1.0)])
+            time.sleep(0.3)  # the spinner is spinning
+            shared = _spin_cpu_s(iterations)
+            busy.kill()
+            busy.wait()
+            slowdowns.append(100 * (shared / alone - 1))
+        return statistics.median(slowdowns)
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):+.1f}%, {min(values):+.1f}% to {max(values):+.1f}%"
 
@@ -241,6 +286,10 @@ def main() -> None:
     load0 = os.getloadavg()
     print(f"trace {args.trace}, {os.cpu_count()} CPUs, load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} "
           f"(1 / 5 / 15 min), terminal {w}x{h}", flush=True)
+    slowdown = cpu_interference()
+    if slowdown is not None:
+        print(f"CPU interference: a CPU-bound loop runs {slowdown:+.0f}% slower while another CPU is busy (median of 3); "
+              "the screen's CPU time slows the replay by about that share of it", flush=True)
     if args.together:
         print("each pair runs the two replays at the same time: a machine whose speed drifts (a shared host) "
               "slows both alike", flush=True)
