@@ -244,3 +244,26 @@ async def test_the_scrollbar_is_drawn_again_only_when_its_thumb_moves(monkeypatc
                 assert app.export_screenshot() == shown, y
         assert "row300=400" in _screen_text(app) and bar.position == rows.scroll_y == 300
         assert 0 < len(drawn) < 100  # a thumb move every few rows, not 300 draws
+
+
+async def test_scrolling_to_the_very_end_shows_the_last_row_on_the_bottom_line() -> None:
+    """The virtual height runs past the rows (it grows by steps): a scrollbar dragged to its
+    end stops where the last row is on the bottom line, with no blank lines below it."""
+    from kvtrace.tui.widgets.virtual_list import rows_height
+
+    n = 40
+    assert rows_height(n + 1) > n + 1  # the case: virtual lines past the last row
+    app = _ListApp([100 + i for i in range(n)])
+    async with app.run_test(size=(40, 12)) as pilot:
+        rows = app.query_one(_Rows)
+        await _drawn(pilot, rows)
+        rows.scroll_to(y=10_000, animate=False)  # what a drag to the scrollbar's end asks
+        await pilot.pause()
+        assert rows.scroll_y == n - rows.page_rows
+        rows.refresh_rows()
+        await pilot.pause()
+        lines = _screen_text(app).splitlines()
+        assert lines[rows.page_rows].strip().startswith(f"row{n - 1}="), lines
+        await pilot.click(_Rows, offset=(39, 11))  # the scrollbar's bottom cell
+        await pilot.pause()
+        assert rows.scroll_y == n - rows.page_rows

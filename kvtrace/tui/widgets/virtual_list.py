@@ -143,6 +143,13 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         return render(position=bar.position, **shape).segments == render(position=position, **shape).segments
 
     @property
+    def max_scroll_y(self) -> int:
+        """The last row on the bottom line at most: the virtual height runs up to a
+        quarter past the rows (``rows_height``), and a scrollbar dragged to its end would
+        show blank lines below them."""
+        return min(super().max_scroll_y, max(self.num_rows - self.page_rows, 0))
+
+    @property
     def page_rows(self) -> int:
         return max(self.scrollable_content_region.height - 1, 1)
 
