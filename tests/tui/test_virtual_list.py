@@ -196,30 +196,38 @@ async def test_a_request_whose_lengths_stay_is_drawn_again_when_its_bar_rescales
 
 
 async def test_a_list_that_grows_tells_its_scrollbar_without_laying_the_screen_out(monkeypatch) -> None:  # noqa: ANN001
-    """The virtual height goes up by steps as rows come; each step updates the scrollbar
-    and the rows reachable, without a layout of the whole screen."""
+    """The virtual height follows the rows; the scrollbar learns it, and is drawn again
+    only when its thumb looks different (a long list gaining a few rows a frame keeps
+    its look), without a layout of the whole screen; the screen always shows the
+    scrollbar a full redraw would."""
     from textual.screen import Screen
-
-    from kvtrace.tui.widgets.virtual_list import rows_height
+    from textual.scrollbar import ScrollBar
 
     app = _ListApp([100 + i for i in range(40)])
     async with app.run_test(size=(40, 12)) as pilot:
         rows = app.query_one(_Rows)
         await _drawn(pilot, rows)
         layouts = _counting(monkeypatch, Screen, "_refresh_layout")
-        rows.values.extend(100 + i for i in range(40, 400))
-        for n in range(40, 401, 40):
+        bars = _counting(monkeypatch, ScrollBar, "render")
+        bar = rows.vertical_scrollbar
+        rows.values.extend(100 + i for i in range(40, 1000))
+        for n in range(40, 1001, 4):
             rows.num_rows = n
             rows.refresh_rows()
             await pilot.pause()
-            assert rows.virtual_size.height == rows_height(n + 1)
-            assert rows.vertical_scrollbar.window_virtual_size == rows_height(n + 1)
+            assert rows.virtual_size.height == bar.window_virtual_size == n + 1
+            if n % 240 == 0:  # what is on screen equals the scrollbar drawn afresh
+                shown = app.export_screenshot()
+                bar.refresh()
+                await pilot.pause()
+                assert app.export_screenshot() == shown, n
         assert layouts == []
+        assert 0 < len(bars) < 100  # the thumb shrinks a cell-eighth now and then: not 240 draws
         rows.scroll_to_end()
         await pilot.pause()
         rows.refresh_rows()
         await pilot.pause()
-        assert "row399=499" in _screen_text(app)
+        assert "row999=1099" in _screen_text(app)
 
 
 async def test_the_scrollbar_is_drawn_again_only_when_its_thumb_moves(monkeypatch) -> None:  # noqa: ANN001
@@ -247,12 +255,9 @@ async def test_the_scrollbar_is_drawn_again_only_when_its_thumb_moves(monkeypatc
 
 
 async def test_scrolling_to_the_very_end_shows_the_last_row_on_the_bottom_line() -> None:
-    """The virtual height runs past the rows (it grows by steps): a scrollbar dragged to its
-    end stops where the last row is on the bottom line, with no blank lines below it."""
-    from kvtrace.tui.widgets.virtual_list import rows_height
-
+    """A scrollbar dragged to its end stops where the last row is on the bottom line, with
+    no blank lines below it, and its thumb touches the bottom."""
     n = 40
-    assert rows_height(n + 1) > n + 1  # the case: virtual lines past the last row
     app = _ListApp([100 + i for i in range(n)])
     async with app.run_test(size=(40, 12)) as pilot:
         rows = app.query_one(_Rows)
@@ -264,6 +269,8 @@ async def test_scrolling_to_the_very_end_shows_the_last_row_on_the_bottom_line()
         await pilot.pause()
         lines = _screen_text(app).splitlines()
         assert lines[rows.page_rows].strip().startswith(f"row{n - 1}="), lines
+        bar = rows.vertical_scrollbar  # the thumb ends at the bottom
+        assert bar.position + bar.window_size == bar.window_virtual_size == n + 1
         await pilot.click(_Rows, offset=(39, 11))  # the scrollbar's bottom cell
         await pilot.pause()
         assert rows.scroll_y == n - rows.page_rows

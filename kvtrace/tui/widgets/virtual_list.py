@@ -15,7 +15,7 @@ from textual.scroll_view import ScrollView
 from textual.scrollbar import ScrollBar
 from textual.strip import Strip
 
-__all__ = ["VirtualList", "cells", "rows_height"]
+__all__ = ["VirtualList", "cells"]
 
 
 class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
@@ -78,10 +78,8 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
     def refresh_rows(self) -> None:
         """Call after ``num_rows`` or the rows' content changed: redraws the lines on
         screen that changed (all of them when the list scrolled, or the view changed)."""
-        # The virtual height goes by steps (a change re-lays the screen out); rows past
-        # num_rows draw blank.
         width = self.scrollable_content_region.width
-        height = rows_height(self.num_rows + 1)
+        height = self.num_rows + 1  # the header line, then the rows
         if height != self.virtual_size.height:
             self._set_virtual_size(Size(width, height))
         if self.cursor >= self.num_rows:
@@ -106,20 +104,27 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
                 self.refresh(Region(0, y + 1, width, 1))  # line 0 is the header
 
     def _set_virtual_size(self, size: Size) -> None:
-        """A new virtual size, telling only the scrollbars: the list's own size never
-        depends on it, but Textual lays the whole screen out again for a new virtual
-        size (some 25 ms of the screen's time, and every widget drawn again). A
-        scrollbar shown or hidden by it still lays the screen out (its own reactive)."""
+        """A new virtual size, telling only the scrollbar, and only when its thumb looks
+        different: the list's own size never depends on it, but Textual lays the whole
+        screen out again for a new virtual size (some 25 ms of the screen's time, and
+        every widget drawn again), and a list that gains rows at every frame would draw
+        its scrollbar at every frame. A scrollbar shown or hidden by it still lays the
+        screen out (its own reactive)."""
         update = getattr(self, "_scroll_update", None)  # Textual's: the scrollbars follow the virtual size
         if update is None or not self.container_size:
             self.virtual_size = size
             return
+        same = self.show_vertical_scrollbar and self._same_thumb(virtual=size.height)
         self.set_reactive(VirtualList.virtual_size, size)
-        update(size)
+        if same:  # the scrollbar keeps the new height (dragging reads it) without a redraw
+            self.vertical_scrollbar.set_reactive(ScrollBar.window_virtual_size, size.height)
+            self.scroll_y = self.validate_scroll_y(self.scroll_y)  # fewer rows: the end may be nearer
+        else:
+            update(size)
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         self._drawn = None
-        if self.show_vertical_scrollbar and self._same_thumb(new):
+        if self.show_vertical_scrollbar and self._same_thumb(position=new):
             # A list that follows its newest row scrolls at every frame, its scrollbar's
             # thumb a cell-eighth every dozen frames: keep the scrollbar's position
             # (dragging reads it) without drawing the scrollbar again.
@@ -129,25 +134,24 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
             return
         super().watch_scroll_y(old, new)
 
-    def _same_thumb(self, position: float) -> bool:
-        """Whether the scrollbar at ``position`` looks as it does now (drawn by its own
-        renderer, as Textual draws it)."""
+    def _same_thumb(self, *, position: float | None = None, virtual: int | None = None) -> bool:
+        """Whether the scrollbar at ``position`` over a virtual height of ``virtual`` (None:
+        the scrollbar's own) looks as it does now (drawn by its own renderer, as Textual
+        draws it)."""
         bar = self.vertical_scrollbar
         height, thickness = bar.size.height, bar.size.width
         if not height or not thickness:
             return False
-        virtual = bar.window_virtual_size
-        shape = {"size": height, "virtual_size": ceil(virtual), "thickness": thickness, "vertical": True,
-                 "window_size": ceil(bar.window_size if bar.window_size < virtual else 0)}
         render = bar.renderer.render_bar
-        return render(position=bar.position, **shape).segments == render(position=position, **shape).segments
 
-    @property
-    def max_scroll_y(self) -> int:
-        """The last row on the bottom line at most: the virtual height runs up to a
-        quarter past the rows (``rows_height``), and a scrollbar dragged to its end would
-        show blank lines below them."""
-        return min(super().max_scroll_y, max(self.num_rows - self.page_rows, 0))
+        def look(at: float, of: float) -> object:
+            window = ceil(bar.window_size if bar.window_size < of else 0)
+            return render(size=height, virtual_size=ceil(of), window_size=window, position=at, thickness=thickness,
+                          vertical=True).segments
+
+        now = look(bar.position, bar.window_virtual_size)
+        return now == look(bar.position if position is None else position,
+                           bar.window_virtual_size if virtual is None else virtual)
 
     @property
     def page_rows(self) -> int:
@@ -228,17 +232,6 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
         if index >= self.num_rows:
             return Strip([Segment(" " * width, self.base_style)], width)
         return self.render_row(index, width, index == self.cursor)
-
-
-def rows_height(lines: int) -> int:
-    """The virtual height of a list of ``lines`` lines: the first of 16, 21, 27, 34, ...
-    (about 1.25 times apart) that holds them. The screen is laid out again only when a
-    list passes one of them, and the height (hence the scrollbar) depends on the number
-    of rows alone, not on the frames that led to it."""
-    height = 16
-    while height < lines:
-        height = height * 5 // 4 + 1
-    return height
 
 
 def cells(parts: list[tuple[str, int, Style | None, str]], width: int, base: Style | None = None) -> Strip:
