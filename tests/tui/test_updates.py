@@ -82,3 +82,20 @@ def test_frames_round_trip_and_a_cut_stream_is_an_error() -> None:
         read_update(cut)
     with pytest.raises(EOFError, match="length"):
         read_update(io.BytesIO(data[:3]))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["evict", "finish", "overalloc_release", "oom"]),
+                          st.none() | st.integers(0, 2**40), st.integers(-(2**40), 2**40), st.text(max_size=12)),
+                max_size=20))
+def test_events_travel_in_updates_unchanged(fields: list[tuple[str, int | None, int, str]]) -> None:
+    """Events pickle as their constructor's arguments (``Event.__reduce__``): what arrives
+    equals what left, field by field and type by type."""
+    import pickle
+
+    from kvtrace.snapshot import Event
+
+    events = [Event(kind, rid, tokens, detail) for kind, rid, tokens, detail in fields]  # type: ignore[arg-type]
+    back = pickle.loads(pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == events
+    assert all(type(e) is Event for e in back)
+    assert [(e.kind, e.rid, e.tokens, e.detail) for e in back] == fields
