@@ -23,7 +23,7 @@ whose speed drifts from minute to minute slows both alike, given cores for both)
   * the load average before, after each pair and at the end;
   * first, how much this machine's CPUs slow each other: a CPU-bound loop timed on one CPU
     alone and while another CPU spins. Where they share a physical core or a power budget
-    (the 2-vCPU machine of bench/RESULTS.md: +12% to +30% from run to run), every CPU
+    (the 2-vCPU machine of bench/RESULTS.md: from -2% to +30% from run to run), every CPU
     second the screen spends slows the replay, however the work is split between processes.
 
 ``--no-screen`` instead runs the dashboard's replay process with no screen (its updates
@@ -288,8 +288,9 @@ def main() -> None:
           f"(1 / 5 / 15 min), terminal {w}x{h}", flush=True)
     slowdown = cpu_interference()
     if slowdown is not None:
-        print(f"CPU interference: a CPU-bound loop runs {slowdown:+.0f}% slower while another CPU is busy (median of 3); "
-              "the screen's CPU time slows the replay by about that share of it", flush=True)
+        how = f"{slowdown:.0f}% slower" if slowdown >= 0 else f"{-slowdown:.0f}% faster"
+        print(f"CPU interference: a CPU-bound loop runs {how} while another CPU is busy (median of 3); the screen's "
+              "CPU time slows the replay by about that share of it (it varies from minute to minute)", flush=True)
     if args.together:
         print("each pair runs the two replays at the same time: a machine whose speed drifts (a shared host) "
               "slows both alike", flush=True)
