@@ -65,6 +65,8 @@ async def test_the_sides_open_at_the_divergence_and_move_together() -> None:
         a, b = app.frames
         # each side replays its own version: the diverging field differs as the diff said
         assert (int(a.requests.allocated[0]), int(b.requests.allocated[0])) == (first.a, first.b)
+        assert [d.side for d in app.dashboards] == [0, 1]  # by side, found once, the screen's own
+        assert app.dashboards == list(app.main.query("Dashboard"))
         for dash in app.dashboards:
             assert dash.query_one(RequestTable).selected_rid == 0
             assert dash.query_one("#chart").marks["divergence"] == (first.step, DIVERGENCE_COLOUR)

@@ -242,9 +242,10 @@ class RequestTable(VirtualList):
         n_used, n_over = _bar_cells(alloc, used, self._scale)  # the bars, not their scale: it moves often
         now = self._clock()
         flash = self._flash
-        return list(zip(rids.tolist(), alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
+        ids = rids.tolist()
+        return list(zip(ids, alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
                         req.phase[rids].tolist(), req.prefix_hit[rids].tolist(), req.admitted_step[rids].tolist(),
-                        [flash.get(r, 0.0) > now for r in rids.tolist()]))
+                        [flash.get(r, 0.0) > now for r in ids]))
 
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
