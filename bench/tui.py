@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvtrace.registry import resolve_version  # noqa: E402
-from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
+from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
 from kvtrace.tui.replayer import dashboard_job  # noqa: E402

@@ -325,8 +325,8 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
 def test_background_checker_runs_at_the_priority_asked(tmp_path) -> None:
     """``nice``: the child lowers its own priority by that much, and checks as before."""
     import os
-    import time
 
+    from tests.processes import priority_once_set
     from traces.io import TraceReader
     from traces.synth import generate
     from traces.validate import BackgroundChecker
@@ -338,11 +338,7 @@ def test_background_checker_runs_at_the_priority_asked(tmp_path) -> None:
     own = os.getpriority(os.PRIO_PROCESS, 0)
     for nice, wanted in ((0, own), (5, min(own + 5, 19))):
         with BackgroundChecker(path, nice=nice) as background:
-            pid = background._proc.pid
-            deadline = time.monotonic() + 30
-            while os.getpriority(os.PRIO_PROCESS, pid) != wanted and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert os.getpriority(os.PRIO_PROCESS, pid) == wanted  # a zombie keeps its priority
+            assert priority_once_set(background._proc.pid, wanted) == wanted  # a zombie keeps its priority
             assert all(background.check(batch) == [] for batch in TraceReader(path).steps())
 
 

@@ -24,6 +24,7 @@ from kvtrace.tui.link import ChildReplay, ReplayProcessError
 from kvtrace.tui.pagemap import NO_PAGE_MAP
 from kvtrace.tui.replayer import dashboard_job, log_job
 from kvtrace.tui.widgets.events_log import EventsLog
+from tests.processes import priority_once_set
 from tests.tui.conftest import SIZE, TINY, at_step, settle
 from traces.samples import resolve_trace
 
@@ -176,10 +177,7 @@ def test_the_replay_process_checks_its_steps_at_a_lower_priority() -> None:
                     for c in (task / "children").read_text().split()]
         assert len(children) == 1, children  # the checker (it checks the hour's 77,271 steps for seconds)
         wanted = min(os.getpriority(os.PRIO_PROCESS, pid) + CHECKER_NICE, 19)
-        deadline = time.monotonic() + 30
-        while os.getpriority(os.PRIO_PROCESS, children[0]) != wanted and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert os.getpriority(os.PRIO_PROCESS, children[0]) == wanted
+        assert priority_once_set(children[0], wanted) == wanted
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)  # the replay's own is not
     finally:
         link.close()
