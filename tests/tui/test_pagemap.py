@@ -101,3 +101,19 @@ def test_composition_of_counters(parts: list[int], num_cells: int) -> None:
         assert (cells.tokens.sum(axis=1) == np.diff(cells.edges)).all()
         assert (cells.tokens[np.arange(cells.tokens.shape[0]), cells.dominant] == cells.tokens.max(axis=1)).all()
     assert not cells.positional and not cells.highlight.any()
+
+
+def test_the_page_map_legend_wraps_between_entries_only() -> None:
+    """Each colour stays on the line of its name, and no line is wider than asked (when an
+    entry fits at all); with no width, one line."""
+    from kvtrace.tui.pagemap import STATE_LABELS
+    from kvtrace.tui.widgets.page_map import legend
+
+    labels = list(STATE_LABELS[:7])  # the states the legend shows (leaked aside)
+    assert "\n" not in legend().plain
+    for width in range(16, 130):
+        lines = legend(width=width).plain.split("\n")
+        assert all(len(line) <= width for line in lines), (width, lines)
+        entries = [e for line in lines for e in line.split("  ")]
+        assert entries == [f"█ {label}" for label in labels], (width, lines)
+    assert len(legend(width=40).plain.split("\n")) > 1

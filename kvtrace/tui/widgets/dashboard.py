@@ -16,7 +16,7 @@ from textual.widgets import Input, Static
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.header import ReplayHeader
 from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
-from kvtrace.tui.widgets.page_map import PageMap, legend
+from kvtrace.tui.widgets.page_map import PageMap, PageMapLegend
 from kvtrace.tui.widgets.request_table import RequestTable
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Dashboard(Vertical):
             with Vertical(id="pages", classes="panel") as v:
                 v.border_title = "page map"
                 yield PageMap(id="pagemap")
-                yield Static(legend(), id="pagemap-legend")
+                yield PageMapLegend(id="pagemap-legend")
                 yield Static("click a cell to see its pages and owners", id="cell-info")
         with Horizontal(id="bottom"):
             with Vertical(id="requests", classes="panel") as v:

@@ -13,6 +13,7 @@ from textual import events
 from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
+from textual.widgets import Static
 
 from allocator.ownership import SlotState
 from kvtrace.tui.pagemap import STATE_LABELS
@@ -20,7 +21,7 @@ from kvtrace.tui.pagemap import STATE_LABELS
 if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
 
-__all__ = ["STATE_COLORS", "PageMap", "legend"]
+__all__ = ["STATE_COLORS", "PageMap", "PageMapLegend", "legend"]
 
 STATE_COLORS = {
     SlotState.FREE: "grey23",
@@ -37,13 +38,34 @@ _HIGHLIGHT = Style(color="bright_white", bgcolor="magenta", bold=True)
 _SELECTED = Style(color="black", bgcolor="bright_white", bold=True)
 
 
-def legend(states: tuple[SlotState, ...] = tuple(SlotState)[:7]) -> Text:
-    """A one-line colour key."""
+def legend(states: tuple[SlotState, ...] = tuple(SlotState)[:7], width: int | None = None) -> Text:
+    """The colour key, an entry per state, wrapped between entries to ``width`` cells
+    (None: one line): a wrap inside an entry left a colour at a line's end and its name
+    on the next."""
     text = Text()
+    used = 0
     for s in states:
+        entry = 2 + len(STATE_LABELS[s])
+        if used and width is not None and used + 2 + entry > width:
+            text.append("\n")
+            used = 0
+        elif used:
+            text.append("  ")
+            used += 2
         text.append("█ ", style=STATE_COLORS[s])
-        text.append(STATE_LABELS[s] + "  ")
+        text.append(STATE_LABELS[s])
+        used += entry
     return text
+
+
+class PageMapLegend(Static):
+    """The page map's colour key, wrapped to the width it is given."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(legend(), id=id)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.update(legend(width=self.content_size.width))
 
 
 class PageMap(Widget):
