@@ -274,3 +274,13 @@ async def test_scrolling_to_the_very_end_shows_the_last_row_on_the_bottom_line()
         await pilot.click(_Rows, offset=(39, 11))  # the scrollbar's bottom cell
         await pilot.pause()
         assert rows.scroll_y == n - rows.page_rows
+
+
+def test_a_column_cut_at_the_line_end_shows_no_partial_number() -> None:
+    """A line narrower than its columns cuts the last: text is cropped, a right-aligned
+    number left blank (cut, 73976 would read 7397)."""
+    parts = [("11579", 8, None, "<"), ("512", 8, None, ">"), ("73976", 10, None, ">")]
+    assert cells(parts, 26).text == "11579        512     73976"
+    assert cells(parts, 20).text == "11579        512    "  # no "7397"
+    assert cells(parts, 12).text == "11579       "
+    assert cells([("11579", 8, None, "<"), ("decode", 10, None, "<")], 12).text == "11579   deco"

@@ -235,14 +235,20 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
 
 
 def cells(parts: list[tuple[str, int, Style | None, str]], width: int, base: Style | None = None) -> Strip:
-    """A line of fixed-width columns: (text, width, style, align '<' or '>')."""
+    """A line of fixed-width columns: (text, width, style, align '<' or '>'). A column the
+    line has no room for whole is cut at the line's end, blank if right-aligned: a number
+    cut short would read as another number (73976 as 7397)."""
     segments: list[Segment] = []
     used = 0
     for text, w, style, align in parts:
         if used >= width:
             break
-        w = min(w, width - used)
-        body = text[:w].rjust(w) if align == ">" else text[:w].ljust(w)
+        room = min(w, width - used)
+        if align == ">":
+            body = text[:room].rjust(room) if room == w else " " * room
+        else:
+            body = text[:room].ljust(room)
+        w = room
         segments.append(Segment(body, (base + style) if (base and style) else (style or base)))
         used += w
     if used < width:
