@@ -117,3 +117,24 @@ def test_the_page_map_legend_wraps_between_entries_only() -> None:
         entries = [e for line in lines for e in line.split("  ")]
         assert entries == [f"█ {label}" for label in labels], (width, lines)
     assert len(legend(width=40).plain.split("\n")) > 1
+
+
+def test_step_ticks_stand_apart_at_any_width() -> None:
+    """The x axis's step ticks: round intervals, short labels, never closer than their
+    labels are wide, more of them on a wider plot."""
+    from kvtrace.tui.widgets.occupancy import StepsFormatter
+
+    steps = StepsFormatter()
+    counts = []
+    for columns in (12, 24, 60, 120, 200):
+        steps.columns = columns
+        for lo, hi in ((0, 77_270), (0, 138), (1_000, 1_050), (0, 3)):
+            ticks, labels = steps.get_ticks_and_labels(lo, hi)
+            assert ticks and all(lo <= t <= hi + 1e-9 for t in ticks), (columns, lo, hi, ticks)
+            if len(ticks) > 1:
+                apart = columns * (ticks[1] - ticks[0]) / (hi - lo)
+                assert apart >= max(map(len, labels)) + 1, (columns, labels)
+        counts.append(len(steps.get_ticks_and_labels(0, 77_270)[0]))
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+    steps.columns = 120
+    assert steps.get_ticks_and_labels(0, 77_270)[1][:3] == ["0", "10k", "20k"]

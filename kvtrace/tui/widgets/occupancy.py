@@ -10,10 +10,12 @@ marks its divergence step with one).
 
 from __future__ import annotations
 
+from math import ceil, floor, log10
 from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Grid
 from textual.geometry import Region
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from kvtrace.state import Timeline
     from kvtrace.tui.driver import Frame
 
-__all__ = ["BANDS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "column_samples"]
+__all__ = ["BANDS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter", "column_samples"]
 
 # (label, PoolCounters field, colour), bottom to top
 BANDS = (
@@ -55,6 +57,33 @@ def column_samples(timeline: Timeline, size: int, columns: int) -> np.ndarray:
 
 class _TokensFormatter(NumericAxisFormatter):
     """Axis ticks as 920k / 1.2M."""
+
+    def get_labels_for_ticks(self, ticks: list[float]) -> list[str]:  # noqa: D102
+        return [_short(t) for t in ticks]
+
+
+class StepsFormatter(NumericAxisFormatter):
+    """Step ticks as 20k / 1.2M, a round interval (1, 2 or 5 times a power of ten) wide
+    enough for their labels to stand apart on ``columns`` cells (the plot's default put
+    seven five-digit labels on 24 cells: '100200030040050060070000')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.columns = 80  # the plot's width in cells (``QuietPlot`` keeps it)
+
+    def get_ticks_and_labels(self, min_: float, max_: float, max_ticks: int = 8) -> tuple[list[float], list[str]]:
+        span = max(max_ - min_, 1e-9)
+        power = 10.0 ** floor(log10(span / max_ticks)) if span > max_ticks else 1.0
+        while True:
+            for m in (1, 2, 5):
+                interval = m * power
+                first = ceil(min_ / interval) * interval
+                ticks = [first + k * interval for k in range(int((max_ - first) // interval) + 1)]
+                labels = self.get_labels_for_ticks(ticks)
+                apart = self.columns * interval / span  # cells from one tick to the next
+                if len(ticks) <= 1 or (len(ticks) <= max_ticks and apart >= max(map(len, labels)) + 1):
+                    return ticks, labels
+            power *= 10
 
     def get_labels_for_ticks(self, ticks: list[float]) -> list[str]:  # noqa: D102
         return [_short(t) for t in ticks]
@@ -100,6 +129,11 @@ class QuietPlot(PlotWidget, can_focus=False, inherit_bindings=False):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, allow_pan_and_zoom=False)
+        self.steps = StepsFormatter()  # its x axis is steps
+        self.set_x_formatter(self.steps)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.steps.columns = max(event.size.width - self.margin_left, 8)
 
     def compose(self) -> ComposeResult:
         # PlotWidget's own layout, with caching canvases.
