@@ -171,10 +171,14 @@ class PageFreeList:
         size = self._buf.shape[0]
         if n + need_front + need_back + 64 > size // 2:
             size = 2 * (n + need_front + need_back) + 64
-        buf = np.empty(size, dtype=SLOT_DTYPE)
         head = need_front + (size - n - need_front - need_back) // 2
-        buf[head : head + n] = live
-        self._buf, self._head, self._tail = buf, head, head + n
+        if size == self._buf.shape[0]:  # in place (numpy copies overlapping slices safely)
+            self._buf[head : head + n] = live
+        else:
+            buf = np.empty(size, dtype=SLOT_DTYPE)
+            buf[head : head + n] = live
+            self._buf = buf
+        self._head, self._tail = head, head + n
 
 
 def alloc_extend_layout(
