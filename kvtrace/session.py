@@ -15,12 +15,18 @@ every step for impossible ops (in a child process by default), drives the
 Seek: with ``checkpoint_every=K`` the session saves the allocator and the engine
 every K replayed steps (memory proportional to the live state, bounded by
 ``checkpoint_budget``: past it, every other checkpoint is dropped and K doubles),
-so going to any step replays at most K steps. Steps replayed once are screened
-once: going back re-uses their screening.
+so going to any step replays at most K steps. With ``first_pass_every=F`` (> K), of
+the checkpoints the first pass over the steps takes, those behind the newest two are
+kept only every F steps, and replaying those steps again (a seek back) fills in the
+ones between on its way: the first pass holds a K/F share of the memory (fresh
+memory costs a replay more than taking the checkpoints), a seek near the newest step
+or into a stretch seen again replays at most K steps, the first seek further back at
+most F. Steps replayed once are screened once: going back re-uses their screening.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -130,6 +136,7 @@ class _Checkpoint:
     last: StepSnapshot | None  # the snapshot before (None at the start of the window)
     nbytes: int  # its own memory
     shared: dict[int, int]  # memory it may share with others: id -> bytes (``AllocatorState.shared``)
+    first_pass: bool = False  # taken on the first pass over its step (not while seeking back)
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,8 @@ class ReplaySession:
         options: checks, OOM and bad-op handling, the ``--steps`` window.
         checkpoint_every: save a checkpoint every this many replayed steps (None:
             none; ``seek`` backwards then replays from the start).
+        first_pass_every: the spacing of the checkpoints the first pass keeps behind
+            its newest two (default: ``checkpoint_every``, all of them).
         checkpoint_budget: bytes the checkpoints may hold.
         screen: screen steps in a child process (``background``) or here (``inline``),
             or the ``screen`` of another session of the same trace that runs ahead of
@@ -209,6 +218,7 @@ class ReplaySession:
         device: str = "cpu",
         options: ReplayOptions | None = None,
         checkpoint_every: int | None = None,
+        first_pass_every: int | None = None,
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
         screen: ScreenMode | StepScreen = "background",
         checker_nice: int = 0,
@@ -220,6 +230,9 @@ class ReplaySession:
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ConfigError(f"checkpoint interval must be >= 1 step, found {checkpoint_every}")
+        if first_pass_every is not None and checkpoint_every is not None and first_pass_every < checkpoint_every:
+            raise ConfigError(f"first-pass checkpoint interval ({first_pass_every}) must be >= the checkpoint interval "
+                              f"({checkpoint_every})")
         self.options = options or ReplayOptions()
         self.version = version if isinstance(version, AllocatorVersion) else resolve_version(version)
         self.reader = trace if isinstance(trace, TraceReader) else open_trace(trace)
@@ -243,6 +256,7 @@ class ReplaySession:
         self._track_state = track_state
         self.allocator_in_step = allocator_in_step
         self.checkpoint_every = checkpoint_every
+        self.first_pass_every = first_pass_every if checkpoint_every is not None else None
         self.checkpoint_budget = checkpoint_budget
         # The screen runs in a child process on another core; start it before the
         # allocator (which may initialise CUDA).
@@ -264,9 +278,11 @@ class ReplaySession:
             if self._owns_screen:
                 self._screen.close()
             raise
-        self._checkpoints: list[_Checkpoint] = []
-        self._shared: dict[int, int] = {}  # the union of the checkpoints' shared memory
-        self._since_checkpoint = 0
+        self._checkpoints: list[_Checkpoint] = []  # by step
+        self._checkpoint_ordinals: list[int] = []  # their ordinals, for bisect
+        self._shared: dict[int, int] = {}  # the union of the checkpoints' shared memory: id -> bytes
+        self._shared_refs: dict[int, int] = {}  # id -> how many checkpoints hold it
+        self._first_pass_from = 0  # the ordinal of the first step never replayed
         self._run_limit: int | None = None  # a seek's target: no run goes past it
         self._wall_s = 0.0
         self._closed = False
@@ -378,12 +394,13 @@ class ReplaySession:
                 return None
             chunk, i = at
             step = int(self._chunk_steps[i])
-            if (start is None or step >= start) and self._due_checkpoint():
-                self._save_checkpoint(step, chunk.position, self._chunk_base + i)
+            ordinal = self._chunk_base + i
+            if (start is None or step >= start) and self._due_checkpoint(ordinal):
+                self._save_checkpoint(step, chunk.position, ordinal)
             snaps = self._try_run(chunk, i, step)
             if snaps is not None:
+                self._first_pass_from = max(self._first_pass_from, self._chunk_base + self._index)
                 if snaps:
-                    self._since_checkpoint += len(snaps)
                     self._pending.extend(snaps[1:])
                     if engine.stopped_early:  # the run's check found violations enough
                         self._end()
@@ -392,12 +409,12 @@ class ReplaySession:
             self._index += 1
             self._screen.at = self._chunk_base + i  # (a screen of this session's own kind)
             snap = engine.replay_step(chunk.step_batch(i))
+            self._first_pass_from = max(self._first_pass_from, ordinal + 1)
             if snap is None:
                 if engine.stopped_early:
                     self._end()
                     return None
                 continue
-            self._since_checkpoint += 1
             if engine.stopped_early:
                 self._end()
             return self._shown(snap)
@@ -421,7 +438,8 @@ class ReplaySession:
     def _try_run(self, chunk: StepChunk, i: int, step: int) -> list[StepSnapshot] | None:
         """Replay a run of plain decode steps starting at step ``i`` of ``chunk`` in one
         allocator call (``traces.runs``); None when there is none to replay here."""
-        if self.allocator_in_step or not self.engine.can_run_decodes():
+        # A seek's runs stop at its target: the allocator ends where the caller asked.
+        if (self.allocator_in_step and self._run_limit is None) or not self.engine.can_run_decodes():
             return None
         if self._runs is _NO_STEPS:
             self._runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))
@@ -434,8 +452,9 @@ class ReplaySession:
             n = int(np.count_nonzero(steps < start))
         if self._run_limit is not None:
             n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
-        if self.checkpointable and self.checkpoint_every is not None:
-            n = min(n, max(self.checkpoint_every - self._since_checkpoint, 1))
+        if self.checkpointable:
+            ordinal = self._chunk_base + i
+            n = min(n, max(self.checkpoint_every - self._since_checkpoint(ordinal), 1))
         if n < MIN_RUN_STEPS:
             return None
         n = self._screened(chunk, i, n)
@@ -519,16 +538,22 @@ class ReplaySession:
         return min(1.0, self.reader.bytes_read / max(self.reader.file_bytes, 1))
 
     # ------------------------------------------------------------------ checkpoints
-    def _due_checkpoint(self) -> bool:
+    def _since_checkpoint(self, ordinal: int) -> int:
+        """Steps from the last checkpoint at or before the step of ``ordinal`` to it."""
+        i = bisect.bisect_right(self._checkpoint_ordinals, ordinal)
+        return ordinal - self._checkpoint_ordinals[i - 1] if i else ordinal
+
+    def _due_checkpoint(self, ordinal: int) -> bool:
         if not self.checkpointable:
             return False
         if not self._checkpoints:
             return True  # the start of the window
         assert self.checkpoint_every is not None
-        return self._since_checkpoint >= self.checkpoint_every
+        return self._since_checkpoint(ordinal) >= self.checkpoint_every
 
     def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
-        if self._checkpoints and self._checkpoints[-1].next_step >= step:
+        at = bisect.bisect_left(self._checkpoint_ordinals, ordinal)
+        if at < len(self._checkpoints) and self._checkpoint_ordinals[at] == ordinal:
             return  # replaying again after a seek: this one exists
         saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
         saved_engine = self.engine.save_state()
@@ -538,19 +563,59 @@ class ReplaySession:
             nbytes += sum(v.nbytes for v in saved_state.columns.values())
         shares = getattr(saved_alloc, "shared", None)
         shared = shares() if shares is not None else {}
-        self._checkpoints.append(
-            _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state, self.last, nbytes, shared)
-        )
-        self._shared.update(shared)
-        self._since_checkpoint = 0
+        first_pass = ordinal >= self._first_pass_from
+        self._checkpoints.insert(at, _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state,
+                                                 self.last, nbytes, shared, first_pass))
+        self._checkpoint_ordinals.insert(at, ordinal)
+        self._hold_shared(shared)
+        if first_pass and self.first_pass_every is not None:
+            self._thin_first_pass(at)
         if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
-            # Thin out: keep the first (the window's start), every other one after it.
-            self._checkpoints = self._checkpoints[:1] + self._checkpoints[2::2]
-            self._shared = {}
+            # Thin out: keep the first (the window's start), every other one after it, and
+            # the newest (the next ones are due counting from it).
+            kept = self._checkpoints[:1] + self._checkpoints[2::2]
+            if kept[-1] is not self._checkpoints[-1]:
+                kept.append(self._checkpoints[-1])
+            kept_ids = {id(c) for c in kept}
             for c in self._checkpoints:
-                self._shared.update(c.shared)
+                if id(c) not in kept_ids:
+                    self._release_shared(c.shared)
+            self._checkpoints = kept
+            self._checkpoint_ordinals = [c.ordinal for c in self._checkpoints]
             assert self.checkpoint_every is not None
             self.checkpoint_every *= 2
+            if self.first_pass_every is not None:
+                self.first_pass_every *= 2
+
+    def _thin_first_pass(self, newest: int) -> None:
+        """Drop the first-pass checkpoint two before ``newest`` (an index) when its
+        neighbours are at most ``first_pass_every`` steps apart: behind the newest two,
+        the first pass keeps one every ``first_pass_every`` steps."""
+        i = newest - 2
+        cps = self._checkpoints
+        if i < 1 or not cps[i].first_pass:  # the window's start stays, and the fills
+            return
+        assert self.first_pass_every is not None
+        if cps[i + 1].ordinal - cps[i - 1].ordinal > self.first_pass_every:
+            return
+        dropped = cps.pop(i)
+        del self._checkpoint_ordinals[i]
+        self._release_shared(dropped.shared)
+
+    def _hold_shared(self, shared: dict[int, int]) -> None:
+        refs = self._shared_refs
+        self._shared.update(shared)
+        for key in shared:
+            refs[key] = refs.get(key, 0) + 1
+
+    def _release_shared(self, shared: dict[int, int]) -> None:
+        refs = self._shared_refs
+        for key in shared:
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key], self._shared[key]
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -626,7 +691,6 @@ class ReplaySession:
         self.last = c.last
         self.done = False
         self._open_steps(c.position, c.next_step, c.ordinal)
-        self._since_checkpoint = 0
 
     def _restart(self) -> None:
         """Seek without checkpoints: a fresh allocator from the start of the trace."""

@@ -404,16 +404,19 @@ def dashboard_job(
     options: dict[str, Any],
     checkpoint_every: int,
     play: bool,
+    first_pass_every: int | None = None,
     log: str | None = None,
 ) -> dict[str, Any]:
     """The job of a live dashboard's replay process (``kvtrace.child``): a diff side's job
     (``kvtrace.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
-    settings; ``log``: a state log to write every step replayed for the first time to."""
+    settings; ``log``: a state log to write every step replayed for the first time to;
+    ``checkpoint_every`` / ``first_pass_every``: the session's (``ReplaySession``)."""
     from kvtrace.sides import side_job
 
     job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
                    options=options)
-    job["dashboard"] = {"checkpoint_every": checkpoint_every, "play": play, "log": log}
+    job["dashboard"] = {"checkpoint_every": checkpoint_every, "first_pass_every": first_pass_every, "play": play,
+                        "log": log}
     return job
 
 
@@ -482,7 +485,8 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
     session = ReplaySession(
         job["trace"], version=job_version(job), page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
         device=job.get("device", "cpu"), options=options, screen=job_screen(job, options), label=job.get("trace_label"),
-        checkpoint_every=settings.get("checkpoint_every"), track_state=True, allocator_in_step=True,
+        checkpoint_every=settings.get("checkpoint_every"), first_pass_every=settings.get("first_pass_every"),
+        track_state=True, allocator_in_step=True,
         checker_nice=CHECKER_NICE,
     )
     log = None

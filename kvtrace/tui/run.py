@@ -14,11 +14,15 @@ if TYPE_CHECKING:
     from kvtrace.tui.app import KvtraceApp
 
 __all__ = [
-    "DASHBOARD_CHECKPOINT_EVERY", "DEFAULT_PORT", "run_diff", "run_live", "run_log", "serve", "serve_command", "show_diff",
+    "DASHBOARD_CHECKPOINT_EVERY", "DASHBOARD_FIRST_PASS_EVERY", "DEFAULT_PORT", "run_diff", "run_live", "run_log", "serve", "serve_command", "show_diff",
 ]
 
 DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
 DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the live dashboard's seek checkpoints
+# Behind the newest two, the first pass keeps one every this many steps; a seek back fills
+# in the rest (ReplaySession's first_pass_every; bench/tui.py: the replay process's CPU
+# 10.7-10.8 s -> 9.95 s over the one-hour sample, the first seek far back at most 0.7 s).
+DASHBOARD_FIRST_PASS_EVERY = 6000
 _TEMPLATES = Path(__file__).parent / "web"
 
 
@@ -108,7 +112,8 @@ def show_diff(
         jobs = tuple(  # type: ignore[assignment]
             dashboard_job(resolve_any(spec), str(resolve_trace(trace)), trace_label=trace, page_size=page_size,
                           pool_tokens=pool_tokens, device=device, options=replay,
-                          checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+                          checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, first_pass_every=DASHBOARD_FIRST_PASS_EVERY,
+                          play=False)
             for spec in (a, b or "builtin")
         )
     run_diff(report, jobs)  # type: ignore[arg-type]

@@ -91,17 +91,23 @@ def straight_run(path: Path, **kwargs: object) -> tuple[list[StepSnapshot], dict
     return snaps, digests
 
 
-def test_seek_forwards_and_backwards_gives_the_straight_run_state(busy_trace: Path) -> None:
+@pytest.mark.parametrize(("first_pass_every", "in_step"), [(None, False), (27, False), (27, True)])
+def test_seek_forwards_and_backwards_gives_the_straight_run_state(
+    busy_trace: Path, first_pass_every: int | None, in_step: bool
+) -> None:
+    """Also with a sparse first pass (seeks fill checkpoints in) and with the allocator
+    kept at the step shown (a dashboard's: a seek replays decode runs up to its target)."""
     snaps, digests = straight_run(busy_trace)
     by_step = {snap.step: snap for snap in snaps}
     rng = random.Random(7)
     targets = [rng.choice(snaps).step for _ in range(25)] + [snaps[0].step, snaps[-1].step, snaps[3].step]
-    with session(busy_trace, checkpoint_every=9) as s:
+    with session(busy_trace, checkpoint_every=9, first_pass_every=first_pass_every, allocator_in_step=in_step) as s:
         s.run()
-        assert s.num_checkpoints >= len(snaps) // 9
+        assert s.num_checkpoints >= len(snaps) // (first_pass_every or 9)
         for target in targets:
             snap = s.seek(target)
             assert snap is not None and snap.step == target
+            assert s.allocator_step == target
             same_snapshot(snap, by_step[target])
             assert s.allocator.save_state().digest() == digests[target], f"state differs after seek({target})"
         # going on from a seek replays the rest exactly
@@ -157,6 +163,52 @@ def test_random_traces_seek_to_the_straight_run_state(tmp_path: Path, seed: int,
             snap = s.seek(target)
             assert snap is not None and snap.step == target
             assert s.allocator.save_state().digest() == digests[target]
+
+
+def _counting_steps(s: ReplaySession) -> list[int]:
+    """A one-item list counting the steps ``s``'s engine replays from now on."""
+    count = [0]
+    engine = s.engine
+    one, run = engine.replay_step, engine.replay_run
+
+    def replay_step(batch: StepBatch) -> StepSnapshot | None:
+        count[0] += 1
+        return one(batch)
+
+    def replay_run(op: int, steps: np.ndarray, *args: object) -> list[StepSnapshot] | None:
+        count[0] += int(steps.shape[0])
+        return run(op, steps, *args)  # type: ignore[arg-type]
+
+    engine.replay_step, engine.replay_run = replay_step, replay_run  # type: ignore[method-assign]
+    return count
+
+
+def test_a_sparse_first_pass_keeps_the_newest_two_and_seeks_back_fill_in(busy_trace: Path) -> None:
+    """``first_pass_every=15`` (checkpoints every 5): behind the newest two, the first pass
+    keeps one every 15 steps; a seek into that stretch replays at most 15 steps and leaves
+    checkpoints every 5 on its way, so a seek just before its target replays at most 5."""
+    with session(busy_trace, checkpoint_every=5) as dense:
+        dense.run()
+        all_ordinals = [c.ordinal for c in dense._checkpoints]
+    with session(busy_trace, checkpoint_every=5, first_pass_every=15) as s:
+        s.run()
+        ordinals = [c.ordinal for c in s._checkpoints]
+        assert ordinals[-2:] == all_ordinals[-2:]  # the newest two, 5 apart
+        gaps = np.diff(ordinals[:-1])
+        assert gaps.max() <= 15 and gaps.min() >= 10
+        assert len(ordinals) <= len(all_ordinals) // 2
+        assert set(ordinals) <= set(all_ordinals)
+        # a target in the middle of a stretch with no checkpoint, far from the newest
+        lo, hi = next((a, b) for a, b in zip(ordinals, ordinals[1:]) if b - a >= 10)
+        snaps_by_ordinal = {c.ordinal: c.next_step for c in dense._checkpoints}
+        target = snaps_by_ordinal[lo + 10] - 1  # the step before the dense checkpoint at lo + 10
+        count = _counting_steps(s)
+        s.seek(target)
+        assert 5 < count[0] <= 15
+        assert lo + 5 in [c.ordinal for c in s._checkpoints]  # filled in on the way
+        count[0] = 0
+        s.seek(snaps_by_ordinal[lo + 5] + 1)
+        assert count[0] <= 5
 
 
 def test_checkpoints_stay_within_their_budget(busy_trace: Path) -> None:
