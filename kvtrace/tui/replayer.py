@@ -431,6 +431,7 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     Raises:
         KvtraceError, TraceError: bad input (``kvtrace.child.main`` reports it as one line).
     """
+    import gc
     import signal
 
     from kvtrace.tui.link import PipeEnd
@@ -438,6 +439,10 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the screen decides when this process ends
     settings = job["dashboard"]
     source = _log_source(job) if job.get("state_log") else live_source(job)
+    # What the set-up made (modules, the trace's reader, the allocator) lives as long as
+    # this process: out of the collector's sight, the full collections the replay's
+    # snapshots set off take 0.006 s instead of 0.06 s over the one-hour sample.
+    gc.freeze()
     try:
         end = PipeEnd(out, control, commands)
         replayer = Replayer(source, end, play=bool(settings.get("play", True)))
