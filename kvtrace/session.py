@@ -15,13 +15,13 @@ every step for impossible ops (in a child process by default), drives the
 Seek: with ``checkpoint_every=K`` the session saves the allocator and the engine
 every K replayed steps (memory proportional to the live state, bounded by
 ``checkpoint_budget``: past it, every other checkpoint is dropped and K doubles),
-so going to any step replays at most K steps. With ``first_pass_every=F`` (> K), of
-the checkpoints the first pass over the steps takes, those behind the newest two are
-kept only every F steps, and replaying those steps again (a seek back) fills in the
-ones between on its way: the first pass holds a K/F share of the memory (fresh
-memory costs a replay more than taking the checkpoints), a seek near the newest step
-or into a stretch seen again replays at most K steps, the first seek further back at
-most F. Steps replayed once are screened once: going back re-uses their screening.
+so going to any step replays at most K steps. With ``first_pass_every=F`` (> K) the
+first pass over the steps takes one every F steps, and replaying those steps again (a
+seek back, or ``fill_checkpoints`` where the replay is) fills in the ones every K
+steps on its way: the first pass takes and holds a K/F share of them (their fresh
+memory costs a replay more than taking them), the first seek into a stretch replays
+at most F steps, the next ones at most K. Steps replayed once are screened once:
+going back re-uses their screening.
 """
 
 from __future__ import annotations
@@ -136,7 +136,6 @@ class _Checkpoint:
     last: StepSnapshot | None  # the snapshot before (None at the start of the window)
     nbytes: int  # its own memory
     shared: dict[int, int]  # memory it may share with others: id -> bytes (``AllocatorState.shared``)
-    first_pass: bool = False  # taken on the first pass over its step (not while seeking back)
 
 
 @dataclass(frozen=True)
@@ -183,8 +182,8 @@ class ReplaySession:
         options: checks, OOM and bad-op handling, the ``--steps`` window.
         checkpoint_every: save a checkpoint every this many replayed steps (None:
             none; ``seek`` backwards then replays from the start).
-        first_pass_every: the spacing of the checkpoints the first pass keeps behind
-            its newest two (default: ``checkpoint_every``, all of them).
+        first_pass_every: the interval for steps replayed for the first time
+            (default: ``checkpoint_every``); seeks back fill in the rest.
         checkpoint_budget: bytes the checkpoints may hold.
         screen: screen steps in a child process (``background``) or here (``inline``),
             or the ``screen`` of another session of the same trace that runs ahead of
@@ -454,7 +453,7 @@ class ReplaySession:
             n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
         if self.checkpointable:
             ordinal = self._chunk_base + i
-            n = min(n, max(self.checkpoint_every - self._since_checkpoint(ordinal), 1))
+            n = min(n, max(self._interval(ordinal) - self._since_checkpoint(ordinal), 1))
         if n < MIN_RUN_STEPS:
             return None
         n = self._screened(chunk, i, n)
@@ -538,6 +537,13 @@ class ReplaySession:
         return min(1.0, self.reader.bytes_read / max(self.reader.file_bytes, 1))
 
     # ------------------------------------------------------------------ checkpoints
+    def _interval(self, ordinal: int) -> int:
+        """Steps between checkpoints where the step of ``ordinal`` is."""
+        assert self.checkpoint_every is not None
+        if self.first_pass_every is not None and ordinal >= self._first_pass_from:
+            return self.first_pass_every
+        return self.checkpoint_every
+
     def _since_checkpoint(self, ordinal: int) -> int:
         """Steps from the last checkpoint at or before the step of ``ordinal`` to it."""
         i = bisect.bisect_right(self._checkpoint_ordinals, ordinal)
@@ -548,8 +554,7 @@ class ReplaySession:
             return False
         if not self._checkpoints:
             return True  # the start of the window
-        assert self.checkpoint_every is not None
-        return self._since_checkpoint(ordinal) >= self.checkpoint_every
+        return self._since_checkpoint(ordinal) >= self._interval(ordinal)
 
     def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
         at = bisect.bisect_left(self._checkpoint_ordinals, ordinal)
@@ -563,13 +568,10 @@ class ReplaySession:
             nbytes += sum(v.nbytes for v in saved_state.columns.values())
         shares = getattr(saved_alloc, "shared", None)
         shared = shares() if shares is not None else {}
-        first_pass = ordinal >= self._first_pass_from
         self._checkpoints.insert(at, _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state,
-                                                 self.last, nbytes, shared, first_pass))
+                                                 self.last, nbytes, shared))
         self._checkpoint_ordinals.insert(at, ordinal)
         self._hold_shared(shared)
-        if first_pass and self.first_pass_every is not None:
-            self._thin_first_pass(at)
         if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
             # Thin out: keep the first (the window's start), every other one after it, and
             # the newest (the next ones are due counting from it).
@@ -586,21 +588,6 @@ class ReplaySession:
             self.checkpoint_every *= 2
             if self.first_pass_every is not None:
                 self.first_pass_every *= 2
-
-    def _thin_first_pass(self, newest: int) -> None:
-        """Drop the first-pass checkpoint two before ``newest`` (an index) when its
-        neighbours are at most ``first_pass_every`` steps apart: behind the newest two,
-        the first pass keeps one every ``first_pass_every`` steps."""
-        i = newest - 2
-        cps = self._checkpoints
-        if i < 1 or not cps[i].first_pass:  # the window's start stays, and the fills
-            return
-        assert self.first_pass_every is not None
-        if cps[i + 1].ordinal - cps[i - 1].ordinal > self.first_pass_every:
-            return
-        dropped = cps.pop(i)
-        del self._checkpoint_ordinals[i]
-        self._release_shared(dropped.shared)
 
     def _hold_shared(self, shared: dict[int, int]) -> None:
         refs = self._shared_refs
@@ -641,6 +628,30 @@ class ReplaySession:
             return self._seek(step)
         finally:
             self._wall_s += self._clock() - t0
+
+    def fill_checkpoints(self) -> bool:
+        """Make going back from here cheap: when the nearest checkpoint before the step
+        shown is more than ``checkpoint_every`` steps back (a sparse first pass), replay
+        from it to here again, which leaves one every ``checkpoint_every`` steps on the
+        way (at most ``first_pass_every`` steps; a dashboard does it once paused). The
+        state afterwards is the same. Returns whether it replayed anything."""
+        if not self.checkpointable or self.last is None or self._pending or self.checkpoint_every is None:
+            return False
+        here = self.last.step
+        ordinal = self._chunk_base + self._index  # the next step's
+        if self._since_checkpoint(ordinal) <= self.checkpoint_every:
+            return False
+        best = self._checkpoint_for(here)
+        if best is None or best.next_step > here:
+            return False
+        t0 = self._clock()
+        try:
+            self._restore(best)
+            self._seek(here)
+            self.fold()
+        finally:
+            self._wall_s += self._clock() - t0
+        return True
 
     def _seek(self, target: int) -> StepSnapshot | None:
         # The snapshots of a run already applied are returned first when they reach the

@@ -105,6 +105,7 @@ class Replayer:
         self._status: tuple[Any, ...] | None = None
         self._end_noted = False  # the source's end note (a damaged input) was asked for
         self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
+        self._filled = True  # checkpoints were filled in where the replay last stopped playing
 
     @property
     def speed(self) -> float | None:
@@ -137,6 +138,8 @@ class Replayer:
             if now >= due or not (self.playing and not self.source.done):
                 self._publish(now)
                 due = now + self._batch_s
+            if not self._filled and not (self.playing and not self.source.done):
+                self._fill()
 
     def _publish(self, now: float) -> None:
         """Send what the screen has not seen: records, the play state, the page map."""
@@ -156,6 +159,22 @@ class Replayer:
             self._fail(str(exc))
         except Exception as exc:  # noqa: BLE001
             self._fail(f"internal error while mapping the pool: {type(exc).__name__}: {exc}")
+
+    def _fill(self) -> None:
+        """Once the replay stops playing (paused, or at its end), fill in the checkpoints
+        its first pass left sparse up to here, so that going back from here is quick
+        (``ReplaySession.fill_checkpoints``: at most ``first_pass_every`` steps replayed
+        again, after the screen has what was played)."""
+        self._filled = True
+        fill = getattr(self.source, "fill_checkpoints", None)
+        if fill is None:
+            return
+        try:
+            fill()
+        except USER_ERRORS as exc:
+            self._fail(str(exc))
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"internal error while filling in checkpoints: {type(exc).__name__}: {exc}")
 
     def _fail(self, message: str) -> None:
         self.playing = False
@@ -204,6 +223,7 @@ class Replayer:
         of decode steps in one allocator call, as ``kvtrace replay`` does)."""
         src = self.source
         src.set_exact(False)
+        self._filled = False
         clock = self._clock
         speed = self.speed
         while True:

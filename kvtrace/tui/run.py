@@ -19,9 +19,11 @@ __all__ = [
 
 DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
 DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the live dashboard's seek checkpoints
-# Behind the newest two, the first pass keeps one every this many steps; a seek back fills
-# in the rest (ReplaySession's first_pass_every; bench/tui.py: the replay process's CPU
-# 10.7-10.8 s -> 9.95 s over the one-hour sample, the first seek far back at most 0.7 s).
+# The first pass takes one every this many steps (ReplaySession's first_pass_every); a seek
+# back fills in the rest on its way, and so does the replayer where it stops playing. Over
+# the one-hour sample the replay process's CPU to the last step: 10.5-10.7 s with one every
+# 2,000 kept behind the newest two, 10.0-10.5 s so (the plain replay 9.0-9.1 s, same run);
+# the first seek far back replays up to 6,000 steps (0.7 s at worst here).
 DASHBOARD_FIRST_PASS_EVERY = 6000
 _TEMPLATES = Path(__file__).parent / "web"
 

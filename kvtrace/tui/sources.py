@@ -166,6 +166,11 @@ class LiveSource:
         """Fold the steps replayed since the last fold (``ReplaySession.fold``)."""
         return self.session.fold()
 
+    def fill_checkpoints(self) -> bool:
+        """Checkpoints up to the step shown at the session's full density
+        (``ReplaySession.fill_checkpoints``)."""
+        return self.session.fill_checkpoints()
+
     def seek(self, step: int) -> StepSnapshot | None:
         frontier = self.state.timeline.last_step
         if self.log is None or frontier is None or step <= frontier:

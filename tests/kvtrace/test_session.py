@@ -183,32 +183,62 @@ def _counting_steps(s: ReplaySession) -> list[int]:
     return count
 
 
-def test_a_sparse_first_pass_keeps_the_newest_two_and_seeks_back_fill_in(busy_trace: Path) -> None:
-    """``first_pass_every=15`` (checkpoints every 5): behind the newest two, the first pass
-    keeps one every 15 steps; a seek into that stretch replays at most 15 steps and leaves
-    checkpoints every 5 on its way, so a seek just before its target replays at most 5."""
+def test_a_sparse_first_pass_is_filled_in_by_seeks_back_and_where_the_replay_is(busy_trace: Path) -> None:
+    """``first_pass_every=15`` (checkpoints every 5): the first pass takes one every 15
+    steps; a seek into a stretch replays at most 15 steps and leaves one every 5 on its
+    way, so a seek just before its target replays at most 5; ``fill_checkpoints`` does
+    the same up to the step shown and changes nothing else."""
     with session(busy_trace, checkpoint_every=5) as dense:
         dense.run()
-        all_ordinals = [c.ordinal for c in dense._checkpoints]
-    with session(busy_trace, checkpoint_every=5, first_pass_every=15) as s:
+        step_of = {c.ordinal: c.next_step for c in dense._checkpoints}  # every 5th step
+        num_dense = dense.num_checkpoints
+    with session(busy_trace, checkpoint_every=5, first_pass_every=15, track_state=True) as s:
         s.run()
         ordinals = [c.ordinal for c in s._checkpoints]
-        assert ordinals[-2:] == all_ordinals[-2:]  # the newest two, 5 apart
-        gaps = np.diff(ordinals[:-1])
-        assert gaps.max() <= 15 and gaps.min() >= 10
-        assert len(ordinals) <= len(all_ordinals) // 2
-        assert set(ordinals) <= set(all_ordinals)
-        # a target in the middle of a stretch with no checkpoint, far from the newest
-        lo, hi = next((a, b) for a, b in zip(ordinals, ordinals[1:]) if b - a >= 10)
-        snaps_by_ordinal = {c.ordinal: c.next_step for c in dense._checkpoints}
-        target = snaps_by_ordinal[lo + 10] - 1  # the step before the dense checkpoint at lo + 10
+        assert np.diff(ordinals).max() <= 15 and np.diff(ordinals)[:-1].min() >= 15
+        assert len(ordinals) <= num_dense // 2
+        # a target in the middle of a stretch, far from the end
+        lo = ordinals[len(ordinals) // 2]
         count = _counting_steps(s)
-        s.seek(target)
+        s.seek(step_of[lo + 10] - 1)  # the step before the dense checkpoint at lo + 10
         assert 5 < count[0] <= 15
         assert lo + 5 in [c.ordinal for c in s._checkpoints]  # filled in on the way
         count[0] = 0
-        s.seek(snaps_by_ordinal[lo + 5] + 1)
+        s.seek(step_of[lo + 5] + 1)
         assert count[0] <= 5
+
+
+def test_fill_checkpoints_where_a_sparse_first_pass_stopped(busy_trace: Path) -> None:
+    """Paused 12 steps past a first-pass checkpoint (every 15; 5 after a fill):
+    ``fill_checkpoints`` replays those 12 steps again, leaves checkpoints 5 and 10 steps
+    past it, and changes nothing: the state and the steps that follow are the straight
+    run's."""
+    snaps, digests = straight_run(busy_trace)
+    with session(busy_trace, checkpoint_every=5, first_pass_every=15, track_state=True) as s:
+        for _ in range(15 * 3 + 12):
+            s.step()
+        last = s.last
+        assert last is not None and last.step == snaps[15 * 3 + 11].step
+        assert [c.ordinal for c in s._checkpoints] == [0, 15, 30, 45]
+        assert s.state is not None
+        table = s.state.table()
+        count = _counting_steps(s)
+        assert s.fill_checkpoints()
+        assert count[0] == 12
+        assert [c.ordinal for c in s._checkpoints] == [0, 15, 30, 45, 50, 55]
+        assert s.last is not None
+        same_snapshot(s.last, last)
+        assert s.allocator.save_state().digest() == digests[last.step]
+        assert s.state.table() == table
+        assert not s.fill_checkpoints()  # nothing left to fill here
+        count[0] = 0
+        assert s.seek(snaps[15 * 3 + 9].step) is not None
+        assert count[0] == 5  # from the checkpoint at 55 (before the 56th step)
+        s.seek(last.step)
+        rest = list(s.snapshots())
+        assert [x.step for x in rest] == [x.step for x in snaps[15 * 3 + 12:]]
+        for a, b in zip(rest, snaps[15 * 3 + 12:]):
+            same_snapshot(a, b)
 
 
 def test_checkpoints_stay_within_their_budget(busy_trace: Path) -> None:

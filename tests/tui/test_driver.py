@@ -149,6 +149,33 @@ def test_playing_replays_runs_and_a_pause_lands_where_the_allocator_is() -> None
         run.stop()
 
 
+def test_once_the_replay_stops_playing_it_fills_in_checkpoints_where_it_stopped() -> None:
+    """Played with a sparse first pass (a checkpoint every 32 steps, every 8 once filled
+    in): at the end, the replayer fills in the checkpoints before the last step, so that
+    going back from there replays at most 8 steps; the steps it played stay sparse."""
+    session = ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=8, first_pass_every=32,
+                            allocator_in_step=True)
+    run = _Run(LiveSource(session))
+    try:
+        run.driver.command("play")
+        frame = run.wait(lambda f: isinstance(f, Frame) and f.done)
+        num_steps = frame.timeline_size
+        assert num_steps % 32 > 8 and num_steps > 3 * 32  # the last stretch needs filling in
+        end = time.monotonic() + 20
+        while time.monotonic() < end and num_steps - session._checkpoint_ordinals[-1] > 8:
+            time.sleep(0.05)
+        ordinals = list(session._checkpoint_ordinals)
+        assert num_steps - ordinals[-1] <= 8
+        filled = [o for o in ordinals if o % 32]
+        assert filled and min(filled) > (num_steps - 1) // 32 * 32  # only in the last stretch
+        assert set(range(0, num_steps, 32)) <= set(ordinals)
+        run.driver.command("step", -1)
+        back = run.wait(lambda f: isinstance(f, Frame) and f.step == frame.step - 1)
+        assert back.pool is not None
+    finally:
+        run.stop()
+
+
 def test_frames_not_drawn_pass_their_alerts_and_releases_on() -> None:
     """A newer frame replaces an undrawn one in the UI's queue: until the UI acknowledges a
     frame, each new one repeats what the undrawn ones announced (the app notifies once)."""
