@@ -444,6 +444,8 @@ class ReplaySession:
             self._runs = np.maximum(run_lengths(chunk, DECODE), run_lengths(chunk, SPEC))
         n = int(self._runs[i])
         start = self.options.start_step
+        if start is not None and step >= start and not self.engine.in_window:
+            return None  # the window's first step enters it by itself (its snapshot is the keyframe)
         steps = self._chunk_steps[i : i + n]
         # A run stays on one side of the window's start, stops at a seek's target and
         # ends where the next checkpoint is due.
@@ -451,7 +453,7 @@ class ReplaySession:
             n = int(np.count_nonzero(steps < start))
         if self._run_limit is not None:
             n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
-        if self.checkpointable:
+        if self.checkpointable and (start is None or step >= start):  # none is taken before the window
             ordinal = self._chunk_base + i
             n = min(n, max(self._interval(ordinal) - self._since_checkpoint(ordinal), 1))
         if n < MIN_RUN_STEPS:

@@ -241,6 +241,47 @@ def test_fill_checkpoints_where_a_sparse_first_pass_stopped(busy_trace: Path) ->
             same_snapshot(a, b)
 
 
+def test_a_window_that_starts_inside_a_decode_run_starts_at_its_first_step() -> None:
+    """``--steps S:`` with S inside a run of decode steps: the window's first snapshot is
+    step S (a keyframe), and it holds every step from S (a run replayed in one call
+    before the window was entered dropped its steps: 1089: began at 1093)."""
+    trace = "sample:mooncake-tiny"  # long decode runs
+    with session(trace) as s:
+        steps = [snap.step for snap in s.snapshots()]
+    k = len(steps) * 3 // 4
+    for start in steps[k : k + 6]:
+        with session(trace, options=ReplayOptions(start_step=start)) as s:
+            got = [snap.step for snap in s.snapshots()]
+        assert got == [x for x in steps if x >= start], f"window from {start}"
+
+
+def test_checkpoints_do_not_split_the_decode_runs_before_the_window() -> None:
+    """No checkpoint is taken before a ``--steps`` window's start, so none cuts the runs
+    of decode steps replayed there short: reaching the window's first step replays as
+    many steps one by one with checkpoints as without."""
+    trace = "sample:mooncake-tiny"  # long decode runs
+    with session(trace) as s:
+        snaps = list(s.snapshots())
+    start = snaps[len(snaps) * 3 // 4].step
+    one_by_one = []
+    for every in (None, 5):
+        with session(trace, checkpoint_every=every, options=ReplayOptions(start_step=start)) as s:
+            engine = s.engine
+            count = [0]
+            one = engine.replay_step
+
+            def replay_step(batch: StepBatch, count: list[int] = count, one=one) -> StepSnapshot | None:  # noqa: ANN001
+                count[0] += 1
+                return one(batch)
+
+            engine.replay_step = replay_step  # type: ignore[method-assign]
+            first = s.step()
+            assert first is not None and first.step == start
+            one_by_one.append(count[0])
+    assert one_by_one[0] < len(snaps) * 3 // 4  # runs replayed some of the steps before the window
+    assert one_by_one[1] == one_by_one[0]
+
+
 def test_checkpoints_stay_within_their_budget(busy_trace: Path) -> None:
     with session(busy_trace, checkpoint_every=1, checkpoint_budget=300_000) as s:
         s.run()
