@@ -59,7 +59,6 @@ from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
 from kvtrace.tui.replayer import dashboard_job  # noqa: E402
-from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY, DASHBOARD_FIRST_PASS_EVERY  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
@@ -154,7 +153,6 @@ def _job(trace: str) -> dict[str, Any]:
     """The dashboard's replay job for ``trace``, as ``kvtrace replay TRACE --tui`` makes it."""
     return dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
                          pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
-                         checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, first_pass_every=DASHBOARD_FIRST_PASS_EVERY,
                          play=False)
 
 

@@ -30,7 +30,6 @@ from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import ChildReplay  # noqa: E402
 from kvtrace.tui.replayer import dashboard_job  # noqa: E402
-from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 SIZE = (170, 48)
@@ -50,7 +49,7 @@ def _link(trace: str, version: str = "builtin") -> ChildReplay:
     """The replay in its own process, paused, as ``kvtrace replay --tui`` starts it."""
     job = dashboard_job(resolve_version(version), str(resolve_trace(trace)), trace_label=trace, page_size=None,
                         pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
-                        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, play=False)
+                        play=False)
     link = ChildReplay(job)
     link.wait_started()
     return link

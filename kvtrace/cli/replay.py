@@ -29,7 +29,7 @@ from kvtrace.cli.options import (
     examples,
 )
 from kvtrace.errors import ConfigError
-from kvtrace.tui.run import DASHBOARD_CHECKPOINT_EVERY, DASHBOARD_FIRST_PASS_EVERY, DEFAULT_PORT  # (imports no Textual)
+from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -81,9 +81,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
 
     version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
     job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
-                        pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options),
-                        checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, first_pass_every=DASHBOARD_FIRST_PASS_EVERY,
-                        play=True)
+                        pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True)
     if target is None:
         run_live(job)
         return

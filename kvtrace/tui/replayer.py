@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
     from kvtrace.tui.sources import ReplaySource
 
-__all__ = ["CHECKER_NICE", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "live_source", "log_job", "run_dashboard_job"]
+__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FIRST_PASS_EVERY", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "live_source", "log_job", "run_dashboard_job"]
 
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
@@ -58,6 +58,13 @@ PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
 # than the machine has, and the checker, which runs ahead, can wait (bench/tui.py on two
 # cores: median wall-time overhead +35% and +43% before, +25% after; bench/RESULTS.md).
 CHECKER_NICE = 10
+CHECKPOINT_EVERY = 2000  # steps between a dashboard's seek checkpoints once filled in
+# The first pass takes one every this many steps (ReplaySession's first_pass_every); a seek
+# back fills in the rest on its way, and so does the replayer where it stops playing. Over
+# the one-hour sample the replay process's CPU to the last step: 10.5-10.7 s with one every
+# 2,000 kept behind the newest two, 10.0-10.5 s so (the plain replay 9.0-9.1 s, same run);
+# the first seek far back replays up to 6,000 steps (0.7 s at worst here).
+FIRST_PASS_EVERY = 6000
 
 
 class Replayer:
@@ -106,10 +113,17 @@ class Replayer:
         self._end_noted = False  # the source's end note (a damaged input) was asked for
         self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
         self._filled = True  # checkpoints were filled in where the replay last stopped playing
+        # (once it stops playing, going back from there is made quick: the first pass
+        # leaves them sparse; ReplaySession.fill_checkpoints)
 
     @property
     def speed(self) -> float | None:
         return SPEEDS[self.speed_index]
+
+    @property
+    def moving(self) -> bool:
+        """Playing, and not at the end."""
+        return self.playing and not self.source.done
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -118,33 +132,48 @@ class Replayer:
         self._anchor_now()
         due = self._clock()
         while True:
-            running = self.playing and not self.source.done
-            try:
-                commands = self.end.commands(0.0 if running else 0.25)
-                if commands is None or any(name == "quit" for name, _ in commands):
-                    self._flush()
-                    return
-                for name, args in commands:
-                    self._apply(name, args)
-                if self.playing and not self.source.done:
-                    self._advance(due)
-                else:
-                    self._exact()
-            except USER_ERRORS as exc:
-                self._fail(str(exc))
-            except Exception as exc:  # noqa: BLE001  a bug must not freeze the screen
-                self._fail(f"internal error: {type(exc).__name__}: {exc}")
+            if self._guarded(self._obey, due):  # True: quit
+                self._flush()
+                return
             now = self._clock()
-            if now >= due or not (self.playing and not self.source.done):
+            if now >= due or not self.moving:
                 self._publish(now)
                 due = now + self._batch_s
-            if not self._filled and not (self.playing and not self.source.done):
-                self._fill()
+            if not self._filled and not self.moving:
+                self._filled = True  # once where it stopped (ReplaySession.fill_checkpoints)
+                fill = getattr(self.source, "fill_checkpoints", None)
+                if fill is not None:
+                    self._guarded(fill, during=" while filling in checkpoints")
+
+    def _obey(self, due: float) -> bool:
+        """Apply the screen's commands, then play until ``due`` or bring the allocator to
+        the step shown; True when the screen says quit (or has gone away)."""
+        commands = self.end.commands(0.0 if self.moving else 0.25)
+        if commands is None or any(name == "quit" for name, _ in commands):
+            return True
+        for name, args in commands:
+            self._apply(name, args)
+        if self.moving:
+            self._advance(due)
+        else:
+            self._exact()
+        return False
+
+    def _guarded(self, call: Callable[..., Any], *args: object, during: str = "") -> Any:
+        """``call(*args)``; an error inside it pauses the replay and is reported (a bug
+        must not freeze the screen), and None is returned."""
+        try:
+            return call(*args)
+        except USER_ERRORS as exc:
+            self._fail(str(exc))
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"internal error{during}: {type(exc).__name__}: {exc}")
+        return None
 
     def _publish(self, now: float) -> None:
         """Send what the screen has not seen: records, the play state, the page map."""
         self._flush()
-        status = (self.playing and not self.source.done, self.speed_index, self.source.done)
+        status = (self.moving, self.speed_index, self.source.done)
         if status != self._status:
             if status[2] and not self._end_noted:
                 self._end_noted = True
@@ -153,28 +182,7 @@ class Replayer:
                     self.end.send({"kind": "warning", "message": note})
             self._status = status
             self.end.send({"kind": "status", "playing": status[0], "speed_index": status[1], "done": status[2]})
-        try:
-            self._refresh_map(now)
-        except USER_ERRORS as exc:
-            self._fail(str(exc))
-        except Exception as exc:  # noqa: BLE001
-            self._fail(f"internal error while mapping the pool: {type(exc).__name__}: {exc}")
-
-    def _fill(self) -> None:
-        """Once the replay stops playing (paused, or at its end), fill in the checkpoints
-        its first pass left sparse up to here, so that going back from here is quick
-        (``ReplaySession.fill_checkpoints``: at most ``first_pass_every`` steps replayed
-        again, after the screen has what was played)."""
-        self._filled = True
-        fill = getattr(self.source, "fill_checkpoints", None)
-        if fill is None:
-            return
-        try:
-            fill()
-        except USER_ERRORS as exc:
-            self._fail(str(exc))
-        except Exception as exc:  # noqa: BLE001
-            self._fail(f"internal error while filling in checkpoints: {type(exc).__name__}: {exc}")
+        self._guarded(self._refresh_map, now, during=" while mapping the pool")
 
     def _fail(self, message: str) -> None:
         self.playing = False
@@ -329,7 +337,7 @@ class Replayer:
         key = (last.step, self.num_cells, self.selected_rid)
         if key == self._map_key:
             return
-        moving = self.playing and not self.source.done
+        moving = self.moving
         interval = self._map_interval_s if self.speed is None else min(self._map_interval_s, PACED_MAP_S)
         if moving and now - self._map_at < interval:
             return
@@ -422,15 +430,16 @@ def dashboard_job(
     pool_tokens: int | None,
     device: str,
     options: dict[str, Any],
-    checkpoint_every: int,
     play: bool,
-    first_pass_every: int | None = None,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    first_pass_every: int | None = FIRST_PASS_EVERY,
     log: str | None = None,
 ) -> dict[str, Any]:
     """The job of a live dashboard's replay process (``kvtrace.child``): a diff side's job
     (``kvtrace.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
-    ``checkpoint_every`` / ``first_pass_every``: the session's (``ReplaySession``)."""
+    ``checkpoint_every`` / ``first_pass_every``: the session's (``ReplaySession``; a
+    dashboard's by default)."""
     from kvtrace.sides import side_job
 
     job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,

@@ -14,17 +14,10 @@ if TYPE_CHECKING:
     from kvtrace.tui.app import KvtraceApp
 
 __all__ = [
-    "DASHBOARD_CHECKPOINT_EVERY", "DASHBOARD_FIRST_PASS_EVERY", "DEFAULT_PORT", "run_diff", "run_live", "run_log", "serve", "serve_command", "show_diff",
+    "DEFAULT_PORT", "run_diff", "run_live", "run_log", "serve", "serve_command", "show_diff",
 ]
 
 DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
-DASHBOARD_CHECKPOINT_EVERY = 2000  # steps between the live dashboard's seek checkpoints
-# The first pass takes one every this many steps (ReplaySession's first_pass_every); a seek
-# back fills in the rest on its way, and so does the replayer where it stops playing. Over
-# the one-hour sample the replay process's CPU to the last step: 10.5-10.7 s with one every
-# 2,000 kept behind the newest two, 10.0-10.5 s so (the plain replay 9.0-9.1 s, same run);
-# the first seek far back replays up to 6,000 steps (0.7 s at worst here).
-DASHBOARD_FIRST_PASS_EVERY = 6000
 _TEMPLATES = Path(__file__).parent / "web"
 
 
@@ -113,9 +106,7 @@ def show_diff(
         replay = dataclasses.asdict(ReplayOptions(**options))  # type: ignore[arg-type]
         jobs = tuple(  # type: ignore[assignment]
             dashboard_job(resolve_any(spec), str(resolve_trace(trace)), trace_label=trace, page_size=page_size,
-                          pool_tokens=pool_tokens, device=device, options=replay,
-                          checkpoint_every=DASHBOARD_CHECKPOINT_EVERY, first_pass_every=DASHBOARD_FIRST_PASS_EVERY,
-                          play=False)
+                          pool_tokens=pool_tokens, device=device, options=replay, play=False)
             for spec in (a, b or "builtin")
         )
     run_diff(report, jobs)  # type: ignore[arg-type]
