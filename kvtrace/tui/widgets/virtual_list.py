@@ -248,9 +248,8 @@ def cells(parts: list[tuple[str, int, Style | None, str]], width: int, base: Sty
             body = text[:room].rjust(room) if room == w else " " * room
         else:
             body = text[:room].ljust(room)
-        w = room
         segments.append(Segment(body, (base + style) if (base and style) else (style or base)))
-        used += w
+        used += room
     if used < width:
         segments.append(Segment(" " * (width - used), base))
     return Strip(segments, width)
