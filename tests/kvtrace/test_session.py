@@ -166,13 +166,15 @@ def test_random_traces_seek_to_the_straight_run_state(tmp_path: Path, seed: int,
 
 
 def _counting_steps(s: ReplaySession) -> list[int]:
-    """A one-item list counting the steps ``s``'s engine replays from now on."""
-    count = [0]
+    """``[steps, one by one]``: the steps ``s``'s engine replays from now on, and how many
+    of them it replays by themselves (not in a run of decode steps)."""
+    count = [0, 0]
     engine = s.engine
     one, run = engine.replay_step, engine.replay_run
 
     def replay_step(batch: StepBatch) -> StepSnapshot | None:
         count[0] += 1
+        count[1] += 1
         return one(batch)
 
     def replay_run(op: int, steps: np.ndarray, *args: object) -> list[StepSnapshot] | None:
@@ -266,18 +268,10 @@ def test_checkpoints_do_not_split_the_decode_runs_before_the_window() -> None:
     one_by_one = []
     for every in (None, 5):
         with session(trace, checkpoint_every=every, options=ReplayOptions(start_step=start)) as s:
-            engine = s.engine
-            count = [0]
-            one = engine.replay_step
-
-            def replay_step(batch: StepBatch, count: list[int] = count, one=one) -> StepSnapshot | None:  # noqa: ANN001
-                count[0] += 1
-                return one(batch)
-
-            engine.replay_step = replay_step  # type: ignore[method-assign]
+            count = _counting_steps(s)
             first = s.step()
             assert first is not None and first.step == start
-            one_by_one.append(count[0])
+            one_by_one.append(count[1])
     assert one_by_one[0] < len(snaps) * 3 // 4  # runs replayed some of the steps before the window
     assert one_by_one[1] == one_by_one[0]
 
