@@ -60,7 +60,9 @@ DEFAULT_CHECKPOINT_BUDGET = 1 << 30
 MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
 _NO_STEPS = np.zeros(0, np.int64)
 TRUNCATED_NOTE = "the trace was cut short; replayed every complete step"
-_FOLD_STEPS = 1024  # steps replayed before the state folds them (it also folds whenever it is read)
+# Steps replayed before they go into a block, and steps gathered in blocks before the
+# state folds them (it also folds whenever it is read): a fold's cost is mostly per call.
+_FOLD_STEPS = 1024
 
 
 def open_trace(spec: str | Path) -> TraceReader:
@@ -304,8 +306,10 @@ class ReplaySession:
             rid_bound=self.reader.rid_bound,
         )
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
-        self._unfolded: list[StepSnapshot] = []  # replayed, not yet folded into the state
+        self._unfolded: list[StepSnapshot] = []  # replayed, not yet in a block
         self._unfolded_continued: list[bool] = []  # for each of them: the next step of its run follows it
+        self._blocks: list[SnapshotBlock] = []  # made of them, not yet folded into the state
+        self._blocked_steps = 0  # the steps of those blocks
         if getattr(self, "_timeline", None) is not None and self._state is not None:
             self._state.timeline = self._timeline  # append-only: survives a restart
         self.last: StepSnapshot | None = None
@@ -426,7 +430,7 @@ class ReplaySession:
             self._unfolded.append(snap)
             self._unfolded_continued.append(continued)
             if len(self._unfolded) >= _FOLD_STEPS:
-                self.fold()
+                self.take_block()
         return snap
 
     def _shown_pending(self) -> StepSnapshot:
@@ -488,15 +492,17 @@ class ReplaySession:
     @property
     def state(self) -> ReplayState | None:
         """The per-request fold of every step replayed so far (``track_state=True``), else None."""
-        if self._unfolded:
-            self.fold()
+        if self._state is not None and (self._unfolded or self._blocks):
+            self.take_block()
+            self._fold_blocks()
         return self._state
 
-    def fold(self) -> SnapshotBlock | None:
-        """Fold the steps replayed since the last fold into ``state`` (they are folded
-        in blocks, ``ReplayState.apply_block``) and return them as that block (None when
-        there were none, or no state is kept): a consumer streaming those same steps
-        (a dashboard's replay process) sends the block instead of building another.
+    def take_block(self) -> SnapshotBlock | None:
+        """The steps returned since the last block was made, as one block (None when there
+        were none, or no state is kept); ``state`` folds it later, with others (whenever
+        it is read, or once ``_FOLD_STEPS`` steps gather): a consumer streaming those
+        same steps (a dashboard's replay process) sends the block to a screen that folds
+        it, and the fold here costs one call for many blocks.
 
         The steps of a decode run other than the last of it in the block carry no
         request rows there: each of them lists the run's batch, whose lengths the next
@@ -504,14 +510,23 @@ class ReplaySession:
         the last alone gives the same state, for a fraction of the rows."""
         if self._state is None or not self._unfolded:
             return None
-        # The last step listed keeps its rows: the rest of its run, if any, is folded later.
+        # The last step listed keeps its rows: the rest of its run, if any, is in a later block.
         rows = [not continued or snap.keyframe for snap, continued in zip(self._unfolded, self._unfolded_continued)]
         rows[-1] = True
         block = SnapshotBlock.of(self._unfolded, rows)
         self._unfolded = []
         self._unfolded_continued = []
-        self._state.apply_block(block)
+        self._blocks.append(block)
+        self._blocked_steps += block.num_steps
+        if self._blocked_steps >= _FOLD_STEPS:
+            self._fold_blocks()
         return block
+
+    def _fold_blocks(self) -> None:
+        if self._blocks and self._state is not None:
+            self._state.apply_block(SnapshotBlock.concat(self._blocks))
+        self._blocks = []
+        self._blocked_steps = 0
 
     def _end(self) -> None:
         if not self.done:
@@ -650,7 +665,7 @@ class ReplaySession:
         try:
             self._restore(best)
             self._seek(here)
-            self.fold()
+            self.take_block()  # the steps replayed again: no consumer's
         finally:
             self._wall_s += self._clock() - t0
         return True

@@ -17,7 +17,6 @@ whole run with the current step marked.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -337,19 +336,7 @@ class ReplayState:
     def copy(self) -> ReplayState:
         return copy.deepcopy(self)
 
-    def assign(self, rids: np.ndarray, columns: Mapping[str, np.ndarray]) -> None:
-        """Set the per-request columns of ``rids`` (``rows`` of another fold of the same
-        steps: a dashboard's replay process sends the rows a batch of steps changed)."""
-        if rids.shape[0]:
-            self._ensure(int(rids.max()))
-            for name, values in columns.items():
-                self._cols[name][rids] = values
-
     # ------------------------------------------------------------------ reads
-    def rows(self, rids: np.ndarray) -> dict[str, np.ndarray]:
-        """Every per-request column of ``rids`` (copies; ``assign`` sets them elsewhere)."""
-        return {name: col[rids] for name, col in self._cols.items()}
-
     def column(self, name: str) -> np.ndarray:
         """A per-request column over the requests seen (index = request id)."""
         return self._cols[name]

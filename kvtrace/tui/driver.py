@@ -36,7 +36,7 @@ DEFAULT_FPS = 24.0
 if TYPE_CHECKING:
     from kvtrace.state import Timeline
     from kvtrace.tui.link import ReplayLink
-    from kvtrace.tui.updates import StepsUpdate
+    from kvtrace.snapshot import SnapshotBlock
 
 __all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "AchievedSpeed", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
            "RequestHistory"]
@@ -293,12 +293,11 @@ class Driver:
             self._message(self._held.pop(0))
         return False
 
-    def _fold(self, update: StepsUpdate) -> None:
+    def _fold(self, block: SnapshotBlock) -> None:
         state = self.state
-        k = update.num_steps
+        k = block.num_steps
         if state is not None and k:
-            update.apply(state)
-            block = update.timeline
+            state.apply_block(block)
             self._last = _Position(int(block.steps[-1]), float(block.times[-1]), block.pool(k - 1))
             self._changed = True
         self.steps_folded += k

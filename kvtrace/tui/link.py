@@ -1,9 +1,9 @@
 """How the screen and the replay side of the dashboard talk: a child process, or a thread.
 
 The replay side (``kvtrace.tui.replayer.Replayer``) says two things, in order: the
-steps it replays (``records``: ``kvtrace.tui.updates.StepsUpdate``) and messages
+steps it replays (``records``: ``kvtrace.snapshot.SnapshotBlock``) and messages
 (``send``: dicts with a ``kind``); it hears commands (``commands``). The screen's side
-(``ReplayLink``) gets ``("records", StepsUpdate)``, ``("msg", dict)`` and, once the
+(``ReplayLink``) gets ``("records", SnapshotBlock)``, ``("msg", dict)`` and, once the
 other side is gone, ``("closed", reason)``, and sends commands without ever waiting
 for the replay.
 
@@ -38,7 +38,7 @@ from kvtrace.errors import KvtraceError
 if TYPE_CHECKING:
     from kvtrace.tui.replayer import Replayer
     from kvtrace.tui.sources import ReplaySource
-    from kvtrace.tui.updates import StepsUpdate
+    from kvtrace.snapshot import SnapshotBlock
 
 __all__ = [
     "ChildReplay",
@@ -52,7 +52,7 @@ __all__ = [
     "unpack",
 ]
 
-Item = tuple[str, Any]  # ("records", StepsUpdate) | ("msg", dict) | ("closed", str | None)
+Item = tuple[str, Any]  # ("records", SnapshotBlock) | ("msg", dict) | ("closed", str | None)
 _QUEUED = 64  # items waiting for the screen before the replay waits (back-pressure)
 START_TIMEOUT_S = 300.0
 # The replay process holds hundreds of MB of checkpoints; numpy's transparent huge pages
@@ -106,7 +106,7 @@ def unpack(value: Any) -> Any:
 class ReplayerEnd(Protocol):
     """What the replayer talks through."""
 
-    def records(self, update: StepsUpdate) -> None:
+    def records(self, update: SnapshotBlock) -> None:
         """Send consecutive steps (in order)."""
         ...
 
@@ -138,7 +138,7 @@ class PipeEnd:
         self._eof = False
         self.sent = 0
 
-    def records(self, update: StepsUpdate) -> None:
+    def records(self, update: SnapshotBlock) -> None:
         from kvtrace.tui.updates import write_update
 
         write_update(self._out, update)
@@ -179,7 +179,7 @@ class _ThreadEnd:
         self._commands = commands
         self.sent = 0
 
-    def records(self, update: StepsUpdate) -> None:
+    def records(self, update: SnapshotBlock) -> None:
         self._inbox.put(("records", update))
         self.sent += update.num_steps
 

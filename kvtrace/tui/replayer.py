@@ -8,9 +8,9 @@ other, or in a thread (``link.ThreadReplay``). Nothing here imports Textual.
 What it sends (``link.ReplayerEnd``), in order:
 
 * records: the steps replayed while playing or stepping, and every step replayed for
-  the first time (the screen's timeline is append-only), a ``StepsUpdate`` every
-  ``batch_s`` (their timeline rows, and the rows of the requests they changed as this
-  side's fold has them); the screen folds them into its own ``ReplayState``. Steps
+  the first time (the screen's timeline is append-only), as a ``SnapshotBlock`` every
+  ``batch_s`` (``kvtrace.tui.updates``); the screen folds them into its own
+  ``ReplayState``. Steps
   replayed again inside a seek are not sent: the ``position`` message replaces them;
 * messages (dicts, ``kind``):
   ``info`` (first: ``SourceInfo``'s fields),
@@ -39,7 +39,6 @@ import numpy as np
 
 from kvtrace.errors import USER_ERRORS
 from kvtrace.snapshot import SnapshotBlock
-from kvtrace.tui.updates import StepsUpdate
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
@@ -199,19 +198,18 @@ class Replayer:
             self._frontier = snap.step
 
     def _flush(self) -> None:
-        """Send the steps buffered as one ``StepsUpdate``: their timeline and the rows of
-        the requests they changed, read from the source's fold (which is at the last of
-        them: every move of the source other than a step flushes first). The block is
-        the session's own when it just folded exactly these steps (no second copy)."""
+        """Send the steps buffered as one block (the session's own when it made one of
+        exactly these steps: ``take_block``, its rows a decode run overwrites left out;
+        steps replayed again inside a seek are not among those sent)."""
         buf = self._buf
         if not buf:
             return
-        fold = getattr(self.source, "fold", None)
-        block = fold() if fold is not None else None
+        take = getattr(self.source, "take_block", None)
+        block = take() if take is not None else None
         if block is None or block.num_steps != len(buf) or int(block.steps[0]) != buf[0].step \
                 or int(block.steps[-1]) != buf[-1].step:
             block = SnapshotBlock.of(buf)
-        self.end.records(StepsUpdate.of(block, self.source.state))
+        self.end.records(block)
         self._buf = []
 
     def _exact(self) -> None:
@@ -293,7 +291,7 @@ class Replayer:
         """Go to ``target``; steps past the frontier are replayed and sent (the screen's
         timeline must hold every step), the others are not: ``position`` says where
         the replay now is, with the per-request columns there."""
-        self._flush()  # the rows sent are read from the fold: before it moves
+        self._flush()  # the steps sent are the session's block: before it moves
         src = self.source
         frontier = self._frontier
         if frontier is not None and target <= frontier:

@@ -162,9 +162,9 @@ class LiveSource:
             self._logged = snap.step
         return snap
 
-    def fold(self) -> SnapshotBlock | None:
-        """Fold the steps replayed since the last fold (``ReplaySession.fold``)."""
-        return self.session.fold()
+    def take_block(self) -> SnapshotBlock | None:
+        """The steps returned since the last block, as one (``ReplaySession.take_block``)."""
+        return self.session.take_block()
 
     def fill_checkpoints(self) -> bool:
         """Checkpoints up to the step shown at the session's full density

@@ -104,8 +104,8 @@ def test_the_peak_asked_as_the_timeline_grows_is_the_first_highest_use(rows: lis
 @settings(max_examples=10, deadline=None)
 @given(fold_at=st.lists(st.integers(1, 1452), max_size=12))
 def test_a_session_folds_a_runs_last_step_only_to_the_same_state(fold_at: list[int]) -> None:
-    # The dashboard's replay folds whenever it sends an update: a run's steps may fall
-    # on either side of a fold. Folding only each run's last step in a block must reach
+    # The dashboard's replay makes a block whenever it sends an update: a run's steps may
+    # fall on either side of a block. Folding only each run's last step in a block must reach
     # the state that folding every step of every run reaches.
     stops = set(fold_at)
     with ReplaySession("sample:mooncake-tiny", screen="inline", track_state=True) as runs:
@@ -116,7 +116,7 @@ def test_a_session_folds_a_runs_last_step_only_to_the_same_state(fold_at: list[i
             n += 1
             in_runs += bool(runs._pending)  # a step of a run with more steps to return
             if n in stops:
-                assert runs.fold() is not None
+                assert runs.take_block() is not None
                 assert runs.state is not None
                 _same(runs.state, ref)
         assert in_runs > 10  # the trace has runs to fold
@@ -128,11 +128,11 @@ def test_a_fold_leaves_out_the_rows_a_run_overwrites() -> None:
     with ReplaySession("sample:mooncake-tiny", screen="inline", track_state=True) as s:
         while len(s._pending) < 2:  # the first step of a run of three or more
             assert s.step() is not None
-        s.fold()  # the run's first step, and what came before it
+        s.take_block()  # the run's first step, and what came before it
         shown = []
         while s._pending:
             shown.append(s.step())
-        block = s.fold()
+        block = s.take_block()
         assert block is not None and block.num_steps == len(shown) >= 2
         assert block.row_counts[:-1].tolist() == [0] * (len(shown) - 1)  # overwritten by the last
         assert block.row_counts[-1] == shown[-1].requests.num_requests > 0
