@@ -52,6 +52,10 @@ __all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FIRST_PASS_EVERY", "MAX_HISTORY_
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
 PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
+# At full speed the page maps take at most this share of the replay's time: the interval
+# between two grows to the last map's cost over it where mapping is slow (a slower
+# machine, a bigger pool; the one-hour sample's million slots: 40 to 85 ms a map).
+MAP_SHARE = 0.01
 # The replay's op-sequence checker runs at a lower priority beside a screen: on two cores
 # the replay (a core), the screen (half a core) and the checker (a third of one) want more
 # than the machine has, and the checker, which runs ahead, can wait (bench/tui.py on two
@@ -78,8 +82,9 @@ class Replayer:
             to show that the one before did not.
         map_interval_s: seconds between page maps while playing as fast as it goes
             (mapping a million-slot pool takes some 40 ms of the replay's time;
-            bench/ownership.py); a paced replay maps every ``PACED_MAP_S``, a paused
-            one at every step shown.
+            bench/ownership.py), or more: at most ``MAP_SHARE`` of the time goes to
+            them; a paced replay maps every ``PACED_MAP_S``, a paused one at every
+            step shown.
         clock: monotonic seconds.
     """
 
@@ -108,6 +113,7 @@ class Replayer:
         self._cells: PageCells | None = None
         self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, rid) of the map sent
         self._map_at = -1e18
+        self._map_cost_s = 0.0  # what the last page map took
         self._status: tuple[Any, ...] | None = None
         self._end_noted = False  # the source's end note (a damaged input) was asked for
         self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
@@ -336,7 +342,10 @@ class Replayer:
         if key == self._map_key:
             return
         moving = self.moving
-        interval = self._map_interval_s if self.speed is None else min(self._map_interval_s, PACED_MAP_S)
+        if self.speed is None:
+            interval = max(self._map_interval_s, self._map_cost_s / MAP_SHARE)
+        else:
+            interval = min(self._map_interval_s, PACED_MAP_S)
         if moving and now - self._map_at < interval:
             return
         if self._map_key is not None and self._own is not None and self._cells is not None and key[:2] == self._map_key[:2]:
@@ -345,7 +354,9 @@ class Replayer:
             mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
             self._cells = self._cells._replace(highlight=mark)
         else:
+            t0 = self._clock()
             made = self.source.page_map(self.num_cells, self.selected_rid)
+            self._map_cost_s = self._clock() - t0
             self._own, self._cells = made if made is not None else (None, None)
         self._map_key = key
         self._map_at = now

@@ -221,3 +221,51 @@ def test_the_achieved_speed_is_measured_over_the_last_second_of_frames() -> None
     assert last == pytest.approx(100.0)
     speed.reset()
     assert speed.mark(10.0, 0.0) is None and speed.mark(10.5, 50.0) == pytest.approx(100.0)
+
+
+class _SlowMap:
+    """A source playing forever whose page map takes ``cost_s`` of a fake clock."""
+
+    def __init__(self, clock: list[float], cost_s: float) -> None:
+        from types import SimpleNamespace
+
+        from allocator.base import PoolCounters
+
+        self.clock, self.cost_s = clock, cost_s
+        self.pool = PoolCounters(1000, 400, 100, 100, 300, 100, 3, 5)
+        self.last = SimpleNamespace(step=0)
+        self.done = False
+        self.allocator_step = 0
+        self.maps = 0
+
+    def page_map(self, n: int, rid: int | None) -> tuple[None, object]:
+        from kvtrace.tui.pagemap import composition_cells
+
+        self.clock[0] += self.cost_s
+        self.maps += 1
+        return None, composition_cells(self.pool, n)
+
+
+@pytest.mark.parametrize(("cost_s", "interval_s"), [(0.01, 5.0), (0.2, 20.0)])
+def test_page_maps_at_full_speed_take_at_most_their_share_of_the_time(cost_s: float, interval_s: float) -> None:
+    from kvtrace.tui.replayer import MAP_SHARE, Replayer
+
+    assert MAP_SHARE == 0.01
+    clock = [0.0]
+    source = _SlowMap(clock, cost_s)
+    sent: list[dict[str, object]] = []
+    end = type("End", (), {"send": lambda self, m: sent.append(m)})()
+    replayer = Replayer(source, end, play=True, map_interval_s=5.0, clock=lambda: clock[0])  # type: ignore[arg-type]
+    replayer.num_cells = 20
+    assert replayer.speed is None and replayer.moving  # as fast as it goes
+    at = []
+    for step in range(1, 400):
+        source.last.step = source.allocator_step = step
+        before = source.maps
+        replayer._refresh_map(clock[0])
+        if source.maps > before:
+            at.append(clock[0] - cost_s)  # when it began
+        clock[0] += 0.25
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert len(gaps) >= 3 and all(interval_s <= g < interval_s + 0.5 for g in gaps), gaps
+    assert [m["kind"] for m in sent] == ["cells"] * len(at)
