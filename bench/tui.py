@@ -3,6 +3,7 @@
 Usage:
     python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE] [--force]
     python bench/tui.py [TRACE] --no-screen [--repeat N]
+    python bench/tui.py [TRACE] --interleaved [--repeat N]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
 one run, for N interleaved pairs (their order alternates: without then with the
@@ -29,6 +30,14 @@ whose speed drifts from minute to minute slows both alike, given cores for both)
 ``--no-screen`` instead runs the dashboard's replay process with no screen (its updates
 pickled and dropped) beside the plain replay, each pair at the same time: what the replay
 process adds by itself, apart from sharing the machine with a screen.
+
+``--interleaved`` runs the dashboard's replay process (no screen, updates pickled and
+dropped) and the plain replay in this one process, alternating half a second of the
+first with the same steps of the second, and compares their CPU seconds: on a machine
+whose speed drifts from minute to minute (this 2-vCPU VM: a third from run to run), both
+see the same drift, so what the replay process adds by itself (its per-request fold, the
+updates, checkpoints, page maps) shows through. It cannot show what separate processes
+cost (memory, caches): the pairs above do.
 
 ``--profile-ui`` saves a cProfile of the screen's thread while it plays, ``--profile-replay``
 one of the replay process (in its CPU seconds).
@@ -214,6 +223,61 @@ def no_screen(trace: str, repeat: int) -> None:
           f"x{min(ratios):.2f} to x{max(ratios):.2f}")
 
 
+def _interleaved_once(trace: str, slice_s: float = 0.5) -> tuple[float, float, int]:
+    """(plain CPU s, replay process CPU s, steps): the two replays of ``trace`` in this
+    process, ``slice_s`` of the replay process's loop (as ``Replayer.run`` goes, playing
+    at full speed with a page map asked for) then the plain replay up to the same step."""
+    from kvtrace.session import ReplaySession
+    from kvtrace.tui.replayer import Replayer, live_source
+
+    plain_cpu = dash_cpu = 0.0
+    with ReplaySession(str(resolve_trace(trace))) as plain_session:
+        source = live_source(_job(trace))
+        try:
+            replayer = Replayer(source, _Discard(), play=True)  # type: ignore[arg-type]
+            replayer.num_cells = 2_000
+            replayer._anchor_now()
+            plain_steps = plain_session.snapshots()
+            due = time.monotonic()
+            while not source.done:
+                c0 = time.process_time()
+                stop = time.monotonic() + slice_s
+                while time.monotonic() < stop and not source.done:  # Replayer.run's loop
+                    replayer._guarded(replayer._obey, due)
+                    now = time.monotonic()
+                    if now >= due:
+                        replayer._publish(now)
+                        due = now + replayer._batch_s
+                c1 = time.process_time()
+                target = source.last.step if source.last is not None else -1
+                for snap in plain_steps:
+                    if snap.step >= target:
+                        break
+                c2 = time.process_time()
+                dash_cpu += c1 - c0
+                plain_cpu += c2 - c1
+            c1 = time.process_time()
+            for _ in plain_steps:
+                pass
+            plain_cpu += time.process_time() - c1
+            return plain_cpu, dash_cpu, int(source.state.timeline.size)
+        finally:
+            source.close()
+
+
+def interleaved(trace: str, repeat: int) -> None:
+    """``--interleaved``: the replay process's CPU against the plain replay's, in one process."""
+    print(f"trace {trace}, {os.cpu_count()} CPUs; the dashboard's replay process (no screen) and the plain replay "
+          "in one process, half a second of the first, then the second up to the same step", flush=True)
+    overs = []
+    for i in range(repeat):
+        p, d, steps = _interleaved_once(trace)
+        overs.append(100 * (d / p - 1))
+        print(f"run {i + 1}: {steps:,} steps; plain replay {p:.2f} s CPU, replay process {d:.2f} s CPU: "
+              f"{overs[-1]:+.1f}%", flush=True)
+    print(f"replay process CPU against the plain replay's, interleaved: {_spread(overs)}")
+
+
 def _spin_cpu_s(iterations: int) -> float:
     """CPU seconds this process takes for a fixed pure-Python loop."""
     t0 = time.process_time()
@@ -271,6 +335,9 @@ def main() -> None:
     ap.add_argument("--no-screen", action="store_true",
                     help="the dashboard's replay process with no screen (updates discarded) against the plain replay, "
                          "each pair at the same time (a machine with four cores or more)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="the dashboard's replay process (no screen) and the plain replay alternating in one process: "
+                         "their CPU seconds, immune to a machine's drift")
     ap.add_argument("--force", action="store_true", help="overwrite the --profile-ui / --profile-replay files")
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
@@ -286,6 +353,9 @@ def main() -> None:
         return
     if args.no_screen:
         no_screen(args.trace, args.repeat)
+        return
+    if args.interleaved:
+        interleaved(args.trace, args.repeat)
         return
     w, h = (int(v) for v in args.size.split("x"))
     profile = cProfile.Profile() if args.profile_ui else None
