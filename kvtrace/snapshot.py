@@ -167,7 +167,7 @@ class SnapshotBlock(NamedTuple):
         Args:
             snaps: the steps.
             rows: whether each step's request rows go in (None: every step's); a step
-                left out has a row count of 0 (``ReplaySession.fold`` leaves out the
+                left out has a row count of 0 (``ReplaySession.take_block`` leaves out the
                 rows a later step of the same decode run overwrites).
         """
         k = len(snaps)
