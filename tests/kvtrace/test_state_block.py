@@ -147,3 +147,26 @@ def test_a_block_leaves_out_the_rows_asked() -> None:
         assert block.row_counts[i] == (s.requests.num_requests if rows[i] else 0)
     kept = SnapshotBlock.of([s for s, r in zip(snaps, rows) if r])
     assert np.array_equal(block.requests.rids, kept.requests.rids)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from([("sample:tiny", None), ("sample:tiny", 40), ("sample:mooncake-eagle", None)]),
+       st.lists(st.integers(1, 120), min_size=1, max_size=12))
+def test_blocks_joined_fold_to_the_step_by_step_fold(case: tuple[str, int | None], cuts: list[int]) -> None:
+    # a replay session folds the blocks it hands out joined (SnapshotBlock.concat)
+    trace, start = case
+    snaps = _snaps(trace, start)
+    blocks, i = [], 0
+    for n in cuts * (len(snaps) // max(sum(cuts), 1) + 1):
+        if i >= len(snaps):
+            break
+        blocks.append(SnapshotBlock.of(snaps[i : i + n]))
+        i += n
+    joined = SnapshotBlock.concat(blocks)
+    assert joined.num_steps == len(snaps) and joined.requests.num_requests == sum(s.requests.num_requests for s in snaps)
+    assert joined.steps.tolist() == [s.step for s in snaps]
+    state = ReplayState(16)
+    state.apply_block(joined)
+    _same(state, _reference(snaps, 16))
+    assert SnapshotBlock.concat(blocks[:1]) is blocks[0]
+    assert SnapshotBlock.concat([]).num_steps == 0
