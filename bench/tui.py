@@ -234,32 +234,29 @@ def _interleaved_once(trace: str, slice_s: float = 0.5) -> tuple[float, float, i
     with ReplaySession(str(resolve_trace(trace))) as plain_session:
         source = live_source(_job(trace))
         try:
-            replayer = Replayer(source, _Discard(), play=True)  # type: ignore[arg-type]
+            end = _Discard()
+            replayer = Replayer(source, end, play=True)  # type: ignore[arg-type]
             replayer.num_cells = 2_000
             replayer._anchor_now()
             plain_steps = plain_session.snapshots()
-            due = time.monotonic()
-            while not source.done:
+            due: float | None = time.monotonic()
+            while not end.done and due is not None:
                 c0 = time.process_time()
                 stop = time.monotonic() + slice_s
-                while time.monotonic() < stop and not source.done:  # Replayer.run's loop
-                    replayer._guarded(replayer._obey, due)
-                    now = time.monotonic()
-                    if now >= due:
-                        replayer._publish(now)
-                        due = now + replayer._batch_s
-                c1 = time.process_time()
+                while time.monotonic() < stop and not end.done and due is not None:
+                    due = replayer.turn(due)
+                c1 = end.at_done[1] if end.done else time.process_time()  # not the fill after the end
                 target = source.last.step if source.last is not None else -1
+                c2 = time.process_time()
                 for snap in plain_steps:
                     if snap.step >= target:
                         break
-                c2 = time.process_time()
                 dash_cpu += c1 - c0
-                plain_cpu += c2 - c1
-            c1 = time.process_time()
+                plain_cpu += time.process_time() - c2
+            c2 = time.process_time()
             for _ in plain_steps:
                 pass
-            plain_cpu += time.process_time() - c1
+            plain_cpu += time.process_time() - c2
             return plain_cpu, dash_cpu, int(source.state.timeline.size)
         finally:
             source.close()

@@ -135,20 +135,27 @@ class Replayer:
         """Replay and answer until ``quit`` (or the screen goes away)."""
         self.end.send({"kind": "info", **_info_dict(self.source.info)})
         self._anchor_now()
-        due = self._clock()
-        while True:
-            if self._guarded(self._obey, due):  # True: quit
-                self._flush()
-                return
-            now = self._clock()
-            if now >= due or not self.moving:
-                self._publish(now)
-                due = now + self._batch_s
-            if not self._filled and not self.moving:
-                self._filled = True  # once where it stopped (ReplaySession.fill_checkpoints)
-                fill = getattr(self.source, "fill_checkpoints", None)
-                if fill is not None:
-                    self._guarded(fill, during=" while filling in checkpoints")
+        due: float | None = self._clock()
+        while due is not None:
+            due = self.turn(due)
+
+    def turn(self, due: float) -> float | None:
+        """One turn of ``run``'s loop: obey the screen's commands, play until ``due`` (or
+        bring the allocator to the step shown), publish what is due; the next ``due``, or
+        None once the screen says quit (or has gone away)."""
+        if self._guarded(self._obey, due):  # True: quit
+            self._flush()
+            return None
+        now = self._clock()
+        if now >= due or not self.moving:
+            self._publish(now)
+            due = now + self._batch_s
+        if not self._filled and not self.moving:
+            self._filled = True  # once where it stopped (ReplaySession.fill_checkpoints)
+            fill = getattr(self.source, "fill_checkpoints", None)
+            if fill is not None:
+                self._guarded(fill, during=" while filling in checkpoints")
+        return due
 
     def _obey(self, due: float) -> bool:
         """Apply the screen's commands, then play until ``due`` or bring the allocator to
