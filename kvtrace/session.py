@@ -61,7 +61,8 @@ MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by ste
 _NO_STEPS = np.zeros(0, np.int64)
 TRUNCATED_NOTE = "the trace was cut short; replayed every complete step"
 # Steps replayed before they go into a block, and steps gathered in blocks before the
-# state folds them (it also folds whenever it is read): a fold's cost is mostly per call.
+# state folds them (it also folds whenever it is read): much of a fold's cost is per call
+# (the one-hour sample: 0.68 s folded 80 steps at a time, 0.29 s 1,024 at a time).
 _FOLD_STEPS = 1024
 
 
