@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import dataclasses
 import json
@@ -56,18 +57,21 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvtrace.errors import USER_ERRORS  # noqa: E402
 from kvtrace.registry import resolve_version  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
+from kvtrace.session import ReplaySession, open_trace  # noqa: E402
 from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
-from kvtrace.tui.replayer import dashboard_job  # noqa: E402
+from kvtrace.tui.replayer import Replayer, dashboard_job, live_source  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
@@ -88,8 +92,6 @@ def _proc_peak_mb(pid: int) -> float:
 
 
 def _plain_here(trace: str) -> dict[str, float]:
-    from kvtrace.session import ReplaySession
-
     with ReplaySession(trace) as s:
         t0, c0 = time.perf_counter(), time.process_time()
         result = s.run()
@@ -119,23 +121,30 @@ class _Discard:
         return None if self.done else []
 
 
-def _replay_process_here(trace: str) -> dict[str, float]:
+@contextlib.contextmanager
+def _screenless_replayer(trace: str) -> Iterator[tuple[Replayer, _Discard]]:
     """The dashboard's replay process without a screen: the session as ``kvtrace replay
-    --tui`` builds it, playing at full speed, the page map asked for, updates discarded;
-    timed to its last step (``fill_cpu_s``: the checkpoints filled in after it)."""
-    from kvtrace.tui.replayer import Replayer, live_source
-
+    --tui`` builds it, playing at full speed, the page map asked for, its updates
+    pickled and dropped; the source is closed on the way out."""
     source = live_source(_job(trace))
     try:
         end = _Discard()
-        replayer = Replayer(source, end, play=True)
+        replayer = Replayer(source, end, play=True)  # type: ignore[arg-type]
         replayer.num_cells = 2_000
+        yield replayer, end
+    finally:
+        source.close()
+
+
+def _replay_process_here(trace: str) -> dict[str, float]:
+    """The dashboard's replay process without a screen (``_screenless_replayer``), timed to
+    its last step (``fill_cpu_s``: the checkpoints filled in after it)."""
+    with _screenless_replayer(trace) as (replayer, end):
         t0, c0 = time.perf_counter(), time.process_time()
         replayer.run()
         return {"wall_s": end.at_done[0] - t0, "cpu_s": end.at_done[1] - c0,
-                "fill_cpu_s": time.process_time() - end.at_done[1], "steps": float(source.state.timeline.size)}
-    finally:
-        source.close()
+                "fill_cpu_s": time.process_time() - end.at_done[1],
+                "steps": float(replayer.source.state.timeline.size)}
 
 
 def start_once(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
@@ -227,39 +236,29 @@ def _interleaved_once(trace: str, slice_s: float = 0.5) -> tuple[float, float, i
     """(plain CPU s, replay process CPU s, steps): the two replays of ``trace`` in this
     process, ``slice_s`` of the replay process's loop (as ``Replayer.run`` goes, playing
     at full speed with a page map asked for) then the plain replay up to the same step."""
-    from kvtrace.session import ReplaySession
-    from kvtrace.tui.replayer import Replayer, live_source
-
     plain_cpu = dash_cpu = 0.0
-    with ReplaySession(str(resolve_trace(trace))) as plain_session:
-        source = live_source(_job(trace))
-        try:
-            end = _Discard()
-            replayer = Replayer(source, end, play=True)  # type: ignore[arg-type]
-            replayer.num_cells = 2_000
-            replayer._anchor_now()
-            plain_steps = plain_session.snapshots()
-            due: float | None = time.monotonic()
-            while not end.done and due is not None:
-                c0 = time.process_time()
-                stop = time.monotonic() + slice_s
-                while time.monotonic() < stop and not end.done and due is not None:
-                    due = replayer.turn(due)
-                c1 = end.at_done[1] if end.done else time.process_time()  # not the fill after the end
-                target = source.last.step if source.last is not None else -1
-                c2 = time.process_time()
-                for snap in plain_steps:
-                    if snap.step >= target:
-                        break
-                dash_cpu += c1 - c0
-                plain_cpu += time.process_time() - c2
+    with ReplaySession(str(resolve_trace(trace))) as plain_session, _screenless_replayer(trace) as (replayer, end):
+        plain_steps = plain_session.snapshots()
+        due: float | None = time.monotonic()
+        while not end.done and due is not None:
+            c0 = time.process_time()
+            stop = time.monotonic() + slice_s
+            while time.monotonic() < stop and not end.done and due is not None:
+                due = replayer.turn(due)
+            c1 = end.at_done[1] if end.done else time.process_time()  # not the fill after the end
+            last = replayer.source.last
+            target = last.step if last is not None else -1
             c2 = time.process_time()
-            for _ in plain_steps:
-                pass
+            for snap in plain_steps:
+                if snap.step >= target:
+                    break
+            dash_cpu += c1 - c0
             plain_cpu += time.process_time() - c2
-            return plain_cpu, dash_cpu, int(source.state.timeline.size)
-        finally:
-            source.close()
+        c2 = time.process_time()
+        for _ in plain_steps:
+            pass
+        plain_cpu += time.process_time() - c2
+        return plain_cpu, dash_cpu, int(replayer.source.state.timeline.size)
 
 
 def interleaved(trace: str, repeat: int) -> None:
@@ -339,6 +338,10 @@ def main() -> None:
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
+    try:
+        open_trace(args.trace)  # a bad trace: one line, before any replay starts
+    except USER_ERRORS as exc:
+        ap.exit(2, f"bench/tui.py: {exc}\n")
     for out in (args.profile_ui, args.profile_replay):
         if out and Path(out).exists() and not args.force:
             ap.error(f"{out} exists (pass --force to overwrite it)")
