@@ -310,7 +310,6 @@ class ReplaySession:
         self._unfolded: list[StepSnapshot] = []  # replayed, not yet in a block
         self._unfolded_continued: list[bool] = []  # for each of them: the next step of its run follows it
         self._blocks: list[SnapshotBlock] = []  # made of them, not yet folded into the state
-        self._blocked_steps = 0  # the steps of those blocks
         if getattr(self, "_timeline", None) is not None and self._state is not None:
             self._state.timeline = self._timeline  # append-only: survives a restart
         self.last: StepSnapshot | None = None
@@ -518,8 +517,7 @@ class ReplaySession:
         self._unfolded = []
         self._unfolded_continued = []
         self._blocks.append(block)
-        self._blocked_steps += block.num_steps
-        if self._blocked_steps >= _FOLD_STEPS:
+        if sum(b.num_steps for b in self._blocks) >= _FOLD_STEPS:
             self._fold_blocks()
         return block
 
@@ -527,7 +525,6 @@ class ReplaySession:
         if self._blocks and self._state is not None:
             self._state.apply_block(SnapshotBlock.concat(self._blocks))
         self._blocks = []
-        self._blocked_steps = 0
 
     def _end(self) -> None:
         if not self.done:
@@ -666,7 +663,7 @@ class ReplaySession:
         try:
             self._restore(best)
             self._seek(here)
-            self.take_block()  # the steps replayed again: no consumer's
+            self.take_block()  # the steps replayed again go to the fold, not to a consumer's next block
         finally:
             self._wall_s += self._clock() - t0
         return True
