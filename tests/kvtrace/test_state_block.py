@@ -40,6 +40,20 @@ def _same(a: ReplayState, b: ReplayState) -> None:
     assert ta.events == tb.events
 
 
+def _blocks(snaps: list[StepSnapshot], cuts: list[int]) -> list[SnapshotBlock]:
+    """``snaps`` in blocks of ``cuts`` steps (cycled), in order."""
+    blocks, i = [], 0
+    for n in cuts * (len(snaps) // max(sum(cuts), 1) + 1):
+        if i >= len(snaps):
+            break
+        blocks.append(SnapshotBlock.of(snaps[i : i + n]))
+        i += n
+    return blocks
+
+
+_CASES = st.sampled_from([("sample:tiny", None), ("sample:tiny", 40), ("sample:mooncake-eagle", None)])
+
+
 def _reference(snaps: list[StepSnapshot], page_size: int) -> ReplayState:
     ref = ReplayState(page_size)
     for snap in snaps:
@@ -48,19 +62,14 @@ def _reference(snaps: list[StepSnapshot], page_size: int) -> ReplayState:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from([("sample:tiny", None), ("sample:tiny", 40), ("sample:mooncake-eagle", None)]),
-       st.lists(st.integers(1, 300), min_size=1, max_size=40))
+@given(_CASES, st.lists(st.integers(1, 300), min_size=1, max_size=40))
 def test_a_block_fold_equals_the_step_by_step_fold(case: tuple[str, int | None], cuts: list[int]) -> None:
     trace, start = case
     snaps = _snaps(trace, start)
     ref = _reference(snaps, 16)
     state = ReplayState(16)
-    i = 0
-    for n in cuts * (len(snaps) // max(sum(cuts), 1) + 1):
-        if i >= len(snaps):
-            break
-        state.apply_block(SnapshotBlock.of(snaps[i : i + n]))
-        i += n
+    for block in _blocks(snaps, cuts):
+        state.apply_block(block)
     _same(state, ref)
 
 
@@ -150,18 +159,12 @@ def test_a_block_leaves_out_the_rows_asked() -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.sampled_from([("sample:tiny", None), ("sample:tiny", 40), ("sample:mooncake-eagle", None)]),
-       st.lists(st.integers(1, 120), min_size=1, max_size=12))
+@given(_CASES, st.lists(st.integers(1, 120), min_size=1, max_size=12))
 def test_blocks_joined_fold_to_the_step_by_step_fold(case: tuple[str, int | None], cuts: list[int]) -> None:
     # a replay session folds the blocks it hands out joined (SnapshotBlock.concat)
     trace, start = case
     snaps = _snaps(trace, start)
-    blocks, i = [], 0
-    for n in cuts * (len(snaps) // max(sum(cuts), 1) + 1):
-        if i >= len(snaps):
-            break
-        blocks.append(SnapshotBlock.of(snaps[i : i + n]))
-        i += n
+    blocks = _blocks(snaps, cuts)
     joined = SnapshotBlock.concat(blocks)
     assert joined.num_steps == len(snaps) and joined.requests.num_requests == sum(s.requests.num_requests for s in snaps)
     assert joined.steps.tolist() == [s.step for s in snaps]
