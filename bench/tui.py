@@ -4,6 +4,7 @@ Usage:
     python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE] [--force]
     python bench/tui.py [TRACE] --no-screen [--repeat N]
     python bench/tui.py [TRACE] --interleaved [--repeat N]
+    python bench/tui.py [TRACE] --sliced [--repeat N] [--size WxH]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
 one run, for N interleaved pairs (their order alternates: without then with the
@@ -39,6 +40,17 @@ see the same drift, so what the replay process adds by itself (its per-request f
 updates, checkpoints, page maps) shows through. It cannot show what separate processes
 cost (memory, caches): the pairs above do.
 
+``--sliced`` runs the whole dashboard (its replay process and the screen in this process)
+and the plain replay in a process of its own at the same time, but lets only one of the two
+replays run at a time: half a second of the one (the other stopped, with its checker, by
+SIGSTOP), then half a second of the other. Both see the same drift of the machine, as in
+``--interleaved``, and the dashboard's replay shares the machine with its screen, as in the
+pairs: the CPU seconds of the two replay processes measure all the dashboard costs the
+replay, its own work and the screen's interference (on the 2-vCPU machine of
+bench/RESULTS.md a screen's CPU second slows a replay on the other vCPU by about a fifth of
+a second), but not the wall time the replay waits for a CPU (the pairs show it: a few
+tenths of a second) nor frames a second (the screen idles while its replay is stopped).
+
 ``--profile-ui`` saves a cProfile of the screen's thread while it plays, ``--profile-replay``
 one of the replay process (in its CPU seconds).
 """
@@ -53,6 +65,7 @@ import dataclasses
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -274,6 +287,89 @@ def interleaved(trace: str, repeat: int) -> None:
     print(f"replay process CPU against the plain replay's, interleaved: {_spread(overs)}")
 
 
+def _signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to process ``pid`` and every process under it (a replay and its checker)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+
+async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) -> dict[str, float]:
+    """The dashboard (``dashboard``'s set-up) and the plain replay (``start_once``) of
+    ``trace`` at once, ``slice_s`` of the one running, then of the other; their replay
+    processes' CPU seconds (the dashboard's to its done status) and the screen's while
+    its replay ran."""
+    plain_proc = start_once(trace)
+    link = ChildReplay(_job(trace))
+    try:
+        link.wait_started()
+        pid = link.proc.pid
+        app = KvtraceApp(link)
+        async with app.run_test(size=size) as pilot:
+            while app.frame is None:
+                await pilot.pause(0.01)
+            _signal_tree(plain_proc.pid, signal.SIGSTOP)
+            running = pid  # the replay running now; the other one is stopped
+            c0, ui0 = _proc_cpu_s(pid), time.process_time()
+            dash_cpu: float | None = None
+            ui_cpu = 0.0
+            await pilot.press("space")
+            switch_at = time.perf_counter() + slice_s
+            while dash_cpu is None or plain_proc.poll() is None:
+                await asyncio.sleep(0.01)
+                if dash_cpu is None and app.frame is not None and app.frame.done:
+                    dash_cpu = _proc_cpu_s(pid) - c0  # not the checkpoints' fill after the end
+                    ui_cpu += time.process_time() - ui0
+                    _signal_tree(pid, signal.SIGSTOP)
+                    _signal_tree(plain_proc.pid, signal.SIGCONT)
+                    running = plain_proc.pid
+                elif time.perf_counter() >= switch_at:
+                    switch_at = time.perf_counter() + slice_s
+                    if running == pid and plain_proc.poll() is None:
+                        ui_cpu += time.process_time() - ui0
+                        _signal_tree(pid, signal.SIGSTOP)
+                        _signal_tree(plain_proc.pid, signal.SIGCONT)
+                        running = plain_proc.pid
+                    elif running != pid and dash_cpu is None:
+                        _signal_tree(plain_proc.pid, signal.SIGSTOP)
+                        _signal_tree(pid, signal.SIGCONT)
+                        running, ui0 = pid, time.process_time()
+            _signal_tree(pid, signal.SIGCONT)
+            steps = app.driver.state.timeline.size if app.driver.state is not None else 0
+            await pilot.press("q")
+        plain = result(plain_proc)
+    finally:
+        for proc_pid in (link.proc.pid, plain_proc.pid):
+            _signal_tree(proc_pid, signal.SIGCONT)  # never leave a stopped process behind
+        if plain_proc.poll() is None:
+            plain_proc.kill()
+            plain_proc.wait()
+    return {"plain_cpu_s": plain["cpu_s"], "dash_cpu_s": dash_cpu, "ui_cpu_s": ui_cpu, "steps": float(steps)}
+
+
+def sliced(trace: str, size: tuple[int, int], repeat: int) -> None:
+    """``--sliced``: the dashboard's replay process (with its screen) against the plain
+    replay, taking turns on the machine."""
+    print(f"trace {trace}, {os.cpu_count()} CPUs, terminal {size[0]}x{size[1]}; the dashboard (replay process and "
+          "screen) and the plain replay taking turns, half a second each, the other stopped", flush=True)
+    overs = []
+    for i in range(repeat):
+        r = asyncio.run(_sliced_once(trace, size))
+        overs.append(100 * (r["dash_cpu_s"] / r["plain_cpu_s"] - 1))
+        print(f"run {i + 1}: {r['steps']:,.0f} steps; plain replay {r['plain_cpu_s']:.2f} s CPU, the dashboard's replay "
+              f"process {r['dash_cpu_s']:.2f} s CPU: {overs[-1]:+.1f}%; its screen {r['ui_cpu_s']:.2f} s CPU",
+              flush=True)
+    print(f"replay process CPU with the dashboard against the plain replay's, taking turns: {_spread(overs)} "
+          f"(target <= +10%: {'ok' if statistics.median(overs) <= 10 else 'MISSED'})")
+
+
 def _spin_cpu_s(iterations: int) -> float:
     """CPU seconds this process takes for a fixed pure-Python loop."""
     t0 = time.process_time()
@@ -334,6 +430,9 @@ def main() -> None:
     ap.add_argument("--interleaved", action="store_true",
                     help="the dashboard's replay process (no screen) and the plain replay alternating in one process: "
                          "their CPU seconds, immune to a machine's drift")
+    ap.add_argument("--sliced", action="store_true",
+                    help="the dashboard (with its screen) and the plain replay taking turns, half a second each: "
+                         "their replay processes' CPU seconds, immune to a machine's drift")
     ap.add_argument("--force", action="store_true", help="overwrite the --profile-ui / --profile-replay files")
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
@@ -358,6 +457,9 @@ def main() -> None:
         interleaved(args.trace, args.repeat)
         return
     w, h = (int(v) for v in args.size.split("x"))
+    if args.sliced:
+        sliced(args.trace, (w, h), args.repeat)
+        return
     profile = cProfile.Profile() if args.profile_ui else None
     load0 = os.getloadavg()
     print(f"trace {args.trace}, {os.cpu_count()} CPUs, load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} "
