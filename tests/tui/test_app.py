@@ -225,6 +225,51 @@ async def test_a_trace_cut_short_is_said_once_the_replay_is_done(tmp_path) -> No
         await pilot.press("q")
 
 
+async def test_legend_is_drawn_at_its_cadence_while_playing() -> None:
+    """While playing, the occupancy legend's numbers follow the frames at most every
+    ``Cadence.legend_s`` (drawn at every frame they cost the screen a fifth of its time);
+    paused, at once."""
+    import dataclasses
+
+    from kvtrace.snapshot import PoolCounters
+    from kvtrace.tui.widgets.dashboard import Dashboard
+    from kvtrace.tui.widgets.occupancy import OccupancyLegend
+
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, lambda a: not a.frame.playing)
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.done)
+        done = app.frame
+        timeline = done.timeline
+        used = timeline.used_tokens(done.timeline_size)
+        # Two steps whose pools differ in the tokens used (a number the legend shows).
+        i = 0
+        j = next(k for k in range(done.timeline_size) if used[k] != used[i])
+        dash = app.main.query_one(Dashboard)
+        legend = app.main.query_one(OccupancyLegend)
+        gap = dash.cadence.legend_s
+        t0 = app.clock() + 10 * gap  # past the frames the replay itself sent
+
+        def frame(k: int, playing: bool):  # noqa: ANN202
+            pool = PoolCounters(*(int(v) for v in timeline.counters[k]))
+            return dataclasses.replace(done, step=int(timeline.steps[k]), pool=pool, playing=playing, done=False)
+
+        def shows(k: int) -> bool:
+            return f"{int(used[k]):>10,}" in legend.content.plain
+
+        dash.show(frame(i, True), app.driver.info, t0)
+        assert shows(i)
+        dash.show(frame(j, True), app.driver.info, t0 + gap / 2)
+        assert shows(i) and not shows(j)  # too soon: the legend waits
+        dash.show(frame(j, True), app.driver.info, t0 + gap)
+        assert shows(j)
+        dash.show(frame(i, True), app.driver.info, t0 + gap * 1.25)
+        assert shows(j)  # too soon again
+        dash.show(frame(i, False), app.driver.info, t0 + gap * 1.25)
+        assert shows(i)  # paused: at once
+
+
 async def test_events_log_is_drawn_at_its_cadence_while_playing() -> None:
     """While playing, the events log follows the frames at most every ``Cadence.events_s``
     (at full speed each frame scrolls it by a screenful); paused, or with an alert, at

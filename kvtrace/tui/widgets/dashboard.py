@@ -31,11 +31,15 @@ class Cadence(NamedTuple):
     otherwise). At full speed each frame brings a new stretch of the chart and a screenful
     of new events: the events log, scrolled at every frame, took 8 of the screen's 18 ms
     a frame on the one-hour sample (bench/tui.py; bench/RESULTS.md), which two cores pay
-    for in replay time. A frame with an OOM, a violation or an impossible op shows the
-    log at once."""
+    for in replay time. The legend's numbers change at every frame too: drawn at every
+    frame (24 a second) they made Textual paint the widgets around them again (twice the
+    widgets a frame), a fifth of the screen's CPU time (10.3-10.8 s against 7.4-8.0 s over
+    the hour, bench/RESULTS.md). A frame with an OOM, a violation or an impossible op
+    shows the log at once."""
 
     chart_s: float = 1.0  # the occupancy chart
     events_s: float = 0.25  # the events log, scrolled to its newest event
+    legend_s: float = 0.25  # the occupancy legend's numbers
 
 
 class Dashboard(Vertical):
@@ -44,7 +48,7 @@ class Dashboard(Vertical):
     Args:
         side: which replay it shows (0; a diff: 0 for A, 1 for B).
         compact: the diff's layout (half a screen wide).
-        cadence: how often the chart and the events log are drawn while playing.
+        cadence: how often the chart, the legend and the events log are drawn while playing.
     """
 
     def __init__(self, side: int = 0, *, compact: bool = False, cadence: Cadence = Cadence(), id: str | None = None) -> None:
@@ -55,6 +59,7 @@ class Dashboard(Vertical):
         self.frame: Frame | None = None
         self._chart_at = -1e18
         self._events_at = -1e18
+        self._legend_at = -1e18
 
     def compose(self) -> ComposeResult:
         yield ReplayHeader(id="header")
@@ -85,12 +90,13 @@ class Dashboard(Vertical):
             self.query_one("#pages").border_title = "pool by state (a log has no slot positions)"
 
     def show(self, frame: Frame, info: SourceInfo, now: float) -> None:
-        """Draw ``frame`` in every panel (while playing, the chart and the events log at
-        the ``cadence``; ``now``: the app's clock)."""
+        """Draw ``frame`` in every panel (while playing, the chart, the legend and the
+        events log at the ``cadence``; ``now``: the app's clock)."""
         self.frame = frame
         self.query_one(ReplayHeader).show(info, frame)
-        if not self.compact:
+        if not self.compact and (not frame.playing or now - self._legend_at >= self.cadence.legend_s):
             self.query_one(OccupancyLegend).show(frame)
+            self._legend_at = now
         self.query_one(RequestTable).show(frame)
         if not frame.playing or frame.alerts or now - self._events_at >= self.cadence.events_s:
             self.query_one(EventsLog).show(frame)
