@@ -43,7 +43,8 @@ cost (memory, caches): the pairs above do.
 ``--sliced`` runs the whole dashboard (its replay process and the screen in this process)
 and the plain replay in a process of its own at the same time, but lets only one of the two
 replays run at a time: half a second of the one (the other stopped, with its checker, by
-SIGSTOP), then half a second of the other. Both see the same drift of the machine, as in
+SIGSTOP), then half a second of the other, both replays pinned to the same CPU and the
+screen and the checkers to the others. Both see the same drift of the machine, as in
 ``--interleaved``, and the dashboard's replay shares the machine with its screen, as in the
 pairs: the CPU seconds of the two replay processes measure all the dashboard costs the
 replay, its own work and the screen's interference (on the 2-vCPU machine of
@@ -301,16 +302,50 @@ def _signal_tree(pid: int, sig: int) -> None:
             proc.send_signal(sig)
 
 
+def _pin_tree(pid: int, replay_cpu: set[int], other_cpus: set[int]) -> None:
+    """Pin process ``pid`` (a replay) to ``replay_cpu`` and the processes under it (its
+    checker, forked at any time) to ``other_cpus``."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        root.cpu_affinity(sorted(replay_cpu))
+        for child in root.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.cpu_affinity(sorted(other_cpus))
+    except psutil.NoSuchProcess:
+        return
+
+
 async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) -> dict[str, float]:
     """The dashboard (``dashboard``'s set-up) and the plain replay (``start_once``) of
     ``trace`` at once, ``slice_s`` of the one running, then of the other; their replay
     processes' CPU seconds (the dashboard's to its done status) and the screen's while
-    its replay ran."""
+    its replay ran. Where affinity can be set, both replay processes run on the same CPU
+    (CPUs of one machine differ in speed, and in what else shares their core) and the
+    screen and the checkers on the others."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pinned = len(cpus) >= 2
+    replay_cpu, other_cpus = ({cpus[0]}, set(cpus[1:])) if pinned else (set(), set())
+    saved = set(cpus)
+    if pinned:
+        os.sched_setaffinity(0, other_cpus)  # the screen (children started here inherit it)
     plain_proc = start_once(trace)
+    if pinned:
+        _pin_tree(plain_proc.pid, replay_cpu, other_cpus)
     link = ChildReplay(_job(trace))
+
+    def switch_to(run_pid: int, stop_pid: int) -> None:
+        _signal_tree(stop_pid, signal.SIGSTOP)
+        if pinned:
+            _pin_tree(run_pid, replay_cpu, other_cpus)
+        _signal_tree(run_pid, signal.SIGCONT)
+
     try:
         link.wait_started()
         pid = link.proc.pid
+        if pinned:
+            _pin_tree(pid, replay_cpu, other_cpus)
         app = KvtraceApp(link)
         async with app.run_test(size=size) as pilot:
             while app.frame is None:
@@ -327,19 +362,16 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
                 if dash_cpu is None and app.frame is not None and app.frame.done:
                     dash_cpu = _proc_cpu_s(pid) - c0  # not the checkpoints' fill after the end
                     ui_cpu += time.process_time() - ui0
-                    _signal_tree(pid, signal.SIGSTOP)
-                    _signal_tree(plain_proc.pid, signal.SIGCONT)
+                    switch_to(plain_proc.pid, pid)
                     running = plain_proc.pid
                 elif time.perf_counter() >= switch_at:
                     switch_at = time.perf_counter() + slice_s
                     if running == pid and plain_proc.poll() is None:
                         ui_cpu += time.process_time() - ui0
-                        _signal_tree(pid, signal.SIGSTOP)
-                        _signal_tree(plain_proc.pid, signal.SIGCONT)
+                        switch_to(plain_proc.pid, pid)
                         running = plain_proc.pid
                     elif running != pid and dash_cpu is None:
-                        _signal_tree(plain_proc.pid, signal.SIGSTOP)
-                        _signal_tree(pid, signal.SIGCONT)
+                        switch_to(pid, plain_proc.pid)
                         running, ui0 = pid, time.process_time()
             _signal_tree(pid, signal.SIGCONT)
             steps = app.driver.state.timeline.size if app.driver.state is not None else 0
@@ -351,6 +383,8 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
         if plain_proc.poll() is None:
             plain_proc.kill()
             plain_proc.wait()
+        if pinned:
+            os.sched_setaffinity(0, saved)
     return {"plain_cpu_s": plain["cpu_s"], "dash_cpu_s": dash_cpu, "ui_cpu_s": ui_cpu, "steps": float(steps)}
 
 
@@ -358,7 +392,8 @@ def sliced(trace: str, size: tuple[int, int], repeat: int) -> None:
     """``--sliced``: the dashboard's replay process (with its screen) against the plain
     replay, taking turns on the machine."""
     print(f"trace {trace}, {os.cpu_count()} CPUs, terminal {size[0]}x{size[1]}; the dashboard (replay process and "
-          "screen) and the plain replay taking turns, half a second each, the other stopped", flush=True)
+          "screen) and the plain replay taking turns, half a second each, the other stopped; both replays on one CPU, "
+          "the screen and the checkers on the others", flush=True)
     overs = []
     for i in range(repeat):
         r = asyncio.run(_sliced_once(trace, size))
