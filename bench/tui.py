@@ -333,7 +333,7 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
     plain_proc = start_once(trace)
     if pinned:
         _pin_tree(plain_proc.pid, replay_cpu, other_cpus)
-    link = ChildReplay(_job(trace))
+    link: ChildReplay | None = None
 
     def switch_to(run_pid: int, stop_pid: int) -> None:
         _signal_tree(stop_pid, signal.SIGSTOP)
@@ -342,6 +342,7 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
         _signal_tree(run_pid, signal.SIGCONT)
 
     try:
+        link = ChildReplay(_job(trace))
         link.wait_started()
         pid = link.proc.pid
         if pinned:
@@ -378,7 +379,7 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
             await pilot.press("q")
         plain = result(plain_proc)
     finally:
-        for proc_pid in (link.proc.pid, plain_proc.pid):
+        for proc_pid in (plain_proc.pid, *([] if link is None else [link.proc.pid])):
             _signal_tree(proc_pid, signal.SIGCONT)  # never leave a stopped process behind
         if plain_proc.poll() is None:
             plain_proc.kill()
@@ -391,9 +392,10 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
 def sliced(trace: str, size: tuple[int, int], repeat: int) -> None:
     """``--sliced``: the dashboard's replay process (with its screen) against the plain
     replay, taking turns on the machine."""
+    pinned = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+    where = "; both replays on one CPU, the screen and the checkers on the others" if pinned else ""
     print(f"trace {trace}, {os.cpu_count()} CPUs, terminal {size[0]}x{size[1]}; the dashboard (replay process and "
-          "screen) and the plain replay taking turns, half a second each, the other stopped; both replays on one CPU, "
-          "the screen and the checkers on the others", flush=True)
+          f"screen) and the plain replay taking turns, half a second each, the other stopped{where}", flush=True)
     overs = []
     for i in range(repeat):
         r = asyncio.run(_sliced_once(trace, size))
