@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,6 +14,9 @@ from kvtrace.statelog import StateLogWriter
 from kvtrace.tui.app import KvtraceApp
 from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource, LogSource
+
+if TYPE_CHECKING:
+    from kvtrace.tui.driver import Frame
 
 TINY = "sample:tiny"
 SIZE = (160, 48)
@@ -41,6 +45,15 @@ async def settle(pilot, until: Callable[[KvtraceApp], bool], timeout_s: float = 
             raise AssertionError(f"the dashboard did not settle in {timeout_s} s (frame step {step})")
         await pilot.pause(0.02)
     await pilot.pause()
+
+
+async def play_to_end(pilot) -> Frame:  # noqa: ANN001
+    """Once the dashboard shows its first frame (paused), play (space) to the last step;
+    the frame shown there."""
+    await settle(pilot, lambda a: not a.frame.playing)
+    await pilot.press("space")
+    await settle(pilot, lambda a: a.frame.done)
+    return pilot.app.frame
 
 
 def at_step(step: int) -> Callable[[KvtraceApp], bool]:

@@ -6,7 +6,7 @@ from kvtrace.tui.screens import GotoScreen, HelpScreen, RequestDetailScreen
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
-from tests.tui.conftest import SIZE, at_step, live_app, log_app, settle, text_of
+from tests.tui.conftest import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
 
 
 async def test_stepping_keys_and_seeking_back() -> None:
@@ -34,10 +34,7 @@ async def test_stepping_keys_and_seeking_back() -> None:
 async def test_space_plays_to_the_end_and_pauses() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot, lambda a: not a.frame.playing)
-        await pilot.press("space")
-        await settle(pilot, lambda a: a.frame.done)
-        assert app.frame.step == 138
+        assert (await play_to_end(pilot)).step == 138
         await pilot.press("left")
         await settle(pilot, at_step(137))
         await pilot.press("space")  # plays again from 137
@@ -237,10 +234,7 @@ async def test_legend_is_drawn_at_its_cadence_while_playing() -> None:
 
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot, lambda a: not a.frame.playing)
-        await pilot.press("space")
-        await settle(pilot, lambda a: a.frame.done)
-        done = app.frame
+        done = await play_to_end(pilot)
         timeline = done.timeline
         used = timeline.used_tokens(done.timeline_size)
         # Two steps whose pools differ in the tokens used (a number the legend shows).
@@ -281,10 +275,7 @@ async def test_events_log_is_drawn_at_its_cadence_while_playing() -> None:
 
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot, lambda a: not a.frame.playing)
-        await pilot.press("space")
-        await settle(pilot, lambda a: a.frame.done)
-        done = app.frame
+        done = await play_to_end(pilot)
         steps = sorted({e.step for e in done.events()})
         assert len(steps) >= 3, steps
         dash = app.main.query_one(Dashboard)
