@@ -4,7 +4,7 @@ Usage:
     python bench/tui.py [TRACE] [--repeat N] [--together] [--size WxH] [--profile-ui FILE] [--profile-replay FILE] [--force]
     python bench/tui.py [TRACE] --no-screen [--repeat N]
     python bench/tui.py [TRACE] --interleaved [--repeat N]
-    python bench/tui.py [TRACE] --sliced [--repeat N] [--size WxH]
+    python bench/tui.py [TRACE] --sliced [--repeat N] [--size WxH] [--no-screen]
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
 one run, for N interleaved pairs (their order alternates: without then with the
@@ -51,6 +51,9 @@ replay, its own work and the screen's interference (on the 2-vCPU machine of
 bench/RESULTS.md a screen's CPU second slows a replay on the other vCPU by about a fifth of
 a second), but not the wall time the replay waits for a CPU (the pairs show it: a few
 tenths of a second) nor frames a second (the screen idles while its replay is stopped).
+With ``--no-screen``, the replay process alone (``--replay-process-once``) takes turns with the
+plain replay the same way: what a process of its own costs it, apart from a screen (the
+interleaved bench, one process for both, cannot show that).
 
 ``--profile-ui`` saves a cProfile of the screen's thread while it plays, ``--profile-replay``
 one of the replay process (in its CPU seconds).
@@ -317,6 +320,79 @@ def _pin_tree(pid: int, replay_cpu: set[int], other_cpus: set[int]) -> None:
         return
 
 
+class _TurnCpus:
+    """Where ``--sliced`` runs what: the replays taking turns on one CPU, this process (the
+    screen, and the children it starts, until pinned) and the checkers on the others; nothing
+    is pinned on a single CPU or where affinity cannot be set."""
+
+    @staticmethod
+    def possible() -> bool:
+        return hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+
+    def __init__(self) -> None:
+        self.pinned = self.possible()
+        cpus = sorted(os.sched_getaffinity(0)) if self.pinned else []
+        self.saved = set(cpus)
+        self.replay_cpu, self.other_cpus = ({cpus[0]}, set(cpus[1:])) if self.pinned else (set(), set())
+        if self.pinned:
+            os.sched_setaffinity(0, self.other_cpus)
+
+    def pin(self, pid: int) -> None:
+        """A replay process on the replays' CPU, its checker (forked at any time) off it."""
+        if self.pinned:
+            _pin_tree(pid, self.replay_cpu, self.other_cpus)
+
+    def switch(self, run_pid: int, stop_pid: int) -> None:
+        """Stop one replay (with its checker), then let the other run."""
+        _signal_tree(stop_pid, signal.SIGSTOP)
+        self.pin(run_pid)
+        _signal_tree(run_pid, signal.SIGCONT)
+
+    def restore(self) -> None:
+        if self.pinned:
+            os.sched_setaffinity(0, self.saved)
+
+
+def _sliced_no_screen_once(trace: str, slice_s: float = 0.5) -> tuple[float, float]:
+    """The plain replay and the dashboard's replay process with no screen
+    (``--replay-process-once``), each in a process of its own, taking turns as in
+    ``_sliced_once``; their CPU seconds (the replay process's to its last step)."""
+    cpus = _TurnCpus()
+    plain_proc = start_once(trace)
+    dash_proc = start_once(trace, "--replay-process-once")
+    try:
+        _signal_tree(dash_proc.pid, signal.SIGSTOP)
+        cpus.pin(plain_proc.pid)
+        running, waiting = plain_proc, dash_proc
+        while plain_proc.poll() is None or dash_proc.poll() is None:
+            time.sleep(slice_s)
+            if waiting.poll() is None:
+                cpus.switch(waiting.pid, running.pid)
+                running, waiting = waiting, running
+        return result(plain_proc)["cpu_s"], result(dash_proc)["cpu_s"]
+    finally:
+        for proc in (plain_proc, dash_proc):
+            _signal_tree(proc.pid, signal.SIGCONT)  # never leave a stopped process behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        cpus.restore()
+
+
+def sliced_no_screen(trace: str, repeat: int) -> None:
+    """``--sliced --no-screen``: the replay process alone, in a process of its own, against
+    the plain replay, taking turns."""
+    where = "; both on one CPU, the checkers on the others" if _TurnCpus.possible() else ""
+    print(f"trace {trace}, {os.cpu_count()} CPUs; the dashboard's replay process with no screen and the plain replay, "
+          f"each in a process of its own, taking turns half a second each, the other stopped{where}", flush=True)
+    overs = []
+    for i in range(repeat):
+        p, d = _sliced_no_screen_once(trace)
+        overs.append(100 * (d / p - 1))
+        print(f"run {i + 1}: plain replay {p:.2f} s CPU, replay process {d:.2f} s CPU: {overs[-1]:+.1f}%", flush=True)
+    print(f"replay process CPU (no screen) against the plain replay's, taking turns: {_spread(overs)}")
+
+
 async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) -> dict[str, float]:
     """The dashboard (``dashboard``'s set-up) and the plain replay (``start_once``) of
     ``trace`` at once, ``slice_s`` of the one running, then of the other; their replay
@@ -324,29 +400,17 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
     its replay ran. Where affinity can be set, both replay processes run on the same CPU
     (CPUs of one machine differ in speed, and in what else shares their core) and the
     screen and the checkers on the others."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    pinned = len(cpus) >= 2
-    replay_cpu, other_cpus = ({cpus[0]}, set(cpus[1:])) if pinned else (set(), set())
-    saved = set(cpus)
-    if pinned:
-        os.sched_setaffinity(0, other_cpus)  # the screen (children started here inherit it)
+    cpus = _TurnCpus()
     plain_proc = start_once(trace)
-    if pinned:
-        _pin_tree(plain_proc.pid, replay_cpu, other_cpus)
+    cpus.pin(plain_proc.pid)
     link: ChildReplay | None = None
-
-    def switch_to(run_pid: int, stop_pid: int) -> None:
-        _signal_tree(stop_pid, signal.SIGSTOP)
-        if pinned:
-            _pin_tree(run_pid, replay_cpu, other_cpus)
-        _signal_tree(run_pid, signal.SIGCONT)
+    switch_to = cpus.switch
 
     try:
         link = ChildReplay(_job(trace))
         link.wait_started()
         pid = link.proc.pid
-        if pinned:
-            _pin_tree(pid, replay_cpu, other_cpus)
+        cpus.pin(pid)
         app = KvtraceApp(link)
         async with app.run_test(size=size) as pilot:
             while app.frame is None:
@@ -384,16 +448,14 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
         if plain_proc.poll() is None:
             plain_proc.kill()
             plain_proc.wait()
-        if pinned:
-            os.sched_setaffinity(0, saved)
+        cpus.restore()
     return {"plain_cpu_s": plain["cpu_s"], "dash_cpu_s": dash_cpu, "ui_cpu_s": ui_cpu, "steps": float(steps)}
 
 
 def sliced(trace: str, size: tuple[int, int], repeat: int) -> None:
     """``--sliced``: the dashboard's replay process (with its screen) against the plain
     replay, taking turns on the machine."""
-    pinned = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
-    where = "; both replays on one CPU, the screen and the checkers on the others" if pinned else ""
+    where = "; both replays on one CPU, the screen and the checkers on the others" if _TurnCpus.possible() else ""
     print(f"trace {trace}, {os.cpu_count()} CPUs, terminal {size[0]}x{size[1]}; the dashboard (replay process and "
           f"screen) and the plain replay taking turns, half a second each, the other stopped{where}", flush=True)
     overs = []
@@ -469,7 +531,8 @@ def main() -> None:
                          "their CPU seconds, immune to a machine's drift")
     ap.add_argument("--sliced", action="store_true",
                     help="the dashboard (with its screen) and the plain replay taking turns, half a second each: "
-                         "their replay processes' CPU seconds, immune to a machine's drift")
+                         "their replay processes' CPU seconds, immune to a machine's drift (with --no-screen: the "
+                         "replay process alone, in a process of its own)")
     ap.add_argument("--force", action="store_true", help="overwrite the --profile-ui / --profile-replay files")
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
@@ -486,6 +549,9 @@ def main() -> None:
         return
     if args.replay_process_once:
         print(json.dumps(_replay_process_here(args.trace)))
+        return
+    if args.no_screen and args.sliced:
+        sliced_no_screen(args.trace, args.repeat)
         return
     if args.no_screen:
         no_screen(args.trace, args.repeat)
