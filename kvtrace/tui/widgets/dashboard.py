@@ -57,9 +57,7 @@ class Dashboard(Vertical):
         self.compact = compact
         self.cadence = cadence
         self.frame: Frame | None = None
-        self._chart_at = -1e18
-        self._events_at = -1e18
-        self._legend_at = -1e18
+        self._drawn_at: dict[str, float] = {}  # a cadence's field -> when its panel was last drawn
 
     def compose(self) -> ComposeResult:
         yield ReplayHeader(id="header")
@@ -94,21 +92,27 @@ class Dashboard(Vertical):
         events log at the ``cadence``; ``now``: the app's clock)."""
         self.frame = frame
         self.query_one(ReplayHeader).show(info, frame)
-        if not self.compact and (not frame.playing or now - self._legend_at >= self.cadence.legend_s):
+        if not self.compact and self._due("legend_s", frame, now):
             self.query_one(OccupancyLegend).show(frame)
-            self._legend_at = now
         self.query_one(RequestTable).show(frame)
-        if not frame.playing or frame.alerts or now - self._events_at >= self.cadence.events_s:
+        if self._due("events_s", frame, now, urgent=bool(frame.alerts)):
             self.query_one(EventsLog).show(frame)
-            self._events_at = now
         pages = self.query_one(PageMap)
         pages.show(frame.page_cells)
         if frame.page_map_note is not None:
             self.query_one("#cell-info", Static).update(frame.page_map_note)
         chart = self.query_one(OccupancyChart)
-        if not frame.playing or now - self._chart_at >= self.cadence.chart_s or chart.shown_step is None:
+        if self._due("chart_s", frame, now, urgent=chart.shown_step is None):
             chart.show(frame)
-            self._chart_at = now
+
+    def _due(self, panel: str, frame: Frame, now: float, urgent: bool = False) -> bool:
+        """Whether the panel whose cadence is the field ``panel`` of ``Cadence`` is drawn
+        for ``frame`` (paused, ``urgent``, or its interval past while playing); when it is,
+        ``now`` is noted as its last draw."""
+        if frame.playing and not urgent and now - self._drawn_at.get(panel, -1e18) < getattr(self.cadence, panel):
+            return False
+        self._drawn_at[panel] = now
+        return True
 
     def mark(self, label: str, step: int | None, colour: str) -> None:
         """Mark ``step`` on the occupancy chart (None: remove the mark)."""
