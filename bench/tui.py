@@ -320,10 +320,11 @@ def _pin_tree(pid: int, replay_cpu: set[int], other_cpus: set[int]) -> None:
         return
 
 
-class _TurnCpus:
-    """Where ``--sliced`` runs what: the replays taking turns on one CPU, this process (the
-    screen, and the children it starts, until pinned) and the checkers on the others; nothing
-    is pinned on a single CPU or where affinity cannot be set."""
+class _Turns:
+    """Which replay of ``--sliced`` runs now: the replays take turns on one CPU (the other
+    stopped, with its checker), this process (the screen, and the children it starts until
+    pinned) and the checkers on the others; nothing is pinned on a single CPU or where
+    affinity cannot be set."""
 
     @staticmethod
     def possible() -> bool:
@@ -336,19 +337,30 @@ class _TurnCpus:
         self.replay_cpu, self.other_cpus = ({cpus[0]}, set(cpus[1:])) if self.pinned else (set(), set())
         if self.pinned:
             os.sched_setaffinity(0, self.other_cpus)
+        self.running: int | None = None  # the replay process whose turn it is
+        self.pids: list[int] = []  # every replay process taking turns
 
-    def pin(self, pid: int) -> None:
-        """A replay process on the replays' CPU, its checker (forked at any time) off it."""
+    def add(self, pid: int) -> None:
+        """A replay process takes part (it runs until ``give`` passes the turn on)."""
+        self.pids.append(pid)
         if self.pinned:
             _pin_tree(pid, self.replay_cpu, self.other_cpus)
 
-    def switch(self, run_pid: int, stop_pid: int) -> None:
-        """Stop one replay (with its checker), then let the other run."""
-        _signal_tree(stop_pid, signal.SIGSTOP)
-        self.pin(run_pid)
-        _signal_tree(run_pid, signal.SIGCONT)
+    def give(self, pid: int) -> None:
+        """The turn to ``pid``: the others stop (with their checkers), it runs (re-pinned:
+        its checker may have been forked since)."""
+        for other in self.pids:
+            if other != pid:
+                _signal_tree(other, signal.SIGSTOP)
+        if self.pinned:
+            _pin_tree(pid, self.replay_cpu, self.other_cpus)
+        _signal_tree(pid, signal.SIGCONT)
+        self.running = pid
 
-    def restore(self) -> None:
+    def release(self) -> None:
+        """Every process runs again (none is left stopped) and this one's CPUs are restored."""
+        for pid in self.pids:
+            _signal_tree(pid, signal.SIGCONT)
         if self.pinned:
             os.sched_setaffinity(0, self.saved)
 
@@ -357,32 +369,30 @@ def _sliced_no_screen_once(trace: str, slice_s: float = 0.5) -> tuple[float, flo
     """The plain replay and the dashboard's replay process with no screen
     (``--replay-process-once``), each in a process of its own, taking turns as in
     ``_sliced_once``; their CPU seconds (the replay process's to its last step)."""
-    cpus = _TurnCpus()
-    plain_proc = start_once(trace)
-    dash_proc = start_once(trace, "--replay-process-once")
+    turns = _Turns()
+    procs = [start_once(trace), start_once(trace, "--replay-process-once")]
     try:
-        _signal_tree(dash_proc.pid, signal.SIGSTOP)
-        cpus.pin(plain_proc.pid)
-        running, waiting = plain_proc, dash_proc
-        while plain_proc.poll() is None or dash_proc.poll() is None:
+        for proc in procs:
+            turns.add(proc.pid)
+        turns.give(procs[0].pid)
+        while any(proc.poll() is None for proc in procs):
             time.sleep(slice_s)
+            waiting = next(proc for proc in procs if proc.pid != turns.running)
             if waiting.poll() is None:
-                cpus.switch(waiting.pid, running.pid)
-                running, waiting = waiting, running
-        return result(plain_proc)["cpu_s"], result(dash_proc)["cpu_s"]
+                turns.give(waiting.pid)
+        return result(procs[0])["cpu_s"], result(procs[1])["cpu_s"]
     finally:
-        for proc in (plain_proc, dash_proc):
-            _signal_tree(proc.pid, signal.SIGCONT)  # never leave a stopped process behind
+        turns.release()
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        cpus.restore()
 
 
 def sliced_no_screen(trace: str, repeat: int) -> None:
     """``--sliced --no-screen``: the replay process alone, in a process of its own, against
     the plain replay, taking turns."""
-    where = "; both on one CPU, the checkers on the others" if _TurnCpus.possible() else ""
+    where = "; both on one CPU, the checkers on the others" if _Turns.possible() else ""
     print(f"trace {trace}, {os.cpu_count()} CPUs; the dashboard's replay process with no screen and the plain replay, "
           f"each in a process of its own, taking turns half a second each, the other stopped{where}", flush=True)
     overs = []
@@ -400,23 +410,19 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
     its replay ran. Where affinity can be set, both replay processes run on the same CPU
     (CPUs of one machine differ in speed, and in what else shares their core) and the
     screen and the checkers on the others."""
-    cpus = _TurnCpus()
+    turns = _Turns()
     plain_proc = start_once(trace)
-    cpus.pin(plain_proc.pid)
-    link: ChildReplay | None = None
-    switch_to = cpus.switch
-
+    turns.add(plain_proc.pid)
     try:
         link = ChildReplay(_job(trace))
         link.wait_started()
         pid = link.proc.pid
-        cpus.pin(pid)
+        turns.add(pid)
         app = KvtraceApp(link)
         async with app.run_test(size=size) as pilot:
             while app.frame is None:
                 await pilot.pause(0.01)
-            _signal_tree(plain_proc.pid, signal.SIGSTOP)
-            running = pid  # the replay running now; the other one is stopped
+            turns.give(pid)
             c0, ui0 = _proc_cpu_s(pid), time.process_time()
             dash_cpu: float | None = None
             ui_cpu = 0.0
@@ -426,36 +432,35 @@ async def _sliced_once(trace: str, size: tuple[int, int], slice_s: float = 0.5) 
                 await asyncio.sleep(0.01)
                 if dash_cpu is None and app.frame is not None and app.frame.done:
                     dash_cpu = _proc_cpu_s(pid) - c0  # not the checkpoints' fill after the end
-                    ui_cpu += time.process_time() - ui0
-                    switch_to(plain_proc.pid, pid)
-                    running = plain_proc.pid
-                elif time.perf_counter() >= switch_at:
-                    switch_at = time.perf_counter() + slice_s
-                    if running == pid and plain_proc.poll() is None:
+                    if turns.running == pid:
                         ui_cpu += time.process_time() - ui0
-                        switch_to(plain_proc.pid, pid)
-                        running = plain_proc.pid
-                    elif running != pid and dash_cpu is None:
-                        switch_to(pid, plain_proc.pid)
-                        running, ui0 = pid, time.process_time()
-            _signal_tree(pid, signal.SIGCONT)
+                    turns.give(plain_proc.pid)
+                    continue
+                if time.perf_counter() < switch_at:
+                    continue
+                switch_at = time.perf_counter() + slice_s
+                if turns.running == pid and plain_proc.poll() is None:
+                    ui_cpu += time.process_time() - ui0
+                    turns.give(plain_proc.pid)
+                elif turns.running != pid and dash_cpu is None:
+                    turns.give(pid)
+                    ui0 = time.process_time()
+            turns.release()
             steps = app.driver.state.timeline.size if app.driver.state is not None else 0
             await pilot.press("q")
         plain = result(plain_proc)
     finally:
-        for proc_pid in (plain_proc.pid, *([] if link is None else [link.proc.pid])):
-            _signal_tree(proc_pid, signal.SIGCONT)  # never leave a stopped process behind
+        turns.release()  # never leave a stopped process behind
         if plain_proc.poll() is None:
             plain_proc.kill()
             plain_proc.wait()
-        cpus.restore()
     return {"plain_cpu_s": plain["cpu_s"], "dash_cpu_s": dash_cpu, "ui_cpu_s": ui_cpu, "steps": float(steps)}
 
 
 def sliced(trace: str, size: tuple[int, int], repeat: int) -> None:
     """``--sliced``: the dashboard's replay process (with its screen) against the plain
     replay, taking turns on the machine."""
-    where = "; both replays on one CPU, the screen and the checkers on the others" if _TurnCpus.possible() else ""
+    where = "; both replays on one CPU, the screen and the checkers on the others" if _Turns.possible() else ""
     print(f"trace {trace}, {os.cpu_count()} CPUs, terminal {size[0]}x{size[1]}; the dashboard (replay process and "
           f"screen) and the plain replay taking turns, half a second each, the other stopped{where}", flush=True)
     overs = []
@@ -537,6 +542,10 @@ def main() -> None:
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
+    modes = [name for name in ("together", "interleaved", "sliced") if getattr(args, name)]
+    if len(modes) > 1 or (args.no_screen and modes and modes != ["sliced"]):
+        ap.error(f"--{' and --'.join(modes + (['no-screen'] if args.no_screen else []))}: one mode at a time "
+                 "(--no-screen goes alone or with --sliced)")
     try:
         open_trace(args.trace)  # a bad trace: one line, before any replay starts
     except USER_ERRORS as exc:
