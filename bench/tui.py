@@ -47,9 +47,9 @@ SIGSTOP), then half a second of the other, both replays pinned to the same CPU a
 screen and the checkers to the others. Both see the same drift of the machine, as in
 ``--interleaved``, and the dashboard's replay shares the machine with its screen, as in the
 pairs: the CPU seconds of the two replay processes measure all the dashboard costs the
-replay, its own work and the screen's interference (on the 2-vCPU machine of
-bench/RESULTS.md a screen's CPU second slows a replay on the other vCPU by about a fifth of
-a second), but not the wall time the replay waits for a CPU (the pairs show it: a few
+replay, its own work in a process of its own and the screen's presence (on the 2-vCPU
+machine of bench/RESULTS.md, a screen that draws far less did not cost the replay less),
+but not the wall time the replay waits for a CPU (the pairs show it: a few
 tenths of a second) nor frames a second (the screen idles while its replay is stopped).
 With ``--no-screen``, the replay process alone (``--replay-process-once``) takes turns with the
 plain replay the same way: what a process of its own costs it, apart from a screen (the
