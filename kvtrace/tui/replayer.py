@@ -86,6 +86,9 @@ class Replayer:
             them; a paced replay maps every ``PACED_MAP_S``, a paused one at every
             step shown.
         clock: monotonic seconds.
+        work_clock: the replay's own seconds (its thread's CPU time): at full speed the
+            page maps' share is counted in them, so that a replay waiting for a CPU (a
+            busy machine, a screen in the same process) does not map more often for it.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Replayer:
         batch_s: float = 0.03,
         map_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        work_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         self.source = source
         self.end = end
@@ -107,13 +111,15 @@ class Replayer:
         self._batch_s = batch_s
         self._map_interval_s = map_interval_s
         self._clock = clock
+        self._work_clock = work_clock
         self._buf: list[StepSnapshot] = []
         self._frontier: int | None = None  # the highest step sent
         self._own: SlotOwnership | None = None
         self._cells: PageCells | None = None
         self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, rid) of the map sent
-        self._map_at = -1e18
-        self._map_cost_s = 0.0  # what the last page map took
+        self._map_at = -1e18  # (clock) when the last page map was made
+        self._map_work_at = -1e18  # (work_clock) when the last page map was made
+        self._map_cost_s = 0.0  # what the last page map took (work_clock)
         self._status: tuple[Any, ...] | None = None
         self._end_noted = False  # the source's end note (a damaged input) was asked for
         self._anchor: tuple[float, float] = (0.0, 0.0)  # (wall, simulated) where pacing started
@@ -349,11 +355,11 @@ class Replayer:
         if key == self._map_key:
             return
         moving = self.moving
-        if self.speed is None:
-            interval = max(self._map_interval_s, self._map_cost_s / MAP_SHARE)
-        else:
-            interval = min(self._map_interval_s, PACED_MAP_S)
-        if moving and now - self._map_at < interval:
+        work_now = self._work_clock()
+        if self.speed is None:  # at most MAP_SHARE of the replay's own time
+            if moving and work_now - self._map_work_at < max(self._map_interval_s, self._map_cost_s / MAP_SHARE):
+                return
+        elif moving and now - self._map_at < min(self._map_interval_s, PACED_MAP_S):
             return
         if self._map_key is not None and self._own is not None and self._cells is not None and key[:2] == self._map_key[:2]:
             from kvtrace.tui.pagemap import highlight_cells  # only the selection changed
@@ -361,12 +367,11 @@ class Replayer:
             mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
             self._cells = self._cells._replace(highlight=mark)
         else:
-            t0 = self._clock()
             made = self.source.page_map(self.num_cells, self.selected_rid)
-            self._map_cost_s = self._clock() - t0
+            self._map_cost_s = self._work_clock() - work_now
             self._own, self._cells = made if made is not None else (None, None)
         self._map_key = key
-        self._map_at = now
+        self._map_at, self._map_work_at = now, work_now
         if self._cells is None:
             from kvtrace.tui.pagemap import NO_PAGE_MAP
 

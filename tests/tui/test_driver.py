@@ -246,26 +246,32 @@ class _SlowMap:
         return None, composition_cells(self.pool, n)
 
 
-@pytest.mark.parametrize(("cost_s", "interval_s"), [(0.01, 5.0), (0.2, 20.0)])
-def test_page_maps_at_full_speed_take_at_most_their_share_of_the_time(cost_s: float, interval_s: float) -> None:
+@pytest.mark.parametrize(("cost_s", "interval_s", "waiting_s"), [(0.01, 5.0, 0.0), (0.2, 20.0, 0.0), (0.01, 5.0, 0.25)])
+def test_page_maps_at_full_speed_take_at_most_their_share_of_the_time(cost_s: float, interval_s: float,
+                                                                      waiting_s: float) -> None:
+    """The share is of the replay's own time: one that also waits for a CPU (``waiting_s``
+    of the wall clock each turn, a busy machine) maps no more often per second of its work."""
     from kvtrace.tui.replayer import MAP_SHARE, Replayer
 
     assert MAP_SHARE == 0.01
-    clock = [0.0]
-    source = _SlowMap(clock, cost_s)
+    work = [0.0]  # the replay's own seconds: the map's cost goes there
+    wall = [0.0]
+    source = _SlowMap(work, cost_s)
     sent: list[dict[str, object]] = []
     end = type("End", (), {"send": lambda self, m: sent.append(m)})()
-    replayer = Replayer(source, end, play=True, map_interval_s=5.0, clock=lambda: clock[0])  # type: ignore[arg-type]
+    replayer = Replayer(source, end, play=True, map_interval_s=5.0, clock=lambda: wall[0],  # type: ignore[arg-type]
+                        work_clock=lambda: work[0])
     replayer.num_cells = 20
     assert replayer.speed is None and replayer.moving  # as fast as it goes
     at = []
     for step in range(1, 400):
         source.last.step = source.allocator_step = step
         before = source.maps
-        replayer._refresh_map(clock[0])
+        replayer._refresh_map(wall[0])
         if source.maps > before:
-            at.append(clock[0] - cost_s)  # when it began
-        clock[0] += 0.25
+            at.append(work[0] - cost_s)  # when it began
+        work[0] += 0.25
+        wall[0] += 0.25 + waiting_s
     gaps = [b - a for a, b in zip(at, at[1:])]
     assert len(gaps) >= 3 and all(interval_s <= g < interval_s + 0.5 for g in gaps), gaps
     assert [m["kind"] for m in sent] == ["cells"] * len(at)
