@@ -29,10 +29,10 @@ whose speed drifts from minute to minute slows both alike, given cores for both)
     second the screen spends slows the replay, however the work is split between processes.
 
 ``--no-screen`` instead runs the dashboard's replay process with no screen (its updates
-pickled and dropped) beside the plain replay, each pair at the same time: what the replay
+framed and dropped) beside the plain replay, each pair at the same time: what the replay
 process adds by itself, apart from sharing the machine with a screen.
 
-``--interleaved`` runs the dashboard's replay process (no screen, updates pickled and
+``--interleaved`` runs the dashboard's replay process (no screen, updates framed and
 dropped) and the plain replay in this one process, alternating half a second of the
 first with the same steps of the second, and compares their CPU seconds: on a machine
 whose speed drifts from minute to minute (this 2-vCPU VM: a third from run to run), both
@@ -85,10 +85,12 @@ from kvtrace.errors import USER_ERRORS  # noqa: E402
 from kvtrace.registry import resolve_version  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.session import ReplaySession, open_trace  # noqa: E402
+from kvtrace.snapshot import SnapshotBlock  # noqa: E402
 from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
 from kvtrace.tui.replayer import Replayer, dashboard_job, live_source  # noqa: E402
+from kvtrace.tui.updates import write_update  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
@@ -116,18 +118,17 @@ def _plain_here(trace: str) -> dict[str, float]:
 
 
 class _Discard:
-    """A replayer's end with no screen: updates pickled as for the pipe, then dropped; the
-    wall and CPU clocks when the replay said it was done (what follows, filling in the
-    checkpoints where it stopped, is not replay time)."""
+    """A replayer's end with no screen: updates framed as for the pipe (``write_update``),
+    then dropped; the wall and CPU clocks when the replay said it was done (what follows,
+    filling in the checkpoints where it stopped, is not replay time)."""
 
     def __init__(self) -> None:
         self.done = False
         self.at_done = (0.0, 0.0)
+        self._sink = _Sink()
 
-    def records(self, update: object) -> None:
-        import pickle
-
-        pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL)
+    def records(self, update: SnapshotBlock) -> None:
+        write_update(self._sink, update)  # type: ignore[arg-type]
 
     def send(self, message: dict[str, object]) -> None:
         if message.get("kind") == "status" and message.get("done") and not self.done:
@@ -138,11 +139,21 @@ class _Discard:
         return None if self.done else []
 
 
+class _Sink:
+    """A stream that drops what is written to it."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def _screenless_replayer(trace: str) -> Iterator[tuple[Replayer, _Discard]]:
     """The dashboard's replay process without a screen: the session as ``kvtrace replay
     --tui`` builds it, playing at full speed, the page map asked for, its updates
-    pickled and dropped; the source is closed on the way out."""
+    framed and dropped; the source is closed on the way out."""
     source = live_source(_job(trace))
     try:
         end = _Discard()
