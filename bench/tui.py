@@ -5,6 +5,7 @@ Usage:
     python bench/tui.py [TRACE] --no-screen [--repeat N]
     python bench/tui.py [TRACE] --interleaved [--repeat N]
     python bench/tui.py [TRACE] --sliced [--repeat N] [--size WxH] [--no-screen]
+    python bench/tui.py [TRACE] --components
 
 TRACE defaults to the bundled one-hour Mooncake sample (12,031 requests). Prints, in
 one run, for N interleaved pairs (their order alternates: without then with the
@@ -55,6 +56,12 @@ With ``--no-screen``, the replay process alone (``--replay-process-once``) takes
 plain replay the same way: what a process of its own costs it, apart from a screen (the
 interleaved bench, one process for both, cannot show that).
 
+``--components`` runs the dashboard's replay process once with no screen, in this process, and
+prints the CPU seconds of each of its own extras beyond the plain replay (building the blocks,
+folding them, framing them for the pipe, page maps, checkpoints), timed call by call, and their
+share of its CPU to the last step: what each costs, apart from the machine's drift (the clocks'
+own cost, a microsecond or two a call, is in the figures).
+
 ``--profile-ui`` saves a cProfile of the screen's thread while it plays, ``--profile-replay``
 one of the replay process (in its CPU seconds).
 """
@@ -86,6 +93,7 @@ from kvtrace.registry import resolve_version  # noqa: E402
 from kvtrace.replay import ReplayOptions  # noqa: E402
 from kvtrace.session import ReplaySession, open_trace  # noqa: E402
 from kvtrace.snapshot import SnapshotBlock  # noqa: E402
+from kvtrace.state import ReplayState  # noqa: E402
 from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
@@ -173,6 +181,52 @@ def _replay_process_here(trace: str) -> dict[str, float]:
         return {"wall_s": end.at_done[0] - t0, "cpu_s": end.at_done[1] - c0,
                 "fill_cpu_s": time.process_time() - end.at_done[1],
                 "steps": float(replayer.source.state.timeline.size)}
+
+# The replay process's own extras, timed by ``--components``: (what, owner, attribute).
+_COMPONENTS: tuple[tuple[str, Any, str], ...] = (
+    ("building blocks (SnapshotBlock.of)", SnapshotBlock, "of"),
+    ("folding them (ReplayState.apply_block)", ReplayState, "apply_block"),
+    ("framing them for the pipe (write_update)", _Discard, "records"),
+    ("page maps (Replayer._refresh_map)", Replayer, "_refresh_map"),
+    ("checkpoints (ReplaySession._save_checkpoint)", ReplaySession, "_save_checkpoint"),
+)
+
+
+@contextlib.contextmanager
+def _timed(owner: Any, name: str, into: list[float]) -> Iterator[None]:
+    """``owner.name`` (a function or classmethod) timed in CPU seconds, each call adding
+    ``[calls, seconds]`` to ``into``, until the block ends."""
+    raw = owner.__dict__[name]
+    inner = raw.__func__ if isinstance(raw, classmethod) else raw
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into[0] += 1
+            into[1] += time.process_time() - t0
+
+    setattr(owner, name, classmethod(timed) if isinstance(raw, classmethod) else timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, raw)
+
+
+def components(trace: str) -> None:
+    """``--components``: the replay process's own extras, call by call, in one replay."""
+    totals = {what: [0, 0.0] for what, _, _ in _COMPONENTS}
+    with contextlib.ExitStack() as stack:
+        for what, owner, name in _COMPONENTS:
+            stack.enter_context(_timed(owner, name, totals[what]))
+        r = _replay_process_here(trace)
+    print(f"trace {trace}: the dashboard's replay process (no screen) to its last step of {r['steps']:,.0f}: "
+          f"{r['cpu_s']:.2f} s CPU ({r['wall_s']:.2f} s wall)")
+    for what, (calls, cpu_s) in totals.items():
+        print(f"  {what:<46} {calls:>6,} calls {cpu_s:7.3f} s CPU {100 * cpu_s / r['cpu_s']:5.1f}%")
+    extra = sum(cpu_s for _, cpu_s in totals.values())
+    print(f"  {'in all':<46} {'':>12} {extra:7.3f} s CPU {100 * extra / r['cpu_s']:5.1f}%")
 
 
 def start_once(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
@@ -549,11 +603,13 @@ def main() -> None:
                     help="the dashboard (with its screen) and the plain replay taking turns, half a second each: "
                          "their replay processes' CPU seconds, immune to a machine's drift (with --no-screen: the "
                          "replay process alone, in a process of its own)")
+    ap.add_argument("--components", action="store_true",
+                    help="the CPU seconds of each of the replay process's own extras, timed call by call in one replay")
     ap.add_argument("--force", action="store_true", help="overwrite the --profile-ui / --profile-replay files")
     ap.add_argument("--replay-process-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain-once", action="store_true", help=argparse.SUPPRESS)  # one plain replay, as JSON
     args = ap.parse_args()
-    modes = [name for name in ("together", "interleaved", "sliced") if getattr(args, name)]
+    modes = [name for name in ("together", "interleaved", "sliced", "components") if getattr(args, name)]
     if len(modes) > 1 or (args.no_screen and modes and modes != ["sliced"]):
         ap.error(f"--{' and --'.join(modes + (['no-screen'] if args.no_screen else []))}: one mode at a time "
                  "(--no-screen goes alone or with --sliced)")
@@ -569,6 +625,11 @@ def main() -> None:
         return
     if args.replay_process_once:
         print(json.dumps(_replay_process_here(args.trace)))
+        return
+    if args.components:
+        if any(name not in os.environ for name in CHILD_ENV):  # as the replay process runs (numpy reads it at import)
+            os.execve(sys.executable, [sys.executable, *sys.argv], child_environ(CHILD_ENV))
+        components(args.trace)
         return
     if args.no_screen and args.sliced:
         sliced_no_screen(args.trace, args.repeat)
