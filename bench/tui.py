@@ -97,7 +97,7 @@ from kvtrace.state import ReplayState  # noqa: E402
 from kvtrace.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
-from kvtrace.tui.replayer import Replayer, dashboard_job, live_source  # noqa: E402
+from kvtrace.tui.replayer import Replayer, dashboard_job, job_source  # noqa: E402
 from kvtrace.tui.updates import write_update  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
@@ -162,7 +162,7 @@ def _screenless_replayer(trace: str) -> Iterator[tuple[Replayer, _Discard]]:
     """The dashboard's replay process without a screen: the session as ``kvtrace replay
     --tui`` builds it, playing at full speed, the page map asked for, its updates
     framed and dropped; the source is closed on the way out."""
-    source = live_source(_job(trace))
+    source = job_source(_job(trace))  # as the replay process sets it up
     try:
         end = _Discard()
         replayer = Replayer(source, end, play=True)  # type: ignore[arg-type]
