@@ -195,17 +195,18 @@ _COMPONENTS: tuple[tuple[str, Any, str], ...] = (
 @contextlib.contextmanager
 def _timed(owner: Any, name: str, into: list[float]) -> Iterator[None]:
     """``owner.name`` (a function or classmethod) timed in CPU seconds, each call adding
-    ``[calls, seconds]`` to ``into``, until the block ends."""
+    ``[calls, seconds, minor page faults]`` to ``into``, until the block ends."""
     raw = owner.__dict__[name]
     inner = raw.__func__ if isinstance(raw, classmethod) else raw
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.process_time()
+        t0, f0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
             return inner(*args, **kwargs)
         finally:
             into[0] += 1
             into[1] += time.process_time() - t0
+            into[2] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
     setattr(owner, name, classmethod(timed) if isinstance(raw, classmethod) else timed)
     try:
@@ -216,17 +217,21 @@ def _timed(owner: Any, name: str, into: list[float]) -> Iterator[None]:
 
 def components(trace: str) -> None:
     """``--components``: the replay process's own extras, call by call, in one replay."""
-    totals = {what: [0, 0.0] for what, _, _ in _COMPONENTS}
+    totals = {what: [0, 0.0, 0] for what, _, _ in _COMPONENTS}
     with contextlib.ExitStack() as stack:
         for what, owner, name in _COMPONENTS:
             stack.enter_context(_timed(owner, name, totals[what]))
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         r = _replay_process_here(trace)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     print(f"trace {trace}: the dashboard's replay process (no screen) to its last step of {r['steps']:,.0f}: "
-          f"{r['cpu_s']:.2f} s CPU ({r['wall_s']:.2f} s wall)")
-    for what, (calls, cpu_s) in totals.items():
-        print(f"  {what:<46} {calls:>6,} calls {cpu_s:7.3f} s CPU {100 * cpu_s / r['cpu_s']:5.1f}%")
-    extra = sum(cpu_s for _, cpu_s in totals.values())
-    print(f"  {'in all':<46} {'':>12} {extra:7.3f} s CPU {100 * extra / r['cpu_s']:5.1f}%")
+          f"{r['cpu_s']:.2f} s CPU ({r['wall_s']:.2f} s wall), {faults:,} minor page faults to the end of its "
+          "checkpoints' fill")
+    for what, (calls, cpu_s, flt) in totals.items():
+        print(f"  {what:<46} {calls:>6,} calls {cpu_s:7.3f} s CPU {100 * cpu_s / r['cpu_s']:5.1f}% {flt:>8,} faults")
+    extra = sum(cpu_s for _, cpu_s, _ in totals.values())
+    print(f"  {'in all':<46} {'':>12} {extra:7.3f} s CPU {100 * extra / r['cpu_s']:5.1f}% "
+          f"{sum(f for _, _, f in totals.values()):>8,} faults")
 
 
 def start_once(trace: str, what: str = "--plain-once") -> subprocess.Popen[str]:
