@@ -75,6 +75,23 @@ def write_update(out: BinaryIO, update: SnapshotBlock) -> None:
     out.flush()
 
 
+def _read_exactly(source: BinaryIO, n: int, size: int, offset: int = 0) -> bytearray:
+    """``n`` bytes of ``source`` (bytes ``offset`` on of a frame of ``size``).
+
+    Raises:
+        EOFError: the stream ends first.
+    """
+    data = bytearray(n)
+    view = memoryview(data)
+    got = 0
+    while got < n:
+        read = source.readinto(view[got:])  # type: ignore[attr-defined]
+        if not read:
+            raise EOFError(f"the update stream ends inside a frame ({offset + got} of {size} bytes)")
+        got += read
+    return data
+
+
 def _column(values: np.ndarray, dtype: type) -> memoryview:
     return memoryview(np.ascontiguousarray(values, dtype=dtype).reshape(-1)).cast("B")
 
@@ -92,25 +109,19 @@ def read_update(source: BinaryIO) -> SnapshotBlock | None:
     if len(head) < _LENGTH.size:
         raise EOFError("the update stream ends inside a frame's length")
     (size,) = _LENGTH.unpack(head)
-    body = bytearray(size)  # writable: the columns are views of it
-    got = 0
-    view = memoryview(body)
-    while got < size:
-        n = source.readinto(view[got:])  # type: ignore[attr-defined]
-        if not n:
-            raise EOFError(f"the update stream ends inside a frame ({got} of {size} bytes)")
-        got += n
     if size < _HEADER.size:
         raise ValueError(f"an update frame of {size} bytes is shorter than its header")
-    magic, num_pool, k, r, tail_len = _HEADER.unpack_from(body)
+    header = _read_exactly(source, _HEADER.size, size)
+    magic, num_pool, k, r, tail_len = _HEADER.unpack(header)
+    if magic != _MAGIC:
+        raise ValueError(f"not an update frame (it begins {bytes(header[:8])!r})")
     expected = _HEADER.size + 8 * k * num_pool + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
                                                      for _, t, per in _COLUMNS) + tail_len
-    if magic != _MAGIC:
-        raise ValueError(f"not an update frame (it begins {bytes(body[:8])!r})")
-    if num_pool != _NUM_POOL or expected != size:
+    if num_pool != _NUM_POOL or expected != size:  # (checked before the body is read: a length gone wrong)
         raise ValueError(f"a damaged update frame ({num_pool} pool counters, {k} steps, {r} rows and {tail_len} "
                          f"bytes of events in {size} bytes)")
-    at = _HEADER.size
+    body = _read_exactly(source, size - _HEADER.size, size, _HEADER.size)  # writable: the columns are views of it
+    at = 0
     pools = np.frombuffer(body, np.int64, k * num_pool, at).reshape(k, num_pool)
     at += pools.nbytes
     cols: dict[str, np.ndarray] = {}

@@ -129,6 +129,12 @@ def test_a_damaged_frame_is_an_error() -> None:
     data[8 + 8] += 1  # (after the length, the magic and the pool counters) one more step than the frame holds
     with pytest.raises(ValueError, match="a damaged update frame .* 6 steps"):
         read_update(io.BytesIO(bytes(data)))
+    huge = bytearray(buf.getvalue())
+    huge[:8] = (1 << 60).to_bytes(8, "little")  # a length gone wrong: refused before anything that size is made
+    with pytest.raises(ValueError, match="a damaged update frame .* in 1152921504606846976 bytes"):
+        read_update(io.BytesIO(bytes(huge)))
+    with pytest.raises(EOFError, match=r"inside a frame \(0 of"):
+        read_update(io.BytesIO(buf.getvalue()[:8]))  # the length, then nothing
     junk = b"not an update, and longer than a header"
     with pytest.raises(ValueError, match="not an update frame .it begins b'not an u'"):
         read_update(io.BytesIO(len(junk).to_bytes(8, "little") + junk))
