@@ -52,9 +52,10 @@ __all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FIRST_PASS_EVERY", "MAX_HISTORY_
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
 PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
-# At full speed the page maps take at most this share of the replay's time: the interval
-# between two grows to the last map's cost over it where mapping is slow (a slower
-# machine, a bigger pool; the one-hour sample's million slots: 40 to 85 ms a map).
+# At full speed the page maps take at most this share of the replay's own CPU time (its
+# thread's: Replayer's work_clock): the interval between two grows to the last map's cost
+# over it where mapping is slow (a slower machine, a bigger pool; the one-hour sample's
+# million slots: 40 to 85 ms a map).
 MAP_SHARE = 0.01
 # The replay's op-sequence checker runs at a lower priority beside a screen: on two cores
 # the replay (a core), the screen (half a core) and the checker (a third of one) want more

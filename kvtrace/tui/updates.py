@@ -64,14 +64,11 @@ def write_update(out: BinaryIO, update: SnapshotBlock) -> None:
     digests = update.digests if any(d is not None for d in update.digests) else None
     tail = pickle.dumps((update.event_steps, update.events, digests), protocol=pickle.HIGHEST_PROTOCOL) \
         if update.events or digests is not None else b""
-    parts: list[bytes | memoryview] = [b"", _HEADER.pack(_MAGIC, _NUM_POOL, k, r, len(tail)),
-                                       _column(update.pools, np.int64)]
-    for name, dtype, _ in _COLUMNS:
-        parts.append(_column(getattr(update.requests if name in _REQUEST_FIELDS else update, name), dtype))
-    parts.append(tail)
-    body = sum(len(p) for p in parts)  # (memoryviews of 1-D byte casts: len is bytes)
-    parts[0] = _LENGTH.pack(body)
-    out.write(b"".join(parts))
+    columns = [_column(getattr(update.requests if name in _REQUEST_FIELDS else update, name), dtype)
+               for name, dtype, _ in _COLUMNS]
+    body = b"".join([_HEADER.pack(_MAGIC, _NUM_POOL, k, r, len(tail)), _column(update.pools, np.int64), *columns, tail])
+    out.write(_LENGTH.pack(len(body)))
+    out.write(body)
     out.flush()
 
 
