@@ -618,6 +618,8 @@ def main() -> None:
     if len(modes) > 1 or (args.no_screen and modes and modes != ["sliced"]):
         ap.error(f"--{' and --'.join(modes + (['no-screen'] if args.no_screen else []))}: one mode at a time "
                  "(--no-screen goes alone or with --sliced)")
+    if (args.profile_ui or args.profile_replay) and (set(modes) - {"together"} or args.no_screen):
+        ap.error("--profile-ui / --profile-replay: only with the pairs (no mode, or --together)")
     try:
         open_trace(args.trace)  # a bad trace: one line, before any replay starts
     except USER_ERRORS as exc:
