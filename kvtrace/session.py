@@ -20,8 +20,11 @@ first pass over the steps takes one every F steps, and replaying those steps aga
 seek back, or ``fill_checkpoints`` where the replay is) fills in the ones every K
 steps on its way: the first pass takes and holds a K/F share of them (their fresh
 memory costs a replay more than taking them), the first seek into a stretch replays
-at most F steps, the next ones at most K. Steps replayed once are screened once:
-going back re-uses their screening.
+at most F steps, the next ones at most K. With ``first_pass_seconds=T`` instead, the
+first pass takes one once T seconds of the replay's own time (its thread's CPU time)
+have passed since the last (and at least K steps): the first seek into a stretch
+replays some T seconds, whatever a step costs in that trace. Steps replayed once are
+screened once: going back re-uses their screening.
 """
 
 from __future__ import annotations
@@ -187,6 +190,12 @@ class ReplaySession:
             none; ``seek`` backwards then replays from the start).
         first_pass_every: the interval for steps replayed for the first time
             (default: ``checkpoint_every``); seeks back fill in the rest.
+        first_pass_seconds: instead of ``first_pass_every``: steps replayed for the
+            first time take a checkpoint once this many seconds of ``work_clock``
+            have passed since the last one (and at least ``checkpoint_every`` steps).
+        work_clock: the replay's own seconds for ``first_pass_seconds`` (default: its
+            thread's CPU time, which a replay stopped or waiting for a CPU does not
+            spend).
         checkpoint_budget: bytes the checkpoints may hold.
         screen: screen steps in a child process (``background``) or here (``inline``),
             or the ``screen`` of another session of the same trace that runs ahead of
@@ -221,6 +230,7 @@ class ReplaySession:
         options: ReplayOptions | None = None,
         checkpoint_every: int | None = None,
         first_pass_every: int | None = None,
+        first_pass_seconds: float | None = None,
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
         screen: ScreenMode | StepScreen = "background",
         checker_nice: int = 0,
@@ -228,6 +238,7 @@ class ReplaySession:
         allocator_in_step: bool = False,
         label: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        work_clock: Callable[[], float] = time.thread_time,
         force_memory: bool = False,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
@@ -235,6 +246,11 @@ class ReplaySession:
         if first_pass_every is not None and checkpoint_every is not None and first_pass_every < checkpoint_every:
             raise ConfigError(f"first-pass checkpoint interval ({first_pass_every}) must be >= the checkpoint interval "
                               f"({checkpoint_every})")
+        if first_pass_seconds is not None:
+            if first_pass_every is not None:
+                raise ConfigError("give the first pass's checkpoint interval in steps or in seconds, not both")
+            if not first_pass_seconds > 0:
+                raise ConfigError(f"first-pass checkpoint interval must be > 0 seconds, found {first_pass_seconds}")
         self.options = options or ReplayOptions()
         self.version = version if isinstance(version, AllocatorVersion) else resolve_version(version)
         self.reader = trace if isinstance(trace, TraceReader) else open_trace(trace)
@@ -259,6 +275,13 @@ class ReplaySession:
         self.allocator_in_step = allocator_in_step
         self.checkpoint_every = checkpoint_every
         self.first_pass_every = first_pass_every if checkpoint_every is not None else None
+        self.first_pass_seconds = first_pass_seconds if checkpoint_every is not None else None
+        self._work_clock = work_clock
+        self._first_pass_work_at = 0.0  # work_clock at the last checkpoint the first pass took
+        # Paced in seconds, the first pass reads work_clock (a system call) only once this
+        # many steps have passed since its last checkpoint, then every 1/16 of the
+        # checkpoint interval after that.
+        self._first_pass_probe = checkpoint_every or 0
         self.checkpoint_budget = checkpoint_budget
         # The screen runs in a child process on another core; start it before the
         # allocator (which may initialise CUDA).
@@ -553,10 +576,14 @@ class ReplaySession:
 
     # ------------------------------------------------------------------ checkpoints
     def _interval(self, ordinal: int) -> int:
-        """Steps between checkpoints where the step of ``ordinal`` is."""
+        """Steps between checkpoints where the step of ``ordinal`` is (a first pass paced
+        in seconds: the steps after the last checkpoint at which it next reads the clock)."""
         assert self.checkpoint_every is not None
-        if self.first_pass_every is not None and ordinal >= self._first_pass_from:
-            return self.first_pass_every
+        if ordinal >= self._first_pass_from:
+            if self.first_pass_every is not None:
+                return self.first_pass_every
+            if self.first_pass_seconds is not None:
+                return self._first_pass_probe
         return self.checkpoint_every
 
     def _since_checkpoint(self, ordinal: int) -> int:
@@ -569,12 +596,23 @@ class ReplaySession:
             return False
         if not self._checkpoints:
             return True  # the start of the window
-        return self._since_checkpoint(ordinal) >= self._interval(ordinal)
+        if self._since_checkpoint(ordinal) < self._interval(ordinal):
+            return False
+        if self.first_pass_seconds is None or ordinal < self._first_pass_from:
+            return True
+        if self._work_clock() - self._first_pass_work_at >= self.first_pass_seconds:
+            return True
+        assert self.checkpoint_every is not None
+        self._first_pass_probe += max(self.checkpoint_every // 16, 1)
+        return False
 
     def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
         at = bisect.bisect_left(self._checkpoint_ordinals, ordinal)
         if at < len(self._checkpoints) and self._checkpoint_ordinals[at] == ordinal:
             return  # replaying again after a seek: this one exists
+        if ordinal >= self._first_pass_from:
+            self._first_pass_work_at = self._work_clock()
+            self._first_pass_probe = self.checkpoint_every or 0
         saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
         saved_engine = self.engine.save_state()
         saved_state = self.state.save() if self.state is not None else None
@@ -603,6 +641,8 @@ class ReplaySession:
             self.checkpoint_every *= 2
             if self.first_pass_every is not None:
                 self.first_pass_every *= 2
+            if self.first_pass_seconds is not None:
+                self.first_pass_seconds *= 2
 
     def _hold_shared(self, shared: dict[int, int]) -> None:
         refs = self._shared_refs
@@ -648,7 +688,8 @@ class ReplaySession:
         """Make going back from here cheap: when the nearest checkpoint before the step
         shown is more than ``checkpoint_every`` steps back (a sparse first pass), replay
         from it to here again, which leaves one every ``checkpoint_every`` steps on the
-        way (at most ``first_pass_every`` steps; a dashboard does it once paused). The
+        way (at most ``first_pass_every`` steps, or some ``first_pass_seconds``; a
+        dashboard does it once paused). The
         state afterwards is the same. Returns whether it replayed anything."""
         if not self.checkpointable or self.last is None or self._pending or self.checkpoint_every is None:
             return False

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
     from kvtrace.tui.sources import ReplaySource
 
-__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FIRST_PASS_EVERY", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job", "run_dashboard_job"]
+__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job", "run_dashboard_job"]
 
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
@@ -63,12 +63,15 @@ MAP_SHARE = 0.01
 # cores: median wall-time overhead +35% and +43% before, +25% after; bench/RESULTS.md).
 CHECKER_NICE = 10
 CHECKPOINT_EVERY = 2000  # steps between a dashboard's seek checkpoints once filled in
-# The first pass takes one every this many steps (ReplaySession's first_pass_every); a seek
-# back fills in the rest on its way, and so does the replayer where it stops playing. Over
-# the one-hour sample the replay process's CPU to the last step: 10.5-10.7 s with one every
-# 2,000 kept behind the newest two, 10.0-10.5 s so (the plain replay 9.0-9.1 s, same run);
-# the first seek far back replays up to 6,000 steps (0.7 s at worst here).
-FIRST_PASS_EVERY = 6000
+# The first pass takes one once this many seconds of the replay's own CPU time have passed
+# since the last (ReplaySession's first_pass_seconds); a seek back fills in the rest on its
+# way, and so does the replayer where it stops playing: the first seek far back replays
+# some 2.5 s, whatever a step costs in that trace. Each checkpoint of the one-hour sample
+# holds some 15 MB (the live rows, and the radix tree's arrays, which the live tree drops
+# later) and costs the replay 0.2-0.3% of its CPU, most of it after it is taken (fresh
+# memory): one every 6,000 steps (13 over the hour, 1.1 s apart here) cost +4.4% against
+# none, one every 18,000 steps +1.0% (bench/RESULTS.md).
+FIRST_PASS_S = 2.5
 
 
 class Replayer:
@@ -454,20 +457,22 @@ def dashboard_job(
     options: dict[str, Any],
     play: bool,
     checkpoint_every: int = CHECKPOINT_EVERY,
-    first_pass_every: int | None = FIRST_PASS_EVERY,
+    first_pass_every: int | None = None,
+    first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
 ) -> dict[str, Any]:
     """The job of a live dashboard's replay process (``kvtrace.child``): a diff side's job
     (``kvtrace.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
-    ``checkpoint_every`` / ``first_pass_every``: the session's (``ReplaySession``; a
-    dashboard's by default)."""
+    ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
+    (``ReplaySession``; a dashboard's by default; give ``first_pass_seconds=None`` with
+    ``first_pass_every``)."""
     from kvtrace.sides import side_job
 
     job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
                    options=options)
-    job["dashboard"] = {"checkpoint_every": checkpoint_every, "first_pass_every": first_pass_every, "play": play,
-                        "log": log}
+    job["dashboard"] = {"checkpoint_every": checkpoint_every, "first_pass_every": first_pass_every,
+                        "first_pass_seconds": first_pass_seconds, "play": play, "log": log}
     return job
 
 
@@ -550,6 +555,7 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
         job["trace"], version=job_version(job), page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
         device=job.get("device", "cpu"), options=options, screen=job_screen(job, options), label=job.get("trace_label"),
         checkpoint_every=settings.get("checkpoint_every"), first_pass_every=settings.get("first_pass_every"),
+        first_pass_seconds=settings.get("first_pass_seconds"),
         track_state=True, allocator_in_step=True,
         checker_nice=CHECKER_NICE,
     )

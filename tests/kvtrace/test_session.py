@@ -210,6 +210,45 @@ def test_a_sparse_first_pass_is_filled_in_by_seeks_back_and_where_the_replay_is(
         assert count[0] <= 5
 
 
+def test_a_first_pass_paced_in_seconds_takes_one_once_that_much_work_has_passed(busy_trace: Path) -> None:
+    """``first_pass_seconds=10`` with a work clock that advances a second a step shown
+    (checkpoints every 3 once filled in): the first pass takes one every 10 steps, not
+    every 3; seeks back still land exactly on the straight run's state and fill in one
+    every 3 steps on their way; the interval doubles with the steps' when the budget
+    thins them out."""
+    snaps, digests = straight_run(busy_trace)
+    ticks = [0.0]
+    with session(busy_trace, checkpoint_every=3, first_pass_seconds=10.0, work_clock=lambda: ticks[0],
+                 allocator_in_step=True) as s:
+        while s.step() is not None:
+            ticks[0] += 1.0
+        ordinals = [c.ordinal for c in s._checkpoints]
+        assert len(ordinals) >= 4 and set(np.diff(ordinals).tolist()) == {10}
+        lo = ordinals[len(ordinals) // 2]
+        count = _counting_steps(s)
+        target = snaps[lo + 8].step
+        snap = s.seek(target)
+        assert snap is not None and snap.step == target and count[0] == 9
+        assert s.allocator.save_state().digest() == digests[target]
+        assert {lo + 3, lo + 6} <= {c.ordinal for c in s._checkpoints}  # filled in on the way
+        count[0] = 0
+        s.seek(snaps[lo + 7].step)
+        assert count[0] == 2  # from the one at lo + 6
+    with session(busy_trace, checkpoint_every=3, first_pass_seconds=10.0, work_clock=lambda: ticks[0],
+                 checkpoint_budget=1) as thin:
+        for _ in range(40):
+            thin.step()
+            ticks[0] += 1.0
+        assert thin.checkpoint_every > 3 and thin.first_pass_seconds == 10.0 * thin.checkpoint_every / 3
+
+
+def test_a_first_pass_interval_in_steps_and_in_seconds_are_refused_together(busy_trace: Path) -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        session(busy_trace, checkpoint_every=3, first_pass_every=9, first_pass_seconds=1.0)
+    with pytest.raises(ConfigError, match="> 0 seconds"):
+        session(busy_trace, checkpoint_every=3, first_pass_seconds=0.0)
+
+
 def test_fill_checkpoints_where_a_sparse_first_pass_stopped(busy_trace: Path) -> None:
     """Paused 12 steps past a first-pass checkpoint (every 15; 5 after a fill):
     ``fill_checkpoints`` replays those 12 steps again, leaves checkpoints 5 and 10 steps
