@@ -480,8 +480,11 @@ class ReplaySession:
             n = int(np.count_nonzero(steps < start))
         if self._run_limit is not None:
             n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
-        if self.checkpointable and (start is None or step >= start):  # none is taken before the window
-            ordinal = self._chunk_base + i
+        ordinal = self._chunk_base + i
+        # (a first pass paced in seconds only looks at the clock between runs: its probes
+        # do not cut them)
+        paced = self.first_pass_seconds is not None and ordinal >= self._first_pass_from
+        if self.checkpointable and (start is None or step >= start) and not paced:  # none is taken before the window
             n = min(n, max(self._interval(ordinal) - self._since_checkpoint(ordinal), 1))
         if n < MIN_RUN_STEPS:
             return None

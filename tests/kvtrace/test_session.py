@@ -242,6 +242,29 @@ def test_a_first_pass_paced_in_seconds_takes_one_once_that_much_work_has_passed(
         assert thin.checkpoint_every > 3 and thin.first_pass_seconds == 10.0 * thin.checkpoint_every / 3
 
 
+def test_a_first_pass_paced_in_seconds_does_not_cut_runs_of_decode_steps_where_it_reads_the_clock() -> None:
+    """Its probes (every step from the third after a checkpoint, none of them due) leave
+    the runs of decode steps as a session without checkpoints replays them: as many
+    allocator calls (on a sample with runs of them)."""
+    def run_calls(**kwargs: object) -> int:
+        with session("sample:mooncake-tiny", **kwargs) as s:
+            calls = [0]
+            run = s.engine.replay_run
+
+            def counted(*args: object) -> object:
+                calls[0] += 1
+                return run(*args)  # type: ignore[arg-type]
+
+            s.engine.replay_run = counted  # type: ignore[method-assign]
+            s.run()
+            return calls[0]
+
+    plain = run_calls()
+    assert plain > 20
+    assert run_calls(checkpoint_every=3, first_pass_seconds=1e9) == plain
+    assert run_calls(checkpoint_every=3) > plain  # (dense checkpoints do cut them)
+
+
 def test_a_first_pass_interval_in_steps_and_in_seconds_are_refused_together(busy_trace: Path) -> None:
     with pytest.raises(ConfigError, match="not both"):
         session(busy_trace, checkpoint_every=3, first_pass_every=9, first_pass_seconds=1.0)
