@@ -595,18 +595,21 @@ class ReplaySession:
         return ordinal - self._checkpoint_ordinals[i - 1] if i else ordinal
 
     def _due_checkpoint(self, ordinal: int) -> bool:
-        if not self.checkpointable:
-            return False
-        if not self._checkpoints:
-            return True  # the start of the window
-        if self._since_checkpoint(ordinal) < self._interval(ordinal):
+        """Whether a checkpoint is due before the step of ``ordinal`` (asked at every step:
+        the common case, a step past the newest checkpoint and not due, is the quick one)."""
+        ordinals = self._checkpoint_ordinals
+        if not ordinals:
+            return self.checkpointable  # the start of the window
+        newest = ordinals[-1]
+        since = ordinal - newest if ordinal >= newest else self._since_checkpoint(ordinal)
+        if since < self._interval(ordinal) or not self.checkpointable:
             return False
         if self.first_pass_seconds is None or ordinal < self._first_pass_from:
             return True
         if self._work_clock() - self._first_pass_work_at >= self.first_pass_seconds:
             return True
         assert self.checkpoint_every is not None
-        self._first_pass_probe += max(self.checkpoint_every // 16, 1)
+        self._first_pass_probe = since + max(self.checkpoint_every // 16, 1)  # (a run may have gone past several)
         return False
 
     def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
