@@ -465,12 +465,14 @@ def dashboard_job(
     (``kvtrace.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
     ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
-    (``ReplaySession``; a dashboard's by default; give ``first_pass_seconds=None`` with
-    ``first_pass_every``)."""
+    (``ReplaySession``; a dashboard's by default; ``first_pass_every``, when given, replaces
+    the seconds)."""
     from kvtrace.sides import side_job
 
     job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
                    options=options)
+    if first_pass_every is not None:
+        first_pass_seconds = None
     job["dashboard"] = {"checkpoint_every": checkpoint_every, "first_pass_every": first_pass_every,
                         "first_pass_seconds": first_pass_seconds, "play": play, "log": log}
     return job

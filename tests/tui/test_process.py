@@ -22,7 +22,7 @@ from kvtrace.session import ReplaySession
 from kvtrace.tui.app import KvtraceApp
 from kvtrace.tui.link import ChildReplay, ReplayProcessError
 from kvtrace.tui.pagemap import NO_PAGE_MAP
-from kvtrace.tui.replayer import dashboard_job, log_job
+from kvtrace.tui.replayer import FIRST_PASS_S, dashboard_job, live_source, log_job
 from kvtrace.tui.widgets.events_log import EventsLog
 from tests.processes import priority_once_set
 from tests.tui.conftest import SIZE, TINY, at_step, settle
@@ -92,6 +92,21 @@ async def test_an_oom_and_a_crash_in_the_replay_process_are_reported() -> None:
         assert any("exited with code -9" in str(e.detail) for e in log.shown)
         await pilot.press("left")  # the screen still answers
         await pilot.press("q")
+
+
+@pytest.mark.parametrize(("every", "seconds"), [(None, FIRST_PASS_S), (60, None)])
+def test_the_replay_process_paces_its_first_pass_in_seconds_unless_told_steps(every: int | None,
+                                                                            seconds: float | None) -> None:
+    job = dashboard_job(resolve_version("builtin"), str(resolve_trace(TINY)), trace_label=TINY, page_size=None,
+                        pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
+                        checkpoint_every=20, first_pass_every=every, play=False)
+    job["screen"] = "inline"
+    source = live_source(job)
+    try:
+        session = source.session
+        assert (session.first_pass_every, session.first_pass_seconds) == (every, seconds)
+    finally:
+        source.close()
 
 
 def test_a_bad_setup_is_one_line() -> None:
