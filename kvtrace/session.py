@@ -278,10 +278,10 @@ class ReplaySession:
         self.first_pass_seconds = first_pass_seconds if checkpoint_every is not None else None
         self._work_clock = work_clock
         self._first_pass_work_at = 0.0  # work_clock at the last checkpoint the first pass took
-        # Paced in seconds, the first pass reads work_clock (a system call) only once this
-        # many steps have passed since its last checkpoint, then every 1/16 of the
-        # checkpoint interval after that.
-        self._first_pass_probe = checkpoint_every or 0
+        # Paced in seconds, the first pass reads work_clock (a system call) only from
+        # checkpoint_every steps past its last checkpoint, and then once every 1/16 of that:
+        # the ordinal before which it does not read it again.
+        self._next_clock_read = 0
         self.checkpoint_budget = checkpoint_budget
         # The screen runs in a child process on another core; start it before the
         # allocator (which may initialise CUDA).
@@ -481,10 +481,9 @@ class ReplaySession:
         if self._run_limit is not None:
             n = min(n, int(np.count_nonzero(steps <= self._run_limit)))
         ordinal = self._chunk_base + i
-        # (a first pass paced in seconds only looks at the clock between runs: its probes
-        # do not cut them)
-        paced = self.first_pass_seconds is not None and ordinal >= self._first_pass_from
-        if self.checkpointable and (start is None or step >= start) and not paced:  # none is taken before the window
+        # A run ends where the next checkpoint is due; none is taken before the window, and a
+        # first pass paced in seconds looks at its clock between runs without cutting them.
+        if self.checkpointable and (start is None or step >= start) and not self._paced_in_seconds(ordinal):
             n = min(n, max(self._interval(ordinal) - self._since_checkpoint(ordinal), 1))
         if n < MIN_RUN_STEPS:
             return None
@@ -579,46 +578,49 @@ class ReplaySession:
 
     # ------------------------------------------------------------------ checkpoints
     def _interval(self, ordinal: int) -> int:
-        """Steps between checkpoints where the step of ``ordinal`` is (a first pass paced
-        in seconds: the steps after the last checkpoint at which it next reads the clock)."""
+        """Steps between checkpoints where the step of ``ordinal`` is (at least that many
+        in a first pass paced in seconds)."""
         assert self.checkpoint_every is not None
-        if ordinal >= self._first_pass_from:
-            if self.first_pass_every is not None:
-                return self.first_pass_every
-            if self.first_pass_seconds is not None:
-                return self._first_pass_probe
+        if self.first_pass_every is not None and ordinal >= self._first_pass_from:
+            return self.first_pass_every
         return self.checkpoint_every
 
+    def _paced_in_seconds(self, ordinal: int) -> bool:
+        """Whether the step of ``ordinal`` is in a first pass paced in seconds."""
+        return self.first_pass_seconds is not None and ordinal >= self._first_pass_from
+
     def _since_checkpoint(self, ordinal: int) -> int:
-        """Steps from the last checkpoint at or before the step of ``ordinal`` to it."""
-        i = bisect.bisect_right(self._checkpoint_ordinals, ordinal)
-        return ordinal - self._checkpoint_ordinals[i - 1] if i else ordinal
+        """Steps from the last checkpoint at or before the step of ``ordinal`` to it (asked
+        at every step: past the newest one, the common case, without a search)."""
+        ordinals = self._checkpoint_ordinals
+        if ordinals and ordinal >= ordinals[-1]:
+            return ordinal - ordinals[-1]
+        i = bisect.bisect_right(ordinals, ordinal)
+        return ordinal - ordinals[i - 1] if i else ordinal
 
     def _due_checkpoint(self, ordinal: int) -> bool:
         """Whether a checkpoint is due before the step of ``ordinal`` (asked at every step:
-        the common case, a step past the newest checkpoint and not due, is the quick one)."""
-        ordinals = self._checkpoint_ordinals
-        if not ordinals:
+        the checkpointable test only once one may be due)."""
+        if not self._checkpoint_ordinals:
             return self.checkpointable  # the start of the window
-        newest = ordinals[-1]
-        since = ordinal - newest if ordinal >= newest else self._since_checkpoint(ordinal)
-        if since < self._interval(ordinal) or not self.checkpointable:
+        if self._since_checkpoint(ordinal) < self._interval(ordinal) or not self.checkpointable:
             return False
-        if self.first_pass_seconds is None or ordinal < self._first_pass_from:
+        if not self._paced_in_seconds(ordinal):
             return True
+        if ordinal < self._next_clock_read:
+            return False
+        assert self.first_pass_seconds is not None and self.checkpoint_every is not None
         if self._work_clock() - self._first_pass_work_at >= self.first_pass_seconds:
             return True
-        assert self.checkpoint_every is not None
-        self._first_pass_probe = since + max(self.checkpoint_every // 16, 1)  # (a run may have gone past several)
+        self._next_clock_read = ordinal + max(self.checkpoint_every // 16, 1)
         return False
 
     def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
         at = bisect.bisect_left(self._checkpoint_ordinals, ordinal)
         if at < len(self._checkpoints) and self._checkpoint_ordinals[at] == ordinal:
             return  # replaying again after a seek: this one exists
-        if ordinal >= self._first_pass_from:
+        if self._paced_in_seconds(ordinal):
             self._first_pass_work_at = self._work_clock()
-            self._first_pass_probe = self.checkpoint_every or 0
         saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
         saved_engine = self.engine.save_state()
         saved_state = self.state.save() if self.state is not None else None
