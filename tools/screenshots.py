@@ -38,7 +38,7 @@ SIZE = (170, 48)
 async def _settle(pilot, until, timeout_s: float = 600.0) -> None:  # noqa: ANN001
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
-    while not (pilot.app.frame is not None and until(pilot.app)):
+    while not (pilot.app.frame is not None and until(pilot.app) and pilot.app.frame.busy is None):
         if loop.time() > end:
             raise SystemExit("the dashboard did not settle")
         await pilot.pause(0.05)

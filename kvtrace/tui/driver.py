@@ -118,6 +118,7 @@ class Frame:
     page_map_step: int | None = None
     page_map_note: str | None = None  # why there is no page map
     selected_rid: int | None = None
+    busy: str | None = None  # what the replay is busy with, answering no command meanwhile
 
     def peak(self) -> tuple[int, int] | None:
         """(step, used tokens) of the highest occupancy replayed so far."""
@@ -201,6 +202,7 @@ class Driver:
         self.playing = False
         self.speed_index = len(SPEEDS) - 1
         self.done = False
+        self.busy: str | None = None
         self.selected_rid: int | None = None
         self.frames_posted = 0
         self.frames_acked = 0  # the UI sets it to the seq of the last frame it drew
@@ -308,6 +310,8 @@ class Driver:
             fields = {k: v for k, v in m.items() if k in SourceInfo.__dataclass_fields__}
             self.info = SourceInfo(**fields)
             self.state = ReplayState(self.info.page_size)
+        elif kind == "busy":
+            self.busy = m["what"]
         elif kind == "status":
             self.playing, self.speed_index, self.done = bool(m["playing"]), int(m["speed_index"]), bool(m["done"])
             if self.playing:
@@ -398,5 +402,6 @@ class Driver:
                 page_map_step=self._map_step,
                 page_map_note=self._map_note,
                 selected_rid=self.selected_rid,
+                busy=self.busy,
             )
         )

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.pagemap import PageCells
     from kvtrace.tui.sources import ReplaySource
 
-__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job", "run_dashboard_job"]
+__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FILLING", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job", "run_dashboard_job"]
 
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
@@ -63,6 +63,9 @@ MAP_SHARE = 0.01
 # cores: median wall-time overhead +35% and +43% before, +25% after; bench/RESULTS.md).
 CHECKER_NICE = 10
 CHECKPOINT_EVERY = 2000  # steps between a dashboard's seek checkpoints once filled in
+# What the screen's header says while the replay fills in checkpoints where it stopped
+# playing (up to some FIRST_PASS_S of replay, during which it answers no command).
+FILLING = "making going back quick"
 # The first pass takes one once this many seconds of the replay's own CPU time have passed
 # since the last (ReplaySession's first_pass_seconds); a seek back fills in the rest on its
 # way, and so does the replayer where it stops playing: the first seek far back replays
@@ -164,7 +167,9 @@ class Replayer:
             self._filled = True  # once where it stopped (ReplaySession.fill_checkpoints)
             fill = getattr(self.source, "fill_checkpoints", None)
             if fill is not None:
+                self.end.send({"kind": "busy", "what": FILLING})
                 self._guarded(fill, during=" while filling in checkpoints")
+                self.end.send({"kind": "busy", "what": None})
         return due
 
     def _obey(self, due: float) -> bool:

@@ -3,6 +3,7 @@ commands in, frames out, errors reported."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -13,7 +14,9 @@ from kvtrace.errors import TraceError
 from kvtrace.session import ReplaySession
 from kvtrace.tui.driver import CellInfo, Driver, Failure, Frame, RequestHistory
 from kvtrace.tui.link import ThreadReplay
+from kvtrace.tui.replayer import FILLING, Replayer
 from kvtrace.tui.sources import LiveSource
+from kvtrace.tui.widgets.header import ReplayHeader
 
 
 class _Run:
@@ -174,6 +177,60 @@ def test_once_the_replay_stops_playing_it_fills_in_checkpoints_where_it_stopped(
         assert back.pool is not None
     finally:
         run.stop()
+
+
+class _RecordingEnd:
+    """A replayer's end that keeps what is sent and says quit once the replay is done and
+    has been told nothing for a turn."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, object]] = []
+
+    def records(self, update: object) -> None:
+        pass
+
+    def send(self, message: dict[str, object]) -> None:
+        self.sent.append(message)
+
+    def commands(self, timeout: float) -> list[tuple[str, list[object]]] | None:
+        done = any(m.get("kind") == "status" and m.get("done") for m in self.sent)
+        return None if done and self.sent[-1].get("kind") == "busy" and self.sent[-1]["what"] is None else []
+
+
+def test_the_replayer_says_it_is_busy_while_it_fills_in_checkpoints_and_the_header_shows_it() -> None:
+    """The fill where the replay stopped answers no command for a while: the screen is told
+    before it starts and after it ends, and the header says so meanwhile."""
+    session = ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=8, first_pass_every=32,
+                            allocator_in_step=True)
+    end = _RecordingEnd()
+    replayer = Replayer(LiveSource(session), end, play=True)  # type: ignore[arg-type]
+    filled: list[int] = []
+    fill = session.fill_checkpoints
+
+    def counted_fill() -> bool:
+        filled.append(len(end.sent))
+        return fill()
+
+    session.fill_checkpoints = counted_fill  # type: ignore[method-assign]
+    try:
+        replayer.run()
+    finally:
+        session.close()
+    assert len(filled) == 1
+    busy = [(i, m["what"]) for i, m in enumerate(end.sent) if m["kind"] == "busy"]
+    assert busy == [(filled[0] - 1, FILLING), (len(end.sent) - 1, None)]
+    run = _Run(LiveSource(ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True)))
+    try:
+        frame = run.wait(lambda f: isinstance(f, Frame) and f.step is None)
+    finally:
+        run.stop()
+    header = ReplayHeader()
+    info = run.driver.info
+    assert info is not None
+    header.show(info, dataclasses.replace(frame, busy=FILLING))
+    assert f"paused · {FILLING}…" in header.content.plain
+    header.show(info, frame)
+    assert FILLING not in header.content.plain
 
 
 def test_frames_not_drawn_pass_their_alerts_and_releases_on() -> None:

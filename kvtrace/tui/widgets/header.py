@@ -38,6 +38,8 @@ class ReplayHeader(TextLines):
             state = Text("▶ playing", style="bold green")
         else:
             state = Text("‖ paused", style="bold yellow")
+        if frame.busy:
+            state.append(f" · {frame.busy}…", style="italic")
         step = "-" if frame.step is None else f"{frame.step:,}"
         total = f" of {info.last_step:,}" if info.last_step is not None else ""
         width = max(self.size.width - 2, 40)
