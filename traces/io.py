@@ -278,7 +278,13 @@ class TraceWriter:
             )
         codec = pa.Codec(compression, compression_level)
         try:
+            if not overwrite:  # created exclusively: a writer that raced this one gets the error below
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
             self._raw = pa.OSFile(str(self.path), "wb")
+        except FileExistsError:
+            raise TraceWriteError(
+                f"trace {self.path} already exists; remove it or overwrite it", path=self.path
+            ) from None
         except OSError as exc:
             raise TraceWriteError(
                 f"cannot create trace {self.path}: {os_reason(exc)}", path=self.path

@@ -349,7 +349,8 @@ def record_command(
     wall0 = time.perf_counter()
     try:
         with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
-            result = record_workload(dataclasses.replace(options, out=live), progress=progress_cb)
+            # `live` is this run's: a new file it created (empty), or a temporary one.
+            result = record_workload(dataclasses.replace(options, out=live, overwrite=True), progress=progress_cb)
             if result.summary.steps == 0:
                 live.unlink(missing_ok=True)
                 raise _nothing_recorded(result.summary, options.context_len, options.pool_tokens)

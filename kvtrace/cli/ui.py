@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.errors import Terminated
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -143,18 +145,6 @@ def command_line(meta: dict[str, Any]) -> str:
     if args is None:
         args = sys.argv[1:]
     return shlex.join(["kvtrace", *args])
-
-
-class Terminated(BaseException):
-    """A termination signal turned into an exception (``terminate_on_signals``).
-
-    A ``BaseException`` like ``KeyboardInterrupt``: code that closes its files on
-    the way out (``with`` blocks) does so, and ``except Exception`` does not swallow it.
-    """
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
 @contextmanager
