@@ -148,6 +148,15 @@ def interrupt_when_safe(exc: BaseException) -> None:
     raise exc
 
 
+_STOPPED_COMPACTING = "kvtrace_stopped_compacting"
+
+
+def stopped_compacting(exc: BaseException) -> bool:
+    """Whether ``exc`` stopped a writer while it compacted a complete recording (its
+    trace is complete, marked so, and left as the stream it was written as)."""
+    return bool(getattr(exc, "__dict__", {}).get(_STOPPED_COMPACTING))
+
+
 def describe_stop(exc: BaseException) -> str:
     """Why a writer is being closed by ``exc``, in a few words (``Recording.detail``)."""
     if isinstance(exc, KeyboardInterrupt):
@@ -453,12 +462,17 @@ class TraceWriter:
         self._closed = True
         self.recording = final
         if self.compact_steps_per_batch is not None and interrupted is None:
-            compact_trace(
-                self.path,
-                steps_per_batch=self.compact_steps_per_batch,
-                compression=self.compact_compression,
-                recording=final,
-            )
+            try:
+                compact_trace(
+                    self.path,
+                    steps_per_batch=self.compact_steps_per_batch,
+                    compression=self.compact_compression,
+                    recording=final,
+                )
+            except BaseException as exc:
+                # The stream is complete and closed: only its compaction stopped.
+                exc.__dict__[_STOPPED_COMPACTING] = True
+                raise
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -482,12 +496,18 @@ class TraceWriter:
     # -- internals -------------------------------------------------------------------
 
     def _abandon(self) -> None:
+        """Close the file after a failed write, discarding what is buffered. The buffered
+        stream is closed first: left to its destructor, its failing flush would print a
+        second error line from Arrow's C++ on stderr."""
         self._closed = True
         self._pending.clear()
-        try:
-            self._raw.close()
-        except OSError:
-            pass
+        for stream in (getattr(self, "_sink", None), self._raw):
+            if stream is None:
+                continue
+            try:
+                stream.close()
+            except OSError:
+                pass
 
     def _write_empty(self, custom: dict[bytes, bytes]) -> None:
         empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
@@ -1107,4 +1127,5 @@ __all__ = [
     "compact_trace",
     "describe_stop",
     "interrupt_when_safe",
+    "stopped_compacting",
 ]

@@ -358,9 +358,16 @@ def record_command(
         raise WorkloadError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    except (KeyboardInterrupt, ui.Terminated):
+    except (KeyboardInterrupt, ui.Terminated) as exc:
+        from traces.io import stopped_compacting
+
         if target.replaces:
             ui.warn(f"recording interrupted; {out} was left as it was")
+        elif stopped_compacting(exc):
+            ui.warn(
+                f"interrupted while compacting; {out} holds the complete recording, uncompacted "
+                f"('kvtrace compact {out}' makes it an IPC file)"
+            )
         elif out.exists():
             ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
         raise

@@ -15,6 +15,7 @@ must start fast).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -87,13 +88,20 @@ def console(*, stderr: bool = False) -> Console:
 
     file = sys.stderr if stderr else sys.stdout
     terminal = file.isatty()
-    return Console(
+    console = Console(
         file=file,
         no_color=not color(),
         highlight=False,
         width=None if terminal else PIPE_WIDTH,
         color_system="auto" if color() else None,
     )
+    console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+    return console
+
+
+def _broken_pipe() -> None:
+    """Rich's own answer to a closed pipe is exit code 1; the CLI's is a quiet exit 0."""
+    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 def warn(message: str) -> None:
