@@ -177,11 +177,15 @@ def compact_trace(
     steps_per_batch: int,
     compression: Compression = "zstd",
     recording: Recording | None = None,
-) -> None:
-    """Rewrite a trace in place as an Arrow IPC file with ``steps_per_batch`` steps per batch.
+    out: str | os.PathLike[str] | None = None,
+) -> int:
+    """Rewrite a trace as an Arrow IPC file with ``steps_per_batch`` steps per batch: in
+    place, or into ``out``.
 
-    The new file is written beside the old one and renamed over it, so a crash at
-    any point leaves either the old or the new file, both complete.
+    In place, the new file is written beside the old one and renamed over it, so a
+    crash at any point leaves either the old or the new file, both complete. A
+    stream cut short (a killed recording) keeps its complete steps and is marked
+    interrupted.
 
     Args:
         path: the trace (a stream or a file).
@@ -190,6 +194,11 @@ def compact_trace(
         recording: the recording status to store (the writer passes the final one it
             knows at close); None: the trace's own final status (read first, when the
             trace records one).
+        out: write the new file here instead (created or truncated: the caller makes
+            that safe, e.g. ``kvtrace.outputs``); None: replace ``path``.
+
+    Returns:
+        The number of steps written.
 
     Raises:
         TraceWriteError: the new file cannot be written (the old one is kept).
@@ -202,13 +211,20 @@ def compact_trace(
             pass
         recording = reader.recording
     meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
+
+    def rewrite(dest: Path) -> int:
+        with TraceWriter(
+            dest, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file", overwrite=True
+        ) as writer:
+            for batch in reader.steps():
+                writer.write(batch)
+        return writer.steps_written
+
     try:
+        if out is not None:
+            return rewrite(Path(out))
         with replacing(src) as tmp:
-            with TraceWriter(
-                tmp, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file"
-            ) as out:
-                for batch in reader.steps():
-                    out.write(batch)
+            return rewrite(tmp)
     except OSError as exc:
         raise TraceWriteError(f"cannot rewrite trace {src}: {os_reason(exc)}", path=src) from None
 

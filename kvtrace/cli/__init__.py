@@ -250,6 +250,7 @@ COMMAND_MODULES: dict[str, str] = {
     "view": "view",
     "sweep": "sweep",
     "shrink": "shrink",
+    "compact": "compact",
 }
 # Set while the shell asks the console script to complete a word (click's completion).
 _COMPLETION_VAR = "_KVTRACE_COMPLETE"
