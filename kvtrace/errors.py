@@ -12,6 +12,8 @@ subclasses of it. Code that catches "any user error" catches ``USER_ERRORS``.
 
 from __future__ import annotations
 
+import signal
+
 from traces.errors import (
     TraceCorruptError,
     TraceError,
@@ -54,6 +56,20 @@ class OutputError(KvtraceError):
     it is a directory, or its directory does not exist."""
 
 
+class Terminated(BaseException):
+    """A termination signal (SIGTERM, SIGHUP) turned into an exception, so that a command
+    stopped that way closes its files and removes its temporary ones on the way out.
+
+    A ``BaseException`` like ``KeyboardInterrupt``: code that closes its files on
+    the way out (``with`` blocks) does so, and ``except Exception`` does not swallow it.
+    The CLI exits with 128 + ``signum``.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
 # Every exception the CLI reports as one line (never a traceback without --debug).
 USER_ERRORS: tuple[type[Exception], ...] = (KvtraceError, TraceError)
 
@@ -63,6 +79,7 @@ __all__ = [
     "EmptyRecordingError",
     "KvtraceError",
     "OutputError",
+    "Terminated",
     "TraceCorruptError",
     "TraceError",
     "TraceFormatError",

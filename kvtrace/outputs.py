@@ -10,21 +10,39 @@ the destination and renamed into place when complete (``traces.atomic``)::
         write_everything(tmp)                                     # renamed over `path` at the end
 
 An interrupted or failed run leaves the destination as it was and removes the
-temporary file. A recording, which must survive a kill with every completed step,
-writes through ``recording()`` instead.
+temporary file: while a file is written, SIGTERM and SIGHUP (when nothing else
+handles them) raise ``Terminated`` instead of killing the process outright. A
+temporary file left by a process killed with SIGKILL is removed by the next run
+to the same destination. A recording, which must survive a kill with every
+completed step, writes through ``recording()`` instead.
+
+Two runs racing to create the same new file cannot both succeed: without
+``force`` the finished file is linked into place, which fails if the other run's
+file got there first (``traces.atomic.replacing(exclusive=True)``). Only regular
+files are ever replaced: a device (``/dev/null``), a FIFO or a socket is refused.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import stat
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvtrace.errors import OutputError
-from traces.atomic import replacing
+from kvtrace.errors import OutputError, Terminated
+from traces.atomic import remove_stale_temporaries, replacing
 
-__all__ = ["OutputFile", "distinct_outputs"]
+__all__ = ["OutputFile", "distinct_outputs", "terminating_cleanly"]
+
+_KINDS = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -32,6 +50,48 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet)
         return a.resolve() == b.resolve()
+
+
+def _reason(exc: OSError) -> str:
+    """The OS's words for ``exc`` ("No space left on device"), without pyarrow's decoration."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a directory."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, kind in _KINDS:
+        if test(mode):
+            return kind
+    return None
+
+
+@contextmanager
+def terminating_cleanly() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise ``Terminated`` (once a trace step being
+    written is on disk) instead of killing the process, so ``with`` blocks remove their
+    temporary files. A signal someone already handles (``ui.terminate_on_signals``) is
+    left alone, and so is every signal outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from traces.io import interrupt_when_safe
+
+    def handler(signum: int, frame: object) -> None:
+        interrupt_when_safe(Terminated(signum))
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def distinct_outputs(outputs: Iterable[OutputFile | None]) -> None:
@@ -64,9 +124,13 @@ class OutputFile:
             file, however it is spelled: resolved links, hard links) is refused even
             with ``force``.
 
+    Temporary files left at the destination by a killed run (their process is gone)
+    are removed.
+
     Raises:
-        OutputError: the path is an input, a directory, in a directory that does not
-            exist, or an existing file without ``force`` (one line naming it).
+        OutputError: the path is ``-``, an input, a directory, a device, FIFO or socket,
+            in a directory that does not exist, or an existing file without ``force``
+            (one line naming it).
     """
 
     def __init__(
@@ -80,6 +144,10 @@ class OutputFile:
         self.path = Path(path)
         self.option = option
         self.force = force
+        if str(path) == "-":
+            raise OutputError(
+                f"{option} -: this output is a file, not standard output; give a file path"
+            )
         for source in inputs:
             if _same_file(self.path, Path(source)):
                 raise OutputError(
@@ -88,44 +156,85 @@ class OutputFile:
                 )
         if self.path.is_dir():
             raise OutputError(f"{option} {self.path} is a directory; give a file path")
+        kind = _not_regular(self.path)
+        if kind is not None:
+            raise OutputError(
+                f"{option} {self.path} is {kind}, not a regular file; kvtrace replaces regular files only "
+                "(even with --force), give a file path"
+            )
         parent = self.path.parent
         if not parent.is_dir():
             raise OutputError(f"{option} {self.path}: directory {parent} does not exist; create it first")
         if self.path.exists() and not force:
             raise OutputError(f"{option} {self.path} already exists; pass --force to overwrite it")
         self.replaces = self.path.exists()  # an existing file will be replaced (force)
+        remove_stale_temporaries(self.path)
 
     @contextmanager
     def writing(self) -> Iterator[Path]:
         """A temporary path to write, renamed over ``path`` when the block completes.
 
+        Without ``force``, the file must still not exist when it is complete (another
+        process may have written it meanwhile): it is then left as it is.
+
         Yields:
             The temporary path (not created yet).
 
         Raises:
-            OutputError: the finished file cannot be renamed into place.
+            OutputError: the finished file cannot be put into place.
+            Terminated: SIGTERM or SIGHUP (the temporary file is removed).
         """
         try:
-            with replacing(self.path) as tmp:
+            with terminating_cleanly(), replacing(self.path, exclusive=not self.force) as tmp:
                 yield tmp
+        except FileExistsError:
+            raise OutputError(
+                f"{self.option} {self.path} was created by another process while this one ran; "
+                "it was left as it is, pass --force to overwrite it"
+            ) from None
         except OSError as exc:
-            raise OutputError(f"{self.option} {self.path}: cannot write it ({exc.strerror or exc})") from None
+            raise OutputError(f"{self.option} {self.path}: cannot write it ({_reason(exc)})") from None
 
     @contextmanager
     def recording(self) -> Iterator[Path]:
         """The path a durable recording writes to as it goes.
 
         A new file is written in place: a recording interrupted or killed leaves
-        its completed steps there (its metadata says it is interrupted). An
+        its completed steps there (its metadata says it is interrupted). The new
+        file is created (empty) first, exclusively, so that of two runs racing to
+        record to the same path one is refused; it is removed again if the block
+        fails before writing anything. An
         existing file (``force``) is replaced only when the recording completes: it
         is written under a temporary name, and an interrupted run removes that and
         leaves the old file as it was.
 
         Yields:
-            The path to write.
+            The path to write (a new one exists, empty: open it for writing, not
+            exclusively).
+
+        Raises:
+            OutputError: a new file appeared at the path since the checks.
         """
         if not self.replaces:
-            yield self.path
+            try:
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            except FileExistsError:
+                raise OutputError(
+                    f"{self.option} {self.path} was created by another process meanwhile; "
+                    "it was left as it is, pass --force to overwrite it"
+                ) from None
+            except OSError as exc:
+                raise OutputError(f"{self.option} {self.path}: cannot write it ({_reason(exc)})") from None
+            try:
+                with terminating_cleanly():
+                    yield self.path
+            except BaseException:
+                try:
+                    if self.path.stat().st_size == 0:  # nothing written: no trace to keep
+                        self.path.unlink()
+                except OSError:
+                    pass
+                raise
             return
         with self.writing() as tmp:
             yield tmp

@@ -148,6 +148,15 @@ def interrupt_when_safe(exc: BaseException) -> None:
     raise exc
 
 
+_STOPPED_COMPACTING = "kvtrace_stopped_compacting"
+
+
+def stopped_compacting(exc: BaseException) -> bool:
+    """Whether ``exc`` stopped a writer while it compacted a complete recording (its
+    trace is complete, marked so, and left as the stream it was written as)."""
+    return bool(getattr(exc, "__dict__", {}).get(_STOPPED_COMPACTING))
+
+
 def describe_stop(exc: BaseException) -> str:
     """Why a writer is being closed by ``exc``, in a few words (``Recording.detail``)."""
     if isinstance(exc, KeyboardInterrupt):
@@ -168,11 +177,15 @@ def compact_trace(
     steps_per_batch: int,
     compression: Compression = "zstd",
     recording: Recording | None = None,
-) -> None:
-    """Rewrite a trace in place as an Arrow IPC file with ``steps_per_batch`` steps per batch.
+    out: str | os.PathLike[str] | None = None,
+) -> int:
+    """Rewrite a trace as an Arrow IPC file with ``steps_per_batch`` steps per batch: in
+    place, or into ``out``.
 
-    The new file is written beside the old one and renamed over it, so a crash at
-    any point leaves either the old or the new file, both complete.
+    In place, the new file is written beside the old one and renamed over it, so a
+    crash at any point leaves either the old or the new file, both complete. A
+    stream cut short (a killed recording) keeps its complete steps and is marked
+    interrupted.
 
     Args:
         path: the trace (a stream or a file).
@@ -181,6 +194,11 @@ def compact_trace(
         recording: the recording status to store (the writer passes the final one it
             knows at close); None: the trace's own final status (read first, when the
             trace records one).
+        out: write the new file here instead (created or truncated: the caller makes
+            that safe, e.g. ``kvtrace.outputs``); None: replace ``path``.
+
+    Returns:
+        The number of steps written.
 
     Raises:
         TraceWriteError: the new file cannot be written (the old one is kept).
@@ -193,13 +211,20 @@ def compact_trace(
             pass
         recording = reader.recording
     meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
+
+    def rewrite(dest: Path) -> int:
+        with TraceWriter(
+            dest, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file", overwrite=True
+        ) as writer:
+            for batch in reader.steps():
+                writer.write(batch)
+        return writer.steps_written
+
     try:
+        if out is not None:
+            return rewrite(Path(out))
         with replacing(src) as tmp:
-            with TraceWriter(
-                tmp, meta, compression=compression, steps_per_batch=steps_per_batch, ipc_format="file"
-            ) as out:
-                for batch in reader.steps():
-                    out.write(batch)
+            return rewrite(tmp)
     except OSError as exc:
         raise TraceWriteError(f"cannot rewrite trace {src}: {os_reason(exc)}", path=src) from None
 
@@ -278,7 +303,13 @@ class TraceWriter:
             )
         codec = pa.Codec(compression, compression_level)
         try:
+            if not overwrite:  # created exclusively: a writer that raced this one gets the error below
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
             self._raw = pa.OSFile(str(self.path), "wb")
+        except FileExistsError:
+            raise TraceWriteError(
+                f"trace {self.path} already exists; remove it or overwrite it", path=self.path
+            ) from None
         except OSError as exc:
             raise TraceWriteError(
                 f"cannot create trace {self.path}: {os_reason(exc)}", path=self.path
@@ -447,12 +478,17 @@ class TraceWriter:
         self._closed = True
         self.recording = final
         if self.compact_steps_per_batch is not None and interrupted is None:
-            compact_trace(
-                self.path,
-                steps_per_batch=self.compact_steps_per_batch,
-                compression=self.compact_compression,
-                recording=final,
-            )
+            try:
+                compact_trace(
+                    self.path,
+                    steps_per_batch=self.compact_steps_per_batch,
+                    compression=self.compact_compression,
+                    recording=final,
+                )
+            except BaseException as exc:
+                # The stream is complete and closed: only its compaction stopped.
+                exc.__dict__[_STOPPED_COMPACTING] = True
+                raise
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -476,12 +512,18 @@ class TraceWriter:
     # -- internals -------------------------------------------------------------------
 
     def _abandon(self) -> None:
+        """Close the file after a failed write, discarding what is buffered. The buffered
+        stream is closed first: left to its destructor, its failing flush would print a
+        second error line from Arrow's C++ on stderr."""
         self._closed = True
         self._pending.clear()
-        try:
-            self._raw.close()
-        except OSError:
-            pass
+        for stream in (getattr(self, "_sink", None), self._raw):
+            if stream is None:
+                continue
+            try:
+                stream.close()
+            except OSError:
+                pass
 
     def _write_empty(self, custom: dict[bytes, bytes]) -> None:
         empty, checksum = _to_record_batch([_EMPTY_STEP], self._schema)
@@ -1101,4 +1143,5 @@ __all__ = [
     "compact_trace",
     "describe_stop",
     "interrupt_when_safe",
+    "stopped_compacting",
 ]

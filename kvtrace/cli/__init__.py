@@ -30,7 +30,7 @@ from typer.core import TyperCommand, TyperGroup
 from kvtrace import __version__
 from kvtrace.cli import ui
 from kvtrace.cli.options import NoColorOpt, QuietOpt, examples
-from kvtrace.errors import USER_ERRORS
+from kvtrace.errors import USER_ERRORS, KvtraceError
 
 DEBUG_KEY = "kvtrace.debug"
 DEFAULT_SERVE_PORT = "8000"  # `--serve` alone (kvtrace.tui.run.DEFAULT_PORT)
@@ -80,6 +80,15 @@ class KvtraceGroup(TyperGroup):
             raise typer.Exit(exc.exit_code) from None
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except BrokenPipeError:  # the reader of our output went away (| head): done, quietly
+            _discard_stdout()
+            raise typer.Exit(0) from None
+        except StdoutError as exc:
+            if debug:
+                traceback.print_exc()
+            _discard_stdout()
+            typer.echo(f"kvtrace: error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
         except USER_ERRORS as exc:  # KvtraceError and traces' TraceError
             if debug:
                 traceback.print_exc()
@@ -91,9 +100,6 @@ class KvtraceGroup(TyperGroup):
         except ui.Terminated as exc:
             typer.echo(f"kvtrace: {exc}", err=True)
             raise typer.Exit(128 + exc.signum) from None
-        except BrokenPipeError:  # the reader of our output went away (| head)
-            sys.stderr.close()
-            raise typer.Exit(141) from None
         except Exception as exc:  # a bug in kvtrace, not the user's fault
             if debug:
                 traceback.print_exc()
@@ -103,6 +109,72 @@ class KvtraceGroup(TyperGroup):
                 err=True,
             )
             raise typer.Exit(2) from None
+
+
+class StdoutError(KvtraceError):
+    """Standard output cannot be written (a full disk, ``> /dev/full``, a closed descriptor)."""
+
+
+class _Stdout:
+    """The console script's ``sys.stdout``: the real one (None: closed when kvtrace started),
+    its write errors raised as ``StdoutError`` so the CLI tells them from a bug in one
+    line. A closed pipe stays ``BrokenPipeError`` (``| head``: not an error)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _failed(self, exc: OSError) -> StdoutError:
+        return StdoutError(f"cannot write to standard output: {os.strerror(exc.errno) if exc.errno else exc}")
+
+    def write(self, text: str) -> int:
+        if self._stream is None:
+            raise StdoutError("cannot write to standard output: it is closed; redirect it (> FILE, > /dev/null)")
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def flush(self) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        if self._stream is None:
+            if name == "encoding":
+                return "utf-8"
+            if name == "errors":
+                return "strict"
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+def _discard_stdout_descriptor() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 1:
+            os.dup2(devnull, 1)
+            os.close(devnull)
+    except OSError:
+        pass
+
+
+def _discard_stdout() -> None:
+    """From now on, what goes to standard output (what is still buffered, at exit too) goes
+    to /dev/null: the reader is gone or the output cannot be written, and saying so once
+    is enough. Only for the console script's own standard output (``main``)."""
+    if isinstance(sys.stdout, _Stdout):
+        _discard_stdout_descriptor()
 
 
 def optional_value(args: list[str], option: str, default: str) -> list[str]:
@@ -178,6 +250,7 @@ COMMAND_MODULES: dict[str, str] = {
     "view": "view",
     "sweep": "sweep",
     "shrink": "shrink",
+    "compact": "compact",
 }
 # Set while the shell asks the console script to complete a word (click's completion).
 _COMPLETION_VAR = "_KVTRACE_COMPLETE"
@@ -213,10 +286,32 @@ def __getattr__(name: str) -> Any:
 
 
 def main() -> None:
-    """Console-script entry point: registers only the command it runs (start-up time)."""
+    """Console-script entry point: registers only the command it runs (start-up time).
+
+    Standard output is wrapped (``_Stdout``) so that a failure to write it is one line;
+    what is still buffered is flushed here, before the exit code is final. A standard
+    output closed at start keeps descriptor 1 on /dev/null: no file kvtrace opens may
+    take that number and receive what was meant for the terminal.
+    """
+    if sys.stdout is None:
+        _discard_stdout_descriptor()
+    sys.stdout = _Stdout(sys.stdout)
     name = command_named(sys.argv[1:])
     app = load_commands(None if name is None else [name])
-    app(prog_name="kvtrace")
+    code: Any = 0
+    try:
+        try:
+            app(prog_name="kvtrace")  # exits (SystemExit), unless --help or --version cannot print
+        except SystemExit as exc:
+            code = exc.code
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+    except StdoutError as exc:
+        _discard_stdout()
+        sys.stderr.write(f"kvtrace: error: {exc}\n")
+        code = code or exc.exit_code
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -349,7 +349,8 @@ def record_command(
     wall0 = time.perf_counter()
     try:
         with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
-            result = record_workload(dataclasses.replace(options, out=live), progress=progress_cb)
+            # `live` is this run's: a new file it created (empty), or a temporary one.
+            result = record_workload(dataclasses.replace(options, out=live, overwrite=True), progress=progress_cb)
             if result.summary.steps == 0:
                 live.unlink(missing_ok=True)
                 raise _nothing_recorded(result.summary, options.context_len, options.pool_tokens)
@@ -357,9 +358,16 @@ def record_command(
         raise WorkloadError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    except (KeyboardInterrupt, ui.Terminated):
+    except (KeyboardInterrupt, ui.Terminated) as exc:
+        from traces.io import stopped_compacting
+
         if target.replaces:
             ui.warn(f"recording interrupted; {out} was left as it was")
+        elif stopped_compacting(exc):
+            ui.warn(
+                f"interrupted while compacting; {out} holds the complete recording, uncompacted "
+                f"('kvtrace compact {out}' makes it an IPC file)"
+            )
         elif out.exists():
             ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
         raise

@@ -15,6 +15,7 @@ must start fast).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -25,6 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvtrace.errors import Terminated
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -85,13 +88,20 @@ def console(*, stderr: bool = False) -> Console:
 
     file = sys.stderr if stderr else sys.stdout
     terminal = file.isatty()
-    return Console(
+    console = Console(
         file=file,
         no_color=not color(),
         highlight=False,
         width=None if terminal else PIPE_WIDTH,
         color_system="auto" if color() else None,
     )
+    console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+    return console
+
+
+def _broken_pipe() -> None:
+    """Rich's own answer to a closed pipe is exit code 1; the CLI's is a quiet exit 0."""
+    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 def warn(message: str) -> None:
@@ -143,18 +153,6 @@ def command_line(meta: dict[str, Any]) -> str:
     if args is None:
         args = sys.argv[1:]
     return shlex.join(["kvtrace", *args])
-
-
-class Terminated(BaseException):
-    """A termination signal turned into an exception (``terminate_on_signals``).
-
-    A ``BaseException`` like ``KeyboardInterrupt``: code that closes its files on
-    the way out (``with`` blocks) does so, and ``except Exception`` does not swallow it.
-    """
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
 @contextmanager

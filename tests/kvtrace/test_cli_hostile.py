@@ -6,6 +6,12 @@ each gets one clear line from ``replay`` (exit 2) or a problem from ``validate``
 from __future__ import annotations
 
 import json
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,3 +225,94 @@ def test_a_non_finite_time_keeps_the_json_valid(tmp_path: Path) -> None:
         assert code == expected
         summary = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
         assert summary["duration_s"] > 0
+
+
+# -- a hostile environment: standard output that cannot be written, a full disk ---------------
+
+
+ROOT = Path(__file__).resolve().parents[2]
+MOONCAKE = ROOT / "traces" / "workloads_data" / "mooncake-fast25" / "conversation_trace.jsonl"
+
+
+def kvtrace(*args: str, stdout: Any = subprocess.PIPE, **popen: Any) -> subprocess.CompletedProcess[str]:
+    """The console script (``python -m kvtrace``) in a process of its own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "kvtrace", *args], cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE,
+        text=True, timeout=300, **popen,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+@pytest.mark.parametrize(
+    "args",
+    [["info", "sample:tiny"], ["info", "sample:tiny", "--json"], ["validate", "sample:tiny"], ["versions"], ["--version"]],
+)
+def test_stdout_on_a_full_device_is_one_line(args: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        done = kvtrace(*args, stdout=full)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == ["kvtrace: error: cannot write to standard output: No space left on device"]
+
+
+def test_a_closed_stdout_is_one_line() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        f"exec {shlex.quote(sys.executable)} -m kvtrace info sample:tiny >&-", shell=True, cwd=ROOT, env=env,
+        stderr=subprocess.PIPE, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "kvtrace: error: cannot write to standard output: it is closed; redirect it (> FILE, > /dev/null)"
+    ]
+
+
+def test_a_reader_that_goes_away_is_not_an_error() -> None:
+    """``kvtrace versions | head -1``: the pipe closes before kvtrace writes; exit 0, quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as pipe:
+        done = kvtrace("versions", stdout=pipe)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_out_dash_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for args in (["replay", "sample:tiny"], ["record", str(sample_path("tiny"))], ["compact", str(sample_path("tiny"))]):
+        code, _, err = invoke(*args, "--out", "-")
+        assert code == 2 and one_error_line(err).startswith("kvtrace: error: --out -: this output is a file"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_during_record_is_one_line(tmp_path: Path) -> None:
+    """A file size limit stands for a full disk: writes fail with EFBIG."""
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    out = tmp_path / "big.kvtrace"
+    done = kvtrace("record", str(MOONCAKE), "--out", str(out), "-q", preexec_fn=limit_file_size)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"kvtrace: error: cannot write trace {out}: File too large"]
+
+
+def test_record_stopped_while_compacting_says_the_trace_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the finished recording is compacted: the trace is complete (an uncompacted
+    stream), and record's message and info agree on it."""
+    import traces.io
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt  # Ctrl-C during the compaction
+
+    monkeypatch.setattr(traces.io, "compact_trace", interrupted)
+    out = tmp_path / "run.kvtrace"
+    result = runner.invoke(app, ["record", str(sample_path("tiny")), "--out", str(out), "-q"])
+    assert result.exit_code == 130
+    assert f"interrupted while compacting; {out} holds the complete recording, uncompacted" in result.stderr
+    assert "marked interrupted" not in result.stderr
+    code, stdout, _ = invoke("info", str(out), "--json")
+    info = json.loads(stdout)
+    assert code == 0 and info["interrupted"] is False and info["recording"]["status"] == "complete"

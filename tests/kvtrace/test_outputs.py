@@ -5,6 +5,11 @@ commands that write through it)."""
 from __future__ import annotations
 
 import os
+import signal
+import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +157,110 @@ def test_record_never_writes_over_its_workload(tmp_path: Path) -> None:
     assert result.exit_code == 2
     one_error_line(result.stderr, f"--out {workload} is the input {workload}")
     assert workload.read_bytes() == before
+
+
+# -- races, devices, signals, stale temporary files ----------------------------------------
+
+
+def _kvtrace(*args: str, **popen: object) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", *args], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.slow
+def test_two_replays_racing_to_one_new_out_cannot_both_succeed(tmp_path: Path) -> None:
+    """Both start before either ends (the existence check passes for both): exactly one
+    log is put in place, the other run exits 2 with one line and leaves no temporary file."""
+    for attempt in range(2):
+        log = tmp_path / f"race{attempt}.arrow"
+        procs = [_kvtrace("replay", "sample:tiny", "--out", str(log), "-q", "--json") for _ in range(2)]
+        results = [(proc.wait(timeout=300), proc.stderr.read()) for proc in procs]  # type: ignore[union-attr]
+        codes = sorted(code for code, _ in results)
+        assert codes == [0, 2], results
+        loser = next(err for code, err in results if code == 2)
+        one_error_line(loser, f"--out {log} was created by another process")
+        assert log.read_bytes()[:6] == b"ARROW1" and leftovers(tmp_path) == []
+
+
+def test_a_finished_output_is_not_put_over_a_file_that_appeared_meanwhile(tmp_path: Path) -> None:
+    path = tmp_path / "out.arrow"
+    out = OutputFile(path)
+    with pytest.raises(OutputError, match="was created by another process while this one ran"):
+        with out.writing() as tmp:
+            tmp.write_bytes(b"mine")
+            path.write_bytes(b"theirs")  # the other run finished first
+    assert path.read_bytes() == b"theirs" and leftovers(tmp_path) == []
+    fresh = tmp_path / "fresh.kvtrace"
+    claim = OutputFile(fresh)
+    fresh.write_bytes(b"theirs")
+    with pytest.raises(OutputError, match="was created by another process meanwhile"):
+        with claim.recording():
+            pass
+    assert fresh.read_bytes() == b"theirs"
+
+
+def test_devices_fifos_and_dash_are_refused_even_with_force(tmp_path: Path) -> None:
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # the device /dev/null is
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((null, "a character device"), (fifo, "a FIFO")):
+        for force in (False, True):
+            with pytest.raises(OutputError, match=f"is {kind}, not a regular file"):
+                OutputFile(path, force=force)
+    with pytest.raises(OutputError, match="--out -: this output is a file, not standard output"):
+        OutputFile("-", force=True)
+    for args in (
+        ["replay", "sample:tiny", "--out", str(null), "--force"],
+        ["shrink", "sample:tiny", "--until", "oom", "--pool-tokens", "1200", "--out", str(fifo), "--force"],
+        ["record", str(sample_path("tiny")), "--out", str(null), "--force"],
+        ["sweep", "sample:tiny", "--pool-tokens", "30k,45k", "--out", str(null), "--force"],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "not a regular file" in result.stderr, (args, result.stderr)
+    assert stat.S_ISCHR(os.stat(null).st_mode) and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_sigterm_mid_replay_removes_the_temporary_file(tmp_path: Path) -> None:
+    log = tmp_path / "state.arrow"
+    proc = _kvtrace("replay", "sample:mooncake-conversation", "--out", str(log), "-q")
+    deadline = time.monotonic() + 120
+    try:
+        while not leftovers(tmp_path):
+            assert proc.poll() is None, proc.stderr.read()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the replay never started writing"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.strip().splitlines() == ["kvtrace: terminated by SIGTERM"]
+    assert leftovers(tmp_path) == [] and not log.exists()
+
+
+def test_temporary_files_of_killed_runs_are_removed_by_the_next_run(tmp_path: Path) -> None:
+    log = tmp_path / "state.arrow"
+    dead = _dead_pid()
+    stale = [
+        tmp_path / f".state.arrow.{dead}-0a1b2c.tmp",
+        tmp_path / f"..state.arrow.{dead}-0a1b2c.tmp.{dead}-3d4e5f.tmp",  # a compaction's, of a temporary file
+    ]
+    live = tmp_path / f".state.arrow.{os.getpid()}-abcdef.tmp"  # a run still writing
+    other = tmp_path / f".other.arrow.{dead}-0a1b2c.tmp"  # another destination's
+    for path in (*stale, live, other):
+        path.write_bytes(b"partial")
+    result = runner.invoke(app, ["replay", "sample:tiny", "--out", str(log)])
+    assert result.exit_code == 0, result.output
+    assert leftovers(tmp_path) == sorted([live.name, other.name])
