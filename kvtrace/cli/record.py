@@ -482,6 +482,23 @@ class _progress:
             self._live.stop()
 
 
+def _step_kinds(report: dict[str, Any], options: Any) -> str:
+    """The steps and their kinds, which add up to the total: prefill (prealloc on a PD
+    decode server), decode (speculative when every decode step was), release-only and
+    retract-only steps (these two named only when there were some)."""
+    r = report
+    decode = "spec decode" if r["decode_steps"] and r["spec_steps"] == r["decode_steps"] else "decode"
+    kinds = [
+        f"{r['prefill_steps']:,} {'prealloc' if options.pd_decode else 'prefill'}",
+        f"{r['decode_steps']:,} {decode}",
+    ]
+    if r["release_steps"]:
+        kinds.append(f"{r['release_steps']:,} release-only")
+    if r["retract_steps"]:
+        kinds.append(f"{r['retract_steps']:,} retract-only")
+    return f"{r['steps']:,} ({', '.join(kinds)})"
+
+
 def _report(report: dict[str, Any], options: Any, *, workload: Path, as_json: bool) -> None:
     """Print the recording's summary: the ``--json`` object, or a table."""
     rejected, requests = report["rejected"], report["requests"]
@@ -504,7 +521,7 @@ def _report(report: dict[str, Any], options: Any, *, workload: Path, as_json: bo
     rows = [
         ("workload", f"{workload.name} ({options.fmt})"),
         ("requests", f"{r['requests']:,} ({r['finished']:,} finished, {r['rejected']:,} rejected)"),
-        ("steps", f"{r['steps']:,} ({r['prefill_steps']:,} prefill, {r['decode_steps']:,} decode)"),
+        ("steps", _step_kinds(r, options)),
         ("simulated time", f"{r['duration_s']:,.1f} s"),
         ("wall time", f"{r['wall_s']:,.1f} s ({r['steps_per_s']:,.0f} steps/s)"),
         ("prefix hit rate", f"{r['prefix_hit_rate']:.1%} of {r['prompt_tokens']:,} prompt tokens"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -477,3 +478,25 @@ def test_a_bad_line_on_stdin_names_stdin(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert result.output.strip().startswith("kvtrace: error: <stdin>:1: missing field 'input_length'"), result.output
+
+
+# --------------------------------------------------------------------------- summary
+
+
+@pytest.mark.parametrize("extra", [[], ["--spec", "eagle:3,1,4"], ["--pd-decode"]], ids=["plain", "spec", "pd"])
+def test_summary_step_kinds_add_up_to_the_steps(tmp_path: Path, extra: list[str]) -> None:
+    # A step that only releases requests finished in the step before is a kind of its own.
+    workload = _small_mooncake(tmp_path)
+    code, report, output = _record([str(workload), "--out", str(tmp_path / "j.kvtrace"), *SMALL, *extra])
+    assert code == 0, output
+    kinds = ("prefill_steps", "decode_steps", "release_steps", "retract_steps")
+    assert sum(report[k] for k in kinds) == report["steps"]
+    assert report["release_steps"] >= 1
+    assert report["spec_steps"] == (report["decode_steps"] if extra[:1] == ["--spec"] else 0)
+    table = CliRunner().invoke(app, ["record", str(workload), "--out", str(tmp_path / "t.kvtrace"), *SMALL, *extra])
+    assert table.exit_code == 0, table.output
+    row = next(line for line in table.output.splitlines() if "│ steps" in line)
+    total, *counts = (int(n.replace(",", "")) for n in re.findall(r"(\d[\d,]*)(?: \(| [a-z])", row))
+    assert len(counts) >= 3 and sum(counts) == total, row
+    assert "release-only" in row
+    assert ("spec decode" in row) == (extra[:1] == ["--spec"]) and ("prealloc" in row) == (extra == ["--pd-decode"])
