@@ -164,7 +164,7 @@ def _write_test(result: ShrinkResult, files: tuple[Any, Any], expect_failure: bo
     text = emit_test(result, stem=source_file.path.stem, trace_file=trace_file.path.name,
                      expect_failure=expect_failure, command=command_text)
     with source_file.writing() as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
 
 
 def _render(result: ShrinkResult, summary: dict[str, Any], console: Console) -> None:
