@@ -7,9 +7,9 @@ that the failure is gone, the failing version for one that it is still there); t
 environment variable ``KVTRACE_REGRESS_ALLOCATOR`` replaces it for one run.
 
 File names, version specs and the command line are the user's and may hold anything
-(quotes, triple quotes, backslashes, newlines): in code they are ``repr`` literals, in
-the docstring ``repr`` too, and the docstring as a whole is escaped (``_docstring``), so
-the emitted module always compiles.
+(quotes, triple quotes, backslashes, newlines): in code they are ``repr`` literals
+(``_literal``), in the docstring ``repr`` too, and the docstring as a whole is escaped
+(``_docstring``), so the emitted module always compiles.
 """
 
 from __future__ import annotations
@@ -100,6 +100,12 @@ def function_name(stem: str) -> str:
     return name if name.startswith("test_") else f"test_{name}"
 
 
+def _literal(text: str) -> str:
+    """``repr(text)``, in double quotes where that needs no escape (the project's style)."""
+    quoted = repr(text)
+    return f'"{quoted[1:-1]}"' if "'" not in text and '"' not in text else quoted
+
+
 def _docstring(text: str) -> str:
     """``text`` as the inside of a triple-quoted string that reads back as ``text``:
     backslashes, double quotes and unprintable characters (a carriage return, NUL, a
@@ -150,18 +156,18 @@ def emit_test(result: ShrinkResult, *, stem: str, trace_file: str, expect_failur
     doc = (f"Regression test: {sig.describe()}, on a trace shrunk by kvtrace shrink.\n\n{story}\n\n"
            f"Made by: {command or '(a library call)'}\n")
     header = _HEADER.format(doc=_docstring(doc))
-    fields = {"trace_file_q": repr(trace_file), "env_q": repr(ENV_VERSION), "version_q": repr(version),
+    fields = {"trace_file_q": _literal(trace_file), "env_q": _literal(ENV_VERSION), "version_q": _literal(version),
               "name": function_name(stem), "assertion": _ASSERT[(kind, expect_failure)]}
     if kind == "violation":
         body = _VIOLATION.format(
-            **fields, check_q=repr(sig.name),
+            **fields, check_q=_literal(sig.name),
             field_note=f" (counter {sig.field!r})" if sig.field else "",
-            field_test=f" and v.detail.startswith({sig.field + ' '!r})" if sig.field else "",
+            field_test=f" and v.detail.startswith({_literal(sig.field + ' ')})" if sig.field else "",
         )
     elif kind == "oom":
-        body = _OOM.format(**fields, op_q=repr(sig.name))
+        body = _OOM.format(**fields, op_q=_literal(sig.name))
     else:
-        body = _DIVERGENCE.format(**fields, a_q=repr(oracle.a), field_q=repr(sig.name), exact=oracle.exact)
+        body = _DIVERGENCE.format(**fields, a_q=_literal(oracle.a), field_q=_literal(sig.name), exact=oracle.exact)
     return header + body
 
 
