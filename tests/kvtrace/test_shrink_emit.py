@@ -78,3 +78,38 @@ def test_the_emitted_test_runs_against_the_trace_beside_it(hostile_shrink: tuple
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     getattr(module, function_name(stem))()  # the failure is still there: passes
+
+
+class _TestPathTakenAfterTheTrace:
+    """A shrink result whose trace write then puts a directory where the test goes: the
+    test can no longer be put in place (as a full disk would stop it being written)."""
+
+    def __init__(self, result: ShrinkResult, test_path: Path) -> None:
+        self._result = result
+        self._test_path = test_path
+
+    def write(self, path: Path) -> None:
+        self._result.write(path)
+        self._test_path.mkdir()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._result, name)
+
+
+def test_emit_test_writes_the_trace_and_its_test_or_neither(
+    hostile_shrink: tuple[ShrinkResult, Path], tmp_path: Path
+) -> None:
+    from kvtrace.cli.shrink import _test_outputs, _write_test
+    from kvtrace.errors import OutputError
+
+    result, _ = hostile_shrink
+    test_path = tmp_path / "test_regress.py"
+    files = _test_outputs(test_path, False, [])
+    with pytest.raises(OutputError, match="--emit-test .*test_regress.py: cannot write it"):
+        _write_test(_TestPathTakenAfterTheTrace(result, test_path), files, True, "kvtrace shrink ...")  # type: ignore[arg-type]
+    assert not test_path.with_suffix(".kvtrace").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["test_regress.py"] and test_path.is_dir()  # no temporary left
+    # Unhindered, both are written.
+    test_path.rmdir()
+    _write_test(result, files, True, "kvtrace shrink ...")
+    assert test_path.is_file() and test_path.with_suffix(".kvtrace").is_file()
