@@ -199,6 +199,12 @@ class RecordSummary(NamedTuple):
     first admission / prompt tokens of those requests. Latencies are on the
     step-time model's clock, over the requests that got a first token; in PD decode
     the first token is the step that pre-allocates the request's KV.
+
+    Every step is of one kind: ``steps == prefill_steps + decode_steps +
+    release_steps + retract_steps``. A prefill step extends (in PD decode: pre-allocates);
+    a decode step decodes the running batch (``spec_steps`` of them speculatively); a
+    release step only frees requests that finished in the step before; a retract step
+    retracted every running request and ran nothing.
     """
 
     steps: int
@@ -215,6 +221,8 @@ class RecordSummary(NamedTuple):
     duration_s: float
     prefill_steps: int
     decode_steps: int
+    release_steps: int
+    retract_steps: int
     peak_running: int
     peak_waiting: int
     extend_retries: int
@@ -491,6 +499,7 @@ class Scheduler:
             if released:
                 # The releases were a step of their own (results processed at its end).
                 self.step += 1
+                self._stats["release_steps"] += 1
                 return True
             return False
         self.step += 1
@@ -773,6 +782,7 @@ class Scheduler:
         if not self._fits(self.running, allocated):
             self._retract(allocated)
             if self.running.shape[0] == 0:
+                self._stats["retract_steps"] += 1
                 return self.model.idle()
             allocated = self.alloc.request_lens(self.running).allocated if spec is not None else None
         else:

@@ -39,9 +39,15 @@ import gzip
 import io
 import json
 import math
+import os
 import re
+import shutil
+import stat
+import sys
+import tempfile
 import zlib
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +59,7 @@ from traces.schema import TraceSource
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
+    "STDIN",
     "WORKLOAD_FORMATS",
     "BlockReuse",
     "WorkloadFileError",
@@ -66,10 +73,12 @@ __all__ = [
     "read_lengths",
     "read_mooncake",
     "read_workload",
+    "rereadable",
     "within",
 ]
 
 MOONCAKE_BLOCK_SIZE = 512
+STDIN = "-"  # the workload path that means standard input
 WorkloadFormat = Literal["mooncake", "azure", "lengths", "trace"]
 WORKLOAD_FORMATS: tuple[str, ...] = ("mooncake", "azure", "lengths", "trace")
 
@@ -240,6 +249,47 @@ def _open_text(path: Path) -> _TextLines:
     except PermissionError as exc:
         raise WorkloadFileError(path, None, f"cannot be read ({exc.strerror})") from None
     return _TextLines(path, stream)
+
+
+@contextmanager
+def rereadable(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A path to the workload that may be opened as often as needed.
+
+    Recording opens its workload several times (its format from the first bytes, a
+    checking pass, the recording pass), which only a regular file allows: a FIFO
+    reopened waits for a new writer, and a pipe (``/dev/fd/N``, a shell's
+    ``<(...)``) reopened has had its data consumed. So a regular file is yielded as
+    it is, and any other stream (``-`` for stdin, a FIFO, ``/dev/fd/N``) is opened
+    once and copied, as read, into a temporary file named after it (``stdin`` for
+    ``-``), removed when the ``with`` block ends.
+
+    Raises:
+        WorkloadFileError: missing, a directory or unreadable.
+    """
+    given = os.fspath(path)
+    if given != STDIN:
+        try:
+            if stat.S_ISREG(os.stat(given).st_mode):
+                yield Path(given)
+                return
+        except FileNotFoundError:
+            raise WorkloadFileError(given, None, "no such file; give the path of a workload file") from None
+        except OSError as exc:
+            raise WorkloadFileError(given, None, f"cannot be read ({exc.strerror})") from None
+        if os.path.isdir(given):
+            raise WorkloadFileError(given, None, "is a directory, expected a workload file")
+    with tempfile.TemporaryDirectory(prefix="kvtrace-workload-") as tmp:
+        copy = Path(tmp) / ("stdin" if given == STDIN else Path(given).name or "workload")
+        try:
+            if given == STDIN:
+                with copy.open("wb") as dst:
+                    shutil.copyfileobj(sys.stdin.buffer, dst, 1 << 20)
+            else:
+                with open(given, "rb") as src, copy.open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        except OSError as exc:
+            raise WorkloadFileError(given, None, f"cannot be copied to a temporary file ({exc.strerror or exc})") from None
+        yield copy
 
 
 def _unsorted(path: Path, line: int, what: str, found: str, previous: str, previous_line: int) -> WorkloadFileError:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,7 +29,7 @@ import typer
 
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, PoolForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples
-from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
+from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.serving import (
     DEFAULT_CHUNK,
     DEFAULT_CONTEXT_LEN,
@@ -97,8 +99,9 @@ def parse_spec(text: str) -> Any:
     return spec_settings(text)
 
 
-def infer_format(path: Path) -> str:
-    """A workload file's format (or ``trace``), from its first bytes, name or header.
+def infer_format(path: Path, shown: str | None = None) -> str:
+    """A workload file's format (or ``trace``), from its first bytes, name or header;
+    messages name it ``shown`` (default: the path).
 
     Raises:
         WorkloadError: the file cannot be read, or is a binary file that is not a trace.
@@ -112,7 +115,7 @@ def infer_format(path: Path) -> str:
         raise WorkloadError(str(exc)) from None
     if fmt is None:
         raise typer.BadParameter(
-            f"cannot tell the format of {path}; give --format mooncake, azure or lengths",
+            f"cannot tell the format of {shown or path}; give --format mooncake, azure or lengths",
             param_hint="--format",
         )
     return fmt
@@ -181,7 +184,8 @@ def record_command(
         typer.Argument(
             metavar="WORKLOAD",
             help="Workload file: Mooncake JSONL, Azure CSV or length CSV (gzip or zstd compressed too), "
-            "or a trace (a path or sample:NAME) whose requests are scheduled anew.",
+            "or a trace (a path or sample:NAME) whose requests are scheduled anew; '-' reads stdin "
+            "(a FIFO or a pipe is read once, too).",
             show_default=False,
         ),
     ],
@@ -281,98 +285,132 @@ def record_command(
 
     if str(workload).startswith(SAMPLE_PREFIX):
         workload = resolve_trace(str(workload))
-    if not workload.exists():
+    from_stdin = str(workload) == workloads.STDIN
+    if not from_stdin and not workload.exists():
         raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
     if workload.is_dir():
         raise WorkloadError(f"{workload}: is a directory, expected a workload file")
-    target = OutputFile(out, force=force, inputs=[workload])
-    fmt_name = fmt.value if fmt is not None else infer_format(workload)
-    given = {
-        "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
-        "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,
-        "pd_decode": pd_decode, "seed": seed, "policy": policy.value if policy is not None else None,
-    }  # fmt: skip
-    if spec is not None:
-        given["spec"] = parse_spec(spec)
-    if step_time is not None:
+    target = OutputFile(out, force=force, inputs=[] if from_stdin else [workload])
+    shown = "<stdin>" if from_stdin else str(workload)
+    with _read_once(workload, shown) as readable:
+        fmt_name = fmt.value if fmt is not None else infer_format(readable, shown)
+        given = {
+            "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
+            "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,
+            "pd_decode": pd_decode, "seed": seed, "policy": policy.value if policy is not None else None,
+        }  # fmt: skip
+        if spec is not None:
+            given["spec"] = parse_spec(spec)
+        if step_time is not None:
+            try:
+                given["step_time"] = StepTimeModel.parse(step_time)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--step-time") from None
+        settings = serving_settings(readable, fmt_name, given)
+        for name, low in (
+            ("pool_tokens", 1), ("page_size", 1), ("max_running", 1), ("context_len", 2), ("max_prefill_tokens", 1),
+        ):  # fmt: skip
+            if settings[name] < low:
+                raise typer.BadParameter(f"must be >= {low}, found {settings[name]}", param_hint="--" + name.replace("_", "-"))
+        for name, value, low in (("--steps-per-batch", steps_per_batch, 1), ("--compact", compact, 0)):
+            if value < low:
+                raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
+        check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
+        if not time_scale > 0:
+            raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
+        if not 0.0 <= settings["spec_acceptance"] <= 1.0:
+            raise typer.BadParameter(f"must lie in [0, 1], found {settings['spec_acceptance']}", param_hint="--spec-acceptance")
+        if flush_interval < 0:
+            raise typer.BadParameter(f"must be >= 0, found {flush_interval}", param_hint="--flush-interval")
+        check_rate(fmt_name, rate)
+        duration_s = None
+        if duration is not None:
+            try:
+                duration_s = workloads.parse_duration(duration)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--duration") from None
+
+        from kvtrace.cli.replay import check_device
+        from kvtrace.simulate import RecordOptions, record_report, record_workload
+
+        check_device(device.value)
+
+        options = RecordOptions(
+            workload=readable,
+            fmt=fmt_name,  # type: ignore[arg-type]
+            out=out,
+            duration_s=duration_s,
+            time_scale=time_scale,
+            rate=rate,
+            device=device.value,
+            steps_per_batch=steps_per_batch,
+            compression=compression.value,
+            flush_interval_s=flush_interval or None,
+            compact_steps_per_batch=compact or None,
+            command=ui.command_line(ctx.meta),
+            force=force,
+            **settings,
+        )
+        if fmt_name == "trace":
+            _note_trace_workload(readable, shown)
+        wall0 = time.perf_counter()
         try:
-            given["step_time"] = StepTimeModel.parse(step_time)
+            with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
+                # `live` is this run's: a new file it created (empty), or a temporary one.
+                result = record_workload(dataclasses.replace(options, out=live, overwrite=True), progress=progress_cb)
+                if result.summary.steps == 0:
+                    live.unlink(missing_ok=True)
+                    raise _nothing_recorded(result.summary, options.context_len, options.pool_tokens)
+        except workloads.WorkloadFileError as exc:
+            raise WorkloadError(str(exc)) from None
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--step-time") from None
-    settings = serving_settings(workload, fmt_name, given)
-    for name, low in (
-        ("pool_tokens", 1), ("page_size", 1), ("max_running", 1), ("context_len", 2), ("max_prefill_tokens", 1),
-    ):  # fmt: skip
-        if settings[name] < low:
-            raise typer.BadParameter(f"must be >= {low}, found {settings[name]}", param_hint="--" + name.replace("_", "-"))
-    for name, value, low in (("--steps-per-batch", steps_per_batch, 1), ("--compact", compact, 0)):
-        if value < low:
-            raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
-    check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
-    if not time_scale > 0:
-        raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
-    if not 0.0 <= settings["spec_acceptance"] <= 1.0:
-        raise typer.BadParameter(f"must lie in [0, 1], found {settings['spec_acceptance']}", param_hint="--spec-acceptance")
-    if flush_interval < 0:
-        raise typer.BadParameter(f"must be >= 0, found {flush_interval}", param_hint="--flush-interval")
-    check_rate(fmt_name, rate)
-    duration_s = None
-    if duration is not None:
-        try:
-            duration_s = workloads.parse_duration(duration)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--duration") from None
+            raise ConfigError(str(exc)) from None
+        except (KeyboardInterrupt, ui.Terminated) as exc:
+            from traces.io import stopped_compacting
 
-    from kvtrace.cli.replay import check_device
-    from kvtrace.simulate import RecordOptions, record_report, record_workload
+            if target.replaces:
+                ui.warn(f"recording interrupted; {out} was left as it was")
+            elif stopped_compacting(exc):
+                ui.warn(
+                    f"interrupted while compacting; {out} holds the complete recording, uncompacted "
+                    f"('kvtrace compact {out}' makes it an IPC file)"
+                )
+            elif out.exists():
+                ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
+            raise
+        wall_s = time.perf_counter() - wall0
+        _report(record_report(result, options, wall_s=wall_s), options, workload=Path(shown), as_json=as_json)
 
-    check_device(device.value)
 
-    options = RecordOptions(
-        workload=workload,
-        fmt=fmt_name,  # type: ignore[arg-type]
-        out=out,
-        duration_s=duration_s,
-        time_scale=time_scale,
-        rate=rate,
-        device=device.value,
-        steps_per_batch=steps_per_batch,
-        compression=compression.value,
-        flush_interval_s=flush_interval or None,
-        compact_steps_per_batch=compact or None,
-        command=ui.command_line(ctx.meta),
-        force=force,
-        **settings,
-    )
-    if fmt_name == "trace":
-        _note_trace_workload(workload)
-    wall0 = time.perf_counter()
+@contextmanager
+def _read_once(workload: Path, shown: str) -> Iterator[Path]:
+    """The workload as a path that may be opened again (``workloads.rereadable``: a
+    stream is copied as it is read, once); errors that name the copy name ``shown``.
+
+    Raises:
+        WorkloadError: the workload cannot be read.
+    """
+    from traces import workloads
+
     try:
-        with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
-            # `live` is this run's: a new file it created (empty), or a temporary one.
-            result = record_workload(dataclasses.replace(options, out=live, overwrite=True), progress=progress_cb)
-            if result.summary.steps == 0:
-                live.unlink(missing_ok=True)
-                raise _nothing_recorded(result.summary, options.context_len, options.pool_tokens)
+        with workloads.rereadable(workload) as readable:
+            if readable == workload:
+                yield readable
+                return
+            try:
+                yield readable
+            except workloads.WorkloadFileError as exc:
+                raise WorkloadError(f"{shown}{':' + str(exc.line) if exc.line else ''}: {exc.message}") from None
+            except TraceError as exc:
+                if str(readable) not in str(exc):
+                    raise
+                raise type(exc)(str(exc).replace(str(readable), shown), path=shown) from None
+            except KvtraceError as exc:
+                if str(readable) not in str(exc):
+                    raise
+                raise type(exc)(str(exc).replace(str(readable), shown)) from None
     except workloads.WorkloadFileError as exc:
         raise WorkloadError(str(exc)) from None
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    except (KeyboardInterrupt, ui.Terminated) as exc:
-        from traces.io import stopped_compacting
-
-        if target.replaces:
-            ui.warn(f"recording interrupted; {out} was left as it was")
-        elif stopped_compacting(exc):
-            ui.warn(
-                f"interrupted while compacting; {out} holds the complete recording, uncompacted "
-                f"('kvtrace compact {out}' makes it an IPC file)"
-            )
-        elif out.exists():
-            ui.warn(f"recording interrupted; {out} holds the steps recorded so far, marked interrupted")
-        raise
-    wall_s = time.perf_counter() - wall0
-    _report(record_report(result, options, wall_s=wall_s), options, workload=workload, as_json=as_json)
 
 
 def check_rate(fmt: str, rate: float | None) -> None:
@@ -393,17 +431,17 @@ def check_rate(fmt: str, rate: float | None) -> None:
         )
 
 
-def _note_trace_workload(trace: Path) -> None:
-    """Warn about what scheduling a trace anew cannot know."""
+def _note_trace_workload(trace: Path, shown: str) -> None:
+    """Warn about what scheduling a trace anew cannot know (naming the trace ``shown``)."""
     from traces.trace_workload import arrival_note, read_trace_workload
 
     workload = read_trace_workload(trace)
     note = arrival_note(workload)
     if note is not None:
-        ui.warn(f"{trace}: {note}")
+        ui.warn(f"{shown}: {note}")
     if workload.unfinished:
         ui.warn(
-            f"{trace}: {workload.unfinished:,} requests never finished in the trace (aborted, or live at its end); "
+            f"{shown}: {workload.unfinished:,} requests never finished in the trace (aborted, or live at its end); "
             "each generates what it had generated there"
         )
 
@@ -452,6 +490,23 @@ class _progress:
             self._live.stop()
 
 
+def _step_kinds(report: dict[str, Any], options: Any) -> str:
+    """The steps and their kinds, which add up to the total: prefill (prealloc on a PD
+    decode server), decode (speculative when every decode step was), release-only and
+    retract-only steps (these two named only when there were some)."""
+    r = report
+    decode = "spec decode" if r["decode_steps"] and r["spec_steps"] == r["decode_steps"] else "decode"
+    kinds = [
+        f"{r['prefill_steps']:,} {'prealloc' if options.pd_decode else 'prefill'}",
+        f"{r['decode_steps']:,} {decode}",
+    ]
+    if r["release_steps"]:
+        kinds.append(f"{r['release_steps']:,} release-only")
+    if r["retract_steps"]:
+        kinds.append(f"{r['retract_steps']:,} retract-only")
+    return f"{r['steps']:,} ({', '.join(kinds)})"
+
+
 def _report(report: dict[str, Any], options: Any, *, workload: Path, as_json: bool) -> None:
     """Print the recording's summary: the ``--json`` object, or a table."""
     rejected, requests = report["rejected"], report["requests"]
@@ -474,7 +529,7 @@ def _report(report: dict[str, Any], options: Any, *, workload: Path, as_json: bo
     rows = [
         ("workload", f"{workload.name} ({options.fmt})"),
         ("requests", f"{r['requests']:,} ({r['finished']:,} finished, {r['rejected']:,} rejected)"),
-        ("steps", f"{r['steps']:,} ({r['prefill_steps']:,} prefill, {r['decode_steps']:,} decode)"),
+        ("steps", _step_kinds(r, options)),
         ("simulated time", f"{r['duration_s']:,.1f} s"),
         ("wall time", f"{r['wall_s']:,.1f} s ({r['steps_per_s']:,.0f} steps/s)"),
         ("prefix hit rate", f"{r['prefix_hit_rate']:.1%} of {r['prompt_tokens']:,} prompt tokens"),

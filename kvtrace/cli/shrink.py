@@ -7,6 +7,9 @@ codes: 0 shrunk, 1 the failure did not reproduce on the input, 2 bad input.
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
@@ -59,7 +62,7 @@ def shrink(
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     device: DeviceOpt = Device.cpu,
-    max_time: Annotated[Optional[float], typer.Option("--max-time", min=0, help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
+    max_time: Annotated[Optional[float], typer.Option("--max-time", help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Processes judging candidates in parallel.", show_default="every usable core; 1 for a trace under 2 MB")] = None,
     emit_test: Annotated[Optional[Path], typer.Option("--emit-test", help="Write a pytest test here (tests/regress/test_NAME.py) that replays the shrunk trace, stored beside it as test_NAME.kvtrace.", show_default=False)] = None,
     expect_failure: Annotated[bool, typer.Option("--expect-failure", help="The emitted test asserts the failure is still there (default: that it is gone).")] = False,
@@ -89,11 +92,25 @@ def shrink(
         raise typer.BadParameter("say where the shrunk trace goes: --out SMALL.kvtrace, --emit-test, or both", param_hint="--out")
     if expect_failure and emit_test is None:
         raise typer.BadParameter("applies to the emitted test: add --emit-test tests/regress/test_NAME.py", param_hint="--expect-failure")
+    if max_time is not None and not (math.isfinite(max_time) and max_time > 0):
+        raise typer.BadParameter(f"must be a positive number of seconds, found {max_time}", param_hint="--max-time")
+    if target.kind == "oom" and emit_test is not None and baseline is None and not expect_failure:
+        # Without a baseline nothing shows that a version avoids the out-of-memory on the
+        # shrunk trace (builtin runs out on it as much as any), so a test that it is gone
+        # would fail as soon as it is written.
+        raise typer.BadParameter(
+            "a test that the out-of-memory is gone needs a version that avoids it: give --baseline VERSION "
+            "(kept free of it while shrinking), or --expect-failure for a test that it is still there",
+            param_hint="--emit-test",
+        )
     check_device(device.value)
     inputs = [resolve_trace(trace)]
     target_out = None if out is None else OutputFile(out, force=force, inputs=inputs)
     test_files = None if emit_test is None else _test_outputs(emit_test, force, inputs)
     distinct_outputs([target_out, *(test_files or ())])
+    for output in (target_out, *(test_files or ())):
+        if output is not None:
+            _check_writable(output)
     command_text = ui.command_line(ctx.meta)
     with _Progress(ui.console(stderr=True)) as progress:
         result = shrink_trace(trace, oracle, page_size=page_size, pool_tokens=pool_tokens, jobs=jobs,
@@ -122,11 +139,8 @@ def _target(until: str) -> Any:
 
     try:
         return Target.parse(until)
-    except ConfigError:
-        raise typer.BadParameter(
-            f"'{until}': give violation, violation:CHECK (e.g. violation:ownership), oom or divergence",
-            param_hint="--until",
-        ) from None
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("--until "), param_hint="--until") from None
 
 
 def _oracle(target: Any, allocator: str | None, baseline: str | None, a: str | None, b: str | None,
@@ -155,16 +169,43 @@ def _test_outputs(path: Path, force: bool, inputs: list[Path]) -> tuple[Any, Any
             OutputFile(path.with_suffix(".kvtrace"), option="--emit-test's trace", force=force, inputs=inputs))
 
 
+def _check_writable(output: Any) -> None:
+    """Refuse, before the search, an output whose directory cannot take a new file
+    (read-only, no permission): found only at the end, the whole search would be lost.
+
+    Raises:
+        OutputError: one line naming the option and the path.
+    """
+    from kvtrace.errors import OutputError
+
+    folder = output.path.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{output.path.name[:32]}.", suffix=".probe")
+    except OSError as exc:
+        raise OutputError(f"{output.option} {output.path}: cannot write in {folder} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _write_test(result: ShrinkResult, files: tuple[Any, Any], expect_failure: bool, command_text: str) -> None:
     from kvtrace.shrink import emit_test
 
     source_file, trace_file = files
-    with trace_file.writing() as tmp:
-        result.write(tmp)
     text = emit_test(result, stem=source_file.path.stem, trace_file=trace_file.path.name,
                      expect_failure=expect_failure, command=command_text)
-    with source_file.writing() as tmp:
-        tmp.write_text(text)
+    # Both or neither: each is written under a temporary name, and neither is renamed
+    # into place until both are written (a full disk leaves no trace without its test).
+    placed = False
+    try:
+        with trace_file.writing() as trace_tmp:
+            with source_file.writing() as source_tmp:
+                result.write(trace_tmp)
+                source_tmp.write_text(text, encoding="utf-8")
+            placed = True
+    except BaseException:
+        if placed and not source_file.replaces:  # the trace could not be renamed into place
+            source_file.path.unlink(missing_ok=True)
+        raise
 
 
 def _render(result: ShrinkResult, summary: dict[str, Any], console: Console) -> None:

@@ -5,12 +5,15 @@ failure is gone, or with ``--expect-failure`` that it is still there.
 The version under test is a constant at the top of the test (``builtin`` for a test
 that the failure is gone, the failing version for one that it is still there); the
 environment variable ``KVTRACE_REGRESS_ALLOCATOR`` replaces it for one run.
+
+File names, version specs and the command line are the user's and may hold anything
+(quotes, triple quotes, backslashes, newlines): in code they are ``repr`` literals
+(``_literal``), in the docstring ``repr`` too, and the docstring as a whole is escaped
+(``_docstring``), so the emitted module always compiles.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import textwrap
 from typing import TYPE_CHECKING
 
@@ -21,12 +24,7 @@ __all__ = ["ENV_VERSION", "emit_test", "function_name"]
 
 ENV_VERSION = "KVTRACE_REGRESS_ALLOCATOR"
 
-_HEADER = '''"""Regression test: {what}, on a trace shrunk by kvtrace shrink.
-
-{story}
-
-Made by: {command}
-"""
+_HEADER = '''"""{doc}"""
 
 from __future__ import annotations
 
@@ -96,9 +94,31 @@ _ASSERT = {
 
 
 def function_name(stem: str) -> str:
-    """``test_double_free`` for a test file ``test_double_free.py`` (any stem: an identifier)."""
-    name = re.sub(r"\W", "_", stem)
+    """``test_double_free`` for a test file ``test_double_free.py`` (any stem: an
+    identifier, every character that cannot be in one replaced by ``_``)."""
+    name = "".join(c if f"_{c}".isidentifier() else "_" for c in stem)
     return name if name.startswith("test_") else f"test_{name}"
+
+
+def _literal(text: str) -> str:
+    """``repr(text)``, in double quotes where that needs no escape (the project's style)."""
+    quoted = repr(text)
+    return f'"{quoted[1:-1]}"' if "'" not in text and '"' not in text else quoted
+
+
+def _docstring(text: str) -> str:
+    """``text`` as the inside of a triple-quoted string that reads back as ``text``:
+    backslashes, double quotes and unprintable characters (a carriage return, NUL, a
+    lone surrogate) escaped; newlines kept."""
+    return "".join(_escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    if c == "\n":
+        return c
+    if c in '"\\':
+        return "\\" + c
+    return c if c.isprintable() else repr(c)[1:-1]
 
 
 def emit_test(result: ShrinkResult, *, stem: str, trace_file: str, expect_failure: bool, command: str | None) -> str:
@@ -115,7 +135,7 @@ def emit_test(result: ShrinkResult, *, stem: str, trace_file: str, expect_failur
     assert failure is not None and after is not None
     sig = failure.signature
     kind = sig.kind
-    found_with = f"{oracle.a} vs {oracle.b}" if kind == "divergence" else oracle.allocator
+    found_with = f"{oracle.a!r} vs {oracle.b!r}" if kind == "divergence" else repr(oracle.allocator)
     failing = oracle.b if kind == "divergence" else oracle.allocator
     good = "builtin" if kind == "divergence" or oracle.baseline is None else oracle.baseline
     version = failing if expect_failure else good
@@ -126,26 +146,28 @@ def emit_test(result: ShrinkResult, *, stem: str, trace_file: str, expect_failur
         "divergence": "diffs versions A and B on it",
     }[kind]
     story = "\n\n".join(textwrap.fill(p, 88) for p in (
-        f"{trace_file} (beside this file) holds {_count(after.requests, 'request')} in "
-        f"{_count(after.steps, 'step')} ({_count(after.ops, 'op')}); it was shrunk from {result.trace} "
+        f"{trace_file!r} (beside this file) holds {_count(after.requests, 'request')} in "
+        f"{_count(after.steps, 'step')} ({_count(after.ops, 'op')}); it was shrunk from {str(result.trace)!r} "
         f"({before['requests']:,} requests, {before['steps']:,} steps, {before['ops']:,} ops), where {found_with} "
         f"showed at step {failure.step}: {failure.detail}.",
         f"The test {how} and asserts that {_claim(kind, sig.name, expect_failure)}. {ENV_VERSION} replaces "
         f"{'B' if kind == 'divergence' else 'ALLOCATOR'} for one run (kvtrace versions lists the versions).",
     ))
-    header = _HEADER.format(what=sig.describe(), story=story, command=command or "(a library call)")
-    fields = {"trace_file_q": json.dumps(trace_file), "env_q": json.dumps(ENV_VERSION), "version_q": json.dumps(version),
+    doc = (f"Regression test: {sig.describe()}, on a trace shrunk by kvtrace shrink.\n\n{story}\n\n"
+           f"Made by: {command or '(a library call)'}\n")
+    header = _HEADER.format(doc=_docstring(doc))
+    fields = {"trace_file_q": _literal(trace_file), "env_q": _literal(ENV_VERSION), "version_q": _literal(version),
               "name": function_name(stem), "assertion": _ASSERT[(kind, expect_failure)]}
     if kind == "violation":
         body = _VIOLATION.format(
-            **fields, check_q=json.dumps(sig.name),
-            field_note=f" (counter {sig.field})" if sig.field else "",
-            field_test=f" and v.detail.startswith({json.dumps(sig.field + ' ')})" if sig.field else "",
+            **fields, check_q=_literal(sig.name),
+            field_note=f" (counter {sig.field!r})" if sig.field else "",
+            field_test=f" and v.detail.startswith({_literal(sig.field + ' ')})" if sig.field else "",
         )
     elif kind == "oom":
-        body = _OOM.format(**fields, op_q=json.dumps(sig.name))
+        body = _OOM.format(**fields, op_q=_literal(sig.name))
     else:
-        body = _DIVERGENCE.format(**fields, a_q=json.dumps(oracle.a), field_q=json.dumps(sig.name), exact=oracle.exact)
+        body = _DIVERGENCE.format(**fields, a_q=_literal(oracle.a), field_q=_literal(sig.name), exact=oracle.exact)
     return header + body
 
 

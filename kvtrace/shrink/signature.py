@@ -19,10 +19,15 @@ if TYPE_CHECKING:
     from kvtrace.compare import Divergence
     from kvtrace.replay import OomRecord, ViolationRecord
 
-__all__ = ["KINDS", "Kind", "Signature", "Target", "violation_field"]
+__all__ = ["CHECKS", "KINDS", "Kind", "Signature", "Target", "violation_field"]
 
 Kind = Literal["violation", "oom", "divergence"]
 KINDS: tuple[Kind, ...] = ("violation", "oom", "divergence")
+# The invariant checks a replay reports (``allocator.invariants``, its incremental
+# versions, and the replay's own ``row_width``): what ``violation:CHECK`` may name.
+CHECKS: tuple[str, ...] = (
+    "conservation", "counters", "device", "hisparse", "lengths", "ownership", "row", "row_width", "rows", "tree",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +48,16 @@ class Target:
         """``violation``, ``violation:CHECK``, ``oom`` or ``divergence``.
 
         Raises:
-            ConfigError: anything else (the message lists the valid forms).
+            ConfigError: anything else, or a CHECK not in ``CHECKS`` (the message
+                lists the valid forms, or the checks).
         """
         kind, _, check = text.strip().partition(":")
         if kind not in KINDS or (check and kind != "violation") or (kind == "violation" and ":" in text and not check):
             raise ConfigError(
                 f"--until {text!r}: give violation, violation:CHECK (e.g. violation:ownership), oom or divergence"
             )
+        if check and check not in CHECKS:
+            raise ConfigError(f"--until {text!r}: no invariant check is named {check!r}; the checks are {', '.join(CHECKS)}")
         return cls(kind, check or None)  # type: ignore[arg-type]
 
     def __str__(self) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -378,3 +380,123 @@ def test_a_completed_recording_is_compacted(tmp_path: Path) -> None:
     assert all(x.equals(y) for x, y in zip(steps_a, steps_b))
     assert b.file_bytes < a.file_bytes
     assert not (tmp_path / "compact.kvtrace.compacting").exists()
+
+
+# --------------------------------------------------------------------------- streams
+# A workload that can be read only once (a FIFO, a pipe's /dev/fd/N, stdin) is read
+# once: the format is sniffed from what was read, never by opening it again.
+
+
+def _record_process(args: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvtrace", "record", *args, *SMALL, "--json"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=120, **kwargs)  # type: ignore[call-overload]
+
+
+def _feed_fifo(path: Path, data: bytes) -> threading.Thread:
+    """A writer thread that opens the FIFO ``path`` (waiting for its reader), writes ``data`` and closes it."""
+
+    def write() -> None:
+        with open(path, "wb") as fifo:
+            fifo.write(data)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    return writer
+
+
+def test_a_fifo_with_a_writer_is_read_once_and_its_format_sniffed(tmp_path: Path) -> None:
+    fifo = tmp_path / "workload"  # no suffix: the format comes from the first line
+    os.mkfifo(fifo)
+    writer = _feed_fifo(fifo, _small_mooncake(tmp_path).read_bytes())
+    done = _record_process([str(fifo), "--out", str(tmp_path / "f.kvtrace")])
+    writer.join(timeout=5)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["format"] == "mooncake" and report["requests"] == 25
+
+
+def test_a_trace_through_a_fifo_is_not_called_empty(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace"
+    os.mkfifo(fifo)
+    writer = _feed_fifo(fifo, (ROOT / "traces" / "samples" / "tiny.kvtrace").read_bytes())
+    done = _record_process([str(fifo), "--out", str(tmp_path / "t.kvtrace")])
+    writer.join(timeout=5)
+    assert done.returncode == 0, done.stderr
+    assert b"is empty" not in done.stderr
+    assert json.loads(done.stdout)["format"] == "trace"
+
+
+def test_an_empty_fifo_holds_no_requests(tmp_path: Path) -> None:
+    fifo = tmp_path / "workload"
+    os.mkfifo(fifo)
+    writer = _feed_fifo(fifo, b"")
+    done = _record_process([str(fifo), "--format", "mooncake", "--out", str(tmp_path / "e.kvtrace")])
+    writer.join(timeout=5)
+    assert done.returncode == 2
+    assert done.stderr.decode().strip() == f"kvtrace: error: {fifo}: holds no requests; nothing to record"
+
+
+def test_a_pipe_as_dev_fd_is_read_once(tmp_path: Path) -> None:
+    # What a shell's `record <(head -200 WORKLOAD)` passes: /dev/fd/N of a pipe.
+    lines = SHAREGPT.read_text().splitlines()[:31]
+    read_fd, write_fd = os.pipe()
+
+    def write() -> None:
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(("\n".join(lines) + "\n").encode())
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        done = _record_process(
+            [f"/dev/fd/{read_fd}", "--format", "lengths", "--rate", "5", "--out", str(tmp_path / "p.kvtrace")],
+            pass_fds=(read_fd,),
+        )
+    finally:
+        os.close(read_fd)
+    writer.join(timeout=5)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requests"] == 30
+
+
+def test_stdin_dash_is_a_workload(tmp_path: Path) -> None:
+    lines = AZURE.read_text().splitlines()[:21]
+    out = tmp_path / "s.kvtrace"
+    result = CliRunner().invoke(
+        app, ["record", "-", "--out", str(out), *SMALL, "--json"], input="\n".join(lines) + "\n"
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["format"] == "azure" and report["requests"] == 20
+    assert TraceReader(out).meta.source.workload == "azure:stdin"
+
+
+def test_a_bad_line_on_stdin_names_stdin(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["record", "-", "--format", "mooncake", "--out", str(tmp_path / "b.kvtrace")], input='{"timestamp": 1}\n'
+    )
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("kvtrace: error: <stdin>:1: missing field 'input_length'"), result.output
+
+
+# --------------------------------------------------------------------------- summary
+
+
+@pytest.mark.parametrize("extra", [[], ["--spec", "eagle:3,1,4"], ["--pd-decode"]], ids=["plain", "spec", "pd"])
+def test_summary_step_kinds_add_up_to_the_steps(tmp_path: Path, extra: list[str]) -> None:
+    # A step that only releases requests finished in the step before is a kind of its own.
+    workload = _small_mooncake(tmp_path)
+    code, report, output = _record([str(workload), "--out", str(tmp_path / "j.kvtrace"), *SMALL, *extra])
+    assert code == 0, output
+    kinds = ("prefill_steps", "decode_steps", "release_steps", "retract_steps")
+    assert sum(report[k] for k in kinds) == report["steps"]
+    assert report["release_steps"] >= 1
+    assert report["spec_steps"] == (report["decode_steps"] if extra[:1] == ["--spec"] else 0)
+    table = CliRunner().invoke(app, ["record", str(workload), "--out", str(tmp_path / "t.kvtrace"), *SMALL, *extra])
+    assert table.exit_code == 0, table.output
+    row = next(line for line in table.output.splitlines() if "│ steps" in line)
+    total, *counts = (int(n.replace(",", "")) for n in re.findall(r"(\d[\d,]*)(?: \(| [a-z])", row))
+    assert len(counts) >= 3 and sum(counts) == total, row
+    assert "release-only" in row
+    assert ("spec decode" in row) == (extra[:1] == ["--spec"]) and ("prealloc" in row) == (extra == ["--pd-decode"])

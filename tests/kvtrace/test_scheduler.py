@@ -193,6 +193,19 @@ def test_abort_when_even_the_last_request_cannot_fit(tmp_path: Path) -> None:
     rig.close()
 
 
+def test_step_kinds_add_up_when_a_step_only_aborts(tmp_path: Path) -> None:
+    # The step that aborts the last request runs nothing: a retract step, counted.
+    rig = Rig(tmp_path, SchedulerConfig(page_size=16, pool_tokens=1024, max_running=8, max_context_len=4096, chunk_size=None))
+    rig.arrive(req(0, 32, 50))
+    rig.step()
+    rig.hog(rig.alloc.counters().available)
+    rig.step()
+    s = rig.sched.summary()
+    assert (s.steps, s.prefill_steps, s.decode_steps, s.release_steps, s.retract_steps) == (2, 1, 0, 0, 1)
+    rig.unhog()
+    rig.close()
+
+
 # --------------------------------------------------------------------------- PD decode and spec
 
 

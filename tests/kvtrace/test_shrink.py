@@ -18,6 +18,7 @@ from kvtrace.cli import app
 from kvtrace.replay import ReplayOptions
 from kvtrace.session import ReplaySession
 from kvtrace.shrink import Oracle, Target, shrink_trace
+from kvtrace.shrink.signature import CHECKS
 from traces.io import TraceReader
 
 runner = CliRunner()
@@ -177,6 +178,17 @@ def test_help_has_examples_and_the_shared_flags() -> None:
         (["--until", "violation", "--out", "README.md"], "already exists"),
         (["--until", "violation", "--out", "/tmp/test_kvtrace_same.kvtrace", "--emit-test",
           "/tmp/test_kvtrace_same.py"], "are the same file"),
+        # refused before the search (a search would print progress: more than one line)
+        (["--until", "violation:nosuch", "--out", "x.kvtrace"], "the checks are conservation, counters, device"),
+        (["--until", "violation", "--allocator", f"{FAULTY}:stale_row", "--out", "/proc/x.kvtrace"],
+         "--out /proc/x.kvtrace: cannot write in /proc"),
+        (["--until", "violation", "--allocator", f"{FAULTY}:stale_row", "--emit-test", "/proc/test_x.py"],
+         "--emit-test /proc/test_x.py: cannot write in /proc"),
+        (["--until", "oom", "--pool-tokens", "1200", "--emit-test", "/tmp/test_kvtrace_oom.py"], "--baseline VERSION"),
+        (["--until", "violation", "--out", "x.kvtrace", "--max-time", "nan"], "--max-time: must be a positive"),
+        (["--until", "violation", "--out", "x.kvtrace", "--max-time", "inf"], "--max-time: must be a positive"),
+        (["--until", "violation", "--out", "x.kvtrace", "--max-time", "0"], "--max-time: must be a positive"),
+        (["--until", "violation", "--out", "x.kvtrace", "--max-time", "-1"], "--max-time: must be a positive"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -184,3 +196,17 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_every_check_the_allocator_reports_can_be_asked_for() -> None:
+    # violation:CHECK is checked against CHECKS; a check added to the allocator must be added there.
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    named = set()
+    for source in [*(root / "allocator").glob("*.py"), root / "kvtrace" / "replay.py"]:
+        text = source.read_text()
+        named |= set(re.findall(r'Violation\(\s*"([a-z_]+)"', text))
+        named |= set(re.findall(r'_violation\(\s*[^,()]+,\s*"([a-z_]+)"', text))
+    assert "ownership" in named and "row_width" in named
+    assert named <= set(CHECKS), named - set(CHECKS)

@@ -281,3 +281,34 @@ def test_cli_bad_workload_is_one_line_exit_2(tmp_path: Path, fmt: str, name: str
     assert message in lines[0]
     assert "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_rereadable_copies_a_pipe_once_and_keeps_a_regular_file(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    from traces.workloads import guess_format, read_workload, rereadable
+
+    regular = tmp_path / "w.jsonl"
+    regular.write_text('{"timestamp": 0, "input_length": 3, "output_length": 2, "hash_ids": [7]}\n')
+    with rereadable(regular) as path:
+        assert path == regular
+    read_fd, write_fd = os.pipe()
+
+    def write() -> None:
+        os.write(write_fd, regular.read_bytes())
+        os.close(write_fd)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        with rereadable(f"/dev/fd/{read_fd}") as path:
+            # Read as often as needed: the format, then two passes.
+            assert guess_format(path) == "mooncake"
+            assert [r.input_len for r in read_workload(path, "mooncake")] == [3]
+            assert [r.input_len for r in read_workload(path, "mooncake")] == [3]
+            assert path.name == str(read_fd)
+        assert not path.exists()
+    finally:
+        os.close(read_fd)
+        writer.join()
