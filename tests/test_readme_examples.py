@@ -48,6 +48,8 @@ SKIP_COMMANDS: dict[str, str] = {
         "known failure: --range over commits older than git: support; and 8 replays of mooncake-eagle",
     "kvtrace diff sample:tiny sample:mooncake-eagle --range 4a6c5f2..42eca2a":
         "known failure: --range over commits older than git: support; and 8 replays of mooncake-eagle",
+    "kvtrace record sharegpt.csv --format lengths --rate 5 --duration 1h":
+        "long: simulates an hour of arrivals at 5 a second (minutes; the other record examples run)",
     "python bench/fuzz.py --cases 100000": "a benchmark of hours (tests/fuzz runs 20 cases)",
     ".venv/bin/python bench/trace_io.py": "a benchmark (writes and reads 10M-op traces)",
 }
@@ -96,9 +98,8 @@ def _copy(source: str) -> Callable[[Path], None]:
 FIXTURES: dict[str, Callable[[Path], None]] = {
     "broken.kvtrace": _broken_trace,
     "run.kvtrace": _copy("traces/samples/tiny.kvtrace"),
-    # The downloads README's record examples name: the bundled files of those formats.
+    # The download a record example names: the bundled file of that format.
     "AzureLLMInferenceTrace_conv.csv.gz": _gzip("traces/workloads_data/azure-llm-inference-2023/AzureLLMInferenceTrace_code.csv"),
-    "sharegpt.csv": _copy("traces/workloads_data/sharegpt-arxiv-lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
 }
 
 
