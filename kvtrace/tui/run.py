@@ -18,7 +18,6 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
-_TEMPLATES = Path(__file__).parent / "web"
 
 
 def run_live(job: dict[str, Any]) -> None:
@@ -159,9 +158,8 @@ def serve_command(argv: list[str]) -> str:
 
 
 def serve(argv: list[str], *, host: str, port: int) -> None:
-    """Serve the dashboard at ``http://HOST:PORT`` until interrupted."""
-    from textual_serve.server import Server
+    """Serve the dashboard at ``http://HOST:PORT/?token=T`` until interrupted (``T``: a new
+    random token, printed with the URL; ``kvtrace.tui.web.DashboardServer``)."""
+    from kvtrace.tui.web import DashboardServer
 
-    command = serve_command(argv)
-    server = Server(command, host=host, port=port, title="kvtrace", templates_path=str(_TEMPLATES))
-    server.serve()
+    DashboardServer(serve_command(argv), host=host, port=port).serve()

@@ -1,6 +1,6 @@
 """The dashboard served as a web page (``kvtrace replay TRACE --tui --serve PORT``) and
-opened in a real headless Chromium, driven over the DevTools protocol: the page's
-terminal receives the header and the occupancy panel.
+opened, at the URL with the token it printed, in a real headless Chromium driven over the
+DevTools protocol: the page's terminal receives the header and the occupancy panel.
 
 Needs the operating system's Chromium at /usr/bin/chromium (CI installs it); skipped
 with the reason when it is absent.
@@ -10,40 +10,21 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.tui.serving import served
+
 CHROMIUM = Path("/usr/bin/chromium")
-KVTRACE = Path(sys.executable).parent / "kvtrace"
 # Without the background-networking flags Chromium keeps calling out to a closed network.
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install -y chromium)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
 # Recorded before the page's own scripts run: what the dashboard sends to the page (its
@@ -110,33 +91,27 @@ async def _page_text(debug_port: int, url: str, wanted: tuple[str, ...], timeout
 def test_served_dashboard_in_headless_chromium() -> None:
     import asyncio
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(KVTRACE), "replay", "sample:tiny", "--tui", "--serve", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
     profile = Path(tempfile.mkdtemp(prefix="kvtrace-chromium-"))
     browser = None
     try:
-        _wait_listening(port, server, 90)
-        browser = subprocess.Popen(
-            [str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-             "--window-size=1400,900", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        active = profile / "DevToolsActivePort"
-        end = time.monotonic() + 60
-        while not (active.exists() and active.read_text().strip()) and time.monotonic() < end:
-            time.sleep(0.2)
-        debug_port = int(active.read_text().split()[0])
-        wanted = ("kvtrace", "sample:tiny", "occupancy", "page map")
-        text = asyncio.run(_page_text(debug_port, f"http://127.0.0.1:{port}/", wanted, 90))
-        missing = [w for w in wanted if w not in text]
-        assert not missing, f"the page never showed {missing}; it received {len(text)} characters"
+        with served(["replay", "sample:tiny", "--tui"]) as server:
+            browser = subprocess.Popen(
+                [str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+                 "--window-size=1400,900", "about:blank"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+            active = profile / "DevToolsActivePort"
+            end = time.monotonic() + 60
+            while not (active.exists() and active.read_text().strip()) and time.monotonic() < end:
+                time.sleep(0.2)
+            debug_port = int(active.read_text().split()[0])
+            wanted = ("kvtrace", "sample:tiny", "occupancy", "page map")
+            # The URL the server printed: the page and its socket need its token.
+            text = asyncio.run(_page_text(debug_port, server.url, wanted, 90))
+            missing = [w for w in wanted if w not in text]
+            assert not missing, f"the page never showed {missing}; it received {len(text)} characters"
     finally:
         if browser is not None:
             os.killpg(browser.pid, 15)
             browser.wait(timeout=30)
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
         shutil.rmtree(profile, ignore_errors=True)
