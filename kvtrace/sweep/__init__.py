@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.sweep.cells import FOUND
 from kvtrace.sweep.grid import Cell, Grid, SweepInput, SweepSettings, parse_counts, parse_specs
 from kvtrace.sweep.store import ResultStore, parts_dir
 
@@ -45,7 +46,9 @@ class SweepOutcome:
 
     Attributes:
         cells: cells in the grid.
-        done: cells finished ``ok`` (this run or an earlier one).
+        done: cells finished ``ok``, clean (this run or an earlier one).
+        found: cells that ran and whose check found something: violations, an
+            out-of-memory that stopped the replay, bad ops (their rows say what).
         failed: cells that could not run (their rows say why).
         resumed: cells an earlier, interrupted run had finished (not run again).
         wall_s: this run's wall time.
@@ -54,6 +57,7 @@ class SweepOutcome:
 
     cells: int
     done: int
+    found: int
     failed: int
     resumed: int
     wall_s: float
@@ -65,6 +69,7 @@ class SweepOutcome:
             "out": out,
             "cells": self.cells,
             "done": self.done,
+            "found": self.found,
             "failed": self.failed,
             "resumed": self.resumed,
             "wall_s": self.wall_s,
@@ -122,11 +127,12 @@ def run_sweep(
     else:
         run_local(todo, jobs, record)
     table = store.merge(keys, target)
-    failed = table.column("status").to_pylist().count("failed") if table.num_rows else 0
+    statuses = table.column("status").to_pylist() if table.num_rows else []
     return SweepOutcome(
         cells=len(cells),
-        done=table.num_rows - failed,
-        failed=failed,
+        done=statuses.count("ok"),
+        found=sum(statuses.count(s) for s in FOUND),
+        failed=statuses.count("failed"),
         resumed=len(finished),
         wall_s=time.perf_counter() - t0,
         table=table,
