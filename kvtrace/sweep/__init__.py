@@ -6,8 +6,8 @@ worker processes, or Ray tasks on a cluster), writes each finished cell durably
 file; ``kvtrace.sweep.report`` reads it back as a table and plots.
 
 Modules: ``grid`` (cells and the options that make them), ``cells`` (one cell ->
-one row), ``store`` (durable parts, the merge), ``local`` and ``ray_runner`` (the
-two engines), ``report`` (table and plots).
+one row), ``store`` (durable parts, the merge), ``claim`` (one sweep at a time per
+output), ``local`` and ``ray_runner`` (the two engines), ``report`` (table and plots).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.errors import OutputError
 from kvtrace.sweep.cells import FOUND
+from kvtrace.sweep.claim import claim
 from kvtrace.sweep.grid import Cell, Grid, SweepInput, SweepSettings, parse_counts, parse_specs
 from kvtrace.sweep.store import ResultStore, parts_dir
 
@@ -97,7 +99,8 @@ def run_sweep(
         on_row: called with each row as its cell finishes (after it is on disk).
 
     Raises:
-        OutputError: a result cannot be written.
+        OutputError: a result cannot be written, another process is writing it
+            (``kvtrace.sweep.claim``), or it appeared meanwhile (without ``force``).
         ConfigError: Ray is asked for and cannot be had.
     """
     from kvtrace.sweep.local import run_local
@@ -109,24 +112,29 @@ def run_sweep(
     t0 = time.perf_counter()
     cells = grid.cells()
     keys = [cell.key for cell in cells]
-    store = ResultStore(target.path)
-    finished = store.finished(keys)
-    todo = [cell for cell in cells if cell.key not in finished]
-    if on_start is not None:
-        on_start(len(todo), len(finished))
+    with claim(target.path, option=target.option):
+        # Checked again now that this process owns the output: a sweep that held it
+        # may have finished it since ``target`` was checked.
+        if target.path.exists() and not target.force:
+            raise OutputError(f"{target.option} {target.path} already exists; pass --force to overwrite it")
+        store = ResultStore(target.path)
+        finished = store.finished(keys)
+        todo = [cell for cell in cells if cell.key not in finished]
+        if on_start is not None:
+            on_start(len(todo), len(finished))
 
-    def record(row: dict[str, Any]) -> None:
-        store.write(row)
-        if on_row is not None:
-            on_row(row)
+        def record(row: dict[str, Any]) -> None:
+            store.write(row)
+            if on_row is not None:
+                on_row(row)
 
-    if ray is not None:
-        from kvtrace.sweep.ray_runner import run_ray
+        if ray is not None:
+            from kvtrace.sweep.ray_runner import run_ray
 
-        run_ray(todo, ray, record)
-    else:
-        run_local(todo, jobs, record)
-    table = store.merge(keys, target)
+            run_ray(todo, ray, record)
+        else:
+            run_local(todo, jobs, record)
+        table = store.merge(keys, target)
     statuses = table.column("status").to_pylist() if table.num_rows else []
     return SweepOutcome(
         cells=len(cells),

@@ -113,10 +113,18 @@ class ResultStore:
         """Write the cells ``keys`` into the output (atomically) and remove the parts.
 
         Raises:
-            OutputError: the output cannot be written.
+            OutputError: the output cannot be written, or some cell's part is gone
+                (removed by something else): the output is left as it was rather
+                than replaced by fewer rows.
         """
         import pyarrow.parquet as pq
 
+        missing = [k for k in keys if not self._part(k).is_file()]
+        if missing:
+            raise OutputError(
+                f"{len(missing):,} of {len(keys):,} finished cells are gone from {self.parts} (removed by another "
+                f"process?); {target.path} is left as it was: run the sweep again"
+            )
         table = self.rows(keys)
         with target.writing() as tmp:
             pq.write_table(table, tmp)

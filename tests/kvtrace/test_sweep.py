@@ -291,3 +291,61 @@ def test_violations_and_ooms_are_marked_in_rows_table_plots_and_exit_code(tmp_pa
 def test_the_exit_codes_of_a_sweep_are_in_its_help() -> None:
     shown = CliRunner().invoke(app, ["sweep", "run", "--help"], env={"COLUMNS": "200"})
     assert shown.exit_code == 0 and "violations, an out-of-memory with --on-oom stop" in " ".join(shown.stdout.split())
+
+
+def _racing_sweeps(out: Path) -> list[subprocess.CompletedProcess[str]]:
+    args = [sys.executable, "-m", "kvtrace", "sweep", "sample:tiny", "-j", "1", "-q", "-o", str(out)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+@pytest.mark.slow
+def test_two_sweeps_racing_on_one_out_one_writes_the_other_is_refused(tmp_path: Path) -> None:
+    """Before the lock, both exited 0 and most races left a result of 0 rows."""
+    from kvtrace.sweep.claim import lock_path
+
+    for attempt in range(5):
+        out = tmp_path / f"race{attempt}.parquet"
+        runs = sorted(_racing_sweeps(out), key=lambda r: r.returncode)
+        assert [r.returncode for r in runs] == [0, 2], [(r.returncode, r.stderr) for r in runs]
+        refused = runs[1].stderr.strip().splitlines()
+        assert len(refused) == 1 and refused[0].startswith(f"kvtrace: error: --out {out}"), refused
+        assert "another kvtrace sweep (PID" in refused[0] or "already exists; pass --force" in refused[0]
+        assert pq.read_table(out).num_rows == 1
+        assert not parts_dir(out).exists() and not lock_path(out).exists()
+
+
+def test_a_sweep_on_an_out_another_process_owns_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    from kvtrace.sweep.claim import claim, lock_path
+
+    out = tmp_path / "r.parquet"
+    args = [sys.executable, "-m", "kvtrace", "sweep", "sample:tiny", "-j", "1", "-o", str(out)]
+    with claim(out):  # this test's process owns it
+        refused = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"kvtrace: error: --out {out}: another kvtrace sweep (PID {os.getpid()}) is writing it; "
+        "wait for it to finish or give another path"
+    ]
+    assert not out.exists() and not parts_dir(out).exists() and not lock_path(out).exists()
+    # The lock file of an owner that died (killed: it could not remove it) is taken over.
+    lock_path(out).write_text("999999999\n")
+    with claim(out):
+        assert lock_path(out).read_text() == f"{os.getpid()}\n"
+    assert not lock_path(out).exists()
+
+
+def test_a_merge_missing_parts_leaves_the_result_as_it_was(tmp_path: Path) -> None:
+    from kvtrace.errors import OutputError
+    from kvtrace.outputs import OutputFile
+    from kvtrace.sweep import ResultStore
+
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"an earlier result")
+    store = ResultStore(out)
+    for key in ("a", "b"):
+        store.write({"cell": key, "input": "x", "kind": "replay", "status": "ok", "error": None})
+    (store.parts / "b.parquet").unlink()  # as another sweep on the same out did
+    with pytest.raises(OutputError, match="1 of 2 finished cells are gone"):
+        store.merge(["a", "b"], OutputFile(out, force=True))
+    assert out.read_bytes() == b"an earlier result"
