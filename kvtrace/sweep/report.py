@@ -34,6 +34,9 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("retractions", "retractions", "retractions"),
     ("duration_s", "simulated duration", "seconds"),
 )
+# The PNG ``Software`` text of the plots: a re-run of the report may replace them.
+PLOT_SOFTWARE = "kvtrace sweep report"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Legend entries of the marks off or on the lines: (text, Line2D style).
 _MARKS: dict[str, tuple[str, dict[str, Any]]] = {
     "stopped": ("stopped by an out-of-memory (part of the trace)", {"marker": "x", "color": "gray"}),
@@ -163,7 +166,8 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
 
     Raises:
         ConfigError: matplotlib is not installed.
-        OutputError: a plot would replace an existing file without ``force``, or an input.
+        OutputError: the directory cannot be made or is a file, or a plot would replace
+            an input, or without ``force`` an existing file an earlier report did not draw.
     """
     try:
         import matplotlib
@@ -176,7 +180,12 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
         raise ConfigError("plots need matplotlib: pip install matplotlib (or pass --no-plots)") from None
     from kvtrace.outputs import OutputFile
 
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise OutputError(f"--plots {directory} is a file, not a directory; give a directory (or pass --no-plots)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"--plots {directory}: cannot create the directory ({exc.strerror or exc})") from None
     written = []
     by_input: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -184,7 +193,9 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
             by_input.setdefault(row["input"], []).append(row)
     for name, cells in by_input.items():
         stem = Path(name.removeprefix("sample:")).name.split(".")[0] or "input"
-        target = OutputFile(directory / f"{stem}.png", option="--plots", force=force, inputs=inputs)
+        path = directory / f"{stem}.png"
+        # A plot an earlier report drew is this command's own output: drawn again.
+        target = OutputFile(path, option="--plots", force=force or _made_by_report(path), inputs=inputs)
         fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         marks: set[str] = set()
@@ -215,10 +226,33 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
             fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
         fig.suptitle(f"kvtrace sweep: {name} ({cells[0]['kind']})")
         with target.writing() as tmp:
-            fig.savefig(tmp, format="png", dpi=110)
+            fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
         plt.close(fig)
         written.append(target.path)
     return written
+
+
+def _made_by_report(path: Path) -> bool:
+    """Whether ``path`` is a PNG whose ``Software`` text chunk says ``kvtrace sweep report``
+    (the text chunks come before the image data: only the head is read)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    if not head.startswith(_PNG_SIGNATURE):
+        return False
+    at = len(_PNG_SIGNATURE)
+    while at + 8 <= len(head):
+        length, kind = int.from_bytes(head[at : at + 4], "big"), head[at + 4 : at + 8]
+        if kind == b"IDAT":
+            break
+        if kind == b"tEXt":
+            key, _, value = head[at + 8 : at + 8 + length].partition(b"\0")
+            if key == b"Software" and value == PLOT_SOFTWARE.encode():
+                return True
+        at += 12 + length  # length, type, data, CRC
+    return False
 
 
 def _tokens(value: float, _pos: int) -> str:

@@ -209,9 +209,7 @@ def test_the_report_prints_a_table_and_plots_per_input(tmp_path: Path, inputs) -
     assert "hit rate" in shown.stdout and "60,000" in shown.stdout and "recorded.kvtrace" in shown.stdout
     png = tmp_path / "r-plots" / "recorded.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    again = CliRunner().invoke(app, ["sweep", "report", str(out), "--json"])
-    assert again.exit_code == 2 and "already exists; pass --force" in again.stderr
-    report = _json(["sweep", "report", str(out), "--force"])
+    report = _json(["sweep", "report", str(out)])  # run again: it draws its own plots again
     assert report["cells"] == 4 and report["plots"] == [str(png)]
     pools = sorted({r["pool_tokens"] for r in report["rows"]})
     assert pools[-1] == 60_000 and all(0 < r["peak_occupancy"] <= 1 for r in report["rows"])
@@ -349,3 +347,54 @@ def test_a_merge_missing_parts_leaves_the_result_as_it_was(tmp_path: Path) -> No
     with pytest.raises(OutputError, match="1 of 2 finished cells are gone"):
         store.merge(["a", "b"], OutputFile(out, force=True))
     assert out.read_bytes() == b"an earlier result"
+
+
+def test_the_report_redraws_its_own_plots_and_refuses_other_files_and_bad_plot_dirs(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    out = tmp_path / "r.parquet"  # two cells' results, as a sweep writes them
+    cells = [
+        {"cell": str(pool), "input": "sample:tiny", "kind": "replay", "status": "ok", "error": None, "pool_tokens": pool,
+         "page_size": 16, "prefix_hit_rate": 0.07, "peak_used_tokens": 900, "retractions": 5, "duration_s": 2.9}
+        for pool in (1000, 4000)
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(cells), out)
+    png = tmp_path / "r-plots" / "tiny.png"
+    for _ in range(2):  # the second run replaced the first's plot
+        again = CliRunner().invoke(app, ["sweep", "report", str(out)])
+        assert again.exit_code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", again.output
+    png.write_bytes(b"someone's notes")  # not a plot of kvtrace: kept without --force
+    kept = CliRunner().invoke(app, ["sweep", "report", str(out)])
+    assert kept.exit_code == 2 and "tiny.png already exists; pass --force" in kept.stderr
+    assert png.read_bytes() == b"someone's notes"
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    if os.geteuid() == 0:  # permissions do not stop root; a read-only file system does
+        read_only = Path("/sys/kernel/kvtrace-plots")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        read_only = tmp_path / "ro" / "plots"
+    for plots, message in (
+        (a_file, "is a file, not a directory"),
+        (a_file / "sub", "cannot create the directory (Not a directory)"),
+        (read_only, "cannot create the directory ("),
+    ):
+        refused = CliRunner().invoke(app, ["sweep", "report", str(out), "--plots", str(plots)])
+        lines = refused.stderr.strip().splitlines()
+        assert refused.exit_code == 2 and len(lines) == 1 and f"--plots {plots}" in lines[0] and message in lines[0], lines
+        assert "internal error" not in lines[0]
+
+
+def test_the_report_shows_a_failed_cells_parameters_and_why(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("def create(config):\n    raise RuntimeError('no allocator today')\n")
+    out = tmp_path / "r.parquet"
+    args = ["sweep", "sample:tiny", "--versions", f"{broken}:create", "--pool-tokens", "2000", "-j", "1", "-o", str(out)]
+    assert CliRunner().invoke(app, args).exit_code == 1
+    shown = CliRunner().invoke(app, ["sweep", "report", str(out), "--no-plots"], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output
+    row = next(ln for ln in shown.stdout.splitlines() if "failed" in ln and ln.startswith("│"))
+    assert "2,000" in row  # the pool it asked for
+    assert f"row 1 (sample:tiny, version {broken}:create, pool 2,000): failed: " in shown.stdout
+    assert "no allocator today" in shown.stdout
