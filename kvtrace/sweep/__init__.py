@@ -106,9 +106,10 @@ def run_sweep(
     from kvtrace.sweep.local import run_local
 
     if ray is not None:
-        from kvtrace.sweep.ray_runner import require_ray
+        from kvtrace.sweep.ray_runner import check_reachable, require_ray
 
         require_ray()  # before anything is written
+        check_reachable(ray)
     t0 = time.perf_counter()
     cells = grid.cells()
     keys = [cell.key for cell in cells]

@@ -398,3 +398,45 @@ def test_the_report_shows_a_failed_cells_parameters_and_why(tmp_path: Path) -> N
     assert "2,000" in row  # the pool it asked for
     assert f"row 1 (sample:tiny, version {broken}:create, pool 2,000): failed: " in shown.stdout
     assert "no allocator today" in shown.stdout
+
+
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_within_seconds(tmp_path: Path) -> None:
+    """It used to wait in ray.init for minutes, printing Ray's connection logs."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtrace[ray]')")
+    out = tmp_path / "r.parquet"
+    address = f"127.0.0.1:{_unused_port()}"
+    args = [sys.executable, "-m", "kvtrace", "sweep", "sample:tiny", "--ray", address, "-o", str(out)]
+    t0 = time.monotonic()
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 30  # the interpreter and kvtrace's imports; the check itself is instant
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"kvtrace: error: --ray {address}: no Ray cluster answers there (connection refused); start one with "
+        f"'ray start --head --port {address.split(':')[1]}' or give --ray auto (the cluster of this machine) or local"
+    ]
+    assert not out.exists() and not parts_dir(out).exists()
+    bad = CliRunner().invoke(app, ["sweep", "sample:tiny", "--ray", "head-node", "-o", str(out)])
+    assert bad.exit_code == 2 and bad.stderr.strip().splitlines() == [
+        "kvtrace: error: --ray head-node: give HOST:PORT (the head node's GCS port, e.g. 10.0.0.5:6379), auto or local"
+    ]
+
+
+@pytest.mark.slow
+def test_a_sweep_on_a_local_ray_prints_only_its_own_lines(tmp_path: Path) -> None:
+    """Ray's own log messages ('Token authentication is enabled …') stay off stderr."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtrace[ray]')")
+    out = tmp_path / "r.parquet"
+    args = [sys.executable, "-m", "kvtrace", "sweep", "sample:tiny", "--ray", "local", "-o", str(out)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: 1 cells"), lines
+    assert pq.read_table(out).num_rows == 1
