@@ -82,11 +82,15 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
         pool = _first(raw, "pool_tokens", "config.pool_tokens", PARAM_PREFIX + "pool_tokens")
         peak = raw.get("peak_used_tokens")
         spec = raw.get(PARAM_PREFIX + "spec")
+        violations = _num_violations(raw)
+        status = raw["status"]
+        if status == "ok" and (violations or raw.get("stopped_early")):  # a file of a kvtrace that called them ok
+            status = "violations" if violations else "oom"
         rows.append(
             {
                 "input": raw["input"],
                 "kind": raw["kind"],
-                "status": raw["status"],
+                "status": status,
                 "version": raw.get(PARAM_PREFIX + "version") or "builtin",
                 "pool_tokens": pool,
                 "page_size": _first(raw, "page_size", "config.page_size", PARAM_PREFIX + "page_size"),
@@ -101,7 +105,7 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
                 "ttft_p50_s": raw.get("ttft_s.p50"),
                 "ttft_p99_s": raw.get("ttft_s.p99"),
                 "oom_step": raw.get("oom.step"),
-                "violations": _num_violations(raw),
+                "violations": violations,
                 "stopped_early": bool(raw.get("stopped_early")),
                 "problem": raw.get("problem"),
                 "error": raw.get("error"),

@@ -440,3 +440,18 @@ def test_a_sweep_on_a_local_ray_prints_only_its_own_lines(tmp_path: Path) -> Non
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: 1 cells"), lines
     assert pq.read_table(out).num_rows == 1
+
+
+def test_the_report_marks_violations_in_results_that_called_them_ok(tmp_path: Path) -> None:
+    """Results written before a cell's status said so: the report judges the rows itself."""
+    import pyarrow as pa
+
+    from kvtrace.sweep.report import report_rows
+
+    base = {"cell": "k", "input": "sample:tiny", "kind": "replay", "status": "ok", "error": None, "pool_tokens": 3968}
+    rows = [
+        {**base, "num_violations": 2, "stopped_early": False},
+        {**base, "num_violations": 0, "stopped_early": True},
+        {**base, "num_violations": 0, "stopped_early": False},
+    ]
+    assert [r["status"] for r in report_rows(pa.Table.from_pylist(rows))] == ["violations", "oom", "ok"]
