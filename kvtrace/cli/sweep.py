@@ -239,7 +239,9 @@ def sweep_run(
     none, and the same command run again runs only the rest. Options not given keep
     each input's own value.
 
-    Exit code: 0 every cell ran; 1 some cells failed (their rows say why); 2 bad input.
+    Exit code: 0 every cell ran clean; 1 some cell found what its run alone exits 1 for
+    (violations, an out-of-memory with --on-oom stop, bad ops) or failed (its row
+    says what); 2 bad input.
     """
     from kvtrace.cli.record import check_rate
     from kvtrace.outputs import OutputFile
@@ -300,6 +302,7 @@ def _warn_about_traces(sources: Any) -> None:
 
 def _run(grid: Grid, target: Any, jobs: int, ray: str | None, quiet: bool, as_json: bool) -> None:
     from kvtrace.sweep import run_sweep
+    from kvtrace.sweep.cells import FOUND
 
     with ui.terminate_on_signals(), _Progress(quiet) as progress:
         outcome = run_sweep(grid, target, jobs=jobs, ray=ray, on_start=progress.start, on_row=progress.advance)
@@ -309,13 +312,25 @@ def _run(grid: Grid, target: Any, jobs: int, ray: str | None, quiet: bool, as_js
         ui.emit_json(summary)
     else:
         ui.note(
-            f"{outcome.cells:,} cells ({outcome.resumed:,} from an earlier run), {outcome.failed:,} failed, "
-            f"in {outcome.wall_s:,.1f} s → {target.path}; kvtrace sweep report {target.path}"
+            f"{outcome.cells:,} cells ({outcome.resumed:,} from an earlier run), {outcome.found:,} with problems, "
+            f"{outcome.failed:,} failed, in {outcome.wall_s:,.1f} s → {target.path}; kvtrace sweep report {target.path}"
         )
+    rows = outcome.table.to_pylist() if outcome.found or outcome.failed else []
+    if outcome.found:
+        first = next(r for r in rows if r["status"] in FOUND)
+        ui.warn(f"{outcome.found:,} cells found problems; the first: {_describe(first)}: {first['problem']}")
     if outcome.failed:
-        first = next(r for r in outcome.table.to_pylist() if r["status"] == "failed")
-        ui.warn(f"{outcome.failed:,} cells failed; the first: {first['input']}: {first['error']}")
-    raise typer.Exit(1 if outcome.failed else 0)
+        first = next(r for r in rows if r["status"] == "failed")
+        ui.warn(f"{outcome.failed:,} cells failed; the first: {_describe(first)}: {first['error']}")
+    raise typer.Exit(1 if outcome.found or outcome.failed else 0)
+
+
+def _describe(row: dict[str, Any]) -> str:
+    """A result row's input and the parameters it asked for: ``r.kvtrace (version=token)``."""
+    from kvtrace.sweep.grid import PARAM_PREFIX
+
+    asked = [f"{k.removeprefix(PARAM_PREFIX)}={v}" for k, v in row.items() if k.startswith(PARAM_PREFIX) and v is not None]
+    return f"{row['input']} ({', '.join(asked)})" if asked else row["input"]
 
 
 class _Progress:
@@ -373,7 +388,8 @@ _TABLE = (
     ("input", "input", ""), ("kind", "kind", ""), ("version", "version", ""), ("pool", "pool_tokens", ""),
     ("page", "page_size", ""), ("spec", "spec", ""), ("hit rate", "prefix_hit_rate", "pct"),
     ("peak KV", "peak_occupancy", "pct"), ("retractions", "retractions", ""), ("duration s", "duration_s", ""),
-    ("TTFT p50 s", "ttft_p50_s", ""), ("OOM step", "oom_step", ""), ("status", "status", ""),
+    ("TTFT p50 s", "ttft_p50_s", ""), ("OOM step", "oom_step", ""), ("violations", "violations", ""),
+    ("status", "status", ""),
 )  # fmt: skip
 
 
@@ -393,6 +409,10 @@ def sweep_report(
 
     Hit rate, peak KV occupancy, retractions and simulated duration against the pool
     size, one PNG per input with a line per page size / version / … .
+
+    Cells whose check found something (violations, an out-of-memory that stopped the
+    replay) or that failed are marked in the status column and listed under the table
+    with what happened.
 
     Exit code: 0 shown; 2 bad input.
     """
@@ -418,5 +438,10 @@ def sweep_report(
     for row in rows:
         table.add_row(*(fmt_cell(row[key], kind) for _, key, kind in _TABLE))
     ui.console().print(table)
+    for number, row in enumerate(rows, 1):
+        why = row["error"] if row["status"] == "failed" else row["problem"]
+        if row["status"] != "ok":
+            ui.console().print(f"row {number} ({row['input']}, version {row['version']}, pool {fmt_cell(row['pool_tokens'])}): "
+                               f"{row['status']}: {why or '-'}", highlight=False, soft_wrap=True)
     for path in written:
         ui.note(f"plot: {path}")

@@ -6,8 +6,8 @@ worker processes, or Ray tasks on a cluster), writes each finished cell durably
 file; ``kvtrace.sweep.report`` reads it back as a table and plots.
 
 Modules: ``grid`` (cells and the options that make them), ``cells`` (one cell ->
-one row), ``store`` (durable parts, the merge), ``local`` and ``ray_runner`` (the
-two engines), ``report`` (table and plots).
+one row), ``store`` (durable parts, the merge), ``claim`` (one sweep at a time per
+output), ``local`` and ``ray_runner`` (the two engines), ``report`` (table and plots).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.errors import OutputError
+from kvtrace.sweep.cells import FOUND
+from kvtrace.sweep.claim import claim
 from kvtrace.sweep.grid import Cell, Grid, SweepInput, SweepSettings, parse_counts, parse_specs
 from kvtrace.sweep.store import ResultStore, parts_dir
 
@@ -45,7 +48,9 @@ class SweepOutcome:
 
     Attributes:
         cells: cells in the grid.
-        done: cells finished ``ok`` (this run or an earlier one).
+        done: cells finished ``ok``, clean (this run or an earlier one).
+        found: cells that ran and whose check found something: violations, an
+            out-of-memory that stopped the replay, bad ops (their rows say what).
         failed: cells that could not run (their rows say why).
         resumed: cells an earlier, interrupted run had finished (not run again).
         wall_s: this run's wall time.
@@ -54,6 +59,7 @@ class SweepOutcome:
 
     cells: int
     done: int
+    found: int
     failed: int
     resumed: int
     wall_s: float
@@ -65,6 +71,7 @@ class SweepOutcome:
             "out": out,
             "cells": self.cells,
             "done": self.done,
+            "found": self.found,
             "failed": self.failed,
             "resumed": self.resumed,
             "wall_s": self.wall_s,
@@ -92,41 +99,49 @@ def run_sweep(
         on_row: called with each row as its cell finishes (after it is on disk).
 
     Raises:
-        OutputError: a result cannot be written.
+        OutputError: a result cannot be written, another process is writing it
+            (``kvtrace.sweep.claim``), or it appeared meanwhile (without ``force``).
         ConfigError: Ray is asked for and cannot be had.
     """
     from kvtrace.sweep.local import run_local
 
     if ray is not None:
-        from kvtrace.sweep.ray_runner import require_ray
+        from kvtrace.sweep.ray_runner import check_reachable, require_ray
 
         require_ray()  # before anything is written
+        check_reachable(ray)
     t0 = time.perf_counter()
     cells = grid.cells()
     keys = [cell.key for cell in cells]
-    store = ResultStore(target.path)
-    finished = store.finished(keys)
-    todo = [cell for cell in cells if cell.key not in finished]
-    if on_start is not None:
-        on_start(len(todo), len(finished))
+    with claim(target.path, option=target.option):
+        # Checked again now that this process owns the output: a sweep that held it
+        # may have finished it since ``target`` was checked.
+        if target.path.exists() and not target.force:
+            raise OutputError(f"{target.option} {target.path} already exists; pass --force to overwrite it")
+        store = ResultStore(target.path)
+        finished = store.finished(keys)
+        todo = [cell for cell in cells if cell.key not in finished]
+        if on_start is not None:
+            on_start(len(todo), len(finished))
 
-    def record(row: dict[str, Any]) -> None:
-        store.write(row)
-        if on_row is not None:
-            on_row(row)
+        def record(row: dict[str, Any]) -> None:
+            store.write(row)
+            if on_row is not None:
+                on_row(row)
 
-    if ray is not None:
-        from kvtrace.sweep.ray_runner import run_ray
+        if ray is not None:
+            from kvtrace.sweep.ray_runner import run_ray
 
-        run_ray(todo, ray, record)
-    else:
-        run_local(todo, jobs, record)
-    table = store.merge(keys, target)
-    failed = table.column("status").to_pylist().count("failed") if table.num_rows else 0
+            run_ray(todo, ray, record)
+        else:
+            run_local(todo, jobs, record)
+        table = store.merge(keys, target)
+    statuses = table.column("status").to_pylist() if table.num_rows else []
     return SweepOutcome(
         cells=len(cells),
-        done=table.num_rows - failed,
-        failed=failed,
+        done=statuses.count("ok"),
+        found=sum(statuses.count(s) for s in FOUND),
+        failed=statuses.count("failed"),
         resumed=len(finished),
         wall_s=time.perf_counter() - t0,
         table=table,

@@ -4,10 +4,13 @@ A simulated cell is ``kvtrace record`` (the scheduler model under the cell's
 configuration; ``kvtrace.simulate``), its row the ``record --json`` object; a
 replayed cell is ``kvtrace replay --json`` (``kvtrace.session``). The row is flat:
 nested objects become ``parent.child`` columns and lists JSON text, beside the
-cell's ``param.*`` columns, ``cell`` (its key), ``input``, ``kind``, ``status``
-(``ok`` or ``failed``), ``error`` and ``cell_wall_s``. A cell that fails (a user
-error: a configuration no allocator takes, a version that does not load) is a
-``failed`` row saying why, not a crash of the sweep.
+cell's ``param.*`` columns, ``cell`` (its key), ``input``, ``kind``, ``status``,
+``error``, ``problem`` and ``cell_wall_s``. ``status`` is what the same run alone
+would exit with: ``ok`` (clean, exit 0); ``violations``, ``oom`` (an out-of-memory
+that stopped the replay) or ``bad-ops`` (the check found something, exit 1;
+``problem`` says what, in one line); ``failed`` (the cell could not run: a
+configuration no allocator takes, a version that does not load; ``error`` says why).
+A failed cell is a row, not a crash of the sweep.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from typing import Any
 
 from kvtrace.sweep.grid import Cell
 
-__all__ = ["flatten", "run_cell"]
+__all__ = ["FOUND", "flatten", "run_cell"]
 
 # Columns every row has, in this order.
 ROW_HEAD = ("cell", "input", "kind", "status", "error")
+# Statuses of a cell that ran and whose check found something (its run alone exits 1).
+FOUND = ("violations", "oom", "bad-ops")
+VIOLATIONS_SHOWN = 3  # in a row's one-line problem; the row's ``violations`` column has them all
 
 
 def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -59,10 +65,38 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a bug in one cell must not lose the others
         row.update(status="failed", error=f"internal error: {type(exc).__name__}: {exc}")
     else:
-        row.update(status="ok", error=None)
+        status, problem = _judge(cell, summary)
+        row.update(status=status, error=None, problem=problem)
         row.update(flatten(summary))
     row["cell_wall_s"] = time.perf_counter() - t0
     return row
+
+
+def _judge(cell: Cell, summary: dict[str, Any]) -> tuple[str, str | None]:
+    """The cell's status and, unless ``ok``, its problem in one line: what ``kvtrace
+    replay`` (or ``record``) would report and exit 1 for. Violations come first: a
+    leak is the bug, an out-of-memory after it often its consequence."""
+    if cell.kind == "simulate":
+        found = summary.get("integrity_violations") or []
+        if found:
+            return "violations", f"{len(found):,} allocator integrity violations; the first: {found[0]}"
+        return "ok", None
+    problems: list[tuple[str, str]] = []
+    num_violations = summary.get("num_violations") or 0
+    if num_violations:
+        shown = "; ".join(f"{v['check']}: {v['detail']}" for v in summary["violations"][:VIOLATIONS_SHOWN])
+        problems.append(("violations", f"{num_violations:,} violations: {shown}"))
+    oom = summary.get("oom")
+    if oom is not None and cell.settings.on_oom == "stop":
+        problems.append(
+            ("oom", f"out of memory at step {oom['step']} (request {oom['rid']} needed {oom['needed']:,}, "
+                    f"free {oom['free']:,}); the replay stopped there")
+        )  # fmt: skip
+    if summary.get("bad_ops"):
+        problems.append(("bad-ops", f"{summary['bad_ops']:,} impossible ops in the trace skipped"))
+    if not problems:
+        return "ok", None
+    return problems[0][0], "; ".join(text for _, text in problems)
 
 
 def _replay(cell: Cell) -> dict[str, Any]:

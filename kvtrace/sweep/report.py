@@ -6,15 +6,18 @@ gives each cell's parameters (the effective pool and page size: a replay's
 planner reads first; ``write_plots`` draws, per input, the prefix hit rate, the
 peak KV occupancy, the retractions and the simulated duration against the pool size
 (log scale), one line per combination of the other parameters (page size, version,
-…), as PNG (matplotlib, headless).
+…), as PNG (matplotlib, headless). A line joins complete runs only: a replay an
+out-of-memory stopped is a cross off the line (its figures cover part of the trace),
+and a cell whose check found violations is ringed in red.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtrace.errors import ConfigError, OutputError
 from kvtrace.sweep.grid import PARAM_PREFIX
@@ -22,7 +25,7 @@ from kvtrace.sweep.grid import PARAM_PREFIX
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["PANELS", "fmt_cell", "load_results", "report_rows", "write_plots"]
+__all__ = ["PANELS", "SeriesPoints", "fmt_cell", "load_results", "report_rows", "series_points", "write_plots"]
 
 # (row key, panel title, y-axis label) of each plot panel.
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -31,6 +34,14 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("retractions", "retractions", "retractions"),
     ("duration_s", "simulated duration", "seconds"),
 )
+# The PNG ``Software`` text of the plots: a re-run of the report may replace them.
+PLOT_SOFTWARE = "kvtrace sweep report"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Legend entries of the marks off or on the lines: (text, Line2D style).
+_MARKS: dict[str, tuple[str, dict[str, Any]]] = {
+    "stopped": ("stopped by an out-of-memory (part of the trace)", {"marker": "x", "color": "gray"}),
+    "violations": ("invariant violations", {"marker": "o", "markersize": 11, "markerfacecolor": "none", "color": "red"}),
+}
 # Parameters that tell the lines of a plot apart (the pool size is the x axis).
 SERIES_KEYS = ("page_size", "version", "spec", "max_running", "chunk")
 
@@ -67,19 +78,24 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
     """One dict per cell: its input, kind, status, parameters and headline figures."""
     rows = []
     for raw in table.to_pylist():
-        pool = _first(raw, "pool_tokens", "config.pool_tokens")
+        # A failed cell has no summary: its parameters are the ones it asked for.
+        pool = _first(raw, "pool_tokens", "config.pool_tokens", PARAM_PREFIX + "pool_tokens")
         peak = raw.get("peak_used_tokens")
         spec = raw.get(PARAM_PREFIX + "spec")
+        violations = _num_violations(raw)
+        status = raw["status"]
+        if status == "ok" and (violations or raw.get("stopped_early")):  # a file of a kvtrace that called them ok
+            status = "violations" if violations else "oom"
         rows.append(
             {
                 "input": raw["input"],
                 "kind": raw["kind"],
-                "status": raw["status"],
+                "status": status,
                 "version": raw.get(PARAM_PREFIX + "version") or "builtin",
                 "pool_tokens": pool,
-                "page_size": _first(raw, "page_size", "config.page_size"),
+                "page_size": _first(raw, "page_size", "config.page_size", PARAM_PREFIX + "page_size"),
                 "spec": spec if spec is not None else raw.get("config.spec"),
-                "max_running": _first(raw, "max_running", "config.max_running"),
+                "max_running": _first(raw, "max_running", "config.max_running", PARAM_PREFIX + "max_running"),
                 "chunk": _first(raw, PARAM_PREFIX + "chunk", "config.chunk"),
                 "prefix_hit_rate": raw.get("prefix_hit_rate"),
                 "peak_used_tokens": peak,
@@ -89,10 +105,52 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
                 "ttft_p50_s": raw.get("ttft_s.p50"),
                 "ttft_p99_s": raw.get("ttft_s.p99"),
                 "oom_step": raw.get("oom.step"),
+                "violations": violations,
+                "stopped_early": bool(raw.get("stopped_early")),
+                "problem": raw.get("problem"),
                 "error": raw.get("error"),
             }
         )
     return rows
+
+
+def _num_violations(raw: dict[str, Any]) -> int | None:
+    """A replay's violations, or a simulation's allocator integrity violations (JSON text)."""
+    if raw.get("num_violations") is not None:
+        return raw["num_violations"]
+    found = raw.get("integrity_violations")
+    return len(json.loads(found)) if isinstance(found, str) else None
+
+
+class SeriesPoints(NamedTuple):
+    """One plot line's (pool tokens, value) points.
+
+    Attributes:
+        line: complete runs, joined by the line.
+        stopped: replays an out-of-memory stopped (their figures cover part of the
+            trace), drawn apart from the line.
+        violations: the points (of either kind) whose check found violations.
+    """
+
+    line: list[tuple[int, float]]
+    stopped: list[tuple[int, float]]
+    violations: list[tuple[int, float]]
+
+
+def series_points(cells: Sequence[dict[str, Any]], key: str) -> dict[str, SeriesPoints]:
+    """The points of panel ``key``, per line (a combination of the parameters other
+    than the pool size), of the cells that ran (not ``failed``)."""
+    ran = [r for r in cells if r["status"] != "failed" and r["pool_tokens"] and r[key] is not None]
+    out = {}
+    for label, line in _series(ran).items():
+        points = SeriesPoints([], [], [])
+        for row in sorted(line, key=lambda r: r["pool_tokens"]):
+            point = (row["pool_tokens"], row[key])
+            (points.stopped if row["stopped_early"] else points.line).append(point)
+            if row["violations"]:
+                points.violations.append(point)
+        out[label] = points
+    return out
 
 
 def _series(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -112,33 +170,49 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
 
     Raises:
         ConfigError: matplotlib is not installed.
-        OutputError: a plot would replace an existing file without ``force``, or an input.
+        OutputError: the directory cannot be made or is a file, or a plot would replace
+            an input, or without ``force`` an existing file an earlier report did not draw.
     """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
         from matplotlib.ticker import FuncFormatter
     except ImportError:
         raise ConfigError("plots need matplotlib: pip install matplotlib (or pass --no-plots)") from None
     from kvtrace.outputs import OutputFile
 
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise OutputError(f"--plots {directory} is a file, not a directory; give a directory (or pass --no-plots)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"--plots {directory}: cannot create the directory ({exc.strerror or exc})") from None
     written = []
     by_input: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        if row["status"] == "ok" and row["pool_tokens"]:
+        if row["status"] != "failed" and row["pool_tokens"]:
             by_input.setdefault(row["input"], []).append(row)
     for name, cells in by_input.items():
         stem = Path(name.removeprefix("sample:")).name.split(".")[0] or "input"
-        target = OutputFile(directory / f"{stem}.png", option="--plots", force=force, inputs=inputs)
+        path = directory / f"{stem}.png"
+        # A plot an earlier report drew is this command's own output: drawn again.
+        target = OutputFile(path, option="--plots", force=force or _made_by_report(path), inputs=inputs)
         fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        marks: set[str] = set()
         for ax, (key, title, ylabel) in zip(axes.flat, PANELS):
-            for label, line in sorted(_series(cells).items()):
-                points = sorted((r["pool_tokens"], r[key]) for r in line if r[key] is not None)
-                if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            for i, (label, points) in enumerate(sorted(series_points(cells, key).items())):
+                color = colors[i % len(colors)]
+                ax.plot(*(zip(*points.line) if points.line else ([], [])), marker="o", color=color, label=label)
+                if points.stopped:
+                    ax.scatter(*zip(*points.stopped), marker="x", s=60, color=color)
+                    marks.add("stopped")
+                if points.violations:
+                    ax.scatter(*zip(*points.violations), s=160, facecolors="none", edgecolors="red")
+                    marks.add("violations")
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
             ax.xaxis.set_minor_formatter(FuncFormatter(_tokens))
@@ -148,14 +222,41 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
             ax.grid(True, which="both", alpha=0.3)
             ax.set_ylim(bottom=0)
         handles, labels = axes.flat[0].get_legend_handles_labels()
+        for mark, (text, style) in _MARKS.items():
+            if mark in marks:
+                handles.append(Line2D([], [], linestyle="none", **style))
+                labels.append(text)
         if handles:
             fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
         fig.suptitle(f"kvtrace sweep: {name} ({cells[0]['kind']})")
         with target.writing() as tmp:
-            fig.savefig(tmp, format="png", dpi=110)
+            fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
         plt.close(fig)
         written.append(target.path)
     return written
+
+
+def _made_by_report(path: Path) -> bool:
+    """Whether ``path`` is a PNG whose ``Software`` text chunk says ``kvtrace sweep report``
+    (the text chunks come before the image data: only the head is read)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    if not head.startswith(_PNG_SIGNATURE):
+        return False
+    at = len(_PNG_SIGNATURE)
+    while at + 8 <= len(head):
+        length, kind = int.from_bytes(head[at : at + 4], "big"), head[at + 4 : at + 8]
+        if kind == b"IDAT":
+            break
+        if kind == b"tEXt":
+            key, _, value = head[at + 8 : at + 8 + length].partition(b"\0")
+            if key == b"Software" and value == PLOT_SOFTWARE.encode():
+                return True
+        at += 12 + length  # length, type, data, CRC
+    return False
 
 
 def _tokens(value: float, _pos: int) -> str:

@@ -4,8 +4,8 @@ While a sweep runs, each finished cell is written at once as a small Parquet fil
 of one row in a sidecar directory beside the output (``results.parquet.parts/``,
 ``<cell key>.parquet``), under a temporary name flushed and renamed into place
 (``traces.atomic``): a sweep killed at any instant loses no finished cell, and a
-rerun of the same command skips the cells whose part says ``ok`` (failed cells run
-again). When every cell is done the parts are merged into the output (written
+rerun of the same command skips the cells that ran (``ok``, or a check that found
+something: the same cell would find it again); failed cells run again. When every cell is done the parts are merged into the output (written
 aside and renamed into place by ``kvtrace.outputs.OutputFile``), in grid order, and
 the sidecar directory is removed.
 """
@@ -60,8 +60,9 @@ class ResultStore:
         return self.parts / f"{key}.parquet"
 
     def finished(self, keys: Iterable[str]) -> set[str]:
-        """The keys among ``keys`` whose cell finished ``ok`` in this or an earlier run
-        (a part that cannot be read, e.g. of another kvtrace, counts as not done)."""
+        """The keys among ``keys`` whose cell ran (any status but ``failed``) in this or
+        an earlier run (a part that cannot be read, e.g. of another kvtrace, counts as
+        not done)."""
         import pyarrow.parquet as pq
 
         done = set()
@@ -73,7 +74,7 @@ class ResultStore:
                 status = pq.read_table(part, columns=["status"]).column("status").to_pylist()
             except Exception:  # noqa: BLE001 - an unreadable part is a cell to run again
                 continue
-            if status == ["ok"]:
+            if len(status) == 1 and status[0] not in (None, "failed"):
                 done.add(key)
         return done
 
@@ -112,10 +113,18 @@ class ResultStore:
         """Write the cells ``keys`` into the output (atomically) and remove the parts.
 
         Raises:
-            OutputError: the output cannot be written.
+            OutputError: the output cannot be written, or some cell's part is gone
+                (removed by something else): the output is left as it was rather
+                than replaced by fewer rows.
         """
         import pyarrow.parquet as pq
 
+        missing = [k for k in keys if not self._part(k).is_file()]
+        if missing:
+            raise OutputError(
+                f"{len(missing):,} of {len(keys):,} finished cells are gone from {self.parts} (removed by another "
+                f"process?); {target.path} is left as it was: run the sweep again"
+            )
         table = self.rows(keys)
         with target.writing() as tmp:
             pq.write_table(table, tmp)
