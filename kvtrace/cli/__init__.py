@@ -21,7 +21,8 @@ import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -47,11 +48,67 @@ def _flags_as_flags(params: list[Any]) -> list[Any]:
     return params
 
 
+def plain_usage(pieces: list[str]) -> list[str]:
+    """Usage pieces as kvtrace writes them: ``TRACE``, not typer's ``{TRACE}`` for a required argument."""
+    return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+_help_table: type | None = None
+
+
+@contextmanager
+def whole_option_names() -> Iterator[None]:
+    """While typer prints a help page, every option name keeps its full width.
+
+    typer lets rich shrink every column of its options table to fit the terminal, the
+    names too (``--max-prefill-…`` at 80 columns). Within this block its table gives the
+    columns before the type and the help (required mark, names, short names, negative
+    flags) a fixed width: only the type and the help wrap (a long word folds).
+    """
+    global _help_table
+    from typer import rich_utils
+
+    if _help_table is None:
+        from rich.cells import cell_len
+        from rich.table import Table
+        from rich.text import Text
+
+        class OptionsTable(Table):
+            def add_row(self, *renderables: Any, **kwargs: Any) -> None:
+                super().add_row(*renderables, **kwargs)
+                if len(renderables) < 6:  # not an options panel (the commands' table)
+                    return
+                for column, cell in zip(self.columns[:-2], renderables[:-2]):
+                    width = cell_len(cell if isinstance(cell, str) else cell.plain)
+                    column.width = max(column.width or 0, width)
+                for column in self.columns[-2:]:
+                    column.overflow = "fold"  # a word longer than the column breaks, whole
+                for text in getattr(renderables[-1], "renderables", ()):  # the help: rich Columns of Text
+                    if isinstance(text, Text):
+                        text.overflow = "fold"
+
+        _help_table = OptionsTable
+    original = rich_utils.Table
+    rich_utils.Table = _help_table
+    try:
+        yield
+    finally:
+        rich_utils.Table = original
+
+
 class KvtraceCommand(TyperCommand):
-    """A kvtrace command: flags are shown as flags in its help."""
+    """A kvtrace command: flags are shown as flags in its help, option names whole,
+    arguments plainly in its usage."""
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
         return _flags_as_flags(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        return plain_usage(super().collect_usage_pieces(ctx))
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        with whole_option_names():
+            super().format_help(ctx, formatter)
 
 
 class KvtraceGroup(TyperGroup):
@@ -59,6 +116,10 @@ class KvtraceGroup(TyperGroup):
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
         return _flags_as_flags(super().get_params(ctx))
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        with whole_option_names():
+            super().format_help(ctx, formatter)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ui.reset()

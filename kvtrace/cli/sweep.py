@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from kvtrace.cli import KvtraceCommand, _flags_as_flags, add_group, ui
+from kvtrace.cli import KvtraceCommand, _flags_as_flags, add_group, ui, whole_option_names
 from kvtrace.cli.options import (
     CheckMode,
     Device,
@@ -41,6 +41,10 @@ class _DefaultRun(TyperGroup):
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
         return _flags_as_flags(super().get_params(ctx))
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        with whole_option_names():
+            super().format_help(ctx, formatter)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):

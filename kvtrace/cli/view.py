@@ -23,7 +23,7 @@ VIEW_EXAMPLES = examples(
 
 @command("view", epilog=VIEW_EXAMPLES)
 def view(
-    log: Annotated[Path, typer.Argument(help="A state log written by 'kvtrace replay TRACE --out LOG'.")],
+    log: Annotated[Path, typer.Argument(metavar="LOG", help="A state log written by 'kvtrace replay TRACE --out LOG'.")],
     serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"Serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]")] = None,
     host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a log can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
 ) -> None:

@@ -45,6 +45,47 @@ def test_every_help_has_examples_and_shows_flags_as_flags(command: str) -> None:
     assert "--quiet" in text and "-q" in text and "--no-color" in text
 
 
+def _click_commands() -> list[tuple[list[str], Any]]:
+    """Every command and group of the CLI with its words (``["sweep", "run"]``), the root first."""
+    import typer
+
+    found: list[tuple[list[str], Any]] = []
+
+    def walk(words: list[str], cmd: Any) -> None:
+        found.append((words, cmd))
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk([*words, name], sub)
+
+    walk([], typer.main.get_command(app))
+    return found
+
+
+def test_help_at_80_columns_shows_every_option_name_whole() -> None:
+    import re
+
+    commands = _click_commands()
+    assert {" ".join(words) for words, _ in commands} >= {"view", "shrink", "sweep run", "record"}
+    for words, cmd in commands:
+        text = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "80"}).stdout
+        assert max(len(line) for line in text.splitlines()) <= 80, words
+        for param in cmd.params:
+            for name in [*param.opts, *param.secondary_opts]:
+                if name.startswith("-"):
+                    assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (words, name)
+        assert not re.search(r"[\w-]…", text.split("Examples")[0]), (words, text)  # no word cut short
+
+
+def test_usage_names_arguments_plainly() -> None:
+    for words, cmd in _click_commands():
+        usage = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "200"}).stdout
+        line = next(line for line in usage.splitlines() if "Usage:" in line)
+        assert "{" not in line and "}" not in line, line
+    assert "Usage: kvtrace replay [OPTIONS] TRACE " in help_of("replay")
+    assert "Usage: kvtrace view [OPTIONS] LOG " in help_of("view")
+    wrong = runner.invoke(app, ["info"])  # a missing argument's usage line too
+    assert wrong.exit_code == 2 and "{TRACE}" not in wrong.output and "TRACE" in wrong.output
+
+
 def test_choices_and_defaults_from_the_trace_are_shown() -> None:
     replay = help_of("replay")
     for choices in ("<cpu|cuda>", "<every|full|end|never>", "<stop|skip>"):
