@@ -23,7 +23,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -115,7 +115,9 @@ class KvtraceGroup(TyperGroup):
     """Root group: accepts ``--debug`` at any position and turns errors into one line."""
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
-        return _flags_as_flags(super().get_params(ctx))
+        # typer's own completion options take no shell (they detect it); kvtrace's take one.
+        params = [p for p in super().get_params(ctx) if p.name not in _TYPER_COMPLETION_PARAMS]
+        return _flags_as_flags(params)
 
     def format_help(self, ctx: typer.Context, formatter: Any) -> None:
         with whole_option_names():
@@ -127,18 +129,22 @@ class KvtraceGroup(TyperGroup):
             ctx.meta[DEBUG_KEY] = True
             args = [a for a in args if a != "--debug"]
         ctx.meta[ui.ARGV_KEY] = list(args)
-        return super().parse_args(ctx, optional_value(args, "--serve", DEFAULT_SERVE_PORT))
+        args = optional_value(args, "--serve", DEFAULT_SERVE_PORT)
+        for option in ("--install-completion", "--show-completion"):
+            args = optional_value(args, option, CURRENT_SHELL, is_value=lambda arg: not arg.startswith("-"))
+        try:
+            return super().parse_args(ctx, args)
+        except _USAGE_ERROR as exc:  # a bad root option: one line, as for a command's
+            if type(exc).__name__ == "NoArgsIsHelpError":  # no arguments: the help
+                raise
+            _usage_error(exc, bool(ctx.meta.get(DEBUG_KEY)))
 
     def invoke(self, ctx: typer.Context) -> Any:
         debug = bool(ctx.meta.get(DEBUG_KEY))
         try:
             return super().invoke(ctx)
         except _USAGE_ERROR as exc:  # a bad option value or argument of a command: one line
-            if debug:
-                traceback.print_exc()
-            where = exc.ctx.command_path if exc.ctx is not None else "kvtrace"
-            typer.echo(f"kvtrace: error: {exc.format_message()} (see '{where} --help')", err=True)
-            raise typer.Exit(exc.exit_code) from None
+            _usage_error(exc, debug)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
         except USER_ERRORS as exc:  # KvtraceError and traces' TraceError
@@ -166,15 +172,49 @@ class KvtraceGroup(TyperGroup):
             raise typer.Exit(2) from None
 
 
-def optional_value(args: list[str], option: str, default: str) -> list[str]:
+def _usage_error(exc: Any, debug: bool) -> None:
+    """Print a usage error (click's ``UsageError``) as one line and exit with its code."""
+    if debug:
+        traceback.print_exc()
+    where = exc.ctx.command_path if exc.ctx is not None else "kvtrace"
+    typer.echo(f"kvtrace: error: {exc.format_message()} (see '{where} --help')", err=True)
+    raise typer.Exit(exc.exit_code) from None
+
+
+def optional_value(
+    args: list[str], option: str, default: str, *, is_value: Callable[[str], bool] = str.isdigit
+) -> list[str]:
     """Give ``option`` its default value where it is not followed by one (``--serve [PORT]``:
-    click options take a value or none, not an optional one)."""
+    click options take a value or none, not an optional one).
+
+    Args:
+        is_value: whether the argument after ``option`` is its value (default: digits).
+    """
     out: list[str] = []
     for i, arg in enumerate(args):
         out.append(arg)
-        if arg == option and (i + 1 == len(args) or not args[i + 1].isdigit()):
+        if arg == option and (i + 1 == len(args) or not is_value(args[i + 1])):
             out.append(default)
     return out
+
+
+# The shells typer completes, and what ``--install-completion`` alone stands for.
+SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+CURRENT_SHELL = ""
+_TYPER_COMPLETION_PARAMS = ("install_completion", "show_completion")
+
+
+def _completion(ctx: typer.Context, param: Any, value: str | None) -> None:
+    """Callback of ``--install-completion [SHELL]`` and ``--show-completion [SHELL]``: typer's
+    own, given the shell named (typer's options detect the shell and ignore a name)."""
+    if value is None or ctx.resilient_parsing:
+        return
+    if value != CURRENT_SHELL and value not in SHELLS:
+        raise typer.BadParameter(f"'{value}' is not a shell kvtrace completes; use one of {', '.join(SHELLS)}")
+    from typer import completion
+
+    handler = completion.install_callback if param.name == "install_shell" else completion.show_callback
+    handler(ctx, param, value or True)  # True: the shell kvtrace runs in
 
 
 _app = typer.Typer(
@@ -220,6 +260,20 @@ def _root(
     ] = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
+    install_shell: Annotated[
+        Optional[str],
+        typer.Option(
+            "--install-completion", metavar="[SHELL]", is_eager=True, callback=_completion, show_default=False,
+            help=f"Install completion for SHELL ({', '.join(SHELLS)}; default: the shell kvtrace runs in).",
+        ),
+    ] = None,
+    show_shell: Annotated[
+        Optional[str],
+        typer.Option(
+            "--show-completion", metavar="[SHELL]", is_eager=True, callback=_completion, show_default=False,
+            help="Print the completion script for SHELL (default: the shell kvtrace runs in), to copy or customise.",
+        ),
+    ] = None,
 ) -> None:
     """Record and replay the KV-cache allocator of LLM serving engines, every invariant checked.
 

@@ -121,6 +121,35 @@ def test_shell_completion() -> None:
     assert complete("kvtrace replay sample:tiny --device ", 4) == ["cpu", "cuda"]
 
 
+def test_completion_installs_and_shows_the_shell_named(tmp_path: Path) -> None:
+    """Run from bash, as a user's would be: the shell named on the command line wins over
+    the one kvtrace runs in (typer's own options ignored the name and installed bash's)."""
+
+    def kvtrace_from_bash(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SHELL": "/bin/bash", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+        return subprocess.run(["bash", "-c", '"$0" -m kvtrace "$@"; exit $?', sys.executable, *args],
+                              capture_output=True, text=True, env=env, cwd=ROOT)
+
+    installed = kvtrace_from_bash("--install-completion", "zsh")
+    assert installed.returncode == 0 and "zsh completion installed" in installed.stdout, installed.stderr
+    assert (tmp_path / ".zfunc" / "_kvtrace").read_text().startswith("#compdef kvtrace")
+    assert (tmp_path / ".zshrc").is_file() and not (tmp_path / ".bashrc").exists()
+    shown = kvtrace_from_bash("--show-completion", "zsh")
+    assert shown.returncode == 0 and shown.stdout.startswith("#compdef kvtrace"), shown.stderr
+    wrong = kvtrace_from_bash("--show-completion", "tcsh")
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr.strip().splitlines() == [
+        "kvtrace: error: Invalid value for '--show-completion': 'tcsh' is not a shell kvtrace completes; "
+        "use one of bash, zsh, fish, powershell, pwsh (see 'kvtrace --help')"
+    ]
+
+
+def test_a_bad_root_option_is_one_line() -> None:
+    result = runner.invoke(app, ["--bogus", "info", "sample:tiny"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "kvtrace: error: No such option: --bogus (see 'kvtrace --help')"
+
+
 @pytest.mark.parametrize("placement", ["root", "command"])
 def test_quiet_and_no_color_everywhere(placement: str) -> None:
     colour = runner.invoke(app, ["info", "sample:tiny"], env={"FORCE_COLOR": "1"})
