@@ -30,7 +30,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from kvtrace import __version__
 from kvtrace.cli import ui
-from kvtrace.cli.options import NoColorOpt, QuietOpt, examples
+from kvtrace.cli.options import JsonOpt, NoColorOpt, QuietOpt, examples
 from kvtrace.errors import USER_ERRORS
 
 DEBUG_KEY = "kvtrace.debug"
@@ -260,6 +260,7 @@ def _root(
     ] = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
     install_shell: Annotated[
         Optional[str],
         typer.Option(

@@ -74,7 +74,11 @@ TraceArg = Annotated[
 ]
 JsonOpt = Annotated[
     bool,
-    typer.Option("--json", help="Print one JSON object on stdout (numbers rounded); progress and warnings go to stderr."),
+    typer.Option(
+        "--json",
+        help="Print one JSON object on stdout (numbers rounded); progress and warnings go to stderr.",
+        callback=ui.set_json,
+    ),
 ]
 QuietOpt = Annotated[
     bool,

@@ -191,6 +191,7 @@ def replay(
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:
+        ui.no_color_for_textual()
         _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target)
         return
     err = ui.console(stderr=True)

@@ -167,6 +167,26 @@ def test_quiet_and_no_color_everywhere(placement: str) -> None:
         assert "\x1b[" not in result.stdout and "\x1b[" not in result.stderr  # ... but not with --no-color
 
 
+def test_json_before_the_command_name() -> None:
+    after = runner.invoke(app, ["info", "sample:tiny", "--json"])
+    before = runner.invoke(app, ["--json", "info", "sample:tiny"])
+    assert before.exit_code == 0 and json.loads(before.stdout) == json.loads(after.stdout)
+    validate = runner.invoke(app, ["--json", "-q", "validate", "sample:tiny"])
+    assert validate.exit_code == 0 and json.loads(validate.stdout)["ok"] is True
+
+
+def test_view_takes_json_quiet_and_no_color(tmp_path: Path) -> None:
+    log = tmp_path / "tiny.arrow"
+    assert runner.invoke(app, ["replay", "sample:tiny", "--out", str(log), "-q"]).exit_code == 0
+    info = json.loads(runner.invoke(app, ["info", str(log), "--json"]).stdout)
+    for args in (["view", str(log), "--json", "-q", "--no-color"], ["--json", "view", str(log)]):
+        result = runner.invoke(app, args, env={"FORCE_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout) == info and "\x1b[" not in result.stdout
+    served = runner.invoke(app, ["view", str(log), "--json", "--serve"])
+    assert served.exit_code == 2 and "drop --json or --serve" in served.stderr
+
+
 def test_one_warning_style(tmp_path: Path) -> None:
     from traces.samples import sample_path
 
