@@ -8,6 +8,7 @@ so ``--help`` lists their choices; flags are plain booleans, shown as flags.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated
 
@@ -62,6 +63,18 @@ def examples(*lines: str) -> str:
     """
     body = "\n".join(f"  [dim]{line}[/dim]" if line.startswith("#") else f"  $ {line}" for line in lines)
     return f"[b]Examples[/b]\n\b\n{body}"
+
+
+def finite(value: float | None) -> float | None:
+    """Callback of every float option: NaN and infinities mean nothing to any of them
+    (a rate, a factor, a probability, seconds), so they are refused, naming the option.
+
+    Raises:
+        typer.BadParameter: ``value`` is NaN or infinite.
+    """
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, found {value}")
+    return value
 
 
 TraceArg = Annotated[

@@ -25,6 +25,7 @@ from kvtrace.cli.options import (
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
     examples,
+    finite,
 )
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def shrink(
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     device: DeviceOpt = Device.cpu,
-    max_time: Annotated[Optional[float], typer.Option("--max-time", min=0, help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
+    max_time: Annotated[Optional[float], typer.Option("--max-time", min=0, callback=finite, help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Processes judging candidates in parallel.", show_default="every usable core; 1 for a trace under 2 MB")] = None,
     emit_test: Annotated[Optional[Path], typer.Option("--emit-test", help="Write a pytest test here (tests/regress/test_NAME.py) that replays the shrunk trace, stored beside it as test_NAME.kvtrace.", show_default=False)] = None,
     expect_failure: Annotated[bool, typer.Option("--expect-failure", help="The emitted test asserts the failure is still there (default: that it is gone).")] = False,

@@ -187,6 +187,28 @@ def test_view_takes_json_quiet_and_no_color(tmp_path: Path) -> None:
     assert served.exit_code == 2 and "drop --json or --serve" in served.stderr
 
 
+def test_every_float_option_refuses_nan_and_infinity_naming_itself() -> None:
+    floats = [(words, param.opts[0]) for words, cmd in _click_commands() for param in cmd.params
+              if "float" in getattr(param.type, "name", "")]
+    assert {opt for _, opt in floats} >= {"--flush-interval", "--spec-acceptance", "--time-scale", "--rate", "--max-time"}
+    for words, option in floats:
+        for value in ("nan", "inf", "-inf"):
+            result = runner.invoke(app, [*words, option, value])
+            assert result.exit_code == 2, (words, option, value)
+            [line] = result.stderr.strip().splitlines()
+            assert line.startswith(f"kvtrace: error: Invalid value for '{option}': "), line
+            if value != "-inf":  # (below an option's minimum, click's range message says so first)
+                assert f"must be a finite number, found {float(value)} " in line, line
+
+
+@pytest.mark.parametrize("command", ["record", "sweep run"])
+def test_a_negative_seed_names_the_option(command: str, tmp_path: Path) -> None:
+    out = tmp_path / "unused"
+    result = runner.invoke(app, [*command.split(), "sample:tiny", "-o", str(out), "--seed", "-1"])
+    assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in result.stderr
+    assert not out.exists()
+
+
 def test_one_warning_style(tmp_path: Path) -> None:
     from traces.samples import sample_path
 
