@@ -107,12 +107,12 @@ ForceOpt = Annotated[
     bool,
     typer.Option("--force", help="Replace an existing output file (an input is never overwritten)."),
 ]
-PoolForceOpt = Annotated[
+IgnoreMemoryCheckOpt = Annotated[
     bool,
     typer.Option(
-        "--force",
-        help="Replace an existing output file (an input is never overwritten); build the pool even when it "
-        "looks bigger than the machine's available memory.",
+        "--ignore-memory-check",
+        help="Build the pool even when its estimated memory exceeds what the machine has available "
+        "(--force only overwrites).",
     ),
 ]
 DeviceOpt = Annotated[

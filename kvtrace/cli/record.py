@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import typer
 
 from kvtrace.cli import command, ui
-from kvtrace.cli.options import Codec, Device, DeviceOpt, PoolForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
+from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
 from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
 from kvtrace.serving import (
     DEFAULT_CHUNK,
@@ -258,7 +258,8 @@ def record_command(
     flush_interval: Annotated[
         float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).", callback=finite)
     ] = FLUSH_INTERVAL_S,
-    force: PoolForceOpt = False,
+    force: ForceOpt = False,
+    ignore_memory_check: IgnoreMemoryCheckOpt = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -341,7 +342,7 @@ def record_command(
         flush_interval_s=flush_interval or None,
         compact_steps_per_batch=compact or None,
         command=ui.command_line(ctx.meta),
-        force=force,
+        force=ignore_memory_check,
         **settings,
     )
     if fmt_name == "trace":

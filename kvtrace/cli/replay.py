@@ -17,7 +17,8 @@ from kvtrace.cli.options import (
     CheckMode,
     Device,
     DeviceOpt,
-    PoolForceOpt,
+    ForceOpt,
+    IgnoreMemoryCheckOpt,
     JsonOpt,
     NoColorOpt,
     OnBadOp,
@@ -137,7 +138,8 @@ def replay(
     on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.", show_default="every step")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the step-by-step state log (an Arrow IPC file) here.", show_default=False)] = None,
-    force: PoolForceOpt = False,
+    force: ForceOpt = False,
+    ignore_memory_check: IgnoreMemoryCheckOpt = False,
     digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
@@ -187,7 +189,7 @@ def replay(
 
         # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
         ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
-                      options=options, screen="inline", force_memory=force).close()
+                      options=options, screen="inline", force_memory=ignore_memory_check).close()
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:
@@ -197,7 +199,7 @@ def replay(
     err = ui.console(stderr=True)
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
-        force_memory=force,
+        force_memory=ignore_memory_check,
     ) as session:
         if target is None:
             _run(session, err, None)

@@ -209,6 +209,22 @@ def test_a_negative_seed_names_the_option(command: str, tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_force_only_overwrites_and_the_memory_check_has_its_own_flag(tmp_path: Path) -> None:
+    small = {"KVTRACE_MEMORY_LIMIT": "1K"}  # any pool looks too big for this machine
+    log = tmp_path / "tiny.arrow"
+    log.write_text("an older log")
+    refused = runner.invoke(app, ["replay", "sample:tiny", "--out", str(log), "--force"], env=small)
+    assert refused.exit_code == 2 and refused.stderr.strip().endswith("pass --ignore-memory-check to try anyway")
+    assert log.read_text() == "an older log"
+    built = runner.invoke(app, ["replay", "sample:tiny", "--out", str(log), "--force", "--ignore-memory-check"], env=small)
+    assert built.exit_code == 0, built.output
+    kept = runner.invoke(app, ["replay", "sample:tiny", "--out", str(log), "--ignore-memory-check"], env=small)
+    assert kept.exit_code == 2 and "already exists; pass --force to overwrite it" in kept.stderr
+    out = tmp_path / "t.kvtrace"
+    recorded = runner.invoke(app, ["record", "sample:tiny", "-o", str(out), "--force", "-q"], env=small)
+    assert recorded.exit_code == 2 and "pass --ignore-memory-check" in recorded.stderr and not out.exists()
+
+
 def test_one_warning_style(tmp_path: Path) -> None:
     from traces.samples import sample_path
 
