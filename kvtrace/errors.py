@@ -54,6 +54,11 @@ class OutputError(KvtraceError):
     it is a directory, or its directory does not exist."""
 
 
+class NoTerminalError(KvtraceError):
+    """The full-screen dashboard was asked for where there is no terminal to draw it on
+    (stdout, stdin or stderr a pipe or a file)."""
+
+
 # Every exception the CLI reports as one line (never a traceback without --debug).
 USER_ERRORS: tuple[type[Exception], ...] = (KvtraceError, TraceError)
 
@@ -62,6 +67,7 @@ __all__ = [
     "ConfigError",
     "EmptyRecordingError",
     "KvtraceError",
+    "NoTerminalError",
     "OutputError",
     "TraceCorruptError",
     "TraceError",

@@ -83,6 +83,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
     version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
     job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
                         pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True)
+    ui.require_terminal("run it in a terminal, add --serve to show it as a web page, or drop --tui")
     if target is None:
         run_live(job)
         return

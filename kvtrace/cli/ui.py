@@ -86,6 +86,23 @@ def no_color_for_textual() -> None:
         os.environ["NO_COLOR"] = "1"
 
 
+def require_terminal(alternative: str) -> None:
+    """Refuse to start the full-screen dashboard without a terminal: drawn into a pipe or a
+    file it would write escape codes and wait for keys that never come.
+
+    Args:
+        alternative: what the user can do instead (``"add --serve to ..."``).
+
+    Raises:
+        NoTerminalError: stdout, stdin or stderr (where Textual draws) is not a terminal.
+    """
+    from kvtrace.errors import NoTerminalError
+
+    for name, stream in (("stdout", sys.stdout), ("stdin", sys.stdin), ("stderr", sys.stderr)):
+        if stream is None or not stream.isatty():
+            raise NoTerminalError(f"the dashboard needs a terminal, and {name} is not one (a pipe or a file); {alternative}")
+
+
 def color() -> bool:
     """Whether colours and styles are allowed (no ``--no-color``, no ``NO_COLOR``)."""
     return not settings.no_color and not os.environ.get("NO_COLOR")

@@ -35,7 +35,8 @@ def view(
 
     With --json, prints the log's summary instead (the object of kvtrace info LOG --json).
 
-    Exit code: 0 after quitting; 2 when LOG is not a readable state log.
+    Exit code: 0 after quitting; 2 when LOG is not a readable state log, or without --serve
+    when stdout, stdin or stderr is not a terminal.
     """
     from kvtrace.logsession import StateLogSession
 
@@ -49,6 +50,8 @@ def view(
 
         ui.emit_json(state_log_info(str(log)))
         return
+    if serve is None:
+        ui.require_terminal("run it in a terminal, add --serve to show it as a web page, or --json for the summary")
     ui.no_color_for_textual()
     if serve is not None:
         from kvtrace.tui.run import serve as serve_dashboard

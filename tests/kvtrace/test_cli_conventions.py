@@ -225,6 +225,20 @@ def test_force_only_overwrites_and_the_memory_check_has_its_own_flag(tmp_path: P
     assert recorded.exit_code == 2 and "pass --ignore-memory-check" in recorded.stderr and not out.exists()
 
 
+def test_the_dashboard_refuses_to_start_without_a_terminal(tmp_path: Path) -> None:
+    """stdout a pipe: one line and exit 2, at once, instead of escape codes and a wait for keys."""
+    log = tmp_path / "tiny.arrow"
+    assert runner.invoke(app, ["replay", "sample:tiny", "--out", str(log), "-q"]).exit_code == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args, instead in ((["view", str(log)], "or --json for the summary"), (["replay", "sample:tiny", "--tui"], "or drop --tui")):
+        result = subprocess.run([sys.executable, "-m", "kvtrace", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, env=env, cwd=ROOT, timeout=60)
+        assert result.returncode == 2 and result.stdout == "", args
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("kvtrace: error: the dashboard needs a terminal, and stdout is not one (a pipe or a file); "), line
+        assert line.endswith(instead) and "--serve" in line, line
+
+
 def test_one_warning_style(tmp_path: Path) -> None:
     from traces.samples import sample_path
 
