@@ -220,8 +220,26 @@ def replay(
     if as_json:
         ui.emit_json(summary)
     else:
-        render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}")
+        render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}", rerun=_rerun_options(
+            page_size=page_size, pool_tokens=pool_tokens, allocator=allocator, on_oom=on_oom, on_bad_op=on_bad_op))
     raise typer.Exit(1 if result.failed else 0)
+
+
+def _rerun_options(*, page_size: int | None, pool_tokens: int | None, allocator: str, on_oom: OnOom,
+                   on_bad_op: OnBadOp) -> tuple[str, ...]:
+    """The options given that change what a replay does, to repeat in a suggested command line."""
+    given: list[str] = []
+    if pool_tokens is not None:
+        given += ["--pool-tokens", str(pool_tokens)]
+    if page_size is not None:
+        given += ["--page-size", str(page_size)]
+    if allocator != "builtin":
+        given += ["--allocator", allocator]
+    if on_oom is not OnOom.stop:
+        given += ["--on-oom", on_oom.value]
+    if on_bad_op is not OnBadOp.stop:
+        given += ["--on-bad-op", on_bad_op.value]
+    return tuple(given)
 
 
 def _run(session: Any, err: Console, log: Any) -> None:

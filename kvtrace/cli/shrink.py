@@ -195,8 +195,10 @@ def _render(result: ShrinkResult, summary: dict[str, Any], console: Console) -> 
 
 
 def _size(d: dict[str, int]) -> str:
+    from kvtrace.report import count
+
     r = d["requests"]
-    return f"{r:,} request{'s' if r != 1 else ''}, {d['steps']:,} steps, {d['ops']:,} ops"
+    return f"{count(r, 'request')}, {count(d['steps'], 'step')}, {count(d['ops'], 'op')}"
 
 
 class _Progress:

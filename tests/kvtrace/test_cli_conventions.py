@@ -239,6 +239,44 @@ def test_the_dashboard_refuses_to_start_without_a_terminal(tmp_path: Path) -> No
         assert line.endswith(instead) and "--serve" in line, line
 
 
+def test_the_look_closer_hint_repeats_the_options_that_change_the_replay() -> None:
+    faulty = "tests/kvtrace/faulty_allocators.py:stale_row"
+    what_if = ["--pool-tokens", "4000", "--page-size", "8"]
+    first = runner.invoke(app, ["replay", "sample:tiny", "--allocator", faulty, *what_if, "--check", "every"])
+    assert first.exit_code == 1
+    hint = next(line for line in first.stdout.splitlines() if line.startswith("To look closer: "))
+    command = hint.removeprefix("To look closer: ").removesuffix(" (-x stops at the first violation)").split()
+    assert command[:2] == ["kvtrace", "replay"] and " ".join(what_if) in " ".join(command), hint
+    again = runner.invoke(app, [*command[1:], "--json"])
+    ran = json.loads(again.stdout)
+    assert (ran["pool_tokens"], ran["page_size"]) == (4000, 8)
+    expected = json.loads(runner.invoke(app, ["replay", "sample:tiny", "--allocator", faulty, *what_if, "--check",
+                                              "every", "--json"]).stdout)["violations"][0]
+    assert ran["violations"][0] == expected
+
+
+def test_human_counts_have_plurals_and_thousands_separators() -> None:
+    from rich.console import Console
+
+    from kvtrace.report import count, render_replay_summary
+
+    assert [count(1, "page"), count(2, "page"), count(0, "page"), count(12031, "request")] == [
+        "1 page", "2 pages", "0 pages", "12,031 requests"]
+    assert count(1, "record batch", "record batches") == "1 record batch" and count(3, "batch", "batches") == "3 batches"
+    result = runner.invoke(app, ["replay", "sample:tiny"])
+    # sample:tiny's recorded prefix lengths came from another cache: the line says which hits differ
+    assert "28 admissions; 24 recomputed prefix hits differ from the recorded ones; 880 tokens evicted" in result.stdout
+    summary = json.loads(runner.invoke(app, ["replay", "sample:tiny", "--json"]).stdout)
+    summary.update(peak_step=74020, duration_s=9557.0, admissions=1, evicted_tokens=1, prefix_differs_from_recorded=1,
+                   num_violations=1, violations=[{"step": 12345, "rid": 3, "op": "decode", "check": "c", "detail": "d"}])
+    console = Console(record=True, width=300)
+    render_replay_summary(summary, console)
+    text = console.export_text()
+    for part in ("at step 74,020", "9,557.0 s of serving", "over 1 admission;", "1 recomputed prefix hit differs from the "
+                 "recorded one;", "1 token evicted", "1 violation ", "--steps 12245:12346"):
+        assert part in text, (part, text)
+
+
 def test_one_warning_style(tmp_path: Path) -> None:
     from traces.samples import sample_path
 
