@@ -175,7 +175,7 @@ def check_memory(
 
     Raises:
         ConfigError: one line: the estimate, what is available, the part that needs
-            the most and the option or metadata field behind it, and ``--force``.
+            the most and the option or metadata field behind it, and ``--ignore-memory-check``.
     """
     estimate = estimate_memory(config, num_rids)
     if force:
@@ -191,7 +191,7 @@ def check_memory(
         return estimate
     part, behind = _largest_part(config, estimate, num_rids, names)
     options = [name for name in behind if name.startswith("--")]
-    advice = f"lower {' or '.join(options)}, or pass --force" if options else "pass --force"
+    advice = f"lower {' or '.join(options)}, or pass --ignore-memory-check" if options else "pass --ignore-memory-check"
     raise ConfigError(
         f"not enough memory: the allocator needs about {format_bytes(estimate.total)} and this machine "
         f"has {format_bytes(available)} available{_limit_note(limit)}; {part}; {advice} to try anyway"

@@ -70,6 +70,11 @@ class Terminated(BaseException):
         super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
+class NoTerminalError(KvtraceError):
+    """The full-screen dashboard was asked for where there is no terminal to draw it on
+    (stdout, stdin or stderr a pipe or a file)."""
+
+
 # Every exception the CLI reports as one line (never a traceback without --debug).
 USER_ERRORS: tuple[type[Exception], ...] = (KvtraceError, TraceError)
 
@@ -78,6 +83,7 @@ __all__ = [
     "ConfigError",
     "EmptyRecordingError",
     "KvtraceError",
+    "NoTerminalError",
     "OutputError",
     "Terminated",
     "TraceCorruptError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -82,12 +83,21 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
     }
 
 
-def _fmt_tokens(n: int) -> str:
-    return f"{n:,}"
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` things in words, with thousands separators: ``count(1, "page")`` is "1 page",
+    ``count(12031, "request")`` "12,031 requests" (``plural``: when not noun + "s")."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
-def render_replay_summary(summary: dict[str, Any], console: Console, *, title: str = "replay") -> None:
-    """Print the summary as rich tables (the human form of ``replay_summary``)."""
+def render_replay_summary(
+    summary: dict[str, Any], console: Console, *, title: str = "replay", rerun: tuple[str, ...] = ()
+) -> None:
+    """Print the summary as rich tables (the human form of ``replay_summary``).
+
+    Args:
+        rerun: the options the user gave that change the replay (``--pool-tokens 100``), which the
+            "to look closer" command line after a violation repeats.
+    """
     s = summary
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("", style="bold")
@@ -96,7 +106,7 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
     span = ""
     if window["start"] is not None or window["stop"] is not None:
         span = f" (window {window['start'] if window['start'] is not None else ''}:{window['stop'] if window['stop'] is not None else ''}"
-        span += f", steps {s['first_step']}..{s['last_step']})" if s["first_step"] is not None else ", no step)"
+        span += f", steps {s['first_step']:,}..{s['last_step']:,})" if s["first_step"] is not None else ", no step)"
     table.add_row("steps / requests / ops", f"{s['steps']:,} / {s['requests']:,} / {s['ops']:,}{span}")
     table.add_row("pool", f"{s['pool_tokens']:,} tokens, page size {s['page_size']}, device {s['device']}")
     tok = s["tokens"]
@@ -106,19 +116,19 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
         f"decode {tok['decode']:,}, spec accepted {tok['spec_accepted']:,}",
     )
     pct = 100.0 * s["peak_used_tokens"] / s["pool_tokens"] if s["pool_tokens"] else 0.0
-    table.add_row("peak occupancy", f"{s['peak_used_tokens']:,} tokens ({pct:.1f}%) at step {s['peak_step']}")
+    table.add_row("peak occupancy", f"{count(s['peak_used_tokens'], 'token')} ({pct:.1f}%) at step {_num(s['peak_step'])}")
     table.add_row(
         "prefix cache",
-        f"hit rate {100 * s['prefix_hit_rate']:.1f}% over {s['admissions']:,} admissions; "
-        f"{s['prefix_differs_from_recorded']:,} differ from the recording; "
-        f"{s['evicted_tokens']:,} tokens evicted",
+        f"hit rate {100 * s['prefix_hit_rate']:.1f}% over {count(s['admissions'], 'admission')}; "
+        f"{_differs(s['prefix_differs_from_recorded'])}; "
+        f"{count(s['evicted_tokens'], 'token')} evicted",
     )
     oa = s["overalloc"]
     start = f"held at start {oa['held_at_start']:,} + " if oa["held_at_start"] else ""
     table.add_row(
         "over-allocation",
-        f"{start}allocated {oa['allocated']:,} - released {oa['released']:,} = held at end {oa['held_at_end']:,} "
-        f"speculative slots; page-tail padding at end {oa['page_tail_at_end']:,}",
+        f"{start}allocated {oa['allocated']:,} - released {oa['released']:,} = held at end "
+        f"{count(oa['held_at_end'], 'speculative slot')}; page-tail padding at end {oa['page_tail_at_end']:,}",
     )
     table.add_row("releases", f"{s['finishes']:,} finished, {s['retractions']:,} retracted, {s['aborts']:,} aborted")
     oom = s["oom"]
@@ -127,18 +137,18 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
     else:
         table.add_row(
             "out of memory",
-            f"[red]first at step {oom['step']}, request {oom['rid']} ({oom['op']}): needed {oom['needed']:,}, "
+            f"[red]first at step {oom['step']:,}, request {oom['rid']} ({oom['op']}): needed {oom['needed']:,}, "
             f"free {oom['free']:,}, evictable {oom['evictable']:,}[/red]"
-            + (f"; {s['num_ooms']} in all, {s['dropped_requests']} requests dropped" if s["num_ooms"] > 1 else ""),
+            + (f"; {s['num_ooms']:,} in all, {count(s['dropped_requests'], 'request')} dropped" if s["num_ooms"] > 1 else ""),
         )
     if s["bad_ops"]:
         table.add_row("bad ops in trace", f"[yellow]{s['bad_ops']:,} skipped[/yellow]")
     nv = s["num_violations"]
-    table.add_row("invariants", "[green]clean[/green]" if nv == 0 else f"[red]{nv:,} violations[/red]")
+    table.add_row("invariants", "[green]clean[/green]" if nv == 0 else f"[red]{count(nv, 'violation')}[/red]")
     speed = s["speedup_vs_realtime"]
     table.add_row(
         "time",
-        f"wall {s['wall_s']:.2f} s (allocator {s['allocator_s']:.2f} s) for {s['duration_s']:.1f} s of serving"
+        f"wall {s['wall_s']:,.2f} s (allocator {s['allocator_s']:,.2f} s) for {s['duration_s']:,.1f} s of serving"
         + (f" = {speed:,.0f}x real time" if speed else ""),
     )
     if s["stopped_early"]:
@@ -155,11 +165,24 @@ def render_replay_summary(summary: dict[str, Any], console: Console, *, title: s
         if nv > len(shown):
             console.print(f"... and {nv - len(shown):,} more (all of them with --json)")
         first = shown[0]["step"]
+        again = shlex.join(["kvtrace", "replay", s["trace"], *rerun])
+        allocator = f" --allocator {shlex.quote(s['allocator'])}" if s["allocator"] != "builtin" and "--allocator" not in rerun else ""
         console.print(
-            f"To look closer: kvtrace replay {s['trace']} --steps {max(first - RERUN_CONTEXT_STEPS, 0)}:{first + 1} "
-            f"--check every{' --allocator ' + s['allocator'] if s['allocator'] != 'builtin' else ''} "
-            f"(-x stops at the first violation)"
+            f"To look closer: {again}{allocator} --steps {max(first - RERUN_CONTEXT_STEPS, 0)}:{first + 1} "
+            "--check every (-x stops at the first violation)",
+            markup=False,
         )
+
+
+def _num(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _differs(n: int) -> str:
+    """How many admissions the replay's radix cache gave another prefix hit than the recording's."""
+    if n == 1:
+        return "1 recomputed prefix hit differs from the recorded one"
+    return f"{n:,} recomputed prefix hits differ from the recorded ones"
 
 
 # ---------------------------------------------------------------------------- kvtrace diff
@@ -169,12 +192,12 @@ HISTORY_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len")
 _SUMMARY_ROWS: tuple[tuple[str, Any], ...] = (
     ("steps", lambda s: s.get("steps")),
     ("peak occupancy", lambda s: None if s.get("peak_used_tokens") is None else
-        f"{s['peak_used_tokens']:,} tokens at step {s.get('peak_step')}"),
+        f"{s['peak_used_tokens']:,} tokens at step {_num(s.get('peak_step'))}"),
     ("prefix hit rate", lambda s: None if s.get("prefix_hit_rate") is None else f"{100 * s['prefix_hit_rate']:.2f}%"),
     ("evicted tokens", lambda s: s.get("evicted_tokens")),
     ("over-allocation", lambda s: _overalloc(s.get("overalloc"))),
     ("out of memory", lambda s: "none" if s.get("oom") is None else
-        f"step {s['oom']['step']}, request {s['oom']['rid']}"),
+        f"step {_num(s['oom']['step'])}, request {s['oom']['rid']}"),
     ("invariant violations", lambda s: s.get("num_violations")),
     ("wall time", lambda s: None if s.get("wall_s") is None else f"{s['wall_s']:.2f} s"),
 )
@@ -234,7 +257,7 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
         if d["history"]:
             what = f"request {d['rid']}" if d["rid"] is not None else d["field"]
             unit = " (allocated / committed / protected, phase)" if d["rid"] is not None else ""
-            table = Table(title=f"{what}, last {len(d['history'])} steps{unit}", title_justify="left", box=None)
+            table = Table(title=f"{what}, last {count(len(d['history']), 'step')}{unit}", title_justify="left", box=None)
             for column in ("step", "op", "A", "B"):
                 table.add_column(column)
             for h in d["history"]:
@@ -253,11 +276,11 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
         summary.add_row(label, x, y, style=style)
     console.print(summary)
     if report["identical"]:
-        console.print(f"[green]identical[/green] over {report['steps_compared']:,} steps")
+        console.print(f"[green]identical[/green] over {count(report['steps_compared'], 'step')}")
     else:
         n = len(report["divergences"])
         console.print(
-            f"[red]diverged[/red]: {n} divergence{'s' if n > 1 else ''} in {report['steps_compared']:,} steps compared"
+            f"[red]diverged[/red]: {count(n, 'divergence')} in {count(report['steps_compared'], 'step')} compared"
         )
 
 

@@ -21,15 +21,16 @@ import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Optional
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from kvtrace import __version__
 from kvtrace.cli import ui
-from kvtrace.cli.options import NoColorOpt, QuietOpt, examples
+from kvtrace.cli.options import JsonOpt, NoColorOpt, QuietOpt, examples
 from kvtrace.errors import USER_ERRORS, KvtraceError
 
 DEBUG_KEY = "kvtrace.debug"
@@ -47,18 +48,80 @@ def _flags_as_flags(params: list[Any]) -> list[Any]:
     return params
 
 
+def plain_usage(pieces: list[str]) -> list[str]:
+    """Usage pieces as kvtrace writes them: ``TRACE``, not typer's ``{TRACE}`` for a required argument."""
+    return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+_help_table: type | None = None
+
+
+@contextmanager
+def whole_option_names() -> Iterator[None]:
+    """While typer prints a help page, every option name keeps its full width.
+
+    typer lets rich shrink every column of its options table to fit the terminal, the
+    names too (``--max-prefill-…`` at 80 columns). Within this block its table gives the
+    columns before the type and the help (required mark, names, short names, negative
+    flags) a fixed width: only the type and the help wrap (a long word folds).
+    """
+    global _help_table
+    from typer import rich_utils
+
+    if _help_table is None:
+        from rich.cells import cell_len
+        from rich.table import Table
+        from rich.text import Text
+
+        class OptionsTable(Table):
+            def add_row(self, *renderables: Any, **kwargs: Any) -> None:
+                super().add_row(*renderables, **kwargs)
+                if len(renderables) < 6:  # not an options panel (the commands' table)
+                    return
+                for column, cell in zip(self.columns[:-2], renderables[:-2]):
+                    width = cell_len(cell if isinstance(cell, str) else cell.plain)
+                    column.width = max(column.width or 0, width)
+                for column in self.columns[-2:]:
+                    column.overflow = "fold"  # a word longer than the column breaks, whole
+                for text in getattr(renderables[-1], "renderables", ()):  # the help: rich Columns of Text
+                    if isinstance(text, Text):
+                        text.overflow = "fold"
+
+        _help_table = OptionsTable
+    original = rich_utils.Table
+    rich_utils.Table = _help_table
+    try:
+        yield
+    finally:
+        rich_utils.Table = original
+
+
 class KvtraceCommand(TyperCommand):
-    """A kvtrace command: flags are shown as flags in its help."""
+    """A kvtrace command: flags are shown as flags in its help, option names whole,
+    arguments plainly in its usage."""
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
         return _flags_as_flags(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        return plain_usage(super().collect_usage_pieces(ctx))
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        with whole_option_names():
+            super().format_help(ctx, formatter)
 
 
 class KvtraceGroup(TyperGroup):
     """Root group: accepts ``--debug`` at any position and turns errors into one line."""
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
-        return _flags_as_flags(super().get_params(ctx))
+        # typer's own completion options take no shell (they detect it); kvtrace's take one.
+        params = [p for p in super().get_params(ctx) if p.name not in _TYPER_COMPLETION_PARAMS]
+        return _flags_as_flags(params)
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        with whole_option_names():
+            super().format_help(ctx, formatter)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ui.reset()
@@ -66,18 +129,22 @@ class KvtraceGroup(TyperGroup):
             ctx.meta[DEBUG_KEY] = True
             args = [a for a in args if a != "--debug"]
         ctx.meta[ui.ARGV_KEY] = list(args)
-        return super().parse_args(ctx, optional_value(args, "--serve", DEFAULT_SERVE_PORT))
+        args = optional_value(args, "--serve", DEFAULT_SERVE_PORT)
+        for option in ("--install-completion", "--show-completion"):
+            args = optional_value(args, option, CURRENT_SHELL, is_value=lambda arg: not arg.startswith("-"))
+        try:
+            return super().parse_args(ctx, args)
+        except _USAGE_ERROR as exc:  # a bad root option: one line, as for a command's
+            if type(exc).__name__ == "NoArgsIsHelpError":  # no arguments: the help
+                raise
+            _usage_error(exc, bool(ctx.meta.get(DEBUG_KEY)))
 
     def invoke(self, ctx: typer.Context) -> Any:
         debug = bool(ctx.meta.get(DEBUG_KEY))
         try:
             return super().invoke(ctx)
         except _USAGE_ERROR as exc:  # a bad option value or argument of a command: one line
-            if debug:
-                traceback.print_exc()
-            where = exc.ctx.command_path if exc.ctx is not None else "kvtrace"
-            typer.echo(f"kvtrace: error: {exc.format_message()} (see '{where} --help')", err=True)
-            raise typer.Exit(exc.exit_code) from None
+            _usage_error(exc, debug)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
         except BrokenPipeError:  # the reader of our output went away (| head): done, quietly
@@ -177,15 +244,49 @@ def _discard_stdout() -> None:
         _discard_stdout_descriptor()
 
 
-def optional_value(args: list[str], option: str, default: str) -> list[str]:
+def _usage_error(exc: Any, debug: bool) -> None:
+    """Print a usage error (click's ``UsageError``) as one line and exit with its code."""
+    if debug:
+        traceback.print_exc()
+    where = exc.ctx.command_path if exc.ctx is not None else "kvtrace"
+    typer.echo(f"kvtrace: error: {exc.format_message()} (see '{where} --help')", err=True)
+    raise typer.Exit(exc.exit_code) from None
+
+
+def optional_value(
+    args: list[str], option: str, default: str, *, is_value: Callable[[str], bool] = str.isdigit
+) -> list[str]:
     """Give ``option`` its default value where it is not followed by one (``--serve [PORT]``:
-    click options take a value or none, not an optional one)."""
+    click options take a value or none, not an optional one).
+
+    Args:
+        is_value: whether the argument after ``option`` is its value (default: digits).
+    """
     out: list[str] = []
     for i, arg in enumerate(args):
         out.append(arg)
-        if arg == option and (i + 1 == len(args) or not args[i + 1].isdigit()):
+        if arg == option and (i + 1 == len(args) or not is_value(args[i + 1])):
             out.append(default)
     return out
+
+
+# The shells typer completes, and what ``--install-completion`` alone stands for.
+SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+CURRENT_SHELL = ""
+_TYPER_COMPLETION_PARAMS = ("install_completion", "show_completion")
+
+
+def _completion(ctx: typer.Context, param: Any, value: str | None) -> None:
+    """Callback of ``--install-completion [SHELL]`` and ``--show-completion [SHELL]``: typer's
+    own, given the shell named (typer's options detect the shell and ignore a name)."""
+    if value is None or ctx.resilient_parsing:
+        return
+    if value != CURRENT_SHELL and value not in SHELLS:
+        raise typer.BadParameter(f"'{value}' is not a shell kvtrace completes; use one of {', '.join(SHELLS)}")
+    from typer import completion
+
+    handler = completion.install_callback if param.name == "install_shell" else completion.show_callback
+    handler(ctx, param, value or True)  # True: the shell kvtrace runs in
 
 
 _app = typer.Typer(
@@ -231,6 +332,21 @@ def _root(
     ] = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
+    as_json: JsonOpt = False,
+    install_shell: Annotated[
+        Optional[str],
+        typer.Option(
+            "--install-completion", metavar="[SHELL]", is_eager=True, callback=_completion, show_default=False,
+            help=f"Install completion for SHELL ({', '.join(SHELLS)}; default: the shell kvtrace runs in).",
+        ),
+    ] = None,
+    show_shell: Annotated[
+        Optional[str],
+        typer.Option(
+            "--show-completion", metavar="[SHELL]", is_eager=True, callback=_completion, show_default=False,
+            help="Print the completion script for SHELL (default: the shell kvtrace runs in), to copy or customise.",
+        ),
+    ] = None,
 ) -> None:
     """Record and replay the KV-cache allocator of LLM serving engines, every invariant checked.
 

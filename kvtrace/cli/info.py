@@ -111,6 +111,8 @@ def _escaped(value: Any) -> Any:
 def _render_info(info: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from kvtrace.report import count
+
     info = _escaped(info)
     table = Table(title=f"kvtrace info: {info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
@@ -161,7 +163,7 @@ def _render_info(info: dict[str, Any]) -> None:
     )
     table.add_row("block size", str(info["block_size"]))
     steps = info["steps"]
-    span = "" if info["first_step"] is None else f" ({info['first_step']}..{info['last_step']})"
+    span = "" if info["first_step"] is None else f" ({info['first_step']:,}..{info['last_step']:,})"
     table.add_row("steps", f"{steps:,}{span}")
     table.add_row("requests", f"{info['requests']:,}")
     table.add_row("rows", f"{info['rows']:,} (at most {info['max_rows_per_step']:,} in a step)")
@@ -172,9 +174,9 @@ def _render_info(info: dict[str, Any]) -> None:
         f"prefill {tok['prefill']:,}, decode {tok['decode']:,}, spec accepted "
         f"{tok['spec_accepted']:,} of {tok['spec_drafted']:,} drafted, prealloc {tok['prealloc']:,}",
     )
-    table.add_row("longest request", f"{info['max_seq_len']:,} tokens")
+    table.add_row("longest request", count(info["max_seq_len"], "token"))
     table.add_row("duration", f"{info['duration_s']:,.2f} s (simulated)")
-    table.add_row("file", f"{info['file_bytes']:,} bytes, {info['record_batches']:,} record batches")
+    table.add_row("file", f"{count(info['file_bytes'], 'byte')}, {count(info['record_batches'], 'record batch', 'record batches')}")
     table.add_row(
         "truncated",
         f"[bold red]yes[/]: {info['truncation_detail']}" if info["truncated"] else "no",
@@ -318,7 +320,9 @@ def validate_command(
             if summary.holding_kv
             else ""
         )
-        verdict = "ok" if ok else f"{total:,} problem{'s' if total != 1 else ''}"
+        from kvtrace.report import count
+
+        verdict = "ok" if ok else count(total, "problem")
         typer.echo(f"{verdict}: {summary.steps:,} steps, {summary.requests:,} requests, {summary.rows:,} rows{held}")
     if not ok:
         raise typer.Exit(1)

@@ -8,6 +8,7 @@ so ``--help`` lists their choices; flags are plain booleans, shown as flags.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated
 
@@ -64,6 +65,18 @@ def examples(*lines: str) -> str:
     return f"[b]Examples[/b]\n\b\n{body}"
 
 
+def finite(value: float | None) -> float | None:
+    """Callback of every float option: NaN and infinities mean nothing to any of them
+    (a rate, a factor, a probability, seconds), so they are refused, naming the option.
+
+    Raises:
+        typer.BadParameter: ``value`` is NaN or infinite.
+    """
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, found {value}")
+    return value
+
+
 TraceArg = Annotated[
     str,
     typer.Argument(
@@ -74,7 +87,11 @@ TraceArg = Annotated[
 ]
 JsonOpt = Annotated[
     bool,
-    typer.Option("--json", help="Print one JSON object on stdout (numbers rounded); progress and warnings go to stderr."),
+    typer.Option(
+        "--json",
+        help="Print one JSON object on stdout (numbers rounded); progress and warnings go to stderr.",
+        callback=ui.set_json,
+    ),
 ]
 QuietOpt = Annotated[
     bool,
@@ -90,12 +107,12 @@ ForceOpt = Annotated[
     bool,
     typer.Option("--force", help="Replace an existing output file (an input is never overwritten)."),
 ]
-PoolForceOpt = Annotated[
+IgnoreMemoryCheckOpt = Annotated[
     bool,
     typer.Option(
-        "--force",
-        help="Replace an existing output file (an input is never overwritten); build the pool even when it "
-        "looks bigger than the machine's available memory.",
+        "--ignore-memory-check",
+        help="Build the pool even when its estimated memory exceeds what the machine has available "
+        "(--force only overwrites).",
     ),
 ]
 DeviceOpt = Annotated[

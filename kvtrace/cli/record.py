@@ -28,7 +28,7 @@ from typing import Annotated, Any
 import typer
 
 from kvtrace.cli import command, ui
-from kvtrace.cli.options import Codec, Device, DeviceOpt, PoolForceOpt, JsonOpt, NoColorOpt, QuietOpt, examples
+from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.serving import (
     DEFAULT_CHUNK,
@@ -220,7 +220,7 @@ def record_command(
         typer.Option(help="Speculative decoding ALGORITHM:STEPS,TOPK,DRAFT (e.g. eagle:3,1,4), or off.", show_default=_FROM_TRACE + "off"),
     ] = None,
     spec_acceptance: Annotated[
-        float | None, typer.Option(help="Per-draft acceptance probability (alpha).", show_default=_FROM_TRACE + "0.7")
+        float | None, typer.Option(help="Per-draft acceptance probability (alpha).", show_default=_FROM_TRACE + "0.7", callback=finite)
     ] = None,
     pd_decode: Annotated[
         bool | None,
@@ -231,13 +231,13 @@ def record_command(
         typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.", show_default="the whole file"),
     ] = None,
     time_scale: Annotated[
-        float, typer.Option(help="Multiply arrival times (2: half the request rate, same traffic between turns).")
+        float, typer.Option(help="Multiply arrival times (2: half the request rate, same traffic between turns).", callback=finite)
     ] = 1.0,
     rate: Annotated[
-        float | None, typer.Option(help="Arrival rate in requests/s (lengths format only).", show_default=False)
+        float | None, typer.Option(help="Arrival rate in requests/s (lengths format only).", show_default=False, callback=finite)
     ] = None,
     seed: Annotated[
-        int | None, typer.Option(help="Seed of arrivals (lengths) and speculative acceptance.", show_default=_FROM_TRACE + "0")
+        int | None, typer.Option(min=0, help="Seed of arrivals (lengths) and speculative acceptance.", show_default=_FROM_TRACE + "0")
     ] = None,
     policy: Annotated[PolicyOption | None, typer.Option(help="Waiting-queue policy.", show_default=_FROM_TRACE + "fcfs")] = None,
     step_time: Annotated[
@@ -260,9 +260,10 @@ def record_command(
     ] = DEFAULT_COMPACT,
     compression: Annotated[Codec, typer.Option(help="Codec of the finished trace.")] = Codec.zstd,
     flush_interval: Annotated[
-        float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).")
+        float, typer.Option(help="Also flush the trace every this many wall-clock seconds (0: only per batch).", callback=finite)
     ] = FLUSH_INTERVAL_S,
-    force: PoolForceOpt = False,
+    force: ForceOpt = False,
+    ignore_memory_check: IgnoreMemoryCheckOpt = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -348,7 +349,7 @@ def record_command(
             flush_interval_s=flush_interval or None,
             compact_steps_per_batch=compact or None,
             command=ui.command_line(ctx.meta),
-            force=force,
+            force=ignore_memory_check,
             **settings,
         )
         if fmt_name == "trace":

@@ -17,7 +17,8 @@ from kvtrace.cli.options import (
     CheckMode,
     Device,
     DeviceOpt,
-    PoolForceOpt,
+    ForceOpt,
+    IgnoreMemoryCheckOpt,
     JsonOpt,
     NoColorOpt,
     OnBadOp,
@@ -82,6 +83,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
     version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
     job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
                         pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True)
+    ui.require_terminal("run it in a terminal, add --serve to show it as a web page, or drop --tui")
     if target is None:
         run_live(job)
         return
@@ -137,7 +139,8 @@ def replay(
     on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.", show_default="every step")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the step-by-step state log (an Arrow IPC file) here.", show_default=False)] = None,
-    force: PoolForceOpt = False,
+    force: ForceOpt = False,
+    ignore_memory_check: IgnoreMemoryCheckOpt = False,
     digests: Annotated[bool, typer.Option("--digests", help="Put the allocator's state digest in every row of the state log (--out), for 'kvtrace diff LOG_A LOG_B --exact'.")] = False,
     allocator: Annotated[str, typer.Option("--allocator", help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory.")] = "builtin",
     tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
@@ -187,16 +190,17 @@ def replay(
 
         # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
         ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
-                      options=options, screen="inline", force_memory=force).close()
+                      options=options, screen="inline", force_memory=ignore_memory_check).close()
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:
+        ui.no_color_for_textual()
         _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target)
         return
     err = ui.console(stderr=True)
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
-        force_memory=force,
+        force_memory=ignore_memory_check,
     ) as session:
         if target is None:
             _run(session, err, None)
@@ -216,8 +220,26 @@ def replay(
     if as_json:
         ui.emit_json(summary)
     else:
-        render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}")
+        render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}", rerun=_rerun_options(
+            page_size=page_size, pool_tokens=pool_tokens, allocator=allocator, on_oom=on_oom, on_bad_op=on_bad_op))
     raise typer.Exit(1 if result.failed else 0)
+
+
+def _rerun_options(*, page_size: int | None, pool_tokens: int | None, allocator: str, on_oom: OnOom,
+                   on_bad_op: OnBadOp) -> tuple[str, ...]:
+    """The options given that change what a replay does, to repeat in a suggested command line."""
+    given: list[str] = []
+    if pool_tokens is not None:
+        given += ["--pool-tokens", str(pool_tokens)]
+    if page_size is not None:
+        given += ["--page-size", str(page_size)]
+    if allocator != "builtin":
+        given += ["--allocator", allocator]
+    if on_oom is not OnOom.stop:
+        given += ["--on-oom", on_oom.value]
+    if on_bad_op is not OnBadOp.stop:
+        given += ["--on-bad-op", on_bad_op.value]
+    return tuple(given)
 
 
 def _run(session: Any, err: Console, log: Any) -> None:

@@ -28,6 +28,7 @@ from kvtrace.cli.options import (
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
     examples,
+    finite,
 )
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def shrink(
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     device: DeviceOpt = Device.cpu,
-    max_time: Annotated[Optional[float], typer.Option("--max-time", help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
+    max_time: Annotated[Optional[float], typer.Option("--max-time", callback=finite, help="Seconds the search may take once the failure is found; then the smallest trace so far is kept (Ctrl-C does the same).", show_default="no limit")] = None,
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, help="Processes judging candidates in parallel.", show_default="every usable core; 1 for a trace under 2 MB")] = None,
     emit_test: Annotated[Optional[Path], typer.Option("--emit-test", help="Write a pytest test here (tests/regress/test_NAME.py) that replays the shrunk trace, stored beside it as test_NAME.kvtrace.", show_default=False)] = None,
     expect_failure: Annotated[bool, typer.Option("--expect-failure", help="The emitted test asserts the failure is still there (default: that it is gone).")] = False,
@@ -235,8 +236,10 @@ def _render(result: ShrinkResult, summary: dict[str, Any], console: Console) -> 
 
 
 def _size(d: dict[str, int]) -> str:
+    from kvtrace.report import count
+
     r = d["requests"]
-    return f"{r:,} request{'s' if r != 1 else ''}, {d['steps']:,} steps, {d['ops']:,} ops"
+    return f"{count(r, 'request')}, {count(d['steps'], 'step')}, {count(d['ops'], 'op')}"
 
 
 class _Progress:

@@ -101,6 +101,8 @@ def render_state_log_info(info: dict[str, Any]) -> None:
     """The state-log summary as a table on stdout."""
     from rich.table import Table
 
+    from kvtrace.report import count
+
     table = Table(title=f"kvtrace info: {info['path']} (state log)", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
@@ -110,28 +112,28 @@ def render_state_log_info(info: dict[str, Any]) -> None:
     shown = [key for key in _CONFIG_SHOWN if key in config]
     if shown:
         table.add_row("config", ", ".join(f"{key} {config[key]:,}" if isinstance(config[key], int) and not isinstance(config[key], bool) else f"{key} {config[key]}" for key in shown))
-    span = "" if info["first_step"] is None else f" ({info['first_step']}..{info['last_step']})"
-    keyframes = f", {info['keyframes']:,} keyframes" if info["keyframes"] else ""
+    span = "" if info["first_step"] is None else f" ({info['first_step']:,}..{info['last_step']:,})"
+    keyframes = f", {count(info['keyframes'], 'keyframe')}" if info["keyframes"] else ""
     table.add_row("steps", f"{info['steps']:,}{span}{keyframes}")
     table.add_row("duration", f"{info['duration_s']:,.2f} s (simulated)")
     table.add_row("ops", f"{info['ops']:,} ({info['allocator_s']:,.3f} s in the allocator)")
     peak = "" if info["peak_step"] is None else f" at step {info['peak_step']:,}"
-    table.add_row("peak used", f"{info['peak_used_tokens']:,} tokens{peak}")
+    table.add_row("peak used", f"{count(info['peak_used_tokens'], 'token')}{peak}")
     final = info["final"]
     if final is not None:
         table.add_row(
             "at the end",
             f"{final['available']:,} available, {final['evictable']:,} evictable, {final['protected']:,} protected, "
             f"{final['committed']:,} committed, {final['overallocated']:,} over-allocated of {final['pool_tokens']:,}; "
-            f"{final['running_requests']:,} requests running",
+            f"{count(final['running_requests'], 'request')} running",
         )
     events = info["events"]
     table.add_row(
         "events",
-        ", ".join(f"{kind} {e['count']:,}" + (f" ({e['tokens']:,} tokens)" if e["tokens"] else "") for kind, e in events.items())
+        ", ".join(f"{kind} {e['count']:,}" + (f" ({count(e['tokens'], 'token')})" if e["tokens"] else "") for kind, e in events.items())
         or "none",
     )
-    table.add_row("file", f"{info['file_bytes']:,} bytes, {info['record_batches']:,} record batches")
+    table.add_row("file", f"{count(info['file_bytes'], 'byte')}, {count(info['record_batches'], 'record batch', 'record batches')}")
     table.add_row(
         "truncated",
         f"[bold red]yes[/]: {info['truncation_detail']}" if info["truncated"] else "no",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from kvtrace.cli import KvtraceCommand, _flags_as_flags, add_group, ui
+from kvtrace.cli import KvtraceCommand, _flags_as_flags, add_group, ui, whole_option_names
 from kvtrace.cli.options import (
     CheckMode,
     Device,
@@ -29,6 +29,7 @@ from kvtrace.cli.options import (
     OnOom,
     QuietOpt,
     examples,
+    finite,
 )
 from kvtrace.errors import WorkloadError
 
@@ -41,6 +42,10 @@ class _DefaultRun(TyperGroup):
 
     def get_params(self, ctx: typer.Context) -> list[Any]:
         return _flags_as_flags(super().get_params(ctx))
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        with whole_option_names():
+            super().format_help(ctx, formatter)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
@@ -220,11 +225,11 @@ def sweep_run(
     duration: Annotated[
         str | None, typer.Option("--duration", help="Simulated cells: arrivals within this window, e.g. 10m.", show_default="all")
     ] = None,
-    time_scale: Annotated[float, typer.Option("--time-scale", help="Simulated cells: multiply arrival times.")] = 1.0,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="Simulated cells: multiply arrival times.", callback=finite)] = 1.0,
     rate: Annotated[
-        float | None, typer.Option("--rate", help="Simulated cells of the lengths format: arrivals per second.", show_default=False)
+        float | None, typer.Option("--rate", help="Simulated cells of the lengths format: arrivals per second.", show_default=False, callback=finite)
     ] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="Simulated cells: seed.", show_default="each input's own")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", min=0, help="Simulated cells: seed.", show_default="each input's own")] = None,
     keep_traces: Annotated[
         Path | None, typer.Option("--keep-traces", help="Keep the simulated cells' traces in this directory.", show_default="none kept")
     ] = None,

@@ -4,7 +4,8 @@
 * ``console``: a rich console that honours ``--no-color`` (and ``NO_COLOR``) and
   never wraps lines when the output is a pipe or a file.
 * ``emit_json`` / ``rounded``: ``--json`` output, one object, numbers rounded.
-* ``settings``: the ``-q`` / ``--no-color`` state the shared options set.
+* ``settings``: the ``-q`` / ``--no-color`` / ``--json`` state the shared options set
+  (before or after the command's name).
 * ``terminate_on_signals``: SIGINT, SIGTERM and SIGHUP become exceptions between
   two steps of a trace being written, so a command stopped that way closes its
   files (a recording marks its trace interrupted after a whole step).
@@ -48,6 +49,7 @@ class Settings:
 
     quiet: bool = False
     no_color: bool = False
+    json: bool = False
 
 
 settings = Settings()
@@ -57,6 +59,7 @@ def reset() -> None:
     """Back to the defaults (the root command calls this before parsing)."""
     settings.quiet = False
     settings.no_color = False
+    settings.json = False
 
 
 def set_quiet(value: bool) -> bool:
@@ -71,6 +74,36 @@ def set_no_color(value: bool) -> bool:
     if value:
         settings.no_color = True
     return value
+
+
+def set_json(value: bool) -> bool:
+    """Option callback of ``--json``: true when given here or before the command's name."""
+    if value:
+        settings.json = True
+    return settings.json
+
+
+def no_color_for_textual() -> None:
+    """Without colour (``--no-color``), tell the Textual dashboard so (it reads ``NO_COLOR``)."""
+    if not color():
+        os.environ["NO_COLOR"] = "1"
+
+
+def require_terminal(alternative: str) -> None:
+    """Refuse to start the full-screen dashboard without a terminal: drawn into a pipe or a
+    file it would write escape codes and wait for keys that never come.
+
+    Args:
+        alternative: what the user can do instead (``"add --serve to ..."``).
+
+    Raises:
+        NoTerminalError: stdout, stdin or stderr (where Textual draws) is not a terminal.
+    """
+    from kvtrace.errors import NoTerminalError
+
+    for name, stream in (("stdout", sys.stdout), ("stdin", sys.stdin), ("stderr", sys.stderr)):
+        if stream is None or not stream.isatty():
+            raise NoTerminalError(f"the dashboard needs a terminal, and {name} is not one (a pipe or a file); {alternative}")
 
 
 def color() -> bool:

@@ -135,7 +135,7 @@ def test_metadata_rows_or_context_of_ten_to_the_ninth(tmp_path: Path, field: str
     path = edited(tmp_path, "mooncake-tiny", meta=lambda m: m["config"].update({field: 10**9}))
     line = replay_error(path)
     assert line.startswith("kvtrace: error: not enough memory: the allocator needs about ")
-    assert line.endswith("; pass --force to try anyway")
+    assert line.endswith("; pass --ignore-memory-check to try anyway")
     for fragment in fragments:
         assert fragment in line
     code, _, _ = invoke("info", str(path), "--json")
@@ -191,7 +191,7 @@ def test_record_with_an_impossible_pool_is_one_line(tmp_path: Path) -> None:
     code, _, err = invoke("record", str(workload), "--out", str(out), "--max-running", "100000000", "-q")
     line = one_error_line(err)
     assert code == 2 and "not enough memory" in line and "100,000,000 rows (--max-running)" in line
-    assert line.endswith("lower --max-running or --context-len, or pass --force to try anyway")
+    assert line.endswith("lower --max-running or --context-len, or pass --ignore-memory-check to try anyway")
     assert not out.exists()
 
 

@@ -43,13 +43,13 @@ def test_the_estimate_grows_with_each_sizing_field() -> None:
         (
             AllocatorConfig(pool_tokens=1 << 30, page_size=1, max_running=8, max_context_len=4096),
             replay_names(pool_tokens=True),
-            ["1,073,741,824 KV slots (--pool-tokens) need", "lower --pool-tokens, or pass --force to try anyway"],
+            ["1,073,741,824 KV slots (--pool-tokens) need", "lower --pool-tokens, or pass --ignore-memory-check to try anyway"],
         ),
         (
             AllocatorConfig(pool_tokens=4096, page_size=16, max_running=1 << 20, max_context_len=131072),
             TRACE_FIELDS,
             ["1,048,576 rows (metadata config.max_running) x 131,076 positions (metadata config.max_context_len "
-             "plus headroom) x 4 bytes = 512 GiB", "; pass --force to try anyway"],
+             "plus headroom) x 4 bytes = 512 GiB", "; pass --ignore-memory-check to try anyway"],
         ),
         (
             AllocatorConfig(pool_tokens=4096, page_size=16, max_running=1 << 20, max_context_len=131072),
