@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from traces.errors import TraceError
+from traces.lifeline import parent_tie, quiet_start, settle
 from traces.schema import (
     ABORT,
     DECODE,
@@ -747,8 +748,11 @@ class BackgroundChecker:
         if conn is None:
             ctx = _mp_context()
             self._conn, child_conn = ctx.Pipe(duplex=False)
-            self._proc = ctx.Process(target=_check_in_child, args=(str(path), [child_conn], stop, nice), daemon=True)
-            self._proc.start()
+            self._proc = ctx.Process(
+                target=_check_in_child, args=(str(path), [child_conn], stop, nice, parent_tie()), daemon=True
+            )
+            with quiet_start():
+                self._proc.start()
             child_conn.close()
         else:
             self._conn = conn
@@ -833,16 +837,27 @@ def start_shared_checker(path: str | os.PathLike[str], consumers: int, stop: int
     """
     ctx = _mp_context()
     pipes = [ctx.Pipe(duplex=False) for _ in range(consumers)]
-    proc = ctx.Process(target=_check_in_child, args=(str(path), [w for _, w in pipes], stop), daemon=True)
-    proc.start()
+    proc = ctx.Process(target=_check_in_child, args=(str(path), [w for _, w in pipes], stop, 0, parent_tie()), daemon=True)
+    with quiet_start():
+        proc.start()
     for _, w in pipes:
         w.close()
     return proc, [r for r, _ in pipes]
 
 
-def _check_in_child(path: str, conns: list[Any], stop: int | None, nice: int = 0) -> None:
+def _check_in_child(
+    path: str, conns: list[Any], stop: int | None, nice: int = 0, tie: tuple[int, bool] | None = None
+) -> None:
+    """The checker process: ``tie`` is the parent's ``traces.lifeline.parent_tie()``
+    (Ctrl-C is the parent's to report; the child dies with it)."""
+    import multiprocessing as mp
+
     from traces.io import TraceReader
     from traces.runs import run_lengths
+
+    if tie is not None:
+        parent = mp.parent_process()
+        settle(tie[0], parent.sentinel if parent is not None else None, tie[1])
 
     if nice > 0 and hasattr(os, "nice"):
         try:
