@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from kvtrace.cli import app
 from tests.traces.conftest import make_meta
+from traces.io import TraceWriter
 from traces.schema import OP_CODE, SpecSettings, StepBatch
 from traces.validate import OpSequenceChecker, Problem
 
@@ -197,7 +203,7 @@ def test_a_valid_sequence_of_every_op_has_no_problem() -> None:
                 step(1, row("decode", 0, 5, 1), row("decode", 0, 6, 1)),
             ],
             {},
-            ["step 1, request 0: the request appears more than once in this step"],
+            ["step 1, request 0: the request appears 2 times in this step (once at most; none of them is applied)"],
         ),
         (
             [step(0, row("decode", 1, 5, 1), row("extend", 0, 4, 4, prompt_len=4), sort=False)],
@@ -418,3 +424,50 @@ def test_check_run_applies_a_run_as_its_steps(tmp_path) -> None:
     assert [many.length_of(r) for r in range(3)] == [one.length_of(r) for r in range(3)]
     assert not many.check_run(chunk, 2, 49)  # the same steps again: lengths no longer follow
     assert many.finish() == one.finish()  # ... and nothing was applied
+
+
+# -- hostile files through the command line: bounded work, one line -------------------
+
+runner = CliRunner()
+
+
+def _invoke(*args: str) -> tuple[int, str, str, float]:
+    t0 = time.perf_counter()
+    result = runner.invoke(app, list(args))
+    elapsed = time.perf_counter() - t0
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.stdout, result.stderr, elapsed
+
+
+@pytest.mark.parametrize("op", ["extend", "decode"])
+def test_a_step_of_millions_of_one_row_is_refused_at_once(tmp_path: Path, op: str) -> None:
+    # The finding: an 11 KB file, 3,000,000 identical rows (request 0 at step 0) in one
+    # zstd record batch, held validate and replay past 120 s, their time linear in rows.
+    n = 3_000_000
+    zeros = np.zeros(n, np.int64)
+    batch = StepBatch.from_columns(0, 0.0, op=np.full(n, OP_CODE[op], np.int8), rid=zeros, seq_len=zeros,
+                                   append_len=np.zeros(n, np.int32), sort=False)
+    path = tmp_path / "copies.kvtrace"
+    with TraceWriter(path, make_meta(), compression="zstd") as writer:
+        writer.write(batch)
+    assert path.stat().st_size < 64_000
+    line = "step 0, request 0: the request appears 3,000,000 times in this step (once at most; none of them is applied)"
+    code, out, err, elapsed = _invoke("validate", str(path))
+    assert code == 1 and out.splitlines()[0] == line and out.splitlines()[1].startswith("1 problem:"), out
+    assert elapsed < 30, elapsed
+    code, out, err, elapsed = _invoke("replay", str(path))
+    assert code == 2 and err.splitlines() == [f"kvtrace: error: {line}; run 'kvtrace validate' for every problem, "
+                                              "or replay with --on-bad-op skip to skip such ops"], err
+    assert elapsed < 30, elapsed
+
+
+def test_duplicated_requests_cost_one_problem_each_and_others_are_checked() -> None:
+    rows = [row("extend", r, 4, 4, prompt_len=4) for r in (0, 1, 2)]
+    pairs = [row("decode", r, 5, 1) for r in (0, 1, 0, 1, 0)] + [row("decode", 2, 9, 1)]
+    problems, checker = run([step(0, *rows), step(1, *pairs)])
+    assert messages(problems) == [
+        "step 1, request 0: the request appears 3 times in this step (once at most; none of them is applied)",
+        "step 1, request 1: the request appears 2 times in this step (once at most; none of them is applied)",
+        "step 1, request 2: seq_len 9 inconsistent with decode: length before 4 + 1 appended = 5",
+    ]
+    assert checker.length_of(0) == 4 and checker.length_of(1) == 4  # refused: not applied
