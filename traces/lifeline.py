@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["ENV", "child_env", "lifeline_fd", "parent_tie", "settle", "settle_from_env", "quiet_start"]
+__all__ = ["ENV", "child_env", "lifeline_fd", "parent_tie", "quiet_start", "settle", "settle_from_env"]
 
 ENV = "KVTRACE_LIFELINE"  # "PARENT_PID:FD:DEATHSIG" for a subprocess child
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -139,15 +139,15 @@ def settle_from_env() -> None:
 
 
 def _watch(fd: int) -> None:
-    """Thread: wait until the parent's end of ``fd`` closes, then exit at once."""
-    import select
+    """Thread: wait until the parent's end of ``fd`` closes (nothing is ever written
+    there: readable means EOF), then exit at once."""
+    import selectors
 
-    while True:
-        try:
-            select.select([fd], [], [])
-            break
-        except InterruptedError:
-            continue
-        except OSError:  # the descriptor is not there: nothing to watch
-            return
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while not selector.select():
+                pass
+    except (OSError, ValueError):  # the descriptor is not there: nothing to watch
+        return
     os._exit(0)
