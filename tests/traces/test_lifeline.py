@@ -26,10 +26,13 @@ HOUR = "sample:mooncake-conversation"  # long enough to be interrupted mid-repla
 COMMANDS = {
     "replay": ["replay", HOUR],
     "diff": ["diff", HOUR, "--a", "builtin", "--b", "builtin", "--jobs", "2"],
+    "shrink": ["shrink", HOUR, "--until", "oom", "--jobs", "2", "--out"],  # + a path
 }
+CHILDREN = {"replay": 1, "diff": 3, "shrink": 3}  # the checker; the sides or the pool's workers
 
 
-def _start(args: list[str]) -> subprocess.Popen[bytes]:
+def _start(command: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    args = COMMANDS[command] + ([str(tmp_path / "small.kvtrace")] if command == "shrink" else [])
     return subprocess.Popen(
         [sys.executable, "-m", "kvtrace", *args], cwd=ROOT, env=ENV, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -45,10 +48,10 @@ def _busy_children(proc: subprocess.Popen[bytes], count: int) -> list[int]:
 
 @pytest.mark.parametrize("attempt", range(3))  # it was intermittent: a few tries
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_ctrl_c_prints_one_line_and_no_traceback(command: str, attempt: int) -> None:
-    proc = _start(COMMANDS[command])
+def test_ctrl_c_prints_one_line_and_no_traceback(tmp_path: Path, command: str, attempt: int) -> None:
+    proc = _start(command, tmp_path)
     try:
-        children = _busy_children(proc, 1 if command == "replay" else 3)
+        children = _busy_children(proc, CHILDREN[command])
         time.sleep(0.3 + 0.4 * attempt)  # the checker mid-step
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole group
         _, err = proc.communicate(timeout=60)
@@ -64,10 +67,10 @@ def test_ctrl_c_prints_one_line_and_no_traceback(command: str, attempt: int) -> 
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_children_die_when_the_parent_is_killed(command: str) -> None:
-    proc = _start(COMMANDS[command])
+def test_children_die_when_the_parent_is_killed(tmp_path: Path, command: str) -> None:
+    proc = _start(command, tmp_path)
     try:
-        children = _busy_children(proc, 1 if command == "replay" else 3)
+        children = _busy_children(proc, CHILDREN[command])
         proc.kill()  # the parent alone: SIGKILL runs none of its clean-up
         proc.wait()
         wait_until(lambda: not any(alive(pid) for pid in children), 5, f"children {children} to die")
