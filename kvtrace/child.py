@@ -206,6 +206,9 @@ def _send(control: IO[str], message: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd)."""
+    from traces.lifeline import settle_from_env
+
+    settle_from_env()  # Ctrl-C is the parent's to report; this process dies with it
     args = sys.argv[1:] if argv is None else argv
     job = json.loads(args[0])
     control = pipe_writer(int(args[1]), text=True)

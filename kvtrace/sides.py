@@ -169,15 +169,21 @@ def spawn_child(
     Raises:
         SideError: the interpreter cannot be started.
     """
+    from traces import lifeline
+
     read_fd, write_fd = os.pipe()
     env = child_environ(env_defaults)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    # The child ignores Ctrl-C (this process reports it and stops the child) and dies
+    # with this process (kvtrace.child settles with traces.lifeline first thing).
+    env.update(lifeline.child_env())
     try:
-        proc = subprocess.Popen(
-            [python, "-m", "kvtrace.child", json.dumps(job), str(write_fd)],
-            stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
-            pass_fds=(write_fd, *pass_fds), env=env,
-        )
+        with lifeline.quiet_start():
+            proc = subprocess.Popen(
+                [python, "-m", "kvtrace.child", json.dumps(job), str(write_fd)],
+                stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
+                pass_fds=(write_fd, lifeline.lifeline_fd(), *pass_fds), env=env,
+            )
     except OSError as exc:
         os.close(read_fd)
         raise SideError(f"cannot start {python}: {exc}") from None

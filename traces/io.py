@@ -913,7 +913,8 @@ class TraceReader(IpcReader):
 
         Raises:
             TraceCorruptError: as ``iter_batches``.
-            TraceSchemaError: a required column holds nulls, or an op name is unknown.
+            TraceSchemaError: a required column holds nulls, an op name is unknown, or
+                the rows of a step hold different times.
         """
         op_lut: tuple[pa.Array, np.ndarray | None] | None = None
         for batch, custom in self._iter_raw(resume):
@@ -934,7 +935,32 @@ class TraceReader(IpcReader):
                         f"arrival_s checksum mismatch (stored {stored.decode(errors='replace')}, "
                         f"computed {computed.decode()})"
                     )
+            self._check_step_times(columns)
             yield columns
+
+    def _check_step_times(self, columns: _Columns) -> None:
+        """A step has one time: every row of a step holds the same ``time_s`` (NaN included).
+
+        A step's time is read from its first row; without this a NaN (or any other
+        value) in a later row would never be seen by the checks.
+
+        Raises:
+            TraceSchemaError: two rows of one step in this record batch disagree.
+        """
+        step, time_s = columns.step, columns.time_s
+        if time_s.shape[0] < 2:
+            return
+        before, after = time_s[:-1], time_s[1:]
+        # NaN != NaN: a pair of NaNs agrees (a NaN step time is the checker's to report).
+        differs = (step[1:] == step[:-1]) & (before != after) & ~(np.isnan(before) & np.isnan(after))
+        if not np.count_nonzero(differs):
+            return
+        i = int(np.flatnonzero(differs)[0]) + 1
+        raise self._fail(
+            TraceSchemaError,
+            f"step {int(step[i])} in record batch {self.num_record_batches} has rows with different time_s "
+            f"({float(time_s[i - 1])!r} and {float(time_s[i])!r}); every row of a step holds the step's time",
+        )
 
     def steps(
         self, start: int | None = None, stop: int | None = None, resume: ResumePoint | None = None

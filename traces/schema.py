@@ -185,6 +185,10 @@ class TraceConfig:
     radix_cache: bool = True  # the engine kept a radix prefix cache
 
 
+# Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """Model shape; ``bytes_per_token`` = 2 * layers * kv_heads * head_dim * dtype bytes (MHA)."""
@@ -197,8 +201,7 @@ class ModelShape:
 
     @property
     def bytes_per_token(self) -> int:
-        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes.get(self.dtype, 2)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES.get(self.dtype, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +356,11 @@ class TraceMeta:
             _int_in(model, key, "model.", 1, MAX_MODEL_DIM, None)
         for key in ("name", "dtype"):
             _str_of(model, key, "model.", None)
+        if model.get("dtype") is not None and model["dtype"] not in DTYPE_BYTES:
+            raise ValueError(
+                f"metadata 'model.dtype' {model['dtype']!r} is not a known KV-cache dtype "
+                f"(valid: {', '.join(DTYPE_BYTES)})"
+            )
         model = {key: value for key, value in model.items() if value is not None}  # null: the default shape's
         for key in source:
             _str_of(source, key, "source.", None)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from traces.errors import TraceError
+from traces.lifeline import parent_tie, quiet_start, settle
 from traces.schema import (
     ABORT,
     DECODE,
@@ -173,18 +174,7 @@ class OpSequenceChecker:
             rows = np.flatnonzero(in_range)
             if rows.size:
                 self._grow(int(rid[rows].max()))
-                ordered_rid = np.sort(rid[rows])
-                if rows.size > 1 and (ordered_rid[1:] == ordered_rid[:-1]).any():
-                    # Rare: a request twice in one step. Apply its rows one by one.
-                    seen: set[int] = set()
-                    for i in rows.tolist():
-                        r = int(rid[i])
-                        if r in seen:
-                            found.append((i, "the request appears more than once in this step", r))
-                        seen.add(r)
-                        self._check_rows(batch, np.array([i]), found)
-                else:
-                    self._check_rows(batch, rows, found)
+                self._check_rows(batch, self._distinct_rows(batch, rows, found), found)
         self._steps += 1
         self._rows += n
         if not found:
@@ -192,6 +182,32 @@ class OpSequenceChecker:
         found.sort(key=lambda item: item[0])
         self._problems += len(found)
         return [Problem(batch.step, r, message) for _, message, r in found]
+
+    def _distinct_rows(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> np.ndarray:
+        """``rows`` less those of a request that appears more than once in the step.
+
+        A request has at most one op per step. One that has more is refused at once:
+        one problem at its first row, none of its rows checked or applied. Which of its
+        rows was meant is unknown, and the work stays bounded by the number of requests
+        whatever the number of rows (a step of millions of copies of one row is one
+        problem, found in a sort).
+        """
+        if rows.size < 2:
+            return rows
+        rid = batch.rid[rows]
+        order = np.argsort(rid, kind="stable")
+        ordered = rid[order]
+        repeat = ordered[1:] == ordered[:-1]
+        if not np.count_nonzero(repeat):
+            return rows
+        starts = np.flatnonzero(np.concatenate(([True], ~repeat)))  # each request's first, in sorted order
+        counts = np.diff(np.append(starts, ordered.shape[0]))
+        first = order[starts]  # the stable sort keeps a request's rows in row order
+        many = counts > 1
+        for j, count in zip(first[many].tolist(), counts[many].tolist()):
+            found.append((int(rows[j]), f"the request appears {count:,} times in this step (once at most; "
+                          "none of them is applied)", int(rid[j])))
+        return rows[np.sort(first[~many])]
 
     def _plain_step(self, batch: StepBatch) -> bool:
         """Fast path for the commonest steps: only ``decode`` rows (or only ``spec`` rows)
@@ -747,8 +763,11 @@ class BackgroundChecker:
         if conn is None:
             ctx = _mp_context()
             self._conn, child_conn = ctx.Pipe(duplex=False)
-            self._proc = ctx.Process(target=_check_in_child, args=(str(path), [child_conn], stop, nice), daemon=True)
-            self._proc.start()
+            self._proc = ctx.Process(
+                target=_check_in_child, args=(str(path), [child_conn], stop, nice, parent_tie()), daemon=True
+            )
+            with quiet_start():
+                self._proc.start()
             child_conn.close()
         else:
             self._conn = conn
@@ -833,16 +852,27 @@ def start_shared_checker(path: str | os.PathLike[str], consumers: int, stop: int
     """
     ctx = _mp_context()
     pipes = [ctx.Pipe(duplex=False) for _ in range(consumers)]
-    proc = ctx.Process(target=_check_in_child, args=(str(path), [w for _, w in pipes], stop), daemon=True)
-    proc.start()
+    proc = ctx.Process(target=_check_in_child, args=(str(path), [w for _, w in pipes], stop, 0, parent_tie()), daemon=True)
+    with quiet_start():
+        proc.start()
     for _, w in pipes:
         w.close()
     return proc, [r for r, _ in pipes]
 
 
-def _check_in_child(path: str, conns: list[Any], stop: int | None, nice: int = 0) -> None:
+def _check_in_child(
+    path: str, conns: list[Any], stop: int | None, nice: int = 0, tie: tuple[int, bool] | None = None
+) -> None:
+    """The checker process: ``tie`` is the parent's ``traces.lifeline.parent_tie()``
+    (Ctrl-C is the parent's to report; the child dies with it)."""
+    import multiprocessing as mp
+
     from traces.io import TraceReader
     from traces.runs import run_lengths
+
+    if tie is not None:
+        parent = mp.parent_process()
+        settle(tie[0], parent.sentinel if parent is not None else None, tie[1])
 
     if nice > 0 and hasattr(os, "nice"):
         try:

@@ -110,9 +110,14 @@ def _start_driver(python: str) -> tuple[subprocess.Popen[bytes], Any]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the driver imports nothing of this checkout by name
     stderr = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [python, str(DRIVER), "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
-    )
+    from traces.lifeline import quiet_start
+
+    # Started with SIGINT ignored: Ctrl-C is this process's to report. The driver ends
+    # when its input closes, as it does when this process dies.
+    with quiet_start():
+        proc = subprocess.Popen(
+            [python, str(DRIVER), "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
+        )
     return proc, stderr
 
 

@@ -16,7 +16,6 @@ import itertools
 import os
 import pickle
 import queue
-import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -92,8 +91,14 @@ class Evaluator:
 _EVALUATORS: dict[str, Evaluator] = {}  # in a worker: by the path of the pickled table
 
 
-def _worker_start() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+def _worker_start(tie: tuple[int, bool]) -> None:
+    import multiprocessing as mp
+
+    from traces import lifeline
+
+    # Ctrl-C is the parent's to handle; the worker dies with the parent.
+    parent = mp.parent_process()
+    lifeline.settle(tie[0], parent.sentinel if parent is not None else None, tie[1])
     import kvtrace.session  # noqa: F401  (torch and the allocator load while the parent finds the failure)
     import allocator.manager  # noqa: F401
 
@@ -159,7 +164,12 @@ class Runner:
             import multiprocessing as mp
 
             # spawn: the workers start clean (no torch threads inherited through fork)
-            self._pool = mp.get_context("spawn").Pool(self.jobs, initializer=_worker_start)
+            from traces import lifeline
+
+            with lifeline.quiet_start():
+                self._pool = mp.get_context("spawn").Pool(
+                    self.jobs, initializer=_worker_start, initargs=(lifeline.parent_tie(),)
+                )
 
     def prepare(self, evaluator: Evaluator) -> None:
         """Judge candidates of ``evaluator``'s table from now on (its table is pickled

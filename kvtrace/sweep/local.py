@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvtrace.sweep.cells import run_cell
 from kvtrace.sweep.grid import Cell
+from traces import lifeline
 
 __all__ = ["run_local"]
 
@@ -26,8 +26,10 @@ __all__ = ["run_local"]
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def _init_worker() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _init_worker(tie: tuple[int, bool]) -> None:
+    # Ctrl-C is the parent's; the worker dies with the parent (traces.lifeline).
+    parent = multiprocessing.parent_process()
+    lifeline.settle(tie[0], parent.sentinel if parent is not None else None, tie[1])
     for name in _THREAD_VARIABLES:
         os.environ.setdefault(name, "1")
 
@@ -42,7 +44,8 @@ def run_local(cells: Sequence[Cell], jobs: int, on_row: Callable[[dict[str, Any]
     if not cells:
         return
     context = multiprocessing.get_context("spawn")
-    pool = context.Pool(processes=min(jobs, len(cells)), initializer=_init_worker)
+    with lifeline.quiet_start():
+        pool = context.Pool(processes=min(jobs, len(cells)), initializer=_init_worker, initargs=(lifeline.parent_tie(),))
     try:
         rows: Iterator[dict[str, Any]] = pool.imap_unordered(run_cell, cells, chunksize=1)
         for row in rows:

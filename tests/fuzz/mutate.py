@@ -305,6 +305,43 @@ def duplicate_rows(case: Case, rng: np.random.Generator) -> str:
     return f"duplicated rows {rows[:3].tolist()}..."
 
 
+def many_copies(case: Case, rng: np.random.Generator, copies: int | None = None) -> str:
+    """One row repeated a huge number of times in place (``copies``; None: one of
+    ``MANY_COPIES``), all in one record batch: a few KB on disk, millions of rows of one
+    request in one step once read."""
+    n = case.seed.table.num_rows
+    if n == 0:
+        return "no rows"
+    at = int(rng.integers(0, n))
+    copies = int(rng.choice(MANY_COPIES)) if copies is None else copies
+    order = np.concatenate([np.arange(at), np.full(copies, at), np.arange(at + 1, n)])
+    case.seed.table = case.seed.table.take(pa.array(order))
+    case.rows_per_batch = max(case.rows_per_batch, case.seed.table.num_rows)
+    return f"row {at} repeated {copies:,} times in one batch"
+
+
+def nan_time(case: Case, rng: np.random.Generator, whole: bool | None = None) -> str:
+    """time_s NaN at every row of one step (``whole``; None: a coin decides), or at one
+    row of it (a later one when it has several: the step's time is read from its first
+    row)."""
+    table = case.seed.table
+    if "time_s" not in table.column_names or "step" not in table.column_names or table.num_rows == 0:
+        return "no time_s or step column"
+    steps = _column_numpy(table, "step")
+    times = _column_numpy(table, "time_s").astype(np.float64)
+    at = int(rng.integers(0, table.num_rows))
+    rows = np.flatnonzero(steps == steps[at])
+    if (rng.random() < 0.5 if whole is None else whole) or rows.size == 1:
+        times[rows] = np.nan
+        note = f"time_s NaN at every row of step {steps[at]}"
+    else:
+        row = int(rows[1 + int(rng.integers(rows.size - 1))])
+        times[row] = np.nan
+        note = f"time_s NaN at row {row} of step {steps[at]}"
+    case.seed.table = _set_column(table, "time_s", times)
+    return note
+
+
 def swap_rows(case: Case, rng: np.random.Generator) -> str:
     n = case.seed.table.num_rows
     if n < 2:
@@ -505,6 +542,12 @@ STRUCTURAL: tuple[tuple[Callable[[Case, np.random.Generator], str], float], ...]
     (add_meta_key, 0.5),
     (raw_meta, 0.7),
 )
+# Edits that make a huge or a NaN-timed case, drawn from a stream of their own
+# (``make_case``), at this rate: the cases of seeds found before they existed stay as
+# they were. Copies of one row: a step of millions of rows must cost seconds.
+HOSTILE: tuple[Callable[[Case, np.random.Generator], str], ...] = (many_copies, nan_time)
+HOSTILE_RATE = 0.08
+MANY_COPIES = (20_000, 300_000, 3_000_000)
 BYTE_EDITS: tuple[Callable[[bytearray, np.random.Generator], str], ...] = (cut, flip, shuffle_batches, garbage)
 
 
@@ -515,13 +558,20 @@ def make_case(seeds: list[Seed], rng: np.random.Generator) -> Case:
     case.rows_per_batch = int(rng.choice([1, 7, 64, 256, 4096]))
     weights = np.array([w for _, w in STRUCTURAL])
     for _ in range(int(rng.integers(1, 4))):
-        edit = STRUCTURAL[int(rng.choice(len(STRUCTURAL), p=weights / weights.sum()))][0]
-        try:
-            note = edit(case, rng)
-        except (pa.ArrowException, OverflowError, ValueError, TypeError, KeyError) as exc:
-            # e.g. a value a retyped column cannot hold, or an edit of a column dropped before
-            note = f"not applicable ({type(exc).__name__})"
-        case.notes.append(f"{edit.__name__}: {note}")
+        _apply(case, STRUCTURAL[int(rng.choice(len(STRUCTURAL), p=weights / weights.sum()))][0], rng)
+    # spawn() draws nothing from ``rng``: what follows (byte edits, commands) is unchanged.
+    hostile = rng.spawn(1)[0]
+    if hostile.random() < HOSTILE_RATE:
+        _apply(case, HOSTILE[int(hostile.integers(len(HOSTILE)))], hostile)
     if rng.random() < 0.2:
         case.byte_edits.append(BYTE_EDITS[int(rng.integers(len(BYTE_EDITS)))])
     return case
+
+
+def _apply(case: Case, edit: Callable[[Case, np.random.Generator], str], rng: np.random.Generator) -> None:
+    try:
+        note = edit(case, rng)
+    except (pa.ArrowException, OverflowError, ValueError, TypeError, KeyError) as exc:
+        # e.g. a value a retyped column cannot hold, or an edit of a column dropped before
+        note = f"not applicable ({type(exc).__name__})"
+    case.notes.append(f"{edit.__name__}: {note}")

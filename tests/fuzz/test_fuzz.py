@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from tests.fuzz.mutate import Case, Seed, load_seeds, make_case, write
-from tests.fuzz.runner import CaseTimeout, judge, run_case, time_limit
+from tests.fuzz.mutate import MANY_COPIES, Case, Seed, load_seeds, make_case, many_copies, nan_time, write
+from tests.fuzz.runner import DEFAULT_TIME_LIMIT_S, CaseTimeout, judge, run_case, time_limit
 
 QUICK_CASES = range(1000, 1020)  # seeds of the quick run (about 20 s on one idle core)
 # Cases the long run failed once, kept as regressions: a step whose number goes back
@@ -52,6 +52,36 @@ def test_the_seeded_quick_run_finds_nothing(seeds: list[Seed], tmp_path: Path) -
 def test_cases_the_long_run_found_stay_fixed(seeds: list[Seed], tmp_path: Path, case: int) -> None:
     failures = run_case(seeds, case, tmp_path)
     assert failures == [], "\n".join(map(str, failures))
+
+
+@pytest.mark.parametrize(
+    ("seed_name", "edit"),
+    [
+        pytest.param("tiny", lambda case, rng: many_copies(case, rng, copies=max(MANY_COPIES)),
+                     marks=pytest.mark.slow),
+        ("mooncake-eagle", lambda case, rng: many_copies(case, rng, copies=min(MANY_COPIES))),
+        ("tiny", lambda case, rng: nan_time(case, rng, whole=True)),
+        ("mooncake-tiny", lambda case, rng: nan_time(case, rng, whole=False)),
+    ],
+    ids=["many-copies-huge", "many-copies", "nan-time-step", "nan-time-row"],
+)
+def test_hostile_edits_get_a_verdict_or_one_line(seeds: list[Seed], tmp_path: Path, seed_name: str, edit) -> None:
+    """A huge batch of copies of one row, a NaN time: validate and replay refuse the
+    trace (a verdict, exit 1, or one error line, exit 2) within the fuzz run's limit."""
+    case = Case(next(s for s in seeds if s.name == seed_name).copy())
+    rng = np.random.default_rng(11)
+    note = edit(case, rng)
+    assert "NaN" in note or "repeated" in note, note
+    path = write(case, tmp_path / "hostile.kvtrace", rng)
+    runner = CliRunner()
+    for args in (["validate", str(path), "--json"], ["validate", str(path)], ["replay", str(path)],
+                 ["replay", str(path), "--json", "--on-bad-op", "skip"]):
+        with time_limit(DEFAULT_TIME_LIMIT_S):
+            result = runner.invoke(app, args)
+        assert judge(args, result.exit_code, result.stdout, result.stderr, result.exception) is None, (
+            note, args, result.stdout[:400], result.stderr)
+        if args[0] == "validate" or "skip" not in args:
+            assert result.exit_code in (1, 2), (note, args, result.stdout[:400], result.stderr)
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import json
+import time
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
 from tests.traces.conftest import make_meta
-from traces.schema import OP_CODE, SpecSettings, StepBatch
+from traces.io import TraceWriter
+from traces.schema import METADATA_KEY, OP_CODE, OPS, SpecSettings, StepBatch, TraceMeta, arrow_schema
 from traces.validate import OpSequenceChecker, Problem
 
 
@@ -197,7 +205,7 @@ def test_a_valid_sequence_of_every_op_has_no_problem() -> None:
                 step(1, row("decode", 0, 5, 1), row("decode", 0, 6, 1)),
             ],
             {},
-            ["step 1, request 0: the request appears more than once in this step"],
+            ["step 1, request 0: the request appears 2 times in this step (once at most; none of them is applied)"],
         ),
         (
             [step(0, row("decode", 1, 5, 1), row("extend", 0, 4, 4, prompt_len=4), sort=False)],
@@ -418,3 +426,115 @@ def test_check_run_applies_a_run_as_its_steps(tmp_path) -> None:
     assert [many.length_of(r) for r in range(3)] == [one.length_of(r) for r in range(3)]
     assert not many.check_run(chunk, 2, 49)  # the same steps again: lengths no longer follow
     assert many.finish() == one.finish()  # ... and nothing was applied
+
+
+# -- hostile files through the command line: bounded work, one line -------------------
+
+runner = CliRunner()
+
+
+def _invoke(*args: str) -> tuple[int, str, str, float]:
+    t0 = time.perf_counter()
+    result = runner.invoke(app, list(args))
+    elapsed = time.perf_counter() - t0
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.stdout, result.stderr, elapsed
+
+
+def _write_table(path: Path, meta: dict[str, object], table: pa.Table) -> Path:
+    """``table`` (rows in the project's schema) as a trace written with plain pyarrow:
+    no checksums, as a hand-edited or foreign file has."""
+    schema = table.schema.with_metadata({METADATA_KEY: json.dumps(meta).encode()})
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema, options=options) as writer:
+        writer.write_table(table.replace_schema_metadata(schema.metadata))
+    return path
+
+
+def _decode_table(times: list[float]) -> pa.Table:
+    """Request 0 extended to 4 tokens at step 0, then one decode per step; row ``i`` at
+    ``times[i]``; step 2 holds two rows (requests 0 and 1 decoding)."""
+    steps = [0, 0, 1, 1, 2, 2]
+    rid = [0, 1, 0, 1, 0, 1]
+    op = [0, 0, 1, 1, 1, 1]
+    seq_len = [4, 4, 5, 5, 6, 6]
+    append = [4, 4, 1, 1, 1, 1]
+    schema = arrow_schema(make_meta())
+    columns = {
+        "step": steps, "time_s": times, "rid": rid, "seq_len": seq_len, "append_len": append,
+        "op": pa.DictionaryArray.from_arrays(pa.array(op, pa.int8()), pa.array(list(OPS))),
+        "prompt_len": [4, 4, None, None, None, None],
+    }
+    arrays = [
+        pa.array(columns[f.name], f.type) if f.name in columns and f.name != "op" else
+        columns["op"] if f.name == "op" else pa.nulls(len(steps), f.type) if f.nullable else
+        pa.array([0] * len(steps), f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema.remove_metadata())
+
+
+@pytest.mark.parametrize("op", ["extend", "decode"])
+def test_a_step_of_millions_of_one_row_is_refused_at_once(tmp_path: Path, op: str) -> None:
+    # The finding: an 11 KB file, 3,000,000 identical rows (request 0 at step 0) in one
+    # zstd record batch, held validate and replay past 120 s, their time linear in rows.
+    n = 3_000_000
+    zeros = np.zeros(n, np.int64)
+    batch = StepBatch.from_columns(0, 0.0, op=np.full(n, OP_CODE[op], np.int8), rid=zeros, seq_len=zeros,
+                                   append_len=np.zeros(n, np.int32), sort=False)
+    path = tmp_path / "copies.kvtrace"
+    with TraceWriter(path, make_meta(), compression="zstd") as writer:
+        writer.write(batch)
+    assert path.stat().st_size < 64_000
+    line = "step 0, request 0: the request appears 3,000,000 times in this step (once at most; none of them is applied)"
+    code, out, err, elapsed = _invoke("validate", str(path))
+    assert code == 1 and out.splitlines()[0] == line and out.splitlines()[1].startswith("1 problem:"), out
+    assert elapsed < 30, elapsed
+    code, out, err, elapsed = _invoke("replay", str(path))
+    assert code == 2 and err.splitlines() == [f"kvtrace: error: {line}; run 'kvtrace validate' for every problem, "
+                                              "or replay with --on-bad-op skip to skip such ops"], err
+    assert elapsed < 30, elapsed
+
+
+def test_duplicated_requests_cost_one_problem_each_and_others_are_checked() -> None:
+    rows = [row("extend", r, 4, 4, prompt_len=4) for r in (0, 1, 2)]
+    pairs = [row("decode", r, 5, 1) for r in (0, 1, 0, 1, 0)] + [row("decode", 2, 9, 1)]
+    problems, checker = run([step(0, *rows), step(1, *pairs)])
+    assert messages(problems) == [
+        "step 1, request 0: the request appears 3 times in this step (once at most; none of them is applied)",
+        "step 1, request 1: the request appears 2 times in this step (once at most; none of them is applied)",
+        "step 1, request 2: seq_len 9 inconsistent with decode: length before 4 + 1 appended = 5",
+    ]
+    assert checker.length_of(0) == 4 and checker.length_of(1) == 4  # refused: not applied
+
+
+@pytest.mark.parametrize("where", ["every row", "second row"])
+def test_a_nan_time_is_refused_by_validate_and_replay(tmp_path: Path, where: str) -> None:
+    # A step's time is read from its first row: a NaN in a later row used to pass.
+    times = [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+    for i in (2, 3) if where == "every row" else (3,):
+        times[i] = float("nan")
+    path = _write_table(tmp_path / "nan.kvtrace", json.loads(make_meta().to_json()), _decode_table(times))
+    code, out, err, _ = _invoke("validate", str(path))
+    if where == "every row":  # the step's time: a problem of the step
+        assert code == 1 and out.splitlines()[0] == "step 1: time_s is nan, not a finite number", out
+    else:  # a row that disagrees with its step's time: the file is inconsistent
+        assert code == 2 and err.splitlines() == [
+            f"kvtrace: error: trace {path}: step 1 in record batch 1 has rows with different time_s (1.0 and nan); "
+            "every row of a step holds the step's time"
+        ], err
+    code, out, err, _ = _invoke("replay", str(path))
+    assert code == 2 and len(err.splitlines()) == 1 and "nan" in err and "Traceback" not in err, err
+
+
+def test_an_unknown_model_dtype_is_refused_naming_the_valid_ones(tmp_path: Path) -> None:
+    meta = json.loads(make_meta().to_json())
+    meta["model"]["dtype"] = "float1024"
+    path = _write_table(tmp_path / "dtype.kvtrace", meta, _decode_table([0.0, 0.0, 1.0, 1.0, 2.0, 2.0]))
+    expected = (f"kvtrace: error: trace {path}: invalid kvtrace metadata: metadata 'model.dtype' 'float1024' is not "
+                "a known KV-cache dtype (valid: float32, bfloat16, float16, fp8, float8_e4m3fn)")
+    for command in ("validate", "replay"):
+        code, out, err, _ = _invoke(command, str(path))
+        assert code == 2 and err.splitlines() == [expected], (command, err)
+    with pytest.raises(ValueError, match="float1024"):
+        TraceMeta.from_dict(meta)
