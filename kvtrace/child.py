@@ -112,6 +112,22 @@ def install_allocator(root: str | Path) -> None:
             setattr(base, name, getattr(own, name))
 
 
+def _check_code(job: dict[str, Any]) -> None:
+    """Raise unless the ``allocator`` package installed is the one the job names
+    (``job["code"]``: its ``code_identity``).
+
+    Raises:
+        VersionSpecError: another package, or the same directory with other content.
+    """
+    from kvtrace.errors import VersionSpecError
+    from kvtrace.registry import code_identity
+
+    expected = job.get("code")
+    found = code_identity(Path(sys.modules["allocator"].__file__ or "").parent)
+    if expected and found != expected:
+        raise VersionSpecError(f"allocator '{job['spec']}': this process imported {found}, but the side is labelled {expected}")
+
+
 def _own_base() -> Any:
     """This checkout's ``allocator/base.py`` as a module of its own (not ``allocator.base``)."""
     name = "kvtrace_own_allocator_base"
@@ -160,13 +176,19 @@ def job_version(job: dict[str, Any]) -> Any:
     Raises:
         VersionSpecError: the spec does not resolve.
     """
+    from kvtrace.errors import VersionSpecError
     from kvtrace.registry import AllocatorVersion, resolve_version
 
     if job.get("allocator_root"):
         from allocator import create_allocator
 
         return AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
-    return resolve_version(job["spec"])
+    version = resolve_version(job["spec"])
+    if job.get("origin") and version.origin != job["origin"]:
+        raise VersionSpecError(
+            f"allocator '{job['spec']}': this process runs {version.origin}, but the side is labelled {job['origin']}"
+        )
+    return version
 
 
 def job_screen(job: dict[str, Any], options: Any) -> Any:
@@ -218,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if job.get("allocator_root"):
             install_allocator(job["allocator_root"])
+            _check_code(job)
         run_job(job, out, control)
         out.flush()
     except BrokenPipeError:
