@@ -216,3 +216,38 @@ def test_a_side_that_would_import_other_code_than_its_label_names_stops(tmp_path
             side.summary()
     finally:
         side.close()
+
+
+def test_nothing_in_a_trace_s_metadata_is_ever_executed(tmp_path: Path) -> None:
+    """Version specs and Python code in a trace's metadata (source, extra) are data:
+    replaying and diffing the trace, in this process and in children, runs none of it."""
+    from tests.traces.conftest import decode_steps, make_meta, write_steps
+    from traces.schema import TraceSource
+
+    mark = tmp_path / "executed"
+    payload = tmp_path / "payload.py"
+    payload.write_text(f"open({str(mark)!r}, 'w').close()\ndef factory(config):\n    raise SystemExit(3)\n")
+    code = f"open({str(mark)!r}, 'w').close()"
+    meta = make_meta()
+    meta = type(meta)(
+        config=meta.config, block_size=meta.block_size,
+        source=TraceSource(engine=f"{payload}:factory", workload="git:HEAD", repository=code, path=f"{payload}:factory"),
+        extra={"allocator": f"{payload}:factory", "version": f"{payload}:factory", "a": "worktree", "exec": code},
+    )
+    trace = write_steps(tmp_path / "t.kvtrace", decode_steps(4), meta=meta)
+    skip = ["--on-bad-op", "skip", "--json"]  # decode steps alone: requests that were never extended
+    for args in (["replay", str(trace), *skip], ["info", str(trace), "--json"],
+                 ["diff", str(trace), "--b", "builtin", "--jobs", "1", *skip],
+                 ["diff", str(trace), "--b", "paged", "--jobs", "2", *skip]):
+        result = runner.invoke(app, args)
+        assert result.exit_code in (0, 1), (args, result.output)
+        assert not mark.exists(), args
+
+
+@pytest.mark.parametrize("command", ["diff", "replay"])
+def test_help_says_which_versions_execute_code(command: str) -> None:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "execute the code they name" in text or "execute that code" in text
+    assert "nothing in a trace is ever executed" in text
