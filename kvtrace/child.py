@@ -23,6 +23,7 @@ environment) writes the same two streams.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -30,6 +31,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from types import FunctionType
 from typing import IO, Any, BinaryIO
 
 __all__ = ["OPTIONAL_PROTOCOLS", "WholeWrites", "install_allocator", "job_screen", "job_version", "main", "pipe_writer",
@@ -41,7 +43,13 @@ __all__ = ["OPTIONAL_PROTOCOLS", "WholeWrites", "install_allocator", "job_screen
 # this checkout's definition stands in, so such a commit still replays (without the
 # protocol when its allocators lack one of those methods).
 OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
-_OWN_BASE = Path(__file__).resolve().parent.parent / "allocator" / "base.py"
+# The modules of ``allocator`` whose names the driver (``kvtrace.config``, ``replay``,
+# ``session``, ``snapshot``, ``state``, ``scheduler``) imports. What an older package
+# lacks of them comes from this checkout (``_shim``): a name added since (``PoolMemory``,
+# ``pages``' arithmetic), a property or method added to a record (``PoolCounters.used_tokens``,
+# ``AllocatorConfig.check``). Protocols are left alone (a method added to one would
+# change what isinstance asks of the version's allocators).
+DRIVER_MODULES = ("base", "sizing", "pages")
 
 
 class WholeWrites(io.RawIOBase):
@@ -90,8 +98,13 @@ def pipe_writer(fd: int, *, text: bool = False) -> Any:
 
 def install_allocator(root: str | Path) -> None:
     """Make ``root/allocator`` the ``allocator`` package of this process (before any
-    import of it), whatever else is on ``sys.path``; add the optional protocols it
-    predates (``OPTIONAL_PROTOCOLS``)."""
+    import of it), whatever else is on ``sys.path``; add what the driver needs and it
+    predates (``OPTIONAL_PROTOCOLS``, ``DRIVER_MODULES``).
+
+    Raises:
+        ImportError (or what the package raises): it does not import.
+    """
+    own = _own_modules()
     package = Path(root) / "allocator"
     init = package / "__init__.py"
     spec = importlib.util.spec_from_file_location("allocator", init, submodule_search_locations=[str(package)])
@@ -104,24 +117,76 @@ def install_allocator(root: str | Path) -> None:
     except BaseException:
         del sys.modules["allocator"]
         raise
-    base = importlib.import_module("allocator.base")
-    own = _own_base()
+    _shim(module, own)
+
+
+def _shim_class(theirs: type, mine: type) -> None:
+    """Give an older record class what this kvtrace reads of it: properties and methods
+    added since, and fields added since with a default (which is then what every one of
+    its records holds: the older code knew nothing else)."""
+    for key, member in vars(mine).items():
+        if isinstance(member, property | FunctionType) and not key.startswith("_") and not hasattr(theirs, key):
+            setattr(theirs, key, member)
+    defaults: dict[str, Any] = dict(getattr(mine, "_field_defaults", {}))  # a NamedTuple's
+    if dataclasses.is_dataclass(mine):
+        defaults.update({f.name: f.default for f in dataclasses.fields(mine) if f.default is not dataclasses.MISSING})
+    for key, default in defaults.items():
+        if not hasattr(theirs, key):
+            setattr(theirs, key, default)
+
+
+def _own_modules() -> dict[str, Any]:
+    """This checkout's ``DRIVER_MODULES``, imported and then taken out of ``sys.modules``
+    (their functions keep their own globals) so that ``allocator`` can be another."""
+    for name in DRIVER_MODULES:
+        importlib.import_module(f"allocator.{name}")
+    own = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "allocator" or k.startswith("allocator.")}
+    return {name: own[f"allocator.{name}"] for name in DRIVER_MODULES}
+
+
+def _shim(package: Any, own: dict[str, Any]) -> None:
+    """Give the installed ``package`` what the driver imports and it lacks (see
+    ``DRIVER_MODULES``); never replace what it has, but the optional protocols it
+    declares with other methods than this kvtrace calls."""
+    for name in DRIVER_MODULES:
+        mine = own[name]
+        try:
+            theirs = importlib.import_module(f"allocator.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"allocator.{name}":
+                raise
+            sys.modules[f"allocator.{name}"] = mine
+            setattr(package, name, mine)
+            continue
+        for attr, value in vars(mine).items():
+            if attr.startswith("_"):
+                continue
+            found = getattr(theirs, attr, None)
+            if found is None:
+                setattr(theirs, attr, value)
+            elif isinstance(value, type) and isinstance(found, type) and not getattr(found, "_is_protocol", False):
+                _shim_class(found, value)
+    base, mine = sys.modules["allocator.base"], own["base"]
     for name in OPTIONAL_PROTOCOLS:
         theirs = getattr(base, name, None)
-        if theirs is None or _methods(theirs) != _methods(getattr(own, name)):
-            setattr(base, name, getattr(own, name))
+        if theirs is None or _methods(theirs) != _methods(getattr(mine, name)):
+            setattr(base, name, getattr(mine, name))
 
 
-def _own_base() -> Any:
-    """This checkout's ``allocator/base.py`` as a module of its own (not ``allocator.base``)."""
-    name = "kvtrace_own_allocator_base"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _OWN_BASE)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+def _check_code(job: dict[str, Any]) -> None:
+    """Raise unless the ``allocator`` package installed is the one the job names
+    (``job["code"]``: its ``code_identity``).
+
+    Raises:
+        VersionSpecError: another package, or the same directory with other content.
+    """
+    from kvtrace.errors import VersionSpecError
+    from kvtrace.registry import code_identity
+
+    expected = job.get("code")
+    found = code_identity(Path(sys.modules["allocator"].__file__ or "").parent)
+    if expected and found != expected:
+        raise VersionSpecError(f"allocator '{job['spec']}': this process imported {found}, but the side is labelled {expected}")
 
 
 def _methods(protocol: type) -> set[str]:
@@ -160,13 +225,25 @@ def job_version(job: dict[str, Any]) -> Any:
     Raises:
         VersionSpecError: the spec does not resolve.
     """
+    from kvtrace.errors import VersionSpecError
     from kvtrace.registry import AllocatorVersion, resolve_version
 
     if job.get("allocator_root"):
-        from allocator import create_allocator
+        try:
+            from allocator import create_allocator
+        except ImportError:
+            raise VersionSpecError(
+                f"allocator '{job['spec']}': its allocator package has no create_allocator (a revision from before "
+                "the allocator had one: there is no allocator to replay)"
+            ) from None
 
         return AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
-    return resolve_version(job["spec"])
+    version = resolve_version(job["spec"])
+    if job.get("origin") and version.origin != job["origin"]:
+        raise VersionSpecError(
+            f"allocator '{job['spec']}': this process runs {version.origin}, but the side is labelled {job['origin']}"
+        )
+    return version
 
 
 def job_screen(job: dict[str, Any], options: Any) -> Any:
@@ -221,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if job.get("allocator_root"):
             install_allocator(job["allocator_root"])
+            _check_code(job)
         run_job(job, out, control)
         out.flush()
     except BrokenPipeError:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError, VersionSpecError
-from kvtrace.registry import ChildVersion
+from kvtrace.registry import ChildVersion, code_identity
 
 __all__ = ["CachedCheckout", "cache_dir", "cached_checkouts", "current_repository", "resolve", "run_git"]
 
@@ -139,7 +139,9 @@ def resolve(spec: str, *, cache: Path | None = None) -> ChildVersion:
             raise VersionSpecError(f"allocator '{spec}': use 'worktree' or 'worktree@PATH'")
         if not (repo / "allocator" / "__init__.py").is_file():
             raise VersionSpecError(f"allocator '{spec}': the working tree {repo} has no allocator package")
-        return ChildVersion(spec, "worktree", repo, origin=f"the working tree of {repo}")
+        return ChildVersion(
+            spec, "worktree", repo, origin=f"the working tree of {repo}: {code_identity(repo / 'allocator')}"
+        )
     if not rev:
         raise VersionSpecError(f"allocator '{spec}': give a revision after 'git:' (git:REV or git:REV@PATH)")
     commit = commit_of(repo, rev, f"allocator '{spec}'", VersionSpecError)
@@ -150,7 +152,8 @@ def resolve(spec: str, *, cache: Path | None = None) -> ChildVersion:
         raise VersionSpecError(f"allocator '{spec}': revision {rev} ({commit[:10]}) of {repo} has no allocator package")
     root = _checkout(repo, commit, cache if cache is not None else cache_dir(), spec)
     return ChildVersion(
-        spec, f"git:{rev} ({commit[:10]})", root, origin=f"commit {commit[:12]} of {repo}", commit=commit
+        spec, f"git:{rev} ({commit[:10]})", root,
+        origin=f"commit {commit[:12]} of {repo}: {code_identity(root / 'allocator')}", commit=commit,
     )
 
 

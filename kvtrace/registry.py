@@ -26,10 +26,17 @@ Specs (``kvtrace versions`` lists what is available and where each comes from):
 The first five run in this process (``AllocatorVersion``). ``git:`` and
 ``worktree`` versions import their own ``allocator`` package, so they run in a
 child process (``ChildVersion``, driven by ``kvtrace.child``).
+
+Every spec but the built-in names executes code the user points at: a module, a
+file, a commit, a working tree. Each version's ``origin`` names the files that run,
+with a hash of their content (``code_identity``); the child process of a side
+checks that what it imported is what its origin names. Nothing a trace holds is
+ever taken for a spec.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -120,12 +127,14 @@ class VersionInfo:
 
 
 def _builtin(config: AllocatorConfig) -> Allocator:
+    _own_allocator()
     from allocator import create_allocator
 
     return create_allocator(config)
 
 
 def _pre_encapsulation(config: AllocatorConfig) -> Allocator:
+    _own_allocator()
     from allocator.pre_encapsulation import create_allocator
 
     return create_allocator(config)
@@ -133,6 +142,48 @@ def _pre_encapsulation(config: AllocatorConfig) -> Allocator:
 
 def _here() -> str:
     return str(Path(__file__).resolve().parent.parent / "allocator")
+
+
+def code_digest(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, or of a package directory: every file under it
+    (``__pycache__`` aside) by relative path and content, in path order.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+    """
+    root = Path(path)
+    h = hashlib.sha256()
+    if root.is_file():
+        h.update(root.read_bytes())
+        return h.hexdigest()
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.relative_to(root).parts):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def code_identity(path: str | Path) -> str:
+    """Which code runs: ``PATH sha256:HASH`` (12 hex digits of ``code_digest``)."""
+    resolved = Path(path).resolve()
+    return f"{resolved} sha256:{code_digest(resolved)[:12]}"
+
+
+def _own_allocator() -> None:
+    """Raise unless ``allocator`` in this process is this kvtrace's own (``_here()``).
+
+    Raises:
+        VersionSpecError: another ``allocator`` package was imported (one that was
+            first on ``sys.path`` before kvtrace was imported).
+    """
+    import allocator
+
+    found = Path(allocator.__file__ or "").resolve().parent
+    if found != Path(_here()):
+        raise VersionSpecError(
+            f"the built-in allocator is {_here()}, but this process imported 'allocator' from {found}; "
+            "import kvtrace before anything that imports allocator, or run the version in its own process"
+        )
 
 
 def resolve_version(spec: str) -> AllocatorVersion:
@@ -180,8 +231,14 @@ def resolve_any(spec: str, *, cache_dir: Path | None = None) -> AllocatorVersion
     return _resolve_factory(spec)
 
 
+def _builtin_origin() -> str:
+    return f"built in ({code_identity(_here())})"
+
+
 def _resolve_builtin(spec: str) -> AllocatorVersion | None:
-    here = f"built in ({_here()})"
+    if spec not in ("", "builtin", "token", "paged", "pre-encapsulation") and not spec.startswith("paged:"):
+        return None
+    here = _builtin_origin()
     if spec in ("", "builtin"):
         return AllocatorVersion("builtin", "builtin", _builtin, origin=here)
     if spec == "token":
@@ -204,7 +261,7 @@ def _resolve_factory(spec: str) -> AllocatorVersion:
         raise VersionSpecError(f"allocator '{spec}': '{attr}' is not a valid factory name; valid forms: {VALID_FORMS}")
     if target.endswith(".py"):
         module = _load_file(spec, Path(target))
-        origin = f"file {Path(target).resolve()}"
+        origin = f"file {code_identity(target)}"
     else:
         try:
             module = importlib.import_module(target)
@@ -212,7 +269,8 @@ def _resolve_factory(spec: str) -> AllocatorVersion:
             raise VersionSpecError(f"allocator '{spec}': cannot import module '{target}' ({exc})") from None
         except Exception as exc:
             raise VersionSpecError(f"allocator '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc}") from None
-        origin = f"module {getattr(module, '__file__', None) or target}"
+        file = getattr(module, "__file__", None)
+        origin = f"module {code_identity(file) if file else target}"
     factory = getattr(module, attr, None)
     if factory is None:
         raise VersionSpecError(f"allocator '{spec}': '{target}' has no attribute '{attr}'")
@@ -289,7 +347,7 @@ def _sglang_versions() -> list[VersionInfo]:
 def list_versions() -> list[VersionInfo]:
     """What ``kvtrace versions`` lists: the built-ins, the installed entry points, and
     the forms that take an argument (with the repository ``worktree`` would use)."""
-    here = f"built in ({_here()})"
+    here = _builtin_origin()
     out = [
         VersionInfo("builtin", "builtin", here, "SGLang 0.5.23 semantics at the trace's page size"),
         VersionInfo("token", "builtin", here, "the built-in allocator at page size 1"),

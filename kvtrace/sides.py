@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from kvtrace.session import ReplaySession
     from kvtrace.snapshot import StepSnapshot
 
-__all__ = ["Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "child_environ", "side_job", "spawn_child"]
+__all__ = [
+    "Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "child_command", "child_environ", "side_job", "spawn_child",
+]
 
 SESSION_CHUNK_STEPS = 64
 CHILD_BATCH_STEPS = 256
@@ -132,7 +134,10 @@ def side_job(
     }
     root = getattr(version, "allocator_root", None)
     if root is not None:
+        from kvtrace.registry import code_identity
+
         job["allocator_root"] = str(root)
+        job["code"] = code_identity(Path(root) / "allocator")  # what the child must import (it checks)
     return job
 
 
@@ -153,15 +158,32 @@ def child_environ(defaults: dict[str, str] | None = None) -> dict[str, str]:
     return {**(defaults or {}), **os.environ}
 
 
+# The child's first statement: ``python -m`` and ``-c`` put the working directory first
+# on ``sys.path`` (an engine checkout's own ``allocator/`` or ``kvtrace/`` would win);
+# this checkout's root takes its place, so the child runs this ``kvtrace``, and
+# ``kvtrace`` then pins its sibling ``allocator`` and ``traces`` (``kvtrace._siblings``).
+_BOOTSTRAP = (
+    "import os, sys; here = os.getcwd(); "
+    "sys.path[:] = [{root!r}] + [p for p in sys.path if p not in ('', '.', here)]; "
+    "import runpy; runpy.run_module('kvtrace.child', run_name='__main__', alter_sys=True)"
+)
+
+
+def child_command(python: str, *args: str) -> list[str]:
+    """The command line of ``python -m kvtrace.child ARGS`` run without the working
+    directory on its ``sys.path`` (``_BOOTSTRAP``)."""
+    return [python, "-c", _BOOTSTRAP.format(root=_REPO_ROOT), *args]
+
+
 def spawn_child(
     job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
     commands: bool = False, env_defaults: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], IO[str]]:
-    """Start ``python -m kvtrace.child JOB CONTROL_FD`` (this checkout's ``kvtrace`` first
-    on its path): its stdout is the record stream (a pipe), ``stderr`` where its
-    messages go, stdin a pipe of commands when ``commands`` (else nothing);
-    ``env_defaults``: environment variables for it that this process's environment
-    does not set itself.
+    """Start ``kvtrace.child JOB CONTROL_FD`` under ``python`` (``child_command``: this
+    checkout's ``kvtrace`` first on its path, the working directory not on it): its
+    stdout is the record stream (a pipe), ``stderr`` where its messages go, stdin a pipe
+    of commands when ``commands`` (else nothing); ``env_defaults``: environment
+    variables for it that this process's environment does not set itself.
 
     Returns:
         The process and the reading end of its control channel (JSON lines).
@@ -180,7 +202,7 @@ def spawn_child(
     try:
         with lifeline.quiet_start():
             proc = subprocess.Popen(
-                [python, "-m", "kvtrace.child", json.dumps(job), str(write_fd)],
+                child_command(python, json.dumps(job), str(write_fd)),
                 stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
                 pass_fds=(write_fd, lifeline.lifeline_fd(), *pass_fds), env=env,
             )

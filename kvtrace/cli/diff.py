@@ -60,14 +60,19 @@ def diff(
     ],
     a: Annotated[
         str | None,
-        typer.Option("--a", help="Version A (kvtrace versions lists them).", show_default="builtin"),
+        typer.Option(
+            "--a",
+            help="Version A (kvtrace versions lists them). module:factory, file.py:factory, git:REV and worktree "
+            "execute that code (as 'python file.py' would); nothing in a trace is ever executed.",
+            show_default="builtin",
+        ),
     ] = None,
     b: Annotated[
         str | None,
         typer.Option(
             "--b",
             help="Version B: builtin, token, paged[:N], pre-encapsulation, NAME, module:factory, file.py:factory, "
-            "git:REV\\[@PATH], worktree\\[@PATH].",
+            "git:REV\\[@PATH], worktree\\[@PATH]. All but the built-in names execute the code they name.",
             show_default=False,
         ),
     ] = None,

@@ -5,6 +5,7 @@ process with its own ``allocator`` package)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +17,20 @@ from typer.testing import CliRunner
 from kvtrace import gitversions
 from kvtrace.cli import app
 from kvtrace.errors import VersionSpecError
-from kvtrace.registry import VALID_FORMS, AllocatorVersion, ChildVersion, resolve_any, resolve_version
+from kvtrace.registry import VALID_FORMS, AllocatorVersion, ChildVersion, code_digest, resolve_any, resolve_version
 
 runner = CliRunner()
-ALLOCATOR = Path(__file__).resolve().parents[2] / "allocator"
+ROOT = Path(__file__).resolve().parents[2]
+ALLOCATOR = ROOT / "allocator"
+# Appended to a copy's manager.py: the copy's allocator keeps SGLang's speculative
+# bookkeeping of before #29432 (its over-allocation ledger goes negative on sample:tiny).
+BROKEN = """
+
+def create_allocator(config):
+    from allocator.pre_encapsulation import create_allocator as broken
+
+    return broken(config)
+"""
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -161,3 +172,82 @@ def test_a_revision_that_fails_in_its_process_is_one_line_naming_the_side(repo: 
     line = result.stderr.strip()
     assert "\n" not in line and line.startswith("kvtrace: error: side B (git:HEAD@")
     assert "this revision is broken" in line
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_each_side_runs_the_code_its_label_names_from_inside_a_checkout(repo: Path, jobs: str) -> None:
+    """Run from inside an engine checkout whose own (committed) allocator/ is broken,
+    that checkout first on PYTHONPATH too: side A, the built-in version, runs this
+    kvtrace's allocator (in this process with --jobs 1, in a child with --jobs 2) and
+    side B, git:HEAD, the checkout's; each label names its files and their hash."""
+    (repo / "allocator" / "manager.py").write_text((repo / "allocator" / "manager.py").read_text() + BROKEN)
+    _git(repo, "commit", "-qam", "broken")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(repo), str(ROOT)))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtrace", "diff", "sample:tiny", "--b", "git:HEAD", "--jobs", jobs, "--json"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    own, theirs = out["versions"]["a"]["origin"], out["versions"]["b"]["origin"]
+    assert own == f"built in ({ALLOCATOR} sha256:{code_digest(ALLOCATOR)[:12]})"
+    assert theirs.endswith(f"/allocator sha256:{code_digest(repo / 'allocator')[:12]}")
+    assert code_digest(repo / "allocator") != code_digest(ALLOCATOR)
+    # what ran: this kvtrace's allocator balances its over-allocation ledger, the broken one does not
+    assert out["a"]["overalloc"]["allocated"] == 220 and out["a"]["violations"] == []
+    assert out["b"]["overalloc"]["allocated"] < 0 and out["b"]["violations"]
+    assert out["first_divergence"]["field"] == "kv_allocated_len"
+
+
+def test_a_side_that_would_import_other_code_than_its_label_names_stops(tmp_path: Path) -> None:
+    """The child checks what it imported against the side's label (a checkout changed
+    under it, say) and reports one line instead of replaying unnamed code."""
+    from kvtrace.sides import ChildSide, SideError, side_job
+
+    shutil.copytree(ALLOCATOR, tmp_path / "allocator", ignore=shutil.ignore_patterns("__pycache__"))
+    version = ChildVersion("worktree", "worktree", tmp_path, origin="here")
+    job = side_job(version, "sample:tiny", trace_label="sample:tiny", page_size=None, pool_tokens=None, device="cpu",
+                   options={})
+    (tmp_path / "allocator" / "manager.py").write_text((tmp_path / "allocator" / "manager.py").read_text() + BROKEN)
+    side = ChildSide("B", job)
+    try:
+        with pytest.raises(SideError, match=r"this process imported .*/allocator sha256:\w+, but the side is labelled"):
+            list(side.chunks())
+            side.summary()
+    finally:
+        side.close()
+
+
+def test_nothing_in_a_trace_s_metadata_is_ever_executed(tmp_path: Path) -> None:
+    """Version specs and Python code in a trace's metadata (source, extra) are data:
+    replaying and diffing the trace, in this process and in children, runs none of it."""
+    from tests.traces.conftest import decode_steps, make_meta, write_steps
+    from traces.schema import TraceSource
+
+    mark = tmp_path / "executed"
+    payload = tmp_path / "payload.py"
+    payload.write_text(f"open({str(mark)!r}, 'w').close()\ndef factory(config):\n    raise SystemExit(3)\n")
+    code = f"open({str(mark)!r}, 'w').close()"
+    meta = make_meta()
+    meta = type(meta)(
+        config=meta.config, block_size=meta.block_size,
+        source=TraceSource(engine=f"{payload}:factory", workload="git:HEAD", repository=code, path=f"{payload}:factory"),
+        extra={"allocator": f"{payload}:factory", "version": f"{payload}:factory", "a": "worktree", "exec": code},
+    )
+    trace = write_steps(tmp_path / "t.kvtrace", decode_steps(4), meta=meta)
+    skip = ["--on-bad-op", "skip", "--json"]  # decode steps alone: requests that were never extended
+    for args in (["replay", str(trace), *skip], ["info", str(trace), "--json"],
+                 ["diff", str(trace), "--b", "builtin", "--jobs", "1", *skip],
+                 ["diff", str(trace), "--b", "paged", "--jobs", "2", *skip]):
+        result = runner.invoke(app, args)
+        assert result.exit_code in (0, 1), (args, result.output)
+        assert not mark.exists(), args
+
+
+@pytest.mark.parametrize("command", ["diff", "replay"])
+def test_help_says_which_versions_execute_code(command: str) -> None:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "execute the code they name" in text or "execute that code" in text
+    assert "nothing in a trace is ever executed" in text
