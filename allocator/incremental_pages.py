@@ -79,8 +79,8 @@ class PageShadow:
         self.nobody = 0
 
     def pages(self, slots: np.ndarray) -> np.ndarray:
-        """int64 page ids of a page-aligned slot array (int64: numpy scatters through
-        int64 indices many times faster than through int32 ones)."""
+        """int64 page ids of a page-aligned slot array (int64: numpy indexes with intp,
+        and converts int32 index arrays to it on every gather and scatter)."""
         ps = self.ps
         return (slots[::ps] // ps if ps > 1 else slots).astype(np.int64)
 

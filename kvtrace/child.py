@@ -57,9 +57,9 @@ class WholeWrites(io.RawIOBase):
 
     A write to a full pipe that is interrupted (a debugger or a sampling profiler
     attaching through ptrace) may write part of its bytes; the buffered file Python
-    opens on such a descriptor was seen to drop the rest (4,096 bytes missing from the
-    middle of a dashboard's update frame under py-spy, the screen then unpickling
-    garbage). Here a part written is followed by the rest, so the stream stays whole.
+    opens on such a descriptor may drop the rest (seen under py-spy: bytes missing from
+    the middle of a dashboard's update frame, the screen then unpickling garbage). Here
+    a part written is followed by the rest, so the stream stays whole.
     """
 
     def __init__(self, fd: int) -> None:
@@ -247,7 +247,7 @@ def job_version(job: dict[str, Any]) -> Any:
 
 
 def job_screen(job: dict[str, Any], options: Any) -> Any:
-    """What screens the job's steps: a mode (``background``, ``inline``), or the checker
+    """What checks the job's steps: a mode (``background``, ``inline``), or the checker
     the parent shares between the sides (``screen_fd``)."""
     if job.get("screen_fd") is None:
         return job.get("screen", "background")

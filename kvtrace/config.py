@@ -50,7 +50,7 @@ def replay_names(*, pool_tokens: bool = False, page_size: bool = False) -> dict[
 
 
 # The replay engine's per-request columns (seen, dropped, prefill target) and those
-# of the op-sequence checker screening its steps.
+# of the op-sequence checker checking its steps.
 _REPLAY_BYTES_PER_RID = 10 + CHECKER_BYTES_PER_RID
 
 

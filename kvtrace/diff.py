@@ -46,7 +46,7 @@ Mode = Literal["lockstep", "parallel", "logs"]
 REQUEST_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "prefix_len", "phase", "op")
 _WINDOW_STEPS = 512  # recent steps kept for the context of a divergence
 # Traces this big replay their sides in two processes by default (the children's
-# start-up, about 2 s each, pays off).
+# start-up, Python, torch and the allocator, pays off).
 PARALLEL_MIN_BYTES = 2 << 20
 _DESCRIBE = {
     "phase": lambda x, y: (PHASES[int(x)], PHASES[int(y)], ""),
@@ -469,7 +469,7 @@ def _start_children(
     sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
 ) -> Any:
     """Both sides in child processes (appended to ``sides`` as they start), fed by one
-    op-sequence checker (each step screened once); returns the checker's process."""
+    op-sequence checker (each step checked once); returns the checker's process."""
     import dataclasses
 
     from kvtrace.sides import ChildSide, side_job
@@ -490,7 +490,7 @@ def _start_children(
 def _start_sessions(
     sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
 ) -> None:
-    """Both sides as sessions in this process, in lockstep: the second screens its steps
+    """Both sides as sessions in this process, in lockstep: the second checks its steps
     from the first one's memory."""
     from kvtrace.session import ReplaySession
     from kvtrace.sides import SessionSide

@@ -3,7 +3,7 @@
 Per step, in the trace's op order (``traces.schema.OP_ORDER``), the engine makes
 one batched allocator call per op kind: releases (finish, abort, retract), then
 prealloc, extend, decode, spec, then ``end_step``. It never trusts the trace: every
-step is first screened (``traces.validate.OpSequenceChecker``, possibly in a child
+step is first checked (``traces.validate.OpSequenceChecker``, possibly in a child
 process); impossible ops stop the replay (default) or are skipped and reported.
 Running out of KV slots is an outcome: the first OOM is recorded with its step,
 request, need, free and evictable, and the replay stops (``on_oom="stop"``) or
@@ -14,7 +14,7 @@ pool and page size, and admissions whose hit differs from the recorded one are
 counted.
 
 The engine is driven one step at a time (``replay_step``) by a
-``kvtrace.session.ReplaySession``, which owns the trace reader, the screening, the
+``kvtrace.session.ReplaySession``, which owns the trace reader, the checker, the
 checkpoints and the summary. Steps before ``ReplayOptions.start_step`` run quietly
 (state only: no snapshot, no check, no statistics), so the statistics describe the
 window and its first snapshot is a keyframe holding the whole state.
@@ -86,7 +86,7 @@ _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("p
 
 
 class StepScreen(Protocol):
-    """What screens a step for impossible ops before it is applied."""
+    """What checks a step for impossible ops before it is applied (the checker)."""
 
     def check(self, batch: StepBatch) -> list[Problem]: ...
 
@@ -232,7 +232,7 @@ class ReplayEngine:
         meta: the trace's metadata (checked op semantics, prompt lengths).
         allocator: the allocator version to drive.
         options: see ``ReplayOptions``.
-        screen: what screens each step (default: an ``OpSequenceChecker`` in this process).
+        screen: the checker of each step (default: an ``OpSequenceChecker`` in this process).
         clock: the timer for allocator time.
     """
 
@@ -308,7 +308,7 @@ class ReplayEngine:
     # ------------------------------------------------------------------ one step
     def replay_step(self, batch: StepBatch) -> StepSnapshot | None:
         """Apply one step; return its snapshot (None before the window, or when the
-        step's screening stopped the replay).
+        step's check stopped the replay).
 
         Raises:
             BadTraceOp: an impossible op with ``on_bad_op="stop"``.
@@ -325,7 +325,7 @@ class ReplayEngine:
         ok = self._screen(batch)
         if ok is not None:  # skip mode: rows the checker refused never reach the replay
             batch, ok = batch.take(np.flatnonzero(ok)), None
-        if len(batch):  # request ids are screened: below the trace's bound
+        if len(batch):  # request ids are checked: below the trace's bound
             max_rid = int(batch.rid.max())
             for arr in self._req.values():
                 arr.ensure(max_rid)
@@ -419,7 +419,7 @@ class ReplayEngine:
     ) -> list[StepSnapshot] | None:
         """Apply ``len(steps)`` plain steps of ``op`` (``DECODE``, or ``SPEC`` with the
         int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
-        screened clean (``traces.runs``), in one allocator call; return their snapshots
+        checked clean (``traces.runs``), in one allocator call; return their snapshots
         ([] before the window). None when the allocator refuses the run: nothing
         changed, replay the steps one by one."""
         num_steps = int(steps.shape[0])
@@ -514,7 +514,7 @@ class ReplayEngine:
         if not touched:
             return RequestDelta.empty()
         req = self._req
-        # A request has one row per step (the screen skips duplicates), so no unique().
+        # A request has one row per step (the checker skips duplicates), so no unique().
         rids = touched[0] if len(touched) == 1 else np.concatenate(touched)
         op = np.repeat(np.array(ops, np.int8), [t.shape[0] for t in touched])
         lens = self.allocator.request_lens(rids)
@@ -546,7 +546,7 @@ class ReplayEngine:
         return RequestDelta(*(np.concatenate([a, b]) for a, b in zip(delta, more)))
 
     def _screen(self, batch: StepBatch) -> np.ndarray | None:
-        """Screen the step for impossible ops; return the mask of rows safe to apply (None: all)."""
+        """Check the step for impossible ops; return the mask of rows safe to apply (None: all)."""
         problems = self._screen_step.check(batch)
         if not problems:
             return None

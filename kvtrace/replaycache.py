@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CachedReplay", "RecordsWriter", "ReplayCache", "driver_digest", "replay_key", "trace_digest"]
 
-KEEP_BYTES = 2 << 30  # records kept (about 80 replays of the one-hour Mooncake trace with digests)
+KEEP_BYTES = 2 << 30  # bytes of records kept (replays with their digests)
 PRUNE_GRACE_S = 3600.0
 _ROOT = Path(__file__).resolve().parent.parent
 _DRIVER_PACKAGES = ("kvtrace", "traces")

@@ -33,7 +33,7 @@ from kvtrace.gitversions import cache_dir, commit_of, current_repository, run_gi
 __all__ = ["ALLOCATOR_PACKAGE", "Commit", "Series", "allocator_checkout", "parse_range", "prune_checkouts", "read_series"]
 
 ALLOCATOR_PACKAGE = "allocator"
-TREES_KEEP = 64  # extracted allocator trees kept (least recently used removed first); about 0.3 MB each
+TREES_KEEP = 64  # extracted allocator trees kept (least recently used removed first)
 SHORT = 10  # digits of a short commit hash in reports
 
 

@@ -2,7 +2,7 @@
 every consumer (the ``replay`` command, the dashboard, diff, shrink, sweeps).
 
 A session is built from a trace, a version spec and what-if overrides; it decides
-the effective configuration once (``kvtrace.config.effective_config``), screens
+the effective configuration once (``kvtrace.config.effective_config``), checks
 every step for impossible ops (in a child process by default), drives the
 ``ReplayEngine`` step by step and yields one ``StepSnapshot`` per step::
 
@@ -24,7 +24,7 @@ at most F steps, the next ones at most K. With ``first_pass_seconds=T`` instead,
 first pass takes one once T seconds of the replay's own time (its thread's CPU time)
 have passed since the last (and at least K steps): the first seek into a stretch
 replays some T seconds, whatever a step costs in that trace. Steps replayed once are
-screened once: going back re-uses their screening.
+checked once: going back re-uses their checks.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by ste
 _NO_STEPS = np.zeros(0, np.int64)
 TRUNCATED_NOTE = "the trace was cut short; replayed every complete step"
 # Steps replayed before they go into a block, and steps gathered in blocks before the
-# state folds them (it also folds whenever it is read): much of a fold's cost is per call
-# (the one-hour sample: 0.68 s folded 80 steps at a time, 0.29 s 1,024 at a time).
+# state folds them (it also folds whenever it is read): much of a fold's cost is per call,
+# so it folds many steps at a time.
 _FOLD_STEPS = 1024
 
 
@@ -87,19 +87,19 @@ class _StepNumber(NamedTuple):
 
 
 class _RecordedScreen:
-    """Screens each step once (through ``inner``, in file order) and remembers the
-    problems, so steps replayed again after a seek are screened from memory.
+    """Checks each step once (through ``inner``, in file order) and remembers the
+    problems, so steps replayed again after a seek are checked from memory.
 
     Steps are known by their *ordinal* (their position in the file, from 0), which the
     session sets in ``at`` before each ``check``: step numbers may repeat or go back in
-    a damaged trace, and such a step must still be screened, not read from memory."""
+    a damaged trace, and such a step must still be checked, not read from memory."""
 
     def __init__(self, inner: Any) -> None:
         from traces.validate import BackgroundChecker
 
         self.inner = inner
         self._rows_needed = not isinstance(inner, BackgroundChecker)
-        self.frontier = -1  # every step at an ordinal <= this one was screened
+        self.frontier = -1  # every step at an ordinal <= this one was checked
         self.at = 0  # the ordinal of the step the next check() is about
         self._problems: dict[int, list[Problem]] = {}
 
@@ -117,7 +117,7 @@ class _RecordedScreen:
 
     def check_at(self, chunk: StepChunk, i: int, ordinal: int) -> list[Problem]:
         """``check`` of step ``i`` of ``chunk`` (at ``ordinal``), building its rows only for
-        a screen that reads them (the background checker reads the file itself)."""
+        a checker that reads them (the background checker reads the file itself)."""
         self.at = ordinal
         if self._rows_needed:
             return self.check(chunk.step_batch(i))
@@ -197,12 +197,12 @@ class ReplaySession:
             thread's CPU time, which a replay stopped or waiting for a CPU does not
             spend).
         checkpoint_budget: bytes the checkpoints may hold.
-        screen: screen steps in a child process (``background``) or here (``inline``),
-            or the ``screen`` of another session of the same trace that runs ahead of
-            this one (lockstep: each step is screened once; that session owns it).
+        screen: check steps in a child process (``background``) or here (``inline``),
+            or the ``screen`` (checker) of another session of the same trace that runs
+            ahead of this one (lockstep: each step is checked once; that session owns it).
         checker_nice: lower the ``background`` checker's priority by this much
-            (``os.nice``): a replay that shares the machine with a screen lets the
-            screen and itself go first (the checker runs ahead in the gaps).
+            (``os.nice``): a replay that shares the machine with a dashboard lets the
+            dashboard and itself go first (the checker runs ahead in the gaps).
         track_state: keep the per-request ``ReplayState`` fold (``state``).
         allocator_in_step: keep the allocator's state that of the step last returned,
             for callers that query it between steps (slot ownership, a request's
@@ -283,7 +283,7 @@ class ReplaySession:
         # the ordinal before which it does not read it again.
         self._next_clock_read = 0
         self.checkpoint_budget = checkpoint_budget
-        # The screen runs in a child process on another core; start it before the
+        # The checker runs in a child process on another core; start it before the
         # allocator (which may initialise CUDA).
         self._owns_screen = isinstance(screen, str)
         if screen == "background":
@@ -357,8 +357,8 @@ class ReplaySession:
 
     @property
     def screen(self) -> StepScreen:
-        """What screens this session's steps (pass it to a session of the same trace that
-        replays behind this one, in lockstep, to screen every step once)."""
+        """What checks this session's steps (pass it to a session of the same trace that
+        replays behind this one, in lockstep, to check every step once)."""
         return self._screen
 
     @property
@@ -433,7 +433,7 @@ class ReplaySession:
                     return self._shown(snaps[0], continued=len(snaps) > 1)
                 continue
             self._index += 1
-            self._screen.at = self._chunk_base + i  # (a screen of this session's own kind)
+            self._screen.at = self._chunk_base + i  # (a checker of this session's own kind)
             snap = engine.replay_step(chunk.step_batch(i))
             self._first_pass_from = max(self._first_pass_from, ordinal + 1)
             if snap is None:
@@ -505,7 +505,7 @@ class ReplaySession:
         return snaps
 
     def _screened(self, chunk: StepChunk, i: int, n: int) -> int:
-        """Screen steps ``i .. i + n - 1`` of ``chunk``; how many lead with no problem (a
+        """Check steps ``i .. i + n - 1`` of ``chunk``; how many lead with no problem (a
         step with one is replayed by itself; its problems are remembered)."""
         check_at = self._screen.check_at
         for j in range(n):
@@ -795,7 +795,7 @@ class ReplaySession:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop the background screen and release the file."""
+        """Stop the background checker and release the file."""
         if self._closed:
             return
         self._closed = True

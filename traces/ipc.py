@@ -12,7 +12,7 @@ after iteration). A reader can resume at any record batch (``ResumePoint``).
 
 Also here: numpy views of Arrow buffers and Arrow arrays built from numpy
 buffers. ``pa.array`` and ``Array.to_numpy`` import pandas when it is installed
-(~0.3 s of a command's start-up); these never do.
+(a large share of a command's start-up); these never do.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def arrow_array(values: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
     """A primitive numpy array as an Arrow array, zero-copy; ``mask`` True marks nulls.
 
     Built from buffers rather than with ``pa.array``, which imports pandas (when it is
-    installed, ~0.3 s) to ask whether its argument is a pandas object.
+    installed) to ask whether its argument is a pandas object.
     """
     values = np.ascontiguousarray(values)
     arrow_type = _NUMPY_TO_ARROW[values.dtype]
@@ -86,7 +86,7 @@ def numpy_view(array: pa.Array) -> np.ndarray:
     whatever the buffer holds).
 
     Not ``Array.to_numpy``: its first call initialises pyarrow's pandas support,
-    importing pandas (when it is installed, ~0.3 s of ``kvtrace info``).
+    importing pandas (when it is installed), a start-up cost ``kvtrace info`` need not pay.
     """
     dtype = _ARROW_TO_NUMPY.get(array.type)
     if dtype is None:  # not a type kvtrace writes

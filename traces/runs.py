@@ -6,7 +6,7 @@ batch: the same requests in the same order, each longer by what it appends (one
 token, or its accepted tokens). What a run does to an allocator is fully determined
 by its state at the start of the run and the accepted counts, so the engine applies
 it in one call (``allocator.base.DecodeRuns``) and builds the run's snapshots from
-vectors; each step is still snapshotted. The op-sequence checker screens a run of
+vectors; each step is still snapshotted. The op-sequence checker checks a run of
 plain steps at once too (``traces.validate.OpSequenceChecker.check_run``).
 
 ``run_lengths(chunk)`` finds them column-wise, for a whole ``StepChunk`` at once::

@@ -740,7 +740,7 @@ class BackgroundChecker:
         conn: the reading end of a pipe a shared checker writes to (no process is
             started then; ``close`` closes the pipe only).
         nice: how much to lower the child's priority (``os.nice``): a caller that shares
-            the machine with a screen lets the screen and the replay go first, the
+            the machine with a dashboard lets the dashboard and the replay go first, the
             child filling the gaps (it runs ahead; it is waited for only when caught up).
 
     Raises:

@@ -41,7 +41,7 @@ from kvtrace.serving import (
 
 # While recording, every completed step is its own flushed record batch (a killed
 # recording keeps every completed step); on completion the trace is rewritten with
-# DEFAULT_COMPACT steps per batch, which compresses ~4x better.
+# DEFAULT_COMPACT steps per batch, which compresses much better (bigger batches).
 DEFAULT_STEPS_PER_BATCH = 1
 DEFAULT_COMPACT = 256
 FLUSH_INTERVAL_S = 1.0

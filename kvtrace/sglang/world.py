@@ -110,9 +110,8 @@ itself is not run because a trace already fixes which requests run when):
    differs shows up before it changes an eviction.
 10. Threads: ``torch.set_num_threads(1)`` at import. SGLang's torch fallbacks work on
    small tensors; with torch's default intra-op threads on a shared CPU they wait on
-   each other (``alloc_extend_naive`` of 8,192 tokens: ~1.3 ms on one thread, ~130 ms
-   with two threads at load 8 on 2 cores). Results are the same; only the speed of
-   the replay, the tests and ``bench/sglang_allocator.py`` changes.
+   each other longer than the work takes. Results are the same; only the speed of the
+   replay, the tests and ``bench/sglang_allocator.py`` changes.
 """
 
 from __future__ import annotations

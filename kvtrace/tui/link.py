@@ -56,17 +56,13 @@ Item = tuple[str, Any]  # ("records", SnapshotBlock) | ("msg", dict) | ("closed"
 _QUEUED = 64  # items waiting for the screen before the replay waits (back-pressure)
 START_TIMEOUT_S = 300.0
 # The replay process holds hundreds of MB of checkpoints; numpy's transparent huge pages
-# then cost the kernel compaction on later page faults: 2.0 to 2.2 s of system time in
-# its replay of the one-hour sample, 1.2 s without them (the plain replay: 0.8 to 0.9 s
-# either way). A variable the user sets wins.
+# then cost the kernel compaction on later page faults, system time that the plain replay
+# does not pay (bench/RESULTS.md). A variable the user sets wins.
 CHILD_ENV = {"NUMPY_MADVISE_HUGEPAGE": "0"}
-# The update pipe's capacity: some 12 updates of the one-hour sample at full speed (their
-# blocks carry the steps' request rows: 84 kB each over 85 steps at the median, 314 kB at
-# most, 80.7 MB in all, on a 2-core machine's slow day; fewer, bigger ones on a faster
-# day; a thread of the screen's reads them as they come). With the default 64 KiB the
-# replay process spent 0.33 to 0.60 s of a one-hour replay in write_update (pickling, and
-# waiting for the screen to read); with 1 MiB, 0.18 to 0.25 s (2 runs each, the screen's
-# process held at nice 10 so that it reads late; updates of an earlier design, some 25 kB).
+# The update pipe's capacity: room for several updates at full speed (their blocks carry
+# the steps' request rows; a thread of the screen's reads them as they come), so that the
+# replay process writes on while the screen is busy drawing rather than waiting for it to
+# read, as it does with the default 64 KiB (bench/RESULTS.md).
 PIPE_BYTES = 1 << 20
 
 

@@ -54,13 +54,12 @@ MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
 PACED_MAP_S = 0.5  # page-map cadence while playing at a pace
 # At full speed the page maps take at most this share of the replay's own CPU time (its
 # thread's: Replayer's work_clock): the interval between two grows to the last map's cost
-# over it where mapping is slow (a slower machine, a bigger pool; the one-hour sample's
-# million slots: 40 to 85 ms a map).
+# over it where mapping is slow (a slower machine, a bigger pool).
 MAP_SHARE = 0.01
 # The replay's op-sequence checker runs at a lower priority beside a screen: on two cores
 # the replay (a core), the screen (half a core) and the checker (a third of one) want more
-# than the machine has, and the checker, which runs ahead, can wait (bench/tui.py on two
-# cores: median wall-time overhead +35% and +43% before, +25% after; bench/RESULTS.md).
+# than the machine has, and the checker, which runs ahead, can wait (bench/tui.py;
+# bench/RESULTS.md).
 CHECKER_NICE = 10
 CHECKPOINT_EVERY = 2000  # steps between a dashboard's seek checkpoints once filled in
 # What the screen's header says while the replay fills in checkpoints where it stopped
@@ -69,11 +68,10 @@ FILLING = "making going back quick"
 # The first pass takes one once this many seconds of the replay's own CPU time have passed
 # since the last (ReplaySession's first_pass_seconds); a seek back fills in the rest on its
 # way, and so does the replayer where it stops playing: the first seek far back replays
-# some 2.5 s, whatever a step costs in that trace. Each checkpoint of the one-hour sample
-# holds some 15 MB (the live rows, and the radix tree's arrays, which the live tree drops
-# later) and costs the replay 0.2-0.3% of its CPU, most of it after it is taken (fresh
-# memory): one every 6,000 steps (13 over the hour, 1.1 s apart here) cost +4.4% against
-# none, one every 18,000 steps +1.0% (bench/RESULTS.md).
+# some FIRST_PASS_S seconds, whatever a step costs in that trace. A checkpoint holds the
+# live rows and the radix tree's arrays (which the live tree drops later), and most of what
+# it costs the replay comes after it is taken (fresh memory): so the first pass takes them
+# by the replay's time, few of them, rather than every so many steps (bench/RESULTS.md).
 FIRST_PASS_S = 2.5
 
 
@@ -88,8 +86,8 @@ class Replayer:
             shorter than the screen's frame (20 a second), so that each frame has steps
             to show that the one before did not.
         map_interval_s: seconds between page maps while playing as fast as it goes
-            (mapping a million-slot pool takes some 40 ms of the replay's time;
-            bench/ownership.py), or more: at most ``MAP_SHARE`` of the time goes to
+            (mapping a large pool costs the replay's time; bench/ownership.py),
+            or more: at most ``MAP_SHARE`` of the time goes to
             them; a paced replay maps every ``PACED_MAP_S``, a paused one at every
             step shown.
         clock: monotonic seconds.
@@ -522,8 +520,8 @@ def job_source(job: dict[str, Any]) -> ReplaySource:
 
     source = _log_source(job) if job.get("state_log") else live_source(job)
     # What the set-up made (modules, the trace's reader, the allocator) lives as long as
-    # this process: out of the collector's sight, the full collections the replay's
-    # snapshots set off take 0.006 s instead of 0.06 s over the one-hour sample.
+    # this process: out of the collector's sight, so that the full collections the replay's
+    # snapshots set off do not walk it again each time.
     gc.freeze()
     return source
 

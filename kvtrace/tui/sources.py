@@ -83,7 +83,7 @@ def _config_line(page_size: int, pool_tokens: int, max_running: int | None, devi
 
 def trace_step_range(path: str | Path) -> tuple[int, int] | None:
     """First and last step of a trace file, an IPC stream or file (one pass over its record
-    batches, a fraction of a second for the one-hour sample; None when it cannot be read:
+    batches, cheap next to the replay; None when it cannot be read:
     the header then shows no total)."""
     from traces.errors import TraceError
     from traces.ipc import IpcReader, numpy_view

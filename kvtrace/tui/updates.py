@@ -6,20 +6,18 @@ replay session's own block of those steps (``ReplaySession.take_block``), with t
 request rows of the steps that are not the last of their decode run in the block left
 out (the run's last step lists the same requests, with their lengths after it); the
 screen folds it into its own ``ReplayState`` (``ReplayState.apply_block``), which is the
-replay's fold. The one-hour sample's blocks carry some 22 rows a step: 80.7 MB over the
-hour, which a frame copies once. The replay process used to fold each batch itself and send
-the rows of the requests the batch changed: that fold, once every 30 ms, took 1.6 s of
-CPU of a 25 s replay (sending took 2.4 s in all, 1.5 s now; bench/RESULTS.md); its own
-fold now waits for 1,024 steps, or until its state is read.
+replay's fold. A frame copies a block's rows once. The replay process does not fold each
+batch to send only the rows of the requests it changed: a fold's cost is mostly per call,
+so its own fold waits for ``_FOLD_STEPS`` steps, or until its state is read
+(``kvtrace.session``; bench/RESULTS.md).
 
 Over a pipe an update is one frame: its length (8 bytes, little-endian) and its body: a
 32-byte header (``KVU1``, the number of pool counters, steps, rows, the length of the
 tail), the block's columns as raw bytes in the machine's order (8-byte ones first, so that each
 starts aligned), then the tail: the events and the state digests, pickled, when there
 are any (the pipe joins a process to the child it started, running this same code).
-The one-hour sample's 1,055 updates took 0.40 s of the replay process's CPU to pickle
-(12 us an array, 15 arrays a block), which this layout mostly saves, and the screen
-reads the columns in place.
+Raw columns rather than pickled arrays: pickling costs per array, which this layout
+mostly saves, and the screen reads the columns in place.
 """
 
 from __future__ import annotations

@@ -29,13 +29,11 @@ __all__ = ["Cadence", "Dashboard"]
 class Cadence(NamedTuple):
     """How often the costliest panels are drawn while the replay plays (every frame
     otherwise). At full speed each frame brings a new stretch of the chart and a screenful
-    of new events: the events log, scrolled at every frame, took 8 of the screen's 18 ms
-    a frame on the one-hour sample (bench/tui.py; bench/RESULTS.md), which two cores pay
-    for in replay time. The legend's numbers change at every frame too: drawn at every
-    frame (24 a second) they made Textual paint the widgets around them again (twice the
-    widgets a frame), a fifth of the screen's CPU time (10.3-10.8 s against 7.4-8.0 s over
-    the hour, bench/RESULTS.md). A frame with an OOM, a violation or an impossible op
-    shows the log at once."""
+    of new events: the events log, scrolled at every frame, is a large share of the screen's
+    frame (bench/tui.py; bench/RESULTS.md), which two cores pay for in replay time. The
+    legend's numbers change at every frame too: drawn at every frame they make Textual
+    paint the widgets around them again (twice the widgets a frame). A frame with an OOM,
+    a violation or an impossible op shows the log at once."""
 
     chart_s: float = 1.0  # the occupancy chart
     events_s: float = 0.25  # the events log, scrolled to its newest event

@@ -1,9 +1,8 @@
 """A few lines of Rich ``Text`` drawn through Textual's line API, redrawing only the lines
 that changed (base of the header and the occupancy legend).
 
-A ``Static`` lays its whole content out again on every update; at 20 frames a second
-that was the costliest part of the dashboard's frame, while most of these lines change
-a few digits, or nothing, from one frame to the next.
+A ``Static`` lays its whole content out again on every update, at every frame, while
+most of these lines change a few digits, or nothing, from one frame to the next.
 """
 
 from __future__ import annotations

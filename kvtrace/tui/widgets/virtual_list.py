@@ -106,9 +106,8 @@ class VirtualList(ScrollView, can_focus=True, inherit_bindings=False):
     def _set_virtual_size(self, size: Size) -> None:
         """A new virtual size, telling only the scrollbar, and only when its thumb looks
         different: the list's own size never depends on it, but Textual lays the whole
-        screen out again for a new virtual size (some 25 ms of the screen's time, and
-        every widget drawn again), and a list that gains rows at every frame would draw
-        its scrollbar at every frame. A scrollbar shown or hidden by it still lays the
+        screen out again for a new virtual size (and draws every widget again), and a
+        list that gains rows at every frame would draw its scrollbar at every frame. A scrollbar shown or hidden by it still lays the
         screen out (its own reactive)."""
         update = getattr(self, "_scroll_update", None)  # Textual's: the scrollbars follow the virtual size
         if update is None or not self.container_size:
