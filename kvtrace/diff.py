@@ -118,6 +118,7 @@ class DiffReport:
     divergences: tuple[ReportedDivergence, ...]
     wall_s: float
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # one line each, for stderr (two logs of different traces)
 
     @property
     def identical(self) -> bool:
@@ -146,6 +147,7 @@ class DiffReport:
             "exact": self.exact,
             "wall_s": round(self.wall_s, 6),
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
         }
 
 
@@ -528,8 +530,33 @@ def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
             s.close()
     trace = str(sides[0].info.get("trace", ""))
     notes = _config_notes(reports[0].summary, reports[1].summary)
+    mismatch = _trace_mismatch(sides[0], sides[1])
     return DiffReport(trace, reports[0], reports[1], "logs", options.exact, count, tuple(found),
-                      time.perf_counter() - t0, notes)
+                      time.perf_counter() - t0, notes, () if mismatch is None else (mismatch,))
+
+
+def _trace_mismatch(a: Any, b: Any) -> str | None:
+    """One line when two state logs (``LogSide``s) are replays of different traces, naming
+    both and what tells them apart; None when they replay the same one.
+
+    Logs that record the trace file's hash (``kvtrace.statelog.trace_identity``) are
+    compared by it (the same bytes under two names are one trace); others by the
+    trace's name as given to ``kvtrace replay``."""
+    name_a, name_b = a.info.get("trace"), b.info.get("trace")
+    file_a, file_b = a.info.get("trace_file") or {}, b.info.get("trace_file") or {}
+    if file_a.get("digest") and file_b.get("digest"):
+        if file_a["digest"] == file_b["digest"]:
+            return None
+        what = " and ".join(
+            f"{name} ({size:,} bytes, hash {digest[:12]})"
+            for name, size, digest in ((name_a, file_a.get("file_bytes") or 0, file_a["digest"]),
+                                       (name_b, file_b.get("file_bytes") or 0, file_b["digest"]))
+        )
+    elif name_a != name_b:
+        what = f"{name_a} and {name_b} (by name: a log holds no hash of its trace)"
+    else:
+        return None
+    return f"{a.path} and {b.path} replay different traces: {what}; compared anyway"
 
 
 class _Windowed:

@@ -29,6 +29,7 @@ from kvtrace.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from kvtrace.diff import DiffReport
     from kvtrace.rangediff import RangeSettings
 
 DIFF_EXAMPLES = examples(
@@ -203,6 +204,7 @@ def diff(
                             pool_tokens=pool_tokens, device=device.value, jobs=jobs)
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
+    _warn_inputs(report, inputs)
     if tui:
         from kvtrace.tui.run import show_diff
 
@@ -213,6 +215,23 @@ def diff(
     else:
         render_diff_report(result, ui.console())
     raise typer.Exit(0 if report.identical else 1)
+
+
+def _warn_inputs(report: DiffReport, inputs: list[str]) -> None:
+    """Warn on stderr about inputs the diff could not use whole (a trace or a state log cut
+    short: the same warnings as ``replay`` and ``info``), then the report's own warnings."""
+    from kvtrace.cli.info import warn_cut_short
+    from kvtrace.cli.replay import warn_truncated
+
+    sides = (report.a.summary, report.b.summary)
+    if report.mode == "logs":
+        for summary in sides:
+            if summary.get("truncated"):
+                warn_cut_short(summary.get("state_log"), summary.get("truncation_detail"))
+    elif any(summary.get("truncated") for summary in sides):
+        warn_truncated(inputs[0])
+    for warning in report.warnings:
+        ui.warn(warning)
 
 
 def _diff_range(

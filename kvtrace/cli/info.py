@@ -80,7 +80,13 @@ def _progress(reader: IpcReader, what: str) -> Iterator[Any]:
 
 def _warn_truncated(reader: IpcReader) -> None:
     if reader.truncated:
-        ui.warn(f"{reader.path}: {reader.truncation_detail}")
+        warn_cut_short(reader.path, reader.truncation_detail)
+
+
+def warn_cut_short(path: object, detail: str | None) -> None:
+    """Warn that a file (a trace, a state log) was read up to its last complete batch:
+    the one wording of ``info``, ``validate`` and ``diff LOG_A LOG_B``."""
+    ui.warn(f"{path}: {detail}")
 
 
 def _interruption(reader: TraceReader) -> str | None:
