@@ -308,3 +308,28 @@ def test_logs_without_a_trace_hash_are_told_apart_by_name(tmp_path: Path) -> Non
         f"{logs[0]} and {logs[1]} replay different traces: sample:tiny and sample:mooncake-tiny "
         "(by name: a log holds no hash of its trace); compared anyway",
     )
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inputs", ["trace", "logs"])
+def test_diff_shows_progress_on_a_terminal_and_nothing_with_json(tmp_path: Path, inputs: str) -> None:
+    """stderr a terminal: the progress line is drawn there (and erased); stdout (a pipe)
+    holds the report only. --json draws nothing."""
+    import sys
+
+    from tests.processes import run_with_terminal_stderr
+
+    if inputs == "trace":
+        args, shown = ["sample:tiny", "--b", "builtin", "--jobs", "1"], "diff sample:tiny"
+    else:
+        args = [str(_state_log(tmp_path / "a.arrow")), str(_state_log(tmp_path / "b.arrow"))]
+        shown = "diff a.arrow b.arrow"
+    command = [sys.executable, "-m", "kvtrace", "diff", *args]
+    code, out, drawn = run_with_terminal_stderr(command)
+    assert code == 0, drawn
+    assert "identical over 139 steps" in out and "\x1b" not in out
+    assert shown in drawn
+    code, out, drawn = run_with_terminal_stderr([*command, "--json"])
+    assert code == 0 and drawn == "" and json.loads(out)["identical"] is True
