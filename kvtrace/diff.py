@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -118,6 +118,7 @@ class DiffReport:
     divergences: tuple[ReportedDivergence, ...]
     wall_s: float
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # one line each, for stderr (two logs of different traces)
 
     @property
     def identical(self) -> bool:
@@ -146,6 +147,7 @@ class DiffReport:
             "exact": self.exact,
             "wall_s": round(self.wall_s, 6),
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
         }
 
 
@@ -338,8 +340,14 @@ class _Cursor:
             self.ended = True
 
 
-def compare_sides(side_a: Any, side_b: Any, options: DiffOptions) -> tuple[int, list[ReportedDivergence]]:
+def compare_sides(
+    side_a: Any, side_b: Any, options: DiffOptions, on_progress: Callable[[int], None] | None = None
+) -> tuple[int, list[ReportedDivergence]]:
     """Walk both sides' records to their ends, comparing every step.
+
+    Args:
+        on_progress: called with the last step reached, after each step or chunk of
+            steps (compared, or read uncompared after the last divergence wanted).
 
     Returns:
         Steps compared, and the divergences found (at most ``options.max_divergences``,
@@ -351,6 +359,7 @@ def compare_sides(side_a: Any, side_b: Any, options: DiffOptions) -> tuple[int, 
     found: list[ReportedDivergence] = []
     reported: set[Any] = set()
     steps = 0
+    progress = on_progress or _no_progress
     while len(found) < options.max_divergences:
         x, y = ca.peek_chunk(), cb.peek_chunk()
         if x is not None and y is not None and len(x) == len(y) and x.same_as(y):
@@ -358,12 +367,14 @@ def compare_sides(side_a: Any, side_b: Any, options: DiffOptions) -> tuple[int, 
             window.add_chunks(x, y)
             ca.take_chunk()
             cb.take_chunk()
+            progress(_last_step(x))
             continue
         sa, sb = ca.next_step(), cb.next_step()
         if sa is None and sb is None:
             break
         steps += 1
         window.add_pair(sa, sb)
+        progress(sa.step if sa is not None else sb.step)  # type: ignore[union-attr]
         diffs = _step_diffs(sa, sb, options.exact)
         fresh = [d for d in diffs if (d.rid if d.rid is not None else d.field) not in reported]
         if not fresh:
@@ -376,17 +387,31 @@ def compare_sides(side_a: Any, side_b: Any, options: DiffOptions) -> tuple[int, 
         found.append(ReportedDivergence(divergence, window.history(first.rid, first.field, options.context)))
         if sa is None or sb is None:
             break  # one side ended: nothing more to compare
-    _drain(ca, cb)
+    _drain(ca, cb, progress)
     return steps, found
 
 
-def _drain(ca: _Cursor, cb: _Cursor) -> None:
+def _drain(ca: _Cursor, cb: _Cursor, progress: Callable[[int], None]) -> None:
     """Read both streams to their end, a chunk of each in turn (a side in another
     process must not wait for the other's to finish)."""
     while not (ca.ended and cb.ended):
         for cursor in (ca, cb):
             if not cursor.ended:
                 cursor.take_chunk_any()
+                chunk = cursor.peek_chunk()
+                if chunk is not None and len(chunk):
+                    progress(_last_step(chunk))
+
+
+def _last_step(chunk: Chunk) -> int:
+    """The chunk's last step number (read from its record batch without decoding it)."""
+    if chunk.batch is not None:
+        return int(chunk.batch.column("step")[len(chunk) - 1].as_py())
+    return chunk.snapshots[-1].step
+
+
+def _no_progress(step: int) -> None:
+    """``compare_sides``'s progress callback when none is given."""
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -411,6 +436,7 @@ def diff_trace(
     pool_tokens: int | None = None,
     device: str = "cpu",
     jobs: int | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> DiffReport:
     """Replay ``trace`` through versions ``spec_a`` and ``spec_b`` and compare them.
 
@@ -422,6 +448,7 @@ def diff_trace(
         page_size, pool_tokens, device: what-ifs applied to both sides.
         jobs: 2 replays the sides in two processes in parallel, 1 in lockstep in this
             process (versions that import here); None: 2 when two cores are usable.
+        on_progress: called with the last step reached, as the comparison goes.
 
     Raises:
         KvtraceError: a spec that does not resolve, a bad trace, conflicting options,
@@ -452,7 +479,7 @@ def diff_trace(
             checker = _start_children(sides, versions, path, trace, replay, what_if)
         else:
             _start_sessions(sides, versions, path, trace, replay, what_if)
-        steps, found = compare_sides(sides[0], sides[1], options)
+        steps, found = compare_sides(sides[0], sides[1], options, on_progress)
         reports = [SideReport(s.spec, s.label, s.origin, s.summary()) for s in sides]
     finally:
         for s in reversed(sides):
@@ -502,11 +529,13 @@ def _start_sessions(
 
 
 def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
-              steps: tuple[int | None, int | None] = (None, None)) -> DiffReport:
+              steps: tuple[int | None, int | None] = (None, None),
+              on_progress: Callable[[int], None] | None = None) -> DiffReport:
     """Compare two saved state logs (``kvtrace replay --out``) step by step.
 
     Args:
         steps: ``(start, stop)``: compare only steps in ``[start, stop)``.
+        on_progress: called with the last step reached, as the comparison goes.
 
     Raises:
         TraceError: a log is missing or not a state log. ConfigError: ``exact`` asked
@@ -521,15 +550,40 @@ def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
         wrapped = [_Windowed(s, steps) if steps != (None, None) else s for s in sides]
         if options.exact:
             wrapped = [_RequireDigests(w, s.path) for w, s in zip(wrapped, sides)]
-        count, found = compare_sides(wrapped[0], wrapped[1], options)
+        count, found = compare_sides(wrapped[0], wrapped[1], options, on_progress)
         reports = [SideReport(s.spec, s.label, s.origin, s.summary()) for s in sides]
     finally:
         for s in sides:
             s.close()
     trace = str(sides[0].info.get("trace", ""))
     notes = _config_notes(reports[0].summary, reports[1].summary)
+    mismatch = _trace_mismatch(sides[0], sides[1])
     return DiffReport(trace, reports[0], reports[1], "logs", options.exact, count, tuple(found),
-                      time.perf_counter() - t0, notes)
+                      time.perf_counter() - t0, notes, () if mismatch is None else (mismatch,))
+
+
+def _trace_mismatch(a: Any, b: Any) -> str | None:
+    """One line when two state logs (``LogSide``s) are replays of different traces, naming
+    both and what tells them apart; None when they replay the same one.
+
+    Logs that record the trace file's hash (``kvtrace.statelog.trace_identity``) are
+    compared by it (the same bytes under two names are one trace); others by the
+    trace's name as given to ``kvtrace replay``."""
+    name_a, name_b = a.info.get("trace"), b.info.get("trace")
+    file_a, file_b = a.info.get("trace_file") or {}, b.info.get("trace_file") or {}
+    if file_a.get("digest") and file_b.get("digest"):
+        if file_a["digest"] == file_b["digest"]:
+            return None
+        what = " and ".join(
+            f"{name} ({size:,} bytes, hash {digest[:12]})"
+            for name, size, digest in ((name_a, file_a.get("file_bytes") or 0, file_a["digest"]),
+                                       (name_b, file_b.get("file_bytes") or 0, file_b["digest"]))
+        )
+    elif name_a != name_b:
+        what = f"{name_a} and {name_b} (by name: a log holds no hash of its trace)"
+    else:
+        return None
+    return f"{a.path} and {b.path} replay different traces: {what}; compared anyway"
 
 
 class _Windowed:

@@ -330,7 +330,8 @@ class LogSide:
     def summary(self) -> dict[str, Any]:
         config = self.info.get("config", {})
         return {"trace": self.info.get("trace"), "allocator": self.spec, "state_log": str(self.path),
-                "page_size": config.get("page_size"), "pool_tokens": config.get("pool_tokens"), **self._stats.to_dict()}
+                "page_size": config.get("page_size"), "pool_tokens": config.get("pool_tokens"), **self._stats.to_dict(),
+                "truncated": bool(self._reader.truncated), "truncation_detail": getattr(self._reader, "truncation_detail", None)}
 
     def close(self) -> None:
         """Nothing to release: the log's file is open only while its batches are read."""

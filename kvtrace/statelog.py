@@ -231,6 +231,22 @@ def open_state_log(source: str | Path | BinaryIO) -> tuple[dict[str, Any], IpcRe
     return info, reader
 
 
+def trace_identity(path: str | Path) -> dict[str, Any]:
+    """What a state log's info records of the trace replayed (its ``"trace_file"`` entry),
+    so that ``kvtrace diff LOG_A LOG_B`` can tell replays of different traces apart.
+
+    Returns:
+        ``path`` (resolved), ``file_bytes`` and ``digest`` (the hash of the file's bytes,
+        ``kvtrace.replaycache.trace_digest``); both None for a pipe, which reads once.
+    """
+    from kvtrace.replaycache import trace_digest
+
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        return {"path": str(resolved), "file_bytes": None, "digest": None}
+    return {"path": str(resolved), "file_bytes": resolved.stat().st_size, "digest": trace_digest(resolved)}
+
+
 def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnapshot]]:
     """Open a state log: its stored info and a lazy iterator of snapshots.
 

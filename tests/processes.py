@@ -50,3 +50,43 @@ def wait_until(condition: object, timeout_s: float, what: str) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def run_with_terminal_stderr(args: list[str], timeout_s: float = 120.0) -> tuple[int, str, str]:
+    """Run ``args`` with stderr on a pseudo-terminal (as in an interactive shell) and
+    stdout on a pipe (as under ``| jq``).
+
+    Returns:
+        The exit code, stdout, and everything the process wrote to the terminal.
+    """
+    import pty
+    import select
+    import subprocess
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120"}
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    drawn = bytearray()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the process closed its end
+                break
+            if not data:
+                break
+            drawn += data
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return proc.returncode, out.decode(), drawn.decode(errors="replace")

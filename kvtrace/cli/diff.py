@@ -9,6 +9,7 @@ valid forms). Rich, numpy, pyarrow and torch are imported inside the commands.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -29,6 +30,7 @@ from kvtrace.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from kvtrace.diff import DiffReport
     from kvtrace.rangediff import RangeSettings
 
 DIFF_EXAMPLES = examples(
@@ -192,17 +194,22 @@ def diff(
         for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens)):
             if value is not None:
                 raise typer.BadParameter(f"{name} applies to a trace, not to two state logs", param_hint=name)
-        report = diff_logs(inputs[0], inputs[1], options=options, steps=(start, stop))
+        with ui.progress(f"diff {Path(inputs[0]).name} {Path(inputs[1]).name}") as update:
+            report = diff_logs(inputs[0], inputs[1], options=options, steps=(start, stop),
+                               on_progress=lambda step: update(step, f"step {step:,}"))
     elif len(inputs) == 1:
         if b is None:
             raise typer.BadParameter("give the version to compare with --b SPEC (and --a SPEC, default builtin)", param_hint="--b")
         if jobs is not None and jobs not in (1, 2):
             raise typer.BadParameter(f"{jobs}: use 1 (lockstep in one process) or 2 (two processes)", param_hint="--jobs")
         check_device(device.value)
-        report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
-                            pool_tokens=pool_tokens, device=device.value, jobs=jobs)
+        with ui.progress(f"diff {Path(inputs[0]).name}") as update:
+            report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
+                                pool_tokens=pool_tokens, device=device.value, jobs=jobs,
+                                on_progress=lambda step: update(step, f"step {step:,}"))
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
+    _warn_inputs(report, inputs)
     if tui:
         from kvtrace.tui.run import show_diff
 
@@ -213,6 +220,23 @@ def diff(
     else:
         render_diff_report(result, ui.console())
     raise typer.Exit(0 if report.identical else 1)
+
+
+def _warn_inputs(report: DiffReport, inputs: list[str]) -> None:
+    """Warn on stderr about inputs the diff could not use whole (a trace or a state log cut
+    short: the same warnings as ``replay`` and ``info``), then the report's own warnings."""
+    from kvtrace.cli.info import warn_cut_short
+    from kvtrace.cli.replay import warn_truncated
+
+    sides = (report.a.summary, report.b.summary)
+    if report.mode == "logs":
+        for summary in sides:
+            if summary.get("truncated"):
+                warn_cut_short(summary.get("state_log"), summary.get("truncation_detail"))
+    elif any(summary.get("truncated") for summary in sides):
+        warn_truncated(inputs[0])
+    for warning in report.warnings:
+        ui.warn(warning)
 
 
 def _diff_range(

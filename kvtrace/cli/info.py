@@ -13,9 +13,6 @@ starts without them).
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -26,9 +23,6 @@ from kvtrace.cli.options import JsonOpt, NoColorOpt, QuietOpt, TraceArg, example
 if TYPE_CHECKING:
     from traces.io import TraceReader
     from traces.ipc import IpcReader
-
-# Files at least this big show a progress bar (when stderr is a terminal).
-PROGRESS_MIN_BYTES = 32 << 20
 
 
 def open_trace(spec: str) -> TraceReader:
@@ -57,30 +51,15 @@ def _is_state_log(spec: str) -> bool:
     return is_state_log_schema(schema)
 
 
-@contextmanager
-def _progress(reader: IpcReader, what: str) -> Iterator[Any]:
-    """A rich progress bar on stderr for big files on a terminal; else a no-op updater."""
-    if ui.settings.quiet or not (sys.stderr.isatty() and reader.file_bytes >= PROGRESS_MIN_BYTES):
-        yield lambda: None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    progress = Progress(
-        TextColumn(f"{what} [bold]{reader.path.name}[/]"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=ui.console(stderr=True),
-        transient=True,
-    )
-    with progress:
-        task = progress.add_task(what, total=reader.file_bytes)
-        yield lambda: progress.update(task, completed=reader.bytes_read)
-
-
 def _warn_truncated(reader: IpcReader) -> None:
     if reader.truncated:
-        ui.warn(f"{reader.path}: {reader.truncation_detail}")
+        warn_cut_short(reader.path, reader.truncation_detail)
+
+
+def warn_cut_short(path: object, detail: str | None) -> None:
+    """Warn that a file (a trace, a state log) was read up to its last complete batch:
+    the one wording of ``info``, ``validate`` and ``diff LOG_A LOG_B``."""
+    ui.warn(f"{path}: {detail}")
 
 
 def _interruption(reader: TraceReader) -> str | None:
@@ -217,10 +196,10 @@ def info_command(
             render_state_log_info(summary)
         return
     reader = open_trace(trace)
-    with _progress(reader, "reading") as update:
+    with ui.progress(f"reading {reader.path.name}", total=reader.file_bytes) as update:
         from kvtrace.traceinfo import trace_info
 
-        info = trace_info(reader, on_batch=update)
+        info = trace_info(reader, on_batch=lambda: update(reader.bytes_read))
     _warn_truncated(reader)
     interruption = _interruption(reader)
     if interruption is not None and not reader.truncated:
@@ -266,8 +245,7 @@ def validate_command(
     checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)
     shown: list[Problem] = []
     total = 0
-    with _progress(reader, "validating") as update:
-        last_batches = 0
+    with ui.progress(f"validating {reader.path.name}", total=reader.file_bytes) as update:
         for batch in reader.steps():
             problems = checker.check(batch)
             if problems:
@@ -275,9 +253,7 @@ def validate_command(
                 room = max_problems - len(shown)
                 if room > 0:
                     shown.extend(problems[:room])
-            if reader.num_record_batches != last_batches:
-                last_batches = reader.num_record_batches
-                update()
+            update(reader.bytes_read, f"step {batch.step:,}")
     summary = checker.finish()
     last = reader.last_step if reader.last_step is not None else -1
     # A cut file says it was interrupted already; otherwise an interrupted recording

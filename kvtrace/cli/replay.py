@@ -92,6 +92,14 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
         run_live(job)
 
 
+def warn_truncated(trace: str) -> None:
+    """Warn that ``trace`` was cut short and its complete steps were replayed: the one
+    wording of ``replay`` and ``diff`` (the dashboard shows the same note)."""
+    from kvtrace.session import TRUNCATED_NOTE
+
+    ui.warn(f"{trace}: {TRUNCATED_NOTE}")
+
+
 def check_device(device: str) -> None:
     """Raises ConfigError when cuda is asked for and no GPU, or no Triton, is there."""
     if device == "cuda":
@@ -164,8 +172,8 @@ def replay(
     from kvtrace.outputs import OutputFile
     from kvtrace.replay import ReplayOptions
     from kvtrace.report import render_replay_summary
-    from kvtrace.session import TRUNCATED_NOTE, ReplaySession
-    from kvtrace.statelog import StateLogWriter
+    from kvtrace.session import ReplaySession
+    from kvtrace.statelog import StateLogWriter, trace_identity
     from traces.samples import resolve_trace
 
     start, stop = parse_step_range(steps)
@@ -206,7 +214,8 @@ def replay(
             _run(session, err, None)
         else:
             with target.writing() as tmp:
-                info = {"trace": str(trace), "allocator": session.version.spec, "config": config_dict(session.config)}
+                info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
+                        "allocator": session.version.spec, "config": config_dict(session.config)}
                 with StateLogWriter(tmp, info) as log:
                     _run(session, err, log)
         result = session.result()
@@ -216,7 +225,7 @@ def replay(
     if (start is not None or stop is not None) and result.stats.steps == 0 and not result.stopped_early:
         ui.warn(f"--steps {steps}: no step of {trace} falls in that window")
     if summary["truncated"]:
-        ui.warn(f"{trace}: {TRUNCATED_NOTE}")
+        warn_truncated(trace)
     if as_json:
         ui.emit_json(summary)
     else:

@@ -6,6 +6,7 @@
 * ``emit_json`` / ``rounded``: ``--json`` output, one object, numbers rounded.
 * ``settings``: the ``-q`` / ``--no-color`` / ``--json`` state the shared options set
   (before or after the command's name).
+* ``progress``: the progress display of long work, on stderr when it is a terminal.
 * ``terminate_on_signals``: SIGINT, SIGTERM and SIGHUP become exceptions between
   two steps of a trace being written, so a command stopped that way closes its
   files (a recording marks its trace interrupted after a whole step).
@@ -23,7 +24,8 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,8 @@ PIPE_WIDTH = 10_000
 JSON_DIGITS = 6
 JSON_MIN_DECIMALS = 3
 ARGV_KEY = "kvtrace.argv"
+# A progress display redraws at most this often, however often it is updated.
+PROGRESS_EVERY_S = 0.1
 
 
 @dataclass
@@ -148,6 +152,53 @@ def note(message: str) -> None:
     if not settings.quiet:
         sys.stderr.write(f"kvtrace: {message}\n")
         sys.stderr.flush()
+
+
+def progress_shown() -> bool:
+    """Whether commands show progress: stderr is a terminal and neither ``-q`` nor ``--json``."""
+    return not settings.quiet and not settings.json and sys.stderr is not None and sys.stderr.isatty()
+
+
+@contextmanager
+def progress(what: str, total: float | None = None) -> Iterator[Callable[..., None]]:
+    """Show how far long work has gone: one transient line on stderr (erased at the end),
+    only where ``progress_shown()``; elsewhere nothing at all.
+
+    Args:
+        what: what is being done (``"validating run.kvtrace"``; shown as plain text).
+        total: the amount of work (bytes, steps, ...); None when unknown (the bar pulses).
+
+    Yields:
+        ``update(completed, info="")``: cheap enough to call every step; the line is
+        redrawn at most every ``PROGRESS_EVERY_S`` seconds.
+    """
+    if not progress_shown():
+        yield _no_progress
+        return
+    from rich.markup import escape
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    percent = [TextColumn("{task.percentage:>3.0f}%")] if total is not None else []
+    live = Progress(
+        TextColumn(escape(what)), BarColumn(), *percent, TextColumn("{task.fields[info]}", markup=False),
+        TimeElapsedColumn(), console=console(stderr=True), transient=True,
+    )
+    task = live.add_task(what, total=total, info="")
+    last = 0.0
+
+    def update(completed: float, info: str = "") -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= PROGRESS_EVERY_S:
+            last = now
+            live.update(task, completed=completed, info=info)
+
+    with live:
+        yield update
+
+
+def _no_progress(completed: float, info: str = "") -> None:
+    """``progress``'s updater where no progress is shown."""
 
 
 def rounded(value: Any) -> Any:

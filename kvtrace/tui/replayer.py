@@ -551,7 +551,7 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
     from kvtrace.config import config_dict
     from kvtrace.replay import ReplayOptions
     from kvtrace.session import ReplaySession
-    from kvtrace.statelog import StateLogWriter
+    from kvtrace.statelog import StateLogWriter, trace_identity
     from kvtrace.tui.sources import LiveSource
 
     settings = job["dashboard"]
@@ -566,9 +566,9 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
     )
     log = None
     if settings.get("log"):
-        info = {"trace": job.get("trace_label") or job["trace"], "allocator": session.version.spec,
-                "config": config_dict(session.config)}
         try:
+            info = {"trace": job.get("trace_label") or job["trace"], "trace_file": trace_identity(session.reader.path),
+                    "allocator": session.version.spec, "config": config_dict(session.config)}
             log = StateLogWriter(settings["log"], info)
         except BaseException:
             session.close()

@@ -458,3 +458,23 @@ def test_damaged_compacted_traces_never_crash(tmp_path: Path) -> None:
             assert "Traceback" not in err and "internal error" not in err, err
             if code == 2:
                 assert_one_error_line(err, str(damaged))
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+def test_validate_shows_progress_on_a_terminal_and_nothing_with_q_or_json() -> None:
+    """stderr a terminal: the progress line is drawn there (and erased); stdout (a pipe)
+    holds the verdict only. -q and --json draw nothing."""
+    import sys
+
+    from tests.processes import run_with_terminal_stderr
+
+    command = [sys.executable, "-m", "kvtrace", "validate", "sample:tiny"]
+    code, out, drawn = run_with_terminal_stderr(command)
+    assert code == 0, drawn
+    assert out.startswith("ok: 139 steps") and len(out.splitlines()) == 1 and "\x1b" not in out
+    assert "validating tiny.kvtrace" in drawn
+    for flag in ("-q", "--json"):
+        code, out, drawn = run_with_terminal_stderr([*command, flag])
+        assert code == 0 and drawn == "", (flag, drawn)

@@ -215,3 +215,121 @@ def test_exact_with_a_version_without_digests_is_one_line() -> None:
     assert "has no state_digest()" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     result = runner.invoke(app, ["diff", "sample:tiny", "--b", f"{FAULTY}:without_digest", "--jobs", "1"])
     assert result.exit_code == 0, result.output  # compared on counters and lengths
+
+
+# -- inputs the diff cannot use whole -------------------------------------------------------
+
+
+def _cut(path: Path, out: Path, keep: float = 2 / 3) -> Path:
+    """A copy of ``path`` with its tail cut off (as a copy interrupted half-way leaves it)."""
+    data = path.read_bytes()
+    out.write_bytes(data[: int(len(data) * keep)])
+    return out
+
+
+def _state_log(path: Path, trace: str = "sample:tiny", steps_per_batch: int = 16) -> Path:
+    """A state log as ``kvtrace replay TRACE --out`` writes it, in small record batches."""
+    from kvtrace.config import config_dict
+    from kvtrace.statelog import StateLogWriter, trace_identity
+
+    with ReplaySession(trace, screen="inline") as session:
+        info = {"trace": trace, "trace_file": trace_identity(session.reader.path), "allocator": "builtin",
+                "config": config_dict(session.config)}
+        with StateLogWriter(path, info, steps_per_batch=steps_per_batch) as log:
+            for snap in session.snapshots():
+                log.write(snap)
+    return path
+
+
+def test_a_truncated_trace_warns_as_replay_does(tmp_path: Path) -> None:
+    from kvtrace.session import TRUNCATED_NOTE
+
+    cut = _cut(resolve_trace("sample:tiny"), tmp_path / "cut.kvtrace")
+    replay = runner.invoke(app, ["replay", str(cut), "--json"])
+    warning = f"kvtrace: warning: {cut}: {TRUNCATED_NOTE}"
+    assert replay.exit_code == 0 and replay.stderr.strip() == warning
+    result = runner.invoke(app, ["diff", str(cut), "--b", "builtin", "--jobs", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == warning  # once, not once per side
+    assert 0 < json.loads(result.stdout)["steps_compared"] < 139
+
+
+def test_a_truncated_state_log_warns_as_info_does(tmp_path: Path) -> None:
+    full = _state_log(tmp_path / "full.arrow")
+    cut = _cut(full, tmp_path / "cut.arrow")
+    info = runner.invoke(app, ["info", str(cut), "--json"])
+    assert info.exit_code == 0 and "file truncated after step" in info.stderr
+    result = runner.invoke(app, ["diff", str(full), str(cut), "--json"])
+    assert result.exit_code == 1  # the cut log ends early
+    assert result.stderr == info.stderr
+    out = json.loads(result.stdout)
+    assert out["b"]["truncated"] is True and out["a"]["truncated"] is False
+    assert out["b"]["steps"] == json.loads(info.stdout)["steps"] < 139
+    quiet = runner.invoke(app, ["diff", str(full), str(full), "--json"])
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_logs_of_different_traces_warn_naming_both_and_still_compare(tmp_path: Path) -> None:
+    a = _state_log(tmp_path / "a.arrow", "sample:tiny")
+    b = _state_log(tmp_path / "b.arrow", "sample:mooncake-tiny")
+    result = runner.invoke(app, ["diff", str(a), str(b), "--json"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtrace: warning: {a} and {b} replay different traces: ")
+    assert "sample:tiny (60,808 bytes, hash " in lines[0] and "sample:mooncake-tiny (" in lines[0]
+    assert lines[0].endswith("; compared anyway")
+    out = json.loads(result.stdout)
+    assert out["warnings"] == [lines[0].removeprefix("kvtrace: warning: ")] and out["steps_compared"] >= 1
+
+
+def test_logs_of_one_trace_under_two_names_do_not_warn(tmp_path: Path) -> None:
+    a = _state_log(tmp_path / "a.arrow", "sample:tiny")
+    b = _state_log(tmp_path / "b.arrow", str(resolve_trace("sample:tiny")))
+    result = runner.invoke(app, ["diff", str(a), str(b), "--json"])
+    assert result.exit_code == 0 and result.stderr == ""
+    assert json.loads(result.stdout)["warnings"] == []
+
+
+def test_logs_without_a_trace_hash_are_told_apart_by_name(tmp_path: Path) -> None:
+    from kvtrace.diff import diff_logs
+    from kvtrace.statelog import StateLogWriter, open_state_log, snapshots_of
+
+    logs = []
+    for name, trace in (("a", "sample:tiny"), ("b", "sample:mooncake-tiny")):
+        _state_log(tmp_path / f"{name}.full", trace)
+        info, reader = open_state_log(tmp_path / f"{name}.full")
+        logs.append(tmp_path / f"{name}.arrow")  # as kvtrace wrote logs before they held the hash
+        with StateLogWriter(logs[-1], {k: v for k, v in info.items() if k not in ("trace_file", "version")}) as log:
+            for batch in reader.iter_batches():
+                for snap in snapshots_of(batch):
+                    log.write(snap)
+    report = diff_logs(str(logs[0]), str(logs[1]))
+    assert report.warnings == (
+        f"{logs[0]} and {logs[1]} replay different traces: sample:tiny and sample:mooncake-tiny "
+        "(by name: a log holds no hash of its trace); compared anyway",
+    )
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inputs", ["trace", "logs"])
+def test_diff_shows_progress_on_a_terminal_and_nothing_with_json(tmp_path: Path, inputs: str) -> None:
+    """stderr a terminal: the progress line is drawn there (and erased); stdout (a pipe)
+    holds the report only. --json draws nothing."""
+    import sys
+
+    from tests.processes import run_with_terminal_stderr
+
+    if inputs == "trace":
+        args, shown = ["sample:tiny", "--b", "builtin", "--jobs", "1"], "diff sample:tiny"
+    else:
+        args = [str(_state_log(tmp_path / "a.arrow")), str(_state_log(tmp_path / "b.arrow"))]
+        shown = "diff a.arrow b.arrow"
+    command = [sys.executable, "-m", "kvtrace", "diff", *args]
+    code, out, drawn = run_with_terminal_stderr(command)
+    assert code == 0, drawn
+    assert "identical over 139 steps" in out and "\x1b" not in out
+    assert shown in drawn
+    code, out, drawn = run_with_terminal_stderr([*command, "--json"])
+    assert code == 0 and drawn == "" and json.loads(out)["identical"] is True
