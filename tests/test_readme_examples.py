@@ -1,6 +1,6 @@
-"""The README's examples run, so that they cannot rot.
+"""The README's examples, and those of the reference pages in docs/, run, so that they cannot rot.
 
-Every ```console / ```bash block of README.md is parsed into commands (``$ `` prompts and
+Every ```console / ```bash block of README.md and of each ``docs/*.md`` page is parsed into commands (``$ `` prompts and
 ``\\`` continuations in console blocks; every line of a bash block) and the output shown
 under each. ``test_readme_example`` runs a block's commands in order in a temporary
 directory (``kvtrace`` is this checkout's ``python -m kvtrace``; ``traces/``, ``bench/``
@@ -9,8 +9,9 @@ and ``tools/`` lead to the repository's), checks each exit code (0, or the one i
 names (``broken.kvtrace``, a downloaded workload) are made by ``FIXTURES``. What cannot run
 here is in ``SKIP_BLOCKS`` / ``SKIP_COMMANDS``, with the reason.
 
-``test_readme_options_exist`` is the quick check: every ``--option`` the README gives a
-``kvtrace`` command (in a block or in inline code) is one that command takes.
+``test_readme_options_exist`` is the quick check: every ``--option`` the README or a docs page
+gives a ``kvtrace`` command (in a block or in inline code) is one that command takes;
+``test_doc_links_resolve`` checks that their relative links lead to a file (and heading) that exists.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The pages whose examples run: the README and the reference pages it sends readers to.
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 REPO_DIRS = ("traces", "bench", "tools")  # reached from the temporary directory through links
 
 # Whole blocks that cannot run here, by the start of their first command.
@@ -45,9 +48,9 @@ SKIP_BLOCKS: dict[str, str] = {
 # Single commands that cannot run here, by their start.
 SKIP_COMMANDS: dict[str, str] = {
     "kvtrace diff sample:tiny sample:mooncake-eagle --range f42b549..4a6c5f2":
-        "known failure: --range over commits older than git: support; and 8 replays of mooncake-eagle",
+        "long: 8 replays of mooncake-eagle (tests/kvtrace/test_history.py replays both ranges on sample:tiny)",
     "kvtrace diff sample:tiny sample:mooncake-eagle --range 4a6c5f2..42eca2a":
-        "known failure: --range over commits older than git: support; and 8 replays of mooncake-eagle",
+        "long: 8 replays of mooncake-eagle (tests/kvtrace/test_history.py replays both ranges on sample:tiny)",
     "kvtrace record sharegpt.csv --format lengths --rate 5 --duration 1h":
         "long: simulates an hour of arrivals at 5 a second (minutes; the other record examples run)",
     "python bench/fuzz.py --cases 100000": "a benchmark of hours (tests/fuzz runs 20 cases)",
@@ -57,16 +60,13 @@ SKIP_COMMANDS: dict[str, str] = {
 EXIT_CODES: dict[str, int] = {
     "kvtrace validate broken.kvtrace": 1,  # problems found
     "kvtrace diff sample:mooncake-eagle --a builtin --b pre-encapsulation": 1,  # diverged
+    "kvtrace replay sample:mooncake-eagle --allocator pre-encapsulation": 1,  # invariant violations
 }
 # Table rows whose value differs run to run (wall-clock time).
 VARYING_ROWS = ("time",)
 # Table rows the README shows out of date, by (command start, row label): not compared until
 # the README is brought up to date.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("kvtrace replay sample:mooncake-conversation", "over-allocation"):
-        "known failure: README shows the row's old wording ('allocated 0, released 0, still held at end 0')",
-    ("kvtrace info sample:tiny", "file"): "known failure: README shows 60,816 bytes; the bundled file has 60,808",
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def _broken_trace(path: Path) -> None:
@@ -116,8 +116,9 @@ class Example:
 class Block:
     """A ```console or ```bash block: its commands, run in order."""
 
-    line: int  # README line of the opening fence
+    line: int  # page line of the opening fence
     examples: tuple[Example, ...]
+    page: str = "README.md"  # the page, relative to the repository
 
     @property
     def skip_reason(self) -> str | None:
@@ -143,9 +144,10 @@ def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return out
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """README.md's console and bash blocks, parsed."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def readme_blocks(text: str | None = None, page: Path = README) -> list[Block]:
+    """The console and bash blocks of ``page`` (README.md), or of ``text``, parsed."""
+    lines = (page.read_text() if text is None else text).splitlines()
+    name = page.relative_to(ROOT).as_posix()
     blocks: list[Block] = []
     i = 0
     while i < len(lines):
@@ -181,7 +183,7 @@ def readme_blocks(text: str | None = None) -> list[Block]:
                     output.append(text)
             if current is not None:
                 examples.append(_console_example(current, output))
-        blocks.append(Block(start, tuple(examples)))
+        blocks.append(Block(start, tuple(examples), name))
     return blocks
 
 
@@ -259,7 +261,7 @@ def mismatches(expected: tuple[str, ...], actual: str, ignored_rows: tuple[str, 
     at = 0
     for line in expected:
         stripped = line.strip()
-        if not stripped or stripped[0] in "│┌└├":
+        if not stripped or stripped[0] in "│┌└├┏┃┡┗":  # box tables: rows compared above
             continue
         if stripped.startswith("{"):
             problems.extend(_json_mismatches(stripped, actual_lines))
@@ -303,10 +305,10 @@ def _workdir(tmp_path: Path, commands: list[str]) -> dict[str, str]:
 
 
 def _block_id(block: Block) -> str:
-    return f"line{block.line}"
+    return f"{block.page}:line{block.line}"
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for page in PAGES for block in readme_blocks(page=page)]
 
 
 @pytest.mark.slow
@@ -323,24 +325,24 @@ def test_readme_example(block: Block, tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=600)
         wanted = _start_match(EXIT_CODES, ex.command) or 0
         assert done.returncode == wanted, (
-            f"README line {ex.line}: `{ex.command}` exited {done.returncode}, not {wanted}:\n"
+            f"{block.page} line {ex.line}: `{ex.command}` exited {done.returncode}, not {wanted}:\n"
             f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         )
         known = tuple(label for (start, label) in KNOWN_FAILURES if ex.command.startswith(start))
         problems = mismatches(ex.output, done.stdout, known)
-        assert not problems, f"README line {ex.line}: `{ex.command}`:\n" + "\n".join(problems) + f"\n---\n{done.stdout}"
+        assert not problems, f"{block.page} line {ex.line}: `{ex.command}`:\n" + "\n".join(problems) + f"\n---\n{done.stdout}"
 
 
 # ---------------------------------------------------------------------------------------
-# The quick check: the options the README names exist.
+# The quick checks: the options the README and the docs pages name exist; their links resolve.
 
 _INLINE = re.compile(r"`(kvtrace [^`]+)`")
 
 
-def readme_commands(text: str | None = None) -> list[tuple[int, str]]:
-    """Every ``kvtrace ...`` command the README shows: in its blocks and in inline code."""
-    text = README.read_text() if text is None else text
-    found = [(ex.line, ex.command) for block in readme_blocks(text) for ex in block.examples]
+def readme_commands(text: str | None = None, page: Path = README) -> list[tuple[int, str]]:
+    """Every ``kvtrace ...`` command ``page`` (README.md) shows: in its blocks and in inline code."""
+    text = page.read_text() if text is None else text
+    found = [(ex.line, ex.command) for block in readme_blocks(text, page) for ex in block.examples]
     for match in _INLINE.finditer(text):
         found.append((text.count("\n", 0, match.start()) + 1, " ".join(match.group(1).split())))
     out = []
@@ -378,12 +380,13 @@ def _options_of(words: list[str]) -> tuple[str, set[str]] | None:
     return " ".join(path), known
 
 
-def unknown_options(text: str | None = None) -> tuple[int, list[str]]:
-    """How many ``kvtrace`` commands the README (or ``text``) shows, and each option it gives
-    one of them that the command does not take."""
+def unknown_options(text: str | None = None, page: Path = README) -> tuple[int, list[str]]:
+    """How many ``kvtrace`` commands ``page`` (README.md, or ``text``) shows, and each option it
+    gives one of them that the command does not take."""
     unknown = []
     checked = 0
-    for line, command in readme_commands(text):
+    label = "README" if page == README else page.relative_to(ROOT).as_posix()
+    for line, command in readme_commands(text, page):
         words = command.split()
         resolved = _options_of(words)
         if resolved is None:
@@ -393,14 +396,68 @@ def unknown_options(text: str | None = None) -> tuple[int, list[str]]:
         for word in words:
             option = word.split("=", 1)[0].rstrip(",.;:)]")
             if re.fullmatch(r"--[a-z][a-z0-9-]*", option) and option not in known:
-                unknown.append(f"README line {line}: kvtrace {name} has no {option} ({command})")
+                unknown.append(f"{label} line {line}: kvtrace {name} has no {option} ({command})")
     return checked, unknown
 
 
 def test_readme_options_exist() -> None:
-    checked, unknown = unknown_options()
-    assert checked > 30, f"only {checked} kvtrace commands found in README.md"
+    counts = {page.name: unknown_options(page=page) for page in PAGES}
+    assert counts["README.md"][0] > 10, f"only {counts['README.md'][0]} kvtrace commands found in README.md"
+    assert sum(checked for checked, _ in counts.values()) > 60, counts
+    unknown = [u for _, found in counts.values() for u in found]
     assert not unknown, "\n".join(unknown)
+
+
+_LINK = re.compile(r"\]\(([^()\s]+)\)")
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives ``text``'s headings (outside code blocks)."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```") and (not fenced or line.rstrip() == "```"):
+            fenced = not fenced  # a fence closes only with a bare ```
+        elif not fenced and (heading := re.match(r"#{1,6} (.+)", line)):
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            n, candidate = 0, slug
+            while candidate in anchors:
+                n += 1
+                candidate = f"{slug}-{n}"
+            anchors.add(candidate)
+    return anchors
+
+
+def broken_links(text: str, page: Path) -> list[str]:
+    """Each relative link of ``text`` (written at ``page``) whose file, or heading, does not exist."""
+    broken = []
+    for match in _LINK.finditer(text):
+        target = match.group(1)
+        if re.match(r"[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        line = text.count("\n", 0, match.start()) + 1
+        if not resolved.exists():
+            broken.append(f"{page.name} line {line}: {target} (no {resolved})")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(
+                text if resolved == page else resolved.read_text()):
+            broken.append(f"{page.name} line {line}: {target} (no heading #{anchor})")
+    return broken
+
+
+def test_doc_links_resolve() -> None:
+    broken = [b for page in PAGES for b in broken_links(page.read_text(), page)]
+    assert not broken, "\n".join(broken)
+
+
+def test_a_broken_link_is_found() -> None:
+    text = "# Top\n## `kvtrace diff TRACE --a A`\n[ok](#kvtrace-diff-trace---a-a) [me](README.md#top)\n" \
+           "[gone](docs/nosuch.md) [no heading](#nosuch) [web](https://example.com/x)\n"
+    page = ROOT / "README.md"
+    assert [b.split(" (")[0] for b in broken_links(text, page)] == [
+        "README.md line 4: docs/nosuch.md", "README.md line 4: #nosuch",
+    ]
 
 
 def test_the_parser_reads_console_and_bash_blocks() -> None:
