@@ -101,10 +101,13 @@ def require_terminal(alternative: str) -> None:
         alternative: what the user can do instead (``"add --serve to ..."``).
 
     Raises:
-        NoTerminalError: stdout, stdin or stderr (where Textual draws) is not a terminal.
+        NoTerminalError: stdout, stdin or stderr (where Textual draws) is not a terminal, and
+            no other Textual driver (``TEXTUAL_DRIVER``, as a served page sets) draws it.
     """
     from kvtrace.errors import NoTerminalError
 
+    if os.environ.get("TEXTUAL_DRIVER"):  # drawn by another driver (a served page's): no terminal needed
+        return
     for name, stream in (("stdout", sys.stdout), ("stdin", sys.stdin), ("stderr", sys.stderr)):
         if stream is None or not stream.isatty():
             raise NoTerminalError(f"the dashboard needs a terminal, and {name} is not one (a pipe or a file); {alternative}")

@@ -103,7 +103,8 @@ async def _dashboard_text(server: Served, timeout_s: float) -> str:
 
 
 def test_the_token_and_served_origin_stream_the_dashboard(server: Served) -> None:
-    text = asyncio.run(_dashboard_text(server, 90))
+    # A bound on the whole exchange too: a socket that never closes fails here, never hangs.
+    text = asyncio.run(asyncio.wait_for(_dashboard_text(server, 90), 120))
     assert "kvtrace" in text and "sample:tiny" in text, f"the dashboard never showed its header: {text[-500:]!r}"
 
 
