@@ -105,7 +105,7 @@ def test_emit_test_writes_the_trace_and_its_test_or_neither(
     result, _ = hostile_shrink
     test_path = tmp_path / "test_regress.py"
     files = _test_outputs(test_path, False, [])
-    with pytest.raises(OutputError, match="--emit-test .*test_regress.py: cannot write it"):
+    with pytest.raises(OutputError, match=r"--emit-test .*test_regress.py(: cannot write it| was created by another process)"):
         _write_test(_TestPathTakenAfterTheTrace(result, test_path), files, True, "kvtrace shrink ...")  # type: ignore[arg-type]
     assert not test_path.with_suffix(".kvtrace").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["test_regress.py"] and test_path.is_dir()  # no temporary left
