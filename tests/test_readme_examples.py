@@ -72,7 +72,7 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
 def _broken_trace(path: Path) -> None:
     """The trace of README's ``kvtrace validate broken.kvtrace``: 4 steps, 2 requests, 5 rows
     and exactly the three problems it shows."""
-    from tests.traces.conftest import write_steps
+    from tests.helpers import write_steps
     from tests.traces.test_validate import row, step
 
     write_steps(path, [

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.helpers import decode_steps, make_meta, write_steps
 from traces.io import TraceWriter
 from traces.samples import sample_path
 from traces.schema import COLUMNS, METADATA_KEY, OPS

@@ -21,7 +21,7 @@ from kvtrace.session import ReplaySession
 from kvtrace.snapshot import PHASES, UNCHANGED_OP, StepSnapshot
 from kvtrace.state import ReplayState
 from kvtrace.statelog import StateLogWriter, read_state_log
-from tests.traces.conftest import make_meta, write_steps
+from tests.helpers import make_meta, write_steps
 from traces.schema import SpecSettings, StepBatch
 from traces.synth import generate
 

@@ -221,7 +221,7 @@ def test_a_side_that_would_import_other_code_than_its_label_names_stops(tmp_path
 def test_nothing_in_a_trace_s_metadata_is_ever_executed(tmp_path: Path) -> None:
     """Version specs and Python code in a trace's metadata (source, extra) are data:
     replaying and diffing the trace, in this process and in children, runs none of it."""
-    from tests.traces.conftest import decode_steps, make_meta, write_steps
+    from tests.helpers import decode_steps, make_meta, write_steps
     from traces.schema import TraceSource
 
     mark = tmp_path / "executed"

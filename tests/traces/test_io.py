@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.helpers import decode_steps, make_meta, write_steps
 from traces.errors import (
     TraceCorruptError,
     TraceError,
@@ -459,7 +459,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {repo!r})
-    from tests.traces.conftest import decode_steps, make_meta
+    from tests.helpers import decode_steps, make_meta
     from traces.io import TraceWriter
 
     writer = TraceWriter({path!r}, make_meta(), steps_per_batch=3)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import alive, descendants, wait_until
+from tests.helpers import alive, descendants, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -6,7 +6,7 @@ from kvtrace.tui.screens import GotoScreen, HelpScreen, RequestDetailScreen
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
-from tests.tui.conftest import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
+from tests.helpers import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
 
 
 async def test_stepping_keys_and_seeking_back() -> None:

@@ -17,7 +17,7 @@ from kvtrace.tui.app import DIVERGENCE_COLOUR, KvtraceApp
 from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource
 from kvtrace.tui.widgets.request_table import RequestTable
-from tests.tui.conftest import SIZE, TINY, text_of
+from tests.helpers import SIZE, TINY, text_of
 
 B = "pre-encapsulation"
 _REPORT: list[DiffReport] = []

@@ -24,8 +24,7 @@ from kvtrace.tui.link import ChildReplay, ReplayProcessError
 from kvtrace.tui.pagemap import NO_PAGE_MAP
 from kvtrace.tui.replayer import FIRST_PASS_S, dashboard_job, live_source, log_job
 from kvtrace.tui.widgets.events_log import EventsLog
-from tests.processes import priority_once_set
-from tests.tui.conftest import SIZE, TINY, at_step, settle
+from tests.helpers import SIZE, TINY, at_step, priority_once_set, settle
 from traces.samples import resolve_trace
 
 FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")

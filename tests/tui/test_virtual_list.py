@@ -134,7 +134,7 @@ async def test_the_dashboard_lists_drawn_line_by_line_equal_a_full_redraw() -> N
     (a signature that missed something a row shows would leave a stale line)."""
     from kvtrace.tui.widgets.events_log import EventsLog
     from kvtrace.tui.widgets.request_table import SORT_KEYS, RequestTable
-    from tests.tui.conftest import SIZE, at_step, live_app, settle
+    from tests.helpers import SIZE, at_step, live_app, settle
 
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
