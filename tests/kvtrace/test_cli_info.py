@@ -342,6 +342,7 @@ def _damage(data: bytes, kind: int, rng: np.random.Generator) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.slow
 def test_damaged_files_of_every_kind_never_crash(tmp_path: Path) -> None:
     data = sample_path("tiny").read_bytes()
     rng = np.random.default_rng(20)
@@ -439,6 +440,7 @@ def test_data_tools_read_a_recorded_trace(tmp_path: Path) -> None:
     assert duckdb.sql("SELECT count(DISTINCT step) FROM trace").fetchall() == [(steps,)]
 
 
+@pytest.mark.slow
 def test_damaged_compacted_traces_never_crash(tmp_path: Path) -> None:
     """The IPC file layout under the same damage as the stream test above."""
     from traces.io import compact_trace

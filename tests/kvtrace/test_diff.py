@@ -35,6 +35,7 @@ def diff_json(*args: str, code: int | None = None) -> dict:
 
 
 @pytest.mark.parametrize("sample", SMALL_SAMPLES)
+@pytest.mark.slow
 def test_identical_versions_are_identical_on_every_bundled_trace(sample: str) -> None:
     """``--exact`` compares everything the plain comparison does, and the digests."""
     jobs = 2 if sample in ("mooncake-pressure", "azure-code") else 1
@@ -161,6 +162,7 @@ def test_a_steps_window_compares_that_window_only() -> None:
     assert out["steps_compared"] == 30
 
 
+@pytest.mark.slow
 def test_the_sides_in_two_processes_report_what_lockstep_reports() -> None:
     lockstep = diff_json("sample:tiny", "--b", "pre-encapsulation", "--exact", "--all", "3", "--jobs", "1", code=1)
     parallel = diff_json("sample:tiny", "--b", "pre-encapsulation", "--exact", "--all", "3", "--jobs", "2", code=1)

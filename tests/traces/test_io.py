@@ -329,6 +329,7 @@ def test_truncated_inside_the_schema_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@pytest.mark.slow
 def test_every_single_byte_corruption_is_detected_or_harmless(tmp_path: Path, compression: str) -> None:
     original = decode_steps(4, rows=12)
     path = write_steps(tmp_path / "t.kvtrace", original, compression=compression, steps_per_batch=2)
@@ -474,6 +475,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_leaves_every_completed_batch_readable(tmp_path: Path) -> None:
     path = tmp_path / "killed.kvtrace"
     child = subprocess.Popen(

@@ -475,6 +475,7 @@ def _decode_table(times: list[float]) -> pa.Table:
 
 
 @pytest.mark.parametrize("op", ["extend", "decode"])
+@pytest.mark.slow
 def test_a_step_of_millions_of_one_row_is_refused_at_once(tmp_path: Path, op: str) -> None:
     # The finding: an 11 KB file, 3,000,000 identical rows (request 0 at step 0) in one
     # zstd record batch, held validate and replay past 120 s, their time linear in rows.

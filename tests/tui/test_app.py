@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtrace.tui.screens import GotoScreen, HelpScreen, RequestDetailScreen
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
@@ -54,6 +56,7 @@ async def test_speed_keys_change_the_pace() -> None:
         assert "10,000×" in header
 
 
+@pytest.mark.slow
 async def test_goto_peak_and_event_keys() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -94,6 +97,7 @@ async def test_o_jumps_to_the_first_oom() -> None:
         assert any(n.severity == "error" and "oom" in n.message for n in app._notifications)
 
 
+@pytest.mark.slow
 async def test_filter_sort_and_reverse_keys() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -52,6 +52,7 @@ async def settle_both(pilot, until: Callable[[KvtraceApp], bool], timeout_s: flo
     await pilot.pause()
 
 
+@pytest.mark.slow
 async def test_the_sides_open_at_the_divergence_and_move_together() -> None:
     report = _report()
     first, second = (d.divergence for d in report.divergences)
