@@ -397,6 +397,7 @@ def unknown_options(text: str | None = None) -> tuple[int, list[str]]:
     return checked, unknown
 
 
+@pytest.mark.slow
 def test_readme_options_exist() -> None:
     checked, unknown = unknown_options()
     assert checked > 30, f"only {checked} kvtrace commands found in README.md"

@@ -104,6 +104,7 @@ def _first_spec_step(sample: str) -> int:
     return next(b.step for b in reader.steps() if np.any(b.op == SPEC))
 
 
+@pytest.mark.slow
 def test_the_pre_encapsulation_variant_leaks_from_the_first_paged_speculative_step() -> None:
     report = diff_trace("sample:mooncake-eagle", "builtin", "pre-encapsulation", jobs=1,
                         options=DiffOptions(context=4))

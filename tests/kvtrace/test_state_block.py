@@ -162,6 +162,7 @@ def test_a_block_leaves_out_the_rows_asked() -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(_CASES, st.lists(st.integers(1, 120), min_size=1, max_size=12))
+@pytest.mark.slow
 def test_blocks_joined_fold_to_the_step_by_step_fold(case: tuple[str, int | None], cuts: list[int]) -> None:
     # a replay session folds the blocks it hands out joined (SnapshotBlock.concat)
     trace, start = case

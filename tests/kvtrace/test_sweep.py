@@ -355,6 +355,7 @@ def test_a_merge_missing_parts_leaves_the_result_as_it_was(tmp_path: Path) -> No
     assert out.read_bytes() == b"an earlier result"
 
 
+@pytest.mark.slow
 def test_the_report_redraws_its_own_plots_and_refuses_other_files_and_bad_plot_dirs(tmp_path: Path) -> None:
     import pyarrow as pa
 
@@ -414,6 +415,7 @@ def _unused_port() -> int:
         return s.getsockname()[1]  # closed again: nothing listens there
 
 
+@pytest.mark.slow
 def test_a_ray_address_where_nothing_answers_is_one_line_within_seconds(tmp_path: Path) -> None:
     """It used to wait in ray.init for minutes, printing Ray's connection logs."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtrace[ray]')")

@@ -158,6 +158,7 @@ async def test_help_and_quit_keys() -> None:
     assert app.return_code == 0
 
 
+@pytest.mark.slow
 async def test_mouse_selects_rows_cells_events_and_sorts() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
