@@ -72,7 +72,7 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 def _broken_trace(path: Path) -> None:
     """The trace of README's ``kvtrace validate broken.kvtrace``: 4 steps, 2 requests, 5 rows
     and exactly the three problems it shows."""
-    from tests.traces.conftest import write_steps
+    from tests.helpers import write_steps
     from tests.traces.test_validate import row, step
 
     write_steps(path, [
@@ -400,6 +400,7 @@ def unknown_options(text: str | None = None, page: Path = README) -> tuple[int, 
     return checked, unknown
 
 
+@pytest.mark.slow
 def test_readme_options_exist() -> None:
     counts = {page.name: unknown_options(page=page) for page in PAGES}
     assert counts["README.md"][0] > 10, f"only {counts['README.md'][0]} kvtrace commands found in README.md"

@@ -169,6 +169,7 @@ def test_agrees_on_the_state_machine(page_size: int, spec: SpecConfig | None) ->
     pool=st.sampled_from([1024, 4096]),
     need_sort=st.booleans(),
 )
+@pytest.mark.slow
 def test_agrees_on_random_traces_of_broken_allocators(
     fault: str, seed: int, page_size: int, spec: bool, pool: int, need_sort: bool
 ) -> None:

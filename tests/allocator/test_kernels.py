@@ -360,6 +360,7 @@ def _interpreter_checks() -> None:
     assert kernels.alloc_decode(_i64(7, 12, 9), _i64(17, 22, 19), free_pages[5:], 4, backend="triton").tolist() == [18, 23, 24]
 
 
+@pytest.mark.slow
 def test_triton_matches_reference_under_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(_REPO_ROOT))
     code = "from tests.allocator.test_kernels import _interpreter_checks; _interpreter_checks()"

@@ -20,6 +20,7 @@ STEPS = 10_000
         pytest.param(64, SpecConfig("standalone", 3, 1, 4), False, id="page64-standalone"),
     ],
 )
+@pytest.mark.slow
 def test_ten_thousand_steps_stay_sound(page_size: int, spec: SpecConfig | None, need_sort: bool) -> None:
     config = AllocatorConfig(
         pool_tokens={1: 1536, 16: 3072, 64: 8192}[page_size],

@@ -28,6 +28,9 @@ from kvtrace.sglang import scenario as sc
 from tests.differential import harness, trace_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # SGLang in a subprocess
+
 SHAPES = {
     "p16-spec-retract-abort": dict(page_size=16, spec=True, retract_prob=0.05, abort_prob=0.02),
     "p1-pd-explicit": dict(page_size=1, chunk_size=64, pd_decode=True, block_size=16, retract_prob=0.05, abort_prob=0.02,

@@ -30,6 +30,7 @@ def parity() -> compare.Summary:
     return summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS])
 def test_identical_to_sglang(parity: compare.Summary, name: str) -> None:
     result = next(r for r in parity.results if r.scenario == name)
@@ -53,6 +54,7 @@ def test_every_configuration_is_covered() -> None:
     assert any(s.config.radix_cache and s.config.need_sort and s.name.startswith("random") for s in pd)
 
 
+@pytest.mark.slow
 def test_synthetic_traces_identical_to_sglang(tmp_path) -> None:
     from traces.synth import generate
 

@@ -111,6 +111,7 @@ def _diff(trace: str, a: str, b: str = "builtin", **kw: object) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_tiny_identical_to_builtin_exactly(page_size: int) -> None:
     """Every op kind: chunked prefill, EAGLE, PD prealloc (need_sort), retract, abort."""
@@ -120,6 +121,7 @@ def test_tiny_identical_to_builtin_exactly(page_size: int) -> None:
     assert out["a"]["overalloc"] == out["b"]["overalloc"]
 
 
+@pytest.mark.slow
 def test_out_of_memory_skip_and_every_check_identical() -> None:
     """A pool too small: OOMs named alike (request, need), the same requests dropped,
     SGLang's own pool checked after every call."""
@@ -132,6 +134,7 @@ def test_out_of_memory_skip_and_every_check_identical() -> None:
     assert out["a"]["num_violations"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["p1-chunked-retract", "p16-pd-explicit", "p64-spec"])
 def test_generated_traces_identical(tmp_path: Path, shape: str) -> None:
     from traces.synth import generate
@@ -148,6 +151,7 @@ def test_generated_traces_identical(tmp_path: Path, shape: str) -> None:
     _diff(path, f"sglang:{python}")
 
 
+@pytest.mark.slow
 def test_two_sglang_environments_and_the_replay_command() -> None:
     python = _sglang_python()
     _diff("sample:tiny", f"sglang:{python}", f"sglang:{python}")

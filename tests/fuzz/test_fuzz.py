@@ -43,6 +43,7 @@ def test_cases_are_reproducible_from_their_seed(seeds: list[Seed], tmp_path: Pat
     assert first.read_bytes() == again.read_bytes()
 
 
+@pytest.mark.slow
 def test_the_seeded_quick_run_finds_nothing(seeds: list[Seed], tmp_path: Path) -> None:
     failures = [f for case in QUICK_CASES for f in run_case(seeds, case, tmp_path)]
     assert failures == [], "\n".join(map(str, failures))

@@ -225,6 +225,7 @@ def test_force_only_overwrites_and_the_memory_check_has_its_own_flag(tmp_path: P
     assert recorded.exit_code == 2 and "pass --ignore-memory-check" in recorded.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_the_dashboard_refuses_to_start_without_a_terminal(tmp_path: Path) -> None:
     """stdout a pipe: one line and exit 2, at once, instead of escape codes and a wait for keys."""
     log = tmp_path / "tiny.arrow"

@@ -284,6 +284,7 @@ def test_out_dash_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.Mon
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_record_is_one_line(tmp_path: Path) -> None:
     """A file size limit stands for a full disk: writes fail with EFBIG."""
 

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.helpers import decode_steps, make_meta, write_steps
 from traces.io import TraceWriter
 from traces.samples import sample_path
 from traces.schema import COLUMNS, METADATA_KEY, OPS
@@ -342,6 +342,7 @@ def _damage(data: bytes, kind: int, rng: np.random.Generator) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.slow
 def test_damaged_files_of_every_kind_never_crash(tmp_path: Path) -> None:
     data = sample_path("tiny").read_bytes()
     rng = np.random.default_rng(20)
@@ -439,6 +440,7 @@ def test_data_tools_read_a_recorded_trace(tmp_path: Path) -> None:
     assert duckdb.sql("SELECT count(DISTINCT step) FROM trace").fetchall() == [(steps,)]
 
 
+@pytest.mark.slow
 def test_damaged_compacted_traces_never_crash(tmp_path: Path) -> None:
     """The IPC file layout under the same damage as the stream test above."""
     from traces.io import compact_trace
@@ -468,7 +470,7 @@ def test_validate_shows_progress_on_a_terminal_and_nothing_with_q_or_json() -> N
     holds the verdict only. -q and --json draw nothing."""
     import sys
 
-    from tests.processes import run_with_terminal_stderr
+    from tests.helpers import run_with_terminal_stderr
 
     command = [sys.executable, "-m", "kvtrace", "validate", "sample:tiny"]
     code, out, drawn = run_with_terminal_stderr(command)

@@ -150,6 +150,7 @@ def test_unseen_files_of_the_same_formats(tmp_path: Path) -> None:
     assert _validate(out2)["ok"]
 
 
+@pytest.mark.slow
 def test_sigkill_keeps_every_completed_step(tmp_path: Path) -> None:
     """Kill ``kvtrace record`` (default options) mid-run: the trace holds every step
     written before the kill (each step is flushed at its end) and they validate."""
@@ -227,6 +228,7 @@ def _wait_for_steps(proc: subprocess.Popen, path_of: object, steps: int) -> None
     ("signum", "code", "detail"),
     [(signal.SIGINT, 130, "interrupted by Ctrl-C (SIGINT)"), (signal.SIGTERM, 128 + signal.SIGTERM, "terminated by SIGTERM")],
 )
+@pytest.mark.slow
 def test_an_interrupted_recording_says_so(tmp_path: Path, signum: int, code: int, detail: str) -> None:
     """Ctrl-C (a real SIGINT) or kill (SIGTERM) mid-recording: the trace keeps its steps,
     is marked interrupted with the reason, and info and validate report it."""
@@ -255,6 +257,7 @@ def test_an_interrupted_recording_says_so(tmp_path: Path, signum: int, code: int
     assert "interrupted" in table.stdout and f"kvtrace: warning: {out}: recording interrupted" in table.stderr
 
 
+@pytest.mark.slow
 def test_an_interrupted_recording_over_an_old_trace_keeps_the_old_one(tmp_path: Path) -> None:
     out = tmp_path / "kept.kvtrace"
     out.write_bytes(b"a previous trace")
@@ -295,6 +298,7 @@ def _small_mooncake(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_gzip_and_zstd_workloads_are_read_as_they_are(tmp_path: Path) -> None:
     import gzip
 
@@ -364,6 +368,7 @@ def test_when_every_request_is_rejected_record_says_why_and_exits_1(tmp_path: Pa
     assert some.exit_code == 0 and "kvtrace: warning: " in some.stderr and "rejected on arrival" in some.stderr
 
 
+@pytest.mark.slow
 def test_a_completed_recording_is_compacted(tmp_path: Path) -> None:
     """Recorded step by step (durable), rewritten into few large batches at the end;
     the rewrite keeps every row."""
@@ -405,6 +410,7 @@ def _feed_fifo(path: Path, data: bytes) -> threading.Thread:
     return writer
 
 
+@pytest.mark.slow
 def test_a_fifo_with_a_writer_is_read_once_and_its_format_sniffed(tmp_path: Path) -> None:
     fifo = tmp_path / "workload"  # no suffix: the format comes from the first line
     os.mkfifo(fifo)
@@ -416,6 +422,7 @@ def test_a_fifo_with_a_writer_is_read_once_and_its_format_sniffed(tmp_path: Path
     assert report["format"] == "mooncake" and report["requests"] == 25
 
 
+@pytest.mark.slow
 def test_a_trace_through_a_fifo_is_not_called_empty(tmp_path: Path) -> None:
     fifo = tmp_path / "trace"
     os.mkfifo(fifo)
@@ -437,6 +444,7 @@ def test_an_empty_fifo_holds_no_requests(tmp_path: Path) -> None:
     assert done.stderr.decode().strip() == f"kvtrace: error: {fifo}: holds no requests; nothing to record"
 
 
+@pytest.mark.slow
 def test_a_pipe_as_dev_fd_is_read_once(tmp_path: Path) -> None:
     # What a shell's `record <(head -200 WORKLOAD)` passes: /dev/fd/N of a pipe.
     lines = SHAREGPT.read_text().splitlines()[:31]
@@ -484,6 +492,7 @@ def test_a_bad_line_on_stdin_names_stdin(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("extra", [[], ["--spec", "eagle:3,1,4"], ["--pd-decode"]], ids=["plain", "spec", "pd"])
+@pytest.mark.slow
 def test_summary_step_kinds_add_up_to_the_steps(tmp_path: Path, extra: list[str]) -> None:
     # A step that only releases requests finished in the step before is a kind of its own.
     workload = _small_mooncake(tmp_path)

@@ -35,6 +35,7 @@ def diff_json(*args: str, code: int | None = None) -> dict:
 
 
 @pytest.mark.parametrize("sample", SMALL_SAMPLES)
+@pytest.mark.slow
 def test_identical_versions_are_identical_on_every_bundled_trace(sample: str) -> None:
     """``--exact`` compares everything the plain comparison does, and the digests."""
     jobs = 2 if sample in ("mooncake-pressure", "azure-code") else 1
@@ -103,6 +104,7 @@ def _first_spec_step(sample: str) -> int:
     return next(b.step for b in reader.steps() if np.any(b.op == SPEC))
 
 
+@pytest.mark.slow
 def test_the_pre_encapsulation_variant_leaks_from_the_first_paged_speculative_step() -> None:
     report = diff_trace("sample:mooncake-eagle", "builtin", "pre-encapsulation", jobs=1,
                         options=DiffOptions(context=4))
@@ -161,6 +163,7 @@ def test_a_steps_window_compares_that_window_only() -> None:
     assert out["steps_compared"] == 30
 
 
+@pytest.mark.slow
 def test_the_sides_in_two_processes_report_what_lockstep_reports() -> None:
     lockstep = diff_json("sample:tiny", "--b", "pre-encapsulation", "--exact", "--all", "3", "--jobs", "1", code=1)
     parallel = diff_json("sample:tiny", "--b", "pre-encapsulation", "--exact", "--all", "3", "--jobs", "2", code=1)
@@ -319,7 +322,7 @@ def test_diff_shows_progress_on_a_terminal_and_nothing_with_json(tmp_path: Path,
     holds the report only. --json draws nothing."""
     import sys
 
-    from tests.processes import run_with_terminal_stderr
+    from tests.helpers import run_with_terminal_stderr
 
     if inputs == "trace":
         args, shown = ["sample:tiny", "--b", "builtin", "--jobs", "1"], "diff sample:tiny"

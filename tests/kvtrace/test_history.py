@@ -36,7 +36,8 @@ def _has_history() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not _has_history(), reason="needs this repository's git history")
+pytestmark = [pytest.mark.slow,  # replays commits of the history in git worktrees
+              pytest.mark.skipif(not _has_history(), reason="needs this repository's git history")]
 
 
 @pytest.fixture()
@@ -49,6 +50,7 @@ def clone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_commit_from_before_pool_memory_replays_as_a_git_version(clone: Path) -> None:
     """Its allocator.sizing has no PoolMemory (its AllocatorConfig no check, its
     ReleaseResult no evicted_tokens): the child supplies this kvtrace's; the version

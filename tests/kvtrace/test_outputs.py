@@ -231,6 +231,7 @@ def test_devices_fifos_and_dash_are_refused_even_with_force(tmp_path: Path) -> N
     assert stat.S_ISCHR(os.stat(null).st_mode) and stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_replay_removes_the_temporary_file(tmp_path: Path) -> None:
     log = tmp_path / "state.arrow"
     proc = _kvtrace("replay", "sample:mooncake-conversation", "--out", str(log), "-q")

@@ -129,6 +129,7 @@ def _range(*args: str, code: int) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_the_table_marks_the_diverging_commit_and_every_later_one_bisect_finds_it_and_reruns_use_the_cache(
     series: tuple[Path, dict[str, str]], spec_trace: tuple[str, int]
 ) -> None:
@@ -206,6 +207,7 @@ def test_the_table_marks_the_diverging_commit_and_every_later_one_bisect_finds_i
     assert "side by side" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_series_that_preserves_behaviour_exits_0_and_base_that_does_not_replay_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec_trace: tuple[str, int]
 ) -> None:

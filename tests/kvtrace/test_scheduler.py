@@ -325,6 +325,7 @@ def test_mooncake_window_records_validates_and_stays_sound(tmp_path: Path) -> No
     assert sum(1 for _ in reader.steps()) == s.steps
 
 
+@pytest.mark.slow
 def test_mooncake_prefix_hits_match_the_source_reuse_when_nothing_is_evicted(tmp_path: Path) -> None:
     """Recorded token-level hits vs the source's 512-token block reuse (first 3 minutes).
 

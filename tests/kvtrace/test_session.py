@@ -21,7 +21,7 @@ from kvtrace.session import ReplaySession
 from kvtrace.snapshot import PHASES, UNCHANGED_OP, StepSnapshot
 from kvtrace.state import ReplayState
 from kvtrace.statelog import StateLogWriter, read_state_log
-from tests.traces.conftest import make_meta, write_steps
+from tests.helpers import make_meta, write_steps
 from traces.schema import SpecSettings, StepBatch
 from traces.synth import generate
 
@@ -151,6 +151,7 @@ def test_seek_between_steps_lands_on_the_step_before(tmp_path: Path) -> None:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), every=st.integers(1, 20), picks=st.lists(st.floats(0, 1), min_size=3, max_size=8))
+@pytest.mark.slow
 def test_random_traces_seek_to_the_straight_run_state(tmp_path: Path, seed: int, every: int, picks: list[float]) -> None:
     path = tmp_path / f"r{seed}.kvtrace"
     page_size = [1, 16, 64][seed % 3]
@@ -574,7 +575,7 @@ def _without_timing(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in ("wall_s", "allocator_s", "speedup_vs_realtime")}
 
 
-@pytest.mark.parametrize("trace", ["sample:tiny", "sample:mooncake-tiny", "sample:mooncake-eagle"])
+@pytest.mark.parametrize("trace", ["sample:tiny", "sample:mooncake-tiny", pytest.param("sample:mooncake-eagle", marks=pytest.mark.slow)])
 def test_runs_of_decode_steps_in_one_call_change_no_snapshot(trace: str, busy_trace: Path) -> None:
     """Runs replayed in one allocator call (the default) against every step by itself."""
     results = []
@@ -589,7 +590,7 @@ def test_runs_of_decode_steps_in_one_call_change_no_snapshot(trace: str, busy_tr
     assert fast_summary == slow_summary and fast_digest == slow_digest
 
 
-@pytest.mark.parametrize("trace", ["sample:mooncake-tiny", "sample:mooncake-eagle", "busy"])
+@pytest.mark.parametrize("trace", ["sample:mooncake-tiny", pytest.param("sample:mooncake-eagle", marks=pytest.mark.slow), "busy"])
 def test_checking_every_call_in_runs_changes_no_snapshot(trace: str, busy_trace: Path) -> None:
     """--check every replays runs in one call, checked once: the same snapshots, summary and
     end state as every step by itself, checked after each call."""

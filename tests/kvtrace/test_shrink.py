@@ -60,6 +60,7 @@ FAULTS = ["leaky_overalloc", "double_free", "stale_row", "leak_on_retract", "ove
 
 
 @pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.slow
 def test_each_broken_allocator_shrinks_to_a_small_trace_and_a_test(
     fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,6 +90,7 @@ def test_each_broken_allocator_shrinks_to_a_small_trace_and_a_test(
     assert not run_emitted(module, "ALLOCATOR", broken, monkeypatch)
 
 
+@pytest.mark.slow
 def test_the_pre_encapsulation_divergence_shrinks_to_one_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     test_file = tmp_path / "test_spec_reserve.py"
     out = shrink_json("sample:tiny", "--until", "divergence", "--b", "pre-encapsulation",
@@ -149,6 +151,7 @@ def test_max_time_and_ctrl_c_return_the_best_so_far(tmp_path: Path) -> None:
     assert TraceReader(tmp_path / "best.kvtrace").meta.extra["shrunk_from"]["failure"] == str(timed.failure.signature)
 
 
+@pytest.mark.slow
 def test_candidates_judged_by_two_worker_processes(tmp_path: Path) -> None:
     out = shrink_json("sample:tiny", "--until", "violation", "--allocator", f"{FAULTY}:double_free",
                       "--out", str(tmp_path / "p.kvtrace"), "--jobs", "2", code=0)

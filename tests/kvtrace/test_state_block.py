@@ -63,6 +63,7 @@ def _reference(snaps: list[StepSnapshot], page_size: int) -> ReplayState:
 
 @settings(max_examples=30, deadline=None)
 @given(_CASES, st.lists(st.integers(1, 300), min_size=1, max_size=40))
+@pytest.mark.slow
 def test_a_block_fold_equals_the_step_by_step_fold(case: tuple[str, int | None], cuts: list[int]) -> None:
     trace, start = case
     snaps = _snaps(trace, start)
@@ -112,6 +113,7 @@ def test_the_peak_asked_as_the_timeline_grows_is_the_first_highest_use(rows: lis
 
 @settings(max_examples=10, deadline=None)
 @given(fold_at=st.lists(st.integers(1, 1452), max_size=12))
+@pytest.mark.slow
 def test_a_session_folds_a_runs_last_step_only_to_the_same_state(fold_at: list[int]) -> None:
     # The dashboard's replay makes a block whenever it sends an update: a run's steps may
     # fall on either side of a block. Folding only each run's last step in a block must reach
@@ -160,6 +162,7 @@ def test_a_block_leaves_out_the_rows_asked() -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(_CASES, st.lists(st.integers(1, 120), min_size=1, max_size=12))
+@pytest.mark.slow
 def test_blocks_joined_fold_to_the_step_by_step_fold(case: tuple[str, int | None], cuts: list[int]) -> None:
     # a replay session folds the blocks it hands out joined (SnapshotBlock.concat)
     trace, start = case

@@ -88,6 +88,7 @@ def _check_against(out: Path, inputs: dict[str, Path], separate: dict[tuple[str,
             assert rounded(row.get(key)) == expected[key], (which, row["param.pool_tokens"], row["param.page_size"], key)
 
 
+@pytest.mark.slow
 def test_a_2x2_grid_gives_the_numbers_of_the_separate_runs(tmp_path: Path, inputs, separate_runs) -> None:
     out = tmp_path / "results.parquet"
     summary = _sweep(inputs, out, "--jobs", "2")
@@ -98,6 +99,7 @@ def test_a_2x2_grid_gives_the_numbers_of_the_separate_runs(tmp_path: Path, input
     _check_against(out, inputs, separate_runs)
 
 
+@pytest.mark.slow
 def test_the_same_grid_through_a_local_ray_gives_the_same_numbers(tmp_path: Path, inputs, separate_runs) -> None:
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtrace[ray]')")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -110,6 +112,7 @@ def test_the_same_grid_through_a_local_ray_gives_the_same_numbers(tmp_path: Path
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_keeps_its_finished_cells_and_runs_only_the_rest(tmp_path: Path, inputs) -> None:
     out = tmp_path / "killed.parquet"
     args = [str(KVTRACE), "sweep", str(inputs["trace"]), "--pool-tokens", "30k,45k,60k,75k", "-j", "1", "-o", str(out)]
@@ -199,6 +202,7 @@ def test_failed_cells_are_rows_saying_why_and_exit_1(tmp_path: Path, inputs) -> 
     assert "1 cells failed" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_report_prints_a_table_and_plots_per_input(tmp_path: Path, inputs) -> None:
     out = tmp_path / "r.parquet"
     args = ["sweep", str(inputs["trace"]), "--pool-tokens", "50k,60k", "--page-size", "16,32", "-o", str(out), "-j", "2"]
@@ -215,6 +219,7 @@ def test_the_report_prints_a_table_and_plots_per_input(tmp_path: Path, inputs) -
     assert pools[-1] == 60_000 and all(0 < r["peak_occupancy"] <= 1 for r in report["rows"])
 
 
+@pytest.mark.slow
 def test_simulated_cells_keep_their_traces_when_asked(tmp_path: Path, inputs) -> None:
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -254,6 +259,7 @@ def test_spec_lists_keep_the_commas_of_each_setting() -> None:
         parse_specs("eagle:3,1,4,")
 
 
+@pytest.mark.slow
 def test_violations_and_ooms_are_marked_in_rows_table_plots_and_exit_code(tmp_path: Path) -> None:
     """pre-encapsulation leaks pages on sample:tiny (its replay alone exits 1 with 2
     violations), and 1,000 tokens run out of memory: the sweep must not call them ok."""
@@ -349,6 +355,7 @@ def test_a_merge_missing_parts_leaves_the_result_as_it_was(tmp_path: Path) -> No
     assert out.read_bytes() == b"an earlier result"
 
 
+@pytest.mark.slow
 def test_the_report_redraws_its_own_plots_and_refuses_other_files_and_bad_plot_dirs(tmp_path: Path) -> None:
     import pyarrow as pa
 
@@ -408,6 +415,7 @@ def _unused_port() -> int:
         return s.getsockname()[1]  # closed again: nothing listens there
 
 
+@pytest.mark.slow
 def test_a_ray_address_where_nothing_answers_is_one_line_within_seconds(tmp_path: Path) -> None:
     """It used to wait in ray.init for minutes, printing Ray's connection logs."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtrace[ray]')")

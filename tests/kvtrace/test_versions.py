@@ -149,6 +149,7 @@ def _diff(*args: str) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_git_head_and_the_clean_worktree_are_identical_and_an_edit_is_found(repo: Path) -> None:
     code, out = _diff("sample:tiny", "--a", f"git:HEAD@{repo}", "--b", f"worktree@{repo}", "--exact")
     assert (code, out["identical"], out["steps_compared"], out["mode"]) == (0, True, 139, "parallel")
@@ -164,6 +165,7 @@ def test_git_head_and_the_clean_worktree_are_identical_and_an_edit_is_found(repo
     )
 
 
+@pytest.mark.slow
 def test_a_revision_that_fails_in_its_process_is_one_line_naming_the_side(repo: Path) -> None:
     (repo / "allocator" / "manager.py").write_text("raise RuntimeError('this revision is broken')\n")
     _git(repo, "commit", "-qam", "broken")
@@ -175,6 +177,7 @@ def test_a_revision_that_fails_in_its_process_is_one_line_naming_the_side(repo: 
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
+@pytest.mark.slow
 def test_each_side_runs_the_code_its_label_names_from_inside_a_checkout(repo: Path, jobs: str) -> None:
     """Run from inside an engine checkout whose own (committed) allocator/ is broken,
     that checkout first on PYTHONPATH too: side A, the built-in version, runs this
@@ -218,10 +221,11 @@ def test_a_side_that_would_import_other_code_than_its_label_names_stops(tmp_path
         side.close()
 
 
+@pytest.mark.slow
 def test_nothing_in_a_trace_s_metadata_is_ever_executed(tmp_path: Path) -> None:
     """Version specs and Python code in a trace's metadata (source, extra) are data:
     replaying and diffing the trace, in this process and in children, runs none of it."""
-    from tests.traces.conftest import decode_steps, make_meta, write_steps
+    from tests.helpers import decode_steps, make_meta, write_steps
     from traces.schema import TraceSource
 
     mark = tmp_path / "executed"

@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.helpers import decode_steps, make_meta, write_steps
 from tests.traces.test_validate import messages, row, run, step
 from traces.errors import TraceMetadataError
 from traces.io import TraceReader

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.helpers import decode_steps, make_meta, write_steps
 from traces.errors import (
     TraceCorruptError,
     TraceError,
@@ -329,6 +329,7 @@ def test_truncated_inside_the_schema_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@pytest.mark.slow
 def test_every_single_byte_corruption_is_detected_or_harmless(tmp_path: Path, compression: str) -> None:
     original = decode_steps(4, rows=12)
     path = write_steps(tmp_path / "t.kvtrace", original, compression=compression, steps_per_batch=2)
@@ -459,7 +460,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {repo!r})
-    from tests.traces.conftest import decode_steps, make_meta
+    from tests.helpers import decode_steps, make_meta
     from traces.io import TraceWriter
 
     writer = TraceWriter({path!r}, make_meta(), steps_per_batch=3)
@@ -474,6 +475,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_leaves_every_completed_batch_readable(tmp_path: Path) -> None:
     path = tmp_path / "killed.kvtrace"
     child = subprocess.Popen(

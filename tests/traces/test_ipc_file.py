@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from tests.traces.conftest import decode_steps, make_meta, write_steps
+from tests.helpers import decode_steps, make_meta, write_steps
 from traces.io import RECORDING_KEY, TraceReader, TraceWriter, compact_trace
 from traces.schema import Recording, TraceMeta
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import alive, descendants, wait_until
+from tests.helpers import alive, descendants, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -48,6 +48,7 @@ def _busy_children(proc: subprocess.Popen[bytes], count: int) -> list[int]:
 
 @pytest.mark.parametrize("attempt", range(3))  # it was intermittent: a few tries
 @pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_no_traceback(tmp_path: Path, command: str, attempt: int) -> None:
     proc = _start(command, tmp_path)
     try:

@@ -27,6 +27,7 @@ def _make_samples():
 
 
 @pytest.mark.parametrize("name", sorted(RECORDED))
+@pytest.mark.slow
 def test_recorded_sample_is_valid_attributed_and_small(name: str) -> None:
     path = resolve_trace(f"sample:{name}")
     reader = TraceReader(path)
@@ -47,6 +48,7 @@ def test_samples_total_under_30_mb() -> None:
     assert sum(sample_path(n).stat().st_size for n in RECORDED) < 30_000_000
 
 
+@pytest.mark.slow
 def test_the_hour_sample_is_the_whole_mooncake_hour() -> None:
     reader = TraceReader(resolve_trace("sample:mooncake-conversation"))
     assert reader.meta.source.path.endswith("conversation_trace.jsonl")
@@ -73,7 +75,7 @@ def test_special_samples_hold_what_they_promise() -> None:
     assert azure.meta.config.page_size == 16 and azure.meta.source.repository == "Azure/AzurePublicDataset"
 
 
-@pytest.mark.parametrize("name", ["mooncake-tiny", "mooncake-pressure"])
+@pytest.mark.parametrize("name", ["mooncake-tiny", pytest.param("mooncake-pressure", marks=pytest.mark.slow)])
 def test_sample_regenerates_exactly(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The recording is deterministic: bench/make_samples.py writes the same trace (and for
     the pressure sample the recording evicted, retracted and aborted)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from traces.runs import run_lengths
-from tests.traces.conftest import make_meta, write_steps
+from tests.helpers import make_meta, write_steps
 from traces.io import TraceReader
 from traces.schema import DECODE, SPEC, SpecSettings, StepBatch
 

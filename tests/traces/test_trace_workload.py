@@ -93,6 +93,7 @@ def test_a_trace_without_the_column_reads_as_no_arrivals(tmp_path: Path) -> None
     assert arrivals == sorted(arrivals)
 
 
+@pytest.mark.slow
 def test_a_recorded_trace_scheduled_anew_under_its_own_options_is_the_same_trace(tmp_path: Path) -> None:
     first, again = tmp_path / "first.kvtrace", tmp_path / "again.kvtrace"
     common = ["--page-size", "16", "--pool-tokens", "60000", "--max-running", "8"]

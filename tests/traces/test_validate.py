@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from tests.traces.conftest import make_meta
+from tests.helpers import make_meta
 from traces.io import TraceWriter
 from traces.schema import METADATA_KEY, OP_CODE, OPS, SpecSettings, StepBatch, TraceMeta, arrow_schema
 from traces.validate import OpSequenceChecker, Problem
@@ -300,7 +300,7 @@ def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     from traces.io import TraceReader
     from traces.synth import generate
     from traces.validate import BackgroundChecker, OpSequenceChecker
-    from tests.traces.conftest import make_meta, write_steps
+    from tests.helpers import make_meta, write_steps
 
     good = tmp_path / "good.kvtrace"
     generate(good, num_requests=20, seed=5, retract_prob=0.1, abort_prob=0.05)
@@ -334,7 +334,7 @@ def test_background_checker_runs_at_the_priority_asked(tmp_path) -> None:
     """``nice``: the child lowers its own priority by that much, and checks as before."""
     import os
 
-    from tests.processes import priority_once_set
+    from tests.helpers import priority_once_set
     from traces.io import TraceReader
     from traces.synth import generate
     from traces.validate import BackgroundChecker
@@ -376,7 +376,7 @@ def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, d
     """The background checker screens runs of plain decode steps at once
     (``check_run``); a run with a bad step gives, step by step, the problems
     the in-process checker gives."""
-    from tests.traces.conftest import make_meta, write_steps
+    from tests.helpers import make_meta, write_steps
     from traces.io import TraceReader
     from traces.validate import BackgroundChecker, OpSequenceChecker
 
@@ -407,7 +407,7 @@ def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, d
 
 def test_check_run_applies_a_run_as_its_steps(tmp_path) -> None:
     """A clean run applied at once leaves the checker where step by step leaves it."""
-    from tests.traces.conftest import write_steps
+    from tests.helpers import write_steps
     from traces.io import TraceReader
     from traces.runs import run_lengths
 
@@ -475,6 +475,7 @@ def _decode_table(times: list[float]) -> pa.Table:
 
 
 @pytest.mark.parametrize("op", ["extend", "decode"])
+@pytest.mark.slow
 def test_a_step_of_millions_of_one_row_is_refused_at_once(tmp_path: Path, op: str) -> None:
     # The finding: an 11 KB file, 3,000,000 identical rows (request 0 at step 0) in one
     # zstd record batch, held validate and replay past 120 s, their time linear in rows.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtrace.tui.screens import GotoScreen, HelpScreen, RequestDetailScreen
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
-from tests.tui.conftest import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
+from tests.helpers import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
 
 
 async def test_stepping_keys_and_seeking_back() -> None:
@@ -54,6 +56,7 @@ async def test_speed_keys_change_the_pace() -> None:
         assert "10,000×" in header
 
 
+@pytest.mark.slow
 async def test_goto_peak_and_event_keys() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -94,6 +97,7 @@ async def test_o_jumps_to_the_first_oom() -> None:
         assert any(n.severity == "error" and "oom" in n.message for n in app._notifications)
 
 
+@pytest.mark.slow
 async def test_filter_sort_and_reverse_keys() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -154,6 +158,7 @@ async def test_help_and_quit_keys() -> None:
     assert app.return_code == 0
 
 
+@pytest.mark.slow
 async def test_mouse_selects_rows_cells_events_and_sorts() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:

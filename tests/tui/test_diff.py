@@ -17,7 +17,7 @@ from kvtrace.tui.app import DIVERGENCE_COLOUR, KvtraceApp
 from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource
 from kvtrace.tui.widgets.request_table import RequestTable
-from tests.tui.conftest import SIZE, TINY, text_of
+from tests.helpers import SIZE, TINY, text_of
 
 B = "pre-encapsulation"
 _REPORT: list[DiffReport] = []
@@ -52,6 +52,7 @@ async def settle_both(pilot, until: Callable[[KvtraceApp], bool], timeout_s: flo
     await pilot.pause()
 
 
+@pytest.mark.slow
 async def test_the_sides_open_at_the_divergence_and_move_together() -> None:
     report = _report()
     first, second = (d.divergence for d in report.divergences)

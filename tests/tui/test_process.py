@@ -24,8 +24,7 @@ from kvtrace.tui.link import ChildReplay, ReplayProcessError
 from kvtrace.tui.pagemap import NO_PAGE_MAP
 from kvtrace.tui.replayer import FIRST_PASS_S, dashboard_job, live_source, log_job
 from kvtrace.tui.widgets.events_log import EventsLog
-from tests.processes import priority_once_set
-from tests.tui.conftest import SIZE, TINY, at_step, settle
+from tests.helpers import SIZE, TINY, at_step, priority_once_set, settle
 from traces.samples import resolve_trace
 
 FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")
@@ -42,6 +41,7 @@ def _child(version: str = "builtin", *, log: str | None = None, **options: objec
     return link
 
 
+@pytest.mark.slow
 async def test_keys_move_the_replay_process_and_the_fold_follows(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     link = _child(log=str(log))
@@ -69,6 +69,7 @@ async def test_keys_move_the_replay_process_and_the_fold_follows(tmp_path: Path)
         assert (saved.first_step, saved.last_step) == (0, 90)
 
 
+@pytest.mark.slow
 async def test_a_version_without_the_ownership_query_says_so() -> None:
     app = KvtraceApp(_child(f"{FAULTY}:without_ownership"))
     async with app.run_test(size=SIZE) as pilot:
@@ -79,6 +80,7 @@ async def test_a_version_without_the_ownership_query_says_so() -> None:
         assert "no page map" in str(app.dashboards[0].query_one("#cell-info").content)
 
 
+@pytest.mark.slow
 async def test_an_oom_and_a_crash_in_the_replay_process_are_reported() -> None:
     link = _child(pool_tokens=640)  # too small for the tiny sample: an OOM stops the replay
     app = KvtraceApp(link)
@@ -149,6 +151,7 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
     link.close()
 
 
+@pytest.mark.slow
 def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtrace.tui.link import CHILD_ENV
@@ -174,6 +177,7 @@ def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_th
         link.close()
 
 
+@pytest.mark.slow
 def test_the_replay_process_checks_its_steps_at_a_lower_priority() -> None:
     """Beside a screen the op-sequence checker (the replay process's own child, ahead of
     it) runs ``CHECKER_NICE`` lower than the replay and the screen."""

@@ -40,12 +40,14 @@ async def _socket_status(url: str, **kw: object) -> int:
             return error.status
 
 
+@pytest.mark.slow
 def test_the_printed_url_is_loopback_with_a_token(server: Served) -> None:
     parts = urlsplit(server.url)
     assert parts.hostname == "127.0.0.1" and parts.port == server.port
     assert len(_token(server)) >= 32
 
 
+@pytest.mark.slow
 def test_the_page_needs_the_token(server: Served) -> None:
     base = f"http://127.0.0.1:{server.port}/"
     assert asyncio.run(_status(base)) == 403
@@ -54,6 +56,7 @@ def test_the_page_needs_the_token(server: Served) -> None:
     assert asyncio.run(_status(server.url)) == 200
 
 
+@pytest.mark.slow
 def test_the_page_refuses_a_foreign_host_or_origin(server: Served) -> None:
     # A DNS-rebound name (evil.example.com -> 127.0.0.1) keeps the page's origin its own.
     assert asyncio.run(_status(server.url, Host=f"evil.example.com:{server.port}")) == 403
@@ -61,6 +64,7 @@ def test_the_page_refuses_a_foreign_host_or_origin(server: Served) -> None:
     assert asyncio.run(_status(server.url, Origin=f"http://127.0.0.1:{server.port}")) == 200
 
 
+@pytest.mark.slow
 def test_the_socket_needs_the_token_and_the_served_origin(server: Served) -> None:
     origin = f"http://127.0.0.1:{server.port}"
     ws = f"ws://127.0.0.1:{server.port}/ws"
@@ -102,6 +106,7 @@ async def _dashboard_text(server: Served, timeout_s: float) -> str:
         return text
 
 
+@pytest.mark.slow
 def test_the_token_and_served_origin_stream_the_dashboard(server: Served) -> None:
     # A bound on the whole exchange too: a socket that never closes fails here, never hangs.
     text = asyncio.run(asyncio.wait_for(_dashboard_text(server, 90), 120))

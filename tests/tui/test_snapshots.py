@@ -7,7 +7,7 @@ looking at the report of a failing run (``snapshot_report.html``).
 
 from __future__ import annotations
 
-from tests.tui.conftest import SIZE, at_step, live_app, log_app, settle
+from tests.helpers import SIZE, at_step, live_app, log_app, settle
 
 
 async def _to_step(pilot, step: int) -> None:  # noqa: ANN001

@@ -14,7 +14,11 @@ import termios
 import time
 from pathlib import Path
 
+import pytest
+
 KVTRACE = Path(sys.executable).parent / "kvtrace"
+
+pytestmark = pytest.mark.slow  # the real CLI in a pseudo-terminal
 
 
 def _read_until(fd: int, needle: bytes, timeout_s: float, seen: bytearray) -> bool:

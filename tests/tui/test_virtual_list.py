@@ -4,6 +4,7 @@ scrolls or its view changes, and what it shows is always the rows' latest state.
 
 from __future__ import annotations
 
+import pytest
 from textual.app import App, ComposeResult
 from textual.strip import Strip
 
@@ -128,13 +129,14 @@ async def test_the_cursor_and_fewer_rows_redraw_what_they_change() -> None:
         assert "row9=109" in _screen_text(app)
 
 
+@pytest.mark.slow
 async def test_the_dashboard_lists_drawn_line_by_line_equal_a_full_redraw() -> None:
     """The request table and the events log, redrawn only where their rows' signatures
     changed, show what a redraw of every line shows, step after step and in every sort
     (a signature that missed something a row shows would leave a stale line)."""
     from kvtrace.tui.widgets.events_log import EventsLog
     from kvtrace.tui.widgets.request_table import SORT_KEYS, RequestTable
-    from tests.tui.conftest import SIZE, at_step, live_app, settle
+    from tests.helpers import SIZE, at_step, live_app, settle
 
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -195,6 +197,7 @@ async def test_a_request_whose_lengths_stay_is_drawn_again_when_its_bar_rescales
         assert _screen_text(app) == drawn
 
 
+@pytest.mark.slow
 async def test_a_list_that_grows_tells_its_scrollbar_without_laying_the_screen_out(monkeypatch) -> None:  # noqa: ANN001
     """The virtual height follows the rows; the scrollbar learns it, and is drawn again
     only when its thumb looks different (a long list gaining a few rows a frame keeps
@@ -230,6 +233,7 @@ async def test_a_list_that_grows_tells_its_scrollbar_without_laying_the_screen_o
         assert "row999=1099" in _screen_text(app)
 
 
+@pytest.mark.slow
 async def test_the_scrollbar_is_drawn_again_only_when_its_thumb_moves(monkeypatch) -> None:  # noqa: ANN001
     """Scrolling a long list a row at a time moves the thumb a cell-eighth every few
     rows: the scrollbar is drawn only then, and the screen always shows the scrollbar a
