@@ -2,15 +2,15 @@
 
 The full walk (``invariants.check_integrity``) looks at every page, row entry and
 tree node after every call. This checker replays the journal of the primitives
-(``allocator.journal``: pages taken from and given to the free lists, leaves
+(``allocator.check.journal``: pages taken from and given to the free lists, leaves
 inserted into and evicted from the radix tree, locks, row ranges written, rows
 taken and given back) against two shadows:
 
-* ``PageShadow`` (``allocator.incremental_pages``): who holds each page. Each move
+* ``PageShadow`` (``allocator.check.incremental_pages``): who holds each page. Each move
   checks where the page comes from; a call must end with every page it took or
   evicted claimed, every row owning exactly its request's own range's pages (a row
   given back none), and the free lists as long as the shadow says.
-* ``LockShadow`` (``allocator.incremental_tree``): how many requests lock each node.
+* ``LockShadow`` (``allocator.check.incremental_tree``): how many requests lock each node.
   The lock counts along every path the call locked or unlocked and along the old
   and new lock paths of the rows it touched must equal it; new nodes are page
   aligned; the row prefix of a row whose protected length or lock moved equals
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from allocator import journal as jr
+from allocator.check import journal as jr
 from allocator.base import Violation
 from allocator.pages import ceil_align
-from allocator.incremental_pages import FREE, TREE, PageShadow
-from allocator.incremental_tree import LockShadow
-from allocator.invariants import check_conservation, check_counters, check_hisparse, check_lengths, check_pages
+from allocator.check.incremental_pages import FREE, TREE, PageShadow
+from allocator.check.incremental_tree import LockShadow
+from allocator.check.invariants import check_conservation, check_counters, check_hisparse, check_lengths, check_pages
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class IncrementalChecker:
             return self._check(touched)
         except IndexError:
             # An id outside the pool reached the shadow: the full walk says what is wrong.
-            from allocator.invariants import check_integrity
+            from allocator.check.invariants import check_integrity
 
             out = check_integrity(self.allocator)
             if not out:

@@ -27,7 +27,7 @@ import numpy as np
 from allocator.ownership import page_holders
 
 if TYPE_CHECKING:
-    from allocator.incremental import Changes
+    from allocator.check.incremental import Changes
     from allocator.manager import KvAllocator
 
 __all__ = ["FREE", "NOBODY", "OWNED", "RESERVED", "TREE", "PageShadow"]

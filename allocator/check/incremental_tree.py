@@ -19,7 +19,7 @@ import numpy as np
 from allocator.base import Violation
 
 if TYPE_CHECKING:
-    from allocator.incremental import Changes
+    from allocator.check.incremental import Changes
     from allocator.manager import KvAllocator
     from allocator.radix_cache import TreeNode
 

@@ -12,7 +12,7 @@ The primitives that change who holds a page or what a row says each carry a
 * the allocator's prompt publish: the requests it checkpointed.
 
 With a journal attached each records, in call order, what it did; the checker
-(``allocator.incremental``) replays the events against its shadow of the pool.
+(``allocator.check.incremental``) replays the events against its shadow of the pool.
 Recording at the primitives means a bug in a higher layer (an allocation function,
 the manager) cannot change the pool without the change being seen. Without a
 journal a primitive pays one attribute test.

@@ -1,7 +1,7 @@
 """The step comparator: two sides' state after one step -> every field that differs.
 
 One implementation for ``kvtrace diff`` (two allocator versions replaying one trace,
-``kvtrace.diff``) and for the SGLang differential tests (SGLang's real classes
+``kvtrace.diff.diff``) and for the SGLang differential tests (SGLang's real classes
 against ours; ``tests/differential/compare.py`` turns their JSON dumps into
 ``StepView``s). Both describe a side's step the same way:
 

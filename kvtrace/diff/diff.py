@@ -1,12 +1,12 @@
 """``kvtrace diff``: two allocator versions on one trace (or two state logs), compared
 after every step; the first divergence, or up to N of them, and why.
 
-``diff_trace`` builds the two sides (``kvtrace.sides``): in lockstep in this process
+``diff_trace`` builds the two sides (``kvtrace.diff.sides``): in lockstep in this process
 when both versions import here and one core is all there is, otherwise in two child
-processes that replay in parallel and stream their records (``kvtrace.child``);
+processes that replay in parallel and stream their records (``kvtrace.proc.child``);
 ``git:`` and ``worktree`` versions always run in a child. ``diff_logs`` reads two
 state logs. ``compare_sides`` walks both record streams step by step with the one
-step comparator (``kvtrace.compare``): pool counters, each changed request's
+step comparator (``kvtrace.diff.compare``): pool counters, each changed request's
 ``kv_allocated_len`` / ``kv_committed_len`` / ``cache_protected_len`` / prefix /
 phase / op, the step's outcomes (OOM, drops, evictions, over-allocation releases,
 violations) and, with ``exact``, the allocators' state digests. Chunks of identical
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from kvtrace.compare import Divergence, FieldDiff, StepView, compare_step
+from kvtrace.diff.compare import Divergence, FieldDiff, StepView, compare_step
 from kvtrace.errors import ConfigError
-from kvtrace.snapshot import PHASES, op_name
+from kvtrace.replay.snapshot import PHASES, op_name
 
 if TYPE_CHECKING:
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.sides import Chunk
-    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.diff.sides import Chunk
+    from kvtrace.replay.snapshot import StepSnapshot
 
 __all__ = [
     "DiffOptions", "DiffReport", "ReportedDivergence", "RequestStep", "SideReport", "compare_sides", "diff_logs", "diff_trace",
@@ -416,7 +416,7 @@ def diff_trace(
 
     Args:
         trace: a trace path or ``sample:NAME``.
-        spec_a, spec_b: version specs (``kvtrace.registry``).
+        spec_a, spec_b: version specs (``kvtrace.versions.registry``).
         options: what to compare and report.
         replay: replay options both sides use (checks, OOM handling, ``--steps``).
         page_size, pool_tokens, device: what-ifs applied to both sides.
@@ -429,9 +429,9 @@ def diff_trace(
     """
     import dataclasses
 
-    from kvtrace.registry import AllocatorVersion, resolve_any
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.session import open_trace
+    from kvtrace.versions.registry import AllocatorVersion, resolve_any
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import open_trace
 
     options = options or DiffOptions()
     replay = dataclasses.replace(replay or ReplayOptions(), state_digest=options.exact)
@@ -472,7 +472,7 @@ def _start_children(
     op-sequence checker (each step screened once); returns the checker's process."""
     import dataclasses
 
-    from kvtrace.sides import ChildSide, side_job
+    from kvtrace.diff.sides import ChildSide, side_job
     from traces.validate import start_shared_checker
 
     checker, pipes = start_shared_checker(path, consumers=2, stop=replay.stop_step)
@@ -492,8 +492,8 @@ def _start_sessions(
 ) -> None:
     """Both sides as sessions in this process, in lockstep: the second screens its steps
     from the first one's memory."""
-    from kvtrace.session import ReplaySession
-    from kvtrace.sides import SessionSide
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.diff.sides import SessionSide
 
     first = ReplaySession(path, version=versions[0], options=replay, label=trace, **what_if)
     sides.append(SessionSide(first))
@@ -512,7 +512,7 @@ def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
         TraceError: a log is missing or not a state log. ConfigError: ``exact`` asked
             but a log holds no state digests.
     """
-    from kvtrace.sides import LogSide
+    from kvtrace.diff.sides import LogSide
 
     options = options or DiffOptions()
     t0 = time.perf_counter()
@@ -539,7 +539,7 @@ class _Windowed:
         self.side, (self.start, self.stop) = side, steps
 
     def chunks(self) -> Iterator[Chunk]:
-        from kvtrace.sides import Chunk
+        from kvtrace.diff.sides import Chunk
 
         for chunk in self.side.chunks():
             keep = [s for s in chunk.snapshots

@@ -2,12 +2,12 @@
 compared with BASE, or the first one that changed the allocator's behaviour found by
 bisection.
 
-``diff_range`` reads the series (``kvtrace.series``), replays BASE and each commit that
+``diff_range`` reads the series (``kvtrace.diff.series``), replays BASE and each commit that
 touches the watched paths on each trace, and compares each replay with BASE's on the
-same trace with the one step comparator (``kvtrace.diff.compare_sides`` over the two
-replays' records). Replays run in a bounded pool of child processes (``kvtrace.child``,
+same trace with the one step comparator (``kvtrace.diff.diff.compare_sides`` over the two
+replays' records). Replays run in a bounded pool of child processes (``kvtrace.proc.child``,
 one ``ChildSide`` each, ``jobs`` at a time), each on its commit's ``allocator`` tree,
-and are cached (``kvtrace.replaycache``): a commit whose tree, trace and options were
+and are cached (``kvtrace.diff.replaycache``): a commit whose tree, trace and options were
 replayed before, in this run or an earlier one, is not replayed again. Two replays whose
 records hash the same are identical without a comparison.
 
@@ -36,14 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtrace.diff import DiffOptions, DiffReport, SideReport, compare_sides, usable_cpus
+from kvtrace.diff.diff import DiffOptions, DiffReport, SideReport, compare_sides, usable_cpus
 from kvtrace.errors import ConfigError, KvtraceError
-from kvtrace.replaycache import CachedReplay, ReplayCache, driver_digest, replay_key, trace_digest
-from kvtrace.series import Commit, Series, allocator_checkout, prune_checkouts, read_series
-from kvtrace.sides import SideError
+from kvtrace.diff.replaycache import CachedReplay, ReplayCache, driver_digest, replay_key, trace_digest
+from kvtrace.diff.series import Commit, Series, allocator_checkout, prune_checkouts, read_series
+from kvtrace.diff.sides import SideError
 
 if TYPE_CHECKING:
-    from kvtrace.replay import ReplayOptions
+    from kvtrace.replay.engine import ReplayOptions
 
 __all__ = ["CommitResult", "RangeReport", "RangeSettings", "TraceResult", "diff_range", "first_true"]
 
@@ -69,7 +69,7 @@ class RangeSettings:
     device: str = "cpu"
 
     def replay_options(self) -> ReplayOptions:
-        from kvtrace.replay import ReplayOptions
+        from kvtrace.replay.engine import ReplayOptions
 
         return dataclasses.replace(self.replay or ReplayOptions(), state_digest=self.options.exact)
 
@@ -202,7 +202,7 @@ class _Replays:
 
     def __init__(self, series: Series, traces: list[_Trace], settings: RangeSettings, jobs: int,
                  cache_root: Path | None, on_replay: Callable[[str], None] | None) -> None:
-        from kvtrace.gitversions import cache_dir
+        from kvtrace.versions.git import cache_dir
 
         self.series, self.traces, self.settings, self.jobs = series, traces, settings, jobs
         self.cache_root = cache_root if cache_root is not None else cache_dir()
@@ -280,8 +280,8 @@ class _Replays:
         return got
 
     def _run_child(self, commit: Commit, trace: int) -> CachedReplay | str:
-        from kvtrace.registry import ChildVersion
-        from kvtrace.sides import ChildSide, side_job
+        from kvtrace.versions.registry import ChildVersion
+        from kvtrace.diff.sides import ChildSide, side_job
 
         assert commit.allocator_tree is not None
         t = self.traces[trace]
@@ -327,7 +327,7 @@ def _side(series: Series, commit: Commit, summary: dict[str, Any], base: bool) -
 
 def _compare(replays: _Replays, commit: Commit, trace: int, options: DiffOptions) -> tuple[TraceResult, DiffReport | None]:
     """One commit on one trace against BASE."""
-    from kvtrace.sides import LogSide
+    from kvtrace.diff.sides import LogSide
 
     series, t = replays.series, replays.traces[trace]
     got = replays.result(commit, trace)
@@ -370,7 +370,7 @@ def _commit_result(replays: _Replays, commit: Commit, options: DiffOptions) -> t
 
 
 def _open_traces(traces: Sequence[str]) -> list[_Trace]:
-    from kvtrace.session import open_trace
+    from kvtrace.replay.session import open_trace
 
     if not traces:
         raise ConfigError("--range: give at least one TRACE to replay")
@@ -409,7 +409,7 @@ def diff_range(
         jobs: replays at once (default: every usable core).
         bisect: replay only what a bisection needs (assumes "differs from BASE" is
             monotone along the series).
-        cache_root: the kvtrace cache directory (default ``kvtrace.gitversions.cache_dir()``).
+        cache_root: the kvtrace cache directory (default ``kvtrace.versions.git.cache_dir()``).
         on_replay: called with a line of progress after each replay (from a worker thread).
 
     Raises:

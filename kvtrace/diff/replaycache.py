@@ -1,7 +1,7 @@
 """Cached replays of allocator trees: what ``kvtrace diff --range`` does not replay twice.
 
 A replay's result is keyed by what decides it: the tree of the ``allocator`` package
-replayed (``kvtrace.series``), the content of the trace, the replay options (checks,
+replayed (``kvtrace.diff.series``), the content of the trace, the replay options (checks,
 OOM and bad-op handling, the ``--steps`` window, the what-ifs, ``--exact``'s digests)
 and the code that drives it (this kvtrace's ``kvtrace`` and ``traces`` sources but for
 the modules that only compare, orchestrate or present replays; the versions of Python,
@@ -11,7 +11,7 @@ torch, numpy and pyarrow). Under ``<cache dir>/replays``:
   and the hash of its records;
 * ``records/HASH.arrow``: the per-step records (a state log, zstd), stored once per
   content: a series of behaviour-preserving commits shares one file. The hash covers
-  every column but the timings (``kvtrace.statelog.TIMING_COLUMNS``), so two replays
+  every column but the timings (``kvtrace.statelog.log.TIMING_COLUMNS``), so two replays
   with equal hashes are identical step for step without comparing them.
 
 Files are written beside their destination and renamed into place, so a concurrent
@@ -43,12 +43,12 @@ __all__ = ["CachedReplay", "RecordsWriter", "ReplayCache", "driver_digest", "rep
 
 KEEP_BYTES = 2 << 30  # records kept (about 80 replays of the one-hour Mooncake trace with digests)
 PRUNE_GRACE_S = 3600.0
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 _DRIVER_PACKAGES = ("kvtrace", "traces")
 # Modules no replay runs (they compare, orchestrate or present): editing them keeps the cache.
 _NOT_DRIVING = (
-    "kvtrace/cli/", "kvtrace/tui/", "kvtrace/report.py", "kvtrace/diff.py", "kvtrace/compare.py", "kvtrace/sides.py",
-    "kvtrace/rangediff.py", "kvtrace/replaycache.py", "kvtrace/series.py", "kvtrace/gitversions.py", "kvtrace/outputs.py",
+    "kvtrace/cli/", "kvtrace/tui/", "kvtrace/replay/report.py", "kvtrace/diff/diff.py", "kvtrace/diff/compare.py", "kvtrace/diff/sides.py",
+    "kvtrace/diff/rangediff.py", "kvtrace/diff/replaycache.py", "kvtrace/diff/series.py", "kvtrace/versions/git.py", "kvtrace/outputs.py",
 )
 _DRIVER_DISTRIBUTIONS = ("torch", "numpy", "pyarrow")
 
@@ -127,7 +127,7 @@ class RecordsWriter:
         self.steps = 0
 
     def write(self, batch: pa.RecordBatch) -> None:
-        from kvtrace.statelog import TIMING_COLUMNS
+        from kvtrace.statelog.log import TIMING_COLUMNS
 
         if self._writer is None:
             self._sink = self._pa.OSFile(str(self.tmp), "wb")
@@ -142,7 +142,7 @@ class RecordsWriter:
         """Close the file and move it to ``records/HASH.arrow`` (dropped when that exists
         already: the same records). Returns the hash and the path."""
         if self._writer is None:  # no step at all: an empty log still has a schema
-            from kvtrace.statelog import STATE_LOG_SCHEMA
+            from kvtrace.statelog.log import STATE_LOG_SCHEMA
 
             self._sink = self._pa.OSFile(str(self.tmp), "wb")
             self._writer = self._pa.ipc.new_file(self._sink, STATE_LOG_SCHEMA)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtrace.errors import ConfigError
-from kvtrace.gitversions import cache_dir, commit_of, current_repository, run_git
+from kvtrace.versions.git import cache_dir, commit_of, current_repository, run_git
 
 __all__ = ["ALLOCATOR_PACKAGE", "Commit", "Series", "allocator_checkout", "parse_range", "prune_checkouts", "read_series"]
 

@@ -3,7 +3,7 @@
 A side yields ``Chunk``s of consecutive steps and, once its stream ends, a summary:
 
 * ``SessionSide``: a ``ReplaySession`` in this process (its chunks hold snapshots);
-* ``ChildSide``: a version replaying in a child process (``kvtrace.child``), its
+* ``ChildSide``: a version replaying in a child process (``kvtrace.proc.child``), its
   records arriving as state-log record batches over a pipe, read by a thread so the
   child never waits on the parent;
 * ``LogSide``: a state log saved by ``kvtrace replay --out``.
@@ -33,9 +33,9 @@ from kvtrace.errors import KvtraceError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from kvtrace.registry import AllocatorVersion, ChildVersion
-    from kvtrace.session import ReplaySession
-    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.versions.registry import AllocatorVersion, ChildVersion
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.replay.snapshot import StepSnapshot
 
 __all__ = [
     "Chunk", "ChildSide", "LogSide", "SessionSide", "SideError", "child_command", "child_environ", "side_job", "spawn_child",
@@ -44,7 +44,7 @@ __all__ = [
 SESSION_CHUNK_STEPS = 64
 CHILD_BATCH_STEPS = 256
 _QUEUED_BATCHES = 8
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class SideError(KvtraceError):
@@ -67,7 +67,7 @@ class Chunk:
     def snapshots(self) -> list[StepSnapshot]:
         """The chunk's snapshots (decoded from the batch on first use)."""
         if self._snaps is None:
-            from kvtrace.statelog import snapshots_of
+            from kvtrace.statelog.log import snapshots_of
 
             assert self.batch is not None
             self._snaps = snapshots_of(self.batch)
@@ -78,7 +78,7 @@ class Chunk:
         means "compare step by step", not "different"."""
         if self.batch is None or other.batch is None or self.batch.num_rows != other.batch.num_rows:
             return False
-        from kvtrace.statelog import TIMING_COLUMNS
+        from kvtrace.statelog.log import TIMING_COLUMNS
 
         a, b = self.batch, other.batch
         if a.schema.names != b.schema.names:
@@ -126,7 +126,7 @@ def side_job(
     options: dict[str, Any],
     screen: str = "background",
 ) -> dict[str, Any]:
-    """The job a ``ChildSide`` hands ``kvtrace.child`` (JSON-able)."""
+    """The job a ``ChildSide`` hands ``kvtrace.proc.child`` (JSON-able)."""
     job: dict[str, Any] = {
         "trace": trace, "trace_label": trace_label, "spec": version.spec, "label": version.label,
         "origin": version.origin, "page_size": page_size, "pool_tokens": pool_tokens, "device": device,
@@ -134,7 +134,7 @@ def side_job(
     }
     root = getattr(version, "allocator_root", None)
     if root is not None:
-        from kvtrace.registry import code_identity
+        from kvtrace.versions.registry import code_identity
 
         job["allocator_root"] = str(root)
         job["code"] = code_identity(Path(root) / "allocator")  # what the child must import (it checks)
@@ -165,12 +165,12 @@ def child_environ(defaults: dict[str, str] | None = None) -> dict[str, str]:
 _BOOTSTRAP = (
     "import os, sys; here = os.getcwd(); "
     "sys.path[:] = [{root!r}] + [p for p in sys.path if p not in ('', '.', here)]; "
-    "import runpy; runpy.run_module('kvtrace.child', run_name='__main__', alter_sys=True)"
+    "import runpy; runpy.run_module('kvtrace.proc.child', run_name='__main__', alter_sys=True)"
 )
 
 
 def child_command(python: str, *args: str) -> list[str]:
-    """The command line of ``python -m kvtrace.child ARGS`` run without the working
+    """The command line of ``python -m kvtrace.proc.child ARGS`` run without the working
     directory on its ``sys.path`` (``_BOOTSTRAP``)."""
     return [python, "-c", _BOOTSTRAP.format(root=_REPO_ROOT), *args]
 
@@ -179,7 +179,7 @@ def spawn_child(
     job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
     commands: bool = False, env_defaults: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], IO[str]]:
-    """Start ``kvtrace.child JOB CONTROL_FD`` under ``python`` (``child_command``: this
+    """Start ``kvtrace.proc.child JOB CONTROL_FD`` under ``python`` (``child_command``: this
     checkout's ``kvtrace`` first on its path, the working directory not on it): its
     stdout is the record stream (a pipe), ``stderr`` where its messages go, stdin a pipe
     of commands when ``commands`` (else nothing); ``env_defaults``: environment
@@ -197,7 +197,7 @@ def spawn_child(
     env = child_environ(env_defaults)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     # The child ignores Ctrl-C (this process reports it and stops the child) and dies
-    # with this process (kvtrace.child settles with traces.lifeline first thing).
+    # with this process (kvtrace.proc.child settles with traces.lifeline first thing).
     env.update(lifeline.child_env())
     try:
         with lifeline.quiet_start():
@@ -215,7 +215,7 @@ def spawn_child(
 
 
 class ChildSide:
-    """A version replaying in a child process (``python -m kvtrace.child``).
+    """A version replaying in a child process (``python -m kvtrace.proc.child``).
 
     Args:
         name: how errors name the side (``A`` / ``B``).
@@ -245,7 +245,7 @@ class ChildSide:
 
     def _read(self) -> None:
         """Thread: record batches from the child's stdout into the queue, then None."""
-        from kvtrace.statelog import open_state_log
+        from kvtrace.statelog.log import open_state_log
 
         try:
             assert self.proc.stdout is not None
@@ -313,7 +313,7 @@ class LogSide:
     violations): a log holds no replay summary."""
 
     def __init__(self, path: str | Path) -> None:
-        from kvtrace.statelog import open_state_log
+        from kvtrace.statelog.log import open_state_log
 
         self.path = Path(path)
         self.info, self._reader = open_state_log(self.path)

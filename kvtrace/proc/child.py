@@ -1,14 +1,14 @@
 """The child process of a ``kvtrace diff`` side: one version replays one trace and
 streams its per-step records to the parent.
 
-    python -m kvtrace.child JOB_JSON CONTROL_FD
+    python -m kvtrace.proc.child JOB_JSON CONTROL_FD
 
 ``JOB_JSON`` (``side_job``) names the trace, the version (a spec, or an
 ``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
 or a working tree), the what-if options and the ``ReplayOptions``, and optionally
 ``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
 sides (``traces.validate.start_shared_checker``). Stdout carries
-the records: a state log stream (``kvtrace.statelog``; pool counters, per-request
+the records: a state log stream (``kvtrace.statelog.log``; pool counters, per-request
 deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
 batch. ``CONTROL_FD`` carries JSON lines: ``{"start": {...}}`` once the session is
 set up (the configuration, the version's label and origin), then ``{"end":
@@ -43,7 +43,7 @@ __all__ = ["OPTIONAL_PROTOCOLS", "WholeWrites", "install_allocator", "job_screen
 # this checkout's definition stands in, so such a commit still replays (without the
 # protocol when its allocators lack one of those methods).
 OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
-# The modules of ``allocator`` whose names the driver (``kvtrace.config``, ``replay``,
+# The modules of ``allocator`` whose names the driver (``kvtrace.replay.config``, ``replay``,
 # ``session``, ``snapshot``, ``state``, ``scheduler``) imports. What an older package
 # lacks of them comes from this checkout (``_shim``): a name added since (``PoolMemory``,
 # ``pages``' arithmetic), a property or method added to a record (``PoolCounters.used_tokens``,
@@ -181,7 +181,7 @@ def _check_code(job: dict[str, Any]) -> None:
         VersionSpecError: another package, or the same directory with other content.
     """
     from kvtrace.errors import VersionSpecError
-    from kvtrace.registry import code_identity
+    from kvtrace.versions.registry import code_identity
 
     expected = job.get("code")
     found = code_identity(Path(sys.modules["allocator"].__file__ or "").parent)
@@ -207,7 +207,7 @@ def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
 
         run_dashboard_job(job, out, control, sys.stdin.buffer)
         return
-    from kvtrace.replay import ReplayOptions
+    from kvtrace.replay.engine import ReplayOptions
 
     version = job_version(job)
     options = ReplayOptions(**job.get("options", {}))
@@ -226,7 +226,7 @@ def job_version(job: dict[str, Any]) -> Any:
         VersionSpecError: the spec does not resolve.
     """
     from kvtrace.errors import VersionSpecError
-    from kvtrace.registry import AllocatorVersion, resolve_version
+    from kvtrace.versions.registry import AllocatorVersion, resolve_version
 
     if job.get("allocator_root"):
         try:
@@ -259,9 +259,9 @@ def job_screen(job: dict[str, Any], options: Any) -> Any:
 
 
 def _replay(job: dict[str, Any], version: Any, options: Any, screen: Any, out: BinaryIO, control: IO[str]) -> None:
-    from kvtrace.config import config_dict
-    from kvtrace.session import ReplaySession
-    from kvtrace.statelog import StateLogWriter
+    from kvtrace.replay.config import config_dict
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.statelog.log import StateLogWriter
 
     with ReplaySession(
         job["trace"], version=version, page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),

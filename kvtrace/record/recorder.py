@@ -2,7 +2,7 @@
 
 An engine hooks it in where its scheduler applies a step's KV operations::
 
-    from kvtrace.record import Recorder
+    from kvtrace.record.recorder import Recorder
     from traces.schema import TraceConfig, TraceMeta
 
     meta = TraceMeta(config=TraceConfig(page_size=16, pool_tokens=900_000,

@@ -3,7 +3,7 @@
 It replays a request-level workload (``traces.workloads``) through a model of
 SGLang 0.5.23's scheduler (``managers/scheduler.py``, ``schedule_policy.py``,
 ``schedule_batch.py``) running on a REAL allocator (``allocator.base.Allocator``),
-and records every op it applies through :class:`kvtrace.record.Recorder`.
+and records every op it applies through :class:`kvtrace.record.recorder.Recorder`.
 
 One step, as ``Scheduler.get_next_batch_to_run`` without mixed chunked prefill:
 
@@ -19,7 +19,7 @@ One step, as ``Scheduler.get_next_batch_to_run`` without mixed chunked prefill:
    one is kept; if even that one cannot fit it is aborted), then one batched
    ``decode`` (or speculative ``spec_decode``) for every running request.
 
-The clock advances by the modelled step time (:mod:`kvtrace.step_time`); when
+The clock advances by the modelled step time (:mod:`kvtrace.record.step_time`); when
 nothing can run it jumps to the next arrival.
 
 Admission (SGLang ``PrefillAdder``, ``PrefillBudget``)::
@@ -88,13 +88,13 @@ import numpy as np
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
 from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
-from kvtrace.config import spec_config_for
-from kvtrace.step_time import Percentiles, StepTimeModel
+from kvtrace.replay.config import spec_config_for
+from kvtrace.record.step_time import Percentiles, StepTimeModel
 from traces.schema import SpecSettings, TraceConfig
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
-    from kvtrace.record import Recorder
+    from kvtrace.record.recorder import Recorder
     from traces.workloads import WorkloadRequest
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Defaults model SGLang 0.5.23 serving Llama-3.1-8B (bf16) on one NVIDIA H200 (the
 arithmetic is in ``kvtrace/cli/record.py``). A trace given as the workload keeps the
-configuration it was recorded with (``kvtrace.simulate.trace_defaults``) for what the
+configuration it was recorded with (``kvtrace.record.simulate.trace_defaults``) for what the
 user does not override. Constants only at import time: the command line imports this.
 """
 
@@ -54,13 +54,13 @@ def serving_settings(workload: Path, fmt: str, given: dict[str, Any]) -> dict[st
     """
     settings = dict(SERVING_DEFAULTS)
     if fmt == "trace":
-        from kvtrace.simulate import trace_defaults
+        from kvtrace.record.simulate import trace_defaults
         from traces.io import TraceReader
 
         settings.update(trace_defaults(TraceReader(workload).meta))
     settings.update({key: value for key, value in given.items() if value is not None})
     if settings["step_time"] is None:
-        from kvtrace.step_time import StepTimeModel
+        from kvtrace.record.step_time import StepTimeModel
 
         settings["step_time"] = StepTimeModel()
     settings["chunk"] = settings["chunk"] or None

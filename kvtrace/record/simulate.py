@@ -1,4 +1,4 @@
-"""Simulate a workload: the scheduler model (``kvtrace.scheduler``) over a workload
+"""Simulate a workload: the scheduler model (``kvtrace.record.scheduler``) over a workload
 file or a trace, on a real allocator, recorded as a trace or kept as a summary only.
 
 ``record_workload`` is the library behind ``kvtrace record`` and behind the simulated
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from allocator.pages import floor_align
-from kvtrace.scheduler import RecordProgress, RecordSummary, SchedulePolicy, Scheduler, SchedulerConfig
-from kvtrace.step_time import StepTimeModel
+from kvtrace.record.scheduler import RecordProgress, RecordSummary, SchedulePolicy, Scheduler, SchedulerConfig
+from kvtrace.record.step_time import StepTimeModel
 from traces.schema import ModelShape, SpecSettings, TraceMeta, TraceSource
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class RecordOptions:
     compact_steps_per_batch: int | None = 256
     source: TraceSource | None = None
     command: str | None = None  # the command line stored in the trace (default: this process's)
-    version: str = "builtin"  # the allocator version the scheduler model runs on (kvtrace.registry)
+    version: str = "builtin"  # the allocator version the scheduler model runs on (kvtrace.versions.registry)
     force: bool = False  # build the pool even when it looks bigger than the free memory
 
 
@@ -118,9 +118,9 @@ def record_workload(
     if total == 0:
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
-    from kvtrace.config import RECORD_OPTIONS, check_memory, effective_config
-    from kvtrace.record import Recorder
-    from kvtrace.registry import resolve_version
+    from kvtrace.replay.config import RECORD_OPTIONS, check_memory, effective_config
+    from kvtrace.record.recorder import Recorder
+    from kvtrace.versions.registry import resolve_version
 
     version = resolve_version(options.version)
     block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
@@ -155,7 +155,7 @@ def record_workload(
         model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
         block_size=block_size,
         extra={
-            "recorder": "kvtrace.scheduler",
+            "recorder": "kvtrace.record.scheduler",
             "workload_format": options.fmt,
             "allocator": version.spec,
             "duration_s": options.duration_s,

@@ -14,7 +14,7 @@ pool and page size, and admissions whose hit differs from the recorded one are
 counted.
 
 The engine is driven one step at a time (``replay_step``) by a
-``kvtrace.session.ReplaySession``, which owns the trace reader, the screening, the
+``kvtrace.replay.session.ReplaySession``, which owns the trace reader, the screening, the
 checkpoints and the summary. Steps before ``ReplayOptions.start_step`` run quietly
 (state only: no snapshot, no check, no statistics), so the statistics describe the
 window and its first snapshot is a keyframe holding the whole state.
@@ -40,7 +40,7 @@ import numpy as np
 
 from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
 from kvtrace.errors import TraceError
-from kvtrace.snapshot import (
+from kvtrace.replay.snapshot import (
     ABORTED,
     DECODE_PHASE,
     DROPPED,

@@ -2,7 +2,7 @@
 every consumer (the ``replay`` command, the dashboard, diff, shrink, sweeps).
 
 A session is built from a trace, a version spec and what-if overrides; it decides
-the effective configuration once (``kvtrace.config.effective_config``), screens
+the effective configuration once (``kvtrace.replay.config.effective_config``), screens
 every step for impossible ops (in a child process by default), drives the
 ``ReplayEngine`` step by step and yields one ``StepSnapshot`` per step::
 
@@ -40,19 +40,19 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from allocator.base import Checkpointable, Digestible
-from kvtrace.config import check_memory, effective_config, replay_names
+from kvtrace.replay.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
-from kvtrace.registry import AllocatorVersion, resolve_version
-from kvtrace.replay import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
-from kvtrace.snapshot import SnapshotBlock
-from kvtrace.state import ReplayState
+from kvtrace.versions.registry import AllocatorVersion, resolve_version
+from kvtrace.replay.engine import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
+from kvtrace.replay.snapshot import SnapshotBlock
+from kvtrace.replay.state import ReplayState
 from traces.runs import run_lengths
 from traces.schema import DECODE, SPEC
 from traces.io import ResumePoint, StepChunk, TraceReader
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, AllocatorConfig
-    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.replay.snapshot import StepSnapshot
     from traces.schema import StepBatch
     from traces.validate import Problem
 
@@ -171,7 +171,7 @@ class ReplayResult:
         return st.num_violations > 0 or st.bad_ops > 0 or (self.options.on_oom == "stop" and st.oom is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        from kvtrace.report import replay_summary
+        from kvtrace.replay.report import replay_summary
 
         return replay_summary(self)
 
@@ -181,7 +181,7 @@ class ReplaySession:
 
     Args:
         trace: a path, ``sample:NAME``, or an open ``TraceReader``.
-        version: an allocator version spec (``kvtrace.registry``) or a resolved one.
+        version: an allocator version spec (``kvtrace.versions.registry``) or a resolved one.
         page_size: what-if page size (conflicts with a version that fixes another).
         pool_tokens: what-if pool size (rounded down to whole pages).
         device: ``cpu`` or ``cuda``.
@@ -209,7 +209,7 @@ class ReplaySession:
             slots). Off, a run of decode steps may be replayed in one allocator call
             ahead of the snapshots returned (``allocator_step`` says where it is).
         label: how reports name the trace (default: the argument as given).
-        force_memory: build the pool even when ``kvtrace.config.check_memory`` finds
+        force_memory: build the pool even when ``kvtrace.replay.config.check_memory`` finds
             it bigger than the machine's available memory.
 
     Raises:

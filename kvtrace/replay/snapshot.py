@@ -1,7 +1,7 @@
 """Immutable, host-side records of one replayed step: what every consumer reads.
 
 The replay engine builds one ``StepSnapshot`` per step from the allocator's
-results; the CLI summary, the state log, the per-request state (``kvtrace.state``),
+results; the CLI summary, the state log, the per-request state (``kvtrace.replay.state``),
 the dashboard and diff read snapshots only, never the allocator.
 
 Pool counters are the allocator's own ``PoolCounters`` (one type from the
@@ -146,7 +146,7 @@ class StepSnapshot:
 class SnapshotBlock(NamedTuple):
     """Consecutive snapshots as columns: what ``ReplayState.apply_block`` folds with a few
     vectorised operations instead of a loop over steps (``of`` a list of snapshots;
-    ``kvtrace.statelog.block_of`` a state log's record batch, without building them)."""
+    ``kvtrace.statelog.log.block_of`` a state log's record batch, without building them)."""
 
     steps: np.ndarray  # int64 [k]
     times: np.ndarray  # float64 [k]

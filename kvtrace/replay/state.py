@@ -1,7 +1,7 @@
 """Per-request state of a replay: a fold of step snapshots into the table a user looks at.
 
 ``ReplayState.apply(snapshot)`` folds one ``StepSnapshot``; the same fold runs over a
-live ``ReplaySession`` and over a state log read back (``kvtrace.statelog``), so the
+live ``ReplaySession`` and over a state log read back (``kvtrace.statelog.log``), so the
 dashboard and reports see the same thing either way.
 
 Per request (numpy columns indexed by request id; ``table()`` gives the rows of the
@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from allocator.base import PoolCounters
-from kvtrace.snapshot import (
+from kvtrace.replay.snapshot import (
     LIVE_PHASES,
     PHASES,
     UNCHANGED_OP,

@@ -13,7 +13,7 @@ request lists hold every live request: the first step of a ``--steps`` window), 
 the allocator's state digest (null unless the replay asked for it: ``diff --exact``).
 
 The same records, as an uncompressed IPC *stream*, are the per-step record stream a
-``kvtrace diff`` side sends its parent over a pipe (``kvtrace.child``).
+``kvtrace diff`` side sends its parent over a pipe (``kvtrace.proc.child``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.errors import TraceError
-from kvtrace.logformat import STATE_LOG_METADATA_KEY, STATE_LOG_VERSION
-from kvtrace.snapshot import Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
+from kvtrace.statelog.format import STATE_LOG_METADATA_KEY, STATE_LOG_VERSION
+from kvtrace.replay.snapshot import Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
 from traces.ipc import IpcReader
 
 
@@ -73,7 +73,7 @@ class StateLogWriter:
     Args:
         path: output file (overwritten; ``kvtrace.outputs`` decides whether it may be),
             or a writable binary stream (a pipe: the per-step record stream of a
-            ``kvtrace diff`` side, ``kvtrace.child``).
+            ``kvtrace diff`` side, ``kvtrace.proc.child``).
         info: JSON-able description stored in the schema metadata (trace, allocator, options).
         steps_per_batch: snapshots buffered per record batch (each batch is flushed).
         compression: ``zstd`` (files), or None (pipes: no CPU spent on it).

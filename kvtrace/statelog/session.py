@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 
 from kvtrace.errors import TraceError
-from kvtrace.state import ReplayState
-from kvtrace.statelog import open_state_log, snapshots_of
+from kvtrace.replay.state import ReplayState
+from kvtrace.statelog.log import open_state_log, snapshots_of
 
 __all__ = ["StateLogSession"]
 

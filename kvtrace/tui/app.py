@@ -21,8 +21,8 @@ from textual.binding import Binding
 from textual.widget import Widget
 from textual.widgets import Input, Static
 
-from kvtrace.snapshot import PHASES
-from kvtrace.state import RequestRow
+from kvtrace.replay.snapshot import PHASES
+from kvtrace.replay.state import RequestRow
 from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
 from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
@@ -33,7 +33,7 @@ from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
+    from kvtrace.diff.diff import DiffReport
     from kvtrace.tui.driver import CellInfo
     from kvtrace.tui.link import ReplayLink
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from allocator.base import PoolCounters
-from kvtrace.state import ReplayState, SavedState, StepEvent
+from kvtrace.replay.state import ReplayState, SavedState, StepEvent
 from kvtrace.tui.pagemap import CellDetail, PageCells
 from kvtrace.tui.replayer import MAX_HISTORY_STEPS, SPEEDS
 from kvtrace.tui.sources import SourceInfo
@@ -34,9 +34,9 @@ from kvtrace.tui.sources import SourceInfo
 DEFAULT_FPS = 24.0
 
 if TYPE_CHECKING:
-    from kvtrace.state import Timeline
+    from kvtrace.replay.state import Timeline
     from kvtrace.tui.link import ReplayLink
-    from kvtrace.snapshot import SnapshotBlock
+    from kvtrace.replay.snapshot import SnapshotBlock
 
 __all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "AchievedSpeed", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
            "RequestHistory"]

@@ -1,14 +1,14 @@
 """How the screen and the replay side of the dashboard talk: a child process, or a thread.
 
 The replay side (``kvtrace.tui.replayer.Replayer``) says two things, in order: the
-steps it replays (``records``: ``kvtrace.snapshot.SnapshotBlock``) and messages
+steps it replays (``records``: ``kvtrace.replay.snapshot.SnapshotBlock``) and messages
 (``send``: dicts with a ``kind``); it hears commands (``commands``). The screen's side
 (``ReplayLink``) gets ``("records", SnapshotBlock)``, ``("msg", dict)`` and, once the
 other side is gone, ``("closed", reason)``, and sends commands without ever waiting
 for the replay.
 
-* ``ChildReplay``: the replay in its own process, ``python -m kvtrace.child JOB
-  CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.sides``): stdout carries
+* ``ChildReplay``: the replay in its own process, ``python -m kvtrace.proc.child JOB
+  CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.diff.sides``): stdout carries
   the records as update frames (``kvtrace.tui.updates``), the control fd JSON lines
   (the messages, with numpy arrays packed; the child's ``start``, ``error``), stdin
   the commands (JSON lines). Each message carries ``records``, the steps sent before
@@ -38,7 +38,7 @@ from kvtrace.errors import KvtraceError
 if TYPE_CHECKING:
     from kvtrace.tui.replayer import Replayer
     from kvtrace.tui.sources import ReplaySource
-    from kvtrace.snapshot import SnapshotBlock
+    from kvtrace.replay.snapshot import SnapshotBlock
 
 __all__ = [
     "ChildReplay",
@@ -295,7 +295,7 @@ def _widen_pipe(fd: int, size: int = PIPE_BYTES) -> None:
 
 
 class ChildReplay:
-    """The replay in its own process (``python -m kvtrace.child``, a dashboard job).
+    """The replay in its own process (``python -m kvtrace.proc.child``, a dashboard job).
 
     Args:
         job: the child's job (``kvtrace.tui.replayer.dashboard_job`` / ``log_job``).
@@ -307,7 +307,7 @@ class ChildReplay:
     """
 
     def __init__(self, job: dict[str, Any], python: str = sys.executable) -> None:
-        from kvtrace.sides import spawn_child
+        from kvtrace.diff.sides import spawn_child
 
         self.name = str(job.get("trace_label") or job.get("state_log") or job.get("trace"))
         self._stderr = tempfile.TemporaryFile()
@@ -343,7 +343,7 @@ class ChildReplay:
             if not self._closing and self.proc.poll() is None:
                 # The child lives on but its updates cannot be read: stop it (its control
                 # channel then ends too) and say why, rather than wait for it forever.
-                from kvtrace.sides import stop_child
+                from kvtrace.diff.sides import stop_child
 
                 self._stream_error = f"the replay process's update stream broke ({type(exc).__name__}: {exc})"
                 stop_child(self.proc)
@@ -354,7 +354,7 @@ class ChildReplay:
             if not line.strip():
                 continue
             message = unpack(json.loads(line))
-            if "kind" not in message:  # kvtrace.child's own: start, error
+            if "kind" not in message:  # kvtrace.proc.child's own: start, error
                 if "error" in message:
                     prefix = "" if message.get("user") else "internal error: "
                     self._start_error = f"{prefix}{message['error']}"
@@ -434,7 +434,7 @@ class ChildReplay:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
             self.get(0.05)  # drain, so that a child blocked on a full pipe gets out
-        from kvtrace.sides import stop_child
+        from kvtrace.diff.sides import stop_child
 
         stop_child(self.proc)
         deadline = time.monotonic() + 10

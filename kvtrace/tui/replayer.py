@@ -1,7 +1,7 @@
 """The replay side of the dashboard: runs a source, obeys the screen's commands, streams
 the snapshots of the steps it replays and answers the screen's questions.
 
-It runs in a process of its own (``python -m kvtrace.child`` with a dashboard job, started
+It runs in a process of its own (``python -m kvtrace.proc.child`` with a dashboard job, started
 by ``link.ChildReplay``), so that the replay has one core while the screen draws on the
 other, or in a thread (``link.ThreadReplay``). Nothing here imports Textual.
 
@@ -38,11 +38,11 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from kvtrace.errors import USER_ERRORS
-from kvtrace.snapshot import SnapshotBlock
+from kvtrace.replay.snapshot import SnapshotBlock
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
-    from kvtrace.snapshot import StepSnapshot
+    from kvtrace.replay.snapshot import StepSnapshot
     from kvtrace.tui.link import ReplayerEnd
     from kvtrace.tui.pagemap import PageCells
     from kvtrace.tui.sources import ReplaySource
@@ -466,13 +466,13 @@ def dashboard_job(
     first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
 ) -> dict[str, Any]:
-    """The job of a live dashboard's replay process (``kvtrace.child``): a diff side's job
-    (``kvtrace.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
+    """The job of a live dashboard's replay process (``kvtrace.proc.child``): a diff side's job
+    (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
     ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
     (``ReplaySession``; a dashboard's by default; ``first_pass_every``, when given, replaces
     the seconds)."""
-    from kvtrace.sides import side_job
+    from kvtrace.diff.sides import side_job
 
     job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
                    options=options)
@@ -492,7 +492,7 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     """The body of a dashboard's replay process: set the source up, then ``Replayer.run``.
 
     Raises:
-        KvtraceError, TraceError: bad input (``kvtrace.child.main`` reports it as one line).
+        KvtraceError, TraceError: bad input (``kvtrace.proc.child.main`` reports it as one line).
     """
     import signal
 
@@ -542,18 +542,18 @@ def _profiled(body: Callable[[], None], path: str) -> None:
 
 
 def _log_source(job: dict[str, Any]) -> ReplaySource:
-    from kvtrace.logsession import StateLogSession
+    from kvtrace.statelog.session import StateLogSession
     from kvtrace.tui.sources import LogSource
 
     return LogSource(StateLogSession(job["state_log"]), label=job.get("trace_label"))
 
 
 def live_source(job: dict[str, Any]) -> ReplaySource:
-    from kvtrace.child import job_screen, job_version
-    from kvtrace.config import config_dict
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.session import ReplaySession
-    from kvtrace.statelog import StateLogWriter
+    from kvtrace.proc.child import job_screen, job_version
+    from kvtrace.replay.config import config_dict
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.statelog.log import StateLogWriter
     from kvtrace.tui.sources import LiveSource
 
     settings = job["dashboard"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
+    from kvtrace.diff.diff import DiffReport
     from kvtrace.tui.app import KvtraceApp
 
 __all__ = [
@@ -91,8 +91,8 @@ def show_diff(
     import dataclasses
 
     from kvtrace.errors import ConfigError
-    from kvtrace.registry import resolve_any
-    from kvtrace.replay import ReplayOptions
+    from kvtrace.versions.registry import resolve_any
+    from kvtrace.replay.engine import ReplayOptions
     from kvtrace.tui.replayer import dashboard_job, log_job
     from traces.samples import resolve_trace
 

@@ -16,11 +16,11 @@ from kvtrace.tui.pagemap import PageCells, composition_cells, page_map
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
-    from kvtrace.logsession import StateLogSession
-    from kvtrace.session import ReplaySession
-    from kvtrace.snapshot import SnapshotBlock, StepSnapshot
-    from kvtrace.state import ReplayState
-    from kvtrace.statelog import StateLogWriter
+    from kvtrace.statelog.session import StateLogSession
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.replay.snapshot import SnapshotBlock, StepSnapshot
+    from kvtrace.replay.state import ReplayState
+    from kvtrace.statelog.log import StateLogWriter
 
 __all__ = ["LiveSource", "LogSource", "ReplaySource", "SourceInfo", "trace_step_range"]
 
@@ -148,7 +148,7 @@ class LiveSource:
 
     @property
     def end_note(self) -> str | None:
-        from kvtrace.session import TRUNCATED_NOTE
+        from kvtrace.replay.session import TRUNCATED_NOTE
 
         return TRUNCATED_NOTE if self.session.done and self.session.reader.truncated else None
 

@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from kvtrace.snapshot import PoolCounters, RequestDelta, SnapshotBlock
+from kvtrace.replay.snapshot import PoolCounters, RequestDelta, SnapshotBlock
 
 __all__ = ["read_update", "write_update"]
 

@@ -8,7 +8,7 @@ remove``). ``worktree`` is the repository's working tree itself, uncommitted and
 untracked files included: there is nothing to check out.
 
 Either way the version runs in a child process whose ``allocator`` package is the
-one in that tree (``kvtrace.child``); this checkout's ``kvtrace`` and ``traces``
+one in that tree (``kvtrace.proc.child``); this checkout's ``kvtrace`` and ``traces``
 drive it.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError, VersionSpecError
-from kvtrace.registry import ChildVersion, code_identity
+from kvtrace.versions.registry import ChildVersion, code_identity
 
 __all__ = ["CachedCheckout", "cache_dir", "cached_checkouts", "current_repository", "resolve", "run_git"]
 

@@ -19,13 +19,13 @@ Specs (``kvtrace versions`` lists what is available and where each comes from):
                                  (``kvtrace.sglang``)
     ``git:REV[@PATH]``           the ``allocator`` package of revision REV of the repository at
                                  PATH (default: the one holding the current directory), checked
-                                 out into a cached git worktree (``kvtrace.gitversions``)
+                                 out into a cached git worktree (``kvtrace.versions.git``)
     ``worktree[@PATH]``          the ``allocator`` package of that repository's working tree,
                                  uncommitted changes included
 
 The first five run in this process (``AllocatorVersion``). ``git:`` and
 ``worktree`` versions import their own ``allocator`` package, so they run in a
-child process (``ChildVersion``, driven by ``kvtrace.child``).
+child process (``ChildVersion``, driven by ``kvtrace.proc.child``).
 
 Every spec but the built-in names executes code the user points at: a module, a
 file, a commit, a working tree. Each version's ``origin`` names the files that run,
@@ -66,7 +66,7 @@ class AllocatorVersion:
     """A version that runs in this process: its spec, a label for reports, its factory.
 
     ``page_size``: the page size the version itself fixes (``token``: 1, ``paged:N``:
-    N), None when it takes the trace's. ``kvtrace.config.effective_config`` decides
+    N), None when it takes the trace's. ``kvtrace.replay.config.effective_config`` decides
     the configuration from it and the user's options; the factory receives that
     configuration unchanged. ``origin``: where it comes from (``kvtrace versions``).
     """
@@ -100,7 +100,7 @@ class AllocatorVersion:
 
 @dataclass(frozen=True, slots=True)
 class ChildVersion:
-    """A version that runs in a child process (``kvtrace.child``): the ``allocator``
+    """A version that runs in a child process (``kvtrace.proc.child``): the ``allocator``
     package under ``allocator_root`` comes first there, this kvtrace drives it.
 
     ``python``: the interpreter of the child (this one unless another environment is
@@ -141,7 +141,7 @@ def _pre_encapsulation(config: AllocatorConfig) -> Allocator:
 
 
 def _here() -> str:
-    return str(Path(__file__).resolve().parent.parent / "allocator")
+    return str(Path(__file__).resolve().parents[2] / "allocator")
 
 
 def code_digest(path: str | Path) -> str:
@@ -206,7 +206,7 @@ def resolve_version(spec: str) -> AllocatorVersion:
 def resolve_any(spec: str, *, cache_dir: Path | None = None) -> AllocatorVersion | ChildVersion:
     """Resolve any version spec (see the module doc). ``git:`` specs check the revision
     out (or reuse the cached checkout) under ``cache_dir`` (default
-    ``kvtrace.gitversions.cache_dir()``).
+    ``kvtrace.versions.git.cache_dir()``).
 
     Raises:
         VersionSpecError: the spec does not resolve (one line: what and the valid forms).
@@ -216,11 +216,11 @@ def resolve_any(spec: str, *, cache_dir: Path | None = None) -> AllocatorVersion
     if builtin is not None:
         return builtin
     if spec.startswith("git:") or spec == "worktree" or spec.startswith("worktree@"):
-        from kvtrace import gitversions
+        from kvtrace.versions import git as gitversions
 
         return gitversions.resolve(spec, cache=cache_dir)
     if spec == "sglang" or spec.startswith("sglang:"):
-        from kvtrace.sglang.version import resolve_sglang
+        from kvtrace.versions.sglang import resolve_sglang
 
         return resolve_sglang(spec)
     if ":" not in spec:
@@ -359,7 +359,7 @@ def list_versions() -> list[VersionInfo]:
     ]
     for name, ep in sorted(_entry_points().items()):
         out.append(VersionInfo(name, "installed", _entry_point_origin(ep), f"group {ENTRY_POINT_GROUP}"))
-    from kvtrace import gitversions
+    from kvtrace.versions import git as gitversions
 
     repo = gitversions.current_repository()
     where = f"the repository at {repo}" if repo is not None else "the repository at PATH (here: not in a git repository)"

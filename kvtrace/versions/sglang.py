@@ -37,11 +37,11 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from allocator.base import AllocatorConfig, AllocOutcome, PoolCounters, ReleaseKind, ReleaseResult, RequestLens
-    from kvtrace.registry import AllocatorVersion
+    from kvtrace.versions.registry import AllocatorVersion
 
 __all__ = ["DRIVER", "ENV_VAR", "UNCHECKED_VAR", "SGLangAllocator", "SGLangError", "probe", "resolve_sglang"]
 
-DRIVER = Path(__file__).resolve().with_name("driver.py")
+DRIVER = Path(__file__).resolve().parents[1] / "sglang" / "driver.py"
 # Set to 1 to drive an sglang release the driver does not know (a development checkout
 # whose allocation functions kept 0.5.23's signatures).
 UNCHECKED_VAR = "KVTRACE_SGLANG_UNCHECKED"
@@ -59,7 +59,7 @@ def resolve_sglang(spec: str) -> AllocatorVersion:
             sglang release the driver does not know (one line, with what to do; ``$KVTRACE_SGLANG_UNCHECKED=1``
             lets an unknown release through).
     """
-    from kvtrace.registry import AllocatorVersion
+    from kvtrace.versions.registry import AllocatorVersion
 
     python = None
     if spec.startswith("sglang:"):
@@ -273,7 +273,7 @@ class SGLangAllocator:
         return [Violation(v["check"], v["detail"], v["rid"]) for v in self._call("check_integrity")]
 
     def state_digest(self) -> str:
-        """kvtrace's physical-state digest computed from SGLang's state (``allocator.digest``)."""
+        """kvtrace's physical-state digest computed from SGLang's state (``allocator.check.digest``)."""
         self._want_digest = True
         value = self._prefetched.pop("state_digest", None)
         return str(value if value is not None else self._call("state_digest"))

@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.diff import DiffOptions, diff_trace
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.diff.diff import DiffOptions, diff_trace
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 from traces.io import TraceReader
 from traces.samples import resolve_trace
 from traces.schema import SPEC

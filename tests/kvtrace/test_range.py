@@ -19,10 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from kvtrace import gitversions
-from kvtrace.child import OPTIONAL_PROTOCOLS
+from kvtrace.versions import git as gitversions
+from kvtrace.proc.child import OPTIONAL_PROTOCOLS
 from kvtrace.cli import app
-from kvtrace.rangediff import first_true
+from kvtrace.diff.rangediff import first_true
 from traces.io import TraceReader
 from traces.schema import SPEC
 from tests.kvtrace.test_versions import ALLOCATOR, _git
@@ -47,7 +47,7 @@ def _move_module(repo: Path, old: str, new: str) -> None:
     """A pure move: ``allocator/OLD.py`` -> ``allocator/NEW.py``, its imports rewritten."""
     _git(repo, "mv", f"allocator/{old}.py", f"allocator/{new}.py")
     found = 0
-    for path in (repo / "allocator").glob("*.py"):
+    for path in (repo / "allocator").rglob("*.py"):
         text, n = re.subn(rf"\b(from|import) allocator\.{old}\b", rf"\1 allocator.{new}", path.read_text())
         text, m = re.subn(rf'"allocator\.{old}"', f'"allocator.{new}"', text)
         path.write_text(text)
@@ -58,7 +58,7 @@ def _move_module(repo: Path, old: str, new: str) -> None:
 def _rename(repo: Path, old: str, new: str) -> None:
     """A rename of an identifier throughout the package."""
     found = 0
-    for path in (repo / "allocator").glob("*.py"):
+    for path in (repo / "allocator").rglob("*.py"):
         text, n = re.subn(rf"\b{old}\b", new, path.read_text())
         path.write_text(text)
         found += n
@@ -277,9 +277,9 @@ def test_bad_ranges_are_one_line_and_exit_2(
 def test_pruning_never_removes_a_tree_in_use_and_pruned_records_are_a_miss(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from kvtrace.replaycache import ReplayCache
-    from kvtrace.series import allocator_checkout, prune_checkouts
-    from kvtrace.statelog import STATE_LOG_SCHEMA
+    from kvtrace.diff.replaycache import ReplayCache
+    from kvtrace.diff.series import allocator_checkout, prune_checkouts
+    from kvtrace.statelog.log import STATE_LOG_SCHEMA
 
     repo = _start(tmp_path)
     old = _git(repo, "rev-parse", "HEAD:allocator")

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvtrace.session import ReplaySession
-from kvtrace.statelog import StateLogWriter
+from kvtrace.replay.session import ReplaySession
+from kvtrace.statelog.log import StateLogWriter
 from kvtrace.tui.app import KvtraceApp
 from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource, LogSource
@@ -74,7 +74,7 @@ def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def log_app(path: Path, **kw: object) -> KvtraceApp:
-    from kvtrace.logsession import StateLogSession
+    from kvtrace.statelog.session import StateLogSession
 
     return KvtraceApp(ThreadReplay(LogSource(StateLogSession(path), label=path.name), play=False), **kw)  # type: ignore[arg-type]
 

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app as cli
-from kvtrace.diff import DiffOptions, DiffReport, diff_trace
-from kvtrace.session import ReplaySession
+from kvtrace.diff.diff import DiffOptions, DiffReport, diff_trace
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.app import DIVERGENCE_COLOUR, KvtraceApp
 from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.sources import LiveSource

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvtrace.errors import TraceError
-from kvtrace.session import ReplaySession
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.driver import CellInfo, Driver, Failure, Frame, RequestHistory
 from kvtrace.tui.link import ThreadReplay
 from kvtrace.tui.replayer import FILLING, Replayer

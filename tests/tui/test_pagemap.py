@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from allocator.base import PoolCounters
 from allocator.ownership import NUM_STATES, SlotState
-from kvtrace.session import ReplaySession
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.pagemap import cell_detail, composition_cells, page_map
 
 FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")

@@ -1,4 +1,4 @@
-"""The replay in its own process (``link.ChildReplay`` over ``python -m kvtrace.child``, as
+"""The replay in its own process (``link.ChildReplay`` over ``python -m kvtrace.proc.child``, as
 ``kvtrace replay --tui`` runs it): keys move it, the screen's fold equals a session's,
 the page map comes across (or a note for a version without the ownership query), the
 steps replayed go to the state log, and errors in the child (an OOM, a crash, a bad
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.logsession import StateLogSession
-from kvtrace.registry import resolve_version
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.statelog.session import StateLogSession
+from kvtrace.versions.registry import resolve_version
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.app import KvtraceApp
 from kvtrace.tui.link import ChildReplay, ReplayProcessError
 from kvtrace.tui.pagemap import NO_PAGE_MAP
