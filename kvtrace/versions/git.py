@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError, VersionSpecError
-from kvtrace.versions.registry import ChildVersion, code_identity
+from kvtrace.versions.base import ChildVersion, code_identity
 
 __all__ = ["CachedCheckout", "cache_dir", "cached_checkouts", "current_repository", "resolve", "run_git"]
 

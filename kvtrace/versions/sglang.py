@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from allocator.base import AllocatorConfig, AllocOutcome, PoolCounters, ReleaseKind, ReleaseResult, RequestLens
-    from kvtrace.versions.registry import AllocatorVersion
+    from kvtrace.versions.base import AllocatorVersion
 
 __all__ = ["DRIVER", "ENV_VAR", "UNCHECKED_VAR", "SGLangAllocator", "SGLangError", "probe", "resolve_sglang"]
 
@@ -59,7 +59,7 @@ def resolve_sglang(spec: str) -> AllocatorVersion:
             sglang release the driver does not know (one line, with what to do; ``$KVTRACE_SGLANG_UNCHECKED=1``
             lets an unknown release through).
     """
-    from kvtrace.versions.registry import AllocatorVersion
+    from kvtrace.versions.base import AllocatorVersion
 
     python = None
     if spec.startswith("sglang:"):
