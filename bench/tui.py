@@ -96,9 +96,9 @@ from kvtrace.replay.snapshot import SnapshotBlock  # noqa: E402
 from kvtrace.replay.state import ReplayState  # noqa: E402
 from kvtrace.diff.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
-from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
-from kvtrace.tui.replayer import Replayer, dashboard_job, job_source  # noqa: E402
-from kvtrace.tui.updates import write_update  # noqa: E402
+from kvtrace.tui.remote.link import CHILD_ENV, ChildReplay  # noqa: E402
+from kvtrace.tui.remote.replayer import Replayer, dashboard_job, job_source  # noqa: E402
+from kvtrace.tui.remote.updates import write_update  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"

@@ -76,7 +76,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
     import dataclasses
 
     from kvtrace.versions.registry import resolve_version
-    from kvtrace.tui.replayer import dashboard_job
+    from kvtrace.tui.remote.replayer import dashboard_job
     from kvtrace.tui.run import run_live
     from traces.samples import resolve_trace
 

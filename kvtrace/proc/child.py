@@ -196,14 +196,14 @@ def _methods(protocol: type) -> set[str]:
 
 def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
     """Replay ``job`` and stream its records to ``out``, messages to ``control``; a
-    dashboard job (``"dashboard"`` in it: ``kvtrace.tui.replayer``) also takes commands
+    dashboard job (``"dashboard"`` in it: ``kvtrace.tui.remote.replayer``) also takes commands
     on stdin.
 
     Raises:
         KvtraceError, TraceError: bad input (reported by ``main`` as one line).
     """
     if "dashboard" in job:
-        from kvtrace.tui.replayer import run_dashboard_job
+        from kvtrace.tui.remote.replayer import run_dashboard_job
 
         run_dashboard_job(job, out, control, sys.stdin.buffer)
         return

@@ -12,8 +12,8 @@ import pytest
 from kvtrace.replay.session import ReplaySession
 from kvtrace.statelog.log import StateLogWriter
 from kvtrace.tui.app import KvtraceApp
-from kvtrace.tui.link import ThreadReplay
-from kvtrace.tui.sources import LiveSource, LogSource
+from kvtrace.tui.remote.link import ThreadReplay
+from kvtrace.tui.remote.sources import LiveSource, LogSource
 
 if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame

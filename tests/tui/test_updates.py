@@ -15,7 +15,7 @@ from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.replay.snapshot import RequestDelta, SnapshotBlock
 from kvtrace.replay.state import ReplayState
-from kvtrace.tui.updates import read_update, write_update
+from kvtrace.tui.remote.updates import read_update, write_update
 
 
 def _screen_fold(trace: str, batch_sizes: list[int], options: ReplayOptions | None = None,

@@ -1,6 +1,6 @@
 """How the screen and the replay side of the dashboard talk: a child process, or a thread.
 
-The replay side (``kvtrace.tui.replayer.Replayer``) says two things, in order: the
+The replay side (``kvtrace.tui.remote.replayer.Replayer``) says two things, in order: the
 steps it replays (``records``: ``kvtrace.replay.snapshot.SnapshotBlock``) and messages
 (``send``: dicts with a ``kind``); it hears commands (``commands``). The screen's side
 (``ReplayLink``) gets ``("records", SnapshotBlock)``, ``("msg", dict)`` and, once the
@@ -9,7 +9,7 @@ for the replay.
 
 * ``ChildReplay``: the replay in its own process, ``python -m kvtrace.proc.child JOB
   CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.diff.sides``): stdout carries
-  the records as update frames (``kvtrace.tui.updates``), the control fd JSON lines
+  the records as update frames (``kvtrace.tui.remote.updates``), the control fd JSON lines
   (the messages, with numpy arrays packed; the child's ``start``, ``error``), stdin
   the commands (JSON lines). Each message carries ``records``, the steps sent before
   it, so the screen applies it after folding them (two pipes keep no common order).
@@ -36,8 +36,8 @@ import numpy as np
 from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
-    from kvtrace.tui.replayer import Replayer
-    from kvtrace.tui.sources import ReplaySource
+    from kvtrace.tui.remote.replayer import Replayer
+    from kvtrace.tui.remote.sources import ReplaySource
     from kvtrace.replay.snapshot import SnapshotBlock
 
 __all__ = [
@@ -142,7 +142,7 @@ class PipeEnd:
         self.sent = 0
 
     def records(self, update: SnapshotBlock) -> None:
-        from kvtrace.tui.updates import write_update
+        from kvtrace.tui.remote.updates import write_update
 
         write_update(self._out, update)
         self.sent += update.num_steps
@@ -242,7 +242,7 @@ class ThreadReplay:
     """
 
     def __init__(self, source: ReplaySource, *, play: bool = True, make: Callable[..., Replayer] | None = None) -> None:
-        from kvtrace.tui.replayer import Replayer
+        from kvtrace.tui.remote.replayer import Replayer
 
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)
         self._commands: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
@@ -298,7 +298,7 @@ class ChildReplay:
     """The replay in its own process (``python -m kvtrace.proc.child``, a dashboard job).
 
     Args:
-        job: the child's job (``kvtrace.tui.replayer.dashboard_job`` / ``log_job``).
+        job: the child's job (``kvtrace.tui.remote.replayer.dashboard_job`` / ``log_job``).
         python: the child's interpreter.
 
     Raises:
@@ -333,7 +333,7 @@ class ChildReplay:
 
     # ------------------------------------------------------------------ threads
     def _read_records(self) -> None:
-        from kvtrace.tui.updates import read_update
+        from kvtrace.tui.remote.updates import read_update
 
         try:
             assert self.proc.stdout is not None

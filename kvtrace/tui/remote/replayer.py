@@ -9,7 +9,7 @@ What it sends (``link.ReplayerEnd``), in order:
 
 * records: the steps replayed while playing or stepping, and every step replayed for
   the first time (the screen's timeline is append-only), as a ``SnapshotBlock`` every
-  ``batch_s`` (``kvtrace.tui.updates``); the screen folds them into its own
+  ``batch_s`` (``kvtrace.tui.remote.updates``); the screen folds them into its own
   ``ReplayState``. Steps
   replayed again inside a seek are not sent: the ``position`` message replaces them;
 * messages (dicts, ``kind``):
@@ -43,9 +43,9 @@ from kvtrace.replay.snapshot import SnapshotBlock
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
     from kvtrace.replay.snapshot import StepSnapshot
-    from kvtrace.tui.link import ReplayerEnd
-    from kvtrace.tui.pagemap import PageCells
-    from kvtrace.tui.sources import ReplaySource
+    from kvtrace.tui.remote.link import ReplayerEnd
+    from kvtrace.tui.remote.pagemap import PageCells
+    from kvtrace.tui.remote.sources import ReplaySource
 
 __all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FILLING", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job", "run_dashboard_job"]
 
@@ -371,7 +371,7 @@ class Replayer:
         elif moving and now - self._map_at < min(self._map_interval_s, PACED_MAP_S):
             return
         if self._map_key is not None and self._own is not None and self._cells is not None and key[:2] == self._map_key[:2]:
-            from kvtrace.tui.pagemap import highlight_cells  # only the selection changed
+            from kvtrace.tui.remote.pagemap import highlight_cells  # only the selection changed
 
             mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
             self._cells = self._cells._replace(highlight=mark)
@@ -382,7 +382,7 @@ class Replayer:
         self._map_key = key
         self._map_at, self._map_work_at = now, work_now
         if self._cells is None:
-            from kvtrace.tui.pagemap import NO_PAGE_MAP
+            from kvtrace.tui.remote.pagemap import NO_PAGE_MAP
 
             self.end.send({"kind": "cells", "step": last.step, "note": NO_PAGE_MAP})
             return
@@ -392,7 +392,7 @@ class Replayer:
                        "highlight": c.highlight, "positional": c.positional})
 
     def _cell_message(self, index: int) -> dict[str, Any]:
-        from kvtrace.tui.pagemap import STATE_LABELS, cell_detail
+        from kvtrace.tui.remote.pagemap import STATE_LABELS, cell_detail
 
         step = None if self._map_key is None else self._map_key[0]
         cells = self._cells
@@ -496,7 +496,7 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     """
     import signal
 
-    from kvtrace.tui.link import PipeEnd
+    from kvtrace.tui.remote.link import PipeEnd
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the screen decides when this process ends
     settings = job["dashboard"]
@@ -543,7 +543,7 @@ def _profiled(body: Callable[[], None], path: str) -> None:
 
 def _log_source(job: dict[str, Any]) -> ReplaySource:
     from kvtrace.statelog.session import StateLogSession
-    from kvtrace.tui.sources import LogSource
+    from kvtrace.tui.remote.sources import LogSource
 
     return LogSource(StateLogSession(job["state_log"]), label=job.get("trace_label"))
 
@@ -554,7 +554,7 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
     from kvtrace.replay.engine import ReplayOptions
     from kvtrace.replay.session import ReplaySession
     from kvtrace.statelog.log import StateLogWriter
-    from kvtrace.tui.sources import LiveSource
+    from kvtrace.tui.remote.sources import LiveSource
 
     settings = job["dashboard"]
     options = ReplayOptions(**job.get("options", {}))

@@ -1,6 +1,6 @@
 """What the dashboard replays: a live ``ReplaySession`` or a saved state log.
 
-Both give the replayer (``kvtrace.tui.replayer``) the same few things: ``step()``,
+Both give the replayer (``kvtrace.tui.remote.replayer``) the same few things: ``step()``,
 ``seek(step)``, the per-request fold (``state``), the last snapshot, a description for
 the header, and the page map (the live source asks the allocator's slot ownership
 through ``pagemap.page_map``; a log has only the pool counters, laid out by state).
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvtrace.tui.pagemap import PageCells, composition_cells, page_map
+from kvtrace.tui.remote.pagemap import PageCells, composition_cells, page_map
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership

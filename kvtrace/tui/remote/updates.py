@@ -1,7 +1,7 @@
 """What the screen learns of a batch of replayed steps: the steps' ``SnapshotBlock``, and
 how it travels over a pipe.
 
-The replayer sends one every ``batch_s`` while it plays (``kvtrace.tui.replayer``): the
+The replayer sends one every ``batch_s`` while it plays (``kvtrace.tui.remote.replayer``): the
 replay session's own block of those steps (``ReplaySession.take_block``), with the
 request rows of the steps that are not the last of their decode run in the block left
 out (the run's last step lists the same requests, with their lengths after it); the
