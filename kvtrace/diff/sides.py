@@ -165,21 +165,23 @@ def child_environ(defaults: dict[str, str] | None = None) -> dict[str, str]:
 _BOOTSTRAP = (
     "import os, sys; here = os.getcwd(); "
     "sys.path[:] = [{root!r}] + [p for p in sys.path if p not in ('', '.', here)]; "
-    "import runpy; runpy.run_module('kvtrace.proc.child', run_name='__main__', alter_sys=True)"
+    "import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
 )
 
 
-def child_command(python: str, *args: str) -> list[str]:
-    """The command line of ``python -m kvtrace.proc.child ARGS`` run without the working
-    directory on its ``sys.path`` (``_BOOTSTRAP``)."""
-    return [python, "-c", _BOOTSTRAP.format(root=_REPO_ROOT), *args]
+def child_command(python: str, *args: str, module: str = "kvtrace.proc.child") -> list[str]:
+    """The command line of ``python -m MODULE ARGS`` (``kvtrace.proc.child``, or the
+    dashboard's ``kvtrace.tui.remote.process``) run without the working directory on its
+    ``sys.path`` (``_BOOTSTRAP``)."""
+    return [python, "-c", _BOOTSTRAP.format(root=_REPO_ROOT, module=module), *args]
 
 
 def spawn_child(
     job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
-    commands: bool = False, env_defaults: dict[str, str] | None = None,
+    commands: bool = False, env_defaults: dict[str, str] | None = None, module: str = "kvtrace.proc.child",
 ) -> tuple[subprocess.Popen[bytes], IO[str]]:
-    """Start ``kvtrace.proc.child JOB CONTROL_FD`` under ``python`` (``child_command``: this
+    """Start ``module JOB CONTROL_FD`` (``kvtrace.proc.child``, or a module running its ``main``)
+    under ``python`` (``child_command``: this
     checkout's ``kvtrace`` first on its path, the working directory not on it): its
     stdout is the record stream (a pipe), ``stderr`` where its messages go, stdin a pipe
     of commands when ``commands`` (else nothing); ``env_defaults``: environment
@@ -202,7 +204,7 @@ def spawn_child(
     try:
         with lifeline.quiet_start():
             proc = subprocess.Popen(
-                child_command(python, json.dumps(job), str(write_fd)),
+                child_command(python, json.dumps(job), str(write_fd), module=module),
                 stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
                 pass_fds=(write_fd, lifeline.lifeline_fd(), *pass_fds), env=env,
             )

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FunctionType
 from typing import IO, Any, BinaryIO
@@ -195,18 +196,11 @@ def _methods(protocol: type) -> set[str]:
 
 
 def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
-    """Replay ``job`` and stream its records to ``out``, messages to ``control``; a
-    dashboard job (``"dashboard"`` in it: ``kvtrace.tui.remote.replayer``) also takes commands
-    on stdin.
+    """Replay ``job`` and stream its records to ``out``, messages to ``control``.
 
     Raises:
         KvtraceError, TraceError: bad input (reported by ``main`` as one line).
     """
-    if "dashboard" in job:
-        from kvtrace.tui.remote.replayer import run_dashboard_job
-
-        run_dashboard_job(job, out, control, sys.stdin.buffer)
-        return
     from kvtrace.replay.engine import ReplayOptions
 
     version = job_version(job)
@@ -281,8 +275,12 @@ def _send(control: IO[str], message: dict[str, Any]) -> None:
     control.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd)."""
+def main(argv: list[str] | None = None, run: Callable[[dict[str, Any], BinaryIO, IO[str]], None] = run_job) -> int:
+    """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd).
+
+    ``run``: what replays the job (``run_job``; the dashboard's replay process passes its
+    own, ``kvtrace.tui.remote.process``, so that this module never imports the dashboard).
+    """
     from traces.lifeline import settle_from_env
 
     settle_from_env()  # Ctrl-C is the parent's to report; this process dies with it
@@ -299,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.get("allocator_root"):
             install_allocator(job["allocator_root"])
             _check_code(job)
-        run_job(job, out, control)
+        run(job, out, control)
         out.flush()
     except BrokenPipeError:
         return 0  # the parent stopped reading (it found what it wanted, or was interrupted)

@@ -295,7 +295,7 @@ def _widen_pipe(fd: int, size: int = PIPE_BYTES) -> None:
 
 
 class ChildReplay:
-    """The replay in its own process (``python -m kvtrace.proc.child``, a dashboard job).
+    """The replay in its own process (``python -m kvtrace.tui.remote.process``, a dashboard job).
 
     Args:
         job: the child's job (``kvtrace.tui.remote.replayer.dashboard_job`` / ``log_job``).
@@ -312,7 +312,7 @@ class ChildReplay:
         self.name = str(job.get("trace_label") or job.get("state_log") or job.get("trace"))
         self._stderr = tempfile.TemporaryFile()
         self.proc, self._control = spawn_child(job, python, stderr=self._stderr, commands=True,
-                                               env_defaults=CHILD_ENV)
+                                               env_defaults=CHILD_ENV, module="kvtrace.tui.remote.process")
         assert self.proc.stdout is not None
         _widen_pipe(self.proc.stdout.fileno())
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)

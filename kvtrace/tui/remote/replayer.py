@@ -1,7 +1,7 @@
 """The replay side of the dashboard: runs a source, obeys the screen's commands, streams
 the snapshots of the steps it replays and answers the screen's questions.
 
-It runs in a process of its own (``python -m kvtrace.proc.child`` with a dashboard job, started
+It runs in a process of its own (``python -m kvtrace.tui.remote.process``, started
 by ``link.ChildReplay``), so that the replay has one core while the screen draws on the
 other, or in a thread (``link.ThreadReplay``). Nothing here imports Textual.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.remote.pagemap import PageCells
     from kvtrace.tui.remote.sources import ReplaySource
 
-__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FILLING", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job", "run_dashboard_job"]
+__all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FILLING", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job"]
 
 SPEEDS: tuple[float | None, ...] = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, None)  # None: as fast as it goes
 MAX_HISTORY_STEPS = 50_000  # a request detail replays at most this many steps
@@ -488,33 +488,6 @@ def log_job(path: str, *, label: str | None = None, play: bool = False) -> dict[
     return {"state_log": str(path), "trace_label": label, "dashboard": {"play": play}}
 
 
-def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], commands: BinaryIO) -> None:
-    """The body of a dashboard's replay process: set the source up, then ``Replayer.run``.
-
-    Raises:
-        KvtraceError, TraceError: bad input (``kvtrace.proc.child.main`` reports it as one line).
-    """
-    import signal
-
-    from kvtrace.tui.remote.link import PipeEnd
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the screen decides when this process ends
-    settings = job["dashboard"]
-    source = job_source(job)
-    try:
-        end = PipeEnd(out, control, commands)
-        replayer = Replayer(source, end, play=bool(settings.get("play", True)))
-        try:
-            if settings.get("profile"):
-                _profiled(replayer.run, settings["profile"])
-            else:
-                replayer.run()
-        finally:
-            end.close()
-    finally:
-        source.close()
-
-
 def job_source(job: dict[str, Any]) -> ReplaySource:
     """The source a dashboard's replay process runs for ``job`` (a state log's, or a live
     replay's), set up to last as long as the process."""
@@ -526,19 +499,6 @@ def job_source(job: dict[str, Any]) -> ReplaySource:
     # snapshots set off take 0.006 s instead of 0.06 s over the one-hour sample.
     gc.freeze()
     return source
-
-
-def _profiled(body: Callable[[], None], path: str) -> None:
-    """Run ``body`` under cProfile, timed in CPU seconds of this process (what the replay
-    costs, not what it waits for), and save its statistics to ``path`` (bench/tui.py's
-    ``--profile-replay``)."""
-    import cProfile
-
-    profile = cProfile.Profile(time.process_time)
-    try:
-        profile.runcall(body)
-    finally:
-        profile.dump_stats(path)
 
 
 def _log_source(job: dict[str, Any]) -> ReplaySource:
