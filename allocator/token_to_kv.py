@@ -69,7 +69,7 @@ class PageFreeList:
 
     The live entries are ``_buf[_head:_tail]``; both ends have slack so that
     prepending (paged LIFO reuse) and appending (token FIFO reuse) never shift the
-    whole list. After ``enable_hash()`` every change also updates ``_seq``, the
+    whole list. After ``enable_hash(...)`` every change also updates ``_seq``, the
     incremental hash of the sequence (``allocator.check.digest.SeqHash``).
     """
 
@@ -97,11 +97,11 @@ class PageFreeList:
         clone.journal = None  # a checker attaches to the live allocator, never to a copy
         return clone
 
-    def enable_hash(self) -> SeqHash:
-        """Start keeping the sequence hash (``allocator.check.digest``); returns it."""
-        from allocator.check.digest import SeqHash
-
-        self._seq = SeqHash(self.view())
+    def enable_hash(self, seq_hash: type[SeqHash]) -> SeqHash:
+        """Start keeping the sequence hash, a ``seq_hash`` of the live entries (the digest
+        passes ``allocator.check.digest.SeqHash``: the core does not import the checks);
+        returns it."""
+        self._seq = seq_hash(self.view())
         return self._seq
 
     def view(self) -> np.ndarray:

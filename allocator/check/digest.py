@@ -19,7 +19,7 @@ list); the digest is kept up to date from what changed since the last call inste
   ``G = sum((s + 1) * B**v)`` over *virtual* positions ``v`` (which never move), so
   an end change costs what it adds or removes and the hash is ``G * B**-head``
   (modulo 2**64, ``B`` odd).
-  ``PageFreeList`` calls the ``SeqHash`` hooks once ``enable_hash()`` was called;
+  ``PageFreeList`` calls the ``SeqHash`` hooks once ``enable_hash(SeqHash)`` was called;
 * a row's hash is additive, ``sum(mix(row, pos, slot))`` over ``[0, kv_allocated_len)``.
   The table writer records the lowest position written per row since the last
   digest; a row that only grew (decode, a speculative reserve, the next prefill
@@ -287,7 +287,7 @@ class StateDigest:
         lists = []
         for i, (sub, side) in enumerate(_free_list_objects(alloc.token_to_kv_pool_allocator)):
             free = sub._free
-            seq = free._seq if free._seq is not None else free.enable_hash()
+            seq = free._seq if free._seq is not None else free.enable_hash(SeqHash)
             side_value = None
             if side is not None:
                 side_value = self._list_hashes.setdefault(i, _ListHash()).value(side)
