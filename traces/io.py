@@ -831,7 +831,7 @@ class TraceReader(IpcReader):
     def _read_meta(self) -> TraceMeta:
         raw = (self.schema.metadata or {}).get(METADATA_KEY)
         other = [key.decode(errors="replace") for key in (self.schema.metadata or {}) if key.startswith(b"kvtrace.")]
-        if raw is None and other:  # another kvtrace file, e.g. a state log ("kvtrace.statelog.log")
+        if raw is None and other:  # another kvtrace file, e.g. a state log ("kvtrace.statelog")
             raise self._fail(
                 TraceMetadataError,
                 f"is a kvtrace {other[0].removeprefix('kvtrace.').replace('statelog', 'state log')} file, "

@@ -155,7 +155,7 @@ def record_workload(
         model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
         block_size=block_size,
         extra={
-            "recorder": "kvtrace.record.scheduler",
+            "recorder": "kvtrace.scheduler",  # the name traces have always carried, not a module path
             "workload_format": options.fmt,
             "allocator": version.spec,
             "duration_s": options.duration_s,

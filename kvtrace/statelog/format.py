@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 STATE_LOG_VERSION = 2
-STATE_LOG_METADATA_KEY = b"kvtrace.statelog.log"
+STATE_LOG_METADATA_KEY = b"kvtrace.statelog"
 
 
 def is_state_log_schema(schema: Any) -> bool:
