@@ -7,7 +7,7 @@ steps it replays (``records``: ``kvtrace.replay.snapshot.SnapshotBlock``) and me
 other side is gone, ``("closed", reason)``, and sends commands without ever waiting
 for the replay.
 
-* ``ChildReplay``: the replay in its own process, ``python -m kvtrace.proc.child JOB
+* ``ChildReplay``: the replay in its own process, ``python -m kvtrace.tui.remote.process JOB
   CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.diff.sides``): stdout carries
   the records as update frames (``kvtrace.tui.remote.updates``), the control fd JSON lines
   (the messages, with numpy arrays packed; the child's ``start``, ``error``), stdin

@@ -466,7 +466,7 @@ def dashboard_job(
     first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
 ) -> dict[str, Any]:
-    """The job of a live dashboard's replay process (``kvtrace.proc.child``): a diff side's job
+    """The job of a live dashboard's replay process (``kvtrace.tui.remote.process``): a diff side's job
     (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
     ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
