@@ -36,10 +36,10 @@ _LAZY: dict[str, str] = {
     "RequestLens": "allocator.base",
     "SpecConfig": "allocator.base",
     "Violation": "allocator.base",
-    # allocator.incremental
-    "IncrementalChecker": "allocator.incremental",
-    # allocator.invariants
-    "check_integrity": "allocator.invariants",
+    # allocator.check.incremental
+    "IncrementalChecker": "allocator.check.incremental",
+    # allocator.check.invariants
+    "check_integrity": "allocator.check.invariants",
     # allocator.manager
     "KvAllocator": "allocator.manager",
     "create_allocator": "allocator.manager",
@@ -90,8 +90,8 @@ if TYPE_CHECKING:
         SpecConfig,
         Violation,
     )
-    from allocator.incremental import IncrementalChecker
-    from allocator.invariants import check_integrity
+    from allocator.check.incremental import IncrementalChecker
+    from allocator.check.invariants import check_integrity
     from allocator.manager import KvAllocator, create_allocator
     from allocator.ownership import SlotOwnership, SlotState, cell_pages, reduce_cells, request_slots
     from allocator.radix_cache import RadixCache, TreeNode, bigram_units

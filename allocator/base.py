@@ -380,7 +380,7 @@ class Digestible(Protocol):
     their physical states are equal: each request's ``req_to_token`` row over
     ``[0, kv_allocated_len)`` with its lengths, the free lists in reuse order, the
     free request rows. Called after every step, so it must be cheap (the built-in
-    one is kept incrementally: ``allocator.digest``). Optional: a version without it
+    one is kept incrementally: ``allocator.check.digest``). Optional: a version without it
     is compared on its counters and per-request lengths only.
     """
 

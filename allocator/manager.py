@@ -68,8 +68,8 @@ from allocator.base import (
     RunResult,
     Violation,
 )
-from allocator.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
-from allocator.digest import StateDigest
+from allocator.check.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
+from allocator.check.digest import StateDigest
 from allocator.radix_cache import RadixCache, TreeNode
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
@@ -87,8 +87,8 @@ from allocator.token_to_kv import (
 )
 
 if TYPE_CHECKING:
-    from allocator.incremental import IncrementalChecker
-    from allocator.journal import Journal
+    from allocator.check.incremental import IncrementalChecker
+    from allocator.check.journal import Journal
     from allocator.ownership import SlotOwnership
 
 __all__ = ["KvAllocator", "create_allocator"]
@@ -786,7 +786,7 @@ class KvAllocator:
         self.writer.sync()
 
     def save_state(self) -> AllocatorState:
-        """A checkpoint of the whole state (``allocator.checkpoint``); between steps."""
+        """A checkpoint of the whole state (``allocator.check.checkpoint``); between steps."""
         return save_allocator_state(self)
 
     def restore_state(self, state: object) -> None:
@@ -797,7 +797,7 @@ class KvAllocator:
 
     def state_digest(self) -> str:
         """A digest of the physical state: every row's slots and lengths, the free
-        lists in order, the free rows (``allocator.digest``; ``Digestible``). The first
+        lists in order, the free rows (``allocator.check.digest``; ``Digestible``). The first
         call hashes everything; later calls only what changed since."""
         self._flush_publish()
         if self._digest is None:
@@ -805,18 +805,18 @@ class KvAllocator:
         return self._digest.digest()
 
     def check_integrity(self, touched: np.ndarray | None = None) -> list[Violation]:
-        """Every broken invariant (see ``allocator.invariants``).
+        """Every broken invariant (see ``allocator.check.invariants``).
 
         Args:
             touched: None walks the whole state. Else the request ids of the calls
                 since the previous check: the first such check walks the whole state
-                and attaches an incremental checker (``allocator.incremental``), which
+                and attaches an incremental checker (``allocator.check.incremental``), which
                 from then on verifies only what the calls changed.
 
         Returns:
             The violations found (empty when sound).
         """
-        from allocator.invariants import check_integrity
+        from allocator.check.invariants import check_integrity
 
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
@@ -824,7 +824,7 @@ class KvAllocator:
         if touched is None:
             return check_integrity(self)
         if self._checker is None:
-            from allocator.incremental import IncrementalChecker
+            from allocator.check.incremental import IncrementalChecker
 
             found = check_integrity(self)
             self._checker = IncrementalChecker(self)

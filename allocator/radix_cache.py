@@ -24,7 +24,7 @@ Access times come from a logical clock that ticks wherever SGLang reads
 ``time.monotonic()`` (once per match or insert, once per node created), so the
 eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
 
-With a ``journal`` attached (an incremental checker, ``allocator.journal``) every
+With a ``journal`` attached (an incremental checker, ``allocator.check.journal``) every
 new leaf, split, eviction and lock / unlock is recorded there.
 """
 
@@ -39,7 +39,7 @@ from allocator.pages import floor_align
 from allocator.token_to_kv import SLOT_DTYPE
 
 if TYPE_CHECKING:
-    from allocator.journal import Journal
+    from allocator.check.journal import Journal
     from allocator.token_to_kv import (
         HiSparseTokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator,

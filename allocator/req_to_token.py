@@ -11,7 +11,7 @@ The table is int32 ``(size + 1, width)`` on the host. With ``device="cuda"`` a
 device copy exists as well (``device_req_to_token``); the host copy stays the
 reference that every read uses, and the table writer keeps both in step.
 
-With a ``journal`` attached (an incremental checker, ``allocator.journal``) the
+With a ``journal`` attached (an incremental checker, ``allocator.check.journal``) the
 rows handed out and given back are recorded there.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from allocator.journal import Journal
+    from allocator.check.journal import Journal
 
 __all__ = ["ReqToTokenPool"]
 

@@ -13,7 +13,7 @@ batched) and ``sync()`` before anything reads the device table.
 NOTE: no writer writes outside a row: callers clip positions at the row width
 first (and report the request), so the writers only see in-bounds ranges.
 
-With a ``journal`` attached (an incremental checker, ``allocator.journal``) every
+With a ``journal`` attached (an incremental checker, ``allocator.check.journal``) every
 range written is recorded there.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from allocator.journal import Journal
+    from allocator.check.journal import Journal
     from allocator.req_to_token import ReqToTokenPool
 
 __all__ = ["CpuTableWriter", "CudaTableWriter", "make_table_writer"]
@@ -44,7 +44,7 @@ class CpuTableWriter:
         # int64 [rows]: flat index of each row's position 0
         self.row_base = np.arange(self.table.shape[0], dtype=np.int64) * self.width
         # int64 [rows]: lowest position written per row since the state digest last
-        # looked (int64 max: none); None until a digest is asked for (allocator.digest)
+        # looked (int64 max: none); None until a digest is asked for (allocator.check.digest)
         self.dirty_lo: np.ndarray | None = None
         self.journal: Journal | None = None
 

@@ -28,7 +28,7 @@ hands out the very slot indices SGLang would):
 
 Free lists are numpy arrays kept in a double-ended buffer (O(1) amortised
 take-from-head, append and prepend). With a ``journal`` attached (an incremental
-checker, ``allocator.journal``) every page that leaves or enters a free list is
+checker, ``allocator.check.journal``) every page that leaves or enters a free list is
 recorded there. Slots and page ids are int32 on the host (the
 dtype of ``req_to_token``, so writing them into rows needs no conversion; a pool
 is bounded by 2**31 slots like SGLang's int32 table). ``free_pages`` etc. return
@@ -46,8 +46,8 @@ import torch
 from allocator.pages import ceil_align, num_new_pages, num_pages
 
 if TYPE_CHECKING:
-    from allocator.digest import SeqHash
-    from allocator.journal import Journal
+    from allocator.check.digest import SeqHash
+    from allocator.check.journal import Journal
 
 __all__ = [
     "SLOT_DTYPE",
@@ -69,8 +69,8 @@ class PageFreeList:
 
     The live entries are ``_buf[_head:_tail]``; both ends have slack so that
     prepending (paged LIFO reuse) and appending (token FIFO reuse) never shift the
-    whole list. After ``enable_hash()`` every change also updates ``_seq``, the
-    incremental hash of the sequence (``allocator.digest.SeqHash``).
+    whole list. After ``enable_hash(...)`` every change also updates ``_seq``, the
+    incremental hash of the sequence (``allocator.check.digest.SeqHash``).
     """
 
     __slots__ = ("_buf", "_head", "_tail", "_seq", "journal")
@@ -97,11 +97,11 @@ class PageFreeList:
         clone.journal = None  # a checker attaches to the live allocator, never to a copy
         return clone
 
-    def enable_hash(self) -> SeqHash:
-        """Start keeping the sequence hash (``allocator.digest``); returns it."""
-        from allocator.digest import SeqHash
-
-        self._seq = SeqHash(self.view())
+    def enable_hash(self, seq_hash: type[SeqHash]) -> SeqHash:
+        """Start keeping the sequence hash, a ``seq_hash`` of the live entries (the digest
+        passes ``allocator.check.digest.SeqHash``: the core does not import the checks);
+        returns it."""
+        self._seq = seq_hash(self.view())
         return self._seq
 
     def view(self) -> np.ndarray:

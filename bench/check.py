@@ -100,8 +100,8 @@ def whole(trace: str, codes: dict[str, Path], repeat: int) -> None:
 def breakdown(trace: str) -> None:
     """Main-thread CPU of each allocator call kind and of its checks, one replay in this process."""
     from allocator.manager import KvAllocator
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.session import ReplaySession
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
 
     seconds: Counter[str] = Counter()
     calls: Counter[str] = Counter()

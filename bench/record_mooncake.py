@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvtrace.simulate import RecordOptions, record_workload  # noqa: E402
-from kvtrace.step_time import StepTimeModel  # noqa: E402
+from kvtrace.record.simulate import RecordOptions, record_workload  # noqa: E402
+from kvtrace.record.step_time import StepTimeModel  # noqa: E402
 from traces.workloads import block_reuse, parse_duration, read_workload  # noqa: E402
 
 # More than every distinct prompt block (182,790 x 512 = 93.6M tokens) plus all outputs.

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvtrace.record import Recorder  # noqa: E402
+from kvtrace.record.recorder import Recorder  # noqa: E402
 from traces.io import TraceReader  # noqa: E402
 from traces.schema import TraceConfig, TraceMeta  # noqa: E402
 

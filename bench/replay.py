@@ -89,7 +89,7 @@ def profile(trace: str, top: int) -> None:
     import cProfile
     import pstats
 
-    from kvtrace.session import ReplaySession
+    from kvtrace.replay.session import ReplaySession
 
     session = ReplaySession(trace, screen="inline")
     prof = cProfile.Profile()

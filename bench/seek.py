@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtrace.session import ReplaySession  # noqa: E402
+from kvtrace.replay.session import ReplaySession  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
 

@@ -89,16 +89,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvtrace.errors import USER_ERRORS  # noqa: E402
-from kvtrace.registry import resolve_version  # noqa: E402
-from kvtrace.replay import ReplayOptions  # noqa: E402
-from kvtrace.session import ReplaySession, open_trace  # noqa: E402
-from kvtrace.snapshot import SnapshotBlock  # noqa: E402
-from kvtrace.state import ReplayState  # noqa: E402
-from kvtrace.sides import child_environ  # noqa: E402
+from kvtrace.versions.registry import resolve_version  # noqa: E402
+from kvtrace.replay.engine import ReplayOptions  # noqa: E402
+from kvtrace.replay.session import ReplaySession, open_trace  # noqa: E402
+from kvtrace.replay.snapshot import SnapshotBlock  # noqa: E402
+from kvtrace.replay.state import ReplayState  # noqa: E402
+from kvtrace.diff.sides import child_environ  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
-from kvtrace.tui.link import CHILD_ENV, ChildReplay  # noqa: E402
-from kvtrace.tui.replayer import Replayer, dashboard_job, job_source  # noqa: E402
-from kvtrace.tui.updates import write_update  # noqa: E402
+from kvtrace.tui.remote.link import CHILD_ENV, ChildReplay  # noqa: E402
+from kvtrace.tui.remote.replayer import Replayer, dashboard_job, job_source  # noqa: E402
+from kvtrace.tui.remote.updates import write_update  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"

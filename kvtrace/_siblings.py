@@ -8,7 +8,7 @@ while diff and replay label the version as this kvtrace's built-in one.
 ``SiblingFinder`` resolves the two top-level names to the directories beside this
 ``kvtrace`` before any other finder is asked; a version that must bring its own
 ``allocator`` (a git revision, a working tree) installs it in ``sys.modules``
-explicitly (``kvtrace.child.install_allocator``), which no finder overrides.
+explicitly (``kvtrace.proc.child.install_allocator``), which no finder overrides.
 """
 
 from __future__ import annotations

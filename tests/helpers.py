@@ -116,10 +116,10 @@ SIZE = (160, 48)
 def live_app(trace: str = TINY, *, play: bool = False, fixed_clock: bool = False, **session_kw: object) -> KvtraceApp:
     """A dashboard over a live session of ``trace``, replayed in a thread (screened inline:
     no child process; ``test_process.py`` runs the replay in its own process)."""
-    from kvtrace.session import ReplaySession
+    from kvtrace.replay.session import ReplaySession
     from kvtrace.tui.app import KvtraceApp
-    from kvtrace.tui.link import ThreadReplay
-    from kvtrace.tui.sources import LiveSource
+    from kvtrace.tui.remote.link import ThreadReplay
+    from kvtrace.tui.remote.sources import LiveSource
 
     session_kw.setdefault("checkpoint_every", 20)
     session = ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True, **session_kw)  # type: ignore[arg-type]
@@ -155,10 +155,10 @@ def at_step(step: int) -> Callable[[KvtraceApp], bool]:
 
 
 def log_app(path: Path, **kw: object) -> KvtraceApp:
-    from kvtrace.logsession import StateLogSession
+    from kvtrace.statelog.session import StateLogSession
     from kvtrace.tui.app import KvtraceApp
-    from kvtrace.tui.link import ThreadReplay
-    from kvtrace.tui.sources import LogSource
+    from kvtrace.tui.remote.link import ThreadReplay
+    from kvtrace.tui.remote.sources import LogSource
 
     return KvtraceApp(ThreadReplay(LogSource(StateLogSession(path), label=path.name), play=False), **kw)  # type: ignore[arg-type]
 

@@ -25,7 +25,9 @@ def test_readme_quick_start_is_what_ci_runs() -> None:
         assert command in ci_lines, f"README command not run verbatim by .ci/run: {command}"
     executable = [ln for ln in ci_lines if ln and not ln.startswith("#")]
     assert executable[0] == "set -euo pipefail"  # a failing command (or no tests: exit 5) fails CI
-    assert executable[-2:] == commands
+    assert executable[-1] == commands[1]
+    # between the install and the tests, only the import contracts (lint-imports) run
+    assert executable[executable.index(commands[0]) + 1 : -1] == [".venv/bin/lint-imports --no-cache"]
 
 
 def test_the_main_job_names_a_bundled_file() -> None:

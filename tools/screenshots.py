@@ -24,12 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtrace.diff import DiffOptions, diff_trace  # noqa: E402
-from kvtrace.registry import resolve_version  # noqa: E402
-from kvtrace.replay import ReplayOptions  # noqa: E402
+from kvtrace.diff.diff import DiffOptions, diff_trace  # noqa: E402
+from kvtrace.versions.registry import resolve_version  # noqa: E402
+from kvtrace.replay.engine import ReplayOptions  # noqa: E402
 from kvtrace.tui.app import KvtraceApp  # noqa: E402
-from kvtrace.tui.link import ChildReplay  # noqa: E402
-from kvtrace.tui.replayer import dashboard_job  # noqa: E402
+from kvtrace.tui.remote.link import ChildReplay  # noqa: E402
+from kvtrace.tui.remote.replayer import dashboard_job  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 SIZE = (170, 48)

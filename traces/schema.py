@@ -81,7 +81,7 @@ it sizes an array, indexes a table or drives an allocation):
   ``config.max_running`` and ``config.page_size`` likewise; ``block_size`` at most
   ``MAX_BLOCK_SIZE``; speculative settings at most ``MAX_SPEC_TOKENS``; model
   dimensions at most ``MAX_MODEL_DIM``. Whether a pool of that size fits the
-  machine is decided before it is built (``kvtrace.config.check_memory``).
+  machine is decided before it is built (``kvtrace.replay.config.check_memory``).
 * A record batch decompresses to at most ``traces.ipc.MAX_BATCH_BYTES`` (1 GiB).
 """
 

@@ -37,7 +37,7 @@ import numpy as np
 from traces.errors import TraceFormatError
 from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, SPEC, StepBatch, TraceMeta
 from traces.tokens import TokenStore, block_token_ids
-from traces.workloads import WorkloadRequest
+from traces.workload_request import WorkloadRequest
 
 __all__ = ["TraceWorkload", "arrival_note", "read_trace_workload"]
 

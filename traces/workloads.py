@@ -48,7 +48,6 @@ import tempfile
 import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -56,6 +55,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from traces.schema import TraceSource
+from traces.workload_request import WorkloadRequest
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -96,29 +96,6 @@ class WorkloadFileError(ValueError):
         self.message = message
         where = f"{self.path}:{line}" if line is not None else self.path
         super().__init__(f"{where}: {message}")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadRequest:
-    """One request of a workload.
-
-    Attributes:
-        arrival_s: arrival time, seconds since the workload's first request.
-        input_len: prompt tokens (>= 1).
-        output_len: generated tokens (>= 0).
-        block_hashes: content-addressed prompt blocks (uint64,
-            ``ceil(input_len / block_size)`` of them), or None when the source has
-            no prefix information (unrelated prompts).
-        block_size: tokens per block of ``block_hashes`` (None without them).
-        line: line of the source file the request came from (1-based).
-    """
-
-    arrival_s: float
-    input_len: int
-    output_len: int
-    block_hashes: np.ndarray | None = None
-    block_size: int | None = None
-    line: int = 0
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,7 +1,7 @@
 """``kvtrace diff`` (two allocator versions on one trace, or two state logs) and
 ``kvtrace versions`` (what ``--a`` / ``--b`` / ``--allocator`` accept).
 
-The commands parse and render; ``kvtrace.diff`` does the work and returns a
+The commands parse and render; ``kvtrace.diff.diff`` does the work and returns a
 ``DiffReport`` (``--json`` prints its ``to_dict()``). Exit codes: 0 identical,
 1 diverged, 2 bad input (one line; a version that does not resolve lists the
 valid forms). Rich, numpy, pyarrow and torch are imported inside the commands.
@@ -30,8 +30,8 @@ from kvtrace.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
-    from kvtrace.rangediff import RangeSettings
+    from kvtrace.diff.diff import DiffReport
+    from kvtrace.diff.rangediff import RangeSettings
 
 DIFF_EXAMPLES = examples(
     "# a refactor in the working tree against the last commit",
@@ -167,9 +167,9 @@ def diff(
     replay); 2 bad input.
     """
     from kvtrace.cli.replay import check_device, parse_step_range
-    from kvtrace.diff import DiffOptions, diff_logs, diff_trace
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.report import render_diff_report
+    from kvtrace.diff.diff import DiffOptions, diff_logs, diff_trace
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.report import render_diff_report
 
     start, stop = parse_step_range(steps)
     options = DiffOptions(exact=exact, context=context, max_divergences=all_ or 1)
@@ -181,7 +181,7 @@ def diff(
             if value is not None:
                 raise typer.BadParameter(f"--range compares every commit with BASE; drop {name}", param_hint=name)
         check_device(device.value)
-        from kvtrace.rangediff import RangeSettings
+        from kvtrace.diff.rangediff import RangeSettings
 
         settings = RangeSettings(options, replay, page_size, pool_tokens, device.value)
         raise typer.Exit(
@@ -245,8 +245,8 @@ def _diff_range(
 ) -> int:
     """``kvtrace diff TRACE... --range BASE..HEAD``: run and render. Returns the exit code
     (0 every commit replayed is identical to BASE, 1 otherwise)."""
-    from kvtrace.rangediff import diff_range
-    from kvtrace.report import render_range_report
+    from kvtrace.diff.rangediff import diff_range
+    from kvtrace.replay.report import render_range_report
 
     report = diff_range(
         inputs, rev_range, paths=paths or ("allocator",), repo=repo, bisect=bisect, jobs=jobs, on_replay=ui.note,
@@ -274,7 +274,7 @@ def versions(
     as_json: JsonOpt = False,
 ) -> None:
     """List the allocator versions kvtrace diff and replay accept, with where each comes from."""
-    from kvtrace.registry import ENTRY_POINT_GROUP, VALID_FORMS, list_versions
+    from kvtrace.versions.registry import ENTRY_POINT_GROUP, VALID_FORMS, list_versions
 
     found = list_versions()
     if as_json:

@@ -39,7 +39,7 @@ def open_trace(spec: str) -> TraceReader:
 
 def _is_state_log(spec: str) -> bool:
     """Whether the file is a kvtrace state log (decided from its schema metadata)."""
-    from kvtrace.logformat import is_state_log_schema
+    from kvtrace.statelog.format import is_state_log_schema
     from traces.errors import TraceError
     from traces.ipc import IpcReader
     from traces.samples import resolve_trace
@@ -90,7 +90,7 @@ def _escaped(value: Any) -> Any:
 def _render_info(info: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from kvtrace.report import count
+    from kvtrace.replay.report import count
 
     info = _escaped(info)
     table = Table(title=f"kvtrace info: {info['path']}", show_header=False, title_justify="left")
@@ -296,7 +296,7 @@ def validate_command(
             if summary.holding_kv
             else ""
         )
-        from kvtrace.report import count
+        from kvtrace.replay.report import count
 
         verdict = "ok" if ok else count(total, "problem")
         typer.echo(f"{verdict}: {summary.steps:,} steps, {summary.requests:,} requests, {summary.rows:,} rows{held}")

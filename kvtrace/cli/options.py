@@ -26,7 +26,7 @@ class Device(str, Enum):
 
 
 class CheckMode(str, Enum):
-    """When the replay checks the allocator's invariants (``kvtrace.replay.CHECK_MODES``)."""
+    """When the replay checks the allocator's invariants (``kvtrace.replay.engine.CHECK_MODES``)."""
 
     every = "every"
     full = "full"

@@ -30,7 +30,7 @@ import typer
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
-from kvtrace.serving import (
+from kvtrace.record.serving import (
     DEFAULT_CHUNK,
     DEFAULT_CONTEXT_LEN,
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -94,7 +94,7 @@ def parse_spec(text: str) -> Any:
             f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
             param_hint="--spec",
         )
-    from kvtrace.simulate import spec_settings
+    from kvtrace.record.simulate import spec_settings
 
     return spec_settings(text)
 
@@ -280,7 +280,7 @@ def record_command(
     Exit code: 0 recorded; 1 nothing recorded (every request rejected); 2 bad input.
     """
     from kvtrace.outputs import OutputFile
-    from kvtrace.step_time import StepTimeModel
+    from kvtrace.record.step_time import StepTimeModel
     from traces import workloads
     from traces.samples import SAMPLE_PREFIX, resolve_trace
 
@@ -332,7 +332,7 @@ def record_command(
                 raise typer.BadParameter(str(exc), param_hint="--duration") from None
 
         from kvtrace.cli.replay import check_device
-        from kvtrace.simulate import RecordOptions, record_report, record_workload
+        from kvtrace.record.simulate import RecordOptions, record_report, record_workload
 
         check_device(device.value)
 

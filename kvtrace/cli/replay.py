@@ -1,6 +1,6 @@
 """``kvtrace replay``: run a trace through an allocator with every invariant checked.
 
-The replay pipeline (``kvtrace.session``, the allocator, torch) is imported inside
+The replay pipeline (``kvtrace.replay.session``, the allocator, torch) is imported inside
 the command, when it runs.
 """
 
@@ -75,8 +75,8 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
     replays go to the log)."""
     import dataclasses
 
-    from kvtrace.registry import resolve_version
-    from kvtrace.tui.replayer import dashboard_job
+    from kvtrace.versions.registry import resolve_version
+    from kvtrace.tui.remote.replayer import dashboard_job
     from kvtrace.tui.run import run_live
     from traces.samples import resolve_trace
 
@@ -95,7 +95,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
 def warn_truncated(trace: str) -> None:
     """Warn that ``trace`` was cut short and its complete steps were replayed: the one
     wording of ``replay`` and ``diff`` (the dashboard shows the same note)."""
-    from kvtrace.session import TRUNCATED_NOTE
+    from kvtrace.replay.session import TRUNCATED_NOTE
 
     ui.warn(f"{trace}: {TRUNCATED_NOTE}")
 
@@ -168,12 +168,12 @@ def replay(
     Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped
     bad ops; 2 bad input.
     """
-    from kvtrace.config import config_dict
+    from kvtrace.replay.config import config_dict
     from kvtrace.outputs import OutputFile
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.report import render_replay_summary
-    from kvtrace.session import ReplaySession
-    from kvtrace.statelog import StateLogWriter, trace_identity
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.report import render_replay_summary
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.statelog.log import StateLogWriter, trace_identity
     from traces.samples import resolve_trace
 
     start, stop = parse_step_range(steps)

@@ -236,7 +236,7 @@ def _render(result: ShrinkResult, summary: dict[str, Any], console: Console) -> 
 
 
 def _size(d: dict[str, int]) -> str:
-    from kvtrace.report import count
+    from kvtrace.replay.report import count
 
     r = d["requests"]
     return f"{count(r, 'request')}, {count(d['steps'], 'step')}, {count(d['ops'], 'op')}"

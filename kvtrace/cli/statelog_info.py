@@ -24,8 +24,8 @@ def state_log_info(spec: str) -> dict[str, Any]:
     import numpy as np
     import pyarrow.compute as pc
 
-    from kvtrace.snapshot import PoolCounters
-    from kvtrace.statelog import open_state_log
+    from kvtrace.replay.snapshot import PoolCounters
+    from kvtrace.statelog.log import open_state_log
     from traces.samples import resolve_trace
 
     stored, reader = open_state_log(resolve_trace(spec))
@@ -101,7 +101,7 @@ def render_state_log_info(info: dict[str, Any]) -> None:
     """The state-log summary as a table on stdout."""
     from rich.table import Table
 
-    from kvtrace.report import count
+    from kvtrace.replay.report import count
 
     table = Table(title=f"kvtrace info: {info['path']} (state log)", show_header=False, title_justify="left")
     table.add_column("field", style="bold")

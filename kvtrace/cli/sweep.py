@@ -88,7 +88,7 @@ def _axis(text: str | None, option: str, *, minimum: int = 1) -> tuple[int | Non
 
 
 def _versions(text: str) -> tuple[str, ...]:
-    from kvtrace.registry import resolve_version
+    from kvtrace.versions.registry import resolve_version
 
     specs = tuple(v.strip() for v in text.split(",") if v.strip())
     if not specs or len(set(specs)) != len(specs):
@@ -136,8 +136,8 @@ def _input(arg: str, reschedule: bool) -> SweepInput:
 def _check_grid(grid: Grid, given: dict[str, str | None]) -> None:
     """Every combination must be one an allocator and the scheduler model take."""
     from kvtrace.cli.record import check_serving
-    from kvtrace.registry import resolve_version
-    from kvtrace.serving import serving_settings
+    from kvtrace.versions.registry import resolve_version
+    from kvtrace.record.serving import serving_settings
     from traces.io import TraceReader
 
     for name in ("--spec", "--max-running", "--chunk"):

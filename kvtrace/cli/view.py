@@ -38,7 +38,7 @@ def view(
     Exit code: 0 after quitting; 2 when LOG is not a readable state log, or without --serve
     when stdout, stdin or stderr is not a terminal.
     """
-    from kvtrace.logsession import StateLogSession
+    from kvtrace.statelog.session import StateLogSession
 
     if host != "127.0.0.1" and serve is None:
         raise typer.BadParameter("--host is where --serve listens; add --serve", param_hint="--host")

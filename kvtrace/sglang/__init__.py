@@ -1,13 +1,13 @@
 """SGLang inside kvtrace: SGLang's own allocator as a version, and a recorder for a live SGLang.
 
-* ``kvtrace.sglang.version``: the versions ``sglang`` (the sglang this interpreter
+* ``kvtrace.versions.sglang``: the versions ``sglang`` (the sglang this interpreter
   imports) and ``sglang:PYTHON`` (another environment's interpreter): a child process
   runs ``driver.py`` there, which drives SGLang's real ``ReqToTokenPool``, token /
   paged allocators, radix cache, ``Req`` and allocation / release functions
   (``world.py``) and answers the ``Allocator`` protocol of ``allocator.base``
   (``server.py``) over a pipe (``wire.py``);
 * ``kvtrace.sglang.hooks`` / ``kvtrace.sglang.launch``: record a live SGLang's
-  allocation and release calls into a trace (``kvtrace.record.Recorder``).
+  allocation and release calls into a trace (``kvtrace.record.recorder.Recorder``).
 
 The modules run by the driver (``driver``, ``world``, ``server``, ``scenario``,
 ``wire``) import only the standard library, numpy, torch and sglang, so any

@@ -8,7 +8,7 @@ torch and sglang only)::
     PYTHON kvtrace/sglang/driver.py SCENARIOS.jsonl [-o OUT.jsonl] [--tree unified] [--fine]
 
 ``--serve``: the SGLang side of the kvtrace versions ``sglang`` / ``sglang:PYTHON``
-(``server.py``; ``kvtrace.sglang.version`` starts it). A scenario file: the
+(``server.py``; ``kvtrace.versions.sglang`` starts it). A scenario file: the
 differential tests' JSON-lines scenarios (``scenario.py``), one state dump per step
 (``scenario.STATE_FIELDS`` plus ``step`` and ``events``) after a header ``{"scenario",
 "engine", "config", "row_width"}``, then ``{"end": name, "steps", "wall_s"}`` or

@@ -94,7 +94,7 @@ class LiveRecorder:
 
     def __init__(self, path: str) -> None:
         self.path = path.replace("{pid}", str(os.getpid()))
-        self.recorder: Any = None  # kvtrace.record.Recorder, made at the first call
+        self.recorder: Any = None  # kvtrace.record.recorder.Recorder, made at the first call
         self.steps_closed = 0  # steps closed so far (the open one is number steps_closed)
         self.failed: str | None = None
         self.ids: dict[str, int] = {}  # SGLang's request id -> the trace's dense id (first call first)
@@ -108,7 +108,7 @@ class LiveRecorder:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, tree_cache: Any, req_to_token_pool: Any, allocator: Any) -> None:
-        from kvtrace.record import Recorder
+        from kvtrace.record.recorder import Recorder
         from traces.schema import SpecSettings, TraceConfig, TraceMeta, TraceSource
 
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len

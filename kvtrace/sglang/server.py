@@ -21,7 +21,7 @@ scheduler would decide it from the same facts:
   request without one) — SGLang itself names no request.
 
 The physical-state digest (``state_digest``, for ``kvtrace diff --exact``) is
-kvtrace's (``allocator/digest.py``, loaded by path: it imports numpy only) computed
+kvtrace's (``allocator/check/digest.py``, loaded by path: it imports numpy only) computed
 from SGLang's own rows, free lists and tree, so it equals the built-in allocator's
 ``state_digest()`` exactly when the states are equal.
 
@@ -48,12 +48,13 @@ __all__ = ["AllocatorServer", "IncrementalDigest", "pool_counters", "serve", "st
 
 
 def _allocator_module(name: str) -> ModuleType:
-    """``allocator/<name>.py`` of the kvtrace checkout holding this file, loaded by
-    path (``pages`` and ``digest`` import numpy and the standard library only)."""
-    key = f"kvtrace_sglang_allocator_{name}"
+    """``allocator/<name>.py`` (``name`` dotted: ``check.digest``) of the kvtrace checkout
+    holding this file, loaded by path (``pages`` and ``check.digest`` import numpy and the
+    standard library only)."""
+    key = f"kvtrace_sglang_allocator_{name.replace('.', '_')}"
     if key in sys.modules:
         return sys.modules[key]
-    path = Path(__file__).resolve().parents[2] / "allocator" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "allocator" / f"{name.replace('.', '/')}.py"
     spec = importlib.util.spec_from_file_location(key, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path}: not found next to the driver")
@@ -339,7 +340,7 @@ class AllocatorServer:
         return out
 
     def state_digest(self) -> str:
-        """kvtrace's digest (``allocator.digest.compose_digest``) of SGLang's state."""
+        """kvtrace's digest (``allocator.check.digest.compose_digest``) of SGLang's state."""
         self.eng.publish()
         if self.digest is None:
             self.digest = IncrementalDigest(self.eng)
@@ -414,12 +415,12 @@ def _digest_columns(eng: world.SGLangEngine, rid_of: Any = None) -> tuple[np.nda
 
 
 def state_digest(eng: world.SGLangEngine, rid_of: Any = None) -> str:
-    """kvtrace's physical-state digest (``allocator/digest.py``) of an SGLang world
+    """kvtrace's physical-state digest (``allocator/check/digest.py``) of an SGLang world
     between steps, from scratch: rows with their request ids and lengths, the free
     lists in order, the free request rows, the tree's sizes. Equal to the built-in
     allocator's ``state_digest()`` exactly when the states are equal. ``rid_of``: the
     id a trace gives each request (a recorder's dense ids), when not the world's own."""
-    digest = _allocator_module("digest")
+    digest = _allocator_module("check.digest")
     columns = _digest_columns(eng, rid_of)
     rows = np.flatnonzero(columns[0] >= 0)
     total = digest.rows_hash(eng.pool.req_to_token.numpy(), rows, columns[1][rows])
@@ -443,7 +444,7 @@ class IncrementalDigest:
 
     def __init__(self, eng: world.SGLangEngine) -> None:
         self.eng = eng
-        self.digest = _allocator_module("digest")
+        self.digest = _allocator_module("check.digest")
         n = int(eng.pool.req_to_token.shape[0])
         self.rid = np.full(n, -1, np.int64)
         self.length = np.zeros(n, np.int64)

@@ -33,8 +33,8 @@ from pathlib import Path
 
 '''
 
-_VIOLATION = '''from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+_VIOLATION = '''from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 
 TRACE = Path(__file__).with_name({trace_file_q})
 ALLOCATOR = os.environ.get({env_q}, {version_q})
@@ -48,8 +48,8 @@ def {name}() -> None:
 {assertion}
 '''
 
-_OOM = '''from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+_OOM = '''from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 
 TRACE = Path(__file__).with_name({trace_file_q})
 ALLOCATOR = os.environ.get({env_q}, {version_q})
@@ -63,7 +63,7 @@ def {name}() -> None:
 {assertion}
 '''
 
-_DIVERGENCE = '''from kvtrace.diff import DiffOptions, diff_trace
+_DIVERGENCE = '''from kvtrace.diff.diff import DiffOptions, diff_trace
 
 TRACE = Path(__file__).with_name({trace_file_q})
 A = {a_q}

@@ -11,7 +11,7 @@
   candidate that fits its pool (fewer requests need less) is judged again at the
   pool that just fails to hold it: a page below its peak, or with a baseline the
   baseline's peak; the outcome carries that pool and the candidate takes it.
-* A divergence: ``kvtrace.diff.diff_trace`` of the two versions, first divergence only.
+* A divergence: ``kvtrace.diff.diff.diff_trace`` of the two versions, first divergence only.
 
 With a ``baseline`` version, a violation or out-of-memory counts only when the
 baseline does not fail the same way on the same trace (the failure is the version's,
@@ -146,8 +146,8 @@ class Oracle:
 
     def _replay(self, path: Path, version: str, check: str, pool_tokens: int | None = None) -> Any:
         """One replay of a candidate (stopping at an out-of-memory); its ``ReplayResult``."""
-        from kvtrace.replay import ReplayOptions
-        from kvtrace.session import ReplaySession
+        from kvtrace.replay.engine import ReplayOptions
+        from kvtrace.replay.session import ReplaySession
 
         options = ReplayOptions(check=check, on_oom="stop")  # type: ignore[arg-type]
         with ReplaySession(path, version=_version(version), options=options, device=self.device,
@@ -168,8 +168,8 @@ class Oracle:
               pool_tokens: int | None = None) -> Any:
         """``diff_trace`` of A and B, first divergence only; ``lockstep``: both sides in
         this process when they can (a small trace: no child processes to start)."""
-        from kvtrace.diff import DiffOptions, diff_trace
-        from kvtrace.registry import AllocatorVersion, resolve_any
+        from kvtrace.diff.diff import DiffOptions, diff_trace
+        from kvtrace.versions.registry import AllocatorVersion, resolve_any
 
         assert self.b is not None
         in_process = all(isinstance(resolve_any(v), AllocatorVersion) for v in (self.a, self.b))
@@ -200,8 +200,8 @@ class Oracle:
         return self._locate_violation(trace, page_size, pool_tokens)
 
     def _session(self, trace: str, what_if: dict[str, Any], check: str, stop: int | None = None) -> Any:
-        from kvtrace.replay import ReplayOptions
-        from kvtrace.session import ReplaySession
+        from kvtrace.replay.engine import ReplayOptions
+        from kvtrace.replay.session import ReplaySession
 
         options = ReplayOptions(check=check, on_oom="stop", stop_step=stop)  # type: ignore[arg-type]
         return ReplaySession(trace, version=_version(self.allocator), options=options, device=self.device, **what_if)
@@ -277,7 +277,7 @@ class Oracle:
         return None
 
     def _matching(self, violations: list[Any], step: int) -> Failure | None:
-        from kvtrace.replay import ViolationRecord
+        from kvtrace.replay.engine import ViolationRecord
 
         for v in violations:
             if self.target.check is None or v.check == self.target.check:
@@ -291,7 +291,7 @@ _VERSIONS: dict[str, Any] = {}
 
 def _version(spec: str) -> Any:
     """The resolved version of a spec, resolved once per process (a file spec is run once)."""
-    from kvtrace.registry import resolve_version
+    from kvtrace.versions.registry import resolve_version
 
     if spec not in _VERSIONS:
         _VERSIONS[spec] = resolve_version(spec)

@@ -99,7 +99,7 @@ def _worker_start(tie: tuple[int, bool]) -> None:
     # Ctrl-C is the parent's to handle; the worker dies with the parent.
     parent = mp.parent_process()
     lifeline.settle(tie[0], parent.sentinel if parent is not None else None, tie[1])
-    import kvtrace.session  # noqa: F401  (torch and the allocator load while the parent finds the failure)
+    import kvtrace.replay.session  # noqa: F401  (torch and the allocator load while the parent finds the failure)
     import allocator.manager  # noqa: F401
 
 

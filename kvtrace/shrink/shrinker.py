@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtrace.diff import PARALLEL_MIN_BYTES
-from kvtrace.diff import usable_cpus
+from kvtrace.diff.diff import PARALLEL_MIN_BYTES
+from kvtrace.diff.diff import usable_cpus
 from kvtrace.errors import ConfigError
 from kvtrace.shrink.oracle import Failure, Oracle, Outcome
 from kvtrace.shrink.runner import Counts, Evaluator, OutOfTime, Runner, validate_steps, write_steps
@@ -142,7 +142,7 @@ def shrink_trace(
     Raises:
         KvtraceError, TraceError: a bad trace, version or option (one line).
     """
-    from kvtrace.session import open_trace
+    from kvtrace.replay.session import open_trace
 
     t0 = time.perf_counter()
     reader = open_trace(trace)
@@ -252,7 +252,7 @@ def _versions_of(oracle: Oracle) -> dict[str, Any]:
 
 def _resolve_versions(oracle: Oracle) -> None:
     """Resolve every version once now: a bad spec is one line before any replay."""
-    from kvtrace.registry import resolve_any, resolve_version
+    from kvtrace.versions.registry import resolve_any, resolve_version
 
     if oracle.target.kind == "divergence":
         resolve_any(oracle.a)
@@ -265,8 +265,8 @@ def _resolve_versions(oracle: Oracle) -> None:
 
 def _page_size(oracle: Oracle, meta: TraceMeta) -> int:
     """The page size the versions replay with (both sides' common multiple for a divergence)."""
-    from kvtrace.config import effective_config
-    from kvtrace.registry import resolve_any
+    from kvtrace.replay.config import effective_config
+    from kvtrace.versions.registry import resolve_any
 
     specs = [oracle.a, oracle.b] if oracle.target.kind == "divergence" else [oracle.allocator]
     sizes = []

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Literal
 from kvtrace.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtrace.compare import Divergence
-    from kvtrace.replay import OomRecord, ViolationRecord
+    from kvtrace.diff.compare import Divergence
+    from kvtrace.replay.engine import OomRecord, ViolationRecord
 
 __all__ = ["CHECKS", "KINDS", "Kind", "Signature", "Target", "violation_field"]
 
 Kind = Literal["violation", "oom", "divergence"]
 KINDS: tuple[Kind, ...] = ("violation", "oom", "divergence")
-# The invariant checks a replay reports (``allocator.invariants``, its incremental
+# The invariant checks a replay reports (``allocator.check.invariants``, its incremental
 # versions, and the replay's own ``row_width``): what ``violation:CHECK`` may name.
 CHECKS: tuple[str, ...] = (
     "conservation", "counters", "device", "hisparse", "lengths", "ownership", "row", "row_width", "rows", "tree",

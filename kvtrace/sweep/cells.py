@@ -1,8 +1,8 @@
 """Run one sweep cell and return its result row.
 
 A simulated cell is ``kvtrace record`` (the scheduler model under the cell's
-configuration; ``kvtrace.simulate``), its row the ``record --json`` object; a
-replayed cell is ``kvtrace replay --json`` (``kvtrace.session``). The row is flat:
+configuration; ``kvtrace.record.simulate``), its row the ``record --json`` object; a
+replayed cell is ``kvtrace replay --json`` (``kvtrace.replay.session``). The row is flat:
 nested objects become ``parent.child`` columns and lists JSON text, beside the
 cell's ``param.*`` columns, ``cell`` (its key), ``input``, ``kind``, ``status``,
 ``error``, ``problem`` and ``cell_wall_s``. ``status`` is what the same run alone
@@ -101,8 +101,8 @@ def _judge(cell: Cell, summary: dict[str, Any]) -> tuple[str, str | None]:
 
 def _replay(cell: Cell) -> dict[str, Any]:
     """``kvtrace replay INPUT --json`` with the cell's options."""
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.session import ReplaySession
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
 
     s = cell.settings
     options = ReplayOptions(check=s.check, on_oom=s.on_oom)  # type: ignore[arg-type]
@@ -121,10 +121,10 @@ def _replay(cell: Cell) -> dict[str, Any]:
 def _simulate(cell: Cell) -> dict[str, Any]:
     """``kvtrace record INPUT --json`` with the cell's options (the trace kept only
     with ``keep_traces``)."""
-    from kvtrace.serving import serving_settings
-    from kvtrace.simulate import RecordOptions, record_report, record_workload, spec_settings
+    from kvtrace.record.serving import serving_settings
+    from kvtrace.record.simulate import RecordOptions, record_report, record_workload, spec_settings
 
-    from kvtrace.registry import resolve_version
+    from kvtrace.versions.registry import resolve_version
 
     s = cell.settings
     path = Path(cell.input.path)

@@ -3,6 +3,6 @@
 Imported only when a dashboard is asked for (``kvtrace replay --tui``, ``kvtrace view``):
 the CLI never imports Textual otherwise. ``kvtrace.tui.run`` holds the entries the
 commands use; ``app.KvtraceApp`` is the app; the replay runs in a process of its own
-(``replayer.Replayer`` behind ``link.ChildReplay``) and ``driver.Driver``, in a thread
+(``remote.replayer.Replayer`` behind ``remote.link.ChildReplay``) and ``driver.Driver``, in a thread
 worker of the app, folds what it sends into frames; ``widgets/`` are the panels.
 """

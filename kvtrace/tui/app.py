@@ -1,6 +1,6 @@
 """KvtraceApp: the dashboard of one replay, or of two side by side (``kvtrace diff --tui``).
 
-Each replay runs on the other side of a link (``kvtrace.tui.link``: its own process, or a
+Each replay runs on the other side of a link (``kvtrace.tui.remote.link``: its own process, or a
 thread); a ``Driver`` per replay, in a thread worker of the app, folds what it sends and
 posts frames. The app routes frames to the widgets and the user's keys and clicks to the
 replays: in a diff every key moves both sides together.
@@ -21,8 +21,8 @@ from textual.binding import Binding
 from textual.widget import Widget
 from textual.widgets import Input, Static
 
-from kvtrace.snapshot import PHASES
-from kvtrace.state import RequestRow
+from kvtrace.replay.snapshot import PHASES
+from kvtrace.replay.state import RequestRow
 from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
 from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
@@ -33,9 +33,9 @@ from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
+    from kvtrace.diff.diff import DiffReport
     from kvtrace.tui.driver import CellInfo
-    from kvtrace.tui.link import ReplayLink
+    from kvtrace.tui.remote.link import ReplayLink
 
 __all__ = ["KvtraceApp", "cell_text"]
 

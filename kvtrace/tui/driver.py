@@ -5,7 +5,7 @@ The dashboard's worker thread runs ``Driver.run()``; the UI thread only calls
 ``command(...)`` (queued to the replayer, never waiting for it) and ``ack(seq)``, and
 receives what the driver posts: ``Frame`` (at most ``fps`` a second, and at most one
 waiting while the screen draws another, until a second passed), ``CellInfo``, ``RequestHistory`` and
-``Failure``. The replayer (``kvtrace.tui.replayer``, in its own process or a thread) runs
+``Failure``. The replayer (``kvtrace.tui.remote.replayer``, in its own process or a thread) runs
 on regardless: the driver folds every record it sends, and the frames show the latest
 fold. A frame holds copies of the per-request columns and a bounded view of the
 append-only timeline, so widgets read it while the fold goes on. Nothing here imports
@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from allocator.base import PoolCounters
-from kvtrace.state import ReplayState, SavedState, StepEvent
-from kvtrace.tui.pagemap import CellDetail, PageCells
-from kvtrace.tui.replayer import MAX_HISTORY_STEPS, SPEEDS
-from kvtrace.tui.sources import SourceInfo
+from kvtrace.replay.state import ReplayState, SavedState, StepEvent
+from kvtrace.tui.remote.pagemap import CellDetail, PageCells
+from kvtrace.tui.remote.replayer import MAX_HISTORY_STEPS, SPEEDS
+from kvtrace.tui.remote.sources import SourceInfo
 
 # Frames a second at most while playing: above the 20 the screen is held to, so that a
 # frame arriving a little late still leaves 20 a second (a ceiling of exactly 20 cannot).
 DEFAULT_FPS = 24.0
 
 if TYPE_CHECKING:
-    from kvtrace.state import Timeline
-    from kvtrace.tui.link import ReplayLink
-    from kvtrace.snapshot import SnapshotBlock
+    from kvtrace.replay.state import Timeline
+    from kvtrace.tui.remote.link import ReplayLink
+    from kvtrace.replay.snapshot import SnapshotBlock
 
 __all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "AchievedSpeed", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
            "RequestHistory"]
@@ -224,7 +224,7 @@ class Driver:
 
     # ------------------------------------------------------------------ UI-thread API
     def command(self, name: str, *args: Any) -> None:
-        """Send a command to the replayer (see ``kvtrace.tui.replayer``)."""
+        """Send a command to the replayer (see ``kvtrace.tui.remote.replayer``)."""
         if name == "select":
             self.selected_rid = args[0]
         self.link.command(name, *args)

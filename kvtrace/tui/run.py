@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
+    from kvtrace.diff.diff import DiffReport
     from kvtrace.tui.app import KvtraceApp
 
 __all__ = [
@@ -29,7 +29,7 @@ def run_live(job: dict[str, Any]) -> None:
         ReplayProcessError: the replay could not start (a bad trace, version or option:
             its one-line message).
     """
-    from kvtrace.tui.link import ChildReplay
+    from kvtrace.tui.remote.link import ChildReplay
 
     _run([ChildReplay(job)])
 
@@ -40,8 +40,8 @@ def run_log(path: str | Path, *, play: bool = False) -> None:
     Raises:
         ReplayProcessError: the log cannot be read (its one-line message).
     """
-    from kvtrace.tui.link import ChildReplay
-    from kvtrace.tui.replayer import log_job
+    from kvtrace.tui.remote.link import ChildReplay
+    from kvtrace.tui.remote.replayer import log_job
 
     _run([ChildReplay(log_job(str(path), label=str(path), play=play))])
 
@@ -53,7 +53,7 @@ def run_diff(report: DiffReport, jobs: tuple[dict[str, Any], dict[str, Any]]) ->
     Raises:
         ReplayProcessError: a side could not start.
     """
-    from kvtrace.tui.link import ChildReplay
+    from kvtrace.tui.remote.link import ChildReplay
 
     links: list[ChildReplay] = []
     try:
@@ -91,9 +91,9 @@ def show_diff(
     import dataclasses
 
     from kvtrace.errors import ConfigError
-    from kvtrace.registry import resolve_any
-    from kvtrace.replay import ReplayOptions
-    from kvtrace.tui.replayer import dashboard_job, log_job
+    from kvtrace.versions.registry import resolve_any
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.tui.remote.replayer import dashboard_job, log_job
     from traces.samples import resolve_trace
 
     if as_json:

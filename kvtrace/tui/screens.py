@@ -19,8 +19,8 @@ from kvtrace.tui.widgets.events_log import describe
 from kvtrace.tui.widgets.occupancy import QuietPlot
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
-    from kvtrace.state import RequestRow
+    from kvtrace.diff.diff import DiffReport
+    from kvtrace.replay.state import RequestRow
     from kvtrace.tui.driver import RequestHistory
 
 __all__ = ["DIFF_KEYS", "KEYS", "DiffScreen", "GotoScreen", "HelpScreen", "ReplayScreen", "RequestDetailScreen"]

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.checkpoint import pack_slots, unpack_slots
+from allocator.check.checkpoint import pack_slots, unpack_slots
 
 
 @settings(max_examples=200, deadline=None)

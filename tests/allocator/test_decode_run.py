@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from allocator import AllocatorConfig, create_allocator
 from allocator.base import OutOfMemory, PoolCounters
-from kvtrace.session import ReplaySession
+from kvtrace.replay.session import ReplaySession
 from traces.schema import DECODE
 from traces.synth import generate
 

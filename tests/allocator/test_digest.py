@@ -1,4 +1,4 @@
-"""State digests (``KvAllocator.state_digest``, ``allocator.digest``): the incremental
+"""State digests (``KvAllocator.state_digest``, ``allocator.check.digest``): the incremental
 digest equals the one computed from scratch after every step of random runs, equal
 states digest equally, and a free-list reorder or a moved slot changes the digest."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from allocator import AllocatorConfig, SpecConfig, create_allocator
 from allocator.base import Digestible
-from allocator.digest import SeqHash, full_digest
+from allocator.check.digest import SeqHash, full_digest
 from allocator.pre_encapsulation import PreEncapsulationAllocator
 from tests.allocator.sim import RandomScheduler
 

@@ -5,7 +5,7 @@ see ``kvtrace/sglang/driver.py``); ``compare_scenario`` walks them in lockstep a
 the FIRST divergence: the step, the op that touched the field, the request, the
 field, both values and a few steps of context.
 
-The step comparison itself is kvtrace's (``kvtrace.compare``, the one ``kvtrace
+The step comparison itself is kvtrace's (``kvtrace.diff.compare``, the one ``kvtrace
 diff`` uses): a dump becomes a ``StepView`` (call outcomes; per request its row,
 lengths and ``req_to_token`` slots; the pool sizes and free lists in order; the
 radix tree's shape) and ``compare_step`` lists what differs.
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from kvtrace import compare as core
+from kvtrace.diff import compare as core
 
 from kvtrace.sglang import scenario as sc
 
@@ -67,7 +67,7 @@ def read_blocks(lines: Iterable[str]) -> dict[str, RunBlock]:
 
 @dataclass(frozen=True, slots=True)
 class Divergence:
-    """A scenario's first divergence: ``kvtrace.compare.Divergence`` (side A is SGLang,
+    """A scenario's first divergence: ``kvtrace.diff.compare.Divergence`` (side A is SGLang,
     side B ours) with the scenario and, with ``--fine``, the call after which it shows."""
 
     scenario: str

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 from kvtrace.sglang import scenario as sc
 from tests.differential import harness, trace_adapter
 

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from kvtrace.errors import VersionSpecError
-from kvtrace.registry import resolve_any
+from kvtrace.versions.registry import resolve_any
 from kvtrace.sglang import wire
-from kvtrace.sglang.version import ENV_VAR
+from kvtrace.versions.sglang import ENV_VAR
 from tests.differential import harness
 
 runner = CliRunner()
@@ -102,7 +102,7 @@ def test_wire_round_trip() -> None:
 
 
 def _diff(trace: str, a: str, b: str = "builtin", **kw: object) -> dict:
-    from kvtrace.diff import DiffOptions, diff_trace
+    from kvtrace.diff.diff import DiffOptions, diff_trace
 
     report = diff_trace(trace, a, b, options=DiffOptions(exact=True), jobs=1, **kw)  # type: ignore[arg-type]
     out = report.to_dict()
@@ -125,7 +125,7 @@ def test_tiny_identical_to_builtin_exactly(page_size: int) -> None:
 def test_out_of_memory_skip_and_every_check_identical() -> None:
     """A pool too small: OOMs named alike (request, need), the same requests dropped,
     SGLang's own pool checked after every call."""
-    from kvtrace.replay import ReplayOptions
+    from kvtrace.replay.engine import ReplayOptions
 
     python = _sglang_python()
     out = _diff("sample:tiny", f"sglang:{python}", pool_tokens=1200,

@@ -25,7 +25,7 @@ import typer.testing as typer_testing
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.config import MEMORY_LIMIT_VAR
+from kvtrace.replay.config import MEMORY_LIMIT_VAR
 from tests.fuzz.mutate import Case, Seed, make_case, write
 
 # What an error line must never say: the command failed in a way it did not foresee.

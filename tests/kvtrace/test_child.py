@@ -1,4 +1,4 @@
-"""The child process's pipes (``kvtrace.child.pipe_writer``): every byte written arrives."""
+"""The child process's pipes (``kvtrace.proc.child.pipe_writer``): every byte written arrives."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvtrace import child
+from kvtrace.proc import child
 
 
 def _read_all(fd: int, into: bytearray) -> None:

@@ -259,7 +259,7 @@ def test_the_look_closer_hint_repeats_the_options_that_change_the_replay() -> No
 def test_human_counts_have_plurals_and_thousands_separators() -> None:
     from rich.console import Console
 
-    from kvtrace.report import count, render_replay_summary
+    from kvtrace.replay.report import count, render_replay_summary
 
     assert [count(1, "page"), count(2, "page"), count(0, "page"), count(12031, "request")] == [
         "1 page", "2 pages", "0 pages", "12,031 requests"]

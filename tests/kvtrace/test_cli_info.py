@@ -391,7 +391,7 @@ def test_info_recognises_and_summarises_a_state_log(state_log: tuple[Path, dict]
 
 
 def test_a_state_log_cut_short_reads_as_far_as_it_goes(state_log: tuple[Path, dict], tmp_path: Path) -> None:
-    from kvtrace.statelog import read_state_log
+    from kvtrace.statelog.log import read_state_log
 
     log, replayed = state_log
     data = log.read_bytes()

@@ -1,10 +1,10 @@
-"""The one step comparator (``kvtrace.compare``) on hand-built steps."""
+"""The one step comparator (``kvtrace.diff.compare``) on hand-built steps."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvtrace.compare import Divergence, FieldDiff, StepView, compare_step, sequence_diff
+from kvtrace.diff.compare import Divergence, FieldDiff, StepView, compare_step, sequence_diff
 
 
 def view(**over: object) -> StepView:

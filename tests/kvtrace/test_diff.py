@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.diff import DiffOptions, diff_trace
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.diff.diff import DiffOptions, diff_trace
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 from traces.io import TraceReader
 from traces.samples import resolve_trace
 from traces.schema import SPEC
@@ -232,8 +232,8 @@ def _cut(path: Path, out: Path, keep: float = 2 / 3) -> Path:
 
 def _state_log(path: Path, trace: str = "sample:tiny", steps_per_batch: int = 16) -> Path:
     """A state log as ``kvtrace replay TRACE --out`` writes it, in small record batches."""
-    from kvtrace.config import config_dict
-    from kvtrace.statelog import StateLogWriter, trace_identity
+    from kvtrace.replay.config import config_dict
+    from kvtrace.statelog.log import StateLogWriter, trace_identity
 
     with ReplaySession(trace, screen="inline") as session:
         info = {"trace": trace, "trace_file": trace_identity(session.reader.path), "allocator": "builtin",
@@ -245,7 +245,7 @@ def _state_log(path: Path, trace: str = "sample:tiny", steps_per_batch: int = 16
 
 
 def test_a_truncated_trace_warns_as_replay_does(tmp_path: Path) -> None:
-    from kvtrace.session import TRUNCATED_NOTE
+    from kvtrace.replay.session import TRUNCATED_NOTE
 
     cut = _cut(resolve_trace("sample:tiny"), tmp_path / "cut.kvtrace")
     replay = runner.invoke(app, ["replay", str(cut), "--json"])
@@ -294,8 +294,8 @@ def test_logs_of_one_trace_under_two_names_do_not_warn(tmp_path: Path) -> None:
 
 
 def test_logs_without_a_trace_hash_are_told_apart_by_name(tmp_path: Path) -> None:
-    from kvtrace.diff import diff_logs
-    from kvtrace.statelog import StateLogWriter, open_state_log, snapshots_of
+    from kvtrace.diff.diff import diff_logs
+    from kvtrace.statelog.log import StateLogWriter, open_state_log, snapshots_of
 
     logs = []
     for name, trace in (("a", "sample:tiny"), ("b", "sample:mooncake-tiny")):

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtrace import gitversions
+from kvtrace.versions import git as gitversions
 from kvtrace.cli import app
-from kvtrace.registry import ChildVersion
-from kvtrace.series import allocator_checkout
-from kvtrace.session import open_trace
-from kvtrace.sides import ChildSide, SideError, side_job
+from kvtrace.versions.registry import ChildVersion
+from kvtrace.diff.series import allocator_checkout
+from kvtrace.replay.session import open_trace
+from kvtrace.diff.sides import ChildSide, SideError, side_job
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtrace.errors import TraceError
-from kvtrace.logsession import StateLogSession
-from kvtrace.session import ReplaySession
-from kvtrace.statelog import STATE_LOG_METADATA_KEY, STATE_LOG_SCHEMA, StateLogWriter
+from kvtrace.statelog.session import StateLogSession
+from kvtrace.replay.session import ReplaySession
+from kvtrace.statelog.log import STATE_LOG_METADATA_KEY, STATE_LOG_SCHEMA, StateLogWriter
 
 TINY = "sample:tiny"
 

@@ -8,7 +8,7 @@ import pytest
 
 from allocator import AllocatorConfig, SpecConfig, create_allocator
 from allocator.sizing import pool_memory, req_to_token_width
-from kvtrace.config import RECORD_OPTIONS, TRACE_FIELDS, check_memory, estimate_memory, format_bytes, replay_names
+from kvtrace.replay.config import RECORD_OPTIONS, TRACE_FIELDS, check_memory, estimate_memory, format_bytes, replay_names
 from kvtrace.errors import ConfigError
 
 GIB = 1 << 30
@@ -87,7 +87,7 @@ def test_format_bytes() -> None:
 def test_the_memory_limit_variable_caps_what_a_pool_may_take(monkeypatch) -> None:
     """``$KVTRACE_MEMORY_LIMIT`` lowers what check_memory takes as available; a bad value is one line."""
     from allocator.base import AllocatorConfig
-    from kvtrace.config import MEMORY_LIMIT_VAR, check_memory, memory_limit
+    from kvtrace.replay.config import MEMORY_LIMIT_VAR, check_memory, memory_limit
     from kvtrace.errors import ConfigError
 
     config = AllocatorConfig(page_size=16, pool_tokens=1 << 20, max_running=256, max_context_len=32_768)

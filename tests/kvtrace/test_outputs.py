@@ -130,7 +130,7 @@ def test_replay_out_needs_force_to_replace_a_file(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_replay_leaves_the_old_state_log_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtrace.statelog import StateLogWriter
+    from kvtrace.statelog.log import StateLogWriter
 
     log = tmp_path / "state.arrow"
     log.write_bytes(b"the previous log")

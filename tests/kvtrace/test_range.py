@@ -19,10 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from kvtrace import gitversions
-from kvtrace.child import OPTIONAL_PROTOCOLS
+from kvtrace.versions import git as gitversions
+from kvtrace.proc.child import OPTIONAL_PROTOCOLS
 from kvtrace.cli import app
-from kvtrace.rangediff import first_true
+from kvtrace.diff.rangediff import first_true
 from traces.io import TraceReader
 from traces.schema import SPEC
 from tests.kvtrace.test_versions import ALLOCATOR, _git
@@ -44,12 +44,13 @@ def _replace(path: Path, pattern: str, new: str, *, at_least: int = 1) -> None:
 
 
 def _move_module(repo: Path, old: str, new: str) -> None:
-    """A pure move: ``allocator/OLD.py`` -> ``allocator/NEW.py``, its imports rewritten."""
-    _git(repo, "mv", f"allocator/{old}.py", f"allocator/{new}.py")
+    """A pure move: ``allocator/OLD.py`` -> ``allocator/NEW.py`` (dotted names: ``check.digest``),
+    its imports rewritten."""
+    _git(repo, "mv", f"allocator/{old.replace('.', '/')}.py", f"allocator/{new.replace('.', '/')}.py")
     found = 0
-    for path in (repo / "allocator").glob("*.py"):
-        text, n = re.subn(rf"\b(from|import) allocator\.{old}\b", rf"\1 allocator.{new}", path.read_text())
-        text, m = re.subn(rf'"allocator\.{old}"', f'"allocator.{new}"', text)
+    for path in (repo / "allocator").rglob("*.py"):
+        text, n = re.subn(rf"\b(from|import) allocator\.{re.escape(old)}\b", rf"\1 allocator.{new}", path.read_text())
+        text, m = re.subn(rf'"allocator\.{re.escape(old)}"', f'"allocator.{new}"', text)
         path.write_text(text)
         found += n + m
     assert found, f"nothing imports allocator.{old}: update the test"
@@ -58,7 +59,7 @@ def _move_module(repo: Path, old: str, new: str) -> None:
 def _rename(repo: Path, old: str, new: str) -> None:
     """A rename of an identifier throughout the package."""
     found = 0
-    for path in (repo / "allocator").glob("*.py"):
+    for path in (repo / "allocator").rglob("*.py"):
         text, n = re.subn(rf"\b{old}\b", new, path.read_text())
         path.write_text(text)
         found += n
@@ -96,7 +97,7 @@ def series(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[
     monkeypatch.setenv(gitversions.CACHE_ENV, str(tmp_path / "cache"))
     repo = _start(tmp_path)
     hashes = {"base": _git(repo, "rev-parse", "HEAD")}
-    _move_module(repo, "digest", "state_digest")
+    _move_module(repo, "check.digest", "check.state_digest")
     hashes["move digest"] = _commit(repo, "Move the state digest to allocator/state_digest.py")
     _rename(repo, "_fit_evict_take", "_fit_then_take")
     hashes["rename helper"] = _commit(repo, "Rename _fit_evict_take to _fit_then_take")
@@ -108,7 +109,7 @@ def series(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[
     hashes["bug"] = _commit(repo, "Speculative reserve: the caller records kv_allocated_len")
     _rename(repo, "ReleaseOutcome", "ReleaseTotals")
     hashes["rename outcome"] = _commit(repo, "Rename ReleaseOutcome to ReleaseTotals")
-    _move_module(repo, "checkpoint", "saved_state")
+    _move_module(repo, "check.checkpoint", "check.saved_state")
     hashes["move checkpoint"] = _commit(repo, "Move checkpoints to allocator/saved_state.py")
     return repo, hashes
 
@@ -221,7 +222,7 @@ def test_a_series_that_preserves_behaviour_exits_0_and_base_that_does_not_replay
     base = _git(repo, "rev-parse", "HEAD")
     _rename(repo, "spec_decode_run", "spec_decode_run_v0")
     _commit(repo, "An allocator whose DecodeRuns has no spec_decode_run")
-    _move_module(repo, "digest", "state_digest")
+    _move_module(repo, "check.digest", "check.state_digest")
     for protocol in OPTIONAL_PROTOCOLS:
         _replace(repo / "allocator" / "base.py", rf"\n@runtime_checkable\nclass {protocol}\(Protocol\):.*?(?=\n\n\n|\Z)", "")
     assert "Digestible" not in (repo / "allocator" / "base.py").read_text()
@@ -279,9 +280,9 @@ def test_bad_ranges_are_one_line_and_exit_2(
 def test_pruning_never_removes_a_tree_in_use_and_pruned_records_are_a_miss(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from kvtrace.replaycache import ReplayCache
-    from kvtrace.series import allocator_checkout, prune_checkouts
-    from kvtrace.statelog import STATE_LOG_SCHEMA
+    from kvtrace.diff.replaycache import ReplayCache
+    from kvtrace.diff.series import allocator_checkout, prune_checkouts
+    from kvtrace.statelog.log import STATE_LOG_SCHEMA
 
     repo = _start(tmp_path)
     old = _git(repo, "rev-parse", "HEAD:allocator")

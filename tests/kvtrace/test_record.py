@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtrace.record import Recorder
+from kvtrace.record.recorder import Recorder
 from traces.io import TraceReader
 from traces.schema import DECODE, EXTEND, FINISH, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC, TraceConfig, TraceMeta
 

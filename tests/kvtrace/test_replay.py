@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplayResult, ReplaySession
-from kvtrace.statelog import STATE_LOG_SCHEMA, read_state_log
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplayResult, ReplaySession
+from kvtrace.statelog.log import STATE_LOG_SCHEMA, read_state_log
 from tests.helpers import make_meta, write_steps
 from traces.schema import StepBatch
 from traces.synth import generate

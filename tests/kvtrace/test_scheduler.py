@@ -11,10 +11,10 @@ import pytest
 
 from allocator import create_allocator
 from allocator.base import AllocatorConfig
-from kvtrace.config import spec_config_for
-from kvtrace.record import Recorder
-from kvtrace.scheduler import CLIP_MAX_NEW_TOKENS, Scheduler, SchedulerConfig, mean_accepted_len
-from kvtrace.simulate import RecordOptions, record_workload
+from kvtrace.replay.config import spec_config_for
+from kvtrace.record.recorder import Recorder
+from kvtrace.record.scheduler import CLIP_MAX_NEW_TOKENS, Scheduler, SchedulerConfig, mean_accepted_len
+from kvtrace.record.simulate import RecordOptions, record_workload
 from traces.io import TraceReader
 from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC, SpecSettings, TraceMeta
 from traces.workloads import WorkloadRequest

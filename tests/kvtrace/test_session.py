@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from kvtrace.errors import ConfigError
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
-from kvtrace.snapshot import PHASES, UNCHANGED_OP, StepSnapshot
-from kvtrace.state import ReplayState
-from kvtrace.statelog import StateLogWriter, read_state_log
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
+from kvtrace.replay.snapshot import PHASES, UNCHANGED_OP, StepSnapshot
+from kvtrace.replay.state import ReplayState
+from kvtrace.statelog.log import StateLogWriter, read_state_log
 from tests.helpers import make_meta, write_steps
 from traces.schema import SpecSettings, StepBatch
 from traces.synth import generate

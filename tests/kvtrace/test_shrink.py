@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 from kvtrace.shrink import Oracle, Target, shrink_trace
 from kvtrace.shrink.signature import CHECKS
 from traces.io import TraceReader
@@ -207,7 +207,7 @@ def test_every_check_the_allocator_reports_can_be_asked_for() -> None:
 
     root = Path(__file__).resolve().parents[2]
     named = set()
-    for source in [*(root / "allocator").glob("*.py"), root / "kvtrace" / "replay.py"]:
+    for source in [*(root / "allocator").rglob("*.py"), root / "kvtrace" / "replay" / "engine.py"]:
         text = source.read_text()
         named |= set(re.findall(r'Violation\(\s*"([a-z_]+)"', text))
         named |= set(re.findall(r'_violation\(\s*[^,()]+,\s*"([a-z_]+)"', text))

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from kvtrace.shrink.runner import validate_steps
 from kvtrace.shrink.signature import Signature, Target
 from kvtrace.shrink.table import Candidate, TraceTable, build
-from kvtrace.session import open_trace
+from kvtrace.replay.session import open_trace
 from kvtrace.errors import ConfigError
-from kvtrace.replay import ViolationRecord
+from kvtrace.replay.engine import ViolationRecord
 from traces.schema import EXTEND, FINISH, PREALLOC, RETRACT
 
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
-from kvtrace.snapshot import SnapshotBlock, StepSnapshot
-from kvtrace.state import ReplayState, Timeline
-from kvtrace.statelog import block_of, to_record_batch
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
+from kvtrace.replay.snapshot import SnapshotBlock, StepSnapshot
+from kvtrace.replay.state import ReplayState, Timeline
+from kvtrace.statelog.log import block_of, to_record_batch
 
 _SNAPS: dict[str, list[StepSnapshot]] = {}
 

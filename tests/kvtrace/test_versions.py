@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtrace import gitversions
+from kvtrace.versions import git as gitversions
 from kvtrace.cli import app
 from kvtrace.errors import VersionSpecError
-from kvtrace.registry import VALID_FORMS, AllocatorVersion, ChildVersion, code_digest, resolve_any, resolve_version
+from kvtrace.versions.registry import VALID_FORMS, AllocatorVersion, ChildVersion, code_digest, resolve_any, resolve_version
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def test_each_side_runs_the_code_its_label_names_from_inside_a_checkout(repo: Pa
 def test_a_side_that_would_import_other_code_than_its_label_names_stops(tmp_path: Path) -> None:
     """The child checks what it imported against the side's label (a checkout changed
     under it, say) and reports one line instead of replaying unnamed code."""
-    from kvtrace.sides import ChildSide, SideError, side_job
+    from kvtrace.diff.sides import ChildSide, SideError, side_job
 
     shutil.copytree(ALLOCATOR, tmp_path / "allocator", ignore=shutil.ignore_patterns("__pycache__"))
     version = ChildVersion("worktree", "worktree", tmp_path, origin="here")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 
 TRACE = Path(__file__).with_name("test_paged_spec_reserve.kvtrace")
 ALLOCATOR = os.environ.get("KVTRACE_REGRESS_ALLOCATOR", "builtin")

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.record import Recorder
+from kvtrace.record.recorder import Recorder
 from traces.errors import TraceError
 from traces.io import ARRIVAL_CHECKSUM_KEY, TraceReader, compact_trace
 from traces.schema import StepBatch, TraceConfig, TraceMeta

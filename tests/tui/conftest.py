@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.session import ReplaySession
-from kvtrace.statelog import StateLogWriter
+from kvtrace.replay.session import ReplaySession
+from kvtrace.statelog.log import StateLogWriter
 from tests.helpers import TINY
 
 

@@ -26,7 +26,7 @@ async def test_stepping_keys_and_seeking_back() -> None:
         await pilot.press("shift+left")
         await settle(pilot, at_step(3))
         # going back restored a checkpoint: the fold equals a straight replay to step 3
-        from kvtrace.session import ReplaySession
+        from kvtrace.replay.session import ReplaySession
 
         with ReplaySession("sample:tiny", track_state=True, screen="inline") as ref:
             ref.seek(3)
@@ -204,7 +204,7 @@ async def test_view_of_a_state_log_steps_and_seeks(tiny_log) -> None:  # noqa: A
 
 
 async def test_a_trace_cut_short_is_said_once_the_replay_is_done(tmp_path) -> None:  # noqa: ANN001
-    from kvtrace.session import TRUNCATED_NOTE
+    from kvtrace.replay.session import TRUNCATED_NOTE
     from traces.samples import resolve_trace
 
     data = resolve_trace("sample:mooncake-tiny").read_bytes()
@@ -233,7 +233,7 @@ async def test_legend_is_drawn_at_its_cadence_while_playing() -> None:
     paused, at once."""
     import dataclasses
 
-    from kvtrace.snapshot import PoolCounters
+    from kvtrace.replay.snapshot import PoolCounters
     from kvtrace.tui.widgets.dashboard import Dashboard
     from kvtrace.tui.widgets.occupancy import OccupancyLegend
 
@@ -275,7 +275,7 @@ async def test_events_log_is_drawn_at_its_cadence_while_playing() -> None:
     once."""
     import dataclasses
 
-    from kvtrace.state import StepEvent
+    from kvtrace.replay.state import StepEvent
     from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 
     app = live_app()

@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app as cli
-from kvtrace.diff import DiffOptions, DiffReport, diff_trace
-from kvtrace.session import ReplaySession
+from kvtrace.diff.diff import DiffOptions, DiffReport, diff_trace
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.app import DIVERGENCE_COLOUR, KvtraceApp
-from kvtrace.tui.link import ThreadReplay
-from kvtrace.tui.sources import LiveSource
+from kvtrace.tui.remote.link import ThreadReplay
+from kvtrace.tui.remote.sources import LiveSource
 from kvtrace.tui.widgets.request_table import RequestTable
 from tests.helpers import SIZE, TINY, text_of
 

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from kvtrace.errors import TraceError
-from kvtrace.session import ReplaySession
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.driver import CellInfo, Driver, Failure, Frame, RequestHistory
-from kvtrace.tui.link import ThreadReplay
-from kvtrace.tui.replayer import FILLING, Replayer
-from kvtrace.tui.sources import LiveSource
+from kvtrace.tui.remote.link import ThreadReplay
+from kvtrace.tui.remote.replayer import FILLING, Replayer
+from kvtrace.tui.remote.sources import LiveSource
 from kvtrace.tui.widgets.header import ReplayHeader
 
 
@@ -296,7 +296,7 @@ class _SlowMap:
         self.maps = 0
 
     def page_map(self, n: int, rid: int | None) -> tuple[None, object]:
-        from kvtrace.tui.pagemap import composition_cells
+        from kvtrace.tui.remote.pagemap import composition_cells
 
         self.clock[0] += self.cost_s
         self.maps += 1
@@ -308,7 +308,7 @@ def test_page_maps_at_full_speed_take_at_most_their_share_of_the_time(cost_s: fl
                                                                       waiting_s: float) -> None:
     """The share is of the replay's own time: one that also waits for a CPU (``waiting_s``
     of the wall clock each turn, a busy machine) maps no more often per second of its work."""
-    from kvtrace.tui.replayer import MAP_SHARE, Replayer
+    from kvtrace.tui.remote.replayer import MAP_SHARE, Replayer
 
     assert MAP_SHARE == 0.01
     work = [0.0]  # the replay's own seconds: the map's cost goes there

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from allocator.base import PoolCounters
 from allocator.ownership import NUM_STATES, SlotState
-from kvtrace.session import ReplaySession
-from kvtrace.tui.pagemap import cell_detail, composition_cells, page_map
+from kvtrace.replay.session import ReplaySession
+from kvtrace.tui.remote.pagemap import cell_detail, composition_cells, page_map
 
 FAULTY = str(Path(__file__).parent.parent / "kvtrace" / "faulty_allocators.py")
 
@@ -106,7 +106,7 @@ def test_composition_of_counters(parts: list[int], num_cells: int) -> None:
 def test_the_page_map_legend_wraps_between_entries_only() -> None:
     """Each colour stays on the line of its name, and no line is wider than asked (when an
     entry fits at all); with no width, one line."""
-    from kvtrace.tui.pagemap import STATE_LABELS
+    from kvtrace.tui.remote.pagemap import STATE_LABELS
     from kvtrace.tui.widgets.page_map import legend
 
     labels = list(STATE_LABELS[:7])  # the states the legend shows (leaked aside)

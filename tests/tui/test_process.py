@@ -1,4 +1,4 @@
-"""The replay in its own process (``link.ChildReplay`` over ``python -m kvtrace.child``, as
+"""The replay in its own process (``link.ChildReplay`` over ``python -m kvtrace.proc.child``, as
 ``kvtrace replay --tui`` runs it): keys move it, the screen's fold equals a session's,
 the page map comes across (or a note for a version without the ownership query), the
 steps replayed go to the state log, and errors in the child (an OOM, a crash, a bad
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.logsession import StateLogSession
-from kvtrace.registry import resolve_version
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
+from kvtrace.statelog.session import StateLogSession
+from kvtrace.versions.registry import resolve_version
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.app import KvtraceApp
-from kvtrace.tui.link import ChildReplay, ReplayProcessError
-from kvtrace.tui.pagemap import NO_PAGE_MAP
-from kvtrace.tui.replayer import FIRST_PASS_S, dashboard_job, live_source, log_job
+from kvtrace.tui.remote.link import ChildReplay, ReplayProcessError
+from kvtrace.tui.remote.pagemap import NO_PAGE_MAP
+from kvtrace.tui.remote.replayer import FIRST_PASS_S, dashboard_job, live_source, log_job
 from kvtrace.tui.widgets.events_log import EventsLog
 from tests.helpers import SIZE, TINY, at_step, priority_once_set, settle
 from traces.samples import resolve_trace
@@ -154,7 +154,7 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtrace.tui.link import CHILD_ENV
+    from kvtrace.tui.remote.link import CHILD_ENV
 
     def environ(link: ChildReplay) -> dict[str, str]:
         raw = Path(f"/proc/{link.proc.pid}/environ").read_bytes().split(b"\0")
@@ -181,7 +181,7 @@ def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_th
 def test_the_replay_process_checks_its_steps_at_a_lower_priority() -> None:
     """Beside a screen the op-sequence checker (the replay process's own child, ahead of
     it) runs ``CHECKER_NICE`` lower than the replay and the screen."""
-    from kvtrace.tui.replayer import CHECKER_NICE
+    from kvtrace.tui.remote.replayer import CHECKER_NICE
 
     if not hasattr(os, "getpriority") or not Path("/proc/self/task").exists():
         pytest.skip("no /proc or os.getpriority here: another process's children and priority cannot be read")

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtrace.replay import ReplayOptions
-from kvtrace.session import ReplaySession
-from kvtrace.snapshot import RequestDelta, SnapshotBlock
-from kvtrace.state import ReplayState
-from kvtrace.tui.updates import read_update, write_update
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
+from kvtrace.replay.snapshot import RequestDelta, SnapshotBlock
+from kvtrace.replay.state import ReplayState
+from kvtrace.tui.remote.updates import read_update, write_update
 
 
 def _screen_fold(trace: str, batch_sizes: list[int], options: ReplayOptions | None = None,
@@ -150,7 +150,7 @@ def test_events_travel_in_updates_unchanged(fields: list[tuple[str, int | None, 
     equals what left, field by field and type by type."""
     import pickle
 
-    from kvtrace.snapshot import Event
+    from kvtrace.replay.snapshot import Event
 
     events = [Event(kind, rid, tokens, detail) for kind, rid, tokens, detail in fields]  # type: ignore[arg-type]
     back = pickle.loads(pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL))

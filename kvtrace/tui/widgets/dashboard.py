@@ -21,7 +21,7 @@ from kvtrace.tui.widgets.request_table import RequestTable
 
 if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
-    from kvtrace.tui.sources import SourceInfo
+    from kvtrace.tui.remote.sources import SourceInfo
 
 __all__ = ["Cadence", "Dashboard"]
 

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 if TYPE_CHECKING:
-    from kvtrace.diff import DiffReport
+    from kvtrace.diff.diff import DiffReport
 
 __all__ = ["DivergenceBanner", "divergence_text"]
 

@@ -13,7 +13,7 @@ from textual.strip import Strip
 from kvtrace.tui.widgets.virtual_list import VirtualList, cells
 
 if TYPE_CHECKING:
-    from kvtrace.state import StepEvent
+    from kvtrace.replay.state import StepEvent
     from kvtrace.tui.driver import Frame
 
 __all__ = ["EVENT_KINDS", "EventsLog"]
@@ -82,7 +82,7 @@ class EventsLog(VirtualList):
 
     def add_failure(self, step: int | None, message: str, kind: str = "error") -> None:
         """Log an error raised inside the replay, or a ``warning`` (shown after the events)."""
-        from kvtrace.state import StepEvent
+        from kvtrace.replay.state import StepEvent
 
         self._failures.append(StepEvent(step if step is not None else -1, kind, None, 0, message))
         self._select()

@@ -11,7 +11,7 @@ from kvtrace.tui.widgets.text_lines import TextLines
 
 if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
-    from kvtrace.tui.sources import SourceInfo
+    from kvtrace.tui.remote.sources import SourceInfo
 
 __all__ = ["ReplayHeader", "clock_time", "speed_label"]
 

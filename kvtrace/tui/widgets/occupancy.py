@@ -31,7 +31,7 @@ from kvtrace.tui.widgets.text_lines import TextLines
 
 if TYPE_CHECKING:
     from allocator.base import PoolCounters
-    from kvtrace.state import Timeline
+    from kvtrace.replay.state import Timeline
     from kvtrace.tui.driver import Frame
 
 __all__ = ["BANDS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter", "column_samples"]

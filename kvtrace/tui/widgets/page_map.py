@@ -16,10 +16,10 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from allocator.ownership import SlotState
-from kvtrace.tui.pagemap import STATE_LABELS
+from kvtrace.tui.remote.pagemap import STATE_LABELS
 
 if TYPE_CHECKING:
-    from kvtrace.tui.pagemap import PageCells
+    from kvtrace.tui.remote.pagemap import PageCells
 
 __all__ = ["STATE_COLORS", "PageMap", "PageMapLegend", "legend"]
 

@@ -17,7 +17,7 @@ from rich.style import Style
 from textual.message import Message
 from textual.strip import Strip
 
-from kvtrace.snapshot import PHASES
+from kvtrace.replay.snapshot import PHASES
 from kvtrace.tui.widgets.virtual_list import VirtualList, cells
 
 if TYPE_CHECKING:

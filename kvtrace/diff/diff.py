@@ -1,0 +1,626 @@
+"""``kvtrace diff``: two allocator versions on one trace (or two state logs), compared
+after every step; the first divergence, or up to N of them, and why.
+
+``diff_trace`` builds the two sides (``kvtrace.diff.sides``): in lockstep in this process
+when both versions import here and one core is all there is, otherwise in two child
+processes that replay in parallel and stream their records (``kvtrace.proc.child``);
+``git:`` and ``worktree`` versions always run in a child. ``diff_logs`` reads two
+state logs. ``compare_sides`` walks both record streams step by step with the one
+step comparator (``kvtrace.diff.compare``): pool counters, each changed request's
+``kv_allocated_len`` / ``kv_committed_len`` / ``cache_protected_len`` / prefix /
+phase / op, the step's outcomes (OOM, drops, evictions, over-allocation releases,
+violations) and, with ``exact``, the allocators' state digests. Chunks of identical
+records are skipped in one comparison per column.
+
+The result is a ``DiffReport``: plain data (``to_dict()`` is the ``--json`` object)
+that the CLI renders as text and a screen can render as it likes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from kvtrace.diff.compare import Divergence, FieldDiff, StepView, compare_step
+from kvtrace.errors import ConfigError
+from kvtrace.replay.snapshot import PHASES, op_name
+
+if TYPE_CHECKING:
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.diff.sides import Chunk
+    from kvtrace.replay.snapshot import StepSnapshot
+
+__all__ = [
+    "DiffOptions", "DiffReport", "ReportedDivergence", "RequestStep", "SideReport", "compare_sides", "diff_logs", "diff_trace",
+    "usable_cpus",
+]
+
+Mode = Literal["lockstep", "parallel", "logs"]
+REQUEST_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "prefix_len", "phase", "op")
+_WINDOW_STEPS = 512  # recent steps kept for the context of a divergence
+# Traces this big replay their sides in two processes by default (the children's
+# start-up, Python, torch and the allocator, pays off).
+PARALLEL_MIN_BYTES = 2 << 20
+_DESCRIBE = {
+    "phase": lambda x, y: (PHASES[int(x)], PHASES[int(y)], ""),
+    "op": lambda x, y: (op_name(int(x)), op_name(int(y)), ""),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DiffOptions:
+    """How to compare.
+
+    Args:
+        exact: compare the allocators' state digests too (physical slots).
+        context: steps of history shown for a divergence.
+        max_divergences: report up to this many divergences (each request once);
+            1 stops at the first.
+    """
+
+    exact: bool = False
+    context: int = 5
+    max_divergences: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStep:
+    """One step of a diverging request's (or pool field's) history on both sides:
+    the values after the step, None on a side where the step did not change it."""
+
+    step: int
+    a: dict[str, Any] | None
+    b: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "a": self.a, "b": self.b}
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedDivergence:
+    """A divergence and the last steps before it (``history``, oldest first, ending
+    with the diverging step)."""
+
+    divergence: Divergence
+    history: tuple[RequestStep, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.divergence.to_dict(), "history": [h.to_dict() for h in self.history]}
+
+
+@dataclass(frozen=True, slots=True)
+class SideReport:
+    """One side: its spec, label, where it comes from, its replay summary."""
+
+    spec: str
+    label: str
+    origin: str
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """What a diff found. ``to_dict()`` is the ``kvtrace diff --json`` object."""
+
+    trace: str
+    a: SideReport
+    b: SideReport
+    mode: Mode
+    exact: bool
+    steps_compared: int
+    divergences: tuple[ReportedDivergence, ...]
+    wall_s: float
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # one line each, for stderr (two logs of different traces)
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    @property
+    def first_divergence(self) -> ReportedDivergence | None:
+        return self.divergences[0] if self.divergences else None
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "identical": self.identical,
+            "steps_compared": self.steps_compared,
+            "first_divergence": None if first is None else {
+                k: v for k, v in first.divergence.to_dict().items() if k in ("step", "op", "rid", "field", "a", "b", "detail")
+            },
+            "divergences": [d.to_dict() for d in self.divergences],
+            "a": self.a.summary,
+            "b": self.b.summary,
+            "versions": {
+                side: {"spec": r.spec, "label": r.label, "origin": r.origin} for side, r in (("a", self.a), ("b", self.b))
+            },
+            "trace": self.trace,
+            "mode": self.mode,
+            "exact": self.exact,
+            "wall_s": round(self.wall_s, 6),
+            "notes": list(self.notes),
+            "warnings": list(self.warnings),
+        }
+
+
+# ---------------------------------------------------------------------------- views
+
+
+def _view(snap: StepSnapshot, exact: bool) -> StepView:
+    d = snap.requests
+    return StepView(
+        step=snap.step,
+        events=[(e.kind, e.rid, e.tokens) for e in snap.events],
+        rids=d.rids,
+        requests={
+            "kv_allocated_len": d.allocated, "kv_committed_len": d.committed, "cache_protected_len": d.protected,
+            "prefix_len": d.prefix, "phase": d.phase, "op": d.op,
+        },
+        pool=snap.pool._asdict(),
+        physical={"state_digest": snap.digest} if exact else {},
+        presence="changed",
+    )
+
+
+def _event_text(key: tuple[Any, ...] | None) -> str:
+    if key is None:
+        return "(none)"
+    kind, rid, tokens = key
+    who = "" if rid is None else f" request {rid}"
+    return f"{kind}{who}" + (f" {tokens:,} tokens" if tokens else "")
+
+
+def _same_step(sa: StepSnapshot, sb: StepSnapshot, exact: bool) -> bool:
+    """The quick check of a step's equality (equal here means ``compare_step`` finds nothing)."""
+    if sa.step != sb.step or sa.pool != sb.pool or (exact and sa.digest != sb.digest):
+        return False
+    if len(sa.events) != len(sb.events) or any(
+        (x.kind, x.rid, x.tokens) != (y.kind, y.rid, y.tokens) for x, y in zip(sa.events, sb.events)
+    ):
+        return False
+    return all(x.tobytes() == y.tobytes() for x, y in zip(sa.requests, sb.requests))
+
+
+def _step_diffs(sa: StepSnapshot | None, sb: StepSnapshot | None, exact: bool) -> list[FieldDiff]:
+    if sa is not None and sb is not None and _same_step(sa, sb, exact):
+        return []
+    if sa is None or sb is None:
+        return [FieldDiff(
+            "step", None, "(ended)" if sa is None else sa.step, "(ended)" if sb is None else sb.step,
+            "one side's replay ended before the other's (an out-of-memory with --on-oom stop, a violation limit)",
+        )]
+    return compare_step(_view(sa, exact), _view(sb, exact), describe=_DESCRIBE, event_text=_event_text,
+                        event_detail="the step's outcomes differ")
+
+
+def _op_of(snaps: tuple[StepSnapshot | None, ...], rid: int | None) -> str:
+    """The op that changed ``rid`` in this step (or the step's ops, for a pool field)."""
+    for s in snaps:
+        if s is None:
+            continue
+        d = s.requests
+        if rid is not None:
+            hit = np.flatnonzero(d.rids == rid)
+            if hit.shape[0]:
+                return op_name(int(d.op[hit[0]]))
+    codes: list[int] = []
+    for s in snaps:
+        if s is not None:
+            codes.extend(int(c) for c in np.unique(s.requests.op))
+    names = sorted({op_name(c) for c in codes if c >= 0})
+    return "+".join(names) if names else "-"
+
+
+# ---------------------------------------------------------------------------- history
+
+
+def _request_values(snap: StepSnapshot | None, rid: int) -> dict[str, Any] | None:
+    if snap is None:
+        return None
+    d = snap.requests
+    hit = np.flatnonzero(d.rids == rid)
+    if hit.shape[0] == 0:
+        return None
+    i = int(hit[0])
+    return {
+        "op": op_name(int(d.op[i])), "phase": PHASES[int(d.phase[i])], "kv_allocated_len": int(d.allocated[i]),
+        "kv_committed_len": int(d.committed[i]), "cache_protected_len": int(d.protected[i]), "prefix_len": int(d.prefix[i]),
+    }
+
+
+def _field_values(snap: StepSnapshot | None, name: str) -> dict[str, Any] | None:
+    if snap is None:
+        return None
+    if name in snap.pool._fields:
+        return {name: int(getattr(snap.pool, name))}
+    if name == "state_digest":
+        return {name: snap.digest}
+    if name.startswith("events"):
+        return {"events": [_event_text((e.kind, e.rid, e.tokens)) for e in snap.events]}
+    return {"step": snap.step}
+
+
+class _Window:
+    """The most recent compared steps: single pairs, or whole chunk pairs skipped as
+    identical (decoded only when a divergence asks for its history)."""
+
+    def __init__(self, steps: int = _WINDOW_STEPS) -> None:
+        self._items: deque[Any] = deque()
+        self._steps = 0
+        self._limit = steps
+
+    def add_pair(self, sa: StepSnapshot | None, sb: StepSnapshot | None) -> None:
+        self._push(("pair", sa, sb), 1)
+
+    def add_chunks(self, ca: Chunk, cb: Chunk) -> None:
+        self._push(("chunks", ca, cb), len(ca))
+
+    def _push(self, item: Any, steps: int) -> None:
+        self._items.append((item, steps))
+        self._steps += steps
+        while self._steps - self._items[0][1] >= self._limit:
+            self._steps -= self._items.popleft()[1]
+
+    def newest_first(self) -> Iterator[tuple[StepSnapshot | None, StepSnapshot | None]]:
+        for (kind, x, y), _ in reversed(self._items):
+            if kind == "pair":
+                yield x, y
+            else:
+                yield from reversed(list(zip(x.snapshots, y.snapshots)))
+
+    def history(self, rid: int | None, field_name: str, limit: int) -> tuple[RequestStep, ...]:
+        rows: list[RequestStep] = []
+        for sa, sb in self.newest_first():
+            if len(rows) >= limit:
+                break
+            if rid is None:
+                a, b = _field_values(sa, field_name), _field_values(sb, field_name)
+            else:
+                a, b = _request_values(sa, rid), _request_values(sb, rid)
+                if a is None and b is None:
+                    continue
+            step = sa.step if sa is not None else sb.step if sb is not None else -1
+            rows.append(RequestStep(step, a, b))
+        return tuple(reversed(rows))
+
+
+# ---------------------------------------------------------------------------- the walk
+
+
+class _Cursor:
+    """Steps of one side, chunk by chunk."""
+
+    def __init__(self, chunks: Iterator[Chunk]) -> None:
+        self._chunks = chunks
+        self._chunk: Chunk | None = None
+        self._pos = 0
+        self.ended = False
+
+    def peek_chunk(self) -> Chunk | None:
+        """The next whole chunk, when the cursor sits at a chunk boundary (else None)."""
+        if self._chunk is None and not self.ended:
+            self._chunk = next(self._chunks, None)
+            self._pos = 0
+            if self._chunk is None:
+                self.ended = True
+        return self._chunk if self._pos == 0 else None
+
+    def take_chunk(self) -> None:
+        self._chunk = None
+
+    def next_step(self) -> StepSnapshot | None:
+        while True:
+            if self._chunk is None:
+                if self.ended:
+                    return None
+                self._chunk = next(self._chunks, None)
+                self._pos = 0
+                if self._chunk is None:
+                    self.ended = True
+                    return None
+            snaps = self._chunk.snapshots
+            if self._pos < len(snaps):
+                self._pos += 1
+                return snaps[self._pos - 1]
+            self._chunk = None
+
+    def take_chunk_any(self) -> None:
+        """Drop the rest of the current chunk and read the next one (drain)."""
+        self._chunk = next(self._chunks, None)
+        self._pos = 0
+        if self._chunk is None:
+            self.ended = True
+
+
+def compare_sides(
+    side_a: Any, side_b: Any, options: DiffOptions, on_progress: Callable[[int], None] | None = None
+) -> tuple[int, list[ReportedDivergence]]:
+    """Walk both sides' records to their ends, comparing every step.
+
+    Args:
+        on_progress: called with the last step reached, after each step or chunk of
+            steps (compared, or read uncompared after the last divergence wanted).
+
+    Returns:
+        Steps compared, and the divergences found (at most ``options.max_divergences``,
+        each request or pool field once). After the last divergence wanted both
+        streams are read to their end uncompared (their summaries need the whole replay).
+    """
+    ca, cb = _Cursor(side_a.chunks()), _Cursor(side_b.chunks())
+    window = _Window(max(_WINDOW_STEPS, 4 * options.context))
+    found: list[ReportedDivergence] = []
+    reported: set[Any] = set()
+    steps = 0
+    progress = on_progress or _no_progress
+    while len(found) < options.max_divergences:
+        x, y = ca.peek_chunk(), cb.peek_chunk()
+        if x is not None and y is not None and len(x) == len(y) and x.same_as(y):
+            steps += len(x)
+            window.add_chunks(x, y)
+            ca.take_chunk()
+            cb.take_chunk()
+            progress(_last_step(x))
+            continue
+        sa, sb = ca.next_step(), cb.next_step()
+        if sa is None and sb is None:
+            break
+        steps += 1
+        window.add_pair(sa, sb)
+        progress(sa.step if sa is not None else sb.step)  # type: ignore[union-attr]
+        diffs = _step_diffs(sa, sb, options.exact)
+        fresh = [d for d in diffs if (d.rid if d.rid is not None else d.field) not in reported]
+        if not fresh:
+            continue
+        first = fresh[0]
+        reported.add(first.rid if first.rid is not None else first.field)
+        step = sa.step if sa is not None else sb.step  # type: ignore[union-attr]
+        op = _op_of((sa, sb), first.rid)
+        divergence = Divergence.of(step, op, [first] + [d for d in diffs if d is not first])
+        found.append(ReportedDivergence(divergence, window.history(first.rid, first.field, options.context)))
+        if sa is None or sb is None:
+            break  # one side ended: nothing more to compare
+    _drain(ca, cb, progress)
+    return steps, found
+
+
+def _drain(ca: _Cursor, cb: _Cursor, progress: Callable[[int], None]) -> None:
+    """Read both streams to their end, a chunk of each in turn (a side in another
+    process must not wait for the other's to finish)."""
+    while not (ca.ended and cb.ended):
+        for cursor in (ca, cb):
+            if not cursor.ended:
+                cursor.take_chunk_any()
+                chunk = cursor.peek_chunk()
+                if chunk is not None and len(chunk):
+                    progress(_last_step(chunk))
+
+
+def _last_step(chunk: Chunk) -> int:
+    """The chunk's last step number (read from its record batch without decoding it)."""
+    if chunk.batch is not None:
+        return int(chunk.batch.column("step")[len(chunk) - 1].as_py())
+    return chunk.snapshots[-1].step
+
+
+def _no_progress(step: int) -> None:
+    """``compare_sides``'s progress callback when none is given."""
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def usable_cpus() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def diff_trace(
+    trace: str,
+    spec_a: str,
+    spec_b: str,
+    *,
+    options: DiffOptions | None = None,
+    replay: ReplayOptions | None = None,
+    page_size: int | None = None,
+    pool_tokens: int | None = None,
+    device: str = "cpu",
+    jobs: int | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> DiffReport:
+    """Replay ``trace`` through versions ``spec_a`` and ``spec_b`` and compare them.
+
+    Args:
+        trace: a trace path or ``sample:NAME``.
+        spec_a, spec_b: version specs (``kvtrace.versions.registry``).
+        options: what to compare and report.
+        replay: replay options both sides use (checks, OOM handling, ``--steps``).
+        page_size, pool_tokens, device: what-ifs applied to both sides.
+        jobs: 2 replays the sides in two processes in parallel, 1 in lockstep in this
+            process (versions that import here); None: 2 when two cores are usable.
+        on_progress: called with the last step reached, as the comparison goes.
+
+    Raises:
+        KvtraceError: a spec that does not resolve, a bad trace, conflicting options,
+            a side that fails (one line naming the side).
+    """
+    import dataclasses
+
+    from kvtrace.versions.registry import AllocatorVersion, resolve_any
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import open_trace
+
+    options = options or DiffOptions()
+    replay = dataclasses.replace(replay or ReplayOptions(), state_digest=options.exact)
+    if jobs is not None and jobs not in (1, 2):
+        raise ConfigError(f"--jobs must be 1 (lockstep in one process) or 2 (two processes), found {jobs}")
+    path = str(open_trace(trace).path)  # one clear line for a missing or broken file
+    t0 = time.perf_counter()
+    versions = [resolve_any(spec_a), resolve_any(spec_b)]
+    in_process = all(isinstance(v, AllocatorVersion) for v in versions)
+    if jobs is None:
+        jobs = 2 if usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
+    parallel = jobs == 2 or not in_process
+    what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device}
+    sides: list[Any] = []
+    checker: Any = None
+    try:
+        if parallel:
+            checker = _start_children(sides, versions, path, trace, replay, what_if)
+        else:
+            _start_sessions(sides, versions, path, trace, replay, what_if)
+        steps, found = compare_sides(sides[0], sides[1], options, on_progress)
+        reports = [SideReport(s.spec, s.label, s.origin, s.summary()) for s in sides]
+    finally:
+        for s in reversed(sides):
+            s.close()
+        if checker is not None:
+            checker.terminate()
+            checker.join(timeout=10)
+    notes = _config_notes(reports[0].summary, reports[1].summary)
+    return DiffReport(trace, reports[0], reports[1], "parallel" if parallel else "lockstep", options.exact, steps,
+                      tuple(found), time.perf_counter() - t0, notes)
+
+
+def _start_children(
+    sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
+) -> Any:
+    """Both sides in child processes (appended to ``sides`` as they start), fed by one
+    op-sequence checker (each step checked once); returns the checker's process."""
+    import dataclasses
+
+    from kvtrace.diff.sides import ChildSide, side_job
+    from traces.validate import start_shared_checker
+
+    checker, pipes = start_shared_checker(path, consumers=2, stop=replay.stop_step)
+    try:
+        for name, version, pipe in zip("AB", versions, pipes):
+            job = side_job(version, path, trace_label=trace, options=dataclasses.asdict(replay), **what_if)
+            job["screen_fd"] = pipe.fileno()
+            sides.append(ChildSide(name, job, python=getattr(version, "python", sys.executable), pass_fds=(pipe.fileno(),)))
+    finally:
+        for pipe in pipes:
+            pipe.close()  # the children hold their own ends
+    return checker
+
+
+def _start_sessions(
+    sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
+) -> None:
+    """Both sides as sessions in this process, in lockstep: the second checks its steps
+    from the first one's memory."""
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.diff.sides import SessionSide
+
+    first = ReplaySession(path, version=versions[0], options=replay, label=trace, **what_if)
+    sides.append(SessionSide(first))
+    second = ReplaySession(path, version=versions[1], options=replay, label=trace, screen=first.screen, **what_if)
+    sides.append(SessionSide(second))
+
+
+def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
+              steps: tuple[int | None, int | None] = (None, None),
+              on_progress: Callable[[int], None] | None = None) -> DiffReport:
+    """Compare two saved state logs (``kvtrace replay --out``) step by step.
+
+    Args:
+        steps: ``(start, stop)``: compare only steps in ``[start, stop)``.
+        on_progress: called with the last step reached, as the comparison goes.
+
+    Raises:
+        TraceError: a log is missing or not a state log. ConfigError: ``exact`` asked
+            but a log holds no state digests.
+    """
+    from kvtrace.diff.sides import LogSide
+
+    options = options or DiffOptions()
+    t0 = time.perf_counter()
+    sides = [LogSide(log_a), LogSide(log_b)]
+    try:
+        wrapped = [_Windowed(s, steps) if steps != (None, None) else s for s in sides]
+        if options.exact:
+            wrapped = [_RequireDigests(w, s.path) for w, s in zip(wrapped, sides)]
+        count, found = compare_sides(wrapped[0], wrapped[1], options, on_progress)
+        reports = [SideReport(s.spec, s.label, s.origin, s.summary()) for s in sides]
+    finally:
+        for s in sides:
+            s.close()
+    trace = str(sides[0].info.get("trace", ""))
+    notes = _config_notes(reports[0].summary, reports[1].summary)
+    mismatch = _trace_mismatch(sides[0], sides[1])
+    return DiffReport(trace, reports[0], reports[1], "logs", options.exact, count, tuple(found),
+                      time.perf_counter() - t0, notes, () if mismatch is None else (mismatch,))
+
+
+def _trace_mismatch(a: Any, b: Any) -> str | None:
+    """One line when two state logs (``LogSide``s) are replays of different traces, naming
+    both and what tells them apart; None when they replay the same one.
+
+    Logs that record the trace file's hash (``kvtrace.statelog.trace_identity``) are
+    compared by it (the same bytes under two names are one trace); others by the
+    trace's name as given to ``kvtrace replay``."""
+    name_a, name_b = a.info.get("trace"), b.info.get("trace")
+    file_a, file_b = a.info.get("trace_file") or {}, b.info.get("trace_file") or {}
+    if file_a.get("digest") and file_b.get("digest"):
+        if file_a["digest"] == file_b["digest"]:
+            return None
+        what = " and ".join(
+            f"{name} ({size:,} bytes, hash {digest[:12]})"
+            for name, size, digest in ((name_a, file_a.get("file_bytes") or 0, file_a["digest"]),
+                                       (name_b, file_b.get("file_bytes") or 0, file_b["digest"]))
+        )
+    elif name_a != name_b:
+        what = f"{name_a} and {name_b} (by name: a log holds no hash of its trace)"
+    else:
+        return None
+    return f"{a.path} and {b.path} replay different traces: {what}; compared anyway"
+
+
+class _Windowed:
+    """A side's chunks restricted to steps ``[start, stop)``."""
+
+    def __init__(self, side: Any, steps: tuple[int | None, int | None]) -> None:
+        self.side, (self.start, self.stop) = side, steps
+
+    def chunks(self) -> Iterator[Chunk]:
+        from kvtrace.diff.sides import Chunk
+
+        for chunk in self.side.chunks():
+            keep = [s for s in chunk.snapshots
+                    if (self.start is None or s.step >= self.start) and (self.stop is None or s.step < self.stop)]
+            if keep:
+                yield Chunk(snaps=keep)
+
+
+class _RequireDigests:
+    """A log side whose records must carry state digests (``--exact``)."""
+
+    def __init__(self, side: Any, path: Any) -> None:
+        self.side, self.path = side, path
+
+    def chunks(self) -> Iterator[Chunk]:
+        for chunk in self.side.chunks():
+            if len(chunk) and chunk.snapshots[0].digest is None:
+                raise ConfigError(
+                    f"--exact: {self.path} holds no state digests; write it with 'kvtrace replay TRACE --out LOG "
+                    "--digests', or compare without --exact"
+                )
+            yield chunk
+
+
+def _config_notes(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:
+    out = []
+    for key in ("page_size", "pool_tokens"):
+        if a.get(key) is not None and b.get(key) is not None and a.get(key) != b.get(key):
+            out.append(f"the sides replay with different {key.replace('_', ' ')}: {a.get(key)} and {b.get(key)}")
+    return tuple(out)

@@ -1,0 +1,318 @@
+"""The child process of a ``kvtrace diff`` side: one version replays one trace and
+streams its per-step records to the parent.
+
+    python -m kvtrace.proc.child JOB_JSON CONTROL_FD
+
+``JOB_JSON`` (``side_job``) names the trace, the version (a spec, or an
+``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
+or a working tree), the what-if options and the ``ReplayOptions``, and optionally
+``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
+sides (``traces.validate.start_shared_checker``). Stdout carries
+the records: a state log stream (``kvtrace.statelog.log``; pool counters, per-request
+deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
+batch. ``CONTROL_FD`` carries JSON lines: ``{"start": {...}}`` once the session is
+set up (the configuration, the version's label and origin), then ``{"end":
+SUMMARY}`` (the ``kvtrace replay --json`` object) or ``{"error": MESSAGE, "user":
+bool}``.
+
+Nothing here imports ``allocator`` (or anything that does) before the checkout's
+package is installed under that name; this checkout's ``kvtrace`` and ``traces``
+drive it. A later driver of another engine (SGLang's own allocator in its own
+environment) writes the same two streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import io
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import FunctionType
+from typing import IO, Any, BinaryIO
+
+__all__ = ["OPTIONAL_PROTOCOLS", "WholeWrites", "install_allocator", "job_screen", "job_version", "main", "pipe_writer",
+           "run_job"]
+
+# Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance before
+# calling their methods. A package older than one of them lacks the name, or defines it
+# with fewer methods than this kvtrace calls (``DecodeRuns`` before ``spec_decode_run``):
+# this checkout's definition stands in, so such a commit still replays (without the
+# protocol when its allocators lack one of those methods).
+OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
+# The modules of ``allocator`` whose names the driver (``kvtrace.replay.config``, ``replay``,
+# ``session``, ``snapshot``, ``state``, ``scheduler``) imports. What an older package
+# lacks of them comes from this checkout (``_shim``): a name added since (``PoolMemory``,
+# ``pages``' arithmetic), a property or method added to a record (``PoolCounters.used_tokens``,
+# ``AllocatorConfig.check``). Protocols are left alone (a method added to one would
+# change what isinstance asks of the version's allocators).
+DRIVER_MODULES = ("base", "sizing", "pages")
+
+
+class WholeWrites(io.RawIOBase):
+    """The writing end of a pipe whose ``write`` writes every byte it is given.
+
+    A write to a full pipe that is interrupted (a debugger or a sampling profiler
+    attaching through ptrace) may write part of its bytes; the buffered file Python
+    opens on such a descriptor may drop the rest (seen under py-spy: bytes missing from
+    the middle of a dashboard's update frame, the screen then unpickling garbage). Here
+    a part written is followed by the rest, so the stream stays whole.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._broken = False  # the reader went away: what is still written is dropped
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            os.close(self._fd)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            while view and not self._broken:
+                view = view[os.write(self._fd, view):]
+        except BrokenPipeError:
+            self._broken = True
+            raise
+        return size
+
+
+def pipe_writer(fd: int, *, text: bool = False) -> Any:
+    """A buffered binary (or line-buffered ``text``) file writing to pipe ``fd`` through
+    ``WholeWrites``."""
+    binary = io.BufferedWriter(WholeWrites(fd), buffer_size=1 << 16)
+    return io.TextIOWrapper(binary, encoding="utf-8", line_buffering=True) if text else binary
+
+
+def install_allocator(root: str | Path) -> None:
+    """Make ``root/allocator`` the ``allocator`` package of this process (before any
+    import of it), whatever else is on ``sys.path``; add what the driver needs and it
+    predates (``OPTIONAL_PROTOCOLS``, ``DRIVER_MODULES``).
+
+    Raises:
+        ImportError (or what the package raises): it does not import.
+    """
+    own = _own_modules()
+    package = Path(root) / "allocator"
+    init = package / "__init__.py"
+    spec = importlib.util.spec_from_file_location("allocator", init, submodule_search_locations=[str(package)])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{init}: not an importable allocator package")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["allocator"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["allocator"]
+        raise
+    _shim(module, own)
+
+
+def _shim_class(theirs: type, mine: type) -> None:
+    """Give an older record class what this kvtrace reads of it: properties and methods
+    added since, and fields added since with a default (which is then what every one of
+    its records holds: the older code knew nothing else)."""
+    for key, member in vars(mine).items():
+        if isinstance(member, property | FunctionType) and not key.startswith("_") and not hasattr(theirs, key):
+            setattr(theirs, key, member)
+    defaults: dict[str, Any] = dict(getattr(mine, "_field_defaults", {}))  # a NamedTuple's
+    if dataclasses.is_dataclass(mine):
+        defaults.update({f.name: f.default for f in dataclasses.fields(mine) if f.default is not dataclasses.MISSING})
+    for key, default in defaults.items():
+        if not hasattr(theirs, key):
+            setattr(theirs, key, default)
+
+
+def _own_modules() -> dict[str, Any]:
+    """This checkout's ``DRIVER_MODULES``, imported and then taken out of ``sys.modules``
+    (their functions keep their own globals) so that ``allocator`` can be another."""
+    for name in DRIVER_MODULES:
+        importlib.import_module(f"allocator.{name}")
+    own = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "allocator" or k.startswith("allocator.")}
+    return {name: own[f"allocator.{name}"] for name in DRIVER_MODULES}
+
+
+def _shim(package: Any, own: dict[str, Any]) -> None:
+    """Give the installed ``package`` what the driver imports and it lacks (see
+    ``DRIVER_MODULES``); never replace what it has, but the optional protocols it
+    declares with other methods than this kvtrace calls."""
+    for name in DRIVER_MODULES:
+        mine = own[name]
+        try:
+            theirs = importlib.import_module(f"allocator.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"allocator.{name}":
+                raise
+            sys.modules[f"allocator.{name}"] = mine
+            setattr(package, name, mine)
+            continue
+        for attr, value in vars(mine).items():
+            if attr.startswith("_"):
+                continue
+            found = getattr(theirs, attr, None)
+            if found is None:
+                setattr(theirs, attr, value)
+            elif isinstance(value, type) and isinstance(found, type) and not getattr(found, "_is_protocol", False):
+                _shim_class(found, value)
+    base, mine = sys.modules["allocator.base"], own["base"]
+    for name in OPTIONAL_PROTOCOLS:
+        theirs = getattr(base, name, None)
+        if theirs is None or _methods(theirs) != _methods(getattr(mine, name)):
+            setattr(base, name, getattr(mine, name))
+
+
+def _check_code(job: dict[str, Any]) -> None:
+    """Raise unless the ``allocator`` package installed is the one the job names
+    (``job["code"]``: its ``code_identity``).
+
+    Raises:
+        VersionSpecError: another package, or the same directory with other content.
+    """
+    from kvtrace.errors import VersionSpecError
+    from kvtrace.versions.registry import code_identity
+
+    expected = job.get("code")
+    found = code_identity(Path(sys.modules["allocator"].__file__ or "").parent)
+    if expected and found != expected:
+        raise VersionSpecError(f"allocator '{job['spec']}': this process imported {found}, but the side is labelled {expected}")
+
+
+def _methods(protocol: type) -> set[str]:
+    """The public names a protocol class declares (what isinstance checks)."""
+    return {n for n in vars(protocol) if not n.startswith("_")}
+
+
+def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
+    """Replay ``job`` and stream its records to ``out``, messages to ``control``.
+
+    Raises:
+        KvtraceError, TraceError: bad input (reported by ``main`` as one line).
+    """
+    from kvtrace.replay.engine import ReplayOptions
+
+    version = job_version(job)
+    options = ReplayOptions(**job.get("options", {}))
+    screen = job_screen(job, options)
+    try:
+        _replay(job, version, options, screen, out, control)
+    finally:
+        if not isinstance(screen, str):
+            screen.close()
+
+
+def job_version(job: dict[str, Any]) -> Any:
+    """The ``AllocatorVersion`` a job names (its checkout's ``allocator`` when it has a root).
+
+    Raises:
+        VersionSpecError: the spec does not resolve.
+    """
+    from kvtrace.errors import VersionSpecError
+    from kvtrace.versions.registry import AllocatorVersion, resolve_version
+
+    if job.get("allocator_root"):
+        try:
+            from allocator import create_allocator
+        except ImportError:
+            raise VersionSpecError(
+                f"allocator '{job['spec']}': its allocator package has no create_allocator (a revision from before "
+                "the allocator had one: there is no allocator to replay)"
+            ) from None
+
+        return AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
+    version = resolve_version(job["spec"])
+    if job.get("origin") and version.origin != job["origin"]:
+        raise VersionSpecError(
+            f"allocator '{job['spec']}': this process runs {version.origin}, but the side is labelled {job['origin']}"
+        )
+    return version
+
+
+def job_screen(job: dict[str, Any], options: Any) -> Any:
+    """What checks the job's steps: a mode (``background``, ``inline``), or the checker
+    the parent shares between the sides (``screen_fd``)."""
+    if job.get("screen_fd") is None:
+        return job.get("screen", "background")
+    from multiprocessing.connection import Connection
+
+    from traces.validate import BackgroundChecker
+
+    return BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
+
+
+def _replay(job: dict[str, Any], version: Any, options: Any, screen: Any, out: BinaryIO, control: IO[str]) -> None:
+    from kvtrace.replay.config import config_dict
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.statelog.log import StateLogWriter
+
+    with ReplaySession(
+        job["trace"], version=version, page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
+        device=job.get("device", "cpu"), options=options, screen=screen, label=job.get("trace_label"),
+    ) as session:
+        config = config_dict(session.config)
+        _send(control, {"start": {"config": config, "label": version.label, "origin": version.origin}})
+        info = {"trace": job.get("trace_label") or job["trace"], "allocator": version.spec, "config": config}
+        with StateLogWriter(out, info, steps_per_batch=int(job.get("steps_per_batch", 256)), compression=None) as log:
+            for snap in session.snapshots():
+                log.write(snap)
+        _send(control, {"end": session.result().to_dict()})
+
+
+def _send(control: IO[str], message: dict[str, Any]) -> None:
+    control.write(json.dumps(message) + "\n")
+    control.flush()
+
+
+def main(argv: list[str] | None = None, run: Callable[[dict[str, Any], BinaryIO, IO[str]], None] = run_job) -> int:
+    """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd).
+
+    ``run``: what replays the job (``run_job``; the dashboard's replay process passes its
+    own, ``kvtrace.tui.remote.process``, so that this module never imports the dashboard).
+    """
+    from traces.lifeline import settle_from_env
+
+    settle_from_env()  # Ctrl-C is the parent's to report; this process dies with it
+    args = sys.argv[1:] if argv is None else argv
+    job = json.loads(args[0])
+    control = pipe_writer(int(args[1]), text=True)
+    sys.stdout.flush()
+    out = pipe_writer(os.dup(1))
+    # Stdout is the record stream: nothing else may write there. Python's prints go to
+    # stderr, and so do a library's own writes to descriptor 1.
+    sys.stdout = sys.stderr
+    os.dup2(2, 1)
+    try:
+        if job.get("allocator_root"):
+            install_allocator(job["allocator_root"])
+            _check_code(job)
+        run(job, out, control)
+        out.flush()
+    except BrokenPipeError:
+        return 0  # the parent stopped reading (it found what it wanted, or was interrupted)
+    except BaseException as exc:  # reported to the parent, which decides what to print
+        from kvtrace.errors import USER_ERRORS
+
+        user = isinstance(exc, USER_ERRORS)
+        text = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        try:
+            _send(control, {"error": text, "user": user, "traceback": traceback.format_exc()})
+        except (BrokenPipeError, OSError):
+            pass
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

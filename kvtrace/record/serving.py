@@ -1,0 +1,67 @@
+"""The serving configuration a simulation runs with: defaults, a trace's own, the user's.
+
+Defaults model SGLang 0.5.23 serving Llama-3.1-8B (bf16) on one NVIDIA H200 (the
+arithmetic is in ``kvtrace/cli/record.py``). A trace given as the workload keeps the
+configuration it was recorded with (``kvtrace.record.simulate.trace_defaults``) for what the
+user does not override. Constants only at import time: the command line imports this.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "DEFAULT_CONTEXT_LEN",
+    "DEFAULT_MAX_PREFILL_TOKENS",
+    "DEFAULT_MAX_RUNNING",
+    "DEFAULT_POOL_TOKENS",
+    "SERVING_DEFAULTS",
+    "serving_settings",
+]
+
+DEFAULT_POOL_TOKENS = 920_000
+DEFAULT_MAX_RUNNING = 256
+DEFAULT_CONTEXT_LEN = 131_072
+DEFAULT_CHUNK = 8192
+DEFAULT_MAX_PREFILL_TOKENS = 16_384
+
+# The serving defaults of a workload file (a trace given as the workload keeps its own).
+SERVING_DEFAULTS: dict[str, Any] = {
+    "pool_tokens": DEFAULT_POOL_TOKENS,
+    "page_size": 1,
+    "max_running": DEFAULT_MAX_RUNNING,
+    "context_len": DEFAULT_CONTEXT_LEN,
+    "chunk": DEFAULT_CHUNK,
+    "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
+    "spec": None,
+    "spec_acceptance": 0.7,
+    "pd_decode": False,
+    "seed": 0,
+    "policy": "fcfs",
+    "step_time": None,
+}
+
+
+def serving_settings(workload: Path, fmt: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The serving options a simulation runs with (``RecordOptions`` keyword arguments):
+    those given (not None), else a trace's own (a trace as the workload), else
+    ``SERVING_DEFAULTS``. A chunk of 0 means no chunking (None).
+
+    Raises:
+        TraceError: a trace that cannot be read.
+    """
+    settings = dict(SERVING_DEFAULTS)
+    if fmt == "trace":
+        from kvtrace.record.simulate import trace_defaults
+        from traces.io import TraceReader
+
+        settings.update(trace_defaults(TraceReader(workload).meta))
+    settings.update({key: value for key, value in given.items() if value is not None})
+    if settings["step_time"] is None:
+        from kvtrace.record.step_time import StepTimeModel
+
+        settings["step_time"] = StepTimeModel()
+    settings["chunk"] = settings["chunk"] or None
+    return settings

@@ -1,0 +1,338 @@
+"""Simulate a workload: the scheduler model (``kvtrace.record.scheduler``) over a workload
+file or a trace, on a real allocator, recorded as a trace or kept as a summary only.
+
+``record_workload`` is the library behind ``kvtrace record`` and behind the simulated
+cells of ``kvtrace sweep``; ``record_report`` is the ``kvtrace record --json`` object
+both print. A trace given as the workload (``fmt="trace"``) is scheduled anew: the
+same requests, arrivals and content (``traces.trace_workload``) under new options;
+``trace_defaults`` gives the options the trace was recorded with, for what the user
+does not override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from allocator.pages import floor_align
+from kvtrace.record.scheduler import RecordProgress, RecordSummary, SchedulePolicy, Scheduler, SchedulerConfig
+from kvtrace.record.step_time import StepTimeModel
+from traces.schema import ModelShape, SpecSettings, TraceMeta, TraceSource
+
+if TYPE_CHECKING:
+    from traces.workloads import WorkloadFormat, WorkloadRequest
+
+__all__ = [
+    "MODEL_SHAPE_NAME",
+    "DiscardRecorder",
+    "RecordOptions",
+    "RecordResult",
+    "record_report",
+    "record_workload",
+    "spec_settings",
+    "spec_text",
+    "trace_defaults",
+]
+
+MODEL_SHAPE_NAME = "Llama-3.1-8B"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordOptions:
+    """Everything ``record_workload`` needs (the CLI's options, checked)."""
+
+    workload: Path
+    fmt: WorkloadFormat
+    out: Path | None  # None: keep no trace (the summary only)
+    pool_tokens: int
+    page_size: int = 1
+    max_running: int = 256
+    context_len: int = 131_072
+    chunk: int | None = 8192
+    max_prefill_tokens: int = 16384
+    spec: SpecSettings | None = None
+    spec_acceptance: float = 0.7
+    pd_decode: bool = False
+    duration_s: float | None = None
+    time_scale: float = 1.0
+    rate: float | None = None
+    seed: int = 0
+    policy: SchedulePolicy = "fcfs"
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    device: str = "cpu"
+    steps_per_batch: int = 1
+    compression: str = "zstd"
+    overwrite: bool = False
+    flush_interval_s: float | None = 1.0
+    compact_steps_per_batch: int | None = 256
+    source: TraceSource | None = None
+    command: str | None = None  # the command line stored in the trace (default: this process's)
+    version: str = "builtin"  # the allocator version the scheduler model runs on (kvtrace.versions.registry)
+    force: bool = False  # build the pool even when it looks bigger than the free memory
+
+
+class RecordResult(NamedTuple):
+    """A finished recording: the summary, the allocator's integrity check at the end
+    (one line per violation; empty when sound) and the trace metadata written."""
+
+    summary: RecordSummary
+    violations: list[str]
+    meta: TraceMeta
+    block_reuse: dict[str, float] | None
+
+
+def record_workload(
+    options: RecordOptions, progress: Callable[[RecordProgress], None] | None = None
+) -> RecordResult:
+    """Record a workload file (or a trace, ``fmt="trace"``) into a trace, or with
+    ``options.out`` None run it keeping the summary only (the library behind
+    ``kvtrace record`` and the simulated cells of ``kvtrace sweep``).
+
+    Raises:
+        traces.workloads.WorkloadFileError: a bad row or column in the workload.
+        traces.errors.TraceError: a trace workload that cannot be read or re-scheduled,
+            or a trace that cannot be written.
+        VersionSpecError: ``options.version`` does not resolve or its factory fails.
+        ConfigError: a version that fixes another page size than ``options.page_size``,
+            or a pool that needs more memory than the machine has (without ``options.force``).
+        ValueError: inconsistent options.
+    """
+    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
+
+    def requests() -> Iterator[WorkloadRequest]:
+        return read_workload(
+            options.workload,
+            options.fmt,
+            rate=options.rate,
+            seed=options.seed,
+            duration_s=options.duration_s,
+            time_scale=options.time_scale,
+        )
+
+    # Check the whole file first (a streaming pass): a bad line fails at once, not
+    # minutes into the recording, and no partial trace is left behind.
+    total = sum(1 for _ in requests())
+    if total == 0:
+        window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
+        raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
+    from kvtrace.replay.config import RECORD_OPTIONS, check_memory, effective_config
+    from kvtrace.record.recorder import Recorder
+    from kvtrace.versions.registry import resolve_version
+
+    version = resolve_version(options.version)
+    block_size = MOONCAKE_BLOCK_SIZE if options.fmt == "mooncake" else None
+    source = options.source
+    if options.fmt == "trace":
+        from traces.trace_workload import read_trace_workload
+
+        workload = read_trace_workload(options.workload)
+        block_size = workload.block_size
+        if source is None:
+            source = dataclasses.replace(workload.meta.source, engine="kvtrace-scheduler")
+    spec = options.spec
+    config = SchedulerConfig(
+        page_size=options.page_size,
+        pool_tokens=floor_align(options.pool_tokens, options.page_size),
+        max_running=options.max_running,
+        max_context_len=options.context_len,
+        chunk_size=options.chunk,
+        max_prefill_tokens=options.max_prefill_tokens,
+        policy=options.policy,
+        spec=spec,
+        spec_acceptance=options.spec_acceptance,
+        pd_decode=options.pd_decode,
+        radix_cache=not options.pd_decode,
+        seed=options.seed,
+        step_time=options.step_time,
+    )
+    source = source or known_source(options.workload, options.fmt)
+    meta = TraceMeta(
+        config=config.trace_config(),
+        source=source,
+        model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+        block_size=block_size,
+        extra={
+            "recorder": "kvtrace.scheduler",  # the name traces have always carried, not a module path
+            "workload_format": options.fmt,
+            "allocator": version.spec,
+            "duration_s": options.duration_s,
+            "time_scale": options.time_scale,
+            "rate": options.rate,
+            "seed": options.seed,
+            "max_prefill_tokens": options.max_prefill_tokens,
+            "spec_acceptance": options.spec_acceptance if spec is not None else None,
+            "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
+        },
+    )
+    allocator_config = effective_config(
+        meta,
+        version_spec=version.spec,
+        version_page_size=version.page_size,
+        page_size=options.page_size,
+        device=options.device,
+    )
+    check_memory(allocator_config, num_rids=total, names=RECORD_OPTIONS, force=options.force)
+    allocator = version.create(allocator_config)
+    recorder: Any
+    if options.out is None:
+        recorder = DiscardRecorder()
+    else:
+        recorder = Recorder(
+            options.out,
+            meta,
+            steps_per_batch=options.steps_per_batch,
+            compression=options.compression,
+            overwrite=options.overwrite,
+            flush_interval_s=options.flush_interval_s,
+            dense_ids=True,
+            compact_steps_per_batch=options.compact_steps_per_batch,
+            command=options.command,
+        )
+    with recorder:
+        scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
+        summary = scheduler.run(requests(), progress=progress, total=total)
+    violations = [
+        f"{v.check}: {v.detail}" + (f" (request {v.rid})" if v.rid is not None else "")
+        for v in allocator.check_integrity()
+    ]
+    return RecordResult(summary=summary, violations=violations, meta=meta, block_reuse=None)
+
+
+class DiscardRecorder:
+    """The recorder of a simulation that keeps no trace: every op is dropped (the
+    scheduler model's summary is all that is kept)."""
+
+    def begin_step(self, time_s: float) -> int:
+        return 0
+
+    def end_step(self) -> None:
+        return None
+
+    def extend(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    prealloc = decode = spec = finish = retract = abort = extend
+
+    def __enter__(self) -> DiscardRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def spec_settings(text: str) -> SpecSettings | None:
+    """``off`` -> None; ``ALGORITHM:STEPS,TOPK,DRAFT`` -> ``SpecSettings`` (the text is
+    checked by the command line, ``kvtrace.cli.record.parse_spec``).
+
+    Raises:
+        ValueError: text of another shape.
+    """
+    text = text.strip().lower()
+    if text in ("off", "none"):
+        return None
+    algorithm, _, numbers = text.partition(":")
+    steps, topk, draft = (int(x) for x in numbers.split(","))
+    return SpecSettings(algorithm=algorithm, num_steps=steps, topk=topk, num_draft_tokens=draft)  # type: ignore[arg-type]
+
+
+def spec_text(spec: SpecSettings | None) -> str | None:
+    """``ALGORITHM:STEPS,TOPK,DRAFT`` (what ``--spec`` takes), None when off."""
+    if spec is None:
+        return None
+    return f"{spec.algorithm}:{spec.num_steps},{spec.topk},{spec.num_draft_tokens}"
+
+
+def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
+    """The ``RecordOptions`` a trace was recorded with, read off its metadata: what
+    scheduling the trace anew keeps unless an option overrides it.
+
+    Serving settings come from ``meta.config``; the scheduler model's own (prefill
+    budget, acceptance probability, seed, step-time coefficients) from
+    ``meta.extra`` when a ``kvtrace record`` wrote them.
+    """
+    cfg = meta.config
+    extra = meta.extra or {}
+    out: dict[str, Any] = {
+        "pool_tokens": cfg.pool_tokens,
+        "page_size": cfg.page_size,
+        "max_running": cfg.max_running,
+        "context_len": cfg.max_context_len,
+        "chunk": cfg.chunk_size,
+        "spec": cfg.spec,
+        "pd_decode": cfg.pd_decode,
+        "policy": cfg.schedule_policy if cfg.schedule_policy in ("fcfs", "lpm") else "fcfs",
+    }
+    for key in ("max_prefill_tokens", "seed"):
+        if isinstance(extra.get(key), int) and not isinstance(extra.get(key), bool):
+            out[key] = extra[key]
+    if isinstance(extra.get("spec_acceptance"), (int, float)):
+        out["spec_acceptance"] = float(extra["spec_acceptance"])
+    coefficients = extra.get("step_time")
+    if isinstance(coefficients, dict):
+        names = {f.name for f in dataclasses.fields(StepTimeModel)}
+        known = {k: float(v) for k, v in coefficients.items() if k in names and isinstance(v, (int, float))}
+        out["step_time"] = StepTimeModel(**known)
+    return out
+
+
+def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float) -> dict[str, Any]:
+    """The ``kvtrace record --json`` object (keys are a stable contract; add, never rename).
+
+    Args:
+        result: what ``record_workload`` returned.
+        options: the options it ran with.
+        wall_s: the wall time it took.
+    """
+    summary = result.summary
+    out = options.out
+    return {
+        "out": None if out is None else str(out),
+        "format": options.fmt,
+        "allocator": options.version,
+        "steps": summary.steps,
+        "requests": summary.requests,
+        "finished": summary.finished,
+        "rejected": summary.rejected,
+        "aborts": summary.aborted,
+        "retractions": summary.retractions,
+        "retracted_requests": summary.retracted_requests,
+        "evicted_tokens": summary.evicted_tokens,
+        "prefix_hit_rate": summary.prefix_hit_rate,
+        "prefix_hit_tokens": summary.prefix_hit_tokens,
+        "prompt_tokens": summary.prompt_tokens,
+        "peak_used_tokens": summary.peak_used_tokens,
+        "peak_step": summary.peak_step,
+        "duration_s": summary.duration_s,
+        "queue_delay_s": summary.queue_delay_s.to_dict(),
+        "ttft_s": summary.ttft_s.to_dict(),
+        "wall_s": wall_s,
+        "steps_per_s": summary.steps / wall_s if wall_s > 0 else 0.0,
+        "prefill_steps": summary.prefill_steps,
+        "decode_steps": summary.decode_steps,
+        "release_steps": summary.release_steps,
+        "retract_steps": summary.retract_steps,
+        "spec_steps": summary.spec_steps,
+        "peak_running": summary.peak_running,
+        "peak_waiting": summary.peak_waiting,
+        "extend_retries": summary.extend_retries,
+        "row_overflows": summary.row_overflows,
+        "spec_mean_accepted": (
+            summary.spec_accepted_tokens / max(1, summary.spec_ops) if options.spec is not None else None
+        ),
+        "integrity_violations": result.violations,
+        "block_reuse": result.block_reuse,
+        "file_bytes": out.stat().st_size if out is not None and out.exists() else 0,
+        "config": {
+            "page_size": options.page_size,
+            "pool_tokens": options.pool_tokens,
+            "max_running": options.max_running,
+            "context_len": options.context_len,
+            "chunk": options.chunk,
+            "policy": options.policy,
+            "spec": spec_text(options.spec),
+            "pd_decode": options.pd_decode,
+        },
+    }

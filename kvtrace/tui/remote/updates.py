@@ -1,0 +1,133 @@
+"""What the screen learns of a batch of replayed steps: the steps' ``SnapshotBlock``, and
+how it travels over a pipe.
+
+The replayer sends one every ``batch_s`` while it plays (``kvtrace.tui.remote.replayer``): the
+replay session's own block of those steps (``ReplaySession.take_block``), with the
+request rows of the steps that are not the last of their decode run in the block left
+out (the run's last step lists the same requests, with their lengths after it); the
+screen folds it into its own ``ReplayState`` (``ReplayState.apply_block``), which is the
+replay's fold. A frame copies a block's rows once. The replay process does not fold each
+batch to send only the rows of the requests it changed: a fold's cost is mostly per call,
+so its own fold waits for ``_FOLD_STEPS`` steps, or until its state is read
+(``kvtrace.replay.session``; bench/RESULTS.md).
+
+Over a pipe an update is one frame: its length (8 bytes, little-endian) and its body: a
+32-byte header (``KVU1``, the number of pool counters, steps, rows, the length of the
+tail), the block's columns as raw bytes in the machine's order (8-byte ones first, so that each
+starts aligned), then the tail: the events and the state digests, pickled, when there
+are any (the pipe joins a process to the child it started, running this same code).
+Raw columns rather than pickled arrays: pickling costs per array, which this layout
+mostly saves, and the screen reads the columns in place.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import BinaryIO
+
+import numpy as np
+
+from kvtrace.replay.snapshot import PoolCounters, RequestDelta, SnapshotBlock
+
+__all__ = ["read_update", "write_update"]
+
+_LENGTH = struct.Struct("<Q")
+_HEADER = struct.Struct("<4sIQQQ")  # magic, pool counters, steps, rows, tail bytes
+_MAGIC = b"KVU1"
+_NUM_POOL = len(PoolCounters._fields)
+# (column, dtype, per step or per row): the body's order, widest first.
+_STEP, _ROW = "step", "row"
+_COLUMNS: tuple[tuple[str, type, str], ...] = (
+    ("steps", np.int64, _STEP),
+    ("times", np.float64, _STEP),
+    ("allocator_s", np.float64, _STEP),
+    ("row_counts", np.int64, _STEP),
+    ("rids", np.int64, _ROW),
+    ("allocated", np.int64, _ROW),
+    ("committed", np.int64, _ROW),
+    ("protected", np.int64, _ROW),
+    ("prefix", np.int64, _ROW),
+    ("num_ops", np.int32, _STEP),
+    ("keyframes", np.bool_, _STEP),
+    ("op", np.int8, _ROW),
+    ("phase", np.int8, _ROW),
+)
+_REQUEST_FIELDS = frozenset(RequestDelta._fields)
+
+
+def write_update(out: BinaryIO, update: SnapshotBlock) -> None:
+    """Write one update (a block of steps) to ``out`` as a frame (and flush)."""
+    k, r = update.num_steps, update.requests.num_requests
+    digests = update.digests if any(d is not None for d in update.digests) else None
+    tail = pickle.dumps((update.event_steps, update.events, digests), protocol=pickle.HIGHEST_PROTOCOL) \
+        if update.events or digests is not None else b""
+    columns = [_column(getattr(update.requests if name in _REQUEST_FIELDS else update, name), dtype)
+               for name, dtype, _ in _COLUMNS]
+    body = b"".join([_HEADER.pack(_MAGIC, _NUM_POOL, k, r, len(tail)), _column(update.pools, np.int64), *columns, tail])
+    out.write(_LENGTH.pack(len(body)))
+    out.write(body)
+    out.flush()
+
+
+def _read_exactly(source: BinaryIO, n: int, size: int, offset: int = 0) -> bytearray:
+    """``n`` bytes of ``source`` (bytes ``offset`` on of a frame of ``size``).
+
+    Raises:
+        EOFError: the stream ends first.
+    """
+    data = bytearray(n)
+    view = memoryview(data)
+    got = 0
+    while got < n:
+        read = source.readinto(view[got:])  # type: ignore[attr-defined]
+        if not read:
+            raise EOFError(f"the update stream ends inside a frame ({offset + got} of {size} bytes)")
+        got += read
+    return data
+
+
+def _column(values: np.ndarray, dtype: type) -> memoryview:
+    return memoryview(np.ascontiguousarray(values, dtype=dtype).reshape(-1)).cast("B")
+
+
+def read_update(source: BinaryIO) -> SnapshotBlock | None:
+    """The next update ``write_update`` wrote to ``source`` (None at the end of the stream).
+
+    Raises:
+        EOFError: the stream ends inside a frame.
+        ValueError: a frame that is not an update.
+    """
+    head = source.read(_LENGTH.size)
+    if not head:
+        return None
+    if len(head) < _LENGTH.size:
+        raise EOFError("the update stream ends inside a frame's length")
+    (size,) = _LENGTH.unpack(head)
+    if size < _HEADER.size:
+        raise ValueError(f"an update frame of {size} bytes is shorter than its header")
+    header = _read_exactly(source, _HEADER.size, size)
+    magic, num_pool, k, r, tail_len = _HEADER.unpack(header)
+    if magic != _MAGIC:
+        raise ValueError(f"not an update frame (it begins {bytes(header[:8])!r})")
+    expected = _HEADER.size + 8 * k * num_pool + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
+                                                     for _, t, per in _COLUMNS) + tail_len
+    if num_pool != _NUM_POOL or expected != size:  # (checked before the body is read: a length gone wrong)
+        raise ValueError(f"a damaged update frame ({num_pool} pool counters, {k} steps, {r} rows and {tail_len} "
+                         f"bytes of events in {size} bytes)")
+    body = _read_exactly(source, size - _HEADER.size, size, _HEADER.size)  # writable: the columns are views of it
+    at = 0
+    pools = np.frombuffer(body, np.int64, k * num_pool, at).reshape(k, num_pool)
+    at += pools.nbytes
+    cols: dict[str, np.ndarray] = {}
+    for name, dtype, per in _COLUMNS:
+        n = k if per == _STEP else r
+        cols[name] = np.frombuffer(body, dtype, n, at)
+        at += cols[name].nbytes
+    event_steps, events, digests = pickle.loads(body[at:]) if tail_len else ([], [], None)
+    return SnapshotBlock(
+        steps=cols["steps"], times=cols["times"], pools=pools, keyframes=cols["keyframes"], num_ops=cols["num_ops"],
+        allocator_s=cols["allocator_s"], row_counts=cols["row_counts"],
+        requests=RequestDelta(*(cols[name] for name in RequestDelta._fields)),
+        event_steps=event_steps, events=events, digests=digests if digests is not None else [None] * k,
+    )
