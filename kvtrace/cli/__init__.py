@@ -134,6 +134,9 @@ class KvtraceGroup(TyperGroup):
             args = optional_value(args, option, CURRENT_SHELL, is_value=lambda arg: not arg.startswith("-"))
         try:
             return super().parse_args(ctx, args)
+        except BrokenPipeError:  # the root help's reader went away (| head): done, quietly
+            _discard_stdout()
+            raise typer.Exit(0) from None
         except _USAGE_ERROR as exc:  # a bad root option: one line, as for a command's
             if type(exc).__name__ == "NoArgsIsHelpError":  # no arguments: the help
                 raise
@@ -412,6 +415,11 @@ def main() -> None:
     if sys.stdout is None:
         _discard_stdout_descriptor()
     sys.stdout = _Stdout(sys.stdout)
+    if len(sys.argv) == 1 or {"--help", "-h"} & set(sys.argv[1:]):
+        # Help is printed by typer's own rich console, whose answer to a closed pipe is exit 1.
+        import rich.console
+
+        rich.console.Console.on_broken_pipe = staticmethod(ui.broken_pipe)  # type: ignore[method-assign,assignment]
     name = command_named(sys.argv[1:])
     app = load_commands(None if name is None else [name])
     code: Any = 0

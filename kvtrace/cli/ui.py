@@ -135,11 +135,11 @@ def console(*, stderr: bool = False) -> Console:
         width=None if terminal else PIPE_WIDTH,
         color_system="auto" if color() else None,
     )
-    console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+    console.on_broken_pipe = broken_pipe  # type: ignore[method-assign]
     return console
 
 
-def _broken_pipe() -> None:
+def broken_pipe() -> None:
     """Rich's own answer to a closed pipe is exit code 1; the CLI's is a quiet exit 0."""
     raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
