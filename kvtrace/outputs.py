@@ -24,6 +24,7 @@ files are ever replaced: a device (``/dev/null``), a FIFO or a socket is refused
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -35,7 +36,7 @@ from pathlib import Path
 from kvtrace.errors import OutputError, Terminated
 from traces.atomic import remove_stale_temporaries, replacing
 
-__all__ = ["OutputFile", "distinct_outputs", "terminating_cleanly"]
+__all__ = ["OutputFile", "distinct_outputs", "signals_raise", "terminating_cleanly"]
 
 _KINDS = (
     (stat.S_ISCHR, "a character device"),
@@ -70,28 +71,35 @@ def _not_regular(path: Path) -> str | None:
 
 
 @contextmanager
-def terminating_cleanly() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise ``Terminated`` (once a trace step being
-    written is on disk) instead of killing the process, so ``with`` blocks remove their
-    temporary files. A signal someone already handles (``ui.terminate_on_signals``) is
-    left alone, and so is every signal outside the main thread."""
+def signals_raise(signums: Iterable[int], *, unhandled_only: bool = False) -> Iterator[None]:
+    """Within the block, SIGINT raises ``KeyboardInterrupt`` and the other ``signums``
+    raise ``Terminated``, each once the step a trace writer may be writing is on disk
+    (``traces.io.interrupt_when_safe``), so ``with`` blocks close their files and remove
+    their temporary ones. ``unhandled_only`` leaves a signal someone already handles
+    alone. Outside the main thread, where handlers cannot be installed, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     from traces.io import interrupt_when_safe
 
     def handler(signum: int, frame: object) -> None:
-        interrupt_when_safe(Terminated(signum))
+        interrupt_when_safe(KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum))
 
     previous = {}
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) is signal.SIG_DFL:
+    for signum in signums:
+        if not unhandled_only or signal.getsignal(signum) is signal.SIG_DFL:
             previous[signum] = signal.signal(signum, handler)
     try:
         yield
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+def terminating_cleanly() -> contextlib.AbstractContextManager[None]:
+    """Within the block, SIGTERM and SIGHUP raise ``Terminated`` unless someone already
+    handles them (the CLI's ``ui.terminate_on_signals``): what a file being written needs."""
+    return signals_raise((signal.SIGTERM, signal.SIGHUP), unhandled_only=True)
 
 
 def distinct_outputs(outputs: Iterable[OutputFile | None]) -> None:

@@ -64,7 +64,7 @@ def alive(pid: int) -> bool:
 
 
 def wait_until(condition: object, timeout_s: float, what: str) -> None:
-    """Poll ``condition()`` every 20 ms until true; fail naming ``what`` after ``timeout_s``."""
+    """Poll ``condition()`` until true; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

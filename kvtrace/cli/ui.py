@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -242,27 +242,10 @@ def command_line(meta: dict[str, Any]) -> str:
     return shlex.join(["kvtrace", *args])
 
 
-@contextmanager
-def terminate_on_signals() -> Iterator[None]:
+def terminate_on_signals() -> AbstractContextManager[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM and SIGHUP raise
-    ``Terminated``, each once the step a trace writer may be writing is on disk
-    (``traces.io.interrupt_when_safe``). Outside the main thread, where handlers
-    cannot be installed, nothing changes."""
-    from traces.io import interrupt_when_safe
+    ``Terminated`` (``kvtrace.outputs.signals_raise``), so the CLI reports them in one line."""
+    from kvtrace.outputs import signals_raise
 
     names = ("SIGINT", "SIGTERM", "SIGHUP")
-    signums = [getattr(signal, name) for name in names if hasattr(signal, name)]
-
-    def handler(signum: int, frame: object) -> None:
-        interrupt_when_safe(KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum))
-
-    try:
-        previous = {signum: signal.signal(signum, handler) for signum in signums}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
+    return signals_raise([getattr(signal, name) for name in names if hasattr(signal, name)])
