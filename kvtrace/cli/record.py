@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -447,48 +447,22 @@ def _note_trace_workload(trace: Path, shown: str) -> None:
         )
 
 
-class _progress:
-    """The recording's progress bar on stderr (a no-op with -q or --json); yields the callback."""
-
-    def __init__(self, off: bool) -> None:
-        self.off = off or ui.settings.quiet
-        self._live: Any = None
-
-    def __enter__(self) -> Any:
-        if self.off:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        live = Progress(
-            TextColumn("recording"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=ui.console(stderr=True),
-            transient=True,
-        )
-        task = live.add_task("", total=None)
+@contextmanager
+def _progress(off: bool) -> Iterator[Callable[[Any], None] | None]:
+    """The recording's progress line: finished requests of all, and the rest of the
+    scheduler's state; None (no callback) where no line is shown."""
+    if off or not ui.progress_shown():
+        yield None
+        return
+    with ui.progress("recording", count=True) as line:
 
         def progress_cb(p: Any) -> None:
-            # The bar counts finished requests; the text the rest of the state.
-            live.update(
-                task,
-                total=p.total,
-                completed=p.finished,
-                description=(
-                    f"finished · arrived {p.arrived:,} running {p.running:,} waiting {p.waiting:,} · "
-                    f"step {p.steps:,} · sim {p.sim_time_s:,.0f} s"
-                ),
-            )
+            line.show(p.finished, total=p.total, info=(
+                f"finished · arrived {p.arrived:,} running {p.running:,} waiting {p.waiting:,} · "
+                f"step {p.steps:,} · sim {p.sim_time_s:,.0f} s"
+            ))
 
-        live.start()
-        self._live = live
-        return progress_cb
-
-    def __exit__(self, *exc: object) -> None:
-        if self._live is not None:
-            self._live.stop()
+        yield progress_cb
 
 
 def _step_kinds(report: dict[str, Any], options: Any) -> str:

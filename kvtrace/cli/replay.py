@@ -6,9 +6,8 @@ the command, when it runs.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -31,9 +30,6 @@ from kvtrace.cli.options import (
 )
 from kvtrace.errors import ConfigError
 from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None]:
@@ -205,19 +201,18 @@ def replay(
         ui.no_color_for_textual()
         _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target)
         return
-    err = ui.console(stderr=True)
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
         force_memory=ignore_memory_check,
     ) as session:
         if target is None:
-            _run(session, err, None)
+            _run(session, None)
         else:
             with target.writing() as tmp:
                 info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
                         "allocator": session.version.spec, "config": config_dict(session.config)}
                 with StateLogWriter(tmp, info) as log:
-                    _run(session, err, log)
+                    _run(session, log)
         result = session.result()
     summary = result.to_dict()
     if out is not None:
@@ -251,53 +246,11 @@ def _rerun_options(*, page_size: int | None, pool_tokens: int | None, allocator:
     return tuple(given)
 
 
-def _run(session: Any, err: Console, log: Any) -> None:
+def _run(session: Any, log: Any) -> None:
     """Replay every step, writing each snapshot to the state log (if any), with progress."""
-    with _progress(err, session) as advance:
+    with ui.progress("replay", total=1.0) as line:
         for snap in session.snapshots():
             if log is not None:
                 log.write(snap)
-            advance(snap.step, snap.time_s)
-
-
-class _progress:
-    """A stderr progress line (steps, simulated time, share of the file read); silent when not a TTY."""
-
-    def __init__(self, console: Console, session: object) -> None:
-        self.console = console
-        self.session = session
-        self.enabled = console.is_terminal and not ui.settings.quiet
-        self._last = 0.0
-        self._steps = 0
-
-    def __enter__(self):  # noqa: ANN204
-        if not self.enabled:
-            return lambda step, t: None
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._progress = Progress(
-            TextColumn("replay"),
-            BarColumn(),
-            TextColumn("{task.percentage:>3.0f}%"),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            transient=True,
-        )
-        self._progress.start()
-        self._task = self._progress.add_task("replay", total=1.0, info="")
-
-        def advance(step: int, t: float) -> None:
-            self._steps += 1
-            now = time.monotonic()
-            if now - self._last < 0.1:
-                return
-            self._last = now
-            done = self.session.progress  # type: ignore[attr-defined]
-            self._progress.update(self._task, completed=done, info=f"step {step:,}  t={t:,.0f}s")
-
-        return advance
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._progress.stop()
+            if line.due():
+                line.show(session.progress, f"step {snap.step:,}  t={snap.time_s:,.0f}s")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -113,7 +112,7 @@ def shrink(
         if output is not None:
             _check_writable(output)
     command_text = ui.command_line(ctx.meta)
-    with _Progress(ui.console(stderr=True)) as progress:
+    with _Progress() as progress:
         result = shrink_trace(trace, oracle, page_size=page_size, pool_tokens=pool_tokens, jobs=jobs,
                               max_time=max_time, on_progress=progress, command=command_text)
     summary = result.to_dict()
@@ -162,7 +161,7 @@ def _oracle(target: Any, allocator: str | None, baseline: str | None, a: str | N
 
 
 def _test_outputs(path: Path, force: bool, inputs: list[Path]) -> tuple[Any, Any]:
-    from kvtrace.outputs import OutputFile, distinct_outputs
+    from kvtrace.outputs import OutputFile
 
     if path.suffix != ".py" or not path.name.startswith("test_"):
         raise typer.BadParameter(f"{path}: name the test test_NAME.py (pytest collects test_*.py)", param_hint="--emit-test")
@@ -243,36 +242,30 @@ def _size(d: dict[str, int]) -> str:
 
 
 class _Progress:
-    """Progress on stderr: a live line on a terminal (candidates, size, time left), a
-    note per phase otherwise; nothing with -q."""
+    """Progress on stderr: the ``ui.progress`` line where one is shown (candidates, size,
+    time left), a note per phase elsewhere; nothing with -q."""
 
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.live = console.is_terminal and not ui.settings.quiet
+    def __init__(self) -> None:
         self._phase = ""
-        self._last = 0.0
+        self._line = ui.ProgressLine()
+        self._context: Any = None
 
     def __enter__(self) -> _Progress:
-        if self.live:
-            from rich.status import Status
-
-            self._status = Status("shrink: finding the failure", console=self.console)
-            self._status.start()
+        if ui.progress_shown():
+            self._context = ui.progress("shrink")
+            self._line = self._context.__enter__()
         return self
 
     def __call__(self, p: Progress) -> None:
         size = "" if p.size is None else f"{p.size.requests:,} requests / {p.size.steps:,} steps / {p.size.ops:,} ops"
         left = "" if p.left_s is None else f", {p.left_s:,.0f} s left"
-        text = f"shrink [{p.phase}] {p.counts.tried:,} candidates, {size}{left}"
-        if self.live:
-            now = time.monotonic()
-            if now - self._last >= 0.1:
-                self._last = now
-                self._status.update(text)
+        text = f"[{p.phase}] {p.counts.tried:,} candidates, {size}{left}"
+        if self._context is not None:
+            self._line(0, text)
         elif p.phase != self._phase:
-            ui.note(text)
+            ui.note(f"shrink {text}")
         self._phase = p.phase
 
     def __exit__(self, *exc: object) -> None:
-        if self.live:
-            self._status.stop()
+        if self._context is not None:
+            self._context.__exit__(*exc)

@@ -339,48 +339,34 @@ def _describe(row: dict[str, Any]) -> str:
 
 
 class _Progress:
-    """Cells done of the cells to run, with an ETA, on stderr (a terminal only; not with -q or --json)."""
+    """Cells done of the cells to run, with the time left (``ui.progress``)."""
 
     def __init__(self, off: bool) -> None:
-        import sys
-
-        self.enabled = not off and not ui.settings.quiet and sys.stderr.isatty()
-        self._live: Any = None
+        self.off = off
         self.failed = 0
+        self._done = 0
+        self._line = ui.ProgressLine()
+        self._context: Any = None
 
     def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self._live = Progress(
-                TextColumn("sweep"),
-                BarColumn(bar_width=30),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                console=ui.console(stderr=True),
-                transient=True,
-            )
-            self._task = self._live.add_task("", total=None)
-            self._live.start()
+        if not self.off:
+            self._context = ui.progress("sweep", count=True, eta=True)
+            self._line = self._context.__enter__()
         return self
 
     def start(self, todo: int, done: int) -> None:
         if done:
             ui.note(f"resuming: {done:,} cells finished in an earlier run are kept")
-        if self._live is not None:
-            self._live.update(self._task, total=todo)
+        self._line.show(0, "cells", total=todo)
 
     def advance(self, row: dict[str, Any]) -> None:
         self.failed += row["status"] != "ok"
-        if self._live is not None:
-            self._live.update(self._task, advance=1, description=f"cells · {self.failed} failed" if self.failed else "cells")
+        self._done += 1
+        self._line.show(self._done, f"cells · {self.failed} failed" if self.failed else "cells")
 
     def __exit__(self, *exc: object) -> None:
-        if self._live is not None:
-            self._live.stop()
+        if self._context is not None:
+            self._context.__exit__(*exc)
 
 
 REPORT_EXAMPLES = examples(

@@ -25,7 +25,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -162,46 +162,77 @@ def progress_shown() -> bool:
     return not settings.quiet and not settings.json and sys.stderr is not None and sys.stderr.isatty()
 
 
+class ProgressLine:
+    """One transient progress line on stderr: what is being done, a bar, how far, an
+    info text and the time taken (optionally the time left). Calling it redraws at most
+    every ``PROGRESS_EVERY_S`` seconds; a hot loop asks ``due()`` first so that it
+    formats its info text only when the line will be redrawn.
+
+    Where ``progress_shown()`` is false the line is silent: ``due()`` is always false.
+    """
+
+    def __init__(self, live: Any = None, task: Any = None) -> None:
+        self._live = live
+        self._task = task
+        self._last = 0.0
+
+    def due(self) -> bool:
+        """Whether a redraw is due now (and if so, the clock restarts)."""
+        if self._live is None:
+            return False
+        now = time.monotonic()
+        if now - self._last < PROGRESS_EVERY_S:
+            return False
+        self._last = now
+        return True
+
+    def show(self, completed: float, info: str = "", total: float | None = None) -> None:
+        """Redraw now: ``completed`` of ``total`` (the total given at the start, unless a
+        new one is given here)."""
+        if self._live is None:
+            return
+        if total is not None:
+            self._live.update(self._task, total=total)
+        self._live.update(self._task, completed=completed, info=info)
+
+    def __call__(self, completed: float, info: str = "", total: float | None = None) -> None:
+        """Redraw if one is due (cheap enough to call every step)."""
+        if self.due():
+            self.show(completed, info, total)
+
+
 @contextmanager
-def progress(what: str, total: float | None = None) -> Iterator[Callable[..., None]]:
+def progress(what: str, total: float | None = None, *, count: bool = False, eta: bool = False) -> Iterator[ProgressLine]:
     """Show how far long work has gone: one transient line on stderr (erased at the end),
-    only where ``progress_shown()``; elsewhere nothing at all.
+    only where ``progress_shown()``; elsewhere nothing at all. Every command's progress
+    is this line.
 
     Args:
         what: what is being done (``"validating run.kvtrace"``; shown as plain text).
-        total: the amount of work (bytes, steps, ...); None when unknown (the bar pulses).
+        total: the amount of work (bytes, steps, ...); None while unknown (the bar pulses;
+            ``ProgressLine.show`` may give it later).
+        count: show ``done/total`` (whole things: cells, requests) instead of a percentage.
+        eta: show the time left as well as the time taken.
 
     Yields:
-        ``update(completed, info="")``: cheap enough to call every step; the line is
-        redrawn at most every ``PROGRESS_EVERY_S`` seconds.
+        The ``ProgressLine``.
     """
     if not progress_shown():
-        yield _no_progress
+        yield ProgressLine()
         return
     from rich.markup import escape
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     percent = [TextColumn("{task.percentage:>3.0f}%")] if total is not None else []
+    amount = [MofNCompleteColumn()] if count else percent
+    left = [TextColumn("eta"), TimeRemainingColumn()] if eta else []
     live = Progress(
-        TextColumn(escape(what)), BarColumn(), *percent, TextColumn("{task.fields[info]}", markup=False),
-        TimeElapsedColumn(), console=console(stderr=True), transient=True,
+        TextColumn(escape(what)), BarColumn(bar_width=24), *amount, TextColumn("{task.fields[info]}", markup=False),
+        TimeElapsedColumn(), *left, console=console(stderr=True), transient=True,
     )
     task = live.add_task(what, total=total, info="")
-    last = 0.0
-
-    def update(completed: float, info: str = "") -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= PROGRESS_EVERY_S:
-            last = now
-            live.update(task, completed=completed, info=info)
-
     with live:
-        yield update
-
-
-def _no_progress(completed: float, info: str = "") -> None:
-    """``progress``'s updater where no progress is shown."""
+        yield ProgressLine(live, task)
 
 
 def rounded(value: Any) -> Any:
