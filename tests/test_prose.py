@@ -61,3 +61,13 @@ def test_no_timings_in_comments_or_docstrings() -> None:
 def test_op_checker_is_called_checker_not_screen() -> None:
     hits = _hits(CHECKER_AS_SCREEN)
     assert not hits, "say 'checker'/'check' for the op-sequence checker:\n" + "\n".join(hits)
+
+
+def test_markdown_code_fences_are_closed() -> None:
+    """A fence left open turns the rest of a document into one code block."""
+    open_fences = []
+    for path in sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/*.md")]):
+        fences = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.startswith("```")]
+        if len(fences) % 2:
+            open_fences.append(f"{path.relative_to(ROOT)}: {len(fences)} fences, the last at line {fences[-1]}")
+    assert not open_fences, open_fences
