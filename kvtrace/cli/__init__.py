@@ -107,8 +107,26 @@ class KvtraceCommand(TyperCommand):
         return plain_usage(super().collect_usage_pieces(ctx))
 
     def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        self.help = reflow_paragraphs(self.help)
         with whole_option_names():
             super().format_help(ctx, formatter)
+
+
+def reflow_paragraphs(text: str | None) -> str | None:
+    """A docstring's paragraphs each as one line, for the help's own wrapping: rich help
+    keeps the source's line breaks after the first paragraph, which at a width other
+    than the source's breaks lines mid-sentence. Paragraphs of indented or bulleted
+    lines keep their breaks."""
+    if not text:
+        return text
+    out = []
+    for paragraph in text.split("\n\n"):
+        lines = paragraph.split("\n")
+        if any(line[:1].isspace() or line.lstrip().startswith(("- ", "* ", "\b")) for line in lines):
+            out.append(paragraph)
+        else:
+            out.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(out)
 
 
 class KvtraceGroup(TyperGroup):
@@ -120,6 +138,7 @@ class KvtraceGroup(TyperGroup):
         return _flags_as_flags(params)
 
     def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        self.help = reflow_paragraphs(self.help)
         with whole_option_names():
             super().format_help(ctx, formatter)
 

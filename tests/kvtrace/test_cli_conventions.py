@@ -75,6 +75,23 @@ def test_help_at_80_columns_shows_every_option_name_whole() -> None:
         assert not re.search(r"[\w-]…", text.split("Examples")[0]), (words, text)  # no word cut short
 
 
+def test_help_paragraphs_wrap_at_the_terminal_not_at_the_source() -> None:
+    """A help paragraph is wrapped to the terminal's width, never broken where the
+    docstring's source line ended (``one line`` / ``per commit`` at 80 columns)."""
+    import inspect
+
+    checked = 0
+    for words, cmd in _click_commands():
+        text = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "200"}).stdout
+        lines = {line.strip() for line in text.splitlines()}
+        for paragraph in inspect.cleandoc(cmd.callback.__doc__ or "").split("\n\n")[1:] if cmd.callback else []:
+            plain = " ".join(part.strip() for part in paragraph.splitlines())
+            if "\n" in paragraph and len(plain) < 180 and not paragraph.lstrip().startswith(("- ", "* ", "\b")):
+                assert plain in lines, (words, plain)
+                checked += 1
+    assert checked >= 5
+
+
 def test_usage_names_arguments_plainly() -> None:
     for words, cmd in _click_commands():
         usage = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "200"}).stdout
