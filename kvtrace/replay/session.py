@@ -43,7 +43,8 @@ from allocator.base import Checkpointable, Digestible
 from kvtrace.replay.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.versions.registry import AllocatorVersion, resolve_version
-from kvtrace.replay.engine import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
+from kvtrace.replay.engine import EngineState, ReplayEngine, ReplayOptions, StepScreen
+from kvtrace.replay.stats import ReplayStats
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
 from traces.runs import run_lengths
