@@ -30,7 +30,7 @@ One concept, read top to bottom: the replay of one step, from the trace's rows t
 allocator's batched calls (one handler per op kind), their checks and the step's
 snapshot; the handlers share the per-request arrays, the statistics and the step's
 events, so splitting them from the step would scatter one step's path over modules.
-The options it replays under sit here too; what it counts is ``kvtrace.replay.stats``.
+The options it replays under sit here too; what it counts is ``kvtrace.replay.result``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 
 from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
 from kvtrace.errors import TraceError
-from kvtrace.replay.stats import MAX_VIOLATIONS_KEPT, OomRecord, ReplayStats, ViolationRecord
+from kvtrace.replay.result import MAX_VIOLATIONS_KEPT, OomRecord, ReplayStats, ViolationRecord
 from kvtrace.replay.snapshot import (
     ABORTED,
     DECODE_PHASE,

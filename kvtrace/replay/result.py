@@ -1,16 +1,23 @@
-"""What a replay counted: its running totals (``ReplayStats``), the first
-out-of-memory and the invariant violations found (``OomRecord``, ``ViolationRecord``).
+"""What a replay found: the result (``ReplayResult``) and what it counted, its running
+totals (``ReplayStats``), the first out-of-memory and the invariant violations found
+(``OomRecord``, ``ViolationRecord``).
 
-``kvtrace.replay.engine.ReplayEngine`` updates them step by step; the session
-checkpoints them with the engine and builds the replay's summary from them
-(``kvtrace.replay.report``); ``kvtrace.shrink`` matches its targets against them.
+``kvtrace.replay.engine.ReplayEngine`` updates the totals step by step; the session
+checkpoints them with the engine and returns them in its ``ReplayResult``, whose
+summary ``kvtrace.replay.report`` makes; ``kvtrace.shrink`` matches its targets
+against the records.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["MAX_VIOLATIONS_KEPT", "OomRecord", "ReplayStats", "ViolationRecord"]
+if TYPE_CHECKING:
+    from allocator.base import AllocatorConfig
+    from kvtrace.replay.engine import ReplayOptions
+
+__all__ = ["MAX_VIOLATIONS_KEPT", "OomRecord", "ReplayResult", "ReplayStats", "ViolationRecord"]
 
 MAX_VIOLATIONS_KEPT = 1000  # violations listed in full; the rest are counted
 
@@ -70,3 +77,35 @@ class ReplayStats:
     violations: list[ViolationRecord] = field(default_factory=list)
     num_violations: int = 0
     row_overflows: int = 0
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay found: the summary every report is made from.
+
+    ``to_dict()`` is the stable ``kvtrace replay --json`` object.
+    """
+
+    trace: str
+    allocator: str
+    config: AllocatorConfig
+    options: ReplayOptions
+    stats: ReplayStats
+    requests: int
+    wall_s: float
+    overalloc_held_at_end: int
+    page_tail_at_end: int
+    stopped_early: bool
+    truncated: bool
+    completed: bool  # the replay reached the end of the trace (or its window)
+
+    @property
+    def failed(self) -> bool:
+        """Violations, skipped bad ops, or an out-of-memory that stopped the replay."""
+        st = self.stats
+        return st.num_violations > 0 or st.bad_ops > 0 or (self.options.on_oom == "stop" and st.oom is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        from kvtrace.replay.report import replay_summary
+
+        return replay_summary(self)
