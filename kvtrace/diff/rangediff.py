@@ -4,7 +4,7 @@ bisection.
 
 ``diff_range`` reads the series (``kvtrace.diff.series``), replays BASE and each commit that
 touches the watched paths on each trace, and compares each replay with BASE's on the
-same trace with the one step comparator (``kvtrace.diff.diff.compare_sides`` over the two
+same trace with the one step comparator (``kvtrace.diff.walk.compare_sides`` over the two
 replays' records). Replays run in a bounded pool of child processes (``kvtrace.proc.child``,
 one ``ChildSide`` each, ``jobs`` at a time), each on its commit's ``allocator`` tree,
 and are cached (``kvtrace.diff.replaycache``): a commit whose tree, trace and options were
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtrace.diff.diff import DiffOptions, DiffReport, SideReport, compare_sides, usable_cpus
+from kvtrace.diff.diff import DiffOptions, DiffReport, SideReport, usable_cpus
+from kvtrace.diff.walk import compare_sides
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.diff.replaycache import CachedReplay, ReplayCache, driver_digest, replay_key, trace_digest
 from kvtrace.diff.series import Commit, Series, allocator_checkout, prune_checkouts, read_series

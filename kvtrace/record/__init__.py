@@ -3,8 +3,8 @@
 ``recorder`` is the recorder API (``Recorder``: one call per scheduler step of a live
 engine); ``scheduler`` models SGLang's continuous-batching scheduler on a real allocator;
 ``simulate`` runs a workload through it (``kvtrace record``, simulated sweep cells);
-``serving`` is the serving configuration it runs with and ``step_time`` the modelled
-clock. ``from kvtrace.record import Recorder`` stays the engines' import; the name is
+``serving`` is the serving configuration it runs with, ``step_time`` the modelled
+clock and ``summary`` what a recording reports. ``from kvtrace.record import Recorder`` stays the engines' import; the name is
 loaded on first use, so importing a submodule does not import the recorder.
 """
 

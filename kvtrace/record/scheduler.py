@@ -72,6 +72,14 @@ probability ``alpha`` given the previous one was, so
 ``P(K = k) = alpha^k (1 - alpha)`` for ``k < m`` and ``P(K = m) = alpha^m`` where
 ``m = num_draft_tokens - 1``; mean accepted length ``(1 - alpha^(m+1)) / (1 - alpha)``
 (2.53 for alpha 0.7 and 4 draft tokens).
+
+One concept, read top to bottom: the scheduler model's step, in SGLang's order
+(arrivals, releases, admission of a prefill batch or of PD pre-allocations, decode
+with retraction), over one set of per-request arrays and queues that every part reads
+and writes; admission and retraction depend on each other's bookkeeping (the new-token
+ratio, the batch-is-full flag, the waiting order), so splitting them would spread one
+step over modules that each need the whole state. What a recording reports is
+``kvtrace.record.summary``.
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -90,6 +98,7 @@ from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
+from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
 from traces.schema import SpecSettings, TraceConfig
 
 if TYPE_CHECKING:
@@ -99,8 +108,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLIP_MAX_NEW_TOKENS",
-    "RecordProgress",
-    "RecordSummary",
     "Scheduler",
     "SchedulerConfig",
     "TokenSource",
@@ -178,67 +185,6 @@ class SchedulerConfig:
             pd_decode=self.pd_decode,
             radix_cache=self.radix_cache,
         )
-
-
-class RecordProgress(NamedTuple):
-    """Live counters, handed to the progress callback."""
-
-    steps: int
-    arrived: int
-    waiting: int
-    running: int
-    finished: int
-    sim_time_s: float
-    total: int | None  # requests in the workload, when known
-
-
-class RecordSummary(NamedTuple):
-    """What a recording did.
-
-    ``prefix_hit_rate`` = prompt tokens reused from the radix cache at each request's
-    first admission / prompt tokens of those requests. Latencies are on the
-    step-time model's clock, over the requests that got a first token; in PD decode
-    the first token is the step that pre-allocates the request's KV.
-
-    Every step is of one kind: ``steps == prefill_steps + decode_steps +
-    release_steps + retract_steps``. A prefill step extends (in PD decode: pre-allocates);
-    a decode step decodes the running batch (``spec_steps`` of them speculatively); a
-    release step only frees requests that finished in the step before; a retract step
-    retracted every running request and ran nothing.
-    """
-
-    steps: int
-    requests: int
-    finished: int
-    rejected: int
-    aborted: int
-    retractions: int
-    retracted_requests: int
-    evicted_tokens: int
-    prefix_hit_tokens: int
-    prompt_tokens: int
-    prefix_hit_rate: float
-    duration_s: float
-    prefill_steps: int
-    decode_steps: int
-    release_steps: int
-    retract_steps: int
-    peak_running: int
-    peak_waiting: int
-    extend_retries: int
-    spec_accepted_tokens: int
-    spec_steps: int
-    spec_ops: int
-    row_overflows: int
-    peak_used_tokens: int  # KV neither free nor evictable, the most after any step
-    peak_step: int
-    queue_delay_s: Percentiles  # arrival -> first scheduled (first extend or prealloc step starts)
-    ttft_s: Percentiles  # arrival -> first token (the step completing its first prefill ends)
-
-
-# The summary fields the scheduler counts as it goes (the rest are derived).
-_DERIVED = ("steps", "requests", "prefix_hit_rate", "duration_s", "queue_delay_s", "ttft_s")
-_COUNTED = tuple(f for f in RecordSummary._fields if f not in _DERIVED)
 
 
 class TokenSource:
@@ -328,7 +274,7 @@ class Scheduler:
         self.clock = 0.0
         self.step = 0
         self._total: int | None = None
-        self._stats = dict.fromkeys(_COUNTED, 0)
+        self._stats = dict.fromkeys(COUNTED, 0)
         self._first_admitted = np.zeros(cap, np.bool_)
         self.first_scheduled_s = np.full(cap, np.nan)  # clock at the request's first admission
         self.first_token_s = np.full(cap, np.nan)  # clock when its first token was sampled

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from allocator.pages import floor_align
-from kvtrace.record.scheduler import RecordProgress, RecordSummary, SchedulePolicy, Scheduler, SchedulerConfig
+from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
+from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
 from traces.schema import ModelShape, SpecSettings, TraceMeta, TraceSource
 

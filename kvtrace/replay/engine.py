@@ -25,6 +25,12 @@ calls created (net of what accepted tokens then filled), ``overalloc_released`` 
 slack its releases gave back, so ``held_at_start + allocated - released ==
 held_at_end`` always holds. Page-tail padding (``ceil_align(allocated) -
 allocated``) is counted apart.
+
+One concept, read top to bottom: the replay of one step, from the trace's rows to the
+allocator's batched calls (one handler per op kind), their checks and the step's
+snapshot; the handlers share the per-request arrays, the statistics and the step's
+events, so splitting them from the step would scatter one step's path over modules.
+The options it replays under sit here too; what it counts is ``kvtrace.replay.result``.
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import copy
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
 from kvtrace.errors import TraceError
+from kvtrace.replay.result import MAX_VIOLATIONS_KEPT, OomRecord, ReplayStats, ViolationRecord
 from kvtrace.replay.snapshot import (
     ABORTED,
     DECODE_PHASE,
@@ -80,7 +87,6 @@ OomMode = Literal["stop", "skip"]
 BadOpMode = Literal["stop", "skip"]
 CHECK_MODES: tuple[CheckMode, ...] = ("every", "full", "end", "never")
 
-MAX_VIOLATIONS_KEPT = 1000
 _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
 _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
 
@@ -122,63 +128,6 @@ class ReplayOptions:
     max_violations: int | None = None
     state_digest: bool = False
     decode_runs: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class OomRecord:
-    step: int
-    op: str
-    rid: int
-    needed: int
-    free: int
-    evictable: int
-
-
-@dataclass(frozen=True, slots=True)
-class ViolationRecord:
-    step: int
-    rid: int | None
-    op: str
-    check: str
-    detail: str
-
-
-@dataclass
-class ReplayStats:
-    """Running totals of the replayed window; the summary is built from them."""
-
-    steps: int = 0
-    steps_reported: int = 0  # steps inside the --steps window (== steps)
-    first_step: int | None = None
-    last_step: int | None = None
-    ops: int = 0
-    first_time_s: float | None = None
-    last_time_s: float = 0.0
-    allocator_s: float = 0.0
-    prefill_tokens: int = 0  # tokens computed by extend ops (after the replay's prefix hits)
-    reused_tokens: int = 0  # prefix tokens the replay's radix cache supplied
-    admitted_tokens: int = 0  # prompt tokens of admissions (the hit-rate denominator)
-    admissions: int = 0
-    prefix_differs: int = 0  # admissions whose replay hit differs from the recorded one
-    decode_tokens: int = 0
-    spec_accepted: int = 0
-    evicted_tokens: int = 0
-    overalloc_held_at_start: int = 0
-    overalloc_allocated: int = 0
-    overalloc_released: int = 0
-    peak_used_tokens: int = 0
-    peak_step: int | None = None
-    dropped_requests: int = 0
-    skipped_ops: int = 0
-    bad_ops: int = 0
-    retractions: int = 0
-    aborts: int = 0
-    finishes: int = 0
-    oom: OomRecord | None = None
-    num_ooms: int = 0
-    violations: list[ViolationRecord] = field(default_factory=list)
-    num_violations: int = 0
-    row_overflows: int = 0
 
 
 class BadTraceOp(TraceError):

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from kvtrace.replay.session import ReplayResult
+    from kvtrace.replay.result import ReplayResult
 
 VIOLATIONS_SHOWN = 5
 RERUN_CONTEXT_STEPS = 100  # steps before the first violation in the suggested --steps window

@@ -12,30 +12,18 @@ every step for impossible ops (in a child process by default), drives the
         s.seek(120)                     # any step, forwards or backwards
         result = s.result()             # the summary (kvtrace replay --json)
 
-Seek: with ``checkpoint_every=K`` the session saves the allocator and the engine
-every K replayed steps (memory proportional to the live state, bounded by
-``checkpoint_budget``: past it, every other checkpoint is dropped and K doubles),
-so going to any step replays at most K steps. With ``first_pass_every=F`` (> K) the
-first pass over the steps takes one every F steps, and replaying those steps again (a
-seek back, or ``fill_checkpoints`` where the replay is) fills in the ones every K
-steps on its way: the first pass takes and holds a K/F share of them (their fresh
-memory costs a replay more than taking them), the first seek into a stretch replays
-at most F steps, the next ones at most K. With ``first_pass_seconds=T`` instead, the
-first pass takes one once T seconds of the replay's own time (its thread's CPU time)
-have passed since the last (and at least K steps): the first seek into a stretch
-replays some T seconds, whatever a step costs in that trace. Steps replayed once are
-checked once: going back re-uses their checks.
+Seek: with ``checkpoint_every=K`` going to any step replays at most K steps from a
+checkpoint (``kvtrace.replay.checkpoints`` says when they are taken and what they
+hold). Steps replayed once are checked once: going back re-uses their checks.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -43,7 +31,10 @@ from allocator.base import Checkpointable, Digestible
 from kvtrace.replay.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.versions.registry import AllocatorVersion, resolve_version
-from kvtrace.replay.engine import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
+from kvtrace.replay.checkpoints import Checkpoint, Checkpointing
+from kvtrace.replay.engine import ReplayEngine, ReplayOptions, StepScreen
+from kvtrace.replay.result import ReplayResult
+from kvtrace.replay.screen import RecordedScreen
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
 from traces.runs import run_lengths
@@ -51,12 +42,10 @@ from traces.schema import DECODE, SPEC
 from traces.io import ResumePoint, StepChunk, TraceReader
 
 if TYPE_CHECKING:
-    from allocator.base import Allocator, AllocatorConfig
+    from allocator.base import Allocator
     from kvtrace.replay.snapshot import StepSnapshot
-    from traces.schema import StepBatch
-    from traces.validate import Problem
 
-__all__ = ["ReplayResult", "ReplaySession", "open_trace"]
+__all__ = ["ReplaySession", "open_trace"]
 
 ScreenMode = Literal["background", "inline"]
 DEFAULT_CHECKPOINT_BUDGET = 1 << 30
@@ -80,103 +69,7 @@ def open_trace(spec: str | Path) -> TraceReader:
     return TraceReader(resolve_trace(str(spec)))
 
 
-class _StepNumber(NamedTuple):
-    """A step as the background checker needs it: its number (it reads the rows itself)."""
-
-    step: int
-
-
-class _RecordedScreen:
-    """Checks each step once (through ``inner``, in file order) and remembers the
-    problems, so steps replayed again after a seek are checked from memory.
-
-    Steps are known by their *ordinal* (their position in the file, from 0), which the
-    session sets in ``at`` before each ``check``: step numbers may repeat or go back in
-    a damaged trace, and such a step must still be checked, not read from memory."""
-
-    def __init__(self, inner: Any) -> None:
-        from traces.validate import BackgroundChecker
-
-        self.inner = inner
-        self._rows_needed = not isinstance(inner, BackgroundChecker)
-        self.frontier = -1  # every step at an ordinal <= this one was checked
-        self.at = 0  # the ordinal of the step the next check() is about
-        self._problems: dict[int, list[Problem]] = {}
-
-    def check(self, batch: StepBatch) -> list[Problem]:
-        at = self.at
-        if at <= self.frontier:
-            return self._problems.get(at, [])
-        if at != self.frontier + 1:
-            raise AssertionError(f"step ordinal {at} screened before {self.frontier + 1}")
-        problems = self.inner.check(batch)
-        self.frontier = at
-        if problems:
-            self._problems[at] = problems
-        return problems
-
-    def check_at(self, chunk: StepChunk, i: int, ordinal: int) -> list[Problem]:
-        """``check`` of step ``i`` of ``chunk`` (at ``ordinal``), building its rows only for
-        a checker that reads them (the background checker reads the file itself)."""
-        self.at = ordinal
-        if self._rows_needed:
-            return self.check(chunk.step_batch(i))
-        return self.check(_StepNumber(int(chunk.columns.step[chunk.starts[i]])))  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
-
-
-@dataclass
-class _Checkpoint:
-    """The state before step ``next_step``: restore it and ``step()`` replays that step."""
-
-    next_step: int
-    position: ResumePoint | None  # where ``next_step`` starts in the file
-    ordinal: int  # next_step's position among the trace's steps (from 0)
-    allocator: object
-    engine: EngineState
-    state: Any  # ReplayState.save(), or None
-    last: StepSnapshot | None  # the snapshot before (None at the start of the window)
-    nbytes: int  # its own memory
-    shared: dict[int, int]  # memory it may share with others: id -> bytes (``AllocatorState.shared``)
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What a replay found: the summary every report is made from.
-
-    ``to_dict()`` is the stable ``kvtrace replay --json`` object.
-    """
-
-    trace: str
-    allocator: str
-    config: AllocatorConfig
-    options: ReplayOptions
-    stats: ReplayStats
-    requests: int
-    wall_s: float
-    overalloc_held_at_end: int
-    page_tail_at_end: int
-    stopped_early: bool
-    truncated: bool
-    completed: bool  # the replay reached the end of the trace (or its window)
-
-    @property
-    def failed(self) -> bool:
-        """Violations, skipped bad ops, or an out-of-memory that stopped the replay."""
-        st = self.stats
-        return st.num_violations > 0 or st.bad_ops > 0 or (self.options.on_oom == "stop" and st.oom is not None)
-
-    def to_dict(self) -> dict[str, Any]:
-        from kvtrace.replay.report import replay_summary
-
-        return replay_summary(self)
-
-
-class ReplaySession:
+class ReplaySession(Checkpointing):
     """One replay of a trace through one allocator version.
 
     Args:
@@ -289,21 +182,21 @@ class ReplaySession:
         if screen == "background":
             from traces.validate import BackgroundChecker
 
-            self._screen: Any = _RecordedScreen(BackgroundChecker(
+            self._screen: Any = RecordedScreen(BackgroundChecker(
                 self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound, nice=checker_nice))
         elif screen == "inline":
             from traces.validate import OpSequenceChecker
 
-            self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
+            self._screen = RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
         else:  # each step is asked for once, in order: seeks and refused runs read the memory
-            self._screen = screen if isinstance(screen, _RecordedScreen) else _RecordedScreen(screen)
+            self._screen = screen if isinstance(screen, RecordedScreen) else RecordedScreen(screen)
         try:
             self._start()
         except BaseException:
             if self._owns_screen:
                 self._screen.close()
             raise
-        self._checkpoints: list[_Checkpoint] = []  # by step
+        self._checkpoints: list[Checkpoint] = []  # by step
         self._checkpoint_ordinals: list[int] = []  # their ordinals, for bisect
         self._shared: dict[int, int] = {}  # the union of the checkpoints' shared memory: id -> bytes
         self._shared_refs: dict[int, int] = {}  # id -> how many checkpoints hold it
@@ -576,107 +469,6 @@ class ReplaySession:
         """Share of the trace file read so far (0..1), for progress bars."""
         return min(1.0, self.reader.bytes_read / max(self.reader.file_bytes, 1))
 
-    # ------------------------------------------------------------------ checkpoints
-    def _interval(self, ordinal: int) -> int:
-        """Steps between checkpoints where the step of ``ordinal`` is (at least that many
-        in a first pass paced in seconds)."""
-        assert self.checkpoint_every is not None
-        if self.first_pass_every is not None and ordinal >= self._first_pass_from:
-            return self.first_pass_every
-        return self.checkpoint_every
-
-    def _paced_in_seconds(self, ordinal: int) -> bool:
-        """Whether the step of ``ordinal`` is in a first pass paced in seconds."""
-        return self.first_pass_seconds is not None and ordinal >= self._first_pass_from
-
-    def _since_checkpoint(self, ordinal: int) -> int:
-        """Steps from the last checkpoint at or before the step of ``ordinal`` to it (asked
-        at every step: past the newest one, the common case, without a search)."""
-        ordinals = self._checkpoint_ordinals
-        if ordinals and ordinal >= ordinals[-1]:
-            return ordinal - ordinals[-1]
-        i = bisect.bisect_right(ordinals, ordinal)
-        return ordinal - ordinals[i - 1] if i else ordinal
-
-    def _due_checkpoint(self, ordinal: int) -> bool:
-        """Whether a checkpoint is due before the step of ``ordinal`` (asked at every step:
-        the checkpointable test only once one may be due)."""
-        if not self._checkpoint_ordinals:
-            return self.checkpointable  # the start of the window
-        if self._since_checkpoint(ordinal) < self._interval(ordinal) or not self.checkpointable:
-            return False
-        if not self._paced_in_seconds(ordinal):
-            return True
-        if ordinal < self._next_clock_read:
-            return False
-        assert self.first_pass_seconds is not None and self.checkpoint_every is not None
-        if self._work_clock() - self._first_pass_work_at >= self.first_pass_seconds:
-            return True
-        self._next_clock_read = ordinal + max(self.checkpoint_every // 16, 1)
-        return False
-
-    def _save_checkpoint(self, step: int, position: ResumePoint | None, ordinal: int) -> None:
-        at = bisect.bisect_left(self._checkpoint_ordinals, ordinal)
-        if at < len(self._checkpoints) and self._checkpoint_ordinals[at] == ordinal:
-            return  # replaying again after a seek: this one exists
-        if self._paced_in_seconds(ordinal):
-            self._first_pass_work_at = self._work_clock()
-        saved_alloc = self.allocator.save_state()  # type: ignore[attr-defined]
-        saved_engine = self.engine.save_state()
-        saved_state = self.state.save() if self.state is not None else None
-        nbytes = int(getattr(saved_alloc, "nbytes", 0)) + _engine_nbytes(saved_engine)
-        if saved_state is not None:
-            nbytes += sum(v.nbytes for v in saved_state.columns.values())
-        shares = getattr(saved_alloc, "shared", None)
-        shared = shares() if shares is not None else {}
-        self._checkpoints.insert(at, _Checkpoint(step, position, ordinal, saved_alloc, saved_engine, saved_state,
-                                                 self.last, nbytes, shared))
-        self._checkpoint_ordinals.insert(at, ordinal)
-        self._hold_shared(shared)
-        if self.checkpoint_bytes > self.checkpoint_budget and len(self._checkpoints) > 2:
-            # Thin out: keep the first (the window's start), every other one after it, and
-            # the newest (the next ones are due counting from it).
-            kept = self._checkpoints[:1] + self._checkpoints[2::2]
-            if kept[-1] is not self._checkpoints[-1]:
-                kept.append(self._checkpoints[-1])
-            kept_ids = {id(c) for c in kept}
-            for c in self._checkpoints:
-                if id(c) not in kept_ids:
-                    self._release_shared(c.shared)
-            self._checkpoints = kept
-            self._checkpoint_ordinals = [c.ordinal for c in self._checkpoints]
-            assert self.checkpoint_every is not None
-            self.checkpoint_every *= 2
-            if self.first_pass_every is not None:
-                self.first_pass_every *= 2
-            if self.first_pass_seconds is not None:
-                self.first_pass_seconds *= 2
-
-    def _hold_shared(self, shared: dict[int, int]) -> None:
-        refs = self._shared_refs
-        self._shared.update(shared)
-        for key in shared:
-            refs[key] = refs.get(key, 0) + 1
-
-    def _release_shared(self, shared: dict[int, int]) -> None:
-        refs = self._shared_refs
-        for key in shared:
-            left = refs[key] - 1
-            if left:
-                refs[key] = left
-            else:
-                del refs[key], self._shared[key]
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        """Memory the checkpoints hold now (what several share counted once: the union
-        of their ``shared``, kept as they come and go)."""
-        return sum(c.nbytes for c in self._checkpoints) + sum(self._shared.values())
-
-    @property
-    def num_checkpoints(self) -> int:
-        return len(self._checkpoints)
-
     def seek(self, step: int) -> StepSnapshot | None:
         """Go to the state after ``step`` (the last step of the window at or before it;
         the first step of the window if ``step`` is before it) and return that step's
@@ -749,16 +541,7 @@ class ReplaySession:
             self._run_limit = None
         return self.last
 
-    def _checkpoint_for(self, target: int) -> _Checkpoint | None:
-        best = None
-        for c in self._checkpoints:
-            if c.next_step <= target or best is None:
-                best = c
-            else:
-                break
-        return best
-
-    def _restore(self, c: _Checkpoint) -> None:
+    def _restore(self, c: Checkpoint) -> None:
         self.allocator.restore_state(c.allocator)  # type: ignore[attr-defined]
         self.engine.restore_state(c.engine)
         if self.state is not None and c.state is not None:
@@ -810,7 +593,3 @@ class ReplaySession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _engine_nbytes(state: EngineState) -> int:
-    return sum(a.nbytes for a in state.arrays.values()) + state.tokens.nbytes

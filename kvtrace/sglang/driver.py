@@ -55,7 +55,7 @@ def _sub(name: str) -> ModuleType:
 
 def run_file(path: str, out: IO[str], tree_kind: str, only: set[str] | None, fine: bool = False) -> int:
     """Run every scenario of ``path`` (or those named in ``only``); returns the failures."""
-    sc, world = _sub("scenario"), _sub("world")
+    sc, runner, world = _sub("scenario"), _sub("runner"), _sub("world")
     failures = 0
     for scen in sc.load_scenarios(path):
         if only and scen.name not in only:
@@ -66,7 +66,7 @@ def run_file(path: str, out: IO[str], tree_kind: str, only: set[str] | None, fin
             eng = world.SGLangEngine(scen.config, tree_kind)
             out.write(json.dumps({"scenario": scen.name, "engine": f"sglang-{world.SG.version}/{tree_kind}",
                                   "config": scen.config.to_dict(), "row_width": eng.row_width}) + "\n")
-            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
+            stats = runner.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
             out.write(json.dumps({"end": scen.name, "steps": stats.steps, "ops": stats.ops,
                                   "wall_s": round(time.perf_counter() - t0, 4)}) + "\n")
         except Exception as exc:  # report per scenario, keep going

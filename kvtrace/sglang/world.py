@@ -112,6 +112,11 @@ itself is not run because a trace already fixes which requests run when):
    small tensors; with torch's default intra-op threads on a shared CPU they wait on
    each other longer than the work takes. Results are the same; only the speed of the
    replay, the tests and ``bench/sglang_allocator.py`` changes.
+
+One concept, read top to bottom: one SGLang world behind the engine contract, and the
+emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
+10) to its runtime context and each batched call (2, 3, 5 to 9); the code names its
+decisions by number, so the list and what carries it out stay in one file.
 """
 
 from __future__ import annotations

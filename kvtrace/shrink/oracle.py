@@ -277,7 +277,7 @@ class Oracle:
         return None
 
     def _matching(self, violations: list[Any], step: int) -> Failure | None:
-        from kvtrace.replay.engine import ViolationRecord
+        from kvtrace.replay.result import ViolationRecord
 
         for v in violations:
             if self.target.check is None or v.check == self.target.check:

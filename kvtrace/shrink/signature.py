@@ -17,7 +17,7 @@ from kvtrace.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtrace.diff.compare import Divergence
-    from kvtrace.replay.engine import OomRecord, ViolationRecord
+    from kvtrace.replay.result import OomRecord, ViolationRecord
 
 __all__ = ["CHECKS", "KINDS", "Kind", "Signature", "Target", "violation_field"]
 

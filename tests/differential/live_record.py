@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
 
     live = hooks.enable(out)  # before SGLang is imported, as the launcher does
     assert live is not None
-    from kvtrace.sglang import scenario as sc, server, world
+    from kvtrace.sglang import runner, scenario as sc, server, world
 
     world.load_sglang()
     (scen,) = sc.load_scenarios(scenario_path)
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
             states[live.steps_closed] = {"digest": digest, "counters": server.pool_counters(eng)}
         _append_outputs(eng, content)
 
-    sc.run_scenario(scen, eng, emit)
+    runner.run_scenario(scen, eng, emit)
     hooks._close_active()
     with open(states_path, "w") as f:
         json.dump({"states": states, "failed": live.failed}, f)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import numpy as np
 
-from kvtrace.sglang import scenario as sc
+from kvtrace.sglang import runner, scenario as sc
 
 
 def _to_np(values: Any) -> np.ndarray:
@@ -180,7 +180,7 @@ def run_scenarios(
             eng = OursEngine(scen.config, factory, base)
             out.write(json.dumps({"scenario": scen.name, "engine": f"kvtrace/{module}",
                                   "config": scen.config.to_dict()}) + "\n")
-            stats = sc.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
+            stats = runner.run_scenario(scen, eng, lambda d: out.write(json.dumps(d) + "\n"), fine=fine)
             out.write(json.dumps({"end": scen.name, "steps": stats.steps, "ops": stats.ops,
                                   "wall_s": round(time.perf_counter() - t0, 4)}) + "\n")
         except Exception as exc:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import pytest
 
-from kvtrace.sglang import scenario as sc
+from kvtrace.sglang import runner, scenario as sc
 from tests.differential import ours_driver, scenarios as gen
 
 SEEDS = range(12)
@@ -61,7 +61,7 @@ def test_generated_scenarios_run_under_any_oom_pattern(key: str) -> None:
         scen = gen.random_scenario(seed, gen.RANDOM_CONFIGS[key], f"{key}-{seed}")
         for engine_seed in range(3):
             engine = _RandomOutcomeEngine(1000 * seed + engine_seed)
-            stats = sc.run_scenario(scen, engine, lambda d: None)
+            stats = runner.run_scenario(scen, engine, lambda d: None)
             assert stats.steps == len(scen.steps)
             assert stats.oom_calls > 0
 
@@ -72,7 +72,7 @@ def test_generated_scenarios_run_through_our_allocator(key: str) -> None:
     for seed in SEEDS:
         scen = gen.random_scenario(seed + 100, gen.RANDOM_CONFIGS[key], f"{key}-{seed}")
         dumps: list[dict[str, Any]] = []
-        stats = sc.run_scenario(scen, ours_driver.OursEngine(scen.config, factory, base), dumps.append)
+        stats = runner.run_scenario(scen, ours_driver.OursEngine(scen.config, factory, base), dumps.append)
         assert stats.steps == len(scen.steps) == len(dumps)
 
 
@@ -120,7 +120,7 @@ def test_retract_remaining_counts_running_requests_only() -> None:
     ]
     scen = sc.Scenario("t", sc.ScenarioConfig(pool_tokens=4096), tuple(sc.Step(i, tuple(o)) for i, o in enumerate(steps)))
     engine = _OomOnce({1})  # the extend of step 1
-    sc.run_scenario(scen, engine, lambda d: None)
+    runner.run_scenario(scen, engine, lambda d: None)
     retract = [args for kind, args in engine.calls if kind == "retract"]
     assert retract == [dict(rids=[2, 1], owned=[8, 9], prompt_lens=[40, 8], remaining=[2, 1])]
 
@@ -140,7 +140,7 @@ def test_retracted_stalled_request_re_prefills_to_the_retract_length() -> None:
     ]
     scen = sc.Scenario("t", sc.ScenarioConfig(pool_tokens=4096), tuple(sc.Step(i, tuple(o)) for i, o in enumerate(steps)))
     engine = _OomOnce({0})  # the first extend (r0 and r1 together) fails
-    sc.run_scenario(scen, engine, lambda d: None)
+    runner.run_scenario(scen, engine, lambda d: None)
     extends = [args for kind, args in engine.calls if kind == "extend"]
     assert [(a["rids"], a["seq_lens"], a["done"], a["prompt_lens"]) for a in extends] == [
         ([0, 1], [8, 10], [True, True], [8, 10]),

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from kvtrace.replay.engine import ReplayOptions
-from kvtrace.replay.session import ReplayResult, ReplaySession
+from kvtrace.replay.result import ReplayResult
+from kvtrace.replay.session import ReplaySession
 from kvtrace.statelog.log import STATE_LOG_SCHEMA, read_state_log
 from tests.helpers import make_meta, write_steps
 from traces.schema import StepBatch

@@ -16,7 +16,7 @@ from kvtrace.shrink.signature import Signature, Target
 from kvtrace.shrink.table import Candidate, TraceTable, build
 from kvtrace.replay.session import open_trace
 from kvtrace.errors import ConfigError
-from kvtrace.replay.engine import ViolationRecord
+from kvtrace.replay.result import ViolationRecord
 from traces.schema import EXTEND, FINISH, PREALLOC, RETRACT
 
 
