@@ -20,8 +20,9 @@ def test_every_benchmark_import_resolves() -> None:
         for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] in OURS:
                 module = importlib.import_module(node.module)
+                is_package = hasattr(module, "__path__")
                 missing += [f"{script.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)
-                            and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+                            and not (is_package and importlib.util.find_spec(f"{node.module}.{a.name}"))]
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.split(".")[0] in OURS and importlib.util.find_spec(alias.name) is None:
