@@ -26,6 +26,16 @@ own allocation results, so a divergence shows at the op that caused it:
   (``free_segments``).
 * ``free {"rid"}``: a plain ``free`` of the whole row.
 * ``group_begin`` / ``group_end`` / ``clear``.
+* ``evict_window {"rid", "pre_len", "window", "sharing", "retain_floor", "interval",
+  "protected"?, "floor"?}``: ``free_swa_out_of_window_slots`` on the request's
+  bookkeeping (``ReqKvInfo`` / ``SwaKvInfo``, made at its first such op with
+  ``cache_protected_len`` and ``swa_evict_floor``).
+* ``release_kv {"rid", "owned", "evict_prefix"}``: ``release_kv_cache``'s frees (its own
+  ``[protected, owned)``, then the overallocated rest of the row) through
+  ``free_kv_row``; with ``evict_prefix`` the protected prefix is then freed as the
+  tree would evict it.
+
+Requests with bookkeeping add their SWA cursors to the state (``"cursors"``).
 
 The state after each op: the op's result (``None`` for an out-of-memory), both
 pools' free lists and staged frees, the mapping's non-zero entries and the
@@ -76,6 +86,27 @@ class OursAdapter:
 
     def clear(self) -> None:
         self.a.clear()
+
+    def new_kv(self, protected: int, floor: int) -> Any:
+        from allocator.swa_window import SwaKvInfo
+
+        return SwaKvInfo(cache_protected_len=protected, swa_evict_floor=floor)
+
+    def cursor(self, kv: Any) -> int:
+        return int(kv.swa_evicted_seqlen)
+
+    def evict_window(self, kv: Any, row: np.ndarray, op: dict[str, Any]) -> None:
+        from allocator.swa_window import free_swa_out_of_window_slots
+
+        free_swa_out_of_window_slots(
+            kv, row, op["pre_len"], sliding_window_size=op["window"], allocator=self.a,
+            supports_prefix_sharing=op["sharing"], retain_floor=op["retain_floor"], eviction_interval=op["interval"],
+        )
+
+    def release_kv(self, kv: Any, row: np.ndarray, owned: int) -> None:
+        from allocator.swa_window import release_kv_row
+
+        release_kv_row(self.a, kv, row, owned, int(row.shape[0]))
 
     def state(self) -> dict[str, Any]:
         a = self.a
@@ -158,6 +189,48 @@ class SGLangAdapter:
     def clear(self) -> None:
         self.a.clear()
 
+    def new_kv(self, protected: int, floor: int) -> Any:
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+        return ReqKvInfo(req_pool_idx=0, cache_protected_len=protected, swa_evict_floor=floor)
+
+    def cursor(self, kv: Any) -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import ComponentType
+
+        return int(kv.get_evicted_seqlen(ComponentType.SWA))
+
+    def _pool(self, row: np.ndarray) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(req_to_token=self._t(row)[None, :])  # the request's row is row 0
+
+    def evict_window(self, kv: Any, row: np.ndarray, op: dict[str, Any]) -> None:
+        from types import SimpleNamespace
+
+        from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+
+        free_swa_out_of_window_slots(
+            SimpleNamespace(kv=kv), op["pre_len"], sliding_window_size=op["window"], page_size=self.page_size,
+            req_to_token_pool=self._pool(row), token_to_kv_pool_allocator=self.a,
+            supports_prefix_sharing=op["sharing"], retain_floor=op["retain_floor"], eviction_interval=op["interval"],
+        )
+
+    def release_kv(self, kv: Any, row: np.ndarray, owned: int) -> None:
+        """``release_kv_cache`` after its checkpoint: ``BasePrefixCache.free_kv_row`` (SGLang's,
+        on a stand-in ``self``) of ``[protected, owned)``, then of the overallocated rest
+        as ``_release_overallocated_kv_indices`` bounds it."""
+        from types import SimpleNamespace
+
+        from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+        cache = SimpleNamespace(token_to_kv_pool_allocator=self.a, req_to_token_pool=self._pool(row))
+        BasePrefixCache.free_kv_row(cache, kv, [(kv.cache_protected_len, owned)])
+        start, end = owned, int(row.shape[0])
+        if self.page_size > 1:
+            start = -(-start // self.page_size) * self.page_size
+        if start < end:
+            BasePrefixCache.free_kv_row(cache, kv, [(start, end)])
+
     def state(self) -> dict[str, Any]:
         torch = self.torch
         a = self.a
@@ -183,12 +256,13 @@ class SGLangAdapter:
 class Req:
     """One request's row of full slots and its SWA-freed range ``[swa_lo, swa_hi)``."""
 
-    __slots__ = ("row", "swa_lo", "swa_hi")
+    __slots__ = ("row", "swa_lo", "swa_hi", "kv")
 
     def __init__(self) -> None:
         self.row: list[int] = []
         self.swa_lo = 0
         self.swa_hi = 0
+        self.kv: Any = None  # the side's SWA bookkeeping, for evict_window / release_kv
 
 
 def apply_op(side: Any, reqs: dict[int, Req], op: dict[str, Any]) -> Any:
@@ -259,6 +333,21 @@ def apply_op(side: Any, reqs: dict[int, Req], op: dict[str, Any]) -> Any:
         req = reqs.pop(op["rid"])
         side.call("free", arr(req.row, dtype=np.int64))
         return 0
+    if kind == "evict_window":
+        req = reqs[op["rid"]]
+        if req.kv is None:
+            req.kv = side.new_kv(op["protected"], op["floor"])
+        side.evict_window(req.kv, arr(req.row, dtype=np.int64), op)
+        return side.cursor(req.kv)
+    if kind == "release_kv":
+        req = reqs.pop(op["rid"])
+        if req.kv is None:
+            req.kv = side.new_kv(0, 0)
+        row = arr(req.row, dtype=np.int64)
+        side.release_kv(req.kv, row, op["owned"])
+        if op["evict_prefix"] and req.kv.cache_protected_len:
+            side.call("free", row[: req.kv.cache_protected_len])
+        return 0
     if kind == "group_begin":
         side.group_begin()
         return 0
@@ -285,8 +374,14 @@ def run_case(adapter_cls: type, case: dict[str, Any]) -> list[dict[str, Any]]:
             break  # the rest of the case means nothing once an op could not run
         state = side.state()
         state["result"] = result
+        state["cursors"] = cursors(side, reqs)
         states.append(state)
     return states
+
+
+def cursors(side: Any, reqs: dict[int, Req]) -> list[list[int]]:
+    """``[rid, swa_evicted_seqlen]`` of every request with bookkeeping."""
+    return [[rid, side.cursor(q.kv)] for rid, q in sorted(reqs.items()) if q.kv is not None]
 
 
 # SGLang modules that import torchvision (absent from the oracle venv), reached through

@@ -3,7 +3,9 @@
 Seeded random op lists (``generate``: extend / decode allocations, PD-prealloc SWA
 tails, out-of-window SWA frees through both free_swa paths, releases split as
 ``free_kv_row_segments`` does, plain frees, free groups, clears; sizes that run
-either pool out of memory) at pages 1, 16 and 64, with and without ``need_sort``.
+either pool out of memory) at pages 1, 16 and 64, with and without ``need_sort``; and
+the same allocations with ``allocator.swa_window``'s out-of-window frees and
+release split against SGLang's ``free_swa_out_of_window_slots`` / ``free_kv_row``.
 Ours run in this process, SGLang's through ``swa_pool_driver.py`` in ONE subprocess
 of ``$KVTRACE_SGLANG_PYTHON`` (skipped when it is unset); the two states must be
 equal after every op. ``KVTRACE_SWA_SEEDS`` sets the seeds per configuration.
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.differential import harness
-from tests.differential.swa_pool_driver import OursAdapter, Req, apply_op
+from tests.differential.swa_pool_driver import OursAdapter, Req, apply_op, cursors
 
 DRIVER = Path(__file__).with_name("swa_pool_driver.py")
 NUM_SEEDS = int(os.environ.get("KVTRACE_SWA_SEEDS", "4"))
@@ -34,13 +36,17 @@ def _floor(x: int, ps: int) -> int:
     return x // ps * ps
 
 
-def generate(seed: int, page_size: int, need_sort: bool, num_ops: int = NUM_OPS) -> tuple[dict, list[dict]]:
+def generate(
+    seed: int, page_size: int, need_sort: bool, num_ops: int = NUM_OPS, mode: str = "pool"
+) -> tuple[dict, list[dict]]:
     """A random case and our states after each of its ops.
 
     Ops are chosen from our allocator's state as it runs (which requests exist, how
-    long they are); SGLang then replays the same op list on its own.
+    long they are); SGLang then replays the same op list on its own. ``mode`` "pool"
+    frees SWA with the allocator's own calls; "window" through
+    ``free_swa_out_of_window_slots`` and ``release_kv`` on each request's bookkeeping.
     """
-    rng = random.Random(seed * 1000 + page_size * 10 + need_sort)
+    rng = random.Random(seed * 1000 + page_size * 10 + need_sort + (7 if mode == "window" else 0))
     ps = page_size
     full_pages = rng.randint(6, 40)
     swa_pages = rng.randint(3, full_pages + 8)  # either pool can be the short one
@@ -70,6 +76,8 @@ def generate(seed: int, page_size: int, need_sort: bool, num_ops: int = NUM_OPS)
         kinds = ["extend", "extend", "decode", "decode", "window", "window", "release", "free", "group"]
         if ps > 1:
             kinds += ["tail", "tail"]
+        if mode == "window":
+            kinds = ["extend", "extend", "decode", "decode", "decode", "evict", "evict", "evict", "release_kv", "group"]
         if rng.random() < 0.01:
             kinds = ["clear"]
         kind = rng.choice(kinds)
@@ -119,6 +127,24 @@ def generate(seed: int, page_size: int, need_sort: bool, num_ops: int = NUM_OPS)
         elif kind == "group":
             op = {"op": "group_end" if in_group else "group_begin"}
             in_group = not in_group
+        elif kind == "evict" and reqs:
+            rid = rng.choice(list(reqs))
+            q = reqs[rid]
+            n = len(q.row)
+            op = {"op": "evict_window", "rid": rid, "pre_len": n - rng.randint(0, min(n, 2))}
+            op["window"] = rng.choice([1, ps // 2 + 1, ps, 2 * ps, 8, 40, 128])
+            op["sharing"] = rng.random() < 0.7
+            op["retain_floor"] = rng.choice([None, None, rng.randint(0, n)])
+            op["interval"] = rng.choice([1, 1, 4, 128])
+            if q.kv is None:
+                op["protected"] = _floor(rng.randint(0, n), ps)
+                op["floor"] = rng.choice([0, op["protected"], rng.randint(0, n)])
+        elif kind == "release_kv" and reqs:
+            rid = rng.choice(list(reqs))
+            q = reqs[rid]
+            protected = q.kv.cache_protected_len if q.kv is not None else 0
+            owned = max(protected, len(q.row) - rng.randint(0, 2 * ps))
+            op = {"op": "release_kv", "rid": rid, "owned": owned, "evict_prefix": rng.random() < 0.8}
         elif kind == "clear" and not in_group:
             op = {"op": "clear"}
         if op is None:
@@ -136,6 +162,7 @@ def _step(side: OursAdapter, reqs: dict[int, Req], op: dict[str, Any]) -> dict[s
     result = apply_op(side, reqs, op)
     state = side.state()
     state["result"] = result
+    state["cursors"] = cursors(side, reqs)
     return state
 
 
@@ -150,13 +177,13 @@ def first_divergence(case: dict, ours: list[dict], theirs: list[dict]) -> str | 
     return None
 
 
-CASES = [(ps, ns, seed) for ps, ns in CONFIGS for seed in range(NUM_SEEDS)]
+CASES = [(mode, ps, ns, seed) for mode in ("pool", "window") for ps, ns in CONFIGS for seed in range(NUM_SEEDS)]
 
 
 @pytest.fixture(scope="module")
-def sglang_states(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, bool, int], Any]:
+def sglang_states(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, bool, int], Any]:
     python = harness.require_sglang()
-    generated = {key: generate(key[2], key[0], key[1]) for key in CASES}
+    generated = {key: generate(key[3], key[1], key[2], mode=key[0]) for key in CASES}
     tmp = tmp_path_factory.mktemp("swa")
     cases_file, out_file = tmp / "cases.json", tmp / "sglang.json"
     cases_file.write_text(json.dumps([generated[k][0] for k in CASES]))
@@ -169,9 +196,11 @@ def sglang_states(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("page_size", "need_sort", "seed"), CASES)
-def test_swa_pool_identical_to_sglang(sglang_states: dict, page_size: int, need_sort: bool, seed: int) -> None:
-    (case, ours), theirs = sglang_states[(page_size, need_sort, seed)]
+@pytest.mark.parametrize(("mode", "page_size", "need_sort", "seed"), CASES)
+def test_swa_pool_identical_to_sglang(
+    sglang_states: dict, mode: str, page_size: int, need_sort: bool, seed: int
+) -> None:
+    (case, ours), theirs = sglang_states[(mode, page_size, need_sort, seed)]
     assert first_divergence(case, ours, theirs) is None, first_divergence(case, ours, theirs)
     assert len(ours) == len(case["ops"]) >= NUM_OPS // 2
 
@@ -191,9 +220,23 @@ def test_generated_ops_reach_every_path() -> None:
         want |= {"alloc"} if ps == 1 else {"alloc_extend", "alloc_decode", "alloc_swa_tail"}
         assert want <= kinds, (ps, want - kinds)
         assert ooms > 0, ps
+        # window mode: the cursor moves, both with and without prefix sharing
+        moved = {True: 0, False: 0}
+        for seed in range(NUM_SEEDS):
+            case, states = generate(seed, ps, False, mode="window")
+            prev: dict[int, int] = {}
+            for op, st in zip(case["ops"], states):
+                cur = dict(map(tuple, st["cursors"]))
+                if op["op"] == "evict_window" and cur[op["rid"]] > prev.get(op["rid"], 0):
+                    moved[op["sharing"]] += 1
+                prev = cur
+        assert moved[True] and moved[False], (ps, moved)
 
 
 if __name__ == "__main__":  # python -m tests.differential.test_swa_pool_parity: op counts per configuration
-    for ps, ns in CONFIGS:
-        n = sum(len(generate(s, ps, ns)[0]["ops"]) for s in range(NUM_SEEDS))
-        print(f"page {ps} need_sort {ns}: {n} ops", file=sys.stderr)
+    for mode in ("pool", "window"):
+        for ps, ns in CONFIGS:
+            runs = [generate(s, ps, ns, mode=mode) for s in range(NUM_SEEDS)]
+            n = sum(len(c["ops"]) for c, _ in runs)
+            ooms = sum(st["result"] is None for _, sts in runs for st in sts)
+            print(f"{mode} page {ps} need_sort {ns}: {n} ops, {ooms} out of memory", file=sys.stderr)
