@@ -62,6 +62,7 @@ _LAZY: dict[str, str] = {
     "HiSparseTokenToKVPoolAllocator": "allocator.token_to_kv",
     "PagedTokenToKVPoolAllocator": "allocator.token_to_kv",
     "TokenToKVPoolAllocator": "allocator.token_to_kv",
+    "SWATokenToKVPoolAllocator": "allocator.swa",  # hybrid sliding-window pools
 }
 
 if TYPE_CHECKING:
