@@ -47,7 +47,7 @@ def test_names_written_into_files_are_not_module_paths_that_moved(tmp_path: Path
     # A state log's schema key and a simulated trace's recorder name are data: files
     # written before the moves carry them, so they stay what they were.
     from kvtrace.statelog.format import STATE_LOG_METADATA_KEY
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     assert STATE_LOG_METADATA_KEY == b"kvtrace.statelog"
     out = tmp_path / "rec.kvtrace"

@@ -29,24 +29,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from traces.io import Compression, TraceWriter
-from traces.schema import (
-    ABORT,
-    DECODE,
-    EXTEND,
-    FINISH,
-    OPS,
-    PREALLOC,
-    RETRACT,
-    SPEC,
-    ModelShape,
-    Ragged,
-    SpecSettings,
-    StepBatch,
-    TraceConfig,
-    TraceMeta,
-    TraceSource,
-)
+from traces.batches import Ragged, StepBatch
+from traces.metadata import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC
+from traces.writer import Compression, TraceWriter
 
 VOCAB_SIZE = 32_000
 

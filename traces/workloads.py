@@ -54,7 +54,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from traces.schema import TraceSource
+from traces.metadata import TraceSource
 from traces.workload_request import WorkloadRequest
 
 __all__ = [

@@ -90,7 +90,7 @@ from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
-from traces.schema import SpecSettings, TraceConfig
+from traces.metadata import SpecSettings, TraceConfig
 
 if TYPE_CHECKING:
     from allocator.base import Allocator

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from allocator.pages import floor_align
 from kvtrace.record.scheduler import RecordProgress, RecordSummary, SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.record.step_time import StepTimeModel
-from traces.schema import ModelShape, SpecSettings, TraceMeta, TraceSource
+from traces.metadata import ModelShape, SpecSettings, TraceMeta, TraceSource
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest

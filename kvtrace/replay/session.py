@@ -46,15 +46,17 @@ from kvtrace.versions.registry import AllocatorVersion, resolve_version
 from kvtrace.replay.engine import EngineState, ReplayEngine, ReplayOptions, ReplayStats, StepScreen
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
+from traces.chunks import StepChunk
+from traces.ipc import ResumePoint
+from traces.reader import TraceReader
 from traces.runs import run_lengths
 from traces.schema import DECODE, SPEC
-from traces.io import ResumePoint, StepChunk, TraceReader
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, AllocatorConfig
     from kvtrace.replay.snapshot import StepSnapshot
-    from traces.schema import StepBatch
-    from traces.validate import Problem
+    from traces.batches import StepBatch
+    from traces.checker import Problem
 
 __all__ = ["ReplayResult", "ReplaySession", "open_trace"]
 
@@ -95,7 +97,7 @@ class _RecordedScreen:
     a damaged trace, and such a step must still be checked, not read from memory."""
 
     def __init__(self, inner: Any) -> None:
-        from traces.validate import BackgroundChecker
+        from traces.checker_process import BackgroundChecker
 
         self.inner = inner
         self._rows_needed = not isinstance(inner, BackgroundChecker)
@@ -287,12 +289,12 @@ class ReplaySession:
         # allocator (which may initialise CUDA).
         self._owns_screen = isinstance(screen, str)
         if screen == "background":
-            from traces.validate import BackgroundChecker
+            from traces.checker_process import BackgroundChecker
 
             self._screen: Any = _RecordedScreen(BackgroundChecker(
                 self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound, nice=checker_nice))
         elif screen == "inline":
-            from traces.validate import OpSequenceChecker
+            from traces.checker import OpSequenceChecker
 
             self._screen = _RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
         else:  # each step is asked for once, in order: seeks and refused runs read the memory

@@ -15,7 +15,7 @@ from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplayResult, ReplaySession
 from kvtrace.statelog.log import STATE_LOG_SCHEMA, read_state_log
 from tests.helpers import make_meta, write_steps
-from traces.schema import StepBatch
+from traces.batches import StepBatch
 from traces.synth import generate
 
 runner = CliRunner()

@@ -15,8 +15,9 @@ from kvtrace.replay.config import spec_config_for
 from kvtrace.record.recorder import Recorder
 from kvtrace.record.scheduler import CLIP_MAX_NEW_TOKENS, Scheduler, SchedulerConfig, mean_accepted_len
 from kvtrace.record.simulate import RecordOptions, record_workload
-from traces.io import TraceReader
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC, SpecSettings, TraceMeta
+from traces.metadata import SpecSettings, TraceMeta
+from traces.reader import TraceReader
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC
 from traces.workloads import WorkloadRequest
 
 DATA = Path(__file__).resolve().parents[2] / "traces" / "workloads_data"
