@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from traces.arrow_arrays import arrow_array, numpy_view, string_array
 from traces.batches import Ragged, StepBatch
-from traces.ipc import arrow_array, numpy_view, string_array
 from traces.schema import COLUMN_BY_NAME, COLUMNS, OPS
 
 _OPS_DICTIONARY = string_array(OPS)

@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from traces.arrow_arrays import numpy_filled, numpy_view, validity
 from traces.batches import Ragged, StepBatch
 from traces.chunks import CHUNK_STEPS, BatchColumns, StepChunk, chunk_of
 from traces.encoding import ARRIVAL_CHECKSUM_KEY, CHECKSUM_KEY, RECORDING_KEY, content_checksum
 from traces.errors import TraceError, TraceMetadataError, TraceReadError, TraceSchemaError, TraceVersionError
-from traces.ipc import IpcReader, ResumePoint, count_rows, numpy_filled, numpy_view, os_reason, validity
+from traces.ipc import IpcReader, ResumePoint, count_rows, os_reason
 from traces.metadata import Recording, TraceMeta, parse_meta_json
 from traces.schema import COLUMNS, MAX_RID, METADATA_KEY, OP_CODE, OPS, REQUIRED_COLUMNS, SCHEMA_VERSION
 

@@ -100,7 +100,8 @@ def record_workload(
             or a pool that needs more memory than the machine has (without ``options.force``).
         ValueError: inconsistent options.
     """
-    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
+    from traces.workload_sources import known_source
+    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, read_workload
 
     def requests() -> Iterator[WorkloadRequest]:
         return read_workload(

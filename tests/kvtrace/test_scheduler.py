@@ -335,7 +335,8 @@ def test_mooncake_prefix_hits_match_the_source_reuse_when_nothing_is_evicted(tmp
     H200 pool (920k tokens) LRU eviction drops most prefixes before the next turn: the
     10-minute Mooncake window pushes ~24M prompt tokens through it.
     """
-    from traces.workloads import block_reuse, read_workload
+    from traces.block_reuse import block_reuse
+    from traces.workloads import read_workload
 
     window = 180.0
     source = block_reuse(read_workload(MOONCAKE, "mooncake", duration_s=window))
