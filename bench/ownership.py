@@ -28,7 +28,7 @@ from allocator import create_allocator  # noqa: E402
 from allocator.ownership import SlotState, cell_pages, reduce_cells, request_slots  # noqa: E402
 from kvtrace.replay.config import allocator_config_for  # noqa: E402
 from kvtrace.replay.engine import ReplayEngine, ReplayOptions  # noqa: E402
-from traces.io import TraceReader  # noqa: E402
+from traces.reader import TraceReader  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 

@@ -21,7 +21,8 @@ if str(ROOT) not in sys.path:
 
 from kvtrace.record.simulate import RecordOptions, record_workload  # noqa: E402
 from kvtrace.record.step_time import StepTimeModel  # noqa: E402
-from traces.workloads import block_reuse, parse_duration, read_workload  # noqa: E402
+from traces.block_reuse import block_reuse  # noqa: E402
+from traces.workloads import parse_duration, read_workload  # noqa: E402
 
 # More than every distinct prompt block (182,790 x 512 = 93.6M tokens) plus all outputs.
 UNBOUNDED_POOL = 120_000_000

@@ -21,8 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvtrace.record.recorder import Recorder  # noqa: E402
-from traces.io import TraceReader  # noqa: E402
-from traces.schema import TraceConfig, TraceMeta  # noqa: E402
+from traces.metadata import TraceConfig, TraceMeta  # noqa: E402
+from traces.reader import TraceReader  # noqa: E402
 
 BATCH = 256
 

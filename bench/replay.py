@@ -32,9 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from traces.io import TraceReader, TraceWriter  # noqa: E402
+from traces.batches import StepBatch  # noqa: E402
+from traces.reader import TraceReader  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
-from traces.schema import StepBatch  # noqa: E402
+from traces.writer import TraceWriter  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
 TIMING_KEYS = ("wall_s", "allocator_s", "speedup_vs_realtime", "device", "state_log")

@@ -38,9 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from beforecode import code_at  # noqa: E402  (bench/, beside this script)
-from traces.io import TraceReader, TraceWriter  # noqa: E402
+from traces.batches import Ragged, StepBatch  # noqa: E402
+from traces.metadata import TraceConfig, TraceMeta  # noqa: E402
+from traces.reader import TraceReader  # noqa: E402
 from traces.samples import list_samples, sample_path  # noqa: E402
-from traces.schema import DECODE, EXTEND, Ragged, StepBatch, TraceConfig, TraceMeta  # noqa: E402
+from traces.schema import DECODE, EXTEND  # noqa: E402
+from traces.writer import TraceWriter  # noqa: E402
 
 # The last commit before a run of decode or speculative steps went to the allocator
 # in one call ("Replay in runs").

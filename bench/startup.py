@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS: tuple[tuple[str, ...], ...] = (("--help",), ("info", "sample:tiny"), ("info", "sample:mooncake-tiny"))
 # Modules whose cumulative import time is reported (what each brought in that was not loaded yet).
-WATCHED = ("kvtrace.cli", "typer", "pydantic", "rich.console", "rich.table", "numpy", "pyarrow", "traces.io", "pandas", "torch")
+WATCHED = ("kvtrace.cli", "typer", "pydantic", "rich.console", "rich.table", "numpy", "pyarrow", "traces.reader", "pandas", "torch")
 
 
 def _kvtrace() -> list[str]:

@@ -34,16 +34,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from traces.io import TraceReader, TraceWriter  # noqa: E402
-from traces.schema import (  # noqa: E402
-    DECODE,
-    EXTEND,
-    FINISH,
-    Ragged,
-    StepBatch,
-    TraceConfig,
-    TraceMeta,
-)
+from traces.batches import Ragged, StepBatch  # noqa: E402
+from traces.metadata import TraceConfig, TraceMeta  # noqa: E402
+from traces.reader import TraceReader  # noqa: E402
+from traces.schema import DECODE, EXTEND, FINISH  # noqa: E402
+from traces.writer import TraceWriter  # noqa: E402
 
 ROWS_PER_STEP = 256
 META = TraceMeta(
@@ -157,9 +152,9 @@ def bench_writer_per_step(repeats: int = 3) -> list[tuple[str, int, float, float
 
 
 def bench_mooncake(tmp: Path) -> dict[str, float]:
+    from traces.checker import OpSequenceChecker
     from traces.synth import generate_mooncake_shaped
     from traces.tokens import TokenStore
-    from traces.validate import OpSequenceChecker
 
     path = tmp / "mooncake-shaped.kvtrace"
     start = time.perf_counter()

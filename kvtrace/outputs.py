@@ -74,13 +74,13 @@ def _not_regular(path: Path) -> str | None:
 def signals_raise(signums: Iterable[int], *, unhandled_only: bool = False) -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and the other ``signums``
     raise ``Terminated``, each once the step a trace writer may be writing is on disk
-    (``traces.io.interrupt_when_safe``), so ``with`` blocks close their files and remove
+    (``traces.writer.interrupt_when_safe``), so ``with`` blocks close their files and remove
     their temporary ones. ``unhandled_only`` leaves a signal someone already handles
     alone. Outside the main thread, where handlers cannot be installed, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from traces.io import interrupt_when_safe
+    from traces.writer import interrupt_when_safe
 
     def handler(signum: int, frame: object) -> None:
         interrupt_when_safe(KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum))

@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
 __all__ = ["trace_info"]
 

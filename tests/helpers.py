@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traces.io import TraceWriter
-from traces.schema import StepBatch, TraceConfig, TraceMeta
+from traces.batches import StepBatch
+from traces.metadata import TraceConfig, TraceMeta
+from traces.writer import TraceWriter
 
 if TYPE_CHECKING:
     from kvtrace.tui.app import KvtraceApp

@@ -47,7 +47,7 @@ def test_names_written_into_files_are_not_module_paths_that_moved(tmp_path: Path
     # A state log's schema key and a simulated trace's recorder name are data: files
     # written before the moves carry them, so they stay what they were.
     from kvtrace.statelog.format import STATE_LOG_METADATA_KEY
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     assert STATE_LOG_METADATA_KEY == b"kvtrace.statelog"
     out = tmp_path / "rec.kvtrace"
@@ -55,3 +55,40 @@ def test_names_written_into_files_are_not_module_paths_that_moved(tmp_path: Path
                            "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert TraceReader(out).meta.extra["recorder"] == "kvtrace.scheduler"
+
+
+MAX_MODULE_LINES = 600
+# The sentence a longer module's docstring starts its justification with.
+ONE_CONCEPT = "One concept, read top to bottom:"
+
+
+def _one_concept_reason(docstring: str | None) -> str:
+    """What follows the marker on its docstring line ("" when there is no such line)."""
+    for line in (docstring or "").splitlines():
+        if line.strip().startswith(ONE_CONCEPT):
+            return line.strip().removeprefix(ONE_CONCEPT).strip()
+    return ""
+
+
+def test_modules_are_short_or_say_why_not() -> None:
+    # Issue #34: a module over the limit is one concept that reads top to bottom, and its
+    # docstring says which and why; anything else is split by concept.
+    import ast
+
+    too_long = []
+    for package in ("traces", "kvtrace"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = path.relative_to(ROOT).as_posix()
+            text = path.read_text(encoding="utf-8")
+            if len(text.splitlines()) <= MAX_MODULE_LINES:
+                continue
+            if not _one_concept_reason(ast.get_docstring(ast.parse(text))):
+                too_long.append(f"{name} ({len(text.splitlines())} lines)")
+    assert too_long == [], f"over {MAX_MODULE_LINES} lines without '{ONE_CONCEPT} ...' in the docstring: {too_long}"
+
+
+def test_the_one_concept_marker_is_read_from_the_docstring_only() -> None:
+    assert _one_concept_reason(f'x\n\n{ONE_CONCEPT} the checker and its rules.\n') == "the checker and its rules."
+    assert _one_concept_reason(f"x\n\n  {ONE_CONCEPT}\n") == ""  # a marker without a reason
+    assert _one_concept_reason("One concept: the checker.") == ""
+    assert _one_concept_reason(None) == ""

@@ -7,7 +7,7 @@ token, or its accepted tokens). What a run does to an allocator is fully determi
 by its state at the start of the run and the accepted counts, so the engine applies
 it in one call (``allocator.base.DecodeRuns``) and builds the run's snapshots from
 vectors; each step is still snapshotted. The op-sequence checker checks a run of
-plain steps at once too (``traces.validate.OpSequenceChecker.check_run``).
+plain steps at once too (``traces.checker.OpSequenceChecker.check_run``).
 
 ``run_lengths(chunk)`` finds them column-wise, for a whole ``StepChunk`` at once::
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from traces.io import StepChunk
+from traces.chunks import StepChunk
 from traces.schema import DECODE, SPEC
 
 __all__ = ["run_lengths"]

@@ -18,6 +18,10 @@ one-hour Mooncake conversation trace (FAST'25): about 12k requests, 145M prompt
 tokens in 512-token hashed blocks (about 36% of block references repeat an
 earlier block), about 4M generated tokens at up to 256 running requests. It
 sizes the format; its requests are synthetic, not Mooncake's.
+
+One concept, read top to bottom: the simulated scheduler that makes a synthetic trace,
+then the entry points that configure and run it; they share its private state, which
+a split would have to make public.
 """
 
 from __future__ import annotations
@@ -29,24 +33,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from traces.io import Compression, TraceWriter
-from traces.schema import (
-    ABORT,
-    DECODE,
-    EXTEND,
-    FINISH,
-    OPS,
-    PREALLOC,
-    RETRACT,
-    SPEC,
-    ModelShape,
-    Ragged,
-    SpecSettings,
-    StepBatch,
-    TraceConfig,
-    TraceMeta,
-    TraceSource,
-)
+from traces.batches import Ragged, StepBatch
+from traces.metadata import ModelShape, SpecSettings, TraceConfig, TraceMeta, TraceSource
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC
+from traces.writer import Compression, TraceWriter
 
 VOCAB_SIZE = 32_000
 

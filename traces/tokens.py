@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from traces.schema import StepBatch
+from traces.batches import StepBatch
 
 BLOCK_TOKEN_BIT = np.uint64(1 << 62)
 _LOW_62 = np.uint64((1 << 62) - 1)

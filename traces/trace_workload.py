@@ -34,8 +34,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from traces.batches import StepBatch
 from traces.errors import TraceFormatError
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, SPEC, StepBatch, TraceMeta
+from traces.metadata import TraceMeta
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, SPEC
 from traces.tokens import TokenStore, block_token_ids
 from traces.workload_request import WorkloadRequest
 
@@ -84,7 +86,7 @@ def read_trace_workload(path: str | os.PathLike[str]) -> TraceWorkload:
 
 @functools.lru_cache(maxsize=4)
 def _read_cached(key: tuple[str, int, int], path: Path) -> TraceWorkload:
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     reader = TraceReader(path)
     collect = _Collector(reader.meta.block_size, TokenStore(reader.meta.block_size), str(path))

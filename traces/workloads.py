@@ -29,6 +29,11 @@ trace's keep its own clock). Files compressed with gzip or zstd are read as they
 are (recognised by their first bytes, whatever their name). A binary file that
 is not a trace, or a trace given with another format, is refused with one line
 saying what it is.
+
+One concept, read top to bottom: reading a workload file, from opening it (standard
+input, compression, what a binary file is) through each format's rows to the window
+of requests asked for. How much its blocks repeat is ``traces.block_reuse``'s; where a
+known file comes from, ``traces.workload_sources``'.
 """
 
 from __future__ import annotations
@@ -50,24 +55,20 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 
-from traces.schema import TraceSource
 from traces.workload_request import WorkloadRequest
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
     "STDIN",
     "WORKLOAD_FORMATS",
-    "BlockReuse",
     "WorkloadFileError",
     "WorkloadFormat",
     "WorkloadRequest",
-    "block_reuse",
     "guess_format",
-    "known_source",
     "parse_duration",
     "read_azure",
     "read_lengths",
@@ -609,130 +610,3 @@ def parse_duration(text: str) -> float:
     if parts == 0 or total <= 0:
         raise ValueError(f"{text!r} is not a positive duration; use e.g. 90s, 10m, 1h or 1h30m")
     return total
-
-
-# --------------------------------------------------------------------------- prefix reuse
-
-
-class BlockReuse(NamedTuple):
-    """Prefix sharing of a content-addressed workload, measured on the source itself.
-
-    Attributes:
-        references: block references over all prompts.
-        distinct: distinct blocks.
-        repeated_fraction: share of references to a block seen before (any position).
-        prefix_hit_fraction: share of references that continue a block chain already
-            seen from the first block (a prefix hit for an unbounded, instantly
-            published cache).
-        token_hit_fraction: prompt tokens covered by those prefix-hit blocks (whole
-            blocks, capped at ``input_len - 1`` as a radix cache caps a match), over
-            all prompt tokens.
-    """
-
-    references: int
-    distinct: int
-    repeated_fraction: float
-    prefix_hit_fraction: float
-    token_hit_fraction: float
-
-
-def block_reuse(requests: Iterable[WorkloadRequest]) -> BlockReuse:
-    """Measure block and prefix reuse of the requests (in arrival order)."""
-    seen_blocks: set[int] = set()
-    seen_chains: set[int] = set()
-    references = repeated = prefix_hits = 0
-    hit_tokens = prompt_tokens = 0
-    for req in requests:
-        prompt_tokens += req.input_len
-        if req.block_hashes is None or req.block_size is None:
-            continue
-        chain = 0
-        matched = 0
-        still_prefix = True
-        for h in req.block_hashes.tolist():
-            references += 1
-            if h in seen_blocks:
-                repeated += 1
-            else:
-                seen_blocks.add(h)
-            chain = hash((chain, h))
-            if still_prefix and chain in seen_chains:
-                matched += 1
-            else:
-                still_prefix = False
-                seen_chains.add(chain)
-        prefix_hits += matched
-        hit_tokens += min(matched * req.block_size, req.input_len - 1)
-    return BlockReuse(
-        references=references,
-        distinct=len(seen_blocks),
-        repeated_fraction=repeated / references if references else 0.0,
-        prefix_hit_fraction=prefix_hits / references if references else 0.0,
-        token_hit_fraction=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-    )
-
-
-# --------------------------------------------------------------------------- attribution
-
-_MOONCAKE_CITATION = (
-    'Qin et al., "Mooncake: Trading More Storage for Less Computation - A KVCache-centric '
-    'Architecture for Serving LLM Chatbot", USENIX FAST 2025'
-)
-_AZURE_CITATION = (
-    'Patel, Choukse, Zhang, Shah, Goiri, Maleki, Bianchini, "Splitwise: Efficient generative '
-    'LLM inference using phase splitting", ISCA 2024'
-)
-_ETALON_CITATION = (
-    "project-etalon/etalon (Georgia Tech Systems for AI Lab), processed ShareGPT / arXiv "
-    "summarization length statistics (Llama-2 tokenizer)"
-)
-
-# Files whose origin is known: repository, path in it, licence, citation.
-_KNOWN: dict[str, tuple[str, str, str, str]] = {
-    "conversation_trace.jsonl": (
-        "kvcache-ai/Mooncake", "FAST25-release/traces/conversation_trace.jsonl", "Apache-2.0", _MOONCAKE_CITATION
-    ),
-    "toolagent_trace.jsonl": (
-        "kvcache-ai/Mooncake", "FAST25-release/traces/toolagent_trace.jsonl", "Apache-2.0", _MOONCAKE_CITATION
-    ),
-    "synthetic_trace.jsonl": (
-        "kvcache-ai/Mooncake", "FAST25-release/traces/synthetic_trace.jsonl", "Apache-2.0", _MOONCAKE_CITATION
-    ),
-    "AzureLLMInferenceTrace_code.csv": (
-        "Azure/AzurePublicDataset", "data/AzureLLMInferenceTrace_code.csv", "CC-BY-4.0", _AZURE_CITATION
-    ),
-    "AzureLLMInferenceTrace_conv.csv": (
-        "Azure/AzurePublicDataset", "data/AzureLLMInferenceTrace_conv.csv", "CC-BY-4.0", _AZURE_CITATION
-    ),
-    "sharegpt_8k_filtered_stats_llama2_tokenizer.csv": (
-        "project-etalon/etalon",
-        "data/processed_traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
-        "Apache-2.0",
-        _ETALON_CITATION,
-    ),
-    "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv": (
-        "project-etalon/etalon",
-        "data/processed_traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
-        "Apache-2.0",
-        _ETALON_CITATION,
-    ),
-}
-
-
-def known_source(path: str | Path, fmt: str, *, engine: str = "kvtrace-scheduler") -> TraceSource:
-    """The ``TraceSource`` of a workload file: attribution when the file is a known
-    public trace (by file name), else just the workload name."""
-    name = Path(path).name
-    known = _KNOWN.get(name)
-    workload = f"{fmt}:{name}"
-    if known is None:
-        return TraceSource(engine=engine, workload=workload)
-    repository, repo_path, license_, citation = known
-    return TraceSource(
-        engine=engine,
-        workload=workload,
-        repository=repository,
-        path=repo_path,
-        license=license_,
-        citation=citation,
-    )

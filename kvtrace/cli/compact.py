@@ -53,8 +53,9 @@ def compact(
     from kvtrace.errors import OutputError
     from kvtrace.outputs import OutputFile, terminating_cleanly
     from traces.atomic import remove_stale_temporaries
-    from traces.io import TraceReader, compact_trace
+    from traces.reader import TraceReader
     from traces.samples import SAMPLE_PREFIX, resolve_trace
+    from traces.writer import compact_trace
 
     source = resolve_trace(trace)
     reader = TraceReader(source)  # a bad trace: one line, before anything is written

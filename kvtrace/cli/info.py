@@ -21,8 +21,8 @@ from kvtrace.cli import command, ui
 from kvtrace.cli.options import JsonOpt, NoColorOpt, QuietOpt, TraceArg, examples
 
 if TYPE_CHECKING:
-    from traces.io import TraceReader
     from traces.ipc import IpcReader
+    from traces.reader import TraceReader
 
 
 def open_trace(spec: str) -> TraceReader:
@@ -31,7 +31,7 @@ def open_trace(spec: str) -> TraceReader:
     Raises:
         TraceError: the file cannot be read or breaks the format (one clear line).
     """
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
     from traces.samples import resolve_trace
 
     return TraceReader(resolve_trace(spec))
@@ -239,7 +239,7 @@ def validate_command(
     shrink or do not add up, steps out of order, spec rows without spec settings,
     bad block hashes or token ids, a truncated file and an interrupted recording.
     """
-    from traces.validate import OpSequenceChecker, Problem
+    from traces.checker import OpSequenceChecker, Problem
 
     reader = open_trace(trace)
     checker = OpSequenceChecker(reader.meta, rid_bound=reader.rid_bound)

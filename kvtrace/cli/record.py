@@ -367,7 +367,7 @@ def record_command(
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         except (KeyboardInterrupt, ui.Terminated) as exc:
-            from traces.io import stopped_compacting
+            from traces.writer import stopped_compacting
 
             if target.replaces:
                 ui.warn(f"recording interrupted; {out} was left as it was")

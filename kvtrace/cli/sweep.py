@@ -117,7 +117,7 @@ def _input(arg: str, reschedule: bool) -> SweepInput:
     """One INPUT: a trace (path or sample:NAME) or a workload file, and how it runs."""
     from kvtrace.cli.record import infer_format
     from kvtrace.sweep import SweepInput
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
     from traces.samples import SAMPLE_PREFIX, resolve_trace
 
     path = resolve_trace(arg) if arg.startswith(SAMPLE_PREFIX) else Path(arg)
@@ -138,7 +138,7 @@ def _check_grid(grid: Grid, given: dict[str, str | None]) -> None:
     from kvtrace.cli.record import check_serving
     from kvtrace.versions.registry import resolve_version
     from kvtrace.record.serving import serving_settings
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     for name in ("--spec", "--max-running", "--chunk"):
         replayed = [s.label for s in grid.inputs if s.kind == "replay"]

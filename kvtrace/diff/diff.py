@@ -199,7 +199,7 @@ def _start_children(
     import dataclasses
 
     from kvtrace.diff.sides import ChildSide, side_job
-    from traces.validate import start_shared_checker
+    from traces.checker_process import start_shared_checker
 
     checker, pipes = start_shared_checker(path, consumers=2, stop=replay.stop_step)
     try:

@@ -7,7 +7,7 @@ streams its per-step records to the parent.
 ``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
 or a working tree), the what-if options and the ``ReplayOptions``, and optionally
 ``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
-sides (``traces.validate.start_shared_checker``). Stdout carries
+sides (``traces.checker_process.start_shared_checker``). Stdout carries
 the records: a state log stream (``kvtrace.statelog.log``; pool counters, per-request
 deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
 batch. ``CONTROL_FD`` carries JSON lines: ``{"start": {...}}`` once the session is
@@ -247,7 +247,7 @@ def job_screen(job: dict[str, Any], options: Any) -> Any:
         return job.get("screen", "background")
     from multiprocessing.connection import Connection
 
-    from traces.validate import BackgroundChecker
+    from traces.checker_process import BackgroundChecker
 
     return BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
 

@@ -46,20 +46,8 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from traces.schema import (
-    ABORT,
-    DECODE,
-    EXTEND,
-    FINISH,
-    OP_ORDER,
-    OPS,
-    PREALLOC,
-    RETRACT,
-    SPEC,
-    Recording,
-    TraceMeta,
-    timestamp,
-)
+from traces.metadata import Recording, TraceMeta, timestamp
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -154,7 +142,7 @@ class Recorder:
         command: str | None = None,
     ) -> None:
         from kvtrace import __version__
-        from traces.io import TraceWriter
+        from traces.writer import TraceWriter
 
         if meta.recording is None:
             command = shlex.join(sys.argv) if command is None else command
@@ -571,7 +559,7 @@ class Recorder:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        from traces.io import describe_stop
+        from traces.writer import describe_stop
 
         self.close(interrupted=None if exc is None else describe_stop(exc))
 

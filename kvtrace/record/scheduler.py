@@ -99,7 +99,7 @@ from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
-from traces.schema import SpecSettings, TraceConfig
+from traces.metadata import SpecSettings, TraceConfig
 
 if TYPE_CHECKING:
     from allocator.base import Allocator

@@ -55,7 +55,7 @@ def serving_settings(workload: Path, fmt: str, given: dict[str, Any]) -> dict[st
     settings = dict(SERVING_DEFAULTS)
     if fmt == "trace":
         from kvtrace.record.simulate import trace_defaults
-        from traces.io import TraceReader
+        from traces.reader import TraceReader
 
         settings.update(trace_defaults(TraceReader(workload).meta))
     settings.update({key: value for key, value in given.items() if value is not None})

@@ -21,7 +21,7 @@ from allocator.pages import floor_align
 from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
-from traces.schema import ModelShape, SpecSettings, TraceMeta, TraceSource
+from traces.metadata import ModelShape, SpecSettings, TraceMeta, TraceSource
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest
@@ -101,7 +101,8 @@ def record_workload(
             or a pool that needs more memory than the machine has (without ``options.force``).
         ValueError: inconsistent options.
     """
-    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, known_source, read_workload
+    from traces.workload_sources import known_source
+    from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, read_workload
 
     def requests() -> Iterator[WorkloadRequest]:
         return read_workload(

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from kvtrace.replay.engine import EngineState, ReplayEngine
     from kvtrace.replay.snapshot import StepSnapshot
     from kvtrace.replay.state import ReplayState
-    from traces.io import ResumePoint
+    from traces.ipc import ResumePoint
 
 __all__ = ["Checkpoint", "Checkpointing"]
 

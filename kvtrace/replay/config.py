@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 from allocator.base import AllocatorConfig, SpecConfig
 from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
-from traces.schema import SpecSettings, TraceMeta
+from traces.checker import CHECKER_BYTES_PER_RID
+from traces.metadata import SpecSettings, TraceMeta
 from traces.tokens import TokenStore
-from traces.validate import CHECKER_BYTES_PER_RID
 
 # What a user calls each sizing field: where a replay takes it from (the trace's
 # metadata, unless an option overrides it), and the options of ``kvtrace record``.

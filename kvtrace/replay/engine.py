@@ -3,7 +3,7 @@
 Per step, in the trace's op order (``traces.schema.OP_ORDER``), the engine makes
 one batched allocator call per op kind: releases (finish, abort, retract), then
 prealloc, extend, decode, spec, then ``end_step``. It never trusts the trace: every
-step is first checked (``traces.validate.OpSequenceChecker``, possibly in a child
+step is first checked (``traces.checker.OpSequenceChecker``, possibly in a child
 process); impossible ops stop the replay (default) or are skipped and reported.
 Running out of KV slots is an outcome: the first OOM is recorded with its step,
 request, need, free and evictable, and the replay stops (``on_oom="stop"``) or
@@ -62,25 +62,14 @@ from kvtrace.replay.snapshot import (
     RequestDelta,
     StepSnapshot,
 )
-from traces.schema import (
-    ABORT,
-    DECODE,
-    EXTEND,
-    FINISH,
-    MAX_RID,
-    OP_ORDER,
-    OPS,
-    PREALLOC,
-    RETRACT,
-    SPEC,
-    StepBatch,
-    TraceMeta,
-)
+from traces.batches import StepBatch
+from traces.metadata import TraceMeta
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, MAX_RID, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 from traces.tokens import TokenStore
 
 if TYPE_CHECKING:
     from allocator.base import Allocator, ReleaseKind, ReleaseResult, Violation
-    from traces.validate import Problem
+    from traces.checker import Problem
 
 CheckMode = Literal["every", "full", "end", "never"]
 OomMode = Literal["stop", "skip"]
@@ -195,7 +184,7 @@ class ReplayEngine:
         rid_bound: int = MAX_RID,
     ) -> None:
         if screen is None:
-            from traces.validate import OpSequenceChecker
+            from traces.checker import OpSequenceChecker
 
             screen = OpSequenceChecker(meta, rid_bound=rid_bound)
         self.rid_bound = rid_bound  # request ids below this (the trace's TraceReader.rid_bound)

@@ -1,7 +1,7 @@
 """The step checker as a session sees it: each step checked once, its problems kept.
 
 A session checks every step for impossible ops before the engine applies it (through
-``traces.validate``'s checker, in a child process or here). Seeks replay steps again;
+``traces.checker``'s checker, in a child process or here). Seeks replay steps again;
 ``RecordedScreen`` answers those from memory, so each step is checked once, whatever
 the seeks, and a session that replays behind another (lockstep diff) reads the first
 one's answers.
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from traces.io import StepChunk
-    from traces.schema import StepBatch
-    from traces.validate import Problem
+    from traces.chunks import StepChunk
+    from traces.batches import StepBatch
+    from traces.checker import Problem
 
 __all__ = ["RecordedScreen"]
 
@@ -34,7 +34,7 @@ class RecordedScreen:
     a damaged trace, and such a step must still be checked, not read from memory."""
 
     def __init__(self, inner: Any) -> None:
-        from traces.validate import BackgroundChecker
+        from traces.checker_process import BackgroundChecker
 
         self.inner = inner
         self._rows_needed = not isinstance(inner, BackgroundChecker)

@@ -37,9 +37,11 @@ from kvtrace.replay.result import ReplayResult
 from kvtrace.replay.screen import RecordedScreen
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
+from traces.chunks import StepChunk
+from traces.ipc import ResumePoint
+from traces.reader import TraceReader
 from traces.runs import run_lengths
 from traces.schema import DECODE, SPEC
-from traces.io import ResumePoint, StepChunk, TraceReader
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
@@ -180,12 +182,12 @@ class ReplaySession(Checkpointing):
         # allocator (which may initialise CUDA).
         self._owns_screen = isinstance(screen, str)
         if screen == "background":
-            from traces.validate import BackgroundChecker
+            from traces.checker_process import BackgroundChecker
 
             self._screen: Any = RecordedScreen(BackgroundChecker(
                 self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound, nice=checker_nice))
         elif screen == "inline":
-            from traces.validate import OpSequenceChecker
+            from traces.checker import OpSequenceChecker
 
             self._screen = RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
         else:  # each step is asked for once, in order: seeks and refused runs read the memory

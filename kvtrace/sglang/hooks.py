@@ -109,7 +109,7 @@ class LiveRecorder:
     # ------------------------------------------------------------------ set-up
     def _start(self, tree_cache: Any, req_to_token_pool: Any, allocator: Any) -> None:
         from kvtrace.record.recorder import Recorder
-        from traces.schema import SpecSettings, TraceConfig, TraceMeta, TraceSource
+        from traces.metadata import SpecSettings, TraceConfig, TraceMeta, TraceSource
 
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 

@@ -28,7 +28,8 @@ from kvtrace.shrink.table import Candidate, TraceTable, build
 
 if TYPE_CHECKING:
     from kvtrace.shrink.signature import Signature
-    from traces.schema import StepBatch, TraceMeta
+    from traces.batches import StepBatch
+    from traces.metadata import TraceMeta
 
 __all__ = ["Evaluator", "OutOfTime", "Runner", "validate_steps", "write_steps"]
 
@@ -39,7 +40,7 @@ class OutOfTime(Exception):
 
 def validate_steps(meta: TraceMeta, steps: list[StepBatch]) -> list[str]:
     """The op-sequence problems of a trace held in memory (``kvtrace validate``'s rules)."""
-    from traces.validate import OpSequenceChecker
+    from traces.checker import OpSequenceChecker
 
     checker = OpSequenceChecker(meta)
     return [str(p) for batch in steps for p in checker.check(batch)]
@@ -47,7 +48,7 @@ def validate_steps(meta: TraceMeta, steps: list[StepBatch]) -> list[str]:
 
 def write_steps(path: Path, meta: TraceMeta, steps: list[StepBatch], *, final: bool = False) -> None:
     """Write a trace: fast for a candidate, compact (an IPC file, zstd) when ``final``."""
-    from traces.io import TraceWriter
+    from traces.writer import TraceWriter
 
     if final:
         with TraceWriter(path, meta, compression="zstd", steps_per_batch=64, ipc_format="file") as out:

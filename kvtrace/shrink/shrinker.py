@@ -31,7 +31,7 @@ from kvtrace.shrink.search import Search
 from kvtrace.shrink.table import Candidate, Size, TraceTable, build
 
 if TYPE_CHECKING:
-    from traces.schema import TraceMeta
+    from traces.metadata import TraceMeta
 
 __all__ = ["Progress", "ShrinkResult", "shrink_trace"]
 
@@ -216,8 +216,8 @@ def _finish(
 ) -> tuple[bytes, TraceMeta, Outcome]:
     """Write the best candidate as a compact trace, read it back, validate and judge it."""
     from kvtrace import __version__
-    from traces.io import TraceReader
-    from traces.schema import Recording, timestamp
+    from traces.metadata import Recording, timestamp
+    from traces.reader import TraceReader
 
     origin = {
         "trace": trace,
@@ -283,7 +283,7 @@ def _page_size(oracle: Oracle, meta: TraceMeta) -> int:
 
 def _input_size(reader: Any) -> dict[str, int]:
     from kvtrace.traceinfo import trace_info
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     info = trace_info(TraceReader(reader.path))
     return {"requests": info["requests"], "steps": info["steps"], "ops": info["rows"]}

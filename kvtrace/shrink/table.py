@@ -9,7 +9,7 @@ configuration. ``build`` turns a candidate into steps a ``TraceWriter`` takes,
 recomputing every request's lengths so the op sequences stay legal.
 
 Units: a row can be removed only with its unit, so what remains is still a legal
-op sequence (``traces.validate``):
+op sequence (``traces.checker``):
 
 * a request's first row (its admission: ``extend`` or ``prealloc``) is never
   removed alone: the request goes as a whole;
@@ -35,18 +35,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from allocator.pages import ceil_align
-from traces.schema import (
-    ABORT,
-    DECODE,
-    EXTEND,
-    FINISH,
-    PREALLOC,
-    RETRACT,
-    SPEC,
-    Ragged,
-    StepBatch,
-    TraceMeta,
-)
+from traces.batches import Ragged, StepBatch
+from traces.metadata import TraceMeta
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, RETRACT, SPEC
 
 __all__ = ["Candidate", "Size", "TraceTable", "build"]
 

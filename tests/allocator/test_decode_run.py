@@ -20,7 +20,7 @@ from traces.synth import generate
 
 def decode_points(path: Path) -> list[tuple[int, np.ndarray]]:
     """(step before which, rids) of every all-decode step of a trace."""
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     out = []
     for batch in TraceReader(path).steps():
@@ -132,7 +132,7 @@ def _run_matches_steps(
 
 def spec_points(path: Path) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
     """(step, rids, accepted of it and the next steps over the same batch) of spec steps."""
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
     from traces.schema import SPEC
 
     batches = [b for b in TraceReader(path).steps()]

@@ -10,7 +10,7 @@ import pytest
 
 from kvtrace.sglang import scenario as sc
 from tests.differential import ours_driver, trace_adapter
-from traces.io import TraceReader
+from traces.reader import TraceReader
 from traces.schema import OPS
 from traces.synth import generate
 from traces.tokens import TokenStore

@@ -1,6 +1,6 @@
 """A kvtrace trace (``.kvtrace``) as a differential scenario.
 
-Reads with ``traces.io.TraceReader`` and materialises token content with
+Reads with ``traces.reader.TraceReader`` and materialises token content with
 ``traces.tokens.TokenStore``; every op carries the explicit ids of the positions
 it appends (so the scenario is self-contained and both drivers see exactly the
 trace's content), and a request's first op carries its prompt length.
@@ -17,8 +17,9 @@ import sys
 import numpy as np
 
 from kvtrace.sglang import scenario as sc
-from traces.io import TraceReader
-from traces.schema import OPS, TraceMeta
+from traces.metadata import TraceMeta
+from traces.reader import TraceReader
+from traces.schema import OPS
 from traces.tokens import TokenStore
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from traces.io import TraceReader
+from traces.reader import TraceReader
 from traces.samples import sample_path
 from traces.schema import MAX_RID, MAX_STEP, MAX_TOKENS, METADATA_KEY, OPS
 

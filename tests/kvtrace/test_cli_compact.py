@@ -13,9 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from traces.io import TraceReader, TraceWriter
+from traces.metadata import Recording
+from traces.reader import TraceReader
 from traces.samples import sample_path
-from traces.schema import Recording
+from traces.writer import TraceWriter
 
 runner = CliRunner()
 STEPS = 90  # of the 139 of sample:tiny: the recording stopped before its end

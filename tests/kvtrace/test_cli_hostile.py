@@ -305,12 +305,12 @@ def test_record_stopped_while_compacting_says_the_trace_is_complete(
 ) -> None:
     """Ctrl-C while the finished recording is compacted: the trace is complete (an uncompacted
     stream), and record's message and info agree on it."""
-    import traces.io
+    import traces.writer
 
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt  # Ctrl-C during the compaction
 
-    monkeypatch.setattr(traces.io, "compact_trace", interrupted)
+    monkeypatch.setattr(traces.writer, "compact_trace", interrupted)
     out = tmp_path / "run.kvtrace"
     result = runner.invoke(app, ["record", str(sample_path("tiny")), "--out", str(out), "-q"])
     assert result.exit_code == 130

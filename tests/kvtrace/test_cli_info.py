@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from tests.helpers import decode_steps, make_meta, write_steps
-from traces.io import TraceWriter
 from traces.samples import sample_path
 from traces.schema import COLUMNS, METADATA_KEY, OPS
+from traces.writer import TraceWriter
 
 runner = CliRunner()
 
@@ -308,7 +308,7 @@ def test_a_recording_cut_before_its_first_step(tmp_path: Path) -> None:
 
 def test_step_batches_of_the_sample_round_trip_through_validate(tmp_path: Path) -> None:
     # A copy written with other writer settings is the same trace to validate and info.
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     reader = TraceReader(sample_path("tiny"))
     copy = tmp_path / "copy.kvtrace"
@@ -443,7 +443,7 @@ def test_data_tools_read_a_recorded_trace(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_damaged_compacted_traces_never_crash(tmp_path: Path) -> None:
     """The IPC file layout under the same damage as the stream test above."""
-    from traces.io import compact_trace
+    from traces.writer import compact_trace
 
     compacted = tmp_path / "tiny-file.kvtrace"
     compacted.write_bytes(sample_path("tiny").read_bytes())

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 import kvtrace
 from kvtrace.cli import app
+from traces.checker import OpSequenceChecker
 from traces.errors import TraceError
-from traces.io import TraceReader
-from traces.validate import OpSequenceChecker
+from traces.reader import TraceReader
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "traces" / "workloads_data"
@@ -372,7 +372,7 @@ def test_when_every_request_is_rejected_record_says_why_and_exits_1(tmp_path: Pa
 def test_a_completed_recording_is_compacted(tmp_path: Path) -> None:
     """Recorded step by step (durable), rewritten into few large batches at the end;
     the rewrite keeps every row."""
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
 
     durable, compact = tmp_path / "durable.kvtrace", tmp_path / "compact.kvtrace"
     code, _, output = _record([str(MOONCAKE), "--format", "mooncake", "--out", str(durable), "--compact", "0", "--duration", "30s", *SMALL])

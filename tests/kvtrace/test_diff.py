@@ -15,7 +15,7 @@ from kvtrace.cli import app
 from kvtrace.diff.diff import DiffOptions, diff_trace
 from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
-from traces.io import TraceReader
+from traces.reader import TraceReader
 from traces.samples import resolve_trace
 from traces.schema import SPEC
 

@@ -23,7 +23,7 @@ from kvtrace.versions import git as gitversions
 from kvtrace.proc.child import OPTIONAL_PROTOCOLS
 from kvtrace.cli import app
 from kvtrace.diff.rangediff import first_true
-from traces.io import TraceReader
+from traces.reader import TraceReader
 from traces.schema import SPEC
 from tests.kvtrace.test_versions import ALLOCATOR, _git
 from traces.synth import generate

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from kvtrace.record.recorder import Recorder
-from traces.io import TraceReader
-from traces.schema import DECODE, EXTEND, FINISH, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC, TraceConfig, TraceMeta
+from traces.metadata import TraceConfig, TraceMeta
+from traces.reader import TraceReader
+from traces.schema import DECODE, EXTEND, FINISH, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 
 META = TraceMeta(config=TraceConfig(page_size=16, pool_tokens=4096, max_running=8, max_context_len=2048))
 

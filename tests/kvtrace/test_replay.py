@@ -16,7 +16,7 @@ from kvtrace.replay.result import ReplayResult
 from kvtrace.replay.session import ReplaySession
 from kvtrace.statelog.log import STATE_LOG_SCHEMA, read_state_log
 from tests.helpers import make_meta, write_steps
-from traces.schema import StepBatch
+from traces.batches import StepBatch
 from traces.synth import generate
 
 runner = CliRunner()

@@ -15,8 +15,9 @@ from kvtrace.replay.config import spec_config_for
 from kvtrace.record.recorder import Recorder
 from kvtrace.record.scheduler import CLIP_MAX_NEW_TOKENS, Scheduler, SchedulerConfig, mean_accepted_len
 from kvtrace.record.simulate import RecordOptions, record_workload
-from traces.io import TraceReader
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC, SpecSettings, TraceMeta
+from traces.metadata import SpecSettings, TraceMeta
+from traces.reader import TraceReader
+from traces.schema import ABORT, DECODE, EXTEND, FINISH, OPS, PREALLOC, RETRACT, SPEC
 from traces.workloads import WorkloadRequest
 
 DATA = Path(__file__).resolve().parents[2] / "traces" / "workloads_data"
@@ -334,7 +335,8 @@ def test_mooncake_prefix_hits_match_the_source_reuse_when_nothing_is_evicted(tmp
     H200 pool (920k tokens) LRU eviction drops most prefixes before the next turn: the
     10-minute Mooncake window pushes ~24M prompt tokens through it.
     """
-    from traces.workloads import block_reuse, read_workload
+    from traces.block_reuse import block_reuse
+    from traces.workloads import read_workload
 
     window = 180.0
     source = block_reuse(read_workload(MOONCAKE, "mooncake", duration_s=window))

@@ -22,7 +22,8 @@ from kvtrace.replay.snapshot import PHASES, UNCHANGED_OP, StepSnapshot
 from kvtrace.replay.state import ReplayState
 from kvtrace.statelog.log import StateLogWriter, read_state_log
 from tests.helpers import make_meta, write_steps
-from traces.schema import SpecSettings, StepBatch
+from traces.batches import StepBatch
+from traces.metadata import SpecSettings
 from traces.synth import generate
 
 runner = CliRunner()
@@ -620,8 +621,8 @@ def test_checking_every_call_in_runs_changes_no_snapshot(trace: str, busy_trace:
 
 
 def test_runs_are_used_on_decode_heavy_traces() -> None:
+    from traces.reader import TraceReader
     from traces.runs import run_lengths
-    from traces.io import TraceReader
     from traces.schema import DECODE, SPEC
 
     for name, op in (("sample:mooncake-tiny", DECODE), ("sample:mooncake-eagle", SPEC)):

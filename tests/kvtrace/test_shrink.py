@@ -19,7 +19,7 @@ from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.shrink import Oracle, Target, shrink_trace
 from kvtrace.shrink.signature import CHECKS
-from traces.io import TraceReader
+from traces.reader import TraceReader
 
 runner = CliRunner()
 FAULTY = str(Path(__file__).with_name("faulty_allocators.py"))

@@ -226,7 +226,7 @@ def test_nothing_in_a_trace_s_metadata_is_ever_executed(tmp_path: Path) -> None:
     """Version specs and Python code in a trace's metadata (source, extra) are data:
     replaying and diffing the trace, in this process and in children, runs none of it."""
     from tests.helpers import decode_steps, make_meta, write_steps
-    from traces.schema import TraceSource
+    from traces.metadata import TraceSource
 
     mark = tmp_path / "executed"
     payload = tmp_path / "payload.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import make_meta
-from traces.schema import SpecSettings, TraceMeta
+from traces.metadata import SpecSettings, TraceMeta
 
 
 @pytest.fixture

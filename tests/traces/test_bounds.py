@@ -15,11 +15,13 @@ import pytest
 
 from tests.helpers import decode_steps, make_meta, write_steps
 from tests.traces.test_validate import messages, row, run, step
+from traces.checker import OpSequenceChecker
+from traces.checker_process import BackgroundChecker
 from traces.errors import TraceMetadataError
-from traces.io import TraceReader
+from traces.metadata import SpecSettings, TraceMeta
+from traces.reader import TraceReader
 from traces.samples import sample_path
-from traces.schema import MAX_RID, METADATA_KEY, SpecSettings, TraceMeta
-from traces.validate import BackgroundChecker, OpSequenceChecker
+from traces.schema import MAX_RID, METADATA_KEY
 
 
 def _meta(**edits: Any) -> dict[str, Any]:
@@ -315,7 +317,8 @@ def test_a_prefill_ends_at_its_prompt_or_at_the_length_it_was_retracted_at(
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from traces.schema import OPS, StepBatch  # noqa: E402
+from traces.batches import StepBatch  # noqa: E402
+from traces.schema import OPS  # noqa: E402
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)

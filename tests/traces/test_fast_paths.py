@@ -11,11 +11,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from traces.io import TraceReader, TraceWriter
+from traces.batches import StepBatch
+from traces.checker import OpSequenceChecker, Problem
+from traces.reader import TraceReader
 from traces.runs import run_lengths
-from traces.schema import DECODE, SPEC, StepBatch
+from traces.schema import DECODE, SPEC
 from traces.synth import generate
-from traces.validate import OpSequenceChecker, Problem
+from traces.writer import TraceWriter
 
 _COLUMNS = ("seq_len", "append_len", "draft_len", "accepted_len", "prefix_len", "prompt_len")
 

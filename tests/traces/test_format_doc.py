@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from traces.io import compact_trace
 from traces.samples import sample_path
 from traces.tokens import block_token_ids, unique_token_ids
+from traces.writer import compact_trace
 
 M64 = (1 << 64) - 1
 

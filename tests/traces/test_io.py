@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import decode_steps, make_meta, write_steps
+from traces.batches import Ragged, StepBatch
+from traces.encoding import CHECKSUM_KEY, to_record_batch
 from traces.errors import (
     TraceCorruptError,
     TraceError,
@@ -28,15 +30,9 @@ from traces.errors import (
     TraceVersionError,
     TraceWriteError,
 )
-from traces.io import CHECKSUM_KEY, TraceReader, TraceWriter, _to_record_batch
-from traces.schema import (
-    COLUMNS,
-    METADATA_KEY,
-    OPS,
-    Ragged,
-    StepBatch,
-    arrow_schema,
-)
+from traces.reader import TraceReader
+from traces.schema import COLUMNS, METADATA_KEY, OPS, arrow_schema
+from traces.writer import TraceWriter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,7 +156,7 @@ def test_a_step_split_across_record_batches_is_merged(tmp_path: Path) -> None:
     path = tmp_path / "split.kvtrace"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for part in (whole.take(np.array([0])), whole.take(np.array([1, 2]))):
-            batch, checksum = _to_record_batch([part], schema)
+            batch, checksum = to_record_batch([part], schema)
             writer.write_batch(batch, custom_metadata={CHECKSUM_KEY: checksum})
     (step,), reader = read_all(path)
     assert step.equals(whole)
@@ -461,7 +457,7 @@ _CHILD = textwrap.dedent(
     import sys
     sys.path.insert(0, {repo!r})
     from tests.helpers import decode_steps, make_meta
-    from traces.io import TraceWriter
+    from traces.writer import TraceWriter
 
     writer = TraceWriter({path!r}, make_meta(), steps_per_batch=3)
     step = 0

@@ -10,8 +10,10 @@ import pyarrow as pa
 import pytest
 
 from tests.helpers import decode_steps, make_meta, write_steps
-from traces.io import RECORDING_KEY, TraceReader, TraceWriter, compact_trace
-from traces.schema import Recording, TraceMeta
+from traces.encoding import RECORDING_KEY
+from traces.metadata import Recording, TraceMeta
+from traces.reader import TraceReader
+from traces.writer import TraceWriter, compact_trace
 
 RECORDING = Recording(kvtrace_version="0.1.0", command="kvtrace record w.jsonl --out t.kvtrace")
 
@@ -202,10 +204,10 @@ def test_an_interruption_during_a_step_write_lands_after_it(tmp_path: Path, monk
     being written: the step reaches the file and the closing status counts it."""
     import signal
 
-    import traces.io as trace_io
+    import traces.writer as trace_writer
 
     path = tmp_path / "t.kvtrace"
-    convert = trace_io._to_record_batch
+    convert = trace_writer.to_record_batch
     calls = []
 
     def convert_and_get_a_signal(steps: list, schema: pa.Schema) -> tuple:
@@ -214,8 +216,8 @@ def test_an_interruption_during_a_step_write_lands_after_it(tmp_path: Path, monk
             signal.raise_signal(signal.SIGINT)
         return convert(steps, schema)
 
-    monkeypatch.setattr(trace_io, "_to_record_batch", convert_and_get_a_signal)
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: trace_io.interrupt_when_safe(KeyboardInterrupt()))
+    monkeypatch.setattr(trace_writer, "to_record_batch", convert_and_get_a_signal)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: trace_writer.interrupt_when_safe(KeyboardInterrupt()))
     try:
         with pytest.raises(KeyboardInterrupt):
             with TraceWriter(path, recording_meta()) as writer:

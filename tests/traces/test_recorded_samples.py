@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from traces.io import TraceReader
+from traces.checker import OpSequenceChecker
+from traces.reader import TraceReader
 from traces.samples import RECORDED, resolve_trace, sample_path
 from traces.schema import ABORT, OPS, RETRACT, SPEC
-from traces.validate import OpSequenceChecker
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,10 @@ import numpy as np
 
 from traces.runs import run_lengths
 from tests.helpers import make_meta, write_steps
-from traces.io import TraceReader
-from traces.schema import DECODE, SPEC, SpecSettings, StepBatch
+from traces.batches import StepBatch
+from traces.metadata import SpecSettings
+from traces.reader import TraceReader
+from traces.schema import DECODE, SPEC
 
 
 def chunks_of(path: Path) -> np.ndarray:

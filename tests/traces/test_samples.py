@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from traces.checker import OpSequenceChecker
 from traces.errors import UnknownSampleError
-from traces.io import TraceReader
+from traces.reader import TraceReader
 from traces.samples import RECIPES, RECORDED, list_samples, regenerate, resolve_trace, sample_path
 from traces.schema import OPS
-from traces.validate import OpSequenceChecker
 
 
 def test_names_and_paths() -> None:

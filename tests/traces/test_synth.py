@@ -7,11 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traces.io import TraceReader, TraceWriter
-from traces.schema import OPS, SpecSettings
+from traces.checker import OpSequenceChecker
+from traces.metadata import SpecSettings
+from traces.reader import TraceReader
+from traces.schema import OPS
 from traces.synth import generate, generate_mooncake_shaped, synth_meta
 from traces.tokens import TokenStore
-from traces.validate import OpSequenceChecker
+from traces.writer import TraceWriter
 
 EVERYTHING = dict(
     num_requests=40, spec=True, pd_decode=True, retract_prob=0.06, abort_prob=0.04, explicit_fraction=0.2

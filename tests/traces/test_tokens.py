@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import traces.tokens as tokens_module
-from traces.schema import StepBatch
+from traces.batches import StepBatch
 from traces.tokens import (
     BLOCK_TOKEN_BIT,
     TokenStore,

@@ -14,10 +14,13 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from kvtrace.record.recorder import Recorder
+from traces.batches import StepBatch
+from traces.encoding import ARRIVAL_CHECKSUM_KEY
 from traces.errors import TraceError
-from traces.io import ARRIVAL_CHECKSUM_KEY, TraceReader, compact_trace
-from traces.schema import StepBatch, TraceConfig, TraceMeta
+from traces.metadata import TraceConfig, TraceMeta
+from traces.reader import TraceReader
 from traces.trace_workload import read_trace_workload
+from traces.writer import compact_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 MOONCAKE = ROOT / "traces" / "workloads_data" / "mooncake-fast25" / "conversation_trace.jsonl"

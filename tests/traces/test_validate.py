@@ -13,9 +13,11 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from tests.helpers import make_meta
-from traces.io import TraceWriter
-from traces.schema import METADATA_KEY, OP_CODE, OPS, SpecSettings, StepBatch, TraceMeta, arrow_schema
-from traces.validate import OpSequenceChecker, Problem
+from traces.batches import StepBatch
+from traces.checker import OpSequenceChecker, Problem
+from traces.metadata import SpecSettings, TraceMeta
+from traces.schema import METADATA_KEY, OP_CODE, OPS, arrow_schema
+from traces.writer import TraceWriter
 
 
 def row(op: str, rid: int, seq_len: int, append_len: int, **fields: object) -> dict[str, object]:
@@ -297,9 +299,10 @@ def test_problem_records() -> None:
 
 def test_background_checker_reports_what_the_checker_reports(tmp_path) -> None:
     """The child-process checker returns, step by step, exactly the in-process result."""
-    from traces.io import TraceReader
+    from traces.checker import OpSequenceChecker
+    from traces.checker_process import BackgroundChecker
+    from traces.reader import TraceReader
     from traces.synth import generate
-    from traces.validate import BackgroundChecker, OpSequenceChecker
     from tests.helpers import make_meta, write_steps
 
     good = tmp_path / "good.kvtrace"
@@ -335,9 +338,9 @@ def test_background_checker_runs_at_the_priority_asked(tmp_path) -> None:
     import os
 
     from tests.helpers import priority_once_set
-    from traces.io import TraceReader
+    from traces.checker_process import BackgroundChecker
+    from traces.reader import TraceReader
     from traces.synth import generate
-    from traces.validate import BackgroundChecker
 
     if not hasattr(os, "getpriority"):
         pytest.skip("no os.getpriority here")
@@ -377,8 +380,9 @@ def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, d
     (``check_run``); a run with a bad step gives, step by step, the problems
     the in-process checker gives."""
     from tests.helpers import make_meta, write_steps
-    from traces.io import TraceReader
-    from traces.validate import BackgroundChecker, OpSequenceChecker
+    from traces.checker import OpSequenceChecker
+    from traces.checker_process import BackgroundChecker
+    from traces.reader import TraceReader
 
     steps = _decode_run_steps(600, rows=4)
     k = 300
@@ -408,7 +412,7 @@ def test_a_damaged_step_inside_a_decode_run_is_found_as_step_by_step(tmp_path, d
 def test_check_run_applies_a_run_as_its_steps(tmp_path) -> None:
     """A clean run applied at once leaves the checker where step by step leaves it."""
     from tests.helpers import write_steps
-    from traces.io import TraceReader
+    from traces.reader import TraceReader
     from traces.runs import run_lengths
 
     steps = _decode_run_steps(50, rows=3)

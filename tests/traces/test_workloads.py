@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
+from traces.block_reuse import block_reuse
 from traces.workloads import (
     WorkloadFileError,
-    block_reuse,
     parse_duration,
     read_azure,
     read_lengths,

@@ -85,8 +85,9 @@ def trace_step_range(path: str | Path) -> tuple[int, int] | None:
     """First and last step of a trace file, an IPC stream or file (one pass over its record
     batches, cheap next to the replay; None when it cannot be read:
     the header then shows no total)."""
+    from traces.arrow_arrays import numpy_view
     from traces.errors import TraceError
-    from traces.ipc import IpcReader, numpy_view
+    from traces.ipc import IpcReader
 
     first = last = None
     try:

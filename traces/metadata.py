@@ -1,0 +1,324 @@
+"""A trace's metadata: the serving configuration, model shape, source and recording
+status it was made under (``TraceMeta``), stored as JSON under the schema-metadata key
+``kvtrace`` and checked field by field when read (bounds in ``traces.schema``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from traces.schema import MAX_BLOCK_SIZE, MAX_MODEL_DIM, MAX_SPEC_TOKENS, MAX_STEP, MAX_TOKENS, SCHEMA_VERSION
+
+SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSettings:
+    """Speculative-decoding settings of the recorded engine (EAGLE-style).
+
+    ``num_steps`` draft steps of ``topk`` candidates; ``num_draft_tokens`` tokens
+    verified per step. The allocator derives its per-request reserve from these.
+    """
+
+    algorithm: SpecAlgorithm = "eagle"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TraceConfig:
+    """The serving configuration the trace was recorded under (replay may override some)."""
+
+    page_size: int
+    pool_tokens: int
+    max_running: int
+    max_context_len: int
+    chunk_size: int | None = None
+    schedule_policy: str = "fcfs"
+    spec: SpecSettings | None = None
+    pd_decode: bool = False
+    hisparse: bool = False
+    radix_cache: bool = True  # the engine kept a radix prefix cache
+
+
+# Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """Model shape; ``bytes_per_token`` = 2 * layers * kv_heads * head_dim * dtype bytes (MHA)."""
+
+    name: str = "unknown"
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES.get(self.dtype, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSource:
+    """Where the trace comes from: engine, workload, and the data's licence and citation."""
+
+    engine: str = "unknown"
+    workload: str = "unknown"
+    repository: str | None = None
+    path: str | None = None
+    license: str | None = None
+    citation: str | None = None
+
+
+RecordingStatus = Literal["recording", "complete", "interrupted"]
+RECORDING_STATUSES: tuple[str, ...] = ("recording", "complete", "interrupted")
+
+
+def timestamp() -> str:
+    """Now in UTC, ISO 8601 to the second (``2025-06-01T12:00:00Z``).
+
+    ``SOURCE_DATE_EPOCH`` (the reproducible-builds convention), when set, is used
+    instead of the clock, so a regenerated file can match byte for byte.
+    """
+    fixed = os.environ.get("SOURCE_DATE_EPOCH")
+    when = datetime.fromtimestamp(int(fixed), timezone.utc) if fixed else datetime.now(timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """How a trace was made and whether its recording completed.
+
+    The writer stores ``status="recording"`` when the recording starts and the final
+    status when it closes: ``"complete"``, or ``"interrupted"`` with ``detail`` saying
+    why (Ctrl-C, a signal, an error). A trace whose writer never closed (a killed
+    process) still says ``"recording"`` and reads as interrupted
+    (``TraceReader.recording`` after a full iteration).
+
+    Attributes:
+        status: ``recording``, ``complete`` or ``interrupted``.
+        detail: why an interrupted recording stopped (None otherwise).
+        kvtrace_version: the kvtrace that wrote the trace.
+        command: the command line that made it, shell-quoted (None from a library call).
+        finished_at: when the writer closed (UTC, ISO 8601).
+        steps: steps written when the writer closed.
+    """
+
+    status: RecordingStatus = "recording"
+    detail: str | None = None
+    kvtrace_version: str | None = None
+    command: str | None = None
+    finished_at: str | None = None
+    steps: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Recording:
+        """Build from parsed JSON. Raises ``ValueError`` naming the bad key."""
+        if not isinstance(data, dict):
+            raise ValueError("'recording' is not a JSON object")
+        status = data.get("status")
+        if status not in RECORDING_STATUSES:
+            raise ValueError(f"'recording.status' must be one of {', '.join(RECORDING_STATUSES)}, found {status!r}")
+        for key in ("detail", "kvtrace_version", "command", "finished_at"):
+            value = data.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"'recording.{key}' must be a string, found {_found(value)}")
+        steps = data.get("steps")
+        if steps is not None and not (_is_int(steps) and 0 <= steps < MAX_STEP):
+            raise ValueError(f"'recording.steps' must be an integer in [0, 2**53), found {_found(steps)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"'recording' has an unexpected key: {exc}") from None
+
+    @property
+    def interrupted(self) -> bool:
+        """The recording did not complete (or, read before its end, has not yet)."""
+        return self.status != "complete"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceMeta:
+    """Everything in the schema metadata. ``to_json``/``from_json`` are the wire format."""
+
+    config: TraceConfig
+    source: TraceSource = field(default_factory=TraceSource)
+    model: ModelShape = field(default_factory=ModelShape)
+    block_size: int | None = None
+    format_version: int = SCHEMA_VERSION
+    created_at: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
+
+    def with_config(self, **changes: Any) -> TraceMeta:
+        return replace(self, config=replace(self.config, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["model"]["bytes_per_token"] = self.model.bytes_per_token
+        if self.recording is None:
+            del out["recording"]  # what traces written without it have always held
+        return out
+
+    def to_json(self) -> str:
+        """Strict JSON (a NaN or infinite number in ``extra`` is a ValueError): what readers accept."""
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TraceMeta:
+        """Build from parsed JSON, checking every field's type and bounds.
+
+        Raises:
+            ValueError: naming the missing or bad key, what it must be and what was found.
+        """
+        if not isinstance(data, dict):
+            raise ValueError("metadata is not a JSON object")
+        version = data.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError("metadata has no integer 'format_version'")
+        cfg = data.get("config")
+        if not isinstance(cfg, dict):
+            raise ValueError("metadata has no 'config' object")
+        for key in ("page_size", "pool_tokens", "max_running", "max_context_len"):
+            if not _is_int(cfg.get(key)):
+                raise ValueError(f"metadata 'config.{key}' is missing or not an integer")
+            if cfg[key] <= 0:
+                raise ValueError(f"metadata 'config.{key}' must be positive, found {cfg[key]}")
+            _int_in(cfg, key, "config.", 1, MAX_TOKENS)
+        spec = _optional_object(cfg, "spec", "config.")
+        config = TraceConfig(
+            page_size=cfg["page_size"],
+            pool_tokens=cfg["pool_tokens"],
+            max_running=cfg["max_running"],
+            max_context_len=cfg["max_context_len"],
+            chunk_size=_int_in(cfg, "chunk_size", "config.", 1, MAX_TOKENS, None),
+            schedule_policy=_str_of(cfg, "schedule_policy", "config.", "fcfs"),
+            spec=None if spec is None else _spec_settings(spec),
+            pd_decode=_bool_of(cfg, "pd_decode", "config.", False),
+            hisparse=_bool_of(cfg, "hisparse", "config.", False),
+            radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
+        )
+        model = dict(_optional_object(data, "model", "") or {})
+        model.pop("bytes_per_token", None)
+        source = _optional_object(data, "source", "") or {}
+        _known_keys(model, ModelShape, "model.")
+        _known_keys(source, TraceSource, "source.")
+        for key in ("num_layers", "num_kv_heads", "head_dim"):
+            _int_in(model, key, "model.", 1, MAX_MODEL_DIM, None)
+        for key in ("name", "dtype"):
+            _str_of(model, key, "model.", None)
+        if model.get("dtype") is not None and model["dtype"] not in DTYPE_BYTES:
+            raise ValueError(
+                f"metadata 'model.dtype' {model['dtype']!r} is not a known KV-cache dtype "
+                f"(valid: {', '.join(DTYPE_BYTES)})"
+            )
+        model = {key: value for key, value in model.items() if value is not None}  # null: the default shape's
+        for key in source:
+            _str_of(source, key, "source.", None)
+        recording = data.get("recording")
+        return cls(
+            config=config,
+            source=TraceSource(**source),
+            model=ModelShape(**model),
+            block_size=_int_in(data, "block_size", "", 1, MAX_BLOCK_SIZE, None),
+            format_version=version,
+            created_at=_str_of(data, "created_at", "", None),
+            extra=dict(_optional_object(data, "extra", "") or {}),
+            recording=None if recording is None else Recording.from_dict(recording),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TraceMeta:
+        return cls.from_dict(parse_meta_json(text))
+
+
+def parse_meta_json(text: str | bytes) -> Any:
+    """JSON text as Python objects; bad UTF-8, bad JSON, absurd nesting or numbers are a ValueError."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digit limits
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ValueError(f"metadata is not valid JSON ({detail})") from None
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _found(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int_in(obj: dict[str, Any], key: str, where: str, lo: int, hi: int, default: Any = ...) -> Any:
+    """``obj[key]`` as an integer in ``[lo, hi]``; ``default`` when absent or null (``...``: required)."""
+    value = obj.get(key)
+    if value is None and default is not ...:
+        return default
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"metadata '{where}{key}' must be an integer in [{lo}, {hi}], found {_found(value)}")
+    return value
+
+
+def _bool_of(obj: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    value = obj.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"metadata '{where}{key}' must be true or false, found {_found(value)}")
+    return value
+
+
+def _str_of(obj: dict[str, Any], key: str, where: str, default: str | None) -> Any:
+    value = obj.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"metadata '{where}{key}' must be a string, found {_found(value)}")
+    return value
+
+
+def _optional_object(obj: dict[str, Any], key: str, where: str) -> dict[str, Any] | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"metadata '{where}{key}' must be an object or null, found {_found(value)}")
+    return value
+
+
+def _known_keys(obj: dict[str, Any], record: type, where: str) -> None:
+    unknown = sorted(set(obj) - set(record.__dataclass_fields__))  # type: ignore[attr-defined]
+    if unknown:
+        raise ValueError(f"metadata has an unexpected key '{where}{unknown[0]}'")
+
+
+def _spec_settings(spec: dict[str, Any]) -> SpecSettings:
+    _known_keys(spec, SpecSettings, "config.spec.")
+    algorithm = spec.get("algorithm", "eagle")
+    valid = SpecAlgorithm.__args__  # type: ignore[attr-defined]
+    if algorithm not in valid:
+        raise ValueError(
+            f"metadata 'config.spec.algorithm' must be one of {', '.join(valid)}, found {_found(algorithm)}"
+        )
+    defaults = SpecSettings()
+    return SpecSettings(
+        algorithm=algorithm,
+        num_steps=_int_in(spec, "num_steps", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.num_steps),
+        topk=_int_in(spec, "topk", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.topk),
+        num_draft_tokens=_int_in(
+            spec, "num_draft_tokens", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.num_draft_tokens
+        ),
+    )
