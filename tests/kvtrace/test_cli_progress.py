@@ -25,6 +25,27 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+def test_a_progress_line_redraws_at_most_once_a_period_and_is_silent_where_not_shown() -> None:
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from kvtrace.cli import ui
+
+    silent = ui.ProgressLine()
+    assert not silent.due()
+    silent(5, "x")  # nothing to draw on: no error
+    live = Progress(console=Console(file=io.StringIO(), force_terminal=True), auto_refresh=False)
+    task = live.add_task("t", total=None, info="")
+    line = ui.ProgressLine(live, task)
+    assert line.due() and not line.due()  # a redraw restarts the period
+    line.show(3, "three", total=10)
+    assert (live.tasks[0].completed, live.tasks[0].total, live.tasks[0].fields["info"]) == (3, 10, "three")
+    line(7, "seven")  # within the period: not redrawn
+    assert live.tasks[0].completed == 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["replay", "record", "sweep"])
 def test_progress_is_drawn_on_a_terminal_and_absent_with_json(tmp_path: Path, name: str) -> None:
