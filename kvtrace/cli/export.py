@@ -189,3 +189,42 @@ def _refuse_replay_options(**given: Any) -> None:
             option = names.get(key, "--" + key.replace("_", "-"))
             raise typer.BadParameter(f"{option} applies to a trace it replays, not to a state log (it is read back "
                                      "as it was replayed)", param_hint=option)
+
+
+def export_diff(report: dict[str, Any], inputs: list[str], target: Any, *, a: str, b: str, page_size: int | None,
+                pool_tokens: int | None, device: str, options: Any) -> None:
+    """``kvtrace diff --export``: both sides of a diff in one timeline file (two processes on
+    one clock), the first divergence marked on both. A trace's sides are replayed again,
+    one after the other; two state logs are read back.
+
+    Args:
+        report: the diff's ``--json`` object (its versions and first divergence).
+        inputs: the diff's inputs (one trace, or two state logs).
+        target: the ``OutputFile`` to write.
+        options: the ``ReplayOptions`` of the diff's replays.
+    """
+    from kvtrace.export.run import export_sides, format_of
+
+    first = report.get("first_divergence")
+    versions = report.get("versions", {})
+    labels = [versions.get(side, {}).get("label") or spec for side, spec in (("a", a), ("b", b))]
+
+    def sides() -> Any:
+        if len(inputs) == 2:
+            from kvtrace.statelog.log import read_state_log
+
+            for side, log in zip("AB", inputs):
+                yield f"{side}: {log}", read_state_log(log)[1]
+            return
+        from kvtrace.replay.session import ReplaySession
+
+        for side, spec, label in zip("AB", (a, b), labels):
+            with ReplaySession(inputs[0], version=spec, page_size=page_size, pool_tokens=pool_tokens, device=device,
+                               options=options) as session:
+                yield f"{side}: {inputs[0]} ({label})", session.snapshots()
+
+    to = format_of(target.path)
+    with target.writing() as tmp, ui.progress(f"exporting the diff to {target.path.name}") as line:
+        export_sides(tmp, to, sides(), mark_step=None if first is None else first["step"],
+                     mark={} if first is None else {k: str(v) for k, v in first.items() if v is not None},
+                     on_step=lambda snap: line(0, f"step {snap.step:,}"))

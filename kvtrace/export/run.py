@@ -14,17 +14,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from kvtrace.export.timeline import DEFAULT_HIT_WINDOW, TimelineBuilder
+from kvtrace.export.timeline import DEFAULT_HIT_WINDOW, TimelineBuilder, ts_ns
 
 if TYPE_CHECKING:
     from kvtrace.replay.snapshot import StepSnapshot
 
-__all__ = ["FORMATS", "ExportSummary", "Format", "ProcessExport", "is_state_log", "open_timeline_file"]
+__all__ = [
+    "FORMATS",
+    "ExportSummary",
+    "Format",
+    "ProcessExport",
+    "export_sides",
+    "format_of",
+    "is_state_log",
+    "open_timeline_file",
+]
 
 Format = Literal["perfetto", "chrome"]
 FORMATS: tuple[Format, ...] = ("perfetto", "chrome")
@@ -107,6 +116,52 @@ class ProcessExport:
             self._write(record)
         b = self.builder
         return ExportSummary(self.steps, self.records, b.num_lanes, tuple(b.pools), self.first_step, self.last_step)
+
+
+def export_sides(
+    path: str | Path,
+    to: Format,
+    sides: Iterable[tuple[str, Iterable[StepSnapshot]]],
+    *,
+    mark_step: int | None = None,
+    mark: dict[str, Any] | None = None,
+    on_step: Callable[[StepSnapshot], None] | None = None,
+) -> list[ExportSummary]:
+    """Several replays of one trace in one file, one process each, on the same clock
+    (``kvtrace diff --export``), written one after the other.
+
+    Args:
+        path: the file to write.
+        to: its format.
+        sides: (process name, snapshots) per replay.
+        mark_step: a step marked on every side (the first divergence): an instant named
+            ``first divergence`` at that step's time (at the side's last step if it ended before).
+        mark: the marker's arguments.
+        on_step: called with each snapshot after it is written (progress).
+    """
+    summaries = []
+    with open_timeline_file(path, to) as out:
+        for name, snapshots in sides:
+            export = ProcessExport(out, name)
+            marked = mark_step is None
+            last = None
+            for snap in snapshots:
+                export.feed(snap)
+                last = snap
+                if not marked and snap.step >= mark_step:  # type: ignore[operator]
+                    export.marker(ts_ns(snap.time_s), "first divergence", mark or {})
+                    marked = True
+                if on_step is not None:
+                    on_step(snap)
+            if not marked and last is not None:
+                export.marker(ts_ns(last.time_s), "first divergence", mark or {})
+            summaries.append(export.finish())
+    return summaries
+
+
+def format_of(path: str | Path) -> Format:
+    """The format a file name asks for: ``chrome`` for ``.json``, else ``perfetto``."""
+    return "chrome" if str(path).lower().endswith(".json") else "perfetto"
 
 
 def is_state_log(path: str | Path) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "TimelineBuilder",
     "pools_of",
     "timeline_records",
+    "ts_ns",
 ]
 
 # The counter tracks of a pool, and the ``PoolCounters`` field each one reads.
@@ -112,7 +113,8 @@ def pools_of(snap: StepSnapshot) -> tuple[tuple[str, PoolCounters], ...]:
     return (("full", snap.pool),)
 
 
-def _ts_ns(time_s: float) -> int:
+def ts_ns(time_s: float) -> int:
+    """Simulated seconds as the timeline's nanoseconds."""
     return int(round(time_s * 1e9))
 
 
@@ -145,7 +147,7 @@ class TimelineBuilder:
 
     def feed(self, snap: StepSnapshot) -> list[Record]:
         """The records of one step (its snapshot), in the order a viewer reads them."""
-        ts = _ts_ns(snap.time_s)
+        ts = ts_ns(snap.time_s)
         self.last_ts_ns = ts
         out: list[Record] = []
         for name, pool in pools_of(snap):

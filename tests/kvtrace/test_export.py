@@ -308,3 +308,22 @@ def test_the_one_hour_sample_exports_with_lanes_within_the_running_limit(tmp_pat
     summary = json.loads(result.stdout)
     assert summary["steps"] == 77271 and 0 < summary["lanes"] <= summary["replay"]["max_running"]
     assert Trace.FromString(out.read_bytes()).packet
+
+
+def test_a_diff_exports_both_sides_on_one_clock_with_the_divergence_marked(tmp_path: Path) -> None:
+    out = tmp_path / "diff.pftrace"
+    result = runner.invoke(app, ["diff", "sample:tiny", "--b", "pre-encapsulation", "--export", str(out), "--json"])
+    assert result.exit_code == 1, result.output  # diverged
+    report = json.loads(result.stdout)
+    assert report["export"] == str(out) and report["first_divergence"]["step"] == 1
+    trace = Trace.FromString(out.read_bytes())
+    processes = {p.track_descriptor.process.pid: p.track_descriptor.process.process_name
+                 for p in trace.packet if p.track_descriptor.HasField("process")}
+    assert sorted(processes.values()) == ["A: sample:tiny (builtin)", "B: sample:tiny (pre-encapsulation)"]
+    with ReplaySession("sample:tiny", screen="inline") as session:
+        step1 = [s for s in session.snapshots() if s.step == 1][0]
+    marks = [(p.trusted_packet_sequence_id, p.timestamp) for p in trace.packet
+             if p.track_event.name == "first divergence"]
+    assert sorted(marks) == [(1, int(round(step1.time_s * 1e9))), (2, int(round(step1.time_s * 1e9)))]
+    again = runner.invoke(app, ["diff", "sample:tiny", "--b", "pre-encapsulation", "--export", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output
