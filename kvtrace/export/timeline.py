@@ -5,7 +5,8 @@ state log read back) into the records a trace viewer draws, in time order:
 
 - ``Counters``: per pool, the token counts ``COUNTERS`` (a record only when one changed);
 - ``HitRate``: the prefix hit rate over the last ``hit_window`` admissions whose prefill
-  completed (hit tokens / prompt tokens), when a new admission completes;
+  completed (hit tokens / prompt tokens, as the replay's summary counts them), when a new
+  admission completes;
 - ``SliceBegin`` / ``SliceEnd``: each request from admission to release on a lane, with
   its phases (prefill, decode, ...) as slices nested in it. A released lane is reused by
   the next admission (the lowest free one), so the lanes are as many as the peak number
@@ -134,6 +135,7 @@ class TimelineBuilder:
         self._allocated = np.zeros(1024, np.int64)
         self._hit = np.zeros(1024, np.int64)  # prefix hit at the last admission
         self._prompt = np.full(1024, -1, np.int64)  # prompt tokens of the last admission (-1: prefill not done)
+        self._counted = np.zeros(1024, bool)  # its last admission counts in the hit rate
         self._free_lanes: list[int] = []  # a heap: the lowest free lane goes first
         self.num_lanes = 0
         self._open = 0
@@ -191,7 +193,7 @@ class TimelineBuilder:
                         self._release(ts, rid, PHASES[int(d.phase[i])], out)
                     continue
                 if before == _NOT_LIVE:
-                    self._admit(ts, rid, int(d.prefix[i]), out)
+                    self._admit(ts, rid, int(d.prefix[i]), int(d.op[i]), out)
                 else:
                     out.append(SliceEnd(ts, int(self._lane[rid]), {}))
                 out.append(SliceBegin(ts, int(self._lane[rid]), PHASES[after], {}))
@@ -202,8 +204,9 @@ class TimelineBuilder:
                     op = int(d.op[i])
                     prompt = int(d.committed[i]) if op in (EXTEND, PREALLOC) else int(self._committed[rid])
                     self._prompt[rid] = prompt
-                    self._sample_hit(int(self._hit[rid]), prompt)
-                    added = True
+                    if self._counted[rid]:
+                        self._sample_hit(int(self._hit[rid]), prompt)
+                        added = True
             if added and self._window_prompt > 0:
                 out.append(HitRate(ts, self._window_hit / self._window_prompt))
         live = new != _NOT_LIVE
@@ -214,7 +217,7 @@ class TimelineBuilder:
             self._committed[rids[live]] = d.committed[live]
             self._allocated[rids[live]] = d.allocated[live]
 
-    def _admit(self, ts: int, rid: int, prefix_hit: int, out: list[Record]) -> None:
+    def _admit(self, ts: int, rid: int, prefix_hit: int, op: int, out: list[Record]) -> None:
         if self._free_lanes:
             lane = heapq.heappop(self._free_lanes)
         else:
@@ -224,6 +227,9 @@ class TimelineBuilder:
         self.peak_concurrency = max(self.peak_concurrency, self._open)
         self._lane[rid] = lane
         self._hit[rid] = prefix_hit
+        # As the replay's own hit rate: prefill admissions count, a PD decode's
+        # pre-allocation (its KV computed by the prefill server) does not.
+        self._counted[rid] = op == EXTEND
         self._prompt[rid] = -1
         self._committed[rid] = 0
         self._allocated[rid] = 0
@@ -262,7 +268,7 @@ class TimelineBuilder:
             return
         grow = max(max_rid + 1, size * 2)
         for name, fill in (("_phase", _NOT_LIVE), ("_lane", -1), ("_committed", 0), ("_allocated", 0),
-                           ("_hit", 0), ("_prompt", -1)):
+                           ("_hit", 0), ("_prompt", -1), ("_counted", False)):
             old = getattr(self, name)
             arr = np.full(grow, fill, old.dtype)
             arr[:size] = old

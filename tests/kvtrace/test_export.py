@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from kvtrace.export.run import ProcessExport, open_timeline_file
-from kvtrace.export.timeline import COUNTERS, SliceBegin, SliceEnd, TimelineBuilder
+from kvtrace.export.timeline import COUNTERS, HitRate, SliceBegin, SliceEnd, TimelineBuilder
 from kvtrace.replay.session import ReplaySession
 from kvtrace.replay.snapshot import PHASES, PoolCounters, RequestDelta, StepSnapshot
-from traces.schema import DECODE, EXTEND, FINISH
+from traces.schema import DECODE, EXTEND, FINISH, PREALLOC
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -154,14 +154,30 @@ def test_instants_for_evictions_retractions_aborts_and_overallocation(tmp_path: 
     assert "finish" not in kinds  # a finish ends its request's slice
 
 
-def test_an_out_of_memory_is_an_instant(tmp_path: Path) -> None:
-    out = tmp_path / "small.pftrace"
-    result = _export("sample:tiny", "--pool-tokens", "1024", "--on-oom", "skip", "--out", str(out))
-    assert result.exit_code in (0, 1), result.output
-    got = _decode(out)
+def test_an_out_of_memory_is_an_instant_and_stopping_at_it_exits_1(tmp_path: Path) -> None:
+    skipped = tmp_path / "skip.pftrace"
+    result = _export("sample:tiny", "--pool-tokens", "1024", "--on-oom", "skip", "--out", str(skipped))
+    assert result.exit_code == 0, result.output
+    got = _decode(skipped)
     ooms = [args for _, name, args in got["instants"] if name == "oom"]
     assert ooms and all("rid" in args for args in ooms)
-    assert _value_at(got["counters"]["full free"], 10**18) <= 1024
+    assert {"dropped"} <= {name for _, name, _ in got["instants"]}
+    # --on-oom stop: the file holds the steps up to the out-of-memory, and the exit code says it.
+    stopped = tmp_path / "stop.pftrace"
+    result = _export("sample:tiny", "--pool-tokens", "1024", "--out", str(stopped), "--json")
+    assert result.exit_code == 1, result.output
+    summary = json.loads(result.stdout)
+    oom = summary["replay"]["oom"]
+    assert summary["last_step"] == oom["step"] < 138
+    assert [args["rid"] for _, name, args in _decode(stopped)["instants"] if name == "oom"] == [oom["rid"]]
+
+
+def test_the_hit_rate_over_a_window_of_every_admission_is_the_replays() -> None:
+    builder = TimelineBuilder(hit_window=10**6)
+    with ReplaySession("sample:mooncake-tiny", screen="inline") as session:
+        rates = [r.value for snap in session.snapshots() for r in builder.feed(snap) if isinstance(r, HitRate)]
+        expected = session.result().to_dict()["prefix_hit_rate"]
+    assert expected > 0 and rates[-1] == pytest.approx(expected, abs=1e-6)
 
 
 def test_the_chrome_json_follows_the_trace_event_format(tmp_path: Path) -> None:
@@ -296,8 +312,14 @@ def test_a_lane_freed_in_a_step_takes_that_steps_admission_and_the_hit_rate_slid
              if type(r).__name__ == "HitRate"]
     assert rates == [0.0]  # window of 2: (rid 1: 0/10) and (rid 2: 0/8); rid 0's 5/10 slid out
     assert b.num_lanes == b.peak_concurrency == 2
+    # A PD decode's pre-allocation is no prefill admission: it leaves the hit rate alone.
+    b.feed(_snap(3, [3], ["waiting"], [PREALLOC], [50], prefix=[40]))
+    recs = b.feed(_snap(4, [3], ["decode"], [DECODE], [51]))
+    assert [r for r in recs if isinstance(r, HitRate)] == [] and b.num_lanes == 3
     closing = b.finish()
-    assert sum(isinstance(r, SliceEnd) and r.args.get("end") == "running" for r in closing) == 2
+    assert sum(isinstance(r, SliceEnd) and r.args.get("end") == "running" for r in closing) == 3
+    ends = [r.args for r in closing if isinstance(r, SliceEnd) and r.args]
+    assert {"end": "running", "kv_committed_len": 51, "kv_allocated_len": 51, "prompt_len": 50, "output_len": 1} in ends
 
 
 @pytest.mark.slow
