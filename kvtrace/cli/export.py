@@ -69,7 +69,7 @@ def export(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (.pftrace for perfetto, .json for chrome).", show_default=False)],
-    to: Annotated[ExportFormat, typer.Option("--to", help="perfetto: Perfetto's protobuf trace, streamed (any length); chrome: Trace Event Format JSON (small replays).")] = ExportFormat.perfetto,
+    to: Annotated[ExportFormat | None, typer.Option("--to", help="perfetto: Perfetto's protobuf trace, streamed (any length); chrome: Trace Event Format JSON (small replays).", show_default="chrome for a .json --out, else perfetto")] = None,
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     device: DeviceOpt = Device.cpu,
@@ -99,9 +99,12 @@ def export(
     Exit code: 0 written; 1 written, and the replay found violations, an out-of-memory (with
     --on-oom stop) or skipped bad ops; 2 bad input.
     """
-    from kvtrace.export.run import ProcessExport, is_state_log, open_timeline_file
+    from kvtrace.export.run import ProcessExport, format_of, is_state_log, open_timeline_file
     from kvtrace.outputs import OutputFile
     from traces.samples import resolve_trace
+
+    if to is None:
+        to = ExportFormat(format_of(out))
 
     path = resolve_trace(source)  # a missing file: one line (a sample name: its bundled file)
     from_log = not source.startswith(SAMPLE_PREFIX) and is_state_log(path)

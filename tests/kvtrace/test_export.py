@@ -203,6 +203,10 @@ def test_the_chrome_json_follows_the_trace_event_format(tmp_path: Path) -> None:
     assert kinds["C"] > 100 and kinds["B"] == kinds["E"] > 0 and kinds["i"] == 13 + 5 + 6 + 16
     pool = [e for e in events if e["ph"] == "C" and e["name"] == "full pool (tokens)"]
     assert set(pool[0]["args"]) == set(COUNTERS)
+    # Without --to, a .json file gets the JSON format (and any other name Perfetto's).
+    by_name = tmp_path / "by-name.json"
+    assert _export("sample:tiny", "--out", str(by_name)).exit_code == 0
+    assert json.loads(by_name.read_text())["traceEvents"] == events
 
 
 def test_a_state_log_exports_as_its_replay_did(tmp_path: Path) -> None:
