@@ -386,6 +386,7 @@ COMMAND_MODULES: dict[str, str] = {
     "diff": "diff",
     "versions": "diff",
     "view": "view",
+    "export": "export",
     "sweep": "sweep",
     "shrink": "shrink",
     "compact": "compact",

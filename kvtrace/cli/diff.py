@@ -19,6 +19,7 @@ from kvtrace.cli.options import (
     CheckMode,
     Device,
     DeviceOpt,
+    ForceOpt,
     JsonOpt,
     NoColorOpt,
     OnBadOp,
@@ -154,6 +155,8 @@ def diff(
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
     tui: Annotated[bool, typer.Option("--tui", help="Then show both replays side by side in the dashboard, at the first divergence (keys move both sides together).")] = False,
+    export: Annotated[Path | None, typer.Option("--export", help="Also write both sides as one timeline (.pftrace: Perfetto; .json: Chrome), two processes on one clock, the first divergence marked on both (a trace's sides are replayed again).", show_default=False)] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Replay TRACE through versions A and B and compare them after every step; or compare
     two saved state logs. Prints "identical over N steps" or the first divergence (step, op,
@@ -177,7 +180,7 @@ def diff(
         check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
     )
     if rev_range is not None:
-        for name, value in (("--a", a), ("--b", b)):
+        for name, value in (("--a", a), ("--b", b), ("--export", export)):
             if value is not None:
                 raise typer.BadParameter(f"--range compares every commit with BASE; drop {name}", param_hint=name)
         check_device(device.value)
@@ -187,6 +190,12 @@ def diff(
         raise typer.Exit(
             _diff_range(inputs, rev_range, settings, paths=paths, repo=repo, bisect=bisect, jobs=jobs, as_json=as_json)
         )
+    target = None
+    if export is not None:
+        from kvtrace.outputs import OutputFile
+        from traces.samples import resolve_trace
+
+        target = OutputFile(export, option="--export", force=force, inputs=[resolve_trace(i) for i in inputs])
     for name, value in (("--path", paths), ("--repo", repo), ("--bisect", bisect or None)):
         if value is not None:
             raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
@@ -210,11 +219,18 @@ def diff(
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
     _warn_inputs(report, inputs)
+    if target is not None:
+        from kvtrace.cli.export import export_diff
+
+        export_diff(report.to_dict(), inputs, target, a=a or "builtin", b=b or "", page_size=page_size,
+                    pool_tokens=pool_tokens, device=device.value, options=replay)
     if tui:
         from kvtrace.tui.run import show_diff
 
         raise typer.Exit(show_diff(report, inputs, a=a or "builtin", b=b, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options={"check": check.value, "on_oom": on_oom.value, "on_bad_op": on_bad_op.value, "start_step": start, "stop_step": stop}, as_json=as_json))
     result = report.to_dict()
+    if export is not None:
+        result["export"] = str(export)
     if as_json:
         ui.emit_json(result)
     else:

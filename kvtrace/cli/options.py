@@ -137,3 +137,38 @@ WhatIfPoolTokensOpt = Annotated[
         show_default="the trace's",
     ),
 ]
+# The replay options ``kvtrace replay`` declares inline, for commands that replay a trace
+# the same way (``kvtrace export``).
+CheckOpt = Annotated[
+    CheckMode,
+    typer.Option(
+        "--check",
+        help="Invariant checks: every (after each allocator call, what it touched), full (the whole state "
+        "after each call), end, never.",
+    ),
+]
+MaxViolationsOpt = Annotated[
+    int | None,
+    typer.Option("--max-violations", min=1, help="Stop after this many invariant violations.", show_default="no limit"),
+]
+ExitFirstOpt = Annotated[
+    bool, typer.Option("-x", "--exitfirst", help="Stop at the first invariant violation (--max-violations 1).")
+]
+OnOomOpt = Annotated[OnOom, typer.Option("--on-oom", help="At an out-of-memory: stop, or skip (drop the request).")]
+OnBadOpOpt = Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")]
+StepsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--steps",
+        help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.",
+        show_default="every step",
+    ),
+]
+AllocatorOpt = Annotated[
+    str,
+    typer.Option(
+        "--allocator",
+        help="Allocator version: builtin, token, paged[:N], module:factory, file.py:factory (those two execute the "
+        "code they name; nothing in a trace is ever executed).",
+    ),
+]

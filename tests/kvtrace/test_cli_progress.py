@@ -20,6 +20,7 @@ def _commands(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "replay": (["replay", "sample:tiny"], "replay"),
         "record": (["record", str(AZURE), "--duration", "20s", "--out", str(tmp / "r.kvtrace"), "--page-size", "16"],
                    "recording"),
+        "export": (["export", "sample:mooncake-tiny", "--out", str(tmp / "e.pftrace")], "exporting"),
         "sweep": (["sweep", "sample:tiny", "--pool-tokens", "30k,45k", "-j", "1", "--out", str(tmp / "s.parquet")],
                   " eta "),
     }
@@ -47,7 +48,7 @@ def test_a_progress_line_redraws_at_most_once_a_period_and_is_silent_where_not_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["replay", "record", "sweep"])
+@pytest.mark.parametrize("name", ["replay", "record", "export", "sweep"])
 def test_progress_is_drawn_on_a_terminal_and_absent_with_json(tmp_path: Path, name: str) -> None:
     args, words = _commands(tmp_path)[name]
     command = [sys.executable, "-m", "kvtrace", *args]
