@@ -17,6 +17,7 @@ from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner, divergence_text
 from kvtrace.tui.widgets.events_log import describe
 from kvtrace.tui.widgets.occupancy import QuietPlot
+from kvtrace.tui.widgets.toasts import AlertToasts
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
@@ -35,6 +36,7 @@ KEYS = (
     ("k", "events log: next kind (all, overalloc_release, evict, …)"),
     ("P", "jump to the peak occupancy"),
     ("o", "jump to the first OOM or violation"),
+    ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
     ("/", "filter requests: phases, live, over, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),
@@ -59,6 +61,7 @@ class ReplayScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Dashboard(0, cadence=self.cadence, id="side-0")
+        yield AlertToasts(id="alerts")
         yield Footer()
 
 
@@ -78,6 +81,7 @@ class DiffScreen(Screen):
                 dash = Dashboard(side, compact=True, cadence=self.cadence, id=f"side-{side}")
                 dash.border_title = f"{'AB'[side]}  {r.label}"
                 yield dash
+        yield AlertToasts(id="alerts")
         yield Footer()
 
 
