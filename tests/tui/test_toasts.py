@@ -37,7 +37,7 @@ async def test_many_ooms_make_one_card_with_their_count_and_m_mutes_it() -> None
 
 
 async def test_the_mute_key_is_in_the_help_and_the_footer() -> None:
-    from textual.widgets import Footer
+    from kvtrace.tui.widgets.keybar import KeyBar
 
     from kvtrace.tui.screens import KEYS
 
@@ -45,5 +45,4 @@ async def test_the_mute_key_is_in_the_help_and_the_footer() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
-        footer = app.main.query_one(Footer)
-        assert "m" in [k.key for k in footer.query("FooterKey")]  # type: ignore[attr-defined]
+        assert "m" in [h.key for h in app.main.query_one(KeyBar).shown()]
