@@ -81,6 +81,8 @@ class KvtraceApp(App[None]):
         Binding("enter", "detail", "Detail", show=False),
         Binding("question_mark", "help", "Keys"),
         Binding("q", "quit", "Quit"),
+        # Textual's own ctrl+c only says "press ctrl+q to quit": here it quits, as a terminal user expects.
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
     ]
 
     def __init__(
