@@ -31,6 +31,7 @@ from kvtrace.tui.widgets.divergence import DivergenceBanner
 from kvtrace.tui.widgets.events_log import EVENT_KINDS, EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
+from kvtrace.tui.widgets.toasts import AlertToasts
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
@@ -73,12 +74,15 @@ class KvtraceApp(App[None]):
         Binding("k", "cycle_kind", "Event kind", show=False),
         Binding("P", "peak", "Peak"),
         Binding("o", "first_alert", "OOM/violation", show=False),
+        Binding("m", "mute_alerts", "Mute alerts"),
         Binding("slash", "filter", "Filter"),
         Binding("s", "sort", "Sort", show=False),
         Binding("r", "reverse", "Reverse", show=False),
         Binding("enter", "detail", "Detail", show=False),
         Binding("question_mark", "help", "Keys"),
         Binding("q", "quit", "Quit"),
+        # Textual's own ctrl+c only says "press ctrl+q to quit": here it quits, as a terminal user expects.
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
     ]
 
     def __init__(
@@ -175,8 +179,7 @@ class KvtraceApp(App[None]):
             if (frame.side, e) in self._alerted:  # repeated by a frame drawn after it
                 continue
             self._alerted.add((frame.side, e))
-            where = f"{self._side_label(frame.side)} " if self.report is not None else ""
-            self.notify(f"{where}step {e.step}: {e.kind} {e.detail}".strip(), title="replay", severity="error", timeout=8)
+            self.main.query_one(AlertToasts).add(e, frame.side, self._side_label(frame.side))
 
     def _drawn(self, driver: Driver, seq: int, t0: float) -> None:
         self.draw_s.append(time.perf_counter() - t0)
@@ -362,6 +365,12 @@ class KvtraceApp(App[None]):
                 self._all("seek", e.step)
                 return
         self.notify("no OOM, violation or impossible op replayed so far", timeout=3)
+
+    def action_mute_alerts(self) -> None:
+        """Hide (or show again) the OOM / violation cards; they keep counting."""
+        muted = self.main.query_one(AlertToasts).toggle_mute()
+        self.notify("OOM and violation notifications muted (m shows them; the events log has every one)"
+                    if muted else "OOM and violation notifications shown", timeout=3)
 
     def action_filter(self) -> None:
         dash = self.dashboards[self._focused_side()]

@@ -117,6 +117,12 @@ def _run(links: list[Any], report: DiffReport | None = None) -> None:
     closed (and written its log)."""
     from kvtrace.tui.app import KvtraceApp
 
+    # Starting a replay (reading the trace, building the allocator) can take seconds: say so on
+    # a terminal, and wipe the line once the dashboard takes the screen.
+    say = sys.stderr.isatty()
+    if say:
+        sys.stderr.write("kvtrace: starting the replay…")
+        sys.stderr.flush()
     try:
         for link in links:
             link.wait_started()
@@ -124,6 +130,10 @@ def _run(links: list[Any], report: DiffReport | None = None) -> None:
         for link in links:
             link.close()
         raise
+    finally:
+        if say:
+            sys.stderr.write("\r\033[2K")
+            sys.stderr.flush()
     app: KvtraceApp = KvtraceApp(links, diff=report)
     try:
         app.run()

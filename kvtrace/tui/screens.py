@@ -10,13 +10,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 from textual_plot import HiResMode
 
 from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner, divergence_text
 from kvtrace.tui.widgets.events_log import describe
+from kvtrace.tui.widgets.keybar import KeyBar
 from kvtrace.tui.widgets.occupancy import QuietPlot
+from kvtrace.tui.widgets.toasts import AlertToasts
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
@@ -35,10 +37,12 @@ KEYS = (
     ("k", "events log: next kind (all, overalloc_release, evict, …)"),
     ("P", "jump to the peak occupancy"),
     ("o", "jump to the first OOM or violation"),
+    ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
     ("/", "filter requests: phases, live, over, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),
     ("tab", "next panel; click a row, cell or event to select it"),
+    ("t", "small terminal: the other panel of each tab pair (or click a tab)"),
     ("?", "this help"),
     ("q", "quit"),
 )
@@ -49,7 +53,18 @@ DIFF_KEYS = (
 )
 
 
-class ReplayScreen(Screen):
+class _PanelsScreen(Screen):
+    """A screen of dashboards: ``t`` switches their panel tabs where they are small."""
+
+    BINDINGS = [Binding("t", "switch_tabs", "Panels", show=False)]
+
+    def action_switch_tabs(self) -> None:
+        for dash in self.query(Dashboard):
+            if dash.has_class("-small"):
+                dash.switch_tabs()
+
+
+class ReplayScreen(_PanelsScreen):
     """The dashboard of one replay (``cadence``: how often its costliest panels are drawn
     while playing)."""
 
@@ -59,10 +74,11 @@ class ReplayScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Dashboard(0, cadence=self.cadence, id="side-0")
-        yield Footer()
+        yield AlertToasts(id="alerts")
+        yield KeyBar(id="keybar")
 
 
-class DiffScreen(Screen):
+class DiffScreen(_PanelsScreen):
     """Two replays side by side (``kvtrace diff --tui``): what the diff found, then the
     dashboards of A and B."""
 
@@ -78,7 +94,8 @@ class DiffScreen(Screen):
                 dash = Dashboard(side, compact=True, cadence=self.cadence, id=f"side-{side}")
                 dash.border_title = f"{'AB'[side]}  {r.label}"
                 yield dash
-        yield Footer()
+        yield AlertToasts(id="alerts")
+        yield KeyBar(id="keybar")
 
 
 class HelpScreen(ModalScreen[None]):
@@ -97,6 +114,7 @@ class HelpScreen(ModalScreen[None]):
         table.add_column()
         for key, what in (DIFF_KEYS + KEYS) if self.diff else KEYS:
             table.add_row(key, what)
+        # Its descriptions wrap, and it scrolls, where the terminal is too small for the table.
         yield Static(table, id="help-body")
 
     def action_dismiss(self) -> None:  # type: ignore[override]

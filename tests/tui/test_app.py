@@ -8,6 +8,7 @@ from kvtrace.tui.screens import GotoScreen, HelpScreen, RequestDetailScreen
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.page_map import PageMap
 from kvtrace.tui.widgets.request_table import RequestTable
+from kvtrace.tui.widgets.toasts import AlertToasts
 from tests.helpers import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
 
 
@@ -94,7 +95,8 @@ async def test_o_jumps_to_the_first_oom() -> None:
         await settle(pilot, lambda a: not a.frame.done)
         await pilot.press("o")
         await settle(pilot, at_step(ooms[0].step))
-        assert any(n.severity == "error" and "oom" in n.message for n in app._notifications)
+        toasts = app.main.query_one(AlertToasts)
+        assert toasts.counts() == {(0, "oom"): len(ooms)}
 
 
 @pytest.mark.slow

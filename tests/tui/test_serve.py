@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 import aiohttp
 import pytest
 
-from kvtrace.tui.web.server import is_loopback
+from kvtrace.tui.web.server import is_loopback, is_unspecified
 from tests.tui.serving import Served, served
 
 
@@ -85,8 +85,11 @@ async def _dashboard_text(server: Served, timeout_s: float) -> str:
         async with http.get(server.url) as resp:
             assert resp.status == 200
             page = await resp.text()
-        socket_url = page.split('data-session-websocket-url="', 1)[1].split('"', 1)[0]
-        assert socket_url == f"ws://127.0.0.1:{server.port}/ws/{_token(server)}"
+        # Relative to the page (its script makes it ws: on the page's host), as is everything it loads.
+        relative = page.split('data-session-websocket-url="', 1)[1].split('"', 1)[0]
+        assert relative == f"ws/{_token(server)}"
+        assert "127.0.0.1" not in page and 'href="static/' in page
+        socket_url = f"ws://127.0.0.1:{server.port}/{relative}"
         text = ""
         async with http.ws_connect(socket_url + "?width=120&height=40", origin=origin) as ws:
             await ws.send_json(["resize", {"width": 120, "height": 40}])
@@ -119,3 +122,28 @@ def test_the_token_and_served_origin_stream_the_dashboard(server: Served) -> Non
 ])
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+@pytest.mark.slow
+def test_a_busy_port_is_one_clear_line() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kvtrace", "replay", "sample:tiny", "--tui", "--serve", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [
+        f"kvtrace: error: port {port} on 127.0.0.1 is in use (another server?): pick another with --serve PORT"]
+    assert "serving" not in done.stdout
+
+
+@pytest.mark.parametrize(("host", "unspecified"), [
+    ("0.0.0.0", True), ("::", True), ("[::]", True), ("", True), ("127.0.0.1", False), ("localhost", False),
+])
+def test_is_unspecified(host: str, unspecified: bool) -> None:
+    assert is_unspecified(host) is unspecified

@@ -66,3 +66,31 @@ def test_kvtrace_replay_tui_in_a_terminal_steps_and_quits() -> None:
             proc.wait()
         os.close(master)
     assert proc.returncode == 0, bytes(seen[-2000:])
+
+
+def test_kvtrace_replay_tui_says_it_starts_and_quits_on_ctrl_c() -> None:
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "24"}
+    proc = subprocess.Popen(
+        [str(KVTRACE), "replay", "sample:tiny", "--tui"],
+        stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True, start_new_session=True,
+    )
+    os.close(slave)
+    seen = bytearray()
+    try:
+        # A word before the dashboard's first frame, not a blank terminal while the replay starts.
+        assert _read_until(master, "starting the replay".encode(), 60, seen), bytes(seen[-2000:])
+        assert _read_until(master, b"sample:tiny", 90, seen), bytes(seen[-2000:])
+        time.sleep(0.5)
+        os.write(master, b"\x03")  # Ctrl+C: a key in the dashboard's raw terminal
+        end = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < end:
+            _read_until(master, b"\x00never", 0.5, seen)
+        proc.wait(timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert proc.returncode == 0, bytes(seen[-2000:])

@@ -13,13 +13,23 @@ port on 127.0.0.1. So the page and its web socket answer only a request that
 
 Anything else is 403. The static files (the terminal's script, stylesheet and font) are public;
 a download (``/download/KEY``) is reached by its own random key, which only the socket tells.
+
+The page names what it loads by URLs relative to its own (``static/…``, ``ws/T``; its script
+turns the latter into ``ws:``/``wss:`` on the page's host), never by the address the server
+listens on: behind ``ssh -L 9123:127.0.0.1:8123``, a reverse proxy on another port or path,
+or ``--host 0.0.0.0``, the browser reaches everything where it reached the page. A proxy that
+rewrites ``Host`` keeps the browser's in ``X-Forwarded-Host``, which the ``Origin`` check
+accepts too (a page's script cannot set that header on a socket, and the token is still needed).
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import hmac
 import ipaddress
 import secrets
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -29,10 +39,12 @@ import jinja2
 from aiohttp import web
 from textual_serve.server import Server, to_int
 
+from kvtrace.errors import ConfigError
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-__all__ = ["DashboardServer", "is_loopback"]
+__all__ = ["DashboardServer", "is_loopback", "is_unspecified"]
 
 _TEMPLATES = Path(__file__).parent
 
@@ -47,6 +59,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_unspecified(host: str) -> bool:
+    """Whether ``host`` means every address of this machine (``0.0.0.0``, ``::``, or empty)."""
+    host = host.strip("[]")
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _netloc(url_or_host: str, scheme: str) -> str:
+    """``host:port`` of a URL or a ``Host`` value, lower case, the scheme's default port
+    filled in (``http://a`` and ``a:80`` name the same place)."""
+    parts = urlsplit(url_or_host if "//" in url_or_host else f"//{url_or_host}")
+    default = 443 if (parts.scheme or scheme) in ("https", "wss") else 80
+    try:
+        port = parts.port or default
+    except ValueError:
+        port = -1
+    return f"{(parts.hostname or '').lower()}:{port}"
 
 
 class DashboardServer(Server):
@@ -66,8 +101,33 @@ class DashboardServer(Server):
 
     @property
     def page_url(self) -> str:
-        """The URL to open: the page, with the token."""
-        return f"{self.public_url}/?token={self.token}"
+        """The URL to open on this machine: the page, with the token (the loopback address
+        where the server listens on every address: ``http://0.0.0.0:…`` opens nothing)."""
+        base = f"http://127.0.0.1:{self.port}" if is_unspecified(self.host) else self.public_url
+        return f"{base}/?token={self.token}"
+
+    def serve(self, debug: bool = False) -> None:
+        """Serve until SIGINT or SIGTERM; the URL is printed once the port is bound.
+
+        Raises:
+            ConfigError: the port is taken or the address is not this machine's.
+        """
+        self.debug = debug
+        self.initialize_logging()
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self.request_exit)
+        try:
+            web.run_app(self._make_app(), host=self.host, port=self.port, handle_signals=False, loop=loop,
+                        print=lambda *_: self._announce())
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {self.port} on {self.host} is in use (another server?): "
+                                  "pick another with --serve PORT") from None
+            if error.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
+                raise ConfigError(f"cannot listen on {self.host} port {self.port}: {error.strerror}") from None
+            raise
 
     async def _make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard])
@@ -88,8 +148,13 @@ class DashboardServer(Server):
         if is_loopback(self.host) and not is_loopback(hostname):
             return f"the dashboard listens on {self.host}: Host {host!r} is not this machine"
         origin = request.headers.get("Origin")
-        if origin is not None and origin.rstrip("/").lower() != f"{request.scheme}://{host}".lower():
-            return f"a page of {origin} may not open the dashboard of {host}"
+        if origin is not None:
+            served = {_netloc(host, request.scheme)}
+            forwarded = request.headers.get("X-Forwarded-Host", "").split(",")[0].strip()
+            if forwarded:
+                served.add(_netloc(forwarded, request.headers.get("X-Forwarded-Proto", request.scheme)))
+            if _netloc(origin, request.scheme) not in served:
+                return f"a page of {origin} may not open the dashboard of {host}"
         if request.path == "/":
             given = request.query.get("token", "")
         elif request.path == "/ws" or request.path.startswith("/ws/"):
@@ -110,14 +175,13 @@ class DashboardServer(Server):
         return await handler(request)
 
     async def handle_index(self, request: web.Request) -> web.Response:  # type: ignore[override]
-        """The page: the terminal, pointed at this run's socket."""
-        router = request.app.router
-        socket_url = f"{self.public_url}{router['websocket'].url_for(token=self.token)}"
-        scheme = "wss:" if socket_url.startswith("https:") else "ws:"
+        """The page: the terminal, pointed at this run's socket, every URL relative to the
+        page's own (the page is ``/``: ``static/…`` and ``ws/T`` sit beside it, behind a
+        proxy's path prefix too)."""
         context: dict[str, Any] = {
             "font_size": to_int(request.query.get("fontsize", "16"), 16),
-            "app_websocket_url": scheme + socket_url.split(":", 1)[1],
-            "config": {"static": {"url": f"{self.public_url}{router['static'].url_for(filename='/')}".rstrip("/") + "/"}},
+            "app_websocket_url": f"ws/{self.token}",
+            "config": {"static": {"url": "static/"}},
             "application": {"name": self.title},
         }
         response = aiohttp_jinja2.render_template("app_index.html", request, context)
@@ -126,7 +190,12 @@ class DashboardServer(Server):
         return response
 
     async def on_startup(self, app: web.Application) -> None:
-        self.console.print(f"kvtrace: serving the dashboard on {self.page_url}", markup=False, highlight=False,
-                           soft_wrap=True)
-        self.console.print("(the token in this URL is the key to the dashboard; Ctrl+C to stop)", markup=False,
-                           highlight=False)
+        """Nothing to say yet: the port is not bound (``_announce`` speaks once it is)."""
+
+    def _announce(self) -> None:
+        say = self.console.print
+        say(f"kvtrace: serving the dashboard on {self.page_url}", markup=False, highlight=False, soft_wrap=True)
+        if is_unspecified(self.host):
+            say("(listening on every address of this machine: from elsewhere, put its name in place of 127.0.0.1)",
+                markup=False, highlight=False)
+        say("(the token in this URL is the key to the dashboard; Ctrl+C to stop)", markup=False, highlight=False)

@@ -3,6 +3,12 @@
 The replay screen shows one ``Dashboard``; the diff screen shows two side by side
 (``compact``: no legend beside the chart, a smaller page map). ``show`` routes a frame
 to every panel.
+
+Where the dashboard is small (``is_small``: an 80x24 terminal, or a diff's half of a small
+one) the panels side by side would be too narrow to show anything (the chart gave all its
+width to its legend, the events only their kind, a diff's tables no row): each pair becomes
+tabs instead (occupancy | page map above, requests | events below), one panel shown at the
+full width, the other a click (or ``t``) away.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Input, Static
+from textual import events
+from textual.widgets import Input, Static, Tab, Tabs
 
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.header import ReplayHeader
@@ -23,7 +30,20 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["Cadence", "Dashboard"]
+__all__ = ["Cadence", "Dashboard", "PanelTabs", "is_small"]
+
+
+class PanelTabs(Tabs, can_focus=False):
+    """A small dashboard's tabs: clicked, or switched with ``t``; never focused, so that
+    ← and → keep stepping the replay."""
+
+
+def is_small(width: int, height: int, compact: bool) -> bool:
+    """Whether a dashboard of ``width`` x ``height`` cells shows its panels as tabs
+    (``compact``: a diff's side, whose chart has no legend beside it)."""
+    if compact:
+        return width < 56 or height < 34
+    return width < 110 or height < 30
 
 
 class Cadence(NamedTuple):
@@ -59,6 +79,7 @@ class Dashboard(Vertical):
 
     def compose(self) -> ComposeResult:
         yield ReplayHeader(id="header")
+        yield PanelTabs(Tab("occupancy", id="tab-occupancy"), Tab("page map", id="tab-pages"), id="top-tabs")
         with Horizontal(id="top"):
             with Vertical(id="occupancy", classes="panel") as v:
                 v.border_title = "occupancy"
@@ -71,6 +92,7 @@ class Dashboard(Vertical):
                 yield PageMap(id="pagemap")
                 yield PageMapLegend(id="pagemap-legend")
                 yield Static("click a cell to see its pages and owners", id="cell-info")
+        yield PanelTabs(Tab("requests", id="tab-requests"), Tab("events", id="tab-events"), id="bottom-tabs")
         with Horizontal(id="bottom"):
             with Vertical(id="requests", classes="panel") as v:
                 v.border_title = "requests"
@@ -79,6 +101,21 @@ class Dashboard(Vertical):
             with Vertical(id="events", classes="panel") as v:
                 v.border_title = "events"
                 yield EventsLog(id="events-log")
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.set_class(is_small(event.size.width, event.size.height, self.compact), "-small")
+
+    def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
+        event.stop()
+        if event.tabs.id == "top-tabs":
+            self.set_class(event.tab.id == "tab-pages", "-top-pages")
+        else:
+            self.set_class(event.tab.id == "tab-events", "-bottom-events")
+
+    def switch_tabs(self) -> None:
+        """Show the other panel of each pair (a small dashboard's ``t``)."""
+        for tabs in self.query(PanelTabs):
+            tabs.action_next_tab()
 
     def set_info(self, info: SourceInfo) -> None:
         """Say where the replay comes from (a state log has no slot positions)."""

@@ -13,13 +13,37 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["ReplayHeader", "clock_time", "speed_label"]
+__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "speed_label", "state_text"]
+
+# What stopped a replay early, by the kind of the alarm at its last step.
+STOP_REASONS = {"oom": "out of memory", "violation": "invariant violation", "bad_op": "impossible op"}
 
 
 def clock_time(seconds: float) -> str:
-    """Simulated seconds as H:MM:SS.s."""
-    s = max(seconds, 0.0)
-    return f"{int(s // 3600)}:{int(s % 3600 // 60):02d}:{s % 60:04.1f}"
+    """Simulated seconds as H:MM:SS.s (rounded to the tenth first: 3839.97 s is 1:04:00.0,
+    never 1:03:60.0)."""
+    tenths = round(max(seconds, 0.0) * 10)
+    minutes, tenths = divmod(tenths, 600)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{tenths // 10:02d}.{tenths % 10}"
+
+
+def state_text(frame: Frame, info: SourceInfo) -> Text:
+    """The play state: playing, paused, done, or why the replay stopped before its last step
+    (an out-of-memory with ``--on-oom stop``, a violation past ``--max-violations``)."""
+    if frame.done:
+        reason = None
+        if frame.step is not None and info.last_step is not None and frame.step < info.last_step:
+            for e in reversed(frame.events()):
+                if e.step != frame.step:
+                    break
+                reason = STOP_REASONS.get(e.kind, reason)
+        if reason is not None:
+            return Text(f"■ stopped: {reason}", style="bold red")
+        return Text("■ done", style="bold red" if frame.alerts else "bold")
+    if frame.playing:
+        return Text("▶ playing", style="bold green")
+    return Text("‖ paused", style="bold yellow")
 
 
 def speed_label(speed: float | None, achieved: float | None) -> str:
@@ -29,15 +53,17 @@ def speed_label(speed: float | None, achieved: float | None) -> str:
 
 
 class ReplayHeader(TextLines):
-    """Two lines about the replay; ``show`` redraws what changed for a frame."""
+    """Two lines about the replay; ``show`` redraws what changed for a frame. Until the first
+    frame it says that the replay is starting (reading the trace, building the allocator
+    can take seconds: the screen is never blank meanwhile)."""
+
+    def on_mount(self) -> None:
+        if not self.content.plain:
+            self.set_lines([Text.assemble(("kvtrace ", "bold"), ("starting the replay…", "bold yellow")),
+                            Text("reading the trace and setting up the allocator", style="dim")])
 
     def show(self, info: SourceInfo, frame: Frame) -> None:
-        if frame.done:
-            state = Text("■ done", style="bold red" if frame.alerts else "bold")
-        elif frame.playing:
-            state = Text("▶ playing", style="bold green")
-        else:
-            state = Text("‖ paused", style="bold yellow")
+        state = state_text(frame, info)
         if frame.busy:
             state.append(f" · {frame.busy}…", style="italic")
         step = "-" if frame.step is None else f"{frame.step:,}"
