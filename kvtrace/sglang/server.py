@@ -515,20 +515,23 @@ def serve(channel: wire.Channel) -> int:
         except wire.WireClosed:
             return 0
         except wire.WireError as exc:  # the frame was read whole: answer it and go on
-            channel.send(wire.Error(f"WireError: {exc}", ""))
-            continue
+            reply: wire.Reply = wire.Error(f"WireError: {exc}", "")
+        else:
+            try:
+                if isinstance(request, wire.Batch):
+                    value: Any = [_dispatch(server, c) for c in request.calls]
+                elif request.method == "init":  # a new world (the driver may serve allocator after allocator)
+                    if server is not None:
+                        server.eng.close()
+                        server = None
+                    server = AllocatorServer(*request.args)
+                    value = {"sglang": world.SG.version, "row_width": server.eng.row_width}
+                else:
+                    value = _dispatch(server, request)
+                reply = wire.Ok(value)
+            except Exception as exc:  # the parent decides what to print
+                reply = wire.Error(f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=12))
         try:
-            if isinstance(request, wire.Batch):
-                value: Any = [_dispatch(server, c) for c in request.calls]
-            elif request.method == "init":  # a new world (the driver may serve allocator after allocator)
-                if server is not None:
-                    server.eng.close()
-                    server = None
-                server = AllocatorServer(*request.args)
-                value = {"sglang": world.SG.version, "row_width": server.eng.row_width}
-            else:
-                value = _dispatch(server, request)
-            reply: wire.Reply = wire.Ok(value)
-        except Exception as exc:  # the parent decides what to print
-            reply = wire.Error(f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=12))
-        channel.send(reply)
+            channel.send(reply)
+        except wire.WireClosed:  # the parent exited without waiting for the reply
+            return 0

@@ -145,3 +145,11 @@ def test_the_client_says_the_driver_exited(tmp_path: Path) -> None:
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     with pytest.raises(SGLangError, match=r"the driver exited with code 2: driver: sglang does not import in fake"):
         SGLangAllocator(AllocatorConfig(pool_tokens=64), python=str(fake))
+
+
+def test_the_server_ends_when_the_parent_left_before_its_reply() -> None:
+    client, driver, _, _ = _channels()
+    client.send(wire.Call("counters"))
+    client.close()  # the request stays in the pipe; nobody will read the reply
+    assert server.serve(driver) == 0
+    driver.close()
