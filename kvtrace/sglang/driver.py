@@ -21,6 +21,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 import traceback
@@ -95,13 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a scenario file, or --serve")
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # SGLang prints (tree dumps); keep them off the data stream
+    if args.serve:
+        # The replies keep stdout's pipe on a descriptor of their own and fd 1 goes to
+        # stderr: what a C library prints (below sys.stdout) never lands in a frame.
+        replies_fd = os.dup(1)
+        os.dup2(2, 1)
     try:
         _sub("world").load_sglang(args.tree)
     except Exception as exc:
         print(f"driver: sglang does not import in {sys.executable}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.serve:
-        return _sub("server").serve(sys.stdin.buffer, real_stdout.buffer)
+        return _sub("server").serve(_sub("wire").Channel(0, replies_fd))
     out = open(args.out, "w") if args.out else real_stdout
     try:
         failures = run_file(args.scenarios, out, args.tree, set(args.only) if args.only else None, args.fine)

@@ -25,7 +25,7 @@ kvtrace's (``allocator/check/digest.py``, loaded by path: it imports numpy only)
 from SGLang's own rows, free lists and tree, so it equals the built-in allocator's
 ``state_digest()`` exactly when the states are equal.
 
-    python driver.py --serve      # requests on stdin, replies on stdout (wire.py)
+    python driver.py --serve      # requests on stdin, replies on stdout (wire.Channel)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -490,17 +490,20 @@ class IncrementalDigest:
         return self._free_seq.value()
 
 
-def _dispatch(server: AllocatorServer | None, method: str, args: tuple[Any, ...]) -> Any:
-    if server is None or method.startswith("_") or not hasattr(server, method):
-        raise ValueError(f"unknown call {method!r} (or no init first)")
-    return getattr(server, method)(*args)
+def _dispatch(server: AllocatorServer | None, call: wire.Call) -> Any:
+    if call.method == "init":
+        raise ValueError("init: not inside a batch")
+    if server is None:
+        raise ValueError(f"{call.method}: no init first")
+    return getattr(server, call.method)(*call.args)
 
 
-def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
-    """Answer ``(method, args)`` messages until the pipe closes (see ``wire``). The first
-    message is ``("init", (config,))``; its reply is ``{"sglang": VERSION, "row_width": N}``.
-    ``("batch", [(method, args), ...])`` makes several calls in one round trip.
-    A failing call replies ``("error", text, traceback)``; the server goes on.
+def serve(channel: wire.Channel) -> int:
+    """Answer requests (``wire.Call`` / ``wire.Batch``) until the pipe closes. The first
+    is ``Call("init", (config,))``; its value is ``{"sglang": VERSION, "row_width": N}``.
+    A ``Batch`` makes several calls in one round trip (its value: theirs, in order).
+    A failing request, or one that is not of the protocol, is answered
+    ``wire.Error(text, traceback)``; the server goes on.
 
     Returns:
         The exit code (0 when the parent closed the pipe).
@@ -508,20 +511,27 @@ def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
     server: AllocatorServer | None = None
     while True:
         try:
-            method, args = wire.recv(requests)
+            request = channel.recv_request()
         except wire.WireClosed:
             return 0
+        except wire.WireError as exc:  # the frame was read whole: answer it and go on
+            reply: wire.Reply = wire.Error(f"WireError: {exc}", "")
+        else:
+            try:
+                if isinstance(request, wire.Batch):
+                    value: Any = [_dispatch(server, c) for c in request.calls]
+                elif request.method == "init":  # a new world (the driver may serve allocator after allocator)
+                    if server is not None:
+                        server.eng.close()
+                        server = None
+                    server = AllocatorServer(*request.args)
+                    value = {"sglang": world.SG.version, "row_width": server.eng.row_width}
+                else:
+                    value = _dispatch(server, request)
+                reply = wire.Ok(value)
+            except Exception as exc:  # the parent decides what to print
+                reply = wire.Error(f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=12))
         try:
-            if method == "init":  # a new world (the driver may serve allocator after allocator)
-                if server is not None:
-                    server.eng.close()
-                    server = None
-                server = AllocatorServer(*args)
-                value: Any = {"sglang": world.SG.version, "row_width": server.eng.row_width}
-            elif method == "batch":  # several calls in one round trip: their values, in order
-                value = [_dispatch(server, m, a) for m, a in args]
-            else:
-                value = _dispatch(server, method, args)
-            wire.send(replies, ("ok", value))
-        except Exception as exc:  # the parent decides what to print
-            wire.send(replies, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=12)))
+            channel.send(reply)
+        except wire.WireClosed:  # the parent exited without waiting for the reply
+            return 0

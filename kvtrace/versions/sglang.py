@@ -88,24 +88,26 @@ def resolve_sglang(spec: str) -> AllocatorVersion:
 # Drivers whose allocator was dropped, by interpreter: the next allocator for the same
 # interpreter sends them a new ``init`` instead of paying SGLang's import again (tests,
 # benchmarks and sweeps replay many traces in one process).
-_IDLE: dict[str, list[tuple[subprocess.Popen[bytes], Any]]] = {}
+_IDLE: dict[str, list[tuple[subprocess.Popen[bytes], wire.Channel, Any]]] = {}
 
 
-def _park(python: str, proc: subprocess.Popen[bytes], stderr: Any) -> None:
-    """An allocator was dropped: keep its driver (and the file of its stderr) for the
-    next one; it exits when this process does (its input closes)."""
+def _park(python: str, proc: subprocess.Popen[bytes], channel: wire.Channel, stderr: Any) -> None:
+    """An allocator was dropped: keep its driver (its channel and the file of its
+    stderr) for the next one; it exits when this process does (its input closes)."""
     if proc.poll() is None:
-        _IDLE.setdefault(python, []).append((proc, stderr))
+        _IDLE.setdefault(python, []).append((proc, channel, stderr))
     else:
+        channel.close()
         stderr.close()
 
 
-def _start_driver(python: str) -> tuple[subprocess.Popen[bytes], Any]:
+def _start_driver(python: str) -> tuple[subprocess.Popen[bytes], wire.Channel, Any]:
     idle = _IDLE.get(python)
     while idle:
-        proc, stderr = idle.pop()
+        proc, channel, stderr = idle.pop()
         if proc.poll() is None:
-            return proc, stderr
+            return proc, channel, stderr
+        channel.close()
         stderr.close()
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the driver imports nothing of this checkout by name
@@ -113,12 +115,24 @@ def _start_driver(python: str) -> tuple[subprocess.Popen[bytes], Any]:
     from traces.lifeline import quiet_start
 
     # Started with SIGINT ignored: Ctrl-C is this process's to report. The driver ends
-    # when its input closes, as it does when this process dies.
-    with quiet_start():
-        proc = subprocess.Popen(
-            [python, str(DRIVER), "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
-        )
-    return proc, stderr
+    # when its input closes, as it does when this process dies. The pipes' other ends
+    # (ours) are not inherited, by it or by any other child.
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    try:
+        with quiet_start():
+            proc = subprocess.Popen(
+                [python, str(DRIVER), "--serve"], stdin=requests_r, stdout=replies_w, stderr=stderr, env=env,
+            )
+    except BaseException:
+        os.close(requests_w)
+        os.close(replies_r)
+        stderr.close()
+        raise
+    finally:
+        os.close(requests_r)
+        os.close(replies_w)
+    return proc, wire.Channel(replies_r, requests_w), stderr
 
 
 class SGLangAllocator:
@@ -137,15 +151,15 @@ class SGLangAllocator:
         self.config = config
         self.python = python
         try:
-            self._proc, self._stderr = _start_driver(python)
+            self._proc, self._channel, self._stderr = _start_driver(python)
         except OSError as exc:
             raise SGLangError(f"sglang ({python}): cannot start the driver: {exc}") from None
-        self._finalizer = weakref.finalize(self, _park, python, self._proc, self._stderr)
+        self._finalizer = weakref.finalize(self, _park, python, self._proc, self._channel, self._stderr)
         # Round trips are what a replay through SGLang mostly costs: calls that answer
         # nothing (end_step) wait for the next call and go with it; the pool counters
         # (and, once asked, the digest) come with each request_lens, which the replay
         # engine asks right before them; holds_kv is answered from the calls' outcomes.
-        self._deferred: list[tuple[str, tuple[Any, ...]]] = []
+        self._deferred: list[wire.Call] = []
         self._prefetched: dict[str, Any] = {}
         self._want_digest = False
         self._holding: set[int] = set()
@@ -160,35 +174,38 @@ class SGLangAllocator:
 
     def _call(self, method: str, *args: Any) -> Any:
         """One call (with the deferred ones before it) in one round trip; its value."""
+        call = wire.Call(method, args)
         if self._deferred:
-            return self._batch([(method, args)])[0]
+            return self._batch([call])[0]
         self._prefetched.clear()
-        return self._round_trip(method, args)
+        return self._round_trip(call)
 
-    def _batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+    def _batch(self, calls: list[wire.Call]) -> list[Any]:
         """Several calls (after the deferred ones) in one round trip; their values."""
         self._prefetched.clear()
         skip = len(self._deferred)
-        calls = [*self._deferred, *calls]
+        batch = wire.Batch((*self._deferred, *calls))
         self._deferred = []
-        return self._round_trip("batch", calls)[skip:]
+        return self._round_trip(batch)[skip:]
 
-    def _round_trip(self, method: str, args: Any) -> Any:
-        proc = self._proc
+    def _round_trip(self, request: wire.Request) -> Any:
+        what = request.method if isinstance(request, wire.Call) else "batch"
         try:
-            assert proc.stdin is not None and proc.stdout is not None
-            wire.send(proc.stdin, (method, args))
-            reply = wire.recv(proc.stdout)
+            self._channel.send(request)
+            reply = self._channel.recv_reply()
         except (OSError, wire.WireClosed):
+            proc = self._proc
             proc.wait()
             self._stderr.seek(0)
             lines = self._stderr.read().decode(errors="replace").strip().splitlines()
             why = lines[-1] if lines else "no message"
             raise SGLangError(f"sglang ({self.python}): the driver exited with code {proc.returncode}: {why}") from None
-        if reply[0] == "error":
-            text = reply[1].split(": ", 1)[-1] if reply[1].startswith(("ScenarioError", "ValueError")) else reply[1]
-            raise SGLangError(f"sglang ({self.python}): {method}: {text}")
-        return reply[1]
+        except wire.WireError as exc:
+            raise SGLangError(f"sglang ({self.python}): {what}: the driver's reply: {exc}") from None
+        if isinstance(reply, wire.Error):
+            text = reply.text.split(": ", 1)[-1] if reply.text.startswith(("ScenarioError", "ValueError")) else reply.text
+            raise SGLangError(f"sglang ({self.python}): {what}: {text}")
+        return reply.value
 
     # ------------------------------------------------------------------ allocation calls
     def _outcome(self, reply: tuple[Any, ...], rids: np.ndarray | None = None) -> AllocOutcome:
@@ -234,7 +251,7 @@ class SGLangAllocator:
 
     def end_step(self) -> None:
         self._prefetched.clear()
-        self._deferred.append(("end_step", ()))
+        self._deferred.append(wire.Call("end_step"))
 
     def evict(self, num_tokens: int) -> int:
         return int(self._call("evict", int(num_tokens)))
@@ -252,9 +269,9 @@ class SGLangAllocator:
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         from allocator.base import RequestLens
 
-        calls: list[tuple[str, tuple[Any, ...]]] = [("request_lens", (wire.pack_ints(rids),)), ("counters", ())]
+        calls = [wire.Call("request_lens", (wire.pack_ints(rids),)), wire.Call("counters")]
         if self._want_digest:
-            calls.append(("state_digest", ()))
+            calls.append(wire.Call("state_digest"))
         values = self._batch(calls)
         self._prefetched = dict(zip(("counters", "state_digest"), values[1:]))
         return RequestLens(*(np.frombuffer(c, "<i8").astype(np.int64) for c in values[0]))

@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from kvtrace.cli import app
 from kvtrace.errors import VersionSpecError
 from kvtrace.versions.registry import resolve_any
-from kvtrace.sglang import wire
 from kvtrace.versions.sglang import ENV_VAR
 from tests.differential import harness
 
@@ -80,22 +79,6 @@ def test_versions_lists_sglang_with_what_was_found(tmp_path: Path, monkeypatch: 
     rows = {v["name"]: v for v in json.loads(result.output)["versions"]}
     assert rows["sglang:PYTHON"]["origin"].startswith("sglang 0.5.23 at ")
     assert rows["sglang"]["kind"] == "sglang"
-
-
-def test_wire_round_trip() -> None:
-    import io
-
-    import numpy as np
-
-    buf = io.BytesIO()
-    values = np.array([3, -1, 2**40], np.int64)
-    wire.send(buf, ("extend", (wire.pack_ints(values), [b""], None)))
-    buf.seek(0)
-    method, (packed, tokens, nothing) = wire.recv(buf)
-    assert method == "extend" and tokens == [b""] and nothing is None
-    assert np.frombuffer(packed, "<i8").tolist() == values.tolist()
-    with pytest.raises(wire.WireClosed):
-        wire.recv(buf)
 
 
 # ---------------------------------------------------------------------------- parity
