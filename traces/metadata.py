@@ -150,13 +150,14 @@ def split_kv_bytes(
     Each full-pool token costs the full layers' bytes and brings ``ratio`` SWA tokens
     that cost the SWA layers' bytes (``_recompute_cell_size``), so the full pool is
     ``kv_bytes // (full + ratio * swa)`` tokens, rounded down to a page, and the SWA
-    pool follows from it (``swa_pool_tokens_for``). Draft-model layers are not counted.
+    pool follows from it (``swa_pool_tokens_for``). Sliding-window layers are taken to
+    have the model's KV heads and head dim; draft-model layers are not counted.
 
     Returns:
         ``(full_pool_tokens, swa_pool_tokens)``.
     """
-    layout = AttentionLayout(full_layer_ids, swa_layer_ids, sliding_window=1, swa_pool_tokens=0)
-    full_bytes, swa_bytes = layout.full_bytes_per_token(model), layout.swa_bytes_per_token(model)
+    full_bytes = len(full_layer_ids) * model.layer_bytes_per_token
+    swa_bytes = len(swa_layer_ids) * model.layer_bytes_per_token
     if not full_layer_ids:  # all-SWA: one pool, the ratio does not apply
         swa = int(kv_bytes // swa_bytes) // page_size * page_size
         return 0, swa
