@@ -134,3 +134,12 @@ def test_any_json_in_a_layout_field_is_accepted_or_one_value_error(key: str, val
     else:
         assert meta.attention is not None and meta.attention.sliding_window >= 1
         assert TraceMeta.from_json(meta.to_json()) == meta
+
+
+def test_an_unexpected_key_holding_a_newline_is_still_one_line() -> None:
+    # Found by test_bounds' property test: the key was printed raw, a two-line error.
+    data = json.loads(_swa_meta().to_json())
+    data["model"]["\n"] = None
+    with pytest.raises(ValueError) as info:
+        TraceMeta.from_dict(data)
+    assert str(info.value) == "metadata has an unexpected key 'model.\\n'"
