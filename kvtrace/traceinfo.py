@@ -8,6 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from traces.metadata import TraceMeta
     from traces.reader import TraceReader
 
 __all__ = ["trace_info"]
@@ -77,6 +78,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "source": config["source"],
         "config": config["config"],
         "model": config["model"],
+        "attention": attention_info(meta),
         "block_size": meta.block_size,
         "created_at": meta.created_at,
         "recording": None if recording is None else dataclasses.asdict(recording),
@@ -97,3 +99,21 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "truncation_detail": reader.truncation_detail,
         "extra": config["extra"],
     }
+
+
+def attention_info(meta: TraceMeta) -> dict[str, Any] | None:
+    """The trace's attention layout with both pools' sizes and costs per token (None:
+    every layer full attention, one pool)."""
+    layout = meta.attention
+    if layout is None:
+        return None
+    out = meta.to_dict()["attention"]
+    out.update(
+        num_full_layers=len(layout.full_layer_ids),
+        num_swa_layers=len(layout.swa_layer_ids),
+        layer_kinds=layout.layer_kinds(meta.model.num_layers),
+        full_pool_tokens=meta.config.pool_tokens,
+        full_bytes_per_token=layout.full_bytes_per_token(meta.model),
+        swa_bytes_per_token=layout.swa_bytes_per_token(meta.model),
+    )
+    return out

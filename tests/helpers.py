@@ -214,3 +214,25 @@ def run_with_terminal_stderr(args: list[str], timeout_s: float = 120.0) -> tuple
             proc.wait()
         os.close(master)
     return proc.returncode, out.decode(), drawn.decode(errors="replace")
+
+
+def with_meta(source: Path, out: Path, edit: Callable[[dict[str, object]], None]) -> Path:
+    """A copy of the trace ``source`` at ``out`` (an IPC stream) whose metadata JSON
+    ``edit`` changed in place; the rows are copied unchanged."""
+    import json
+
+    import pyarrow as pa
+
+    from traces.schema import METADATA_KEY
+
+    with pa.OSFile(str(source)) as sink:
+        is_file = sink.read(6) == b"ARROW1"
+        sink.seek(0)
+        reader = pa.ipc.open_file(sink) if is_file else pa.ipc.open_stream(sink)
+        schema, table = reader.schema, reader.read_all()
+    data = json.loads(schema.metadata[METADATA_KEY])
+    edit(data)
+    metadata = {METADATA_KEY: json.dumps(data).encode()}
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, schema.with_metadata(metadata)) as writer:
+        writer.write_table(table.replace_schema_metadata(metadata))
+    return out

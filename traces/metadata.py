@@ -1,6 +1,7 @@
-"""A trace's metadata: the serving configuration, model shape, source and recording
-status it was made under (``TraceMeta``), stored as JSON under the schema-metadata key
-``kvtrace`` and checked field by field when read (bounds in ``traces.schema``).
+"""A trace's metadata: the serving configuration, model shape and attention layout,
+source and recording status it was made under (``TraceMeta``), stored as JSON under the
+schema-metadata key ``kvtrace`` and checked field by field when read (bounds in
+``traces.schema``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8":
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """Model shape; ``bytes_per_token`` = 2 * layers * kv_heads * head_dim * dtype bytes (MHA)."""
+    """Model shape; ``bytes_per_token`` = 2 * layers * kv_heads * head_dim * dtype bytes (MHA).
+
+    ``bytes_per_token`` counts every layer, which is the pool's cost per token of a
+    full-attention model. A hybrid sliding-window model (``AttentionLayout``) keeps two
+    pools; each pool's cost per token is the layout's (``full_bytes_per_token``,
+    ``swa_bytes_per_token``), from ``layer_bytes_per_token``.
+    """
 
     name: str = "unknown"
     num_layers: int = 32
@@ -62,7 +69,100 @@ class ModelShape:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES.get(self.dtype, 2)
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """K and V of one token in one layer: 2 * kv_heads * head_dim * dtype bytes."""
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES.get(self.dtype, 2)
+
+
+# SGLang's default SWA/full token ratio (``--swa-full-tokens-ratio``, server_args fallback).
+DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    """Which layers attend to the whole sequence and which to a sliding window, and the
+    two KV pools SGLang 0.5.23 serves such a hybrid model with.
+
+    SGLang (``HybridSWAPoolConfigurator`` in ``model_executor/pool_configurator.py``)
+    keeps a full pool for the full-attention layers and an SWA pool for the
+    sliding-window layers. The full pool is ``config.pool_tokens`` (its
+    ``max_total_num_tokens``); the SWA pool is the full pool times
+    ``swa_full_tokens_ratio``, rounded down to a page (``swa_pool_tokens_for``). A
+    trace without a layout is a full-attention model (one pool).
+
+    Attributes:
+        full_layer_ids: the full-attention layers (``full_attention_layer_ids``), ascending.
+        swa_layer_ids: the sliding-window layers (``swa_attention_layer_ids``), ascending;
+            at least one.
+        sliding_window: the window in tokens (``sliding_window_size``).
+        swa_full_tokens_ratio: SWA pool tokens / full pool tokens, in (0, 1].
+        swa_pool_tokens: the SWA pool the recording engine had, in tokens.
+        swa_num_kv_heads: KV heads of a sliding-window layer (None: the model's).
+        swa_head_dim: head dimension of a sliding-window layer (None: the model's).
+    """
+
+    full_layer_ids: tuple[int, ...]
+    swa_layer_ids: tuple[int, ...]
+    sliding_window: int
+    swa_pool_tokens: int
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
+    swa_num_kv_heads: int | None = None
+    swa_head_dim: int | None = None
+
+    def full_bytes_per_token(self, model: ModelShape) -> int:
+        """Bytes of one token in the full pool: K and V in every full-attention layer."""
+        return len(self.full_layer_ids) * model.layer_bytes_per_token
+
+    def swa_bytes_per_token(self, model: ModelShape) -> int:
+        """Bytes of one token in the SWA pool: K and V in every sliding-window layer."""
+        heads = model.num_kv_heads if self.swa_num_kv_heads is None else self.swa_num_kv_heads
+        dim = model.head_dim if self.swa_head_dim is None else self.swa_head_dim
+        return len(self.swa_layer_ids) * 2 * heads * dim * DTYPE_BYTES.get(model.dtype, 2)
+
+    def layer_kinds(self, num_layers: int) -> str:
+        """One letter per layer, ``F`` full, ``S`` sliding window, ``-`` neither."""
+        full, swa = set(self.full_layer_ids), set(self.swa_layer_ids)
+        return "".join("F" if i in full else "S" if i in swa else "-" for i in range(num_layers))
+
+
+def swa_pool_tokens_for(full_pool_tokens: int, page_size: int, ratio: float) -> int:
+    """The SWA pool SGLang derives from the full pool: ``int(full * ratio)`` rounded
+    down to a page (``HybridSWAPoolConfigurator._solve_pool_sizes``).
+
+    Args:
+        full_pool_tokens: the full pool, in tokens (rounded down to a page first).
+        page_size: tokens per page.
+        ratio: ``swa_full_tokens_ratio``.
+    """
+    full = full_pool_tokens // page_size * page_size
+    return int(full * ratio) // page_size * page_size
+
+
+def split_kv_bytes(
+    kv_bytes: int, model: ModelShape, full_layer_ids: tuple[int, ...], swa_layer_ids: tuple[int, ...],
+    page_size: int, ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO,
+) -> tuple[int, int]:
+    """Full and SWA pool sizes in tokens SGLang makes of ``kv_bytes`` of KV memory.
+
+    Each full-pool token costs the full layers' bytes and brings ``ratio`` SWA tokens
+    that cost the SWA layers' bytes (``_recompute_cell_size``), so the full pool is
+    ``kv_bytes // (full + ratio * swa)`` tokens, rounded down to a page, and the SWA
+    pool follows from it (``swa_pool_tokens_for``). Sliding-window layers are taken to
+    have the model's KV heads and head dim; draft-model layers are not counted.
+
+    Returns:
+        ``(full_pool_tokens, swa_pool_tokens)``.
+    """
+    full_bytes = len(full_layer_ids) * model.layer_bytes_per_token
+    swa_bytes = len(swa_layer_ids) * model.layer_bytes_per_token
+    if not full_layer_ids:  # all-SWA: one pool, the ratio does not apply
+        swa = int(kv_bytes // swa_bytes) // page_size * page_size
+        return 0, swa
+    full = int(kv_bytes // (full_bytes + ratio * swa_bytes)) // page_size * page_size
+    return full, swa_pool_tokens_for(full, page_size, ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +259,7 @@ class TraceMeta:
     created_at: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
+    attention: AttentionLayout | None = None  # None: every layer full attention (every v1 trace)
 
     def with_config(self, **changes: Any) -> TraceMeta:
         return replace(self, config=replace(self.config, **changes))
@@ -168,6 +269,11 @@ class TraceMeta:
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
         if self.recording is None:
             del out["recording"]  # what traces written without it have always held
+        if self.attention is None:
+            del out["attention"]  # a full-attention model: as version 1 wrote it
+        else:
+            out["attention"]["full_layer_ids"] = list(self.attention.full_layer_ids)
+            out["attention"]["swa_layer_ids"] = list(self.attention.swa_layer_ids)
         return out
 
     def to_json(self) -> str:
@@ -226,15 +332,20 @@ class TraceMeta:
         for key in source:
             _str_of(source, key, "source.", None)
         recording = data.get("recording")
+        attention = _optional_object(data, "attention", "")
+        if attention is not None and version < 2:
+            raise ValueError(f"metadata has 'attention', which format version {version} does not have (2 and later)")
+        shape = ModelShape(**model)
         return cls(
             config=config,
             source=TraceSource(**source),
-            model=ModelShape(**model),
+            model=shape,
             block_size=_int_in(data, "block_size", "", 1, MAX_BLOCK_SIZE, None),
             format_version=version,
             created_at=_str_of(data, "created_at", "", None),
             extra=dict(_optional_object(data, "extra", "") or {}),
             recording=None if recording is None else Recording.from_dict(recording),
+            attention=None if attention is None else _attention_layout(attention, shape, config.page_size),
         )
 
     @classmethod
@@ -302,7 +413,7 @@ def _optional_object(obj: dict[str, Any], key: str, where: str) -> dict[str, Any
 def _known_keys(obj: dict[str, Any], record: type, where: str) -> None:
     unknown = sorted(set(obj) - set(record.__dataclass_fields__))  # type: ignore[attr-defined]
     if unknown:
-        raise ValueError(f"metadata has an unexpected key '{where}{unknown[0]}'")
+        raise ValueError(f"metadata has an unexpected key {_found(where + unknown[0])}")  # repr: one line
 
 
 def _spec_settings(spec: dict[str, Any]) -> SpecSettings:
@@ -321,4 +432,40 @@ def _spec_settings(spec: dict[str, Any]) -> SpecSettings:
         num_draft_tokens=_int_in(
             spec, "num_draft_tokens", "config.spec.", 1, MAX_SPEC_TOKENS, defaults.num_draft_tokens
         ),
+    )
+
+
+def _layer_ids(obj: dict[str, Any], key: str, num_layers: int) -> tuple[int, ...]:
+    value = obj.get(key)
+    if not isinstance(value, list) or not all(_is_int(i) and 0 <= i < num_layers for i in value):
+        raise ValueError(
+            f"metadata 'attention.{key}' must be a list of layer ids in [0, {num_layers}) "
+            f"(model.num_layers {num_layers}), found {_found(value)}"
+        )
+    if len(set(value)) != len(value) or value != sorted(value):
+        raise ValueError(f"metadata 'attention.{key}' must be ascending without repeats, found {_found(value)}")
+    return tuple(value)
+
+
+def _attention_layout(obj: dict[str, Any], model: ModelShape, page_size: int) -> AttentionLayout:
+    """The ``attention`` object, checked against the model's layers."""
+    _known_keys(obj, AttentionLayout, "attention.")
+    full = _layer_ids(obj, "full_layer_ids", model.num_layers)
+    swa = _layer_ids(obj, "swa_layer_ids", model.num_layers)
+    if not swa:
+        raise ValueError("metadata 'attention.swa_layer_ids' is empty; a full-attention model has no 'attention'")
+    both = sorted(set(full) & set(swa))
+    if both:
+        raise ValueError(f"metadata 'attention': layer {both[0]} is in both full_layer_ids and swa_layer_ids")
+    ratio = obj.get("swa_full_tokens_ratio", DEFAULT_SWA_FULL_TOKENS_RATIO)
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        raise ValueError(f"metadata 'attention.swa_full_tokens_ratio' must be a number in (0, 1], found {_found(ratio)}")
+    return AttentionLayout(
+        full_layer_ids=full,
+        swa_layer_ids=swa,
+        sliding_window=_int_in(obj, "sliding_window", "attention.", 1, MAX_TOKENS),
+        swa_pool_tokens=_int_in(obj, "swa_pool_tokens", "attention.", page_size, MAX_TOKENS),
+        swa_full_tokens_ratio=float(ratio),
+        swa_num_kv_heads=_int_in(obj, "swa_num_kv_heads", "attention.", 1, MAX_MODEL_DIM, None),
+        swa_head_dim=_int_in(obj, "swa_head_dim", "attention.", 1, MAX_MODEL_DIM, None),
     )

@@ -1,4 +1,4 @@
-"""THE kvtrace trace format, version 1: Arrow schema, op kinds, bounds (the metadata's
+"""THE kvtrace trace format, version 2: Arrow schema, op kinds, bounds (the metadata's
 records are ``traces.metadata``'s; a step's rows in memory, ``traces.batches``').
 
 A trace is one Arrow IPC file (extension ``.kvtrace``), compressed with zstd or
@@ -61,6 +61,14 @@ Metadata: JSON under the schema-metadata key ``kvtrace`` (``TraceMeta``), readab
 without reading any data. ``TraceMeta.recording`` says how the trace was made and
 whether its recording completed (see ``Recording``); a stream's final status is in
 the custom metadata (key ``kvtrace.recording``) of its last, empty record batch.
+``TraceMeta.attention`` (key ``attention``, version 2) is the model's attention
+layout: its full and sliding-window layers, the window and the two pools' split
+(``AttentionLayout``); absent, every layer is full attention.
+
+Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
+optional ``attention`` object and nothing else, so a version 2 trace without it
+reads exactly as version 1 did. Readers read every version up to
+``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
 it sizes an array, indexes a table or drives an allocation):
@@ -97,7 +105,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 
@@ -155,6 +163,6 @@ REQUIRED_COLUMNS: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.required)
 
 
 def arrow_schema(meta: TraceMeta) -> pa.Schema:
-    """The full v1 schema with ``meta`` attached (writers always write every column)."""
+    """The full schema with ``meta`` attached (writers always write every column)."""
     fields = [pa.field(c.name, c.type, nullable=c.nullable) for c in COLUMNS]
     return pa.schema(fields, metadata={METADATA_KEY: meta.to_json().encode()})

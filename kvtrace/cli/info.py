@@ -140,6 +140,19 @@ def _render_info(info: dict[str, Any]) -> None:
         f"{model['name']}: {model['num_layers']} layers, {model['num_kv_heads']} KV heads, "
         f"head_dim {model['head_dim']}, {model['dtype']} ({model['bytes_per_token']:,} bytes/token)",
     )
+    attention = info.get("attention")
+    if attention is not None:
+        table.add_row(
+            "attention",
+            f"{attention['num_full_layers']} full + {attention['num_swa_layers']} sliding-window layers "
+            f"({attention['layer_kinds']}), window {attention['sliding_window']:,} tokens",
+        )
+        table.add_row(
+            "pools",
+            f"full {attention['full_pool_tokens']:,} tokens ({attention['full_bytes_per_token']:,} bytes/token), "
+            f"SWA {attention['swa_pool_tokens']:,} tokens ({attention['swa_bytes_per_token']:,} bytes/token), "
+            f"SWA/full ratio {attention['swa_full_tokens_ratio']:g}",
+        )
     table.add_row("block size", str(info["block_size"]))
     steps = info["steps"]
     span = "" if info["first_step"] is None else f" ({info['first_step']:,}..{info['last_step']:,})"

@@ -36,6 +36,7 @@ from kvtrace.record.serving import (
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MAX_RUNNING,
     DEFAULT_POOL_TOKENS,
+    MODEL_NAMES,
     serving_settings,
 )
 
@@ -59,6 +60,9 @@ class WorkloadFormatOption(str, Enum):
 class PolicyOption(str, Enum):
     fcfs = "fcfs"
     lpm = "lpm"
+
+
+ModelOption = Enum("ModelOption", {name: name for name in MODEL_NAMES}, type=str)  # type: ignore[misc]
 
 
 def parse_spec(text: str) -> Any:
@@ -171,6 +175,8 @@ RECORD_EXAMPLES = examples(
     "kvtrace record sharegpt.csv --format lengths --rate 5 -o sharegpt.kvtrace --json",
     "# what-if: the same requests of a trace scheduled anew on a smaller pool",
     "kvtrace record sample:mooncake-tiny --pool-tokens 120000 -o smaller.kvtrace",
+    "# a workload recorded the way a bundled sample was (its whole serving config)",
+    "kvtrace record sharegpt.csv --format lengths --rate 5 --like sample:mooncake-eagle -o like.kvtrace",
 )
 
 _FROM_TRACE = "the trace's own; for a workload file "
@@ -225,6 +231,25 @@ def record_command(
     pd_decode: Annotated[
         bool | None,
         typer.Option("--pd-decode/--no-pd-decode", help="Model a PD-disaggregated decode server.", show_default=_FROM_TRACE + "off"),
+    ] = None,
+    model: Annotated[
+        ModelOption | None,  # type: ignore[valid-type]
+        typer.Option(
+            help="Model preset (traces/models.py): its KV shape and attention layout. Presets with "
+            "sliding-window layers are refused until the scheduler models their two pools.",
+            show_default=_FROM_TRACE + "llama-3.1-8b",
+        ),
+    ] = None,
+    like: Annotated[
+        Path | None,
+        typer.Option(
+            "--like",
+            metavar="TRACE",
+            help="Take every serving setting (pool, page size, max running, context, chunk, policy, spec, "
+            "PD/HiSparse, radix cache, model shape and layout) from TRACE's metadata (a path or "
+            "sample:NAME); options given still override.",
+            show_default=False,
+        ),
     ] = None,
     duration: Annotated[
         str | None,
@@ -286,6 +311,8 @@ def record_command(
 
     if str(workload).startswith(SAMPLE_PREFIX):
         workload = resolve_trace(str(workload))
+    if like is not None and str(like).startswith(SAMPLE_PREFIX):
+        like = resolve_trace(str(like))
     from_stdin = str(workload) == workloads.STDIN
     if not from_stdin and not workload.exists():
         raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
@@ -307,7 +334,17 @@ def record_command(
                 given["step_time"] = StepTimeModel.parse(step_time)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--step-time") from None
-        settings = serving_settings(readable, fmt_name, given)
+        settings = serving_settings(readable, fmt_name, given, like=like)
+        if model is not None:
+            from traces.models import model_preset
+
+            preset = model_preset(model.value)
+            settings["model"] = preset.shape
+            settings["attention"] = preset.layout(settings["pool_tokens"], settings["page_size"])
+        from kvtrace.record.simulate import refuse_sliding_window
+
+        if settings.get("attention") is not None:
+            refuse_sliding_window(settings["model"].name, settings["attention"])
         for name, low in (
             ("pool_tokens", 1), ("page_size", 1), ("max_running", 1), ("context_len", 2), ("max_prefill_tokens", 1),
         ):  # fmt: skip

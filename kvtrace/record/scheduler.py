@@ -153,6 +153,7 @@ class SchedulerConfig:
         spec: speculative decoding settings, or None.
         spec_acceptance: per-draft acceptance probability ``alpha``.
         pd_decode: model a PD-disaggregated decode server (requests arrive with KV).
+        hisparse: the PD decode server's allocator is HiSparse (recorded in the trace's config).
         radix_cache: the allocator keeps a radix cache (PD decode: off by default).
         seed: seed of the speculative acceptance draws.
         step_time: the step-time model (the clock).
@@ -168,6 +169,7 @@ class SchedulerConfig:
     spec: SpecSettings | None = None
     spec_acceptance: float = 0.7
     pd_decode: bool = False
+    hisparse: bool = False
     radix_cache: bool = True
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
@@ -183,6 +185,7 @@ class SchedulerConfig:
             schedule_policy=self.policy,
             spec=self.spec,
             pd_decode=self.pd_decode,
+            hisparse=self.hisparse,
             radix_cache=self.radix_cache,
         )
 

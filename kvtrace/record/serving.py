@@ -1,9 +1,10 @@
 """The serving configuration a simulation runs with: defaults, a trace's own, the user's.
 
 Defaults model SGLang 0.5.23 serving Llama-3.1-8B (bf16) on one NVIDIA H200 (the
-arithmetic is in ``kvtrace/cli/record.py``). A trace given as the workload keeps the
-configuration it was recorded with (``kvtrace.record.simulate.trace_defaults``) for what the
-user does not override. Constants only at import time: the command line imports this.
+arithmetic is in ``kvtrace/cli/record.py``). A trace given as the workload, or as
+``--like``, gives the configuration it was recorded with
+(``kvtrace.record.simulate.trace_defaults``) for what the user does not override.
+Constants only at import time: the command line imports this.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "DEFAULT_MAX_PREFILL_TOKENS",
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_POOL_TOKENS",
+    "MODEL_NAMES",
     "SERVING_DEFAULTS",
     "serving_settings",
 ]
@@ -26,6 +28,8 @@ DEFAULT_MAX_RUNNING = 256
 DEFAULT_CONTEXT_LEN = 131_072
 DEFAULT_CHUNK = 8192
 DEFAULT_MAX_PREFILL_TOKENS = 16_384
+# The names of ``traces.models.MODEL_PRESETS`` (here so that --help imports no pyarrow).
+MODEL_NAMES: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b")
 
 # The serving defaults of a workload file (a trace given as the workload keeps its own).
 SERVING_DEFAULTS: dict[str, Any] = {
@@ -44,20 +48,20 @@ SERVING_DEFAULTS: dict[str, Any] = {
 }
 
 
-def serving_settings(workload: Path, fmt: str, given: dict[str, Any]) -> dict[str, Any]:
+def serving_settings(workload: Path, fmt: str, given: dict[str, Any], like: Path | None = None) -> dict[str, Any]:
     """The serving options a simulation runs with (``RecordOptions`` keyword arguments):
-    those given (not None), else a trace's own (a trace as the workload), else
-    ``SERVING_DEFAULTS``. A chunk of 0 means no chunking (None).
+    those given (not None), else the ``like`` trace's, else a trace's own (a trace as
+    the workload), else ``SERVING_DEFAULTS``. A chunk of 0 means no chunking (None).
 
     Raises:
         TraceError: a trace that cannot be read.
     """
     settings = dict(SERVING_DEFAULTS)
-    if fmt == "trace":
+    for trace in ([workload] if fmt == "trace" else []) + ([like] if like is not None else []):
         from kvtrace.record.simulate import trace_defaults
         from traces.reader import TraceReader
 
-        settings.update(trace_defaults(TraceReader(workload).meta))
+        settings.update(trace_defaults(TraceReader(trace).meta))
     settings.update({key: value for key, value in given.items() if value is not None})
     if settings["step_time"] is None:
         from kvtrace.record.step_time import StepTimeModel

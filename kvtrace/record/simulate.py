@@ -21,7 +21,8 @@ from allocator.pages import floor_align
 from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
-from traces.metadata import ModelShape, SpecSettings, TraceMeta, TraceSource
+from kvtrace.errors import ConfigError
+from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta, TraceSource
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest
@@ -33,12 +34,15 @@ __all__ = [
     "RecordResult",
     "record_report",
     "record_workload",
+    "refuse_sliding_window",
     "spec_settings",
     "spec_text",
     "trace_defaults",
 ]
 
 MODEL_SHAPE_NAME = "Llama-3.1-8B"
+# The model a recording assumes unless told (``traces.models`` preset ``llama-3.1-8b``).
+DEFAULT_MODEL_SHAPE = ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,10 @@ class RecordOptions:
     spec: SpecSettings | None = None
     spec_acceptance: float = 0.7
     pd_decode: bool = False
+    hisparse: bool = False
+    radix_cache: bool | None = None  # None: a radix cache unless pd_decode
+    model: ModelShape = DEFAULT_MODEL_SHAPE
+    attention: AttentionLayout | None = None  # None: full attention
     duration_s: float | None = None
     time_scale: float = 1.0
     rate: float | None = None
@@ -114,6 +122,7 @@ def record_workload(
             time_scale=options.time_scale,
         )
 
+    refuse_sliding_window(options.model.name, options.attention)
     # Check the whole file first (a streaming pass): a bad line fails at once, not
     # minutes into the recording, and no partial trace is left behind.
     total = sum(1 for _ in requests())
@@ -146,7 +155,8 @@ def record_workload(
         spec=spec,
         spec_acceptance=options.spec_acceptance,
         pd_decode=options.pd_decode,
-        radix_cache=not options.pd_decode,
+        hisparse=options.hisparse,
+        radix_cache=not options.pd_decode if options.radix_cache is None else options.radix_cache,
         seed=options.seed,
         step_time=options.step_time,
     )
@@ -154,7 +164,8 @@ def record_workload(
     meta = TraceMeta(
         config=config.trace_config(),
         source=source,
-        model=ModelShape(name=MODEL_SHAPE_NAME, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+        model=options.model,
+        attention=options.attention,
         block_size=block_size,
         extra={
             "recorder": "kvtrace.scheduler",  # the name traces have always carried, not a module path
@@ -201,6 +212,25 @@ def record_workload(
         for v in allocator.check_integrity()
     ]
     return RecordResult(summary=summary, violations=violations, meta=meta, block_reuse=None)
+
+
+def refuse_sliding_window(model_name: str, layout: AttentionLayout | None) -> None:
+    """Refuse to record a model with sliding-window layers.
+
+    NOTE: the scheduler model admits and evicts against one pool's budget; a trace that
+    claimed SWA layers but was scheduled as full attention would be wrong, so none is
+    written until the scheduler models both pools' budgets.
+
+    Raises:
+        ConfigError: ``layout`` has sliding-window layers.
+    """
+    if layout is None or not layout.swa_layer_ids:
+        return
+    raise ConfigError(
+        f"{model_name} has {len(layout.swa_layer_ids)} sliding-window attention layers (window "
+        f"{layout.sliding_window:,} tokens); the scheduler model cannot budget SWA's two KV pools yet, "
+        "so kvtrace cannot record it (record a full-attention model, e.g. --model llama-3.1-8b)"
+    )
 
 
 class DiscardRecorder:
@@ -251,9 +281,11 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
     """The ``RecordOptions`` a trace was recorded with, read off its metadata: what
     scheduling the trace anew keeps unless an option overrides it.
 
-    Serving settings come from ``meta.config``; the scheduler model's own (prefill
+    Serving settings come from ``meta.config``, the model shape and attention layout
+    from ``meta.model`` and ``meta.attention``; the scheduler model's own (prefill
     budget, acceptance probability, seed, step-time coefficients) from
-    ``meta.extra`` when a ``kvtrace record`` wrote them.
+    ``meta.extra`` when a ``kvtrace record`` wrote them. The radix cache is named
+    only where it is not what ``pd_decode`` implies (on, unless PD decode).
     """
     cfg = meta.config
     extra = meta.extra or {}
@@ -265,8 +297,13 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
         "chunk": cfg.chunk_size,
         "spec": cfg.spec,
         "pd_decode": cfg.pd_decode,
+        "hisparse": cfg.hisparse,
         "policy": cfg.schedule_policy if cfg.schedule_policy in ("fcfs", "lpm") else "fcfs",
+        "model": meta.model,
+        "attention": meta.attention,
     }
+    if cfg.radix_cache == cfg.pd_decode:
+        out["radix_cache"] = cfg.radix_cache
     for key in ("max_prefill_tokens", "seed"):
         if isinstance(extra.get(key), int) and not isinstance(extra.get(key), bool):
             out[key] = extra[key]
@@ -336,5 +373,6 @@ def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float
             "policy": options.policy,
             "spec": spec_text(options.spec),
             "pd_decode": options.pd_decode,
+            "model": options.model.name,
         },
     }

@@ -90,6 +90,7 @@ def allocator_config_for(
         ConfigError: the resulting configuration is one no allocator can be built
             from (``AllocatorConfig.check``), e.g. a pool below two pages.
     """
+    _refuse_sliding_window(meta)
     cfg = meta.config
     ps = cfg.page_size if page_size is None else page_size
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
@@ -115,6 +116,27 @@ def allocator_config_for(
     except ValueError as exc:
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
     return config
+
+
+def _refuse_sliding_window(meta: TraceMeta) -> None:
+    """Refuse a trace of a hybrid sliding-window model: the allocator has one pool.
+
+    NOTE: replaying it with the full-attention pool alone would give numbers that look
+    right and are not (no SWA pool, no out-of-window frees), so every command that
+    builds an allocator from a trace stops here until the SWA allocator serves it.
+
+    Raises:
+        ConfigError: the trace has an attention layout with sliding-window layers.
+    """
+    layout = meta.attention
+    if layout is None:
+        return
+    raise ConfigError(
+        f"the trace's model has {len(layout.swa_layer_ids)} sliding-window attention layers "
+        f"(window {layout.sliding_window:,} tokens) besides {len(layout.full_layer_ids)} full ones; "
+        "replaying a sliding-window (SWA) model needs the SWA allocator's two pools, which this kvtrace "
+        "does not support yet (kvtrace info shows the layout)"
+    )
 
 
 class MemoryEstimate(NamedTuple):

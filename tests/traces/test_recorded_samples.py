@@ -86,10 +86,11 @@ def test_sample_regenerates_exactly(name: str, tmp_path: Path, monkeypatch: pyte
     fresh = TraceReader(tmp_path / sample.name)
     bundled = TraceReader(sample_path(name))
     # The same content and settings; the creation time and the recording's own
-    # provenance (when it finished) are this run's.
+    # provenance (when it finished) are this run's, and so is the format version (the
+    # bundled samples stay version 1).
     assert fresh.ipc_format == bundled.ipc_format == "file" and fresh.meta.recording.status == "complete"
     assert fresh.meta.recording.command.startswith("kvtrace record ")
-    assert dataclasses.replace(fresh.meta, created_at=None, recording=None) == dataclasses.replace(
+    assert dataclasses.replace(fresh.meta, created_at=None, recording=None, format_version=1) == dataclasses.replace(
         bundled.meta, created_at=None, recording=None
     )
     a, b = list(fresh.steps()), list(bundled.steps())

@@ -1,0 +1,105 @@
+"""``kvtrace record --like TRACE`` (a trace's whole serving config) and ``--model NAME``
+(a preset's shape and layout; sliding-window presets refused until the scheduler
+models their two pools)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
+from tests.helpers import with_meta
+from traces.samples import sample_path
+
+runner = CliRunner()
+# Ten seconds of the Mooncake sample: a few requests, a recording of a second or two.
+WORKLOAD = ["sample:mooncake-tiny", "--duration", "10s", "-q"]
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def info(path: Path | str) -> dict[str, Any]:
+    code, out, err = invoke("info", str(path), "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def one_error_line(stderr: str, *fragments: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: ") and "Traceback" not in stderr, stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_like_takes_the_whole_serving_config_of_the_trace(tmp_path: Path) -> None:
+    out = tmp_path / "like.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--like", "sample:tiny", "-o", str(out))
+    assert code == 0, err
+    like, recorded = info("sample:tiny"), info(out)
+    # tiny: page 16, a 3,968-token pool, 8 running, context 2,048, chunk 43, EAGLE 3/1/4,
+    # PD decode WITH a radix cache (not what --pd-decode alone implies), its own model.
+    assert recorded["config"] == like["config"]
+    assert recorded["model"] == like["model"] and recorded["attention"] is None
+    assert recorded["format_version"] == 2
+
+
+def test_options_given_override_the_like_trace(tmp_path: Path) -> None:
+    out = tmp_path / "like.kvtrace"
+    code, _, err = invoke(
+        "record", *WORKLOAD, "--like", "sample:tiny", "--page-size", "1", "--max-running", "4", "--no-pd-decode",
+        "--model", "llama-3.1-8b", "-o", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    like, recorded = info("sample:tiny")["config"], info(out)
+    assert recorded["config"]["page_size"] == 1 and recorded["config"]["max_running"] == 4
+    assert recorded["config"]["pd_decode"] is False
+    assert recorded["model"]["name"] == "Llama-3.1-8B"
+    keep = ("pool_tokens", "max_context_len", "chunk_size", "spec", "radix_cache")
+    assert {k: recorded["config"][k] for k in keep} == {k: like[k] for k in keep}
+
+
+@pytest.mark.parametrize(("name", "layers", "window"), [("gpt-oss-20b", 12, "128"), ("gemma-3-27b", 52, "1,024")])
+def test_a_sliding_window_preset_is_refused_and_nothing_written(tmp_path: Path, name: str, layers: int, window: str) -> None:
+    out = tmp_path / "swa.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--model", name, "-o", str(out))
+    assert code == 2
+    one_error_line(err, f"{name} has {layers} sliding-window attention layers (window {window} tokens)",
+                   "cannot budget SWA's two KV pools yet")  # fmt: skip
+    assert not out.exists()
+
+
+def test_like_a_sliding_window_trace_is_refused_unless_the_model_is_overridden(tmp_path: Path) -> None:
+    def edit(data: dict[str, Any]) -> None:
+        data.update(format_version=2, attention={
+            "full_layer_ids": list(range(1, 32, 2)), "swa_layer_ids": list(range(0, 32, 2)),
+            "sliding_window": 128, "swa_pool_tokens": 3168,
+        })  # fmt: skip
+
+    swa = with_meta(sample_path("tiny"), tmp_path / "swa-tiny.kvtrace", edit)
+    out = tmp_path / "out.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "-o", str(out))
+    assert code == 2 and not out.exists()
+    one_error_line(err, "16 sliding-window attention layers", "cannot budget SWA's two KV pools yet")
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--model", "llama-3.1-8b", "-o", str(out))
+    assert code == 0, err
+    assert info(out)["attention"] is None and info(out)["config"]["pool_tokens"] == 3968
+
+
+def test_model_presets_are_listed_in_help() -> None:
+    result = runner.invoke(app, ["record", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in ("llama-3.1-8b", "gpt-oss-20b", "gemma-3-27b", "--like"):
+        assert name in result.stdout
+
+
+def test_like_a_missing_trace_is_one_error_line(tmp_path: Path) -> None:
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(tmp_path / "none.kvtrace"), "-o", str(tmp_path / "o.kvtrace"))
+    assert code == 2
+    one_error_line(err, "none.kvtrace", "no such file")
