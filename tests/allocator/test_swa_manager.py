@@ -318,3 +318,19 @@ def test_random_ops_keep_both_pools_sound(ps: int, spec: SpecConfig | None) -> N
         assert a.check_integrity() == [], (op, a.check_integrity())
         _conserved(a)
     assert max(a.req_kv.swa_evicted_seqlen) > 0 or not live
+
+
+def test_state_digest_and_checkpoints_cover_the_swa_pool() -> None:
+    """Two states that differ only in the SWA pool digest differently; a checkpoint
+    restores the SWA cursors and free list."""
+    a = _swa(16, window=32, interval=4)
+    a.extend(_ids(1), np.array([100]), [_ids(100)])
+    _decode(a, _ids(1), 1)
+    state = a.save_state()
+    before = a.state_digest()
+    counters = a.pool_counters()
+    _decode(a, _ids(1), 40)
+    a.restore_state(state)
+    assert a.pool_counters() == counters and a.state_digest() == before
+    a.token_to_kv_pool_allocator.swa_attn_allocator.alloc(16)  # the SWA pool alone changes
+    assert a.state_digest() != before
