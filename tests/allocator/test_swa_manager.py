@@ -334,3 +334,17 @@ def test_state_digest_and_checkpoints_cover_the_swa_pool() -> None:
     assert a.pool_counters() == counters and a.state_digest() == before
     a.token_to_kv_pool_allocator.swa_attn_allocator.alloc(16)  # the SWA pool alone changes
     assert a.state_digest() != before
+
+
+def test_the_memory_estimate_counts_the_swa_pool() -> None:
+    from allocator.sizing import pool_memory
+
+    config = AllocatorConfig(pool_tokens=1 << 16, page_size=16, max_running=32, max_context_len=4096,
+                             radix_cache=False)
+    hybrid = AllocatorConfig(pool_tokens=1 << 16, page_size=16, max_running=32, max_context_len=4096,
+                             radix_cache=False, swa=SwaConfig(window=128))
+    a = KvAllocator(hybrid)
+    tok = a.token_to_kv_pool_allocator
+    built = (tok.full_attn_allocator._free._buf.nbytes + tok.swa_attn_allocator._free._buf.nbytes
+             + tok.full_to_swa_index_mapping.nbytes)
+    assert pool_memory(config).free_lists < built <= pool_memory(hybrid).free_lists
