@@ -371,10 +371,12 @@ def alloc_for_extend(
         take, take_args = allocator.alloc_extend, (prefix_lens, seq_lens, last_loc, extend_num_tokens)
     if ctx.swa is not None:
         # maybe_evict_swa, extend mode without prefix sharing: a continuing chunk frees
-        # what lies a window behind its prefix (new requests hold no KV yet).
+        # what lies a window behind its prefix (new requests hold no KV yet); the
+        # overlap scheduler lags that prefix by its chunked prefill size.
         held = ~new_mask
         safe_rows = np.where(held, rows, 0)
-        unfit = swa_window_then_fit(ctx, "extend", safe_rows, rids, need, prefix_lens, held)
+        pre_lens = prefix_lens - ctx.swa.overlap_chunked_prefill
+        unfit = swa_window_then_fit(ctx, "extend", safe_rows, rids, need, pre_lens, held)
         if unfit is not None:
             return unfit
     got = _fit_evict_take(ctx, "extend", need, evict_tokens, rids, None, take, *take_args)

@@ -60,12 +60,17 @@ class SwaConfig:
             down to a page), or None.
         eviction_interval: tokens that must slide out of the window before a decode
             step frees them (``SGLANG_SWA_EVICTION_INTERVAL``, default 128).
+        overlap_chunked_prefill: with SGLang's overlap scheduler, its
+            ``chunked_prefill_size``: a continuing prefill chunk frees the window
+            behind ``prefix - this`` (the previous chunk may still be running). 0: the
+            non-overlap scheduler's rule (behind ``prefix``).
     """
 
     window: int
     swa_full_tokens_ratio: float = 0.8
     swa_pool_tokens: int | None = None
     eviction_interval: int = 128
+    overlap_chunked_prefill: int = 0
 
     def pool_tokens(self, full_tokens: int, page_size: int) -> int:
         """SWA pool tokens for a full pool of ``full_tokens`` (SGLang ``_solve_pool_sizes``)."""
@@ -148,6 +153,8 @@ def _check_swa(config: AllocatorConfig) -> None:
     ps = config.page_size
     if swa.window < 1:
         raise ValueError(f"SwaConfig.window must be >= 1, found {swa.window}")
+    if swa.overlap_chunked_prefill < 0:
+        raise ValueError(f"SwaConfig.overlap_chunked_prefill must be >= 0, found {swa.overlap_chunked_prefill}")
     if swa.eviction_interval < 1:
         raise ValueError(f"SwaConfig.eviction_interval must be >= 1, found {swa.eviction_interval}")
     if swa.swa_pool_tokens is None and not 0 < swa.swa_full_tokens_ratio <= 1:

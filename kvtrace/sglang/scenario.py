@@ -77,6 +77,7 @@ class SwaSpec:
     window: int
     swa_pool_tokens: int
     eviction_interval: int = 128
+    overlap_chunked_prefill: int = 0  # >0: the overlap scheduler with this chunked_prefill_size
 
 
 @dataclass(frozen=True, slots=True)

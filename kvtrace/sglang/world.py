@@ -117,9 +117,10 @@ itself is not run because a trace already fixes which requests run when):
    ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` disabled with the
    scenario's ``sliding_window_size`` (Python tree core), ``SGLANG_SWA_EVICTION_INTERVAL``
    from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
-   ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE and
-   ``enable_overlap=False`` (the non-overlap scheduler's extend-time rule: a continuing
-   chunk frees a window behind its prefix). Before a decode or spec call each request's
+   ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE, and
+   ``enable_overlap`` with ``chunked_prefill_size`` as the scenario's
+   ``overlap_chunked_prefill`` says (0: the non-overlap scheduler; each extend ticks
+   ``extend_batch_idx`` as ``prepare_for_extend`` does). Before a decode or spec call each request's
    ``output_ids`` is padded so ``seqlen == kv_committed_len + 1`` (the sampled token whose
    KV is not written yet). The PD prealloc queue sees the SWA pool and the window, so
    ``_pre_alloc`` takes the SWA tail at page > 1.
@@ -301,6 +302,8 @@ class SGLangEngine:
             )
         if config.radix_cache:
             fields["disaggregation_decode_enable_radix_cache"] = True
+        if config.swa is not None and config.swa.overlap_chunked_prefill:
+            fields["chunked_prefill_size"] = config.swa.overlap_chunked_prefill
         self._ctx = SG.get_context().override_server_args(**fields)
         self._ctx.install()
         self.is_eagle = config.spec is not None and config.spec.algorithm in ("eagle", "eagle3")
@@ -442,7 +445,7 @@ class SGLangEngine:
 
             cls = SG.schedule_batch.ScheduleBatch
             ns.forward_mode = ForwardMode.EXTEND if "extend_lens" in kw else ForwardMode.DECODE
-            ns.enable_overlap = False
+            ns.enable_overlap = self.config.swa.overlap_chunked_prefill > 0
             ns.forward_iter = 0
             for name in ("maybe_evict_swa", "_swa_eviction_trigger", "_evict_swa"):
                 setattr(ns, name, types.MethodType(getattr(cls, name), ns))
@@ -586,6 +589,9 @@ class SGLangEngine:
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
                 seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
             )
+            if self.config.swa is not None:
+                for r in reqs:  # prepare_for_extend
+                    r.extend_batch_idx += 1
             SG.allocation.alloc_for_extend(batch)
             for rid, req in zip(rids, reqs):
                 self._row_rid[req.kv.req_pool_idx] = rid

@@ -212,6 +212,17 @@ def test_a_continuing_chunk_frees_what_lies_a_window_behind_its_prefix() -> None
     _conserved(a)
 
 
+def test_the_overlap_scheduler_lags_the_chunk_free_by_its_chunk_size() -> None:
+    """schedule_batch.py 4109-4120: with overlap, pre_len = prefix - chunked_prefill_size."""
+    a = KvAllocator(AllocatorConfig(pool_tokens=4096, page_size=16, max_running=4, max_context_len=1024,
+                                    radix_cache=False,
+                                    swa=SwaConfig(window=64, overlap_chunked_prefill=64)))
+    a.extend(_ids(1), np.array([200]), [_ids(400)], prefill_done=np.array([False]))
+    a.extend(_ids(1), np.array([400]), [_ids(400)])
+    assert a.kv_info(0).swa_evicted_seqlen == (200 - 64 - 64) // 16 * 16
+    _conserved(a)
+
+
 # ---------------------------------------------------------------------------- PD prealloc, spec
 
 

@@ -56,6 +56,7 @@ class OursEngine:
             extra["swa"] = base.SwaConfig(
                 window=config.swa.window, swa_pool_tokens=config.swa.swa_pool_tokens,
                 eviction_interval=config.swa.eviction_interval,
+                overlap_chunked_prefill=config.swa.overlap_chunked_prefill,
             )
         self.alloc = factory(base.AllocatorConfig(
             pool_tokens=config.pool_tokens, page_size=config.page_size, max_running=config.max_running,

@@ -332,6 +332,7 @@ class RandomSpec:
     swa_window: int = 0
     swa_fraction: float = 0.3
     swa_interval: int = 4
+    swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
 
 
 RANDOM_CONFIGS: dict[str, RandomSpec] = {
@@ -359,6 +360,7 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p16-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA),
     "swa-p16-pd": RandomSpec(page_size=16, pd=True, **_SWA),
     "swa-p64-pd": RandomSpec(page_size=64, pd=True, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
 }
@@ -381,7 +383,8 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
     if rs.swa_window:
         pool = max(pool, rs.max_context_len + 8 * max(ps, 16))
         swa_pool = max(int(pool * rs.swa_fraction) // ps * ps, (rs.swa_window // ps + 2) * ps)
-        swa = sc.SwaSpec(window=rs.swa_window, swa_pool_tokens=swa_pool, eviction_interval=rs.swa_interval)
+        swa = sc.SwaSpec(window=rs.swa_window, swa_pool_tokens=swa_pool, eviction_interval=rs.swa_interval,
+                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0)
     cfg = Cfg(pool_tokens=pool // ps * ps, page_size=ps, max_running=rs.max_running,
               max_context_len=rs.max_context_len, need_sort=rs.need_sort, radix_cache=rs.radix_cache, spec=rs.spec,
               swa=swa)

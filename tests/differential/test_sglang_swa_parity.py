@@ -1,8 +1,8 @@
 """Parity of kvtrace's SWA allocator with SGLang 0.5.23's real SWA classes, step by step.
 
 Hybrid sliding-window models with the radix cache off (``scenarios.SWA_CONFIGS``: pages
-1, 16 and 64, spec off and EAGLE 3,1,4, PD decode with the SWA tail, an SWA pool as
-large as the full one): per step, besides the full pool's state, the SWA pool's free
+1, 16 and 64, spec off and EAGLE 3,1,4, PD decode with the SWA tail, the overlap
+scheduler's chunk rule, an SWA pool as large as the full one): per step, besides the full pool's state, the SWA pool's free
 list in order and available size, and per request ``swa_evicted_seqlen`` and the SWA
 slot of every row position (``scenario.SWA_STATE_FIELDS``). The SGLang side runs
 ``SWATokenToKVPoolAllocator``, ``UnifiedRadixCache(FULL, SWA)`` disabled and the real
@@ -53,6 +53,7 @@ def test_swa_configurations_cover_pages_spec_and_pd() -> None:
         assert any(c.page_size == ps and c.spec == gen.EAGLE_314 for c in configs), ps
     pd = [s for s in SCENARIOS if any(o.op == "prealloc" for st in s.steps for o in st.ops)]
     assert {s.config.page_size for s in pd} >= {16, 64}
+    assert any(c.swa.overlap_chunked_prefill for c in configs)  # the overlap scheduler's chunk rule
 
 
 def test_swa_scenarios_free_windows_and_run_short_of_each_pool() -> None:
