@@ -358,8 +358,9 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p64-eagle314": RandomSpec(page_size=64, spec=EAGLE_314, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
     "swa-p1-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **_SWA),
     "swa-p16-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA),
-    "swa-p16-pd": RandomSpec(page_size=16, pd=True, **_SWA),
-    "swa-p64-pd": RandomSpec(page_size=64, pd=True, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    "swa-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA),
+    "swa-p16-pd": RandomSpec(page_size=16, pd=True, need_sort=True, **_SWA),
+    "swa-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
     "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
