@@ -22,6 +22,12 @@ Frees inside one ``release(kind="finish" | "abort")`` batch and inside one publi
 batch are grouped as SGLang's result processors group them
 (``free_group_begin`` / ``free_group_end``); retraction frees request by request.
 
+With ``AllocatorConfig.swa`` (a hybrid sliding-window model, radix cache off) the pool
+is ``SWATokenToKVPoolAllocator`` (full + SWA pools): the allocation functions free
+out-of-window SWA slots before each extend / decode / spec allocation as SGLang's
+``maybe_evict_swa`` does, ``counters()`` stays the full pool's and ``pool_counters()``
+adds the SWA pool's.
+
 White-box attributes with SGLang's names: ``req_to_token_pool`` (``req_to_token``,
 ``free_slots``), ``token_to_kv_pool_allocator`` (``free_pages``, ...),
 ``tree_cache``; per-row bookkeeping in ``req_kv``; ``kv_info(rid)`` gives one
