@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "ReleaseResult": "allocator.base",
     "RequestLens": "allocator.base",
     "SpecConfig": "allocator.base",
+    "SwaConfig": "allocator.base",
     "Violation": "allocator.base",
     # allocator.check.incremental
     "IncrementalChecker": "allocator.check.incremental",
@@ -139,6 +140,7 @@ __all__ = [
     "SlotOwnership",
     "SlotState",
     "SpecConfig",
+    "SwaConfig",
     "TokenToKVPoolAllocator",
     "TreeNode",
     "Violation",

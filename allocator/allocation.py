@@ -35,6 +35,7 @@ from allocator.token_to_kv import (
 )
 
 if TYPE_CHECKING:
+    from allocator.base import SwaConfig
     from allocator.radix_cache import RadixCache, TreeNode
     from allocator.req_kv import ReqKvTable
     from allocator.req_to_token import ReqToTokenPool
@@ -86,6 +87,8 @@ class KvContext:
         spec_reserve: positions each speculative prepare reserves past ``kv_committed_len``.
         hisparse: the allocator is the HiSparse pair (spec and PD decode allocate
             logical slots only).
+        swa: the sliding-window settings when the allocator is the hybrid
+            ``SWATokenToKVPoolAllocator`` (full + SWA pools), else None.
     """
 
     req_to_token_pool: ReqToTokenPool
@@ -96,6 +99,7 @@ class KvContext:
     page_size: int
     spec_reserve: int = 0
     hisparse: bool = False
+    swa: SwaConfig | None = None
     # Derived in __post_init__: the row width, and whether the page-1 hot paths may
     # take slots straight from the token allocator's free-list buffer.
     width: int = 0
@@ -365,6 +369,16 @@ def alloc_for_extend(
                 last_loc[i] = table[rows[i], prefix - 1]
         evict_tokens = extend_num_tokens + bs * ps
         take, take_args = allocator.alloc_extend, (prefix_lens, seq_lens, last_loc, extend_num_tokens)
+    if ctx.swa is not None:
+        # maybe_evict_swa, extend mode without prefix sharing: a continuing chunk frees
+        # what lies a window behind its prefix (new requests hold no KV yet); the
+        # overlap scheduler lags that prefix by its chunked prefill size.
+        held = ~new_mask
+        safe_rows = np.where(held, rows, 0)
+        pre_lens = prefix_lens - ctx.swa.overlap_chunked_prefill
+        unfit = swa_window_then_fit(ctx, "extend", safe_rows, rids, need, pre_lens, held)
+        if unfit is not None:
+            return unfit
     got = _fit_evict_take(ctx, "extend", need, evict_tokens, rids, None, take, *take_args)
     if isinstance(got, OutOfMemory):
         return got
@@ -429,6 +443,11 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     allocator = ctx.token_to_kv_pool_allocator
     ps = ctx.page_size
     evicted = 0
+    if ctx.swa is not None:
+        need = np.ones(bs, dtype=np.int64) if ps == 1 else (seq % ps == 0).astype(np.int64) * ps
+        unfit = swa_window_then_fit(ctx, "decode", rows, rids, need, kv.kv_committed_len[rows], swa_decode_due(ctx, rows))
+        if unfit is not None:
+            return unfit
     if ps == 1:
         # Hot path: page-1 slots straight off the head of the free list (a view).
         out = allocator.alloc_view(bs) if ctx.direct_token_alloc else None
@@ -453,6 +472,8 @@ def alloc_for_decode(ctx: KvContext, rows: np.ndarray, rids: np.ndarray | None =
     kv.sum_committed += bs
     kv.sum_allocated_ceil += taken
     kv.max_len_bound += 1
+    if ctx.swa is not None:
+        kv.decode_batch_idx[rows] += 1
     return DecodeResult(out, evicted)
 
 
@@ -474,7 +495,7 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
     """
     kv = ctx.req_kv
     bs = rows.shape[0]
-    if bs == 0 or num_steps < 1 or ctx.hisparse:
+    if bs == 0 or num_steps < 1 or ctx.hisparse or ctx.swa is not None:
         return None
     if kv.max_len_bound + num_steps >= ctx.width:
         return None  # a row might fill up: the per-step path checks and reports it
@@ -604,7 +625,7 @@ def alloc_for_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarray) -
     """
     kv = ctx.req_kv
     num_steps, bs = accepted.shape
-    if bs == 0 or num_steps < 1 or ctx.hisparse:
+    if bs == 0 or num_steps < 1 or ctx.hisparse or ctx.swa is not None:
         return None
     ps = ctx.page_size
     width = ctx.width
@@ -681,9 +702,22 @@ def alloc_for_spec_decode(
     (monotone), here, beside the allocation. Rejected drafts are never freed here: they
     stay in ``[committed, allocated)`` and are reused by the next step.
     """
+    if ctx.swa is not None:
+        # eagle_prepare_for_decode: maybe_evict_swa first (even when nothing is reserved)
+        if ctx.page_size == 1:
+            need = plan.counts
+        else:
+            need = new_page_tokens(plan.cur_kv_lens, plan.nxt_kv_lens, ctx.page_size)
+        unfit = swa_window_then_fit(
+            ctx, "spec", rows, rids, need, ctx.req_kv.kv_committed_len[rows], swa_decode_due(ctx, rows)
+        )
+        if unfit is not None:
+            return unfit
     res = take_spec_slots(ctx, rows, plan, rids)
     if isinstance(res, SpecResult) and res.num_tokens:
         record_spec_reserve(ctx, rows, plan, res.taken)
+    if ctx.swa is not None and isinstance(res, SpecResult):
+        ctx.req_kv.decode_batch_idx[rows] += 1
     return res
 
 
@@ -843,6 +877,8 @@ def alloc_for_decode_prealloc(
         )
     delta = fill_len - prefix_len
     required = new_page_tokens(prefix_len, fill_len, ps)
+    if ctx.swa is not None and ps > 1:
+        return _swa_tail_prealloc(ctx, rid, fill_len)
     if ps == 1:
         take, take_args = allocator.alloc, (delta,)
     else:
@@ -870,6 +906,42 @@ def alloc_for_decode_prealloc(
     row = pool.alloc(1)[0]
     _bind_prealloc_row(ctx, row, rid, fill_len, prefix_len, prefix_slots, lock_node, out)
     kv.sum_allocated_ceil += prefix_len + taken
+    return row
+
+
+def _swa_tail_prealloc(ctx: KvContext, rid: int, fill_len: int) -> int | OutOfMemory:
+    """``alloc_for_decode_prealloc`` with ``uses_swa_tail`` (paged SWA, no prefix): full
+    slots for ``[0, fill_len)``, SWA slots for the last ``swa_tail_len`` positions only
+    (``alloc_extend_swa_tail``); ``swa_evicted_seqlen = fill_len - tail``."""
+    ps = ctx.page_size
+    tail = swa_tail_len(ctx, fill_len)
+    unfit = _swa_unfit(
+        ctx,
+        "prealloc",
+        np.array([ceil_align(fill_len, ps)], dtype=np.int64),
+        np.array([ceil_align(tail, ps)], dtype=np.int64),
+        0,
+        np.array([rid], dtype=np.int64),
+        None,
+    )
+    if unfit is not None:
+        return unfit
+    before = ctx.token_to_kv_pool_allocator.full_available_size()
+    out = ctx.token_to_kv_pool_allocator.alloc_extend_swa_tail(
+        np.zeros(1, dtype=np.int64),
+        np.array([fill_len], dtype=np.int64),
+        np.full(1, -1, dtype=np.int64),
+        fill_len,
+        tail,
+    )
+    assert out is not None, "SWA tail prealloc failed after the fit check"
+    pool = ctx.req_to_token_pool
+    row = pool.alloc(1)[0]
+    _bind_prealloc_row(ctx, row, rid, fill_len, 0, None, None, out)
+    kv = ctx.req_kv
+    kv.sum_allocated_ceil += before - ctx.token_to_kv_pool_allocator.full_available_size()
+    kv.decode_batch_idx[row] = 0
+    kv.set_swa_evicted(row, fill_len - tail)
     return row
 
 
@@ -1028,17 +1100,178 @@ def release_kv_cache(
         cached = res.cached_tokens
         freed += res.duplicates_freed
     protected = int(kv.cache_protected_len[row])
+    free_range = allocator.free_segment if ctx.swa is None else _swa_row_freer(ctx, row)
     if owned > protected:
-        allocator.free_segment(table[row, protected:owned], protected)
+        free_range(table[row, protected:owned], protected)
         freed += ceil_align(owned, ps) - protected
     ctx.tree_cache.unlock(kv.lock_node[row])
     kv.lock_node[row] = None
     start = max(ceil_align(owned, ps), protected)
     overalloc = 0
     if start < allocated:
-        allocator.free_segment(table[row, start:allocated], start)
+        free_range(table[row, start:allocated], start)
         overalloc = allocated - start
         freed += ceil_align(allocated, ps) - start
     ctx.req_to_token_pool.free(row)
     kv.clear_row(row)
     return ReleaseOutcome(freed, cached, overalloc)
+
+
+# ---------------------------------------------------------------------------- hybrid sliding window (SWA)
+#
+# With ``ctx.swa`` the allocator is ``SWATokenToKVPoolAllocator``: rows hold full slots,
+# each mapped to an SWA slot until the window slides past it. SGLang 0.5.23 with the
+# radix cache disabled (``UnifiedRadixCache(FULL, SWA)`` with ``disable``: no prefix
+# sharing) frees out-of-window SWA slots in ``ScheduleBatch.maybe_evict_swa``, run
+# first by ``alloc_for_extend``, ``alloc_for_decode`` and the speculative prepares.
+# Here the frees are planned first, the batch's fit is checked per pool counting what
+# they give back, and only then are they applied: a call that does not fit changes
+# nothing (SGLang would free, then raise).
+
+
+class WindowFrees(NamedTuple):
+    """What one ``maybe_evict_swa`` pass does to the rows of a batch."""
+
+    due: np.ndarray  # bool [bs] rows whose cursor moves (stored even when nothing is freed)
+    start: np.ndarray  # int64 [bs] cursor after the jump to swa_dead_lo
+    end: np.ndarray  # int64 [bs] new cursor (end of the freed range)
+    freed: int  # SWA tokens freed (whole pages)
+
+
+def plan_window_frees(ctx: KvContext, rows: np.ndarray, pre_lens: np.ndarray, due: np.ndarray) -> WindowFrees:
+    """SGLang ``free_swa_out_of_window_slots`` without prefix sharing, for every row
+    where ``due`` and ``pre_len - window >= swa_evicted_seqlen + 1``: the cursor jumps
+    to ``max(cursor, swa_dead_lo)`` and advances to ``pre_len - window`` floored to a
+    page. Changes nothing."""
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    window = ctx.swa.window  # type: ignore[union-attr]
+    evicted = kv.swa_evicted_seqlen[rows]
+    due = due & (pre_lens - window >= evicted + 1)
+    start = np.maximum(evicted, kv.swa_dead_lo(rows))
+    end = np.maximum(start, pre_lens - window)
+    if ps > 1:
+        end = end // ps * ps
+    end = np.where(due, np.maximum(end, start), evicted)
+    start = np.where(due, start, evicted)
+    return WindowFrees(due, start, end, int((end - start).sum()))
+
+
+def apply_window_frees(ctx: KvContext, rows: np.ndarray, plan: WindowFrees) -> None:
+    """Free the planned SWA ranges in one free group, batch order, and move the cursors."""
+    if not plan.due.any():
+        return
+    kv = ctx.req_kv
+    allocator = ctx.token_to_kv_pool_allocator
+    table = ctx.req_to_token_pool.req_to_token_np
+    allocator.free_group_begin()
+    try:
+        for i in np.flatnonzero(plan.due).tolist():
+            row = int(rows[i])
+            start, end = int(plan.start[i]), int(plan.end[i])
+            if end > start:
+                allocator.free_swa_segment(table[row, start:end], start_pos=start)
+            kv.set_swa_evicted(row, end)
+    finally:
+        allocator.free_group_end()
+
+
+def _swa_unfit(
+    ctx: KvContext,
+    op: str,
+    need_full: np.ndarray,
+    need_swa: np.ndarray,
+    swa_credit: int,
+    rids: np.ndarray | None,
+    rows: np.ndarray | None,
+) -> OutOfMemory | None:
+    """None when the batch's per-request needs fit each pool (the SWA pool with
+    ``swa_credit`` tokens about to be window-freed), else ``OutOfMemory`` naming the
+    first request that does not fit and the pool."""
+    allocator = ctx.token_to_kv_pool_allocator
+    for pool, need, available in (
+        ("full", need_full, allocator.full_available_size()),
+        ("swa", need_swa, allocator.swa_available_size() + swa_credit),
+    ):
+        total = int(need.sum())
+        if total > available:
+            i = _first_short_request(need, available)
+            rid = rids[i] if rids is not None else ctx.req_kv.rid[rows[i]]
+            return OutOfMemory(op, int(rid), total, int(available), 0, pool)
+    return None
+
+
+def swa_window_then_fit(
+    ctx: KvContext,
+    op: str,
+    rows: np.ndarray,
+    rids: np.ndarray | None,
+    need: np.ndarray,
+    pre_lens: np.ndarray,
+    due: np.ndarray,
+) -> OutOfMemory | None:
+    """``maybe_evict_swa`` of a batch, then the fit of ``need`` (pool tokens per
+    request, the same in both pools) in each pool: planned, checked, applied."""
+    plan = plan_window_frees(ctx, rows, pre_lens, due)
+    unfit = _swa_unfit(ctx, op, need, need, plan.freed, rids, rows)
+    if unfit is not None:
+        return unfit
+    apply_window_frees(ctx, rows, plan)
+    return None
+
+
+def swa_decode_due(ctx: KvContext, rows: np.ndarray) -> np.ndarray:
+    """``maybe_evict_swa``'s decode gate: not on a request's first decode step, and
+    only once ``eviction_interval`` tokens have slid out past the cursor
+    (``committed - window >= swa_evicted_seqlen + interval``)."""
+    kv = ctx.req_kv
+    swa = ctx.swa
+    assert swa is not None
+    committed = kv.kv_committed_len[rows]
+    return (kv.decode_batch_idx[rows] >= 1) & (
+        committed - swa.window >= kv.swa_evicted_seqlen[rows] + swa.eviction_interval
+    )
+
+
+def swa_tail_len(ctx: KvContext, fill_len: int) -> int:
+    """PD prealloc: SWA tokens to allocate for ``fill_len`` (SGLang ``_swa_tail_len``,
+    decode radix cache off): ``fill_len - floor_align(max(0, fill_len - window))``.
+    Page size 1 takes no tail (the whole fill)."""
+    ps = ctx.page_size
+    if ps == 1 or fill_len <= 0:
+        return max(fill_len, 0)
+    window = ctx.swa.window  # type: ignore[union-attr]
+    start = max(0, fill_len - window) // ps * ps
+    return fill_len - start
+
+
+def swa_prealloc_fits(ctx: KvContext, rids: np.ndarray, fill_lens: np.ndarray) -> OutOfMemory | None:
+    """Whether ``alloc_for_decode_prealloc`` of each request in turn fits both pools
+    (no prefix reuse: the radix cache is off): rows, full pages of the fills, SWA
+    pages of their tails. Changes nothing."""
+    pool = ctx.req_to_token_pool
+    bs = rids.shape[0]
+    if bs > pool.available_size():
+        return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
+    ps = ctx.page_size
+    need_full = ceil_align(fill_lens, ps)
+    need_swa = np.array([ceil_align(swa_tail_len(ctx, int(f)), ps) for f in fill_lens.tolist()], dtype=np.int64)
+    return _swa_unfit(ctx, "prealloc", need_full, need_swa, 0, rids, None)
+
+
+def _swa_row_freer(ctx: KvContext, row: int) -> Callable[[np.ndarray, int], None]:
+    """A ``free_segment``-shaped function for one row of an SWA allocator: the part of
+    the range below the row's SWA cursor goes back full-side only
+    (``BasePrefixCache.free_kv_row``)."""
+    from allocator.swa_window import free_kv_row_segments
+
+    kv = ctx.req_kv
+    rows = np.array([row], dtype=np.int64)
+    evicted = int(kv.swa_evicted_seqlen[row])
+    dead_lo = int(kv.swa_dead_lo(rows)[0])
+    allocator = ctx.token_to_kv_pool_allocator
+
+    def free_range(slots: np.ndarray, start: int) -> None:
+        free_kv_row_segments(allocator, [(slots, start)], swa_evicted_seqlen=evicted, swa_dead_lo=dead_lo)
+
+    return free_range

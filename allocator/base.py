@@ -46,6 +46,39 @@ class SpecConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SwaConfig:
+    """A hybrid sliding-window model's second KV pool (SGLang's ``SWATokenToKVPoolAllocator``).
+
+    Args:
+        window: tokens each sliding-window layer attends back (SGLang's
+            ``swa_retain_window``: the model's ``sliding_window_size``, or a draft's
+            larger one).
+        swa_full_tokens_ratio: SWA pool tokens per full pool token (SGLang's
+            ``--swa-full-tokens-ratio``, default 0.8); the SWA pool holds
+            ``floor_align(int(full_tokens * ratio), page_size)`` tokens.
+        swa_pool_tokens: an explicit SWA pool size instead of the ratio (rounded
+            down to a page), or None.
+        eviction_interval: tokens that must slide out of the window before a decode
+            step frees them (``SGLANG_SWA_EVICTION_INTERVAL``, default 128).
+        overlap_chunked_prefill: with SGLang's overlap scheduler, its
+            ``chunked_prefill_size``: a continuing prefill chunk frees the window
+            behind ``prefix - this`` (the previous chunk may still be running). 0: the
+            non-overlap scheduler's rule (behind ``prefix``).
+    """
+
+    window: int
+    swa_full_tokens_ratio: float = 0.8
+    swa_pool_tokens: int | None = None
+    eviction_interval: int = 128
+    overlap_chunked_prefill: int = 0
+
+    def pool_tokens(self, full_tokens: int, page_size: int) -> int:
+        """SWA pool tokens for a full pool of ``full_tokens`` (SGLang ``_solve_pool_sizes``)."""
+        size = self.swa_pool_tokens if self.swa_pool_tokens is not None else int(full_tokens * self.swa_full_tokens_ratio)
+        return size // page_size * page_size
+
+
+@dataclass(frozen=True, slots=True)
 class AllocatorConfig:
     """Sizes and switches of one allocator instance.
 
@@ -63,6 +96,7 @@ class AllocatorConfig:
         extra_rows: additional request rows (PD decode pre-allocation queue).
         radix_cache: keep a radix prefix cache (False: every request computes its prompt).
         debug_checks: run expensive assertions inside the allocation functions.
+        swa: the sliding-window pool of a hybrid model, or None (full attention only).
     """
 
     pool_tokens: int
@@ -78,6 +112,7 @@ class AllocatorConfig:
     radix_cache: bool = True
     eviction_policy: EvictionPolicy = "lru"
     debug_checks: bool = False
+    swa: SwaConfig | None = None
 
     def check(self) -> None:
         """Refuse a configuration no allocator can be built from.
@@ -107,6 +142,39 @@ class AllocatorConfig:
             raise ValueError(f"AllocatorConfig.hisparse_ratio must be >= 1, found {config.hisparse_ratio}")
         if config.eviction_policy != "lru":
             raise ValueError(f"AllocatorConfig.eviction_policy: only 'lru' is implemented, found {config.eviction_policy!r}")
+        if config.swa is not None:
+            _check_swa(config)
+
+
+def _check_swa(config: AllocatorConfig) -> None:
+    """Refuse an SWA configuration the built-in allocator cannot run (ValueError)."""
+    swa = config.swa
+    assert swa is not None
+    ps = config.page_size
+    if swa.window < 1:
+        raise ValueError(f"SwaConfig.window must be >= 1, found {swa.window}")
+    if swa.overlap_chunked_prefill < 0:
+        raise ValueError(f"SwaConfig.overlap_chunked_prefill must be >= 0, found {swa.overlap_chunked_prefill}")
+    if swa.eviction_interval < 1:
+        raise ValueError(f"SwaConfig.eviction_interval must be >= 1, found {swa.eviction_interval}")
+    if swa.swa_pool_tokens is None and not 0 < swa.swa_full_tokens_ratio <= 1:
+        raise ValueError(f"SwaConfig.swa_full_tokens_ratio must be in (0, 1], found {swa.swa_full_tokens_ratio}")
+    swa_tokens = swa.pool_tokens(config.pool_tokens // ps * ps, ps)
+    # SGLang's validate_swa_pool_size: a pool at or below window + page admits nothing.
+    if swa.window + ps >= swa_tokens:
+        raise ValueError(
+            f"SwaConfig: the SWA pool ({swa_tokens} tokens) cannot hold one request: it must exceed "
+            f"window {swa.window} + page size {ps}"
+        )
+    if swa_tokens > MAX_SLOTS:
+        raise ValueError(f"SwaConfig: SWA pool tokens {swa_tokens} exceed 2**31 - 1")
+    if config.radix_cache:
+        raise ValueError(
+            "AllocatorConfig: SWA with the radix cache needs the radix tree's SWA component "
+            "(window-gated match, SWA locks, tombstones), not implemented yet; set radix_cache=False"
+        )
+    if config.hisparse:
+        raise ValueError("AllocatorConfig: SWA with HiSparse is not implemented (set hisparse=False)")
 
 
 class PoolCounters(NamedTuple):
@@ -161,6 +229,7 @@ class OutOfMemory:
     needed: int
     available: int
     evictable: int
+    pool: str = "full"  # the pool that ran short: "full" or "swa" (hybrid sliding-window models)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +279,7 @@ class Violation:
     detail: str
     rid: int | None = None
     values: dict[str, int] = field(default_factory=dict)
+    pool: str = "full"  # the KV pool the invariant is about: "full" or "swa"
 
 
 AllocOutcome = AllocResult | OutOfMemory

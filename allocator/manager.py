@@ -22,6 +22,12 @@ Frees inside one ``release(kind="finish" | "abort")`` batch and inside one publi
 batch are grouped as SGLang's result processors group them
 (``free_group_begin`` / ``free_group_end``); retraction frees request by request.
 
+With ``AllocatorConfig.swa`` (a hybrid sliding-window model, radix cache off) the pool
+is ``SWATokenToKVPoolAllocator`` (full + SWA pools): the allocation functions free
+out-of-window SWA slots before each extend / decode / spec allocation as SGLang's
+``maybe_evict_swa`` does, ``counters()`` stays the full pool's and ``pool_counters()``
+adds the SWA pool's.
+
 White-box attributes with SGLang's names: ``req_to_token_pool`` (``req_to_token``,
 ``free_slots``), ``token_to_kv_pool_allocator`` (``free_pages``, ...),
 ``tree_cache``; per-row bookkeeping in ``req_kv``; ``kv_info(rid)`` gives one
@@ -53,6 +59,7 @@ from allocator.allocation import (
     prealloc_fits,
     prepare_spec_decode,
     release_kv_cache,
+    swa_prealloc_fits,
     undo_prealloc,
 )
 from allocator.base import (
@@ -79,6 +86,7 @@ from allocator.sizing import (
     reserve_per_decode,
     uses_bigram_keys,
 )
+from allocator.swa import SWATokenToKVPoolAllocator
 from allocator.table_writer import make_table_writer
 from allocator.token_to_kv import (
     HiSparseTokenToKVPoolAllocator,
@@ -129,8 +137,19 @@ class KvAllocator:
         size = pool_size_tokens(config)
         num_rows = config.max_running + config.extra_rows
         self.req_to_token_pool = ReqToTokenPool(num_rows, req_to_token_width(config), config.device)
-        allocator: TokenToKVPoolAllocator | PagedTokenToKVPoolAllocator | HiSparseTokenToKVPoolAllocator
-        if config.hisparse:
+        allocator: (
+            TokenToKVPoolAllocator
+            | PagedTokenToKVPoolAllocator
+            | HiSparseTokenToKVPoolAllocator
+            | SWATokenToKVPoolAllocator
+        )
+        # The SWA pool's tokens (hybrid sliding-window models), 0 without one.
+        self.swa_pool_tokens = 0
+        if config.swa is not None:
+            self.swa_pool_tokens = config.swa.pool_tokens(size, ps)
+            allocator = SWATokenToKVPoolAllocator(size, self.swa_pool_tokens, ps, config.need_sort, config.device)
+            self.pool_tokens = size
+        elif config.hisparse:
             allocator = HiSparseTokenToKVPoolAllocator(size, ps, config.need_sort, config.hisparse_ratio, config.device)
             self.pool_tokens = allocator.logical_attn_allocator.num_pages * ps
         elif ps == 1:
@@ -143,7 +162,7 @@ class KvAllocator:
         self.tree_cache = RadixCache(
             ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)
         )
-        self.req_kv = ReqKvTable(num_rows + 1, ps)
+        self.req_kv = ReqKvTable(num_rows + 1, ps, swa=config.swa is not None)
         self.writer = make_table_writer(self.req_to_token_pool, device_flush_every)
         self.ctx = KvContext(
             req_to_token_pool=self.req_to_token_pool,
@@ -154,6 +173,7 @@ class KvAllocator:
             page_size=ps,
             spec_reserve=reserve_per_decode(config.spec, ps),
             hisparse=config.hisparse,
+            swa=config.swa,
         )
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
@@ -573,6 +593,11 @@ class KvAllocator:
         prefix = np.zeros(bs, dtype=np.int64)
         evicted_before = tree.evicted_tokens_total
         keys: list[np.ndarray] = []
+        if self.config.swa is not None:
+            # all or nothing: both pools' fit decided before any allocation
+            unfit = swa_prealloc_fits(ctx, rids, fill_lens)
+            if unfit is not None:
+                return unfit
         if not self.config.hisparse and not tree.disable:
             for i in range(bs):
                 fill = int(fill_lens[i])
@@ -738,6 +763,8 @@ class KvAllocator:
         pool = self.req_to_token_pool
         if self.config.hisparse:
             available = self.token_to_kv_pool_allocator.logical_available_size()
+        elif self.config.swa is not None:
+            available = self.token_to_kv_pool_allocator.full_available_size()
         else:
             available = self.token_to_kv_pool_allocator.available_size()
         return PoolCounters(
@@ -750,6 +777,28 @@ class KvAllocator:
             running_requests=pool.size - pool.available_size(),
             free_rows=pool.available_size(),
         )
+
+    def pool_counters(self) -> dict[str, PoolCounters]:
+        """Token counts of each KV pool now: ``{"full": counters()}``, and with a
+        sliding-window pool ``"swa"`` too (O(1)). The SWA pool holds no radix cache
+        (evictable and protected 0 while the SWA radix component is not mirrored); a
+        request holds ``ceil_align(allocated) - protected - window_freed`` SWA tokens,
+        its window-freed tokens leaving ``committed``."""
+        full = self.counters()
+        if self.config.swa is None:
+            return {"full": full}
+        kv = self.req_kv
+        swa = PoolCounters(
+            pool_tokens=self.swa_pool_tokens,
+            available=self.token_to_kv_pool_allocator.swa_available_size(),
+            evictable=0,
+            protected=0,
+            committed=kv.sum_committed - kv.sum_protected - kv.sum_swa_freed,
+            overallocated=full.overallocated,
+            running_requests=full.running_requests,
+            free_rows=full.free_rows,
+        )
+        return {"full": full, "swa": swa}
 
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         self._flush_publish()
@@ -821,7 +870,8 @@ class KvAllocator:
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
         self.writer.sync()
-        if touched is None:
+        if touched is None or self.config.swa is not None:
+            # NOTE: SWA allocators are always checked whole (no incremental checker yet).
             return check_integrity(self)
         if self._checker is None:
             from allocator.check.incremental import IncrementalChecker

@@ -115,6 +115,19 @@ def _tree_pages(allocator: KvAllocator) -> tuple[np.ndarray, np.ndarray]:
     return values, locked
 
 
+def full_side(tok: object) -> object:
+    """The allocator of the pool that request rows index: the logical side of a HiSparse
+    pair, the full pool of an SWA pair, else ``tok`` itself."""
+    from allocator.swa import SWATokenToKVPoolAllocator
+    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
+
+    if isinstance(tok, HiSparseTokenToKVPoolAllocator):
+        return tok.logical_attn_allocator
+    if isinstance(tok, SWATokenToKVPoolAllocator):
+        return tok.full_attn_allocator
+    return tok
+
+
 def page_holders(
     allocator: KvAllocator, rows: np.ndarray, allocated: np.ndarray, protected: np.ndarray
 ) -> PageHolders:
@@ -131,10 +144,7 @@ def page_holders(
         The holders, with the number of holders of each page (1 everywhere but
         page 0 when the state is sound).
     """
-    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
-
-    tok = allocator.token_to_kv_pool_allocator
-    logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
+    logical = full_side(allocator.token_to_kv_pool_allocator)
     ps = allocator.page_size
     num_pages = allocator.pool_tokens // ps
     free_pages = logical.get_all_free_pages().astype(np.int64)

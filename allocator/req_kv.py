@@ -45,9 +45,17 @@ class ReqKvTable:
         sum_protected: sum of ``cache_protected_len`` over rows in use.
         sum_allocated_ceil: sum of ``ceil_align(kv_allocated_len, page_size)``.
         max_len_bound: an upper bound of every ``kv_allocated_len``.
+        swa_evicted_seqlen: int64 ``[num_rows]`` SWA cursor (hybrid SWA models): the SWA
+            slots of ``[swa_dead_lo, here)`` are freed (``allocator.swa_window``).
+        swa_evict_floor: int64 ``[num_rows]`` ``[0, here)`` is never window-freed.
+        decode_batch_idx: int64 ``[num_rows]`` decode steps the request ran since its
+            prefill (SGLang's ``req.decode_batch_idx``: no window free on the first).
+        sum_swa_freed: sum of ``max(0, swa_evicted_seqlen - swa_dead_lo)`` over rows in
+            use (SWA tokens window-freed; kept only when ``swa``).
+        swa: whether the SWA columns are kept (a hybrid sliding-window allocator).
     """
 
-    def __init__(self, num_rows: int, page_size: int) -> None:
+    def __init__(self, num_rows: int, page_size: int, swa: bool = False) -> None:
         self.num_rows = num_rows
         self.page_size = page_size
         self.kv_allocated_len_t = torch.zeros(num_rows, dtype=torch.int64)
@@ -64,6 +72,31 @@ class ReqKvTable:
         # An upper bound of every kv_allocated_len (never below the true maximum):
         # row-width checks compute the exact maximum only when this reaches the width.
         self.max_len_bound = 0
+        self.swa = swa
+        self.swa_evicted_seqlen = np.zeros(num_rows, dtype=np.int64)
+        self.swa_evict_floor = np.zeros(num_rows, dtype=np.int64)
+        self.decode_batch_idx = np.zeros(num_rows, dtype=np.int64)
+        self.sum_swa_freed = 0
+
+    def swa_dead_lo(self, rows: np.ndarray) -> np.ndarray:
+        """``max(protected, floor)`` per row, page-aligned up only when above protected
+        (SGLang ``ReqKvInfo.swa_dead_lo``)."""
+        protected = self.cache_protected_len[rows]
+        lo = np.maximum(protected, self.swa_evict_floor[rows])
+        if self.page_size > 1:
+            lo = np.where(lo > protected, ceil_align(lo, self.page_size), lo)
+        return lo
+
+    def swa_freed(self, rows: np.ndarray) -> np.ndarray:
+        """SWA tokens each row's window frees gave back: ``max(0, evicted - dead_lo)``."""
+        return np.maximum(self.swa_evicted_seqlen[rows] - self.swa_dead_lo(rows), 0)
+
+    def set_swa_evicted(self, row: int, value: int) -> None:
+        """Move one row's SWA cursor, keeping ``sum_swa_freed``."""
+        rows = np.array([row], dtype=np.int64)
+        before = int(self.swa_freed(rows)[0])
+        self.swa_evicted_seqlen[row] = value
+        self.sum_swa_freed += int(self.swa_freed(rows)[0]) - before
 
     def info(self, row: int) -> ReqKvInfo:
         """A read-only live view of one row's bookkeeping."""
@@ -79,6 +112,11 @@ class ReqKvTable:
         self.sum_committed -= int(self.kv_committed_len[row])
         self.sum_protected -= int(self.cache_protected_len[row])
         self.sum_allocated_ceil -= ceil_align(allocated, self.page_size)
+        if self.swa:
+            self.sum_swa_freed -= int(self.swa_freed(np.array([row], dtype=np.int64))[0])
+            self.swa_evicted_seqlen[row] = 0
+            self.swa_evict_floor[row] = 0
+            self.decode_batch_idx[row] = 0
         self.kv_allocated_len[row] = 0
         self.kv_committed_len[row] = 0
         self.cache_protected_len[row] = 0
@@ -121,6 +159,14 @@ class ReqKvInfo:
     @property
     def lock_node(self) -> TreeNode | None:
         return self._table.lock_node[self._row]
+
+    @property
+    def swa_evicted_seqlen(self) -> int:
+        return int(self._table.swa_evicted_seqlen[self._row])
+
+    @property
+    def swa_evict_floor(self) -> int:
+        return int(self._table.swa_evict_floor[self._row])
 
     def __repr__(self) -> str:
         return (

@@ -136,6 +136,10 @@ def pool_memory(config: AllocatorConfig, num_rids: int = 0) -> PoolMemory:
         pool_pages_mapping = 8 * (pool * config.hisparse_ratio + config.page_size + 1)
     else:
         pool_pages_mapping = 0
+    if config.swa is not None:
+        # the SWA pool's free list and the full -> SWA mapping (int64 per full slot)
+        pages += config.swa.pool_tokens(pool, config.page_size) // config.page_size
+        pool_pages_mapping += 8 * (pool + config.page_size + 1)
     return PoolMemory(
         req_to_token=(rows + 1) * req_to_token_width(config) * _SLOT_BYTES,
         free_lists=pages * _FREE_LIST_BYTES_PER_PAGE + pool_pages_mapping,

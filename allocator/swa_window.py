@@ -11,7 +11,10 @@ request's eviction floor. On release, that range goes back full-side only::
 
 These functions work on ``SwaKvInfo`` (the fields of ``ReqKvInfo`` they read) and a
 request's ``req_to_token`` row; they call an ``allocator.swa.SWATokenToKVPoolAllocator``.
-Not yet wired into the allocation functions or the replay engine.
+``KvAllocator``'s allocation functions (``allocator.allocation``) release through
+``free_kv_row_segments`` and apply the same window rule to a whole batch at once
+(``plan_window_frees``, columns of ``ReqKvTable``); these one-request forms are the
+reference their tests and the SWA pool parity drive.
 """
 
 from __future__ import annotations

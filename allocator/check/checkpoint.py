@@ -34,6 +34,15 @@ _MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed")
 # ReqKvTable's columns and sums.
 _KV_ARRAYS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "rid")
 _KV_SCALARS = ("sum_committed", "sum_protected", "sum_allocated_ceil", "max_len_bound")
+# The SWA columns and sum, saved only for a hybrid sliding-window allocator.
+_SWA_KV_ARRAYS = ("swa_evicted_seqlen", "swa_evict_floor", "decode_batch_idx")
+_SWA_KV_SCALARS = ("sum_swa_freed",)
+
+
+def _kv_names(kv: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if getattr(kv, "swa", False):
+        return _KV_ARRAYS + _SWA_KV_ARRAYS, _KV_SCALARS + _SWA_KV_SCALARS
+    return _KV_ARRAYS, _KV_SCALARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +164,8 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         free_rows=tuple(alloc.req_to_token_pool.free_slots),
         token_allocator=_copy_without_journal(alloc.token_to_kv_pool_allocator),
         tree=save_tree_state(alloc.tree_cache),
-        kv_arrays=tuple(getattr(kv, name).copy() for name in _KV_ARRAYS),
-        kv_scalars=tuple(getattr(kv, name) for name in _KV_SCALARS),
+        kv_arrays=tuple(getattr(kv, name).copy() for name in _kv_names(kv)[0]),
+        kv_scalars=tuple(getattr(kv, name) for name in _kv_names(kv)[1]),
         lock_node_ids=lock_ids,
         manager_arrays=tuple(getattr(alloc, name).copy() for name in _MANAGER_ARRAYS),
     )
@@ -224,9 +233,10 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     vars(alloc.token_to_kv_pool_allocator).update(vars(fresh))
     by_id = restore_tree_state(alloc.tree_cache, state.tree)
     kv = alloc.req_kv
-    for name, saved in zip(_KV_ARRAYS, state.kv_arrays):
+    arrays, scalars = _kv_names(kv)
+    for name, saved in zip(arrays, state.kv_arrays):
         getattr(kv, name)[:] = saved  # in place: the columns are views of torch tensors
-    for name, value in zip(_KV_SCALARS, state.kv_scalars):
+    for name, value in zip(scalars, state.kv_scalars):
         setattr(kv, name, value)
     kv.lock_node = [None if i < 0 else by_id[i] for i in state.lock_node_ids.tolist()]
     for name, saved in zip(_MANAGER_ARRAYS, state.manager_arrays):

@@ -163,7 +163,9 @@ def _free_list_objects(allocator: Any) -> list[tuple[PageFreeList, list[np.ndarr
     """(free list, its release/staged list) of each token allocator inside ``allocator``."""
     parts = []
     for sub in (allocator, getattr(allocator, "logical_attn_allocator", None),
-                getattr(allocator, "hisparse_attn_allocator", None)):
+                getattr(allocator, "hisparse_attn_allocator", None),
+                # an SWA pair: the full pool's list, then the SWA pool's
+                getattr(allocator, "full_attn_allocator", None), getattr(allocator, "swa_attn_allocator", None)):
         if sub is None or not hasattr(sub, "_free"):
             continue
         side = getattr(sub, "_release", None)

@@ -21,6 +21,9 @@ Checks (each violation names the request and the numbers):
 * ``hisparse``: the device side of the HiSparse pair: every device page is free or
   mapped from exactly one live logical page, never both.
 * ``device``: with a device table, its live entries equal the host copy.
+
+These are the full pool's (``Violation.pool == "full"``); a hybrid sliding-window
+allocator's SWA pool is checked by ``allocator.check.swa_invariants``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 
 from allocator.base import Violation
 from allocator.pages import ceil_align
-from allocator.ownership import PageHolders, page_holders
+from allocator.ownership import PageHolders, full_side, page_holders
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -84,6 +87,10 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
         check_hisparse(out, tok, tok.logical_attn_allocator.get_all_free_pages(), ps)
     if pool.device_req_to_token is not None:
         _check_device(out, pool, rows, rids, alloc)
+    if kv.swa:
+        from allocator.check.swa_invariants import check_swa
+
+        check_swa(out, allocator, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths], protected[ok_lengths])
     return out
 
 
@@ -97,8 +104,7 @@ def check_conservation(out: list[Violation], allocator: KvAllocator, ceil_alloc:
         ceil_alloc, protected: int64 ``ceil_align(kv_allocated_len)`` and
             ``cache_protected_len`` of every row in use.
     """
-    tok = allocator.token_to_kv_pool_allocator
-    logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
+    logical = full_side(allocator.token_to_kv_pool_allocator)
     tree = allocator.tree_cache
     available = logical.available_size()
     uncached = int((ceil_alloc - protected).sum())

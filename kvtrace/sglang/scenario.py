@@ -10,7 +10,8 @@ Scenario file (JSON lines; several scenarios may follow one another)::
     {"scenario": "name", "description": "...", "config": {
         "pool_tokens": 256, "page_size": 16, "max_running": 8, "max_context_len": 512,
         "need_sort": false, "radix_cache": true, "extra_rows": 0,
-        "spec": null | {"algorithm": "eagle", "num_steps": 3, "topk": 1, "num_draft_tokens": 4}}}
+        "spec": null | {"algorithm": "eagle", "num_steps": 3, "topk": 1, "num_draft_tokens": 4},
+        "swa": absent | {"window": 32, "swa_pool_tokens": 512, "eviction_interval": 4}}}
     {"step": 0, "ops": [{"op": "extend", "rid": 0, "seq_len": 40, "prompt_len": 64,
                           "prompt_tokens": [...]}, ...]}
     {"step": 1, "ops": [...]}
@@ -69,6 +70,17 @@ class SpecSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SwaSpec:
+    """A hybrid sliding-window model's SWA pool: the window (SGLang's
+    ``sliding_window_size``), the SWA pool's tokens and ``SGLANG_SWA_EVICTION_INTERVAL``."""
+
+    window: int
+    swa_pool_tokens: int
+    eviction_interval: int = 128
+    overlap_chunked_prefill: int = 0  # >0: the overlap scheduler with this chunked_prefill_size
+
+
+@dataclass(frozen=True, slots=True)
 class ScenarioConfig:
     pool_tokens: int
     page_size: int = 1
@@ -78,18 +90,23 @@ class ScenarioConfig:
     radix_cache: bool = True
     extra_rows: int = 0
     spec: SpecSpec | None = None
+    swa: SwaSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.swa is None:
+            del out["swa"]  # full attention: the header as before SWA existed
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ScenarioConfig:
         data = dict(data)
         spec = data.pop("spec", None)
+        swa = data.pop("swa", None)
         unknown = set(data) - {f for f in cls.__slots__}  # type: ignore[attr-defined]
         if unknown:
             raise ScenarioError(f"scenario config has unknown keys {sorted(unknown)}")
-        return cls(spec=SpecSpec(**spec) if spec else None, **data)
+        return cls(spec=SpecSpec(**spec) if spec else None, swa=SwaSpec(**swa) if swa else None, **data)
 
     def label(self) -> str:
         spec = "off" if self.spec is None else (
@@ -98,6 +115,8 @@ class ScenarioConfig:
         return (
             f"ps{self.page_size} pool{self.pool_tokens} rows{self.max_running} ctx{self.max_context_len} "
             f"spec={spec} radix={'on' if self.radix_cache else 'off'}{' need_sort' if self.need_sort else ''}"
+            + (f" swa=w{self.swa.window},pool{self.swa.swa_pool_tokens},i{self.swa.eviction_interval}"
+               if self.swa is not None else "")
         )
 
 
@@ -341,7 +360,13 @@ class Engine(Protocol):
 #   protected       tree protected size
 #   free_rows       rle of ReqToTokenPool free_slots in order
 #   tree            the radix tree's shape (``tree_shape``), or None where a side cannot give it
+# With an SWA pool (``ScenarioConfig.swa``), ``free_pages`` / ``release_pages`` are the full
+# pool's, ``available`` is the allocator's (the smaller pool's), and besides:
+#   swa_free_pages  rle of the SWA pool's free list in order
+#   swa_available   the SWA pool's available size
+#   swa_reqs        [[rid, swa_evicted_seqlen, rle(full_to_swa_index_mapping[row[:allocated]])], ...]
 STATE_FIELDS = ("reqs", "free_pages", "release_pages", "available", "evictable", "protected", "free_rows", "tree")
+SWA_STATE_FIELDS = ("swa_free_pages", "swa_available", "swa_reqs")
 
 
 def tree_shape(nodes: Iterable[tuple[int, int, int, int, float]]) -> list[list[int]]:

@@ -112,10 +112,22 @@ itself is not run because a trace already fixes which requests run when):
    small tensors; with torch's default intra-op threads on a shared CPU they wait on
    each other longer than the work takes. Results are the same; only the speed of the
    replay, the tests and ``bench/sglang_allocator.py`` changes.
+11. SWA (a scenario with ``swa``): SGLang 0.5.23 for a hybrid SWA model with the radix
+   cache off: ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
+   ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` disabled with the
+   scenario's ``sliding_window_size`` (Python tree core), ``SGLANG_SWA_EVICTION_INTERVAL``
+   from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
+   ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE, and
+   ``enable_overlap`` with ``chunked_prefill_size`` as the scenario's
+   ``overlap_chunked_prefill`` says (0: the non-overlap scheduler; each extend ticks
+   ``extend_batch_idx`` as ``prepare_for_extend`` does). Before a decode or spec call each request's
+   ``output_ids`` is padded so ``seqlen == kv_committed_len + 1`` (the sampled token whose
+   KV is not written yet). The PD prealloc queue sees the SWA pool and the window, so
+   ``_pre_alloc`` takes the SWA tail at page > 1.
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -220,9 +232,9 @@ def load_sglang(tree_kind: str = "radix") -> SimpleNamespace:
     global SG
     if "SG" in globals():
         return SG
-    if tree_kind == "unified":
-        # The Rust tree core cannot be deep-copied, and the OOM rollback needs that.
-        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    # The Rust tree core cannot be deep-copied, and the OOM rollback needs that (the
+    # unified tree: --tree unified, and every SWA scenario).
+    os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
     import importlib.metadata
 
     SG = _import_sglang()
@@ -290,6 +302,8 @@ class SGLangEngine:
             )
         if config.radix_cache:
             fields["disaggregation_decode_enable_radix_cache"] = True
+        if config.swa is not None and config.swa.overlap_chunked_prefill:
+            fields["chunked_prefill_size"] = config.swa.overlap_chunked_prefill
         self._ctx = SG.get_context().override_server_args(**fields)
         self._ctx.install()
         self.is_eagle = config.spec is not None and config.spec.algorithm in ("eagle", "eagle3")
@@ -300,7 +314,10 @@ class SGLangEngine:
             size=config.max_running + config.extra_rows, max_context_len=self.row_width,
             device="cpu", enable_memory_saver=False,
         )
-        if self.ps == 1:
+        self.swa_kv_pool: Any = None
+        if config.swa is not None:
+            allocator = self._swa_allocator(pool_tokens)
+        elif self.ps == 1:
             allocator = SG.Token(pool_tokens, torch.int64, "cpu", None, config.need_sort)
         else:
             allocator = SG.Paged(pool_tokens, self.ps, torch.int64, "cpu", None, config.need_sort)
@@ -308,7 +325,17 @@ class SGLangEngine:
             disable=not config.radix_cache, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
         )
-        if tree_kind == "unified":
+        if config.swa is not None:  # decision 11
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            if config.radix_cache:
+                raise sc.ScenarioError("SWA scenarios run with the radix cache off (its SWA component is not mirrored)")
+            os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(config.swa.eviction_interval)
+            params.tree_components = (ComponentType.FULL, ComponentType.SWA)
+            params.sliding_window_size = config.swa.window
+            tree = UnifiedRadixCache(params)
+        elif tree_kind == "unified":
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -329,6 +356,33 @@ class SGLangEngine:
         # allocated length and the reserve's end (spec). Survives a rollback.
         self.last_lens: tuple[list[int], list[int]] = ([], [])
         SG.allocation.assign_req_to_token_pool_func = self._assign_req_to_token_pool
+
+    def _swa_allocator(self, pool_tokens: int) -> Any:
+        """SGLang's ``SWATokenToKVPoolAllocator`` over a buffer-less ``SWAKVPool`` (decision 11)."""
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        swa = self.config.swa
+        kv_pool = SWAKVPool.__new__(SWAKVPool)
+        kv_pool.full_kv_pool = None
+        kv_pool.swa_kv_pool = None
+        kv_pool.full_to_swa_index_mapping = None
+        self.swa_kv_pool = kv_pool
+        swa_tokens = swa.swa_pool_tokens // self.ps * self.ps
+        return SWATokenToKVPoolAllocator(
+            pool_tokens, swa_tokens, self.ps, SG.torch.bfloat16, "cpu", kv_pool, self.config.need_sort
+        )
+
+    def _swa_seqlens(self, reqs: list[Any]) -> None:
+        """Before a decode / spec step: ``seqlen == kv_committed_len + 1`` (decision 11)."""
+        if self.config.swa is None:
+            return
+        for req in reqs:
+            n = req.kv.kv_committed_len + 1 - len(req.origin_input_ids)
+            if n >= 0 and len(req.output_ids) != n:
+                rid = int(req.rid)
+                pad = sc.UNIQUE_TOKEN_BASE + (rid << 24) + (1 << 22) + np.arange(n, dtype=np.int64)
+                req.output_ids = array("q", pad.tolist())
 
     def close(self) -> None:
         self._ctx.restore()
@@ -386,6 +440,15 @@ class SGLangEngine:
             maybe_evict_swa=lambda: None, is_dllm=lambda: False,
             sampling_info=SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=False)),
         )
+        if self.config.swa is not None:  # decision 11: the real maybe_evict_swa
+            from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+            cls = SG.schedule_batch.ScheduleBatch
+            ns.forward_mode = ForwardMode.EXTEND if "extend_lens" in kw else ForwardMode.DECODE
+            ns.enable_overlap = self.config.swa.overlap_chunked_prefill > 0
+            ns.forward_iter = 0
+            for name in ("maybe_evict_swa", "_swa_eviction_trigger", "_evict_swa"):
+                setattr(ns, name, types.MethodType(getattr(cls, name), ns))
         if all(r is not None for r in rows):
             ns.req_pool_indices = torch.tensor(rows, dtype=torch.int64)
             ns.req_pool_indices_cpu = ns.req_pool_indices.clone()
@@ -526,6 +589,9 @@ class SGLangEngine:
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
                 seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
             )
+            if self.config.swa is not None:
+                for r in reqs:  # prepare_for_extend
+                    r.extend_batch_idx += 1
             SG.allocation.alloc_for_extend(batch)
             for rid, req in zip(rids, reqs):
                 self._row_rid[req.kv.req_pool_idx] = rid
@@ -551,6 +617,8 @@ class SGLangEngine:
     def decode(self, rids) -> sc.CallResult:
         reqs = [self.reqs[rid] for rid in rids]
 
+        self._swa_seqlens(reqs)
+
         def run() -> None:
             torch = SG.torch
             lens = [r.kv.kv_committed_len for r in reqs]
@@ -566,6 +634,7 @@ class SGLangEngine:
 
     def spec(self, rids, accepted) -> sc.CallResult:
         reqs = [self.reqs[rid] for rid in rids]
+        self._swa_seqlens(reqs)
 
         def run() -> None:
             torch = SG.torch
@@ -593,11 +662,13 @@ class SGLangEngine:
             q = object.__new__(SG.pd_decode.DecodePreallocQueue)
             q.req_to_token_pool = self.pool
             q.token_to_kv_pool_allocator = self.alloc
-            q.token_to_kv_pool = None
+            q.token_to_kv_pool = self.swa_kv_pool
             q.tree_cache = self.tree
+            swa = self.config.swa
             q.scheduler = SimpleNamespace(
-                enable_hisparse=False, enable_decode_hicache=False, sliding_window_size=None,
-                tp_worker=SimpleNamespace(is_hybrid_swa=False),
+                enable_hisparse=False, enable_decode_hicache=False,
+                sliding_window_size=None if swa is None else swa.window,
+                tp_worker=SimpleNamespace(is_hybrid_swa=swa is not None),
             )
             for rid, req, toks, pl, fill in zip(rids, reqs, token_ids, prompt_lens, fill_lens):
                 pl = min(pl, fill)
@@ -666,13 +737,14 @@ class SGLangEngine:
             reqs.append([rid, row, kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len,
                          sc.rle(r2t[row, :n].numpy())])
         alloc = self.alloc
+        full = alloc if self.config.swa is None else alloc.full_attn_allocator
         if self.ps == 1:
-            release = alloc.release_pages
+            release = full.release_pages
         else:
-            release = torch.cat(alloc.staged_pages) if alloc.staged_pages else torch.zeros(0, dtype=torch.int64)
-        return {
+            release = torch.cat(full.staged_pages) if full.staged_pages else torch.zeros(0, dtype=torch.int64)
+        out = {
             "reqs": reqs,
-            "free_pages": sc.rle(alloc.free_pages.numpy()),
+            "free_pages": sc.rle(full.free_pages.numpy()),
             "release_pages": sc.rle(release.numpy()),
             "available": int(alloc.available_size()),
             "evictable": int(self.tree.evictable_size()),
@@ -680,6 +752,19 @@ class SGLangEngine:
             "free_rows": sc.rle(self.pool.free_slots),
             "tree": self._tree_shape(),
         }
+        if self.config.swa is not None:
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+            mapping = alloc.full_to_swa_index_mapping
+            swa_reqs = []
+            for rid, entry in zip(rids, reqs):
+                kv = self.reqs[rid].kv
+                slots = r2t[entry[1], : min(kv.kv_allocated_len, r2t.shape[1])].to(torch.int64)
+                swa_reqs.append([rid, int(kv.get_evicted_seqlen(ComponentType.SWA)),
+                                 sc.rle(mapping[slots].numpy())])
+            out.update(swa_free_pages=sc.rle(alloc.swa_attn_allocator.free_pages.numpy()),
+                       swa_available=int(alloc.swa_available_size()), swa_reqs=swa_reqs)
+        return out
 
     def _tree_shape(self) -> list[list[int]] | None:
         """``scenario.tree_shape`` of the plain ``RadixCache`` (None for the unified tree,

@@ -24,7 +24,8 @@ from kvtrace.diff import compare as core
 from kvtrace.sglang import scenario as sc
 
 REQ_FIELDS = ("row", "kv_allocated_len", "kv_committed_len", "cache_protected_len", "req_to_token")
-POOL_FIELDS = ("available", "evictable", "protected", "free_pages", "release_pages", "free_rows")
+POOL_FIELDS = ("available", "evictable", "protected", "free_pages", "release_pages", "free_rows",
+               "swa_available", "swa_free_pages")  # the SWA pool's are None without one
 
 
 @dataclass
@@ -165,7 +166,7 @@ def step_view(d: dict[str, Any]) -> core.StepView:
         rids=np.array([r[0] for r in reqs], dtype=np.int64),
         requests=requests,
         pool=pool,
-        physical={"tree": d.get("tree")},
+        physical={"tree": d.get("tree"), "swa_reqs": d.get("swa_reqs")},
         presence="holds_kv",
     )
 

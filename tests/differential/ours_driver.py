@@ -51,10 +51,17 @@ class OursEngine:
             )
         self.base = base
         self.config = config
+        extra = {}
+        if config.swa is not None:
+            extra["swa"] = base.SwaConfig(
+                window=config.swa.window, swa_pool_tokens=config.swa.swa_pool_tokens,
+                eviction_interval=config.swa.eviction_interval,
+                overlap_chunked_prefill=config.swa.overlap_chunked_prefill,
+            )
         self.alloc = factory(base.AllocatorConfig(
             pool_tokens=config.pool_tokens, page_size=config.page_size, max_running=config.max_running,
             max_context_len=config.max_context_len, device="cpu", need_sort=config.need_sort, spec=spec,
-            radix_cache=config.radix_cache, extra_rows=config.extra_rows,
+            radix_cache=config.radix_cache, extra_rows=config.extra_rows, **extra,
         ))
 
     # -- outcomes -----------------------------------------------------------------
@@ -124,22 +131,36 @@ class OursEngine:
         else:
             reqs = [self._req_entry_no_flush(rid) for rid in arr.tolist()]
         kv = alloc.token_to_kv_pool_allocator
+        swa = kv if self.config.swa is not None else None
+        if swa is not None:
+            kv = swa.full_attn_allocator
         if self.config.page_size == 1:
             release = _to_np(getattr(kv, "release_pages", None))
         else:
             release = _to_np(list(getattr(kv, "staged_pages", []) or []))
         tree = alloc.tree_cache
         pool = alloc.req_to_token_pool
-        return {
+        out = {
             "reqs": reqs,
             "free_pages": sc.rle(_to_np(kv.free_pages)),
             "release_pages": sc.rle(release),
-            "available": int(kv.available_size()),
+            "available": int((swa or kv).available_size()),
             "evictable": int(tree.evictable_size()) if tree is not None else 0,
             "protected": int(tree.protected_size()) if tree is not None else 0,
             "free_rows": sc.rle(list(pool.free_slots)),
             "tree": _tree_shape(tree),
         }
+        if swa is not None:
+            rows = alloc.req_kv
+            swa_reqs = []
+            for entry in reqs:
+                rid, row = entry[0], entry[1]
+                slots = sc.unrle(entry[5])
+                swa_reqs.append([rid, int(rows.swa_evicted_seqlen[row]),
+                                 sc.rle(swa.full_to_swa_index_mapping[slots])])
+            out.update(swa_free_pages=sc.rle(_to_np(swa.swa_attn_allocator.free_pages)),
+                       swa_available=int(swa.swa_available_size()), swa_reqs=swa_reqs)
+        return out
 
 
 def _tree_shape(tree: Any) -> list[list[int]] | None:

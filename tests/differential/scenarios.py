@@ -326,6 +326,13 @@ class RandomSpec:
     # PD decode: requests arrive (and come back after a retraction) by ``prealloc``
     # of their whole length instead of chunked ``extend``.
     pd: bool = False
+    # A hybrid sliding-window model (radix cache off): the window, the SWA pool as a
+    # fraction of the full pool (small enough that the SWA pool runs short too), the
+    # eviction interval.
+    swa_window: int = 0
+    swa_fraction: float = 0.3
+    swa_interval: int = 4
+    swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
 
 
 RANDOM_CONFIGS: dict[str, RandomSpec] = {
@@ -339,6 +346,24 @@ RANDOM_CONFIGS: dict[str, RandomSpec] = {
     # PD decode servers (need_sort free lists), with the decode radix cache on.
     "p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True),
     "p16-pd-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, pd=True, need_sort=True),
+}
+
+# Hybrid sliding-window models, radix cache off (the SWA radix component is not mirrored):
+# window frees in decode, spec and chunked prefill, the release split, the PD SWA tail.
+_SWA = dict(radix_cache=False, swa_window=24, max_context_len=384)
+SWA_CONFIGS: dict[str, RandomSpec] = {
+    "swa-p1-nospec": RandomSpec(page_size=1, **_SWA),
+    "swa-p16-nospec": RandomSpec(page_size=16, **_SWA),
+    "swa-p64-nospec": RandomSpec(page_size=64, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    "swa-p64-eagle314": RandomSpec(page_size=64, spec=EAGLE_314, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    "swa-p1-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **_SWA),
+    "swa-p16-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA),
+    "swa-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA),
+    "swa-p16-pd": RandomSpec(page_size=16, pd=True, need_sort=True, **_SWA),
+    "swa-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
+    # an SWA pool as large as the full pool: the full pool runs short first
+    "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
 }
 
 
@@ -355,8 +380,15 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
             per = max(((ps - 1) + rs.spec.num_steps + ps - 1) // ps * ps * rs.spec.topk, rs.spec.num_draft_tokens)
         reserve = 2 * per
     pool = rs.pool_tokens or int(rng.integers(6, 12)) * max(ps, 16) * 4 + 8 * reserve
+    swa = None
+    if rs.swa_window:
+        pool = max(pool, rs.max_context_len + 8 * max(ps, 16))
+        swa_pool = max(int(pool * rs.swa_fraction) // ps * ps, (rs.swa_window // ps + 2) * ps)
+        swa = sc.SwaSpec(window=rs.swa_window, swa_pool_tokens=swa_pool, eviction_interval=rs.swa_interval,
+                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0)
     cfg = Cfg(pool_tokens=pool // ps * ps, page_size=ps, max_running=rs.max_running,
-              max_context_len=rs.max_context_len, need_sort=rs.need_sort, radix_cache=rs.radix_cache, spec=rs.spec)
+              max_context_len=rs.max_context_len, need_sort=rs.need_sort, radix_cache=rs.radix_cache, spec=rs.spec,
+              swa=swa)
     # Keep every request clear of the row end: topk>1 at page 1 overflows the row there.
     limit = rs.max_context_len - max(reserve, 8) - 8
     families = [tuple(int(x) for x in rng.integers(1, 30_000, size=int(rng.integers(8, 80)))) for _ in range(4)]
