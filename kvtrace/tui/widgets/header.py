@@ -20,8 +20,8 @@ STOP_REASONS = {"oom": "out of memory", "violation": "invariant violation", "bad
 
 
 def clock_time(seconds: float) -> str:
-    """Simulated seconds as H:MM:SS.s (rounded to the tenth first: 3839.97 s is 1:04:00.0,
-    never 1:03:60.0)."""
+    """Simulated seconds as H:MM:SS.s, rounded to the tenth before it is split into
+    hours, minutes and seconds, so a time just under a minute never reads as :60.0."""
     tenths = round(max(seconds, 0.0) * 10)
     minutes, tenths = divmod(tenths, 600)
     hours, minutes = divmod(minutes, 60)
