@@ -120,6 +120,9 @@ def _check_tree(out: list[Violation], allocator: KvAllocator, tree: SwaRadixCach
             if uuid is not None and node.swa_uuid == uuid:  # type: ignore[attr-defined]
                 break
             node = node.parent
+        while node is not None and node is not tree.root_node:  # blame the path above too
+            lockers.setdefault(node.id, int(kv.rid[row]))
+            node = node.parent
     for node in tree.iter_nodes():
         full = node.value.astype(np.int64)
         swa = node.swa_value  # type: ignore[attr-defined]
