@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
-from allocator.pages import ceil_align, new_page_tokens, num_new_pages, num_pages
+from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
+from allocator.swa_radix import SwaRadixCache
 from allocator.token_to_kv import (
     SLOT_DTYPE,
     HiSparseTokenToKVPoolAllocator,
@@ -173,10 +174,38 @@ def evict_from_tree_cache(ctx: KvContext, num_tokens: int) -> int:
     tree = ctx.tree_cache
     if tree.disable:
         return 0
+    if isinstance(tree, SwaRadixCache):
+        # SWATokenToKVPoolAllocator.evict_to_free_tokens: each pool's own shortfall
+        allocator = ctx.token_to_kv_pool_allocator
+        full_short = max(0, num_tokens - allocator.full_available_size())
+        swa_short = max(0, num_tokens - allocator.swa_available_size())
+        if full_short or swa_short:
+            return tree.evict_pools(full_short, swa_short)
+        return 0
     shortfall = num_tokens - ctx.token_to_kv_pool_allocator.available_size()
     if shortfall > 0:
         return tree.evict(shortfall)
     return 0
+
+
+def tree_lock(ctx: KvContext, row: int, node: TreeNode | None) -> None:
+    """Lock ``node`` for ``row`` (keeping the SWA lock's receipt)."""
+    tree = ctx.tree_cache
+    ctx.req_kv.lock_node[row] = tree.lock(node)
+    if isinstance(tree, SwaRadixCache):
+        ctx.req_kv.lock_swa_uuid[row] = tree.last_lock_uuid if node is not None else None
+
+
+def tree_unlock(ctx: KvContext, row: int) -> None:
+    """Release ``row``'s lock (SWA up to its receipt's boundary)."""
+    kv = ctx.req_kv
+    tree = ctx.tree_cache
+    if isinstance(tree, SwaRadixCache):
+        tree.unlock(kv.lock_node[row], kv.lock_swa_uuid[row])
+        kv.lock_swa_uuid[row] = None
+    else:
+        tree.unlock(kv.lock_node[row])
+    kv.lock_node[row] = None
 
 
 def _oom(ctx: KvContext, op: str, rid: int, needed: int, lock_cost: int = 0) -> OutOfMemory:
@@ -242,7 +271,8 @@ def _fit_evict_take(
         (whole pages), or ``OutOfMemory``.
     """
     # Within the free slots alone the batch fits (the usual case): no need to ask the tree.
-    if int(need_tokens.sum()) > ctx.token_to_kv_pool_allocator.available_size():
+    # (SWA: swa_window_then_fit decided the fit of each pool already.)
+    if ctx.swa is None and int(need_tokens.sum()) > ctx.token_to_kv_pool_allocator.available_size():
         unfit = _kv_unfit(ctx, op, need_tokens, rids, rows)
         if unfit is not None:
             return unfit
@@ -373,7 +403,8 @@ def alloc_for_extend(
         # maybe_evict_swa, extend mode without prefix sharing: a continuing chunk frees
         # what lies a window behind its prefix (new requests hold no KV yet); the
         # overlap scheduler lags that prefix by its chunked prefill size.
-        held = ~new_mask
+        # (with prefix sharing, maybe_evict_swa frees nothing on extend)
+        held = ~new_mask & ctx.tree_cache.disable
         safe_rows = np.where(held, rows, 0)
         pre_lens = prefix_lens - ctx.swa.overlap_chunked_prefill
         unfit = swa_window_then_fit(ctx, "extend", safe_rows, rids, need, pre_lens, held)
@@ -1013,8 +1044,7 @@ def undo_prealloc(ctx: KvContext, rows: Sequence[int]) -> None:
             allocator.logical_attn_allocator.unalloc_pages(slots[::ps] // ps)
         else:
             allocator.unalloc_pages(slots[::ps] // ps)
-        ctx.tree_cache.unlock(kv.lock_node[row])
-        kv.lock_node[row] = None
+        tree_unlock(ctx, row)
         kv.clear_row(row)
         ctx.req_to_token_pool.unalloc([row])
 
@@ -1023,7 +1053,7 @@ def undo_prealloc(ctx: KvContext, rows: Sequence[int]) -> None:
 
 
 def checkpoint_kv_cache(
-    ctx: KvContext, row: int, up_to: int, token_ids: np.ndarray, prompt_len: int
+    ctx: KvContext, row: int, up_to: int, token_ids: np.ndarray, prompt_len: int, finished: bool = False
 ) -> CheckpointResult:
     """Publish ``row[0:up_to]`` into the radix tree (SGLang ``RadixCache.checkpoint``).
 
@@ -1039,6 +1069,8 @@ def checkpoint_kv_cache(
     tree = ctx.tree_cache
     if tree.disable:
         return CheckpointResult(0, 0)
+    if isinstance(tree, SwaRadixCache):
+        return checkpoint_swa(ctx, tree, row, up_to, token_ids, finished)
     kv = ctx.req_kv
     table = ctx.req_to_token_pool.req_to_token_np
     key_len = tree.key_len(up_to)
@@ -1096,7 +1128,7 @@ def release_kv_cache(
     cached = 0
     freed = 0
     if checkpoint and token_ids is not None and not ctx.tree_cache.disable:
-        res = checkpoint_kv_cache(ctx, row, owned, token_ids, prompt_len)
+        res = checkpoint_kv_cache(ctx, row, owned, token_ids, prompt_len, finished=True)
         cached = res.cached_tokens
         freed += res.duplicates_freed
     protected = int(kv.cache_protected_len[row])
@@ -1104,8 +1136,7 @@ def release_kv_cache(
     if owned > protected:
         free_range(table[row, protected:owned], protected)
         freed += ceil_align(owned, ps) - protected
-    ctx.tree_cache.unlock(kv.lock_node[row])
-    kv.lock_node[row] = None
+    tree_unlock(ctx, row)
     start = max(ceil_align(owned, ps), protected)
     overalloc = 0
     if start < allocated:
@@ -1149,7 +1180,10 @@ def plan_window_frees(ctx: KvContext, rows: np.ndarray, pre_lens: np.ndarray, du
     evicted = kv.swa_evicted_seqlen[rows]
     due = due & (pre_lens - window >= evicted + 1)
     start = np.maximum(evicted, kv.swa_dead_lo(rows))
-    end = np.maximum(start, pre_lens - window)
+    # With prefix sharing (the radix cache on) a page-rounded window is kept, so a key
+    # ending at page_floor(pre_len) still has a whole window of live SWA.
+    keep = window if ctx.tree_cache.disable else ceil_align(max(window, ps), ps)
+    end = np.maximum(start, pre_lens - keep)
     if ps > 1:
         end = end // ps * ps
     end = np.where(due, np.maximum(end, start), evicted)
@@ -1189,9 +1223,13 @@ def _swa_unfit(
     ``swa_credit`` tokens about to be window-freed), else ``OutOfMemory`` naming the
     first request that does not fit and the pool."""
     allocator = ctx.token_to_kv_pool_allocator
+    tree = ctx.tree_cache
+    full_evictable = swa_evictable = 0
+    if isinstance(tree, SwaRadixCache):
+        full_evictable, swa_evictable = tree.evictable_size(), tree.swa_evictable_size()
     for pool, need, available in (
-        ("full", need_full, allocator.full_available_size()),
-        ("swa", need_swa, allocator.swa_available_size() + swa_credit),
+        ("full", need_full, allocator.full_available_size() + full_evictable),
+        ("swa", need_swa, allocator.swa_available_size() + swa_credit + swa_evictable),
     ):
         total = int(need.sum())
         if total > available:
@@ -1275,3 +1313,64 @@ def _swa_row_freer(ctx: KvContext, row: int) -> Callable[[np.ndarray, int], None
         free_kv_row_segments(allocator, [(slots, start)], swa_evicted_seqlen=evicted, swa_dead_lo=dead_lo)
 
     return free_range
+
+
+def _window_free_one(ctx: KvContext, row: int, pre_len: int) -> None:
+    """``free_swa_out_of_window_slots`` of one row, prefix sharing, interval 1."""
+    rows = np.array([row], dtype=np.int64)
+    plan = plan_window_frees(ctx, rows, np.array([pre_len], dtype=np.int64), np.ones(1, dtype=bool))
+    if plan.due[0]:
+        start, end = int(plan.start[0]), int(plan.end[0])
+        if end > start:
+            table = ctx.req_to_token_pool.req_to_token_np
+            ctx.token_to_kv_pool_allocator.free_swa_segment(table[row, start:end], start_pos=start)
+        ctx.req_kv.set_swa_evicted(row, end)
+
+
+def checkpoint_swa(
+    ctx: KvContext, tree: SwaRadixCache, row: int, up_to: int, token_ids: np.ndarray, finished: bool
+) -> CheckpointResult:
+    """``UnifiedRadixCache.checkpoint_into_tree`` with FULL and SWA components.
+
+    An unfinished request first frees its own out-of-window SWA (up to a window
+    behind the key's end, no interval), so the insert makes tombstones below its
+    SWA cursor; a pending branch point (``swa_branching_seqlen`` of the gated match)
+    caps the key. No prompt-boundary split insert. Then the row is re-pointed at the
+    tree's slots for ``[protected, key_len)`` and the lock moves to the insert's end.
+    """
+    kv = ctx.req_kv
+    table = ctx.req_to_token_pool.req_to_token_np
+    eagle = int(tree.is_eagle)
+    cache_len = up_to
+    protected = int(kv.cache_protected_len[row])
+    branching = int(kv.swa_branching_seqlen[row])
+    use_branch: int | None = None
+    if branching >= 0 and branching > protected and branching + eagle <= up_to:
+        cache_len = branching + eagle
+        use_branch = branching
+    key = tree.make_key(token_ids[:cache_len])
+    if not finished:
+        _window_free_one(ctx, row, key.shape[0] - 1)
+    if cache_len <= 0:
+        return CheckpointResult(0, 0)
+    key_len = floor_align(key.shape[0], ctx.page_size)
+    values = table[row, :key_len]
+    res = tree.insert_swa(
+        key[:key_len], values, protected, int(kv.swa_evicted_seqlen[row]), use_branch
+    )
+    new_indices = tree.path_device_indices(res.last_node)
+    n = new_indices.shape[0]
+    if n > protected:
+        ctx.writer.assign_row(row, protected, new_indices[protected:])
+    tree_unlock(ctx, row)
+    tree_lock(ctx, row, res.last_node)
+    rows = np.array([row], dtype=np.int64)
+    freed_before = int(kv.swa_freed(rows)[0])
+    kv.cache_protected_len[row] = n
+    kv.sum_protected += n - protected
+    kv.sum_swa_freed += int(kv.swa_freed(rows)[0]) - freed_before
+    if res.swa_branch_inserted:
+        kv.swa_branching_seqlen[row] = -1
+        if not finished:
+            _window_free_one(ctx, row, up_to - eagle - 1)
+    return CheckpointResult(max(key_len - res.prefix_len, 0), max(res.prefix_len - protected, 0))

@@ -168,11 +168,6 @@ def _check_swa(config: AllocatorConfig) -> None:
         )
     if swa_tokens > MAX_SLOTS:
         raise ValueError(f"SwaConfig: SWA pool tokens {swa_tokens} exceed 2**31 - 1")
-    if config.radix_cache:
-        raise ValueError(
-            "AllocatorConfig: SWA with the radix cache needs the radix tree's SWA component "
-            "(window-gated match, SWA locks, tombstones), not implemented yet; set radix_cache=False"
-        )
     if config.hisparse:
         raise ValueError("AllocatorConfig: SWA with HiSparse is not implemented (set hisparse=False)")
 

@@ -22,11 +22,12 @@ Frees inside one ``release(kind="finish" | "abort")`` batch and inside one publi
 batch are grouped as SGLang's result processors group them
 (``free_group_begin`` / ``free_group_end``); retraction frees request by request.
 
-With ``AllocatorConfig.swa`` (a hybrid sliding-window model, radix cache off) the pool
+With ``AllocatorConfig.swa`` (a hybrid sliding-window model) the pool
 is ``SWATokenToKVPoolAllocator`` (full + SWA pools): the allocation functions free
 out-of-window SWA slots before each extend / decode / spec allocation as SGLang's
 ``maybe_evict_swa`` does, ``counters()`` stays the full pool's and ``pool_counters()``
-adds the SWA pool's.
+adds the SWA pool's. With the radix cache on as well, the tree is
+``allocator.swa_radix.SwaRadixCache`` (SGLang's unified tree with an SWA component).
 
 White-box attributes with SGLang's names: ``req_to_token_pool`` (``req_to_token``,
 ``free_slots``), ``token_to_kv_pool_allocator`` (``free_pages``, ...),
@@ -87,6 +88,7 @@ from allocator.sizing import (
     uses_bigram_keys,
 )
 from allocator.swa import SWATokenToKVPoolAllocator
+from allocator.swa_radix import SwaRadixCache
 from allocator.table_writer import make_table_writer
 from allocator.token_to_kv import (
     HiSparseTokenToKVPoolAllocator,
@@ -159,9 +161,14 @@ class KvAllocator:
             allocator = PagedTokenToKVPoolAllocator(size, ps, config.need_sort, config.device)
             self.pool_tokens = allocator.num_pages * ps
         self.token_to_kv_pool_allocator = allocator
-        self.tree_cache = RadixCache(
-            ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)
-        )
+        self.tree_cache: RadixCache
+        if config.swa is not None and config.radix_cache:
+            assert isinstance(allocator, SWATokenToKVPoolAllocator)
+            self.tree_cache = SwaRadixCache(ps, allocator, config.swa.window, is_eagle=uses_bigram_keys(config.spec))
+        else:
+            self.tree_cache = RadixCache(
+                ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)
+            )
         self.req_kv = ReqKvTable(num_rows + 1, ps, swa=config.swa is not None)
         self.writer = make_table_writer(self.req_to_token_pool, device_flush_every)
         self.ctx = KvContext(
@@ -341,10 +348,20 @@ class KvAllocator:
         # (c) match and lock each new request, in batch order
         lock_nodes: list[TreeNode | None] = [None] * bs
         prefix_slots: list[np.ndarray | None] = [None] * bs
+        swa_tree = tree if isinstance(tree, SwaRadixCache) else None
+        swa_uuids: list[int | None] = [None] * bs
+        branching = np.full(bs, -1, dtype=np.int64)
         for i, key in zip(new_idx, keys):
-            match = tree.match_prefix(key)
+            if swa_tree is not None:
+                match = swa_tree.match_prefix_swa(key)
+                if match.swa_branching_seqlen is not None:
+                    branching[i] = match.swa_branching_seqlen
+            else:
+                match = tree.match_prefix(key)
             node = match.last_node
             tree.lock(node)
+            if swa_tree is not None:
+                swa_uuids[i] = swa_tree.last_lock_uuid
             lock_nodes[i] = node
             p = match.prefix_len
             if p:
@@ -353,11 +370,19 @@ class KvAllocator:
         # (d) one allocation for the batch
         res = alloc_for_extend(ctx, rids, rows, prefix, seq_lens, prefix_slots, lock_nodes)
         if isinstance(res, OutOfMemory):  # not reached: extend_fits decided above
-            for node in lock_nodes:
-                tree.unlock(node)
+            for node, uuid in zip(lock_nodes, swa_uuids):
+                if swa_tree is not None:
+                    swa_tree.unlock(node, uuid)
+                else:
+                    tree.unlock(node)
             self.writer.end_call()
             return res
         self._row_of_rid[rids] = res.rows
+        if swa_tree is not None:
+            for i in new_idx:
+                row = int(res.rows[i])
+                self.req_kv.lock_swa_uuid[row] = swa_uuids[i]
+                self.req_kv.swa_branching_seqlen[row] = branching[i]
         # (e) requests whose prefill is done publish their prompt at the end of the step
         for i in range(bs):
             rid = int(rids[i])
@@ -586,6 +611,8 @@ class KvAllocator:
             raise ValueError("prealloc: a request id appears twice in one batch")
         if bs and int(fill_lens.min()) < 1:
             raise ValueError("prealloc: fill_lens must be >= 1")
+        if isinstance(self.tree_cache, SwaRadixCache):
+            raise ValueError("prealloc: PD decode with SWA and the radix cache is not mirrored (set radix_cache=False)")
         ctx = self.ctx
         tree = self.tree_cache
         ps = self.page_size
@@ -780,19 +807,21 @@ class KvAllocator:
 
     def pool_counters(self) -> dict[str, PoolCounters]:
         """Token counts of each KV pool now: ``{"full": counters()}``, and with a
-        sliding-window pool ``"swa"`` too (O(1)). The SWA pool holds no radix cache
-        (evictable and protected 0 while the SWA radix component is not mirrored); a
+        sliding-window pool ``"swa"`` too (O(1)). With the radix cache the SWA pool's
+        evictable / protected are the tree's SWA ledgers (``allocator.swa_radix``); a
         request holds ``ceil_align(allocated) - protected - window_freed`` SWA tokens,
         its window-freed tokens leaving ``committed``."""
         full = self.counters()
         if self.config.swa is None:
             return {"full": full}
         kv = self.req_kv
+        tree = self.tree_cache
+        swa_tree = isinstance(tree, SwaRadixCache)
         swa = PoolCounters(
             pool_tokens=self.swa_pool_tokens,
             available=self.token_to_kv_pool_allocator.swa_available_size(),
-            evictable=0,
-            protected=0,
+            evictable=tree.swa_evictable_size() if swa_tree else 0,
+            protected=tree.swa_protected_size() if swa_tree else 0,
             committed=kv.sum_committed - kv.sum_protected - kv.sum_swa_freed,
             overallocated=full.overallocated,
             running_requests=full.running_requests,

@@ -77,6 +77,10 @@ class ReqKvTable:
         self.swa_evict_floor = np.zeros(num_rows, dtype=np.int64)
         self.decode_batch_idx = np.zeros(num_rows, dtype=np.int64)
         self.sum_swa_freed = 0
+        # With the SWA radix tree (``allocator.swa_radix``): each row's SWA lock receipt
+        # (the window boundary's uuid, None: to the root) and pending branch point (-1 none).
+        self.lock_swa_uuid: list[int | None] = [None] * num_rows
+        self.swa_branching_seqlen = np.full(num_rows, -1, dtype=np.int64)
 
     def swa_dead_lo(self, rows: np.ndarray) -> np.ndarray:
         """``max(protected, floor)`` per row, page-aligned up only when above protected
@@ -117,6 +121,8 @@ class ReqKvTable:
             self.swa_evicted_seqlen[row] = 0
             self.swa_evict_floor[row] = 0
             self.decode_batch_idx[row] = 0
+            self.lock_swa_uuid[row] = None
+            self.swa_branching_seqlen[row] = -1
         self.kv_allocated_len[row] = 0
         self.kv_committed_len[row] = 0
         self.cache_protected_len[row] = 0

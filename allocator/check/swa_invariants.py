@@ -17,6 +17,13 @@ Checks:
 * ``ownership``: every SWA page is exactly one of free or held by one request (a
   double free shows as a page held twice); page 0 is nobody's; paged, a slot's
   in-page offset equals its position's.
+
+With the SWA radix tree (``allocator.swa_radix``) the tree's live SWA counts as held
+(its evictable + protected ledgers in the conservation, its pages in the ownership),
+and ``tree`` checks its SWA side: a tombstone holds no SWA (none of its full slots is
+mapped); a live node's SWA slots are its full slots' mapping; each node's SWA lock count
+is the number of request locks whose trailing window (from the locked node up to the
+boundary node its receipt names) passes through it; the ledgers add up.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import numpy as np
 
 from allocator.base import Violation
 from allocator.pages import ceil_align
+from allocator.swa_radix import SwaRadixCache
 
 if TYPE_CHECKING:
     from allocator.manager import KvAllocator
@@ -72,12 +80,81 @@ def check_swa(
     available = tok.swa_available_size()
     held = int((ceil_align(alloc, ps) - protected - freed).sum())
     total = allocator.swa_pool_tokens
-    if available + held != total:
-        out.append(Violation("conservation", f"available {available} + uncached {held} = {available + held}, "
-                             f"SWA pool holds {total}", None,
-                             {"available": available, "uncached": held, "pool_tokens": total}, _POOL))
+    tree = allocator.tree_cache
+    cached = 0
+    if isinstance(tree, SwaRadixCache):
+        cached = tree.swa_evictable_size() + tree.swa_protected_size()
+    if available + held + cached != total:
+        out.append(Violation("conservation", f"available {available} + uncached {held} + cached {cached} = "
+                             f"{available + held + cached}, SWA pool holds {total}", None,
+                             {"available": available, "uncached": held, "cached": cached, "pool_tokens": total},
+                             _POOL))
+    tree_slots = np.empty(0, dtype=np.int64)
+    tree_full = np.empty(0, dtype=np.int64)
+    if isinstance(tree, SwaRadixCache):
+        tree_slots, tree_full = _check_tree(out, allocator, tree)
     ok = ~bad
-    _check_window(out, allocator, rows[ok], rids[ok], alloc[ok], protected[ok], dead_lo[ok], evicted[ok])
+    _check_window(out, allocator, rows[ok], rids[ok], alloc[ok], protected[ok], dead_lo[ok], evicted[ok],
+                  tree_slots, tree_full)
+
+
+def _check_tree(out: list[Violation], allocator: KvAllocator, tree: SwaRadixCache) -> tuple[np.ndarray, np.ndarray]:
+    """The tree's SWA side (see the module docstring); returns its live SWA slots and
+    the full slots they belong to."""
+    tok: SWATokenToKVPoolAllocator = allocator.token_to_kv_pool_allocator  # type: ignore[assignment]
+    mapping = tok.full_to_swa_index_mapping
+    kv = allocator.req_kv
+    evictable = protected = 0
+    slots: list[np.ndarray] = []
+    fulls: list[np.ndarray] = []
+    # expected SWA lock counts from the rows' locks: from the locked node up to its
+    # receipt's boundary node (the root when the window reached it)
+    expected: dict[int, int] = {}
+    lockers: dict[int, int] = {}
+    for row in np.flatnonzero(kv.rid >= 0).tolist():
+        node = kv.lock_node[row]
+        uuid = kv.lock_swa_uuid[row]
+        while node is not None and node is not tree.root_node:
+            expected[node.id] = expected.get(node.id, 0) + 1
+            lockers.setdefault(node.id, int(kv.rid[row]))
+            if uuid is not None and node.swa_uuid == uuid:  # type: ignore[attr-defined]
+                break
+            node = node.parent
+        while node is not None and node is not tree.root_node:  # blame the path above too
+            lockers.setdefault(node.id, int(kv.rid[row]))
+            node = node.parent
+    for node in tree.iter_nodes():
+        full = node.value.astype(np.int64)
+        swa = node.swa_value  # type: ignore[attr-defined]
+        if swa is None:
+            mapped = mapping[full] > 0
+            if mapped.any():
+                out.append(Violation("tree", f"node {node.id} is an SWA tombstone but {int(mapped.sum())} of its "
+                                     f"full slots still map to SWA slots", lockers.get(node.id),
+                                     {"node": node.id, "count": int(mapped.sum())}, _POOL))
+        else:
+            if not np.array_equal(mapping[full], swa):
+                out.append(Violation("tree", f"node {node.id}: its SWA slots are not its full slots' mapping",
+                                     lockers.get(node.id), {"node": node.id}, _POOL))
+            slots.append(np.asarray(swa, dtype=np.int64))
+            fulls.append(full)
+            if node.swa_lock_ref > 0:  # type: ignore[attr-defined]
+                protected += len(swa)
+            else:
+                evictable += len(swa)
+        want = expected.get(node.id, 0)
+        if node.swa_lock_ref != want:  # type: ignore[attr-defined]
+            out.append(Violation("tree", f"node {node.id} holds {node.swa_lock_ref} SWA locks, the requests' "  # type: ignore[attr-defined]
+                                 f"windows account for {want} (an SWA lock past the window, or one leaked)",
+                                 lockers.get(node.id), {"node": node.id, "swa_lock_ref": node.swa_lock_ref,  # type: ignore[attr-defined]
+                                                        "expected": want}, _POOL))
+    if (evictable, protected) != (tree.swa_evictable_size(), tree.swa_protected_size()):
+        out.append(Violation("counters", f"tree SWA evictable/protected kept as {tree.swa_evictable_size()}/"
+                             f"{tree.swa_protected_size()}, recomputed {evictable}/{protected}", None,
+                             {"evictable": evictable, "protected": protected}, _POOL))
+    if not slots:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return np.concatenate(slots), np.concatenate(fulls)
 
 
 def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
@@ -90,7 +167,7 @@ def _ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int) 
     return np.repeat(rows * width, counts) + positions, positions, owner
 
 
-def _check_window(out, allocator, rows, rids, alloc, protected, dead_lo, evicted) -> None:
+def _check_window(out, allocator, rows, rids, alloc, protected, dead_lo, evicted, tree_slots, tree_full) -> None:
     tok = allocator.token_to_kv_pool_allocator
     ps = allocator.page_size
     pool = allocator.req_to_token_pool
@@ -128,7 +205,7 @@ def _check_window(out, allocator, rows, rids, alloc, protected, dead_lo, evicted
                              f"(an out-of-window free missed, or a wrong cursor)", rid,
                              {"count": int(sel.sum()), "swa_evicted_seqlen": int(evicted[i])}, _POOL))
     num_mapped = int(np.count_nonzero(mapping[:-1] > 0))
-    num_live = int(np.count_nonzero(~unmapped)) + int(np.count_nonzero(dmapped))
+    num_live = int(np.count_nonzero(~unmapped)) + int(np.count_nonzero(dmapped)) + int(tree_full.shape[0])
     if num_mapped > num_live:
         out.append(Violation("window", f"{num_mapped - num_live} full slots map to SWA slots no request row holds",
                              None, {"count": num_mapped - num_live}, _POOL))
@@ -146,7 +223,8 @@ def _check_window(out, allocator, rows, rids, alloc, protected, dead_lo, evicted
     pairs = np.unique(np.stack([swa_owner, pages]), axis=1) if pages.shape[0] else np.zeros((2, 0), np.int64)
     req_owner, req_pages = pairs[0], pairs[1]
     free_pages = tok.swa_attn_allocator.get_all_free_pages().astype(np.int64)
-    everything = np.concatenate([free_pages, req_pages])
+    tree_pages = np.unique(tree_slots // ps) if ps > 1 else tree_slots
+    everything = np.concatenate([free_pages, req_pages, tree_pages])
     inside = (everything >= 0) & (everything <= num_pages)
     if not inside.all():
         out.append(Violation("ownership", f"SWA page ids outside 0..{num_pages}: "

@@ -56,9 +56,11 @@ def test_swa_pool_size_follows_the_ratio_floored_to_a_page() -> None:
     assert a.pool_counters()["full"].pool_tokens == 992
 
 
-def test_swa_with_the_radix_cache_is_refused_naming_what_is_missing() -> None:
-    with pytest.raises(ValueError, match="SWA component"):
-        AllocatorConfig(pool_tokens=4096, swa=SwaConfig(window=64)).check()
+def test_swa_with_the_radix_cache_gets_the_swa_radix_tree() -> None:
+    from allocator.swa_radix import SwaRadixCache
+
+    a = KvAllocator(AllocatorConfig(pool_tokens=4096, swa=SwaConfig(window=64)))
+    assert isinstance(a.tree_cache, SwaRadixCache)
 
 
 @pytest.mark.parametrize(
