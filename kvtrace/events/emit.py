@@ -150,12 +150,17 @@ def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
 
 
 def replay_events(session: ReplaySession) -> Iterator[StepEvents]:
-    """Replay ``session`` to its end, yielding the events of each step that published any.
+    """The events of each step of ``session`` that published any, replaying it as they
+    are read (the listener is attached now, before the first step).
 
     Raises:
         ConfigError: see ``attach``.
     """
     listener = attach(getattr(session.allocator, "tree_cache", None), session.version.spec)
+    return _step_events(session, listener)
+
+
+def _step_events(session: ReplaySession, listener: TreeEvents | None) -> Iterator[StepEvents]:
     for snap in session.snapshots():
         if listener is None:
             continue
