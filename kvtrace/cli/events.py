@@ -45,7 +45,7 @@ ReplayEndpointOpt = Annotated[Optional[str], typer.Option(
     help="The publisher's replay endpoint: batches missing from the live stream are asked for there.",
     show_default=False)]
 IdleOpt = Annotated[Optional[float], typer.Option(
-    "--idle", min=0.0, metavar="SECONDS", help="Stop reading a live stream after this long without a batch.",
+    "--idle", min=0.0, metavar="SECONDS", help="Stop reading a live stream once this long passes without a batch (counted from the first).",
     show_default="never")]
 CountOpt = Annotated[Optional[int], typer.Option(
     "--count", min=1, help="Stop reading a live stream after this many batches.", show_default="no limit")]

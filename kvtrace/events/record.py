@@ -31,7 +31,7 @@ class Subscription:
         replay_endpoint: the publisher's replay endpoint (None: gaps stay gaps).
         from_seq: also fetch the batches from this sequence number up to the first one
             received (through the replay endpoint).
-        idle_s: stop after this long without a frame (None: never).
+        idle_s: stop after this long without a frame, from the first one on (None: never).
         count: stop after this many frames (None: never).
         duration_s: stop after this long (None: never).
     """
@@ -64,12 +64,13 @@ class Subscription:
             ctx.term()
 
     def _frames(self, ctx: object, sub: object) -> Iterator[Frame]:
-        start = last = time.monotonic()
+        start = time.monotonic()
+        last: float | None = None  # when the last frame came
         next_seq = self.from_seq
         while self.count is None or self.frames < self.count:
             now = time.monotonic()
             waits = [0.1]
-            if self.idle_s is not None:
+            if self.idle_s is not None and last is not None:
                 waits.append(self.idle_s - (now - last))
             if self.duration_s is not None:
                 waits.append(self.duration_s - (now - start))

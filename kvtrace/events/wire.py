@@ -138,8 +138,9 @@ class ZmqPublisher:
         endpoint: where the PUB socket binds (``tcp://*:5557``, ``tcp://127.0.0.1:5557``).
         replay_endpoint: where the replay ROUTER binds (None: no replay).
         wait_s: wait at most this long for a first subscriber before publishing (a PUB
-            socket drops what it sends before anyone subscribed), and keep answering
-            replay requests this long after the last batch.
+            socket drops what it sends before anyone subscribed), and after the last
+            batch keep answering replay requests until every subscriber has left, at
+            most this long.
         buffer_steps: batches kept for replay.
 
     Raises:
@@ -154,7 +155,9 @@ class ZmqPublisher:
         self._ctx = zmq.Context()
         # XPUB: a PUB socket that also reports subscriptions, so the wait can end on the first.
         self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription, to count subscribers
         self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop what a slow subscriber has not read
+        self.subscribers = 0
         self._replay = None
         self.wait_s = wait_s
         self._buffer: deque[Frame] = deque(maxlen=buffer_steps)
@@ -172,7 +175,16 @@ class ZmqPublisher:
     def _wait_for_subscriber(self) -> None:
         self._waited = True
         if self.wait_s > 0 and self._pub.poll(int(self.wait_s * 1000)):
-            self._pub.recv()  # the subscription
+            self._count_subscribers()
+
+    def _count_subscribers(self) -> None:
+        """Read the (un)subscription messages waiting: 1 then the topic, or 0 then the topic."""
+        while self._pub.poll(0):
+            message = self._pub.recv()
+            if message[:1] == b"\x01":
+                self.subscribers += 1
+            elif message[:1] == b"\x00":
+                self.subscribers = max(self.subscribers - 1, 0)
 
     def send(self, frame: Frame, *, publish: bool = True) -> None:
         """Publish ``frame`` (``publish=False``: keep it for replay only, as if the PUB
@@ -200,11 +212,15 @@ class ZmqPublisher:
         return True
 
     def close(self, linger_s: float | None = None) -> None:
-        """Answer replay requests for ``wait_s`` more seconds, deliver what is queued, close."""
+        """Answer replay requests until the subscribers leave (at most ``linger_s``, by
+        default ``wait_s``), deliver what is queued, close."""
         linger = self.wait_s if linger_s is None else linger_s
         deadline = time.monotonic() + linger
         while self._replay is not None and (left := deadline - time.monotonic()) > 0:
-            self._serve_replay(int(left * 1000) + 1)
+            self._count_subscribers()
+            if self._waited and not self.subscribers:
+                break
+            self._serve_replay(int(min(left, 0.05) * 1000) + 1)
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=int(max(linger, 1.0) * 1000))
