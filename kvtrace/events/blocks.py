@@ -30,6 +30,7 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "event_hash",
+    "event_hashes",
     "page_digests",
 ]
 
@@ -84,7 +85,12 @@ def event_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def page_digests(units: np.ndarray, page_size: int, prior: bytes | None) -> list[bytes]:
+def event_hashes(digests: bytes) -> list[int]:
+    """``event_hash`` of each 32-byte digest of a concatenation of them."""
+    return np.frombuffer(digests, dtype=">i8")[::4].tolist()
+
+
+def page_digests(units: np.ndarray, page_size: int, prior: bytes | None) -> bytes:
     """SHA-256 digests of the whole pages of ``units``, chained from ``prior``.
 
     Args:
@@ -93,28 +99,29 @@ def page_digests(units: np.ndarray, page_size: int, prior: bytes | None) -> list
         prior: the digest of the page before the first one (None: the first page of a sequence).
 
     Returns:
-        One 32-byte digest per page, each chained from the one before.
+        The pages' 32-byte digests, concatenated in page order.
     """
     n = units.shape[0]
     num_pages = n // page_size
     assert num_pages * page_size == n, f"{n} tokens are not whole pages of {page_size}"
     narrow = ((units >= 0) & (units <= _U32_MAX)).reshape(num_pages, page_size).all(axis=1)
-    sha256 = hashlib.sha256
-    out: list[bytes] = []
     if narrow.all():
-        data = units.astype("<u4").tobytes()
-        step = page_size * 4
-        for p in range(num_pages):
-            prior = sha256(prior + data[p * step : (p + 1) * step] if prior else data[p * step : (p + 1) * step]).digest()
-            out.append(prior)
-        return out
-    narrow_data = units.astype("<u4").tobytes()
-    wide_data = units.astype("<i8").tobytes()
-    for p in range(num_pages):
-        if narrow[p]:
-            page = narrow_data[p * page_size * 4 : (p + 1) * page_size * 4]
-        else:
-            page = _WIDE_TAG + wide_data[p * page_size * 8 : (p + 1) * page_size * 8]
-        prior = sha256(prior + page if prior else page).digest()
-        out.append(prior)
-    return out
+        # A void dtype's items come back as bytes, trailing zero bytes kept.
+        pages = np.frombuffer(units.astype("<u4").tobytes(), dtype=f"V{page_size * 4}").tolist()
+    else:
+        narrow_data = units.astype("<u4").tobytes()
+        wide_data = units.astype("<i8").tobytes()
+        n4, n8 = page_size * 4, page_size * 8
+        pages = [narrow_data[p * n4 : (p + 1) * n4] if narrow[p] else _WIDE_TAG + wide_data[p * n8 : (p + 1) * n8]
+                 for p in range(num_pages)]
+    sha256 = hashlib.sha256
+    out = []
+    append = out.append
+    if prior is None:
+        prior = sha256(pages[0]).digest()
+        append(prior)
+        pages = pages[1:]
+    for page in pages:
+        prior = sha256(prior + page).digest()
+        append(prior)
+    return b"".join(out)

@@ -33,6 +33,7 @@ from kvtrace.events.blocks import (
     BlockStored,
     KVEventBatch,
     event_hash,
+    event_hashes,
     page_digests,
 )
 from kvtrace.events.wire import Frame, encode
@@ -66,7 +67,7 @@ class TreeEvents:
         self.tree = tree
         self.page_size = tree.page_size
         self.medium = medium
-        self._digests: dict[TreeNode, list[bytes]] = {}  # node -> its pages' digests
+        self._digests: dict[TreeNode, bytes] = {}  # node -> its pages' 32-byte digests, concatenated
         # SGLang's recorder starts with the AllBlocksCleared of the tree's first reset.
         self._queue: list[Event] = [AllBlocksCleared()]
         self.num_stored = 0  # blocks
@@ -76,11 +77,11 @@ class TreeEvents:
     def stored(self, leaf: TreeNode) -> None:
         parent = leaf.parent
         assert parent is not None
-        prior = None if parent is self.tree.root_node else self._digests[parent][-1]
+        prior = None if parent is self.tree.root_node else self._digests[parent][-32:]
         units = np.frombuffer(leaf.key, dtype=np.int64)
         digests = page_digests(units, self.page_size, prior)
         self._digests[leaf] = digests
-        hashes = [event_hash(d) for d in digests]
+        hashes = event_hashes(digests)
         self.num_stored += len(hashes)
         parent_hash = None if prior is None else event_hash(prior)
         tail = self._queue[-1] if self._queue else None
@@ -96,12 +97,12 @@ class TreeEvents:
 
     def split(self, upper: TreeNode, child: TreeNode) -> None:
         digests = self._digests[child]
-        k = len(upper) // self.page_size
-        self._digests[upper] = digests[:k]
-        self._digests[child] = digests[k:]
+        cut = len(upper) // self.page_size * 32
+        self._digests[upper] = digests[:cut]
+        self._digests[child] = digests[cut:]
 
     def removed(self, node: TreeNode) -> None:
-        hashes = [event_hash(d) for d in self._digests.pop(node)]
+        hashes = event_hashes(self._digests.pop(node))
         self.num_removed += len(hashes)
         tail = self._queue[-1] if self._queue else None
         if isinstance(tail, BlockRemoved) and tail.medium == self.medium:
@@ -117,7 +118,7 @@ class TreeEvents:
 
     def block_hashes(self) -> set[int]:
         """The hash of every page the tree holds now, as the events told it."""
-        return {event_hash(d) for digests in self._digests.values() for d in digests}
+        return {h for digests in self._digests.values() for h in event_hashes(digests)}
 
 
 def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:

@@ -12,7 +12,16 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.events.blocks import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, event_hash, page_digests
+from kvtrace.events.blocks import (
+    GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    event_hash,
+    event_hashes,
+    page_digests,
+)
 from kvtrace.events.emit import Emitter
 from kvtrace.events.wire import EventFileWriter, EventStreamError, Frame, encode, read_frames
 from kvtrace.replay.engine import ReplayOptions
@@ -21,22 +30,26 @@ from kvtrace.replay.session import ReplaySession
 TRACE = "sample:mooncake-tiny"  # no EAGLE; its default pool evicts
 
 
+def _split(digests: bytes) -> list[bytes]:
+    return [digests[i : i + 32] for i in range(0, len(digests), 32)]
+
+
 def test_page_digests_are_sglangs() -> None:
     # Printed by SGLang 0.5.23's sglang.srt.mem_cache.utils.get_hash_str (its native hash)
     # and hash_str_to_int64 for the same tokens: two pages of 4, a page chained from the
     # first, and pages of 2 of which one holds a token above 2**32 (the 64-bit form).
-    a = page_digests(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4, None)
+    a = _split(page_digests(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4, None))
     assert [d.hex() for d in a] == [
         "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72",
         "4ebfa8a1f3c341517621838c6e1b9aa350307e3f00b3cbd1a07ef740f54396d6",
     ]
-    assert page_digests(np.array([5, 6, 7, 8]), 4, a[0]) == a[1:]
-    c = page_digests(np.array([2**40, 3, 7, 9]), 2, a[-1])
+    assert _split(page_digests(np.array([5, 6, 7, 8]), 4, a[0])) == a[1:]
+    c = _split(page_digests(np.array([2**40, 3, 7, 9]), 2, a[-1]))
     assert [d.hex() for d in c] == [
         "a54493dfe3dd918224ab1d915a13ab291ee776707b2c194c73f7ad5c3bfc149b",
         "77e4b04b470a9b00a19c017ee98cd74b1a43409f26ed7cf538659e9a055dd872",
     ]
-    assert [event_hash(d) for d in a + c] == [
+    assert event_hashes(b"".join(a + c)) == [event_hash(d) for d in a + c] == [
         -3488128144981237669, 5674439469042975057, -6537938169225178750, 8639223822564367104,
     ]
 
@@ -65,7 +78,7 @@ def _tree_hashes(tree: object, page_size: int) -> set[int]:
     stack = [(child, None) for child in tree.root_node.children.values()]  # type: ignore[attr-defined]
     while stack:
         node, prior = stack.pop()
-        digests = page_digests(node.key_units(), page_size, prior)
+        digests = _split(page_digests(node.key_units(), page_size, prior))
         out.update(event_hash(d) for d in digests)
         stack.extend((child, digests[-1]) for child in node.children.values())
     return out
