@@ -104,16 +104,21 @@ def page_digests(units: np.ndarray, page_size: int, prior: bytes | None) -> byte
     n = units.shape[0]
     num_pages = n // page_size
     assert num_pages * page_size == n, f"{n} tokens are not whole pages of {page_size}"
-    narrow = ((units >= 0) & (units <= _U32_MAX)).reshape(num_pages, page_size).all(axis=1)
-    if narrow.all():
-        # A void dtype's items come back as bytes, trailing zero bytes kept.
-        pages = np.frombuffer(units.astype("<u4").tobytes(), dtype=f"V{page_size * 4}").tolist()
+    units = np.ascontiguousarray(units, dtype=np.int64)
+    narrow = (units.view(np.uint64) <= _U32_MAX).reshape(num_pages, page_size).all(axis=1)
+    # A void dtype's items come back as bytes, trailing zero bytes kept.
+    narrow_all = bool(narrow.all())
+    if narrow_all or narrow.any():
+        narrow_pages = np.frombuffer(units.astype("<u4").tobytes(), dtype=f"V{page_size * 4}").tolist()
+    if narrow_all:
+        pages = narrow_pages
     else:
-        narrow_data = units.astype("<u4").tobytes()
-        wide_data = units.astype("<i8").tobytes()
-        n4, n8 = page_size * 4, page_size * 8
-        pages = [narrow_data[p * n4 : (p + 1) * n4] if narrow[p] else _WIDE_TAG + wide_data[p * n8 : (p + 1) * n8]
-                 for p in range(num_pages)]
+        wide = np.empty((num_pages, 1 + page_size * 8), dtype=np.uint8)
+        wide[:, 0] = _WIDE_TAG[0]
+        wide[:, 1:] = units.astype("<i8").view(np.uint8).reshape(num_pages, page_size * 8)
+        pages = wide.view(f"V{1 + page_size * 8}").ravel().tolist()
+        for p in np.flatnonzero(narrow).tolist():
+            pages[p] = narrow_pages[p]
     sha256 = hashlib.sha256
     out = []
     append = out.append
