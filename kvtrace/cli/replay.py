@@ -6,6 +6,7 @@ the command, when it runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -228,6 +229,11 @@ def replay(
     summary = result.to_dict()
     if emitter is not None:
         summary["kv_events"] = {"target": kv_events, **emitter.summary()}
+        if not as_json:
+            ev = summary["kv_events"]
+            where = "published on" if events_out is None else "written to"
+            ui.note(f"KV events: {ev['batches']:,} batches ({ev['blocks_stored']:,} blocks stored, "
+                    f"{ev['blocks_removed']:,} removed) {where} {kv_events}")
     if out is not None:
         summary["state_log"] = str(out)
     if (start is not None or stop is not None) and result.stats.steps == 0 and not result.stopped_early:
@@ -293,23 +299,26 @@ def _kv_events_target(kv_events: str | None, replay_endpoint: str | None, wait_s
 @contextmanager
 def _kv_events_sink(session: Any, target: Any, kv_events: str | None, replay_endpoint: str | None, wait_s: float,
                     paced: bool) -> Iterator[Any]:
-    """The replay's ``kvtrace.events.emit.Emitter`` writing to the file or socket (None
-    without --kv-events); the file is renamed into place when the block completes."""
+    """The replay's ``kvtrace.events.emit.BackgroundEmitter`` writing to the file or socket
+    (None without --kv-events); the file is renamed into place when the block completes."""
     if kv_events is None:
         yield None
         return
-    from kvtrace.events.emit import Emitter
-    from kvtrace.events.wire import EventFileWriter, ZmqPublisher
+    from kvtrace.events.emit import BackgroundEmitter
+    from kvtrace.events.wire import FileTarget, ZmqTarget
 
-    if target is None:
-        publisher = ZmqPublisher(kv_events, replay_endpoint=replay_endpoint, wait_s=wait_s)
+    with contextlib.ExitStack() as stack:
+        if target is None:
+            where: Any = ZmqTarget(kv_events, replay_endpoint, wait_s)
+        else:
+            where = FileTarget(str(stack.enter_context(target.writing())))
+        emitter = BackgroundEmitter(session, where, paced=paced)
         try:
-            yield Emitter(session, publisher.send, paced=paced)
-        finally:
-            publisher.close()
-        return
-    with target.writing() as tmp, open(tmp, "wb") as f:
-        yield Emitter(session, EventFileWriter(f).write, paced=paced)
+            yield emitter
+        except BaseException:
+            emitter.abort()
+            raise
+        emitter.close()
 
 
 def _run(session: Any, log: Any, emitter: Any = None) -> None:

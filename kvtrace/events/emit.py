@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -36,7 +37,7 @@ from kvtrace.events.blocks import (
     event_hashes,
     page_digests,
 )
-from kvtrace.events.wire import Frame, encode
+from kvtrace.events.wire import EventStreamError, Frame, encode
 
 if TYPE_CHECKING:
     from allocator.radix_cache import RadixCache, TreeNode
@@ -44,7 +45,17 @@ if TYPE_CHECKING:
     from kvtrace.replay.session import ReplaySession
     from kvtrace.replay.snapshot import StepSnapshot
 
-__all__ = ["Emitter", "StepEvents", "TreeEvents", "attach", "replay_events"]
+__all__ = [
+    "BackgroundEmitter",
+    "EventBuilder",
+    "Emitter",
+    "StepEvents",
+    "TreeEvents",
+    "TreeOps",
+    "attach",
+    "events_tree",
+    "replay_events",
+]
 
 
 class StepEvents(NamedTuple):
@@ -55,32 +66,30 @@ class StepEvents(NamedTuple):
     events: list[Event]
 
 
-class TreeEvents:
-    """A ``TreeListener`` that records SGLang's KV events for one radix cache.
+class EventBuilder:
+    """Builds SGLang's events from the changes of a radix tree, told by node identity (the
+    node objects themselves, or their ids in another process).
 
     Args:
-        tree: the cache (page-aligned keys of token ids, not EAGLE bigrams).
+        page_size: tokens per page of the tree.
         medium: the ``medium`` of every event (SGLang's device tier: ``GPU``).
     """
 
-    def __init__(self, tree: RadixCache, medium: str = GPU) -> None:
-        self.tree = tree
-        self.page_size = tree.page_size
+    def __init__(self, page_size: int, medium: str = GPU) -> None:
+        self.page_size = page_size
         self.medium = medium
-        self._digests: dict[TreeNode, bytes] = {}  # node -> its pages' 32-byte digests, concatenated
+        self._digests: dict[Hashable, bytes] = {}  # node -> its pages' 32-byte digests, concatenated
         # SGLang's recorder starts with the AllBlocksCleared of the tree's first reset.
         self._queue: list[Event] = [AllBlocksCleared()]
         self.num_stored = 0  # blocks
         self.num_removed = 0
 
-    # -------------------------------------------------------------- TreeListener
-    def stored(self, leaf: TreeNode) -> None:
-        parent = leaf.parent
-        assert parent is not None
-        prior = None if parent is self.tree.root_node else self._digests[parent][-32:]
-        units = np.frombuffer(leaf.key, dtype=np.int64)
+    def on_store(self, node: Hashable, parent: Hashable | None, key: bytes) -> None:
+        """``node`` is a new leaf under ``parent`` (None: the root) holding ``key`` (int64 units)."""
+        prior = None if parent is None else self._digests[parent][-32:]
+        units = np.frombuffer(key, dtype=np.int64)
         digests = page_digests(units, self.page_size, prior)
-        self._digests[leaf] = digests
+        self._digests[node] = digests
         hashes = event_hashes(digests)
         self.num_stored += len(hashes)
         parent_hash = None if prior is None else event_hash(prior)
@@ -95,13 +104,15 @@ class TreeEvents:
             block_size=self.page_size, lora_id=None, medium=self.medium,
         ))
 
-    def split(self, upper: TreeNode, child: TreeNode) -> None:
+    def on_split(self, upper: Hashable, child: Hashable, upper_len: int) -> None:
+        """``child`` was cut after ``upper_len`` tokens; ``upper`` is its new first part."""
         digests = self._digests[child]
-        cut = len(upper) // self.page_size * 32
+        cut = upper_len // self.page_size * 32
         self._digests[upper] = digests[:cut]
         self._digests[child] = digests[cut:]
 
-    def removed(self, node: TreeNode) -> None:
+    def on_remove(self, node: Hashable) -> None:
+        """``node`` was evicted."""
         hashes = event_hashes(self._digests.pop(node))
         self.num_removed += len(hashes)
         tail = self._queue[-1] if self._queue else None
@@ -110,7 +121,16 @@ class TreeEvents:
             return
         self._queue.append(BlockRemoved(block_hashes=hashes, medium=self.medium))
 
-    # -------------------------------------------------------------- reading
+    def apply(self, ops: list[tuple[Any, ...]]) -> None:
+        """Apply the changes ``TreeOps`` recorded, in order."""
+        for op in ops:
+            if op[0] == _STORE:
+                self.on_store(op[1], op[2], op[3])
+            elif op[0] == _SPLIT:
+                self.on_split(op[1], op[2], op[3])
+            else:
+                self.on_remove(op[1])
+
     def take(self) -> list[Event]:
         """The events recorded since the last ``take`` (and forget them)."""
         events, self._queue = self._queue, []
@@ -121,11 +141,56 @@ class TreeEvents:
         return {h for digests in self._digests.values() for h in event_hashes(digests)}
 
 
-def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
-    """Attach a ``TreeEvents`` to ``tree`` (the allocator ``spec``'s radix cache).
+class TreeEvents(EventBuilder):
+    """A ``TreeListener`` that builds SGLang's events for one radix cache, in this process."""
+
+    def __init__(self, tree: RadixCache, medium: str = GPU) -> None:
+        super().__init__(tree.page_size, medium)
+        self._root = tree.root_node
+
+    def stored(self, leaf: TreeNode) -> None:
+        parent = leaf.parent
+        self.on_store(leaf, None if parent is self._root else parent, leaf.key)
+
+    def split(self, upper: TreeNode, child: TreeNode) -> None:
+        self.on_split(upper, child, len(upper))
+
+    def removed(self, node: TreeNode) -> None:
+        self.on_remove(node)
+
+
+_STORE, _SPLIT, _REMOVE = 0, 1, 2
+
+
+class TreeOps:
+    """A ``TreeListener`` that only records the changes, by node id, for an
+    ``EventBuilder`` in another process (``BackgroundEmitter``): hashing is the costly part."""
+
+    def __init__(self, tree: RadixCache) -> None:
+        self._root = tree.root_node
+        self.ops: list[tuple[Any, ...]] = []
+
+    def stored(self, leaf: TreeNode) -> None:
+        parent = leaf.parent
+        assert parent is not None
+        self.ops.append((_STORE, leaf.id, None if parent is self._root else parent.id, leaf.key))
+
+    def split(self, upper: TreeNode, child: TreeNode) -> None:
+        self.ops.append((_SPLIT, upper.id, child.id, len(upper)))
+
+    def removed(self, node: TreeNode) -> None:
+        self.ops.append((_REMOVE, node.id))
+
+    def take(self) -> list[tuple[Any, ...]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def events_tree(tree: RadixCache | None, spec: str) -> RadixCache | None:
+    """``tree`` (the allocator ``spec``'s radix cache) if events can be derived from it.
 
     Returns:
-        The listener; None for a disabled cache (SGLang publishes nothing without one).
+        The tree; None for a disabled cache (SGLang publishes nothing without one).
 
     Raises:
         ConfigError: the allocator has no kvtrace radix cache, or keys it by EAGLE bigrams.
@@ -145,6 +210,14 @@ def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
             "pairs that kvtrace keeps only as 64-bit mixes, so SGLang's pair events cannot be derived; "
             "use a trace without EAGLE"
         )
+    return tree
+
+
+def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
+    """Attach a ``TreeEvents`` to ``tree`` (see ``events_tree``); None for a disabled cache."""
+    tree = events_tree(tree, spec)
+    if tree is None:
+        return None
     listener = TreeEvents(tree)
     tree.listener = listener
     return listener
@@ -170,9 +243,26 @@ def _step_events(session: ReplaySession, listener: TreeEvents | None) -> Iterato
             yield StepEvents(snap.step, snap.time_s, events)
 
 
+class _Pacer:
+    """Holds each batch until its step's time in the trace has passed since the first one's."""
+
+    def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        self._sleep = sleep
+        self._t0: tuple[float, float] | None = None  # (trace time, wall time) of the first batch
+
+    def hold(self, time_s: float) -> None:
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = (time_s, now)
+            return
+        wait = (time_s - self._t0[0]) - (now - self._t0[1])
+        if wait > 0:
+            self._sleep(wait)
+
+
 class Emitter:
-    """Publishes a replay's events as it goes: after each step, the step's batch (if
-    any) goes to ``send`` as the next frame (sequence numbers from 0).
+    """Publishes a replay's events as it goes, in this process: after each step, the
+    step's batch (if any) goes to ``send`` as the next frame (sequence numbers from 0).
 
     Args:
         session: the replay, not started yet (the listener must see every change).
@@ -183,7 +273,7 @@ class Emitter:
         sleep: how to wait (tests pass a fake).
 
     Raises:
-        ConfigError: see ``attach``.
+        ConfigError: see ``events_tree``.
     """
 
     def __init__(self, session: ReplaySession, send: Callable[[Frame], Any], *, topic: bytes = b"",
@@ -191,9 +281,7 @@ class Emitter:
         self.listener = attach(getattr(session.allocator, "tree_cache", None), session.version.spec)
         self._send = send
         self.topic = topic
-        self.paced = paced
-        self._sleep = sleep
-        self._t0: tuple[float, float] | None = None  # (trace time, wall time) of the first step
+        self._pacer = _Pacer(sleep) if paced else None
         self.num_batches = 0
         self.num_events = 0
 
@@ -205,21 +293,12 @@ class Emitter:
         events = listener.take()
         if not events:
             return
-        if self.paced:
-            self._hold(snap.time_s)
+        if self._pacer is not None:
+            self._pacer.hold(snap.time_s)
         payload = encode(KVEventBatch(ts=snap.time_s, events=events, attn_dp_rank=0))
         self._send(Frame(self.topic, self.num_batches, payload))
         self.num_batches += 1
         self.num_events += len(events)
-
-    def _hold(self, time_s: float) -> None:
-        now = time.monotonic()
-        if self._t0 is None:
-            self._t0 = (time_s, now)
-            return
-        wait = (time_s - self._t0[0]) - (now - self._t0[1])
-        if wait > 0:
-            self._sleep(wait)
 
     def summary(self) -> dict[str, int]:
         """The counts for ``kvtrace replay --json`` (``kv_events``)."""
@@ -230,3 +309,132 @@ class Emitter:
             "blocks_stored": 0 if listener is None else listener.num_stored,
             "blocks_removed": 0 if listener is None else listener.num_removed,
         }
+
+
+class BackgroundEmitter:
+    """``Emitter`` with the costly part (hashing, encoding, writing or publishing) in a
+    child process: the replay records only what changed in its tree (``TreeOps``) and
+    hands each step's changes over a pipe.
+
+    Args:
+        session: the replay, not started yet.
+        target: where the frames go (``kvtrace.events.wire.FileTarget`` or ``ZmqTarget``),
+            opened by the child before this returns.
+        topic, paced: as for ``Emitter``.
+
+    Raises:
+        ConfigError: see ``events_tree``.
+        EventStreamError: the child cannot open the target (a port in use, ...).
+    """
+
+    def __init__(self, session: ReplaySession, target: Any, *, topic: bytes = b"", paced: bool = False) -> None:
+        from traces.lifeline import parent_tie, quiet_start
+        from traces.validate import _mp_context
+
+        tree = events_tree(getattr(session.allocator, "tree_cache", None), session.version.spec)
+        self._ops = None if tree is None else TreeOps(tree)
+        ctx = _mp_context()
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        page_size = session.config.page_size
+        self._proc = ctx.Process(target=_publish_in_child, args=(child_conn, target, topic, paced, page_size,
+                                                                 parent_tie()), daemon=True)
+        with quiet_start():
+            self._proc.start()
+        child_conn.close()
+        self._summary: dict[str, int] | None = None
+        kind, detail = self._receive()
+        if kind != "ready":
+            self._proc.join()
+            raise EventStreamError(detail)
+        if tree is not None and self._ops is not None:
+            tree.listener = self._ops
+        self._first = True
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            return "error", f"the KV-event publisher process died (exit code {self._proc.exitcode})"
+
+    def after(self, snap: StepSnapshot) -> None:
+        """Hand over what step ``snap`` changed (the first step always: its AllBlocksCleared)."""
+        if self._ops is None:
+            return
+        ops = self._ops.take()
+        if ops or self._first:
+            self._first = False
+            self._conn.send((snap.time_s, ops))
+
+    def close(self) -> None:
+        """Wait for the child to publish everything and close its target.
+
+        Raises:
+            EventStreamError: it failed (naming why).
+        """
+        if self._summary is not None:
+            return
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        kind, detail = self._receive()
+        self._proc.join()
+        self._conn.close()
+        if kind != "done":
+            raise EventStreamError(detail)
+        self._summary = detail
+
+    def abort(self) -> None:
+        """Stop the child at once (the replay failed or was interrupted)."""
+        if self._proc.is_alive():
+            self._proc.terminate()
+        self._proc.join()
+        self._conn.close()
+
+    def summary(self) -> dict[str, int]:
+        """The counts for ``kvtrace replay --json`` (after ``close``)."""
+        assert self._summary is not None, "close() first"
+        return self._summary
+
+
+def _publish_in_child(conn: Any, target: Any, topic: bytes, paced: bool, page_size: int,
+                      tie: tuple[int, bool]) -> None:
+    """The child of ``BackgroundEmitter``: builds, encodes and sends the events of each
+    step it is handed, until handed None; answers ("done", summary) or ("error", why)."""
+    import multiprocessing as mp
+
+    from kvtrace.events.wire import open_target
+    from traces.lifeline import settle
+
+    parent = mp.parent_process()
+    settle(tie[0], parent.sentinel if parent is not None else None, tie[1])
+    try:
+        send, close = open_target(target)
+    except EventStreamError as exc:
+        conn.send(("error", str(exc)))
+        return
+    conn.send(("ready", None))
+    builder = EventBuilder(page_size)
+    pacer = _Pacer() if paced else None
+    num_batches = num_events = 0
+    result: tuple[str, Any]
+    try:
+        while (message := conn.recv()) is not None:
+            time_s, ops = message
+            builder.apply(ops)
+            events = builder.take()
+            if not events:
+                continue
+            if pacer is not None:
+                pacer.hold(time_s)
+            send(Frame(topic, num_batches, encode(KVEventBatch(ts=time_s, events=events, attn_dp_rank=0))))
+            num_batches += 1
+            num_events += len(events)
+        close()
+        result = ("done", {"batches": num_batches, "events": num_events, "blocks_stored": builder.num_stored,
+                           "blocks_removed": builder.num_removed})
+    except EOFError:  # the replay went away
+        return
+    except OSError as exc:
+        result = ("error", f"{target}: cannot write the events ({exc.strerror or exc})")
+    conn.send(result)

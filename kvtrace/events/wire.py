@@ -16,7 +16,8 @@ from __future__ import annotations
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
@@ -30,10 +31,13 @@ __all__ = [
     "MAGIC",
     "EventFileWriter",
     "EventStreamError",
+    "FileTarget",
     "Frame",
     "ZmqPublisher",
+    "ZmqTarget",
     "encode",
     "is_endpoint",
+    "open_target",
     "read_frames",
 ]
 
@@ -230,3 +234,42 @@ class ZmqPublisher:
 def _bindable(endpoint: str) -> str:
     """``tcp://HOST:0`` binds a free port (ZMQ's spelling is ``tcp://HOST:*``)."""
     return endpoint[:-2] + ":*" if endpoint.startswith("tcp://") and endpoint.endswith(":0") else endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class FileTarget:
+    """Frames go to an event file at ``path`` (created or truncated)."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return self.path
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqTarget:
+    """Frames are published on a ZMQ PUB socket (``ZmqPublisher``'s arguments)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    wait_s: float = 0.0
+
+    def __str__(self) -> str:
+        return self.endpoint
+
+
+def open_target(target: FileTarget | ZmqTarget) -> tuple[Callable[[Frame], None], Callable[[], None]]:
+    """Open ``target``: the function that sends a frame, and the one that closes it.
+
+    Raises:
+        EventStreamError: it cannot be opened.
+    """
+    if isinstance(target, ZmqTarget):
+        publisher = ZmqPublisher(target.endpoint, replay_endpoint=target.replay_endpoint, wait_s=target.wait_s)
+        return publisher.send, publisher.close
+    try:
+        f = open(target.path, "wb")
+    except OSError as exc:
+        raise EventStreamError(f"{target.path}: cannot write it ({exc.strerror or exc})") from None
+    writer = EventFileWriter(f)
+    return writer.write, f.close

@@ -161,3 +161,24 @@ def test_replay_kv_events_bad_input_is_one_line(args: list[str], message: str, t
     assert message in res.stderr
     assert "Traceback" not in res.output
     assert not out.exists()
+
+
+def test_the_background_emitter_writes_the_same_frames(tmp_path: Path) -> None:
+    # The replay records its tree's changes; a child process hashes, encodes and writes.
+    from kvtrace.events.emit import BackgroundEmitter
+    from kvtrace.events.wire import FileTarget
+
+    frames: list[Frame] = []
+    options = ReplayOptions(on_oom="skip", stop_step=400)
+    with ReplaySession(TRACE, pool_tokens=60_000, options=options, screen="inline") as session:
+        emitter = Emitter(session, frames.append)
+        for snap in session.snapshots():
+            emitter.after(snap)
+    path = tmp_path / "events.kvev"
+    with ReplaySession(TRACE, pool_tokens=60_000, options=options, screen="inline") as session:
+        background = BackgroundEmitter(session, FileTarget(str(path)))
+        for snap in session.snapshots():
+            background.after(snap)
+        background.close()
+    assert list(read_frames(path)) == frames
+    assert background.summary() == emitter.summary()
