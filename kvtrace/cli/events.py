@@ -21,6 +21,7 @@ from kvtrace.cli.options import (
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
     examples,
+    finite,
 )
 
 EVENTS_EXAMPLES = examples(
@@ -46,12 +47,12 @@ ReplayEndpointOpt = Annotated[Optional[str], typer.Option(
     show_default=False)]
 IdleOpt = Annotated[Optional[float], typer.Option(
     "--idle", min=0.0, metavar="SECONDS", help="Stop reading a live stream once this long passes without a batch (counted from the first).",
-    show_default="never")]
+    show_default="never", callback=finite)]
 CountOpt = Annotated[Optional[int], typer.Option(
     "--count", min=1, help="Stop reading a live stream after this many batches.", show_default="no limit")]
 DurationOpt = Annotated[Optional[float], typer.Option(
     "--duration", min=0.0, metavar="SECONDS", help="Stop reading a live stream after this long.",
-    show_default="until Ctrl-C")]
+    show_default="until Ctrl-C", callback=finite)]
 
 
 def _endpoint(value: str, option: str) -> str:

@@ -30,6 +30,7 @@ from kvtrace.cli.options import (
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
     examples,
+    finite,
 )
 from kvtrace.errors import ConfigError
 from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
@@ -159,7 +160,7 @@ def replay(
     kv_events: Annotated[Optional[str], typer.Option("--kv-events", metavar="FILE|tcp://HOST:PORT", help="Write the KV events SGLang 0.5.23 would publish for this replay (BlockStored / BlockRemoved / AllBlocksCleared, its wire format) to FILE, or publish them on a ZMQ PUB socket bound there.", show_default=False)] = None,
     kv_events_paced: Annotated[bool, typer.Option("--kv-events-paced", help="With --kv-events: publish each step's batch at its time in the trace (else as fast as the replay goes).")] = False,
     kv_events_replay: Annotated[Optional[str], typer.Option("--kv-events-replay", metavar="tcp://HOST:PORT", help="With --kv-events tcp://...: answer replay requests for missed batches here (SGLang's replay endpoint).", show_default=False)] = None,
-    kv_events_wait: Annotated[float, typer.Option("--kv-events-wait", min=0.0, metavar="SECONDS", help="With --kv-events tcp://...: wait this long for a subscriber before publishing, and answer replay requests this long after the last batch.")] = 0.0,
+    kv_events_wait: Annotated[float, typer.Option("--kv-events-wait", min=0.0, metavar="SECONDS", help="With --kv-events tcp://...: wait this long for a first subscriber before publishing, and after the last batch answer replay requests until the subscribers leave, at most this long.", callback=finite)] = 0.0,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
