@@ -26,7 +26,6 @@ from kvtrace.events.wire import Frame
 
 if TYPE_CHECKING:
     from kvtrace.events.emit import StepEvents
-    from kvtrace.replay.session import ReplaySession
 
 __all__ = [
     "AgainstResult",
@@ -358,7 +357,7 @@ class _Diff:
 
     def divergence(self, step: int | None, seq: int) -> Divergence:
         stream_only, replay_only = [], []
-        for medium, h in self.blocks:
+        for medium, h in sorted(self.blocks, key=lambda b: (str(b[0]), str(b[1]))):
             side = replay_only if h in self.replay.get(medium, ()) else stream_only
             if len(side) < MAX_LISTED:
                 side.append((medium, h))
@@ -406,9 +405,3 @@ def check_against(frames: Iterable[Frame], expected: Iterator[StepEvents],
     against = AgainstResult(len(steps), steps[-1] if steps else None, divergences, num_divergent)
     return CheckResult(checker, against)
 
-
-def replay_for(trace: str, *, allocator: str, page_size: int | None, pool_tokens: int | None) -> ReplaySession:
-    """The replay ``--against`` compares with (built now: a bad trace or option fails here)."""
-    from kvtrace.replay.session import ReplaySession
-
-    return ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens)

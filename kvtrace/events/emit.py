@@ -20,8 +20,7 @@ between the two parts, so a page's hash never depends on how the tree was cut::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -328,12 +327,15 @@ class BackgroundEmitter:
     """
 
     def __init__(self, session: ReplaySession, target: Any, *, topic: bytes = b"", paced: bool = False) -> None:
+        import multiprocessing as mp
+
         from traces.lifeline import parent_tie, quiet_start
-        from traces.validate import _mp_context
 
         tree = events_tree(getattr(session.allocator, "tree_cache", None), session.version.spec)
         self._ops = None if tree is None else TreeOps(tree)
-        ctx = _mp_context()
+        # fork: the child starts at once; it touches numpy, hashlib, msgspec and ZMQ (its
+        # context made there), never torch. Elsewhere, spawn.
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         page_size = session.config.page_size
         self._proc = ctx.Process(target=_publish_in_child, args=(child_conn, target, topic, paced, page_size,
