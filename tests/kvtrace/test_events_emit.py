@@ -182,3 +182,19 @@ def test_the_background_emitter_writes_the_same_frames(tmp_path: Path) -> None:
         background.close()
     assert list(read_frames(path)) == frames
     assert background.summary() == emitter.summary()
+
+
+def test_paced_batches_wait_for_their_trace_time() -> None:
+    waits: list[float] = []
+    times: list[float] = []
+    options = ReplayOptions(stop_step=400)
+    with ReplaySession(TRACE, options=options, screen="inline") as session:
+        emitter = Emitter(session, lambda f: times.append(msgspec.msgpack.decode(f.payload)[0]), paced=True,
+                          sleep=waits.append)
+        for snap in session.snapshots():
+            emitter.after(snap)
+    assert len(times) > 2 and times == sorted(times)
+    # The fake sleep lets no time pass: each wait is the batch's trace time since the
+    # first batch, less the little real time the replay took.
+    assert waits and max(waits) <= times[-1] - times[0]
+    assert max(waits) > times[-1] - times[0] - 5.0
