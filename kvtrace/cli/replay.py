@@ -189,6 +189,10 @@ def replay(
         raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device.value)
     target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
+    if kv_events is not None and start is not None:
+        raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
+                                 "steps before it into one batch); use --steps :B or drop --kv-events",
+                                 param_hint="--steps")
     events_out = _kv_events_target(kv_events, kv_events_replay, kv_events_wait, tui, force, trace)
     options = ReplayOptions(
         state_digest=digests,

@@ -96,38 +96,41 @@ class EventFileWriter:
 
 
 def read_frames(path: Path) -> Iterator[Frame]:
-    """The frames of an event file, in file order.
+    """The frames of an event file, in file order, read as they are yielded.
 
     Raises:
         EventStreamError: not an event file, or cut inside a frame (names the file and
             the byte offset).
     """
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")
     except OSError as exc:
         raise EventStreamError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    if not data.startswith(MAGIC):
-        raise EventStreamError(f"{path}: not a kvtrace KV-event file (it does not start with {MAGIC[:-2].decode()})")
-    pos = len(MAGIC)
-    n = len(data)
-    while pos < n:
-        start = pos
-        if pos + 4 > n:
-            _cut(path, start)
-        (tlen,) = _LEN.unpack_from(data, pos)
-        pos += 4
-        if pos + tlen + 12 > n:
-            _cut(path, start)
-        topic = data[pos : pos + tlen]
-        pos += tlen
-        seq = int.from_bytes(data[pos : pos + 8], "big", signed=True)
-        pos += 8
-        (plen,) = _LEN.unpack_from(data, pos)
-        pos += 4
-        if pos + plen > n:
-            _cut(path, start)
-        yield Frame(topic, seq, data[pos : pos + plen])
-        pos += plen
+    with f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise EventStreamError(
+                f"{path}: not a kvtrace KV-event file (it does not start with {MAGIC[:-2].decode()})"
+            )
+        pos = len(MAGIC)
+        while True:
+            head = f.read(4)
+            if not head:
+                return
+            start = pos
+            if len(head) < 4:
+                _cut(path, start)
+            (tlen,) = _LEN.unpack(head)
+            rest = f.read(tlen + 12)
+            if len(rest) < tlen + 12:
+                _cut(path, start)
+            topic = rest[:tlen]
+            seq = int.from_bytes(rest[tlen : tlen + 8], "big", signed=True)
+            (plen,) = _LEN.unpack_from(rest, tlen + 8)
+            payload = f.read(plen)
+            if len(payload) < plen:
+                _cut(path, start)
+            pos += 4 + tlen + 12 + plen
+            yield Frame(topic, seq, payload)
 
 
 def _cut(path: Path, start: int) -> None:

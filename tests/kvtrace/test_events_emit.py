@@ -153,6 +153,7 @@ def test_replay_kv_events_writes_the_file_once(tmp_path: Path) -> None:
     ([TRACE, "--kv-events", "{out}", "--kv-events-replay", "tcp://127.0.0.1:0"], "names a file"),
     ([TRACE, "--kv-events-wait", "1"], "add --kv-events"),
     ([TRACE, "--kv-events", "ipc:///tmp/x"], "tcp://HOST:PORT"),
+    ([TRACE, "--kv-events", "{out}", "--steps", "10:"], "use --steps :B"),
 ])
 def test_replay_kv_events_bad_input_is_one_line(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "events.kvev"

@@ -65,6 +65,19 @@ def test_a_published_replay_recorded_by_a_subscriber_is_identical(tmp_path: Path
     assert result["ok"] and result["against"]["identical"], result["problems"][:3]
 
 
+@pytest.mark.slow  # two processes, each replaying the trace
+def test_a_live_stream_checked_against_the_trace_is_identical() -> None:
+    pub = _free_port()
+    checker = _kvtrace("events", "check", f"tcp://127.0.0.1:{pub}", "--idle", "2", "--duration", "90",
+                       "--against", TRACE, "--json")
+    publisher = _kvtrace("replay", TRACE, "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-wait", "20")
+    code, stdout, err = _done(checker)
+    assert code == 0, err
+    assert _done(publisher)[0] == 0
+    result = json.loads(stdout)
+    assert result["ok"] and result["against"]["identical"] and result["batches"] == result["against"]["batches"]
+
+
 # A publisher whose PUB socket drops one batch (seq DROP) that its replay buffer keeps:
 # what a slow subscriber past the high-water mark sees.
 _DROPPING_PUBLISHER = textwrap.dedent("""
