@@ -359,13 +359,22 @@ class BackgroundEmitter:
             return "error", f"the KV-event publisher process died (exit code {self._proc.exitcode})"
 
     def after(self, snap: StepSnapshot) -> None:
-        """Hand over what step ``snap`` changed (the first step always: its AllBlocksCleared)."""
+        """Hand over what step ``snap`` changed (the first step always: its AllBlocksCleared).
+
+        Raises:
+            EventStreamError: the child stopped (naming why).
+        """
         if self._ops is None:
             return
         ops = self._ops.take()
         if ops or self._first:
             self._first = False
-            self._conn.send((snap.time_s, ops))
+            try:
+                self._conn.send((snap.time_s, ops))
+            except (BrokenPipeError, OSError):  # the child stopped: say why
+                kind, detail = self._receive()
+                self._proc.join()
+                raise EventStreamError(detail if kind == "error" else "the KV-event publisher process stopped") from None
 
     def close(self) -> None:
         """Wait for the child to publish everything and close its target.

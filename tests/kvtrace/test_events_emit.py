@@ -199,3 +199,17 @@ def test_paced_batches_wait_for_their_trace_time() -> None:
     # first batch, less the little real time the replay took.
     assert waits and max(waits) <= times[-1] - times[0]
     assert max(waits) > times[-1] - times[0] - 5.0
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_in_the_child_is_one_error() -> None:
+    from kvtrace.events.emit import BackgroundEmitter
+    from kvtrace.events.wire import FileTarget
+
+    options = ReplayOptions(stop_step=400)
+    with ReplaySession(TRACE, options=options, screen="inline") as session:
+        background = BackgroundEmitter(session, FileTarget("/dev/full"))
+        with pytest.raises(EventStreamError, match="/dev/full: cannot write the events .No space left on device."):
+            for snap in session.snapshots():
+                background.after(snap)
+            background.close()
