@@ -4,13 +4,16 @@ SGLang's radix cache records a ``BlockStored`` for the pages of every new tree n
 (``_insert_helper``), a ``BlockRemoved`` for the pages of every node it evicts
 (``evict``) and an ``AllBlocksCleared`` whenever the tree is reset (at start-up too);
 the scheduler publishes what was recorded once per step, as one batch. kvtrace's radix
-cache mirrors SGLang's call for call, so ``TreeEvents``, told of its new leaves, splits
-and evictions (``allocator.radix_cache.TreeListener``), records the same events in the
-same order, with the same coalescing (a store that continues the previous store's chain,
-or a remove after a remove, joins the event before it).
+cache mirrors SGLang's call for call, so an ``EventBuilder`` told of its new leaves,
+splits and evictions (``allocator.radix_cache.TreeListener``) records the same events in
+the same order, with the same coalescing (a store that continues the previous store's
+chain, or a remove after a remove, joins the event before it).
 
 Each node keeps its pages' digests (``kvtrace.events.blocks``); a split divides them
-between the two parts, so a page's hash never depends on how the tree was cut::
+between the two parts, so a page's hash never depends on how the tree was cut.
+``TreeEvents`` builds the events in the replay's process (``Emitter``, ``replay_events``);
+``TreeOps`` only records the changes, for a builder in a child process that hashes,
+encodes and writes (``BackgroundEmitter``, what ``kvtrace replay --kv-events`` uses)::
 
     replay = ReplaySession("sample:mooncake-tiny")
     for step in replay_events(replay):      # StepEvents(step, time_s, events), steps with events only
