@@ -25,13 +25,17 @@ Access times come from a logical clock that ticks wherever SGLang reads
 eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
 
 With a ``journal`` attached (an incremental checker, ``allocator.check.journal``) every
-new leaf, split, eviction and lock / unlock is recorded there.
+new leaf, split, eviction and lock / unlock is recorded there. With a ``listener``
+attached (``TreeListener``: what publishes SGLang's KV events, ``kvtrace.events``) every
+new leaf, split and eviction is told to it, in call order, where SGLang's radix cache
+records its ``BlockStored`` / ``BlockRemoved`` events. Without either, each costs one
+attribute test.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
         TokenToKVPoolAllocator,
     )
 
-__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode", "bigram_units"]
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeListener", "TreeNode", "bigram_units"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _NO_SLOTS = np.empty(0, dtype=SLOT_DTYPE)
@@ -104,6 +108,19 @@ class InsertResult(NamedTuple):
     last_node: TreeNode
 
 
+class TreeListener(Protocol):
+    """What is told of the changes to the tree's contents (``RadixCache.listener``)."""
+
+    def stored(self, leaf: TreeNode) -> None:
+        """``leaf`` is new: its key entered the tree under ``leaf.parent``."""
+
+    def split(self, upper: TreeNode, child: TreeNode) -> None:
+        """``child`` was cut in two: ``upper`` is its new first part (its parent's child)."""
+
+    def removed(self, node: TreeNode) -> None:
+        """``node`` (a leaf, still linked to its parent) is being evicted."""
+
+
 class RadixCache:
     """Radix prefix cache with lock counts and LRU eviction.
 
@@ -129,6 +146,7 @@ class RadixCache:
         self.disable = disable
         self.is_eagle = is_eagle
         self.journal: Journal | None = None
+        self.listener: TreeListener | None = None
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -291,6 +309,8 @@ class RadixCache:
             node.children[kb[pos : pos + psb]] = leaf
             if self.journal is not None:
                 self.journal.insert(leaf)
+            if self.listener is not None:
+                self.listener.stored(leaf)
             self.evictable_size_ += n - pos // 8
             self._update_leaf_status(node)
             self._update_leaf_status(leaf)
@@ -357,6 +377,8 @@ class RadixCache:
         upper.parent.children[upper.key[:psb]] = upper
         if self.journal is not None:
             self.journal.split(upper, child)
+        if self.listener is not None:
+            self.listener.split(upper, child)
         return upper
 
     # ------------------------------------------------------------------ locks
@@ -451,6 +473,8 @@ class RadixCache:
                 break
             if self.journal is not None:
                 self.journal.evict(x, x.parent)
+            if self.listener is not None:
+                self.listener.removed(x)
             allocator.free_segment(x.value, 0)
             n = x.value.shape[0]
             evicted += n

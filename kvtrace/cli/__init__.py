@@ -390,6 +390,7 @@ COMMAND_MODULES: dict[str, str] = {
     "sweep": "sweep",
     "shrink": "shrink",
     "compact": "compact",
+    "events": "events",
 }
 # Set while the shell asks the console script to complete a word (click's completion).
 _COMPLETION_VAR = "_KVTRACE_COMPLETE"

@@ -6,6 +6,9 @@ the command, when it runs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -27,6 +30,7 @@ from kvtrace.cli.options import (
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
     examples,
+    finite,
 )
 from kvtrace.errors import ConfigError
 from kvtrace.tui.run import DEFAULT_PORT  # (imports no Textual)
@@ -120,6 +124,9 @@ REPLAY_EXAMPLES = examples(
     "kvtrace replay run.kvtrace --pool-tokens 100000 --page-size 16",
     "# steps 1000 to 1100 only, with a state log for kvtrace info or polars",
     "kvtrace replay run.kvtrace --steps 1000:1100 --out window.arrow",
+    "# the KV events SGLang would publish for this replay, to a file or on a ZMQ PUB socket",
+    "kvtrace replay sample:mooncake-tiny --kv-events events.kvev",
+    "kvtrace replay sample:mooncake-tiny --kv-events tcp://*:5557 --kv-events-replay tcp://*:5558 --kv-events-paced",
 )
 
 
@@ -150,6 +157,10 @@ def replay(
     tui: Annotated[bool, typer.Option("--tui", help="Show the live dashboard (keys: ? in it).")] = False,
     serve: Annotated[Optional[int], typer.Option("--serve", min=1, max=65535, help=f"With --tui: serve the dashboard as a web page on PORT (default {DEFAULT_PORT}).", metavar="[PORT]", show_default=False)] = None,
     host: Annotated[str, typer.Option("--host", help="With --serve: the address to listen on (a trace can reveal a service's traffic: keep the loopback default unless you mean it).")] = "127.0.0.1",
+    kv_events: Annotated[Optional[str], typer.Option("--kv-events", metavar="FILE|tcp://HOST:PORT", help="Write the KV events SGLang 0.5.23 would publish for this replay (BlockStored / BlockRemoved / AllBlocksCleared, its wire format) to FILE, or publish them on a ZMQ PUB socket bound there.", show_default=False)] = None,
+    kv_events_paced: Annotated[bool, typer.Option("--kv-events-paced", help="With --kv-events: publish each step's batch at its time in the trace (else as fast as the replay goes).")] = False,
+    kv_events_replay: Annotated[Optional[str], typer.Option("--kv-events-replay", metavar="tcp://HOST:PORT", help="With --kv-events tcp://...: answer replay requests for missed batches here (SGLang's replay endpoint).", show_default=False)] = None,
+    kv_events_wait: Annotated[float, typer.Option("--kv-events-wait", min=0.0, metavar="SECONDS", help="With --kv-events tcp://...: wait this long for a first subscriber before publishing, and after the last batch answer replay requests until the subscribers leave, at most this long.", callback=finite)] = 0.0,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -178,6 +189,11 @@ def replay(
         raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device.value)
     target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
+    if kv_events is not None and start is not None:
+        raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
+                                 "steps before it into one batch); use --steps :B or drop --kv-events",
+                                 param_hint="--steps")
+    events_out = _kv_events_target(kv_events, kv_events_replay, kv_events_wait, tui, force, trace)
     options = ReplayOptions(
         state_digest=digests,
         check=check.value,  # type: ignore[arg-type]
@@ -204,17 +220,25 @@ def replay(
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
         force_memory=ignore_memory_check,
-    ) as session:
+    ) as session, _kv_events_sink(session, events_out, kv_events, kv_events_replay, kv_events_wait,
+                                  kv_events_paced) as emitter:
         if target is None:
-            _run(session, None)
+            _run(session, None, emitter)
         else:
             with target.writing() as tmp:
                 info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
                         "allocator": session.version.spec, "config": config_dict(session.config)}
                 with StateLogWriter(tmp, info) as log:
-                    _run(session, log)
+                    _run(session, log, emitter)
         result = session.result()
     summary = result.to_dict()
+    if emitter is not None:
+        summary["kv_events"] = {"target": kv_events, **emitter.summary()}
+        if not as_json:
+            ev = summary["kv_events"]
+            where = "published on" if events_out is None else "written to"
+            ui.note(f"KV events: {ev['batches']:,} batches ({ev['blocks_stored']:,} blocks stored, "
+                    f"{ev['blocks_removed']:,} removed) {where} {kv_events}")
     if out is not None:
         summary["state_log"] = str(out)
     if (start is not None or stop is not None) and result.stats.steps == 0 and not result.stopped_early:
@@ -246,11 +270,70 @@ def _rerun_options(*, page_size: int | None, pool_tokens: int | None, allocator:
     return tuple(given)
 
 
-def _run(session: Any, log: Any) -> None:
-    """Replay every step, writing each snapshot to the state log (if any), with progress."""
+def _kv_events_target(kv_events: str | None, replay_endpoint: str | None, wait_s: float, tui: bool, force: bool,
+                      trace: str) -> Any:
+    """The checked ``--kv-events`` file (an ``OutputFile``), or None for an endpoint or none.
+
+    Raises:
+        typer.BadParameter: options that need --kv-events, or an endpoint, without it.
+        OutputError: the file is refused (exists without --force, ...).
+    """
+    from kvtrace.events.wire import is_endpoint
+
+    if kv_events is None:
+        if replay_endpoint is not None or wait_s:
+            raise typer.BadParameter("this publishes KV events; add --kv-events tcp://HOST:PORT",
+                                     param_hint="--kv-events-replay / --kv-events-wait")
+        return None
+    if tui:
+        raise typer.BadParameter("the dashboard does not publish KV events; drop --tui or --kv-events",
+                                 param_hint="--kv-events")
+    if is_endpoint(kv_events):
+        if not kv_events.startswith("tcp://"):
+            raise typer.BadParameter(f"'{kv_events}': publish on a tcp://HOST:PORT endpoint", param_hint="--kv-events")
+        return None
+    if replay_endpoint is not None or wait_s:
+        raise typer.BadParameter("a replay endpoint and a wait are for a socket; --kv-events names a file",
+                                 param_hint="--kv-events-replay / --kv-events-wait")
+    from kvtrace.outputs import OutputFile
+    from traces.samples import resolve_trace
+
+    return OutputFile(kv_events, option="--kv-events", force=force, inputs=[resolve_trace(trace)])
+
+
+@contextmanager
+def _kv_events_sink(session: Any, target: Any, kv_events: str | None, replay_endpoint: str | None, wait_s: float,
+                    paced: bool) -> Iterator[Any]:
+    """The replay's ``kvtrace.events.emit.BackgroundEmitter`` writing to the file or socket
+    (None without --kv-events); the file is renamed into place when the block completes."""
+    if kv_events is None:
+        yield None
+        return
+    from kvtrace.events.emit import BackgroundEmitter
+    from kvtrace.events.wire import FileTarget, ZmqTarget
+
+    with contextlib.ExitStack() as stack:
+        if target is None:
+            where: Any = ZmqTarget(kv_events, replay_endpoint, wait_s)
+        else:
+            where = FileTarget(str(stack.enter_context(target.writing())))
+        emitter = BackgroundEmitter(session, where, paced=paced)
+        try:
+            yield emitter
+        except BaseException:
+            emitter.abort()
+            raise
+        emitter.close()
+
+
+def _run(session: Any, log: Any, emitter: Any = None) -> None:
+    """Replay every step, writing each snapshot to the state log (if any) and its KV
+    events (if asked for), with progress."""
     with ui.progress("replay", total=1.0) as line:
         for snap in session.snapshots():
             if log is not None:
                 log.write(snap)
+            if emitter is not None:
+                emitter.after(snap)
             if line.due():
                 line.show(session.progress, f"step {snap.step:,}  t={snap.time_s:,.0f}s")
