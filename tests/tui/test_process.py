@@ -150,6 +150,28 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
     link.close()
 
 
+_MISSPELLED_CHILD = """
+import sys, time
+from multiprocessing.connection import Connection
+control = Connection(int(sys.argv[-1]), readable=False)
+control.send((0, {"kind": "infoo", "name": "fake"}))
+time.sleep(120)  # alive: the screen must stop it
+"""
+
+
+def test_a_message_of_an_unknown_kind_stops_the_child_and_names_the_kind(tmp_path: Path) -> None:
+    script = tmp_path / "misspelled_child.py"
+    script.write_text(_MISSPELLED_CHILD)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    link = ChildReplay(log_job("unused.log"), python=str(python))
+    with pytest.raises(ReplayProcessError, match=r"messages broke \(ContractError: unknown message kind 'infoo' "
+                                                 r"\(valid: info, status"):
+        link.wait_started(timeout=60)
+    assert link.proc.poll() is not None  # stopped, not left running
+
+
 @pytest.mark.slow
 def test_the_replay_process_gets_the_environment_defaults_unless_the_user_set_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
