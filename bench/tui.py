@@ -99,6 +99,7 @@ from kvtrace.tui.app import KvtraceApp  # noqa: E402
 from kvtrace.tui.remote.link import CHILD_ENV, ChildReplay  # noqa: E402
 from kvtrace.tui.remote.replayer import Replayer, dashboard_job, job_source  # noqa: E402
 from kvtrace.tui.remote.updates import write_update  # noqa: E402
+from kvtrace.proc.contracts import DashboardJob, Status  # noqa: E402
 from traces.samples import resolve_trace  # noqa: E402
 
 DEFAULT_TRACE = "sample:mooncake-conversation"
@@ -138,22 +139,19 @@ class _Discard:
     def records(self, update: SnapshotBlock) -> None:
         write_update(self._sink, update)  # type: ignore[arg-type]
 
-    def send(self, message: dict[str, object]) -> None:
-        if message.get("kind") == "status" and message.get("done") and not self.done:
+    def send(self, message: object) -> None:
+        if isinstance(message, Status) and message.done and not self.done:
             self.done = True
             self.at_done = (time.perf_counter(), time.process_time())
 
-    def commands(self, timeout: float) -> list[tuple[str, list[object]]] | None:
+    def commands(self, timeout: float) -> list[object] | None:
         return None if self.done else []
 
 
 class _Sink:
-    """A stream that drops what is written to it."""
+    """A connection that drops what is sent to it."""
 
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-    def flush(self) -> None:
+    def send_bytes(self, data: bytes) -> None:
         pass
 
 
@@ -254,7 +252,7 @@ def plain(trace: str) -> dict[str, float]:
     return result(start_once(trace))
 
 
-def _job(trace: str) -> dict[str, Any]:
+def _job(trace: str) -> DashboardJob:
     """The dashboard's replay job for ``trace``, as ``kvtrace replay TRACE --tui`` makes it."""
     return dashboard_job(resolve_version("builtin"), str(resolve_trace(trace)), trace_label=trace, page_size=None,
                          pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
@@ -265,7 +263,7 @@ async def dashboard(trace: str, size: tuple[int, int], profile: cProfile.Profile
                     profile_replay: str | None = None) -> dict[str, float]:
     job = _job(trace)
     if profile_replay:
-        job["dashboard"]["profile"] = profile_replay
+        job = dataclasses.replace(job, profile=profile_replay)
     link = ChildReplay(job)
     link.wait_started()
     pid = link.proc.pid

@@ -88,8 +88,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
         run_live(job)
         return
     with target.writing() as tmp:
-        job["dashboard"]["log"] = str(tmp)
-        run_live(job)
+        run_live(dataclasses.replace(job, log=str(tmp)))
 
 
 def warn_truncated(trace: str) -> None:

@@ -205,7 +205,7 @@ def _start_children(
     try:
         for name, version, pipe in zip("AB", versions, pipes):
             job = side_job(version, path, trace_label=trace, options=dataclasses.asdict(replay), **what_if)
-            job["screen_fd"] = pipe.fileno()
+            job = dataclasses.replace(job, screen_fd=pipe.fileno())
             sides.append(ChildSide(name, job, python=getattr(version, "python", sys.executable), pass_fds=(pipe.fileno(),)))
     finally:
         for pipe in pipes:

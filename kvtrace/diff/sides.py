@@ -3,9 +3,10 @@
 A side yields ``Chunk``s of consecutive steps and, once its stream ends, a summary:
 
 * ``SessionSide``: a ``ReplaySession`` in this process (its chunks hold snapshots);
-* ``ChildSide``: a version replaying in a child process (``kvtrace.proc.child``), its
-  records arriving as state-log record batches over a pipe, read by a thread so the
-  child never waits on the parent;
+* ``ChildSide``: a version replaying in a child process (``kvtrace.proc.child``, its job
+  a ``SideJob``), its records arriving as state-log record batches over a pipe, read by
+  a thread so the child never waits on the parent, its ``Started`` / ``Ended`` /
+  ``Failed`` over a ``Connection`` (``kvtrace.proc.contracts``);
 * ``LogSide``: a state log saved by ``kvtrace replay --out``.
 
 Two chunks of record batches that hold the same records compare in one call per
@@ -29,6 +30,8 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from kvtrace.errors import KvtraceError
+from kvtrace.proc.channel import chunk_reader, connection, receive_all
+from kvtrace.proc.contracts import Contract, Ended, Failed, SideJob, Started, decode
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -125,20 +128,19 @@ def side_job(
     device: str,
     options: dict[str, Any],
     screen: str = "background",
-) -> dict[str, Any]:
-    """The job a ``ChildSide`` hands ``kvtrace.proc.child`` (JSON-able)."""
-    job: dict[str, Any] = {
-        "trace": trace, "trace_label": trace_label, "spec": version.spec, "label": version.label,
-        "origin": version.origin, "page_size": page_size, "pool_tokens": pool_tokens, "device": device,
-        "options": options, "screen": screen, "steps_per_batch": CHILD_BATCH_STEPS,
-    }
+) -> SideJob:
+    """The job a ``ChildSide`` hands ``kvtrace.proc.child``."""
     root = getattr(version, "allocator_root", None)
+    code = None
     if root is not None:
         from kvtrace.versions.registry import code_identity
 
-        job["allocator_root"] = str(root)
-        job["code"] = code_identity(Path(root) / "allocator")  # what the child must import (it checks)
-    return job
+        code = code_identity(Path(root) / "allocator")  # what the child must import (it checks)
+    return SideJob(
+        trace=trace, trace_label=trace_label, spec=version.spec, label=version.label, origin=version.origin,
+        page_size=page_size, pool_tokens=pool_tokens, device=device, options=dict(options), screen=screen,
+        steps_per_batch=CHILD_BATCH_STEPS, allocator_root=None if root is None else str(root), code=code,
+    )
 
 
 def stop_child(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
@@ -177,7 +179,7 @@ def child_command(python: str, *args: str, module: str = "kvtrace.proc.child") -
 
 
 def spawn_child(
-    job: dict[str, Any], python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
+    job: Contract, python: str = sys.executable, *, stderr: Any, pass_fds: tuple[int, ...] = (),
     commands: bool = False, env_defaults: dict[str, str] | None = None, module: str = "kvtrace.proc.child",
 ) -> tuple[subprocess.Popen[bytes], IO[str]]:
     """Start ``module JOB CONTROL_FD`` (``kvtrace.proc.child``, or a module running its ``main``)
@@ -188,7 +190,7 @@ def spawn_child(
     variables for it that this process's environment does not set itself.
 
     Returns:
-        The process and the reading end of its control channel (JSON lines).
+        The process and the reading end of its control channel (a ``Connection``).
 
     Raises:
         SideError: the interpreter cannot be started.
@@ -204,7 +206,7 @@ def spawn_child(
     try:
         with lifeline.quiet_start():
             proc = subprocess.Popen(
-                child_command(python, json.dumps(job), str(write_fd), module=module),
+                child_command(python, json.dumps(job.to_wire()), str(write_fd), module=module),
                 stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
                 pass_fds=(write_fd, lifeline.lifeline_fd(), *pass_fds), env=env,
             )
@@ -213,7 +215,7 @@ def spawn_child(
         raise SideError(f"cannot start {python}: {exc}") from None
     finally:
         os.close(write_fd)
-    return proc, os.fdopen(read_fd, "r")
+    return proc, connection(read_fd, writable=False)
 
 
 class ChildSide:
@@ -221,7 +223,7 @@ class ChildSide:
 
     Args:
         name: how errors name the side (``A`` / ``B``).
-        job: ``side_job(...)``.
+        job: ``side_job(...)`` (with ``screen_fd`` set when the sides share a checker).
         python: the child's interpreter.
         pass_fds: more descriptors the child inherits (a shared checker's pipe).
 
@@ -229,18 +231,21 @@ class ChildSide:
         SideError (from ``chunks`` / ``summary``): the child reported an error or died.
     """
 
-    def __init__(self, name: str, job: dict[str, Any], python: str = sys.executable, pass_fds: tuple[int, ...] = ()) -> None:
+    def __init__(self, name: str, job: SideJob, python: str = sys.executable, pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name
-        self.spec = job["spec"]
-        self.label = job.get("label", self.spec)
-        self.origin = job.get("origin", "")
-        self.start_info: dict[str, Any] | None = None
-        self._messages: list[dict[str, Any]] | None = None
+        self.spec = job.spec
+        self.label = job.label
+        self.origin = job.origin
+        self.start_info: Started | None = None
+        self._messages: list[Started | Ended | Failed] | None = None
         self._stderr = tempfile.TemporaryFile()
         try:
             self.proc, self._control = spawn_child(job, python, stderr=self._stderr, pass_fds=pass_fds)
         except SideError as exc:
             raise SideError(f"side {name} ({self.spec}): {exc}") from None
+        assert self.proc.stdout is not None
+        self._records = chunk_reader(os.dup(self.proc.stdout.fileno()))
+        self.proc.stdout.close()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUED_BATCHES)
         self._thread = threading.Thread(target=self._read, name=f"kvtrace-side-{name}", daemon=True)
         self._thread.start()
@@ -250,8 +255,7 @@ class ChildSide:
         from kvtrace.statelog.log import open_state_log
 
         try:
-            assert self.proc.stdout is not None
-            _, reader = open_state_log(self.proc.stdout)
+            _, reader = open_state_log(self._records)
             for batch in reader.iter_batches():
                 self._queue.put(batch)
             self._queue.put(None)
@@ -267,22 +271,20 @@ class ChildSide:
                 raise self._failure(item)
             yield Chunk(batch=item)
 
-    def _control_messages(self) -> list[dict[str, Any]]:
+    def _control_messages(self) -> list[Started | Ended | Failed]:
         if self._messages is None:
-            self._messages = [json.loads(line) for line in self._control.read().splitlines() if line.strip()]
-            self._control.close()
+            self._messages = [decode(m, (Started, Ended, Failed)) for m in receive_all(self._control)]
             self.proc.wait()
             for m in self._messages:
-                if "start" in m:
-                    self.start_info = m["start"]
+                if isinstance(m, Started):
+                    self.start_info = m
         return self._messages
 
     def _failure(self, exc: BaseException | None) -> SideError:
         messages = self._control_messages()
         for m in messages:
-            if "error" in m:
-                prefix = "" if m.get("user") else "internal error: "
-                return SideError(f"side {self.name} ({self.spec}): {prefix}{m['error']}")
+            if isinstance(m, Failed):
+                return SideError(f"side {self.name} ({self.spec}): {m.line}")
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-1:]
         why = tail[0] if tail else (f"{type(exc).__name__}: {exc}" if exc is not None else "no message")
@@ -295,15 +297,14 @@ class ChildSide:
             SideError: the child reported an error instead.
         """
         for m in self._control_messages():
-            if "end" in m:
-                return m["end"]
+            if isinstance(m, Ended):
+                return m.summary
         raise self._failure(None)
 
     def close(self) -> None:
         """Stop the child if it still runs (the parent stopped reading early)."""
         stop_child(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self._records.close()
         if not self._control.closed:
             self._control.close()
         self._stderr.close()

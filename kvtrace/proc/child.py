@@ -3,17 +3,18 @@ streams its per-step records to the parent.
 
     python -m kvtrace.proc.child JOB_JSON CONTROL_FD
 
-``JOB_JSON`` (``side_job``) names the trace, the version (a spec, or an
+``JOB_JSON`` is the JSON of a ``kvtrace.proc.contracts.SideJob``'s wire form
+(``kvtrace.diff.sides.side_job``): the trace, the version (a spec, or an
 ``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
 or a working tree), the what-if options and the ``ReplayOptions``, and optionally
 ``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
 sides (``traces.checker_process.start_shared_checker``). Stdout carries
 the records: a state log stream (``kvtrace.statelog.log``; pool counters, per-request
 deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
-batch. ``CONTROL_FD`` carries JSON lines: ``{"start": {...}}`` once the session is
-set up (the configuration, the version's label and origin), then ``{"end":
-SUMMARY}`` (the ``kvtrace replay --json`` object) or ``{"error": MESSAGE, "user":
-bool}``.
+batch, in chunks over a ``Connection`` (``kvtrace.proc.channel.chunk_writer``).
+``CONTROL_FD`` is a ``Connection`` carrying ``Started`` once the session is set up (the
+configuration, the version's label and origin), then ``Ended`` (the ``kvtrace replay
+--json`` object) or ``Failed`` (a job that does not decode fails so too).
 
 Nothing here imports ``allocator`` (or anything that does) before the checkout's
 package is installed under that name; this checkout's ``kvtrace`` and ``traces``
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import io
 import json
 import os
 import sys
@@ -33,10 +33,15 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import FunctionType
-from typing import IO, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-__all__ = ["OPTIONAL_PROTOCOLS", "WholeWrites", "install_allocator", "job_screen", "job_version", "main", "pipe_writer",
-           "run_job"]
+from kvtrace.proc.channel import chunk_writer, connection
+from kvtrace.proc.contracts import DashboardJob, Ended, Failed, SideJob, Started, decode
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "job_screen", "job_version", "main", "run_job"]
 
 # Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance before
 # calling their methods. A package older than one of them lacks the name, or defines it
@@ -51,50 +56,6 @@ OPTIONAL_PROTOCOLS = ("Checkpointable", "Digestible", "DecodeRuns")
 # ``AllocatorConfig.check``). Protocols are left alone (a method added to one would
 # change what isinstance asks of the version's allocators).
 DRIVER_MODULES = ("base", "sizing", "pages")
-
-
-class WholeWrites(io.RawIOBase):
-    """The writing end of a pipe whose ``write`` writes every byte it is given.
-
-    A write to a full pipe that is interrupted (a debugger or a sampling profiler
-    attaching through ptrace) may write part of its bytes; the buffered file Python
-    opens on such a descriptor may drop the rest (seen under py-spy: bytes missing from
-    the middle of a dashboard's update frame, the screen then unpickling garbage). Here
-    a part written is followed by the rest, so the stream stays whole.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._broken = False  # the reader went away: what is still written is dropped
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if not self.closed:
-            super().close()
-            os.close(self._fd)
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        size = view.nbytes
-        try:
-            while view and not self._broken:
-                view = view[os.write(self._fd, view):]
-        except BrokenPipeError:
-            self._broken = True
-            raise
-        return size
-
-
-def pipe_writer(fd: int, *, text: bool = False) -> Any:
-    """A buffered binary (or line-buffered ``text``) file writing to pipe ``fd`` through
-    ``WholeWrites``."""
-    binary = io.BufferedWriter(WholeWrites(fd), buffer_size=1 << 16)
-    return io.TextIOWrapper(binary, encoding="utf-8", line_buffering=True) if text else binary
 
 
 def install_allocator(root: str | Path) -> None:
@@ -174,9 +135,9 @@ def _shim(package: Any, own: dict[str, Any]) -> None:
             setattr(base, name, getattr(mine, name))
 
 
-def _check_code(job: dict[str, Any]) -> None:
+def _check_code(job: SideJob) -> None:
     """Raise unless the ``allocator`` package installed is the one the job names
-    (``job["code"]``: its ``code_identity``).
+    (``job.code``: its ``code_identity``).
 
     Raises:
         VersionSpecError: another package, or the same directory with other content.
@@ -184,10 +145,10 @@ def _check_code(job: dict[str, Any]) -> None:
     from kvtrace.errors import VersionSpecError
     from kvtrace.versions.registry import code_identity
 
-    expected = job.get("code")
+    expected = job.code
     found = code_identity(Path(sys.modules["allocator"].__file__ or "").parent)
     if expected and found != expected:
-        raise VersionSpecError(f"allocator '{job['spec']}': this process imported {found}, but the side is labelled {expected}")
+        raise VersionSpecError(f"allocator '{job.spec}': this process imported {found}, but the side is labelled {expected}")
 
 
 def _methods(protocol: type) -> set[str]:
@@ -195,8 +156,9 @@ def _methods(protocol: type) -> set[str]:
     return {n for n in vars(protocol) if not n.startswith("_")}
 
 
-def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
-    """Replay ``job`` and stream its records to ``out``, messages to ``control``.
+def run_job(job: SideJob, out: Connection, control: Connection) -> None:
+    """Replay ``job`` and stream its records to ``out`` (a state log stream, in chunks),
+    messages to ``control``.
 
     Raises:
         KvtraceError, TraceError: bad input (reported by ``main`` as one line).
@@ -204,16 +166,17 @@ def run_job(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
     from kvtrace.replay.engine import ReplayOptions
 
     version = job_version(job)
-    options = ReplayOptions(**job.get("options", {}))
+    options = ReplayOptions(**job.options)
     screen = job_screen(job, options)
     try:
-        _replay(job, version, options, screen, out, control)
+        with chunk_writer(out) as stream:
+            _replay(job, version, options, screen, stream, control)
     finally:
         if not isinstance(screen, str):
             screen.close()
 
 
-def job_version(job: dict[str, Any]) -> Any:
+def job_version(job: SideJob) -> Any:
     """The ``AllocatorVersion`` a job names (its checkout's ``allocator`` when it has a root).
 
     Raises:
@@ -222,60 +185,53 @@ def job_version(job: dict[str, Any]) -> Any:
     from kvtrace.errors import VersionSpecError
     from kvtrace.versions.registry import AllocatorVersion, resolve_version
 
-    if job.get("allocator_root"):
+    if job.allocator_root:
         try:
             from allocator import create_allocator
         except ImportError:
             raise VersionSpecError(
-                f"allocator '{job['spec']}': its allocator package has no create_allocator (a revision from before "
+                f"allocator '{job.spec}': its allocator package has no create_allocator (a revision from before "
                 "the allocator had one: there is no allocator to replay)"
             ) from None
 
-        return AllocatorVersion(job["spec"], job.get("label", job["spec"]), create_allocator, origin=job.get("origin", ""))
-    version = resolve_version(job["spec"])
-    if job.get("origin") and version.origin != job["origin"]:
+        return AllocatorVersion(job.spec, job.label, create_allocator, origin=job.origin)
+    version = resolve_version(job.spec)
+    if job.origin and version.origin != job.origin:
         raise VersionSpecError(
-            f"allocator '{job['spec']}': this process runs {version.origin}, but the side is labelled {job['origin']}"
+            f"allocator '{job.spec}': this process runs {version.origin}, but the side is labelled {job.origin}"
         )
     return version
 
 
-def job_screen(job: dict[str, Any], options: Any) -> Any:
+def job_screen(job: SideJob, options: Any) -> Any:
     """What checks the job's steps: a mode (``background``, ``inline``), or the checker
     the parent shares between the sides (``screen_fd``)."""
-    if job.get("screen_fd") is None:
-        return job.get("screen", "background")
-    from multiprocessing.connection import Connection
-
+    if job.screen_fd is None:
+        return job.screen
     from traces.checker_process import BackgroundChecker
 
-    return BackgroundChecker(job["trace"], options.stop_step, conn=Connection(int(job["screen_fd"]), writable=False))
+    return BackgroundChecker(job.trace, options.stop_step, conn=connection(job.screen_fd, writable=False))
 
 
-def _replay(job: dict[str, Any], version: Any, options: Any, screen: Any, out: BinaryIO, control: IO[str]) -> None:
+def _replay(job: SideJob, version: Any, options: Any, screen: Any, out: BinaryIO, control: Connection) -> None:
     from kvtrace.replay.config import config_dict
     from kvtrace.replay.session import ReplaySession
     from kvtrace.statelog.log import StateLogWriter
 
     with ReplaySession(
-        job["trace"], version=version, page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
-        device=job.get("device", "cpu"), options=options, screen=screen, label=job.get("trace_label"),
+        job.trace, version=version, page_size=job.page_size, pool_tokens=job.pool_tokens,
+        device=job.device, options=options, screen=screen, label=job.trace_label,
     ) as session:
         config = config_dict(session.config)
-        _send(control, {"start": {"config": config, "label": version.label, "origin": version.origin}})
-        info = {"trace": job.get("trace_label") or job["trace"], "allocator": version.spec, "config": config}
-        with StateLogWriter(out, info, steps_per_batch=int(job.get("steps_per_batch", 256)), compression=None) as log:
+        control.send(Started(config, version.label, version.origin).to_wire())
+        info = {"trace": job.trace_label or job.trace, "allocator": version.spec, "config": config}
+        with StateLogWriter(out, info, steps_per_batch=job.steps_per_batch, compression=None) as log:
             for snap in session.snapshots():
                 log.write(snap)
-        _send(control, {"end": session.result().to_dict()})
+        control.send(Ended(session.result().to_dict()).to_wire())
 
 
-def _send(control: IO[str], message: dict[str, Any]) -> None:
-    control.write(json.dumps(message) + "\n")
-    control.flush()
-
-
-def main(argv: list[str] | None = None, run: Callable[[dict[str, Any], BinaryIO, IO[str]], None] = run_job) -> int:
+def main(argv: list[str] | None = None, run: Callable[[Any, Connection, Connection], None] = run_job) -> int:
     """Entry point (see the module doc). Exit 0 done, 2 an error (reported on the control fd).
 
     ``run``: what replays the job (``run_job``; the dashboard's replay process passes its
@@ -285,20 +241,20 @@ def main(argv: list[str] | None = None, run: Callable[[dict[str, Any], BinaryIO,
 
     settle_from_env()  # Ctrl-C is the parent's to report; this process dies with it
     args = sys.argv[1:] if argv is None else argv
-    job = json.loads(args[0])
-    control = pipe_writer(int(args[1]), text=True)
+    control = connection(int(args[1]), readable=False)
     sys.stdout.flush()
-    out = pipe_writer(os.dup(1))
+    out = connection(os.dup(1), readable=False)
     # Stdout is the record stream: nothing else may write there. Python's prints go to
     # stderr, and so do a library's own writes to descriptor 1.
     sys.stdout = sys.stderr
     os.dup2(2, 1)
     try:
-        if job.get("allocator_root"):
-            install_allocator(job["allocator_root"])
-            _check_code(job)
+        job = decode(json.loads(args[0]), (SideJob, DashboardJob))
+        side = job.side if isinstance(job, DashboardJob) else job
+        if side is not None and side.allocator_root:
+            install_allocator(side.allocator_root)
+            _check_code(side)
         run(job, out, control)
-        out.flush()
     except BrokenPipeError:
         return 0  # the parent stopped reading (it found what it wanted, or was interrupted)
     except BaseException as exc:  # reported to the parent, which decides what to print
@@ -307,7 +263,7 @@ def main(argv: list[str] | None = None, run: Callable[[dict[str, Any], BinaryIO,
         user = isinstance(exc, USER_ERRORS)
         text = str(exc) if user else f"{type(exc).__name__}: {exc}"
         try:
-            _send(control, {"error": text, "user": user, "traceback": traceback.format_exc()})
+            control.send(Failed(text, user, traceback.format_exc()).to_wire())
         except (BrokenPipeError, OSError):
             pass
         return 2

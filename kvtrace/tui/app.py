@@ -34,6 +34,7 @@ from kvtrace.tui.widgets.request_table import RequestTable
 from kvtrace.tui.widgets.toasts import AlertToasts
 
 if TYPE_CHECKING:
+    from kvtrace.proc.contracts import CommandName
     from kvtrace.diff.diff import DiffReport
     from kvtrace.tui.driver import CellInfo
     from kvtrace.tui.remote.link import ReplayLink
@@ -218,9 +219,9 @@ class KvtraceApp(App[None]):
             node = node.parent
         return 0
 
-    def _all(self, name: str, *args: Any) -> None:
+    def _all(self, name: CommandName, arg: int | None = None) -> None:
         for d in self.drivers:
-            d.command(name, *args)
+            d.command(name, arg)
 
     def on_request_table_selected(self, message: RequestTable.Selected) -> None:
         self._all("select", message.rid)

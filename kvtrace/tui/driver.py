@@ -14,6 +14,7 @@ Textual.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from allocator.base import PoolCounters
+from kvtrace.proc import contracts as wire
 from kvtrace.replay.state import ReplayState, SavedState, StepEvent
 from kvtrace.tui.remote.pagemap import CellDetail, PageCells
 from kvtrace.tui.remote.replayer import MAX_HISTORY_STEPS, SPEEDS
@@ -207,7 +209,7 @@ class Driver:
         self.frames_posted = 0
         self.frames_acked = 0  # the UI sets it to the seq of the last frame it drew
         self.steps_folded = 0
-        self._held: list[dict[str, Any]] = []  # messages waiting for the records sent before them
+        self._held: list[tuple[int, wire.Contract]] = []  # messages waiting for the records sent before them
         self._last: _Position | None = None
         self._cells: PageCells | None = None
         self._map_step: int | None = None
@@ -223,11 +225,16 @@ class Driver:
         self._unacked: list[tuple[int, frozenset[int], tuple[StepEvent, ...]]] = []
 
     # ------------------------------------------------------------------ UI-thread API
-    def command(self, name: str, *args: Any) -> None:
-        """Send a command to the replayer (see ``kvtrace.tui.remote.replayer``)."""
+    def command(self, name: wire.CommandName, arg: int | None = None) -> None:
+        """Send a command to the replayer (see ``kvtrace.tui.remote.replayer``).
+
+        Raises:
+            ContractError: an unknown command, or a missing or unexpected argument.
+        """
+        command = wire.Command(name, None if arg is None else operator.index(arg))  # (a numpy int too)
         if name == "select":
-            self.selected_rid = args[0]
-        self.link.command(name, *args)
+            self.selected_rid = arg
+        self.link.command(command)
 
     def ack(self, seq: int) -> None:
         """The UI drew frame ``seq`` (the next frame waits for this, or a second)."""
@@ -291,8 +298,8 @@ class Driver:
             if value is not None:
                 self._post(Failure(self.side, value))
             return True
-        while self._held and self._held[0].get("records", 0) <= self.steps_folded:
-            self._message(self._held.pop(0))
+        while self._held and self._held[0][0] <= self.steps_folded:
+            self._message(self._held.pop(0)[1])
         return False
 
     def _fold(self, block: SnapshotBlock) -> None:
@@ -304,53 +311,50 @@ class Driver:
             self._changed = True
         self.steps_folded += k
 
-    def _message(self, m: dict[str, Any]) -> None:
-        kind = m["kind"]
-        if kind == "info":
-            fields = {k: v for k, v in m.items() if k in SourceInfo.__dataclass_fields__}
-            self.info = SourceInfo(**fields)
+    def _message(self, m: wire.Contract) -> None:
+        if isinstance(m, wire.Info):
+            self.info = SourceInfo(**{f: getattr(m, f) for f in SourceInfo.__dataclass_fields__})
             self.state = ReplayState(self.info.page_size)
-        elif kind == "busy":
-            self.busy = m["what"]
-        elif kind == "status":
-            self.playing, self.speed_index, self.done = bool(m["playing"]), int(m["speed_index"]), bool(m["done"])
+        elif isinstance(m, wire.Busy):
+            self.busy = m.what
+        elif isinstance(m, wire.Status):
+            self.playing, self.speed_index, self.done = bool(m.playing), int(m.speed_index), bool(m.done)
             if self.playing:
                 self._speed.reset()
-        elif kind == "position":
+        elif isinstance(m, wire.Position):
             self._restore(m)
             self._speed.reset()  # simulated time jumped
-        elif kind == "cells":
-            self._map_step = m["step"]
-            self._map_note = m.get("note")
-            self._cells = None if "note" in m else PageCells(
-                np.asarray(m["edges"]), np.asarray(m["tokens"]), np.asarray(m["dominant"]), np.asarray(m["highlight"]),
-                bool(m["positional"]))
-        elif kind == "cell":
-            d = m["detail"]
-            detail = None if d is None else CellDetail(d["index"], d["first_page"], d["last_page"], d["tokens"],
-                                                       [(int(r), int(n)) for r, n in d["owners"]])
-            self._post(CellInfo(self.side, m["step"], detail, m["tokens"]))
+        elif isinstance(m, wire.Cells):
+            self._map_step = m.step
+            self._map_note = m.note
+            self._cells = None if m.note is not None else PageCells(
+                np.asarray(m.edges), np.asarray(m.tokens), np.asarray(m.dominant), np.asarray(m.highlight),
+                bool(m.positional))
+        elif isinstance(m, wire.Cell):
+            d = m.detail
+            detail = None if d is None else CellDetail(d.index, d.first_page, d.last_page, d.tokens, list(d.owners))
+            self._post(CellInfo(self.side, m.step, detail, m.tokens))
             return
-        elif kind == "history":
-            events = [StepEvent(int(s), str(k), None if r is None else int(r), int(t), str(d)) for s, k, r, t, d in m["events"]]
-            self._post(RequestHistory(self.side, int(m["rid"]), np.asarray(m["steps"]), np.asarray(m["allocated"]),
-                                      np.asarray(m["committed"]), events, bool(m["clipped"])))
+        elif isinstance(m, wire.History):
+            events = [StepEvent(int(s), str(k), None if r is None else int(r), int(t), str(d)) for s, k, r, t, d in m.events]
+            self._post(RequestHistory(self.side, int(m.rid), np.asarray(m.steps), np.asarray(m.allocated),
+                                      np.asarray(m.committed), events, bool(m.clipped)))
             return
-        elif kind == "failure":
+        elif isinstance(m, wire.ReplayError):
             self.playing = False
-            self._post(Failure(self.side, str(m["message"])))
-        elif kind == "warning":
-            self._post(Failure(self.side, str(m["message"]), severity="warning"))
+            self._post(Failure(self.side, m.message))
+        elif isinstance(m, wire.InputWarning):
+            self._post(Failure(self.side, m.message, severity="warning"))
         self._changed = True
 
-    def _restore(self, m: dict[str, Any]) -> None:
+    def _restore(self, m: wire.Position) -> None:
         state = self.state
         if state is None:
             return
-        pool = None if m["pool"] is None else PoolCounters(*(int(v) for v in m["pool"]))
-        columns = {name: np.array(col) for name, col in m["columns"].items()}
-        state.restore(SavedState(m["state_step"], columns), pool)
-        self._last = None if m["step"] is None or pool is None else _Position(int(m["step"]), float(m["time_s"]), pool)
+        pool = None if m.pool is None else PoolCounters(*(int(v) for v in m.pool))
+        columns = {name: np.array(col) for name, col in m.columns.items()}
+        state.restore(SavedState(m.state_step, columns), pool)
+        self._last = None if m.step is None or pool is None else _Position(int(m.step), float(m.time_s), pool)
 
     # ------------------------------------------------------------------ frames
     def _post_frame(self, now: float) -> None:

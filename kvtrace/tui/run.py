@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
+    from kvtrace.proc.contracts import DashboardJob
     from kvtrace.tui.app import KvtraceApp
 
 __all__ = [
@@ -20,7 +21,7 @@ __all__ = [
 DEFAULT_PORT = 8000  # the default of --serve (kvtrace.cli.DEFAULT_SERVE_PORT)
 
 
-def run_live(job: dict[str, Any]) -> None:
+def run_live(job: DashboardJob) -> None:
     """Show the dashboard over the replay ``job`` (``replayer.dashboard_job``) until the
     user quits. The replay runs in its own process; with a log in the job, each step it
     replays for the first time is written there (closed before this returns).
@@ -46,7 +47,7 @@ def run_log(path: str | Path, *, play: bool = False) -> None:
     _run([ChildReplay(log_job(str(path), label=str(path), play=play))])
 
 
-def run_diff(report: DiffReport, jobs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+def run_diff(report: DiffReport, jobs: tuple[DashboardJob, DashboardJob]) -> None:
     """Show the replays of A and B side by side (``jobs``: their ``dashboard_job`` or
     ``log_job``), at the first divergence ``report`` found.
 

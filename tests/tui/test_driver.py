@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvtrace.errors import TraceError
+from kvtrace.proc.contracts import Busy, Cells, Status
 from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.driver import CellInfo, Driver, Failure, Frame, RequestHistory
 from kvtrace.tui.remote.link import ThreadReplay
@@ -184,17 +185,17 @@ class _RecordingEnd:
     has been told nothing for a turn."""
 
     def __init__(self) -> None:
-        self.sent: list[dict[str, object]] = []
+        self.sent: list[object] = []
 
     def records(self, update: object) -> None:
         pass
 
-    def send(self, message: dict[str, object]) -> None:
+    def send(self, message: object) -> None:
         self.sent.append(message)
 
-    def commands(self, timeout: float) -> list[tuple[str, list[object]]] | None:
-        done = any(m.get("kind") == "status" and m.get("done") for m in self.sent)
-        return None if done and self.sent[-1].get("kind") == "busy" and self.sent[-1]["what"] is None else []
+    def commands(self, timeout: float) -> list[object] | None:
+        done = any(isinstance(m, Status) and m.done for m in self.sent)
+        return None if done and self.sent[-1] == Busy(None) else []
 
 
 def test_the_replayer_says_it_is_busy_while_it_fills_in_checkpoints_and_the_header_shows_it() -> None:
@@ -217,7 +218,7 @@ def test_the_replayer_says_it_is_busy_while_it_fills_in_checkpoints_and_the_head
     finally:
         session.close()
     assert len(filled) == 1
-    busy = [(i, m["what"]) for i, m in enumerate(end.sent) if m["kind"] == "busy"]
+    busy = [(i, m.what) for i, m in enumerate(end.sent) if isinstance(m, Busy)]
     assert busy == [(filled[0] - 1, FILLING), (len(end.sent) - 1, None)]
     run = _Run(LiveSource(ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True)))
     try:
@@ -314,7 +315,7 @@ def test_page_maps_at_full_speed_take_at_most_their_share_of_the_time(cost_s: fl
     work = [0.0]  # the replay's own seconds: the map's cost goes there
     wall = [0.0]
     source = _SlowMap(work, cost_s)
-    sent: list[dict[str, object]] = []
+    sent: list[object] = []
     end = type("End", (), {"send": lambda self, m: sent.append(m)})()
     replayer = Replayer(source, end, play=True, map_interval_s=5.0, clock=lambda: wall[0],  # type: ignore[arg-type]
                         work_clock=lambda: work[0])
@@ -331,4 +332,4 @@ def test_page_maps_at_full_speed_take_at_most_their_share_of_the_time(cost_s: fl
         wall[0] += 0.25 + waiting_s
     gaps = [b - a for a, b in zip(at, at[1:])]
     assert len(gaps) >= 3 and all(interval_s <= g < interval_s + 0.5 for g in gaps), gaps
-    assert [m["kind"] for m in sent] == ["cells"] * len(at)
+    assert [type(m) for m in sent] == [Cells] * len(at)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtrace.proc.contracts import Command
 from kvtrace.statelog.session import StateLogSession
 from kvtrace.versions.registry import resolve_version
 from kvtrace.replay.engine import ReplayOptions
@@ -35,8 +36,8 @@ def _child(version: str = "builtin", *, log: str | None = None, **options: objec
                         pool_tokens=options.pop("pool_tokens", None), device="cpu",  # type: ignore[arg-type]
                         options=dataclasses.asdict(ReplayOptions(**options)),  # type: ignore[arg-type]
                         checkpoint_every=20, play=False, log=log)
-    job["screen"] = "inline"
-    link = ChildReplay(job)
+    assert job.side is not None
+    link = ChildReplay(dataclasses.replace(job, side=dataclasses.replace(job.side, screen="inline")))
     link.wait_started()
     return link
 
@@ -102,8 +103,8 @@ def test_the_replay_process_paces_its_first_pass_in_seconds_unless_told_steps(ev
     job = dashboard_job(resolve_version("builtin"), str(resolve_trace(TINY)), trace_label=TINY, page_size=None,
                         pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
                         checkpoint_every=20, first_pass_every=every, play=False)
-    job["screen"] = "inline"
-    source = live_source(job)
+    assert job.side is not None
+    source = live_source(dataclasses.replace(job, side=dataclasses.replace(job.side, screen="inline")))
     try:
         session = source.session
         assert (session.first_pass_every, session.first_pass_seconds) == (every, seconds)
@@ -117,15 +118,13 @@ def test_a_bad_setup_is_one_line() -> None:
 
 
 _GARBLED_CHILD = """
-import json, os, sys, time
-control = os.fdopen(int(sys.argv[-1]), "w")
-fields = dict(name="fake", source="", config="", version="builtin", first_step=0, last_step=9, live=True, page_size=1)
-control.write(json.dumps({"kind": "info", "records": 0, **fields}) + "\\n")
-control.flush()
-sys.stdin.readline()  # the screen's first command: it has seen the info message
-out = sys.stdout.buffer
-out.write((40).to_bytes(8, "little") + b"not a pickle of an update, forty bytes!!")
-out.flush()
+import os, sys, time
+from multiprocessing.connection import Connection
+from kvtrace.proc.contracts import Info
+control = Connection(int(sys.argv[-1]), readable=False)
+control.send((0, Info("fake", "", "", "builtin", 0, 9, True).to_wire()))
+Connection(0, writable=False).recv()  # the screen's first command: it has seen the info message
+Connection(1, readable=False).send_bytes(b"not a pickle of an update, forty bytes!!")
 time.sleep(120)  # alive, as a child whose stream broke would be
 """
 
@@ -138,7 +137,7 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
     python.chmod(0o755)
     link = ChildReplay(log_job("unused.log"), python=str(python))
     link.wait_started(timeout=60)
-    link.command("play")
+    link.command(Command("play"))
     deadline = time.monotonic() + 60
     items = []
     while time.monotonic() < deadline and not (items and items[-1][0] == "closed"):
@@ -149,6 +148,28 @@ def test_a_broken_update_stream_stops_the_child_and_says_why(tmp_path: Path) -> 
     assert "update stream broke (ValueError: not an update frame (it begins b'not a pi')" in str(items[-1][1])
     assert link.proc.poll() is not None  # stopped, not left running
     link.close()
+
+
+_MISSPELLED_CHILD = """
+import sys, time
+from multiprocessing.connection import Connection
+control = Connection(int(sys.argv[-1]), readable=False)
+control.send((0, {"kind": "infoo", "name": "fake"}))
+time.sleep(120)  # alive: the screen must stop it
+"""
+
+
+def test_a_message_of_an_unknown_kind_stops_the_child_and_names_the_kind(tmp_path: Path) -> None:
+    script = tmp_path / "misspelled_child.py"
+    script.write_text(_MISSPELLED_CHILD)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    link = ChildReplay(log_job("unused.log"), python=str(python))
+    with pytest.raises(ReplayProcessError, match=r"messages broke \(ContractError: unknown message kind 'infoo' "
+                                                 r"\(valid: info, status"):
+        link.wait_started(timeout=60)
+    assert link.proc.poll() is not None  # stopped, not left running
 
 
 @pytest.mark.slow

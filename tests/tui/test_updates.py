@@ -1,10 +1,11 @@
 """Updates: the blocks a replay session makes of the steps it returns
 (``ReplaySession.take_block``), folded by a screen as they arrive, give the replay's own
-fold; and their frames survive a pipe."""
+fold; and they survive a pipe."""
 
 from __future__ import annotations
 
-import io
+import os
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.replay.snapshot import RequestDelta, SnapshotBlock
 from kvtrace.replay.state import ReplayState
-from kvtrace.tui.remote.updates import read_update, write_update
+from kvtrace.proc.channel import connection
+from kvtrace.tui.remote.updates import decode_update, encode_update, read_update, write_update
 
 
 def _screen_fold(trace: str, batch_sizes: list[int], options: ReplayOptions | None = None,
@@ -92,54 +94,56 @@ def _assert_same_block(got: SnapshotBlock, sent: SnapshotBlock) -> None:
             assert a == b, name
 
 
+def _pipe() -> tuple[Connection, Connection]:
+    read_fd, write_fd = os.pipe()
+    return connection(read_fd, writable=False), connection(write_fd, readable=False)
+
+
 @pytest.mark.parametrize("exact", [False, True])
-def test_frames_round_trip_and_a_cut_stream_is_an_error(exact: bool) -> None:
+def test_updates_round_trip_through_a_pipe_and_a_cut_stream_is_an_error(exact: bool) -> None:
     # (exact: the steps carry the allocator's state digests, which travel with the events)
     with ReplaySession("sample:tiny", track_state=True, screen="inline", options=ReplayOptions(state_digest=exact)) as s:
         snaps = [s.step() for _ in range(20)]
         update = SnapshotBlock.of(snaps)  # type: ignore[arg-type]
         quiet = SnapshotBlock.of([snap for snap in snaps if not snap.events][:3])  # type: ignore[misc]
     assert update.events and (all(d is not None for d in update.digests) if exact else update.digests == [None] * 20)
-    buf = io.BytesIO()
+    reader, writer = _pipe()
     for block in (update, quiet, update):
-        write_update(buf, block)
-    data = buf.getvalue()
-    stream = io.BytesIO(data)
+        write_update(writer, block)
+    writer.close()
     for block in (update, quiet, update):
-        got = read_update(stream)
+        got = read_update(reader)
         assert got is not None
         _assert_same_block(got, block)
     got.requests.allocated[:] = 0  # the columns are the reader's own (writable)
-    assert read_update(stream) is None
-    cut = io.BytesIO(data[:-3])
-    for _ in range(2):
-        assert read_update(cut) is not None
-    with pytest.raises(EOFError, match="inside a frame"):
-        read_update(cut)
-    with pytest.raises(EOFError, match="length"):
-        read_update(io.BytesIO(data[:3]))
+    assert read_update(reader) is None
+    reader.close()
+    # the same bytes cut short: the last update ends inside its message
+    raw_read, raw_write = os.pipe()
+    framed = connection(raw_write, readable=False)
+    framed.send_bytes(encode_update(quiet))
+    framed.close()
+    data = os.read(raw_read, 1 << 20)
+    os.close(raw_read)
+    cut_read, cut_write = os.pipe()
+    os.write(cut_write, data[:-3])
+    os.close(cut_write)
+    with pytest.raises(OSError, match="end of file during message"):
+        read_update(connection(cut_read, writable=False))
 
 
-def test_a_damaged_frame_is_an_error() -> None:
+def test_a_damaged_update_is_an_error() -> None:
     with ReplaySession("sample:tiny", track_state=True, screen="inline") as s:
         update = SnapshotBlock.of([s.step() for _ in range(5)])  # type: ignore[misc]
-    buf = io.BytesIO()
-    write_update(buf, update)
-    data = bytearray(buf.getvalue())
-    data[8 + 8] += 1  # (after the length, the magic and the pool counters) one more step than the frame holds
+    data = bytearray(encode_update(update))
+    data[8] += 1  # (after the magic and the pool counters) one more step than the update holds
     with pytest.raises(ValueError, match="a damaged update frame .* 6 steps"):
-        read_update(io.BytesIO(bytes(data)))
-    huge = bytearray(buf.getvalue())
-    huge[:8] = (1 << 60).to_bytes(8, "little")  # a length gone wrong: refused before anything that size is made
-    with pytest.raises(ValueError, match="a damaged update frame .* in 1152921504606846976 bytes"):
-        read_update(io.BytesIO(bytes(huge)))
-    with pytest.raises(EOFError, match=r"inside a frame \(0 of"):
-        read_update(io.BytesIO(buf.getvalue()[:8]))  # the length, then nothing
-    junk = b"not an update, and longer than a header"
+        decode_update(data)
+    junk = bytearray(b"not an update, and longer than a header")
     with pytest.raises(ValueError, match="not an update frame .it begins b'not an u'"):
-        read_update(io.BytesIO(len(junk).to_bytes(8, "little") + junk))
+        decode_update(junk)
     with pytest.raises(ValueError, match="shorter than its header"):
-        read_update(io.BytesIO((4).to_bytes(8, "little") + b"KVU1"))
+        decode_update(bytearray(b"KVU1"))
 
 
 @given(st.lists(st.tuples(st.sampled_from(["evict", "finish", "overalloc_release", "oom"]),

@@ -2,40 +2,40 @@
 
 The replay side (``kvtrace.tui.remote.replayer.Replayer``) says two things, in order: the
 steps it replays (``records``: ``kvtrace.replay.snapshot.SnapshotBlock``) and messages
-(``send``: dicts with a ``kind``); it hears commands (``commands``). The screen's side
-(``ReplayLink``) gets ``("records", SnapshotBlock)``, ``("msg", dict)`` and, once the
+(``send``: the dashboard's messages of ``kvtrace.proc.contracts``); it hears commands
+(``commands``: ``contracts.Command``). The screen's side (``ReplayLink``) gets
+``("records", SnapshotBlock)``, ``("msg", (records, message))`` (``records``: the steps
+sent before the message, which the screen folds before applying it) and, once the
 other side is gone, ``("closed", reason)``, and sends commands without ever waiting
 for the replay.
 
 * ``ChildReplay``: the replay in its own process, ``python -m kvtrace.tui.remote.process JOB
-  CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.diff.sides``): stdout carries
-  the records as update frames (``kvtrace.tui.remote.updates``), the control fd JSON lines
-  (the messages, with numpy arrays packed; the child's ``start``, ``error``), stdin
-  the commands (JSON lines). Each message carries ``records``, the steps sent before
-  it, so the screen applies it after folding them (two pipes keep no common order).
+  CONTROL_FD`` as a ``kvtrace diff`` side runs (``kvtrace.diff.sides``), its three
+  pipes ``Connection``s (``kvtrace.proc.channel``): stdout carries the records, an
+  update a message (``kvtrace.tui.remote.updates``), the control fd the messages
+  (``(records, wire form)``; the child's own ``Failed``), stdin the commands (wire
+  forms). Two pipes keep no common order: hence ``records``.
 * ``ThreadReplay``: the replay in a thread of the screen's process (tests, and
   callers that already hold a source): the same items through queues.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import queue
-import select
-import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtrace.errors import KvtraceError
+from kvtrace.proc.channel import connection
+from kvtrace.proc.contracts import DASHBOARD_MESSAGES, Command, Contract, DashboardJob, Failed, Info, ReplayError, decode
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from kvtrace.tui.remote.replayer import Replayer
     from kvtrace.tui.remote.sources import ReplaySource
     from kvtrace.replay.snapshot import SnapshotBlock
@@ -48,11 +48,9 @@ __all__ = [
     "ReplayProcessError",
     "ReplayerEnd",
     "ThreadReplay",
-    "pack",
-    "unpack",
 ]
 
-Item = tuple[str, Any]  # ("records", SnapshotBlock) | ("msg", dict) | ("closed", str | None)
+Item = tuple[str, Any]  # ("records", SnapshotBlock) | ("msg", (int, Contract)) | ("closed", str | None)
 _QUEUED = 64  # items waiting for the screen before the replay waits (back-pressure)
 START_TIMEOUT_S = 300.0
 # The replay process holds hundreds of MB of checkpoints; numpy's transparent huge pages
@@ -70,35 +68,6 @@ class ReplayProcessError(KvtraceError):
     """The dashboard's replay process could not start (its message says why)."""
 
 
-def pack(value: Any) -> Any:
-    """A message with numpy arrays made JSON-able (``unpack`` reverses it)."""
-    if isinstance(value, np.ndarray):
-        data = np.ascontiguousarray(value)
-        return {"__nd__": [data.dtype.str, list(data.shape), base64.b64encode(data.tobytes()).decode("ascii")]}
-    if isinstance(value, dict):
-        return {k: pack(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [pack(v) for v in value]
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    return value
-
-
-def unpack(value: Any) -> Any:
-    """The message ``pack`` made JSON-able, arrays restored."""
-    if isinstance(value, dict):
-        nd = value.get("__nd__")
-        if nd is not None and len(value) == 1:
-            dtype, shape, data = nd
-            return np.frombuffer(base64.b64decode(data), dtype=np.dtype(dtype)).reshape(shape).copy()
-        return {k: unpack(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [unpack(v) for v in value]
-    return value
-
-
 # ---------------------------------------------------------------------------- the replay's side
 
 
@@ -109,31 +78,30 @@ class ReplayerEnd(Protocol):
         """Send consecutive steps (in order)."""
         ...
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Contract) -> None:
         """Send a message, after the records sent before it."""
         ...
 
-    def commands(self, timeout: float) -> list[tuple[str, list[Any]]] | None:
+    def commands(self, timeout: float) -> list[Command] | None:
         """The commands that arrived (waiting up to ``timeout`` seconds for one); None
         once the screen has gone away."""
         ...
 
 
 class PipeEnd:
-    """The replayer's end in a child process: records to ``out`` (update frames),
-    messages to ``control`` (JSON lines), commands from ``commands`` (JSON lines).
+    """The replayer's end in a child process: records to ``out`` (an update a message),
+    messages to ``control``, commands from ``commands``.
 
     Args:
         out: the record stream (the child's stdout).
-        control: the control channel (text, line buffered by ``send``).
+        control: the control channel.
         commands: the command stream (the child's stdin).
     """
 
-    def __init__(self, out: BinaryIO, control: IO[str], commands: BinaryIO) -> None:
+    def __init__(self, out: Connection, control: Connection, commands: Connection) -> None:
         self._out = out
         self._control = control
-        self._fd = commands.fileno()
-        self._pending = b""
+        self._commands = commands
         self._eof = False
         self.sent = 0
 
@@ -143,37 +111,33 @@ class PipeEnd:
         write_update(self._out, update)
         self.sent += update.num_steps
 
-    def send(self, message: dict[str, Any]) -> None:
-        self._control.write(json.dumps(pack({**message, "records": self.sent})) + "\n")
-        self._control.flush()
+    def send(self, message: Contract) -> None:
+        self._control.send((self.sent, message.to_wire()))
 
-    def commands(self, timeout: float) -> list[tuple[str, list[Any]]] | None:
+    def commands(self, timeout: float) -> list[Command] | None:
         if self._eof:
             return None
-        ready, _, _ = select.select([self._fd], [], [], max(timeout, 0.0))
-        if not ready:
-            return []
-        chunk = os.read(self._fd, 1 << 16)
-        if not chunk:
+        out: list[Command] = []
+        conn = self._commands
+        try:
+            if not conn.poll(max(timeout, 0.0)):
+                return out
+            while True:
+                out.append(decode(conn.recv(), (Command,)))
+                if not conn.poll(0):
+                    return out
+        except EOFError:
             self._eof = True
-            return None
-        lines = (self._pending + chunk).split(b"\n")
-        self._pending = lines.pop()
-        out = []
-        for line in lines:
-            if line.strip():
-                name, *args = json.loads(line)
-                out.append((str(name), args))
-        return out
+            return out or None
 
     def close(self) -> None:
-        self._out.flush()
+        self._out.close()
 
 
 class _ThreadEnd:
     """The replayer's end in a thread: items into the screen's queue."""
 
-    def __init__(self, inbox: queue.Queue[Item], commands: queue.SimpleQueue[tuple[str, list[Any]] | None]) -> None:
+    def __init__(self, inbox: queue.Queue[Item], commands: queue.SimpleQueue[Command | None]) -> None:
         self._inbox = inbox
         self._commands = commands
         self.sent = 0
@@ -182,11 +146,11 @@ class _ThreadEnd:
         self._inbox.put(("records", update))
         self.sent += update.num_steps
 
-    def send(self, message: dict[str, Any]) -> None:
-        self._inbox.put(("msg", {**message, "records": self.sent}))
+    def send(self, message: Contract) -> None:
+        self._inbox.put(("msg", (self.sent, message)))
 
-    def commands(self, timeout: float) -> list[tuple[str, list[Any]]] | None:
-        out: list[tuple[str, list[Any]]] = []
+    def commands(self, timeout: float) -> list[Command] | None:
+        out: list[Command] = []
         try:
             item = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
         except queue.Empty:
@@ -211,7 +175,7 @@ class ReplayLink(Protocol):
         """The next item (None when none came within ``timeout`` seconds)."""
         ...
 
-    def command(self, name: str, *args: Any) -> None:
+    def command(self, command: Command) -> None:
         """Queue a command (never waits for the replay)."""
         ...
 
@@ -241,7 +205,7 @@ class ThreadReplay:
         from kvtrace.tui.remote.replayer import Replayer
 
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)
-        self._commands: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         end = _ThreadEnd(self._inbox, self._commands)
         self.replayer = (make or Replayer)(source, end, play=play)
         self._thread = threading.Thread(target=self._run, name="kvtrace-replayer", daemon=True)
@@ -265,8 +229,8 @@ class ThreadReplay:
     def get(self, timeout: float) -> Item | None:
         return _take(self._inbox, timeout)
 
-    def command(self, name: str, *args: Any) -> None:
-        self._commands.put((name, list(args)))
+    def command(self, command: Command) -> None:
+        self._commands.put(command)
 
     def close(self) -> None:
         self._commands.put(None)
@@ -302,17 +266,22 @@ class ChildReplay:
             setting up (a bad trace, version or option: its one-line message), or died.
     """
 
-    def __init__(self, job: dict[str, Any], python: str = sys.executable) -> None:
+    def __init__(self, job: DashboardJob, python: str = sys.executable) -> None:
         from kvtrace.diff.sides import spawn_child
 
-        self.name = str(job.get("trace_label") or job.get("state_log") or job.get("trace"))
+        self.name = job.name
         self._stderr = tempfile.TemporaryFile()
         self.proc, self._control = spawn_child(job, python, stderr=self._stderr, commands=True,
                                                env_defaults=CHILD_ENV, module="kvtrace.tui.remote.process")
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.proc.stdin is not None
         _widen_pipe(self.proc.stdout.fileno())
+        # The pipes become Connections (the one framing); Popen's files are let go.
+        self._records = connection(os.dup(self.proc.stdout.fileno()), writable=False)
+        self._commands = connection(os.dup(self.proc.stdin.fileno()), readable=False)
+        self.proc.stdout.close()
+        self.proc.stdin.close()
         self._inbox: queue.Queue[Item] = queue.Queue(maxsize=_QUEUED)
-        self._outbox: queue.SimpleQueue[tuple[str, list[Any]] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._started = threading.Event()
         self._start_error: str | None = None
         self._stream_error: str | None = None
@@ -332,8 +301,7 @@ class ChildReplay:
         from kvtrace.tui.remote.updates import read_update
 
         try:
-            assert self.proc.stdout is not None
-            while (update := read_update(self.proc.stdout)) is not None:
+            while (update := read_update(self._records)) is not None:
                 self._inbox.put(("records", update))
         except BaseException as exc:  # noqa: BLE001  the stream broke
             if not self._closing and self.proc.poll() is None:
@@ -346,20 +314,26 @@ class ChildReplay:
         self._end("records")
 
     def _read_control(self) -> None:
-        for line in self._control:
-            if not line.strip():
-                continue
-            message = unpack(json.loads(line))
-            if "kind" not in message:  # kvtrace.proc.child's own: start, error
-                if "error" in message:
-                    prefix = "" if message.get("user") else "internal error: "
-                    self._start_error = f"{prefix}{message['error']}"
-                    message = {"kind": "failure", "message": self._start_error, "records": 0}
-                else:
-                    continue
-            if message["kind"] == "info":
-                self._started.set()
-            self._inbox.put(("msg", message))
+        try:
+            while True:
+                try:
+                    item = self._control.recv()
+                except (EOFError, OSError):
+                    break
+                if isinstance(item, tuple):  # (records, a dashboard message)
+                    records, message = item[0], decode(item[1], DASHBOARD_MESSAGES)
+                else:  # kvtrace.proc.child's own
+                    failed = decode(item, (Failed,))
+                    self._start_error = failed.line
+                    records, message = 0, ReplayError(failed.line)
+                if isinstance(message, Info):
+                    self._started.set()
+                self._inbox.put(("msg", (records, message)))
+        except Exception as exc:  # noqa: BLE001  a message that is not one (ContractError): stop the child
+            from kvtrace.diff.sides import stop_child
+
+            self._stream_error = f"the replay process's messages broke ({type(exc).__name__}: {exc})"
+            stop_child(self.proc)
         self._end("control")
 
     def _end(self, which: str) -> None:
@@ -372,16 +346,14 @@ class ChildReplay:
             self._inbox.put(("closed", None if self._closing else self.exit_reason()))
 
     def _write_commands(self) -> None:
-        stdin = self.proc.stdin
-        assert stdin is not None
+        conn = self._commands
         while True:
             item = self._outbox.get()
             try:
                 if item is None:
-                    stdin.close()
+                    conn.close()
                     return
-                stdin.write((json.dumps(item) + "\n").encode())
-                stdin.flush()
+                conn.send(item.to_wire())
             except (BrokenPipeError, OSError, ValueError):
                 return
 
@@ -416,8 +388,8 @@ class ChildReplay:
     def get(self, timeout: float) -> Item | None:
         return _take(self._inbox, timeout)
 
-    def command(self, name: str, *args: Any) -> None:
-        self._outbox.put([name, *args])
+    def command(self, command: Command) -> None:
+        self._outbox.put(command)
 
     def close(self, timeout: float = 60.0) -> None:
         """Ask the child to quit (it closes its state log, if any) and wait for it; stop it
@@ -425,7 +397,7 @@ class ChildReplay:
         import time
 
         self._closing = True
-        self._outbox.put(["quit"])
+        self._outbox.put(Command("quit"))
         self._outbox.put(None)
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
@@ -436,7 +408,6 @@ class ChildReplay:
         deadline = time.monotonic() + 10
         while any(t.is_alive() for t in self._threads[:2]) and time.monotonic() < deadline:
             self.get(0.05)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self._records.close()
         self._control.close()
         self._stderr.close()

@@ -2,30 +2,38 @@
 
 ``kvtrace.proc.child``'s process (the job's ``allocator`` installed first, the records on
 stdout, messages on ``CONTROL_FD``, errors reported as one line) running a dashboard job
-(``replayer.dashboard_job`` / ``log_job``): a ``Replayer`` that also takes the screen's
-commands on stdin. Started by ``link.ChildReplay``; the child module is handed this body
+(``kvtrace.proc.contracts.DashboardJob``: ``replayer.dashboard_job`` / ``log_job``): a
+``Replayer`` that also takes the screen's commands (``Command``) on stdin, a
+``Connection`` as the other two (``link.PipeEnd``). Started by ``link.ChildReplay``; the child module is handed this body
 rather than importing the dashboard, which sits above it. Like the child's own body,
 this imports nothing that imports ``allocator`` before ``main`` has installed the job's.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, Any, BinaryIO
+from typing import TYPE_CHECKING
 
+from kvtrace.proc.channel import connection
 from kvtrace.proc.child import main
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from kvtrace.proc.contracts import DashboardJob
 
 __all__ = ["run", "run_dashboard_job"]
 
 
-def run(job: dict[str, Any], out: BinaryIO, control: IO[str]) -> None:
+def run(job: DashboardJob, out: Connection, control: Connection) -> None:
     """``kvtrace.proc.child.main``'s body for a dashboard job: its commands come on stdin."""
-    run_dashboard_job(job, out, control, sys.stdin.buffer)
+    run_dashboard_job(job, out, control, connection(os.dup(sys.stdin.fileno()), writable=False))
 
 
-def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], commands: BinaryIO) -> None:
+def run_dashboard_job(job: DashboardJob, out: Connection, control: Connection, commands: Connection) -> None:
     """The body of a dashboard's replay process: set the source up, then ``Replayer.run``.
 
     Raises:
@@ -37,14 +45,13 @@ def run_dashboard_job(job: dict[str, Any], out: BinaryIO, control: IO[str], comm
     from kvtrace.tui.remote.replayer import Replayer, job_source
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the screen decides when this process ends
-    settings = job["dashboard"]
     source = job_source(job)
     try:
         end = PipeEnd(out, control, commands)
-        replayer = Replayer(source, end, play=bool(settings.get("play", True)))
+        replayer = Replayer(source, end, play=job.play)
         try:
-            if settings.get("profile"):
-                _profiled(replayer.run, settings["profile"])
+            if job.profile:
+                _profiled(replayer.run, job.profile)
             else:
                 replayer.run()
         finally:

@@ -12,25 +12,27 @@ What it sends (``link.ReplayerEnd``), in order:
   ``batch_s`` (``kvtrace.tui.remote.updates``); the screen folds them into its own
   ``ReplayState``. Steps
   replayed again inside a seek are not sent: the ``position`` message replaces them;
-* messages (dicts, ``kind``):
-  ``info`` (first: ``SourceInfo``'s fields),
-  ``status`` (``playing``, ``speed_index``, ``done``; when it changes),
-  ``position`` (after a seek: ``step``, ``time_s``, ``pool``, the per-request
+* messages (``kvtrace.proc.contracts``):
+  ``Info`` (first: ``SourceInfo``'s fields),
+  ``Status`` (``playing``, ``speed_index``, ``done``; when it changes),
+  ``Busy`` (what it is busy with, answering no command meanwhile),
+  ``Position`` (after a seek: ``step``, ``time_s``, ``pool``, the per-request
   ``columns`` of ``ReplayState.save()``),
-  ``cells`` (the page map at ``step``: ``edges``, ``tokens``, ``dominant``,
+  ``Cells`` (the page map at ``step``: ``edges``, ``tokens``, ``dominant``,
   ``highlight``, ``positional``; or a ``note`` saying why there is none),
-  ``cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
-  ``history`` (a request's lengths step by step and its events),
-  ``failure`` (an error inside the replay: the replayer pauses),
-  ``warning`` (once the replay is done: what it left out of a damaged input).
+  ``Cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
+  ``History`` (a request's lengths step by step and its events),
+  ``ReplayError`` (an error inside the replay: the replayer pauses),
+  ``InputWarning`` (once the replay is done: what it left out of a damaged input).
 
-Commands (``[name, *args]``): play, pause, toggle, step N (N < 0: back), seek STEP,
+Commands (``contracts.Command``): play, pause, toggle, step N (N < 0: back), seek STEP,
 speed DELTA (an index into ``SPEEDS``), cells N (the page map's size), select RID|None,
 cell INDEX, history RID, refresh, quit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtrace.errors import USER_ERRORS
+from kvtrace.proc.contracts import (
+    Busy, Cell, CellDetail, Cells, Command, DashboardJob, History, Info, InputWarning, Position, ReplayError, SideJob,
+    Status,
+)
 from kvtrace.replay.snapshot import SnapshotBlock
 
 if TYPE_CHECKING:
@@ -144,7 +150,7 @@ class Replayer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Replay and answer until ``quit`` (or the screen goes away)."""
-        self.end.send({"kind": "info", **_info_dict(self.source.info)})
+        self.end.send(Info(**dataclasses.asdict(self.source.info)))
         self._anchor_now()
         due: float | None = self._clock()
         while due is not None:
@@ -165,19 +171,19 @@ class Replayer:
             self._filled = True  # once where it stopped (ReplaySession.fill_checkpoints)
             fill = getattr(self.source, "fill_checkpoints", None)
             if fill is not None:
-                self.end.send({"kind": "busy", "what": FILLING})
+                self.end.send(Busy(FILLING))
                 self._guarded(fill, during=" while filling in checkpoints")
-                self.end.send({"kind": "busy", "what": None})
+                self.end.send(Busy(None))
         return due
 
     def _obey(self, due: float) -> bool:
         """Apply the screen's commands, then play until ``due`` or bring the allocator to
         the step shown; True when the screen says quit (or has gone away)."""
         commands = self.end.commands(0.0 if self.moving else 0.25)
-        if commands is None or any(name == "quit" for name, _ in commands):
+        if commands is None or any(c.name == "quit" for c in commands):
             return True
-        for name, args in commands:
-            self._apply(name, args)
+        for command in commands:
+            self._apply(command)
         if self.moving:
             self._advance(due)
         else:
@@ -204,15 +210,15 @@ class Replayer:
                 self._end_noted = True
                 note = self.source.end_note
                 if note is not None:
-                    self.end.send({"kind": "warning", "message": note})
+                    self.end.send(InputWarning(note))
             self._status = status
-            self.end.send({"kind": "status", "playing": status[0], "speed_index": status[1], "done": status[2]})
+            self.end.send(Status(*status))
         self._guarded(self._refresh_map, now, during=" while mapping the pool")
 
     def _fail(self, message: str) -> None:
         self.playing = False
         self._flush()
-        self.end.send({"kind": "failure", "message": message})
+        self.end.send(ReplayError(message))
 
     def _anchor_now(self) -> None:
         last = self.source.last
@@ -273,8 +279,9 @@ class Replayer:
             self._send_step(snap)
 
     # ------------------------------------------------------------------ commands
-    def _apply(self, name: str, args: list[Any]) -> None:
+    def _apply(self, command: Command) -> None:
         src = self.source
+        name, arg = command.name, command.arg
         if name in ("step", "seek", "cell", "history"):
             self._exact()
         if name == "play":
@@ -285,7 +292,7 @@ class Replayer:
             self.playing = not self.playing
         elif name == "step":
             self.playing = False
-            n = int(args[0])
+            n = int(arg or 0)
             if n > 0:
                 for _ in range(n):
                     snap = src.step()
@@ -296,19 +303,19 @@ class Replayer:
                 self._seek(max(src.last.step + n, 0))
         elif name == "seek":
             self.playing = False
-            self._seek(int(args[0]))
+            self._seek(int(arg or 0))
         elif name == "speed":
-            self.speed_index = min(max(self.speed_index + int(args[0]), 0), len(SPEEDS) - 1)
+            self.speed_index = min(max(self.speed_index + int(arg or 0), 0), len(SPEEDS) - 1)
         elif name == "cells":
-            self.num_cells = int(args[0])
+            self.num_cells = int(arg or 0)
         elif name == "select":
-            self.selected_rid = None if args[0] is None else int(args[0])
+            self.selected_rid = arg
         elif name == "cell":
             self._flush()
-            self.end.send(self._cell_message(int(args[0])))
+            self.end.send(self._cell_message(int(arg or 0)))
         elif name == "history":
             self._flush()
-            self.end.send(self._history_message(int(args[0])))
+            self.end.send(self._history_message(int(arg or 0)))
         elif name != "refresh":
             raise ValueError(f"unknown dashboard command {name!r}")
         self._anchor_now()
@@ -337,21 +344,20 @@ class Replayer:
         self._flush()
         self.end.send(self._position_message())
 
-    def _position_message(self) -> dict[str, Any]:
+    def _position_message(self) -> Position:
         src = self.source
         last = src.last
         saved = src.state.save()
         phase = saved.columns["phase"]
         seen = np.flatnonzero(phase >= 0)
         n = int(seen[-1]) + 1 if seen.shape[0] else 0
-        return {
-            "kind": "position",
-            "step": None if last is None else last.step,
-            "time_s": 0.0 if last is None else last.time_s,
-            "pool": None if last is None else list(last.pool),
-            "state_step": saved.step,
-            "columns": {name: col[:n] for name, col in saved.columns.items()},
-        }
+        return Position(
+            step=None if last is None else last.step,
+            time_s=0.0 if last is None else last.time_s,
+            pool=None if last is None else tuple(int(v) for v in last.pool),
+            state_step=saved.step,
+            columns={name: col[:n] for name, col in saved.columns.items()},
+        )
 
     # ------------------------------------------------------------------ page map
     def _refresh_map(self, now: float) -> None:
@@ -382,36 +388,34 @@ class Replayer:
         if self._cells is None:
             from kvtrace.tui.remote.pagemap import NO_PAGE_MAP
 
-            self.end.send({"kind": "cells", "step": last.step, "note": NO_PAGE_MAP})
+            self.end.send(Cells(last.step, note=NO_PAGE_MAP))
             return
         c = self._cells
         step = self.source.allocator_step  # while playing, up to a run's length past ``last``
-        self.end.send({"kind": "cells", "step": step, "edges": c.edges, "tokens": c.tokens, "dominant": c.dominant,
-                       "highlight": c.highlight, "positional": c.positional})
+        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional)))
 
-    def _cell_message(self, index: int) -> dict[str, Any]:
+    def _cell_message(self, index: int) -> Cell:
         from kvtrace.tui.remote.pagemap import STATE_LABELS, cell_detail
 
         step = None if self._map_key is None else self._map_key[0]
         cells = self._cells
         if cells is None or not 0 <= index < cells.tokens.shape[0]:
-            return {"kind": "cell", "step": step, "tokens": {}, "detail": None}
+            return Cell(step, {}, None)
         tokens = {STATE_LABELS[s]: int(c) for s, c in enumerate(cells.tokens[index]) if c}
         detail = None
         if self._own is not None:
             d = cell_detail(self._own, cells, index)
-            detail = {"index": d.index, "first_page": d.first_page, "last_page": d.last_page, "tokens": d.tokens,
-                      "owners": [list(o) for o in d.owners]}
-        return {"kind": "cell", "step": step, "tokens": tokens, "detail": detail}
+            detail = CellDetail(int(d.index), int(d.first_page), int(d.last_page), dict(d.tokens),
+                                [(int(r), int(n)) for r, n in d.owners])
+        return Cell(step, tokens, detail)
 
     # ------------------------------------------------------------------ request history
-    def _history_message(self, rid: int) -> dict[str, Any]:
+    def _history_message(self, rid: int) -> History:
         """Replay the request's life (seeking back through checkpoints), then come back."""
         src = self.source
         state = src.state
         here = src.last.step if src.last is not None else None
-        empty = {"kind": "history", "rid": rid, "steps": np.zeros(0, np.int64), "allocated": np.zeros(0, np.int64),
-                 "committed": np.zeros(0, np.int64), "events": [], "clipped": False}
+        empty = History(rid, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), [], False)
         try:
             row = state.row(rid)
         except KeyError:
@@ -437,13 +441,9 @@ class Replayer:
             snap = src.step()
         if here is not None:
             src.seek(here)
-        events = [list(e) for e in state.timeline.events if e.rid == rid]
-        return {**empty, "steps": np.array(steps, np.int64), "allocated": np.array(alloc, np.int64),
-                "committed": np.array(used, np.int64), "events": events, "clipped": clipped}
-
-
-def _info_dict(info: Any) -> dict[str, Any]:
-    return {name: getattr(info, name) for name in info.__dataclass_fields__}
+        events = [tuple(e) for e in state.timeline.events if e.rid == rid]
+        return History(rid, np.array(steps, np.int64), np.array(alloc, np.int64), np.array(used, np.int64), events,
+                       clipped)
 
 
 # ---------------------------------------------------------------------------- child process jobs
@@ -463,7 +463,7 @@ def dashboard_job(
     first_pass_every: int | None = None,
     first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
-) -> dict[str, Any]:
+) -> DashboardJob:
     """The job of a live dashboard's replay process (``kvtrace.tui.remote.process``): a diff side's job
     (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
@@ -472,26 +472,25 @@ def dashboard_job(
     the seconds)."""
     from kvtrace.diff.sides import side_job
 
-    job = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
-                   options=options)
+    side = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
+                    options=options)
     if first_pass_every is not None:
         first_pass_seconds = None
-    job["dashboard"] = {"checkpoint_every": checkpoint_every, "first_pass_every": first_pass_every,
-                        "first_pass_seconds": first_pass_seconds, "play": play, "log": log}
-    return job
+    return DashboardJob(play=play, side=side, checkpoint_every=checkpoint_every, first_pass_every=first_pass_every,
+                        first_pass_seconds=first_pass_seconds, log=log)
 
 
-def log_job(path: str, *, label: str | None = None, play: bool = False) -> dict[str, Any]:
+def log_job(path: str, *, label: str | None = None, play: bool = False) -> DashboardJob:
     """The job of a dashboard's process over a saved state log (no allocator)."""
-    return {"state_log": str(path), "trace_label": label, "dashboard": {"play": play}}
+    return DashboardJob(play=play, state_log=str(path), label=label)
 
 
-def job_source(job: dict[str, Any]) -> ReplaySource:
+def job_source(job: DashboardJob) -> ReplaySource:
     """The source a dashboard's replay process runs for ``job`` (a state log's, or a live
     replay's), set up to last as long as the process."""
     import gc
 
-    source = _log_source(job) if job.get("state_log") else live_source(job)
+    source = _log_source(job) if job.state_log is not None else live_source(job)
     # What the set-up made (modules, the trace's reader, the allocator) lives as long as
     # this process: out of the collector's sight, so that the full collections the replay's
     # snapshots set off do not walk it again each time.
@@ -499,14 +498,15 @@ def job_source(job: dict[str, Any]) -> ReplaySource:
     return source
 
 
-def _log_source(job: dict[str, Any]) -> ReplaySource:
+def _log_source(job: DashboardJob) -> ReplaySource:
     from kvtrace.statelog.session import StateLogSession
     from kvtrace.tui.remote.sources import LogSource
 
-    return LogSource(StateLogSession(job["state_log"]), label=job.get("trace_label"))
+    assert job.state_log is not None
+    return LogSource(StateLogSession(job.state_log), label=job.label)
 
 
-def live_source(job: dict[str, Any]) -> ReplaySource:
+def live_source(job: DashboardJob) -> ReplaySource:
     from kvtrace.proc.child import job_screen, job_version
     from kvtrace.replay.config import config_dict
     from kvtrace.replay.engine import ReplayOptions
@@ -514,22 +514,23 @@ def live_source(job: dict[str, Any]) -> ReplaySource:
     from kvtrace.statelog.log import StateLogWriter, trace_identity
     from kvtrace.tui.remote.sources import LiveSource
 
-    settings = job["dashboard"]
-    options = ReplayOptions(**job.get("options", {}))
+    side: SideJob | None = job.side
+    assert side is not None
+    options = ReplayOptions(**side.options)
     session = ReplaySession(
-        job["trace"], version=job_version(job), page_size=job.get("page_size"), pool_tokens=job.get("pool_tokens"),
-        device=job.get("device", "cpu"), options=options, screen=job_screen(job, options), label=job.get("trace_label"),
-        checkpoint_every=settings.get("checkpoint_every"), first_pass_every=settings.get("first_pass_every"),
-        first_pass_seconds=settings.get("first_pass_seconds"),
+        side.trace, version=job_version(side), page_size=side.page_size, pool_tokens=side.pool_tokens,
+        device=side.device, options=options, screen=job_screen(side, options), label=side.trace_label,
+        checkpoint_every=job.checkpoint_every, first_pass_every=job.first_pass_every,
+        first_pass_seconds=job.first_pass_seconds,
         track_state=True, allocator_in_step=True,
         checker_nice=CHECKER_NICE,
     )
     log = None
-    if settings.get("log"):
+    if job.log:
         try:
-            info = {"trace": job.get("trace_label") or job["trace"], "trace_file": trace_identity(session.reader.path),
+            info = {"trace": side.trace_label or side.trace, "trace_file": trace_identity(session.reader.path),
                     "allocator": session.version.spec, "config": config_dict(session.config)}
-            log = StateLogWriter(settings["log"], info)
+            log = StateLogWriter(job.log, info)
         except BaseException:
             session.close()
             raise

@@ -11,9 +11,10 @@ batch to send only the rows of the requests it changed: a fold's cost is mostly 
 so its own fold waits for ``_FOLD_STEPS`` steps, or until its state is read
 (``kvtrace.replay.session``; bench/RESULTS.md).
 
-Over a pipe an update is one frame: its length (8 bytes, little-endian) and its body: a
-32-byte header (``KVU1``, the number of pool counters, steps, rows, the length of the
-tail), the block's columns as raw bytes in the machine's order (8-byte ones first, so that each
+Over a pipe an update is one message of a ``multiprocessing.connection.Connection``
+(``kvtrace.proc.channel``: it frames and writes it whole), its body: a 32-byte header
+(``KVU1``, the number of pool counters, steps, rows, the length of the tail), the
+block's columns as raw bytes in the machine's order (8-byte ones first, so that each
 starts aligned), then the tail: the events and the state digests, pickled, when there
 are any (the pipe joins a process to the child it started, running this same code).
 Raw columns rather than pickled arrays: pickling costs per array, which this layout
@@ -24,15 +25,17 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import BinaryIO
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtrace.replay.snapshot import PoolCounters, RequestDelta, SnapshotBlock
 
-__all__ = ["read_update", "write_update"]
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
-_LENGTH = struct.Struct("<Q")
+__all__ = ["decode_update", "encode_update", "read_update", "write_update"]
+
 _HEADER = struct.Struct("<4sIQQQ")  # magic, pool counters, steps, rows, tail bytes
 _MAGIC = b"KVU1"
 _NUM_POOL = len(PoolCounters._fields)
@@ -56,67 +59,58 @@ _COLUMNS: tuple[tuple[str, type, str], ...] = (
 _REQUEST_FIELDS = frozenset(RequestDelta._fields)
 
 
-def write_update(out: BinaryIO, update: SnapshotBlock) -> None:
-    """Write one update (a block of steps) to ``out`` as a frame (and flush)."""
+def encode_update(update: SnapshotBlock) -> bytes:
+    """The body of one update (a block of steps); ``decode_update`` reverses it."""
     k, r = update.num_steps, update.requests.num_requests
     digests = update.digests if any(d is not None for d in update.digests) else None
     tail = pickle.dumps((update.event_steps, update.events, digests), protocol=pickle.HIGHEST_PROTOCOL) \
         if update.events or digests is not None else b""
     columns = [_column(getattr(update.requests if name in _REQUEST_FIELDS else update, name), dtype)
                for name, dtype, _ in _COLUMNS]
-    body = b"".join([_HEADER.pack(_MAGIC, _NUM_POOL, k, r, len(tail)), _column(update.pools, np.int64), *columns, tail])
-    out.write(_LENGTH.pack(len(body)))
-    out.write(body)
-    out.flush()
+    return b"".join([_HEADER.pack(_MAGIC, _NUM_POOL, k, r, len(tail)), _column(update.pools, np.int64), *columns, tail])
 
 
-def _read_exactly(source: BinaryIO, n: int, size: int, offset: int = 0) -> bytearray:
-    """``n`` bytes of ``source`` (bytes ``offset`` on of a frame of ``size``).
-
-    Raises:
-        EOFError: the stream ends first.
-    """
-    data = bytearray(n)
-    view = memoryview(data)
-    got = 0
-    while got < n:
-        read = source.readinto(view[got:])  # type: ignore[attr-defined]
-        if not read:
-            raise EOFError(f"the update stream ends inside a frame ({offset + got} of {size} bytes)")
-        got += read
-    return data
+def write_update(out: Connection, update: SnapshotBlock) -> None:
+    """Send one update to ``out`` as one message."""
+    out.send_bytes(encode_update(update))
 
 
 def _column(values: np.ndarray, dtype: type) -> memoryview:
     return memoryview(np.ascontiguousarray(values, dtype=dtype).reshape(-1)).cast("B")
 
 
-def read_update(source: BinaryIO) -> SnapshotBlock | None:
-    """The next update ``write_update`` wrote to ``source`` (None at the end of the stream).
+def read_update(source: Connection) -> SnapshotBlock | None:
+    """The next update ``write_update`` sent to ``source`` (None once its writer closed it).
 
     Raises:
-        EOFError: the stream ends inside a frame.
-        ValueError: a frame that is not an update.
+        OSError: the stream ends inside a message.
+        ValueError: a message that is not an update.
     """
-    head = source.read(_LENGTH.size)
-    if not head:
+    try:
+        body = source.recv_bytes()
+    except EOFError:
         return None
-    if len(head) < _LENGTH.size:
-        raise EOFError("the update stream ends inside a frame's length")
-    (size,) = _LENGTH.unpack(head)
+    return decode_update(bytearray(body))  # writable: the columns are views of it
+
+
+def decode_update(body: bytearray) -> SnapshotBlock:
+    """The update ``encode_update`` made ``body`` of (its columns are views of ``body``).
+
+    Raises:
+        ValueError: not an update, or a damaged one.
+    """
+    size = len(body)
     if size < _HEADER.size:
         raise ValueError(f"an update frame of {size} bytes is shorter than its header")
-    header = _read_exactly(source, _HEADER.size, size)
-    magic, num_pool, k, r, tail_len = _HEADER.unpack(header)
+    magic, num_pool, k, r, tail_len = _HEADER.unpack_from(body)
     if magic != _MAGIC:
-        raise ValueError(f"not an update frame (it begins {bytes(header[:8])!r})")
+        raise ValueError(f"not an update frame (it begins {bytes(body[:8])!r})")
     expected = _HEADER.size + 8 * k * num_pool + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
                                                      for _, t, per in _COLUMNS) + tail_len
-    if num_pool != _NUM_POOL or expected != size:  # (checked before the body is read: a length gone wrong)
+    if num_pool != _NUM_POOL or expected != size:
         raise ValueError(f"a damaged update frame ({num_pool} pool counters, {k} steps, {r} rows and {tail_len} "
                          f"bytes of events in {size} bytes)")
-    body = _read_exactly(source, size - _HEADER.size, size, _HEADER.size)  # writable: the columns are views of it
-    at = 0
+    at = _HEADER.size
     pools = np.frombuffer(body, np.int64, k * num_pool, at).reshape(k, num_pool)
     at += pools.nbytes
     cols: dict[str, np.ndarray] = {}
