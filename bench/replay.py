@@ -92,7 +92,7 @@ def profile(trace: str, top: int) -> None:
 
     from kvtrace.replay.session import ReplaySession
 
-    session = ReplaySession(trace, screen="inline")
+    session = ReplaySession(trace, checker="inline")
     prof = cProfile.Profile()
     prof.enable()
     session.run()

@@ -123,7 +123,7 @@ def live_app(trace: str = TINY, *, play: bool = False, fixed_clock: bool = False
     from kvtrace.tui.remote.sources import LiveSource
 
     session_kw.setdefault("checkpoint_every", 20)
-    session = ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True, **session_kw)  # type: ignore[arg-type]
+    session = ReplaySession(trace, track_state=True, checker="inline", allocator_in_step=True, **session_kw)  # type: ignore[arg-type]
     link = ThreadReplay(LiveSource(session), play=play)
     if fixed_clock:
         return KvtraceApp(link, clock=lambda: 0.0)

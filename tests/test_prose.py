@@ -71,3 +71,18 @@ def test_markdown_code_fences_are_closed() -> None:
         if len(fences) % 2:
             open_fences.append(f"{path.relative_to(ROOT)}: {len(fences)} fences, the last at line {fences[-1]}")
     assert not open_fences, open_fences
+
+
+def test_no_name_outside_the_dashboard_says_screen() -> None:
+    """Outside the Textual dashboard, "screen" names nothing: the op checker's names say
+    checker (``StepChecker``, ``checker=``, ``checker_fd``)."""
+    found = []
+    for package in ("kvtrace", "traces", "allocator"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("kvtrace/tui/") and not rel.startswith("kvtrace/tui/remote/"):
+                continue
+            for tok in tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline):
+                if tok.type == tokenize.NAME and "screen" in tok.string.lower():
+                    found.append(f"{rel}:{tok.start[0]}: {tok.string}")
+    assert not found, found

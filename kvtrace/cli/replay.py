@@ -209,7 +209,7 @@ def replay(
 
         # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
         ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
-                      options=options, screen="inline", force_memory=ignore_memory_check).close()
+                      options=options, checker="inline", force_memory=ignore_memory_check).close()
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:

@@ -205,7 +205,7 @@ def _start_children(
     try:
         for name, version, pipe in zip("AB", versions, pipes):
             job = side_job(version, path, trace_label=trace, options=dataclasses.asdict(replay), **what_if)
-            job = dataclasses.replace(job, screen_fd=pipe.fileno())
+            job = dataclasses.replace(job, checker_fd=pipe.fileno())
             sides.append(ChildSide(name, job, python=getattr(version, "python", sys.executable), pass_fds=(pipe.fileno(),)))
     finally:
         for pipe in pipes:
@@ -223,7 +223,7 @@ def _start_sessions(
 
     first = ReplaySession(path, version=versions[0], options=replay, label=trace, **what_if)
     sides.append(SessionSide(first))
-    second = ReplaySession(path, version=versions[1], options=replay, label=trace, screen=first.screen, **what_if)
+    second = ReplaySession(path, version=versions[1], options=replay, label=trace, checker=first.checker, **what_if)
     sides.append(SessionSide(second))
 
 

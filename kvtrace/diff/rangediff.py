@@ -296,7 +296,7 @@ class _Replays:
                 version = ChildVersion(spec, spec, root, origin=f"commit {commit.commit[:12]} of {self.series.repo}",
                                        commit=commit.commit)
                 job = side_job(version, t.path, trace_label=t.label, page_size=s.page_size, pool_tokens=s.pool_tokens,
-                               device=s.device, options=dataclasses.asdict(s.replay_options()), screen="inline")
+                               device=s.device, options=dataclasses.asdict(s.replay_options()), checker="inline")
                 with self._lock:
                     if self._stopping:  # the run is being interrupted: start nothing more
                         writer.abort()

@@ -127,7 +127,7 @@ def side_job(
     pool_tokens: int | None,
     device: str,
     options: dict[str, Any],
-    screen: str = "background",
+    checker: str = "background",
 ) -> SideJob:
     """The job a ``ChildSide`` hands ``kvtrace.proc.child``."""
     root = getattr(version, "allocator_root", None)
@@ -138,7 +138,7 @@ def side_job(
         code = code_identity(Path(root) / "allocator")  # what the child must import (it checks)
     return SideJob(
         trace=trace, trace_label=trace_label, spec=version.spec, label=version.label, origin=version.origin,
-        page_size=page_size, pool_tokens=pool_tokens, device=device, options=dict(options), screen=screen,
+        page_size=page_size, pool_tokens=pool_tokens, device=device, options=dict(options), checker=checker,
         steps_per_batch=CHILD_BATCH_STEPS, allocator_root=None if root is None else str(root), code=code,
     )
 
@@ -223,7 +223,7 @@ class ChildSide:
 
     Args:
         name: how errors name the side (``A`` / ``B``).
-        job: ``side_job(...)`` (with ``screen_fd`` set when the sides share a checker).
+        job: ``side_job(...)`` (with ``checker_fd`` set when the sides share a checker).
         python: the child's interpreter.
         pass_fds: more descriptors the child inherits (a shared checker's pipe).
 

@@ -7,7 +7,7 @@ streams its per-step records to the parent.
 (``kvtrace.diff.sides.side_job``): the trace, the version (a spec, or an
 ``allocator_root`` whose ``allocator`` package is imported first: a ``git:`` checkout
 or a working tree), the what-if options and the ``ReplayOptions``, and optionally
-``screen_fd``: the pipe of an op-sequence checker the parent runs once for both
+``checker_fd``: the pipe of an op-sequence checker the parent runs once for both
 sides (``traces.checker_process.start_shared_checker``). Stdout carries
 the records: a state log stream (``kvtrace.statelog.log``; pool counters, per-request
 deltas, events, state digests), uncompressed, ``steps_per_batch`` steps per record
@@ -41,7 +41,7 @@ from kvtrace.proc.contracts import DashboardJob, Ended, Failed, SideJob, Started
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "job_screen", "job_version", "main", "run_job"]
+__all__ = ["OPTIONAL_PROTOCOLS", "install_allocator", "job_checker", "job_version", "main", "run_job"]
 
 # Optional protocols of ``allocator.base`` that this kvtrace checks with isinstance before
 # calling their methods. A package older than one of them lacks the name, or defines it
@@ -167,13 +167,13 @@ def run_job(job: SideJob, out: Connection, control: Connection) -> None:
 
     version = job_version(job)
     options = ReplayOptions(**job.options)
-    screen = job_screen(job, options)
+    checker = job_checker(job, options)
     try:
         with chunk_writer(out) as stream:
-            _replay(job, version, options, screen, stream, control)
+            _replay(job, version, options, checker, stream, control)
     finally:
-        if not isinstance(screen, str):
-            screen.close()
+        if not isinstance(checker, str):
+            checker.close()
 
 
 def job_version(job: SideJob) -> Any:
@@ -203,24 +203,24 @@ def job_version(job: SideJob) -> Any:
     return version
 
 
-def job_screen(job: SideJob, options: Any) -> Any:
+def job_checker(job: SideJob, options: Any) -> Any:
     """What checks the job's steps: a mode (``background``, ``inline``), or the checker
-    the parent shares between the sides (``screen_fd``)."""
-    if job.screen_fd is None:
-        return job.screen
+    the parent shares between the sides (``checker_fd``)."""
+    if job.checker_fd is None:
+        return job.checker
     from traces.checker_process import BackgroundChecker
 
-    return BackgroundChecker(job.trace, options.stop_step, conn=connection(job.screen_fd, writable=False))
+    return BackgroundChecker(job.trace, options.stop_step, conn=connection(job.checker_fd, writable=False))
 
 
-def _replay(job: SideJob, version: Any, options: Any, screen: Any, out: BinaryIO, control: Connection) -> None:
+def _replay(job: SideJob, version: Any, options: Any, checker: Any, out: BinaryIO, control: Connection) -> None:
     from kvtrace.replay.config import config_dict
     from kvtrace.replay.session import ReplaySession
     from kvtrace.statelog.log import StateLogWriter
 
     with ReplaySession(
         job.trace, version=version, page_size=job.page_size, pool_tokens=job.pool_tokens,
-        device=job.device, options=options, screen=screen, label=job.trace_label,
+        device=job.device, options=options, checker=checker, label=job.trace_label,
     ) as session:
         config = config_dict(session.config)
         control.send(Started(config, version.label, version.origin).to_wire())

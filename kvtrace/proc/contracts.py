@@ -126,8 +126,8 @@ class SideJob(Contract):
 
     ``allocator_root``: a checkout whose ``allocator`` package the child imports first (a
     ``git:`` revision, a working tree), ``code`` its ``code_identity`` (the child checks
-    it imported that); ``screen``: how the steps are checked (``background``,
-    ``inline``), or ``screen_fd``: the pipe of an op-sequence checker the parent shares
+    it imported that); ``checker``: how the steps are checked (``background``,
+    ``inline``), or ``checker_fd``: the pipe of an op-sequence checker the parent shares
     between the sides (``traces.checker_process.start_shared_checker``).
     """
 
@@ -141,8 +141,8 @@ class SideJob(Contract):
     pool_tokens: int | None = None
     device: str = "cpu"
     options: dict[str, Any] = field(default_factory=dict)  # ReplayOptions' fields
-    screen: str = "background"
-    screen_fd: int | None = None
+    checker: str = "background"
+    checker_fd: int | None = None
     steps_per_batch: int = 256
     allocator_root: str | None = None
     code: str | None = None

@@ -80,7 +80,7 @@ _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
 _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
 
 
-class StepScreen(Protocol):
+class StepChecker(Protocol):
     """What checks a step for impossible ops before it is applied (the checker)."""
 
     def check(self, batch: StepBatch) -> list[Problem]: ...
@@ -170,7 +170,7 @@ class ReplayEngine:
         meta: the trace's metadata (checked op semantics, prompt lengths).
         allocator: the allocator version to drive.
         options: see ``ReplayOptions``.
-        screen: the checker of each step (default: an ``OpSequenceChecker`` in this process).
+        checker: the checker of each step (default: an ``OpSequenceChecker`` in this process).
         clock: the timer for allocator time.
     """
 
@@ -179,21 +179,21 @@ class ReplayEngine:
         meta: TraceMeta,
         allocator: Allocator,
         options: ReplayOptions | None = None,
-        screen: StepScreen | None = None,
+        checker: StepChecker | None = None,
         clock: Callable[[], float] = time.perf_counter,
         rid_bound: int = MAX_RID,
     ) -> None:
-        if screen is None:
+        if checker is None:
             from traces.checker import OpSequenceChecker
 
-            screen = OpSequenceChecker(meta, rid_bound=rid_bound)
+            checker = OpSequenceChecker(meta, rid_bound=rid_bound)
         self.rid_bound = rid_bound  # request ids below this (the trace's TraceReader.rid_bound)
         self.meta = meta
         self.allocator = allocator
         self.options = options or ReplayOptions()
         self.stats = ReplayStats()
         self.stopped_early = False
-        self._screen_step = screen
+        self._step_checker = checker
         self._clock = clock
         self._tokens = TokenStore(meta.block_size)
         self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
@@ -260,7 +260,7 @@ class ReplayEngine:
         self._events = []
         alloc_s_before = st.allocator_s
         n = len(batch)
-        ok = self._screen(batch)
+        ok = self._check_ops(batch)
         if ok is not None:  # skip mode: rows the checker refused never reach the replay
             batch, ok = batch.take(np.flatnonzero(ok)), None
         if len(batch):  # request ids are checked: below the trace's bound
@@ -483,9 +483,9 @@ class ReplayEngine:
         )
         return RequestDelta(*(np.concatenate([a, b]) for a, b in zip(delta, more)))
 
-    def _screen(self, batch: StepBatch) -> np.ndarray | None:
+    def _check_ops(self, batch: StepBatch) -> np.ndarray | None:
         """Check the step for impossible ops; return the mask of rows safe to apply (None: all)."""
-        problems = self._screen_step.check(batch)
+        problems = self._step_checker.check(batch)
         if not problems:
             return None
         ok = np.ones(len(batch), np.bool_)

@@ -32,9 +32,9 @@ from kvtrace.replay.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.versions.registry import AllocatorVersion, resolve_version
 from kvtrace.replay.checkpoints import Checkpoint, Checkpointing
-from kvtrace.replay.engine import ReplayEngine, ReplayOptions, StepScreen
+from kvtrace.replay.engine import ReplayEngine, ReplayOptions, StepChecker
 from kvtrace.replay.result import ReplayResult
-from kvtrace.replay.screen import RecordedScreen
+from kvtrace.replay.step_checker import RecordedChecker
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
 from traces.chunks import StepChunk
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ReplaySession", "open_trace"]
 
-ScreenMode = Literal["background", "inline"]
+CheckerMode = Literal["background", "inline"]
 DEFAULT_CHECKPOINT_BUDGET = 1 << 30
 MIN_RUN_STEPS = 2  # shorter runs of plain decode steps are replayed step by step
 _NO_STEPS = np.zeros(0, np.int64)
@@ -92,8 +92,8 @@ class ReplaySession(Checkpointing):
             thread's CPU time, which a replay stopped or waiting for a CPU does not
             spend).
         checkpoint_budget: bytes the checkpoints may hold.
-        screen: check steps in a child process (``background``) or here (``inline``),
-            or the ``screen`` (checker) of another session of the same trace that runs
+        checker: check steps in a child process (``background``) or here (``inline``),
+            or the ``checker`` of another session of the same trace that runs
             ahead of this one (lockstep: each step is checked once; that session owns it).
         checker_nice: lower the ``background`` checker's priority by this much
             (``os.nice``): a replay that shares the machine with a dashboard lets the
@@ -127,7 +127,7 @@ class ReplaySession(Checkpointing):
         first_pass_every: int | None = None,
         first_pass_seconds: float | None = None,
         checkpoint_budget: int = DEFAULT_CHECKPOINT_BUDGET,
-        screen: ScreenMode | StepScreen = "background",
+        checker: CheckerMode | StepChecker = "background",
         checker_nice: int = 0,
         track_state: bool = False,
         allocator_in_step: bool = False,
@@ -180,23 +180,23 @@ class ReplaySession(Checkpointing):
         self.checkpoint_budget = checkpoint_budget
         # The checker runs in a child process on another core; start it before the
         # allocator (which may initialise CUDA).
-        self._owns_screen = isinstance(screen, str)
-        if screen == "background":
+        self._owns_checker = isinstance(checker, str)
+        if checker == "background":
             from traces.checker_process import BackgroundChecker
 
-            self._screen: Any = RecordedScreen(BackgroundChecker(
+            self._checker: Any = RecordedChecker(BackgroundChecker(
                 self.reader.path, stop=self.options.stop_step, rid_bound=self.reader.rid_bound, nice=checker_nice))
-        elif screen == "inline":
+        elif checker == "inline":
             from traces.checker import OpSequenceChecker
 
-            self._screen = RecordedScreen(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
+            self._checker = RecordedChecker(OpSequenceChecker(self.meta, rid_bound=self.reader.rid_bound))
         else:  # each step is asked for once, in order: seeks and refused runs read the memory
-            self._screen = screen if isinstance(screen, RecordedScreen) else RecordedScreen(screen)
+            self._checker = checker if isinstance(checker, RecordedChecker) else RecordedChecker(checker)
         try:
             self._start()
         except BaseException:
-            if self._owns_screen:
-                self._screen.close()
+            if self._owns_checker:
+                self._checker.close()
             raise
         self._checkpoints: list[Checkpoint] = []  # by step
         self._checkpoint_ordinals: list[int] = []  # their ordinals, for bisect
@@ -221,7 +221,7 @@ class ReplaySession(Checkpointing):
         # not at every step.
         self._saves_state = isinstance(self.allocator, Checkpointable)
         self.engine = ReplayEngine(
-            self.meta, self.allocator, self.options, screen=self._screen, clock=self._clock,
+            self.meta, self.allocator, self.options, checker=self._checker, clock=self._clock,
             rid_bound=self.reader.rid_bound,
         )
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
@@ -251,10 +251,10 @@ class ReplaySession(Checkpointing):
         self._exhausted = False
 
     @property
-    def screen(self) -> StepScreen:
+    def checker(self) -> StepChecker:
         """What checks this session's steps (pass it to a session of the same trace that
         replays behind this one, in lockstep, to check every step once)."""
-        return self._screen
+        return self._checker
 
     @property
     def checkpointable(self) -> bool:
@@ -328,7 +328,7 @@ class ReplaySession(Checkpointing):
                     return self._shown(snaps[0], continued=len(snaps) > 1)
                 continue
             self._index += 1
-            self._screen.at = self._chunk_base + i  # (a checker of this session's own kind)
+            self._checker.at = self._chunk_base + i  # (a checker of this session's own kind)
             snap = engine.replay_step(chunk.step_batch(i))
             self._first_pass_from = max(self._first_pass_from, ordinal + 1)
             if snap is None:
@@ -382,7 +382,7 @@ class ReplaySession(Checkpointing):
             n = min(n, max(self._interval(ordinal) - self._since_checkpoint(ordinal), 1))
         if n < MIN_RUN_STEPS:
             return None
-        n = self._screened(chunk, i, n)
+        n = self._checked(chunk, i, n)
         if n < MIN_RUN_STEPS:
             return None
         cols = chunk.columns
@@ -399,10 +399,10 @@ class ReplaySession(Checkpointing):
         self._index += n
         return snaps
 
-    def _screened(self, chunk: StepChunk, i: int, n: int) -> int:
+    def _checked(self, chunk: StepChunk, i: int, n: int) -> int:
         """Check steps ``i .. i + n - 1`` of ``chunk``; how many lead with no problem (a
         step with one is replayed by itself; its problems are remembered)."""
-        check_at = self._screen.check_at
+        check_at = self._checker.check_at
         for j in range(n):
             problems = check_at(chunk, i + j, self._chunk_base + i + j)
             if problems:
@@ -584,8 +584,8 @@ class ReplaySession(Checkpointing):
         if self._closed:
             return
         self._closed = True
-        if self._owns_screen:
-            self._screen.close()
+        if self._owns_checker:
+            self._checker.close()
         chunks = getattr(self, "_chunks", None)
         if chunks is not None:
             chunks.close()

@@ -42,7 +42,7 @@ CHECK = {check_q}  # the invariant check that broke{field_note}
 
 
 def {name}() -> None:
-    with ReplaySession(TRACE, version=ALLOCATOR, options=ReplayOptions(check="every"), screen="inline") as session:
+    with ReplaySession(TRACE, version=ALLOCATOR, options=ReplayOptions(check="every"), checker="inline") as session:
         result = session.run()
     broken = [v for v in result.stats.violations if v.check == CHECK{field_test}]
 {assertion}
@@ -58,7 +58,7 @@ OP = {op_q}  # the op kind that ran out of KV slots
 
 def {name}() -> None:
     options = ReplayOptions(check="never", on_oom="stop")
-    with ReplaySession(TRACE, version=ALLOCATOR, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, version=ALLOCATOR, options=options, checker="inline") as session:
         oom = session.run().stats.oom
 {assertion}
 '''

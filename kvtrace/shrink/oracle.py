@@ -151,7 +151,7 @@ class Oracle:
 
         options = ReplayOptions(check=check, on_oom="stop")  # type: ignore[arg-type]
         with ReplaySession(path, version=_version(version), options=options, device=self.device,
-                           pool_tokens=pool_tokens, screen="inline") as s:
+                           pool_tokens=pool_tokens, checker="inline") as s:
             return s.run()
 
     def _judge_divergence(self, path: Path, signature: Signature) -> Outcome:

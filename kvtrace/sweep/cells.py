@@ -113,7 +113,7 @@ def _replay(cell: Cell) -> dict[str, Any]:
         pool_tokens=cell.pool_tokens,
         device=s.device,
         options=options,
-        screen="inline",  # the sweep's parallelism is across cells
+        checker="inline",  # the sweep's parallelism is across cells
     ) as session:
         return session.run().to_dict()
 

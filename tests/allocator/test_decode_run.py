@@ -31,7 +31,7 @@ def decode_points(path: Path) -> list[tuple[int, np.ndarray]]:
 
 def state_at(path: Path, step: int) -> ReplaySession:
     """A session whose allocator holds the state just before ``step``."""
-    s = ReplaySession(path, screen="inline")
+    s = ReplaySession(path, checker="inline")
     for snap in s.snapshots():
         if snap.step == step - 1:
             break

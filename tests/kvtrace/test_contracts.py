@@ -17,7 +17,7 @@ from kvtrace.proc.channel import connection
 
 SIDE = c.SideJob(trace="/t/run.kvtrace", spec="git:abc123", label="abc123", origin="commit abc123",
                  trace_label="sample:tiny", page_size=16, pool_tokens=4096, device="cpu",
-                 options={"stop_step": 50, "state_digest": True}, screen="inline", screen_fd=7,
+                 options={"stop_step": 50, "state_digest": True}, checker="inline", checker_fd=7,
                  allocator_root="/tmp/checkout", code="tree:deadbeef")
 
 JOBS = [

@@ -74,7 +74,7 @@ def test_cli_identical_says_so_and_exits_0() -> None:
 def test_each_faulty_allocator_is_found_at_its_step_and_request(fault: str) -> None:
     """With --check every a broken invariant is an outcome of its step, blamed on its
     request: the diff names both. Without it the pool counters show the same step."""
-    with ReplaySession("sample:tiny", version=f"{FAULTY}:{fault}", screen="inline",
+    with ReplaySession("sample:tiny", version=f"{FAULTY}:{fault}", checker="inline",
                        options=ReplayOptions(check="every")) as alone:
         alone.run()
         fault_rid = alone.allocator.fault_rid  # type: ignore[attr-defined]
@@ -235,7 +235,7 @@ def _state_log(path: Path, trace: str = "sample:tiny", steps_per_batch: int = 16
     from kvtrace.replay.config import config_dict
     from kvtrace.statelog.log import StateLogWriter, trace_identity
 
-    with ReplaySession(trace, screen="inline") as session:
+    with ReplaySession(trace, checker="inline") as session:
         info = {"trace": trace, "trace_file": trace_identity(session.reader.path), "allocator": "builtin",
                 "config": config_dict(session.config)}
         with StateLogWriter(path, info, steps_per_batch=steps_per_batch) as log:

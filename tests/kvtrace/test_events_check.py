@@ -25,7 +25,7 @@ def stream() -> tuple[list[KVEventBatch], list[int]]:
     """The batches a replay of TRACE publishes, and the step of each."""
     frames: list[Frame] = []
     steps: list[int] = []
-    with ReplaySession(TRACE, screen="inline") as session:
+    with ReplaySession(TRACE, checker="inline") as session:
         emitter = Emitter(session, frames.append)
         for snap in session.snapshots():
             before = len(frames)

@@ -109,7 +109,7 @@ def test_events_describe_the_replay_tree_exactly(page_size: int, tmp_path: Path)
     frames: list[Frame] = []
     # A small pool (requests that do not fit are dropped) evicts from the first steps on.
     options = ReplayOptions(on_oom="skip", stop_step=400)
-    with ReplaySession(TRACE, page_size=page_size, pool_tokens=60_000, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, page_size=page_size, pool_tokens=60_000, options=options, checker="inline") as session:
         emitter = Emitter(session, frames.append)
         for snap in session.snapshots():
             emitter.after(snap)
@@ -171,12 +171,12 @@ def test_the_background_emitter_writes_the_same_frames(tmp_path: Path) -> None:
 
     frames: list[Frame] = []
     options = ReplayOptions(on_oom="skip", stop_step=400)
-    with ReplaySession(TRACE, pool_tokens=60_000, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, pool_tokens=60_000, options=options, checker="inline") as session:
         emitter = Emitter(session, frames.append)
         for snap in session.snapshots():
             emitter.after(snap)
     path = tmp_path / "events.kvev"
-    with ReplaySession(TRACE, pool_tokens=60_000, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, pool_tokens=60_000, options=options, checker="inline") as session:
         background = BackgroundEmitter(session, FileTarget(str(path)))
         for snap in session.snapshots():
             background.after(snap)
@@ -189,7 +189,7 @@ def test_paced_batches_wait_for_their_trace_time() -> None:
     waits: list[float] = []
     times: list[float] = []
     options = ReplayOptions(stop_step=400)
-    with ReplaySession(TRACE, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, options=options, checker="inline") as session:
         emitter = Emitter(session, lambda f: times.append(msgspec.msgpack.decode(f.payload)[0]), paced=True,
                           sleep=waits.append)
         for snap in session.snapshots():
@@ -207,7 +207,7 @@ def test_a_full_disk_in_the_child_is_one_error() -> None:
     from kvtrace.events.wire import FileTarget
 
     options = ReplayOptions(stop_step=400)
-    with ReplaySession(TRACE, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, options=options, checker="inline") as session:
         background = BackgroundEmitter(session, FileTarget("/dev/full"))
         with pytest.raises(EventStreamError, match="/dev/full: cannot write the events .No space left on device."):
             for snap in session.snapshots():

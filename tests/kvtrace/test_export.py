@@ -108,7 +108,7 @@ def test_the_perfetto_trace_decodes_and_its_counters_are_the_replays(tmp_path: P
     for counter in COUNTERS:
         assert f"full {counter}" in got["counters"]
     assert "prefix hit rate" in got["counters"]
-    with ReplaySession("sample:tiny", screen="inline") as session:
+    with ReplaySession("sample:tiny", checker="inline") as session:
         snaps = list(session.snapshots())
     assert len(snaps) == 139
     for snap in (snaps[0], snaps[10], snaps[57], snaps[100], snaps[-1]):
@@ -174,7 +174,7 @@ def test_an_out_of_memory_is_an_instant_and_stopping_at_it_exits_1(tmp_path: Pat
 
 def test_the_hit_rate_over_a_window_of_every_admission_is_the_replays() -> None:
     builder = TimelineBuilder(hit_window=10**6)
-    with ReplaySession("sample:mooncake-tiny", screen="inline") as session:
+    with ReplaySession("sample:mooncake-tiny", checker="inline") as session:
         rates = [r.value for snap in session.snapshots() for r in builder.feed(snap) if isinstance(r, HitRate)]
         expected = session.result().to_dict()["prefix_hit_rate"]
     assert expected > 0 and rates[-1] == pytest.approx(expected, abs=1e-6)
@@ -274,7 +274,7 @@ def test_packets_are_written_as_the_replay_goes() -> None:
     with open_timeline_file_obj(buf) as out:
         export = ProcessExport(out, "stream")
         sizes = []
-        with ReplaySession("sample:tiny", screen="inline") as session:
+        with ReplaySession("sample:tiny", checker="inline") as session:
             for snap in session.snapshots():
                 export.feed(snap)
                 sizes.append(buf.tell())
@@ -346,7 +346,7 @@ def test_a_diff_exports_both_sides_on_one_clock_with_the_divergence_marked(tmp_p
     processes = {p.track_descriptor.process.pid: p.track_descriptor.process.process_name
                  for p in trace.packet if p.track_descriptor.HasField("process")}
     assert sorted(processes.values()) == ["A: sample:tiny (builtin)", "B: sample:tiny (pre-encapsulation)"]
-    with ReplaySession("sample:tiny", screen="inline") as session:
+    with ReplaySession("sample:tiny", checker="inline") as session:
         step1 = [s for s in session.snapshots() if s.step == 1][0]
     marks = [(p.trusted_packet_sequence_id, p.timestamp) for p in trace.packet
              if p.track_event.name == "first divergence"]

@@ -24,7 +24,7 @@ def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
     """A log of the tiny sample in 16-step batches, and the straight fold's table at each step."""
     path = tmp_path_factory.mktemp("log") / "tiny.log"
     tables = {}
-    with ReplaySession(TINY, track_state=True, screen="inline") as s:
+    with ReplaySession(TINY, track_state=True, checker="inline") as s:
         with StateLogWriter(path, {"trace": TINY, "config": {"page_size": s.config.page_size}}, steps_per_batch=16) as w:
             for snap in s.snapshots():
                 w.write(snap)

@@ -47,7 +47,7 @@ def busy_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def open_session(path: Path, version: str = "builtin", **options: object) -> ReplaySession:
     overrides = {k: options.pop(k) for k in ("page_size", "pool_tokens") if k in options}
-    return ReplaySession(path, version=version, options=ReplayOptions(**options), screen="inline", **overrides)  # type: ignore[arg-type]
+    return ReplaySession(path, version=version, options=ReplayOptions(**options), checker="inline", **overrides)  # type: ignore[arg-type]
 
 
 def run_engine(path: Path, **options: object) -> ReplayResult:

@@ -42,7 +42,7 @@ def busy_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def session(path: Path | str, **kwargs: object) -> ReplaySession:
     options = kwargs.pop("options", None) or ReplayOptions()
-    return ReplaySession(path, screen="inline", options=options, **kwargs)  # type: ignore[arg-type]
+    return ReplaySession(path, checker="inline", options=options, **kwargs)  # type: ignore[arg-type]
 
 
 def same_snapshot(a: StepSnapshot, b: StepSnapshot) -> None:
@@ -544,8 +544,8 @@ def test_asking_digests_of_a_version_without_them_is_one_error() -> None:
 
 def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
     """Lockstep: the second session screens each step from the first one's memory."""
-    ahead = ReplaySession(busy_trace, options=ReplayOptions(), screen="background")
-    behind = ReplaySession(busy_trace, options=ReplayOptions(), screen=ahead.screen)
+    ahead = ReplaySession(busy_trace, options=ReplayOptions(), checker="background")
+    behind = ReplaySession(busy_trace, options=ReplayOptions(), checker=ahead.checker)
     try:
         for a in ahead.snapshots():
             b = behind.step()
@@ -554,7 +554,7 @@ def test_a_session_behind_another_shares_its_screen(busy_trace: Path) -> None:
         assert behind.step() is None
     finally:
         behind.close()
-        assert not ahead.screen.inner._conn.closed  # closing the second left the screen alone
+        assert not ahead.checker.inner._conn.closed  # closing the second left the screen alone
         ahead.close()
     assert straight_summary(busy_trace)["steps"] == ahead.result().stats.steps
 

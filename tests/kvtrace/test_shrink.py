@@ -52,7 +52,7 @@ def run_emitted(module: ModuleType, attribute: str, version: str, monkeypatch: p
 
 
 def violations(path: Path, version: str) -> list[str]:
-    with ReplaySession(path, version=version, options=ReplayOptions(check="every"), screen="inline") as s:
+    with ReplaySession(path, version=version, options=ReplayOptions(check="every"), checker="inline") as s:
         return [v.check for v in s.run().stats.violations]
 
 
@@ -117,7 +117,7 @@ def test_an_out_of_memory_keeps_its_op_and_the_expect_failure_test_holds(
     op = out["signature"].removeprefix("oom:")
     assert out["signature"].startswith("oom:") and out["after"]["requests"] <= 5
     assert out["after"]["pool_tokens"] <= 1200
-    with ReplaySession(test_file.with_suffix(".kvtrace"), options=ReplayOptions(on_oom="stop"), screen="inline") as s:
+    with ReplaySession(test_file.with_suffix(".kvtrace"), options=ReplayOptions(on_oom="stop"), checker="inline") as s:
         oom = s.run().stats.oom
     assert oom is not None and oom.op == op
     module = load_test(test_file)

@@ -21,7 +21,7 @@ _SNAPS: dict[str, list[StepSnapshot]] = {}
 def _snaps(trace: str, start: int | None = None) -> list[StepSnapshot]:
     key = f"{trace}@{start}"
     if key not in _SNAPS:
-        with ReplaySession(trace, screen="inline", options=ReplayOptions(start_step=start)) as s:
+        with ReplaySession(trace, checker="inline", options=ReplayOptions(start_step=start)) as s:
             _SNAPS[key] = list(s.snapshots())
     return _SNAPS[key]
 
@@ -119,7 +119,7 @@ def test_a_session_folds_a_runs_last_step_only_to_the_same_state(fold_at: list[i
     # fall on either side of a block. Folding only each run's last step in a block must reach
     # the state that folding every step of every run reaches.
     stops = set(fold_at)
-    with ReplaySession("sample:mooncake-tiny", screen="inline", track_state=True) as runs:
+    with ReplaySession("sample:mooncake-tiny", checker="inline", track_state=True) as runs:
         ref = ReplayState(runs.config.page_size)
         n = in_runs = 0
         while (snap := runs.step()) is not None:
@@ -136,7 +136,7 @@ def test_a_session_folds_a_runs_last_step_only_to_the_same_state(fold_at: list[i
 
 
 def test_a_fold_leaves_out_the_rows_a_run_overwrites() -> None:
-    with ReplaySession("sample:mooncake-tiny", screen="inline", track_state=True) as s:
+    with ReplaySession("sample:mooncake-tiny", checker="inline", track_state=True) as s:
         while len(s._pending) < 2:  # the first step of a run of three or more
             assert s.step() is not None
         s.take_block()  # the run's first step, and what came before it

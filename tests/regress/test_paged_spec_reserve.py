@@ -27,7 +27,7 @@ OP = "spec"  # the op kind that ran out of KV slots
 
 def test_paged_spec_reserve() -> None:
     options = ReplayOptions(check="never", on_oom="stop")
-    with ReplaySession(TRACE, version=ALLOCATOR, options=options, screen="inline") as session:
+    with ReplaySession(TRACE, version=ALLOCATOR, options=options, checker="inline") as session:
         oom = session.run().stats.oom
     assert oom is None or oom.op != OP, (
         f"{ALLOCATOR}: out of memory in {OP} at step {oom.step}, request {oom.rid}: "

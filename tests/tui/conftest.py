@@ -15,7 +15,7 @@ from tests.helpers import TINY
 def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A state log of the tiny sample (small batches, so seeks cross several)."""
     path = tmp_path_factory.mktemp("logs") / "tiny.log"
-    with ReplaySession(TINY, screen="inline") as s:
+    with ReplaySession(TINY, checker="inline") as s:
         info = {"trace": TINY, "allocator": s.version.spec, "config": {"page_size": s.config.page_size,
                                                                        "pool_tokens": s.config.pool_tokens}}
         with StateLogWriter(path, info, steps_per_batch=16) as log:

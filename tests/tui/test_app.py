@@ -29,7 +29,7 @@ async def test_stepping_keys_and_seeking_back() -> None:
         # going back restored a checkpoint: the fold equals a straight replay to step 3
         from kvtrace.replay.session import ReplaySession
 
-        with ReplaySession("sample:tiny", track_state=True, screen="inline") as ref:
+        with ReplaySession("sample:tiny", track_state=True, checker="inline") as ref:
             ref.seek(3)
             assert app.driver.state.table() == ref.state.table()
 

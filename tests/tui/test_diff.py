@@ -30,7 +30,7 @@ def _report() -> DiffReport:
 
 
 def diff_app(**kw: object) -> KvtraceApp:
-    links = [ThreadReplay(LiveSource(ReplaySession(TINY, version=v, track_state=True, screen="inline",
+    links = [ThreadReplay(LiveSource(ReplaySession(TINY, version=v, track_state=True, checker="inline",
                                                    checkpoint_every=20)), play=False) for v in ("builtin", B)]
     return KvtraceApp(links, diff=_report(), **kw)  # type: ignore[arg-type]
 

@@ -50,7 +50,7 @@ class _Run:
 
 
 def _live() -> LiveSource:
-    return LiveSource(ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=16, allocator_in_step=True))
+    return LiveSource(ReplaySession("sample:tiny", track_state=True, checker="inline", checkpoint_every=16, allocator_in_step=True))
 
 
 def test_commands_move_the_replay_and_frames_follow() -> None:
@@ -134,7 +134,7 @@ def test_playing_replays_runs_and_a_pause_lands_where_the_allocator_is() -> None
     steps sent); once paused, the page map is the allocator's at the step shown."""
     from allocator.ownership import SlotState
 
-    session = ReplaySession("sample:mooncake-tiny", track_state=True, screen="inline", checkpoint_every=500,
+    session = ReplaySession("sample:mooncake-tiny", track_state=True, checker="inline", checkpoint_every=500,
                             allocator_in_step=True)
     run = _Run(LiveSource(session))
     try:
@@ -157,7 +157,7 @@ def test_once_the_replay_stops_playing_it_fills_in_checkpoints_where_it_stopped(
     """Played with a sparse first pass (a checkpoint every 32 steps, every 8 once filled
     in): at the end, the replayer fills in the checkpoints before the last step, so that
     going back from there replays at most 8 steps; the steps it played stay sparse."""
-    session = ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=8, first_pass_every=32,
+    session = ReplaySession("sample:tiny", track_state=True, checker="inline", checkpoint_every=8, first_pass_every=32,
                             allocator_in_step=True)
     run = _Run(LiveSource(session))
     try:
@@ -201,7 +201,7 @@ class _RecordingEnd:
 def test_the_replayer_says_it_is_busy_while_it_fills_in_checkpoints_and_the_header_shows_it() -> None:
     """The fill where the replay stopped answers no command for a while: the screen is told
     before it starts and after it ends, and the header says so meanwhile."""
-    session = ReplaySession("sample:tiny", track_state=True, screen="inline", checkpoint_every=8, first_pass_every=32,
+    session = ReplaySession("sample:tiny", track_state=True, checker="inline", checkpoint_every=8, first_pass_every=32,
                             allocator_in_step=True)
     end = _RecordingEnd()
     replayer = Replayer(LiveSource(session), end, play=True)  # type: ignore[arg-type]
@@ -220,7 +220,7 @@ def test_the_replayer_says_it_is_busy_while_it_fills_in_checkpoints_and_the_head
     assert len(filled) == 1
     busy = [(i, m.what) for i, m in enumerate(end.sent) if isinstance(m, Busy)]
     assert busy == [(filled[0] - 1, FILLING), (len(end.sent) - 1, None)]
-    run = _Run(LiveSource(ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True)))
+    run = _Run(LiveSource(ReplaySession("sample:tiny", track_state=True, checker="inline", allocator_in_step=True)))
     try:
         frame = run.wait(lambda f: isinstance(f, Frame) and f.step is None)
     finally:
@@ -238,7 +238,7 @@ def test_frames_not_drawn_pass_their_alerts_and_releases_on() -> None:
     """A newer frame replaces an undrawn one in the UI's queue: until the UI acknowledges a
     frame, each new one repeats what the undrawn ones announced (the app notifies once)."""
     items: queue.Queue[object] = queue.Queue()
-    session = ReplaySession("sample:tiny", track_state=True, screen="inline", pool_tokens=640, allocator_in_step=True)
+    session = ReplaySession("sample:tiny", track_state=True, checker="inline", pool_tokens=640, allocator_in_step=True)
     driver = Driver(ThreadReplay(LiveSource(session), play=False), items.put)
     thread = threading.Thread(target=driver.run, daemon=True)
     thread.start()

@@ -42,14 +42,14 @@ def test_slot_states_match_the_counters_at_every_step() -> None:
     # tiny: every step (page 16, spec, prealloc, retract, abort); mooncake-tiny: a 200k-token
     # pool, every 50th step (mapping it costs ~25 ms)
     for trace, every in (("sample:tiny", 1), ("sample:mooncake-tiny", 50)):
-        with ReplaySession(trace, track_state=True, screen="inline", allocator_in_step=True) as s:
+        with ReplaySession(trace, track_state=True, checker="inline", allocator_in_step=True) as s:
             for i, _ in enumerate(s.snapshots()):
                 if i % every == 0:
                     _check_step(s)
 
 
 def test_the_selected_requests_cells_and_a_cells_owners() -> None:
-    with ReplaySession("sample:tiny", track_state=True, screen="inline", allocator_in_step=True) as s:
+    with ReplaySession("sample:tiny", track_state=True, checker="inline", allocator_in_step=True) as s:
         s.seek(60)
         rid = int(s.state.live_rids()[0])
         made = page_map(s.allocator, 37, rid)
@@ -76,7 +76,7 @@ def test_the_selected_requests_cells_and_a_cells_owners() -> None:
 
 
 def test_a_version_without_the_ownership_query_has_no_page_map() -> None:
-    with ReplaySession("sample:tiny", version=f"{FAULTY}:without_ownership", screen="inline") as s:
+    with ReplaySession("sample:tiny", version=f"{FAULTY}:without_ownership", checker="inline") as s:
         s.seek(10)
         assert page_map(s.allocator, 20, None) is None
 

@@ -37,7 +37,7 @@ def _child(version: str = "builtin", *, log: str | None = None, **options: objec
                         options=dataclasses.asdict(ReplayOptions(**options)),  # type: ignore[arg-type]
                         checkpoint_every=20, play=False, log=log)
     assert job.side is not None
-    link = ChildReplay(dataclasses.replace(job, side=dataclasses.replace(job.side, screen="inline")))
+    link = ChildReplay(dataclasses.replace(job, side=dataclasses.replace(job.side, checker="inline")))
     link.wait_started()
     return link
 
@@ -59,7 +59,7 @@ async def test_keys_move_the_replay_process_and_the_fold_follows(tmp_path: Path)
         await settle(pilot, at_step(0))
         await pilot.press("right", "right", "right")
         await settle(pilot, at_step(3))
-        with ReplaySession(TINY, track_state=True, screen="inline") as ref:
+        with ReplaySession(TINY, track_state=True, checker="inline") as ref:
             ref.seek(3)
             assert app.driver.state.table() == ref.state.table()
             assert app.frame.pool == ref.last.pool
@@ -104,7 +104,7 @@ def test_the_replay_process_paces_its_first_pass_in_seconds_unless_told_steps(ev
                         pool_tokens=None, device="cpu", options=dataclasses.asdict(ReplayOptions()),
                         checkpoint_every=20, first_pass_every=every, play=False)
     assert job.side is not None
-    source = live_source(dataclasses.replace(job, side=dataclasses.replace(job.side, screen="inline")))
+    source = live_source(dataclasses.replace(job, side=dataclasses.replace(job.side, checker="inline")))
     try:
         session = source.session
         assert (session.first_pass_every, session.first_pass_seconds) == (every, seconds)

@@ -25,7 +25,7 @@ def _screen_fold(trace: str, batch_sizes: list[int], options: ReplayOptions | No
     """(the replay's fold, the screen's fold of the session's blocks, rows left out of
     them) after replaying ``trace`` in batches of ``batch_sizes`` steps (cycled), the
     replay's state read now and then between them as a dashboard's replay does."""
-    with ReplaySession(trace, track_state=True, screen="inline", options=options or ReplayOptions()) as s:
+    with ReplaySession(trace, track_state=True, checker="inline", options=options or ReplayOptions()) as s:
         screen = ReplayState(s.config.page_size)
         i = left_out = 0
         while not s.done:
@@ -102,7 +102,7 @@ def _pipe() -> tuple[Connection, Connection]:
 @pytest.mark.parametrize("exact", [False, True])
 def test_updates_round_trip_through_a_pipe_and_a_cut_stream_is_an_error(exact: bool) -> None:
     # (exact: the steps carry the allocator's state digests, which travel with the events)
-    with ReplaySession("sample:tiny", track_state=True, screen="inline", options=ReplayOptions(state_digest=exact)) as s:
+    with ReplaySession("sample:tiny", track_state=True, checker="inline", options=ReplayOptions(state_digest=exact)) as s:
         snaps = [s.step() for _ in range(20)]
         update = SnapshotBlock.of(snaps)  # type: ignore[arg-type]
         quiet = SnapshotBlock.of([snap for snap in snaps if not snap.events][:3])  # type: ignore[misc]
@@ -133,7 +133,7 @@ def test_updates_round_trip_through_a_pipe_and_a_cut_stream_is_an_error(exact: b
 
 
 def test_a_damaged_update_is_an_error() -> None:
-    with ReplaySession("sample:tiny", track_state=True, screen="inline") as s:
+    with ReplaySession("sample:tiny", track_state=True, checker="inline") as s:
         update = SnapshotBlock.of([s.step() for _ in range(5)])  # type: ignore[misc]
     data = bytearray(encode_update(update))
     data[8] += 1  # (after the magic and the pool counters) one more step than the update holds

@@ -507,7 +507,7 @@ def _log_source(job: DashboardJob) -> ReplaySource:
 
 
 def live_source(job: DashboardJob) -> ReplaySource:
-    from kvtrace.proc.child import job_screen, job_version
+    from kvtrace.proc.child import job_checker, job_version
     from kvtrace.replay.config import config_dict
     from kvtrace.replay.engine import ReplayOptions
     from kvtrace.replay.session import ReplaySession
@@ -519,7 +519,7 @@ def live_source(job: DashboardJob) -> ReplaySource:
     options = ReplayOptions(**side.options)
     session = ReplaySession(
         side.trace, version=job_version(side), page_size=side.page_size, pool_tokens=side.pool_tokens,
-        device=side.device, options=options, screen=job_screen(side, options), label=side.trace_label,
+        device=side.device, options=options, checker=job_checker(side, options), label=side.trace_label,
         checkpoint_every=job.checkpoint_every, first_pass_every=job.first_pass_every,
         first_pass_seconds=job.first_pass_seconds,
         track_state=True, allocator_in_step=True,

@@ -2,7 +2,7 @@
 
 A session checks every step for impossible ops before the engine applies it (through
 ``traces.checker``'s checker, in a child process or here). Seeks replay steps again;
-``RecordedScreen`` answers those from memory, so each step is checked once, whatever
+``RecordedChecker`` answers those from memory, so each step is checked once, whatever
 the seeks, and a session that replays behind another (lockstep diff) reads the first
 one's answers.
 """
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from traces.batches import StepBatch
     from traces.checker import Problem
 
-__all__ = ["RecordedScreen"]
+__all__ = ["RecordedChecker"]
 
 
 class _StepNumber(NamedTuple):
@@ -25,7 +25,7 @@ class _StepNumber(NamedTuple):
     step: int
 
 
-class RecordedScreen:
+class RecordedChecker:
     """Checks each step once (through ``inner``, in file order) and remembers the
     problems, so steps replayed again after a seek are checked from memory.
 
@@ -47,7 +47,7 @@ class RecordedScreen:
         if at <= self.frontier:
             return self._problems.get(at, [])
         if at != self.frontier + 1:
-            raise AssertionError(f"step ordinal {at} screened before {self.frontier + 1}")
+            raise AssertionError(f"step ordinal {at} checked before {self.frontier + 1}")
         problems = self.inner.check(batch)
         self.frontier = at
         if problems:
