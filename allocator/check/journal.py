@@ -98,11 +98,11 @@ class Journal:
 
 
 def _parts(allocator: KvAllocator) -> list[object]:
-    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
+    from allocator.ownership import full_side
 
-    tok = allocator.token_to_kv_pool_allocator
-    # HiSparse: rows hold logical slots; the device side is checked whole.
-    logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
+    # HiSparse: rows hold logical slots; the device side is checked whole. SWA: rows
+    # hold full slots; the SWA pool journals into the checker's own SWA journal.
+    logical = full_side(allocator.token_to_kv_pool_allocator)
     return [logical, logical._free, allocator.tree_cache, allocator.writer, allocator.req_to_token_pool, allocator]
 
 
