@@ -231,10 +231,12 @@ class IncrementalChecker:
         map to no SWA slot."""
         a = self.allocator
         parts = [a._rows_of(touched) if mapped is None else mapped, np.array(ch.rows_changed, dtype=np.int64)]
+        rewritten = np.array(ch.rows_changed + [row for ev in ch.writes if ev[0] == jr.WRITE
+                                                for row in ev[1].tolist()], dtype=np.int64)
         parts += [ev[1] for ev in ch.writes]
         rows = np.concatenate(parts).astype(np.int64)
         given = [p[self.pages.holder[np.clip(p, 0, self.pages.num_pages)] == FREE] for p in ch.given]
-        self.swa.check(out, rows, given)  # type: ignore[union-attr]
+        self.swa.check(out, rows, given, rewritten)  # type: ignore[union-attr]
 
     def _replay_evictions(self, events: list[tuple[Any, ...]], i: int, ch: Changes) -> int:
         """Evictions from ``events[i]`` on; returns the index of the next event.

@@ -9,8 +9,10 @@ its staged list) journal into a journal of their own; between two checks:
 * a page coming back must be nobody's or a row's (that row is looked at again);
 * every row the calls touched (its request named, its row taken, given back or
   written, one of its pages freed) is looked at again over its live window only:
-  its live positions map to SWA slots at their in-page offset, its window-freed
-  positions to none, and the pages it maps to were its own or taken in the call;
+  its live positions map to SWA slots at their in-page offset, and the pages it maps
+  to were its own or taken in the call; its window-freed positions map to none,
+  checked from where the last look stopped (the whole freed range again once the
+  row was taken, given back or rewritten, or its freed range moved its start);
 * at the end no page taken or given up is nobody's, the free list is as long as the
   shadow says, and full slots given back to the full pool map to no SWA slot.
 
@@ -87,6 +89,9 @@ class SwaShadow:
         self.holder[0] = RESERVED
         self.free_count = int(free.shape[0])
         self.row_pages: dict[int, np.ndarray] = {}
+        # per row: the window-freed range [lo, hi) last seen unmapped (lo -1: none)
+        self.dead_lo_seen = np.full(kv.num_rows, -1, dtype=np.int64)
+        self.dead_hi_seen = np.zeros(kv.num_rows, dtype=np.int64)
         self.nobody = 0
         anomalies: list[str] = []
         self._claim(kv.rows_in_use(), anomalies)
@@ -123,7 +128,12 @@ class SwaShadow:
         swa = mapping[np.clip(full, 0, num_slots)]
         if np.count_nonzero((full < 0) | (full >= num_slots) | (swa <= 0)):
             anomalies.append("a live position holds no SWA slot")
-        dflat, _, _ = _ranges(rows, dead_lo, np.minimum(live_hi, alloc), self.width)
+        dead_hi = np.minimum(live_hi, alloc)
+        seen_lo, seen_hi = self.dead_lo_seen[rows], self.dead_hi_seen[rows]
+        dead_from = np.where((seen_lo == dead_lo) & (seen_hi <= dead_hi), np.maximum(seen_hi, dead_lo), dead_lo)
+        self.dead_lo_seen[rows] = dead_lo
+        self.dead_hi_seen[rows] = dead_hi
+        dflat, _, _ = _ranges(rows, dead_from, dead_hi, self.width)
         if dflat.shape[0] and np.count_nonzero(mapping[np.clip(table[dflat].astype(np.int64), 0, num_slots)] > 0):
             anomalies.append("a window-freed position still holds an SWA slot")
         keep = swa > 0
@@ -137,8 +147,8 @@ class SwaShadow:
             inside = swa <= self.num_pages
             swa, owner = swa[inside], owner[inside]
         if ps > 1 and swa.shape[0]:
-            pairs = np.unique(np.stack([owner, swa]), axis=1)
-            owner, swa = pairs[0], pairs[1]
+            keys = np.unique(owner * (self.num_pages + 1) + swa)
+            owner, swa = keys // (self.num_pages + 1), keys % (self.num_pages + 1)
         return owner, swa
 
     def _claim(self, rows: np.ndarray, anomalies: list[str]) -> None:
@@ -158,7 +168,8 @@ class SwaShadow:
         owner, pages = self._live(in_use, anomalies)
         if pages.shape[0] == 0:
             return
-        if np.count_nonzero(holder[pages] != NOBODY) or np.unique(pages).shape[0] != pages.shape[0]:
+        # (a page claimed twice in one look drives ``nobody`` below zero: seen at the end)
+        if np.count_nonzero(holder[pages] != NOBODY):
             anomalies.append("an SWA page is held twice, or held and free")
         holder[pages] = OWNED + owner
         self.nobody -= pages.shape[0]
@@ -170,7 +181,8 @@ class SwaShadow:
 
     # ------------------------------------------------------------------ the check
 
-    def check(self, out: list[Violation], rows: np.ndarray, full_given: list[np.ndarray]) -> None:
+    def check(self, out: list[Violation], rows: np.ndarray, full_given: list[np.ndarray],
+              rewritten: np.ndarray) -> None:
         """Verify the SWA pool after the calls since the last check; append the full
         SWA walk's violations to ``out`` when anything is amiss.
 
@@ -178,8 +190,11 @@ class SwaShadow:
             rows: int64 rows the calls touched (requests named, rows taken, given back
                 or written).
             full_given: full pages given back in the calls and free now (page 1: slots).
+            rewritten: int64 rows taken, given back or written other than one entry per
+                row (their window-freed range is checked whole).
         """
         anomalies: list[str] = []
+        self.dead_lo_seen[rewritten] = -1
         holder = self.holder
         dirty: list[np.ndarray] = [rows]
         for ev in self.journal.drain():
@@ -201,10 +216,12 @@ class SwaShadow:
                 holder[np.clip(pages, 0, self.num_pages)] = FREE
                 self.free_count += pages.shape[0]
         self._check_sums(anomalies)
-        touched = np.unique(np.concatenate(dirty)) if len(dirty) > 1 else np.unique(rows)
-        self._claim(touched[touched > 0], anomalies)
+        mask = np.zeros(self.dead_hi_seen.shape[0], dtype=bool)
+        for part in dirty:
+            mask[part[part > 0]] = True
+        self._claim(np.flatnonzero(mask), anomalies)
         if self.nobody:
-            anomalies.append("SWA pages taken or given up are held by nobody")
+            anomalies.append("SWA pages taken or given up are held by nobody, or claimed twice")
         if self.tok.swa_attn_allocator.available_size() != self.free_count * self.ps:
             anomalies.append("the SWA free list holds more or fewer pages than the shadow")
         self._check_full_freed(full_given, anomalies)
