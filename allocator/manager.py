@@ -899,9 +899,7 @@ class KvAllocator:
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
         self.writer.sync()
-        if touched is None or (self.config.swa is not None and self.config.radix_cache):
-            # NOTE: with the SWA radix tree the state is always checked whole
-            # (``allocator.check.incremental_swa`` shadows the SWA pool without it).
+        if touched is None:
             return check_integrity(self)
         if self._checker is None:
             from allocator.check.incremental import IncrementalChecker

@@ -16,6 +16,10 @@ taken and given back) against two shadows:
   aligned; the row prefix of a row whose protected length or lock moved equals
   its locked path (from where it was last compared).
 
+A hybrid sliding-window allocator's SWA pool has a shadow of its own
+(``SwaShadow``, ``allocator.check.incremental_swa``), run after the full pool's checks
+as the full walk runs the SWA checks last.
+
 What is O(rows) runs whole each time, as the full walk does it: lengths, kept sums,
 conservation, the row count; a cheap test decides and the full walk's own pass says
 what is wrong. A page anomaly is described by the full ownership and row-entry
@@ -98,7 +102,7 @@ class IncrementalChecker:
         self._hisparse = tok if isinstance(tok, HiSparseTokenToKVPoolAllocator) else None
         self.pages = PageShadow(allocator)
         self.locks = LockShadow(allocator)
-        # A hybrid sliding-window allocator (radix cache off): the SWA pool's shadow.
+        # A hybrid sliding-window allocator: the SWA pool's shadow.
         self.swa: SwaShadow | None = None
         self._seed()
         if allocator.req_kv.swa:
@@ -218,6 +222,10 @@ class IncrementalChecker:
             elif kind == jr.SPLIT:
                 self.locks.split(ev[1], ev[2])
                 ch.new_nodes += (ev[1], ev[2])
+            elif kind == jr.RECOVER:  # the node's old full slots leave the tree, the new ones enter
+                pages.evict(pages.pages(ev[2]), ch, False)
+                pages.give(pages.pages(ev[3]), ch, TREE)
+                ch.new_nodes.append(ev[1])
             elif kind == jr.ROWS_TAKEN or kind == jr.ROWS_FREED:
                 self._replay_rows(ev[1], kind == jr.ROWS_TAKEN, ch)
             else:
@@ -236,7 +244,8 @@ class IncrementalChecker:
         parts += [ev[1] for ev in ch.writes]
         rows = np.concatenate(parts).astype(np.int64)
         given = [p[self.pages.holder[np.clip(p, 0, self.pages.num_pages)] == FREE] for p in ch.given]
-        self.swa.check(out, rows, given, rewritten)  # type: ignore[union-attr]
+        tree_moved = bool(ch.new_nodes or ch.evicted_nodes or ch.lock_nodes)
+        self.swa.check(out, rows, given, rewritten, tree_moved)  # type: ignore[union-attr]
 
     def _replay_evictions(self, events: list[tuple[Any, ...]], i: int, ch: Changes) -> int:
         """Evictions from ``events[i]`` on; returns the index of the next event.

@@ -1,12 +1,15 @@
 """The SWA pool half of the incremental checker (hybrid sliding-window allocators).
 
-``SwaShadow`` keeps, per SWA page, who holds it (``FREE``, ``RESERVED``, ``NOBODY``
-or ``OWNED +`` the ``req_to_token`` row whose live window maps to it) and, per row,
-the SWA pages it claimed when it was last looked at. The SWA pool's free list (and
-its staged list) journal into a journal of their own; between two checks:
+``SwaShadow`` keeps, per SWA page, who holds it (``FREE``, ``RESERVED``, ``NOBODY``,
+``TREE`` or ``OWNED +`` the ``req_to_token`` row whose live window maps to it) and,
+per row, the SWA pages it claimed when it was last looked at. The SWA pool's free
+list (and its staged list) and the SWA radix tree's SWA side (slots a node takes:
+``SwaRadixCache.swa_journal``) journal into a journal of their own; between two checks:
 
 * a page leaving the free list must have been free (it becomes nobody's);
-* a page coming back must be nobody's or a row's (that row is looked at again);
+* a page coming back must be nobody's, a row's (that row is looked at again) or the
+  tree's (a tombstone, a deleted leaf); a page the tree takes must be nobody's or a
+  row's, and the tree's pages must add up to its SWA ledgers;
 * every row the calls touched (its request named, its row taken, given back or
   written, one of its pages freed) is looked at again over its live window only:
   its live positions map to SWA slots at their in-page offset, and the pages it maps
@@ -17,12 +20,14 @@ its staged list) journal into a journal of their own; between two checks:
   shadow says, and full slots given back to the full pool map to no SWA slot.
 
 The O(rows) checks run whole (cursor bounds, ``sum_swa_freed``, the SWA
-conservation). Anything amiss is an anomaly: the full SWA walk
-(``swa_invariants.check_swa``) then says what is wrong, so the violations (check,
-pool, request) are the full walk's, and the shadow is rebuilt from the real state.
-
-With the SWA radix tree the allocator is still checked whole (the tree moves full
-and SWA pages between nodes and requests in ways this shadow does not follow).
+conservation). The tree's SWA side node by node (tombstones hold no SWA, SWA slots
+are the full slots' mapping, SWA lock counts against the rows' window receipts) is
+walked whole, as the full walk does it, after a call that changed the tree (a node
+inserted, split, recovered, evicted or locked; a page into or out of the tree); a
+call that did not (a plain decode step) skips it. Anything amiss is an anomaly: the
+full SWA walk (``swa_invariants.check_swa``) then says what is wrong, so the
+violations (check, pool, request) are the full walk's, and the shadow is rebuilt
+from the real state.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ import numpy as np
 
 from allocator.base import Violation
 from allocator.check import journal as jr
-from allocator.check.swa_invariants import _ranges, check_swa
+from allocator.check.swa_invariants import _check_tree, _ranges, check_swa
 from allocator.pages import ceil_align
+from allocator.swa_radix import SwaRadixCache
 
 if TYPE_CHECKING:
     from allocator.manager import KvAllocator
@@ -42,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SwaShadow"]
 
-FREE, RESERVED, NOBODY, OWNED = 0, 1, 2, 3
+FREE, RESERVED, NOBODY, TREE, OWNED = 0, 1, 2, 3, 4
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -50,7 +56,7 @@ class SwaShadow:
     """Who holds each SWA page, kept from the SWA pool's journal (see the module doc).
 
     Args:
-        allocator: an SWA allocator with the radix cache off.
+        allocator: an SWA allocator (radix cache off or on).
 
     Attributes:
         unconfirmed: anomalies the full SWA walk did not confirm (a checker fault).
@@ -62,6 +68,8 @@ class SwaShadow:
         self.ps = allocator.page_size
         self.num_pages = allocator.swa_pool_tokens // self.ps
         self.width = allocator.req_to_token_pool.max_context_len
+        tree = allocator.tree_cache
+        self.tree = tree if isinstance(tree, SwaRadixCache) else None
         self.journal = jr.Journal()
         self.unconfirmed = 0
         self.seed()
@@ -72,11 +80,15 @@ class SwaShadow:
         swa = self.tok.swa_attn_allocator
         swa.journal = self.journal  # type: ignore[attr-defined]
         swa._free.journal = self.journal  # type: ignore[attr-defined]
+        if self.tree is not None:
+            self.tree.swa_journal = self.journal
 
     def detach(self) -> None:
         swa = self.tok.swa_attn_allocator
         swa.journal = None  # type: ignore[attr-defined]
         swa._free.journal = None  # type: ignore[attr-defined]
+        if self.tree is not None:
+            self.tree.swa_journal = None
 
     # ------------------------------------------------------------------ state
 
@@ -88,6 +100,13 @@ class SwaShadow:
         self.holder[free[(free >= 0) & (free <= self.num_pages)]] = FREE
         self.holder[0] = RESERVED
         self.free_count = int(free.shape[0])
+        self.tree_count = 0
+        if self.tree is not None:
+            values = [n.swa_value for n in self.tree.iter_nodes() if n.swa_value is not None]  # type: ignore[attr-defined]
+            if values:
+                pages = self._pages(np.concatenate(values))
+                self.holder[pages[(pages >= 0) & (pages <= self.num_pages)]] = TREE
+                self.tree_count = int(pages.shape[0])
         self.row_pages: dict[int, np.ndarray] = {}
         # per row: the window-freed range [lo, hi) last seen unmapped (lo -1: none)
         self.dead_lo_seen = np.full(kv.num_rows, -1, dtype=np.int64)
@@ -97,6 +116,11 @@ class SwaShadow:
         self._claim(kv.rows_in_use(), anomalies)
         self.nobody = 0
         self.journal.drain()
+
+    def _pages(self, slots: np.ndarray) -> np.ndarray:
+        """int64 page ids of a page-aligned SWA slot array (the tree's node values)."""
+        ps = self.ps
+        return (np.asarray(slots)[::ps] // ps if ps > 1 else np.asarray(slots)).astype(np.int64)
 
     def _live(self, rows: np.ndarray, anomalies: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(owner row, SWA page) of each live position of ``rows`` (sane lengths only),
@@ -182,7 +206,7 @@ class SwaShadow:
     # ------------------------------------------------------------------ the check
 
     def check(self, out: list[Violation], rows: np.ndarray, full_given: list[np.ndarray],
-              rewritten: np.ndarray) -> None:
+              rewritten: np.ndarray, tree_moved: bool = False) -> None:
         """Verify the SWA pool after the calls since the last check; append the full
         SWA walk's violations to ``out`` when anything is amiss.
 
@@ -192,6 +216,7 @@ class SwaShadow:
             full_given: full pages given back in the calls and free now (page 1: slots).
             rewritten: int64 rows taken, given back or written other than one entry per
                 row (their window-freed range is checked whole).
+            tree_moved: the calls changed the radix tree (its SWA side is walked).
         """
         anomalies: list[str] = []
         self.dead_lo_seen[rewritten] = -1
@@ -199,7 +224,19 @@ class SwaShadow:
         dirty: list[np.ndarray] = [rows]
         for ev in self.journal.drain():
             pages = np.asarray(ev[1], dtype=np.int64)
-            if ev[0] == jr.TAKE:
+            if ev[0] == jr.SWA_CACHE:
+                tree_moved = True
+                pages = self._pages(pages)
+                was = np.take(holder, pages, mode="clip")
+                owned = was >= OWNED
+                if np.count_nonzero(owned | (was == NOBODY)) != pages.shape[0]:
+                    anomalies.append("the tree took an SWA page that was free, cached or reserved")
+                if np.count_nonzero(owned):
+                    dirty.append(was[owned] - OWNED)
+                self.nobody -= int(np.count_nonzero(was == NOBODY))
+                holder[np.clip(pages, 0, self.num_pages)] = TREE
+                self.tree_count += pages.shape[0]
+            elif ev[0] == jr.TAKE:
                 if np.count_nonzero(np.take(holder, pages, mode="clip") != FREE):
                     anomalies.append("an SWA page left the free list while held")
                 holder[np.clip(pages, 0, self.num_pages)] = NOBODY
@@ -208,10 +245,14 @@ class SwaShadow:
             elif ev[0] == jr.GIVE:
                 was = np.take(holder, pages, mode="clip")
                 owned = was >= OWNED
-                if np.count_nonzero(owned | (was == NOBODY)) != pages.shape[0]:
+                cached = int(np.count_nonzero(was == TREE))
+                if np.count_nonzero(owned | (was == NOBODY)) + cached != pages.shape[0]:
                     anomalies.append("an SWA page freed while free or reserved")
                 if np.count_nonzero(owned):
                     dirty.append(was[owned] - OWNED)
+                if cached:
+                    tree_moved = True
+                    self.tree_count -= cached
                 self.nobody -= int(np.count_nonzero(was == NOBODY))
                 holder[np.clip(pages, 0, self.num_pages)] = FREE
                 self.free_count += pages.shape[0]
@@ -225,6 +266,15 @@ class SwaShadow:
         if self.tok.swa_attn_allocator.available_size() != self.free_count * self.ps:
             anomalies.append("the SWA free list holds more or fewer pages than the shadow")
         self._check_full_freed(full_given, anomalies)
+        if self.tree is not None:
+            tree = self.tree
+            if self.tree_count * self.ps != tree.swa_evictable_size() + tree.swa_protected_size():
+                anomalies.append("the tree's SWA pages and its SWA ledgers differ")
+            if tree_moved:
+                found: list[Violation] = []
+                _check_tree(found, self.allocator, tree)
+                if found:
+                    anomalies.append("the tree's SWA side")
         if anomalies:
             a = self.allocator
             kv = a.req_kv
@@ -245,6 +295,8 @@ class SwaShadow:
         if kv.sum_swa_freed != int(freed.sum()):
             anomalies.append("sum_swa_freed")
         held = int((ceil_align(kv.kv_allocated_len[rows], self.ps) - kv.cache_protected_len[rows] - freed).sum())
+        if self.tree is not None:
+            held += self.tree.swa_evictable_size() + self.tree.swa_protected_size()
         if self.tok.swa_available_size() + held != self.allocator.swa_pool_tokens:
             anomalies.append("SWA conservation")
 

@@ -42,6 +42,8 @@ ROWS_TAKEN = 7  # (ROWS_TAKEN, rows): request rows handed out
 ROWS_FREED = 8  # (ROWS_FREED, rows): request rows given back
 TOUCH = 9  # (TOUCH, rids): requests whose bookkeeping changed outside the caller's call
 POINTS = 10  # (POINTS, rows, positions): table[rows[i], positions[i]] written (one entry per row)
+RECOVER = 11  # (RECOVER, node, old, new): an SWA tree node's full slots replaced (old leave, new enter)
+SWA_CACHE = 12  # (SWA_CACHE, slots): SWA slots entered the SWA radix tree (its SWA journal)
 
 
 class Journal:
@@ -95,6 +97,12 @@ class Journal:
 
     def touch(self, rids: list[int]) -> None:
         self.events.append((TOUCH, list(rids)))
+
+    def recover(self, node: TreeNode, old: np.ndarray) -> None:
+        self.events.append((RECOVER, node, old, node.value))
+
+    def swa_cache(self, slots: np.ndarray) -> None:
+        self.events.append((SWA_CACHE, slots))
 
 
 def _parts(allocator: KvAllocator) -> list[object]:
