@@ -45,9 +45,9 @@ def _tokens(rid: int, shared: int, n: int) -> np.ndarray:
 
 # An op: (kind, a, b). kind 0: admit a new request (``a``: shared prefix, ``b``: its
 # length); 1: decode every live request (``a`` steps); 2: finish live request ``a``
-# (mod the live count); 3: retract it.
+# (mod the live count); 3: retract it; 4: PD prealloc with an SWA tail (paged, radix off).
 _OPS = st.lists(
-    st.tuples(st.integers(0, 3), st.integers(0, 300), st.integers(20, 300)), min_size=4, max_size=40
+    st.tuples(st.integers(0, 4), st.integers(0, 300), st.integers(20, 300)), min_size=4, max_size=40
 )
 
 
@@ -61,6 +61,9 @@ def _apply(a: KvAllocator, index: int, op: tuple[int, int, int], shared: dict[in
         for _ in range(1 + x % 8):
             if isinstance(a.decode(np.array(live)), OutOfMemory):
                 break
+    elif kind == 4 and a.page_size > 1 and a.tree_cache.disable:
+        shared[index] = 0
+        a.prealloc(np.array([index]), np.array([y]), [_tokens(index, 0, y)])
     elif kind in (2, 3) and live:
         rid = live[x % len(live)]
         committed = int(a.request_lens(np.array([rid])).committed[0])
