@@ -899,8 +899,7 @@ class KvAllocator:
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
         self.writer.sync()
-        if touched is None or self.config.swa is not None:
-            # NOTE: SWA allocators are always checked whole (no incremental checker yet).
+        if touched is None:
             return check_integrity(self)
         if self._checker is None:
             from allocator.check.incremental import IncrementalChecker

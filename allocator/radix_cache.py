@@ -542,7 +542,7 @@ class RadixState(NamedTuple):
     keys: tuple[bytes, ...]  # each node's key
     values: tuple[np.ndarray, ...]  # each node's KV slots (read-only views)
     lock_refs: np.ndarray  # int64 [n]
-    access_times: np.ndarray  # int64 [n]
+    access_times: np.ndarray  # int64 [n] (float64 where the tree's clock is a float: the SWA tree)
     heap: np.ndarray  # int64 [m, 2] (access time, node id) of the live nodes' heap entries
     evictable_leaves: np.ndarray  # int64 node ids
     scalars: tuple[int, int, int, int, int]  # clock, next id, evictable, protected, evicted total
@@ -574,7 +574,9 @@ def save_tree_state(tree: RadixCache) -> RadixState:
         keys=tuple(n.key for n in nodes),
         values=tuple(n.value if not n.value.flags.writeable else _frozen(n.value) for n in nodes),
         lock_refs=np.fromiter((n.lock_ref for n in nodes), np.int64, len(nodes)),
-        access_times=np.fromiter((n.last_access_time for n in nodes), np.int64, len(nodes)),
+        access_times=np.fromiter(
+            (n.last_access_time for n in nodes), np.float64 if isinstance(tree._clock, float) else np.int64, len(nodes)
+        ),
         heap=heap,
         evictable_leaves=np.fromiter((n.id for n in tree.evictable_leaves), np.int64),
         scalars=(tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total),
@@ -589,13 +591,14 @@ def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNod
     which valid entries pop is unchanged.
     """
     psb = tree.page_size * 8
+    node_class = type(tree.root_node)  # a subclass's nodes (the SWA tree's) stay of its class
     by_id: dict[int, TreeNode] = {}
     nodes: list[TreeNode] = []
     for node_id, parent, lock_ref, t, key, value in zip(
         state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist(),
         state.keys, state.values,
     ):
-        node = TreeNode(node_id, t)
+        node = node_class(node_id, t)
         node.key = key
         node.value = value
         node.lock_ref = lock_ref

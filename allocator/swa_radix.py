@@ -170,6 +170,9 @@ class SwaRadixCache(RadixCache):
             gated matches, insert-overlap recoveries, locked recoveries).
     """
 
+    # The incremental checker's SWA pool journal (``allocator.check.incremental_swa``), None unless attached.
+    swa_journal = None
+
     def __init__(
         self,
         page_size: int,
@@ -235,6 +238,8 @@ class SwaRadixCache(RadixCache):
     def _set_swa_value(self, node: SwaTreeNode, swa_value: np.ndarray) -> None:
         """``set_component_device_value``: store, join the SWA LRU as most recent, ledger."""
         node.swa_value = swa_value
+        if self.swa_journal is not None:
+            self.swa_journal.swa_cache(swa_value)
         self.swa_lru.insert_mru(node)
         if node.swa_lock_ref > 0:
             self.swa_protected_size_ += len(swa_value)
@@ -489,6 +494,8 @@ class SwaRadixCache(RadixCache):
             return
         old = node.value
         node.value = incoming
+        if self.journal is not None:
+            self.journal.recover(node, old)
         alloc.free_full_segment(old, start_pos=0)
         self._swa_rebuild(node)
         self.stats["recovered"] += 1

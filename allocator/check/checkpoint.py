@@ -11,23 +11,33 @@ context) is saved as the live prefix ``[0, kv_allocated_len)`` of each row in us
 the free lists as their live entries; the tree as flat arrays. Entries of a row past
 its ``kv_allocated_len`` are never read before they are written, so a restore
 leaves them as they are.
+
+A hybrid sliding-window allocator (``AllocatorConfig.swa``) is saved whole as well:
+the token allocator's copy holds both pools' free lists, their free-group state and
+the full -> SWA mapping; the SWA columns of ``ReqKvTable`` (cursor, floor, decode
+index, branch point, window-lock receipts) are saved with the others; with the SWA
+radix tree (``allocator.swa_radix``) ``SwaTreeState`` adds each node's SWA side (its
+SWA slots or a tombstone, SWA lock count, window-boundary uuid), the SWA LRU order and
+the tree's SWA ledgers and uuid counter.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from allocator.radix_cache import RadixState, restore_tree_state, save_tree_state
+from allocator.radix_cache import RadixState, TreeNode, restore_tree_state, save_tree_state
+from allocator.swa_radix import SwaRadixCache, _SwaLru
 
 if TYPE_CHECKING:
     from allocator.manager import KvAllocator
 
-__all__ = ["AllocatorState", "restore_allocator_state", "save_allocator_state"]
+__all__ = ["AllocatorState", "SwaTreeState", "restore_allocator_state", "save_allocator_state"]
 
 # KvAllocator's own per-request arrays (indexed by request id).
 _MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed")
@@ -35,7 +45,7 @@ _MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed")
 _KV_ARRAYS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "rid")
 _KV_SCALARS = ("sum_committed", "sum_protected", "sum_allocated_ceil", "max_len_bound")
 # The SWA columns and sum, saved only for a hybrid sliding-window allocator.
-_SWA_KV_ARRAYS = ("swa_evicted_seqlen", "swa_evict_floor", "decode_batch_idx")
+_SWA_KV_ARRAYS = ("swa_evicted_seqlen", "swa_evict_floor", "decode_batch_idx", "swa_branching_seqlen")
 _SWA_KV_SCALARS = ("sum_swa_freed",)
 
 
@@ -43,6 +53,75 @@ def _kv_names(kv: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if getattr(kv, "swa", False):
         return _KV_ARRAYS + _SWA_KV_ARRAYS, _KV_SCALARS + _SWA_KV_SCALARS
     return _KV_ARRAYS, _KV_SCALARS
+
+
+class SwaTreeState(NamedTuple):
+    """The SWA side of an ``SwaRadixCache``, node by node in ``RadixState``'s order."""
+
+    swa_values: tuple[np.ndarray | None, ...]  # each node's SWA slots (read-only views), None: a tombstone
+    swa_lock_refs: np.ndarray  # int64 [n]
+    swa_uuids: np.ndarray  # int64 [n] window-boundary uuid, -1 none
+    lru: np.ndarray  # int64 node ids of the SWA LRU list, most recent first
+    scalars: tuple[int, ...]  # SWA evictable, protected, evicted total, next uuid, last lock uuid (-1 none)
+    stats: tuple[tuple[str, int], ...]
+
+    def hash_into(self, h: Any) -> None:
+        for a in (self.swa_lock_refs, self.swa_uuids, self.lru):
+            h.update(np.ascontiguousarray(a).tobytes())
+        for value in self.swa_values:
+            h.update(b"T" if value is None else np.ascontiguousarray(value).tobytes())
+            h.update(b"|")
+        h.update(repr((self.scalars, self.stats)).encode())
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.swa_lock_refs, self.swa_uuids, self.lru]
+        return sum(a.nbytes for a in arrays) + sum(0 if v is None else v.nbytes for v in self.swa_values)
+
+
+def _save_swa_tree(tree: SwaRadixCache, state: RadixState) -> SwaTreeState:
+    by_id = {node.id: node for node in tree.iter_nodes()}
+    by_id[tree.root_node.id] = tree.root_node
+    nodes = [by_id[i] for i in state.ids.tolist()]
+    # the uuid counter's next value (read by taking it, then put back)
+    next_uuid = next(tree._uuids)
+    tree._uuids = itertools.count(next_uuid)
+    last = tree.last_lock_uuid
+    return SwaTreeState(
+        swa_values=tuple(None if n.swa_value is None else _read_only(n.swa_value) for n in nodes),  # type: ignore[attr-defined]
+        swa_lock_refs=np.fromiter((n.swa_lock_ref for n in nodes), np.int64, len(nodes)),  # type: ignore[attr-defined]
+        swa_uuids=np.fromiter((-1 if n.swa_uuid is None else n.swa_uuid for n in nodes), np.int64, len(nodes)),  # type: ignore[attr-defined]
+        lru=np.fromiter((n.id for n in tree.swa_lru), np.int64),
+        scalars=(tree.swa_evictable_size_, tree.swa_protected_size_, tree.swa_evicted_tokens_total, next_uuid,
+                 -1 if last is None else last),
+        stats=tuple(tree.stats.items()),
+    )
+
+
+def _restore_swa_tree(tree: SwaRadixCache, state: SwaTreeState, ids: np.ndarray, by_id: dict[int, TreeNode]) -> None:
+    for node_id, value, lock, uuid in zip(ids.tolist(), state.swa_values, state.swa_lock_refs.tolist(),
+                                          state.swa_uuids.tolist()):
+        node = by_id[node_id]
+        node.swa_value = value  # type: ignore[attr-defined]
+        node.swa_lock_ref = lock  # type: ignore[attr-defined]
+        node.swa_uuid = None if uuid < 0 else uuid  # type: ignore[attr-defined]
+    lru = _SwaLru()
+    for node_id in reversed(state.lru.tolist()):
+        lru.insert_mru(by_id[node_id])  # type: ignore[arg-type]
+    tree.swa_lru = lru
+    evictable, protected, evicted, next_uuid, last = state.scalars
+    tree.swa_evictable_size_, tree.swa_protected_size_, tree.swa_evicted_tokens_total = evictable, protected, evicted
+    tree._uuids = itertools.count(next_uuid)
+    tree.last_lock_uuid = None if last < 0 else last
+    tree.stats = dict(state.stats)
+
+
+def _read_only(value: np.ndarray) -> np.ndarray:
+    if not value.flags.writeable:
+        return value
+    view = value.view()
+    view.flags.writeable = False
+    return view
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +139,9 @@ class AllocatorState:
     kv_scalars: tuple[int, ...]
     lock_node_ids: np.ndarray  # int64 [num_rows] id of each row's locked node, -1 none
     manager_arrays: tuple[np.ndarray, ...]
+    # SWA only: each row's window-lock receipt (-1 none) and the SWA tree's side
+    lock_swa_uuids: np.ndarray | None = None
+    swa_tree: SwaTreeState | None = None
 
     def digest(self) -> str:
         """A hash of the whole state: equal digests mean equal states (rows, free-list
@@ -83,6 +165,10 @@ class AllocatorState:
         for a in self.manager_arrays:
             trimmed = np.trim_zeros(a, "b") if a.dtype == np.bool_ else a[: _used_len(a)]
             h.update(trimmed.tobytes())
+        if self.lock_swa_uuids is not None:
+            h.update(self.lock_swa_uuids.tobytes())
+        if self.swa_tree is not None:
+            self.swa_tree.hash_into(h)
         return h.hexdigest()
 
     def slots(self) -> np.ndarray:
@@ -96,7 +182,12 @@ class AllocatorState:
         arrays = [self.rows, self.row_lens, self.row_slots, self.lock_node_ids, *self.kv_arrays, *self.manager_arrays]
         tree = self.tree
         arrays += [tree.ids, tree.parents, tree.lock_refs, tree.access_times, tree.heap, tree.evictable_leaves]
-        return sum(a.nbytes for a in arrays) + 16 * len(tree.keys) + _allocator_nbytes(self.token_allocator)
+        total = sum(a.nbytes for a in arrays) + 16 * len(tree.keys) + _allocator_nbytes(self.token_allocator)
+        if self.lock_swa_uuids is not None:
+            total += self.lock_swa_uuids.nbytes
+        if self.swa_tree is not None:
+            total += self.swa_tree.nbytes
+        return total
 
     def shared(self) -> dict[int, int]:
         """The tree's keys and slot arrays this checkpoint references: id -> bytes
@@ -110,7 +201,13 @@ class AllocatorState:
 
 
 def _free_lists(token_allocator: Any) -> list[np.ndarray]:
-    """The free slots in reuse order, and everything free (free list + deferred)."""
+    """The free slots in reuse order, and everything free (free list + deferred); an
+    SWA pair: both pools' and the full -> SWA mapping; HiSparse: the device side too."""
+    full = getattr(token_allocator, "full_attn_allocator", None)
+    if full is not None:
+        swa = token_allocator.swa_attn_allocator
+        return [full.free_pages_np(), np.sort(full.get_all_free_pages()), swa.free_pages_np(),
+                np.sort(swa.get_all_free_pages()), token_allocator.full_to_swa_index_mapping]
     parts = [token_allocator.free_pages_np(), np.sort(token_allocator.get_all_free_pages())]
     mapping = getattr(token_allocator, "full_to_hisparse_device_index_mapping", None)
     if mapping is not None:
@@ -156,6 +253,7 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
     )
     lock_ids = np.array([-1 if node is None else node.id for node in kv.lock_node], np.int64)
     packed, slots_page = pack_slots(row_slots, lens, alloc.config.page_size)
+    tree = save_tree_state(alloc.tree_cache)
     return AllocatorState(
         rows=rows.astype(np.int64),
         row_lens=lens,
@@ -163,11 +261,15 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         slots_page=slots_page,
         free_rows=tuple(alloc.req_to_token_pool.free_slots),
         token_allocator=_copy_without_journal(alloc.token_to_kv_pool_allocator),
-        tree=save_tree_state(alloc.tree_cache),
+        tree=tree,
         kv_arrays=tuple(getattr(kv, name).copy() for name in _kv_names(kv)[0]),
         kv_scalars=tuple(getattr(kv, name) for name in _kv_names(kv)[1]),
         lock_node_ids=lock_ids,
         manager_arrays=tuple(getattr(alloc, name).copy() for name in _MANAGER_ARRAYS),
+        lock_swa_uuids=(
+            np.array([-1 if u is None else u for u in kv.lock_swa_uuid], np.int64) if kv.swa else None
+        ),
+        swa_tree=_save_swa_tree(alloc.tree_cache, tree) if isinstance(alloc.tree_cache, SwaRadixCache) else None,
     )
 
 
@@ -207,9 +309,15 @@ def unpack_slots(stored: np.ndarray, row_lens: np.ndarray, page_size: int) -> np
 
 
 def _copy_without_journal(token_allocator: Any) -> Any:
-    """A deep copy of the token allocator with no incremental-checker journal."""
-    journal = getattr(token_allocator, "journal", None)
-    return copy.deepcopy(token_allocator, {id(journal): None} if journal is not None else {})
+    """A deep copy of the token allocator with no incremental-checker journal (an SWA
+    pair's journals are its pools')."""
+    memo: dict[int, Any] = {}
+    for part in (token_allocator, getattr(token_allocator, "full_attn_allocator", None),
+                 getattr(token_allocator, "swa_attn_allocator", None)):
+        journal = getattr(part, "journal", None)
+        if journal is not None:
+            memo[id(journal)] = None
+    return copy.deepcopy(token_allocator, memo)
 
 
 def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
@@ -232,6 +340,8 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     vars(alloc.token_to_kv_pool_allocator).clear()
     vars(alloc.token_to_kv_pool_allocator).update(vars(fresh))
     by_id = restore_tree_state(alloc.tree_cache, state.tree)
+    if state.swa_tree is not None:
+        _restore_swa_tree(alloc.tree_cache, state.swa_tree, state.tree.ids, by_id)  # type: ignore[arg-type]
     kv = alloc.req_kv
     arrays, scalars = _kv_names(kv)
     for name, saved in zip(arrays, state.kv_arrays):
@@ -239,6 +349,8 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     for name, value in zip(scalars, state.kv_scalars):
         setattr(kv, name, value)
     kv.lock_node = [None if i < 0 else by_id[i] for i in state.lock_node_ids.tolist()]
+    if state.lock_swa_uuids is not None:
+        kv.lock_swa_uuid = [None if u < 0 else u for u in state.lock_swa_uuids.tolist()]
     for name, saved in zip(_MANAGER_ARRAYS, state.manager_arrays):
         setattr(alloc, name, saved.copy())
     alloc._pending_publish = []

@@ -16,6 +16,10 @@ taken and given back) against two shadows:
   aligned; the row prefix of a row whose protected length or lock moved equals
   its locked path (from where it was last compared).
 
+A hybrid sliding-window allocator's SWA pool has a shadow of its own
+(``SwaShadow``, ``allocator.check.incremental_swa``), run after the full pool's checks
+as the full walk runs the SWA checks last.
+
 What is O(rows) runs whole each time, as the full walk does it: lengths, kept sums,
 conservation, the row count; a cheap test decides and the full walk's own pass says
 what is wrong. A page anomaly is described by the full ownership and row-entry
@@ -35,8 +39,10 @@ from allocator.check import journal as jr
 from allocator.base import Violation
 from allocator.pages import ceil_align
 from allocator.check.incremental_pages import FREE, TREE, PageShadow
+from allocator.check.incremental_swa import SwaShadow
 from allocator.check.incremental_tree import LockShadow
 from allocator.check.invariants import check_conservation, check_counters, check_hisparse, check_lengths, check_pages
+from allocator.ownership import full_side
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -59,6 +65,7 @@ class Changes:
     touched: list[int] = field(default_factory=list)  # rids the allocator itself touched (publish)
     prefix_rows: dict[int, int] = field(default_factory=dict)  # row -> first entry written below its protected len
     written: tuple[np.ndarray, np.ndarray] | None = None  # rows, flat table index of live entries written
+    given: list[np.ndarray] = field(default_factory=list)  # pages given to the free list (SWA: full pool)
     rows: list[Violation] = field(default_factory=list)
     tree: list[Violation] = field(default_factory=list)
     anomalies: list[str] = field(default_factory=list)  # page anomalies, described by the full page passes
@@ -95,13 +102,20 @@ class IncrementalChecker:
         self._hisparse = tok if isinstance(tok, HiSparseTokenToKVPoolAllocator) else None
         self.pages = PageShadow(allocator)
         self.locks = LockShadow(allocator)
+        # A hybrid sliding-window allocator: the SWA pool's shadow.
+        self.swa: SwaShadow | None = None
         self._seed()
+        if allocator.req_kv.swa:
+            self.swa = SwaShadow(allocator)
+            self.swa.attach()
         jr.attach_journal(allocator, self.journal)
 
     def detach(self) -> None:
         """Stop journaling (the allocator's primitives go back to recording nothing); the
         allocator's next ``check_integrity(touched)`` attaches a new checker."""
         jr.detach_journal(self.allocator)
+        if self.swa is not None:
+            self.swa.detach()
         if self.allocator._checker is self:
             self.allocator._checker = None
 
@@ -117,6 +131,8 @@ class IncrementalChecker:
         self.locks.seed()
         self.row_free = np.zeros(kv.num_rows, dtype=bool)
         self.row_free[a.req_to_token_pool.free_slots] = True
+        if self.swa is not None:
+            self.swa.seed()
 
     # ------------------------------------------------------------------ the check
 
@@ -173,6 +189,8 @@ class IncrementalChecker:
             check_hisparse(out, self._hisparse, self._hisparse.logical_attn_allocator.get_all_free_pages(), ps)
         if self._device and ch.written is not None:
             self._check_device(ch, out)
+        if self.swa is not None:
+            self._check_swa(ch, touched, mapped, out)
         if ch.anomalies or ch.rows or ch.tree:
             self._seed()  # the shadows followed a broken state: start again from the real one
         return out
@@ -191,7 +209,9 @@ class IncrementalChecker:
             elif kind == jr.POINTS or kind == jr.WRITE:
                 ch.writes.append(ev)
             elif kind == jr.GIVE:
-                pages.give(ev[1].astype(np.int64), ch, FREE)
+                given = ev[1].astype(np.int64)
+                pages.give(given, ch, FREE)
+                ch.given.append(given)
             elif kind == jr.EVICT:
                 i = self._replay_evictions(events, i - 1, ch)
             elif kind == jr.INSERT:
@@ -202,11 +222,30 @@ class IncrementalChecker:
             elif kind == jr.SPLIT:
                 self.locks.split(ev[1], ev[2])
                 ch.new_nodes += (ev[1], ev[2])
+            elif kind == jr.RECOVER:  # the node's old full slots leave the tree, the new ones enter
+                pages.evict(pages.pages(ev[2]), ch, False)
+                pages.give(pages.pages(ev[3]), ch, TREE)
+                ch.new_nodes.append(ev[1])
             elif kind == jr.ROWS_TAKEN or kind == jr.ROWS_FREED:
                 self._replay_rows(ev[1], kind == jr.ROWS_TAKEN, ch)
             else:
                 ch.touched.extend(ev[1])
         return ch
+
+    def _check_swa(self, ch: Changes, touched: np.ndarray, mapped: np.ndarray | None,
+                   out: list[Violation]) -> None:
+        """The SWA pool (``SwaShadow``): rows of the requests touched, rows taken, given
+        back or written are looked at again; full pages given back and free now must
+        map to no SWA slot."""
+        a = self.allocator
+        parts = [a._rows_of(touched) if mapped is None else mapped, np.array(ch.rows_changed, dtype=np.int64)]
+        rewritten = np.array(ch.rows_changed + [row for ev in ch.writes if ev[0] == jr.WRITE
+                                                for row in ev[1].tolist()], dtype=np.int64)
+        parts += [ev[1] for ev in ch.writes]
+        rows = np.concatenate(parts).astype(np.int64)
+        given = [p[self.pages.holder[np.clip(p, 0, self.pages.num_pages)] == FREE] for p in ch.given]
+        tree_moved = bool(ch.new_nodes or ch.evicted_nodes or ch.lock_nodes)
+        self.swa.check(out, rows, given, rewritten, tree_moved)  # type: ignore[union-attr]
 
     def _replay_evictions(self, events: list[tuple[Any, ...]], i: int, ch: Changes) -> int:
         """Evictions from ``events[i]`` on; returns the index of the next event.
@@ -268,8 +307,7 @@ class IncrementalChecker:
         sum_ceil = int(total(ceil_alloc))
         sum_prot = int(total(protected))
         tree = a.tree_cache
-        tok = a.token_to_kv_pool_allocator
-        available = (self._hisparse.logical_attn_allocator if self._hisparse is not None else tok).available_size()
+        available = full_side(a.token_to_kv_pool_allocator).available_size()
         pool = a.req_to_token_pool
         count = np.count_nonzero
         fine = (

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from allocator.ownership import page_holders
+from allocator.ownership import full_side, page_holders
 
 if TYPE_CHECKING:
     from allocator.check.incremental import Changes
@@ -218,8 +218,7 @@ class PageShadow:
         if self.nobody:
             ch.flag("pages taken or evicted in the call are held by nobody (or claimed twice)")
             self.nobody = 0
-        tok = self.allocator.token_to_kv_pool_allocator
-        logical = getattr(tok, "logical_attn_allocator", tok)
+        logical = full_side(self.allocator.token_to_kv_pool_allocator)
         if logical.available_size() != self.free_count * self.ps:
             ch.flag("the free lists hold more or fewer pages than were given back")
         if self.held.tobytes() != own_pages.tobytes():  # both int64 [rows]

@@ -42,6 +42,8 @@ ROWS_TAKEN = 7  # (ROWS_TAKEN, rows): request rows handed out
 ROWS_FREED = 8  # (ROWS_FREED, rows): request rows given back
 TOUCH = 9  # (TOUCH, rids): requests whose bookkeeping changed outside the caller's call
 POINTS = 10  # (POINTS, rows, positions): table[rows[i], positions[i]] written (one entry per row)
+RECOVER = 11  # (RECOVER, node, old, new): an SWA tree node's full slots replaced (old leave, new enter)
+SWA_CACHE = 12  # (SWA_CACHE, slots): SWA slots entered the SWA radix tree (its SWA journal)
 
 
 class Journal:
@@ -96,13 +98,19 @@ class Journal:
     def touch(self, rids: list[int]) -> None:
         self.events.append((TOUCH, list(rids)))
 
+    def recover(self, node: TreeNode, old: np.ndarray) -> None:
+        self.events.append((RECOVER, node, old, node.value))
+
+    def swa_cache(self, slots: np.ndarray) -> None:
+        self.events.append((SWA_CACHE, slots))
+
 
 def _parts(allocator: KvAllocator) -> list[object]:
-    from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
+    from allocator.ownership import full_side
 
-    tok = allocator.token_to_kv_pool_allocator
-    # HiSparse: rows hold logical slots; the device side is checked whole.
-    logical = tok.logical_attn_allocator if isinstance(tok, HiSparseTokenToKVPoolAllocator) else tok
+    # HiSparse: rows hold logical slots; the device side is checked whole. SWA: rows
+    # hold full slots; the SWA pool journals into the checker's own SWA journal.
+    logical = full_side(allocator.token_to_kv_pool_allocator)
     return [logical, logical._free, allocator.tree_cache, allocator.writer, allocator.req_to_token_pool, allocator]
 
 
