@@ -255,14 +255,25 @@ class TraceMeta:
     source: TraceSource = field(default_factory=TraceSource)
     model: ModelShape = field(default_factory=ModelShape)
     block_size: int | None = None
-    format_version: int = SCHEMA_VERSION
+    format_version: int = None  # type: ignore[assignment]  # None: the lowest that holds it (written_version)
     created_at: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
     attention: AttentionLayout | None = None  # None: every layer full attention (every v1 trace)
 
+    def __post_init__(self) -> None:
+        # Never below the version that holds this metadata (a layout added by ``replace``).
+        if self.format_version is None or self.format_version < self.written_version:
+            object.__setattr__(self, "format_version", self.written_version)
+
     def with_config(self, **changes: Any) -> TraceMeta:
         return replace(self, config=replace(self.config, **changes))
+
+    @property
+    def written_version(self) -> int:
+        """The lowest format version that holds this metadata, which a new trace is written
+        as: a full-attention trace stays readable by readers of version 1."""
+        return 1 if self.attention is None else 2
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

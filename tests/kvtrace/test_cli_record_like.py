@@ -47,7 +47,7 @@ def test_like_takes_the_whole_serving_config_of_the_trace(tmp_path: Path) -> Non
     # PD decode WITH a radix cache (not what --pd-decode alone implies), its own model.
     assert recorded["config"] == like["config"]
     assert recorded["model"] == like["model"] and recorded["attention"] is None
-    assert recorded["format_version"] == 2
+    assert recorded["format_version"] == 1  # full attention: the lowest version that holds it
 
 
 def test_options_given_override_the_like_trace(tmp_path: Path) -> None:

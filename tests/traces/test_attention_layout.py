@@ -42,8 +42,10 @@ def test_the_layout_round_trips_and_is_left_out_when_absent() -> None:
     assert data["format_version"] == SCHEMA_VERSION == 2
     assert data["attention"]["full_layer_ids"] == list(range(1, 24, 2)) and data["attention"]["sliding_window"] == 128
     assert TraceMeta.from_json(meta.to_json()) == meta
-    # Full attention: no 'attention' key at all, as a version 1 trace holds.
+    # Full attention: no 'attention' key at all, written as version 1 (the lowest version
+    # that holds it), so readers of version 1 read it.
     assert "attention" not in json.loads(make_meta().to_json())
+    assert json.loads(make_meta().to_json())["format_version"] == 1
     assert TraceMeta.from_json(make_meta().to_json()).attention is None
 
 
