@@ -366,6 +366,21 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
 }
 
+# Hybrid sliding-window models with the radix cache on (SGLang's UnifiedRadixCache(FULL,
+# SWA)): shared prefixes longer than the window, so matches are SWA-gated, tombstones
+# form, SWA-only leaves are deleted and tombstones recover on insert; small pools, so
+# both pools evict often. PD prealloc is left out (ours raises on it with SWA + radix).
+_SWA_RADIX = dict(radix_cache=True, swa_window=24, max_context_len=384)
+_SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 32, "max_context_len": 768}
+SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
+    "swa-radix-p1-nospec": RandomSpec(page_size=1, **_SWA_RADIX),
+    "swa-radix-p16-nospec": RandomSpec(page_size=16, **_SWA_RADIX),
+    "swa-radix-p64-nospec": RandomSpec(page_size=64, **_SWA_RADIX_64),
+    "swa-radix-p1-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **_SWA_RADIX),
+    "swa-radix-p16-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA_RADIX),
+    "swa-radix-p64-eagle314": RandomSpec(page_size=64, spec=EAGLE_314, **_SWA_RADIX_64),
+}
+
 
 def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scenario:
     """A valid op sequence: shared-prefix requests, chunked prefill, decode or spec,
