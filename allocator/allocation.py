@@ -302,11 +302,13 @@ def extend_fits(
     prefix_lens: np.ndarray,
     seq_lens: np.ndarray,
     lock_cost: int = 0,
+    swa_lock_cost: int = 0,
 ) -> OutOfMemory | None:
     """Whether ``alloc_for_extend`` with these lengths can succeed: rows for the new
     requests (``rows[i] == -1``), and the KV pages within free + evictable slots
     (less ``lock_cost``: evictable tokens the new requests' prefix locks will
-    protect when they are not taken yet). Changes nothing.
+    protect when they are not taken yet). With an SWA pool each pool is checked
+    against its own ledger (``swa_lock_cost``: the SWA locks' share). Changes nothing.
 
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
@@ -315,6 +317,11 @@ def extend_fits(
     if unfit is not None:
         return unfit
     need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
+    if ctx.swa is not None:
+        # each pool against its own free + evictable (SGLang's evict_to_free_tokens
+        # asks the tree for each pool's shortfall); with prefix sharing an extend frees
+        # no window, so there is no credit
+        return _swa_unfit(ctx, "extend", need, need, 0, rids, None, lock_cost, swa_lock_cost)
     return _kv_unfit(ctx, "extend", need, rids, lock_cost=lock_cost)
 
 
@@ -1218,15 +1225,20 @@ def _swa_unfit(
     swa_credit: int,
     rids: np.ndarray | None,
     rows: np.ndarray | None,
+    lock_cost: int = 0,
+    swa_lock_cost: int = 0,
 ) -> OutOfMemory | None:
     """None when the batch's per-request needs fit each pool (the SWA pool with
     ``swa_credit`` tokens about to be window-freed), else ``OutOfMemory`` naming the
-    first request that does not fit and the pool."""
+    first request that does not fit and the pool. ``lock_cost`` / ``swa_lock_cost``:
+    evictable tokens of each ledger that locks not taken yet will protect
+    (``SwaRadixCache.peek_match_lock_swa``)."""
     allocator = ctx.token_to_kv_pool_allocator
     tree = ctx.tree_cache
     full_evictable = swa_evictable = 0
-    if isinstance(tree, SwaRadixCache):
-        full_evictable, swa_evictable = tree.evictable_size(), tree.swa_evictable_size()
+    if isinstance(tree, SwaRadixCache) and not tree.disable:
+        full_evictable = tree.evictable_size() - lock_cost
+        swa_evictable = tree.swa_evictable_size() - swa_lock_cost
     for pool, need, available in (
         ("full", need_full, allocator.full_available_size() + full_evictable),
         ("swa", need_swa, allocator.swa_available_size() + swa_credit + swa_evictable),

@@ -339,9 +339,13 @@ class KvAllocator:
                 len(new_idx) > self.req_to_token_pool.available_size()
                 or need_max > self.token_to_kv_pool_allocator.available_size()
             ):
-                peek, lock_cost = tree.peek_match_lock(keys)
+                swa_lock_cost = 0
+                if isinstance(tree, SwaRadixCache):
+                    peek, lock_cost, swa_lock_cost = tree.peek_match_lock_swa(keys)
+                else:
+                    peek, lock_cost = tree.peek_match_lock(keys)
                 prefix[new_idx] = peek
-                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost)
+                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost, swa_lock_cost)
                 if unfit is not None:
                     self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
                     return unfit

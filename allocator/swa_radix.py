@@ -375,10 +375,65 @@ class SwaRadixCache(RadixCache):
         return best
 
     def peek_match_lock(self, keys):  # type: ignore[no-untyped-def]
-        """Prefix lengths ``match_prefix`` would give (lock cost: whole matched paths,
-        an upper bound of the FULL lock's cost)."""
-        prefix = np.array([self.peek_prefix_len(k) for k in keys], dtype=np.int64)
-        return prefix, 0
+        """Prefix lengths ``match_prefix`` would give and the FULL lock's cost (see
+        ``peek_match_lock_swa``)."""
+        prefix, full_cost, _swa_cost = self.peek_match_lock_swa(keys)
+        return prefix, full_cost
+
+    def peek_match_lock_swa(self, keys: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
+        """What matching and locking ``keys`` one after the other would do, without
+        touching, splitting or locking anything.
+
+        Returns:
+            The prefix length ``match_prefix_swa`` would give per key, and the tokens
+            the locks would move from evictable to protected in each ledger: FULL, each
+            unlocked node from the root to the usable end; SWA, each SWA-live node
+            without an SWA lock over the trailing window. A node counts once, up to the
+            deepest unit any key uses of it (a match ending inside it splits it).
+        """
+        ps = self.page_size
+        prefix = np.zeros(len(keys), dtype=np.int64)
+        full_deep: dict[int, int] = {}
+        swa_deep: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            n = floor_align(key.shape[0], ps)
+            if n == 0:
+                continue
+            kb = key[:n].tobytes()
+            nb, psb = n * 8, ps * 8
+            node, pos, run = self.root_node, 0, float("inf")
+            path: list[tuple[SwaTreeNode, int]] = []  # (node, units used) root -> usable end
+            best = -1
+            walked: list[tuple[SwaTreeNode, int]] = []
+            while pos < nb:
+                child = node.children.get(kb[pos : pos + psb])
+                if child is None:
+                    break
+                m = self._matched(child.key, kb, pos)
+                pos += m * 8
+                walked.append((child, m))  # type: ignore[arg-type]
+                if child.swa_value is None:  # type: ignore[attr-defined]
+                    run = 0
+                else:
+                    run += m
+                    if run >= self.window:
+                        best = len(walked) - 1
+                        prefix[i] = pos // 8
+                if m < len(child):
+                    break
+                node = child
+            path = walked[: best + 1]
+            for x, m in path:
+                if x.lock_ref == 0 and full_deep.get(x.id, 0) < m:
+                    full_deep[x.id] = m
+            covered = 0
+            for x, m in reversed(path):
+                if covered >= self.window:
+                    break
+                if x.swa_lock_ref == 0 and x.swa_value is not None and swa_deep.get(x.id, 0) < m:
+                    swa_deep[x.id] = m
+                covered += m
+        return prefix, sum(full_deep.values()), sum(swa_deep.values())
 
     # ------------------------------------------------------------------ insert
 
