@@ -658,11 +658,12 @@ class SwaRadixCache(RadixCache):
             quota = max(full_tokens, tracker["full"] + self.evictable_size_) if full_target is not None else full_tokens
             heap = [(n.last_access_time, n.id, n) for n in self.evictable_leaves]
             heapq.heapify(heap)
+            # the parent of the last leaf deleted (``_delete_leaf`` detaches the leaf):
+            # SGLang pushes it when the deletion left it an evictable leaf
             last: TreeNode | None = None
             while True:
-                if last is not None and last.parent is not None and last.parent in self.evictable_leaves:
-                    p = last.parent
-                    heapq.heappush(heap, (p.last_access_time, p.id, p))
+                if last is not None and last in self.evictable_leaves:
+                    heapq.heappush(heap, (last.last_access_time, last.id, last))
                 last = None
                 x = None
                 while tracker["full"] < quota and heap:
@@ -672,7 +673,7 @@ class SwaRadixCache(RadixCache):
                         break
                 if x is None:
                     break
-                last = x
+                last = x.parent
                 self._delete_leaf(x, tracker)  # type: ignore[arg-type]
                 if full_target is not None and alloc.full_available_size() >= full_target:
                     break
