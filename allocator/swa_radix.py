@@ -167,7 +167,8 @@ class SwaRadixCache(RadixCache):
         last_lock_uuid: the receipt of the latest ``lock``: the uuid of its window
             boundary node, None when the window reached the root. ``unlock`` needs it.
         stats: counters of what the tree did (tombstones made, SWA-walk leaf deletions,
-            gated matches, insert-overlap recoveries, locked recoveries).
+            gated matches, insert-overlap recoveries, locked recoveries, fresh leaves split
+            to one window).
     """
 
     def __init__(
@@ -196,7 +197,8 @@ class SwaRadixCache(RadixCache):
         self.swa_evicted_tokens_total = 0
         self._heap = []
         self.last_lock_uuid: int | None = None
-        self.stats = {"tombstoned": 0, "swa_leaf_deleted": 0, "gated_match": 0, "recovered": 0, "recovered_locked": 0}
+        self.stats = {"tombstoned": 0, "swa_leaf_deleted": 0, "gated_match": 0, "recovered": 0, "recovered_locked": 0,
+                      "window_split": 0}
 
     def _tick(self) -> float:  # type: ignore[override]
         t = self._clock
@@ -555,6 +557,7 @@ class SwaRadixCache(RadixCache):
         tail = ceil_align(self.window, ps)
         if len(leaf) <= tail:
             return None
+        self.stats["window_split"] += 1
         return self._split_node(leaf, len(leaf) - tail)
 
     # ------------------------------------------------------------------ locks

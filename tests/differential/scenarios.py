@@ -333,6 +333,9 @@ class RandomSpec:
     swa_fraction: float = 0.3
     swa_interval: int = 4
     swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
+    # Prompt lengths (shared families, tails, fresh prompts) times this: large pages
+    # need prompts of several pages for a tree to branch, tombstone and split.
+    prompt_scale: int = 1
 
 
 RANDOM_CONFIGS: dict[str, RandomSpec] = {
@@ -371,7 +374,8 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
 # form, SWA-only leaves are deleted and tombstones recover on insert; small pools, so
 # both pools evict often. PD prealloc is left out (ours raises on it with SWA + radix).
 _SWA_RADIX = dict(radix_cache=True, swa_window=24, max_context_len=384)
-_SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 32, "max_context_len": 768}
+# page 64: prompts of several pages and a window of one and a half pages
+_SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 96, "max_context_len": 1536, "prompt_scale": 4, "chunk": 256}
 SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p1-nospec": RandomSpec(page_size=1, **_SWA_RADIX),
     "swa-radix-p16-nospec": RandomSpec(page_size=16, **_SWA_RADIX),
@@ -406,7 +410,8 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
               swa=swa)
     # Keep every request clear of the row end: topk>1 at page 1 overflows the row there.
     limit = rs.max_context_len - max(reserve, 8) - 8
-    families = [tuple(int(x) for x in rng.integers(1, 30_000, size=int(rng.integers(8, 80)))) for _ in range(4)]
+    k = rs.prompt_scale
+    families = [tuple(int(x) for x in rng.integers(1, 30_000, size=int(rng.integers(8, 80)) * k)) for _ in range(4)]
     reqs: dict[int, _Req] = {}
     finished_prompts: list[tuple[int, ...]] = []
     next_rid = 0
@@ -418,13 +423,13 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
         if kind < 0.55:
             fam = families[int(rng.integers(len(families)))]
             keep = int(rng.integers(1, len(fam) + 1))
-            tail = tuple(int(x) for x in rng.integers(30_000, 60_000, size=int(rng.integers(1, 40))))
+            tail = tuple(int(x) for x in rng.integers(30_000, 60_000, size=int(rng.integers(1, 40)) * k))
             p = fam[:keep] + tail
         elif kind < 0.75 and finished_prompts:
             prev = finished_prompts[int(rng.integers(len(finished_prompts)))]
-            p = prev + tuple(int(x) for x in rng.integers(60_000, 90_000, size=int(rng.integers(1, 20))))
+            p = prev + tuple(int(x) for x in rng.integers(60_000, 90_000, size=int(rng.integers(1, 20)) * k))
         else:
-            p = tuple(int(x) for x in rng.integers(1, 90_000, size=int(rng.integers(2, 100))))
+            p = tuple(int(x) for x in rng.integers(1, 90_000, size=int(rng.integers(2, 100)) * k))
         return p[: max(2, limit - 24)]
 
     for step_no in range(rs.steps):
