@@ -1384,5 +1384,8 @@ def checkpoint_swa(
     if res.swa_branch_inserted:
         kv.swa_branching_seqlen[row] = -1
         if not finished:
+            # NOTE: SGLang frees up to len(req.get_fill_ids()) - eagle - 1 (swa.py
+            # cleanup_after_caching_req); get_fill_ids() is the fill ids cut at
+            # extend_end, and checkpoint_kv_cache passes up_to=extend_end: the same.
             _window_free_one(ctx, row, up_to - eagle - 1)
     return CheckpointResult(max(key_len - res.prefix_len, 0), max(res.prefix_len - protected, 0))
