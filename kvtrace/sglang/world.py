@@ -112,9 +112,10 @@ itself is not run because a trace already fixes which requests run when):
    small tensors; with torch's default intra-op threads on a shared CPU they wait on
    each other longer than the work takes. Results are the same; only the speed of the
    replay, the tests and ``bench/sglang_allocator.py`` changes.
-11. SWA (a scenario with ``swa``): SGLang 0.5.23 for a hybrid SWA model with the radix
-   cache off: ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
-   ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` disabled with the
+11. SWA (a scenario with ``swa``): SGLang 0.5.23 for a hybrid SWA model:
+   ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
+   ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` (disabled unless the
+   scenario has the radix cache on) with the
    scenario's ``sliding_window_size`` (Python tree core), ``SGLANG_SWA_EVICTION_INTERVAL``
    from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
    ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE, and
@@ -123,7 +124,9 @@ itself is not run because a trace already fixes which requests run when):
    ``extend_batch_idx`` as ``prepare_for_extend`` does). Before a decode or spec call each request's
    ``output_ids`` is padded so ``seqlen == kv_committed_len + 1`` (the sampled token whose
    KV is not written yet). The PD prealloc queue sees the SWA pool and the window, so
-   ``_pre_alloc`` takes the SWA tail at page > 1.
+   ``_pre_alloc`` takes the SWA tail at page > 1. With the radix cache on, the dump's
+   ``tree`` is the unified tree's FULL shape and ``swa_tree`` each node's SWA side
+   (``scenario.SWA_RADIX_STATE_FIELDS``).
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and

@@ -351,7 +351,7 @@ RANDOM_CONFIGS: dict[str, RandomSpec] = {
     "p16-pd-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, pd=True, need_sort=True),
 }
 
-# Hybrid sliding-window models, radix cache off (the SWA radix component is not mirrored):
+# Hybrid sliding-window models, radix cache off (SWA_RADIX_CONFIGS below has it on):
 # window frees in decode, spec and chunked prefill, the release split, the PD SWA tail.
 _SWA = dict(radix_cache=False, swa_window=24, max_context_len=384)
 SWA_CONFIGS: dict[str, RandomSpec] = {
