@@ -732,6 +732,45 @@ class SwaRadixCache(RadixCache):
         x.parent = None
         self._update_leaf_status(parent)
 
+    # ------------------------------------------------------------------ trial copy
+
+    def trial_copy(self) -> SwaRadixCache:
+        """An independent copy of the tree and its allocator, to try a call on and
+        throw away (no journal). Nodes are copied one by one (no recursion through
+        the LRU links); slot arrays are copied too."""
+        import copy
+
+        new = copy.copy(self)
+        new.journal = None
+        new.token_to_kv_pool_allocator = copy.deepcopy(self.token_to_kv_pool_allocator)
+        old_nodes: list[SwaTreeNode] = [self.swa_lru.head, self.swa_lru.tail]
+        stack: list[SwaTreeNode] = [self.root_node]  # type: ignore[list-item]
+        while stack:
+            x = stack.pop()
+            old_nodes.append(x)
+            stack.extend(x.children.values())  # type: ignore[arg-type]
+        twin: dict[int, SwaTreeNode] = {id(x): copy.copy(x) for x in old_nodes}
+        for x in old_nodes:
+            y = twin[id(x)]
+            y.parent = None if x.parent is None else twin[id(x.parent)]
+            y.children = {k: twin[id(c)] for k, c in x.children.items()}
+            y.lru_prev = None if x.lru_prev is None else twin[id(x.lru_prev)]
+            y.lru_next = None if x.lru_next is None else twin[id(x.lru_next)]
+            if x.value is not None:
+                y.value = x.value.copy()
+            if x.swa_value is not None:
+                y.swa_value = x.swa_value.copy()
+        new.root_node = twin[id(self.root_node)]
+        lru = copy.copy(self.swa_lru)
+        lru.head, lru.tail = twin[id(self.swa_lru.head)], twin[id(self.swa_lru.tail)]
+        lru.members = set(self.swa_lru.members)
+        new.swa_lru = lru
+        new.evictable_leaves = {twin[id(x)] for x in self.evictable_leaves}
+        new._heap = []
+        new._uuids = copy.copy(self._uuids)
+        new.stats = dict(self.stats)
+        return new
+
     # ------------------------------------------------------------------ reads
 
     def swa_nodes(self) -> Iterator[SwaTreeNode]:

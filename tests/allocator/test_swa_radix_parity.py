@@ -12,9 +12,11 @@ from allocator.manager import KvAllocator
 from allocator.swa_radix import SwaRadixCache
 
 
-def _allocator(pool_tokens: int, swa_pool_tokens: int, window: int) -> tuple[KvAllocator, SwaRadixCache]:
+def _allocator(
+    pool_tokens: int, swa_pool_tokens: int, window: int, ps: int = 1
+) -> tuple[KvAllocator, SwaRadixCache]:
     a = KvAllocator(AllocatorConfig(
-        page_size=1, pool_tokens=pool_tokens, max_running=8, max_context_len=256, radix_cache=True,
+        page_size=ps, pool_tokens=pool_tokens, max_running=8, max_context_len=256, radix_cache=True,
         swa=SwaConfig(window=window, swa_pool_tokens=swa_pool_tokens, eviction_interval=4),
     ))
     assert isinstance(a.tree_cache, SwaRadixCache)
@@ -69,4 +71,42 @@ def test_an_extend_short_of_swa_slots_evicts_swa_only_cache() -> None:
     assert not isinstance(res, OutOfMemory), res
     a.end_step()
     assert tree.swa_evictable_size() < swa_evictable
+    assert not a.check_integrity()
+
+
+def test_pd_prealloc_at_page_1_evicts_full_only() -> None:
+    """SGLang's ``_pre_alloc`` at page 1 asks the tree for the full pool's shortfall
+    only, then ``alloc`` takes the rest in both pools: a fill the SWA pool can hold
+    only by evicting SWA cache is out of memory (and changes nothing), although an
+    extend of the same length, which evicts per pool, fits."""
+    a, tree = _allocator(256, 64, window=8)
+    _cache(a, 0, np.arange(1, 41))
+    swa_free = a.token_to_kv_pool_allocator.swa_available_size()
+    swa_evictable = tree.swa_evictable_size()
+    assert swa_evictable > 0
+    fill = swa_free + 1
+    assert fill < a.token_to_kv_pool_allocator.full_available_size()
+    before = a.pool_counters()
+    res = a.prealloc(np.array([1]), np.array([fill]), [np.arange(5000, 5000 + fill)])
+    assert isinstance(res, OutOfMemory), res
+    assert a.pool_counters() == before and tree.swa_evictable_size() == swa_evictable
+    assert not isinstance(a.extend(np.array([2]), np.array([fill]), [np.arange(7000, 7000 + fill)]), OutOfMemory)
+    assert not a.check_integrity()
+
+
+def test_pd_prealloc_with_radix_keeps_a_window_before_the_insert_boundary() -> None:
+    """With the decode radix cache, SGLang's ``_swa_tail_len`` starts the SWA tail a
+    window (at least a page) before the last committed position, page floored, so the
+    cached key keeps a whole window: fill 104, window 24, page 16 -> tail from 64
+    (80 without the radix cache)."""
+    a, _tree = _allocator(1024, 512, window=24, ps=16)
+    prompt = np.arange(1, 105)
+    res = a.prealloc(np.array([0]), np.array([104]), [prompt])
+    assert not isinstance(res, OutOfMemory), res
+    a.end_step()
+    row = a.row_of(0)
+    assert int(a.req_kv.swa_evicted_seqlen[row]) == 64
+    slots = np.asarray(a.row_slots(0), dtype=np.int64)
+    mapped = a.token_to_kv_pool_allocator.full_to_swa_index_mapping[slots] > 0
+    assert not mapped[:64].any() and mapped[64:].all()
     assert not a.check_integrity()

@@ -372,7 +372,8 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
 # Hybrid sliding-window models with the radix cache on (SGLang's UnifiedRadixCache(FULL,
 # SWA)): shared prefixes longer than the window, so matches are SWA-gated, tombstones
 # form, SWA-only leaves are deleted and tombstones recover on insert; small pools, so
-# both pools evict often. PD prealloc is left out (ours raises on it with SWA + radix).
+# both pools evict often; PD decode too (the radix-aware SWA tail, page 1's FULL-only
+# eviction).
 _SWA_RADIX = dict(radix_cache=True, swa_window=24, max_context_len=384)
 # page 64: prompts of several pages and a window of one and a half pages
 _SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 96, "max_context_len": 1536, "prompt_scale": 4, "chunk": 256}
@@ -383,6 +384,9 @@ SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p1-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **_SWA_RADIX),
     "swa-radix-p16-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA_RADIX),
     "swa-radix-p64-eagle314": RandomSpec(page_size=64, spec=EAGLE_314, **_SWA_RADIX_64),
+    "swa-radix-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA_RADIX),
+    "swa-radix-p16-pd-eagle314": RandomSpec(page_size=16, pd=True, need_sort=True, spec=EAGLE_314, **_SWA_RADIX),
+    "swa-radix-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **_SWA_RADIX_64),
 }
 
 

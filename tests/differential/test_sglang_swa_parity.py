@@ -9,7 +9,7 @@ slot of every row position (``scenario.SWA_STATE_FIELDS``). The SGLang side runs
 ``maybe_evict_swa`` (``kvtrace/sglang/world.py``, decision 11).
 
 With the radix cache on (``scenarios.SWA_RADIX_CONFIGS``: pages 1, 16 and 64, spec off
-and EAGLE 3,1,4, shared prefixes and small pools) the SGLang side runs
+and EAGLE 3,1,4, PD decode, shared prefixes and small pools) the SGLang side runs
 ``UnifiedRadixCache(FULL, SWA)`` enabled, ours ``allocator.swa_radix.SwaRadixCache``, and
 each step also compares the tree's SWA evictable / protected sizes, its shape (FULL
 value, lock and access-time rank per node) and each node's SWA side (slots or
@@ -94,6 +94,8 @@ def test_swa_radix_configurations_cover_pages_and_spec() -> None:
     for ps in (1, 16, 64):
         assert any(c.page_size == ps and c.spec is None for c in configs), ps
         assert any(c.page_size == ps and c.spec == gen.EAGLE_314 for c in configs), ps
+    pd = [s for s in RADIX_SCENARIOS if any(o.op == "prealloc" for st in s.steps for o in st.ops)]
+    assert {s.config.page_size for s in pd} == {1, 16, 64}
 
 
 def test_swa_radix_scenarios_reach_every_tree_path() -> None:
