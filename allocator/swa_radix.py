@@ -767,7 +767,7 @@ class SwaRadixCache(RadixCache):
         new.swa_lru = lru
         new.evictable_leaves = {twin[id(x)] for x in self.evictable_leaves}
         new._heap = []
-        new._uuids = copy.copy(self._uuids)
+        new._uuids = itertools.count(1 << 40)  # receipts of the trial's own locks: never the live ones
         new.stats = dict(self.stats)
         return new
 

@@ -110,3 +110,18 @@ def test_pd_prealloc_with_radix_keeps_a_window_before_the_insert_boundary() -> N
     mapped = a.token_to_kv_pool_allocator.full_to_swa_index_mapping[slots] > 0
     assert not mapped[:64].any() and mapped[64:].all()
     assert not a.check_integrity()
+
+
+def test_a_trial_copy_shares_nothing_with_the_live_tree() -> None:
+    """The PD fit check runs a batch on ``trial_copy``: evicting, matching and locking
+    there leaves the live tree, its pools and its invariants as they were."""
+    a, tree = _allocator(256, 64, window=8)
+    _cache(a, 0, np.arange(1, 41))
+    _cache(a, 1, np.concatenate([np.arange(1, 21), np.arange(900, 920)]))
+    before = (a.pool_counters(), tree.evictable_size(), tree.swa_evictable_size(), tree.stats.copy())
+    trial = tree.trial_copy()
+    trial.lock(trial.match_prefix_swa(np.arange(1, 41)).last_node)
+    trial.evict_pools(1 << 20, 1 << 20)
+    assert trial.evictable_size() == 0 and trial._alloc.full_available_size() > a.token_to_kv_pool_allocator.full_available_size()
+    assert (a.pool_counters(), tree.evictable_size(), tree.swa_evictable_size(), tree.stats) == before
+    assert not a.check_integrity()
