@@ -27,7 +27,7 @@ import numpy as np
 
 from allocator.base import OutOfMemory
 from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
-from allocator.swa_radix import SwaRadixCache
+from allocator.swa_radix import SwaMatchResult, SwaRadixCache
 from allocator.token_to_kv import (
     SLOT_DTYPE,
     HiSparseTokenToKVPoolAllocator,
@@ -302,11 +302,13 @@ def extend_fits(
     prefix_lens: np.ndarray,
     seq_lens: np.ndarray,
     lock_cost: int = 0,
+    swa_lock_cost: int = 0,
 ) -> OutOfMemory | None:
     """Whether ``alloc_for_extend`` with these lengths can succeed: rows for the new
     requests (``rows[i] == -1``), and the KV pages within free + evictable slots
     (less ``lock_cost``: evictable tokens the new requests' prefix locks will
-    protect when they are not taken yet). Changes nothing.
+    protect when they are not taken yet). With an SWA pool each pool is checked
+    against its own ledger (``swa_lock_cost``: the SWA locks' share). Changes nothing.
 
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
@@ -315,6 +317,11 @@ def extend_fits(
     if unfit is not None:
         return unfit
     need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
+    if ctx.swa is not None:
+        # each pool against its own free + evictable (SGLang's evict_to_free_tokens
+        # asks the tree for each pool's shortfall); with prefix sharing an extend frees
+        # no window, so there is no credit
+        return _swa_unfit(ctx, "extend", need, need, 0, rids, None, lock_cost, swa_lock_cost)
     return _kv_unfit(ctx, "extend", need, rids, lock_cost=lock_cost)
 
 
@@ -1218,15 +1225,20 @@ def _swa_unfit(
     swa_credit: int,
     rids: np.ndarray | None,
     rows: np.ndarray | None,
+    lock_cost: int = 0,
+    swa_lock_cost: int = 0,
 ) -> OutOfMemory | None:
     """None when the batch's per-request needs fit each pool (the SWA pool with
     ``swa_credit`` tokens about to be window-freed), else ``OutOfMemory`` naming the
-    first request that does not fit and the pool."""
+    first request that does not fit and the pool. ``lock_cost`` / ``swa_lock_cost``:
+    evictable tokens of each ledger that locks not taken yet will protect
+    (``SwaRadixCache.peek_match_lock_swa``)."""
     allocator = ctx.token_to_kv_pool_allocator
     tree = ctx.tree_cache
     full_evictable = swa_evictable = 0
-    if isinstance(tree, SwaRadixCache):
-        full_evictable, swa_evictable = tree.evictable_size(), tree.swa_evictable_size()
+    if isinstance(tree, SwaRadixCache) and not tree.disable:
+        full_evictable = tree.evictable_size() - lock_cost
+        swa_evictable = tree.swa_evictable_size() - swa_lock_cost
     for pool, need, available in (
         ("full", need_full, allocator.full_available_size() + full_evictable),
         ("swa", need_swa, allocator.swa_available_size() + swa_credit + swa_evictable),
@@ -1281,6 +1293,131 @@ def swa_tail_len(ctx: KvContext, fill_len: int) -> int:
     window = ctx.swa.window  # type: ignore[union-attr]
     start = max(0, fill_len - window) // ps * ps
     return fill_len - start
+
+
+def swa_radix_tail_len(ctx: KvContext, fill_len: int) -> int:
+    """PD prealloc with the decode radix cache on: SWA tokens to allocate for
+    ``fill_len`` (SGLang ``DecodePreallocQueue._swa_tail_len``): the tail keeps a whole
+    window before the page-aligned insert boundary, ``fill_len - floor_align(max(0,
+    fill_len - 1 - max(window, page_size)))``. Page size 1 takes no tail (the whole fill)."""
+    ps = ctx.page_size
+    if ps == 1 or fill_len <= 0:
+        return max(fill_len, 0)
+    window = ctx.swa.window  # type: ignore[union-attr]
+    start = max(0, fill_len - 1 - max(window, ps)) // ps * ps
+    return fill_len - start
+
+
+class _SwaRadixTake(NamedTuple):
+    match: SwaMatchResult
+    uuid: int | None
+    prefix_slots: np.ndarray | None
+    slots: np.ndarray
+    required: int  # full pool slots of the new pages
+
+
+def _swa_radix_take(tree: SwaRadixCache, ps: int, fill_len: int, key: np.ndarray, tail: int) -> _SwaRadixTake | None:
+    """The tree and pool side of ``swa_radix_prealloc``: match and lock, evict, take.
+    None: a pool stayed short (the lock is dropped again; evictions stay)."""
+    allocator = tree._alloc
+    match = tree.match_prefix_swa(key)
+    node = match.last_node
+    tree.lock(node)
+    uuid = tree.last_lock_uuid
+    prefix_len = match.prefix_len
+    prefix_slots = tree.path_device_indices(node)[:prefix_len] if prefix_len else None
+    required = int(new_page_tokens(prefix_len, fill_len, ps))
+    if allocator.full_available_size() < required:
+        tree.evict_pools(required - allocator.full_available_size(), 0)
+    delta = fill_len - prefix_len
+    if ps == 1:
+        out = allocator.alloc(delta)
+    else:
+        swa_pages = ceil_align(tail, ps)
+        if allocator.swa_available_size() < swa_pages:
+            tree.evict_pools(0, swa_pages - allocator.swa_available_size())
+        last_loc = int(prefix_slots[prefix_len - 1]) if prefix_len else -1
+        out = allocator.alloc_extend_swa_tail(
+            np.array([prefix_len], dtype=np.int64),
+            np.array([fill_len], dtype=np.int64),
+            np.array([last_loc], dtype=np.int64),
+            delta,
+            tail,
+        )
+    if out is None:
+        tree.unlock(node, uuid)
+        return None
+    return _SwaRadixTake(match, uuid, prefix_slots, out, required)
+
+
+def swa_radix_prealloc(
+    ctx: KvContext, tree: SwaRadixCache, rid: int, fill_len: int, key: np.ndarray
+) -> int:
+    """One PD-decode request with SWA and the decode radix cache (SGLang
+    ``_match_prefix_and_lock`` + ``_pre_alloc`` + ``alloc_for_decode_prealloc``), once
+    ``swa_radix_prealloc_fits`` said the batch fits.
+
+    Matches ``key`` (the prompt, capped before the SWA tail at page > 1) SWA-gated and
+    locks the end; then the FULL walk for the full pool's shortfall of the new pages;
+    at page > 1 the SWA walk for the SWA pool's shortfall of the tail's pages
+    (``reclaim_for_prealloc``) and ``alloc_extend_swa_tail`` with
+    ``swa_evicted_seqlen = fill_len - tail``; at page 1 ``alloc`` of the rest in both
+    pools (SGLang asks the tree for FULL only there).
+
+    Returns:
+        The row.
+    """
+    pool = ctx.req_to_token_pool
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    if fill_len > pool.max_context_len:
+        raise ValueError(
+            f"prealloc: request rid={rid} fill length {fill_len} exceeds the row width {pool.max_context_len}"
+        )
+    tail = swa_radix_tail_len(ctx, fill_len)
+    took = _swa_radix_take(tree, ps, fill_len, key, tail)
+    assert took is not None, "SWA radix prealloc failed after its trial"
+    prefix_len = took.match.prefix_len
+    row = pool.alloc(1)[0]
+    _bind_prealloc_row(ctx, row, rid, fill_len, prefix_len, took.prefix_slots, took.match.last_node, took.slots)
+    kv.lock_swa_uuid[row] = took.uuid
+    branching = took.match.swa_branching_seqlen
+    kv.swa_branching_seqlen[row] = -1 if branching is None else branching
+    kv.decode_batch_idx[row] = 0
+    kv.sum_allocated_ceil += prefix_len + took.required
+    if ps > 1:
+        kv.set_swa_evicted(row, fill_len - tail)
+    return row
+
+
+def swa_radix_prealloc_fits(
+    ctx: KvContext, tree: SwaRadixCache, rids: np.ndarray, fill_lens: np.ndarray, keys: Sequence[np.ndarray]
+) -> OutOfMemory | None:
+    """Whether ``swa_radix_prealloc`` of each request in turn succeeds. Changes nothing.
+
+    Rows first; then, unless each pool's free slots alone cover the batch (no eviction:
+    it cannot fail), the batch runs on a ``trial_copy`` of the tree and its allocator.
+    SGLang's page-1 path evicts FULL only and then needs the rest free in the SWA pool
+    too, so what fits depends on which leaves the FULL walk deletes: only running it
+    decides.
+    """
+    pool = ctx.req_to_token_pool
+    bs = rids.shape[0]
+    if bs > pool.available_size():
+        return OutOfMemory("prealloc_rows", int(rids[pool.available_size()]), bs, pool.available_size(), 0)
+    ps = ctx.page_size
+    allocator = ctx.token_to_kv_pool_allocator
+    tails = [swa_radix_tail_len(ctx, int(f)) for f in fill_lens.tolist()]
+    need_full = ceil_align(fill_lens, ps)  # no prefix hit
+    need_swa = fill_lens if ps == 1 else ceil_align(np.array(tails, dtype=np.int64), ps)
+    if int(need_full.sum()) <= allocator.full_available_size() and int(need_swa.sum()) <= allocator.swa_available_size():
+        return None
+    trial = tree.trial_copy()
+    for i in range(bs):
+        if _swa_radix_take(trial, ps, int(fill_lens[i]), keys[i], tails[i]) is None:
+            return OutOfMemory("prealloc", int(rids[i]), int(need_full[i]), int(allocator.available_size()),
+                               int(tree.evictable_size()))
+    return None
 
 
 def swa_prealloc_fits(ctx: KvContext, rids: np.ndarray, fill_lens: np.ndarray) -> OutOfMemory | None:
@@ -1372,5 +1509,8 @@ def checkpoint_swa(
     if res.swa_branch_inserted:
         kv.swa_branching_seqlen[row] = -1
         if not finished:
+            # NOTE: SGLang frees up to len(req.get_fill_ids()) - eagle - 1 (swa.py
+            # cleanup_after_caching_req); get_fill_ids() is the fill ids cut at
+            # extend_end, and checkpoint_kv_cache passes up_to=extend_end: the same.
             _window_free_one(ctx, row, up_to - eagle - 1)
     return CheckpointResult(max(key_len - res.prefix_len, 0), max(res.prefix_len - protected, 0))

@@ -61,6 +61,9 @@ from allocator.allocation import (
     prepare_spec_decode,
     release_kv_cache,
     swa_prealloc_fits,
+    swa_radix_prealloc,
+    swa_radix_prealloc_fits,
+    swa_radix_tail_len,
     undo_prealloc,
 )
 from allocator.base import (
@@ -339,9 +342,13 @@ class KvAllocator:
                 len(new_idx) > self.req_to_token_pool.available_size()
                 or need_max > self.token_to_kv_pool_allocator.available_size()
             ):
-                peek, lock_cost = tree.peek_match_lock(keys)
+                swa_lock_cost = 0
+                if isinstance(tree, SwaRadixCache):
+                    peek, lock_cost, swa_lock_cost = tree.peek_match_lock_swa(keys)
+                else:
+                    peek, lock_cost = tree.peek_match_lock(keys)
                 prefix[new_idx] = peek
-                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost)
+                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost, swa_lock_cost)
                 if unfit is not None:
                     self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
                     return unfit
@@ -612,7 +619,9 @@ class KvAllocator:
         if bs and int(fill_lens.min()) < 1:
             raise ValueError("prealloc: fill_lens must be >= 1")
         if isinstance(self.tree_cache, SwaRadixCache):
-            raise ValueError("prealloc: PD decode with SWA and the radix cache is not mirrored (set radix_cache=False)")
+            if self.config.hisparse:
+                raise ValueError("prealloc: HiSparse with SWA and the radix cache is not mirrored")
+            return self._prealloc_swa_radix(rids, fill_lens, token_ids)
         ctx = self.ctx
         tree = self.tree_cache
         ps = self.page_size
@@ -675,6 +684,53 @@ class KvAllocator:
                 checkpoint_kv_cache(
                     ctx, int(self._row_of_rid[rid]), int(fill_lens[i]), token_ids[i], int(self._prompt_len[rid])
                 )
+        evicted = tree.evicted_tokens_total - evicted_before
+        self.writer.end_call()
+        return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)
+
+    def _prealloc_swa_radix(
+        self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]
+    ) -> AllocOutcome:
+        """``prealloc`` with SWA and the decode radix cache (``swa_radix_prealloc`` per
+        request, the batch's fit decided first), then ``process_prebuilt``'s checkpoint
+        of each request in batch order."""
+        ctx = self.ctx
+        tree = self.tree_cache
+        assert isinstance(tree, SwaRadixCache)
+        ps = self.page_size
+        bs = rids.shape[0]
+        evicted_before = tree.evicted_tokens_total
+        keys: list[np.ndarray] = []
+        for i in range(bs):
+            fill = int(fill_lens[i])
+            if len(token_ids[i]) < fill:
+                raise ValueError(
+                    f"prealloc: request rid={int(rids[i])} has {len(token_ids[i])} token ids, fewer than {fill}"
+                )
+            prompt = int(self._prompt_len[int(rids[i])])
+            n = fill if prompt < 0 else min(prompt, fill)
+            if ps > 1:  # the match stops before the SWA tail, which is allocated fresh
+                n = min(n, fill - swa_radix_tail_len(ctx, fill))
+            keys.append(tree.make_key(token_ids[i][:n]))
+        unfit = swa_radix_prealloc_fits(ctx, tree, rids, fill_lens, keys)
+        if unfit is not None:
+            return unfit
+        prefix = np.zeros(bs, dtype=np.int64)
+        for i in range(bs):
+            rid = int(rids[i])
+            row = swa_radix_prealloc(ctx, tree, rid, int(fill_lens[i]), keys[i])
+            prefix[i] = int(self.req_kv.cache_protected_len[row])
+            self._row_of_rid[rid] = row
+        for i in range(bs):
+            rid = int(rids[i])
+            if self._prompt_len[rid] < 0:
+                self._prompt_len[rid] = fill_lens[i]
+            self._prefilling[rid] = False
+        for i in range(bs):  # process_prebuilt: one checkpoint per request, no free group
+            rid = int(rids[i])
+            checkpoint_kv_cache(
+                ctx, int(self._row_of_rid[rid]), int(fill_lens[i]), token_ids[i], int(self._prompt_len[rid])
+            )
         evicted = tree.evicted_tokens_total - evicted_before
         self.writer.end_call()
         return AllocResult(int((fill_lens - prefix).sum()), evicted, prefix_lens=prefix)

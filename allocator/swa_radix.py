@@ -167,7 +167,8 @@ class SwaRadixCache(RadixCache):
         last_lock_uuid: the receipt of the latest ``lock``: the uuid of its window
             boundary node, None when the window reached the root. ``unlock`` needs it.
         stats: counters of what the tree did (tombstones made, SWA-walk leaf deletions,
-            gated matches, insert-overlap recoveries, locked recoveries).
+            gated matches, insert-overlap recoveries, locked recoveries, fresh leaves split
+            to one window).
     """
 
     # The incremental checker's SWA pool journal (``allocator.check.incremental_swa``), None unless attached.
@@ -199,7 +200,8 @@ class SwaRadixCache(RadixCache):
         self.swa_evicted_tokens_total = 0
         self._heap = []
         self.last_lock_uuid: int | None = None
-        self.stats = {"tombstoned": 0, "swa_leaf_deleted": 0, "gated_match": 0, "recovered": 0, "recovered_locked": 0}
+        self.stats = {"tombstoned": 0, "swa_leaf_deleted": 0, "gated_match": 0, "recovered": 0, "recovered_locked": 0,
+                      "window_split": 0}
 
     def _tick(self) -> float:  # type: ignore[override]
         t = self._clock
@@ -380,10 +382,65 @@ class SwaRadixCache(RadixCache):
         return best
 
     def peek_match_lock(self, keys):  # type: ignore[no-untyped-def]
-        """Prefix lengths ``match_prefix`` would give (lock cost: whole matched paths,
-        an upper bound of the FULL lock's cost)."""
-        prefix = np.array([self.peek_prefix_len(k) for k in keys], dtype=np.int64)
-        return prefix, 0
+        """Prefix lengths ``match_prefix`` would give and the FULL lock's cost (see
+        ``peek_match_lock_swa``)."""
+        prefix, full_cost, _swa_cost = self.peek_match_lock_swa(keys)
+        return prefix, full_cost
+
+    def peek_match_lock_swa(self, keys: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
+        """What matching and locking ``keys`` one after the other would do, without
+        touching, splitting or locking anything.
+
+        Returns:
+            The prefix length ``match_prefix_swa`` would give per key, and the tokens
+            the locks would move from evictable to protected in each ledger: FULL, each
+            unlocked node from the root to the usable end; SWA, each SWA-live node
+            without an SWA lock over the trailing window. A node counts once, up to the
+            deepest unit any key uses of it (a match ending inside it splits it).
+        """
+        ps = self.page_size
+        prefix = np.zeros(len(keys), dtype=np.int64)
+        full_deep: dict[int, int] = {}
+        swa_deep: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            n = floor_align(key.shape[0], ps)
+            if n == 0:
+                continue
+            kb = key[:n].tobytes()
+            nb, psb = n * 8, ps * 8
+            node, pos, run = self.root_node, 0, float("inf")
+            path: list[tuple[SwaTreeNode, int]] = []  # (node, units used) root -> usable end
+            best = -1
+            walked: list[tuple[SwaTreeNode, int]] = []
+            while pos < nb:
+                child = node.children.get(kb[pos : pos + psb])
+                if child is None:
+                    break
+                m = self._matched(child.key, kb, pos)
+                pos += m * 8
+                walked.append((child, m))  # type: ignore[arg-type]
+                if child.swa_value is None:  # type: ignore[attr-defined]
+                    run = 0
+                else:
+                    run += m
+                    if run >= self.window:
+                        best = len(walked) - 1
+                        prefix[i] = pos // 8
+                if m < len(child):
+                    break
+                node = child
+            path = walked[: best + 1]
+            for x, m in path:
+                if x.lock_ref == 0 and full_deep.get(x.id, 0) < m:
+                    full_deep[x.id] = m
+            covered = 0
+            for x, m in reversed(path):
+                if covered >= self.window:
+                    break
+                if x.swa_lock_ref == 0 and x.swa_value is not None and swa_deep.get(x.id, 0) < m:
+                    swa_deep[x.id] = m
+                covered += m
+        return prefix, sum(full_deep.values()), sum(swa_deep.values())
 
     # ------------------------------------------------------------------ insert
 
@@ -507,6 +564,7 @@ class SwaRadixCache(RadixCache):
         tail = ceil_align(self.window, ps)
         if len(leaf) <= tail:
             return None
+        self.stats["window_split"] += 1
         return self._split_node(leaf, len(leaf) - tail)
 
     # ------------------------------------------------------------------ locks
@@ -610,11 +668,12 @@ class SwaRadixCache(RadixCache):
             quota = max(full_tokens, tracker["full"] + self.evictable_size_) if full_target is not None else full_tokens
             heap = [(n.last_access_time, n.id, n) for n in self.evictable_leaves]
             heapq.heapify(heap)
+            # the parent of the last leaf deleted (``_delete_leaf`` detaches the leaf):
+            # SGLang pushes it when the deletion left it an evictable leaf
             last: TreeNode | None = None
             while True:
-                if last is not None and last.parent is not None and last.parent in self.evictable_leaves:
-                    p = last.parent
-                    heapq.heappush(heap, (p.last_access_time, p.id, p))
+                if last is not None and last in self.evictable_leaves:
+                    heapq.heappush(heap, (last.last_access_time, last.id, last))
                 last = None
                 x = None
                 while tracker["full"] < quota and heap:
@@ -624,7 +683,7 @@ class SwaRadixCache(RadixCache):
                         break
                 if x is None:
                     break
-                last = x
+                last = x.parent
                 self._delete_leaf(x, tracker)  # type: ignore[arg-type]
                 if full_target is not None and alloc.full_available_size() >= full_target:
                     break
@@ -679,6 +738,45 @@ class SwaRadixCache(RadixCache):
         self.evictable_leaves.discard(x)
         x.parent = None
         self._update_leaf_status(parent)
+
+    # ------------------------------------------------------------------ trial copy
+
+    def trial_copy(self) -> SwaRadixCache:
+        """An independent copy of the tree and its allocator, to try a call on and
+        throw away (no journal). Nodes are copied one by one (no recursion through
+        the LRU links); slot arrays are copied too."""
+        import copy
+
+        new = copy.copy(self)
+        new.journal = None
+        new.token_to_kv_pool_allocator = copy.deepcopy(self.token_to_kv_pool_allocator)
+        old_nodes: list[SwaTreeNode] = [self.swa_lru.head, self.swa_lru.tail]
+        stack: list[SwaTreeNode] = [self.root_node]  # type: ignore[list-item]
+        while stack:
+            x = stack.pop()
+            old_nodes.append(x)
+            stack.extend(x.children.values())  # type: ignore[arg-type]
+        twin: dict[int, SwaTreeNode] = {id(x): copy.copy(x) for x in old_nodes}
+        for x in old_nodes:
+            y = twin[id(x)]
+            y.parent = None if x.parent is None else twin[id(x.parent)]
+            y.children = {k: twin[id(c)] for k, c in x.children.items()}
+            y.lru_prev = None if x.lru_prev is None else twin[id(x.lru_prev)]
+            y.lru_next = None if x.lru_next is None else twin[id(x.lru_next)]
+            if x.value is not None:
+                y.value = x.value.copy()
+            if x.swa_value is not None:
+                y.swa_value = x.swa_value.copy()
+        new.root_node = twin[id(self.root_node)]
+        lru = copy.copy(self.swa_lru)
+        lru.head, lru.tail = twin[id(self.swa_lru.head)], twin[id(self.swa_lru.tail)]
+        lru.members = set(self.swa_lru.members)
+        new.swa_lru = lru
+        new.evictable_leaves = {twin[id(x)] for x in self.evictable_leaves}
+        new._heap = []
+        new._uuids = itertools.count(1 << 40)  # receipts of the trial's own locks: never the live ones
+        new.stats = dict(self.stats)
+        return new
 
     # ------------------------------------------------------------------ reads
 

@@ -367,6 +367,10 @@ class Engine(Protocol):
 #   swa_reqs        [[rid, swa_evicted_seqlen, rle(full_to_swa_index_mapping[row[:allocated]])], ...]
 STATE_FIELDS = ("reqs", "free_pages", "release_pages", "available", "evictable", "protected", "free_rows", "tree")
 SWA_STATE_FIELDS = ("swa_free_pages", "swa_available", "swa_reqs")
+# With the radix cache on, an SWA dump also has the tree's SWA ledgers and sides:
+#   swa_evictable   tree SWA evictable size;  swa_protected   tree SWA protected size
+#   swa_tree        swa_tree_sides(...): per node, its SWA slots (None: tombstone) and SWA lock
+SWA_RADIX_STATE_FIELDS = ("swa_evictable", "swa_protected", "swa_tree")
 
 
 def tree_shape(nodes: Iterable[tuple[int, int, int, int, float]]) -> list[list[int]]:
@@ -386,6 +390,17 @@ def tree_shape(nodes: Iterable[tuple[int, int, int, int, float]]) -> list[list[i
     times = np.array([r[4] for r in rows], dtype=np.float64)
     _, rank = np.unique(times, return_inverse=True)
     return [[int(a), int(b), int(n), int(lk), int(t)] for (a, b, n, lk, _), t in zip(rows, rank.tolist())]
+
+
+def swa_tree_sides(nodes: Iterable[tuple[int, Sequence[int] | None, int]]) -> list[list[Any]]:
+    """Canonical SWA side of a FULL + SWA radix tree, comparable across implementations.
+
+    ``nodes``: one ``(first_full_slot, swa_slots or None, swa_lock_ref)`` per node except
+    the root; None is a tombstone (full KV cached, SWA KV gone). Returns
+    ``[[first_full_slot, swa_rle or None, swa_lock_ref], ...]`` sorted by first slot:
+    which nodes are SWA-live, on which SWA slots, and how the window lock pins them.
+    """
+    return [[int(a), None if v is None else rle(v), int(lk)] for a, v, lk in sorted(nodes, key=lambda r: r[0])]
 
 
 def rle(values: Sequence[int] | np.ndarray) -> list[list[int]]:

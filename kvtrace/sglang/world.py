@@ -112,9 +112,10 @@ itself is not run because a trace already fixes which requests run when):
    small tensors; with torch's default intra-op threads on a shared CPU they wait on
    each other longer than the work takes. Results are the same; only the speed of the
    replay, the tests and ``bench/sglang_allocator.py`` changes.
-11. SWA (a scenario with ``swa``): SGLang 0.5.23 for a hybrid SWA model with the radix
-   cache off: ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
-   ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` disabled with the
+11. SWA (a scenario with ``swa``): SGLang 0.5.23 for a hybrid SWA model:
+   ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
+   ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` (disabled unless the
+   scenario has the radix cache on) with the
    scenario's ``sliding_window_size`` (Python tree core), ``SGLANG_SWA_EVICTION_INTERVAL``
    from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
    ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE, and
@@ -123,7 +124,9 @@ itself is not run because a trace already fixes which requests run when):
    ``extend_batch_idx`` as ``prepare_for_extend`` does). Before a decode or spec call each request's
    ``output_ids`` is padded so ``seqlen == kv_committed_len + 1`` (the sampled token whose
    KV is not written yet). The PD prealloc queue sees the SWA pool and the window, so
-   ``_pre_alloc`` takes the SWA tail at page > 1.
+   ``_pre_alloc`` takes the SWA tail at page > 1. With the radix cache on, the dump's
+   ``tree`` is the unified tree's FULL shape and ``swa_tree`` each node's SWA side
+   (``scenario.SWA_RADIX_STATE_FIELDS``).
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
@@ -329,8 +332,6 @@ class SGLangEngine:
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-            if config.radix_cache:
-                raise sc.ScenarioError("SWA scenarios run with the radix cache off (its SWA component is not mirrored)")
             os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(config.swa.eviction_interval)
             params.tree_components = (ComponentType.FULL, ComponentType.SWA)
             params.sliding_window_size = config.swa.window
@@ -764,7 +765,46 @@ class SGLangEngine:
                                  sc.rle(mapping[slots].numpy())])
             out.update(swa_free_pages=sc.rle(alloc.swa_attn_allocator.free_pages.numpy()),
                        swa_available=int(alloc.swa_available_size()), swa_reqs=swa_reqs)
+            if self.config.radix_cache:
+                out.update(swa_evictable=int(self.tree.swa_evictable_size()),
+                           swa_protected=int(self.tree.swa_protected_size()),
+                           tree=self._swa_tree_shape(), swa_tree=self._swa_tree_sides())
         return out
+
+    def _swa_nodes(self) -> list[tuple[Any, int]]:
+        """Every node of the unified tree but the root, with its parent's first full slot."""
+        out = []
+        stack = [(child, -1) for child in self.tree.root_node.children.values()]
+        while stack:
+            node, parent = stack.pop()
+            out.append((node, parent))
+            first = int(node.component_data[0].value[0])
+            stack.extend((child, first) for child in node.children.values())
+        return out
+
+    def _swa_tree_shape(self) -> list[list[int]]:
+        """``scenario.tree_shape`` of the unified FULL + SWA tree (decision 9): FULL's
+        value and lock per node."""
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        full = ComponentType.FULL
+        return sc.tree_shape(
+            (int(n.component_data[full].value[0]), parent, len(n.component_data[full].value),
+             n.component_data[full].lock_ref, n.last_access_time)
+            for n, parent in self._swa_nodes()
+        )
+
+    def _swa_tree_sides(self) -> list[list[int]]:
+        """``scenario.swa_tree_sides`` of the unified tree: each node's SWA side."""
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        full, swa = ComponentType.FULL, ComponentType.SWA
+        rows = []
+        for n, _parent in self._swa_nodes():
+            value = n.component_data[swa].value
+            rows.append((int(n.component_data[full].value[0]), None if value is None else value.tolist(),
+                         n.component_data[swa].lock_ref))
+        return sc.swa_tree_sides(rows)
 
     def _tree_shape(self) -> list[list[int]] | None:
         """``scenario.tree_shape`` of the plain ``RadixCache`` (None for the unified tree,

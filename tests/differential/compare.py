@@ -25,7 +25,8 @@ from kvtrace.sglang import scenario as sc
 
 REQ_FIELDS = ("row", "kv_allocated_len", "kv_committed_len", "cache_protected_len", "req_to_token")
 POOL_FIELDS = ("available", "evictable", "protected", "free_pages", "release_pages", "free_rows",
-               "swa_available", "swa_free_pages")  # the SWA pool's are None without one
+               "swa_available", "swa_free_pages",  # the SWA pool's are None without one
+               "swa_evictable", "swa_protected")  # the SWA tree's are None with the radix cache off
 
 
 @dataclass
@@ -166,7 +167,7 @@ def step_view(d: dict[str, Any]) -> core.StepView:
         rids=np.array([r[0] for r in reqs], dtype=np.int64),
         requests=requests,
         pool=pool,
-        physical={"tree": d.get("tree"), "swa_reqs": d.get("swa_reqs")},
+        physical={"tree": d.get("tree"), "swa_reqs": d.get("swa_reqs"), "swa_tree": d.get("swa_tree")},
         presence="holds_kv",
     )
 

@@ -160,6 +160,9 @@ class OursEngine:
                                  sc.rle(swa.full_to_swa_index_mapping[slots])])
             out.update(swa_free_pages=sc.rle(_to_np(swa.swa_attn_allocator.free_pages)),
                        swa_available=int(swa.swa_available_size()), swa_reqs=swa_reqs)
+            if tree is not None and self.config.radix_cache:
+                out.update(swa_evictable=int(tree.swa_evictable_size()),
+                           swa_protected=int(tree.swa_protected_size()), swa_tree=_swa_tree_sides(tree))
         return out
 
 
@@ -177,6 +180,18 @@ def _tree_shape(tree: Any) -> list[list[int]] | None:
         out.append((first, parent, int(node.value.shape[0]), int(node.lock_ref), node.last_access_time))
         stack.extend((child, first) for child in node.children.values())
     return sc.tree_shape(out)
+
+
+def _swa_tree_sides(tree: Any) -> list[list[Any]]:
+    """``scenario.swa_tree_sides`` of the built-in ``SwaRadixCache``."""
+    rows = []
+    stack = list(tree.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        swa = node.swa_value
+        rows.append((int(node.value[0]), None if swa is None else np.asarray(swa).tolist(), int(node.swa_lock_ref)))
+        stack.extend(node.children.values())
+    return sc.swa_tree_sides(rows)
 
 
 def load_factory(module: str) -> tuple[Callable[[Any], Any], Any]:

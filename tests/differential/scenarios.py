@@ -333,6 +333,9 @@ class RandomSpec:
     swa_fraction: float = 0.3
     swa_interval: int = 4
     swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
+    # Prompt lengths (shared families, tails, fresh prompts) times this: large pages
+    # need prompts of several pages for a tree to branch, tombstone and split.
+    prompt_scale: int = 1
 
 
 RANDOM_CONFIGS: dict[str, RandomSpec] = {
@@ -348,7 +351,7 @@ RANDOM_CONFIGS: dict[str, RandomSpec] = {
     "p16-pd-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, pd=True, need_sort=True),
 }
 
-# Hybrid sliding-window models, radix cache off (the SWA radix component is not mirrored):
+# Hybrid sliding-window models, radix cache off (SWA_RADIX_CONFIGS below has it on):
 # window frees in decode, spec and chunked prefill, the release split, the PD SWA tail.
 _SWA = dict(radix_cache=False, swa_window=24, max_context_len=384)
 SWA_CONFIGS: dict[str, RandomSpec] = {
@@ -364,6 +367,26 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
+}
+
+# Hybrid sliding-window models with the radix cache on (SGLang's UnifiedRadixCache(FULL,
+# SWA)): shared prefixes longer than the window, so matches are SWA-gated, tombstones
+# form, SWA-only leaves are deleted and tombstones recover on insert; small pools, so
+# both pools evict often; PD decode too (the radix-aware SWA tail, page 1's FULL-only
+# eviction).
+_SWA_RADIX = dict(radix_cache=True, swa_window=24, max_context_len=384)
+# page 64: prompts of several pages and a window of one and a half pages
+_SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 96, "max_context_len": 1536, "prompt_scale": 4, "chunk": 256}
+SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
+    "swa-radix-p1-nospec": RandomSpec(page_size=1, **_SWA_RADIX),
+    "swa-radix-p16-nospec": RandomSpec(page_size=16, **_SWA_RADIX),
+    "swa-radix-p64-nospec": RandomSpec(page_size=64, **_SWA_RADIX_64),
+    "swa-radix-p1-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **_SWA_RADIX),
+    "swa-radix-p16-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA_RADIX),
+    "swa-radix-p64-eagle314": RandomSpec(page_size=64, spec=EAGLE_314, **_SWA_RADIX_64),
+    "swa-radix-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA_RADIX),
+    "swa-radix-p16-pd-eagle314": RandomSpec(page_size=16, pd=True, need_sort=True, spec=EAGLE_314, **_SWA_RADIX),
+    "swa-radix-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **_SWA_RADIX_64),
 }
 
 
@@ -391,7 +414,8 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
               swa=swa)
     # Keep every request clear of the row end: topk>1 at page 1 overflows the row there.
     limit = rs.max_context_len - max(reserve, 8) - 8
-    families = [tuple(int(x) for x in rng.integers(1, 30_000, size=int(rng.integers(8, 80)))) for _ in range(4)]
+    k = rs.prompt_scale
+    families = [tuple(int(x) for x in rng.integers(1, 30_000, size=int(rng.integers(8, 80)) * k)) for _ in range(4)]
     reqs: dict[int, _Req] = {}
     finished_prompts: list[tuple[int, ...]] = []
     next_rid = 0
@@ -403,13 +427,13 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
         if kind < 0.55:
             fam = families[int(rng.integers(len(families)))]
             keep = int(rng.integers(1, len(fam) + 1))
-            tail = tuple(int(x) for x in rng.integers(30_000, 60_000, size=int(rng.integers(1, 40))))
+            tail = tuple(int(x) for x in rng.integers(30_000, 60_000, size=int(rng.integers(1, 40)) * k))
             p = fam[:keep] + tail
         elif kind < 0.75 and finished_prompts:
             prev = finished_prompts[int(rng.integers(len(finished_prompts)))]
-            p = prev + tuple(int(x) for x in rng.integers(60_000, 90_000, size=int(rng.integers(1, 20))))
+            p = prev + tuple(int(x) for x in rng.integers(60_000, 90_000, size=int(rng.integers(1, 20)) * k))
         else:
-            p = tuple(int(x) for x in rng.integers(1, 90_000, size=int(rng.integers(2, 100))))
+            p = tuple(int(x) for x in rng.integers(1, 90_000, size=int(rng.integers(2, 100)) * k))
         return p[: max(2, limit - 24)]
 
     for step_no in range(rs.steps):

@@ -8,6 +8,13 @@ slot of every row position (``scenario.SWA_STATE_FIELDS``). The SGLang side runs
 ``SWATokenToKVPoolAllocator``, ``UnifiedRadixCache(FULL, SWA)`` disabled and the real
 ``maybe_evict_swa`` (``kvtrace/sglang/world.py``, decision 11).
 
+With the radix cache on (``scenarios.SWA_RADIX_CONFIGS``: pages 1, 16 and 64, spec off
+and EAGLE 3,1,4, PD decode, shared prefixes and small pools) the SGLang side runs
+``UnifiedRadixCache(FULL, SWA)`` enabled, ours ``allocator.swa_radix.SwaRadixCache``, and
+each step also compares the tree's SWA evictable / protected sizes, its shape (FULL
+value, lock and access-time rank per node) and each node's SWA side (slots or
+tombstone, SWA lock: ``scenario.SWA_RADIX_STATE_FIELDS``).
+
 Skipped unless ``KVTRACE_SGLANG_PYTHON`` names the interpreter of a venv made by
 ``tools/sglang_oracle/setup.sh``. ``KVTRACE_DIFF_SEEDS`` (default 3) seeds per configuration.
 """
@@ -20,28 +27,39 @@ import os
 
 import pytest
 
-from kvtrace.sglang import scenario as sc
+from kvtrace.sglang import runner, scenario as sc
 from tests.differential import compare, harness, ours_driver, scenarios as gen
 
 NUM_SEEDS = int(os.environ.get("KVTRACE_DIFF_SEEDS", "3"))
 SCENARIOS: list[sc.Scenario] = gen.random_scenarios(range(NUM_SEEDS), gen.SWA_CONFIGS)
+RADIX_SCENARIOS: list[sc.Scenario] = gen.random_scenarios(range(NUM_SEEDS), gen.SWA_RADIX_CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def parity() -> compare.Summary:
     python = harness.require_sglang()
-    summary, _times = harness.differential(SCENARIOS, python)
+    summary, _times = harness.differential(SCENARIOS + RADIX_SCENARIOS, python)
     return summary
+
+
+def _assert_identical(parity: compare.Summary, scenarios: list[sc.Scenario], name: str) -> None:
+    result = next(r for r in parity.results if r.scenario == name)
+    assert result.status == "identical", (
+        result.divergence.render() if result.divergence else f"{result.status}: {result.note}"
+    )
+    assert result.steps_compared == len(next(s for s in scenarios if s.name == name).steps)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS])
 def test_swa_identical_to_sglang(parity: compare.Summary, name: str) -> None:
-    result = next(r for r in parity.results if r.scenario == name)
-    assert result.status == "identical", (
-        result.divergence.render() if result.divergence else f"{result.status}: {result.note}"
-    )
-    assert result.steps_compared == len(next(s for s in SCENARIOS if s.name == name).steps)
+    _assert_identical(parity, SCENARIOS, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in RADIX_SCENARIOS])
+def test_swa_radix_identical_to_sglang(parity: compare.Summary, name: str) -> None:
+    _assert_identical(parity, RADIX_SCENARIOS, name)
 
 
 def test_swa_configurations_cover_pages_spec_and_pd() -> None:
@@ -68,3 +86,43 @@ def test_swa_scenarios_free_windows_and_run_short_of_each_pool() -> None:
     cfg = SCENARIOS[0].config
     assert sc.ScenarioConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert "swa" not in sc.ScenarioConfig(pool_tokens=64).to_dict()
+
+
+def test_swa_radix_configurations_cover_pages_and_spec() -> None:
+    configs = [s.config for s in RADIX_SCENARIOS]
+    assert all(c.swa is not None and c.radix_cache for c in configs)
+    for ps in (1, 16, 64):
+        assert any(c.page_size == ps and c.spec is None for c in configs), ps
+        assert any(c.page_size == ps and c.spec == gen.EAGLE_314 for c in configs), ps
+    pd = [s for s in RADIX_SCENARIOS if any(o.op == "prealloc" for st in s.steps for o in st.ops)]
+    assert {s.config.page_size for s in pd} == {1, 16, 64}
+
+
+def test_swa_radix_scenarios_reach_every_tree_path() -> None:
+    """Ours alone (no SGLang): the radix scenarios are not vacuous. At every page size
+    they match cached prefixes, gate matches on the window, tombstone, delete SWA-only
+    leaves, recover tombstones on insert, evict both pools and run out of memory; the
+    locked recoveries and window splits happen at least somewhere."""
+    factory, base = ours_driver.load_factory("allocator")
+    totals: dict[int, dict[str, int]] = {}
+    for scen in RADIX_SCENARIOS[:: NUM_SEEDS]:  # one seed per configuration
+        eng = ours_driver.OursEngine(scen.config, factory, base)
+        seen = {"hits": 0, "ooms": 0}
+
+        def sink(d: dict) -> None:
+            seen["hits"] += sum(1 for r in d.get("reqs", ()) if r[4] > 0)
+            seen["ooms"] += sum(1 for e in d.get("events", ()) if e.get("outcome") == "oom")
+
+        runner.run_scenario(scen, eng, sink)
+        tree = eng.alloc.tree_cache
+        got = totals.setdefault(scen.config.page_size, dict.fromkeys(tree.stats, 0) | {"hits": 0, "ooms": 0,
+                                                                                     "evicted": 0, "swa_evicted": 0})
+        for k, v in (tree.stats | seen).items():
+            got[k] += v
+        got["evicted"] += tree.evicted_tokens_total
+        got["swa_evicted"] += tree.swa_evicted_tokens_total
+    for ps, got in totals.items():
+        for k in ("hits", "ooms", "gated_match", "tombstoned", "swa_leaf_deleted", "recovered", "evicted", "swa_evicted"):
+            assert got[k] > 0, (ps, k, got)
+    assert sum(t["recovered_locked"] for t in totals.values()) > 0, totals
+    assert sum(t["window_split"] for t in totals.values()) > 0, totals
