@@ -1,6 +1,6 @@
 """A trace's attention layout on the command line: ``info`` shows it, a bad one is one
-error line, and a sliding-window trace is refused (not replayed as full attention)
-until the SWA allocator serves it."""
+error line, and a sliding-window trace served with the radix cache is refused (not
+replayed as full attention) until the SWA allocator's radix cache serves it."""
 
 from __future__ import annotations
 
@@ -82,11 +82,12 @@ def test_a_bad_layout_is_one_error_line(tmp_path: Path, command: list[str]) -> N
     "command",
     [["replay"], ["replay", "--json"], ["diff", "--a", "builtin", "--b", "paged:16"]],
 )
-def test_a_sliding_window_trace_is_not_replayed_as_full_attention(tmp_path: Path, command: list[str]) -> None:
+def test_a_sliding_window_trace_with_the_radix_cache_is_refused(tmp_path: Path, command: list[str]) -> None:
     trace = swa_tiny(tmp_path)
     code, out, err = invoke(command[0], str(trace), *command[1:])
     assert code == 2, (out, err)
-    one_error_line(err, "16 sliding-window attention layers", "window 128 tokens", "does not support yet")
+    one_error_line(err, "sliding-window (SWA) model was served with the radix cache", "does not support yet",
+                   "radix tree's SWA component")  # fmt: skip
 
 
 def test_a_version_2_trace_without_layout_replays_as_version_1(tmp_path: Path) -> None:

@@ -1,0 +1,71 @@
+"""A hybrid sliding-window (SWA) trace through the replay: the allocator gets the
+trace's SWA pool, and every report names both pools (summary, ``--json``, state log,
+``info``, sweep rows); a full-attention replay reports its one pool as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
+from kvtrace.errors import ConfigError
+from kvtrace.replay.config import allocator_config_for
+from tests.helpers import with_meta
+from traces.reader import TraceReader
+from traces.samples import sample_path
+
+runner = CliRunner()
+
+# tiny's 32 layers as gpt-oss alternates them; a window and SWA pool small enough
+# that tiny's requests slide out of it and free SWA slots.
+LAYOUT = {
+    "full_layer_ids": list(range(1, 32, 2)),
+    "swa_layer_ids": list(range(0, 32, 2)),
+    "sliding_window": 128,
+    "swa_full_tokens_ratio": 0.8,
+    "swa_pool_tokens": 3168,
+}
+
+
+def swa_tiny(tmp_path: Path, *, radix_cache: bool = False, **edits: Any) -> Path:
+    """sample:tiny as if served by an SWA model (radix cache off unless asked)."""
+
+    def edit(data: dict[str, Any]) -> None:
+        data.update(format_version=2, attention={**LAYOUT, **edits})
+        data["config"]["radix_cache"] = radix_cache
+
+    return with_meta(sample_path("tiny"), tmp_path / "swa.kvtrace", edit)
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_allocator_gets_the_traces_swa_pool(tmp_path: Path) -> None:
+    meta = TraceReader(swa_tiny(tmp_path)).meta
+    config = allocator_config_for(meta)
+    assert config.swa is not None and config.swa.window == 128 and config.swa.swa_pool_tokens == 3168
+    # a what-if pool follows the recorded ratio, as SGLang derives the SWA pool
+    resized = allocator_config_for(meta, pool_tokens=2048)
+    assert resized.swa is not None and resized.swa.swa_pool_tokens is None
+    assert resized.swa.pool_tokens(resized.pool_tokens, resized.page_size) == 1632
+    assert allocator_config_for(TraceReader(sample_path("tiny")).meta).swa is None
+
+
+def test_swa_with_the_radix_cache_is_one_config_error_from_the_allocators_rule(tmp_path: Path) -> None:
+    meta = TraceReader(swa_tiny(tmp_path, radix_cache=True)).meta
+    with pytest.raises(ConfigError, match="served with the radix cache, which the SWA allocator does not support"):
+        allocator_config_for(meta)
+    assert allocator_config_for(meta, radix_cache=False).swa is not None
+
+
+def test_a_radix_off_swa_trace_replays_clean(tmp_path: Path) -> None:
+    code, out, err = invoke("replay", str(swa_tiny(tmp_path)), "--json", "--check", "every")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["num_violations"] == 0 and summary["oom"] is None and summary["radix_cache"] is False
