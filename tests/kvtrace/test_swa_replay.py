@@ -69,3 +69,72 @@ def test_a_radix_off_swa_trace_replays_clean(tmp_path: Path) -> None:
     assert code == 0, err
     summary = json.loads(out)
     assert summary["num_violations"] == 0 and summary["oom"] is None and summary["radix_cache"] is False
+
+
+def test_the_summary_reports_both_pools_and_keeps_the_full_pool_at_the_top(tmp_path: Path) -> None:
+    code, out, err = invoke("replay", str(swa_tiny(tmp_path)), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    pools = summary["pools"]
+    assert list(pools) == ["full", "swa"]
+    assert pools["full"]["pool_tokens"] == summary["pool_tokens"] == 3968 and pools["swa"]["pool_tokens"] == 3168
+    assert pools["full"]["peak_used_tokens"] == summary["peak_used_tokens"]
+    assert pools["full"]["peak_step"] == summary["peak_step"]
+    # the window frees SWA slots: the SWA pool's peak stays below the full pool's
+    assert 0 < pools["swa"]["peak_used_tokens"] < pools["full"]["peak_used_tokens"]
+    assert pools["swa"]["used_tokens_at_end"] == 0 and pools["swa"]["num_ooms"] == 0
+    code, out, err = invoke("replay", str(swa_tiny(tmp_path)), "--no-color")
+    assert code == 0, err
+    assert "swa pool" in out and "3,168 tokens" in out
+
+
+def test_a_full_attention_summary_has_no_pools_object() -> None:
+    code, out, err = invoke("replay", "sample:tiny", "--json")
+    assert code == 0, err
+    assert "pools" not in json.loads(out)
+
+
+def test_the_state_log_and_its_info_carry_both_pools(tmp_path: Path) -> None:
+    from kvtrace.statelog.log import read_state_log
+
+    log = tmp_path / "swa.kvstate"
+    code, out, err = invoke("replay", str(swa_tiny(tmp_path)), "--json", "--out", str(log))
+    assert code == 0, err
+    summary = json.loads(out)
+    _, snaps = read_state_log(log)
+    steps = list(snaps)
+    assert all(set(s.pools) == {"full", "swa"} for s in steps)
+    swa_used = [s.pools["swa"].used_tokens for s in steps]
+    assert max(swa_used) == summary["pools"]["swa"]["peak_used_tokens"]
+    assert all(s.pools["swa"].pool_tokens == 3168 for s in steps)
+    code, out, err = invoke("info", str(log), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["pools"]["swa"]["peak_used_tokens"] == max(swa_used)
+    assert info["pools"]["full"]["peak_used_tokens"] == info["peak_used_tokens"] == summary["peak_used_tokens"]
+    assert info["pools"]["swa"]["final"]["available"] == 3168
+
+
+def test_a_full_attention_state_log_has_one_pool(tmp_path: Path) -> None:
+    from kvtrace.statelog.log import STATE_LOG_SCHEMA, read_state_log
+    from traces.ipc import IpcReader
+
+    log = tmp_path / "tiny.kvstate"
+    code, _, err = invoke("replay", "sample:tiny", "--out", str(log))
+    assert code == 0, err
+    assert IpcReader(log).schema.remove_metadata().equals(STATE_LOG_SCHEMA)
+    _, snaps = read_state_log(log)
+    assert all(list(s.pools) == ["full"] and s.other_pools == () for s in snaps)
+    code, out, _ = invoke("info", str(log), "--json")
+    assert code == 0 and "pools" not in json.loads(out)
+
+
+def test_an_oom_in_the_swa_pool_names_the_pool(tmp_path: Path) -> None:
+    trace = swa_tiny(tmp_path, swa_pool_tokens=160)  # above window + page, below tiny's prompts
+    code, out, err = invoke("replay", str(trace), "--json")
+    summary = json.loads(out)
+    assert summary["oom"] is not None, err
+    assert summary["oom"]["pool"] == "swa" and summary["pools"]["swa"]["num_ooms"] == summary["num_ooms"] >= 1
+    assert summary["pools"]["full"]["num_ooms"] == 0
+    code, out, err = invoke("replay", str(trace), "--no-color")
+    assert "swa pool" in out
