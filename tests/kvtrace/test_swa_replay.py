@@ -138,3 +138,18 @@ def test_an_oom_in_the_swa_pool_names_the_pool(tmp_path: Path) -> None:
     assert summary["pools"]["full"]["num_ooms"] == 0
     code, out, err = invoke("replay", str(trace), "--no-color")
     assert "swa pool" in out
+
+
+def test_sweep_rows_report_both_pools(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "sweep.parquet"
+    code, _, err = invoke("sweep", str(swa_tiny(tmp_path)), "--pool-tokens", "3k,4k", "-j", "1", "-o", str(out), "-q")
+    assert code == 0, err
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
+    for row in rows:
+        assert row["pools.full.peak_used_tokens"] == row["peak_used_tokens"]
+        # a what-if pool resizes the SWA pool by the recorded ratio (0.8), as SGLang does
+        assert row["pools.swa.pool_tokens"] == int(row["pools.full.pool_tokens"] * 0.8) // 16 * 16
+        assert 0 < row["pools.swa.peak_used_tokens"] <= row["pools.swa.pool_tokens"]
