@@ -143,7 +143,10 @@ def allocator_config_for(
     return config
 
 
-def unsupported_swa(config: AllocatorConfig, exc: ValueError) -> str | None:
+_REPLAY_ADVICE = "only SWA traces recorded with {what} off replay for now (kvtrace info shows the trace's configuration)"
+
+
+def unsupported_swa(config: AllocatorConfig, exc: ValueError, advice: str = _REPLAY_ADVICE) -> str | None:
     """The one line to say when ``config.check()`` refused an SWA configuration only for
     a switch the SWA allocator does not serve yet (the radix cache, HiSparse), else None.
 
@@ -154,6 +157,7 @@ def unsupported_swa(config: AllocatorConfig, exc: ValueError) -> str | None:
     Args:
         config: the configuration ``check()`` refused.
         exc: its error.
+        advice: what to do instead, ``{what}`` naming the switch.
     """
     if config.swa is None:
         return None
@@ -166,8 +170,7 @@ def unsupported_swa(config: AllocatorConfig, exc: ValueError) -> str | None:
             continue
         return (
             f"this sliding-window (SWA) model was served with {what}, which the SWA allocator does not "
-            f"support yet (it is being built; the allocator says: {exc}); only SWA traces recorded with "
-            f"{what} off replay for now (kvtrace info shows the trace's configuration)"
+            f"support yet (it is being built; the allocator says: {exc}); " + advice.format(what=what)
         )
     return None
 
