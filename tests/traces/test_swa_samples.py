@@ -1,0 +1,45 @@
+"""The bundled hybrid sliding-window (SWA) samples: each is the shape it claims, replays
+clean through both pools, and (with SGLang installed) SGLang's own SWA allocator
+replays it state-identically to the built-in one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
+from traces.reader import TraceReader
+from traces.samples import sample_path
+
+# name -> (window, sliding layers per full layer)
+SWA_SAMPLES = {"mooncake-gpt-oss": (128, 1), "mooncake-gemma-3": (1024, 5)}
+
+
+@pytest.mark.parametrize("name", sorted(SWA_SAMPLES))
+def test_an_swa_sample_is_the_shape_it_claims_and_replays_clean(name: str) -> None:
+    window, ratio = SWA_SAMPLES[name]
+    meta = TraceReader(sample_path(name)).meta
+    layout = meta.attention
+    assert layout is not None and layout.sliding_window == window
+    assert len(layout.swa_layer_ids) // len(layout.full_layer_ids) == ratio  # gemma-3-27b: 52 of 62 sliding
+    assert meta.config.radix_cache is False and meta.config.page_size == 16
+    result = CliRunner().invoke(app, ["replay", f"sample:{name}", "--json", "--check", "every"])
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["num_violations"] == 0 and summary["oom"] is None
+    assert summary["pools"]["swa"]["pool_tokens"] == layout.swa_pool_tokens
+    assert 0 < summary["pools"]["swa"]["peak_used_tokens"] <= layout.swa_pool_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KVTRACE_SGLANG_PYTHON"), reason="needs KVTRACE_SGLANG_PYTHON (SGLang's wheel)")
+@pytest.mark.parametrize("name", sorted(SWA_SAMPLES))
+def test_sglang_and_builtin_are_identical_on_an_swa_sample(name: str) -> None:
+    result = CliRunner().invoke(
+        app, ["diff", f"sample:{name}", "--a", "sglang", "--b", "builtin", "--exact", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["identical"] is True
