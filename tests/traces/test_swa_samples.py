@@ -5,12 +5,12 @@ replays it state-identically to the built-in one."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
+from tests.differential import harness
 from traces.reader import TraceReader
 from traces.samples import sample_path
 
@@ -35,11 +35,12 @@ def test_an_swa_sample_is_the_shape_it_claims_and_replays_clean(name: str) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KVTRACE_SGLANG_PYTHON"), reason="needs KVTRACE_SGLANG_PYTHON (SGLang's wheel)")
 @pytest.mark.parametrize("name", sorted(SWA_SAMPLES))
 def test_sglang_and_builtin_are_identical_on_an_swa_sample(name: str) -> None:
+    # skipped unless $KVTRACE_SGLANG_PYTHON names an interpreter with SGLang 0.5.23
+    python = harness.require_sglang()
     result = CliRunner().invoke(
-        app, ["diff", f"sample:{name}", "--a", "sglang", "--b", "builtin", "--exact", "--json"]
+        app, ["diff", f"sample:{name}", "--a", f"sglang:{python}", "--b", "builtin", "--exact", "--json"]
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["identical"] is True
