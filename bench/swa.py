@@ -11,6 +11,12 @@ second KV pool and its out-of-window frees. Both are replayed alternately in fre
 processes through the real CLI (``kvtrace replay --check end --json``), ``--repeat``
 times each; the median ``wall_s`` (the replay loop, start-up excluded) is shown per
 step, with the SWA / full ratio (issue 43's target: at most 1.5).
+
+The full-attention replay applies runs of plain decode steps in one allocator call
+(``ReplayOptions.decode_runs``), which the SWA allocator does not offer; the twin is
+therefore also replayed step by step (``decode_runs=False``, a ``ReplaySession`` in a
+fresh process), which separates the cost of the missing runs from that of the SWA
+pool itself.
 """
 
 from __future__ import annotations
@@ -60,6 +66,25 @@ def replay_wall_s(trace: Path) -> tuple[float, int]:
     return float(summary["wall_s"]), int(summary["steps"])
 
 
+_STEP_BY_STEP = """
+import json, sys
+from kvtrace.replay.engine import ReplayOptions
+from kvtrace.replay.session import ReplaySession
+with ReplaySession(sys.argv[1], options=ReplayOptions(decode_runs=False)) as session:
+    session.run()
+    print(json.dumps(session.result().wall_s))
+"""
+
+
+def step_by_step_wall_s(trace: Path) -> float:
+    """``wall_s`` of a replay without decode runs, in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _STEP_BY_STEP, str(trace)], capture_output=True, text=True, env=env, check=True
+    )
+    return float(done.stdout)
+
+
 def main() -> None:
     from traces.samples import resolve_trace
 
@@ -71,12 +96,13 @@ def main() -> None:
         for spec in args.traces:
             swa = resolve_trace(spec)
             full = full_attention_twin(swa, Path(tmp) / f"{swa.stem}-full.kvtrace")
-            times: dict[str, list[float]] = {"swa": [], "full": []}
+            times: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": []}
             steps = 0
             for _ in range(args.repeat):
                 for kind, path in (("swa", swa), ("full", full)):
                     wall_s, steps = replay_wall_s(path)
                     times[kind].append(wall_s)
+                times["full_steps"].append(step_by_step_wall_s(full))
             med = {kind: statistics.median(t) for kind, t in times.items()}
             ratio = med["swa"] / med["full"]
             print(
@@ -84,7 +110,9 @@ def main() -> None:
                 f"full attention {1e6 * med['full'] / steps:,.1f} µs/step; ratio {ratio:.2f} "
                 f"({'within' if ratio <= TARGET_RATIO else 'above'} {TARGET_RATIO}x; "
                 f"spread SWA {min(times['swa']):.3f}..{max(times['swa']):.3f} s, "
-                f"full {min(times['full']):.3f}..{max(times['full']):.3f} s)"
+                f"full {min(times['full']):.3f}..{max(times['full']):.3f} s); "
+                f"full attention step by step {1e6 * med['full_steps'] / steps:,.1f} µs/step "
+                f"(SWA ratio to it {med['swa'] / med['full_steps']:.2f})"
             )
 
 
