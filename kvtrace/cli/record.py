@@ -236,7 +236,7 @@ def record_command(
         bool | None,
         typer.Option(
             "--radix-cache/--no-radix-cache",
-            help="Keep a radix prefix cache (sliding-window presets record with it off for now).",
+            help="Keep a radix prefix cache.",
             show_default=_FROM_TRACE + "on, off with --pd-decode",
         ),
     ] = None,
@@ -244,7 +244,7 @@ def record_command(
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
             help="Model preset (traces/models.py): its KV shape and attention layout. Presets with "
-            "sliding-window layers (two KV pools) record with --no-radix-cache for now.",
+            "sliding-window layers record with SGLang's two KV pools (full and SWA).",
             show_default=_FROM_TRACE + "llama-3.1-8b",
         ),
     ] = None,

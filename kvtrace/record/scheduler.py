@@ -671,8 +671,9 @@ class Scheduler:
         return self._run_extend(batch, new_chunked)
 
     def _swa_available(self) -> int:
-        """Free tokens of the SWA pool now (the radix cache holds none of it: radix off)."""
-        return int(self.alloc.pool_counters()["swa"].available)  # type: ignore[attr-defined]
+        """SWA tokens free or evictable now (SGLang ``SWAPrefillBudget.remaining_swa`` before offsets)."""
+        swa = self.alloc.pool_counters()["swa"]  # type: ignore[attr-defined]
+        return int(swa.available + swa.evictable)
 
     def _swa_need(self, extend_len: int, max_new: int, chunk_limit: int | None) -> int:
         """SWA tokens one admission reserves (SGLang ``estimate_swa_kv_tokens``): the part

@@ -143,7 +143,7 @@ def allocator_config_for(
     return config
 
 
-_REPLAY_ADVICE = "only SWA traces recorded with {what} off replay for now (kvtrace info shows the trace's configuration)"
+_REPLAY_ADVICE = "only SWA traces recorded with {what} off replay (kvtrace info shows the trace's configuration)"
 
 
 def unsupported_swa(config: AllocatorConfig, exc: ValueError, advice: str = _REPLAY_ADVICE) -> str | None:
@@ -170,7 +170,7 @@ def unsupported_swa(config: AllocatorConfig, exc: ValueError, advice: str = _REP
             continue
         return (
             f"this sliding-window (SWA) model was served with {what}, which the SWA allocator does not "
-            f"support yet (it is being built; the allocator says: {exc}); " + advice.format(what=what)
+            f"serve (the allocator says: {exc}); " + advice.format(what=what)
         )
     return None
 

@@ -4,6 +4,7 @@ trace's SWA pool, and every report names both pools (summary, ``--json``, state 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from allocator.base import AllocatorConfig
 from kvtrace.cli import app
 from kvtrace.errors import ConfigError
 from kvtrace.replay.config import allocator_config_for
@@ -57,11 +59,35 @@ def test_the_allocator_gets_the_traces_swa_pool(tmp_path: Path) -> None:
     assert allocator_config_for(TraceReader(sample_path("tiny")).meta).swa is None
 
 
-def test_swa_with_the_radix_cache_is_one_config_error_from_the_allocators_rule(tmp_path: Path) -> None:
-    meta = TraceReader(swa_tiny(tmp_path, radix_cache=True)).meta
-    with pytest.raises(ConfigError, match="served with the radix cache, which the SWA allocator does not support"):
+def allocator_serves(config: AllocatorConfig) -> bool:
+    """Whether the allocator's own check takes ``config`` (the rule lives there only)."""
+    try:
+        config.check()
+    except ValueError:
+        return False
+    return True
+
+
+def test_a_switch_the_swa_allocator_refuses_is_one_config_error_naming_it(tmp_path: Path) -> None:
+    def hisparse(data: dict[str, Any]) -> None:
+        data.update(format_version=2, attention=LAYOUT)
+        data["config"].update(radix_cache=False, hisparse=True, pd_decode=True)
+
+    meta = TraceReader(with_meta(sample_path("tiny"), tmp_path / "hisparse.kvtrace", hisparse)).meta
+    with pytest.raises(ConfigError, match="served with HiSparse, which the SWA allocator does not serve") as info:
         allocator_config_for(meta)
-    assert allocator_config_for(meta, radix_cache=False).swa is not None
+    assert "the allocator says: AllocatorConfig: SWA with HiSparse" in str(info.value)
+
+
+def test_the_radix_switch_is_decided_by_the_allocators_own_check(tmp_path: Path) -> None:
+    # Refused while the allocator refuses SWA with the radix cache; served once it does.
+    meta = TraceReader(swa_tiny(tmp_path, radix_cache=True)).meta
+    wanted = dataclasses.replace(allocator_config_for(meta, radix_cache=False), radix_cache=True)
+    if allocator_serves(wanted):
+        assert allocator_config_for(meta).radix_cache is True
+    else:
+        with pytest.raises(ConfigError, match="served with the radix cache, which the SWA allocator does not serve"):
+            allocator_config_for(meta)
 
 
 def test_a_radix_off_swa_trace_replays_clean(tmp_path: Path) -> None:
