@@ -81,16 +81,6 @@ _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
 _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
 
 
-@runtime_checkable
-class PerPoolCounters(Protocol):
-    """An allocator with several KV pools (a hybrid sliding-window model's full and SWA
-    pools): ``pool_counters()`` gives each pool's counters by name (``POOL_NAMES``),
-    ``"full"`` first and equal to ``counters()``. Optional: without it the allocator
-    has one pool."""
-
-    def pool_counters(self) -> dict[str, PoolCounters]: ...
-
-
 class StepScreen(Protocol):
     """What checks a step for impossible ops before it is applied (the checker)."""
 
@@ -764,6 +754,16 @@ class ReplayEngine:
         limit = self.options.max_violations
         if limit is not None and st.num_violations >= limit:
             self.stopped_early = True
+
+
+@runtime_checkable
+class PerPoolCounters(Protocol):
+    """An allocator with several KV pools (a hybrid sliding-window model's full and SWA
+    pools): ``pool_counters()`` gives each pool's counters by name (``POOL_NAMES``),
+    ``"full"`` first and equal to ``counters()``. Optional: without it the allocator
+    has one pool."""
+
+    def pool_counters(self) -> dict[str, PoolCounters]: ...
 
 
 def pool_names_of(allocator: object) -> tuple[str, ...]:
