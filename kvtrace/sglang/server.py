@@ -272,6 +272,15 @@ class AllocatorServer:
         self.eng.publish()
         return pool_counters(self.eng)
 
+    def pool_counters(self) -> dict[str, tuple[int, ...]]:
+        """Each KV pool's ``PoolCounters`` fields: the full pool's, and a hybrid SWA
+        model's SWA pool's (``swa_pool_counters``)."""
+        self.eng.publish()
+        full = pool_counters(self.eng)
+        if self.config.swa is None:
+            return {"full": full}
+        return {"full": full, "swa": swa_pool_counters(self.eng, full)}
+
     def request_lens(self, rids_b: bytes) -> tuple[bytes, bytes, bytes]:
         self.eng.publish()
         out: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -389,6 +398,18 @@ def pool_counters(eng: world.SGLangEngine) -> tuple[int, ...]:
         int(full.size), int(full.available_size()), int(eng.tree.evictable_size()),
         int(eng.tree.protected_size()), committed, overallocated, int(eng.pool.size) - free_rows, free_rows,
     )
+
+
+def swa_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[int, ...]:
+    """The SWA pool's ``PoolCounters`` fields read off an SGLang world, given the full
+    pool's (``pool_counters``). As the built-in allocator reports them: no radix cache
+    in the SWA pool (evictable and protected 0: radix off), the full pool's
+    over-allocation, and the requests' window-kept KV (``committed``) the rest of
+    the pool, so conservation holds exactly when SGLang's pool is sound."""
+    alloc = eng.alloc
+    size, available = int(alloc.size_swa), int(alloc.swa_available_size())
+    overallocated = full[5]
+    return (size, available, 0, 0, size - available - overallocated, overallocated, full[6], full[7])
 
 
 def token_allocators(eng: world.SGLangEngine) -> list[Any]:

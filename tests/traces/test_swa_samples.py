@@ -5,7 +5,9 @@ replays it state-identically to the built-in one."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
@@ -44,3 +46,18 @@ def test_sglang_and_builtin_are_identical_on_an_swa_sample(name: str) -> None:
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["identical"] is True
+
+
+@pytest.mark.slow
+def test_sglang_reports_both_pools_as_the_builtin_does(tmp_path: Path) -> None:
+    # every step's SWA pool counters, read off SGLang's SWATokenToKVPoolAllocator
+    python = harness.require_sglang()
+    tables = []
+    for version in ("builtin", f"sglang:{python}"):
+        log = tmp_path / f"{len(tables)}.kvstate"
+        result = CliRunner().invoke(app, ["replay", "sample:mooncake-gpt-oss", "--allocator", version, "--out", str(log)])
+        assert result.exit_code == 0, result.output
+        tables.append(pa.ipc.open_file(log).read_all())
+    swa_columns = [name for name in tables[0].schema.names if name.startswith("swa_")]
+    assert len(swa_columns) == 8
+    assert all(tables[0][name].equals(tables[1][name]) for name in swa_columns)
