@@ -81,6 +81,21 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
         "Mooncake conversation, first 12 seconds of arrivals at page 16 (tests, README)",
         (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "200000"),
     ),
+    # Hybrid sliding-window models (two KV pools), radix cache off until the SWA radix cache lands.
+    Sample(
+        "mooncake-gpt-oss.kvtrace",
+        "Mooncake conversation, first 12 seconds, gpt-oss-20b (1:1 full/SWA layers, window 128), page 16, "
+        "60k-token full pool, radix cache off",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "60000",
+         "--model", "gpt-oss-20b", "--no-radix-cache"),
+    ),
+    Sample(
+        "mooncake-gemma-3.kvtrace",
+        "Mooncake conversation, first 12 seconds, gemma-3-27b (5:1 SWA/full layers, window 1,024), page 16, "
+        "60k-token full pool, radix cache off",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "60000",
+         "--model", "gemma-3-27b", "--no-radix-cache"),
+    ),
 )
 
 

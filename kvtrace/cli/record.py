@@ -232,11 +232,19 @@ def record_command(
         bool | None,
         typer.Option("--pd-decode/--no-pd-decode", help="Model a PD-disaggregated decode server.", show_default=_FROM_TRACE + "off"),
     ] = None,
+    radix_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--radix-cache/--no-radix-cache",
+            help="Keep a radix prefix cache.",
+            show_default=_FROM_TRACE + "on, off with --pd-decode",
+        ),
+    ] = None,
     model: Annotated[
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
             help="Model preset (traces/models.py): its KV shape and attention layout. Presets with "
-            "sliding-window layers are refused until the scheduler models their two pools.",
+            "sliding-window layers record with SGLang's two KV pools (full and SWA).",
             show_default=_FROM_TRACE + "llama-3.1-8b",
         ),
     ] = None,
@@ -326,6 +334,7 @@ def record_command(
             "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
             "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,
             "pd_decode": pd_decode, "seed": seed, "policy": policy.value if policy is not None else None,
+            "radix_cache": radix_cache,
         }  # fmt: skip
         if spec is not None:
             given["spec"] = parse_spec(spec)
@@ -344,7 +353,13 @@ def record_command(
         from kvtrace.record.simulate import refuse_sliding_window
 
         if settings.get("attention") is not None:
-            refuse_sliding_window(settings["model"].name, settings["attention"])
+            radix = settings.get("radix_cache")
+            refuse_sliding_window(
+                settings["model"].name, settings["attention"],
+                page_size=settings["page_size"], pool_tokens=settings["pool_tokens"],
+                hisparse=bool(settings.get("hisparse", False)),
+                radix_cache=not settings["pd_decode"] if radix is None else radix,
+            )  # fmt: skip
         for name, low in (
             ("pool_tokens", 1), ("page_size", 1), ("max_running", 1), ("context_len", 2), ("max_prefill_tokens", 1),
         ):  # fmt: skip

@@ -2,7 +2,8 @@
 
 One streaming pass over the log's record batches, vectorised per batch: the steps
 and their time span, the peak of used KV, the final pool counters, the events by
-kind, and the allocator time.
+kind, and the allocator time. A hybrid sliding-window model's log has each pool's
+peak and final counters too (``pools``); the top level is the full pool's.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ def state_log_info(spec: str) -> dict[str, Any]:
     import pyarrow.compute as pc
 
     from kvtrace.replay.snapshot import PoolCounters
-    from kvtrace.statelog.log import open_state_log
+    from kvtrace.statelog.log import open_state_log, other_pools_of
     from traces.samples import resolve_trace
 
     stored, reader = open_state_log(resolve_trace(spec))
+    # each pool's column prefix: the full pool's counters are unprefixed
+    prefixes = {"full": "", **{pool: f"{pool}_" for pool in other_pools_of(reader.schema)}}
     steps = keyframes = ops = 0
     allocator_s = 0.0
-    first_step = last_step = peak_step = None
+    first_step = last_step = None
     first_time = last_time = None
-    peak_used = -1
-    final: dict[str, int] | None = None
+    peaks: dict[str, tuple[int, int | None]] = {pool: (-1, None) for pool in prefixes}
+    finals: dict[str, dict[str, int] | None] = {pool: None for pool in prefixes}
     events: dict[str, dict[str, int]] = {}
     for batch in reader.iter_batches():
         n = batch.num_rows
@@ -42,14 +45,16 @@ def state_log_info(spec: str) -> dict[str, Any]:
             continue
         step = batch.column("step").to_numpy()
         time_s = batch.column("time_s").to_numpy()
-        used = (
-            batch.column("pool_tokens").to_numpy()
-            - batch.column("available").to_numpy()
-            - batch.column("evictable").to_numpy()
-        )
-        top = int(np.argmax(used))
-        if int(used[top]) > peak_used:
-            peak_used, peak_step = int(used[top]), int(step[top])
+        for pool, prefix in prefixes.items():
+            used = (
+                batch.column(f"{prefix}pool_tokens").to_numpy()
+                - batch.column(f"{prefix}available").to_numpy()
+                - batch.column(f"{prefix}evictable").to_numpy()
+            )
+            top = int(np.argmax(used))
+            if int(used[top]) > peaks[pool][0]:
+                peaks[pool] = (int(used[top]), int(step[top]))
+            finals[pool] = {name: int(batch.column(f"{prefix}{name}")[n - 1].as_py()) for name in PoolCounters._fields}
         if first_step is None:
             first_step, first_time = int(step[0]), float(time_s[0])
         last_step, last_time = int(step[-1]), float(time_s[-1])
@@ -57,7 +62,6 @@ def state_log_info(spec: str) -> dict[str, Any]:
         keyframes += int(np.count_nonzero(batch.column("keyframe").to_numpy(zero_copy_only=False)))
         ops += int(batch.column("num_ops").to_numpy().sum())
         allocator_s += float(batch.column("allocator_s").to_numpy().sum())
-        final = {name: int(batch.column(name)[n - 1].as_py()) for name in PoolCounters._fields}
         flat = pc.list_flatten(batch.column("events"))
         if len(flat):
             kinds = flat.field("kind").to_numpy(zero_copy_only=False).astype(str)
@@ -71,6 +75,13 @@ def state_log_info(spec: str) -> dict[str, Any]:
                 entry["tokens"] += int(total)
     if reader.truncated:
         ui.warn(f"{reader.path}: {reader.truncation_detail}")
+    peak_used, peak_step = peaks["full"]
+    pools: dict[str, Any] = {}
+    if len(prefixes) > 1:  # a full-attention log's one pool is the top level only
+        pools["pools"] = {
+            pool: {"peak_used_tokens": max(peaks[pool][0], 0), "peak_step": peaks[pool][1], "final": finals[pool]}
+            for pool in prefixes
+        }
     return {
         "kind": "state_log",
         "path": str(reader.path),
@@ -88,12 +99,13 @@ def state_log_info(spec: str) -> dict[str, Any]:
         "allocator_s": allocator_s,
         "peak_used_tokens": max(peak_used, 0),
         "peak_step": peak_step,
-        "final": final,
+        "final": finals["full"],
         "events": dict(sorted(events.items())),
         "file_bytes": reader.file_bytes,
         "record_batches": reader.num_record_batches,
         "truncated": reader.truncated,
         "truncation_detail": reader.truncation_detail,
+        **pools,
     }
 
 
@@ -127,6 +139,11 @@ def render_state_log_info(info: dict[str, Any]) -> None:
             f"{final['committed']:,} committed, {final['overallocated']:,} over-allocated of {final['pool_tokens']:,}; "
             f"{count(final['running_requests'], 'request')} running",
         )
+    for name, pool in info.get("pools", {}).items():
+        peak = "" if pool["peak_step"] is None else f" at step {pool['peak_step']:,}"
+        end = pool["final"]
+        at_end = "" if end is None else f"; at the end {end['available']:,} available of {end['pool_tokens']:,}"
+        table.add_row(f"{name} pool", f"peak used {count(pool['peak_used_tokens'], 'token')}{peak}{at_end}")
     events = info["events"]
     table.add_row(
         "events",

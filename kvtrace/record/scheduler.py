@@ -32,6 +32,18 @@ Decode memory check (``check_decode_mem``): ``page * #(running with seq_len % pa
 == 0)`` tokens (speculative: ``sum ceil_page(allocated + max(0, committed + reserve -
 allocated)) - ceil_page(allocated)``) must fit ``available + evictable``.
 
+A hybrid sliding-window model (the allocator's ``config.swa``) has a second pool, and
+admission also charges each request's SWA need (SGLang ``SWAPrefillBudget``,
+``estimate_swa_kv_tokens``) against the SWA pool::
+
+    swa_need = max(extend - window, 0) + min(extend + max_new, window) + page
+    admit while  swa_need  <  swa_available - sum_admitted swa_need
+
+(a prompt whose need reaches the whole SWA pool is chunked down to what fits it); a
+continuing chunk takes at most ``swa_remaining - page`` tokens and waits when that is
+none. The decode memory check must fit every pool (``check_decode_capacity``: the
+smaller of the two pools' free tokens).
+
 ``ratio`` (``new_token_ratio``) starts at 0.7, decays linearly to 0.7 * 0.14 = 0.098
 over 600 decode steps, is set to ``min(1, (sum out + 20 n) / (sum max_new + 1))``
 over the remaining requests after a retraction, and is reset to 0.7 when idle.
@@ -93,7 +105,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory
+from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory, PoolCounters
 from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
@@ -254,6 +266,10 @@ class Scheduler:
         self.ratio_min = self.ratio_init * MIN_NEW_TOKEN_RATIO_FACTOR
         self.ratio_decay = (self.ratio_init - self.ratio_min) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.ratio = self.ratio_init
+        # A hybrid sliding-window model's window and SWA pool (None: full attention only).
+        swa = getattr(allocator.config, "swa", None)
+        self.swa_window: int | None = swa.window if swa is not None else None
+        self.swa_pool_tokens = swa.pool_tokens(allocator.config.pool_tokens, self.ps) if swa is not None else 0
 
         # Per-request state, struct of arrays indexed by rid (grown by doubling).
         cap = 1024
@@ -544,6 +560,9 @@ class Scheduler:
         locked = 0  # matched prefixes charged against evictable (see module docstring)
         rem_input = cfg.max_prefill_tokens
         rem_chunk = cfg.chunk_size
+        swa = self.swa_window is not None
+        swa_avail = self._swa_available() if swa else 0
+        swa_offset = 0
 
         def remaining_total() -> float:
             return avail + max(evictable - locked, 0) - total_offset
@@ -551,17 +570,22 @@ class Scheduler:
         def remaining_current() -> float:
             return avail + max(evictable - locked, 0) - current_offset
 
+        def remaining_swa() -> int:
+            return swa_avail - swa_offset
+
         def reserve(extend_len: int, max_new_reserve: int) -> None:
-            nonlocal total_offset, current_offset, rem_input, rem_chunk
+            nonlocal total_offset, current_offset, rem_input, rem_chunk, swa_offset
             paged = ceil_align(extend_len, ps)
             total_offset += paged + ps + max_new_reserve
             current_offset += paged + ps
+            if swa:
+                swa_offset += self._swa_need(paged, max_new_reserve, rem_chunk)
             rem_input -= paged
             if rem_chunk is not None:
                 rem_chunk -= paged
 
         def budget_state() -> int:  # 0 CONTINUE, 1 NO_TOKEN, 2 OTHER
-            if not (remaining_total() > 0 and remaining_current() > 0):
+            if not (remaining_total() > 0 and remaining_current() > 0 and (not swa or remaining_swa() > 0)):
                 return 1
             if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
                 return 2
@@ -576,6 +600,10 @@ class Scheduler:
             fill = self._fill_len(chunked)
             rem = rem_chunk if rem_chunk is not None else fill
             avail_chunk = min(rem, int(remaining_total()))
+            if swa:  # SWA: the chunk waits while the SWA pool has no page to spare
+                avail_chunk = min(avail_chunk, remaining_swa() - ps)
+                if avail_chunk <= 0:
+                    return None
             rem = avail_chunk if avail_chunk > 0 else rem
             cand = fill - held
             new_len = min(cand, rem)
@@ -606,10 +634,16 @@ class Scheduler:
                 self.batch_is_full = bool(batch) or running_bs > 0
                 break
             paged = ceil_align(extend, ps)
+            chunk_limit = rem_chunk
+            if swa:
+                chunk_limit = self._swa_chunk_limit(paged, max_new, rem_chunk, remaining_swa())
+                if chunk_limit == -1:  # SGLang's NO_TOKEN
+                    self.batch_is_full = bool(batch) or running_bs > 0
+                    break
             if rem_chunk is None and batch and paged >= rem_input:
                 break
-            if rem_chunk is not None and paged > rem_chunk:
-                extend = floor_align(rem_chunk, ps)
+            if chunk_limit is not None and paged > chunk_limit:
+                extend = floor_align(chunk_limit, ps)
                 end = floor_align(prefix + extend, ps)
                 extend = end - prefix
                 if extend <= 0:
@@ -635,6 +669,33 @@ class Scheduler:
         # Admitted requests are a prefix of the (policy-ordered) queue.
         del self.waiting[:admitted]
         return self._run_extend(batch, new_chunked)
+
+    def _swa_available(self) -> int:
+        """SWA tokens free or evictable now (SGLang ``SWAPrefillBudget.remaining_swa`` before offsets)."""
+        swa = self.alloc.pool_counters()["swa"]  # type: ignore[attr-defined]
+        return int(swa.available + swa.evictable)
+
+    def _swa_need(self, extend_len: int, max_new: int, chunk_limit: int | None) -> int:
+        """SWA tokens one admission reserves (SGLang ``estimate_swa_kv_tokens``): the part
+        of the extend that slides out of the window while it is allocated, plus what stays
+        in the window with the decode to come, plus a page."""
+        assert self.swa_window is not None
+        allocated = extend_len if chunk_limit is None else min(extend_len, chunk_limit)
+        return max(allocated - self.swa_window, 0) + min(extend_len + max_new, self.swa_window) + self.ps
+
+    def _swa_chunk_limit(self, paged: int, max_new: int, rem_chunk: int | None, remaining: int) -> int | None:
+        """The chunk limit of a new request under the SWA budget (``SWAPrefillBudget.check_prefill``):
+        ``rem_chunk`` when its need fits, a smaller chunk when the need reaches the
+        whole SWA pool (only a window stays held between chunks), -1 when it must wait."""
+        needed = self._swa_need(paged, max_new, rem_chunk)
+        if needed < remaining:
+            return rem_chunk
+        cap = 0
+        if needed >= self.swa_pool_tokens:
+            cap = max(0, (remaining - self._swa_need(0, max_new, None)) // self.ps * self.ps)
+        if rem_chunk is None or cap <= 0:
+            return -1
+        return min(rem_chunk, cap)
 
     def _run_extend(self, batch: list[tuple[int, int, int, bool]], new_chunked: int | None) -> float:
         while True:
@@ -719,8 +780,15 @@ class Scheduler:
         return int(new_page_tokens(allocated, nxt, ps).sum())
 
     def _fits(self, rids: np.ndarray, allocated: np.ndarray | None) -> bool:
-        c = self.alloc.counters()
-        return self._decode_need(rids, allocated) <= c.available + c.evictable
+        """The decode memory check: the step's need fits every KV pool (``check_decode_capacity``)."""
+        need = self._decode_need(rids, allocated)
+        return all(need <= c.available + c.evictable for c in self._pools())
+
+    def _pools(self) -> list[PoolCounters]:
+        """Every KV pool's counters now (the full pool, and a hybrid model's SWA pool)."""
+        if self.swa_window is None:
+            return [self.alloc.counters()]
+        return list(self.alloc.pool_counters().values())  # type: ignore[attr-defined]
 
     def _decode(self) -> float | None:
         """The decode step (``update_running_batch``): memory check, retraction, decode."""
@@ -861,8 +929,8 @@ class Scheduler:
             ) - retractable
         else:
             need_single = 0
-        counters = self.alloc.counters()
-        available = counters.available + (counters.evictable if self.cfg.radix_cache else 0)
+        # every pool must hold the pre-allocation (a hybrid model's SWA pool too)
+        available = min(c.available + (c.evictable if self.cfg.radix_cache else 0) for c in self._pools())
         free_rows = self.cfg.max_running - int(running.shape[0])
         admitted: list[int] = []
         fills: list[int] = []

@@ -122,7 +122,11 @@ def record_workload(
             time_scale=options.time_scale,
         )
 
-    refuse_sliding_window(options.model.name, options.attention)
+    refuse_sliding_window(
+        options.model.name, options.attention,
+        page_size=options.page_size, pool_tokens=options.pool_tokens, hisparse=options.hisparse,
+        radix_cache=not options.pd_decode if options.radix_cache is None else options.radix_cache,
+    )
     # Check the whole file first (a streaming pass): a bad line fails at once, not
     # minutes into the recording, and no partial trace is left behind.
     total = sum(1 for _ in requests())
@@ -214,23 +218,42 @@ def record_workload(
     return RecordResult(summary=summary, violations=violations, meta=meta, block_reuse=None)
 
 
-def refuse_sliding_window(model_name: str, layout: AttentionLayout | None) -> None:
-    """Refuse to record a model with sliding-window layers.
+def refuse_sliding_window(
+    model_name: str,
+    layout: AttentionLayout | None,
+    *,
+    page_size: int,
+    pool_tokens: int,
+    radix_cache: bool,
+    hisparse: bool = False,
+) -> None:
+    """Refuse, before any workload is read, to record a sliding-window model with a
+    switch the SWA allocator does not serve yet (the radix cache, HiSparse).
 
-    NOTE: the scheduler model admits and evicts against one pool's budget; a trace that
-    claimed SWA layers but was scheduled as full attention would be wrong, so none is
-    written until the scheduler models both pools' budgets.
+    NOTE: the rule is the allocator's own (``kvtrace.replay.config.unsupported_swa``
+    re-checks its configuration without the switch), so this refusal goes away by
+    itself once the allocator serves the switch with SWA.
 
     Raises:
-        ConfigError: ``layout`` has sliding-window layers.
+        ConfigError: naming the model and the switch to turn off.
     """
     if layout is None or not layout.swa_layer_ids:
         return
-    raise ConfigError(
-        f"{model_name} has {len(layout.swa_layer_ids)} sliding-window attention layers (window "
-        f"{layout.sliding_window:,} tokens); the scheduler model cannot budget SWA's two KV pools yet, "
-        "so kvtrace cannot record it (record a full-attention model, e.g. --model llama-3.1-8b)"
-    )
+    from allocator.base import AllocatorConfig
+    from kvtrace.replay.config import swa_config_for, unsupported_swa
+
+    ps = max(page_size, 1)
+    config = AllocatorConfig(
+        pool_tokens=max(pool_tokens // ps * ps, 2 * ps), page_size=ps, radix_cache=radix_cache,
+        hisparse=hisparse, swa=swa_config_for(layout, resized=True),
+    )  # fmt: skip
+    try:
+        config.check()
+    except ValueError as exc:
+        switch = "--no-radix-cache" if radix_cache else "--no-pd-decode"
+        message = unsupported_swa(config, exc, advice=f"record it with {{what}} off ({switch})")
+        if message is not None:
+            raise ConfigError(f"{model_name}: {message}") from None
 
 
 class DiscardRecorder:

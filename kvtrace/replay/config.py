@@ -16,11 +16,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from allocator.base import AllocatorConfig, SpecConfig
+from allocator.base import AllocatorConfig, SpecConfig, SwaConfig
 from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
 from traces.checker import CHECKER_BYTES_PER_RID
-from traces.metadata import SpecSettings, TraceMeta
+from traces.metadata import AttentionLayout, SpecSettings, TraceMeta
 from traces.tokens import TokenStore
 
 # What a user calls each sizing field: where a replay takes it from (the trace's
@@ -73,6 +73,25 @@ def spec_config_for(spec: SpecSettings | None) -> SpecConfig | None:
     )
 
 
+def swa_config_for(layout: AttentionLayout | None, *, resized: bool = False) -> SwaConfig | None:
+    """The allocator's sliding-window pool for a trace's attention layout (None: a
+    full-attention model, one pool).
+
+    Args:
+        layout: the trace's ``TraceMeta.attention``.
+        resized: the full pool or the page size differs from the recorded one (a
+            what-if): the SWA pool then follows the recorded ratio, as SGLang derives
+            it, instead of the recorded size.
+    """
+    if layout is None:
+        return None
+    return SwaConfig(
+        window=layout.sliding_window,
+        swa_full_tokens_ratio=layout.swa_full_tokens_ratio,
+        swa_pool_tokens=None if resized else layout.swa_pool_tokens,
+    )
+
+
 def allocator_config_for(
     meta: TraceMeta,
     *,
@@ -84,18 +103,20 @@ def allocator_config_for(
 ) -> AllocatorConfig:
     """The allocator configuration a trace's serving config asks for, with what-if
     overrides. ``radix_cache`` defaults to what the trace was recorded with; the pool
-    is rounded down to whole pages.
+    is rounded down to whole pages. A trace with an attention layout gets the
+    sliding-window pool too (``swa_config_for``).
 
     Raises:
         ConfigError: the resulting configuration is one no allocator can be built
-            from (``AllocatorConfig.check``), e.g. a pool below two pages.
+            from (``AllocatorConfig.check``), e.g. a pool below two pages, or one the
+            allocator does not serve yet (``unsupported_swa``).
     """
-    _refuse_sliding_window(meta)
     cfg = meta.config
     ps = cfg.page_size if page_size is None else page_size
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
+    resized = ps != cfg.page_size or pool != cfg.pool_tokens
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
@@ -107,6 +128,7 @@ def allocator_config_for(
         hisparse=cfg.hisparse,
         radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
+        swa=swa_config_for(meta.attention, resized=resized),
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
     if config.pool_tokens < 2 * ps:
@@ -114,29 +136,43 @@ def allocator_config_for(
     try:
         config.check()
     except ValueError as exc:
+        unsupported = unsupported_swa(config, exc)
+        if unsupported is not None:
+            raise ConfigError(unsupported) from None
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
     return config
 
 
-def _refuse_sliding_window(meta: TraceMeta) -> None:
-    """Refuse a trace of a hybrid sliding-window model: the allocator has one pool.
+_REPLAY_ADVICE = "only SWA traces recorded with {what} off replay (kvtrace info shows the trace's configuration)"
 
-    NOTE: replaying it with the full-attention pool alone would give numbers that look
-    right and are not (no SWA pool, no out-of-window frees), so every command that
-    builds an allocator from a trace stops here until the SWA allocator serves it.
 
-    Raises:
-        ConfigError: the trace has an attention layout with sliding-window layers.
+def unsupported_swa(config: AllocatorConfig, exc: ValueError, advice: str = _REPLAY_ADVICE) -> str | None:
+    """The one line to say when ``config.check()`` refused an SWA configuration only for
+    a switch the SWA allocator does not serve yet (the radix cache, HiSparse), else None.
+
+    NOTE: the rule is the allocator's own: the same configuration is checked again
+    without the switch, so this refusal goes away by itself once the allocator serves
+    the switch with SWA (no second copy of the allocator's limits here).
+
+    Args:
+        config: the configuration ``check()`` refused.
+        exc: its error.
+        advice: what to do instead, ``{what}`` naming the switch.
     """
-    layout = meta.attention
-    if layout is None:
-        return
-    raise ConfigError(
-        f"the trace's model has {len(layout.swa_layer_ids)} sliding-window attention layers "
-        f"(window {layout.sliding_window:,} tokens) besides {len(layout.full_layer_ids)} full ones; "
-        "replaying a sliding-window (SWA) model needs the SWA allocator's two pools, which this kvtrace "
-        "does not support yet (kvtrace info shows the layout)"
-    )
+    if config.swa is None:
+        return None
+    for switch, what in (("radix_cache", "the radix cache"), ("hisparse", "HiSparse")):
+        if not getattr(config, switch):
+            continue
+        try:
+            dataclasses.replace(config, **{switch: False}).check()
+        except ValueError:
+            continue
+        return (
+            f"this sliding-window (SWA) model was served with {what}, which the SWA allocator does not "
+            f"serve (the allocator says: {exc}); " + advice.format(what=what)
+        )
+    return None
 
 
 class MemoryEstimate(NamedTuple):

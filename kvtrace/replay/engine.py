@@ -40,13 +40,13 @@ import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
 from kvtrace.errors import TraceError
-from kvtrace.replay.result import MAX_VIOLATIONS_KEPT, OomRecord, ReplayStats, ViolationRecord
+from kvtrace.replay.result import MAX_VIOLATIONS_KEPT, OomRecord, PoolPeak, ReplayStats, ViolationRecord
 from kvtrace.replay.snapshot import (
     ABORTED,
     DECODE_PHASE,
@@ -58,6 +58,7 @@ from kvtrace.replay.snapshot import (
     RETRACTED,
     SPEC_PHASE,
     WAITING,
+    POOL_NAMES,
     Event,
     RequestDelta,
     StepSnapshot,
@@ -202,6 +203,7 @@ class ReplayEngine:
         # a version written before incremental checks takes no ``touched`` argument
         self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
         self._decode_runs = isinstance(allocator, DecodeRuns)
+        self.pool_names = pool_names_of(allocator)
         self._any_dropped = False  # some request was dropped (skip mode): filter its ops
         self._events: list[Event] = []
         self._step = -1
@@ -313,7 +315,14 @@ class ReplayEngine:
                 st.first_step = batch.step
             st.last_time_s = batch.time_s
         st.last_step = batch.step
-        pool = self.allocator.counters()
+        others: tuple[PoolCounters, ...] = ()
+        if len(self.pool_names) > 1:
+            pools = self.allocator.pool_counters()  # type: ignore[attr-defined]
+            pool = pools["full"]
+            others = tuple(pools[name] for name in self.pool_names[1:])
+            self._note_pool_peaks(batch.step, pools)
+        else:
+            pool = self.allocator.counters()
         used = pool.used_tokens
         if used > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = used
@@ -331,7 +340,21 @@ class ReplayEngine:
             allocator_s=st.allocator_s - alloc_s_before,
             keyframe=keyframe,
             digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
+            other_pools=others,
         )
+
+    def pools_now(self) -> dict[str, PoolCounters]:
+        """Every KV pool's counters now, by name (one ``"full"`` pool for most allocators)."""
+        if len(self.pool_names) > 1:
+            return self.allocator.pool_counters()  # type: ignore[attr-defined,no-any-return]
+        return {"full": self.allocator.counters()}
+
+    def _note_pool_peaks(self, step: int, pools: dict[str, PoolCounters]) -> None:
+        peaks = self.stats.pool_peaks
+        for name, counters in pools.items():
+            peak = peaks.setdefault(name, PoolPeak())
+            if counters.used_tokens > peak.used_tokens or peak.step is None:
+                peak.used_tokens, peak.step = counters.used_tokens, step
 
     def can_run_decodes(self) -> bool:
         """Whether ``replay_decode_run`` may apply runs of plain decode steps in one
@@ -347,6 +370,7 @@ class ReplayEngine:
         return (
             opts.decode_runs
             and self._decode_runs
+            and len(self.pool_names) == 1  # a run's counters are the full pool's only
             and checks_fit
             and not opts.state_digest
             and not self._any_dropped
@@ -680,11 +704,16 @@ class ReplayEngine:
     def _oom(self, res: OutOfMemory) -> None:
         st = self.stats
         st.num_ooms += 1
+        pool = getattr(res, "pool", "full")  # (a version older than the SWA pool names none)
+        st.ooms_by_pool[pool] = st.ooms_by_pool.get(pool, 0) + 1
         self._events.append(
-            Event("oom", res.rid, res.needed, f"needed {res.needed}, free {res.available}, evictable {res.evictable}")
+            Event(
+                "oom", res.rid, res.needed,
+                f"needed {res.needed}, free {res.available}, evictable {res.evictable}{_in_pool(pool)}",
+            )
         )
         if st.oom is None:
-            st.oom = OomRecord(self._step, res.op, res.rid, res.needed, res.available, res.evictable)
+            st.oom = OomRecord(self._step, res.op, res.rid, res.needed, res.available, res.evictable, pool)
 
     def _note_evicted(self, evicted: int) -> None:
         if evicted:
@@ -713,17 +742,46 @@ class ReplayEngine:
         elif rids is not None and rids.size == 1:
             blame = int(rids[0])
         for v in violations:
-            self._violation(v.rid if v.rid is not None else blame, v.check, v.detail, op=op)
+            pool = getattr(v, "pool", "full")
+            self._violation(v.rid if v.rid is not None else blame, v.check, v.detail, op=op, pool=pool)
 
-    def _violation(self, rid: int | None, check: str, detail: str, op: str | None = None) -> None:
+    def _violation(self, rid: int | None, check: str, detail: str, op: str | None = None, pool: str = "full") -> None:
         st = self.stats
         st.num_violations += 1
-        self._events.append(Event("violation", rid, 0, f"{check}: {detail}"))
+        self._events.append(Event("violation", rid, 0, f"{check}: {detail}{_in_pool(pool)}"))
         if len(st.violations) < MAX_VIOLATIONS_KEPT:
-            st.violations.append(ViolationRecord(self._step, rid, op or self._op_name, check, detail))
+            st.violations.append(ViolationRecord(self._step, rid, op or self._op_name, check, detail, pool))
         limit = self.options.max_violations
         if limit is not None and st.num_violations >= limit:
             self.stopped_early = True
+
+
+@runtime_checkable
+class PerPoolCounters(Protocol):
+    """An allocator with several KV pools (a hybrid sliding-window model's full and SWA
+    pools): ``pool_counters()`` gives each pool's counters by name (``POOL_NAMES``),
+    ``"full"`` first and equal to ``counters()``. Optional: without it the allocator
+    has one pool."""
+
+    def pool_counters(self) -> dict[str, PoolCounters]: ...
+
+
+def pool_names_of(allocator: object) -> tuple[str, ...]:
+    """The KV pools of an allocator, in ``POOL_NAMES`` order: ``("full",)``, or
+    ``("full", "swa")`` for a hybrid sliding-window model (``PerPoolCounters``)."""
+    if not isinstance(allocator, PerPoolCounters):
+        return ("full",)
+    names = tuple(allocator.pool_counters())
+    unknown = [name for name in names if name not in POOL_NAMES]
+    if unknown or "full" not in names:
+        raise ValueError(f"allocator pools {names}: expected 'full' and some of {POOL_NAMES}")
+    return tuple(name for name in POOL_NAMES if name in names)
+
+
+def _in_pool(pool: str) -> str:
+    """`` (swa pool)`` for an event of a pool other than the full one (whose wording
+    stays that of a full-attention model)."""
+    return "" if pool == "full" else f" ({pool} pool)"
 
 
 def pool_counters_dict(pool: PoolCounters) -> dict[str, Any]:

@@ -80,7 +80,30 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "num_violations": stats.num_violations,
         "stopped_early": result.stopped_early,
         "truncated": result.truncated,
+        **_pools_summary(result),
     }
+
+
+def _pools_summary(result: ReplayResult) -> dict[str, Any]:
+    """``{"pools": {name: ...}}``: each KV pool of a hybrid model (its size, peak
+    occupancy and step, use at the end, out-of-memory count); empty for a
+    full-attention model, whose one pool is the summary's top level (``pool_tokens``,
+    ``peak_used_tokens``, ...), as it is the full pool's for a hybrid one."""
+    if not result.pools_at_end:
+        return {}
+    stats = result.stats
+    pools: dict[str, Any] = {}
+    for name, counters in result.pools_at_end.items():
+        peak = stats.pool_peaks.get(name)
+        pools[name] = {
+            "pool_tokens": counters.pool_tokens,
+            "peak_used_tokens": peak.used_tokens if peak is not None else 0,
+            "peak_step": peak.step if peak is not None else None,
+            "used_tokens_at_end": counters.used_tokens,
+            "available_at_end": counters.available,
+            "num_ooms": stats.ooms_by_pool.get(name, 0),
+        }
+    return {"pools": pools}
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:
@@ -117,6 +140,14 @@ def render_replay_summary(
     )
     pct = 100.0 * s["peak_used_tokens"] / s["pool_tokens"] if s["pool_tokens"] else 0.0
     table.add_row("peak occupancy", f"{count(s['peak_used_tokens'], 'token')} ({pct:.1f}%) at step {_num(s['peak_step'])}")
+    for name, pool in s.get("pools", {}).items():
+        pct = 100.0 * pool["peak_used_tokens"] / pool["pool_tokens"] if pool["pool_tokens"] else 0.0
+        table.add_row(
+            f"{name} pool",
+            f"{pool['pool_tokens']:,} tokens; peak {count(pool['peak_used_tokens'], 'token')} ({pct:.1f}%) at step "
+            f"{_num(pool['peak_step'])}; {pool['used_tokens_at_end']:,} used at end; "
+            f"{count(pool['num_ooms'], 'out-of-memory', 'out-of-memories')}",
+        )
     table.add_row(
         "prefix cache",
         f"hit rate {100 * s['prefix_hit_rate']:.1f}% over {count(s['admissions'], 'admission')}; "
@@ -137,8 +168,9 @@ def render_replay_summary(
     else:
         table.add_row(
             "out of memory",
-            f"[red]first at step {oom['step']:,}, request {oom['rid']} ({oom['op']}): needed {oom['needed']:,}, "
-            f"free {oom['free']:,}, evictable {oom['evictable']:,}[/red]"
+            f"[red]first at step {oom['step']:,}, request {oom['rid']} ({oom['op']}"
+            + (f", {oom['pool']} pool" if oom.get("pool", "full") != "full" else "")
+            + f"): needed {oom['needed']:,}, free {oom['free']:,}, evictable {oom['evictable']:,}[/red]"
             + (f"; {s['num_ooms']:,} in all, {count(s['dropped_requests'], 'request')} dropped" if s["num_ooms"] > 1 else ""),
         )
     if s["bad_ops"]:

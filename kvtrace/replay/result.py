@@ -14,31 +14,46 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from allocator.base import AllocatorConfig
+    from allocator.base import AllocatorConfig, PoolCounters
     from kvtrace.replay.engine import ReplayOptions
 
-__all__ = ["MAX_VIOLATIONS_KEPT", "OomRecord", "ReplayResult", "ReplayStats", "ViolationRecord"]
+__all__ = ["MAX_VIOLATIONS_KEPT", "OomRecord", "PoolPeak", "ReplayResult", "ReplayStats", "ViolationRecord"]
 
 MAX_VIOLATIONS_KEPT = 1000  # violations listed in full; the rest are counted
 
 
 @dataclass(frozen=True, slots=True)
 class OomRecord:
+    """The first allocation that did not fit; ``pool`` is the KV pool that ran short
+    (``"full"``, or ``"swa"`` for a hybrid sliding-window model)."""
+
     step: int
     op: str
     rid: int
     needed: int
     free: int
     evictable: int
+    pool: str = "full"
 
 
 @dataclass(frozen=True, slots=True)
 class ViolationRecord:
+    """One broken invariant with its blame; ``pool`` is the KV pool it is about."""
+
     step: int
     rid: int | None
     op: str
     check: str
     detail: str
+    pool: str = "full"
+
+
+@dataclass
+class PoolPeak:
+    """The highest occupancy of one KV pool over the window (``used_tokens``) and its step."""
+
+    used_tokens: int = 0
+    step: int | None = None
 
 
 @dataclass
@@ -64,8 +79,10 @@ class ReplayStats:
     overalloc_held_at_start: int = 0
     overalloc_allocated: int = 0
     overalloc_released: int = 0
-    peak_used_tokens: int = 0
+    peak_used_tokens: int = 0  # of the full pool (the one pool of a full-attention model)
     peak_step: int | None = None
+    # every pool's peak, by pool name, when the allocator has several (hybrid SWA models)
+    pool_peaks: dict[str, PoolPeak] = field(default_factory=dict)
     dropped_requests: int = 0
     skipped_ops: int = 0
     bad_ops: int = 0
@@ -74,6 +91,7 @@ class ReplayStats:
     finishes: int = 0
     oom: OomRecord | None = None
     num_ooms: int = 0
+    ooms_by_pool: dict[str, int] = field(default_factory=dict)  # out-of-memories by the pool that ran short
     violations: list[ViolationRecord] = field(default_factory=list)
     num_violations: int = 0
     row_overflows: int = 0
@@ -98,6 +116,10 @@ class ReplayResult:
     stopped_early: bool
     truncated: bool
     completed: bool  # the replay reached the end of the trace (or its window)
+    # each KV pool's counters at the end, by name (``"full"``, ``"swa"``), when the
+    # allocator has several; empty for a full-attention model (its one pool is the
+    # summary's top level)
+    pools_at_end: dict[str, PoolCounters] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:

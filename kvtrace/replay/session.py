@@ -576,6 +576,7 @@ class ReplaySession(Checkpointing):
             stopped_early=engine.stopped_early,
             truncated=bool(self.reader.truncated),
             completed=self.done and not engine.stopped_early,
+            pools_at_end=engine.pools_now() if len(engine.pool_names) > 1 else {},
         )
 
     # ------------------------------------------------------------------ lifetime

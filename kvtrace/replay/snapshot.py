@@ -5,7 +5,9 @@ results; the CLI summary, the state log, the per-request state (``kvtrace.replay
 the dashboard and diff read snapshots only, never the allocator.
 
 Pool counters are the allocator's own ``PoolCounters`` (one type from the
-allocator to the screen). Each request a step changed appears once in the step's
+allocator to the screen), one per KV pool: ``pool`` is the full pool (the one pool of
+a full-attention model), ``other_pools`` the others of a hybrid model in
+``POOL_NAMES`` order (the sliding-window pool), ``pools`` all of them by name. Each request a step changed appears once in the step's
 ``RequestDelta`` with its lengths after the step, the op that changed it and the
 phase it is in now.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "UNCHANGED_OP",
     "Event",
     "EventKind",
+    "POOL_NAMES",
     "Phase",
     "PoolCounters",
     "RequestDelta",
@@ -62,6 +65,10 @@ Phase = Literal["waiting", "prefill", "decode", "spec", "finished", "retracted",
 PHASES: tuple[Phase, ...] = ("waiting", "prefill", "decode", "spec", "finished", "retracted", "aborted", "dropped")
 (WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE, FINISHED, RETRACTED, ABORTED, DROPPED) = range(len(PHASES))
 LIVE_PHASES = frozenset({WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE})
+
+# The KV pools an allocator may have, in order: the full-attention pool (every model
+# has it) and the sliding-window pool of a hybrid SWA model (``pool_counters()`` keys).
+POOL_NAMES: tuple[str, ...] = ("full", "swa")
 
 # ``RequestDelta.op`` of a request the replay dropped (no trace op changed it), and
 # of a request a keyframe lists although no op changed it that step.
@@ -130,6 +137,8 @@ class StepSnapshot:
     ``--steps`` window is one, so a consumer that starts there sees the whole state.
     ``digest``: the allocator's ``state_digest()`` after the step when the replay asks
     for it (``ReplayOptions.state_digest``; ``kvtrace diff --exact``), else None.
+    ``other_pools``: the counters of the pools after the full one (``pool``), named by
+    ``POOL_NAMES[1:]`` in order; empty for a full-attention model.
     """
 
     step: int
@@ -141,6 +150,12 @@ class StepSnapshot:
     allocator_s: float  # seconds spent inside allocator calls this step
     keyframe: bool = False
     digest: str | None = None
+    other_pools: tuple[PoolCounters, ...] = ()
+
+    @property
+    def pools(self) -> dict[str, PoolCounters]:
+        """Every KV pool's counters after the step, by name (``POOL_NAMES``)."""
+        return dict(zip(POOL_NAMES, (self.pool, *self.other_pools)))
 
 
 class SnapshotBlock(NamedTuple):
@@ -159,6 +174,9 @@ class SnapshotBlock(NamedTuple):
     event_steps: list[int]  # the step of each event
     events: list[Event]  # every event of the k steps, in order
     digests: list[str | None]  # [k] the allocator's state digest after each step (None: not asked)
+    # int64 [k, n, len(PoolCounters._fields)]: the n pools after the full one
+    # (``StepSnapshot.other_pools``); None for a full-attention model
+    other_pools: np.ndarray | None = None
 
     @classmethod
     def of(cls, snaps: Sequence[StepSnapshot], rows: Sequence[bool] | None = None) -> SnapshotBlock:
@@ -205,6 +223,7 @@ class SnapshotBlock(NamedTuple):
             event_steps=event_steps,
             events=events,
             digests=[s.digest for s in snaps],
+            other_pools=_other_pools(snaps),
         )
 
     @classmethod
@@ -231,6 +250,7 @@ class SnapshotBlock(NamedTuple):
             event_steps=list(chain.from_iterable(b.event_steps for b in blocks)),
             events=list(chain.from_iterable(b.events for b in blocks)),
             digests=list(chain.from_iterable(b.digests for b in blocks)),
+            other_pools=None if blocks[0].other_pools is None else joined("other_pools"),
         )
 
     @property
@@ -240,3 +260,19 @@ class SnapshotBlock(NamedTuple):
     def pool(self, i: int) -> PoolCounters:
         """The pool counters after step ``i`` of the block."""
         return PoolCounters(*(int(v) for v in self.pools[i]))
+
+    def other_pools_at(self, i: int) -> tuple[PoolCounters, ...]:
+        """The counters of the pools after the full one after step ``i`` (``StepSnapshot.other_pools``)."""
+        if self.other_pools is None:
+            return ()
+        return tuple(PoolCounters(*(int(v) for v in row)) for row in self.other_pools[i])
+
+
+def _other_pools(snaps: Sequence[StepSnapshot]) -> np.ndarray | None:
+    """The steps' ``other_pools`` as one array (None when no step has any)."""
+    n = len(snaps[0].other_pools)
+    if n == 0:
+        return None
+    nf = len(PoolCounters._fields)
+    flat = chain.from_iterable(chain.from_iterable(s.other_pools) for s in snaps)
+    return np.fromiter(flat, np.int64, len(snaps) * n * nf).reshape(len(snaps), n, nf)

@@ -64,6 +64,25 @@ def _allocator_module(name: str) -> ModuleType:
     return module
 
 
+def _swa_spec(config: dict[str, Any]) -> sc.SwaSpec | None:
+    """The scenario's SWA pool from kvtrace's ``AllocatorConfig.swa`` (a dict, or None):
+    its window, its SWA pool in tokens (``SwaConfig.pool_tokens``: an explicit size or
+    the ratio of the full pool, rounded down to a page), the eviction interval and the
+    overlap scheduler's chunk."""
+    swa = config.get("swa")
+    if swa is None:
+        return None
+    ps = int(config["page_size"])
+    full = int(config["pool_tokens"]) // ps * ps
+    size = swa.get("swa_pool_tokens")
+    tokens = int(size) if size is not None else int(full * float(swa["swa_full_tokens_ratio"]))
+    return sc.SwaSpec(
+        window=int(swa["window"]), swa_pool_tokens=tokens // ps * ps,
+        eviction_interval=int(swa.get("eviction_interval", 128)),
+        overlap_chunked_prefill=int(swa.get("overlap_chunked_prefill", 0)),
+    )  # fmt: skip
+
+
 def _ints(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
 
@@ -93,6 +112,7 @@ class AllocatorServer:
             extra_rows=int(config.get("extra_rows", 0)),
             spec=None if spec is None else sc.SpecSpec(
                 spec["algorithm"], int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
+            swa=_swa_spec(config),
         )
         self.eng = world.SGLangEngine(self.config)
         self.ps = self.config.page_size
@@ -252,6 +272,15 @@ class AllocatorServer:
         self.eng.publish()
         return pool_counters(self.eng)
 
+    def pool_counters(self) -> dict[str, tuple[int, ...]]:
+        """Each KV pool's ``PoolCounters`` fields: the full pool's, and a hybrid SWA
+        model's SWA pool's (``swa_pool_counters``)."""
+        self.eng.publish()
+        full = pool_counters(self.eng)
+        if self.config.swa is None:
+            return {"full": full}
+        return {"full": full, "swa": swa_pool_counters(self.eng, full)}
+
     def request_lens(self, rids_b: bytes) -> tuple[bytes, bytes, bytes]:
         self.eng.publish()
         out: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -364,20 +393,45 @@ def pool_counters(eng: world.SGLangEngine) -> tuple[int, ...]:
             committed += int(kv.kv_committed_len) - int(kv.cache_protected_len)
             overallocated += int(pages.ceil_align(int(kv.kv_allocated_len), eng.ps)) - int(kv.kv_committed_len)
     free_rows = int(eng.pool.available_size())
+    full = token_allocators(eng)[0]  # a hybrid SWA model's counters are its full pool's
     return (
-        int(eng.alloc.size), int(eng.alloc.available_size()), int(eng.tree.evictable_size()),
+        int(full.size), int(full.available_size()), int(eng.tree.evictable_size()),
         int(eng.tree.protected_size()), committed, overallocated, int(eng.pool.size) - free_rows, free_rows,
     )
 
 
-def free_ids(eng: world.SGLangEngine) -> np.ndarray:
-    """The allocator's free list in reuse order (slot ids at page 1, page ids otherwise)."""
-    return eng.alloc.free_pages.numpy().astype(np.int64)
-
-
-def side_ids(eng: world.SGLangEngine) -> np.ndarray:
-    """The need-sort side list: ``release_pages`` at page 1, the staged pages otherwise."""
+def swa_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[int, ...]:
+    """The SWA pool's ``PoolCounters`` fields read off an SGLang world, given the full
+    pool's (``pool_counters``). As the built-in allocator reports them: no radix cache
+    in the SWA pool (evictable and protected 0: radix off), the full pool's
+    over-allocation, and the requests' window-kept KV (``committed``) the rest of
+    the pool, so conservation holds exactly when SGLang's pool is sound."""
     alloc = eng.alloc
+    size, available = int(alloc.size_swa), int(alloc.swa_available_size())
+    overallocated = full[5]
+    return (size, available, 0, 0, size - available - overallocated, overallocated, full[6], full[7])
+
+
+def token_allocators(eng: world.SGLangEngine) -> list[Any]:
+    """The token allocators holding free lists, in the built-in digest's order
+    (``allocator.check.digest``): the one allocator, or a hybrid SWA model's full pool's
+    then its SWA pool's."""
+    alloc = eng.alloc
+    full = getattr(alloc, "full_attn_allocator", None)
+    return [alloc] if full is None else [full, alloc.swa_attn_allocator]
+
+
+def free_ids(eng: world.SGLangEngine, alloc: Any = None) -> np.ndarray:
+    """A token allocator's free list in reuse order (slot ids at page 1, page ids
+    otherwise); default: the (full pool's) first of ``token_allocators``."""
+    alloc = token_allocators(eng)[0] if alloc is None else alloc
+    return alloc.free_pages.numpy().astype(np.int64)
+
+
+def side_ids(eng: world.SGLangEngine, alloc: Any = None) -> np.ndarray:
+    """A token allocator's need-sort side list: ``release_pages`` at page 1, the staged
+    pages otherwise; default: the (full pool's) first of ``token_allocators``."""
+    alloc = token_allocators(eng)[0] if alloc is None else alloc
     if eng.ps == 1:
         return alloc.release_pages.numpy().astype(np.int64)
     staged = alloc.staged_pages
@@ -424,7 +478,7 @@ def state_digest(eng: world.SGLangEngine, rid_of: Any = None) -> str:
     columns = _digest_columns(eng, rid_of)
     rows = np.flatnonzero(columns[0] >= 0)
     total = digest.rows_hash(eng.pool.req_to_token.numpy(), rows, columns[1][rows])
-    lists = [(digest.seq_value(free_ids(eng)), digest.seq_value(side_ids(eng)))]
+    lists = [(digest.seq_value(free_ids(eng, a)), digest.seq_value(side_ids(eng, a))) for a in token_allocators(eng)]
     return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
                                  int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
 
@@ -450,8 +504,9 @@ class IncrementalDigest:
         self.length = np.zeros(n, np.int64)
         self.row_hash = np.zeros(n, np.uint64)
         self.rewritten: set[int] = set()  # request ids whose rows a checkpoint may have rewritten
-        self._free: Any = None  # the free-list tensor hashed last
-        self._free_seq: Any = None
+        # per token allocator (``token_allocators``): the free-list tensor hashed last, its hash
+        self._free: list[Any] = [None, None]
+        self._free_seq: list[Any] = [None, None]
 
     def value(self) -> str:
         eng, digest = self.eng, self.digest
@@ -470,12 +525,14 @@ class IncrementalDigest:
             self.rid[changed] = rid[changed]
             self.length[changed] = length[changed]
         total = int(self.row_hash.sum(dtype=np.uint64))
-        lists = [(self._free_value(), digest.seq_value(side_ids(eng)))]
+        lists = [
+            (self._free_value(i, a), digest.seq_value(side_ids(eng, a))) for i, a in enumerate(token_allocators(eng))
+        ]
         return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
                                      int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
 
-    def _free_value(self) -> tuple[int, int]:
-        cur, prev = self.eng.alloc.free_pages, self._free
+    def _free_value(self, i: int, alloc: Any) -> tuple[int, int]:
+        cur, prev = alloc.free_pages, self._free[i]
         if (
             prev is not None and cur.numel() <= prev.numel()
             and cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
@@ -483,11 +540,11 @@ class IncrementalDigest:
         ):
             taken = cur.storage_offset() - prev.storage_offset()
             if taken:
-                self._free_seq.pop_front(prev[:taken].numpy())
+                self._free_seq[i].pop_front(prev[:taken].numpy())
         else:
-            self._free_seq = self.digest.SeqHash(cur.numpy())
-        self._free = cur
-        return self._free_seq.value()
+            self._free_seq[i] = self.digest.SeqHash(cur.numpy())
+        self._free[i] = cur
+        return self._free_seq[i].value()
 
 
 def _dispatch(server: AllocatorServer | None, call: wire.Call) -> Any:

@@ -35,7 +35,7 @@ __all__ = [
 # ``server.AllocatorServer`` (the test of this module checks the two agree).
 METHODS: frozenset[str] = frozenset({
     "init", "extend", "decode", "spec_decode", "prealloc", "release", "end_step", "evict", "match_prefix",
-    "counters", "request_lens", "holds_kv", "row_slots", "check_integrity", "state_digest",
+    "counters", "pool_counters", "request_lens", "holds_kv", "row_slots", "check_integrity", "state_digest",
 })
 _PROTOCOL = 4  # every interpreter the driver supports reads it
 

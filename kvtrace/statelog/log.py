@@ -11,6 +11,9 @@ op that changed it, its phase, the prefix it reused), the step's events (list of
 structs), the op count, the allocator time, whether the row is a keyframe (its
 request lists hold every live request: the first step of a ``--steps`` window), and
 the allocator's state digest (null unless the replay asked for it: ``diff --exact``).
+A hybrid sliding-window model's log has every other KV pool's counters too, named
+``POOL_FIELD`` prefixed by the pool (``swa_available``, ...: ``state_log_schema``); a
+log without them (a full-attention model's, or one written before them) has one pool.
 
 The same records, as an uncompressed IPC *stream*, are the per-step record stream a
 ``kvtrace diff`` side sends its parent over a pipe (``kvtrace.proc.child``).
@@ -28,7 +31,7 @@ import pyarrow as pa
 
 from kvtrace.errors import TraceError
 from kvtrace.statelog.format import STATE_LOG_METADATA_KEY, STATE_LOG_VERSION
-from kvtrace.replay.snapshot import Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
+from kvtrace.replay.snapshot import POOL_NAMES, Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
 from traces.ipc import IpcReader
 
 
@@ -62,6 +65,26 @@ STATE_LOG_SCHEMA = pa.schema(
     + [pa.field(name, pa.list_(arrow_type)) for name, arrow_type, _ in _REQUEST_COLUMNS]
     + [pa.field("events", pa.list_(EVENT_TYPE)), pa.field("digest", pa.utf8())]
 )
+
+
+def state_log_schema(other_pools: tuple[str, ...] = ()) -> pa.Schema:
+    """The state log's schema for an allocator whose pools after the full one are
+    ``other_pools`` (``POOL_NAMES[1:]``, in order): ``STATE_LOG_SCHEMA`` plus, per
+    pool, one column per counter named ``{pool}_{field}``."""
+    if not other_pools:
+        return STATE_LOG_SCHEMA
+    return pa.schema(
+        list(STATE_LOG_SCHEMA)
+        + [pa.field(f"{pool}_{name}", pa.int64(), nullable=False) for pool in other_pools for name in _POOL_FIELDS]
+    )
+
+
+def other_pools_of(schema: pa.Schema) -> tuple[str, ...]:
+    """The pools after the full one whose counters a state log's schema holds (in order)."""
+    names = set(schema.names)
+    return tuple(pool for pool in POOL_NAMES[1:] if f"{pool}_{_POOL_FIELDS[0]}" in names)
+
+
 # Columns that differ between two runs of the same replay (timings): not compared.
 TIMING_COLUMNS = ("allocator_s",)
 
@@ -90,19 +113,21 @@ class StateLogWriter:
         compression: str | None = "zstd",
     ) -> None:
         meta = {"version": STATE_LOG_VERSION, **info}
-        self._schema = STATE_LOG_SCHEMA.with_metadata({STATE_LOG_METADATA_KEY: json.dumps(meta).encode()})
-        options = pa.ipc.IpcWriteOptions(compression=compression)
+        self._metadata = {STATE_LOG_METADATA_KEY: json.dumps(meta).encode()}
+        self._options = pa.ipc.IpcWriteOptions(compression=compression)
         if isinstance(path, (str, Path)):
             self.path: Path | None = Path(path)
             try:
                 self._sink: Any = pa.OSFile(str(self.path), "wb")
             except OSError as exc:
                 raise TraceError(f"{self.path}: cannot write the state log ({exc.strerror or exc})") from None
-            self._writer = pa.ipc.new_file(self._sink, self._schema, options=options)
         else:
             self.path = None
             self._sink = pa.PythonFile(path, mode="w")
-            self._writer = pa.ipc.new_stream(self._sink, self._schema, options=options)
+        # NOTE: the schema depends on the allocator's pools, which the first step says:
+        # the IPC writer starts with the first batch (or at close, for no step).
+        self._writer: Any = None
+        self._schema = STATE_LOG_SCHEMA
         self._steps_per_batch = steps_per_batch
         self._buf: list[StepSnapshot] = []
         self.steps_written = 0
@@ -116,20 +141,33 @@ class StateLogWriter:
         """Write the steps of ``block`` as one record batch now (after any buffered)."""
         self.flush()
         if block.num_steps:
-            self._writer.write_batch(record_batch_of(block, self._schema))
-            self._sink.flush()
-            self.steps_written += block.num_steps
+            self._write(block)
 
     def flush(self) -> None:
         if not self._buf:
             return
-        self._writer.write_batch(to_record_batch(self._buf, self._schema))
-        self._sink.flush()
-        self.steps_written += len(self._buf)
+        self._write(SnapshotBlock.of(self._buf))
         self._buf = []
+
+    def _write(self, block: SnapshotBlock) -> None:
+        if self._writer is None:
+            n = 0 if block.other_pools is None else block.other_pools.shape[1]
+            self._start(POOL_NAMES[1 : 1 + n])
+        self._writer.write_batch(record_batch_of(block, self._schema))
+        self._sink.flush()
+        self.steps_written += block.num_steps
+
+    def _start(self, other_pools: tuple[str, ...]) -> None:
+        self._schema = state_log_schema(other_pools).with_metadata(self._metadata)
+        if self.path is not None:
+            self._writer = pa.ipc.new_file(self._sink, self._schema, options=self._options)
+        else:
+            self._writer = pa.ipc.new_stream(self._sink, self._schema, options=self._options)
 
     def close(self) -> None:
         self.flush()
+        if self._writer is None:
+            self._start(())
         self._writer.close()
         self._sink.close()
 
@@ -161,6 +199,10 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
         cols[name] = pa.ListArray.from_arrays(off, pa.array(values.astype(dtype, copy=False), arrow_type))
     cols["events"] = _events_column(block)
     cols["digest"] = pa.array(block.digests, pa.utf8())
+    if block.other_pools is not None:
+        for p, pool in enumerate(POOL_NAMES[1 : 1 + block.other_pools.shape[1]]):
+            for i, name in enumerate(_POOL_FIELDS):
+                cols[f"{pool}_{name}"] = pa.array(block.other_pools[:, p, i])
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
@@ -291,7 +333,17 @@ def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
         event_steps=event_steps,
         events=events,
         digests=col["digest"].to_pylist() if "digest" in col else [None] * batch.num_rows,
+        other_pools=_other_pools_of(batch),
     )
+
+
+def _other_pools_of(batch: pa.RecordBatch) -> np.ndarray | None:
+    """int64 ``[k, n, fields]``: the counters of the ``n`` pools after the full one (None: one pool)."""
+    pools = other_pools_of(batch.schema)
+    if not pools:
+        return None
+    cols = [[batch.column(f"{pool}_{name}").to_numpy() for name in _POOL_FIELDS] for pool in pools]
+    return np.stack([np.stack(c, axis=1) for c in cols], axis=1).astype(np.int64, copy=False)
 
 
 def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
@@ -311,6 +363,7 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
         arr = col[name]
         lists.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)))
     events = col["events"].to_pylist()
+    others = _other_pools_of(batch)
     out = []
     for i in range(n):
         parts = [values[offs[i] : offs[i + 1]] for offs, values in lists]
@@ -324,5 +377,6 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
             allocator_s=float(alloc_s[i]),
             keyframe=bool(keyframes[i]),
             digest=digests[i],
+            other_pools=() if others is None else tuple(PoolCounters(*(int(v) for v in row)) for row in others[i]),
         ))
     return out

@@ -266,14 +266,27 @@ class SGLangAllocator:
         value = self._prefetched.pop("counters", None)
         return PoolCounters(*(value if value is not None else self._call("counters")))
 
+    def pool_counters(self) -> dict[str, PoolCounters]:
+        """Each KV pool's counters: ``{"full": counters()}``, and a hybrid SWA model's
+        ``"swa"`` pool too (asked with ``request_lens``, as the counters are)."""
+        from allocator.base import PoolCounters
+
+        if self.config.swa is None:
+            return {"full": self.counters()}
+        value = self._prefetched.pop("pool_counters", None)
+        pools = value if value is not None else self._call("pool_counters")
+        return {name: PoolCounters(*fields) for name, fields in pools.items()}
+
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         from allocator.base import RequestLens
 
-        calls = [wire.Call("request_lens", (wire.pack_ints(rids),)), wire.Call("counters")]
+        names = ["counters", "pool_counters"] if self.config.swa is not None else ["counters"]
+        calls = [wire.Call("request_lens", (wire.pack_ints(rids),)), *(wire.Call(n) for n in names)]
         if self._want_digest:
             calls.append(wire.Call("state_digest"))
+            names.append("state_digest")
         values = self._batch(calls)
-        self._prefetched = dict(zip(("counters", "state_digest"), values[1:]))
+        self._prefetched = dict(zip(names, values[1:]))
         return RequestLens(*(np.frombuffer(c, "<i8").astype(np.int64) for c in values[0]))
 
     def holds_kv(self, rids: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """``kvtrace record --like TRACE`` (a trace's whole serving config) and ``--model NAME``
-(a preset's shape and layout; sliding-window presets refused until the scheduler
-models their two pools)."""
+(a preset's shape and layout; sliding-window presets record with the radix cache off,
+the SWA radix cache being built)."""
 
 from __future__ import annotations
 
@@ -65,17 +65,58 @@ def test_options_given_override_the_like_trace(tmp_path: Path) -> None:
     assert {k: recorded["config"][k] for k in keep} == {k: like[k] for k in keep}
 
 
-@pytest.mark.parametrize(("name", "layers", "window"), [("gpt-oss-20b", 12, "128"), ("gemma-3-27b", 52, "1,024")])
-def test_a_sliding_window_preset_is_refused_and_nothing_written(tmp_path: Path, name: str, layers: int, window: str) -> None:
+def swa_radix_refused() -> bool:
+    """Whether the allocator's own check refuses SWA with the radix cache (until it serves it)."""
+    from allocator.base import AllocatorConfig, SwaConfig
+
+    try:
+        AllocatorConfig(pool_tokens=3968, page_size=16, radix_cache=True, swa=SwaConfig(window=128)).check()
+    except ValueError:
+        return True
+    return False
+
+
+def test_a_switch_the_swa_allocator_refuses_is_refused_before_recording() -> None:
+    from kvtrace.errors import ConfigError
+    from kvtrace.record.simulate import refuse_sliding_window
+    from traces.models import model_preset
+
+    layout = model_preset("gpt-oss-20b").layout(60000, 16)
+    with pytest.raises(ConfigError, match="gpt-oss-20b: this sliding-window .SWA. model was served with HiSparse"):
+        refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False, hisparse=True)
+    refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False)
+
+
+@pytest.mark.parametrize(("name", "window"), [("gpt-oss-20b", 128), ("gemma-3-27b", 1024)])
+def test_a_sliding_window_preset_with_the_radix_cache_is_refused_and_nothing_written(
+    tmp_path: Path, name: str, window: int
+) -> None:
+    if not swa_radix_refused():
+        pytest.skip("the allocator serves SWA with the radix cache")
     out = tmp_path / "swa.kvtrace"
     code, _, err = invoke("record", *WORKLOAD, "--model", name, "-o", str(out))
     assert code == 2
-    one_error_line(err, f"{name} has {layers} sliding-window attention layers (window {window} tokens)",
-                   "cannot budget SWA's two KV pools yet")  # fmt: skip
+    one_error_line(err, f"{name}: this sliding-window (SWA) model was served with the radix cache",
+                   "record it with the radix cache off (--no-radix-cache)")  # fmt: skip
     assert not out.exists()
 
 
-def test_like_a_sliding_window_trace_is_refused_unless_the_model_is_overridden(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "window"), [("gpt-oss-20b", 128), ("gemma-3-27b", 1024)])
+def test_a_sliding_window_preset_records_with_the_radix_cache_off(tmp_path: Path, name: str, window: int) -> None:
+    out = tmp_path / "swa.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--model", name, "--no-radix-cache", "--pool-tokens", "60000",
+                          "--page-size", "16", "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    recorded = info(out)
+    assert recorded["attention"]["sliding_window"] == window and recorded["config"]["radix_cache"] is False
+    code, stdout, err = invoke("replay", str(out), "--json", "--check", "every")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["num_violations"] == 0 and summary["oom"] is None
+    assert summary["pools"]["swa"]["peak_used_tokens"] > 0
+
+
+def test_like_a_sliding_window_trace_takes_its_layout_and_its_radix_switch(tmp_path: Path) -> None:
     def edit(data: dict[str, Any]) -> None:
         data.update(format_version=2, attention={
             "full_layer_ids": list(range(1, 32, 2)), "swa_layer_ids": list(range(0, 32, 2)),
@@ -84,10 +125,15 @@ def test_like_a_sliding_window_trace_is_refused_unless_the_model_is_overridden(t
 
     swa = with_meta(sample_path("tiny"), tmp_path / "swa-tiny.kvtrace", edit)
     out = tmp_path / "out.kvtrace"
-    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "-o", str(out))
-    assert code == 2 and not out.exists()
-    one_error_line(err, "16 sliding-window attention layers", "cannot budget SWA's two KV pools yet")
-    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--model", "llama-3.1-8b", "-o", str(out))
+    # tiny was served with the radix cache: refused while the allocator refuses it with SWA
+    if swa_radix_refused():
+        code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "-o", str(out))
+        assert code == 2 and not out.exists()
+        one_error_line(err, "served with the radix cache", "--no-radix-cache")
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "--no-radix-cache", "-o", str(out))
+    assert code == 0, err
+    assert info(out)["attention"]["sliding_window"] == 128
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--model", "llama-3.1-8b", "-o", str(out), "--force")
     assert code == 0, err
     assert info(out)["attention"] is None and info(out)["config"]["pool_tokens"] == 3968
 
@@ -103,3 +149,25 @@ def test_like_a_missing_trace_is_one_error_line(tmp_path: Path) -> None:
     code, _, err = invoke("record", *WORKLOAD, "--like", str(tmp_path / "none.kvtrace"), "-o", str(tmp_path / "o.kvtrace"))
     assert code == 2
     one_error_line(err, "none.kvtrace", "no such file")
+
+
+def test_the_scheduler_budgets_a_tight_swa_pool(tmp_path: Path) -> None:
+    # An SWA pool of 1,024 tokens (window 128) under 512-token chunks: admission must
+    # charge each request's SWA need (SGLang's SWAPrefillBudget) or an extend runs the
+    # SWA pool dry although the full pool's budget admitted it.
+    def edit(data: dict[str, Any]) -> None:
+        data.update(format_version=2, attention={
+            "full_layer_ids": list(range(1, 32, 2)), "swa_layer_ids": list(range(0, 32, 2)),
+            "sliding_window": 128, "swa_pool_tokens": 1024,
+        })  # fmt: skip
+
+    swa = with_meta(sample_path("tiny"), tmp_path / "swa-tiny.kvtrace", edit)
+    out = tmp_path / "out.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "--no-radix-cache",
+                          "--chunk", "512", "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    code, stdout, err = invoke("replay", str(out), "--json", "--check", "every")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["oom"] is None and summary["num_violations"] == 0
+    assert summary["pools"]["swa"]["pool_tokens"] == 1024

@@ -49,6 +49,10 @@ RECORDED: dict[str, str] = {
     "mooncake-pressure": "Mooncake conversation, first 4 minutes, 48k-token pool, page 64, EAGLE 5,4,8: "
     "eviction, retraction and an OOM abort",
     "mooncake-tiny": "Mooncake conversation, first 12 seconds, page 16 (38 requests)",
+    "mooncake-gpt-oss": "Mooncake conversation, first 12 seconds, gpt-oss-20b (hybrid SWA: 1:1 full/sliding "
+    "layers, window 128), page 16, 60k-token full pool, radix cache off",
+    "mooncake-gemma-3": "Mooncake conversation, first 12 seconds, gemma-3-27b (hybrid SWA: 5:1 sliding/full "
+    "layers, window 1,024), page 16, 60k-token full pool, radix cache off",
 }
 
 
