@@ -341,7 +341,8 @@ class AllocatorServer:
         parts = [free_ids(self.eng), side_ids(self.eng)]
         holders = ["free"] * parts[0].shape[0] + ["free (release list)"] * parts[1].shape[0]
         for node in tree_nodes(self.eng):
-            ids = node.value.numpy()[::ps] // ps if ps > 1 else node.value.numpy()
+            value = full_value(node).numpy()
+            ids = value[::ps] // ps if ps > 1 else value
             parts.append(np.asarray(ids, np.int64))
             holders += ["the radix tree"] * len(ids)
         table = self.eng.pool.req_to_token
@@ -436,6 +437,16 @@ def side_ids(eng: world.SGLangEngine, alloc: Any = None) -> np.ndarray:
         return alloc.release_pages.numpy().astype(np.int64)
     staged = alloc.staged_pages
     return np.concatenate([s.numpy() for s in staged]).astype(np.int64) if staged else np.zeros(0, np.int64)
+
+
+def full_value(node: Any) -> Any:
+    """A tree node's full-attention slots: ``value`` of a radix node, the FULL
+    component's value of a unified (FULL + SWA) node."""
+    if hasattr(node, "component_data"):
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        return node.component_data[ComponentType.FULL].value
+    return node.value
 
 
 def tree_nodes(eng: world.SGLangEngine) -> list[Any]:

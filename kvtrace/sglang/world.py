@@ -253,6 +253,18 @@ def load_sglang(tree_kind: str = "radix") -> SimpleNamespace:
         return res
 
     cls.evict = evict
+    # The unified (FULL + SWA) tree evicts through ``_evict`` on every path
+    # (``evict`` and ``evict_for_alloc``); its full-attention tokens are the count.
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    unified_evict = UnifiedRadixCache._evict
+
+    def _evict(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        res = unified_evict(self, params, *args, **kwargs)
+        _EVICTED[0] += int(getattr(res, "num_tokens_evicted", 0) or 0)
+        return res
+
+    UnifiedRadixCache._evict = _evict
     return SG
 
 

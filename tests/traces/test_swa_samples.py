@@ -61,3 +61,29 @@ def test_sglang_reports_both_pools_as_the_builtin_does(tmp_path: Path) -> None:
     swa_columns = [name for name in tables[0].schema.names if name.startswith("swa_")]
     assert len(swa_columns) == 8
     assert all(tables[0][name].equals(tables[1][name]) for name in swa_columns)
+
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "traces" / "workloads_data" / "mooncake-fast25" / "conversation_trace.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-3-27b"])
+def test_sglang_and_builtin_are_identical_on_a_recorded_swa_trace_with_the_radix_cache(
+    tmp_path: Path, model: str, page: int
+) -> None:
+    # skipped unless $KVTRACE_SGLANG_PYTHON names an interpreter with SGLang 0.5.23
+    python = harness.require_sglang()
+    trace = tmp_path / "swa.kvtrace"
+    recorded = CliRunner().invoke(app, [
+        "record", str(MOONCAKE), "--model", model, "--page-size", str(page), "--pool-tokens", "60000",
+        "--duration", "12s", "--out", str(trace), "--json",
+    ])
+    assert recorded.exit_code == 0, recorded.output
+    assert json.loads(recorded.stdout)["evicted_tokens"] > 0  # the tree is under pressure
+    result = CliRunner().invoke(
+        app, ["diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical"] is True, report
