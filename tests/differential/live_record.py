@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
 
     live = hooks.enable(out)  # before SGLang is imported, as the launcher does
     assert live is not None
-    from kvtrace.sglang import runner, scenario as sc, server, world
+    from kvtrace.sglang import readout, runner, scenario as sc, world
 
     world.load_sglang()
     (scen,) = sc.load_scenarios(scenario_path)
@@ -37,8 +37,8 @@ def main(argv: list[str]) -> int:
     def emit(_dump: dict) -> None:
         # The hooks' open step is the one this scenario step's calls went to.
         if live.recorder is not None and live._step is not None:
-            digest = server.state_digest(eng, rid_of=live.dense_id)  # the trace's request ids
-            states[live.steps_closed] = {"digest": digest, "counters": server.pool_counters(eng)}
+            digest = readout.state_digest(eng, rid_of=live.dense_id)  # the trace's request ids
+            states[live.steps_closed] = {"digest": digest, "counters": readout.pool_counters(eng)}
         _append_outputs(eng, content)
 
     runner.run_scenario(scen, eng, emit)

@@ -116,6 +116,27 @@ def _operations(seed: int, page_size: int) -> list:
     return steps
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_operations_store_and_remove_blocks(page_size: int) -> None:
+    """The parity below compares streams with stores and removals in them, not empty ones."""
+    from allocator.radix_cache import RadixCache
+    from kvtrace.events.blocks import BlockRemoved, BlockStored
+
+    kinds: set[type] = set()
+    for seed in range(3):
+        tree = RadixCache(page_size, _Pool())
+        listener = TreeEvents(tree)
+        tree.listener = listener
+        for ops in _operations(seed, page_size):
+            for op, arg in ops:
+                if op == "insert":
+                    tree.insert(np.array(arg, np.int64), np.arange(len(arg), dtype=np.int32))
+                elif op == "evict":
+                    tree.evict(arg)
+            kinds |= {type(event) for event in listener.take()}
+    assert {BlockStored, BlockRemoved} <= kinds
+
+
 @pytest.mark.slow  # SGLang's import
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_events_are_sglangs_own(page_size: int) -> None:

@@ -65,17 +65,6 @@ def test_options_given_override_the_like_trace(tmp_path: Path) -> None:
     assert {k: recorded["config"][k] for k in keep} == {k: like[k] for k in keep}
 
 
-def swa_radix_refused() -> bool:
-    """Whether the allocator's own check refuses SWA with the radix cache (until it serves it)."""
-    from allocator.base import AllocatorConfig, SwaConfig
-
-    try:
-        AllocatorConfig(pool_tokens=3968, page_size=16, radix_cache=True, swa=SwaConfig(window=128)).check()
-    except ValueError:
-        return True
-    return False
-
-
 def test_a_switch_the_swa_allocator_refuses_is_refused_before_recording() -> None:
     from kvtrace.errors import ConfigError
     from kvtrace.record.simulate import refuse_sliding_window
@@ -85,20 +74,6 @@ def test_a_switch_the_swa_allocator_refuses_is_refused_before_recording() -> Non
     with pytest.raises(ConfigError, match="gpt-oss-20b: this sliding-window .SWA. model was served with HiSparse"):
         refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False, hisparse=True)
     refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False)
-
-
-@pytest.mark.parametrize(("name", "window"), [("gpt-oss-20b", 128), ("gemma-3-27b", 1024)])
-def test_a_sliding_window_preset_with_the_radix_cache_is_refused_and_nothing_written(
-    tmp_path: Path, name: str, window: int
-) -> None:
-    if not swa_radix_refused():
-        pytest.skip("the allocator serves SWA with the radix cache")
-    out = tmp_path / "swa.kvtrace"
-    code, _, err = invoke("record", *WORKLOAD, "--model", name, "-o", str(out))
-    assert code == 2
-    one_error_line(err, f"{name}: this sliding-window (SWA) model was served with the radix cache",
-                   "record it with the radix cache off (--no-radix-cache)")  # fmt: skip
-    assert not out.exists()
 
 
 @pytest.mark.parametrize(("name", "window"), [("gpt-oss-20b", 128), ("gemma-3-27b", 1024)])
@@ -125,14 +100,14 @@ def test_like_a_sliding_window_trace_takes_its_layout_and_its_radix_switch(tmp_p
 
     swa = with_meta(sample_path("tiny"), tmp_path / "swa-tiny.kvtrace", edit)
     out = tmp_path / "out.kvtrace"
-    # tiny was served with the radix cache: refused while the allocator refuses it with SWA
-    if swa_radix_refused():
-        code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "-o", str(out))
-        assert code == 2 and not out.exists()
-        one_error_line(err, "served with the radix cache", "--no-radix-cache")
-    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "--no-radix-cache", "-o", str(out))
+    # tiny was served with the radix cache: its layout and its radix switch are taken
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "-o", str(out))
     assert code == 0, err
-    assert info(out)["attention"]["sliding_window"] == 128
+    assert info(out)["attention"]["sliding_window"] == 128 and info(out)["config"]["radix_cache"] is True
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--no-pd-decode", "--no-radix-cache", "-o", str(out),
+                          "--force")  # fmt: skip
+    assert code == 0, err
+    assert info(out)["attention"]["sliding_window"] == 128 and info(out)["config"]["radix_cache"] is False
     code, _, err = invoke("record", *WORKLOAD, "--like", str(swa), "--model", "llama-3.1-8b", "-o", str(out), "--force")
     assert code == 0, err
     assert info(out)["attention"] is None and info(out)["config"]["pool_tokens"] == 3968

@@ -78,25 +78,15 @@ def test_a_bad_layout_is_one_error_line(tmp_path: Path, command: list[str]) -> N
     one_error_line(err, "swa.kvtrace", "'attention.swa_layer_ids' must be a list of layer ids in [0, 32)")
 
 
-@pytest.mark.parametrize(
-    "command",
-    [["replay"], ["replay", "--json"], ["diff", "--a", "builtin", "--b", "paged:16"]],
-)
-def test_a_sliding_window_trace_with_the_radix_cache_is_refused_while_the_allocator_refuses_it(
-    tmp_path: Path, command: list[str]
-) -> None:
-    from allocator.base import AllocatorConfig, SwaConfig
-
-    try:  # the allocator's own rule decides (SWA with the radix cache: refused until it serves it)
-        AllocatorConfig(pool_tokens=3968, page_size=16, radix_cache=True, swa=SwaConfig(window=128)).check()
-    except ValueError:
-        pass
-    else:
-        pytest.skip("the allocator serves SWA with the radix cache")
+def test_a_sliding_window_trace_with_the_radix_cache_replays_clean_with_both_pools(tmp_path: Path) -> None:
+    """tiny with a gpt-oss-like layout: PD prealloc, EAGLE and the radix cache, on both pools."""
     trace = swa_tiny(tmp_path)
-    code, out, err = invoke(command[0], str(trace), *command[1:])
-    assert code == 2, (out, err)
-    one_error_line(err, "sliding-window (SWA) model was served with the radix cache", "does not serve")
+    code, out, err = invoke("replay", str(trace), "--json", "--check", "every")
+    assert code == 0, err
+    pools = json.loads(out)["pools"]
+    assert set(pools) == {"full", "swa"} and pools["swa"]["peak_used_tokens"] > 0
+    code, out, err = invoke("diff", str(trace), "--a", "builtin", "--b", "paged:16")
+    assert code == 0 and "identical over 139 steps" in out, (out, err)
 
 
 def test_a_version_2_trace_without_layout_replays_as_version_1(tmp_path: Path) -> None:
