@@ -57,6 +57,7 @@ def run_both(session: ReplaySession, rids: np.ndarray, num_steps: int) -> tuple[
     return counters, alloc.save_state().digest() == want  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("pd", [False, True])
 def test_a_run_equals_the_steps_one_by_one(tmp_path: Path, page_size: int, pd: bool) -> None:
@@ -149,6 +150,7 @@ def spec_points(path: Path) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("pd", [False, True])
 def test_a_spec_run_equals_the_steps_one_by_one(tmp_path: Path, page_size: int, pd: bool) -> None:

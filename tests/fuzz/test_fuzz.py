@@ -27,6 +27,7 @@ def seeds() -> list[Seed]:
     return load_seeds()
 
 
+@pytest.mark.slow
 def test_the_seeds_are_clean_traces(seeds: list[Seed], tmp_path: Path) -> None:
     """Unmutated, every seed validates and replays (so a failure comes from the mutation)."""
     runner = CliRunner()

@@ -60,6 +60,7 @@ def _click_commands() -> list[tuple[list[str], Any]]:
     return found
 
 
+@pytest.mark.slow
 def test_help_at_80_columns_shows_every_option_name_whole() -> None:
     import re
 
@@ -92,6 +93,7 @@ def test_help_paragraphs_wrap_at_the_terminal_not_at_the_source() -> None:
     assert checked >= 5
 
 
+@pytest.mark.slow
 def test_usage_names_arguments_plainly() -> None:
     for words, cmd in _click_commands():
         usage = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "200"}).stdout
@@ -204,6 +206,7 @@ def test_view_takes_json_quiet_and_no_color(tmp_path: Path) -> None:
     assert served.exit_code == 2 and "drop --json or --serve" in served.stderr
 
 
+@pytest.mark.slow
 def test_every_float_option_refuses_nan_and_infinity_naming_itself() -> None:
     floats = [(words, param.opts[0]) for words, cmd in _click_commands() for param in cmd.params
               if "float" in getattr(param.type, "name", "")]

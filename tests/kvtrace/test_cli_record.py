@@ -44,6 +44,7 @@ def _validate(path: Path) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_record_json_contract_and_validate(tmp_path: Path) -> None:
     out = tmp_path / "m.kvtrace"
     code, report, output = _record([str(MOONCAKE), "--format", "mooncake", "--duration", "15s", "--out", str(out), *SMALL])

@@ -76,6 +76,7 @@ def test_a_switch_the_swa_allocator_refuses_is_refused_before_recording() -> Non
     refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "window"), [("gpt-oss-20b", 128), ("gemma-3-27b", 1024)])
 def test_a_sliding_window_preset_records_with_the_radix_cache_off(tmp_path: Path, name: str, window: int) -> None:
     out = tmp_path / "swa.kvtrace"
@@ -91,6 +92,7 @@ def test_a_sliding_window_preset_records_with_the_radix_cache_off(tmp_path: Path
     assert summary["pools"]["swa"]["peak_used_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_like_a_sliding_window_trace_takes_its_layout_and_its_radix_switch(tmp_path: Path) -> None:
     def edit(data: dict[str, Any]) -> None:
         data.update(format_version=2, attention={

@@ -316,6 +316,7 @@ def test_logs_without_a_trace_hash_are_told_apart_by_name(tmp_path: Path) -> Non
 # -- progress -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inputs", ["trace", "logs"])
 def test_diff_shows_progress_on_a_terminal_and_nothing_with_json(tmp_path: Path, inputs: str) -> None:
     """stderr a terminal: the progress line is drawn there (and erased); stdout (a pipe)

@@ -250,6 +250,7 @@ def test_an_existing_file_is_replaced_only_with_force_and_whole(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.pftrace"]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_an_interrupted_export_leaves_no_file(tmp_path: Path) -> None:
     # A real process, killed by SIGTERM mid-way through the one-hour sample.
     import signal

@@ -301,6 +301,7 @@ def test_spec_trace_commits_accepted_tokens(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_mooncake_window_records_validates_and_stays_sound(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -92,6 +92,7 @@ def straight_run(path: Path, **kwargs: object) -> tuple[list[StepSnapshot], dict
     return snaps, digests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("first_pass_every", "in_step"), [(None, False), (27, False), (27, True)])
 def test_seek_forwards_and_backwards_gives_the_straight_run_state(
     busy_trace: Path, first_pass_every: int | None, in_step: bool
@@ -244,6 +245,7 @@ def test_a_first_pass_paced_in_seconds_takes_one_once_that_much_work_has_passed(
         assert thin.checkpoint_every > 3 and thin.first_pass_seconds == 10.0 * thin.checkpoint_every / 3
 
 
+@pytest.mark.slow
 def test_a_first_pass_paced_in_seconds_does_not_cut_runs_of_decode_steps_where_it_reads_the_clock() -> None:
     """Its probes (every step from the third after a checkpoint, none of them due) leave
     the runs of decode steps as a session without checkpoints replays them: as many
@@ -307,6 +309,7 @@ def test_fill_checkpoints_where_a_sparse_first_pass_stopped(busy_trace: Path) ->
             same_snapshot(a, b)
 
 
+@pytest.mark.slow
 def test_a_window_that_starts_inside_a_decode_run_starts_at_its_first_step() -> None:
     """``--steps S:`` with S inside a run of decode steps: the window's first snapshot is
     step S (a keyframe), and it holds every step from S (a run replayed in one call

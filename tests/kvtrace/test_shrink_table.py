@@ -89,6 +89,7 @@ def cuts(draw: st.DrawFn, table: TraceTable) -> Candidate:
     return cand
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_cut_is_a_valid_trace(tiny: TraceTable, data: st.DataObject) -> None:

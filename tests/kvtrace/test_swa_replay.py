@@ -166,6 +166,7 @@ def test_an_oom_in_the_swa_pool_names_the_pool(tmp_path: Path) -> None:
     assert "swa pool" in out
 
 
+@pytest.mark.slow
 def test_sweep_rows_report_both_pools(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 

@@ -149,6 +149,7 @@ def test_a_killed_sweep_keeps_its_finished_cells_and_runs_only_the_rest(tmp_path
     assert not parts.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -12,6 +12,7 @@ from kvtrace.tui.widgets.toasts import AlertToasts
 from tests.helpers import SIZE, at_step, live_app, log_app, play_to_end, settle, text_of
 
 
+@pytest.mark.slow
 async def test_stepping_keys_and_seeking_back() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -126,6 +127,7 @@ async def test_filter_sort_and_reverse_keys() -> None:
         assert not table.descending
 
 
+@pytest.mark.slow
 async def test_enter_opens_the_request_detail_with_its_history() -> None:
     app = live_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -205,6 +207,7 @@ async def test_view_of_a_state_log_steps_and_seeks(tiny_log) -> None:  # noqa: A
         await settle(pilot, lambda a: "no slot positions" in text_of(a.main.query_one("#cell-info")))
 
 
+@pytest.mark.slow
 async def test_a_trace_cut_short_is_said_once_the_replay_is_done(tmp_path) -> None:  # noqa: ANN001
     from kvtrace.replay.session import TRUNCATED_NOTE
     from traces.samples import resolve_trace

@@ -89,6 +89,7 @@ async def test_the_sides_open_at_the_divergence_and_move_together() -> None:
         await pilot.press("escape", "q")
 
 
+@pytest.mark.slow
 def test_diff_screen(snap_compare) -> None:  # noqa: ANN001
     async def run_before(pilot) -> None:  # noqa: ANN001
         await settle_both(pilot, both_at(1))

@@ -31,6 +31,7 @@ async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
     await settle(pilot, lambda a: at_step(step)(a) and a.frame.page_map_step == step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_dashboard_at(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
     async def run_before(pilot) -> None:  # noqa: ANN001
@@ -39,6 +40,7 @@ def test_dashboard_at(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN
     assert snap_compare(live_app(fixed_clock=True), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_help_at(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
     async def run_before(pilot) -> None:  # noqa: ANN001
@@ -48,6 +50,7 @@ def test_help_at(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
     assert snap_compare(live_app(fixed_clock=True), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_diff_at(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
     async def run_before(pilot) -> None:  # noqa: ANN001
@@ -57,6 +60,7 @@ def test_diff_at(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
     assert snap_compare(diff_app(clock=lambda: 0.0), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 async def test_at_80x24_every_panel_is_a_tab_away_and_full_width() -> None:
     app = live_app()
     async with app.run_test(size=(80, 24)) as pilot:
@@ -108,6 +112,7 @@ def test_fit_hints_drops_the_least_needed_first() -> None:
     assert [h.action for h in fit_hints(hints, 5)] == ["help", "quit"]  # never dropped
 
 
+@pytest.mark.slow
 async def test_a_diff_at_80x24_shows_table_rows() -> None:
     app = diff_app()
     async with app.run_test(size=(80, 24)) as pilot:

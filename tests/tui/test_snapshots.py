@@ -7,6 +7,8 @@ looking at the report of a failing run (``snapshot_report.html``).
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import SIZE, at_step, live_app, log_app, settle
 
 
@@ -31,6 +33,7 @@ def test_help(snap_compare) -> None:  # noqa: ANN001
     assert snap_compare(live_app(fixed_clock=True), terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.slow
 def test_request_detail(snap_compare) -> None:  # noqa: ANN001
     async def run_before(pilot) -> None:  # noqa: ANN001
         await _to_step(pilot, 80)
@@ -42,6 +45,7 @@ def test_request_detail(snap_compare) -> None:  # noqa: ANN001
     assert snap_compare(live_app(fixed_clock=True), terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.slow
 def test_view_of_a_state_log(snap_compare, tiny_log) -> None:  # noqa: ANN001
     async def run_before(pilot) -> None:  # noqa: ANN001
         await _to_step(pilot, 60)
