@@ -91,7 +91,7 @@ class ReplayHeader(TextLines):
         )
         lines = [_spread(left1, right1, width), _spread(left2, right2, width)]
         if frame.other_pools:  # a hybrid model: each pool's use (a full-attention one has line 2's config)
-            lines.append(_spread(pools_text(frame, shown_pool), Text("p: pool shown", style="dim"), width))
+            lines.append(_spread(pools_text(frame, shown_pool), Text("p: next pool", style="dim"), width))
         self.set_lines(lines)
 
 
