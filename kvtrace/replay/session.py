@@ -547,7 +547,8 @@ class ReplaySession(Checkpointing):
         self.allocator.restore_state(c.allocator)  # type: ignore[attr-defined]
         self.engine.restore_state(c.engine)
         if self.state is not None and c.state is not None:
-            self.state.restore(c.state, c.last.pool if c.last is not None else None)
+            self.state.restore(c.state, c.last.pool if c.last is not None else None,
+                               c.last.other_pools if c.last is not None else ())
         self.last = c.last
         self.done = False
         self._open_steps(c.position, c.next_step, c.ordinal)

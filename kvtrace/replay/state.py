@@ -78,7 +78,12 @@ class RequestRow(NamedTuple):
 
 class Timeline:
     """Pool counters per step and every event, append-only (grows as steps are replayed
-    for the first time; moving back in a replay does not shrink it)."""
+    for the first time; moving back in a replay does not shrink it).
+
+    ``counters`` are the full pool's; ``other`` those of the other pools of a hybrid
+    model (``StepSnapshot.other_pools``; None for a full-attention model). The reads take
+    ``pool``, an index into ``POOL_NAMES`` (0: the full pool).
+    """
 
     _FIELDS = PoolCounters._fields
 
@@ -86,10 +91,28 @@ class Timeline:
         self.steps = np.zeros(1024, np.int64)
         self.times = np.zeros(1024, np.float64)
         self.counters = np.zeros((1024, len(self._FIELDS)), np.int64)
+        self.other: np.ndarray | None = None  # int64 [capacity, other pools, fields]
         self.size = 0
         self.events: list[StepEvent] = []
         self._event_steps: list[int] = []
-        self._peak = (0, -1)  # (rows scanned, index of the highest use among them): rows never change
+        # per pool: (rows scanned, index of the highest use among them): rows never change
+        self._peaks: dict[int, tuple[int, int]] = {}
+
+    @property
+    def num_pools(self) -> int:
+        """The pools whose counters the timeline holds (1 for a full-attention model)."""
+        return 1 if self.other is None else 1 + self.other.shape[1]
+
+    def _grow(self, grow: int, other_pools: int) -> None:
+        """Make room for ``grow`` steps, and for ``other_pools`` pools after the full one."""
+        if grow > self.steps.shape[0]:
+            self.steps = np.resize(self.steps, grow)
+            self.times = np.resize(self.times, grow)
+            self.counters = np.resize(self.counters, (grow, len(self._FIELDS)))
+            if self.other is not None:
+                self.other = np.resize(self.other, (grow, *self.other.shape[1:]))
+        if other_pools and self.other is None:
+            self.other = np.zeros((self.steps.shape[0], other_pools, len(self._FIELDS)), np.int64)
 
     @property
     def last_step(self) -> int | None:
@@ -99,15 +122,13 @@ class Timeline:
         """Record ``snap`` if it is past the last step known."""
         if self.size and snap.step <= self.steps[self.size - 1]:
             return
-        if self.size == self.steps.shape[0]:
-            grow = self.size * 2
-            self.steps = np.resize(self.steps, grow)
-            self.times = np.resize(self.times, grow)
-            self.counters = np.resize(self.counters, (grow, len(self._FIELDS)))
+        self._grow(self.size * 2 if self.size == self.steps.shape[0] else 0, len(snap.other_pools))
         i = self.size
         self.steps[i] = snap.step
         self.times[i] = snap.time_s
         self.counters[i] = snap.pool
+        if snap.other_pools:
+            self.other[i] = snap.other_pools
         self.size += 1
         for e in snap.events:
             self.events.append(StepEvent(snap.step, e.kind, e.rid, e.tokens, e.detail))
@@ -122,15 +143,15 @@ class Timeline:
         if k <= 0:
             return
         need = self.size + k
-        if need > self.steps.shape[0]:
-            grow = max(need, self.steps.shape[0] * 2)
-            self.steps = np.resize(self.steps, grow)
-            self.times = np.resize(self.times, grow)
-            self.counters = np.resize(self.counters, (grow, len(self._FIELDS)))
+        other = block.other_pools
+        self._grow(max(need, self.steps.shape[0] * 2) if need > self.steps.shape[0] else 0,
+                   0 if other is None else other.shape[1])
         i = self.size
         self.steps[i:need] = block.steps[first:]
         self.times[i:need] = block.times[first:]
         self.counters[i:need] = block.pools[first:]
+        if other is not None:
+            self.other[i:need] = other[first:]
         self.size = need
         low = int(block.steps[first])
         for step, e in zip(block.event_steps, block.events):
@@ -138,37 +159,52 @@ class Timeline:
                 self.events.append(StepEvent(step, e.kind, e.rid, e.tokens, e.detail))
                 self._event_steps.append(step)
 
-    def column(self, name: str, size: int | None = None) -> np.ndarray:
-        """One pool counter over the known steps, or the first ``size`` of them (a view).
+    def _pool_rows(self, pool: int) -> np.ndarray:
+        """The counters of pool ``pool`` (an index into ``POOL_NAMES``), [capacity, fields]."""
+        if pool == 0:
+            return self.counters
+        if self.other is None or pool > self.other.shape[1]:
+            raise IndexError(f"the timeline has no pool {pool}")
+        return self.other[:, pool - 1]
+
+    def column(self, name: str, size: int | None = None, pool: int = 0) -> np.ndarray:
+        """One counter of pool ``pool`` over the known steps, or the first ``size`` of them (a view).
 
         A reader in another thread than the one appending passes the ``size`` it saw.
         """
-        return self.counters[: self.size if size is None else size, self._FIELDS.index(name)]
+        return self._pool_rows(pool)[: self.size if size is None else size, self._FIELDS.index(name)]
 
-    def used_tokens(self, size: int | None = None) -> np.ndarray:
+    def used_tokens(self, size: int | None = None, pool: int = 0) -> np.ndarray:
         n = self.size if size is None else size
-        return self.column("pool_tokens", n) - self.column("available", n) - self.column("evictable", n)
+        return self._used_rows(0, n, pool)
+
+    def pools_at(self, index: int) -> tuple[PoolCounters, ...]:
+        """Every pool's counters at row ``index`` (full pool first)."""
+        return tuple(PoolCounters(*(int(v) for v in self._pool_rows(p)[index])) for p in range(self.num_pools))
 
     def index_of(self, step: int) -> int:
         """Index of the last known step <= ``step`` (-1 if none)."""
         return int(np.searchsorted(self.steps[: self.size], step, side="right")) - 1
 
-    def peak(self, size: int | None = None) -> tuple[int, int] | None:
-        """(step, used tokens) of the highest occupancy known (in the first ``size`` steps), or None."""
+    def peak(self, size: int | None = None, pool: int = 0) -> tuple[int, int] | None:
+        """(step, used tokens) of pool ``pool``'s highest occupancy known (in the first ``size``
+        steps), or None."""
         n = self.size if size is None else size
         if not n:
             return None
-        scanned, i = self._peak if self._peak[0] <= n else (0, -1)
+        scanned, i = self._peaks.get(pool, (0, -1))
+        if scanned > n:
+            scanned, i = 0, -1
         if n > scanned:  # only the rows appended since the last call (a dashboard asks every frame)
-            new = self._used_rows(scanned, n)
+            new = self._used_rows(scanned, n, pool)
             j = scanned + int(np.argmax(new))
-            if i < 0 or new[j - scanned] > self._used_rows(i, i + 1)[0]:
+            if i < 0 or new[j - scanned] > self._used_rows(i, i + 1, pool)[0]:
                 i = j
-            self._peak = (n, i)
-        return int(self.steps[i]), int(self._used_rows(i, i + 1)[0])
+            self._peaks[pool] = (n, i)
+        return int(self.steps[i]), int(self._used_rows(i, i + 1, pool)[0])
 
-    def _used_rows(self, lo: int, hi: int) -> np.ndarray:
-        rows = self.counters[lo:hi]
+    def _used_rows(self, lo: int, hi: int, pool: int = 0) -> np.ndarray:
+        rows = self._pool_rows(pool)[lo:hi]
         f = self._FIELDS
         return rows[:, f.index("pool_tokens")] - rows[:, f.index("available")] - rows[:, f.index("evictable")]
 
@@ -183,7 +219,7 @@ class Timeline:
         return bisect.bisect_right(self._event_steps, step)
 
     def nbytes(self) -> int:
-        return self.steps.nbytes + self.times.nbytes + self.counters.nbytes
+        return self.steps.nbytes + self.times.nbytes + self.counters.nbytes + (0 if self.other is None else self.other.nbytes)
 
 
 @dataclass
@@ -206,6 +242,7 @@ class ReplayState:
         self.page_size = page_size
         self.step: int | None = None  # the step of the last snapshot folded
         self.pool: PoolCounters | None = None
+        self.other_pools: tuple[PoolCounters, ...] = ()  # ``StepSnapshot.other_pools`` of that step
         self.timeline = Timeline()
         self._cols = {name: np.full(1024, fill, dtype) for name, dtype, fill in _COLUMNS}
 
@@ -240,6 +277,7 @@ class ReplayState:
             cols["last_step"][rids[changed]] = snap.step
         self.step = snap.step
         self.pool = snap.pool
+        self.other_pools = snap.other_pools
         self.timeline.append(snap)
 
     def apply_block(self, block: SnapshotBlock) -> None:
@@ -260,6 +298,7 @@ class ReplayState:
                 lo = key
         self.step = int(block.steps[-1])
         self.pool = block.pool(k - 1)
+        self.other_pools = block.other_pools_at(k - 1)
         self.timeline.extend(block)
 
     def _fold_rows(self, block: SnapshotBlock, r0: int, r1: int, s0: int, s1: int) -> None:
@@ -328,9 +367,11 @@ class ReplayState:
         """The per-request columns now (the timeline is append-only and not saved)."""
         return SavedState(self.step, {k: v.copy() for k, v in self._cols.items()})
 
-    def restore(self, saved: SavedState, pool: PoolCounters | None) -> None:
+    def restore(self, saved: SavedState, pool: PoolCounters | None,
+                other_pools: tuple[PoolCounters, ...] = ()) -> None:
         self.step = saved.step
         self.pool = pool
+        self.other_pools = other_pools
         self._cols = {k: v.copy() for k, v in saved.columns.items()}
 
     def copy(self) -> ReplayState:

@@ -74,6 +74,7 @@ class KvtraceApp(App[None]):
         Binding("N", "next_event(-1)", "Prev event", show=False),
         Binding("k", "cycle_kind", "Event kind", show=False),
         Binding("P", "peak", "Peak"),
+        Binding("p", "cycle_pool", "Pool", show=False),
         Binding("o", "first_alert", "OOM/violation", show=False),
         Binding("m", "mute_alerts", "Mute alerts"),
         Binding("slash", "filter", "Filter"),
@@ -351,11 +352,17 @@ class KvtraceApp(App[None]):
             log.set_kind(kinds[(kinds.index(log.kind) + 1) % len(kinds)])
 
     def action_peak(self) -> None:
-        frame = self.frames[self._focused_side()]
+        side = self._focused_side()
+        frame = self.frames[side]
         if frame is not None:
-            peak = frame.peak()
+            peak = frame.peak(self.dashboards[side].pool)
             if peak is not None:
                 self._all("seek", peak[0])
+
+    def action_cycle_pool(self) -> None:
+        """Show the next KV pool (a hybrid model's sliding-window pool) in the occupancy panel."""
+        if not any([dash.cycle_pool() for dash in self.dashboards]):
+            self.notify("this replay has one KV pool (full attention)", timeout=3)
 
     def action_first_alert(self) -> None:
         frame = self.frames[self._focused_side()]

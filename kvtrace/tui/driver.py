@@ -26,6 +26,7 @@ import numpy as np
 
 from allocator.base import PoolCounters
 from kvtrace.proc import contracts as wire
+from kvtrace.replay.snapshot import POOL_NAMES
 from kvtrace.replay.state import ReplayState, SavedState, StepEvent
 from kvtrace.tui.remote.pagemap import CellDetail, PageCells
 from kvtrace.tui.remote.replayer import MAX_HISTORY_STEPS, SPEEDS
@@ -121,10 +122,19 @@ class Frame:
     page_map_note: str | None = None  # why there is no page map
     selected_rid: int | None = None
     busy: str | None = None  # what the replay is busy with, answering no command meanwhile
+    other_pools: tuple[PoolCounters, ...] = ()  # a hybrid model's pools after ``pool`` (POOL_NAMES[1:])
 
-    def peak(self) -> tuple[int, int] | None:
-        """(step, used tokens) of the highest occupancy replayed so far."""
-        return self.timeline.peak(self.timeline_size)
+    @property
+    def pools(self) -> dict[str, PoolCounters]:
+        """Every KV pool's counters at this step, by name (``POOL_NAMES``; empty before a step)."""
+        if self.pool is None:
+            return {}
+        return dict(zip(POOL_NAMES, (self.pool, *self.other_pools)))
+
+    def peak(self, pool: int = 0) -> tuple[int, int] | None:
+        """(step, used tokens) of pool ``pool``'s highest occupancy replayed so far (an
+        index into ``POOL_NAMES``)."""
+        return self.timeline.peak(self.timeline_size, pool)
 
     def events(self) -> list[StepEvent]:
         """Events known at this frame (every step replayed so far, in step order)."""
@@ -168,6 +178,7 @@ class _Position(NamedTuple):
     step: int
     time_s: float
     pool: PoolCounters
+    other_pools: tuple[PoolCounters, ...] = ()
 
 
 class Driver:
@@ -307,7 +318,8 @@ class Driver:
         k = block.num_steps
         if state is not None and k:
             state.apply_block(block)
-            self._last = _Position(int(block.steps[-1]), float(block.times[-1]), block.pool(k - 1))
+            self._last = _Position(int(block.steps[-1]), float(block.times[-1]), block.pool(k - 1),
+                                   block.other_pools_at(k - 1))
             self._changed = True
         self.steps_folded += k
 
@@ -353,8 +365,16 @@ class Driver:
             return
         pool = None if m.pool is None else PoolCounters(*(int(v) for v in m.pool))
         columns = {name: np.array(col) for name, col in m.columns.items()}
-        state.restore(SavedState(m.state_step, columns), pool)
-        self._last = None if m.step is None or pool is None else _Position(int(m.step), float(m.time_s), pool)
+        # The position carries the full pool's counters; the other pools' at that step are
+        # the timeline's (the records up to it were folded before this message).
+        other: tuple[PoolCounters, ...] = ()
+        timeline = state.timeline
+        if m.step is not None and timeline.num_pools > 1:
+            i = timeline.index_of(int(m.step))
+            if i >= 0 and int(timeline.steps[i]) == m.step:
+                other = timeline.pools_at(i)[1:]
+        state.restore(SavedState(m.state_step, columns), pool, other)
+        self._last = None if m.step is None or pool is None else _Position(int(m.step), float(m.time_s), pool, other)
 
     # ------------------------------------------------------------------ frames
     def _post_frame(self, now: float) -> None:
@@ -392,6 +412,7 @@ class Driver:
                 step=step,
                 time_s=last.time_s if last is not None else 0.0,
                 pool=last.pool if last is not None else None,
+                other_pools=last.other_pools if last is not None else (),
                 requests=RequestColumns.of(state),
                 timeline=timeline,
                 timeline_size=timeline.size,

@@ -5,6 +5,7 @@ fold; and they survive a pipe."""
 from __future__ import annotations
 
 import os
+import struct
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
-from kvtrace.replay.snapshot import RequestDelta, SnapshotBlock
+from kvtrace.replay.snapshot import PoolCounters, RequestDelta, SnapshotBlock
 from kvtrace.replay.state import ReplayState
 from kvtrace.proc.channel import connection
 from kvtrace.tui.remote.updates import decode_update, encode_update, read_update, write_update
@@ -161,3 +162,41 @@ def test_events_travel_in_updates_unchanged(fields: list[tuple[str, int | None, 
     assert back == events
     assert all(type(e) is Event for e in back)
     assert [(e.kind, e.rid, e.tokens, e.detail) for e in back] == fields
+
+
+def test_every_pool_of_a_hybrid_replay_travels_and_full_attention_frames_keep_their_size() -> None:
+    # A hybrid SWA replay: the sliding-window pool's counters reach the screen's fold.
+    with ReplaySession("sample:mooncake-gpt-oss", track_state=True, checker="inline",
+                       options=ReplayOptions(stop_step=400)) as s:
+        screen = ReplayState(s.config.page_size)
+        while not s.done:
+            if not [snap for _ in range(37) if (snap := s.step()) is not None]:
+                continue
+            block = s.take_block()
+            assert block is not None and block.other_pools is not None
+            got = decode_update(bytearray(encode_update(block)))
+            _assert_same_block(got, block)
+            screen.apply_block(got)
+        replay = s.state
+        assert replay is not None and len(replay.other_pools) == 1
+        assert screen.other_pools == replay.other_pools == s.last.other_pools
+        assert screen.timeline.num_pools == 2
+        n = screen.timeline.size
+        np.testing.assert_array_equal(screen.timeline.other[:n], replay.timeline.other[:n])
+        assert screen.timeline.peak(pool=1) == replay.timeline.peak(pool=1)
+        assert screen.timeline.peak(pool=1) != screen.timeline.peak()
+    # A full-attention block: one pool's counters a step, as before.
+    with ReplaySession("sample:tiny", track_state=True, checker="inline") as s:
+        for _ in range(20):
+            s.step()
+        block = s.take_block()
+        assert block is not None and block.other_pools is None
+        body = encode_update(block)
+        k, r = block.num_steps, block.requests.num_requests
+        _, num_pool, _, _, tail = struct.unpack_from("<4sIQQQ", body)
+        nf = len(PoolCounters._fields)
+        assert num_pool == nf
+        assert len(body) == 32 + 8 * k * nf + k * (4 * 8 + 4 + 1) + r * (5 * 8 + 2) + tail
+        got = decode_update(bytearray(body))
+        assert got.other_pools is None
+        _assert_same_block(got, block)

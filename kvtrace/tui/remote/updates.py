@@ -13,10 +13,13 @@ so its own fold waits for ``_FOLD_STEPS`` steps, or until its state is read
 
 Over a pipe an update is one message of a ``multiprocessing.connection.Connection``
 (``kvtrace.proc.channel``: it frames and writes it whole), its body: a 32-byte header
-(``KVU1``, the number of pool counters, steps, rows, the length of the tail), the
+(``KVU1``, the number of pool counters a step, steps, rows, the length of the tail), the
 block's columns as raw bytes in the machine's order (8-byte ones first, so that each
 starts aligned), then the tail: the events and the state digests, pickled, when there
 are any (the pipe joins a process to the child it started, running this same code).
+The pool counters of a step are the full pool's, then those of the other pools of a
+hybrid model (``SnapshotBlock.other_pools``) in one row: a full-attention frame is the
+same size it always was, a hybrid one a few counters a step longer.
 Raw columns rather than pickled arrays: pickling costs per array, which this layout
 mostly saves, and the screen reads the columns in place.
 """
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["decode_update", "encode_update", "read_update", "write_update"]
 
-_HEADER = struct.Struct("<4sIQQQ")  # magic, pool counters, steps, rows, tail bytes
+_HEADER = struct.Struct("<4sIQQQ")  # magic, pool counters a step, steps, rows, tail bytes
 _MAGIC = b"KVU1"
 _NUM_POOL = len(PoolCounters._fields)
 # (column, dtype, per step or per row): the body's order, widest first.
@@ -67,7 +70,10 @@ def encode_update(update: SnapshotBlock) -> bytes:
         if update.events or digests is not None else b""
     columns = [_column(getattr(update.requests if name in _REQUEST_FIELDS else update, name), dtype)
                for name, dtype, _ in _COLUMNS]
-    return b"".join([_HEADER.pack(_MAGIC, _NUM_POOL, k, r, len(tail)), _column(update.pools, np.int64), *columns, tail])
+    pools = update.pools
+    if update.other_pools is not None:  # a hybrid model: each step's row goes on with its other pools
+        pools = np.concatenate([pools, update.other_pools.reshape(k, -1)], axis=1)
+    return b"".join([_HEADER.pack(_MAGIC, pools.shape[1], k, r, len(tail)), _column(pools, np.int64), *columns, tail])
 
 
 def write_update(out: Connection, update: SnapshotBlock) -> None:
@@ -107,12 +113,14 @@ def decode_update(body: bytearray) -> SnapshotBlock:
         raise ValueError(f"not an update frame (it begins {bytes(body[:8])!r})")
     expected = _HEADER.size + 8 * k * num_pool + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
                                                      for _, t, per in _COLUMNS) + tail_len
-    if num_pool != _NUM_POOL or expected != size:
+    if num_pool == 0 or num_pool % _NUM_POOL or expected != size:
         raise ValueError(f"a damaged update frame ({num_pool} pool counters, {k} steps, {r} rows and {tail_len} "
                          f"bytes of events in {size} bytes)")
     at = _HEADER.size
-    pools = np.frombuffer(body, np.int64, k * num_pool, at).reshape(k, num_pool)
-    at += pools.nbytes
+    counters = np.frombuffer(body, np.int64, k * num_pool, at).reshape(k, num_pool)
+    at += counters.nbytes
+    pools = counters[:, :_NUM_POOL]
+    other = counters[:, _NUM_POOL:].reshape(k, -1, _NUM_POOL) if num_pool > _NUM_POOL else None
     cols: dict[str, np.ndarray] = {}
     for name, dtype, per in _COLUMNS:
         n = k if per == _STEP else r
@@ -124,4 +132,5 @@ def decode_update(body: bytearray) -> SnapshotBlock:
         allocator_s=cols["allocator_s"], row_counts=cols["row_counts"],
         requests=RequestDelta(*(cols[name] for name in RequestDelta._fields)),
         event_steps=event_steps, events=events, digests=digests if digests is not None else [None] * k,
+        other_pools=other,
     )

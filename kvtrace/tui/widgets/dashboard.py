@@ -20,6 +20,7 @@ from textual.containers import Horizontal, Vertical
 from textual import events
 from textual.widgets import Input, Static, Tab, Tabs
 
+from kvtrace.replay.snapshot import POOL_NAMES
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.header import ReplayHeader
 from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
@@ -75,6 +76,7 @@ class Dashboard(Vertical):
         self.compact = compact
         self.cadence = cadence
         self.frame: Frame | None = None
+        self._info: SourceInfo | None = None
         self._drawn_at: dict[str, float] = {}  # a cadence's field -> when its panel was last drawn
 
     def compose(self) -> ComposeResult:
@@ -126,7 +128,16 @@ class Dashboard(Vertical):
         """Draw ``frame`` in every panel (while playing, the chart, the legend and the
         events log at the ``cadence``; ``now``: the app's clock)."""
         self.frame = frame
-        self.query_one(ReplayHeader).show(info, frame)
+        self._info = info
+        header = self.query_one(ReplayHeader)
+        hybrid = bool(frame.other_pools)
+        header.set_class(hybrid, "-pools")
+        header.show(info, frame, POOL_NAMES[self.pool] if hybrid else None)
+        if hybrid:
+            occupancy = self.query_one("#occupancy")
+            title = f"occupancy · {POOL_NAMES[self.pool]} pool"
+            if occupancy.border_title != title:
+                occupancy.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
             self.query_one(OccupancyLegend).show(frame)
         self.query_one(RequestTable).show(frame)
@@ -147,6 +158,28 @@ class Dashboard(Vertical):
         if frame.playing and not urgent and now - self._drawn_at.get(panel, -1e18) < getattr(self.cadence, panel):
             return False
         self._drawn_at[panel] = now
+        return True
+
+    @property
+    def pool(self) -> int:
+        """The pool the occupancy panel shows (an index into ``POOL_NAMES``)."""
+        return self.query_one(OccupancyChart).pool
+
+    def cycle_pool(self) -> bool:
+        """Show the next KV pool in the occupancy panel (``p``); False for a replay of one pool."""
+        frame = self.frame
+        if frame is None or not frame.other_pools:
+            return False
+        index = (self.pool + 1) % (1 + len(frame.other_pools))
+        self.query_one(OccupancyChart).pool = index
+        for legend in self.query(OccupancyLegend):
+            legend.pool = index
+        self.query_one("#occupancy").border_title = f"occupancy · {POOL_NAMES[index]} pool"
+        if self._info is not None:
+            self.query_one(ReplayHeader).show(self._info, frame, POOL_NAMES[index])
+        for legend in self.query(OccupancyLegend):
+            legend.show(frame)
+        self.query_one(OccupancyChart).show(frame)
         return True
 
     def mark(self, label: str, step: int | None, colour: str) -> None:

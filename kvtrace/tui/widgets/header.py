@@ -1,5 +1,6 @@
 """The header: trace and source, pool and page configuration, version, step N of M,
-simulated time, replay speed and play state."""
+simulated time, replay speed and play state; for a hybrid model (more than one KV pool) a
+third line with each pool's use."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "speed_label", "state_text"]
+__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "pools_text", "speed_label", "state_text"]
 
 # What stopped a replay early, by the kind of the alarm at its last step.
 STOP_REASONS = {"oom": "out of memory", "violation": "invariant violation", "bad_op": "impossible op"}
@@ -46,6 +47,17 @@ def state_text(frame: Frame, info: SourceInfo) -> Text:
     return Text("‖ paused", style="bold yellow")
 
 
+def pools_text(frame: Frame, shown: str | None = None) -> Text:
+    """Each pool's use: 'full 12,345/50,000 24.7%  swa 1,234/8,000 15.4%' (``shown``: the
+    pool the occupancy panel shows, underlined)."""
+    parts: list[str | tuple[str, str]] = [("pools ", "dim")]
+    for i, (name, pool) in enumerate(frame.pools.items()):
+        used, total = pool.used_tokens, pool.pool_tokens
+        parts += ["  " if i else "", (name, "bold underline" if name == shown else "bold"),
+                  f" {used:,}/{total:,} {100 * used / max(total, 1):.1f}%"]
+    return Text.assemble(*parts)
+
+
 def speed_label(speed: float | None, achieved: float | None) -> str:
     """'max (1,131× real time)' / '100× (98×)'."""
     asked = "max" if speed is None else f"{speed:,.0f}×"
@@ -62,7 +74,7 @@ class ReplayHeader(TextLines):
             self.set_lines([Text.assemble(("kvtrace ", "bold"), ("starting the replay…", "bold yellow")),
                             Text("reading the trace and setting up the allocator", style="dim")])
 
-    def show(self, info: SourceInfo, frame: Frame) -> None:
+    def show(self, info: SourceInfo, frame: Frame, shown_pool: str | None = None) -> None:
         state = state_text(frame, info)
         if frame.busy:
             state.append(f" · {frame.busy}…", style="italic")
@@ -77,7 +89,10 @@ class ReplayHeader(TextLines):
             ("  t=", "dim"), clock_time(frame.time_s),
             ("  speed ", "dim"), speed_label(frame.speed, frame.achieved_speed if frame.playing else None),
         )
-        self.set_lines([_spread(left1, right1, width), _spread(left2, right2, width)])
+        lines = [_spread(left1, right1, width), _spread(left2, right2, width)]
+        if frame.other_pools:  # a hybrid model: each pool's use (a full-attention one has line 2's config)
+            lines.append(_spread(pools_text(frame, shown_pool), Text("p: next pool", style="dim"), width))
+        self.set_lines(lines)
 
 
 def _spread(left: Text, right: Text, width: int) -> Text:

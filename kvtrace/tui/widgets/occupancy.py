@@ -5,7 +5,9 @@ the current step marked; beside it the current values with percentages.
 The chart spans every step replayed so far (the timeline is append-only), one bar
 per column of the plot: each column shows the step of highest use in its range, so
 no peak is lost to downsampling. ``marks`` adds labelled vertical lines (a diff view
-marks its divergence step with one).
+marks its divergence step with one). A hybrid model's replay has a pool per attention
+kind (``POOL_NAMES``): chart and legend show one of them, ``pool`` (the dashboard's ``p``
+cycles it).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ BANDS = (
 )
 
 
-def column_samples(timeline: Timeline, size: int, columns: int) -> np.ndarray:
-    """Indices into the timeline's first ``size`` rows: per column, the row of highest use."""
+def column_samples(timeline: Timeline, size: int, columns: int, pool: int = 0) -> np.ndarray:
+    """Indices into the timeline's first ``size`` rows: per column, the row of highest use
+    (of pool ``pool``, an index into ``POOL_NAMES``)."""
     if size <= columns:
         return np.arange(size)
-    used = timeline.used_tokens(size)
+    used = timeline.used_tokens(size, pool)
     edges = np.linspace(0, size, columns + 1).astype(np.int64)
     return np.array([lo + int(np.argmax(used[lo:hi])) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo])
 
@@ -150,32 +153,34 @@ class OccupancyChart(QuietPlot):
         super().__init__(id=id)
         self.marks: dict[str, tuple[int, str]] = {}  # label -> (step, colour)
         self.shown_step: int | None = None
+        self.pool = 0  # the pool shown (an index into POOL_NAMES)
 
     def on_mount(self) -> None:
         self.set_y_formatter(_TokensFormatter())
         self.set_xlabel("step")
 
     def show(self, frame: Frame) -> None:
-        """Draw the timeline of ``frame`` with its step marked."""
+        """Draw the timeline of ``frame`` (its pool ``self.pool``) with its step marked."""
         timeline, size = frame.timeline, frame.timeline_size
         self.shown_step = frame.step
         self.clear()
+        pool_index = self.pool if self.pool < timeline.num_pools else 0
         if size == 0:
             return
-        idx = column_samples(timeline, size, max(self.size.width - 10, 8))
+        idx = column_samples(timeline, size, max(self.size.width - 10, 8), pool_index)
         steps = timeline.steps[idx].astype(np.float64)
         width = float(max((steps[-1] - steps[0]) / max(len(steps) - 1, 1), 1.0))
         stacked = np.zeros(len(idx), np.int64)
         tops = []
         for _, field, colour in BANDS:
-            stacked = stacked + timeline.column(field, size)[idx]
+            stacked = stacked + timeline.column(field, size, pool_index)[idx]
             tops.append((stacked.copy(), colour))
         for top, colour in reversed(tops):  # tallest first: each band drawn over the one above
             self.bar(steps, top, width=width, bar_style=colour)
-        pool = int(timeline.column("pool_tokens", size).max())
+        pool = int(timeline.column("pool_tokens", size, pool_index).max())
         self.set_ylimits(0, pool)
         self.set_xlimits(float(steps[0]) - width / 2, float(steps[-1]) + width / 2)
-        peak = frame.peak()
+        peak = frame.peak(pool_index)
         if peak is not None:
             self.add_v_line(peak[0], "bold red")
         for step, colour in self.marks.values():
@@ -185,14 +190,19 @@ class OccupancyChart(QuietPlot):
 
 
 class OccupancyLegend(TextLines):
-    """Current occupancy by state, with percentages, and the peak so far."""
+    """Current occupancy by state, with percentages, and the peak so far (of pool ``pool``,
+    an index into ``POOL_NAMES``)."""
+
+    pool = 0
 
     def show(self, frame: Frame) -> None:
-        pool = frame.pool
+        pools = (frame.pool, *frame.other_pools)
+        index = self.pool if self.pool < len(pools) else 0
+        pool = pools[index]
         if pool is None:
             self.set_lines([Text("no step replayed yet")])
             return
-        self.set_lines(legend_lines(pool, frame.peak()))
+        self.set_lines(legend_lines(pool, frame.peak(index)))
 
 
 def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None) -> list[Text]:

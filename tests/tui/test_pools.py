@@ -1,0 +1,76 @@
+"""The dashboard of a hybrid SWA replay shows every KV pool: the header's pools line, and
+the occupancy panel's chart and legend for the pool ``p`` picks; the figures are the
+replay's own (``kvtrace replay --json``'s ``pools``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtrace.tui.widgets.header import ReplayHeader
+from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
+from kvtrace.tui.widgets.dashboard import Dashboard
+from tests.helpers import at_step, live_app, settle
+
+SWA = "sample:mooncake-gpt-oss"
+STEP = 2853  # the sliding-window pool's peak in this sample
+
+
+async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
+    await pilot.press("g")
+    await pilot.press(*str(step), "enter")
+    await settle(pilot, at_step(step), timeout_s=60)
+
+
+def _replay_pools(step: int) -> dict[str, dict[str, int]]:
+    """``kvtrace replay --json``'s pools after ``step`` (a window ending there)."""
+    out = subprocess.run([sys.executable, "-m", "kvtrace", "replay", SWA, "--steps", f"0:{step + 1}", "--json"],
+                         capture_output=True, text=True, check=True, env=os.environ.copy())
+    return json.loads(out.stdout)["pools"]
+
+
+@pytest.mark.slow
+async def test_swa_pool_figures_on_screen_are_the_replays() -> None:
+    pools = _replay_pools(STEP)
+    full, swa = pools["full"], pools["swa"]
+    app = live_app(SWA)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _to_step(pilot, STEP)
+        frame = app.frame
+        assert set(frame.pools) == {"full", "swa"}
+        assert frame.pools["swa"].used_tokens == swa["used_tokens_at_end"]
+        assert frame.pools["swa"].pool_tokens == swa["pool_tokens"]
+        header = app.main.query_one(ReplayHeader).content.plain
+        used, total = swa["used_tokens_at_end"], swa["pool_tokens"]
+        assert f"swa {used:,}/{total:,} {100 * used / total:.1f}%" in header, header
+        assert f"full {full['used_tokens_at_end']:,}/{full['pool_tokens']:,}" in header, header
+        # The occupancy panel shows the full pool until p picks the sliding-window one.
+        dash = app.main.query_one(Dashboard)
+        legend = app.main.query_one(OccupancyLegend)
+        assert f"{full['used_tokens_at_end']:>10,}" in legend.content.plain
+        await pilot.press("p")
+        await pilot.pause()
+        assert dash.query_one("#occupancy").border_title == "occupancy · swa pool"
+        assert app.main.query_one(OccupancyChart).pool == 1
+        text = legend.content.plain
+        assert f"used{'':<15}{used:>10,} {100 * used / total:6.1f}%" in text, text
+        # its peak (replayed so far) is the replay's peak of that pool
+        assert frame.peak(1) == (swa["peak_step"], swa["peak_used_tokens"])
+        assert f"{swa['peak_step']:>10,}" in text
+        await pilot.press("p")  # back to the full pool
+        await pilot.pause()
+        assert dash.query_one("#occupancy").border_title == "occupancy · full pool"
+
+
+@pytest.mark.slow
+def test_swa_dashboard_at_120x40(snap_compare) -> None:  # noqa: ANN001
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await _to_step(pilot, STEP)
+        await pilot.press("p")
+        await pilot.pause(0.3)
+
+    assert snap_compare(live_app(SWA, fixed_clock=True), terminal_size=(120, 40), run_before=run_before)
