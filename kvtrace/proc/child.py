@@ -188,10 +188,15 @@ def job_version(job: SideJob) -> Any:
     if job.allocator_root:
         try:
             from allocator import create_allocator
-        except ImportError:
+        except ImportError as exc:
+            if exc.name == "allocator" or "create_allocator" in str(exc):
+                raise VersionSpecError(
+                    f"allocator '{job.spec}': its allocator package has no create_allocator (a revision from before "
+                    "the allocator had one: there is no allocator to replay)"
+                ) from None
+            # The revision's own package is broken (a commit caught halfway through a move).
             raise VersionSpecError(
-                f"allocator '{job.spec}': its allocator package has no create_allocator (a revision from before "
-                "the allocator had one: there is no allocator to replay)"
+                f"allocator '{job.spec}': its allocator package does not import: {type(exc).__name__}: {exc}"
             ) from None
 
         return AllocatorVersion(job.spec, job.label, create_allocator, origin=job.origin)

@@ -117,6 +117,12 @@ def allocator_config_for(
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
     resized = ps != cfg.page_size or pool != cfg.pool_tokens
+    swa = swa_config_for(meta.attention, resized=resized)
+    # Only a sliding-window trace names ``swa``: a version from before the field builds
+    # every full-attention trace as it always did.
+    if swa is not None and "swa" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
+        raise ConfigError("this allocator version has no sliding-window (SWA) pool: it cannot replay a trace "
+                          "with an attention layout (kvtrace info shows the trace's)")
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
@@ -128,7 +134,7 @@ def allocator_config_for(
         hisparse=cfg.hisparse,
         radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
-        swa=swa_config_for(meta.attention, resized=resized),
+        **({} if swa is None else {"swa": swa}),
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
     if config.pool_tokens < 2 * ps:

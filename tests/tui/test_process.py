@@ -21,6 +21,7 @@ from kvtrace.versions.registry import resolve_version
 from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.app import KvtraceApp
+from kvtrace.tui.widgets.toasts import AlertToasts
 from kvtrace.tui.remote.link import ChildReplay, ReplayProcessError
 from kvtrace.tui.remote.pagemap import NO_PAGE_MAP
 from kvtrace.tui.remote.replayer import FIRST_PASS_S, dashboard_job, live_source, log_job
@@ -88,7 +89,7 @@ async def test_an_oom_and_a_crash_in_the_replay_process_are_reported() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("space")
         await settle(pilot, lambda a: a.frame.done)
-        assert any(n.severity == "error" and "oom" in n.message for n in app._notifications)
+        assert app.main.query_one(AlertToasts).counts().get((0, "oom"), 0) >= 1  # the alert card of its kind
         os.kill(link.proc.pid, signal.SIGKILL)
         await settle(pilot, lambda a: any("exited with code -9" in n.message for n in a._notifications))
         log = app.dashboards[0].query_one(EventsLog)
