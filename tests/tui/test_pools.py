@@ -74,3 +74,19 @@ def test_swa_dashboard_at_120x40(snap_compare) -> None:  # noqa: ANN001
         await pilot.pause(0.3)
 
     assert snap_compare(live_app(SWA, fixed_clock=True), terminal_size=(120, 40), run_before=run_before)
+
+
+def test_the_pools_line_lists_every_pool_of_the_replay_and_underlines_the_one_shown() -> None:
+    from types import SimpleNamespace
+
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.tui.widgets.header import pools_text
+
+    with ReplaySession(SWA, checker="inline") as session:
+        pools = next(snap.pools for snap in session.snapshots() if snap.step == STEP)
+    line = pools_text(SimpleNamespace(pools=pools), shown="swa")
+    swa = pools["swa"]
+    assert list(pools) == ["full", "swa"]
+    assert f"swa {swa.used_tokens:,}/{swa.pool_tokens:,} {100 * swa.used_tokens / swa.pool_tokens:.1f}%" in line.plain
+    underlined = [line.plain[span.start:span.end] for span in line.spans if "underline" in str(span.style)]
+    assert underlined == ["swa"]
