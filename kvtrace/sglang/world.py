@@ -184,9 +184,16 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+def install_import_stubs() -> None:
+    """Put the finder of decision 1 (modules that import torchvision) first on
+    ``sys.meta_path``, once per process."""
+    if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder())
+
+
 def _import_sglang() -> SimpleNamespace:
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    sys.meta_path.insert(0, _StubFinder())
+    install_import_stubs()
     warnings.filterwarnings("ignore")
     logging.disable(logging.CRITICAL)
     import torch

@@ -384,37 +384,19 @@ def cursors(side: Any, reqs: dict[int, Req]) -> list[list[int]]:
     return [[rid, side.cursor(q.kv)] for rid, q in sorted(reqs.items()) if q.kv is not None]
 
 
-# SGLang modules that import torchvision (absent from the oracle venv), reached through
-# the import chain of the allocator but unused by it: kvtrace/sglang/world.py's decision 1.
-_TORCHVISION_MODULES = frozenset({"sglang.srt.multimodal.internvl_utils", "sglang.srt.configs.deepseek_ocr"})
+def _install_sglang_import_stubs() -> None:
+    """``kvtrace/sglang/world.py``'s stubs for the modules that import torchvision, with
+    world loaded as the SGLang driver loads it (by path, no kvtrace installed)."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
 
-
-def _stub_torchvision_importers() -> None:
-    import importlib.abc
-    import importlib.machinery
-    import types
-
-    class Dummy(types.ModuleType):
-        def __getattr__(self, name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            cls = type(name, (), {"model_type": f"kvtrace_stub_{name.lower()}"})
-            setattr(self, name, cls)
-            return cls
-
-    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-            if fullname in _TORCHVISION_MODULES:
-                return importlib.machinery.ModuleSpec(fullname, self)
-            return None
-
-        def create_module(self, spec: Any) -> types.ModuleType:
-            return Dummy(spec.name)
-
-        def exec_module(self, module: types.ModuleType) -> None:
-            return None
-
-    sys.meta_path.insert(0, Finder())
+    path = Path(__file__).resolve().parents[2] / "kvtrace" / "sglang" / "driver.py"
+    spec = importlib.util.spec_from_file_location("kvtrace_swa_pool_driver_loader", path)
+    assert spec is not None and spec.loader is not None
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    importlib.import_module(f"{driver.package().__name__}.world").install_import_stubs()
 
 
 def main(argv: list[str]) -> int:
@@ -423,7 +405,7 @@ def main(argv: list[str]) -> int:
     import warnings
 
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    _stub_torchvision_importers()
+    _install_sglang_import_stubs()
     warnings.filterwarnings("ignore")
     logging.disable(logging.CRITICAL)
     import torch

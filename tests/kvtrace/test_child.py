@@ -13,7 +13,7 @@ from kvtrace.proc.channel import chunk_reader, chunk_writer, connection, receive
 
 def test_a_chunked_stream_arrives_whole_through_a_full_pipe() -> None:
     read_fd, write_fd = os.pipe()
-    payload = bytes(range(256)) * 4000  # 1 MB: past the buffer and the pipe's capacity
+    payload = bytes(range(256)) * 4000  # more than a chunk and more than the pipe holds
     got = bytearray()
 
     def read_all() -> None:
