@@ -326,7 +326,8 @@ def record_command(
         raise WorkloadError(f"{workload}: no such file; give the path of a workload file")
     if workload.is_dir():
         raise WorkloadError(f"{workload}: is a directory, expected a workload file")
-    target = OutputFile(out, force=force, inputs=[] if from_stdin else [workload])
+    inputs = ([] if from_stdin else [workload]) + ([] if like is None else [Path(like)])
+    target = OutputFile(out, force=force, inputs=inputs)
     shown = "<stdin>" if from_stdin else str(workload)
     with _read_once(workload, shown) as readable:
         fmt_name = fmt.value if fmt is not None else infer_format(readable, shown)

@@ -148,3 +148,13 @@ def test_the_scheduler_budgets_a_tight_swa_pool(tmp_path: Path) -> None:
     summary = json.loads(stdout)
     assert summary["oom"] is None and summary["num_violations"] == 0
     assert summary["pools"]["swa"]["pool_tokens"] == 1024
+
+
+def test_the_out_may_not_be_the_trace_it_is_like(tmp_path: Path) -> None:
+    like = tmp_path / "like.kvtrace"
+    like.write_bytes(sample_path("tiny").read_bytes())
+    before = like.read_bytes()
+    code, _, err = invoke("record", *WORKLOAD, "--like", str(like), "-o", str(like), "--force")
+    assert code == 2
+    one_error_line(err, f"--out {like} is the input", "give another path")
+    assert like.read_bytes() == before
