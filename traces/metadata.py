@@ -122,6 +122,11 @@ class AttentionLayout:
         dim = model.head_dim if self.swa_head_dim is None else self.swa_head_dim
         return len(self.swa_layer_ids) * 2 * heads * dim * DTYPE_BYTES.get(model.dtype, 2)
 
+    def for_pool(self, full_pool_tokens: int, page_size: int) -> AttentionLayout:
+        """This layout served with another full pool or page size: the SWA pool follows
+        the ratio, as SGLang derives it (``swa_pool_tokens_for``)."""
+        return replace(self, swa_pool_tokens=swa_pool_tokens_for(full_pool_tokens, page_size, self.swa_full_tokens_ratio))
+
     def layer_kinds(self, num_layers: int) -> str:
         """One letter per layer, ``F`` full, ``S`` sliding window, ``-`` neither."""
         full, swa = set(self.full_layer_ids), set(self.swa_layer_ids)

@@ -351,6 +351,9 @@ def record_command(
             preset = model_preset(model.value)
             settings["model"] = preset.shape
             settings["attention"] = preset.layout(settings["pool_tokens"], settings["page_size"])
+        elif settings.get("attention") is not None and (pool_tokens is not None or page_size is not None):
+            # A trace's layout under another pool or page size: its SWA pool follows the ratio.
+            settings["attention"] = settings["attention"].for_pool(settings["pool_tokens"], settings["page_size"])
         from kvtrace.record.simulate import refuse_sliding_window
 
         if settings.get("attention") is not None:

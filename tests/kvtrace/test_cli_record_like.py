@@ -158,3 +158,12 @@ def test_the_out_may_not_be_the_trace_it_is_like(tmp_path: Path) -> None:
     assert code == 2
     one_error_line(err, f"--out {like} is the input", "give another path")
     assert like.read_bytes() == before
+
+
+def test_like_a_sliding_window_trace_with_another_pool_sizes_its_swa_pool_by_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "half.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--like", "sample:mooncake-gpt-oss", "--pool-tokens", "30000", "-o", str(out))
+    assert code == 0, err
+    like, recorded = info("sample:mooncake-gpt-oss")["attention"], info(out)["attention"]
+    assert like["swa_pool_tokens"] == 48000 and like["swa_full_tokens_ratio"] == 0.8
+    assert recorded["swa_pool_tokens"] == 24000  # int(30,000 x 0.8), whole pages of 16
