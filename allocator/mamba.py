@@ -394,6 +394,27 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self.free_mamba_cache(req)
         self.free_req(req)
 
+    def release_checkpointed(self, req: MambaReqKv, keep: int | None = None) -> int:
+        """A finish whose state the radix tree took (``cleanup_after_caching_req`` after
+        an insert that stored it), then the row: no_buffer, the tree takes the request's
+        state slot; extra buffer, its tracking entry ``keep``, and the rest goes back.
+
+        Returns:
+            The slot the tree now owns.
+        """
+        if req.req_pool_idx is None or req.mamba_pool_idx is None:
+            raise ValueError(f"rid={req.rid}: a checkpointed release needs a row and a Mamba slot")
+        if not self.enable_mamba_extra_buffer:
+            donated = req.mamba_pool_idx
+            req.mamba_pool_idx = None
+        else:
+            if keep is None or req.ping_pong is None or req.ping_pong_empty is None or req.ping_pong_empty[keep]:
+                raise ValueError(f"rid={req.rid}: no tracking slot at entry {keep} for the tree")
+            donated = int(req.ping_pong[keep])
+            self.free_mamba_cache(req, keep=keep)
+        self.free_req(req)
+        return donated
+
     def free_state_slot(self, req: MambaReqKv) -> None:
         """Give back only the state slot of a request that holds no row (rejected at
         admission, or released before its row was taken); no-op if it holds none."""
