@@ -344,7 +344,7 @@ class Violation:
     detail: str
     rid: int | None = None
     values: dict[str, int] = field(default_factory=dict)
-    pool: str = "full"  # the KV pool the invariant is about: "full" or "swa"
+    pool: str = "full"  # the pool the invariant is about: "full", "swa" or "mamba"
 
 
 AllocOutcome = AllocResult | OutOfMemory
