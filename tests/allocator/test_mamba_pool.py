@@ -377,6 +377,18 @@ def test_fault_slot_both_free_and_tree() -> None:
     assert "ownership" in _checks(check_mamba(pool, reqs, [slot]))
 
 
+def test_reopened_group_leaks_as_sglang_and_is_caught() -> None:
+    """SGLang's alloc_group_begin drops a group still open, with its unused slots;
+    ours mirrors it, and check_mamba reports those slots as leaked."""
+    pool, reqs = _running("no_buffer", False)
+    pool.mamba_allocator.alloc_group_begin(2)
+    dropped = pool.mamba_allocator.group_remaining()
+    pool.mamba_allocator.alloc_group_begin(1)
+    violations = check_mamba(pool, reqs)
+    assert _checks(violations) == {"conservation", "leak"}
+    assert next(v for v in violations if v.check == "leak").values == {"slot": dropped[0], "count": 2}
+
+
 def test_fault_stale_mapping_and_tracking_flag() -> None:
     pool, reqs = _running()
     pool.req_index_to_mamba_index_mapping[reqs[2].req_pool_idx] = 0

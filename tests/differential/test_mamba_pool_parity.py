@@ -131,8 +131,11 @@ def generate(seed: int, strategy: str, overlap: bool, num_ops: int = NUM_OPS) ->
                     # the entry the boundary's forward wrote: one holding a slot
                     op["track"] = rng.choice([i for i, empty in enumerate(q.ping_pong_empty) if not empty])
         elif kind == "group":
-            op = {"op": "group_end"} if in_group else {"op": "group_begin", "n": rng.randint(0, 6)}
-            in_group = not in_group
+            if in_group and rng.random() < 0.1:
+                op = {"op": "group_begin", "n": rng.randint(0, 6)}  # reopened: SGLang drops the open one
+            else:
+                op = {"op": "group_end"} if in_group else {"op": "group_begin", "n": rng.randint(0, 6)}
+                in_group = not in_group
         elif kind == "clear":
             op = {"op": "clear"}
         if op is None:
