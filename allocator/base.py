@@ -78,6 +78,76 @@ class SwaConfig:
         return size // page_size * page_size
 
 
+MambaBufferMode = Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+
+# SGLang's Mamba slots per running request with the radix cache on, before tracking
+# slots (``MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO``); one less with
+# ``SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK``, given back under no_buffer.
+MAMBA_SLOTS_PER_REQUEST = 3
+
+
+@dataclass(frozen=True, slots=True)
+class MambaConfig:
+    """A hybrid linear-attention model's Mamba state pool (SGLang's ``HybridReqToTokenPool``).
+
+    Args:
+        slots: state slots (SGLang ``max_mamba_cache_size``, per DP shard).
+        strategy: ``--mamba-radix-cache-strategy``: "no_buffer" (one slot per request;
+            page size 1, no overlap scheduler), "extra_buffer" (plus ping-pong
+            tracking slots) or "extra_buffer_lazy" (the second tracking slot taken
+            only at track boundaries). With the radix cache off SGLang runs no buffer.
+        overlap_schedule: SGLang's overlap scheduler is on (2 tracking entries, else 1).
+        skip_decode_lock: ``SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK`` (slot budget per request).
+    """
+
+    slots: int
+    strategy: MambaBufferMode = "no_buffer"
+    overlap_schedule: bool = False
+    skip_decode_lock: bool = False
+
+    @property
+    def extra_buffer(self) -> bool:
+        return self.strategy != "no_buffer"
+
+    def ping_pong_size(self) -> int:
+        """Entries of a request's tracking buffer (``mamba_ping_pong_track_buffer_size``)."""
+        return 2 if self.overlap_schedule else 1
+
+    def tracking_slots(self) -> int:
+        """Tracking slots taken at admission (SGLang ``get_mamba_tracking_slots``)."""
+        if not self.extra_buffer:
+            return 0
+        if self.strategy == "extra_buffer_lazy":
+            return 1
+        return 2 if self.overlap_schedule else 1
+
+    def slots_per_request(self, radix_cache: bool = True) -> int:
+        """Slots budgeted per running request (SGLang ``_calculate_mamba_ratio``)."""
+        if not radix_cache:
+            return 1
+        base = MAMBA_SLOTS_PER_REQUEST - (1 if self.skip_decode_lock else 0)
+        if self.extra_buffer:
+            return base + self.tracking_slots()
+        return base + (1 if self.skip_decode_lock else 0)
+
+    def max_running_cap(self, radix_cache: bool = True) -> int:
+        """The most running requests the pool lets SGLang configure (``slots // ratio``)."""
+        return self.slots // self.slots_per_request(radix_cache)
+
+    def check(self, page_size: int = 1) -> None:
+        """Refuse a configuration SGLang refuses (ValueError naming the field)."""
+        if self.slots < 1:
+            raise ValueError(f"MambaConfig.slots must be >= 1, found {self.slots}")
+        if self.strategy not in ("no_buffer", "extra_buffer", "extra_buffer_lazy"):
+            raise ValueError(f"MambaConfig.strategy: unknown mode {self.strategy!r}")
+        if self.strategy == "extra_buffer_lazy" and not self.overlap_schedule:
+            raise ValueError("MambaConfig: extra_buffer_lazy needs the overlap scheduler (overlap_schedule=True)")
+        if self.strategy == "no_buffer" and page_size != 1:
+            raise ValueError(f"MambaConfig: no_buffer runs at page size 1 only, found {page_size}")
+        if self.strategy == "no_buffer" and self.overlap_schedule:
+            raise ValueError("MambaConfig: no_buffer does not run with the overlap scheduler (overlap_schedule=False)")
+
+
 @dataclass(frozen=True, slots=True)
 class AllocatorConfig:
     """Sizes and switches of one allocator instance.
@@ -274,7 +344,7 @@ class Violation:
     detail: str
     rid: int | None = None
     values: dict[str, int] = field(default_factory=dict)
-    pool: str = "full"  # the KV pool the invariant is about: "full" or "swa"
+    pool: str = "full"  # the pool the invariant is about: "full", "swa" or "mamba"
 
 
 AllocOutcome = AllocResult | OutOfMemory
