@@ -96,7 +96,7 @@ class DiffReport:
             "identical": self.identical,
             "steps_compared": self.steps_compared,
             "first_divergence": None if first is None else {
-                k: v for k, v in first.divergence.to_dict().items() if k in ("step", "op", "rid", "field", "a", "b", "detail")
+                k: v for k, v in first.to_dict().items() if k in ("step", "op", "rid", "field", "a", "b", "detail", "pool")
             },
             "divergences": [d.to_dict() for d in self.divergences],
             "a": self.a.summary,
