@@ -87,6 +87,17 @@ def _axis(text: str | None, option: str, *, minimum: int = 1) -> tuple[int | Non
         raise typer.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=option) from None
 
 
+def _ratios(text: str | None, option: str) -> tuple[float | None, ...]:
+    from kvtrace.sweep import parse_ratios
+
+    if text is None:
+        return (None,)
+    try:
+        return tuple(parse_ratios(text, option))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=option) from None
+
+
 def _versions(text: str) -> tuple[str, ...]:
     from kvtrace.versions.registry import resolve_version
 
@@ -148,6 +159,21 @@ def _check_grid(grid: Grid, given: dict[str, str | None]) -> None:
                 "(add --reschedule to schedule its requests anew)",
                 param_hint=name,
             )
+    for name in ("--swa-window", "--swa-full-tokens-ratio"):
+        if given[name] is None:
+            continue
+        for source in grid.inputs:
+            if source.kind == "replay" or source.fmt == "trace":
+                layout = TraceReader(source.path).meta.attention
+            else:
+                layout = serving_settings(Path(source.path), source.fmt, {}).get("attention")
+            if layout is None:
+                what = "trace" if source.fmt == "trace" else "workload (simulated as one)"
+                raise typer.BadParameter(
+                    f"{source.label} is a full-attention {what}: no sliding window or SWA pool to vary; "
+                    "give traces of hybrid SWA models (kvtrace info shows a trace's attention)",
+                    param_hint=name,
+                )
     fixed = {v: resolve_version(v).page_size for v in grid.versions}
     for version, own in fixed.items():
         for page in grid.page_sizes:
@@ -208,6 +234,14 @@ def sweep_run(
     chunk: Annotated[
         str | None,
         typer.Option("--chunk", help="Chunked-prefill sizes, 0 for none, e.g. 4096,8192 (simulated cells).", show_default="each input's own"),
+    ] = None,
+    swa_window: Annotated[
+        str | None,
+        typer.Option("--swa-window", help="Sliding windows in tokens, e.g. 128,1024 (traces of hybrid SWA models).", show_default="each input's own"),
+    ] = None,
+    swa_full_tokens_ratio: Annotated[
+        str | None,
+        typer.Option("--swa-full-tokens-ratio", help="SWA pool tokens per full pool token, e.g. 0.5,0.8 (SWA traces; SGLang's option of that name).", show_default="each input's own"),
     ] = None,
     reschedule: Annotated[
         bool, typer.Option("--reschedule", help="Simulate traces too: their requests scheduled anew under each cell's options.")
@@ -280,6 +314,8 @@ def sweep_run(
         specs=_specs(spec),
         max_running=_axis(max_running, "--max-running"),
         chunks=_axis(chunk, "--chunk", minimum=0),
+        swa_windows=_axis(swa_window, "--swa-window"),
+        swa_ratios=_ratios(swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
         settings=SweepSettings(
             check=check.value,
             on_oom=on_oom.value,
@@ -291,7 +327,8 @@ def sweep_run(
             keep_traces=None if keep_traces is None else str(keep_traces.resolve()),
         ),
     )
-    _check_grid(grid, {"--spec": spec, "--max-running": max_running, "--chunk": chunk})
+    _check_grid(grid, {"--spec": spec, "--max-running": max_running, "--chunk": chunk,
+                       "--swa-window": swa_window, "--swa-full-tokens-ratio": swa_full_tokens_ratio})
     _warn_about_traces(s for s in sources if s.kind == "simulate" and s.fmt == "trace")
     _run(grid, target, jobs or os.cpu_count() or 1, ray, quiet or as_json, as_json)
 
@@ -382,6 +419,10 @@ _TABLE = (
     ("TTFT p50 s", "ttft_p50_s", ""), ("OOM step", "oom_step", ""), ("violations", "violations", ""),
     ("status", "status", ""),
 )  # fmt: skip
+_SWA_TABLE = (
+    ("window", "swa_window", ""), ("SWA ratio", "swa_full_tokens_ratio", ""), ("SWA pool", "swa_pool_tokens", ""),
+    ("SWA peak", "swa_peak_occupancy", "pct"),
+)  # fmt: skip
 
 
 @sweep_app.command("report", cls=KvtraceCommand, epilog=REPORT_EXAMPLES)
@@ -424,10 +465,13 @@ def sweep_report(
     from rich.table import Table
 
     table = Table(title=f"kvtrace sweep report {results}", title_justify="left")
-    for header, _, _ in _TABLE:
+    columns = _TABLE
+    if any("swa_pool_tokens" in row for row in rows):  # a hybrid (SWA) model: its pool too, before the status
+        columns = _TABLE[:-1] + _SWA_TABLE + _TABLE[-1:]
+    for header, _, _ in columns:
         table.add_column(header, justify="left" if header in ("input", "kind", "version", "spec", "status") else "right")
     for row in rows:
-        table.add_row(*(fmt_cell(row[key], kind) for _, key, kind in _TABLE))
+        table.add_row(*(fmt_cell(row.get(key), kind) for _, key, kind in columns))
     ui.console().print(table)
     for number, row in enumerate(rows, 1):
         why = row["error"] if row["status"] == "failed" else row["problem"]

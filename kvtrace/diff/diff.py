@@ -96,7 +96,7 @@ class DiffReport:
             "identical": self.identical,
             "steps_compared": self.steps_compared,
             "first_divergence": None if first is None else {
-                k: v for k, v in first.divergence.to_dict().items() if k in ("step", "op", "rid", "field", "a", "b", "detail")
+                k: v for k, v in first.to_dict().items() if k in ("step", "op", "rid", "field", "a", "b", "detail", "pool")
             },
             "divergences": [d.to_dict() for d in self.divergences],
             "a": self.a.summary,
@@ -217,11 +217,15 @@ def _start_sessions(
     sides: list[Any], versions: list[Any], path: str, trace: str, replay: ReplayOptions, what_if: dict[str, Any]
 ) -> None:
     """Both sides as sessions in this process, in lockstep: the second checks its steps
-    from the first one's memory."""
+    from the first one's memory. The first checks in a background process, or inline in a
+    daemonic process (a worker of ``kvtrace shrink``), which may not start one."""
+    import multiprocessing
+
     from kvtrace.replay.session import ReplaySession
     from kvtrace.diff.sides import SessionSide
 
-    first = ReplaySession(path, version=versions[0], options=replay, label=trace, **what_if)
+    checker = "inline" if multiprocessing.current_process().daemon else "background"
+    first = ReplaySession(path, version=versions[0], options=replay, label=trace, checker=checker, **what_if)
     sides.append(SessionSide(first))
     second = ReplaySession(path, version=versions[1], options=replay, label=trace, checker=first.checker, **what_if)
     sides.append(SessionSide(second))

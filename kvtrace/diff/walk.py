@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtrace.diff.compare import Divergence, FieldDiff, StepView, compare_step
-from kvtrace.replay.snapshot import PHASES, op_name
+from kvtrace.replay.snapshot import PHASES, POOL_NAMES, PoolCounters, op_name
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffOptions
     from kvtrace.diff.sides import Chunk
     from kvtrace.replay.snapshot import StepSnapshot
 
-__all__ = ["ReportedDivergence", "RequestStep", "compare_sides"]
+__all__ = ["ReportedDivergence", "RequestStep", "compare_sides", "pool_of_field"]
 
 REQUEST_FIELDS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "prefix_len", "phase", "op")
 _WINDOW_STEPS = 512  # recent steps kept for the context of a divergence
@@ -51,17 +51,70 @@ class RequestStep:
 @dataclass(frozen=True, slots=True)
 class ReportedDivergence:
     """A divergence and the last steps before it (``history``, oldest first, ending
-    with the diverging step)."""
+    with the diverging step).
+
+    On a hybrid (SWA) trace ``pools`` holds each pool's counters on both sides after
+    the diverging step (``{"full": {"a": {...}, "b": {...}, "differs": [...]}, "swa": ...}``)
+    and ``pool`` the pool that diverged: the pool of the divergence's own field when it
+    is a pool counter, else the first pool (``POOL_NAMES`` order) whose counters differ
+    at that step, else None. Both stay None on a full-attention trace, whose report
+    keeps its keys as they were.
+    """
 
     divergence: Divergence
     history: tuple[RequestStep, ...]
+    pool: str | None = None
+    pools: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.divergence.to_dict(), "history": [h.to_dict() for h in self.history]}
+        out = {**self.divergence.to_dict(), "history": [h.to_dict() for h in self.history]}
+        if self.pools is not None:
+            out.update(pool=self.pool, pools=self.pools)
+        return out
 
 
 
 # ---------------------------------------------------------------------------- views
+
+
+def _pool_values(snap: StepSnapshot) -> dict[str, int]:
+    """Every pool's counters as one mapping: the full pool's under their own names (as
+    before hybrid models), each other pool's prefixed by its name (``swa_available``,
+    the state log's column names)."""
+    out: dict[str, int] = snap.pool._asdict()
+    for name, counters in zip(POOL_NAMES[1:], snap.other_pools):
+        out.update({f"{name}_{k}": v for k, v in counters._asdict().items()})
+    return out
+
+
+def pool_of_field(name: str) -> str | None:
+    """The pool a compared field belongs to (``available``: full, ``swa_available``: swa),
+    None for a field of no one pool (a request's lengths, an outcome, the digest)."""
+    if name in PoolCounters._fields:
+        return POOL_NAMES[0]
+    for pool in POOL_NAMES[1:]:
+        if name.startswith(pool + "_") and name.removeprefix(pool + "_") in PoolCounters._fields:
+            return pool
+    return None
+
+
+def _pool_figures(sa: StepSnapshot, sb: StepSnapshot) -> dict[str, dict[str, Any]]:
+    """Each pool's counters on both sides after one step, and which of them differ."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, a in sa.pools.items():
+        b = sb.pools.get(name)
+        if b is None:
+            continue
+        x, y = a._asdict(), b._asdict()
+        out[name] = {"a": x, "b": y, "differs": [k for k in x if x[k] != y[k]]}
+    return out
+
+
+def _diverged_pool(first: FieldDiff, figures: dict[str, dict[str, Any]]) -> str | None:
+    own = pool_of_field(first.field)
+    if own is not None:
+        return own
+    return next((name for name, f in figures.items() if f["differs"]), None)
 
 
 def _view(snap: StepSnapshot, exact: bool) -> StepView:
@@ -74,7 +127,7 @@ def _view(snap: StepSnapshot, exact: bool) -> StepView:
             "kv_allocated_len": d.allocated, "kv_committed_len": d.committed, "cache_protected_len": d.protected,
             "prefix_len": d.prefix, "phase": d.phase, "op": d.op,
         },
-        pool=snap.pool._asdict(),
+        pool=_pool_values(snap),
         physical={"state_digest": snap.digest} if exact else {},
         presence="changed",
     )
@@ -90,7 +143,7 @@ def _event_text(key: tuple[Any, ...] | None) -> str:
 
 def _same_step(sa: StepSnapshot, sb: StepSnapshot, exact: bool) -> bool:
     """The quick check of a step's equality (equal here means ``compare_step`` finds nothing)."""
-    if sa.step != sb.step or sa.pool != sb.pool or (exact and sa.digest != sb.digest):
+    if sa.step != sb.step or sa.pool != sb.pool or sa.other_pools != sb.other_pools or (exact and sa.digest != sb.digest):
         return False
     if len(sa.events) != len(sb.events) or any(
         (x.kind, x.rid, x.tokens) != (y.kind, y.rid, y.tokens) for x, y in zip(sa.events, sb.events)
@@ -149,8 +202,8 @@ def _request_values(snap: StepSnapshot | None, rid: int) -> dict[str, Any] | Non
 def _field_values(snap: StepSnapshot | None, name: str) -> dict[str, Any] | None:
     if snap is None:
         return None
-    if name in snap.pool._fields:
-        return {name: int(getattr(snap.pool, name))}
+    if pool_of_field(name) is not None:
+        return {name: int(_pool_values(snap)[name])}
     if name == "state_digest":
         return {name: snap.digest}
     if name.startswith("events"):
@@ -294,7 +347,12 @@ def compare_sides(
         step = sa.step if sa is not None else sb.step  # type: ignore[union-attr]
         op = _op_of((sa, sb), first.rid)
         divergence = Divergence.of(step, op, [first] + [d for d in diffs if d is not first])
-        found.append(ReportedDivergence(divergence, window.history(first.rid, first.field, options.context)))
+        history = window.history(first.rid, first.field, options.context)
+        if sa is not None and sb is not None and sa.other_pools:
+            figures = _pool_figures(sa, sb)
+            found.append(ReportedDivergence(divergence, history, _diverged_pool(first, figures), figures))
+        else:
+            found.append(ReportedDivergence(divergence, history))
         if sa is None or sb is None:
             break  # one side ended: nothing more to compare
     _drain(ca, cb, progress)

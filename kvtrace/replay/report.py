@@ -286,6 +286,8 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
             console.print(f"  {d['detail']}", markup=False)
         if d["also"]:
             console.print(f"  also differing in this step: {', '.join(d['also'])}", markup=False)
+        for line in _pool_lines(d):
+            console.print(line, markup=False)
         if d["history"]:
             what = f"request {d['rid']}" if d["rid"] is not None else d["field"]
             unit = " (allocated / committed / protected, phase)" if d["rid"] is not None else ""
@@ -314,6 +316,32 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
         console.print(
             f"[red]diverged[/red]: {count(n, 'divergence')} in {count(report['steps_compared'], 'step')} compared"
         )
+
+
+_POOL_SHOWN = ("available", "evictable", "protected", "committed", "overallocated")
+
+
+def _pool_lines(d: dict[str, Any]) -> list[str]:
+    """A hybrid (SWA) model's divergence: which pool diverged, and each pool's counters
+    after the step (A / B where they differ). None on a full-attention trace."""
+    pools = d.get("pools")
+    if not pools:
+        return []
+    diverged = d.get("pool")
+    others = [name for name, f in pools.items() if f["differs"] and name != diverged]
+    head = f"  pool: {diverged} diverged" if diverged else "  pool: every pool's counters are identical at this step"
+    lines = [head + (f" ({', '.join(others)} too, in the same step)" if diverged and others else "")]
+    width = max(len(name) for name in pools)
+    for name, f in pools.items():
+        a, b = f["a"], f["b"]
+        shown = [k for k in _POOL_SHOWN if k in f["differs"]] + [k for k in f["differs"] if k not in _POOL_SHOWN]
+        if shown:
+            cells = ", ".join(f"{k} {a[k]:,} / {b[k]:,}" for k in shown)
+            lines.append(f"    {name:<{width}}  differs (A / B): {cells}")
+        else:
+            cells = ", ".join(f"{k} {a[k]:,}" for k in _POOL_SHOWN)
+            lines.append(f"    {name:<{width}}  identical: {cells} of {a['pool_tokens']:,}")
+    return lines
 
 
 # ---------------------------------------------------------------------------- kvtrace diff --range

@@ -161,8 +161,9 @@ def emit_test(result: ShrinkResult, *, stem: str, trace_file: str, expect_failur
     if kind == "violation":
         body = _VIOLATION.format(
             **fields, check_q=_literal(sig.name),
-            field_note=f" (counter {sig.field!r})" if sig.field else "",
-            field_test=f" and v.detail.startswith({_literal(sig.field + ' ')})" if sig.field else "",
+            field_note=(f" (counter {sig.field!r})" if sig.field else "") + (f" (pool {sig.pool!r})" if sig.pool else ""),
+            field_test=(f" and v.detail.startswith({_literal(sig.field + ' ')})" if sig.field else "")
+            + (f" and v.pool == {_literal(sig.pool)}" if sig.pool else ""),
         )
     elif kind == "oom":
         body = _OOM.format(**fields, op_q=_literal(sig.name))

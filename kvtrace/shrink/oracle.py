@@ -281,7 +281,7 @@ class Oracle:
 
         for v in violations:
             if self.target.check is None or v.check == self.target.check:
-                record = ViolationRecord(step, v.rid, "", v.check, v.detail)
+                record = ViolationRecord(step, v.rid, "", v.check, v.detail, pool=getattr(v, "pool", "full"))
                 return Failure(Signature.of_violation(record), step, v.rid, f"{v.check}: {v.detail}")
         return None
 

@@ -28,7 +28,7 @@ from kvtrace.errors import ConfigError
 from kvtrace.shrink.oracle import Failure, Oracle, Outcome
 from kvtrace.shrink.runner import Counts, Evaluator, OutOfTime, Runner, validate_steps, write_steps
 from kvtrace.shrink.search import Search
-from kvtrace.shrink.table import Candidate, Size, TraceTable, build
+from kvtrace.shrink.table import Candidate, Size, TraceTable, build, with_config
 
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
@@ -169,8 +169,8 @@ def shrink_trace(
             runner.deadline = state["deadline"] = time.monotonic() + deadline_s
         meta = reader.meta
         if page_size is not None or pool_tokens is not None:
-            meta = meta.with_config(page_size=page_size or meta.config.page_size,
-                                    pool_tokens=pool_tokens or meta.config.pool_tokens)
+            meta = with_config(meta, page_size=page_size or meta.config.page_size,
+                               pool_tokens=pool_tokens or meta.config.pool_tokens)
         table = TraceTable(meta, list(open_trace(trace).steps(stop=found.step + 1)))
         evaluator = Evaluator(table, oracle, found.signature, Path(workdir))
         runner.prepare(evaluator)

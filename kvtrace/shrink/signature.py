@@ -3,7 +3,8 @@
 ``Target`` is what ``--until`` asks for (``violation[:CHECK]``, ``oom``,
 ``divergence``); ``Signature`` is how the failure found on the input is recognised
 again on a smaller trace: for a violation the invariant check that broke (and the
-counter, for the ``counters`` check), for an out-of-memory the op kind that ran out,
+counter, for the ``counters`` check; on a hybrid SWA model the pool, when not the
+full one), for an out-of-memory the op kind that ran out,
 for a divergence the first field that differs. Never the step number: a smaller
 trace fails earlier.
 """
@@ -82,19 +83,23 @@ class Signature:
             ``decode``, ``spec``, ``prealloc``, ``extend_rows``, ``prealloc_rows``) or the
             first differing field (divergence: ``kv_allocated_len``, ``available``, ...).
         field: the counter a ``counters`` violation names (None elsewhere).
+        pool: the KV pool a violation is about when it is not the full one (a hybrid
+            model's ``swa``); None: the full pool (every full-attention violation).
     """
 
     kind: Kind
     name: str
     field: str | None = None
+    pool: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.name}" + (f".{self.field}" if self.field else "")
+        return f"{self.kind}:{self.name}" + (f".{self.field}" if self.field else "") + (f"@{self.pool}" if self.pool else "")
 
     def describe(self) -> str:
         """A few words: ``violation of the ownership check``, ``out of memory in spec``."""
         if self.kind == "violation":
-            return f"violation of the {self.name} check" + (f" ({self.field})" if self.field else "")
+            return (f"violation of the {self.name} check" + (f" ({self.field})" if self.field else "")
+                    + (f" in the {self.pool.upper()} pool" if self.pool else ""))
         if self.kind == "oom":
             return f"out of memory in {self.name}"
         return f"divergence in {self.name}"
@@ -103,7 +108,9 @@ class Signature:
     def matching_violation(self, violations: list[ViolationRecord]) -> ViolationRecord | None:
         """The first of ``violations`` this (violation) signature recognises."""
         for v in violations:
-            if v.check == self.name and (self.field is None or violation_field(v) == self.field):
+            if v.check == self.name and (self.field is None or violation_field(v) == self.field) and (
+                _pool_of(v) == self.pool
+            ):
                 return v
         return None
 
@@ -117,4 +124,10 @@ class Signature:
 
     @classmethod
     def of_violation(cls, v: ViolationRecord) -> Signature:
-        return cls("violation", v.check, violation_field(v))
+        return cls("violation", v.check, violation_field(v), _pool_of(v))
+
+
+def _pool_of(v: ViolationRecord) -> str | None:
+    """A violation's pool as a signature keeps it: None for the full pool."""
+    pool = getattr(v, "pool", "full")
+    return None if pool == "full" else pool

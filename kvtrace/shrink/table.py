@@ -292,14 +292,26 @@ def build(table: TraceTable, cand: Candidate, extra: dict[str, Any] | None = Non
         for number, (lo, hi) in enumerate(zip(starts, stops))
     ]
     cfg = table.meta.config
-    config = replace(
-        cfg,
+    meta = with_config(
+        table.meta,
         pool_tokens=cand.pool_tokens or cfg.pool_tokens,
         max_running=cand.max_running or cfg.max_running,
         max_context_len=cand.max_context_len or cfg.max_context_len,
     )
-    meta = replace(table.meta, config=config, extra={**table.meta.extra, **(extra or {})})
+    meta = replace(meta, extra={**table.meta.extra, **(extra or {})})
     return meta, steps
+
+
+def with_config(meta: TraceMeta, **changes: Any) -> TraceMeta:
+    """``meta`` with its serving configuration changed; a hybrid (SWA) model's SWA pool
+    follows a new full pool or page size by its SWA/full ratio (``AttentionLayout.for_pool``),
+    as a what-if replay sizes it (``kvtrace.replay.config.swa_config_for``): a candidate
+    with a smaller pool replays as ``--pool-tokens`` would, and its metadata says so."""
+    new = meta.with_config(**changes)
+    old, cfg = meta.config, new.config
+    if meta.attention is not None and (cfg.pool_tokens, cfg.page_size) != (old.pool_tokens, old.page_size):
+        new = replace(new, attention=meta.attention.for_pool(cfg.pool_tokens, cfg.page_size))
+    return new
 
 
 def _lengths(table: TraceTable, rows: np.ndarray, op: np.ndarray, rid: np.ndarray, a: np.ndarray) -> np.ndarray:

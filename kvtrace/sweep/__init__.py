@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvtrace.errors import OutputError
 from kvtrace.sweep.cells import FOUND
 from kvtrace.sweep.claim import claim
-from kvtrace.sweep.grid import Cell, Grid, SweepInput, SweepSettings, parse_counts, parse_specs
+from kvtrace.sweep.grid import Cell, Grid, SweepInput, SweepSettings, parse_counts, parse_ratios, parse_specs
 from kvtrace.sweep.store import ResultStore, parts_dir
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ __all__ = [
     "SweepOutcome",
     "SweepSettings",
     "parse_counts",
+    "parse_ratios",
     "parse_specs",
     "parts_dir",
     "run_sweep",

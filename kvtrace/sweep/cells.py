@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtrace.sweep.grid import Cell
 
-__all__ = ["FOUND", "flatten", "run_cell"]
+if TYPE_CHECKING:
+    from traces.metadata import AttentionLayout
+
+__all__ = ["FOUND", "flatten", "run_cell", "swa_layout"]
 
 # Columns every row has, in this order.
 ROW_HEAD = ("cell", "input", "kind", "status", "error")
@@ -99,15 +102,48 @@ def _judge(cell: Cell, summary: dict[str, Any]) -> tuple[str, str | None]:
     return problems[0][0], "; ".join(text for _, text in problems)
 
 
+def swa_layout(cell: Cell, layout: AttentionLayout | None, pool_tokens: int, page_size: int) -> AttentionLayout | None:
+    """An input's attention layout under the cell's sliding window and SWA/full pool
+    ratio (a new ratio sizes the SWA pool from ``pool_tokens`` as SGLang does); the
+    layout as it is when the cell sets neither.
+
+    Raises:
+        ConfigError: the cell sets one and the input is a full-attention model.
+    """
+    if cell.swa_window is None and cell.swa_full_tokens_ratio is None:
+        return layout
+    if layout is None:
+        from kvtrace.errors import ConfigError
+
+        raise ConfigError(f"{cell.input.label} is a full-attention model: it has no sliding window or SWA pool to vary")
+    import dataclasses
+
+    if cell.swa_window is not None:
+        layout = dataclasses.replace(layout, sliding_window=cell.swa_window)
+    if cell.swa_full_tokens_ratio is not None:
+        layout = dataclasses.replace(layout, swa_full_tokens_ratio=cell.swa_full_tokens_ratio).for_pool(pool_tokens, page_size)
+    return layout
+
+
 def _replay(cell: Cell) -> dict[str, Any]:
-    """``kvtrace replay INPUT --json`` with the cell's options."""
+    """``kvtrace replay INPUT --json`` with the cell's options (on an SWA trace, its
+    window and pool ratio: the trace's attention layout as ``swa_layout`` changes it)."""
+    import dataclasses
+
     from kvtrace.replay.engine import ReplayOptions
-    from kvtrace.replay.session import ReplaySession
+    from kvtrace.replay.session import ReplaySession, open_trace
 
     s = cell.settings
     options = ReplayOptions(check=s.check, on_oom=s.on_oom)  # type: ignore[arg-type]
+    trace: Any = cell.input.label
+    if cell.swa_window is not None or cell.swa_full_tokens_ratio is not None:
+        trace = open_trace(cell.input.label)
+        meta = trace.meta
+        layout = swa_layout(cell, meta.attention, meta.config.pool_tokens, meta.config.page_size)
+        trace.meta = dataclasses.replace(meta, attention=layout)
     with ReplaySession(
-        cell.input.label,
+        trace,
+        label=cell.input.label,
         version=cell.version,
         page_size=cell.page_size,
         pool_tokens=cell.pool_tokens,
@@ -138,6 +174,8 @@ def _simulate(cell: Cell) -> dict[str, Any]:
     if cell.spec is not None:
         given["spec"] = spec_settings(cell.spec)
     settings = serving_settings(path, cell.input.fmt, given)
+    if cell.swa_window is not None or cell.swa_full_tokens_ratio is not None:
+        settings["attention"] = swa_layout(cell, settings.get("attention"), settings["pool_tokens"], settings["page_size"])
     out = None
     if s.keep_traces is not None:
         out = Path(s.keep_traces) / f"{Path(cell.input.label.removeprefix('sample:')).stem}-{cell.key}.kvtrace"

@@ -1,5 +1,6 @@
 """A sweep's grid: inputs x allocator versions x pool sizes x page sizes x speculative
-settings x request rows x chunk sizes, one ``Cell`` per combination.
+settings x request rows x chunk sizes (x, on hybrid sliding-window traces, windows x
+SWA/full pool ratios), one ``Cell`` per combination.
 
 An input is *simulated* (a workload file: the scheduler model runs under the cell's
 configuration, as ``kvtrace record`` does) or *replayed* (a trace: its recorded
@@ -25,6 +26,7 @@ __all__ = [
     "SweepInput",
     "SweepSettings",
     "parse_counts",
+    "parse_ratios",
     "parse_specs",
 ]
 
@@ -53,6 +55,26 @@ def parse_counts(text: str, option: str, *, minimum: int = 1) -> list[int]:
         value = int(number)
         if value < minimum:
             raise ValueError(f"{option}: {part!r} must be at least {minimum}")
+        if value in values:
+            raise ValueError(f"{option}: {part!r} is given twice")
+        values.append(value)
+    return values
+
+
+def parse_ratios(text: str, option: str) -> list[float]:
+    """``"0.5,0.8"`` -> ``[0.5, 0.8]``: SWA/full pool ratios, each in (0, 1].
+
+    Raises:
+        ValueError: a value that is not such a ratio, or repeated (the message names ``option``).
+    """
+    values: list[float] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= 1:
+            raise ValueError(f"{option}: {part!r} is not a ratio in (0, 1]; give e.g. 0.5,0.8, comma-separated")
         if value in values:
             raise ValueError(f"{option}: {part!r} is given twice")
         values.append(value)
@@ -124,7 +146,12 @@ class SweepSettings:
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One run of a sweep: an input under one configuration (None: the input's own)."""
+    """One run of a sweep: an input under one configuration (None: the input's own).
+
+    ``swa_window`` / ``swa_full_tokens_ratio`` change a hybrid (SWA) model's sliding
+    window and its SWA pool's share of the full pool; they join ``params()`` only when
+    set, so the cells (and keys) of other sweeps stay what they were.
+    """
 
     input: SweepInput
     version: str = "builtin"
@@ -134,6 +161,8 @@ class Cell:
     max_running: int | None = None
     chunk: int | None = None
     settings: SweepSettings = field(default_factory=SweepSettings)
+    swa_window: int | None = None
+    swa_full_tokens_ratio: float | None = None
 
     @property
     def kind(self) -> CellKind:
@@ -141,6 +170,7 @@ class Cell:
 
     def params(self) -> dict[str, Any]:
         """The cell's parameters as result columns (``param.version``, …)."""
+        swa = {"swa_window": self.swa_window, "swa_full_tokens_ratio": self.swa_full_tokens_ratio}
         return {
             PARAM_PREFIX + "version": self.version,
             PARAM_PREFIX + "pool_tokens": self.pool_tokens,
@@ -148,6 +178,7 @@ class Cell:
             PARAM_PREFIX + "spec": self.spec,
             PARAM_PREFIX + "max_running": self.max_running,
             PARAM_PREFIX + "chunk": self.chunk,
+            **{PARAM_PREFIX + k: v for k, v in swa.items() if v is not None},
         }
 
     @property
@@ -180,12 +211,15 @@ class Grid:
     max_running: tuple[int | None, ...] = (None,)
     chunks: tuple[int | None, ...] = (None,)
     settings: SweepSettings = field(default_factory=SweepSettings)
+    swa_windows: tuple[int | None, ...] = (None,)
+    swa_ratios: tuple[float | None, ...] = (None,)
 
     def cells(self) -> list[Cell]:
-        """Every combination: inputs outermost, chunk sizes innermost."""
+        """Every combination: inputs outermost, SWA/full pool ratios innermost."""
         return [
-            Cell(source, version, pool, page, spec, rows, chunk, self.settings)
-            for source, version, pool, page, spec, rows, chunk in product(
-                self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks
+            Cell(source, version, pool, page, spec, rows, chunk, self.settings, window, ratio)
+            for source, version, pool, page, spec, rows, chunk, window, ratio in product(
+                self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks,
+                self.swa_windows, self.swa_ratios,
             )
         ]

@@ -43,7 +43,7 @@ _MARKS: dict[str, tuple[str, dict[str, Any]]] = {
     "violations": ("invariant violations", {"marker": "o", "markersize": 11, "markerfacecolor": "none", "color": "red"}),
 }
 # Parameters that tell the lines of a plot apart (the pool size is the x axis).
-SERIES_KEYS = ("page_size", "version", "spec", "max_running", "chunk")
+SERIES_KEYS = ("page_size", "version", "spec", "max_running", "chunk", "swa_window", "swa_full_tokens_ratio")
 
 
 def load_results(path: Path) -> pa.Table:
@@ -109,9 +109,22 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
                 "stopped_early": bool(raw.get("stopped_early")),
                 "problem": raw.get("problem"),
                 "error": raw.get("error"),
+                **_swa_figures(raw),
             }
         )
     return rows
+
+
+def _swa_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid (SWA) model's cell: its window and pool ratio (None: the input's own), the
+    SWA pool and its peak. Nothing for a full-attention cell (its row stays as it was)."""
+    asked = {k: raw.get(PARAM_PREFIX + k) for k in ("swa_window", "swa_full_tokens_ratio")}
+    pool = raw.get("pools.swa.pool_tokens")
+    if pool is None and all(v is None for v in asked.values()):
+        return {}
+    peak = raw.get("pools.swa.peak_used_tokens")
+    return {**asked, "swa_pool_tokens": pool, "swa_peak_used_tokens": peak,
+            "swa_peak_occupancy": peak / pool if peak is not None and pool else None}
 
 
 def _num_violations(raw: dict[str, Any]) -> int | None:
@@ -154,7 +167,7 @@ def series_points(cells: Sequence[dict[str, Any]], key: str) -> dict[str, Series
 
 
 def _series(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    varying = [k for k in SERIES_KEYS if len({str(r[k]) for r in rows}) > 1]
+    varying = [k for k in SERIES_KEYS if len({str(r.get(k)) for r in rows}) > 1]
     lines: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         label = ", ".join(f"{k.replace('_', ' ')} {row[k]}" for k in varying) or "all cells"

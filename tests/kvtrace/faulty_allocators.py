@@ -19,6 +19,14 @@ Each reproduces a bug class SGLang has shipped, on top of the built-in allocator
   path, so the path's lock counts stay one too high.
 * ``counters_off``: a decode forgets to count one committed token in the kept sums.
 
+On a hybrid (SWA) trace, two faults touch one pool each:
+
+* ``missed_window_free``: a decode's out-of-window free of the SWA pool is skipped
+  (the request's ``swa_evicted_seqlen`` still moves), so those SWA slots are held by
+  nobody; the full pool is untouched.
+* ``full_only_stale_row``: ``stale_row`` in the full pool only (the slot's SWA side
+  stays taken).
+
 Each fault fires once, on the first request it can hit, and records that
 request (``fault_rid``) so a test can check the replay blames exactly it.
 
@@ -227,3 +235,42 @@ def lock_leak(config: AllocatorConfig) -> KvAllocator:
 
 def counters_off(config: AllocatorConfig) -> KvAllocator:
     return CountersOff(config)
+
+
+class MissedWindowFree(_Faulty):
+    def decode(self, rids: np.ndarray) -> AllocOutcome:
+        if self._fired():
+            return super().decode(rids)
+        tok = self.token_to_kv_pool_allocator
+        original: Callable[..., None] = tok.free_swa_segment
+
+        def skipped(free_index: np.ndarray, *, start_pos: int) -> None:
+            if free_index.shape[0] == 0:
+                return
+            tok.free_swa_segment = original  # type: ignore[method-assign]  # only the first window free
+            slot = int(free_index[0])
+            self.fault_rid = next(int(r) for r in np.asarray(rids).tolist() if slot in self.row_slots(int(r)))
+
+        tok.free_swa_segment = skipped  # type: ignore[method-assign]
+        try:
+            return super().decode(rids)
+        finally:
+            tok.free_swa_segment = original  # type: ignore[method-assign]
+
+
+class FullOnlyStaleRow(_Faulty):
+    def decode(self, rids: np.ndarray) -> AllocOutcome:
+        out = super().decode(rids)
+        if not self._fired() and isinstance(out, AllocResult) and len(rids) > 1:
+            rid = int(rids[-1])
+            self.token_to_kv_pool_allocator.free_full(self.row_slots(rid)[-1:])
+            self.fault_rid = rid
+        return out
+
+
+def missed_window_free(config: AllocatorConfig) -> KvAllocator:
+    return MissedWindowFree(config)
+
+
+def full_only_stale_row(config: AllocatorConfig) -> KvAllocator:
+    return FullOnlyStaleRow(config)
