@@ -82,6 +82,8 @@ class RequestColumns:
     admitted_step: np.ndarray  # int64, -1: not admitted
     ended_step: np.ndarray  # int64, -1: not ended
     page_size: int
+    # int64 swa_evicted_seqlen (a model with a sliding-window pool); None: no SWA lengths
+    swa_evicted: np.ndarray | None = None
 
     @classmethod
     def of(cls, state: ReplayState) -> RequestColumns:
@@ -91,7 +93,8 @@ class RequestColumns:
         n = int(seen[-1]) + 1 if seen.shape[0] else 0
         cols = {name: state.column(name)[:n].copy() for name in
                 ("phase", "allocated", "committed", "protected", "prefix_hit", "admitted_step", "ended_step")}
-        return cls(page_size=state.page_size, **cols)
+        swa = state.column("swa_evicted")[:n].copy() if state.swa_lengths else None
+        return cls(page_size=state.page_size, swa_evicted=swa, **cols)
 
     @property
     def size(self) -> int:
