@@ -360,8 +360,14 @@ class KvtraceApp(App[None]):
                 self._all("seek", peak[0])
 
     def action_cycle_pool(self) -> None:
-        """Show the next KV pool (a hybrid model's sliding-window pool) in the occupancy panel."""
-        if not any([dash.cycle_pool() for dash in self.dashboards]):
+        """Show the next KV pool (a hybrid model's sliding-window pool) in the occupancy
+        panel and the page map."""
+        cycled = False
+        for dash in self.dashboards:
+            if dash.cycle_pool():
+                cycled = True
+                self.drivers[dash.side].command("pool", dash.pool)
+        if not cycled:
             self.notify("this replay has one KV pool (full attention)", timeout=3)
 
     def action_first_alert(self) -> None:
