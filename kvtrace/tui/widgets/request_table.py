@@ -34,9 +34,10 @@ SWA_SORT_KEYS = ("swa", "swa evicted")  # an SWA replay's table sorts by these t
 _WIDTHS = (8, 10, 14, 9, 11, 8, 8, 8, 10)  # a value as wide as its column would touch the one before
 _HEADERS = ("id", "phase", "used|over", "used", "allocated", "over", "pages", "prefix", "admitted")
 _SORT_COLUMN = {0: "id", 1: "phase", 3: "used", 4: "allocated", 5: "over", 6: "pages", 7: "prefix", 8: "admitted"}
-# An SWA replay's table: the SWA columns go after "over" (index 6 on), the rest move right.
+# An SWA replay's table: the SWA columns go after "over" (index 6 on), the rest move right;
+# its bar is four cells narrower, so that both SWA columns fit an 80-column terminal.
 _SWA_AT = 6
-_SWA_WIDTHS = _WIDTHS[:_SWA_AT] + (8, 12) + _WIDTHS[_SWA_AT:]
+_SWA_WIDTHS = _WIDTHS[:2] + (_WIDTHS[2] - 4,) + _WIDTHS[3:_SWA_AT] + (8, 12) + _WIDTHS[_SWA_AT:]
 _SWA_HEADERS = _HEADERS[:_SWA_AT] + SWA_SORT_KEYS + _HEADERS[_SWA_AT:]
 _SWA_SORT_COLUMN = {c + 2 * (c >= _SWA_AT): k for c, k in _SORT_COLUMN.items()} | {6: "swa", 7: "swa evicted"}
 _PHASE_STYLE = {
@@ -275,7 +276,7 @@ class RequestTable(VirtualList):
         assert req is not None
         rids = self._order[start:stop]
         alloc, used = req.allocated[rids], req.committed[rids]
-        n_used, n_over = _bar_cells(alloc, used, self._scale)  # the bars, not their scale: it moves often
+        n_used, n_over = _bar_cells(alloc, used, self._scale, self._widths[2] - 2)  # the bars, not their scale: it moves often
         now = self._clock()
         flash = self._flash
         ids = rids.tolist()
@@ -331,13 +332,14 @@ class RequestTable(VirtualList):
             base = base + _FLASH
         if selected:
             base = base + _CURSOR
-        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale))
+        w = self._widths
+        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale, w[2] - 2))
         parts = [
             (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
             ("█" * n_used, n_used, _USED, "<"),
             ("█" * n_over, n_over, _OVER, "<"),
-            ("", _WIDTHS[2] - n_used - n_over, None, "<"),
+            ("", w[2] - n_used - n_over, None, "<"),
             (f"{used:,}", _WIDTHS[3], None, ">"),
             (f"{alloc:,}", _WIDTHS[4], None, ">"),
             (f"{over:,}" if over else "·", _WIDTHS[5], _OVER if over else None, ">"),
@@ -358,10 +360,11 @@ class RequestTable(VirtualList):
 _BAR_W = _WIDTHS[2] - 2  # cells of the used|over bar
 
 
-def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int) -> tuple[np.ndarray, np.ndarray]:
+def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int,
+               bar_w: int = _BAR_W) -> tuple[np.ndarray, np.ndarray]:
     """Cells of the bar's used and over-allocated parts (arrays or single values), scaled
-    so that ``scale`` slots fill the bar; a request holding any over-allocation shows
-    at least one cell of it."""
-    n_used = np.asarray(used) * _BAR_W // scale
-    n_over = np.maximum(np.asarray(alloc) * _BAR_W // scale - n_used, np.asarray(alloc) > np.asarray(used))
+    so that ``scale`` slots fill the ``bar_w`` cells of the bar; a request holding any
+    over-allocation shows at least one cell of it."""
+    n_used = np.asarray(used) * bar_w // scale
+    n_over = np.maximum(np.asarray(alloc) * bar_w // scale - n_used, np.asarray(alloc) > np.asarray(used))
     return n_used, n_over
