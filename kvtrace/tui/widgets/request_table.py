@@ -3,7 +3,7 @@
 Columns: id, phase, an inline bar of used (committed) and over-allocated slots
 scaled to the largest allocation shown, used, allocated, over-allocated, pages,
 prefix hit, admitted step. A replay of a hybrid SWA model (its frames carry the
-requests' SWA cursors) adds, after over-allocated, the SWA side: ``swa``, the tokens
+requests' SWA cursors) adds, after allocated, the SWA side: ``swa``, the tokens
 past the request's SWA cursor (``allocated - swa_evicted_seqlen``: those the
 sliding-window layers still hold), and ``swa evicted`` (``swa_evicted_seqlen``);
 a full-attention replay's table has neither. The selection follows its request
@@ -30,16 +30,17 @@ if TYPE_CHECKING:
 __all__ = ["SORT_KEYS", "RequestFilter", "RequestTable"]
 
 SORT_KEYS = ("id", "phase", "used", "allocated", "over", "pages", "prefix", "admitted")
-SWA_SORT_KEYS = ("swa", "swa evicted")  # an SWA replay's table sorts by these too, after "over"
+SWA_SORT_KEYS = ("swa", "swa evicted")  # an SWA replay's table sorts by these too, after "allocated"
 _WIDTHS = (8, 10, 14, 9, 11, 8, 8, 8, 10)  # a value as wide as its column would touch the one before
 _HEADERS = ("id", "phase", "used|over", "used", "allocated", "over", "pages", "prefix", "admitted")
 _SORT_COLUMN = {0: "id", 1: "phase", 3: "used", 4: "allocated", 5: "over", 6: "pages", 7: "prefix", 8: "admitted"}
-# An SWA replay's table: the SWA columns go after "over" (index 6 on), the rest move right;
-# its bar is four cells narrower, so that both SWA columns fit an 80-column terminal.
-_SWA_AT = 6
+# An SWA replay's table: the SWA columns go after "allocated" (index 5 on), the rest move
+# right; its bar is four cells narrower, so that both SWA columns and "over" fit an
+# 80-column terminal.
+_SWA_AT = 5
 _SWA_WIDTHS = _WIDTHS[:2] + (_WIDTHS[2] - 4,) + _WIDTHS[3:_SWA_AT] + (8, 12) + _WIDTHS[_SWA_AT:]
 _SWA_HEADERS = _HEADERS[:_SWA_AT] + SWA_SORT_KEYS + _HEADERS[_SWA_AT:]
-_SWA_SORT_COLUMN = {c + 2 * (c >= _SWA_AT): k for c, k in _SORT_COLUMN.items()} | {6: "swa", 7: "swa evicted"}
+_SWA_SORT_COLUMN = {c + 2 * (c >= _SWA_AT): k for c, k in _SORT_COLUMN.items()} | {5: "swa", 6: "swa evicted"}
 _PHASE_STYLE = {
     "waiting": Style(color="bright_black"),
     "prefill": Style(color="cyan"),
@@ -179,10 +180,10 @@ class RequestTable(VirtualList):
     @property
     def sort_keys(self) -> tuple[str, ...]:
         """The keys this table sorts by (``SORT_KEYS``, with ``SWA_SORT_KEYS`` after
-        ``over`` for an SWA replay)."""
+        ``allocated`` for an SWA replay)."""
         if not self.swa:
             return SORT_KEYS
-        at = SORT_KEYS.index("over") + 1
+        at = SORT_KEYS.index("allocated") + 1
         return SORT_KEYS[:at] + SWA_SORT_KEYS + SORT_KEYS[at:]
 
     @property
@@ -349,7 +350,7 @@ class RequestTable(VirtualList):
         ]
         if req.swa_evicted is not None:
             evicted = int(req.swa_evicted[rid])
-            at = len(parts) - (len(_WIDTHS) - _SWA_AT)  # the parts of the columns after "over"
+            at = len(parts) - (len(_WIDTHS) - _SWA_AT)  # the parts of the columns after "allocated"
             parts[at:at] = [
                 (f"{max(alloc - evicted, 0):,}", _SWA_WIDTHS[_SWA_AT], None, ">"),
                 (f"{evicted:,}" if evicted else "·", _SWA_WIDTHS[_SWA_AT + 1], None, ">"),
