@@ -36,7 +36,7 @@ KEYS = (
     ("n / N", "next / previous event (of the kind the events log shows)"),
     ("k", "events log: next kind (all, overalloc_release, evict, …)"),
     ("P", "jump to the peak occupancy (of the pool shown)"),
-    ("p", "occupancy and page map: the next KV pool (a hybrid SWA model: full, swa)"),
+    ("p", "occupancy and page map: the next KV pool (hybrid SWA: full, swa)"),
     ("o", "jump to the first OOM or violation"),
     ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
     ("/", "filter requests: phases, live, over, ids, A-B"),
