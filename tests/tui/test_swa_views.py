@@ -5,6 +5,8 @@ replay's table is the one it always was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from allocator.ownership import SlotState
 from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.screens import RequestDetailScreen
 from kvtrace.tui.widgets.request_table import RequestTable
-from tests.helpers import TINY, at_step, live_app, settle
+from tests.helpers import TINY, at_step, live_app, log_app, settle
 
 SWA = "sample:mooncake-gpt-oss"
 STEP = 200  # some requests' windows have slid by then (swa_evicted_seqlen > 0)
@@ -114,6 +116,27 @@ async def test_a_full_attention_replays_table_has_no_swa_columns() -> None:
         await pilot.press("p")  # one pool: the page map stays the full pool's
         await pilot.pause()
         assert app.main.query_one("#pages").border_title == "page map"
+
+
+async def test_a_state_logs_p_lays_out_the_swa_pool_by_state(tmp_path: Path) -> None:
+    from kvtrace.statelog.log import StateLogWriter
+
+    path = tmp_path / "swa.log"
+    with ReplaySession(SWA, checker="inline") as s:
+        with StateLogWriter(path, {"trace": SWA, "allocator": s.version.spec,
+                                   "config": {"page_size": s.config.page_size, "pool_tokens": s.config.pool_tokens}}) as log:
+            for _ in range(30):
+                log.write(s.step())
+    app = log_app(path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _to_step(pilot, 20)
+        await pilot.press("p")
+        await settle(pilot, lambda a: a.frame.page_map_pool == 1 and a.frame.page_cells is not None)
+        await pilot.pause()
+        assert app.main.query_one("#pages").border_title == "swa pool by state (no positions)"
+        swa = app.frame.pools["swa"]
+        assert int(app.frame.page_cells.tokens[:, SlotState.FREE].sum()) == swa.available
+        assert app.frame.requests.swa_evicted is None  # a state log keeps no SWA cursors
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 50)], ids=["80x24", "160x50"])

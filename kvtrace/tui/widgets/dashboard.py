@@ -140,7 +140,7 @@ class Dashboard(Vertical):
                 occupancy.border_title = title
             pages_panel = self.query_one("#pages")
             mapped = POOL_NAMES[frame.page_map_pool]  # the pool of the cells drawn (the next map may be another's)
-            title = f"page map · {mapped} pool" if info.live else f"{mapped} pool by state (a log has no slot positions)"
+            title = f"page map · {mapped} pool" if info.live else f"{mapped} pool by state (no positions)"
             if pages_panel.border_title != title:
                 pages_panel.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
