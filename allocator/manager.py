@@ -984,10 +984,10 @@ class KvAllocator:
 
     def swa_slot_ownership(self) -> SlotOwnership | None:
         """The state and owner of every slot of the sliding-window pool
-        (``allocator.swa.swa_slot_ownership``); None for a model without one."""
+        (``allocator.swa_window.swa_slot_ownership``); None for a model without one."""
         if self.config.swa is None:
             return None
-        from allocator.swa import swa_slot_ownership
+        from allocator.swa_window import swa_slot_ownership
 
         self._flush_publish()
         return swa_slot_ownership(self)
