@@ -14,7 +14,8 @@ request's ``req_to_token`` row; they call an ``allocator.swa.SWATokenToKVPoolAll
 ``KvAllocator``'s allocation functions (``allocator.allocation``) release through
 ``free_kv_row_segments`` and apply the same window rule to a whole batch at once
 (``plan_window_frees``, columns of ``ReqKvTable``); these one-request forms are the
-reference their tests and the SWA pool parity drive.
+reference their tests and the SWA pool parity drive. ``swa_slot_ownership`` reads the
+same regions to give the state and owner of every SWA slot (the dashboard's SWA page map).
 """
 
 from __future__ import annotations
