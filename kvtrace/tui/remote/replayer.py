@@ -18,7 +18,7 @@ What it sends (``link.ReplayerEnd``), in order:
   ``Busy`` (what it is busy with, answering no command meanwhile),
   ``Position`` (after a seek: ``step``, ``time_s``, ``pool``, the per-request
   ``columns`` of ``ReplayState.save()``),
-  ``Cells`` (the page map at ``step``: ``edges``, ``tokens``, ``dominant``,
+  ``Cells`` (the page map of pool ``pool`` at ``step``: ``edges``, ``tokens``, ``dominant``,
   ``highlight``, ``positional``; or a ``note`` saying why there is none),
   ``Cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
   ``History`` (a request's lengths step by step and its events),
