@@ -899,6 +899,16 @@ class KvAllocator:
             protected=np.where(held, kv.cache_protected_len[safe], 0),
         )
 
+    def swa_evicted_lens(self, rids: np.ndarray) -> np.ndarray:
+        """int64 ``[n]``: each request's SWA cursor ``swa_evicted_seqlen`` (positions below
+        it may have given their SWA slots back; ``allocator.swa_window``); 0 for a request
+        holding no KV and for a model without a sliding-window pool. A read only."""
+        self._flush_publish()
+        rows = self._rows_of(_i64(rids))
+        if self.config.swa is None or rows.shape[0] == 0:
+            return np.zeros(rows.shape[0], np.int64)
+        return np.where(rows >= 0, self.req_kv.swa_evicted_seqlen[np.maximum(rows, 0)], 0).astype(np.int64)
+
     def holds_kv(self, rids: np.ndarray) -> np.ndarray:
         return self._rows_of(_i64(rids)) >= 0
 
@@ -971,6 +981,16 @@ class KvAllocator:
 
         self._flush_publish()
         return slot_ownership(self)
+
+    def swa_slot_ownership(self) -> SlotOwnership | None:
+        """The state and owner of every slot of the sliding-window pool
+        (``allocator.swa_window.swa_slot_ownership``); None for a model without one."""
+        if self.config.swa is None:
+            return None
+        from allocator.swa_window import swa_slot_ownership
+
+        self._flush_publish()
+        return swa_slot_ownership(self)
 
 
 def _counters_after(before: np.ndarray, taken: np.ndarray, committed: np.ndarray) -> np.ndarray:

@@ -14,7 +14,8 @@ request's ``req_to_token`` row; they call an ``allocator.swa.SWATokenToKVPoolAll
 ``KvAllocator``'s allocation functions (``allocator.allocation``) release through
 ``free_kv_row_segments`` and apply the same window rule to a whole batch at once
 (``plan_window_frees``, columns of ``ReqKvTable``); these one-request forms are the
-reference their tests and the SWA pool parity drive.
+reference their tests and the SWA pool parity drive. ``swa_slot_ownership`` reads the
+same regions to give the state and owner of every SWA slot (the dashboard's SWA page map).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import numpy as np
 from allocator.pages import ceil_align
 
 if TYPE_CHECKING:
+    from allocator.manager import KvAllocator
+    from allocator.ownership import SlotOwnership
     from allocator.swa import SWATokenToKVPoolAllocator
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "free_swa_out_of_window_slots",
     "kv_private_swa_tokens",
     "release_kv_row",
+    "swa_slot_ownership",
 ]
 
 
@@ -205,3 +209,91 @@ def kv_private_swa_tokens(kv: SwaKvInfo, kv_allocated_len: int, page_size: int) 
     allocated = int(ceil_align(kv_allocated_len, page_size))
     window_freed = max(0, kv.swa_evicted_seqlen - kv.swa_dead_lo(page_size))
     return allocated - kv.cache_protected_len - window_freed
+
+
+def swa_slot_ownership(allocator: KvAllocator) -> SlotOwnership:
+    """The state and owner of every slot of a hybrid allocator's SWA pool, as
+    ``allocator.ownership.slot_ownership`` gives them for the full pool (a read only).
+
+    A request row holds full slots; the SWA slot of a position is the mapping's. Per row::
+
+        position  0 ...... protected ... dead_lo ...... swa_evicted ...... committed ... allocated ..| ceil_align
+                  |- tree -|- request -|- freed (no SWA slot) -|- COMMITTED -|- OVERALLOCATED -|- PAGE_TAIL -|
+
+    The tree's SWA slots are its nodes' ``swa_value`` (CACHED_LOCKED when the node's
+    ``swa_lock_ref > 0``); the SWA free list is FREE; page 0 RESERVED; any other slot
+    UNOWNED (a leak, in a broken state only).
+
+    Args:
+        allocator: the built-in allocator with a sliding-window pool (``config.swa``).
+
+    Returns:
+        The SWA pool's map; its FREE count is ``pool_counters()["swa"].available``.
+    """
+    from allocator.ownership import SlotOwnership, SlotState
+    from allocator.swa import SWATokenToKVPoolAllocator
+
+    tok = allocator.token_to_kv_pool_allocator
+    assert isinstance(tok, SWATokenToKVPoolAllocator), f"not a hybrid SWA allocator: {type(tok).__name__}"
+    ps = allocator.page_size
+    num_pages = allocator.swa_pool_tokens // ps
+    page_state = np.full(num_pages + 1, SlotState.UNOWNED, dtype=np.int8)
+    free = tok.swa_attn_allocator.get_all_free_pages().astype(np.int64)
+    claims = [free]
+    page_state[free[(free >= 0) & (free <= num_pages)]] = SlotState.FREE
+    tree_slots: list[np.ndarray] = []
+    tree_locked: list[bool] = []
+    for node in allocator.tree_cache.iter_nodes():
+        value = getattr(node, "swa_value", None)
+        if value is not None and value.shape[0]:
+            tree_slots.append(np.asarray(value, np.int64))
+            tree_locked.append(getattr(node, "swa_lock_ref", 0) > 0)
+    if tree_slots:
+        slots = np.concatenate(tree_slots)
+        locked = np.repeat(np.array(tree_locked), [s.shape[0] for s in tree_slots])
+        pages, locked = (slots[::ps] // ps, locked[::ps]) if ps > 1 else (slots, locked)
+        ok = (pages >= 0) & (pages <= num_pages)
+        page_state[pages[ok]] = locked[ok].view(np.int8) + np.int8(SlotState.CACHED_EVICTABLE)
+        claims.append(pages)
+    page_state[0] = SlotState.RESERVED
+    state = np.repeat(page_state, ps) if ps > 1 else page_state
+    num_slots = state.shape[0]
+    owner = np.full(num_slots, -1, dtype=np.int64)
+    kv = allocator.req_kv
+    width = allocator.req_to_token_pool.max_context_len
+    rows = kv.rows_in_use()
+    alloc = kv.kv_allocated_len[rows]
+    committed = kv.kv_committed_len[rows]
+    prot = kv.cache_protected_len[rows]
+    ok = (prot >= 0) & (prot <= alloc) & (alloc <= width)
+    rows, alloc, committed, prot = rows[ok], alloc[ok], committed[ok], prot[ok]
+    counts = np.maximum(ceil_align(alloc, ps) - prot, 0)
+    total = int(counts.sum())
+    if total:
+        idx = np.repeat(np.arange(rows.shape[0], dtype=np.int64), counts)
+        positions = np.repeat(prot - (np.cumsum(counts) - counts), counts) + np.arange(total, dtype=np.int64)
+        dead_lo = kv.swa_dead_lo(rows)[idx]
+        live = (positions < dead_lo) | (positions >= kv.swa_evicted_seqlen[rows][idx])
+        idx, positions = idx[live], positions[live]
+        last = alloc[idx] - 1
+        read = np.minimum(positions, last) if ps > 1 else positions
+        flat = allocator.req_to_token_pool.req_to_token_np.reshape(-1)
+        full = flat[rows[idx] * width + read].astype(np.int64)
+        slots = tok.translate_loc_from_full_to_swa(full).astype(np.int64)
+        mapped = slots > 0
+        slots = slots + (positions - read)  # a page tail's slots follow the last allocated one
+        slot_state = np.where(
+            positions < committed[idx],
+            np.int8(SlotState.COMMITTED),
+            np.where(positions <= last, np.int8(SlotState.OVERALLOCATED), np.int8(SlotState.PAGE_TAIL)),
+        )
+        valid = mapped & (slots >= ps) & (slots < num_slots)
+        slots, slot_state, idx = slots[valid], slot_state[valid], idx[valid]
+        state[slots] = slot_state
+        owner[slots] = kv.rid[rows][idx]
+        claims.append(np.unique(slots // ps))
+    everything = np.concatenate(claims)
+    everything = everything[(everything >= 0) & (everything <= num_pages)]
+    holders = np.bincount(everything, minlength=num_pages + 1)
+    holders[0] = 0
+    return SlotOwnership(state, owner, holders, ps)

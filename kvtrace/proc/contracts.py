@@ -274,6 +274,7 @@ class Cells(Contract):
     highlight: Any = None  # bool [n]
     positional: bool = False
     note: str | None = None
+    pool: int = 0  # the pool mapped: an index into kvtrace.replay.snapshot.POOL_NAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +335,7 @@ DASHBOARD_MESSAGES: tuple[type[Contract], ...] = (Info, Status, Busy, Position, 
                                                    InputWarning)
 
 CommandName = Literal["play", "pause", "toggle", "step", "seek", "speed", "cells", "select", "cell", "history",
-                      "refresh", "quit"]
+                      "refresh", "quit", "pool"]
 # What each command's argument is: "int" (required), "rid" (an int, or None), None (none).
 COMMAND_NAMES: dict[str, str | None] = {
     "play": None, "pause": None, "toggle": None, "refresh": None, "quit": None,
@@ -345,6 +346,7 @@ COMMAND_NAMES: dict[str, str | None] = {
     "cell": "int",  # INDEX of a cell
     "history": "int",  # RID
     "select": "rid",  # RID or None
+    "pool": "int",  # the page map's pool: an index into POOL_NAMES (a hybrid model's)
 }
 
 

@@ -204,6 +204,9 @@ class ReplayEngine:
         self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
         self._decode_runs = isinstance(allocator, DecodeRuns)
         self.pool_names = pool_names_of(allocator)
+        # the requests' SWA cursors, for the snapshots of a model with a sliding-window pool
+        # (an optional read: a version without it shows no SWA lengths)
+        self._swa_evicted_lens = getattr(allocator, "swa_evicted_lens", None) if "swa" in self.pool_names else None
         self._any_dropped = False  # some request was dropped (skip mode): filter its ops
         self._events: list[Event] = []
         self._step = -1
@@ -341,6 +344,7 @@ class ReplayEngine:
             keyframe=keyframe,
             digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
             other_pools=others,
+            swa_evicted=None if self._swa_evicted_lens is None else self._swa_evicted_lens(delta.rids),
         )
 
     def pools_now(self) -> dict[str, PoolCounters]:

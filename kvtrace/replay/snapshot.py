@@ -139,6 +139,10 @@ class StepSnapshot:
     for it (``ReplayOptions.state_digest``; ``kvtrace diff --exact``), else None.
     ``other_pools``: the counters of the pools after the full one (``pool``), named by
     ``POOL_NAMES[1:]`` in order; empty for a full-attention model.
+    ``swa_evicted``: with a sliding-window pool, each request row's SWA cursor
+    (``swa_evicted_seqlen``) after the step, aligned with ``requests``; None otherwise.
+    It rides beside the ``RequestDelta`` rather than in it, so that what compares,
+    logs or exports deltas is the same for every model.
     """
 
     step: int
@@ -151,6 +155,7 @@ class StepSnapshot:
     keyframe: bool = False
     digest: str | None = None
     other_pools: tuple[PoolCounters, ...] = ()
+    swa_evicted: np.ndarray | None = None  # int64 [n] swa_evicted_seqlen per requests row
 
     @property
     def pools(self) -> dict[str, PoolCounters]:
@@ -177,6 +182,9 @@ class SnapshotBlock(NamedTuple):
     # int64 [k, n, len(PoolCounters._fields)]: the n pools after the full one
     # (``StepSnapshot.other_pools``); None for a full-attention model
     other_pools: np.ndarray | None = None
+    # int64 [rows]: the SWA cursor of each request row (``StepSnapshot.swa_evicted``), None
+    # when no step has one (a full-attention model)
+    swa_evicted: np.ndarray | None = None
 
     @classmethod
     def of(cls, snaps: Sequence[StepSnapshot], rows: Sequence[bool] | None = None) -> SnapshotBlock:
@@ -224,6 +232,7 @@ class SnapshotBlock(NamedTuple):
             events=events,
             digests=[s.digest for s in snaps],
             other_pools=_other_pools(snaps),
+            swa_evicted=_swa_evicted([(s.swa_evicted, s.requests.num_requests) for s in with_rows]),
         )
 
     @classmethod
@@ -251,6 +260,7 @@ class SnapshotBlock(NamedTuple):
             events=list(chain.from_iterable(b.events for b in blocks)),
             digests=list(chain.from_iterable(b.digests for b in blocks)),
             other_pools=None if blocks[0].other_pools is None else joined("other_pools"),
+            swa_evicted=_swa_evicted([(b.swa_evicted, b.requests.num_requests) for b in blocks]),
         )
 
     @property
@@ -266,6 +276,14 @@ class SnapshotBlock(NamedTuple):
         if self.other_pools is None:
             return ()
         return tuple(PoolCounters(*(int(v) for v in row)) for row in self.other_pools[i])
+
+
+def _swa_evicted(parts: Sequence[tuple[np.ndarray | None, int]]) -> np.ndarray | None:
+    """The SWA cursors of consecutive row groups ``(cursors or None, rows)`` as one column
+    (zeros for a group without any); None when no group has any."""
+    if all(c is None for c, _ in parts):
+        return None
+    return np.concatenate([np.zeros(n, np.int64) if c is None else np.asarray(c, np.int64) for c, n in parts])
 
 
 def _other_pools(snaps: Sequence[StepSnapshot]) -> np.ndarray | None:

@@ -48,6 +48,7 @@ _COLUMNS = (
     ("ended_step", np.int64, -1),  # finish / abort / drop (-1: not ended)
     ("last_step", np.int64, -1),  # the last step an op changed it
     ("admissions", np.int32, 0),  # 1, or more after retractions
+    ("swa_evicted", np.int64, 0),  # swa_evicted_seqlen (a model with a sliding-window pool)
 )
 
 
@@ -74,6 +75,13 @@ class RequestRow(NamedTuple):
     prefix_hit: int
     admitted_step: int
     ended_step: int
+    swa_evicted: int | None = None  # swa_evicted_seqlen; None: no SWA lengths (a full-attention model)
+
+    @property
+    def swa_len(self) -> int | None:
+        """Its tokens past the SWA cursor (``allocated - swa_evicted_seqlen``): those the
+        sliding-window layers still hold; None without SWA lengths."""
+        return None if self.swa_evicted is None else max(self.allocated - self.swa_evicted, 0)
 
 
 class Timeline:
@@ -245,6 +253,8 @@ class ReplayState:
         self.other_pools: tuple[PoolCounters, ...] = ()  # ``StepSnapshot.other_pools`` of that step
         self.timeline = Timeline()
         self._cols = {name: np.full(1024, fill, dtype) for name, dtype, fill in _COLUMNS}
+        # the snapshots carry the requests' SWA cursors (``StepSnapshot.swa_evicted``)
+        self.swa_lengths = False
 
     # ------------------------------------------------------------------ folding
     def apply(self, snap: StepSnapshot) -> None:
@@ -275,6 +285,9 @@ class ReplayState:
             cols["committed"][rids] = d.committed
             cols["protected"][rids] = d.protected
             cols["last_step"][rids[changed]] = snap.step
+            if snap.swa_evicted is not None:
+                cols["swa_evicted"][rids] = snap.swa_evicted
+                self.swa_lengths = True
         self.step = snap.step
         self.pool = snap.pool
         self.other_pools = snap.other_pools
@@ -346,10 +359,13 @@ class ReplayState:
         cols["allocated"][rid[last]] = d.allocated[final]
         cols["committed"][rid[last]] = d.committed[final]
         cols["protected"][rid[last]] = d.protected[final]
+        if block.swa_evicted is not None:
+            cols["swa_evicted"][rid[last]] = block.swa_evicted[r0:r1][final]
+            self.swa_lengths = True
 
     def _clear_lengths(self) -> None:
         cols = self._cols
-        for name in ("allocated", "committed", "protected"):
+        for name in ("allocated", "committed", "protected", "swa_evicted"):
             cols[name][:] = 0
 
     def _ensure(self, max_rid: int) -> None:
@@ -373,6 +389,9 @@ class ReplayState:
         self.pool = pool
         self.other_pools = other_pools
         self._cols = {k: v.copy() for k, v in saved.columns.items()}
+        size = self._cols["phase"].shape[0]
+        for name, dtype, fill in _COLUMNS:  # a column the saver did not know
+            self._cols.setdefault(name, np.full(size, fill, dtype))
 
     def copy(self) -> ReplayState:
         return copy.deepcopy(self)
@@ -412,6 +431,7 @@ class ReplayState:
             prefix_hit=int(c["prefix_hit"][rid]),
             admitted_step=int(c["admitted_step"][rid]),
             ended_step=int(c["ended_step"][rid]),
+            swa_evicted=int(c["swa_evicted"][rid]) if self.swa_lengths else None,
         )
 
     def table(self, rids: np.ndarray | None = None) -> list[RequestRow]:

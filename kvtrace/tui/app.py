@@ -360,8 +360,14 @@ class KvtraceApp(App[None]):
                 self._all("seek", peak[0])
 
     def action_cycle_pool(self) -> None:
-        """Show the next KV pool (a hybrid model's sliding-window pool) in the occupancy panel."""
-        if not any([dash.cycle_pool() for dash in self.dashboards]):
+        """Show the next KV pool (a hybrid model's sliding-window pool) in the occupancy
+        panel and the page map."""
+        cycled = False
+        for dash in self.dashboards:
+            if dash.cycle_pool():
+                cycled = True
+                self.drivers[dash.side].command("pool", dash.pool)
+        if not cycled:
             self.notify("this replay has one KV pool (full attention)", timeout=3)
 
     def action_first_alert(self) -> None:
@@ -431,7 +437,7 @@ def _row_of(frame: Frame, rid: int) -> RequestRow:
     alloc, used = int(req.allocated[rid]), int(req.committed[rid])
     return RequestRow(rid, PHASES[int(req.phase[rid])], used, alloc, alloc - used, int(req.protected[rid]),
                       -(-alloc // req.page_size), int(req.prefix_hit[rid]), int(req.admitted_step[rid]),
-                      int(req.ended_step[rid]))
+                      int(req.ended_step[rid]), None if req.swa_evicted is None else int(req.swa_evicted[rid]))
 
 
 def cell_text(info: CellInfo) -> str:

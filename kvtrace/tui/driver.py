@@ -82,6 +82,8 @@ class RequestColumns:
     admitted_step: np.ndarray  # int64, -1: not admitted
     ended_step: np.ndarray  # int64, -1: not ended
     page_size: int
+    # int64 swa_evicted_seqlen (a model with a sliding-window pool); None: no SWA lengths
+    swa_evicted: np.ndarray | None = None
 
     @classmethod
     def of(cls, state: ReplayState) -> RequestColumns:
@@ -91,7 +93,8 @@ class RequestColumns:
         n = int(seen[-1]) + 1 if seen.shape[0] else 0
         cols = {name: state.column(name)[:n].copy() for name in
                 ("phase", "allocated", "committed", "protected", "prefix_hit", "admitted_step", "ended_step")}
-        return cls(page_size=state.page_size, **cols)
+        swa = state.column("swa_evicted")[:n].copy() if state.swa_lengths else None
+        return cls(page_size=state.page_size, swa_evicted=swa, **cols)
 
     @property
     def size(self) -> int:
@@ -120,6 +123,7 @@ class Frame:
     page_cells: PageCells | None = None
     page_map_step: int | None = None
     page_map_note: str | None = None  # why there is no page map
+    page_map_pool: int = 0  # the pool ``page_cells`` maps (an index into POOL_NAMES)
     selected_rid: int | None = None
     busy: str | None = None  # what the replay is busy with, answering no command meanwhile
     other_pools: tuple[PoolCounters, ...] = ()  # a hybrid model's pools after ``pool`` (POOL_NAMES[1:])
@@ -225,6 +229,7 @@ class Driver:
         self._cells: PageCells | None = None
         self._map_step: int | None = None
         self._map_note: str | None = None
+        self._map_pool = 0
         self._changed = False
         self._posted_at = -1e18
         self._due = -1e18  # when the next frame may be posted
@@ -339,6 +344,7 @@ class Driver:
         elif isinstance(m, wire.Cells):
             self._map_step = m.step
             self._map_note = m.note
+            self._map_pool = int(m.pool)
             self._cells = None if m.note is not None else PageCells(
                 np.asarray(m.edges), np.asarray(m.tokens), np.asarray(m.dominant), np.asarray(m.highlight),
                 bool(m.positional))
@@ -426,6 +432,7 @@ class Driver:
                 page_cells=self._cells,
                 page_map_step=self._map_step,
                 page_map_note=self._map_note,
+                page_map_pool=self._map_pool,
                 selected_rid=self.selected_rid,
                 busy=self.busy,
             )

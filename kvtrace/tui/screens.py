@@ -36,7 +36,7 @@ KEYS = (
     ("n / N", "next / previous event (of the kind the events log shows)"),
     ("k", "events log: next kind (all, overalloc_release, evict, …)"),
     ("P", "jump to the peak occupancy (of the pool shown)"),
-    ("p", "occupancy: the next KV pool (a hybrid SWA model: full, swa)"),
+    ("p", "occupancy and page map: the next KV pool (hybrid SWA: full, swa)"),
     ("o", "jump to the first OOM or violation"),
     ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
     ("/", "filter requests: phases, live, over, ids, A-B"),
@@ -166,7 +166,9 @@ class RequestDetailScreen(ModalScreen[None]):
             yield Static(
                 f"phase {r.phase} · used {r.used:,} · allocated {r.allocated:,} · over-allocated {r.overallocated:,} · "
                 f"pages {r.pages:,} · prefix hit {r.prefix_hit:,} · admitted at step {r.admitted_step} · "
-                f"ended at step {r.ended_step if r.ended_step >= 0 else '-'}",
+                f"ended at step {r.ended_step if r.ended_step >= 0 else '-'}"
+                + ("" if r.swa_evicted is None else
+                   f"\nSWA: {r.swa_len:,} tokens past the window's cursor · swa_evicted_seqlen {r.swa_evicted:,}"),
                 id="detail-row",
             )
             yield Static("[yellow]allocated[/] and [green]used[/] tokens", id="detail-caption")

@@ -109,7 +109,7 @@ class _Broken:
 
     seek = step
 
-    def page_map(self, n: int, rid: int | None) -> None:
+    def page_map(self, n: int, rid: int | None, pool: int = 0) -> None:
         return None
 
     def close(self) -> None:
@@ -296,7 +296,7 @@ class _SlowMap:
         self.allocator_step = 0
         self.maps = 0
 
-    def page_map(self, n: int, rid: int | None) -> tuple[None, object]:
+    def page_map(self, n: int, rid: int | None, pool: int = 0) -> tuple[None, object]:
         from kvtrace.tui.remote.pagemap import composition_cells
 
         self.clock[0] += self.cost_s

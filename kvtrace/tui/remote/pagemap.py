@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NO_PAGE_MAP",
+    "NO_SWA_PAGE_MAP",
     "STATE_LABELS",
     "CellDetail",
     "PageCells",
@@ -36,6 +37,7 @@ __all__ = [
 
 STATE_LABELS = ("free", "committed", "over-allocated", "page tail", "cached", "locked", "reserved", "leaked")
 NO_PAGE_MAP = "no page map for this version (it does not answer slot_ownership())"
+NO_SWA_PAGE_MAP = "no map of the swa pool for this version (it does not answer swa_slot_ownership())"
 _OWN_STATES = np.array([SlotState.COMMITTED, SlotState.OVERALLOCATED, SlotState.PAGE_TAIL])
 
 
@@ -71,18 +73,23 @@ class CellDetail(NamedTuple):
     owners: list[tuple[int, int]]  # (rid, slots), most slots first
 
 
-def page_map(allocator: object, num_cells: int, rid: int | None = None) -> tuple[SlotOwnership, PageCells] | None:
-    """The page map of a live allocator: its slot ownership reduced to ``num_cells`` cells,
-    the cells of request ``rid`` highlighted.
+def page_map(allocator: object, num_cells: int, rid: int | None = None,
+             pool: int = 0) -> tuple[SlotOwnership, PageCells] | None:
+    """The page map of a live allocator: the slot ownership of its pool ``pool`` (an
+    index into ``POOL_NAMES``: 0 the full pool, 1 a hybrid model's sliding-window pool)
+    reduced to ``num_cells`` cells, the cells of request ``rid`` highlighted.
 
     Returns:
         None when the version does not implement the optional ``OwnershipQuery``
-        protocol (``slot_ownership()``): the screen then says ``NO_PAGE_MAP``.
+        protocol (``slot_ownership()``; for the SWA pool ``swa_slot_ownership()``): the
+        screen then says ``NO_PAGE_MAP`` (``NO_SWA_PAGE_MAP``).
     """
-    query = getattr(allocator, "slot_ownership", None)
+    query = getattr(allocator, "slot_ownership" if pool == 0 else "swa_slot_ownership", None)
     if query is None:
         return None
-    own: SlotOwnership = query()
+    own: SlotOwnership | None = query()
+    if own is None:
+        return None
     cells = reduce_cells(own, max(num_cells, 1))
     return own, PageCells.of(cells, highlight_cells(own, cells, rid))
 

@@ -18,7 +18,7 @@ What it sends (``link.ReplayerEnd``), in order:
   ``Busy`` (what it is busy with, answering no command meanwhile),
   ``Position`` (after a seek: ``step``, ``time_s``, ``pool``, the per-request
   ``columns`` of ``ReplayState.save()``),
-  ``Cells`` (the page map at ``step``: ``edges``, ``tokens``, ``dominant``,
+  ``Cells`` (the page map of pool ``pool`` at ``step``: ``edges``, ``tokens``, ``dominant``,
   ``highlight``, ``positional``; or a ``note`` saying why there is none),
   ``Cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
   ``History`` (a request's lengths step by step and its events),
@@ -26,8 +26,9 @@ What it sends (``link.ReplayerEnd``), in order:
   ``InputWarning`` (once the replay is done: what it left out of a damaged input).
 
 Commands (``contracts.Command``): play, pause, toggle, step N (N < 0: back), seek STEP,
-speed DELTA (an index into ``SPEEDS``), cells N (the page map's size), select RID|None,
-cell INDEX, history RID, refresh, quit.
+speed DELTA (an index into ``SPEEDS``), cells N (the page map's size), pool P (the page
+map's pool: an index into ``POOL_NAMES``), select RID|None, cell INDEX, history RID,
+refresh, quit.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class Replayer:
         self.playing = play
         self.speed_index = len(SPEEDS) - 1
         self.num_cells = 0
+        self.map_pool = 0  # the pool the page map shows (an index into POOL_NAMES)
         self.selected_rid: int | None = None
         self._batch_s = batch_s
         self._map_interval_s = map_interval_s
@@ -127,7 +129,7 @@ class Replayer:
         self._frontier: int | None = None  # the highest step sent
         self._own: SlotOwnership | None = None
         self._cells: PageCells | None = None
-        self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, rid) of the map sent
+        self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, pool, rid) of the map sent
         self._map_at = -1e18  # (clock) when the last page map was made
         self._map_work_at = -1e18  # (work_clock) when the last page map was made
         self._map_cost_s = 0.0  # what the last page map took (work_clock)
@@ -308,6 +310,8 @@ class Replayer:
             self.speed_index = min(max(self.speed_index + int(arg or 0), 0), len(SPEEDS) - 1)
         elif name == "cells":
             self.num_cells = int(arg or 0)
+        elif name == "pool":
+            self.map_pool = max(int(arg or 0), 0)
         elif name == "select":
             self.selected_rid = arg
         elif name == "cell":
@@ -364,7 +368,7 @@ class Replayer:
         last = self.source.last
         if self.num_cells <= 0 or last is None:
             return
-        key = (last.step, self.num_cells, self.selected_rid)
+        key = (last.step, self.num_cells, self.map_pool, self.selected_rid)
         if key == self._map_key:
             return
         moving = self.moving
@@ -374,25 +378,25 @@ class Replayer:
                 return
         elif moving and now - self._map_at < min(self._map_interval_s, PACED_MAP_S):
             return
-        if self._map_key is not None and self._own is not None and self._cells is not None and key[:2] == self._map_key[:2]:
+        if self._map_key is not None and self._own is not None and self._cells is not None and key[:3] == self._map_key[:3]:
             from kvtrace.tui.remote.pagemap import highlight_cells  # only the selection changed
 
             mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
             self._cells = self._cells._replace(highlight=mark)
         else:
-            made = self.source.page_map(self.num_cells, self.selected_rid)
+            made = self.source.page_map(self.num_cells, self.selected_rid, self.map_pool)
             self._map_cost_s = self._work_clock() - work_now
             self._own, self._cells = made if made is not None else (None, None)
         self._map_key = key
         self._map_at, self._map_work_at = now, work_now
         if self._cells is None:
-            from kvtrace.tui.remote.pagemap import NO_PAGE_MAP
+            from kvtrace.tui.remote.pagemap import NO_PAGE_MAP, NO_SWA_PAGE_MAP
 
-            self.end.send(Cells(last.step, note=NO_PAGE_MAP))
+            self.end.send(Cells(last.step, note=NO_SWA_PAGE_MAP if self.map_pool else NO_PAGE_MAP, pool=self.map_pool))
             return
         c = self._cells
         step = self.source.allocator_step  # while playing, up to a run's length past ``last``
-        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional)))
+        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional), pool=self.map_pool))
 
     def _cell_message(self, index: int) -> Cell:
         from kvtrace.tui.remote.pagemap import STATE_LABELS, cell_detail

@@ -64,9 +64,11 @@ class ReplaySource(Protocol):
         ...
     def step(self) -> StepSnapshot | None: ...
     def seek(self, step: int) -> StepSnapshot | None: ...
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
-        """The page map (with the slot ownership it was reduced from, when the source has
-        slots); None when there is none (a version without ``slot_ownership()``)."""
+    def page_map(self, num_cells: int, rid: int | None,
+                 pool: int = 0) -> tuple[SlotOwnership | None, PageCells] | None:
+        """The page map of pool ``pool`` (an index into ``POOL_NAMES``), with the slot
+        ownership it was reduced from when the source has slots; None when there is none
+        (a version without ``slot_ownership()``, or without that pool's)."""
         ...
     def close(self) -> None: ...
 
@@ -182,8 +184,9 @@ class LiveSource:
                 break
         return self.session.last
 
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
-        return page_map(self.session.allocator, num_cells, rid)
+    def page_map(self, num_cells: int, rid: int | None,
+                 pool: int = 0) -> tuple[SlotOwnership | None, PageCells] | None:
+        return page_map(self.session.allocator, num_cells, rid, pool)
 
     def close(self) -> None:
         if self.log is not None:
@@ -241,11 +244,13 @@ class LogSource:
     def seek(self, step: int) -> StepSnapshot | None:
         return self.log.seek(step)
 
-    def page_map(self, num_cells: int, rid: int | None) -> tuple[SlotOwnership | None, PageCells] | None:
-        pool = self.log.state.pool
-        if pool is None:
+    def page_map(self, num_cells: int, rid: int | None,
+                 pool: int = 0) -> tuple[SlotOwnership | None, PageCells] | None:
+        state = self.log.state
+        counters = (state.pool, *state.other_pools)
+        if state.pool is None or pool >= len(counters):
             return None
-        return None, composition_cells(pool, num_cells)
+        return None, composition_cells(counters[pool], num_cells)
 
     def close(self) -> None:
         self.log.close()

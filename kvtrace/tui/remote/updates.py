@@ -19,7 +19,9 @@ starts aligned), then the tail: the events and the state digests, pickled, when 
 are any (the pipe joins a process to the child it started, running this same code).
 The pool counters of a step are the full pool's, then those of the other pools of a
 hybrid model (``SnapshotBlock.other_pools``) in one row: a full-attention frame is the
-same size it always was, a hybrid one a few counters a step longer.
+same size it always was, a hybrid one a few counters a step longer. A block with the
+requests' SWA cursors (``SnapshotBlock.swa_evicted``) says ``KVS1`` instead of ``KVU1``
+and has that column (int64, a row each) right after the counters.
 Raw columns rather than pickled arrays: pickling costs per array, which this layout
 mostly saves, and the screen reads the columns in place.
 """
@@ -41,6 +43,7 @@ __all__ = ["decode_update", "encode_update", "read_update", "write_update"]
 
 _HEADER = struct.Struct("<4sIQQQ")  # magic, pool counters a step, steps, rows, tail bytes
 _MAGIC = b"KVU1"
+_MAGIC_SWA = b"KVS1"  # the same, with the SWA cursor column
 _NUM_POOL = len(PoolCounters._fields)
 # (column, dtype, per step or per row): the body's order, widest first.
 _STEP, _ROW = "step", "row"
@@ -73,7 +76,10 @@ def encode_update(update: SnapshotBlock) -> bytes:
     pools = update.pools
     if update.other_pools is not None:  # a hybrid model: each step's row goes on with its other pools
         pools = np.concatenate([pools, update.other_pools.reshape(k, -1)], axis=1)
-    return b"".join([_HEADER.pack(_MAGIC, pools.shape[1], k, r, len(tail)), _column(pools, np.int64), *columns, tail])
+    swa = [] if update.swa_evicted is None else [_column(update.swa_evicted, np.int64)]
+    magic = _MAGIC if update.swa_evicted is None else _MAGIC_SWA
+    return b"".join([_HEADER.pack(magic, pools.shape[1], k, r, len(tail)), _column(pools, np.int64), *swa, *columns,
+                     tail])
 
 
 def write_update(out: Connection, update: SnapshotBlock) -> None:
@@ -109,9 +115,10 @@ def decode_update(body: bytearray) -> SnapshotBlock:
     if size < _HEADER.size:
         raise ValueError(f"an update frame of {size} bytes is shorter than its header")
     magic, num_pool, k, r, tail_len = _HEADER.unpack_from(body)
-    if magic != _MAGIC:
+    if magic not in (_MAGIC, _MAGIC_SWA):
         raise ValueError(f"not an update frame (it begins {bytes(body[:8])!r})")
-    expected = _HEADER.size + 8 * k * num_pool + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
+    has_swa = magic == _MAGIC_SWA
+    expected = _HEADER.size + 8 * k * num_pool + (8 * r if has_swa else 0) + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
                                                      for _, t, per in _COLUMNS) + tail_len
     if num_pool == 0 or num_pool % _NUM_POOL or expected != size:
         raise ValueError(f"a damaged update frame ({num_pool} pool counters, {k} steps, {r} rows and {tail_len} "
@@ -121,6 +128,10 @@ def decode_update(body: bytearray) -> SnapshotBlock:
     at += counters.nbytes
     pools = counters[:, :_NUM_POOL]
     other = counters[:, _NUM_POOL:].reshape(k, -1, _NUM_POOL) if num_pool > _NUM_POOL else None
+    swa = None
+    if has_swa:
+        swa = np.frombuffer(body, np.int64, r, at)
+        at += swa.nbytes
     cols: dict[str, np.ndarray] = {}
     for name, dtype, per in _COLUMNS:
         n = k if per == _STEP else r
@@ -133,4 +144,5 @@ def decode_update(body: bytearray) -> SnapshotBlock:
         requests=RequestDelta(*(cols[name] for name in RequestDelta._fields)),
         event_steps=event_steps, events=events, digests=digests if digests is not None else [None] * k,
         other_pools=other,
+        swa_evicted=swa,
     )

@@ -138,6 +138,11 @@ class Dashboard(Vertical):
             title = f"occupancy · {POOL_NAMES[self.pool]} pool"
             if occupancy.border_title != title:
                 occupancy.border_title = title
+            pages_panel = self.query_one("#pages")
+            mapped = POOL_NAMES[frame.page_map_pool]  # the pool of the cells drawn (the next map may be another's)
+            title = f"page map · {mapped} pool" if info.live else f"{mapped} pool by state (no positions)"
+            if pages_panel.border_title != title:
+                pages_panel.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
             self.query_one(OccupancyLegend).show(frame)
         self.query_one(RequestTable).show(frame)
@@ -166,7 +171,8 @@ class Dashboard(Vertical):
         return self.query_one(OccupancyChart).pool
 
     def cycle_pool(self) -> bool:
-        """Show the next KV pool in the occupancy panel (``p``); False for a replay of one pool."""
+        """Show the next KV pool in the occupancy panel (``p``); the page map follows once
+        the replay maps that pool (the app asks it to: ``pool``). False for a replay of one pool."""
         frame = self.frame
         if frame is None or not frame.other_pools:
             return False
@@ -175,6 +181,10 @@ class Dashboard(Vertical):
         for legend in self.query(OccupancyLegend):
             legend.pool = index
         self.query_one("#occupancy").border_title = f"occupancy · {POOL_NAMES[index]} pool"
+        page_map = self.query_one(PageMap)
+        if page_map.selected_cell is not None:  # a cell of the other pool's map
+            page_map.select_cell(None)
+            self.query_one("#cell-info", Static).update("click a cell to see its pages and owners")
         if self._info is not None:
             self.query_one(ReplayHeader).show(self._info, frame, POOL_NAMES[index])
         for legend in self.query(OccupancyLegend):

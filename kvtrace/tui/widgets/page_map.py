@@ -115,6 +115,12 @@ class PageMap(Widget):
         self._lines = {}
         self.refresh()
 
+    def select_cell(self, index: int | None) -> None:
+        """Mark cell ``index`` as the one clicked (None: none)."""
+        self.selected_cell = index
+        self._lines = {}
+        self.refresh()
+
     @property
     def num_cells(self) -> int:
         return self.size.width * self.size.height

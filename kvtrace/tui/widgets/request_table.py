@@ -2,8 +2,12 @@
 
 Columns: id, phase, an inline bar of used (committed) and over-allocated slots
 scaled to the largest allocation shown, used, allocated, over-allocated, pages,
-prefix hit, admitted step. The selection follows its request across steps; a
-request whose over-allocation was just released flashes.
+prefix hit, admitted step. A replay of a hybrid SWA model (its frames carry the
+requests' SWA cursors) adds, after allocated, the SWA side: ``swa``, the tokens
+past the request's SWA cursor (``allocated - swa_evicted_seqlen``: those the
+sliding-window layers still hold), and ``swa evicted`` (``swa_evicted_seqlen``);
+a full-attention replay's table has neither. The selection follows its request
+across steps; a request whose over-allocation was just released flashes.
 """
 
 from __future__ import annotations
@@ -26,9 +30,17 @@ if TYPE_CHECKING:
 __all__ = ["SORT_KEYS", "RequestFilter", "RequestTable"]
 
 SORT_KEYS = ("id", "phase", "used", "allocated", "over", "pages", "prefix", "admitted")
+SWA_SORT_KEYS = ("swa", "swa evicted")  # an SWA replay's table sorts by these too, after "allocated"
 _WIDTHS = (8, 10, 14, 9, 11, 8, 8, 8, 10)  # a value as wide as its column would touch the one before
 _HEADERS = ("id", "phase", "used|over", "used", "allocated", "over", "pages", "prefix", "admitted")
 _SORT_COLUMN = {0: "id", 1: "phase", 3: "used", 4: "allocated", 5: "over", 6: "pages", 7: "prefix", 8: "admitted"}
+# An SWA replay's table: the SWA columns go after "allocated" (index 5 on), the rest move
+# right; its bar is four cells narrower, so that both SWA columns and "over" fit an
+# 80-column terminal.
+_SWA_AT = 5
+_SWA_WIDTHS = _WIDTHS[:2] + (_WIDTHS[2] - 4,) + _WIDTHS[3:_SWA_AT] + (8, 12) + _WIDTHS[_SWA_AT:]
+_SWA_HEADERS = _HEADERS[:_SWA_AT] + SWA_SORT_KEYS + _HEADERS[_SWA_AT:]
+_SWA_SORT_COLUMN = {c + 2 * (c >= _SWA_AT): k for c, k in _SORT_COLUMN.items()} | {5: "swa", 6: "swa evicted"}
 _PHASE_STYLE = {
     "waiting": Style(color="bright_black"),
     "prefill": Style(color="cyan"),
@@ -157,7 +169,30 @@ class RequestTable(VirtualList):
         self._resort()
 
     def cycle_sort(self) -> None:
-        self.set_sort(SORT_KEYS[(SORT_KEYS.index(self.sort_key) + 1) % len(SORT_KEYS)])
+        keys = self.sort_keys
+        self.set_sort(keys[(keys.index(self.sort_key) + 1) % len(keys)] if self.sort_key in keys else keys[0])
+
+    @property
+    def swa(self) -> bool:
+        """Whether the table shows the SWA columns (the frames carry SWA cursors)."""
+        return self._req is not None and self._req.swa_evicted is not None
+
+    @property
+    def sort_keys(self) -> tuple[str, ...]:
+        """The keys this table sorts by (``SORT_KEYS``, with ``SWA_SORT_KEYS`` after
+        ``allocated`` for an SWA replay)."""
+        if not self.swa:
+            return SORT_KEYS
+        at = SORT_KEYS.index("allocated") + 1
+        return SORT_KEYS[:at] + SWA_SORT_KEYS + SORT_KEYS[at:]
+
+    @property
+    def _widths(self) -> tuple[int, ...]:
+        return _SWA_WIDTHS if self.swa else _WIDTHS
+
+    @property
+    def _sort_column(self) -> dict[int, str]:
+        return _SWA_SORT_COLUMN if self.swa else _SORT_COLUMN
 
     def set_filter(self, text: str) -> None:
         """Raises ValueError for a term the filter does not know (the filter stays as it was)."""
@@ -181,6 +216,9 @@ class RequestTable(VirtualList):
             return -(-req.allocated[rids] // req.page_size)
         if key == "prefix":
             return req.prefix_hit[rids]
+        if key in SWA_SORT_KEYS and req.swa_evicted is not None:
+            evicted = req.swa_evicted[rids]
+            return evicted if key == "swa evicted" else np.maximum(req.allocated[rids] - evicted, 0)
         return req.admitted_step[rids]
 
     def _resort(self) -> None:
@@ -232,20 +270,21 @@ class RequestTable(VirtualList):
         req = self._req
         if req is None:
             return None
-        return (self.sort_key, self.descending, req.page_size)  # the header
+        return (self.sort_key, self.descending, req.page_size, self.swa)  # the header
 
     def row_signatures(self, start: int, stop: int) -> list[object]:
         req = self._req
         assert req is not None
         rids = self._order[start:stop]
         alloc, used = req.allocated[rids], req.committed[rids]
-        n_used, n_over = _bar_cells(alloc, used, self._scale)  # the bars, not their scale: it moves often
+        n_used, n_over = _bar_cells(alloc, used, self._scale, self._widths[2] - 2)  # the bars, not their scale: it moves often
         now = self._clock()
         flash = self._flash
         ids = rids.tolist()
+        swa = [None] * len(ids) if req.swa_evicted is None else req.swa_evicted[rids].tolist()
         return list(zip(ids, alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
                         req.phase[rids].tolist(), req.prefix_hit[rids].tolist(), req.admitted_step[rids].tolist(),
-                        [flash.get(r, 0.0) > now for r in ids]))
+                        [flash.get(r, 0.0) > now for r in ids], swa))
 
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
@@ -261,18 +300,21 @@ class RequestTable(VirtualList):
 
     def on_header_click(self, x: int) -> None:
         edge = 0
-        for col, w in enumerate(_WIDTHS):
+        sort_column = self._sort_column
+        for col, w in enumerate(self._widths):
             edge += w
             if x < edge:
-                if col in _SORT_COLUMN:
-                    self.set_sort(_SORT_COLUMN[col])
+                if col in sort_column:
+                    self.set_sort(sort_column[col])
                 return
 
     def render_header(self, width: int) -> Strip:
         arrow = "↓" if self.descending else "↑"
         parts = []
-        for col, (name, w) in enumerate(zip(_HEADERS, _WIDTHS)):
-            label = name + (arrow if _SORT_COLUMN.get(col) == self.sort_key else "")
+        sort_column = self._sort_column
+        headers = _SWA_HEADERS if self.swa else _HEADERS
+        for col, (name, w) in enumerate(zip(headers, self._widths)):
+            label = name + (arrow if sort_column.get(col) == self.sort_key else "")
             parts.append((label, w, _HEADER, ">" if col >= 3 else "<"))
         return cells(parts, width, self.base_style)
 
@@ -291,13 +333,14 @@ class RequestTable(VirtualList):
             base = base + _FLASH
         if selected:
             base = base + _CURSOR
-        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale))
+        w = self._widths
+        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale, w[2] - 2))
         parts = [
             (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
             ("█" * n_used, n_used, _USED, "<"),
             ("█" * n_over, n_over, _OVER, "<"),
-            ("", _WIDTHS[2] - n_used - n_over, None, "<"),
+            ("", w[2] - n_used - n_over, None, "<"),
             (f"{used:,}", _WIDTHS[3], None, ">"),
             (f"{alloc:,}", _WIDTHS[4], None, ">"),
             (f"{over:,}" if over else "·", _WIDTHS[5], _OVER if over else None, ">"),
@@ -305,16 +348,24 @@ class RequestTable(VirtualList):
             (f"{int(req.prefix_hit[rid]):,}", _WIDTHS[7], None, ">"),
             (str(admitted) if admitted >= 0 else "·", _WIDTHS[8], None, ">"),
         ]
+        if req.swa_evicted is not None:
+            evicted = int(req.swa_evicted[rid])
+            at = len(parts) - (len(_WIDTHS) - _SWA_AT)  # the parts of the columns after "allocated"
+            parts[at:at] = [
+                (f"{max(alloc - evicted, 0):,}", _SWA_WIDTHS[_SWA_AT], None, ">"),
+                (f"{evicted:,}" if evicted else "·", _SWA_WIDTHS[_SWA_AT + 1], None, ">"),
+            ]
         return cells(parts, width, base)
 
 
 _BAR_W = _WIDTHS[2] - 2  # cells of the used|over bar
 
 
-def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int) -> tuple[np.ndarray, np.ndarray]:
+def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int,
+               bar_w: int = _BAR_W) -> tuple[np.ndarray, np.ndarray]:
     """Cells of the bar's used and over-allocated parts (arrays or single values), scaled
-    so that ``scale`` slots fill the bar; a request holding any over-allocation shows
-    at least one cell of it."""
-    n_used = np.asarray(used) * _BAR_W // scale
-    n_over = np.maximum(np.asarray(alloc) * _BAR_W // scale - n_used, np.asarray(alloc) > np.asarray(used))
+    so that ``scale`` slots fill the ``bar_w`` cells of the bar; a request holding any
+    over-allocation shows at least one cell of it."""
+    n_used = np.asarray(used) * bar_w // scale
+    n_over = np.maximum(np.asarray(alloc) * bar_w // scale - n_used, np.asarray(alloc) > np.asarray(used))
     return n_used, n_over
