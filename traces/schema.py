@@ -65,9 +65,13 @@ the custom metadata (key ``kvtrace.recording``) of its last, empty record batch.
 layout: its full and sliding-window layers, the window and the two pools' split
 (``AttentionLayout``); absent, every layer is full attention.
 
+``TraceMeta.mamba`` (key ``mamba``, version 3) is a hybrid linear-attention model's
+layout: its full and linear (Mamba / GDN) layers, the state bytes per request and
+the Mamba slots (``MambaLayout``); absent, no layer is linear.
+
 Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
 optional ``attention`` object and nothing else, so a version 2 trace without it
-reads exactly as version 1 did. Readers read every version up to
+reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise. Readers read every version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -105,7 +109,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 

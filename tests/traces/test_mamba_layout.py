@@ -1,0 +1,100 @@
+"""The Mamba (hybrid linear-attention) layout in a trace's metadata (format version 3):
+written, read back, checked, absent from older traces; and SGLang's memory split."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import make_meta, with_meta
+from traces.errors import TraceMetadataError
+from traces.metadata import MambaLayout, ModelShape, TraceMeta, mamba_slots_for_pool, split_mamba_memory
+from traces.reader import TraceReader
+from traces.samples import sample_path
+
+# Qwen3-Next-80B-A3B: 48 layers, every 4th full attention (2 KV heads of 256), the others GDN.
+QWEN3_NEXT = ModelShape(name="Qwen3-Next-80B-A3B", num_layers=48, num_kv_heads=2, head_dim=256, dtype="bfloat16")
+LAYOUT = MambaLayout(
+    full_layer_ids=tuple(range(3, 48, 4)),
+    mamba_layer_ids=tuple(i for i in range(48) if i % 4 != 3),
+    conv_state_bytes=49_152,
+    temporal_state_bytes=2_097_152,
+    mamba_cache_size=48,
+)
+
+
+def _mamba_meta() -> TraceMeta:
+    return dataclasses.replace(make_meta(pool_tokens=8192), model=QWEN3_NEXT, mamba=LAYOUT)
+
+
+def _mamba_json(**edits: Any) -> dict[str, Any]:
+    data = json.loads(_mamba_meta().to_json())
+    data["mamba"].update(edits)
+    return data["mamba"]
+
+
+def test_the_layout_round_trips_as_version_3_and_is_left_out_when_absent() -> None:
+    meta = _mamba_meta()
+    data = json.loads(meta.to_json())
+    assert data["format_version"] == 3 and "attention" not in data
+    assert data["mamba"]["mamba_layer_ids"][:4] == [0, 1, 2, 4] and data["mamba"]["mamba_cache_size"] == 48
+    assert TraceMeta.from_json(meta.to_json()) == meta
+    assert "mamba" not in json.loads(make_meta().to_json())
+    assert LAYOUT.state_bytes_per_request == 36 * 2_146_304 and LAYOUT.layer_kinds(8) == "MMMFMMMF"
+
+
+@pytest.mark.parametrize("name", ["tiny", "mooncake-gpt-oss"])
+def test_traces_without_it_write_their_metadata_byte_for_byte_as_before(name: str) -> None:
+    import pyarrow as pa
+
+    path = sample_path(name)
+    with pa.OSFile(str(path)) as sink:
+        is_file = sink.read(6) == b"ARROW1"
+        sink.seek(0)
+        raw = (pa.ipc.open_file(sink) if is_file else pa.ipc.open_stream(sink)).schema.metadata[b"kvtrace"]
+    meta = TraceReader(path).meta
+    assert meta.mamba is None and meta.format_version < 3
+    assert meta.to_json().encode() == raw
+
+
+@pytest.mark.parametrize(
+    ("mamba", "message"),
+    [
+        (_mamba_json(mamba_layer_ids=[0, 3]), "layer 3 is in both full_layer_ids and mamba_layer_ids"),
+        (_mamba_json(mamba_layer_ids=[]), "'mamba.mamba_layer_ids' is empty"),
+        (_mamba_json(full_layer_ids=[3, 48]), "'mamba.full_layer_ids' must be a list of layer ids in [0, 48)"),
+        (_mamba_json(mamba_layer_ids=[2, 1]), "'mamba.mamba_layer_ids' must be ascending without repeats"),
+        (_mamba_json(mamba_cache_size=0), "'mamba.mamba_cache_size' must be an integer in [1, "),
+        (_mamba_json(temporal_state_bytes="2MiB"), "'mamba.temporal_state_bytes' must be an integer in [1, "),
+        (_mamba_json(mamba_full_memory_ratio=-1), "'mamba.mamba_full_memory_ratio' must be a positive number"),
+        (_mamba_json(kind="rwkv"), "'mamba.kind' must be one of gdn, mamba2, found 'rwkv'"),
+        (_mamba_json(slots=3), "unexpected key 'mamba.slots'"),
+        ([1, 2], "'mamba' must be an object or null"),
+    ],
+)
+def test_a_bad_layout_is_one_clear_error(mamba: Any, message: str) -> None:
+    data = json.loads(_mamba_meta().to_json())
+    data["mamba"] = mamba
+    with pytest.raises(ValueError) as info:
+        TraceMeta.from_dict(data)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_version_2_trace_cannot_hold_it() -> None:
+    data = json.loads(_mamba_meta().to_json())
+    data["format_version"] = 2
+    with pytest.raises(ValueError, match="'mamba', which format version 2 does not have"):
+        TraceMeta.from_dict(data)
+
+
+def test_a_damaged_layout_fails_when_the_trace_is_opened(tmp_path: Path) -> None:
+    def edit(data: dict[str, Any]) -> None:
+        data.update(format_version=3, model=json.loads(_mamba_meta().to_json())["model"])
+        data["mamba"] = _mamba_json(conv_state_bytes=-1)
+
+    with pytest.raises(TraceMetadataError, match=r"invalid kvtrace metadata: metadata 'mamba.conv_state_bytes'"):
+        TraceReader(with_meta(sample_path("tiny"), tmp_path / "bad.kvtrace", edit))
