@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.differential import harness
 from tests.helpers import make_meta, with_meta
 from traces.errors import TraceMetadataError
 from traces.metadata import MambaLayout, ModelShape, TraceMeta, mamba_slots_for_pool, split_mamba_memory
@@ -98,3 +100,61 @@ def test_a_damaged_layout_fails_when_the_trace_is_opened(tmp_path: Path) -> None
 
     with pytest.raises(TraceMetadataError, match=r"invalid kvtrace metadata: metadata 'mamba.conv_state_bytes'"):
         TraceReader(with_meta(sample_path("tiny"), tmp_path / "bad.kvtrace", edit))
+
+
+QWEN3_NEXT_STATE = LAYOUT.state_bytes_per_request  # 77,266,944 B: SGLang's mamba_cache_per_req
+QWEN3_NEXT_KV = LAYOUT.full_bytes_per_token(QWEN3_NEXT)  # 24,576 B per token in 12 full layers
+
+# (case, SGLang's slots, KV pool tokens, request rows): what sglang_mamba_split.py printed
+# under SGLang 0.5.23 for Qwen3-Next with these settings.
+SGLANG_SPLITS = [
+    ({"ratio": 0.9, "max_running": None, "radix_cache": True, "page_size": 16, "context_len": 262144,
+      "rest_bytes": 40_000_000_000}, (244, 857_312, 81)),
+    ({"ratio": 0.9, "max_running": 64, "radix_cache": False, "page_size": 16, "context_len": 262144,
+      "rest_bytes": 40_000_000_000}, (64, 1_423_232, 64)),
+    ({"ratio": 0.5, "max_running": 32, "radix_cache": True, "page_size": 1, "context_len": 262144,
+      "rest_bytes": 40_000_000_000}, (171, 1_086_836, 32)),
+    ({"ratio": 0.9, "max_running": None, "radix_cache": False, "page_size": 64, "context_len": 4096,
+      "rest_bytes": 3_000_000_000}, None),
+]  # fmt: skip
+
+
+def _split(case: dict[str, Any]) -> tuple[int, int, int]:
+    return tuple(split_mamba_memory(  # type: ignore[return-value]
+        case["rest_bytes"], QWEN3_NEXT_STATE, QWEN3_NEXT_KV, case["page_size"], ratio=case["ratio"],
+        radix_cache=case["radix_cache"], max_running=case["max_running"], context_len=case["context_len"],
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "expected"), [c for c in SGLANG_SPLITS if c[1] is not None])
+def test_the_split_is_sglangs(case: dict[str, Any], expected: tuple[int, int, int]) -> None:
+    assert _split(case) == expected
+
+
+def test_a_budget_without_a_slot_is_refused() -> None:
+    with pytest.raises(ValueError, match="buys no Mamba state slot"):
+        split_mamba_memory(100_000_000, QWEN3_NEXT_STATE, QWEN3_NEXT_KV, 1)
+
+
+def test_the_slots_for_a_pool_are_those_of_its_memory() -> None:
+    # The budget that leaves a pool of P tokens: P's bytes times 1 + ratio.
+    slots = mamba_slots_for_pool(857_312, QWEN3_NEXT_KV, QWEN3_NEXT_STATE)
+    rest = 857_312 * QWEN3_NEXT_KV * 1.9
+    assert slots == split_mamba_memory(int(rest), QWEN3_NEXT_STATE, QWEN3_NEXT_KV, 1, max_running=8).mamba_cache_size
+    assert mamba_slots_for_pool(1, QWEN3_NEXT_KV, QWEN3_NEXT_STATE) == 1  # at least one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "expected"), SGLANG_SPLITS)
+def test_sglangs_own_code_splits_the_budget_so(case: dict[str, Any], expected: Any) -> None:
+    # skipped unless $KVTRACE_SGLANG_PYTHON names an interpreter with SGLang 0.5.23
+    python = harness.require_sglang()
+    script = Path(__file__).with_name("sglang_mamba_split.py")
+    done = subprocess.run([python, str(script), json.dumps(case)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sglang = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sglang["state_bytes"] == QWEN3_NEXT_STATE and sglang["cell"] == QWEN3_NEXT_KV
+    assert tuple(sglang["full"]) == LAYOUT.full_layer_ids and tuple(sglang["mamba"]) == LAYOUT.mamba_layer_ids
+    assert (sglang["slots"], sglang["tokens"], sglang["rows"]) == _split(case)
+    if expected is not None:
+        assert _split(case) == expected
