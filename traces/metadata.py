@@ -225,6 +225,14 @@ class MambaLayout:
         """Bytes of one token in the KV pool: K and V in every full-attention layer."""
         return len(self.full_layer_ids) * model.layer_bytes_per_token
 
+    def for_pool(self, pool_tokens: int, model: ModelShape) -> MambaLayout:
+        """This layout beside another KV pool: the slots SGLang gives the memory that
+        holds it (``mamba_slots_for_pool``)."""
+        slots = mamba_slots_for_pool(
+            pool_tokens, self.full_bytes_per_token(model), self.state_bytes_per_request, self.mamba_full_memory_ratio
+        )
+        return replace(self, mamba_cache_size=slots)
+
     def layer_kinds(self, num_layers: int) -> str:
         """One letter per layer, ``F`` full attention, ``M`` linear (Mamba), ``-`` neither."""
         full, mamba = set(self.full_layer_ids), set(self.mamba_layer_ids)

@@ -12,7 +12,7 @@ full-attention model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from traces.metadata import (
     DEFAULT_MAMBA_FULL_MEMORY_RATIO,
@@ -21,7 +21,6 @@ from traces.metadata import (
     MambaKind,
     MambaLayout,
     ModelShape,
-    mamba_slots_for_pool,
     swa_pool_tokens_for,
 )
 
@@ -118,10 +117,7 @@ class ModelPreset:
             mamba_full_memory_ratio=ratio,
             kind=lin.kind,
         )
-        slots = mamba_slots_for_pool(
-            pool_tokens, layout.full_bytes_per_token(self.shape), layout.state_bytes_per_request, ratio
-        )
-        return replace(layout, mamba_cache_size=slots)
+        return layout.for_pool(pool_tokens, self.shape)
 
 
 def _every(num_layers: int, keep: Callable[[int], bool]) -> tuple[int, ...]:
