@@ -114,3 +114,13 @@ def test_a_request_waits_for_free_mamba_slots(tmp_path: Path, radix_cache: bool,
     extends = [op for b in rig.steps() for op in ops_of(b) if op[0] == "extend"]
     assert len(extends) > admitted
     rig.close()
+
+
+def test_a_pool_whose_slots_serve_no_request_is_one_error_line(tmp_path: Path) -> None:
+    out = tmp_path / "none.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, "--model", "qwen3-next-80b-a3b", "--pool-tokens", "5000", "-o", str(out))
+    assert code == 2 and not out.exists()
+    assert err.strip().splitlines() == [
+        "kvtrace: error: 1 Mamba state slot(s) serve no request (3 per request with the radix cache); "
+        "give a larger --pool-tokens"
+    ]
