@@ -952,6 +952,9 @@ class Scheduler:
         # every pool must hold the pre-allocation (a hybrid model's SWA pool too)
         available = min(c.available + (c.evictable if self.cfg.radix_cache else 0) for c in self._pools())
         free_rows = self.cfg.max_running - int(running.shape[0])
+        if self.cfg.mamba_slots is not None:  # a row is free only while its Mamba slots are
+            free_slots = self.cfg.mamba_slots - self.mamba_slots_per_req * int(running.shape[0])
+            free_rows = min(free_rows, free_slots // self.mamba_slots_per_req)
         admitted: list[int] = []
         fills: list[int] = []
         for rid in self.waiting:

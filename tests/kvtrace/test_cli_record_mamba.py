@@ -124,3 +124,14 @@ def test_a_pool_whose_slots_serve_no_request_is_one_error_line(tmp_path: Path) -
         "kvtrace: error: 1 Mamba state slot(s) serve no request (3 per request with the radix cache); "
         "give a larger --pool-tokens"
     ]
+
+
+def test_a_pd_decode_server_preallocates_only_while_slots_are_free(tmp_path: Path) -> None:
+    # PD decode without a radix cache: 1 slot per request, 3 slots, 8 rows.
+    cfg = SchedulerConfig(page_size=1, pool_tokens=4000, max_running=8, max_context_len=4096, chunk_size=None,
+                          pd_decode=True, radix_cache=False, mamba_slots=3)  # fmt: skip
+    rig = Rig(tmp_path, cfg)
+    rig.arrive(*(req(0, 50, 5) for _ in range(6)))
+    rig.step()
+    assert [op[0] for op in ops_of(rig.steps()[0])] == ["prealloc"] * 3 and len(rig.sched.waiting) == 3
+    rig.close()
