@@ -135,3 +135,22 @@ def test_a_pd_decode_server_preallocates_only_while_slots_are_free(tmp_path: Pat
     rig.step()
     assert [op[0] for op in ops_of(rig.steps()[0])] == ["prealloc"] * 3 and len(rig.sched.waiting) == 3
     rig.close()
+
+
+@pytest.mark.parametrize("command", [["info"], ["validate"], ["replay"], ["info", "--json"]])
+def test_a_damaged_mamba_layout_is_one_error_line(tmp_path: Path, command: list[str]) -> None:
+    from tests.helpers import with_meta
+    from traces.samples import sample_path
+
+    def edit(data: dict[str, Any]) -> None:  # tiny has 32 layers; layer 40 is none of them
+        data.update(format_version=3, mamba={
+            "full_layer_ids": [3, 7], "mamba_layer_ids": [0, 1, 40], "conv_state_bytes": 49152,
+            "temporal_state_bytes": 2097152, "mamba_cache_size": 16,
+        })  # fmt: skip
+
+    trace = with_meta(sample_path("tiny"), tmp_path / "bad.kvtrace", edit)
+    code, _, err = invoke(command[0], str(trace), *command[1:])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "bad.kvtrace" in lines[0]
+    assert "'mamba.mamba_layer_ids' must be a list of layer ids in [0, 32)" in lines[0]
