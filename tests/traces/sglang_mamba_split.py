@@ -3,11 +3,12 @@ kvtrace: SGLang's own split of a memory budget between Mamba slots and the KV po
 Qwen3-Next (``Qwen3NextConfig.mamba2_cache_params``,
 ``KVCacheConfigurator._handle_max_mamba_cache``, ``DefaultPoolConfigurator.calculate_pool_sizes``,
 ``resolve_max_num_reqs``), as one JSON line. Argument: a JSON object with ``ratio``,
-``max_running`` (or null), ``radix_cache``, ``page_size``, ``context_len``, ``rest_bytes``.
+``max_running`` (or null), ``radix_cache``, ``page_size``, ``context_len``, ``rest_bytes``
+and optionally ``draft_tokens`` (EAGLE with that many draft tokens per step).
 
 The configurator is built bare (``object.__new__``) with the attributes those methods
-read for one GPU without speculative decoding; the modules that import torchvision
-are stubbed (as ``kvtrace/sglang/world.py`` does): nothing here uses them.
+read for one GPU, no fused draft state and no ReplaySSM; the modules that import
+torchvision are stubbed (as ``kvtrace/sglang/world.py`` does): nothing here uses them.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ case = json.loads(sys.argv[1])
 ov = get_context().override_server_args(
     mamba_full_memory_ratio=case["ratio"], max_running_requests=case["max_running"],
     disable_radix_cache=not case["radix_cache"], page_size=case["page_size"], device="cpu",
+    **({} if case.get("draft_tokens") is None else {
+        "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": case["draft_tokens"],
+        "speculative_num_steps": case["draft_tokens"] - 1, "speculative_eagle_topk": 1,
+    }),
 )
 ov.install()
 hf = Qwen3NextConfig(full_attention_interval=4)
@@ -73,7 +78,7 @@ kvc.hybrid_kda_config = None
 kvc.pp_size = 1
 kvc.attn_dp_size = 1
 kvc.extra_mamba_cache_bytes_per_req = 0
-kvc.spec_algorithm = SimpleNamespace(is_none=lambda: True)
+kvc.spec_algorithm = SimpleNamespace(is_none=lambda: case.get("draft_tokens") is None)
 kvc.model_config = SimpleNamespace(context_len=case["context_len"])
 rest = kvc._handle_max_mamba_cache(case["rest_bytes"] / (1 << 30))
 pool = object.__new__(DefaultPoolConfigurator)

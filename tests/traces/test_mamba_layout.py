@@ -106,7 +106,8 @@ QWEN3_NEXT_STATE = LAYOUT.state_bytes_per_request  # 77,266,944 B: SGLang's mamb
 QWEN3_NEXT_KV = LAYOUT.full_bytes_per_token(QWEN3_NEXT)  # 24,576 B per token in 12 full layers
 
 # (case, SGLang's slots, KV pool tokens, request rows): what sglang_mamba_split.py printed
-# under SGLang 0.5.23 for Qwen3-Next with these settings.
+# under SGLang 0.5.23 for Qwen3-Next with these settings (``draft_tokens``: EAGLE with that
+# many draft tokens per step).
 SGLANG_SPLITS = [
     ({"ratio": 0.9, "max_running": None, "radix_cache": True, "page_size": 16, "context_len": 262144,
       "rest_bytes": 40_000_000_000}, (244, 857_312, 81)),
@@ -116,6 +117,10 @@ SGLANG_SPLITS = [
       "rest_bytes": 40_000_000_000}, (171, 1_086_836, 32)),
     ({"ratio": 0.9, "max_running": None, "radix_cache": False, "page_size": 64, "context_len": 4096,
       "rest_bytes": 3_000_000_000}, None),
+    ({"ratio": 0.9, "max_running": 48, "radix_cache": True, "page_size": 16, "context_len": 262144,
+      "rest_bytes": 40_000_000_000, "draft_tokens": 4}, (102, 863_600, 34)),
+    ({"ratio": 0.9, "max_running": 16, "radix_cache": False, "page_size": 64, "context_len": 262144,
+      "rest_bytes": 20_000_000_000, "draft_tokens": 8}, (16, 332_736, 16)),
 ]  # fmt: skip
 
 
@@ -123,6 +128,7 @@ def _split(case: dict[str, Any]) -> tuple[int, int, int]:
     return tuple(split_mamba_memory(  # type: ignore[return-value]
         case["rest_bytes"], QWEN3_NEXT_STATE, QWEN3_NEXT_KV, case["page_size"], ratio=case["ratio"],
         radix_cache=case["radix_cache"], max_running=case["max_running"], context_len=case["context_len"],
+        num_draft_tokens=case.get("draft_tokens"),
     ))  # fmt: skip
 
 
