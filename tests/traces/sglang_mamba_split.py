@@ -1,10 +1,10 @@
 """Run under SGLang 0.5.23's interpreter ($KVTRACE_SGLANG_PYTHON), never imported by
 kvtrace: SGLang's own split of a memory budget between Mamba slots and the KV pool for
-Qwen3-Next (``Qwen3NextConfig.mamba2_cache_params``,
+Qwen3-Next or Nemotron-H (``mamba2_cache_params`` of ``Qwen3NextConfig`` / ``NemotronHConfig``,
 ``KVCacheConfigurator._handle_max_mamba_cache``, ``DefaultPoolConfigurator.calculate_pool_sizes``,
 ``resolve_max_num_reqs``), as one JSON line. Argument: a JSON object with ``ratio``,
 ``max_running`` (or null), ``radix_cache``, ``page_size``, ``context_len``, ``rest_bytes``
-and optionally ``draft_tokens`` (EAGLE with that many draft tokens per step).
+and optionally ``model`` (``qwen3-next``, the default, or ``nemotron-h``) and ``draft_tokens`` (EAGLE with that many draft tokens per step).
 
 The configurator is built bare (``object.__new__``) with the attributes those methods
 read for one GPU, no fused draft state and no ReplaySSM; the modules that import
@@ -50,6 +50,7 @@ from types import SimpleNamespace
 from sglang.srt.runtime_context import get_context, get_schedule
 from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+from sglang.srt.configs.nemotron_h import NemotronHConfig
 from sglang.srt.configs.qwen3_next import Qwen3NextConfig
 
 case = json.loads(sys.argv[1])
@@ -62,7 +63,10 @@ ov = get_context().override_server_args(
     }),
 )
 ov.install()
-hf = Qwen3NextConfig(full_attention_interval=4)
+if case.get("model", "qwen3-next") == "qwen3-next":
+    hf = Qwen3NextConfig(full_attention_interval=4)  # Qwen3-Next-80B-A3B's interval
+else:  # Nemotron-H 8B: the class defaults, and the n_groups its config.json sets
+    hf = NemotronHConfig(n_groups=8)
 params = hf.mamba2_cache_params
 
 
@@ -73,7 +77,7 @@ class _Kvc(KVCacheConfigurator):
 
 kvc = object.__new__(_Kvc)
 kvc.mambaish_config = hf
-kvc.hybrid_gdn_config = hf
+kvc.hybrid_gdn_config = hf if isinstance(hf, Qwen3NextConfig) else None
 kvc.hybrid_kda_config = None
 kvc.pp_size = 1
 kvc.attn_dp_size = 1
@@ -82,7 +86,7 @@ kvc.spec_algorithm = SimpleNamespace(is_none=lambda: case.get("draft_tokens") is
 kvc.model_config = SimpleNamespace(context_len=case["context_len"])
 rest = kvc._handle_max_mamba_cache(case["rest_bytes"] / (1 << 30))
 pool = object.__new__(DefaultPoolConfigurator)
-pool._cell_size = 2 * 2 * 256 * 2 * len(hf.full_attention_layer_ids)
+pool._cell_size = 2 * hf.num_key_value_heads * hf.head_dim * 2 * len(hf.full_attention_layer_ids)  # K+V, bf16
 pool._fixed_overhead_bytes = 0
 pool._zero_kv_max_tokens = 0
 tokens = pool.calculate_pool_sizes(int(rest * (1 << 30)), case["page_size"]).max_total_num_tokens

@@ -164,3 +164,27 @@ def test_sglangs_own_code_splits_the_budget_so(case: dict[str, Any], expected: A
     assert (sglang["slots"], sglang["tokens"], sglang["rows"]) == _split(case)
     if expected is not None:
         assert _split(case) == expected
+
+
+@pytest.mark.slow
+def test_the_presets_state_and_layers_are_sglangs() -> None:
+    # skipped unless $KVTRACE_SGLANG_PYTHON names an interpreter with SGLang 0.5.23
+    from traces.models import model_preset
+
+    python = harness.require_sglang()
+    script = Path(__file__).with_name("sglang_mamba_split.py")
+    for model, name in (("qwen3-next", "qwen3-next-80b-a3b"), ("nemotron-h", "nemotron-h-8b")):
+        case = {"model": model, "ratio": 0.9, "max_running": 64, "radix_cache": True, "page_size": 16,
+                "context_len": 8192, "rest_bytes": 40_000_000_000}  # fmt: skip
+        done = subprocess.run([python, str(script), json.dumps(case)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        sglang = json.loads(done.stdout.strip().splitlines()[-1])
+        preset = model_preset(name)
+        layout = preset.mamba_layout(1000)
+        assert layout is not None
+        assert sglang["state_bytes"] == layout.state_bytes_per_request, name
+        assert sglang["cell"] == layout.full_bytes_per_token(preset.shape), name
+        assert tuple(sglang["full"]) == layout.full_layer_ids and tuple(sglang["mamba"]) == layout.mamba_layer_ids
+        split = split_mamba_memory(case["rest_bytes"], layout.state_bytes_per_request,  # type: ignore[arg-type]
+                                   sglang["cell"], 16, max_running=64, context_len=8192)  # fmt: skip
+        assert (sglang["slots"], sglang["tokens"], sglang["rows"]) == tuple(split), name
