@@ -679,7 +679,7 @@ def _mamba_layout(obj: dict[str, Any], model: ModelShape) -> MambaLayout:
         raise ValueError(f"metadata 'mamba': layer {both[0]} is in both full_layer_ids and mamba_layer_ids")
     ratio = obj.get("mamba_full_memory_ratio", DEFAULT_MAMBA_FULL_MEMORY_RATIO)
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < 1e6:
-        raise ValueError(f"metadata 'mamba.mamba_full_memory_ratio' must be a positive number, found {_found(ratio)}")
+        raise ValueError(f"metadata 'mamba.mamba_full_memory_ratio' must be a positive number below 1e6, found {_found(ratio)}")
     kind = obj.get("kind", "gdn")
     if kind not in MAMBA_KINDS:
         raise ValueError(f"metadata 'mamba.kind' must be one of {', '.join(MAMBA_KINDS)}, found {_found(kind)}")

@@ -93,8 +93,10 @@ it sizes an array, indexes a table or drives an allocation):
   (slot indices and positions are int32, as in SGLang's ``req_to_token``);
   ``config.max_running`` and ``config.page_size`` likewise; ``block_size`` at most
   ``MAX_BLOCK_SIZE``; speculative settings at most ``MAX_SPEC_TOKENS``; model
-  dimensions at most ``MAX_MODEL_DIM``. Whether a pool of that size fits the
-  machine is decided before it is built (``kvtrace.replay.config.check_memory``).
+  dimensions at most ``MAX_MODEL_DIM``; a Mamba layout's state bytes per layer at most
+  ``traces.metadata.MAX_STATE_BYTES`` (1 GiB) and its slots below 2**31. Whether a
+  pool of that size fits the machine is decided before it is built
+  (``kvtrace.replay.config.check_memory``).
 * A record batch decompresses to at most ``traces.ipc.MAX_BATCH_BYTES`` (1 GiB).
 """
 
