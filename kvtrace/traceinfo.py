@@ -79,6 +79,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "config": config["config"],
         "model": config["model"],
         "attention": attention_info(meta),
+        "mamba": mamba_info(meta),
         "block_size": meta.block_size,
         "created_at": meta.created_at,
         "recording": None if recording is None else dataclasses.asdict(recording),
@@ -115,5 +116,26 @@ def attention_info(meta: TraceMeta) -> dict[str, Any] | None:
         full_pool_tokens=meta.config.pool_tokens,
         full_bytes_per_token=layout.full_bytes_per_token(meta.model),
         swa_bytes_per_token=layout.swa_bytes_per_token(meta.model),
+    )
+    return out
+
+
+def mamba_info(meta: TraceMeta) -> dict[str, Any] | None:
+    """A hybrid linear-attention trace's layout with the Mamba slots, the state bytes
+    per request and the KV pool's cost per token (None: no linear-attention layer)."""
+    from traces.metadata import mamba_slots_per_request
+
+    layout = meta.mamba
+    if layout is None:
+        return None
+    out = meta.to_dict()["mamba"]
+    out.update(
+        num_full_layers=len(layout.full_layer_ids),
+        num_mamba_layers=len(layout.mamba_layer_ids),
+        layer_kinds=layout.layer_kinds(meta.model.num_layers),
+        state_bytes_per_request=layout.state_bytes_per_request,
+        slots_per_request=mamba_slots_per_request(meta.config.radix_cache),
+        full_pool_tokens=meta.config.pool_tokens,
+        full_bytes_per_token=layout.full_bytes_per_token(meta.model),
     )
     return out

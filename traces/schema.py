@@ -65,9 +65,13 @@ the custom metadata (key ``kvtrace.recording``) of its last, empty record batch.
 layout: its full and sliding-window layers, the window and the two pools' split
 (``AttentionLayout``); absent, every layer is full attention.
 
+``TraceMeta.mamba`` (key ``mamba``, version 3) is a hybrid linear-attention model's
+layout: its full and linear (Mamba / GDN) layers, the state bytes per request and
+the Mamba slots (``MambaLayout``); absent, no layer is linear.
+
 Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
 optional ``attention`` object and nothing else, so a version 2 trace without it
-reads exactly as version 1 did. Readers read every version up to
+reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise. Readers read every version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -89,8 +93,10 @@ it sizes an array, indexes a table or drives an allocation):
   (slot indices and positions are int32, as in SGLang's ``req_to_token``);
   ``config.max_running`` and ``config.page_size`` likewise; ``block_size`` at most
   ``MAX_BLOCK_SIZE``; speculative settings at most ``MAX_SPEC_TOKENS``; model
-  dimensions at most ``MAX_MODEL_DIM``. Whether a pool of that size fits the
-  machine is decided before it is built (``kvtrace.replay.config.check_memory``).
+  dimensions at most ``MAX_MODEL_DIM``; a Mamba layout's state bytes per layer at most
+  ``traces.metadata.MAX_STATE_BYTES`` (1 GiB) and its slots below 2**31. Whether a
+  pool of that size fits the machine is decided before it is built
+  (``kvtrace.replay.config.check_memory``).
 * A record batch decompresses to at most ``traces.ipc.MAX_BATCH_BYTES`` (1 GiB).
 """
 
@@ -105,7 +111,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 

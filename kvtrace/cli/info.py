@@ -153,6 +153,20 @@ def _render_info(info: dict[str, Any]) -> None:
             f"SWA {attention['swa_pool_tokens']:,} tokens ({attention['swa_bytes_per_token']:,} bytes/token), "
             f"SWA/full ratio {attention['swa_full_tokens_ratio']:g}",
         )
+    mamba = info.get("mamba")
+    if mamba is not None:
+        table.add_row(
+            "layers",
+            f"{mamba['num_full_layers']} full-attention + {mamba['num_mamba_layers']} linear ({mamba['kind']}) "
+            f"layers ({mamba['layer_kinds']})",
+        )
+        table.add_row(
+            "pools",
+            f"KV {mamba['full_pool_tokens']:,} tokens ({mamba['full_bytes_per_token']:,} bytes/token), "
+            f"Mamba {mamba['mamba_cache_size']:,} slots of {mamba['state_bytes_per_request']:,} bytes "
+            f"(conv {mamba['conv_state_bytes']:,} + temporal {mamba['temporal_state_bytes']:,} per layer), "
+            f"{mamba['slots_per_request']} per request, mamba/full memory ratio {mamba['mamba_full_memory_ratio']:g}",
+        )
     table.add_row("block size", str(info["block_size"]))
     steps = info["steps"]
     span = "" if info["first_step"] is None else f" ({info['first_step']:,}..{info['last_step']:,})"

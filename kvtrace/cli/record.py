@@ -244,7 +244,9 @@ def record_command(
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
             help="Model preset (traces/models.py): its KV shape and attention layout. Presets with "
-            "sliding-window layers record with SGLang's two KV pools (full and SWA).",
+            "sliding-window layers record with SGLang's two KV pools (full and SWA); hybrid "
+            "linear-attention presets (qwen3-next-80b-a3b, nemotron-h-8b) with its Mamba state slots "
+            "beside the KV pool of their full-attention layers.",
             show_default=_FROM_TRACE + "llama-3.1-8b",
         ),
     ] = None,
@@ -351,9 +353,14 @@ def record_command(
             preset = model_preset(model.value)
             settings["model"] = preset.shape
             settings["attention"] = preset.layout(settings["pool_tokens"], settings["page_size"])
-        elif settings.get("attention") is not None and (pool_tokens is not None or page_size is not None):
-            # A trace's layout under another pool or page size: its SWA pool follows the ratio.
-            settings["attention"] = settings["attention"].for_pool(settings["pool_tokens"], settings["page_size"])
+            settings["mamba"] = preset.mamba_layout(settings["pool_tokens"])
+        else:
+            if settings.get("attention") is not None and (pool_tokens is not None or page_size is not None):
+                # A trace's layout under another pool or page size: its SWA pool follows the ratio.
+                settings["attention"] = settings["attention"].for_pool(settings["pool_tokens"], settings["page_size"])
+            if settings.get("mamba") is not None and pool_tokens is not None:
+                # Under another pool: the Mamba slots of the memory that holds it.
+                settings["mamba"] = settings["mamba"].for_pool(settings["pool_tokens"], settings["model"])
         from kvtrace.record.simulate import refuse_sliding_window
 
         if settings.get("attention") is not None:

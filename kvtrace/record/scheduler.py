@@ -44,6 +44,14 @@ continuing chunk takes at most ``swa_remaining - page`` tokens and waits when th
 none. The decode memory check must fit every pool (``check_decode_capacity``: the
 smaller of the two pools' free tokens).
 
+A hybrid linear-attention model (``SchedulerConfig.mamba_slots``) keeps a Mamba state
+slot per running request beside its KV. SGLang sizes the request rows from the slots
+(``resolve_max_num_reqs``: ``max_running = min(max_running, slots // per_request)``,
+3 slots per request with a radix cache for the states it checkpoints, 1 without), so
+a request is admitted only while a row with its slots is free::
+
+    admit while  rows_used < max_running  and  per_request * (rows_used + 1) <= slots
+
 ``ratio`` (``new_token_ratio``) starts at 0.7, decays linearly to 0.7 * 0.14 = 0.098
 over 600 decode steps, is set to ``min(1, (sum out + 20 n) / (sum max_new + 1))``
 over the remaining requests after a retraction, and is reset to 0.7 when idle.
@@ -111,7 +119,7 @@ from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
-from traces.metadata import SpecSettings, TraceConfig
+from traces.metadata import SpecSettings, TraceConfig, mamba_slots_per_request
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
@@ -169,6 +177,8 @@ class SchedulerConfig:
         radix_cache: the allocator keeps a radix cache (PD decode: off by default).
         seed: seed of the speculative acceptance draws.
         step_time: the step-time model (the clock).
+        mamba_slots: a hybrid linear-attention model's Mamba state slots
+            (``max_mamba_cache_size``; None: no linear layers).
     """
 
     page_size: int
@@ -185,6 +195,7 @@ class SchedulerConfig:
     radix_cache: bool = True
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    mamba_slots: int | None = None
 
     def trace_config(self) -> TraceConfig:
         """The serving configuration a trace recorded under this one carries."""
@@ -270,6 +281,8 @@ class Scheduler:
         swa = getattr(allocator.config, "swa", None)
         self.swa_window: int | None = swa.window if swa is not None else None
         self.swa_pool_tokens = swa.pool_tokens(allocator.config.pool_tokens, self.ps) if swa is not None else 0
+        # A hybrid linear-attention model's Mamba slots, and how many each request row is sized for.
+        self.mamba_slots_per_req = mamba_slots_per_request(config.radix_cache)
 
         # Per-request state, struct of arrays indexed by rid (grown by doubling).
         cap = 1024
@@ -532,7 +545,14 @@ class Scheduler:
     def _num_allocatable(self, running_bs: int, held_rows: int) -> int:
         rows_used = running_bs + (1 if self.chunked is not None else 0)
         free_rows = self.cfg.max_running - rows_used
-        return min(self.cfg.max_running - running_bs, free_rows + held_rows)
+        allocatable = min(self.cfg.max_running - running_bs, free_rows + held_rows)
+        if self.cfg.mamba_slots is not None:
+            # A hybrid model's request needs free Mamba slots too: SGLang sizes the
+            # request rows from the slots (``resolve_max_num_reqs``), so a row is
+            # free only while its slots are.
+            free_slots = self.cfg.mamba_slots - self.mamba_slots_per_req * rows_used
+            allocatable = min(allocatable, free_slots // self.mamba_slots_per_req + held_rows)
+        return allocatable
 
     def _prefill(self) -> float | None:
         """Form and run a prefill batch (``get_new_batch_prefill``); None when none forms."""
@@ -932,6 +952,9 @@ class Scheduler:
         # every pool must hold the pre-allocation (a hybrid model's SWA pool too)
         available = min(c.available + (c.evictable if self.cfg.radix_cache else 0) for c in self._pools())
         free_rows = self.cfg.max_running - int(running.shape[0])
+        if self.cfg.mamba_slots is not None:  # a row is free only while its Mamba slots are
+            free_slots = self.cfg.mamba_slots - self.mamba_slots_per_req * int(running.shape[0])
+            free_rows = min(free_rows, free_slots // self.mamba_slots_per_req)
         admitted: list[int] = []
         fills: list[int] = []
         for rid in self.waiting:

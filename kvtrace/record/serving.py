@@ -29,7 +29,9 @@ DEFAULT_CONTEXT_LEN = 131_072
 DEFAULT_CHUNK = 8192
 DEFAULT_MAX_PREFILL_TOKENS = 16_384
 # The names of ``traces.models.MODEL_PRESETS`` (here so that --help imports no pyarrow).
-MODEL_NAMES: tuple[str, ...] = ("llama-3.1-8b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b")
+MODEL_NAMES: tuple[str, ...] = (
+    "llama-3.1-8b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b-a3b", "nemotron-h-8b",
+)
 
 # The serving defaults of a workload file (a trace given as the workload keeps its own).
 SERVING_DEFAULTS: dict[str, Any] = {

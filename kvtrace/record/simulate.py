@@ -22,7 +22,15 @@ from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
 from kvtrace.errors import ConfigError
-from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta, TraceSource
+from traces.metadata import (
+    AttentionLayout,
+    MambaLayout,
+    ModelShape,
+    SpecSettings,
+    TraceMeta,
+    TraceSource,
+    mamba_slots_per_request,
+)
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest
@@ -37,6 +45,7 @@ __all__ = [
     "refuse_sliding_window",
     "spec_settings",
     "spec_text",
+    "mamba_max_running",
     "trace_defaults",
 ]
 
@@ -65,6 +74,7 @@ class RecordOptions:
     radix_cache: bool | None = None  # None: a radix cache unless pd_decode
     model: ModelShape = DEFAULT_MODEL_SHAPE
     attention: AttentionLayout | None = None  # None: full attention
+    mamba: MambaLayout | None = None  # None: no linear-attention layers
     duration_s: float | None = None
     time_scale: float = 1.0
     rate: float | None = None
@@ -148,10 +158,11 @@ def record_workload(
         if source is None:
             source = dataclasses.replace(workload.meta.source, engine="kvtrace-scheduler")
     spec = options.spec
+    radix_cache = not options.pd_decode if options.radix_cache is None else options.radix_cache
     config = SchedulerConfig(
         page_size=options.page_size,
         pool_tokens=floor_align(options.pool_tokens, options.page_size),
-        max_running=options.max_running,
+        max_running=mamba_max_running(options.mamba, options.max_running, radix_cache),
         max_context_len=options.context_len,
         chunk_size=options.chunk,
         max_prefill_tokens=options.max_prefill_tokens,
@@ -160,9 +171,10 @@ def record_workload(
         spec_acceptance=options.spec_acceptance,
         pd_decode=options.pd_decode,
         hisparse=options.hisparse,
-        radix_cache=not options.pd_decode if options.radix_cache is None else options.radix_cache,
+        radix_cache=radix_cache,
         seed=options.seed,
         step_time=options.step_time,
+        mamba_slots=None if options.mamba is None else options.mamba.mamba_cache_size,
     )
     source = source or known_source(options.workload, options.fmt)
     meta = TraceMeta(
@@ -170,6 +182,7 @@ def record_workload(
         source=source,
         model=options.model,
         attention=options.attention,
+        mamba=options.mamba,
         block_size=block_size,
         extra={
             "recorder": "kvtrace.scheduler",  # the name traces have always carried, not a module path
@@ -184,8 +197,11 @@ def record_workload(
             "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
         },
     )
+    # NOTE: the allocator serves the KV pool of the full-attention layers; the Mamba
+    # slots are the scheduler model's budget (``SchedulerConfig.mamba_slots``) until
+    # the allocator keeps the Mamba state pool itself.
     allocator_config = effective_config(
-        meta,
+        dataclasses.replace(meta, mamba=None),
         version_spec=version.spec,
         version_page_size=version.page_size,
         page_size=options.page_size,
@@ -256,6 +272,26 @@ def refuse_sliding_window(
             raise ConfigError(f"{model_name}: {message}") from None
 
 
+def mamba_max_running(layout: MambaLayout | None, max_running: int, radix_cache: bool) -> int:
+    """The request rows a hybrid linear-attention model is served with: SGLang caps
+    ``max_running_requests`` at the Mamba slots over the slots per request
+    (``resolve_max_num_reqs``); other models keep ``max_running``.
+
+    Raises:
+        ConfigError: the slots serve no request.
+    """
+    if layout is None:
+        return max_running
+    per_request = mamba_slots_per_request(radix_cache)
+    rows = min(max_running, layout.mamba_cache_size // per_request)
+    if rows <= 0:
+        raise ConfigError(
+            f"{layout.mamba_cache_size} Mamba state slot(s) serve no request ({per_request} per request "
+            f"{'with' if radix_cache else 'without'} the radix cache); give a larger --pool-tokens"
+        )
+    return rows
+
+
 class DiscardRecorder:
     """The recorder of a simulation that keeps no trace: every op is dropped (the
     scheduler model's summary is all that is kept)."""
@@ -324,6 +360,7 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
         "policy": cfg.schedule_policy if cfg.schedule_policy in ("fcfs", "lpm") else "fcfs",
         "model": meta.model,
         "attention": meta.attention,
+        "mamba": meta.mamba,
     }
     if cfg.radix_cache == cfg.pd_decode:
         out["radix_cache"] = cfg.radix_cache
@@ -390,12 +427,13 @@ def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float
         "config": {
             "page_size": options.page_size,
             "pool_tokens": options.pool_tokens,
-            "max_running": options.max_running,
+            "max_running": result.meta.config.max_running,
             "context_len": options.context_len,
             "chunk": options.chunk,
             "policy": options.policy,
             "spec": spec_text(options.spec),
             "pd_decode": options.pd_decode,
             "model": options.model.name,
+            "mamba_slots": None if options.mamba is None else options.mamba.mamba_cache_size,
         },
     }

@@ -109,8 +109,11 @@ def allocator_config_for(
     Raises:
         ConfigError: the resulting configuration is one no allocator can be built
             from (``AllocatorConfig.check``), e.g. a pool below two pages, or one the
-            allocator does not serve yet (``unsupported_swa``).
+            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``).
     """
+    unserved = unserved_mamba(meta)
+    if unserved is not None:
+        raise ConfigError(unserved)
     cfg = meta.config
     ps = cfg.page_size if page_size is None else page_size
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
@@ -147,6 +150,25 @@ def allocator_config_for(
             raise ConfigError(unsupported) from None
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
     return config
+
+
+def unserved_mamba(meta: TraceMeta) -> str | None:
+    """The one line to say when a trace is of a hybrid linear-attention model, whose
+    Mamba state pool no allocator serves yet, else None.
+
+    NOTE: a trace with ``meta.mamba`` replayed on the KV pool alone would drop every
+    Mamba slot and the admission limit they set, so it is refused rather than
+    replayed as full attention; this is where the Mamba pool's configuration will be
+    built once the allocator keeps it.
+    """
+    layout = meta.mamba
+    if layout is None:
+        return None
+    return (
+        f"this trace is of a hybrid linear-attention model ({meta.model.name}: {len(layout.mamba_layer_ids)} "
+        f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots), and no allocator serves the "
+        "Mamba state pool yet: it cannot be replayed (kvtrace info shows the trace's layout)"
+    )
 
 
 _REPLAY_ADVICE = "only SWA traces recorded with {what} off replay (kvtrace info shows the trace's configuration)"

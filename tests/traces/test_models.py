@@ -44,3 +44,34 @@ def test_every_preset_is_a_valid_trace_model(name: str) -> None:
     assert preset.has_swa == (preset.sliding_window is not None)
     meta = dataclasses.replace(make_meta(), model=preset.shape, attention=preset.layout(4096, 16))
     assert TraceMeta.from_json(meta.to_json()) == meta
+
+
+def test_qwen3_next_has_three_gdn_layers_per_full_one() -> None:
+    preset = model_preset("qwen3-next-80b-a3b")
+    layout = preset.mamba_layout(pool_tokens=920_000)
+    assert layout is not None and layout.kind == "gdn" and preset.layout(4096, 16) is None
+    assert layout.layer_kinds(48) == "MMMF" * 12
+    # Per GDN layer: conv (8192, 3) bfloat16 + temporal (32, 128, 128) float32.
+    assert (layout.conv_state_bytes, layout.temporal_state_bytes) == (49_152, 2_097_152)
+    assert layout.state_bytes_per_request == 36 * (49_152 + 2_097_152)
+    assert layout.full_bytes_per_token(preset.shape) == 12 * 2 * 2 * 256 * 2  # 12 full layers, 2 KV heads of 256
+    # The slots of 0.9 x the pool's bytes: int(0.9 * 920,000 * 24,576 / 77,266,944) - 1.
+    assert layout.mamba_cache_size == 262
+
+
+def test_nemotron_h_keeps_kv_in_4_layers_and_state_in_24() -> None:
+    preset = model_preset("nemotron-h-8b")
+    layout = preset.mamba_layout(pool_tokens=100_000)
+    assert layout is not None and layout.kind == "mamba2"
+    assert layout.layer_kinds(52).count("F") == 4 and layout.layer_kinds(52).count("M") == 24
+    assert layout.layer_kinds(52).startswith("M-M-M-MF-M")
+    # Per Mamba2 layer: conv (128 * 64 + 2 * 8 * 128, 3) bfloat16 + temporal (128, 64, 128) float32.
+    assert (layout.conv_state_bytes, layout.temporal_state_bytes) == (61_440, 4_194_304)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_every_preset_round_trips_its_mamba_layout(name: str) -> None:
+    preset = MODEL_PRESETS[name]
+    meta = dataclasses.replace(make_meta(), model=preset.shape, mamba=preset.mamba_layout(4096))
+    assert TraceMeta.from_json(meta.to_json()) == meta
+    assert (meta.mamba is not None) == (preset.linear is not None)
