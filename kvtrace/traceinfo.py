@@ -123,7 +123,7 @@ def attention_info(meta: TraceMeta) -> dict[str, Any] | None:
 def mamba_info(meta: TraceMeta) -> dict[str, Any] | None:
     """A hybrid linear-attention trace's layout with the Mamba slots, the state bytes
     per request and the KV pool's cost per token (None: no linear-attention layer)."""
-    from traces.metadata import mamba_slots_per_request
+    from traces.mamba_layout import mamba_slots_per_request
 
     layout = meta.mamba
     if layout is None:

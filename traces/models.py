@@ -14,15 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from traces.metadata import (
-    DEFAULT_MAMBA_FULL_MEMORY_RATIO,
-    DEFAULT_SWA_FULL_TOKENS_RATIO,
-    AttentionLayout,
-    MambaKind,
-    MambaLayout,
-    ModelShape,
-    swa_pool_tokens_for,
-)
+from traces.mamba_layout import DEFAULT_MAMBA_FULL_MEMORY_RATIO, MambaKind, MambaLayout
+from traces.metadata import DEFAULT_SWA_FULL_TOKENS_RATIO, AttentionLayout, ModelShape, swa_pool_tokens_for
 
 __all__ = ["DEFAULT_MODEL", "MODEL_PRESETS", "ModelPreset", "model_preset"]
 

@@ -119,7 +119,8 @@ from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
-from traces.metadata import SpecSettings, TraceConfig, mamba_slots_per_request
+from traces.mamba_layout import mamba_slots_per_request
+from traces.metadata import SpecSettings, TraceConfig
 
 if TYPE_CHECKING:
     from allocator.base import Allocator

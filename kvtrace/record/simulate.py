@@ -22,15 +22,8 @@ from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
 from kvtrace.errors import ConfigError
-from traces.metadata import (
-    AttentionLayout,
-    MambaLayout,
-    ModelShape,
-    SpecSettings,
-    TraceMeta,
-    TraceSource,
-    mamba_slots_per_request,
-)
+from traces.mamba_layout import MambaLayout, mamba_slots_per_request
+from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta, TraceSource
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest

@@ -14,7 +14,8 @@ import pytest
 from tests.differential import harness
 from tests.helpers import make_meta, with_meta
 from traces.errors import TraceMetadataError
-from traces.metadata import MambaLayout, ModelShape, TraceMeta, mamba_slots_for_pool, split_mamba_memory
+from traces.mamba_layout import MambaLayout, mamba_slots_for_pool, split_mamba_memory
+from traces.metadata import ModelShape, TraceMeta
 from traces.reader import TraceReader
 from traces.samples import sample_path
 
