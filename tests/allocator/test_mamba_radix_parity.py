@@ -2,8 +2,8 @@
 ``UnifiedRadixCache(FULL, MAMBA)``.
 
 Seeded random op lists (``generate``: requests that match with copy-on-write, lock, take
-slots and finish by inserting or abort; plain matches; evictions with and without
-targets; pools small enough that both run out) at pages 1, 16 and 64 (no_buffer at page
+slots, checkpoint at a chunk boundary and finish by inserting or abort; plain matches;
+evictions with and without targets; pools small enough that both run out) at pages 1, 16 and 64 (no_buffer at page
 1, extra_buffer above, as SGLang requires), with and without a states-per-path cap.
 Ours run in this process, SGLang's through ``tests/differential/mamba_radix_driver.py``
 in ONE subprocess of ``$KVTRACE_SGLANG_PYTHON`` (skipped when it is unset); every state
@@ -62,16 +62,16 @@ def generate(seed: int, ps: int, chunk: int, cap: int, num_ops: int = NUM_OPS) -
         return seen[-1]
 
     for _ in range(num_ops):
-        kinds = ["start", "start", "start", "finish", "finish", "abort", "match", "evict"]
+        kinds = ["start", "start", "start", "finish", "finish", "abort", "checkpoint", "match", "evict"]
         kind = rng.choice(kinds)
-        if kind in ("finish", "abort") and not reqs:
+        if kind in ("finish", "abort", "checkpoint") and not reqs:
             kind = "start"
         if kind == "start" and len(reqs) >= 3:
             kind = "finish"
         if kind == "start":
             op: dict[str, Any] = {"op": "start", "rid": next_rid, "tokens": tokens()}
             next_rid += 1
-        elif kind in ("finish", "abort"):
+        elif kind in ("finish", "abort", "checkpoint"):
             op = {"op": kind, "rid": rng.choice(sorted(reqs))}
         elif kind == "match":
             op = {"op": "match", "tokens": tokens()}
@@ -144,9 +144,10 @@ def test_generated_ops_reach_every_tree_path() -> None:
             for op, st in zip(case["ops"], states):
                 r = st.get("result")
                 totals["oom"] = totals.get("oom", 0) + (r == "oom")
-                totals["exist"] = totals.get("exist", 0) + (op["op"] == "finish" and r is True)
+                totals["exist"] = totals.get("exist", 0) + (op["op"] in ("finish", "checkpoint") and r is True)
+                totals["checkpoint"] = totals.get("checkpoint", 0) + (op["op"] == "checkpoint" and r is False)
                 totals["ops"] = totals.get("ops", 0) + 1
             for k, v in case["stats"].items():
                 totals[k] = totals.get(k, 0) + v
-    for k in ("cow", "gated_match", "tombstoned", "mamba_leaf_deleted", "oom", "exist", "path_capped"):
+    for k in ("cow", "gated_match", "tombstoned", "mamba_leaf_deleted", "oom", "exist", "checkpoint", "path_capped"):
         assert totals.get(k, 0) > 0, (k, totals)

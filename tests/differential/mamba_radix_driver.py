@@ -17,6 +17,9 @@ chunk size, full pool tokens, Mamba slots, states-per-path cap). Ops (requests b
   match end, take full slots for the rest of the key (evicting the shortfall first) and a
   state slot unless the COW gave one (evicting one checkpoint first); result
   ``[prefix_len, branching_seqlen, cow_src, own_slot]`` or ``"oom"`` (all given back).
+* ``checkpoint {"rid"}``: a chunk boundary: insert the key with a copy of the state in a
+  fresh slot (no_buffer's copy; the slot is freed when the tree had a state there), then
+  move the request's lock to the inserted node; its slots are all the tree's now.
 * ``finish {"rid"}``: insert the key with the request's slots and state, free the state
   when the tree already had one there, unlock.
 * ``abort {"rid"}``: unlock, free the request's own full slots and its state.
@@ -108,7 +111,7 @@ class OursAdapter:
         import numpy as np
 
         r = self.tree.insert_mamba(np.asarray(tokens, dtype=np.int64), np.asarray(value, dtype=np.int32), state, prev)
-        return r.mamba_exist
+        return r.mamba_exist, r.last_node
 
     def cow_src(self, req: Any) -> int | None:
         return req.mamba_cow_src
@@ -263,7 +266,7 @@ class SGLangAdapter:
         t = self.torch
         r = self.tree.insert(InsertParams(key=self._key(tokens), value=t.tensor(value, dtype=t.int64),
                                           mamba_value=t.tensor([state], dtype=t.int64), prev_prefix_len=prev))
-        return bool(r.mamba_exist)
+        return bool(r.mamba_exist), self.core.node_by_id(r.last_device_node)
 
     def cow_src(self, req: Any) -> int | None:
         s = req.kv.mamba_cow_src_index
@@ -345,9 +348,23 @@ def apply_op(side: Any, reqs: dict[int, dict[str, Any]], op: dict[str, Any]) -> 
         reqs[op["rid"]] = {"req": req, "tokens": tokens, "prefix": prefix, "node": node, "receipt": receipt,
                            "own": own, "value": side.node_value(node) + own}
         return [prefix, branching, side.cow_src(req), state]
+    if kind == "checkpoint":
+        r = reqs[op["rid"]]
+        slot = side.alloc_state()
+        if slot is None:
+            side.evict(0, 1, True)
+            slot = side.alloc_state()
+        if slot is None:
+            return "oom"
+        exist, node = side.insert(r["tokens"], r["value"], slot, r["prefix"])
+        if exist:
+            side.free_state(slot)
+        side.unlock(r["node"], r["receipt"])
+        r.update(node=node, receipt=side.lock(node), prefix=len(r["tokens"]), own=[], value=side.node_value(node))
+        return exist
     if kind == "finish":
         r = reqs.pop(op["rid"])
-        exist = side.insert(r["tokens"], r["value"], side.own_state(r["req"]), r["prefix"])
+        exist, _node = side.insert(r["tokens"], r["value"], side.own_state(r["req"]), r["prefix"])
         if exist:
             side.free_state(side.own_state(r["req"]))
         side.unlock(r["node"], r["receipt"])
