@@ -33,6 +33,19 @@ def _cache(tree: MambaRadixCache, tokens: list[int]) -> int:
     return state
 
 
+def _reference_prefix(tree: MambaRadixCache, tokens: list[int]) -> int:
+    """The reference model of a gated match: the longest path key holding a state that
+    the page-aligned key starts with (by brute force over every node)."""
+    key = np.asarray(tokens[: len(tokens) // tree.page_size * tree.page_size], dtype=np.int64)
+    best = 0
+    for node in tree.mamba_nodes():
+        path = tree.path_key(node)
+        if node.mamba_value is not None and path.shape[0] <= key.shape[0] and (key[: path.shape[0]] == path).all():
+            best = max(best, path.shape[0])
+    assert tree.peek_prefix_len(key) == best
+    return best
+
+
 def _checks(side: OursAdapter, reqs: dict[int, dict[str, Any]], just_matched: list[Any]) -> list:
     held_full = sum(len(r["own"]) for r in reqs.values())
     held_states = [side.own_state(r["req"]) for r in reqs.values()]
@@ -41,20 +54,26 @@ def _checks(side: OursAdapter, reqs: dict[int, dict[str, Any]], just_matched: li
 
 @pytest.mark.parametrize(("ps", "chunk", "cap"), [(1, 4, -1), (1, 4, 2), (16, 16, -1)])
 def test_random_runs_conserve_both_pools_and_copy_only_own_prefixes(ps: int, chunk: int, cap: int) -> None:
+    """After every op of random runs: both pools conserved, no state twice, ledgers and
+    LRU in step, a just-copied state from the request's own prefix; every match (and
+    ``peek_prefix_len``) equal to the brute-force reference."""
     cows = 0
     for seed in range(2):
         case, _ = generate(seed, ps, chunk, cap, num_ops=80)
         side = OursAdapter(case)
         reqs: dict[int, dict[str, Any]] = {}
         for i, op in enumerate(case["ops"]):
+            expected = None if "tokens" not in op else _reference_prefix(side.tree, op["tokens"])
             try:
-                apply_op(side, reqs, op)
+                result = apply_op(side, reqs, op)
             except Exception:  # the generator ends a case where SGLang asserts
                 assert i == len(case["ops"]) - 1
                 break
             started = reqs.get(op.get("rid")) if op["op"] == "start" else None
             just = [] if started is None else [(started["req"], np.asarray(started["tokens"], dtype=np.int64))]
             assert _checks(side, reqs, just) == [], (seed, i, op)
+            if expected is not None and result != "oom":
+                assert result[0] == expected, (seed, i, op)
         cows += side.tree.stats["cow"]
     assert cows > 0
 
