@@ -149,6 +149,8 @@ class MambaReqKv:
     ping_pong_empty: list[bool] | None = None
     next_track_idx: int | None = None
     last_track_idx: int | None = None
+    # The tree state slot its own slot was copied from at match (``MambaRadixCache.cow_state``).
+    mamba_cow_src: int | None = None
 
     @property
     def holds_kv(self) -> bool:
