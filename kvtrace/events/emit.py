@@ -55,6 +55,7 @@ __all__ = [
     "TreeEvents",
     "TreeOps",
     "attach",
+    "eagle_refusal",
     "events_tree",
     "replay_events",
 ]
@@ -207,12 +208,17 @@ def events_tree(tree: RadixCache | None, spec: str) -> RadixCache | None:
     if tree.disable:
         return None
     if tree.is_eagle:
-        raise ConfigError(
-            "--kv-events: this trace uses EAGLE speculative decoding, whose radix cache is keyed by token "
-            "pairs that kvtrace keeps only as 64-bit mixes, so SGLang's pair events cannot be derived; "
-            "use a trace without EAGLE"
-        )
+        raise eagle_refusal()
     return tree
+
+
+def eagle_refusal() -> ConfigError:
+    """The one line that refuses KV events of an EAGLE trace (any version)."""
+    return ConfigError(
+        "--kv-events: this trace uses EAGLE speculative decoding, whose radix cache is keyed by token "
+        "pairs that kvtrace keeps only as 64-bit mixes, so SGLang's pair events cannot be derived; "
+        "use a trace without EAGLE"
+    )
 
 
 def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
