@@ -368,6 +368,8 @@ class AllocatorServer:
         """
         if self.eng.reqs or self.digest is not None or int(self.eng.tree.evictable_size()):
             raise sc.ScenarioError("KV events are switched on before the first step")
+        if not self.config.radix_cache:  # SGLang's recorder stays off without a tree
+            return False
         if self.config.swa is not None:
             raise sc.ScenarioError("KV events of SGLang's SWA (unified) radix tree are not driven")
         self.eng.close()
