@@ -193,6 +193,9 @@ def diff(
     if kv_events and (rev_range is not None or len(inputs) != 1):
         raise typer.BadParameter("KV events are compared on one trace replayed by two versions (not with --range "
                                  "or two state logs)", param_hint="--kv-events")
+    if kv_events and tui:
+        raise typer.BadParameter("the dashboard does not show KV events; drop --tui or --kv-events",
+                                 param_hint="--kv-events")
     if kv_events and start is not None:
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the steps "
                                  "before it into one batch); use --steps :B or drop --kv-events", param_hint="--steps")

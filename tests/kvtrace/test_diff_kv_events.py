@@ -78,6 +78,7 @@ def test_the_comparator_names_the_first_differing_event_and_field() -> None:
     ([TRACE, "--b", "builtin", "--steps", "5:"], "first step"),
     ([TRACE, "--b", "worktree"], "runs in its own process"),
     ([TRACE, "--b", "builtin", "--range", "HEAD~1..HEAD"], "--kv-events"),
+    ([TRACE, "--b", "builtin", "--tui"], "dashboard"),
 ])
 def test_where_events_are_not_compared_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["diff", *args, "--kv-events", "--jobs", "1"])
