@@ -191,3 +191,22 @@ def test_diff_kv_events_refuses_an_eagle_trace_on_sglangs_side_too() -> None:
                                       "--kv-events", "--jobs", "1"])
     assert result.exit_code == 2, result.output
     assert "EAGLE" in result.output
+
+
+@pytest.mark.slow  # SGLang replays the trace
+def test_a_replays_event_file_checks_identical_against_sglangs_own_events(tmp_path) -> None:
+    """``events check FILE --against TRACE --allocator sglang``: the file ``replay --kv-events``
+    writes is what SGLang's own recorder publishes for the same replay."""
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app
+
+    python = harness.require_sglang()
+    out = tmp_path / "run.kvev"
+    runner = CliRunner()
+    assert runner.invoke(app, ["replay", "sample:mooncake-tiny", "--kv-events", str(out), "-q"]).exit_code == 0
+    result = runner.invoke(app, ["events", "check", str(out), "--against", "sample:mooncake-tiny",
+                                 "--allocator", f"sglang:{python}", "--json"])
+    assert result.exit_code == 0, result.output
+    against = json.loads(result.stdout)["against"]
+    assert against["identical"] and against["batches"] > 50
