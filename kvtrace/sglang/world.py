@@ -127,10 +127,15 @@ itself is not run because a trace already fixes which requests run when):
    ``_pre_alloc`` takes the SWA tail at page > 1. With the radix cache on, the dump's
    ``tree`` is the unified tree's FULL shape and ``swa_tree`` each node's SWA side
    (``scenario.SWA_RADIX_STATE_FIELDS``).
+12. KV events (``SGLangEngine(..., kv_events=True)``, asked by ``kvtrace diff --kv-events``):
+   ``CacheInitParams.enable_kv_cache_events`` turns on the tree's own recorder, as
+   ``--kv-events-config`` does; kvtrace's negative ids (tokens unique to a request) reach
+   SGLang's hasher with their sign bit cleared (``install_event_hash_ids``), since it
+   refuses negative ids.
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9, 11); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11, 12); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -376,7 +381,7 @@ class SGLangEngine:
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
             enable_kv_cache_events=kv_events,
         )
-        if kv_events:
+        if kv_events:  # decision 12
             install_event_hash_ids()
         if config.swa is not None:  # decision 11
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
