@@ -32,6 +32,8 @@ from kvtrace.cli.options import (
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
+    from kvtrace.diff.kvevents import KvEventsReport
+    from kvtrace.replay.engine import ReplayOptions
     from kvtrace.diff.rangediff import RangeSettings
 
 DIFF_EXAMPLES = examples(
@@ -157,6 +159,15 @@ def diff(
     tui: Annotated[bool, typer.Option("--tui", help="Then show both replays side by side in the dashboard, at the first divergence (keys move both sides together).")] = False,
     export: Annotated[Path | None, typer.Option("--export", help="Also write both sides as one timeline (.pftrace: Perfetto; .json: Chrome), two processes on one clock, the first divergence marked on both (a trace's sides are replayed again).", show_default=False)] = None,
     force: ForceOpt = False,
+    kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--kv-events",
+            help="Also compare the KV events the two versions publish (SGLang's BlockStored / BlockRemoved / "
+            "AllBlocksCleared; the sglang version's come from SGLang's own recorder), step by step: order, "
+            "hashes and fields. Versions that run in this process only (not git:REV or worktree).",
+        ),
+    ] = False,
 ) -> None:
     """Replay TRACE through versions A and B and compare them after every step; or compare
     two saved state logs. Prints "identical over N steps" or the first divergence (step, op,
@@ -179,6 +190,15 @@ def diff(
     replay = ReplayOptions(
         check=check.value, on_oom=on_oom.value, on_bad_op=on_bad_op.value, start_step=start, stop_step=stop  # type: ignore[arg-type]
     )
+    if kv_events and (rev_range is not None or len(inputs) != 1):
+        raise typer.BadParameter("KV events are compared on one trace replayed by two versions (not with --range "
+                                 "or two state logs)", param_hint="--kv-events")
+    if kv_events and tui:
+        raise typer.BadParameter("the dashboard does not show KV events; drop --tui or --kv-events",
+                                 param_hint="--kv-events")
+    if kv_events and start is not None:
+        raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the steps "
+                                 "before it into one batch); use --steps :B or drop --kv-events", param_hint="--steps")
     if rev_range is not None:
         for name, value in (("--a", a), ("--b", b), ("--export", export)):
             if value is not None:
@@ -212,6 +232,8 @@ def diff(
         if jobs is not None and jobs not in (1, 2):
             raise typer.BadParameter(f"{jobs}: use 1 (lockstep in one process) or 2 (two processes)", param_hint="--jobs")
         check_device(device.value)
+        if kv_events:
+            events_report = _diff_kv_events(inputs[0], a or "builtin", b, replay, page_size, pool_tokens, device.value)
         with ui.progress(f"diff {Path(inputs[0]).name}") as update:
             report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
                                 pool_tokens=pool_tokens, device=device.value, jobs=jobs,
@@ -231,11 +253,24 @@ def diff(
     result = report.to_dict()
     if export is not None:
         result["export"] = str(export)
+    if kv_events:
+        result["kv_events"] = events_report.to_dict()
     if as_json:
         ui.emit_json(result)
     else:
         render_diff_report(result, ui.console())
-    raise typer.Exit(0 if report.identical else 1)
+        if kv_events:
+            ui.console().print(events_report.line(), markup=False)
+    raise typer.Exit(0 if report.identical and (not kv_events or events_report.identical) else 1)
+
+
+def _diff_kv_events(trace: str, a: str, b: str, replay: ReplayOptions, page_size: int | None, pool_tokens: int | None,
+                    device: str) -> KvEventsReport:
+    """``--kv-events``: both versions' KV event streams compared (``kvtrace.diff.kvevents``)."""
+    from kvtrace.diff.kvevents import diff_kv_events
+
+    with ui.progress(f"KV events {Path(trace).name}"):
+        return diff_kv_events(trace, a, b, replay=replay, page_size=page_size, pool_tokens=pool_tokens, device=device)
 
 
 def _warn_inputs(report: DiffReport, inputs: list[str]) -> None:

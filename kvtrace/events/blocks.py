@@ -10,8 +10,12 @@ page's digest is SHA-256 over the previous page's digest (none for a sequence's 
 page) and the page's tokens, each a little-endian uint32; a page holding a token
 outside ``[0, 2**32)`` is hashed as the byte ``0xff`` then its tokens as little-endian
 64-bit words. The event carries the digest's first 8 bytes as a signed big-endian int64.
-kvtrace's own synthetic token ids (negative for tokens unique to a request) take the
-64-bit form by their two's complement, where SGLang would refuse them.
+SGLang's hasher refuses negative ids, and kvtrace's synthetic ids for tokens unique to a
+request are negative (``traces.tokens``): ``hash_ids`` maps each id ``x`` to ``x & (2**63 -
+1)`` (a negative one loses its sign bit and lands in ``[2**62, 2**63)``; others are
+unchanged) before hashing, and the SGLang side applies the same map before SGLang's
+hasher sees the ids (``kvtrace/sglang/world.py``, ``install_event_hash_ids``), so both
+hash the same words; events keep the ids themselves in ``token_ids``.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ __all__ = [
     "KVEventBatch",
     "event_hash",
     "event_hashes",
+    "hash_ids",
     "page_digests",
 ]
 
 GPU = "GPU"  # the ``medium`` of blocks in device memory (SGLang's StorageMedium.GPU)
 _U32_MAX = 0xFFFFFFFF
+_I64_MAX = np.int64(0x7FFFFFFFFFFFFFFF)
 _WIDE_TAG = b"\xff"
 
 
@@ -90,6 +96,12 @@ def event_hashes(digests: bytes) -> list[int]:
     return np.frombuffer(digests, dtype=">i8")[::4].tolist()
 
 
+def hash_ids(units: np.ndarray) -> np.ndarray:
+    """The ids SGLang's hasher is given for ``units`` (int64): a negative id with its sign
+    bit cleared (SGLang refuses negative ids), the others as they are."""
+    return np.asarray(units, dtype=np.int64) & _I64_MAX
+
+
 def page_digests(units: np.ndarray, page_size: int, prior: bytes | None) -> bytes:
     """SHA-256 digests of the whole pages of ``units``, chained from ``prior``.
 
@@ -104,7 +116,7 @@ def page_digests(units: np.ndarray, page_size: int, prior: bytes | None) -> byte
     n = units.shape[0]
     num_pages = n // page_size
     assert num_pages * page_size == n, f"{n} tokens are not whole pages of {page_size}"
-    units = np.ascontiguousarray(units, dtype=np.int64)
+    units = np.ascontiguousarray(hash_ids(units))
     narrow = (units.view(np.uint64) <= _U32_MAX).reshape(num_pages, page_size).all(axis=1)
     # A void dtype's items come back as bytes, trailing zero bytes kept.
     narrow_all = bool(narrow.all())

@@ -55,6 +55,7 @@ __all__ = [
     "TreeEvents",
     "TreeOps",
     "attach",
+    "eagle_refusal",
     "events_tree",
     "replay_events",
 ]
@@ -207,12 +208,17 @@ def events_tree(tree: RadixCache | None, spec: str) -> RadixCache | None:
     if tree.disable:
         return None
     if tree.is_eagle:
-        raise ConfigError(
-            "--kv-events: this trace uses EAGLE speculative decoding, whose radix cache is keyed by token "
-            "pairs that kvtrace keeps only as 64-bit mixes, so SGLang's pair events cannot be derived; "
-            "use a trace without EAGLE"
-        )
+        raise eagle_refusal()
     return tree
+
+
+def eagle_refusal() -> ConfigError:
+    """The one line that refuses KV events of an EAGLE trace (any version)."""
+    return ConfigError(
+        "--kv-events: this trace uses EAGLE speculative decoding, whose radix cache is keyed by token "
+        "pairs that kvtrace keeps only as 64-bit mixes, so SGLang's pair events cannot be derived; "
+        "use a trace without EAGLE"
+    )
 
 
 def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
@@ -227,20 +233,22 @@ def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
 
 def replay_events(session: ReplaySession) -> Iterator[StepEvents]:
     """The events of each step of ``session`` that published any, replaying it as they
-    are read (the listener is attached now, before the first step).
+    are read (the source is switched on now, before the first step: SGLang's own recorder
+    for the ``sglang`` version, else a listener on the tree, ``kvtrace.events.sources``).
 
     Raises:
-        ConfigError: see ``attach``.
+        ConfigError: see ``kvtrace.events.sources.event_source``.
     """
-    listener = attach(getattr(session.allocator, "tree_cache", None), session.version.spec)
-    return _step_events(session, listener)
+    from kvtrace.events.sources import event_source  # it imports this module
+
+    return _step_events(session, event_source(session))
 
 
-def _step_events(session: ReplaySession, listener: TreeEvents | None) -> Iterator[StepEvents]:
+def _step_events(session: ReplaySession, take: Callable[[], list[Event]] | None) -> Iterator[StepEvents]:
     for snap in session.snapshots():
-        if listener is None:
+        if take is None:
             continue
-        events = listener.take()
+        events = take()
         if events:
             yield StepEvents(snap.step, snap.time_s, events)
 

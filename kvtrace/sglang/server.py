@@ -355,6 +355,35 @@ class AllocatorServer:
             self.digest = IncrementalDigest(self.eng)
         return self.digest.value()
 
+    # ------------------------------------------------------------------ KV events
+    def enable_kv_events(self) -> bool:
+        """Rebuild this (fresh) world with SGLang's own KV-event recorder on
+        (``CacheInitParams.enable_kv_cache_events``), as ``--kv-events-config`` does.
+
+        Returns:
+            Whether the tree records events (a disabled radix cache publishes none).
+
+        Raises:
+            sc.ScenarioError: the world already ran a step, or its tree is SWA's unified one.
+        """
+        if self.eng.reqs or self.digest is not None or int(self.eng.tree.evictable_size()):
+            raise sc.ScenarioError("KV events are switched on before the first step")
+        if not self.config.radix_cache:  # SGLang's recorder stays off without a tree
+            return False
+        if self.config.swa is not None:
+            raise sc.ScenarioError("KV events of SGLang's SWA (unified) radix tree are not driven")
+        self.eng.close()
+        self.eng = world.SGLangEngine(self.config, kv_events=True)
+        return bool(self.eng.tree.kv_events.enabled)
+
+    def take_kv_events(self) -> bytes:
+        """The events SGLang's recorder queued since the last take (after this step's prompt
+        publish), as ``msgspec.msgpack`` of the list of SGLang's own event objects."""
+        import msgspec
+
+        self.eng.publish()
+        return msgspec.msgpack.encode(self.eng.tree.take_events())
+
     def _rewritten(self, rids: list[int]) -> None:
         if self.digest is not None:
             self.digest.rewritten.update(rids)

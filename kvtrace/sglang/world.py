@@ -127,10 +127,15 @@ itself is not run because a trace already fixes which requests run when):
    ``_pre_alloc`` takes the SWA tail at page > 1. With the radix cache on, the dump's
    ``tree`` is the unified tree's FULL shape and ``swa_tree`` each node's SWA side
    (``scenario.SWA_RADIX_STATE_FIELDS``).
+12. KV events (``SGLangEngine(..., kv_events=True)``, asked by ``kvtrace diff --kv-events``):
+   ``CacheInitParams.enable_kv_cache_events`` turns on the tree's own recorder, as
+   ``--kv-events-config`` does; kvtrace's negative ids (tokens unique to a request) reach
+   SGLang's hasher with their sign bit cleared (``install_event_hash_ids``), since it
+   refuses negative ids.
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9, 11); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11, 12); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -275,6 +280,34 @@ def load_sglang(tree_kind: str = "radix") -> SimpleNamespace:
     return SG
 
 
+def install_event_hash_ids() -> None:
+    """Let SGLang's KV-event hasher take kvtrace's negative token ids, once per process.
+
+    kvtrace's ids for tokens unique to a request are negative, and SGLang's native hasher
+    refuses negative ids; each id ``x`` reaches it as ``x & (2**63 - 1)``, the map kvtrace's
+    own events hash by (``kvtrace/events/blocks.py``, ``hash_ids``). The tree keeps the ids
+    themselves, so matching and the events' ``token_ids`` are unchanged.
+    """
+    from sglang.srt.mem_cache import utils
+
+    original = utils.get_native_hash
+    if getattr(original, "kvtrace_hash_ids", False):
+        return
+    mask = np.int64(0x7FFFFFFFFFFFFFFF)
+
+    def get_native_hash(token_ids: Any, prior_digest: Any, page_size: Any = None) -> Any:
+        if not getattr(token_ids, "is_bigram", False):
+            raw_of = getattr(token_ids, "raw_token_ids", None)
+            raw = raw_of() if raw_of is not None else getattr(token_ids, "token_ids", token_ids)
+            ids = np.asarray(raw[: len(token_ids)], dtype=np.int64)
+            if ids.shape[0] and int(ids.min()) < 0:
+                token_ids = array("q", (ids & mask).tobytes())
+        return original(token_ids, prior_digest, page_size)
+
+    get_native_hash.kvtrace_hash_ids = True  # type: ignore[attr-defined]
+    utils.get_native_hash = get_native_hash
+
+
 def evicted_tokens() -> int:
     """Tokens evicted from the radix cache by this process so far."""
     return _EVICTED[0]
@@ -307,7 +340,7 @@ class SGLangEngine:
 
     SPEC_NAMES = {"eagle": "EAGLE", "eagle3": "EAGLE3", "standalone": "STANDALONE"}
 
-    def __init__(self, config: sc.ScenarioConfig, tree_kind: str = "radix") -> None:
+    def __init__(self, config: sc.ScenarioConfig, tree_kind: str = "radix", kv_events: bool = False) -> None:
         torch = SG.torch
         self.config = config
         self.ps = config.page_size
@@ -346,7 +379,10 @@ class SGLangEngine:
         params = SG.CacheInitParams(
             disable=not config.radix_cache, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
+            enable_kv_cache_events=kv_events,
         )
+        if kv_events:  # decision 12
+            install_event_hash_ids()
         if config.swa is not None:  # decision 11
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache

@@ -302,6 +302,27 @@ class SGLangAllocator:
 
         return [Violation(v["check"], v["detail"], v["rid"]) for v in self._call("check_integrity")]
 
+    # ------------------------------------------------------------------ KV events
+    def enable_kv_events(self) -> bool:
+        """Switch on SGLang's own KV-event recorder (before the first step).
+
+        Returns:
+            Whether there will be events (False: the radix cache is disabled).
+
+        Raises:
+            SGLangError: after the first step, or a configuration whose events are not driven.
+        """
+        return bool(self._call("enable_kv_events"))
+
+    def take_kv_events(self) -> list[Any]:
+        """The events SGLang recorded since the last take (``kvtrace.events.blocks`` types,
+        decoded from SGLang's own msgpack of them)."""
+        import msgspec
+
+        from kvtrace.events.blocks import Event
+
+        return msgspec.msgpack.decode(self._call("take_kv_events"), type=list[Event])
+
     def state_digest(self) -> str:
         """kvtrace's physical-state digest computed from SGLang's state (``allocator.check.digest``)."""
         self._want_digest = True

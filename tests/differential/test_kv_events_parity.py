@@ -151,3 +151,62 @@ def test_events_are_sglangs_own(page_size: int) -> None:
         for step, (a, b) in enumerate(zip(ours, theirs)):
             assert a == b, f"seed {seed}, page {page_size}: step {step} differs"
         assert len(ours) == len(theirs)
+
+
+# -- kvtrace diff --kv-events: SGLang's own recorder, driven by a replay, against ours ---------
+
+
+@pytest.mark.slow  # SGLang replays the trace (twice: the plain diff, then the events)
+@pytest.mark.parametrize(("sample", "page_size", "steps"), [
+    ("mooncake-tiny", 1, ":"), ("mooncake-tiny", 16, ":"), ("azure-code", 1, ":1500"), ("azure-code", 16, ":1500"),
+])
+def test_diff_kv_events_sglang_against_builtin_is_identical(sample: str, page_size: int, steps: str) -> None:
+    """``--a sglang --b builtin --kv-events``: the events SGLang's RadixCache records with
+    its recorder on (``enable_kv_cache_events``), step by step, equal the built-in's,
+    tokens unique to a request (negative ids) included."""
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app
+
+    python = harness.require_sglang()
+    result = CliRunner().invoke(app, ["diff", f"sample:{sample}", "--a", f"sglang:{python}", "--b", "builtin",
+                                      "--page-size", str(page_size), "--steps", steps, "--kv-events", "--jobs", "1",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    events = out["kv_events"]
+    assert out["identical"] and events["identical"], events["first_divergence"]
+    assert events["steps_compared"] == out["steps_compared"] > 0
+    assert events["batches"] > 20 and events["events"] > events["batches"]
+
+
+@pytest.mark.slow  # SGLang's import
+def test_diff_kv_events_refuses_an_eagle_trace_on_sglangs_side_too() -> None:
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app
+
+    python = harness.require_sglang()
+    result = CliRunner().invoke(app, ["diff", "sample:tiny", "--a", f"sglang:{python}", "--b", "builtin",
+                                      "--kv-events", "--jobs", "1"])
+    assert result.exit_code == 2, result.output
+    assert "EAGLE" in result.output
+
+
+@pytest.mark.slow  # SGLang replays the trace
+def test_a_replays_event_file_checks_identical_against_sglangs_own_events(tmp_path) -> None:
+    """``events check FILE --against TRACE --allocator sglang``: the file ``replay --kv-events``
+    writes is what SGLang's own recorder publishes for the same replay."""
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app
+
+    python = harness.require_sglang()
+    out = tmp_path / "run.kvev"
+    runner = CliRunner()
+    assert runner.invoke(app, ["replay", "sample:mooncake-tiny", "--kv-events", str(out), "-q"]).exit_code == 0
+    result = runner.invoke(app, ["events", "check", str(out), "--against", "sample:mooncake-tiny",
+                                 "--allocator", f"sglang:{python}", "--json"])
+    assert result.exit_code == 0, result.output
+    against = json.loads(result.stdout)["against"]
+    assert against["identical"] and against["batches"] > 50

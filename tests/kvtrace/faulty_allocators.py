@@ -30,6 +30,11 @@ On a hybrid (SWA) trace, two faults touch one pool each:
 Each fault fires once, on the first request it can hit, and records that
 request (``fault_rid``) so a test can check the replay blames exactly it.
 
+One fault touches only what the radix cache evicts:
+
+* ``mru_evict``: the radix cache evicts its most recently used leaf first (SGLang
+  evicts the least recently used), so its KV events remove other blocks.
+
 ``without_digest`` is not broken: the built-in allocator behind the ``Allocator``
 protocol alone (no ``state_digest``, no checkpoints), for the paths that need the
 optional protocols; ``without_ownership`` hides only ``slot_ownership`` (no page map).
@@ -37,12 +42,14 @@ optional protocols; ``without_ownership`` hides only ``slot_ownership`` (no page
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from allocator import AllocatorConfig, KvAllocator
 from allocator.base import AllocOutcome, AllocResult, ReleaseKind, ReleaseResult
+from allocator.radix_cache import RadixCache, TreeNode
 
 
 class _Faulty(KvAllocator):
@@ -274,3 +281,25 @@ def missed_window_free(config: AllocatorConfig) -> KvAllocator:
 
 def full_only_stale_row(config: AllocatorConfig) -> KvAllocator:
     return FullOnlyStaleRow(config)
+
+
+class _MruRadixCache(RadixCache):
+    """A radix cache whose eviction heap is ordered by newest access first."""
+
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (-node.last_access_time, node.id, node))
+
+    def _pop_evictable(self) -> TreeNode | None:
+        heap, leaves = self._heap, self.evictable_leaves
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if node in leaves and node.last_access_time == -t:
+                return node
+        return None
+
+
+def mru_evict(config: AllocatorConfig) -> KvAllocator:
+    alloc = KvAllocator(config)
+    assert type(alloc.tree_cache) is RadixCache, "mru_evict: a plain radix cache only"
+    alloc.tree_cache.__class__ = _MruRadixCache  # the same tree, evicting in another order
+    return alloc

@@ -20,6 +20,7 @@ from kvtrace.events.blocks import (
     KVEventBatch,
     event_hash,
     event_hashes,
+    hash_ids,
     page_digests,
 )
 from kvtrace.events.emit import Emitter
@@ -52,6 +53,18 @@ def test_page_digests_are_sglangs() -> None:
     assert event_hashes(b"".join(a + c)) == [event_hash(d) for d in a + c] == [
         -3488128144981237669, 5674439469042975057, -6537938169225178750, 8639223822564367104,
     ]
+
+
+def test_negative_ids_hash_as_sglang_hashes_them_without_the_sign_bit() -> None:
+    # SGLang refuses negative ids (kvtrace's tokens unique to a request); both sides hash
+    # -2 as 2**63 - 2. Printed by SGLang 0.5.23's get_native_hash(array("q", [1, 2**63 - 2,
+    # 3, 4]), None, 2).
+    pages = _split(page_digests(np.array([1, -2, 3, 4]), 2, None))
+    assert [d.hex() for d in pages] == [
+        "c48f12027971a878d76db9852c8e6745aa8e8fee157ac34f529bb4a93946b527",
+        "753959f9ba6d85965b562f589856e7b4a66d53808bc8b9cec2bd459bafed041c",
+    ]
+    assert hash_ids(np.array([-1, 0, 5, -(2**62)])).tolist() == [2**63 - 1, 0, 5, 2**62]
 
 
 def test_a_batch_is_sglangs_bytes() -> None:
