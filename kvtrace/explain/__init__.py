@@ -17,7 +17,7 @@ The command only parses options and renders (``kvtrace.cli.explain``).
 
 from __future__ import annotations
 
-__all__ = ["CAUSES", "Attribution", "ExplainReport", "build_report"]
+__all__ = ["CAUSES", "Attribution", "ExplainReport", "Explainer", "build_report"]
 
 from kvtrace.explain.attribution import CAUSES, Attribution
-from kvtrace.explain.report import ExplainReport, build_report
+from kvtrace.explain.report import ExplainReport, Explainer, build_report

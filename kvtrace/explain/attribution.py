@@ -195,13 +195,18 @@ class Attribution:
             self._seen_insert(key)
 
     def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, seq_len: int) -> None:
-        """Split one admission's ``target - hit`` missed tokens into causes."""
+        """Split one admission's ``target - hit`` missed tokens into causes (counted in the
+        replay's ``--steps`` window only, as the replay counts its admissions)."""
+        retracted = self._retracted.pop(rid, None)
+        if not self._engine.in_window:
+            if self._oracle is not None:
+                self._oracle.insert(key_full)
+            return
         self.admissions += 1
         self.admitted_tokens += target
         self.reused_tokens += hit
         missed = target - hit
         got = dict.fromkeys(CAUSES, 0)
-        retracted = self._retracted.pop(rid, None)
         if self._oracle is not None:
             self._oracle.access(self._step, key_full, seq_len, target, hit, self._tree.is_eagle)
         ps = self.page_size

@@ -18,7 +18,7 @@ from kvtrace.explain.oracle import OracleResult, OracleStream, simulate
 if TYPE_CHECKING:
     from kvtrace.replay.session import ReplaySession
 
-__all__ = ["CAUSE_LABELS", "ExplainReport", "Explainer", "build_report"]
+__all__ = ["CAUSE_LABELS", "ExplainReport", "Explainer", "build_report", "render_lines"]
 
 CAUSE_LABELS = {
     "cold": "cold (never computed before)",
@@ -138,53 +138,56 @@ class ExplainReport:
             "distributions": dists,
         }
 
-    def render(self) -> list[str]:
-        """The text report, line by line."""
-        d = self.to_dict()
-        missed = d["missed_tokens"]
-        lines = [
-            f"{d['admissions']:,} admissions, {d['admitted_tokens']:,} prompt tokens: "
-            f"{d['reused_tokens']:,} reused, {missed:,} missed",
-            "",
-            f"{'missed tokens by cause':<44}{'tokens':>14}{'share':>8}",
-        ]
-        for cause in CAUSES:
-            n = d["causes"][cause]
-            share = f"{100 * n / missed:.1f}%" if missed else "-"
-            lines.append(f"  {CAUSE_LABELS[cause]:<42}{n:>14,}{share:>8}")
-        if d["by_trigger"]:
-            lines += ["", f"{'evictions by trigger':<30}{'evictions':>11}{'evicted':>14}{'then missed':>14}"]
-            for trigger, row in sorted(d["by_trigger"].items(), key=lambda kv: -kv[1]["missed_tokens"]):
-                lines.append(f"  {trigger:<28}{row['evictions']:>11,}{row['evicted_tokens']:>14,}"
-                             f"{row['missed_tokens']:>14,}")
-        if d["top_evictors"]:
-            lines += ["", "top evictors (the evictions that cost the most later misses)"]
-            for e in d["top_evictors"]:
-                who = f"request {e['rid']}" + (f" (+{e['batch_size'] - 1} in its batch)" if e["batch_size"] > 1 else "")
-                lines.append(f"  step {e['step']:>8,}  {e['trigger']:<13} {who:<34} evicted {e['evicted_tokens']:>9,}"
-                             f"  then missed {e['missed_tokens']:>9,}")
-        if d["unknown_evictor_tokens"]:
-            lines.append(f"  ({d['unknown_evictor_tokens']:,} evicted tokens name no evictor: the SWA tree reports none)")
-        if d["retraction_cost"]:
-            cost = d["retraction_cost"]
-            lines += ["", f"retractions: {len(cost):,} requests recomputed {sum(cost.values()):,} tokens"]
-        hr = d["hit_rates"]
-        lines += ["", "hit rates (capacity vs policy)",
-                  f"  replay (LRU)                 {_pct(hr['lru'])}",
-                  f"  infinite cache               {_pct(hr['infinite'])}"]
-        model = hr["model"]
-        if model is not None:
-            lines.append(f"  page model ({model['page_tokens']}-token pages, {model['capacity_pages']:,} pages): "
-                         f"LRU {_pct(model['lru'])}, Belady {_pct(model['belady'])}, infinite {_pct(model['infinite'])}")
-            if model["belady"] is not None:
-                lines.append(f"    policy gap (Belady - LRU) {_pts(model['belady'] - model['lru'])}, "
-                             f"capacity gap (infinite - Belady) {_pts(model['infinite'] - model['belady'])}")
-        ages = Histogram("age at eviction", "steps, per token")
-        for age, n in self.attribution.eviction_ages:
-            ages.add(age, n)
-        for h in [*self.histograms.values(), ages]:
-            lines += ["", *h.render()]
-        return lines
+
+def render_lines(d: dict[str, Any]) -> list[str]:
+    """An explain report (``ExplainReport.to_dict()``) as text, line by line."""
+    missed = d["missed_tokens"]
+    lines = [
+        f"{d['admissions']:,} admissions, {d['admitted_tokens']:,} prompt tokens: "
+        f"{d['reused_tokens']:,} reused, {missed:,} missed",
+        "",
+        f"{'missed tokens by cause':<44}{'tokens':>14}{'share':>8}",
+    ]
+    for cause in CAUSES:
+        n = d["causes"][cause]
+        share = f"{100 * n / missed:.1f}%" if missed else "-"
+        lines.append(f"  {CAUSE_LABELS[cause]:<42}{n:>14,}{share:>8}")
+    if d["by_trigger"]:
+        lines += ["", f"{'evictions by trigger':<30}{'evictions':>11}{'evicted':>14}{'then missed':>14}"]
+        for trigger, row in sorted(d["by_trigger"].items(), key=lambda kv: -kv[1]["missed_tokens"]):
+            lines.append(f"  {trigger:<28}{row['evictions']:>11,}{row['evicted_tokens']:>14,}{row['missed_tokens']:>14,}")
+    if d["top_evictors"]:
+        lines += ["", "top evictors (the evictions that cost the most later misses)"]
+        for e in d["top_evictors"]:
+            who = f"request {e['rid']}" + (f" (+{e['batch_size'] - 1} in its batch)" if e["batch_size"] > 1 else "")
+            lines.append(f"  step {e['step']:>8,}  {e['trigger']:<13} {who:<34} evicted {e['evicted_tokens']:>9,}"
+                         f"  then missed {e['missed_tokens']:>9,}")
+    if d["unknown_evictor_tokens"]:
+        lines.append(f"  ({d['unknown_evictor_tokens']:,} evicted tokens name no evictor: the SWA tree reports none)")
+    if d["retraction_cost"]:
+        cost = d["retraction_cost"]
+        lines += ["", f"retractions: {len(cost):,} requests recomputed {sum(cost.values()):,} tokens"]
+    hr = d["hit_rates"]
+    lines += ["", "hit rates (capacity vs policy)",
+              f"  replay (LRU)     {_pct(hr['lru'])}",
+              f"  infinite cache   {_pct(hr['infinite'])}"]
+    model = hr["model"]
+    if model is not None:
+        lines.append(f"  page model ({model['page_tokens']}-token pages, {model['capacity_pages']:,} pages): "
+                     f"LRU {_pct(model['lru'])}, Belady {_pct(model['belady'])}, infinite {_pct(model['infinite'])}")
+        if model["belady"] is not None:
+            lines.append(f"    policy gap (Belady - LRU) {_pts(model['belady'] - model['lru'])}, "
+                         f"capacity gap (infinite - Belady) {_pts(model['infinite'] - model['belady'])}")
+    for name, hist in d["distributions"].items():
+        lines += ["", *_render_histogram(name.replace("_", " "), hist)]
+    return lines
+
+
+def _render_histogram(name: str, hist: dict[str, Any]) -> list[str]:
+    h = Histogram(name, hist["unit"])
+    for b in hist["buckets"]:
+        h.add(b["lo"], b["count"])
+    return h.render()
 
 
 def _pct(x: float | None) -> str:
