@@ -7,14 +7,14 @@ They split, in prompt order::
     0        hit         infinite ceiling A          seen U      target T
     |--------|================================|-----------|------------|
       reused   evicted / out_of_window /          floor        cold
-               in_flight
+               uncached
 
 - ``evicted``: cached once, evicted since: each token names the eviction (step, trigger,
   the request whose call evicted it);
 - ``out_of_window``: the full KV is cached but the SWA KV is not (a sliding-window tree's
   tombstones);
-- ``in_flight``: computed before but not yet in the cache (another request computing it
-  in the same step, a prefill not done);
+- ``uncached``: computed before but never put in the cache, or not yet (a prefill
+  still in flight, a request aborted or retracted before its tokens were cached);
 - ``floor``: computed before, but in a partial last page or past the match cap (SGLang
   matches at most ``len - 1`` tokens): no page size ``page_size`` cache can hold it;
 - ``cold``: never computed before (or past the first chunk of a chunked prefill);
@@ -27,7 +27,7 @@ unit, the id of the eviction that last removed it from the replay's cache (0: no
 The replay's cache reports stores and evictions through its ``TreeListener``; the
 trigger and the request of an eviction come from the allocator call the engine is making
 (``_WatchedAllocator``). A sliding-window tree tells no listener: there, evictions name no
-evictor and ``in_flight`` is folded into ``evicted``.
+evictor and ``uncached`` is folded into ``evicted``.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CAUSES", "Attribution", "EvictionRecord", "Trigger"]
 
-Cause = Literal["cold", "floor", "in_flight", "evicted", "out_of_window", "retraction"]
-CAUSES: tuple[Cause, ...] = ("cold", "floor", "in_flight", "evicted", "out_of_window", "retraction")
+Cause = Literal["cold", "floor", "uncached", "evicted", "out_of_window", "retraction"]
+CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "out_of_window", "retraction")
 Trigger = Literal["admission", "decode", "spec_reserve", "retraction", "prealloc", "other"]
 
 
@@ -233,7 +233,7 @@ class Attribution:
                     got["evicted"] += unknown - min(window, unknown)
                     self.unknown_evictor_tokens += unknown - min(window, unknown)
                 else:
-                    got["in_flight"] += unknown
+                    got["uncached"] += unknown
         self.infinite_tokens += hit + got["evicted"] + got["out_of_window"]
         got["floor"] = max(min(seen, target) - ceiling, 0)
         got["cold"] = missed - sum(got.values())

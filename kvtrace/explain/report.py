@@ -23,7 +23,7 @@ __all__ = ["CAUSE_LABELS", "ExplainReport", "Explainer", "build_report", "render
 CAUSE_LABELS = {
     "cold": "cold (never computed before)",
     "floor": "page-size floor (partial page, match cap)",
-    "in_flight": "in flight (computed, not yet cached)",
+    "uncached": "computed, never cached (in flight, aborted)",
     "evicted": "evicted earlier",
     "out_of_window": "out of the SWA window",
     "retraction": "recomputed after retraction",
