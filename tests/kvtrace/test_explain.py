@@ -111,3 +111,40 @@ def test_retraction_is_recomputation_with_its_cost(tmp_path: Path) -> None:
     assert report["admissions"] == 2
     assert _nonzero(report) == {"cold": 8, "retraction": 2}
     assert report["retraction_cost"] == {"0": 2}
+
+
+def test_out_of_the_swa_window(tmp_path: Path) -> None:
+    # An SWA model with an 8-token window: rid 0 (24 tokens) keeps the SWA KV of its last
+    # window only. rid 1 shares its first 12 tokens: their full KV is cached, but no
+    # window of SWA KV ends there, so the hit is 0 and the 12 are out of the window.
+    from tests.helpers import with_meta
+
+    def swa(data: dict[str, Any]) -> None:
+        data.update(format_version=2, attention={
+            "full_layer_ids": [1, 3], "swa_layer_ids": [0, 2], "sliding_window": 8,
+            "swa_full_tokens_ratio": 1.0, "swa_pool_tokens": 256})
+        data["config"]["radix_cache"] = True
+        data["model"]["num_layers"] = 4
+
+    p = list(range(500, 524))
+    steps = [[_prefill(0, p)], [("decode", 0, 25, 1)], [("finish", 0, 25, 0)], [_prefill(1, [*p[:12], 1, 2, 3, 4])]]
+    trace = with_meta(_trace(tmp_path / "full.kvtrace", steps), tmp_path / "swa.kvtrace", swa)
+    report = _explain(trace)
+    assert report["reused_tokens"] == 0
+    assert _nonzero(report) == {"cold": 24 + 4, "out_of_window": 12}
+
+
+@pytest.mark.parametrize(("sample", "pool_tokens"), [("tiny", None), ("mooncake-tiny", None)])
+def test_causes_sum_to_the_missed_tokens_on_samples(sample: str, pool_tokens: int | None) -> None:
+    report = _explain(Path(f"sample:{sample}"), pool_tokens=pool_tokens)  # (_explain checks the sum)
+    assert report["admissions"] > 0
+
+
+@pytest.mark.parametrize("sample", ["tiny", "mooncake-tiny"])
+def test_a_pool_that_never_evicts_has_no_evicted_cause_and_lru_is_infinite(sample: str) -> None:
+    report = _explain(Path(f"sample:{sample}"), pool_tokens=4_000_000)
+    assert report["causes"]["evicted"] == 0 and not report["by_trigger"]
+    rates = report["hit_rates"]
+    assert rates["lru"] == rates["infinite"]
+    model = rates["model"]
+    assert model["lru"] == model["belady"] == model["infinite"]
