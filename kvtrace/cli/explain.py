@@ -103,7 +103,9 @@ def explain(
     if as_json:
         ui.emit_json(out)
     else:
-        render_explain(report, f"kvtrace explain {trace}")
+        from kvtrace.explain.report import print_report
+
+        print_report(report, ui.console(), f"kvtrace explain {trace}")
     raise typer.Exit(1 if failed else 0)
 
 
@@ -119,13 +121,3 @@ def run_explained(session: Any, *, belady: bool = True) -> tuple[dict[str, Any],
     with ui.progress("oracles"):
         report = explainer.report().to_dict()
     return result.to_dict(), report, bool(result.failed)
-
-
-def render_explain(report: dict[str, Any], title: str) -> None:
-    """Print an explain report (the JSON object) as text on stdout."""
-    from kvtrace.explain.report import render_lines
-
-    console = ui.console()
-    console.print(title, markup=False)
-    for line in render_lines(report):
-        console.print(line, markup=False)

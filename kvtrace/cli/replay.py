@@ -257,9 +257,9 @@ def replay(
         render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}", rerun=_rerun_options(
             page_size=page_size, pool_tokens=pool_tokens, allocator=allocator, on_oom=on_oom, on_bad_op=on_bad_op))
         if explainer is not None:
-            from kvtrace.cli.explain import render_explain
+            from kvtrace.explain.report import print_report
 
-            render_explain(summary["explain"], "\nexplain")
+            print_report(summary["explain"], ui.console(), "\nexplain")
     raise typer.Exit(1 if result.failed else 0)
 
 

@@ -18,7 +18,7 @@ from kvtrace.explain.oracle import OracleResult, OracleStream, simulate
 if TYPE_CHECKING:
     from kvtrace.replay.session import ReplaySession
 
-__all__ = ["CAUSE_LABELS", "ExplainReport", "Explainer", "build_report", "render_lines"]
+__all__ = ["CAUSE_LABELS", "ExplainReport", "Explainer", "build_report", "print_report", "render_lines"]
 
 CAUSE_LABELS = {
     "cold": "cold (never computed before)",
@@ -181,6 +181,13 @@ def render_lines(d: dict[str, Any]) -> list[str]:
     for name, hist in d["distributions"].items():
         lines += ["", *_render_histogram(name.replace("_", " "), hist)]
     return lines
+
+
+def print_report(report: dict[str, Any], console: Any, title: str) -> None:
+    """Print an explain report (the JSON object) on a rich ``console``, as plain text."""
+    console.print(title, markup=False)
+    for line in render_lines(report):
+        console.print(line, markup=False)
 
 
 def _render_histogram(name: str, hist: dict[str, Any]) -> list[str]:
