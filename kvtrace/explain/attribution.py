@@ -148,10 +148,9 @@ class Attribution:
 
     # ------------------------------------------------------------------ the tree's listener
     def stored(self, leaf: TreeNode) -> None:
-        kb = _path_bytes(leaf)
-        hi = len(kb) // 8
-        self._seen_insert(np.frombuffer(kb, np.int64))
-        self._mark(kb, hi - len(leaf), hi, 0)
+        # NOTE: the shadow is not told: its units were inserted when computed, and an old
+        # eviction id on a unit stored again is never read (a unit in the cache is a hit;
+        # evicted again, it takes the new id).
         self._stored_step[leaf.id] = self._step
 
     def split(self, upper: TreeNode, child: TreeNode) -> None:

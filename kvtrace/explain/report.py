@@ -30,12 +30,15 @@ CAUSE_LABELS = {
 }
 TOP_EVICTORS = 10
 MIN_ORACLE_PAGE_TOKENS = 16
+MAX_ORACLE_POOL_PAGES = 4096
 
 
-def oracle_page_tokens(page_size: int, min_tokens: int = MIN_ORACLE_PAGE_TOKENS) -> int:
-    """The oracle model's page: the replay's page, or its smallest multiple of at least
-    ``min_tokens`` (one-token pages would make the model one Python step per token)."""
-    return -(-min_tokens // page_size) * page_size if page_size < min_tokens else page_size
+def oracle_page_tokens(page_size: int, pool_tokens: int) -> int:
+    """The oracle model's page: the smallest multiple of the replay's page holding at least
+    ``MIN_ORACLE_PAGE_TOKENS`` tokens and ``1 / MAX_ORACLE_POOL_PAGES`` of the pool (the
+    model runs one Python step per page: a finer one would cost more than the replay)."""
+    need = max(MIN_ORACLE_PAGE_TOKENS, -(-pool_tokens // MAX_ORACLE_POOL_PAGES), page_size)
+    return -(-need // page_size) * page_size
 
 
 class Explainer:
@@ -51,7 +54,7 @@ class Explainer:
         self.session = session
         self.belady = belady
         ps = session.config.page_size
-        self.stream = OracleStream(oracle_page_tokens(ps)) if oracles else None
+        self.stream = OracleStream(oracle_page_tokens(ps, session.config.pool_tokens)) if oracles else None
         self.attribution = Attribution.attach(session, self.stream)
 
     def report(self) -> ExplainReport:
