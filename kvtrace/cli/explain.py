@@ -113,7 +113,7 @@ def run_explained(session: Any, *, belady: bool = True) -> tuple[dict[str, Any],
     """Replay ``session`` to its end with explain attached, with progress; return the
     replay's summary, the explain report's JSON object, and whether the replay failed."""
     from kvtrace.cli.replay import _run
-    from kvtrace.explain import Explainer
+    from kvtrace.explain.report import Explainer
 
     explainer = Explainer(session, belady=belady)
     _run(session, None)

@@ -265,7 +265,7 @@ def replay(
 
 def _explainer(session: Any) -> Any:
     """``--explain``: a ``kvtrace.explain.Explainer`` attached to the session before its first step."""
-    from kvtrace.explain import Explainer
+    from kvtrace.explain.report import Explainer
 
     return Explainer(session)
 

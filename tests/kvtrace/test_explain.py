@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtrace.explain import Explainer
+from kvtrace.explain.report import Explainer
 from kvtrace.replay.session import ReplaySession
 from traces.synth import synth_meta
 from traces.writer import TraceWriter
