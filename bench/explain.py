@@ -1,7 +1,7 @@
 """What ``kvtrace explain`` costs against a plain replay of the same trace.
 
 Usage:
-    python bench/explain.py [TRACE] [--repeats N] [--stop-step S]
+    python bench/explain.py [TRACE] [--repeats N] [--stop-step S] [--modes plain,attribution,...]
 
 TRACE defaults to the bundled one-hour Mooncake sample. Each repeat replays the trace in
 this process, one mode after the other (interleaved, so a shared machine's load falls on
@@ -55,11 +55,13 @@ def main() -> None:
     parser.add_argument("trace", nargs="?", default="sample:mooncake-conversation")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stop-step", type=int, default=None)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, plain first")
     args = parser.parse_args()
-    walls: dict[str, list[float]] = {m: [] for m in MODES}
-    cpus: dict[str, list[float]] = {m: [] for m in MODES}
+    modes = tuple(args.modes.split(","))
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.repeats):
-        for mode in MODES:
+        for mode in modes:
             wall, cpu = once(args.trace, mode, args.stop_step)
             walls[mode].append(wall)
             cpus[mode].append(cpu)
@@ -67,7 +69,7 @@ def main() -> None:
     base_wall, base_cpu = statistics.median(walls["plain"]), statistics.median(cpus["plain"])
     print(f"\nmedians over {args.repeats} repeats ({args.trace}"
           + (f", steps :{args.stop_step}" if args.stop_step else "") + ")")
-    for mode in MODES:
+    for mode in modes:
         w, c = statistics.median(walls[mode]), statistics.median(cpus[mode])
         print(f"  {mode:<12} wall {w:7.2f} s ({w / base_wall:.2f}x)  cpu {c:7.2f} s ({c / base_cpu:.2f}x)")
     print(f"peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB")

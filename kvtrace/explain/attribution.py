@@ -130,6 +130,7 @@ class Attribution:
         self._swa = isinstance(tree, SwaRadixCache)
         self._oracle = oracle
         self._seen = RadixCache(1)  # never evicts: no allocator needed
+        self._zeros = np.zeros(0, np.int32)
         self._step = -1
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
@@ -271,8 +272,11 @@ class Attribution:
 
     # ------------------------------------------------------------------ the shadow
     def _seen_insert(self, key: np.ndarray) -> None:
-        if key.shape[0]:
-            self._seen.insert(key, np.zeros(key.shape[0], np.int32))
+        n = key.shape[0]
+        if n:
+            if self._zeros.shape[0] < n:  # insert copies the part it stores: one buffer serves
+                self._zeros = np.zeros(max(n, 2 * self._zeros.shape[0]), np.int32)
+            self._seen.insert(key, self._zeros)
 
     def _walk(self, kb: bytes) -> list[tuple[TreeNode, int, int]]:
         """(node, first unit, units matched) of each shadow node along ``kb``."""
