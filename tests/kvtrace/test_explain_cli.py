@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -54,3 +55,14 @@ def test_replay_explain_adds_the_report_under_a_key() -> None:
 def test_replay_explain_refuses_the_dashboard() -> None:
     result = runner.invoke(app, ["replay", "sample:tiny", "--explain", "--tui"])
     assert result.exit_code == 2 and "--explain" in result.stderr
+
+
+def test_explain_and_kv_events_share_the_radix_cache_listener(tmp_path: Path) -> None:
+    alone = json.loads(runner.invoke(app, ["replay", "sample:mooncake-tiny", "--json", "--kv-events",
+                                           str(tmp_path / "a.kvev")]).stdout)
+    result = runner.invoke(app, ["replay", "sample:mooncake-tiny", "--json", "--explain", "--kv-events",
+                                  str(tmp_path / "b.kvev")])
+    assert result.exit_code == 0, result.stderr
+    both = json.loads(result.stdout)
+    assert both["kv_events"]["blocks_removed"] == alone["kv_events"]["blocks_removed"] > 0
+    assert sum(row["evicted_tokens"] for row in both["explain"]["by_trigger"].values()) == both["evicted_tokens"]
