@@ -383,6 +383,7 @@ COMMAND_MODULES: dict[str, str] = {
     "validate": "info",
     "record": "record",
     "replay": "replay",
+    "explain": "explain",
     "diff": "diff",
     "versions": "diff",
     "view": "view",

@@ -160,6 +160,7 @@ def replay(
     kv_events_paced: Annotated[bool, typer.Option("--kv-events-paced", help="With --kv-events: publish each step's batch at its time in the trace (else as fast as the replay goes).")] = False,
     kv_events_replay: Annotated[Optional[str], typer.Option("--kv-events-replay", metavar="tcp://HOST:PORT", help="With --kv-events tcp://...: answer replay requests for missed batches here (SGLang's replay endpoint).", show_default=False)] = None,
     kv_events_wait: Annotated[float, typer.Option("--kv-events-wait", min=0.0, metavar="SECONDS", help="With --kv-events tcp://...: wait this long for a first subscriber before publishing, and after the last batch answer replay requests until the subscribers leave, at most this long.", callback=finite)] = 0.0,
+    explain: Annotated[bool, typer.Option("--explain", help="Also explain the prefix misses (kvtrace explain): printed after the summary, under \"explain\" in --json.")] = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -192,6 +193,8 @@ def replay(
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
                                  "steps before it into one batch); use --steps :B or drop --kv-events",
                                  param_hint="--steps")
+    if explain and tui:
+        raise typer.BadParameter("the dashboard shows no explain report; drop --explain or --tui", param_hint="--explain")
     events_out = _kv_events_target(kv_events, kv_events_replay, kv_events_wait, tui, force, trace)
     options = ReplayOptions(
         state_digest=digests,
@@ -221,6 +224,7 @@ def replay(
         force_memory=ignore_memory_check,
     ) as session, _kv_events_sink(session, events_out, kv_events, kv_events_replay, kv_events_wait,
                                   kv_events_paced) as emitter:
+        explainer = _explainer(session) if explain else None
         if target is None:
             _run(session, None, emitter)
         else:
@@ -231,6 +235,9 @@ def replay(
                     _run(session, log, emitter)
         result = session.result()
     summary = result.to_dict()
+    if explainer is not None:
+        with ui.progress("oracles"):
+            summary["explain"] = explainer.report().to_dict()
     if emitter is not None:
         summary["kv_events"] = {"target": kv_events, **emitter.summary()}
         if not as_json:
@@ -249,7 +256,18 @@ def replay(
     else:
         render_replay_summary(summary, ui.console(), title=f"kvtrace replay {trace}", rerun=_rerun_options(
             page_size=page_size, pool_tokens=pool_tokens, allocator=allocator, on_oom=on_oom, on_bad_op=on_bad_op))
+        if explainer is not None:
+            from kvtrace.explain.report import print_report
+
+            print_report(summary["explain"], ui.console(), "\nexplain")
     raise typer.Exit(1 if result.failed else 0)
+
+
+def _explainer(session: Any) -> Any:
+    """``--explain``: a ``kvtrace.explain.Explainer`` attached to the session before its first step."""
+    from kvtrace.explain.report import Explainer
+
+    return Explainer(session)
 
 
 def _rerun_options(*, page_size: int | None, pool_tokens: int | None, allocator: str, on_oom: OnOom,

@@ -1,0 +1,397 @@
+"""Attribution: every admission's missed prefix tokens, split into causes that sum exactly.
+
+An admission is a request's first extend (or its first after a retraction); it misses
+``prefill_target - prefix_hit`` tokens (the replay's ``admitted_tokens - reused_tokens``).
+They split, in prompt order::
+
+    0        hit         infinite ceiling A          seen U      target T
+    |--------|================================|-----------|------------|
+      reused   evicted / out_of_window /          floor        cold
+               uncached
+
+- ``evicted``: cached once, evicted since: each token names the eviction (step, trigger,
+  the request whose call evicted it);
+- ``out_of_window``: the full KV is cached but the SWA KV is not (a sliding-window tree's
+  tombstones);
+- ``uncached``: computed before but never put in the cache, or not yet (a prefill
+  still in flight, a request aborted or retracted before its tokens were cached);
+- ``floor``: computed before, but in a partial last page or past the match cap (SGLang
+  matches at most ``len - 1`` tokens): no page size ``page_size`` cache can hold it;
+- ``cold``: never computed before (or past the first chunk of a chunked prefill);
+- ``retraction``: a retracted request's re-admission: everything it misses is
+  recomputation (its per-request cost is kept too).
+
+What was ever computed is a shadow ``RadixCache`` with one-unit pages (the same keying as
+the replay's cache: token ids, or EAGLE bigram units), never evicted; its values are, per
+unit, the id of the eviction that last removed it from the replay's cache (0: none).
+The replay's cache reports stores and evictions through its ``TreeListener``; the
+trigger and the request of an eviction come from the allocator call the engine is making
+(``_WatchedAllocator``). A sliding-window tree tells no listener: there, evictions name no
+evictor and ``uncached`` is folded into ``evicted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from allocator.base import AllocResult
+from allocator.pages import floor_align
+from allocator.radix_cache import RadixCache, TreeNode
+from kvtrace.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtrace.explain.oracle import OracleStream
+    from kvtrace.replay.session import ReplaySession
+
+__all__ = ["CAUSES", "Attribution", "EvictionRecord", "Trigger"]
+
+Cause = Literal["cold", "floor", "uncached", "evicted", "out_of_window", "retraction"]
+CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "out_of_window", "retraction")
+Trigger = Literal["admission", "decode", "spec_reserve", "retraction", "prealloc", "other"]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionRecord:
+    """One allocator call's eviction: when, why, whose call."""
+
+    step: int
+    trigger: Trigger
+    rid: int  # the request whose call evicted (the first of its batch)
+    batch_size: int  # requests in that call
+
+
+@dataclass(slots=True)
+class _Pending:
+    step: int
+    trigger: Trigger
+    rid: int
+    batch_size: int
+    record_id: int = 0  # assigned at the call's first eviction
+
+
+@dataclass
+class Attribution:
+    """Missed tokens by cause, gathered while a ``ReplaySession`` runs (``attach``).
+
+    Attributes:
+        causes: tokens missed by cause, over every admission.
+        admissions: admissions seen; ``admitted_tokens`` / ``reused_tokens`` as the replay counts them.
+        infinite_tokens: tokens an infinite cache would have reused (hit + evicted + out of window).
+        records: every eviction (id ``i + 1`` is ``records[i]``), ``record_tokens`` its tokens
+            evicted and ``record_missed`` the tokens later missed because of it.
+        retraction_cost: per retracted request, tokens recomputed at its re-admissions.
+        eviction_ages: (age in steps, tokens) of every evicted node since it was stored.
+    """
+
+    page_size: int = 1
+    causes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    admissions: int = 0
+    admitted_tokens: int = 0
+    reused_tokens: int = 0
+    infinite_tokens: int = 0
+    records: list[EvictionRecord] = field(default_factory=list)
+    record_tokens: list[int] = field(default_factory=list)
+    record_missed: dict[int, int] = field(default_factory=dict)
+    unknown_evictor_tokens: int = 0
+    retraction_cost: dict[int, int] = field(default_factory=dict)
+    eviction_ages: list[tuple[int, int]] = field(default_factory=list)
+    per_request: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ wiring
+    @classmethod
+    def attach(cls, session: ReplaySession, oracle: OracleStream | None = None) -> Attribution:
+        """Watch ``session`` (before its first step) and return what it gathers.
+
+        Raises:
+            ConfigError: the session's allocator has no radix cache (``tree_cache``), or it is off.
+        """
+        tree = getattr(session.allocator, "tree_cache", None)
+        if not isinstance(tree, RadixCache):
+            raise ConfigError(f"allocator '{session.version.spec}' has no radix cache: no prefix hit to explain")
+        if tree.disable:
+            raise ConfigError(
+                "the radix cache is off in this configuration (radix_cache false in the trace or the version): "
+                "no prefix hit to explain"
+            )
+        self = cls(page_size=tree.page_size)
+        self._setup(session, tree, oracle)
+        return self
+
+    def _setup(self, session: ReplaySession, tree: RadixCache, oracle: OracleStream | None) -> None:
+        from allocator.swa_radix import SwaRadixCache
+
+        engine = session.engine
+        self._engine = engine
+        self._tree = tree
+        self._swa = isinstance(tree, SwaRadixCache)
+        self._oracle = oracle
+        self._seen = RadixCache(1)  # never evicts: no allocator needed
+        self._zeros = np.zeros(0, np.int32)
+        self._step = -1
+        self._call: _Pending | None = None
+        self._retracted: dict[int, int] = {}
+        self._stored_step: dict[int, int] = {}
+        # NOTE: the engine and its allocator are the session's; explain wraps them rather
+        # than asking the engine for hooks, so a plain replay pays nothing.
+        engine.allocator = _WatchedAllocator(engine.allocator, self)
+        inner_step = engine.replay_step
+
+        def replay_step(batch: Any) -> Any:
+            self._step = batch.step
+            return inner_step(batch)
+
+        engine.replay_step = replay_step  # type: ignore[method-assign]
+        tree.listener = self if tree.listener is None else _Tee(tree.listener, self)
+
+    # ------------------------------------------------------------------ the tree's listener
+    def stored(self, leaf: TreeNode) -> None:
+        # NOTE: the shadow is not told: its units were inserted when computed, and an old
+        # eviction id on a unit stored again is never read (a unit in the cache is a hit;
+        # evicted again, it takes the new id).
+        self._stored_step[leaf.id] = self._step
+
+    def split(self, upper: TreeNode, child: TreeNode) -> None:
+        self._stored_step[upper.id] = self._stored_step.get(child.id, self._step)
+
+    def removed(self, node: TreeNode) -> None:
+        call = self._call
+        if call is None:
+            call = self._call = _Pending(self._step, "other", -1, 0)
+        if call.record_id == 0:
+            self.records.append(EvictionRecord(call.step, call.trigger, call.rid, call.batch_size))
+            self.record_tokens.append(0)
+            call.record_id = len(self.records)
+        n = len(node)
+        self.record_tokens[call.record_id - 1] += n
+        kb = _path_bytes(node)
+        hi = len(kb) // 8
+        self._mark(kb, hi - n, hi, call.record_id)
+        born = self._stored_step.pop(node.id, None)
+        if born is not None:
+            self.eviction_ages.append((self._step - born, n))
+
+    # ------------------------------------------------------------------ allocator calls
+    def _begin(self, trigger: Trigger, rids: np.ndarray, first: int | None = None) -> None:
+        rid = int(rids[0]) if first is None and rids.shape[0] else (first if first is not None else -1)
+        self._call = _Pending(self._step, trigger, rid, int(rids.shape[0]))
+
+    def _after_extend(
+        self, rids: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray], admitted: np.ndarray,
+        prefix: np.ndarray | None,
+    ) -> None:
+        tree = self._tree
+        keys = [tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]) for i in range(rids.shape[0])]
+        if prefix is not None and admitted.any():
+            targets = self._engine._req["prefill_target"].a  # what the replay counts as admitted
+            for i in np.flatnonzero(admitted).tolist():
+                rid = int(rids[i])
+                self._admit(rid, int(targets[rid]), int(prefix[i]), keys[i], int(seq_lens[i]))
+        # Computed now: seen by later calls (not by this batch's other requests).
+        for key in keys:
+            self._seen_insert(key)
+
+    def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, seq_len: int) -> None:
+        """Split one admission's ``target - hit`` missed tokens into causes (counted in the
+        replay's ``--steps`` window only, as the replay counts its admissions)."""
+        retracted = self._retracted.pop(rid, None)
+        if not self._engine.in_window:
+            if self._oracle is not None:
+                self._oracle.insert(key_full)
+            return
+        self.admissions += 1
+        self.admitted_tokens += target
+        self.reused_tokens += hit
+        missed = target - hit
+        got = dict.fromkeys(CAUSES, 0)
+        if self._oracle is not None:
+            self._oracle.access(self._step, key_full, seq_len, target, hit, self._tree.is_eagle)
+        ps = self.page_size
+        # SGLang's match key: capped at len - 1 tokens (``Kvallocator.extend``).
+        match_units = max(min(key_full.shape[0], seq_len - 1 - (1 if self._tree.is_eagle else 0)), 0)
+        seen = self._seen.peek_prefix_len(key_full)
+        ceiling = max(floor_align(min(seen, match_units), ps), hit)
+        if ceiling > hit:
+            kb = key_full[:ceiling].tobytes()
+            recs = self._values(kb, hit, ceiling)
+            gone = recs[recs > 0]
+            unknown = int(recs.shape[0] - gone.shape[0])
+            if gone.shape[0]:
+                if retracted is None:
+                    ids, counts = np.unique(gone, return_counts=True)
+                    for rec, n in zip(ids.tolist(), counts.tolist()):
+                        self.record_missed[rec] = self.record_missed.get(rec, 0) + n
+                got["evicted"] += int(gone.shape[0])
+            if unknown:
+                if self._swa:
+                    full = min(RadixCache.peek_prefix_len(self._tree, key_full[:match_units]), ceiling)
+                    window = max(full - hit, 0)
+                    got["out_of_window"] += min(window, unknown)
+                    got["evicted"] += unknown - min(window, unknown)
+                    self.unknown_evictor_tokens += unknown - min(window, unknown)
+                else:
+                    got["uncached"] += unknown
+        self.infinite_tokens += hit + got["evicted"] + got["out_of_window"]
+        got["floor"] = max(min(seen, target) - ceiling, 0)
+        got["cold"] = missed - sum(got.values())
+        assert got["cold"] >= 0, f"request {rid}: causes {got} exceed the {missed} missed tokens"
+        if retracted is not None:  # whatever the reason, it is the retraction's recomputation
+            got = dict.fromkeys(CAUSES, 0)
+            got["retraction"] = missed
+            self.retraction_cost[rid] = self.retraction_cost.get(rid, 0) + missed
+        self._add(rid, got)
+
+    def _add(self, rid: int, got: dict[str, int]) -> None:
+        mine = self.per_request.setdefault(rid, dict.fromkeys(CAUSES, 0))
+        for cause, n in got.items():
+            self.causes[cause] += n
+            mine[cause] += n
+
+    def _retract(self, rids: np.ndarray, owned: np.ndarray) -> None:
+        for rid, n in zip(rids.tolist(), np.asarray(owned).tolist()):
+            self._retracted[rid] = n
+
+    def _finish(self, tokens: Sequence[np.ndarray] | None) -> None:
+        if tokens is None:
+            return
+        for toks in tokens:
+            key = self._tree.make_key(np.asarray(toks))
+            self._seen_insert(key)
+            if self._oracle is not None:
+                self._oracle.insert(key)
+
+    def _published(self, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray], done: np.ndarray | None) -> None:
+        if self._oracle is None:
+            return
+        for i in range(len(token_ids)):
+            if done is None or bool(done[i]):
+                self._oracle.insert(self._tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]))
+
+    # ------------------------------------------------------------------ the shadow
+    def _seen_insert(self, key: np.ndarray) -> None:
+        n = key.shape[0]
+        if n:
+            if self._zeros.shape[0] < n:  # insert copies the part it stores: one buffer serves
+                self._zeros = np.zeros(max(n, 2 * self._zeros.shape[0]), np.int32)
+            self._seen.insert(key, self._zeros)
+
+    def _walk(self, kb: bytes) -> list[tuple[TreeNode, int, int]]:
+        """(node, first unit, units matched) of each shadow node along ``kb``."""
+        out = []
+        node = self._seen.root_node
+        pos = 0
+        nb = len(kb)
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + 8])
+            if child is None:
+                break
+            if kb.startswith(child.key, pos):
+                out.append((child, pos // 8, len(child)))
+                pos += len(child.key)
+                node = child
+                continue
+            out.append((child, pos // 8, self._seen._matched_units(child.key, kb, pos)))
+            break
+        return out
+
+    def _mark(self, kb: bytes, lo: int, hi: int, rec: int) -> None:
+        for node, start, m in self._walk(kb):
+            a, b = max(lo, start), min(hi, start + m)
+            if a < b:
+                node.value[a - start : b - start] = rec
+
+    def _values(self, kb: bytes, lo: int, hi: int) -> np.ndarray:
+        parts = []
+        for node, start, m in self._walk(kb):
+            a, b = max(lo, start), min(hi, start + m)
+            if a < b:
+                parts.append(node.value[a - start : b - start])
+        got = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        if got.shape[0] < hi - lo:  # not in the shadow: nothing names an eviction
+            got = np.concatenate([got, np.zeros(hi - lo - got.shape[0], np.int32)])
+        return got
+
+
+def _path_bytes(node: TreeNode) -> bytes:
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    parts.reverse()
+    return b"".join(parts)
+
+
+class _Tee:
+    """Two tree listeners (the KV-event publisher and explain), told in order."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def stored(self, leaf: TreeNode) -> None:
+        self.first.stored(leaf)
+        self.second.stored(leaf)
+
+    def split(self, upper: TreeNode, child: TreeNode) -> None:
+        self.first.split(upper, child)
+        self.second.split(upper, child)
+
+    def removed(self, node: TreeNode) -> None:
+        self.first.removed(node)
+        self.second.removed(node)
+
+
+class _WatchedAllocator:
+    """The session's allocator as the engine sees it: each call tells ``Attribution``
+    what it is (trigger, requests) before it runs, and what it matched after."""
+
+    def __init__(self, inner: Any, attribution: Attribution) -> None:
+        self._inner = inner
+        self._attr = attribution
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def extend(self, rids: Any, seq_lens: Any, token_ids: Sequence[np.ndarray], prefill_done: Any = None) -> Any:
+        r = np.asarray(rids, np.int64)
+        seq = np.asarray(seq_lens, np.int64)
+        admitted = ~np.asarray(self._inner.holds_kv(r), bool)
+        first = int(r[admitted][0]) if admitted.any() else None
+        self._attr._begin("admission", r, first)
+        res = self._inner.extend(rids, seq_lens, token_ids, prefill_done)
+        if isinstance(res, AllocResult):
+            self._attr._after_extend(r, seq, token_ids, admitted, res.prefix_lens)
+            self._attr._published(seq, token_ids, prefill_done)
+        self._attr._call = None
+        return res
+
+    def decode(self, rids: Any) -> Any:
+        self._attr._begin("decode", np.asarray(rids, np.int64))
+        res = self._inner.decode(rids)
+        self._attr._call = None
+        return res
+
+    def spec_decode(self, rids: Any, accepted_lens: Any) -> Any:
+        self._attr._begin("spec_reserve", np.asarray(rids, np.int64))
+        res = self._inner.spec_decode(rids, accepted_lens)
+        self._attr._call = None
+        return res
+
+    def prealloc(self, rids: Any, fill_lens: Any, token_ids: Any) -> Any:
+        self._attr._begin("prealloc", np.asarray(rids, np.int64))
+        res = self._inner.prealloc(rids, fill_lens, token_ids)
+        self._attr._call = None
+        return res
+
+    def release(self, rids: Any, owned: Any, tokens: Any, kind: str) -> Any:
+        r = np.asarray(rids, np.int64)
+        self._attr._begin("retraction" if kind == "retract" else "other", r)
+        if kind == "finish":
+            self._attr._finish(tokens)  # seen before the cache stores it
+        res = self._inner.release(rids, owned, tokens, kind)
+        if kind == "retract":
+            self._attr._retract(r, owned)
+        self._attr._call = None
+        return res

@@ -1,0 +1,68 @@
+"""``kvtrace explain`` and ``kvtrace replay --explain`` end to end (CliRunner)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kvtrace.cli import app
+
+runner = CliRunner()
+
+
+def test_explain_json_holds_the_causes_the_oracles_and_the_replay() -> None:
+    result = runner.invoke(app, ["explain", "sample:tiny", "--json"])
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert sum(out["causes"].values()) == out["missed_tokens"] > 0
+    assert out["replay"]["prefix_hit_rate"] == out["hit_rates"]["lru"]
+    model = out["hit_rates"]["model"]
+    assert model["infinite"] >= model["belady"] >= model["lru"]
+    assert set(out["distributions"]) == {"age_at_hit", "reuse_distance", "reuse_count", "age_at_eviction"}
+    assert out["retraction_cost"] and out["by_trigger"]["spec_reserve"]["evictions"] >= 1
+
+
+def test_explain_text_and_the_replay_options() -> None:
+    result = runner.invoke(app, ["explain", "sample:tiny", "--pool-tokens", "100000", "--no-belady"])
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    assert "missed tokens by cause" in text and "recomputed after retraction" in text
+    assert "evictions by trigger" not in text  # nothing is evicted from a pool that large
+    assert "Belady -" in text and "policy gap" not in text
+
+
+def test_a_configuration_without_a_radix_cache_is_one_line() -> None:
+    result = runner.invoke(app, ["explain", "sample:mooncake-gemma-3"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("kvtrace: error: the radix cache is off") and "\n" not in result.stderr.strip()
+
+
+def test_replay_explain_adds_the_report_under_a_key() -> None:
+    plain = json.loads(runner.invoke(app, ["replay", "sample:tiny", "--json"]).stdout)
+    assert "explain" not in plain
+    result = runner.invoke(app, ["replay", "sample:tiny", "--json", "--explain"])
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["explain"]["missed_tokens"] == sum(out["explain"]["causes"].values())
+    assert {k: v for k, v in out.items() if k not in ("explain", "wall_s", "allocator_s", "speedup_vs_realtime")} == {
+        k: v for k, v in plain.items() if k not in ("wall_s", "allocator_s", "speedup_vs_realtime")}
+    text = runner.invoke(app, ["replay", "sample:tiny", "--explain"])
+    assert text.exit_code == 0 and "missed tokens by cause" in text.stdout
+
+
+def test_replay_explain_refuses_the_dashboard() -> None:
+    result = runner.invoke(app, ["replay", "sample:tiny", "--explain", "--tui"])
+    assert result.exit_code == 2 and "--explain" in result.stderr
+
+
+def test_explain_and_kv_events_share_the_radix_cache_listener(tmp_path: Path) -> None:
+    alone = json.loads(runner.invoke(app, ["replay", "sample:mooncake-tiny", "--json", "--kv-events",
+                                           str(tmp_path / "a.kvev")]).stdout)
+    result = runner.invoke(app, ["replay", "sample:mooncake-tiny", "--json", "--explain", "--kv-events",
+                                  str(tmp_path / "b.kvev")])
+    assert result.exit_code == 0, result.stderr
+    both = json.loads(result.stdout)
+    assert both["kv_events"]["blocks_removed"] == alone["kv_events"]["blocks_removed"] > 0
+    assert sum(row["evicted_tokens"] for row in both["explain"]["by_trigger"].values()) == both["evicted_tokens"]
