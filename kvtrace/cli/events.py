@@ -114,7 +114,7 @@ def events_check(
     Exit code: 0 clean (and identical); 1 problems or divergences; 2 bad input.
     """
     from kvtrace.events.check import check_against, check_stream
-    from kvtrace.events.emit import replay_events
+    from kvtrace.events.sources import replay_events
     from kvtrace.events.record import Subscription
     from kvtrace.events.wire import is_endpoint, read_frames
 

@@ -370,7 +370,7 @@ def check_against(frames: Iterable[Frame], expected: Iterator[StepEvents],
 
     Args:
         frames: the stream, in arrival order.
-        expected: the replay's batches (``kvtrace.events.emit.replay_events``).
+        expected: the replay's batches (``kvtrace.events.sources.replay_events``).
         on_step: told of each replayed step with a batch (progress).
     """
     steps: list[int] = []

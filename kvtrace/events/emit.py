@@ -11,7 +11,7 @@ chain, or a remove after a remove, joins the event before it).
 
 Each node keeps its pages' digests (``kvtrace.events.blocks``); a split divides them
 between the two parts, so a page's hash never depends on how the tree was cut.
-``TreeEvents`` builds the events in the replay's process (``Emitter``, ``replay_events``);
+``TreeEvents`` builds the events in the replay's process (``Emitter``, ``kvtrace.events.sources.replay_events``);
 ``TreeOps`` only records the changes, for a builder in a child process that hashes,
 encodes and writes (``BackgroundEmitter``, what ``kvtrace replay --kv-events`` uses)::
 
@@ -23,7 +23,7 @@ encodes and writes (``BackgroundEmitter``, what ``kvtrace replay --kv-events`` u
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -57,7 +57,6 @@ __all__ = [
     "attach",
     "eagle_refusal",
     "events_tree",
-    "replay_events",
 ]
 
 
@@ -229,28 +228,6 @@ def attach(tree: RadixCache | None, spec: str) -> TreeEvents | None:
     listener = TreeEvents(tree)
     tree.listener = listener
     return listener
-
-
-def replay_events(session: ReplaySession) -> Iterator[StepEvents]:
-    """The events of each step of ``session`` that published any, replaying it as they
-    are read (the source is switched on now, before the first step: SGLang's own recorder
-    for the ``sglang`` version, else a listener on the tree, ``kvtrace.events.sources``).
-
-    Raises:
-        ConfigError: see ``kvtrace.events.sources.event_source``.
-    """
-    from kvtrace.events.sources import event_source  # it imports this module
-
-    return _step_events(session, event_source(session))
-
-
-def _step_events(session: ReplaySession, take: Callable[[], list[Event]] | None) -> Iterator[StepEvents]:
-    for snap in session.snapshots():
-        if take is None:
-            continue
-        events = take()
-        if events:
-            yield StepEvents(snap.step, snap.time_s, events)
 
 
 class _Pacer:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvtrace.events.blocks import Event
     from kvtrace.replay.session import ReplaySession
 
-__all__ = ["EventTake", "event_source", "step_events"]
+__all__ = ["EventTake", "event_source", "replay_events", "step_events"]
 
 EventTake = Callable[[], "list[Event]"]  # the events recorded since the last call
 
@@ -66,3 +66,13 @@ def step_events(session: ReplaySession) -> Iterator[StepEvents]:
 def _steps(session: ReplaySession, take: EventTake | None) -> Iterator[StepEvents]:
     for snap in session.snapshots():
         yield StepEvents(snap.step, snap.time_s, [] if take is None else take())
+
+
+def replay_events(session: ReplaySession) -> Iterator[StepEvents]:
+    """The events of each step of ``session`` that published any, replaying it as they
+    are read (``step_events`` without the empty steps).
+
+    Raises:
+        ConfigError, KvtraceError: see ``event_source``.
+    """
+    return (step for step in step_events(session) if step.events)
