@@ -183,6 +183,7 @@ class SchedulerConfig:
     pd_decode: bool = False
     hisparse: bool = False
     radix_cache: bool = True
+    eviction_policy: str = "lru"
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
 
@@ -199,6 +200,7 @@ class SchedulerConfig:
             pd_decode=self.pd_decode,
             hisparse=self.hisparse,
             radix_cache=self.radix_cache,
+            eviction_policy=self.eviction_policy,
         )
 
 

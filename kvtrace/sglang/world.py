@@ -346,6 +346,7 @@ class SGLangEngine:
         params = SG.CacheInitParams(
             disable=not config.radix_cache, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
+            eviction_policy=config.eviction_policy,
         )
         if config.swa is not None:  # decision 11
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
