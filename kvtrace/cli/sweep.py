@@ -209,6 +209,11 @@ def sweep_run(
         str | None,
         typer.Option("--chunk", help="Chunked-prefill sizes, 0 for none, e.g. 4096,8192 (simulated cells).", show_default="each input's own"),
     ] = None,
+    eviction_policy: Annotated[
+        str | None,
+        typer.Option("--eviction-policy", help="Radix eviction policies, e.g. lru,lfu,slru (lru lfu fifo mru filo "
+                     "priority slru).", show_default="each input's own"),
+    ] = None,
     reschedule: Annotated[
         bool, typer.Option("--reschedule", help="Simulate traces too: their requests scheduled anew under each cell's options.")
     ] = False,
@@ -280,6 +285,7 @@ def sweep_run(
         specs=_specs(spec),
         max_running=_axis(max_running, "--max-running"),
         chunks=_axis(chunk, "--chunk", minimum=0),
+        eviction_policies=_policies(eviction_policy),
         settings=SweepSettings(
             check=check.value,
             on_oom=on_oom.value,
@@ -294,6 +300,24 @@ def sweep_run(
     _check_grid(grid, {"--spec": spec, "--max-running": max_running, "--chunk": chunk})
     _warn_about_traces(s for s in sources if s.kind == "simulate" and s.fmt == "trace")
     _run(grid, target, jobs or os.cpu_count() or 1, ray, quiet or as_json, as_json)
+
+
+def _policies(text: str | None) -> tuple[str | None, ...]:
+    """``--eviction-policy lru,lfu`` -> ``("lru", "lfu")``; None: each input's own."""
+    from allocator.evict_policy import check_eviction_policy
+
+    if text is None:
+        return (None,)
+    policies: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            policy = check_eviction_policy(part)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--eviction-policy") from None
+        if policy in policies:
+            raise typer.BadParameter(f"{part!r} is given twice", param_hint="--eviction-policy")
+        policies.append(policy)
+    return tuple(policies)
 
 
 def _warn_about_traces(sources: Any) -> None:
@@ -377,7 +401,8 @@ REPORT_EXAMPLES = examples(
 )
 _TABLE = (
     ("input", "input", ""), ("kind", "kind", ""), ("version", "version", ""), ("pool", "pool_tokens", ""),
-    ("page", "page_size", ""), ("spec", "spec", ""), ("hit rate", "prefix_hit_rate", "pct"),
+    ("page", "page_size", ""), ("spec", "spec", ""), ("eviction", "eviction_policy", ""),
+    ("hit rate", "prefix_hit_rate", "pct"),
     ("peak KV", "peak_occupancy", "pct"), ("retractions", "retractions", ""), ("duration s", "duration_s", ""),
     ("TTFT p50 s", "ttft_p50_s", ""), ("OOM step", "oom_step", ""), ("violations", "violations", ""),
     ("status", "status", ""),
@@ -424,10 +449,14 @@ def sweep_report(
     from rich.table import Table
 
     table = Table(title=f"kvtrace sweep report {results}", title_justify="left")
-    for header, _, _ in _TABLE:
-        table.add_column(header, justify="left" if header in ("input", "kind", "version", "spec", "status") else "right")
+    # The eviction column only when a cell asked for a policy (--eviction-policy).
+    columns = [c for c in _TABLE if c[1] != "eviction_policy" or any(r["eviction_policy"] != "own" for r in rows)]
+    for header, _, _ in columns:
+        table.add_column(
+            header, justify="left" if header in ("input", "kind", "version", "spec", "eviction", "status") else "right"
+        )
     for row in rows:
-        table.add_row(*(fmt_cell(row[key], kind) for _, key, kind in _TABLE))
+        table.add_row(*(fmt_cell(row[key], kind) for _, key, kind in columns))
     ui.console().print(table)
     for number, row in enumerate(rows, 1):
         why = row["error"] if row["status"] == "failed" else row["problem"]

@@ -1,5 +1,5 @@
 """A sweep's grid: inputs x allocator versions x pool sizes x page sizes x speculative
-settings x request rows x chunk sizes, one ``Cell`` per combination.
+settings x request rows x chunk sizes x eviction policies, one ``Cell`` per combination.
 
 An input is *simulated* (a workload file: the scheduler model runs under the cell's
 configuration, as ``kvtrace record`` does) or *replayed* (a trace: its recorded
@@ -134,6 +134,7 @@ class Cell:
     max_running: int | None = None
     chunk: int | None = None
     settings: SweepSettings = field(default_factory=SweepSettings)
+    eviction_policy: str | None = None
 
     @property
     def kind(self) -> CellKind:
@@ -148,6 +149,7 @@ class Cell:
             PARAM_PREFIX + "spec": self.spec,
             PARAM_PREFIX + "max_running": self.max_running,
             PARAM_PREFIX + "chunk": self.chunk,
+            PARAM_PREFIX + "eviction_policy": self.eviction_policy,
         }
 
     @property
@@ -160,6 +162,8 @@ class Cell:
             **self.params(),
             "settings": self.settings.fingerprint(),
         }
+        if self.eviction_policy is None:  # the input's own: the key cells had before the axis
+            del ident[PARAM_PREFIX + "eviction_policy"]
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
 
     def describe(self) -> str:
@@ -180,12 +184,14 @@ class Grid:
     max_running: tuple[int | None, ...] = (None,)
     chunks: tuple[int | None, ...] = (None,)
     settings: SweepSettings = field(default_factory=SweepSettings)
+    eviction_policies: tuple[str | None, ...] = (None,)
 
     def cells(self) -> list[Cell]:
-        """Every combination: inputs outermost, chunk sizes innermost."""
+        """Every combination: inputs outermost, eviction policies innermost."""
         return [
-            Cell(source, version, pool, page, spec, rows, chunk, self.settings)
-            for source, version, pool, page, spec, rows, chunk in product(
-                self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks
+            Cell(source, version, pool, page, spec, rows, chunk, self.settings, eviction_policy=policy)
+            for source, version, pool, page, spec, rows, chunk, policy in product(
+                self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks,
+                self.eviction_policies,
             )
         ]
