@@ -154,13 +154,8 @@ class ReplaySession(Checkpointing):
         self.label = label if label is not None else str(trace if not isinstance(trace, TraceReader) else trace.path)
         self.meta = self.reader.meta
         self.config = effective_config(
-            self.meta,
-            version_spec=self.version.spec,
-            version_page_size=self.version.page_size,
-            page_size=page_size,
-            pool_tokens=pool_tokens,
-            device=device,
-            eviction_policy=eviction_policy,
+            self.meta, version_spec=self.version.spec, version_page_size=self.version.page_size,
+            page_size=page_size, pool_tokens=pool_tokens, device=device, eviction_policy=eviction_policy,
         )
         check_memory(
             self.config,

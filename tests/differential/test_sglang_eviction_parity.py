@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from allocator.evict_policy import EVICTION_POLICIES
 from kvtrace.cli import app
+from kvtrace.sglang import scenario as sc
 from tests.differential import harness
 
 runner = CliRunner()
@@ -34,3 +35,12 @@ def test_policy_identical_to_sglang_exactly(policy: str, page_size: int, tmp_pat
     res = runner.invoke(app, ["diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact"])
     assert res.exit_code == 0, res.output
     assert "identical over" in res.output
+
+
+def test_scenario_header_carries_the_policy() -> None:
+    """SGLang's side is built from the scenario config: a policy other than LRU travels
+    in it; LRU leaves the header as it was before policies existed."""
+    lfu = sc.ScenarioConfig(pool_tokens=64, eviction_policy="lfu")
+    assert sc.ScenarioConfig.from_dict(lfu.to_dict()).eviction_policy == "lfu"
+    assert "evict=lfu" in lfu.label()
+    assert "eviction_policy" not in sc.ScenarioConfig(pool_tokens=64).to_dict()
