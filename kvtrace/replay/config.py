@@ -126,6 +126,8 @@ def allocator_config_for(
     if swa is not None and "swa" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no sliding-window (SWA) pool: it cannot replay a trace "
                           "with an attention layout (kvtrace info shows the trace's)")
+    if policy != "lru" and "eviction_policy" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
+        raise ConfigError(f"this allocator version has no eviction policies: it evicts by LRU only, not {policy!r}")
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
