@@ -1083,10 +1083,14 @@ def checkpoint_kv_cache(
     key_len = tree.key_len(up_to)
     key = tree.make_key(token_ids[:up_to])[:key_len]
     values = table[row, :key_len]  # a view: insert and free copy what they keep
-    prefix_len, _ = tree.insert(key, values)
+    inserted = int(kv.cache_inserted_len[row])
+    prefix_len, _ = tree.insert(key, values, inserted_len=inserted)
+    if key_len > inserted:
+        kv.cache_inserted_len[row] = key_len
     prompt_key_len = tree.key_len(min(prompt_len, up_to)) if prompt_len > 0 else 0
     if 0 < prompt_key_len < key_len:
-        tree.insert(key[:prompt_key_len], values[:prompt_key_len])
+        # SGLang inserts the prompt at the request's priority + 1 (requests here have 0)
+        tree.insert(key[:prompt_key_len], values[:prompt_key_len], inserted_len=prompt_key_len, priority=1)
     protected = int(kv.cache_protected_len[row])
     duplicates = max(prefix_len - protected, 0)
     if duplicates:

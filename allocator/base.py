@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, Sequence, runtime_checkable
 
+from allocator.evict_policy import EvictionPolicy, check_eviction_policy
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -32,7 +34,6 @@ RETRACT_DECODE_STEPS = 20
 MAX_SLOTS = (1 << 31) - 1
 
 SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash", "uno"]
-EvictionPolicy = Literal["lru"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,8 @@ class AllocatorConfig:
         hisparse_ratio: logical pool size as a multiple of ``pool_tokens`` (HiSparse).
         extra_rows: additional request rows (PD decode pre-allocation queue).
         radix_cache: keep a radix prefix cache (False: every request computes its prompt).
+        eviction_policy: which unlocked leaf the radix cache evicts first (SGLang's
+            ``--radix-eviction-policy``; ``allocator.evict_policy``).
         debug_checks: run expensive assertions inside the allocation functions.
         swa: the sliding-window pool of a hybrid model, or None (full attention only).
     """
@@ -210,8 +213,15 @@ class AllocatorConfig:
             raise ValueError("AllocatorConfig: HiSparse is incompatible with the radix cache (set radix_cache=False)")
         if config.hisparse and config.hisparse_ratio < 1:
             raise ValueError(f"AllocatorConfig.hisparse_ratio must be >= 1, found {config.hisparse_ratio}")
-        if config.eviction_policy != "lru":
-            raise ValueError(f"AllocatorConfig.eviction_policy: only 'lru' is implemented, found {config.eviction_policy!r}")
+        try:
+            check_eviction_policy(config.eviction_policy)
+        except ValueError as exc:
+            raise ValueError(f"AllocatorConfig.eviction_policy: {exc}") from None
+        if config.eviction_policy != "lru" and config.swa is not None:
+            raise ValueError(
+                f"AllocatorConfig.eviction_policy {config.eviction_policy!r}: the SWA radix tree evicts by "
+                "LRU only (SGLang's unified tree takes other policies; kvtrace's SWA tree does not yet)"
+            )
         if config.swa is not None:
             _check_swa(config)
 

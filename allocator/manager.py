@@ -170,7 +170,8 @@ class KvAllocator:
             self.tree_cache = SwaRadixCache(ps, allocator, config.swa.window, is_eagle=uses_bigram_keys(config.spec))
         else:
             self.tree_cache = RadixCache(
-                ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)
+                ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec),
+                eviction_policy=config.eviction_policy,
             )
         self.req_kv = ReqKvTable(num_rows + 1, ps, swa=config.swa is not None)
         self.writer = make_table_writer(self.req_to_token_pool, device_flush_every)

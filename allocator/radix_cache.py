@@ -16,13 +16,17 @@ Sizes: a node's length is *evictable* while no request locks it (``lock_ref == 0
 and *protected* otherwise; ``lock`` / ``unlock`` walk to the root moving lengths
 between the two when a count goes 0 <-> 1.
 
-Eviction is SGLang's LRU: repeatedly take the evictable leaf (unlocked, no
-children) with the oldest access time, free its slots (``free_segment``, page
+Eviction follows the configured policy (``allocator.evict_policy``; LRU by default):
+repeatedly take the evictable leaf (unlocked, no children) with the smallest policy
+key (LRU: the oldest access time), free its slots (``free_segment``, page
 exact), delete it; a parent that becomes an unlocked leaf joins the candidates;
 stop once at least the requested tokens are freed (whole nodes, may overshoot).
 Access times come from a logical clock that ticks wherever SGLang reads
 ``time.monotonic()`` (once per match or insert, once per node created), so the
-eviction order is SGLang's. Candidates sit in a lazily invalidated heap.
+eviction order is SGLang's. Candidates sit in a lazily invalidated heap: an entry
+is live while its node is an evictable leaf whose key still equals the entry's. A
+node's key changes only when a walk stamps its access time (hit counts and
+priorities change in the same walks), and such a node is pushed again then.
 
 With a ``journal`` attached (an incremental checker, ``allocator.check.journal``) every
 new leaf, split, eviction and lock / unlock is recorded there. With a ``listener``
@@ -35,10 +39,12 @@ attribute test.
 from __future__ import annotations
 
 import heapq
+import sys
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from allocator.evict_policy import EvictKey, eviction_key
 from allocator.pages import floor_align
 from allocator.token_to_kv import SLOT_DTYPE
 
@@ -77,7 +83,7 @@ def bigram_units(token_ids: np.ndarray) -> np.ndarray:
 class TreeNode:
     """One radix-tree node: a run of units and the KV slots that hold them."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id", "hit_count", "priority")
 
     def __init__(self, node_id: int, access_time: int) -> None:
         self.children: dict[bytes, TreeNode] = {}
@@ -86,7 +92,9 @@ class TreeNode:
         self.value: np.ndarray = _NO_SLOTS  # int32 [len] KV slots
         self.lock_ref = 0
         self.last_access_time = access_time
-        self.id = node_id
+        self.id = node_id  # issued in creation order: FIFO / FILO read it as the creation time
+        self.hit_count = 0  # inserts through the node past the inserter's own (LFU, SLRU)
+        self.priority = 0  # max priority inserted through the node (priority policy)
 
     def __len__(self) -> int:
         return self.value.shape[0]
@@ -122,13 +130,17 @@ class TreeListener(Protocol):
 
 
 class RadixCache:
-    """Radix prefix cache with lock counts and LRU eviction.
+    """Radix prefix cache with lock counts and policy-ordered eviction.
 
     Args:
         page_size: units per page; keys are cut to whole pages.
         token_to_kv_pool_allocator: where evicted slots go (``free_segment``).
         disable: a disabled cache matches nothing, stores nothing, evicts nothing.
         is_eagle: key by token bigrams (``make_key``).
+        eviction_policy: which evictable leaf goes first (``allocator.evict_policy``).
+
+    Raises:
+        ValueError: an unknown eviction policy.
     """
 
     def __init__(
@@ -140,7 +152,10 @@ class RadixCache:
         | None = None,
         disable: bool = False,
         is_eagle: bool = False,
+        eviction_policy: str = "lru",
     ) -> None:
+        # None: LRU, whose key (the access time) the heap reads inline.
+        self._evict_key = eviction_key(eviction_policy)
         self.page_size = page_size
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.disable = disable
@@ -156,11 +171,12 @@ class RadixCache:
         self._next_id = 0
         self.root_node = self._new_node()
         self.root_node.lock_ref = 1
+        self.root_node.priority = -sys.maxsize  # SGLang: any inserted priority overrides it
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
         self.evicted_tokens_total = 0
-        # (access time, node id, node): evictable-leaf candidates, lazily invalidated.
+        # (eviction key, node id, node): evictable-leaf candidates, lazily invalidated.
         self._heap: list[tuple[int, int, TreeNode]] = []
 
     def _tick(self) -> int:
@@ -280,11 +296,17 @@ class RadixCache:
             prefix[i] = pos // 8
         return prefix, sum(deepest.values())
 
-    def insert(self, key: np.ndarray, value: np.ndarray) -> InsertResult:
+    def insert(self, key: np.ndarray, value: np.ndarray, inserted_len: int = 0, priority: int = 0) -> InsertResult:
         """Insert ``key`` -> ``value`` (page aligned); return the length already present.
 
         The new suffix (if any) becomes one leaf, evictable until locked. ``value``
         must cover at least the aligned key; it is copied.
+
+        Args:
+            inserted_len: units of ``key`` the inserting request already inserted
+                (SGLang ``req.kv.cache_inserted_len``): a node ending past it counts
+                a hit.
+            priority: raised into every node on the path (max), the new leaf's own.
         """
         ps = self.page_size
         n = floor_align(key.shape[0], ps)
@@ -293,6 +315,8 @@ class RadixCache:
         t = self._tick()
         node = self.root_node
         node.last_access_time = t
+        if priority > node.priority:
+            node.priority = priority
         if n == 0:
             return InsertResult(0, node)
         kb = key[:n].tobytes()
@@ -300,9 +324,12 @@ class RadixCache:
         psb = ps * 8
         # Past ``pos`` the key differs from every child's first page (or from the
         # lower part of a node just split): the rest becomes a new leaf.
-        node, pos, touched = self._walk(kb, t)
+        node, pos, touched = self._walk(kb, t, inserted_len * 8, priority)
         if pos < nb:
             leaf = self._new_node()
+            leaf.priority = priority
+            if n > inserted_len:
+                leaf.hit_count = 1
             leaf.parent = node
             leaf.key = kb[pos:]
             leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
@@ -321,10 +348,16 @@ class RadixCache:
             self._push(touched)
         return InsertResult(pos // 8, node)
 
-    def _walk(self, kb: bytes, t: int) -> tuple[TreeNode, int, TreeNode | None]:
+    def _walk(
+        self, kb: bytes, t: int, hits_past: int = -1, priority: int | None = None
+    ) -> tuple[TreeNode, int, TreeNode | None]:
         """Follow key bytes ``kb`` down from the root, stamping access time ``t`` on each
         child entered (as SGLang's match and insert helpers do) and splitting the node
         where the match ends inside it.
+
+        An insert (``hits_past`` >= 0) also does what SGLang's insert helper does to
+        each node it ends in (a full child, or the upper part of a split): a hit when
+        the matched length passes ``hits_past`` bytes, and ``priority`` raised in.
 
         Returns:
             The deepest node reached, the matched length in bytes (8 per unit), and the
@@ -345,12 +378,23 @@ class RadixCache:
             if kb.startswith(ckey, pos):
                 pos += len(ckey)
                 node = child
+                if hits_past >= 0:
+                    self._hit(node, pos > hits_past, priority)
                 continue
             m = self._matched_units(ckey, kb, pos)
             node = self._split_node(child, m)
             pos += m * 8
+            if hits_past >= 0:
+                self._hit(node, pos > hits_past, priority)
             break
         return node, pos, touched
+
+    @staticmethod
+    def _hit(node: TreeNode, hit: bool, priority: int | None) -> None:
+        if hit:
+            node.hit_count += 1
+        if priority is not None and priority > node.priority:
+            node.priority = priority
 
     def _matched_units(self, ckey: bytes, kb: bytes, pos: int) -> int:
         """Units of ``ckey`` matching ``kb[pos:]``, rounded down to a page (>= 1 page)."""
@@ -368,6 +412,8 @@ class RadixCache:
         upper = self._new_node()
         upper.parent = child.parent
         upper.lock_ref = child.lock_ref
+        upper.hit_count = child.hit_count
+        upper.priority = child.priority
         upper.key = child.key[:cut]
         upper.value = child.value[:split_len]
         child.key = child.key[cut:]
@@ -432,8 +478,13 @@ class RadixCache:
 
     # ------------------------------------------------------------------ eviction
 
+    def _key_of(self, node: TreeNode) -> EvictKey:
+        key = self._evict_key
+        return node.last_access_time if key is None else key(node)
+
     def _push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (node.last_access_time, node.id, node))
+        key = self._evict_key
+        heapq.heappush(self._heap, (node.last_access_time if key is None else key(node), node.id, node))
 
     def _update_leaf_status(self, node: TreeNode) -> None:
         if node.lock_ref > 0 or node.children:
@@ -446,17 +497,25 @@ class RadixCache:
     def _pop_evictable(self) -> TreeNode | None:
         heap = self._heap
         leaves = self.evictable_leaves
+        key = self._evict_key
         if len(heap) > 2 * len(leaves) + 1024:
-            heap[:] = [(n.last_access_time, n.id, n) for n in leaves]
+            heap[:] = [(self._key_of(n), n.id, n) for n in leaves]
             heapq.heapify(heap)
+        if key is None:
+            while heap:
+                t, _, node = heapq.heappop(heap)
+                if node in leaves and node.last_access_time == t:
+                    return node
+            return None
         while heap:
-            t, _, node = heapq.heappop(heap)
-            if node in leaves and node.last_access_time == t:
+            k, _, node = heapq.heappop(heap)
+            if node in leaves and key(node) == k:
                 return node
         return None
 
     def evict(self, num_tokens: int) -> int:
-        """Evict least recently used unlocked leaves until ``num_tokens`` are freed.
+        """Evict unlocked leaves in policy order (LRU: least recently used first) until
+        ``num_tokens`` are freed.
 
         Returns:
             Tokens evicted (whole nodes: may exceed ``num_tokens``; less if the tree
@@ -543,9 +602,11 @@ class RadixState(NamedTuple):
     values: tuple[np.ndarray, ...]  # each node's KV slots (read-only views)
     lock_refs: np.ndarray  # int64 [n]
     access_times: np.ndarray  # int64 [n] (float64 where the tree's clock is a float: the SWA tree)
-    heap: np.ndarray  # int64 [m, 2] (access time, node id) of the live nodes' heap entries
+    heap: np.ndarray  # int64 [m, 2] (access time, node id) of the live nodes' heap entries (LRU only)
     evictable_leaves: np.ndarray  # int64 node ids
     scalars: tuple[int, int, int, int, int]  # clock, next id, evictable, protected, evicted total
+    hit_counts: np.ndarray  # int64 [n]
+    priorities: np.ndarray  # int64 [n]
 
 
 def _frozen(value: np.ndarray) -> np.ndarray:
@@ -567,7 +628,9 @@ def save_tree_state(tree: RadixCache) -> RadixState:
         # reversed: the first child in dict order is listed (and re-inserted) first
         stack.extend((child, here) for child in reversed(list(node.children.values())))
     live = {id(n) for n in nodes}
-    heap = np.array([(t, i) for t, i, n in tree._heap if id(n) in live], np.int64).reshape(-1, 2)
+    # Another policy's keys are not (time, id) pairs: its heap is rebuilt from the leaves.
+    lru = tree._evict_key is None
+    heap = np.array([(t, i) for t, i, n in tree._heap if lru and id(n) in live], np.int64).reshape(-1, 2)
     return RadixState(
         ids=np.fromiter((n.id for n in nodes), np.int64, len(nodes)),
         parents=np.array(parents, np.int64),
@@ -580,6 +643,8 @@ def save_tree_state(tree: RadixCache) -> RadixState:
         heap=heap,
         evictable_leaves=np.fromiter((n.id for n in tree.evictable_leaves), np.int64),
         scalars=(tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total),
+        hit_counts=np.fromiter((n.hit_count for n in nodes), np.int64, len(nodes)),
+        priorities=np.fromiter((n.priority for n in nodes), np.int64, len(nodes)),
     )
 
 
@@ -594,14 +659,16 @@ def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNod
     node_class = type(tree.root_node)  # a subclass's nodes (the SWA tree's) stay of its class
     by_id: dict[int, TreeNode] = {}
     nodes: list[TreeNode] = []
-    for node_id, parent, lock_ref, t, key, value in zip(
+    for node_id, parent, lock_ref, t, key, value, hits, priority in zip(
         state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist(),
-        state.keys, state.values,
+        state.keys, state.values, state.hit_counts.tolist(), state.priorities.tolist(),
     ):
         node = node_class(node_id, t)
         node.key = key
         node.value = value
         node.lock_ref = lock_ref
+        node.hit_count = hits
+        node.priority = priority
         if parent >= 0:
             owner = nodes[parent]
             node.parent = owner
@@ -611,6 +678,9 @@ def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNod
     tree.root_node = nodes[0]
     tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total = state.scalars
     tree.evictable_leaves = {by_id[i] for i in state.evictable_leaves.tolist()}
-    tree._heap = [(t, i, by_id[i]) for t, i in state.heap.tolist()]
+    if tree._evict_key is None:
+        tree._heap = [(t, i, by_id[i]) for t, i in state.heap.tolist()]
+    else:
+        tree._heap = [(tree._key_of(n), n.id, n) for n in tree.evictable_leaves]
     heapq.heapify(tree._heap)
     return by_id

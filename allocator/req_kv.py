@@ -39,6 +39,8 @@ class ReqKvTable:
         kv_allocated_len: int64 ``[num_rows]`` positions reserved (row entries valid).
         kv_committed_len: int64 ``[num_rows]`` positions holding real tokens' KV.
         cache_protected_len: int64 ``[num_rows]`` prefix owned by the radix tree.
+        cache_inserted_len: int64 ``[num_rows]`` longest key the request inserted into
+            the tree (its own inserts count no hits below it: LFU / SLRU eviction).
         rid: int64 ``[num_rows]`` request id holding the row, -1 when free.
         lock_node: radix node each row's request holds locked (None: no lock).
         sum_committed: sum of ``kv_committed_len`` over rows in use.
@@ -64,6 +66,7 @@ class ReqKvTable:
         self.kv_allocated_len: np.ndarray = self.kv_allocated_len_t.numpy()
         self.kv_committed_len: np.ndarray = self.kv_committed_len_t.numpy()
         self.cache_protected_len: np.ndarray = self.cache_protected_len_t.numpy()
+        self.cache_inserted_len = np.zeros(num_rows, dtype=np.int64)
         self.rid = np.full(num_rows, -1, dtype=np.int64)
         self.lock_node: list[TreeNode | None] = [None] * num_rows
         self.sum_committed = 0
@@ -126,6 +129,7 @@ class ReqKvTable:
         self.kv_allocated_len[row] = 0
         self.kv_committed_len[row] = 0
         self.cache_protected_len[row] = 0
+        self.cache_inserted_len[row] = 0
         self.rid[row] = -1
 
 

@@ -46,6 +46,7 @@ class TraceConfig:
     pd_decode: bool = False
     hisparse: bool = False
     radix_cache: bool = True  # the engine kept a radix prefix cache
+    eviction_policy: str = "lru"  # its eviction order (SGLang's --radix-eviction-policy)
 
 
 # Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
@@ -288,6 +289,8 @@ class TraceMeta:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
+        if self.config.eviction_policy == "lru":
+            del out["config"]["eviction_policy"]  # the default: metadata as before policies existed
         if self.recording is None:
             del out["recording"]  # what traces written without it have always held
         if self.attention is None:
@@ -339,6 +342,7 @@ class TraceMeta:
             pd_decode=_bool_of(cfg, "pd_decode", "config.", False),
             hisparse=_bool_of(cfg, "hisparse", "config.", False),
             radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
+            eviction_policy=_str_of(cfg, "eviction_policy", "config.", "lru"),
         )
         model = dict(_optional_object(data, "model", "") or {})
         model.pop("bytes_per_token", None)

@@ -42,7 +42,7 @@ __all__ = ["AllocatorState", "SwaTreeState", "restore_allocator_state", "save_al
 # KvAllocator's own per-request arrays (indexed by request id).
 _MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed")
 # ReqKvTable's columns and sums.
-_KV_ARRAYS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "rid")
+_KV_ARRAYS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "cache_inserted_len", "rid")
 _KV_SCALARS = ("sum_committed", "sum_protected", "sum_allocated_ceil", "max_len_bound")
 # The SWA columns and sum, saved only for a hybrid sliding-window allocator.
 _SWA_KV_ARRAYS = ("swa_evicted_seqlen", "swa_evict_floor", "decode_batch_idx", "swa_branching_seqlen")

@@ -27,6 +27,7 @@ from kvtrace.cli.options import (
     QuietOpt,
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
+    EvictionPolicyOpt,
     examples,
 )
 
@@ -96,6 +97,7 @@ def diff(
     ] = None,
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
     device: DeviceOpt = Device.cpu,
     check: Annotated[
         CheckMode,
@@ -220,7 +222,8 @@ def diff(
         if value is not None:
             raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
     if len(inputs) == 2:
-        for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens)):
+        for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens),
+                            ("--eviction-policy", eviction_policy)):
             if value is not None:
                 raise typer.BadParameter(f"{name} applies to a trace, not to two state logs", param_hint=name)
         with ui.progress(f"diff {Path(inputs[0]).name} {Path(inputs[1]).name}") as update:
@@ -237,6 +240,7 @@ def diff(
         with ui.progress(f"diff {Path(inputs[0]).name}") as update:
             report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
                                 pool_tokens=pool_tokens, device=device.value, jobs=jobs,
+                                eviction_policy=eviction_policy.value if eviction_policy is not None else None,
                                 on_progress=lambda step: update(step, f"step {step:,}"))
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")

@@ -172,3 +172,26 @@ AllocatorOpt = Annotated[
         "code they name; nothing in a trace is ever executed).",
     ),
 ]
+
+
+class EvictionPolicyName(str, Enum):
+    """The radix cache's eviction order (``allocator.evict_policy``; SGLang's ``--radix-eviction-policy``)."""
+
+    lru = "lru"
+    lfu = "lfu"
+    fifo = "fifo"
+    mru = "mru"
+    filo = "filo"
+    priority = "priority"
+    slru = "slru"
+
+
+EvictionPolicyOpt = Annotated[
+    EvictionPolicyName | None,
+    typer.Option(
+        "--eviction-policy",
+        help="Radix cache eviction policy (SGLang's --radix-eviction-policy): lru, lfu (fewest hits), fifo, "
+        "mru, filo, priority, slru (segmented LRU, protected at 2 hits).",
+        show_default="the trace's, else lru",
+    ),
+]

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 import typer
 
 from kvtrace.cli import command, ui
-from kvtrace.cli.options import Codec, Device, DeviceOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
+from kvtrace.cli.options import Codec, Device, DeviceOpt, EvictionPolicyOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.record.serving import (
     DEFAULT_CHUNK,
@@ -240,6 +240,7 @@ def record_command(
             show_default=_FROM_TRACE + "on, off with --pd-decode",
         ),
     ] = None,
+    eviction_policy: EvictionPolicyOpt = None,
     model: Annotated[
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
@@ -338,6 +339,7 @@ def record_command(
             "chunk": chunk, "max_prefill_tokens": max_prefill_tokens, "spec_acceptance": spec_acceptance,
             "pd_decode": pd_decode, "seed": seed, "policy": policy.value if policy is not None else None,
             "radix_cache": radix_cache,
+            "eviction_policy": eviction_policy.value if eviction_policy is not None else None,
         }  # fmt: skip
         if spec is not None:
             given["spec"] = parse_spec(spec)

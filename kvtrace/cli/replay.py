@@ -29,6 +29,7 @@ from kvtrace.cli.options import (
     TraceArg,
     WhatIfPageSizeOpt,
     WhatIfPoolTokensOpt,
+    EvictionPolicyOpt,
     examples,
     finite,
 )
@@ -134,6 +135,7 @@ def replay(
     trace: TraceArg,
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
     device: DeviceOpt = Device.cpu,
     check: Annotated[
         CheckMode,
@@ -188,6 +190,10 @@ def replay(
     if digests and out is None:
         raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device.value)
+    policy = eviction_policy.value if eviction_policy is not None else None
+    if policy is not None and (tui or serve is not None):
+        raise typer.BadParameter("the dashboard replays with the trace's eviction policy; drop --eviction-policy "
+                                 "or --tui / --serve", param_hint="--eviction-policy")
     target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
     if kv_events is not None and start is not None:
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
@@ -212,7 +218,8 @@ def replay(
 
         # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
         ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
-                      options=options, checker="inline", force_memory=ignore_memory_check).close()
+                      options=options, checker="inline", force_memory=ignore_memory_check,
+                      eviction_policy=policy).close()
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:
@@ -221,7 +228,7 @@ def replay(
         return
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
-        force_memory=ignore_memory_check,
+        force_memory=ignore_memory_check, eviction_policy=policy,
     ) as session, _kv_events_sink(session, events_out, kv_events, kv_events_replay, kv_events_wait,
                                   kv_events_paced) as emitter:
         explainer = _explainer(session) if explain else None

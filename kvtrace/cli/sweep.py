@@ -243,6 +243,11 @@ def sweep_run(
         str | None,
         typer.Option("--swa-full-tokens-ratio", help="SWA pool tokens per full pool token, e.g. 0.5,0.8 (SWA traces; SGLang's option of that name).", show_default="each input's own"),
     ] = None,
+    eviction_policy: Annotated[
+        str | None,
+        typer.Option("--eviction-policy", help="Radix eviction policies, e.g. lru,lfu,slru (lru lfu fifo mru filo "
+                     "priority slru).", show_default="each input's own"),
+    ] = None,
     reschedule: Annotated[
         bool, typer.Option("--reschedule", help="Simulate traces too: their requests scheduled anew under each cell's options.")
     ] = False,
@@ -316,6 +321,7 @@ def sweep_run(
         chunks=_axis(chunk, "--chunk", minimum=0),
         swa_windows=_axis(swa_window, "--swa-window"),
         swa_ratios=_ratios(swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
+        eviction_policies=_policies(eviction_policy),
         settings=SweepSettings(
             check=check.value,
             on_oom=on_oom.value,
@@ -331,6 +337,24 @@ def sweep_run(
                        "--swa-window": swa_window, "--swa-full-tokens-ratio": swa_full_tokens_ratio})
     _warn_about_traces(s for s in sources if s.kind == "simulate" and s.fmt == "trace")
     _run(grid, target, jobs or os.cpu_count() or 1, ray, quiet or as_json, as_json)
+
+
+def _policies(text: str | None) -> tuple[str | None, ...]:
+    """``--eviction-policy lru,lfu`` -> ``("lru", "lfu")``; None: each input's own."""
+    from allocator.evict_policy import check_eviction_policy
+
+    if text is None:
+        return (None,)
+    policies: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            policy = check_eviction_policy(part)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--eviction-policy") from None
+        if policy in policies:
+            raise typer.BadParameter(f"{part!r} is given twice", param_hint="--eviction-policy")
+        policies.append(policy)
+    return tuple(policies)
 
 
 def _warn_about_traces(sources: Any) -> None:
@@ -414,7 +438,8 @@ REPORT_EXAMPLES = examples(
 )
 _TABLE = (
     ("input", "input", ""), ("kind", "kind", ""), ("version", "version", ""), ("pool", "pool_tokens", ""),
-    ("page", "page_size", ""), ("spec", "spec", ""), ("hit rate", "prefix_hit_rate", "pct"),
+    ("page", "page_size", ""), ("spec", "spec", ""), ("eviction", "eviction_policy", ""),
+    ("hit rate", "prefix_hit_rate", "pct"),
     ("peak KV", "peak_occupancy", "pct"), ("retractions", "retractions", ""), ("duration s", "duration_s", ""),
     ("TTFT p50 s", "ttft_p50_s", ""), ("OOM step", "oom_step", ""), ("violations", "violations", ""),
     ("status", "status", ""),
@@ -465,11 +490,13 @@ def sweep_report(
     from rich.table import Table
 
     table = Table(title=f"kvtrace sweep report {results}", title_justify="left")
-    columns = _TABLE
+    columns = [c for c in _TABLE if c[1] != "eviction_policy" or any(r["eviction_policy"] != "own" for r in rows)]
     if any("swa_pool_tokens" in row for row in rows):  # a hybrid (SWA) model: its pool too, before the status
-        columns = _TABLE[:-1] + _SWA_TABLE + _TABLE[-1:]
+        columns = columns[:-1] + list(_SWA_TABLE) + columns[-1:]
     for header, _, _ in columns:
-        table.add_column(header, justify="left" if header in ("input", "kind", "version", "spec", "status") else "right")
+        table.add_column(
+            header, justify="left" if header in ("input", "kind", "version", "spec", "eviction", "status") else "right"
+        )
     for row in rows:
         table.add_row(*(fmt_cell(row.get(key), kind) for _, key, kind in columns))
     ui.console().print(table)

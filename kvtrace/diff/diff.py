@@ -134,6 +134,7 @@ def diff_trace(
     page_size: int | None = None,
     pool_tokens: int | None = None,
     device: str = "cpu",
+    eviction_policy: str | None = None,
     jobs: int | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> DiffReport:
@@ -144,7 +145,7 @@ def diff_trace(
         spec_a, spec_b: version specs (``kvtrace.versions.registry``).
         options: what to compare and report.
         replay: replay options both sides use (checks, OOM handling, ``--steps``).
-        page_size, pool_tokens, device: what-ifs applied to both sides.
+        page_size, pool_tokens, device, eviction_policy: what-ifs applied to both sides.
         jobs: 2 replays the sides in two processes in parallel, 1 in lockstep in this
             process (versions that import here); None: 2 when two cores are usable.
         on_progress: called with the last step reached, as the comparison goes.
@@ -170,7 +171,7 @@ def diff_trace(
     if jobs is None:
         jobs = 2 if usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
     parallel = jobs == 2 or not in_process
-    what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device}
+    what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device, "eviction_policy": eviction_policy}
     sides: list[Any] = []
     checker: Any = None
     try:

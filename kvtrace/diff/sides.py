@@ -128,6 +128,7 @@ def side_job(
     device: str,
     options: dict[str, Any],
     checker: str = "background",
+    eviction_policy: str | None = None,
 ) -> SideJob:
     """The job a ``ChildSide`` hands ``kvtrace.proc.child``."""
     root = getattr(version, "allocator_root", None)
@@ -139,6 +140,7 @@ def side_job(
     return SideJob(
         trace=trace, trace_label=trace_label, spec=version.spec, label=version.label, origin=version.origin,
         page_size=page_size, pool_tokens=pool_tokens, device=device, options=dict(options), checker=checker,
+        eviction_policy=eviction_policy,
         steps_per_batch=CHILD_BATCH_STEPS, allocator_root=None if root is None else str(root), code=code,
     )
 

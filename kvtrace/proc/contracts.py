@@ -142,6 +142,7 @@ class SideJob(Contract):
     device: str = "cpu"
     options: dict[str, Any] = field(default_factory=dict)  # ReplayOptions' fields
     checker: str = "background"
+    eviction_policy: str | None = None  # what-if (None: the trace's)
     checker_fd: int | None = None
     steps_per_batch: int = 256
     allocator_root: str | None = None

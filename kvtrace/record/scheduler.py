@@ -194,6 +194,7 @@ class SchedulerConfig:
     pd_decode: bool = False
     hisparse: bool = False
     radix_cache: bool = True
+    eviction_policy: str = "lru"
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     mamba_slots: int | None = None
@@ -211,6 +212,7 @@ class SchedulerConfig:
             pd_decode=self.pd_decode,
             hisparse=self.hisparse,
             radix_cache=self.radix_cache,
+            eviction_policy=self.eviction_policy,
         )
 
 

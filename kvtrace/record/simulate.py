@@ -65,6 +65,7 @@ class RecordOptions:
     pd_decode: bool = False
     hisparse: bool = False
     radix_cache: bool | None = None  # None: a radix cache unless pd_decode
+    eviction_policy: str = "lru"  # the radix cache's (allocator.evict_policy)
     model: ModelShape = DEFAULT_MODEL_SHAPE
     attention: AttentionLayout | None = None  # None: full attention
     mamba: MambaLayout | None = None  # None: no linear-attention layers
@@ -165,6 +166,7 @@ def record_workload(
         pd_decode=options.pd_decode,
         hisparse=options.hisparse,
         radix_cache=radix_cache,
+        eviction_policy=options.eviction_policy,
         seed=options.seed,
         step_time=options.step_time,
         mamba_slots=None if options.mamba is None else options.mamba.mamba_cache_size,
@@ -357,6 +359,8 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
     }
     if cfg.radix_cache == cfg.pd_decode:
         out["radix_cache"] = cfg.radix_cache
+    if cfg.eviction_policy != "lru":
+        out["eviction_policy"] = cfg.eviction_policy
     for key in ("max_prefill_tokens", "seed"):
         if isinstance(extra.get(key), int) and not isinstance(extra.get(key), bool):
             out[key] = extra[key]

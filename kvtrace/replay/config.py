@@ -100,9 +100,11 @@ def allocator_config_for(
     device: str = "cpu",
     radix_cache: bool | None = None,
     debug_checks: bool = False,
+    eviction_policy: str | None = None,
 ) -> AllocatorConfig:
     """The allocator configuration a trace's serving config asks for, with what-if
-    overrides. ``radix_cache`` defaults to what the trace was recorded with; the pool
+    overrides. ``radix_cache`` and ``eviction_policy`` default to what the trace was
+    recorded with; the pool
     is rounded down to whole pages. A trace with an attention layout gets the
     sliding-window pool too (``swa_config_for``).
 
@@ -120,12 +122,15 @@ def allocator_config_for(
     if ps <= 0:
         raise ConfigError(f"page size must be positive, got {ps}")
     resized = ps != cfg.page_size or pool != cfg.pool_tokens
+    policy = cfg.eviction_policy if eviction_policy is None else eviction_policy
     swa = swa_config_for(meta.attention, resized=resized)
     # Only a sliding-window trace names ``swa``: a version from before the field builds
     # every full-attention trace as it always did.
     if swa is not None and "swa" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no sliding-window (SWA) pool: it cannot replay a trace "
                           "with an attention layout (kvtrace info shows the trace's)")
+    if policy != "lru" and "eviction_policy" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
+        raise ConfigError(f"this allocator version has no eviction policies: it evicts by LRU only, not {policy!r}")
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
@@ -138,6 +143,8 @@ def allocator_config_for(
         radix_cache=cfg.radix_cache if radix_cache is None else radix_cache,
         debug_checks=debug_checks,
         **({} if swa is None else {"swa": swa}),
+        # Passed only when not LRU: a version from before the field builds as it always did.
+        **({} if policy == "lru" else {"eviction_policy": policy}),
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
     if config.pool_tokens < 2 * ps:
@@ -369,6 +376,7 @@ def effective_config(
     page_size: int | None = None,
     pool_tokens: int | None = None,
     device: str = "cpu",
+    eviction_policy: str | None = None,
 ) -> AllocatorConfig:
     """The configuration a replay's allocator runs with.
 
@@ -385,7 +393,9 @@ def effective_config(
             f"{version_page_size}; drop one of the two"
         )
     chosen = version_page_size if version_page_size is not None else page_size
-    return allocator_config_for(meta, page_size=chosen, pool_tokens=pool_tokens, device=device)
+    return allocator_config_for(
+        meta, page_size=chosen, pool_tokens=pool_tokens, device=device, eviction_policy=eviction_policy
+    )
 
 
 def config_dict(config: AllocatorConfig) -> dict[str, Any]:

@@ -79,6 +79,7 @@ class ReplaySession(Checkpointing):
         version: an allocator version spec (``kvtrace.versions.registry``) or a resolved one.
         page_size: what-if page size (conflicts with a version that fixes another).
         pool_tokens: what-if pool size (rounded down to whole pages).
+        eviction_policy: what-if radix eviction policy (None: the trace's).
         device: ``cpu`` or ``cuda``.
         options: checks, OOM and bad-op handling, the ``--steps`` window.
         checkpoint_every: save a checkpoint every this many replayed steps (None:
@@ -122,6 +123,7 @@ class ReplaySession(Checkpointing):
         page_size: int | None = None,
         pool_tokens: int | None = None,
         device: str = "cpu",
+        eviction_policy: str | None = None,
         options: ReplayOptions | None = None,
         checkpoint_every: int | None = None,
         first_pass_every: int | None = None,
@@ -152,12 +154,8 @@ class ReplaySession(Checkpointing):
         self.label = label if label is not None else str(trace if not isinstance(trace, TraceReader) else trace.path)
         self.meta = self.reader.meta
         self.config = effective_config(
-            self.meta,
-            version_spec=self.version.spec,
-            version_page_size=self.version.page_size,
-            page_size=page_size,
-            pool_tokens=pool_tokens,
-            device=device,
+            self.meta, version_spec=self.version.spec, version_page_size=self.version.page_size,
+            page_size=page_size, pool_tokens=pool_tokens, device=device, eviction_policy=eviction_policy,
         )
         check_memory(
             self.config,

@@ -91,11 +91,14 @@ class ScenarioConfig:
     extra_rows: int = 0
     spec: SpecSpec | None = None
     swa: SwaSpec | None = None
+    eviction_policy: str = "lru"  # SGLang's --radix-eviction-policy
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if self.swa is None:
             del out["swa"]  # full attention: the header as before SWA existed
+        if self.eviction_policy == "lru":
+            del out["eviction_policy"]  # the default: the header as before policies existed
         return out
 
     @classmethod
@@ -117,6 +120,7 @@ class ScenarioConfig:
             f"spec={spec} radix={'on' if self.radix_cache else 'off'}{' need_sort' if self.need_sort else ''}"
             + (f" swa=w{self.swa.window},pool{self.swa.swa_pool_tokens},i{self.swa.eviction_interval}"
                if self.swa is not None else "")
+            + (f" evict={self.eviction_policy}" if self.eviction_policy != "lru" else "")
         )
 
 

@@ -92,6 +92,7 @@ class AllocatorServer:
             spec=None if spec is None else sc.SpecSpec(
                 spec["algorithm"], int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
             swa=_swa_spec(config),
+            eviction_policy=str(config.get("eviction_policy", "lru")),
         )
         self.eng = world.SGLangEngine(self.config)
         self.ps = self.config.page_size

@@ -379,7 +379,7 @@ class SGLangEngine:
         params = SG.CacheInitParams(
             disable=not config.radix_cache, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
-            enable_kv_cache_events=kv_events,
+            enable_kv_cache_events=kv_events, eviction_policy=config.eviction_policy,
         )
         if kv_events:  # decision 12
             install_event_hash_ids()

@@ -148,6 +148,7 @@ def _replay(cell: Cell) -> dict[str, Any]:
         page_size=cell.page_size,
         pool_tokens=cell.pool_tokens,
         device=s.device,
+        eviction_policy=cell.eviction_policy,
         options=options,
         checker="inline",  # the sweep's parallelism is across cells
     ) as session:
@@ -170,6 +171,7 @@ def _simulate(cell: Cell) -> dict[str, Any]:
         "max_running": cell.max_running,
         "chunk": cell.chunk,
         "seed": s.seed,
+        "eviction_policy": cell.eviction_policy,
     }
     if cell.spec is not None:
         given["spec"] = spec_settings(cell.spec)

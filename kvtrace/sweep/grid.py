@@ -1,6 +1,6 @@
 """A sweep's grid: inputs x allocator versions x pool sizes x page sizes x speculative
-settings x request rows x chunk sizes (x, on hybrid sliding-window traces, windows x
-SWA/full pool ratios), one ``Cell`` per combination.
+settings x request rows x chunk sizes x eviction policies (x, on hybrid sliding-window
+traces, windows x SWA/full pool ratios), one ``Cell`` per combination.
 
 An input is *simulated* (a workload file: the scheduler model runs under the cell's
 configuration, as ``kvtrace record`` does) or *replayed* (a trace: its recorded
@@ -163,6 +163,7 @@ class Cell:
     settings: SweepSettings = field(default_factory=SweepSettings)
     swa_window: int | None = None
     swa_full_tokens_ratio: float | None = None
+    eviction_policy: str | None = None
 
     @property
     def kind(self) -> CellKind:
@@ -179,6 +180,7 @@ class Cell:
             PARAM_PREFIX + "max_running": self.max_running,
             PARAM_PREFIX + "chunk": self.chunk,
             **{PARAM_PREFIX + k: v for k, v in swa.items() if v is not None},
+            PARAM_PREFIX + "eviction_policy": self.eviction_policy,
         }
 
     @property
@@ -191,6 +193,8 @@ class Cell:
             **self.params(),
             "settings": self.settings.fingerprint(),
         }
+        if self.eviction_policy is None:  # the input's own: the key cells had before the axis
+            del ident[PARAM_PREFIX + "eviction_policy"]
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
 
     def describe(self) -> str:
@@ -213,13 +217,14 @@ class Grid:
     settings: SweepSettings = field(default_factory=SweepSettings)
     swa_windows: tuple[int | None, ...] = (None,)
     swa_ratios: tuple[float | None, ...] = (None,)
+    eviction_policies: tuple[str | None, ...] = (None,)
 
     def cells(self) -> list[Cell]:
-        """Every combination: inputs outermost, SWA/full pool ratios innermost."""
+        """Every combination: inputs outermost, eviction policies innermost."""
         return [
-            Cell(source, version, pool, page, spec, rows, chunk, self.settings, window, ratio)
-            for source, version, pool, page, spec, rows, chunk, window, ratio in product(
+            Cell(source, version, pool, page, spec, rows, chunk, self.settings, window, ratio, policy)
+            for source, version, pool, page, spec, rows, chunk, window, ratio, policy in product(
                 self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks,
-                self.swa_windows, self.swa_ratios,
+                self.swa_windows, self.swa_ratios, self.eviction_policies,
             )
         ]

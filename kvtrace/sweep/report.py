@@ -43,7 +43,9 @@ _MARKS: dict[str, tuple[str, dict[str, Any]]] = {
     "violations": ("invariant violations", {"marker": "o", "markersize": 11, "markerfacecolor": "none", "color": "red"}),
 }
 # Parameters that tell the lines of a plot apart (the pool size is the x axis).
-SERIES_KEYS = ("page_size", "version", "spec", "max_running", "chunk", "swa_window", "swa_full_tokens_ratio")
+SERIES_KEYS = (
+    "page_size", "version", "spec", "max_running", "chunk", "swa_window", "swa_full_tokens_ratio", "eviction_policy",
+)
 
 
 def load_results(path: Path) -> pa.Table:
@@ -97,6 +99,7 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
                 "spec": spec if spec is not None else raw.get("config.spec"),
                 "max_running": _first(raw, "max_running", "config.max_running", PARAM_PREFIX + "max_running"),
                 "chunk": _first(raw, PARAM_PREFIX + "chunk", "config.chunk"),
+                "eviction_policy": raw.get(PARAM_PREFIX + "eviction_policy") or "own",
                 "prefix_hit_rate": raw.get("prefix_hit_rate"),
                 "peak_used_tokens": peak,
                 "peak_occupancy": peak / pool if peak is not None and pool else None,
