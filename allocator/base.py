@@ -216,6 +216,9 @@ class AllocatorConfig:
             _check_swa(config)
 
 
+HISPARSE_SWA_REFUSAL = "SGLang 0.5.23 does not serve HiSparse with sliding-window models"
+
+
 def _check_swa(config: AllocatorConfig) -> None:
     """Refuse an SWA configuration the built-in allocator cannot run (ValueError)."""
     swa = config.swa
@@ -239,7 +242,9 @@ def _check_swa(config: AllocatorConfig) -> None:
     if swa_tokens > MAX_SLOTS:
         raise ValueError(f"SwaConfig: SWA pool tokens {swa_tokens} exceed 2**31 - 1")
     if config.hisparse:
-        raise ValueError("AllocatorConfig: SWA with HiSparse is not implemented (set hisparse=False)")
+        # SGLang builds SWATokenToKVPoolAllocator for a hybrid SWA model before it looks at
+        # --enable-hisparse, whose validation admits DSA, DeepSeek V4 and MiniMax M3 only.
+        raise ValueError(HISPARSE_SWA_REFUSAL)
 
 
 class PoolCounters(NamedTuple):

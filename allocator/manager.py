@@ -619,8 +619,6 @@ class KvAllocator:
         if bs and int(fill_lens.min()) < 1:
             raise ValueError("prealloc: fill_lens must be >= 1")
         if isinstance(self.tree_cache, SwaRadixCache):
-            if self.config.hisparse:
-                raise ValueError("prealloc: HiSparse with SWA and the radix cache is not mirrored")
             return self._prealloc_swa_radix(rids, fill_lens, token_ids)
         ctx = self.ctx
         tree = self.tree_cache

@@ -77,6 +77,28 @@ def test_bad_swa_configs_are_refused(swa: SwaConfig, match: str) -> None:
         AllocatorConfig(pool_tokens=4096, page_size=8, radix_cache=False, swa=swa).check()
 
 
+@pytest.mark.parametrize("radix_cache", [False, True])
+def test_hisparse_with_swa_is_refused_as_sglang_never_serves_it(radix_cache: bool) -> None:
+    """kv_cache_configurator builds SWATokenToKVPoolAllocator for a hybrid SWA model
+    before it looks at --enable-hisparse (HiSparse wraps only DeepSeek V4's SWA pools);
+    hisparse_hook admits DSA, DeepSeek V4 and MiniMax M3 models only."""
+    from allocator.base import HISPARSE_SWA_REFUSAL
+
+    config = AllocatorConfig(pool_tokens=4096, page_size=16, radix_cache=False, hisparse=True,
+                             swa=SwaConfig(window=64))
+    with pytest.raises(ValueError) as info:
+        config.check()
+    assert str(info.value) == HISPARSE_SWA_REFUSAL == "SGLang 0.5.23 does not serve HiSparse with sliding-window models"
+    from kvtrace.replay.config import unsupported_swa
+
+    config = AllocatorConfig(pool_tokens=4096, page_size=16, radix_cache=radix_cache, hisparse=True,
+                             swa=SwaConfig(window=64))
+    with pytest.raises(ValueError) as info:
+        config.check()
+    line = unsupported_swa(config, info.value)
+    assert line is not None and line.startswith(HISPARSE_SWA_REFUSAL) and "\n" not in line
+
+
 def test_full_attention_has_one_pool_and_no_swa_columns_kept() -> None:
     a = KvAllocator(AllocatorConfig(pool_tokens=1024, page_size=4))
     a.extend(_ids(1), np.array([10]), [_ids(10)])
