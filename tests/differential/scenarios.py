@@ -364,6 +364,9 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA),
     "swa-p16-pd": RandomSpec(page_size=16, pd=True, need_sort=True, **_SWA),
     "swa-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    # prompts of several pages: most PD fills take an SWA tail past position 0 at page 64
+    "swa-p64-pd-long": RandomSpec(page_size=64, pd=True, need_sort=True,
+                                  **{**_SWA, "swa_window": 32, "max_context_len": 1536, "prompt_scale": 3, "chunk": 256}),
     "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),

@@ -126,3 +126,59 @@ def test_swa_radix_scenarios_reach_every_tree_path() -> None:
             assert got[k] > 0, (ps, k, got)
     assert sum(t["recovered_locked"] for t in totals.values()) > 0, totals
     assert sum(t["window_split"] for t in totals.values()) > 0, totals
+
+
+def test_swa_pd_scenarios_take_sglangs_prealloc_path_run_short_and_reclaim() -> None:
+    """Ours alone (no SGLang): the PD scenarios the parity above compares are not
+    vacuous. SGLang's ``_uses_swa_tail_prealloc`` (page > 1) allocates only the SWA
+    tail, so a request fresh from prealloc has ``swa_evicted_seqlen > 0`` once its
+    fill exceeds window + page; at page 1 it takes the fallback (the SWA pool at full
+    length, cursor 0); radix cache off, as with it on the checkpoint that follows
+    the prealloc moves the cursor too. Preallocs run out of memory at every page size,
+    and with the decode radix cache at page > 1 some prealloc evicts SWA from the tree
+    (``_reclaim_swa_tail_capacity``)."""
+    factory, base = ours_driver.load_factory("allocator")
+    pd = [s for s in SCENARIOS + RADIX_SCENARIOS if any(o.op == "prealloc" for st in s.steps for o in st.ops)]
+    seen: dict[tuple[int, bool], dict[str, int]] = {}
+    for scen in pd:
+        cfg = scen.config
+        got = seen.setdefault((cfg.page_size, cfg.radix_cache), {"tail": 0, "full": 0, "oom": 0, "reclaim": 0})
+        eng = ours_driver.OursEngine(cfg, factory, base)
+        fills = {(st.step, o.rid): o.seq_len for st in scen.steps for o in st.ops if o.op == "prealloc"}
+        window = cfg.swa.window
+        # the shortest fill whose tail starts past position 0 (decode.py _swa_tail_len)
+        first_tail = 1 + max(window, cfg.page_size) + cfg.page_size if cfg.radix_cache else window + cfg.page_size
+        prealloc = eng.prealloc
+
+        def observed(rids, fill_lens, token_ids, prompt_lens, got=got, eng=eng, prealloc=prealloc):
+            tree = eng.alloc.tree_cache
+            before = getattr(tree, "swa_evicted_tokens_total", 0)
+            res = prealloc(rids, fill_lens, token_ids, prompt_lens)
+            got["reclaim"] += res.outcome == "ok" and getattr(tree, "swa_evicted_tokens_total", 0) > before
+            return res
+
+        eng.prealloc = observed
+
+        def sink(d: dict, got=got, first_tail=first_tail, fills=fills) -> None:
+            if d.get("phase") != "prealloc":
+                return
+            ev = d["events"][0]
+            got["oom"] += ev["outcome"] == "oom"
+            if ev["outcome"] != "ok":
+                return
+            cursor = {q[0]: q[1] for q in d["swa_reqs"]}
+            for rid in ev["rids"]:
+                if fills[(d["step"], rid)] >= first_tail:
+                    got["tail" if cursor[rid] > 0 else "full"] += 1
+
+        runner.run_scenario(scen, eng, sink, fine=True)
+    assert {ps for ps, _ in seen} == {1, 16, 64}
+    for (ps, radix), got in seen.items():
+        assert got["oom"] > 0, (ps, radix, got)
+        if radix:  # the checkpoint after the prealloc frees out of the window at once
+            continue
+        if ps == 1:
+            assert got["tail"] == 0 and got["full"] > 0, (ps, radix, got)
+        else:
+            assert got["full"] == 0 and got["tail"] > 0, (ps, radix, got)
+    assert all(got["reclaim"] > 0 for (ps, radix), got in seen.items() if radix and ps > 1), seen
