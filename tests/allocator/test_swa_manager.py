@@ -292,6 +292,23 @@ def test_spec_decode_frees_out_of_window_and_conserves_both_pools(ps: int) -> No
     assert c["swa"].available == c["swa"].pool_tokens and c["full"].available == c["full"].pool_tokens
 
 
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_dflash_reserves_two_verify_blocks_on_the_swa_pool_too(ps: int) -> None:
+    """DFlashDraftInputV2.prepare_for_decode: maybe_evict_swa, then nxt =
+    ceil_page(committed + 2 * num_draft_tokens), allocated in both pools (the SWA
+    slots through the full->SWA mapping)."""
+    a = _swa(ps, window=64, interval=4, spec=SpecConfig("dflash", 1, 1, 8))
+    a.extend(_ids(1), np.array([150]), [_ids(150)])
+    res = a.spec_decode(_ids(1), np.array([3]))
+    assert not isinstance(res, OutOfMemory), res
+    assert a.request_lens(_ids(1)).allocated[0] == -(-(150 + 16) // ps) * ps
+    for _ in range(20):
+        assert not isinstance(a.spec_decode(_ids(1), np.array([5])), OutOfMemory)
+        _conserved(a)
+    assert a.kv_info(0).swa_evicted_seqlen > 0
+    assert a.check_integrity() == []
+
+
 def test_decode_runs_fall_back_to_steps_with_swa() -> None:
     a = _swa(16)
     a.extend(_ids(1), np.array([100]), [_ids(100)])

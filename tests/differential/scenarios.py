@@ -23,6 +23,7 @@ Op, Step, Scenario, Cfg, Spec = sc.Op, sc.Step, sc.Scenario, sc.ScenarioConfig, 
 EAGLE_314 = Spec("eagle", 3, 1, 4)
 EAGLE_548 = Spec("eagle", 5, 4, 8)
 STANDALONE_314 = Spec("standalone", 3, 1, 4)
+DFLASH_8 = Spec("dflash", 1, 1, 8)  # SGLang's DFLASH: one step, topk 1, a verify block of 8
 
 
 def _steps(*ops_per_step: Iterable[Op]) -> tuple[Step, ...]:
@@ -368,6 +369,9 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p64-pd-long": RandomSpec(page_size=64, pd=True, need_sort=True,
                                   **{**_SWA, "swa_window": 32, "max_context_len": 1536, "prompt_scale": 3, "chunk": 256}),
     "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
+    # DFLASH on an SWA model: its prepare_for_decode reserves two verify blocks
+    "swa-p1-dflash": RandomSpec(page_size=1, spec=DFLASH_8, **_SWA),
+    "swa-p16-pd-dflash": RandomSpec(page_size=16, spec=DFLASH_8, pd=True, need_sort=True, **_SWA),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
 }
@@ -390,6 +394,7 @@ SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA_RADIX),
     "swa-radix-p16-pd-eagle314": RandomSpec(page_size=16, pd=True, need_sort=True, spec=EAGLE_314, **_SWA_RADIX),
     "swa-radix-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **_SWA_RADIX_64),
+    "swa-radix-p64-dflash": RandomSpec(page_size=64, spec=DFLASH_8, **_SWA_RADIX_64),
 }
 
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +185,33 @@ def test_swa_pd_scenarios_take_sglangs_prealloc_path_run_short_and_reclaim() -> 
         else:
             assert got["full"] == 0 and got["tail"] > 0, (ps, radix, got)
     assert all(got["reclaim"] > 0 for (ps, radix), got in seen.items() if radix and ps > 1), seen
+
+
+def test_swa_dflash_is_in_both_parity_sets() -> None:
+    """DFLASH on an SWA model is compared with SGLang's own DFlashDraftInputV2
+    prepare (kvtrace/sglang/world.py decision 6f): radix cache off (page 1, PD at
+    page 16) and on (page 64)."""
+    for scens in (SCENARIOS, RADIX_SCENARIOS):
+        assert any(s.config.spec == gen.DFLASH_8 for s in scens)
+    assert {s.config.page_size for s in SCENARIOS + RADIX_SCENARIOS if s.config.spec == gen.DFLASH_8} == {1, 16, 64}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_a_dflash_swa_trace_diffs_identical_against_sglang(tmp_path: Path, page_size: int) -> None:
+    """A trace recorded with DFlash on the gpt-oss-20b preset (window 128, radix cache
+    on), replayed by SGLang's own classes and ours: ``kvtrace diff --exact``."""
+    python = harness.require_sglang()
+    trace = tmp_path / "dflash.kvtrace"
+    cli = [sys.executable, "-m", "kvtrace"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    rec = subprocess.run([*cli, "record", "sample:tiny", "--model", "gpt-oss-20b", "--spec", "dflash:1,1,8",
+                          "--page-size", str(page_size), "--pool-tokens", "8000", "-o", str(trace), "-q"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert rec.returncode == 0, rec.stderr
+    out = subprocess.run([*cli, "diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact",
+                          "--json", "-q"], capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["identical"] and report["steps_compared"] > 0, report.get("first_divergence")
+    assert report["b"]["pools"]["swa"]["peak_used_tokens"] < report["b"]["pools"]["full"]["peak_used_tokens"]
