@@ -1183,7 +1183,7 @@ def plan_window_frees(ctx: KvContext, rows: np.ndarray, pre_lens: np.ndarray, du
     page. Changes nothing."""
     kv = ctx.req_kv
     ps = ctx.page_size
-    window = ctx.swa.window  # type: ignore[union-attr]
+    window = ctx.swa.retain_window  # type: ignore[union-attr]
     evicted = kv.swa_evicted_seqlen[rows]
     due = due & (pre_lens - window >= evicted + 1)
     start = np.maximum(evicted, kv.swa_dead_lo(rows))
@@ -1279,7 +1279,7 @@ def swa_decode_due(ctx: KvContext, rows: np.ndarray) -> np.ndarray:
     assert swa is not None
     committed = kv.kv_committed_len[rows]
     return (kv.decode_batch_idx[rows] >= 1) & (
-        committed - swa.window >= kv.swa_evicted_seqlen[rows] + swa.eviction_interval
+        committed - swa.retain_window >= kv.swa_evicted_seqlen[rows] + swa.eviction_interval
     )
 
 

@@ -167,7 +167,7 @@ class KvAllocator:
         self.tree_cache: RadixCache
         if config.swa is not None and config.radix_cache:
             assert isinstance(allocator, SWATokenToKVPoolAllocator)
-            self.tree_cache = SwaRadixCache(ps, allocator, config.swa.window, is_eagle=uses_bigram_keys(config.spec))
+            self.tree_cache = SwaRadixCache(ps, allocator, config.swa.retain_window, is_eagle=uses_bigram_keys(config.spec))
         else:
             self.tree_cache = RadixCache(
                 ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec)

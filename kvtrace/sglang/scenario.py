@@ -78,6 +78,7 @@ class SwaSpec:
     swa_pool_tokens: int
     eviction_interval: int = 128
     overlap_chunked_prefill: int = 0  # >0: the overlap scheduler with this chunked_prefill_size
+    draft_window: int = 0  # >0: a fused draft's SWA reads (CacheInitParams.draft_swa_window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,8 @@ class ScenarioConfig:
         out = asdict(self)
         if self.swa is None:
             del out["swa"]  # full attention: the header as before SWA existed
+        elif not self.swa.draft_window:
+            del out["swa"]["draft_window"]  # no draft window: the header as before it existed
         return out
 
     @classmethod
@@ -116,6 +119,7 @@ class ScenarioConfig:
             f"ps{self.page_size} pool{self.pool_tokens} rows{self.max_running} ctx{self.max_context_len} "
             f"spec={spec} radix={'on' if self.radix_cache else 'off'}{' need_sort' if self.need_sort else ''}"
             + (f" swa=w{self.swa.window},pool{self.swa.swa_pool_tokens},i{self.swa.eviction_interval}"
+               + (f",d{self.swa.draft_window}" if self.swa.draft_window else "")
                if self.swa is not None else "")
         )
 

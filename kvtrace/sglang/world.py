@@ -357,6 +357,7 @@ class SGLangEngine:
             os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(config.swa.eviction_interval)
             params.tree_components = (ComponentType.FULL, ComponentType.SWA)
             params.sliding_window_size = config.swa.window
+            params.draft_swa_window = config.swa.draft_window  # swa_retain_window = max of the two
             tree = UnifiedRadixCache(params)
         elif tree_kind == "unified":
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType

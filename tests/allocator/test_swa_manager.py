@@ -309,6 +309,32 @@ def test_dflash_reserves_two_verify_blocks_on_the_swa_pool_too(ps: int) -> None:
     assert a.check_integrity() == []
 
 
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_draft_window_widens_what_decode_keeps_but_not_the_pd_tail(ps: int) -> None:
+    """SGLang's swa_retain_window = max(sliding_window_size, draft_swa_window): the
+    out-of-window frees keep the larger window; _swa_tail_len sizes the PD tail by the
+    scheduler's sliding_window_size, the model's own."""
+    def alloc(draft: int) -> KvAllocator:
+        return KvAllocator(AllocatorConfig(
+            pool_tokens=8192, page_size=ps, max_running=8, max_context_len=4096, radix_cache=False,
+            swa=SwaConfig(window=64, eviction_interval=8, draft_window=draft),
+        ))
+
+    plain, drafted = alloc(0), alloc(112)
+    for a in (plain, drafted):
+        a.extend(_ids(1), np.array([300]), [_ids(300)])
+        _decode(a, _ids(1), 40)
+    # committed 340: the cursor is at most 340 - window (page-floored)
+    assert 340 - 64 - 8 - ps < plain.kv_info(0).swa_evicted_seqlen <= 340 - 64
+    assert 340 - 112 - 8 - ps < drafted.kv_info(0).swa_evicted_seqlen <= 340 - 112
+    if ps > 1:
+        for a in (plain, drafted):
+            a.prealloc(np.array([1]), np.array([200]), [_ids(200)])
+        assert plain.kv_info(1).swa_evicted_seqlen == drafted.kv_info(1).swa_evicted_seqlen == (200 - 64) // ps * ps
+    with pytest.raises(ValueError, match="draft_window"):
+        AllocatorConfig(pool_tokens=4096, radix_cache=False, swa=SwaConfig(window=64, draft_window=-1)).check()
+
+
 def test_decode_runs_fall_back_to_steps_with_swa() -> None:
     a = _swa(16)
     a.extend(_ids(1), np.array([100]), [_ids(100)])

@@ -334,6 +334,7 @@ class RandomSpec:
     swa_fraction: float = 0.3
     swa_interval: int = 4
     swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
+    swa_draft_window: int = 0  # a fused draft's SWA reads, larger than the window: swa_retain_window
     # Prompt lengths (shared families, tails, fresh prompts) times this: large pages
     # need prompts of several pages for a tree to branch, tombstone and split.
     prompt_scale: int = 1
@@ -372,6 +373,10 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     # DFLASH on an SWA model: its prepare_for_decode reserves two verify blocks
     "swa-p1-dflash": RandomSpec(page_size=1, spec=DFLASH_8, **_SWA),
     "swa-p16-pd-dflash": RandomSpec(page_size=16, spec=DFLASH_8, pd=True, need_sort=True, **_SWA),
+    # a draft reading 40 tokens back in the SWA pool: frees keep 40, the PD tail the model's 24
+    "swa-p16-pd-draftwin-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, pd=True, need_sort=True,
+                                               **{**_SWA, "swa_draft_window": 40}),
+    "swa-p1-draftwin-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **{**_SWA, "swa_draft_window": 40}),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
 }
@@ -395,6 +400,8 @@ SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p16-pd-eagle314": RandomSpec(page_size=16, pd=True, need_sort=True, spec=EAGLE_314, **_SWA_RADIX),
     "swa-radix-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **_SWA_RADIX_64),
     "swa-radix-p64-dflash": RandomSpec(page_size=64, spec=DFLASH_8, **_SWA_RADIX_64),
+    "swa-radix-p16-pd-draftwin": RandomSpec(page_size=16, pd=True, need_sort=True,
+                                            **{**_SWA_RADIX, "swa_draft_window": 40}),
 }
 
 
@@ -416,7 +423,7 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
         pool = max(pool, rs.max_context_len + 8 * max(ps, 16))
         swa_pool = max(int(pool * rs.swa_fraction) // ps * ps, (rs.swa_window // ps + 2) * ps)
         swa = sc.SwaSpec(window=rs.swa_window, swa_pool_tokens=swa_pool, eviction_interval=rs.swa_interval,
-                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0)
+                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0, draft_window=rs.swa_draft_window)
     cfg = Cfg(pool_tokens=pool // ps * ps, page_size=ps, max_running=rs.max_running,
               max_context_len=rs.max_context_len, need_sort=rs.need_sort, radix_cache=rs.radix_cache, spec=rs.spec,
               swa=swa)

@@ -206,7 +206,7 @@ def test_a_dflash_swa_trace_diffs_identical_against_sglang(tmp_path: Path, page_
     cli = [sys.executable, "-m", "kvtrace"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     rec = subprocess.run([*cli, "record", "sample:tiny", "--model", "gpt-oss-20b", "--spec", "dflash:1,1,8",
-                          "--page-size", str(page_size), "--pool-tokens", "8000", "-o", str(trace), "-q"],
+                          "--page-size", str(page_size), "--chunk", "256", "--pool-tokens", "8000", "-o", str(trace), "-q"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert rec.returncode == 0, rec.stderr
     out = subprocess.run([*cli, "diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact",
@@ -215,3 +215,17 @@ def test_a_dflash_swa_trace_diffs_identical_against_sglang(tmp_path: Path, page_
     report = json.loads(out.stdout)
     assert report["identical"] and report["steps_compared"] > 0, report.get("first_divergence")
     assert report["b"]["pools"]["swa"]["peak_used_tokens"] < report["b"]["pools"]["full"]["peak_used_tokens"]
+
+
+def test_a_draft_swa_window_is_in_both_parity_sets() -> None:
+    """A draft reading further back than the model's window (SGLang's
+    draft_swa_window: swa_retain_window is the larger) is compared with SGLang, radix
+    cache off (page 1 EAGLE, PD at page 16) and on (PD at page 16); the scenario file
+    keeps the field and leaves it out when 0."""
+    for scens in (SCENARIOS, RADIX_SCENARIOS):
+        drafted = [s for s in scens if s.config.swa.draft_window > s.config.swa.window]
+        assert drafted and any(o.op == "prealloc" for s in drafted for st in s.steps for o in st.ops)
+        cfg = drafted[0].config
+        assert sc.ScenarioConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    plain = next(s.config for s in SCENARIOS if not s.config.swa.draft_window)
+    assert "draft_window" not in plain.to_dict()["swa"]
