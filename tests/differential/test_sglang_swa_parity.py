@@ -229,3 +229,21 @@ def test_a_draft_swa_window_is_in_both_parity_sets() -> None:
         assert sc.ScenarioConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     plain = next(s.config for s in SCENARIOS if not s.config.swa.draft_window)
     assert "draft_window" not in plain.to_dict()["swa"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("radix_cache", [False, True])
+def test_a_trace_with_a_draft_swa_window_diffs_identical_against_sglang(tmp_path: Path, radix_cache: bool) -> None:
+    """sample:tiny as served by an SWA model whose draft reads 200 tokens back (window
+    128): the trace's attention.draft_sliding_window reaches both sides
+    (``kvtrace diff --exact``), and the window frees keep the larger window."""
+    from tests.kvtrace.test_swa_replay import swa_tiny
+
+    python = harness.require_sglang()
+    trace = swa_tiny(tmp_path, radix_cache=radix_cache, draft_sliding_window=200)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-m", "kvtrace", "diff", str(trace), "--a", f"sglang:{python}", "--b",
+                          "builtin", "--exact", "--json", "-q"], capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["identical"] and report["steps_compared"] > 0, report.get("first_divergence")
