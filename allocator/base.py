@@ -66,6 +66,10 @@ class SwaConfig:
         draft_window: tokens back from the committed length that a fused draft reads
             in the SWA pool (SGLang's ``draft_swa_window``: a multi-layer EAGLE
             draft's largest window plus its front tokens), 0 when none.
+        release_prefill_swa: ``SGLANG_OPT_RELEASE_PREFILL_SWA`` (off by default in
+            SGLang): once a request has decoded ``retain_window`` steps, the SWA part
+            of its radix-tree lock is released early, leaving its prefix's SWA
+            evictable (the FULL lock stays until the request ends).
     """
 
     window: int
@@ -74,6 +78,7 @@ class SwaConfig:
     eviction_interval: int = 128
     overlap_chunked_prefill: int = 0
     draft_window: int = 0
+    release_prefill_swa: bool = False
 
     @property
     def retain_window(self) -> int:

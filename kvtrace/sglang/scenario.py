@@ -79,6 +79,7 @@ class SwaSpec:
     eviction_interval: int = 128
     overlap_chunked_prefill: int = 0  # >0: the overlap scheduler with this chunked_prefill_size
     draft_window: int = 0  # >0: a fused draft's SWA reads (CacheInitParams.draft_swa_window)
+    release_prefill_swa: bool = False  # SGLANG_OPT_RELEASE_PREFILL_SWA
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +98,10 @@ class ScenarioConfig:
         out = asdict(self)
         if self.swa is None:
             del out["swa"]  # full attention: the header as before SWA existed
-        elif not self.swa.draft_window:
-            del out["swa"]["draft_window"]  # no draft window: the header as before it existed
+        else:  # fields at their defaults: the header as before they existed
+            for key in ("draft_window", "release_prefill_swa"):
+                if not out["swa"][key]:
+                    del out["swa"][key]
         return out
 
     @classmethod

@@ -60,6 +60,7 @@ def _swa_spec(config: dict[str, Any]) -> sc.SwaSpec | None:
         eviction_interval=int(swa.get("eviction_interval", 128)),
         overlap_chunked_prefill=int(swa.get("overlap_chunked_prefill", 0)),
         draft_window=int(swa.get("draft_window", 0)),
+        release_prefill_swa=bool(swa.get("release_prefill_swa", False)),
     )  # fmt: skip
 
 

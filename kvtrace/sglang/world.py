@@ -355,6 +355,7 @@ class SGLangEngine:
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
             os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(config.swa.eviction_interval)
+            os.environ["SGLANG_OPT_RELEASE_PREFILL_SWA"] = "1" if config.swa.release_prefill_swa else "0"
             params.tree_components = (ComponentType.FULL, ComponentType.SWA)
             params.sliding_window_size = config.swa.window
             params.draft_swa_window = config.swa.draft_window  # swa_retain_window = max of the two

@@ -335,6 +335,39 @@ def test_a_draft_window_widens_what_decode_keeps_but_not_the_pd_tail(ps: int) ->
         AllocatorConfig(pool_tokens=4096, radix_cache=False, swa=SwaConfig(window=64, draft_window=-1)).check()
 
 
+@pytest.mark.parametrize("ps", [1, 16])
+def test_release_prefill_swa_unlocks_the_prefix_swa_after_the_window(ps: int) -> None:
+    """SGLANG_OPT_RELEASE_PREFILL_SWA: maybe_evict_swa releases the SWA part of a
+    decoding request's tree lock once decode_batch_idx >= swa_retain_window; its
+    prefix's SWA turns evictable while FULL stays protected; the final release then
+    drops FULL only, and both pools account for every slot throughout."""
+    def run(release: bool) -> tuple[KvAllocator, list[tuple[int, int]]]:
+        a = KvAllocator(AllocatorConfig(
+            pool_tokens=4096, page_size=ps, max_running=8, max_context_len=1024,
+            swa=SwaConfig(window=32, eviction_interval=4, release_prefill_swa=release),
+        ))
+        a.extend(_ids(1), np.array([160]), [_ids(160)])
+        a.end_step()  # the prompt's publish: the tree holds and locks it
+        seen = []
+        for _ in range(40):
+            assert not isinstance(a.decode(_ids(1)), OutOfMemory)
+            seen.append((a.tree_cache.swa_protected_size(), a.tree_cache.protected_size()))
+            _conserved(a)
+        assert a.check_integrity() == []
+        a.release(_ids(1), a.request_lens(_ids(1)).committed, [_ids(200)], "finish")
+        assert a.tree_cache.swa_protected_size() == a.tree_cache.protected_size() == 0
+        assert a.check_integrity() == []
+        _conserved(a)
+        return a, seen
+
+    _, kept = run(False)
+    _, released = run(True)
+    assert kept[0] == released[0] and kept[0][0] > 0
+    # 32 decode steps in, the SWA lock goes; FULL stays locked to the end
+    assert released[32][0] == 0 < kept[32][0] and released[32][1] == kept[32][1] > 0
+    assert released[30] == kept[30]
+
+
 def test_decode_runs_fall_back_to_steps_with_swa() -> None:
     a = _swa(16)
     a.extend(_ids(1), np.array([100]), [_ids(100)])

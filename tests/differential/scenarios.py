@@ -335,6 +335,7 @@ class RandomSpec:
     swa_interval: int = 4
     swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
     swa_draft_window: int = 0  # a fused draft's SWA reads, larger than the window: swa_retain_window
+    swa_release_prefill: bool = False  # SGLANG_OPT_RELEASE_PREFILL_SWA
     # Prompt lengths (shared families, tails, fresh prompts) times this: large pages
     # need prompts of several pages for a tree to branch, tombstone and split.
     prompt_scale: int = 1
@@ -389,6 +390,7 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
 _SWA_RADIX = dict(radix_cache=True, swa_window=24, max_context_len=384)
 # page 64: prompts of several pages and a window of one and a half pages
 _SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 96, "max_context_len": 1536, "prompt_scale": 4, "chunk": 256}
+_SWA_RELEASE = {**_SWA_RADIX, "swa_window": 8, "swa_release_prefill": True}
 SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p1-nospec": RandomSpec(page_size=1, **_SWA_RADIX),
     "swa-radix-p16-nospec": RandomSpec(page_size=16, **_SWA_RADIX),
@@ -402,6 +404,10 @@ SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p64-dflash": RandomSpec(page_size=64, spec=DFLASH_8, **_SWA_RADIX_64),
     "swa-radix-p16-pd-draftwin": RandomSpec(page_size=16, pd=True, need_sort=True,
                                             **{**_SWA_RADIX, "swa_draft_window": 40}),
+    # SGLANG_OPT_RELEASE_PREFILL_SWA: a request 8 decode steps in releases its prefix's SWA lock
+    "swa-radix-p1-release": RandomSpec(page_size=1, **_SWA_RELEASE),
+    "swa-radix-p16-eagle314-release": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA_RELEASE),
+    "swa-radix-p16-pd-release": RandomSpec(page_size=16, pd=True, need_sort=True, **_SWA_RELEASE),
 }
 
 
@@ -423,7 +429,8 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
         pool = max(pool, rs.max_context_len + 8 * max(ps, 16))
         swa_pool = max(int(pool * rs.swa_fraction) // ps * ps, (rs.swa_window // ps + 2) * ps)
         swa = sc.SwaSpec(window=rs.swa_window, swa_pool_tokens=swa_pool, eviction_interval=rs.swa_interval,
-                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0, draft_window=rs.swa_draft_window)
+                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0, draft_window=rs.swa_draft_window,
+                         release_prefill_swa=rs.swa_release_prefill)
     cfg = Cfg(pool_tokens=pool // ps * ps, page_size=ps, max_running=rs.max_running,
               max_context_len=rs.max_context_len, need_sort=rs.need_sort, radix_cache=rs.radix_cache, spec=rs.spec,
               swa=swa)

@@ -247,3 +247,31 @@ def test_a_trace_with_a_draft_swa_window_diffs_identical_against_sglang(tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["identical"] and report["steps_compared"] > 0, report.get("first_divergence")
+
+
+def test_release_prefill_swa_scenarios_release_locks() -> None:
+    """Ours alone (no SGLang): the SGLANG_OPT_RELEASE_PREFILL_SWA scenarios (radix
+    cache on: pages 1 and 16, EAGLE, PD) do release SWA locks early, so their parity
+    above compares SGLang's release_swa_prefix_lock with ours."""
+    from allocator.swa_radix import SwaRadixCache
+
+    factory, base = ours_driver.load_factory("allocator")
+    released: dict[str, int] = {}
+    for scen in RADIX_SCENARIOS:
+        if not scen.config.swa.release_prefill_swa:
+            continue
+        eng = ours_driver.OursEngine(scen.config, factory, base)
+        tree = eng.alloc.tree_cache
+        assert isinstance(tree, SwaRadixCache)
+        calls = [0]
+        release = tree.release_swa_lock
+
+        def counted(node, uuid, calls=calls, release=release):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            release(node, uuid)
+
+        tree.release_swa_lock = counted  # type: ignore[method-assign]
+        runner.run_scenario(scen, eng, lambda d: None)
+        key = scen.name.rsplit("-seed", 1)[0]
+        released[key] = released.get(key, 0) + calls[0]
+    assert len(released) == 3 and all(n > 0 for n in released.values()), released
