@@ -117,8 +117,8 @@ itself is not run because a trace already fixes which requests run when):
    ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
    ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` (disabled unless the
    scenario has the radix cache on) with the
-   scenario's ``sliding_window_size`` (Python tree core), ``SGLANG_SWA_EVICTION_INTERVAL``
-   from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
+   scenario's ``sliding_window_size`` and ``draft_swa_window`` (Python tree core),
+   ``SGLANG_SWA_EVICTION_INTERVAL`` and ``SGLANG_OPT_RELEASE_PREFILL_SWA`` from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
    ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE, and
    ``enable_overlap`` with ``chunked_prefill_size`` as the scenario's
    ``overlap_chunked_prefill`` says (0: the non-overlap scheduler; each extend ticks
