@@ -196,12 +196,19 @@ def tree_lock(ctx: KvContext, row: int, node: TreeNode | None) -> None:
         ctx.req_kv.lock_swa_uuid[row] = tree.last_lock_uuid if node is not None else None
 
 
+# ``ReqKvTable.lock_swa_uuid`` of a lock whose SWA part was released early
+# (``SwaConfig.release_prefill_swa``): its final release is FULL only.
+SWA_LOCK_RELEASED = -1
+
+
 def tree_unlock(ctx: KvContext, row: int) -> None:
     """Release ``row``'s lock (SWA up to its receipt's boundary)."""
     kv = ctx.req_kv
     tree = ctx.tree_cache
     if isinstance(tree, SwaRadixCache):
-        tree.unlock(kv.lock_node[row], kv.lock_swa_uuid[row])
+        uuid = kv.lock_swa_uuid[row]
+        released = uuid == SWA_LOCK_RELEASED
+        tree.unlock(kv.lock_node[row], None if released else uuid, skip_swa=released)
         kv.lock_swa_uuid[row] = None
     else:
         tree.unlock(kv.lock_node[row])
@@ -1187,7 +1194,7 @@ def plan_window_frees(ctx: KvContext, rows: np.ndarray, pre_lens: np.ndarray, du
     page. Changes nothing."""
     kv = ctx.req_kv
     ps = ctx.page_size
-    window = ctx.swa.window  # type: ignore[union-attr]
+    window = ctx.swa.retain_window  # type: ignore[union-attr]
     evicted = kv.swa_evicted_seqlen[rows]
     due = due & (pre_lens - window >= evicted + 1)
     start = np.maximum(evicted, kv.swa_dead_lo(rows))
@@ -1265,13 +1272,44 @@ def swa_window_then_fit(
     due: np.ndarray,
 ) -> OutOfMemory | None:
     """``maybe_evict_swa`` of a batch, then the fit of ``need`` (pool tokens per
-    request, the same in both pools) in each pool: planned, checked, applied."""
+    request, the same in both pools) in each pool: planned, checked, applied. With
+    ``release_prefill_swa`` a decoding request ``retain_window`` steps in also
+    releases the SWA part of its tree lock (its prefix's SWA becomes evictable)."""
     plan = plan_window_frees(ctx, rows, pre_lens, due)
-    unfit = _swa_unfit(ctx, op, need, need, plan.freed, rids, rows)
+    releases = _swa_lock_releases(ctx, rows)
+    credit = plan.freed
+    if releases:
+        tree = ctx.tree_cache
+        assert isinstance(tree, SwaRadixCache)
+        credit += tree.peek_swa_release([(ctx.req_kv.lock_node[r], ctx.req_kv.lock_swa_uuid[r]) for r in releases])
+    unfit = _swa_unfit(ctx, op, need, need, credit, rids, rows)
     if unfit is not None:
         return unfit
     apply_window_frees(ctx, rows, plan)
+    if releases:
+        kv = ctx.req_kv
+        for r in releases:
+            tree.release_swa_lock(kv.lock_node[r], kv.lock_swa_uuid[r])  # type: ignore[arg-type]
+            kv.lock_swa_uuid[r] = SWA_LOCK_RELEASED
     return None
+
+
+def _swa_lock_releases(ctx: KvContext, rows: np.ndarray) -> list[int]:
+    """Rows whose SWA lock ``maybe_evict_swa`` releases now (SGLang
+    ``release_swa_prefix_lock`` under ``SGLANG_OPT_RELEASE_PREFILL_SWA``): decode steps
+    ``>= swa_retain_window``, a lock whose SWA segment stops short of the root (it has
+    a uuid), not released yet."""
+    swa = ctx.swa
+    tree = ctx.tree_cache
+    if swa is None or not swa.release_prefill_swa or not isinstance(tree, SwaRadixCache) or tree.disable:
+        return []
+    kv = ctx.req_kv
+    out = []
+    for r in rows[kv.decode_batch_idx[rows] >= swa.retain_window].tolist():
+        uuid = kv.lock_swa_uuid[r]
+        if kv.lock_node[r] is not None and uuid is not None and uuid != SWA_LOCK_RELEASED:
+            out.append(r)
+    return out
 
 
 def swa_decode_due(ctx: KvContext, rows: np.ndarray) -> np.ndarray:
@@ -1283,7 +1321,7 @@ def swa_decode_due(ctx: KvContext, rows: np.ndarray) -> np.ndarray:
     assert swa is not None
     committed = kv.kv_committed_len[rows]
     return (kv.decode_batch_idx[rows] >= 1) & (
-        committed - swa.window >= kv.swa_evicted_seqlen[rows] + swa.eviction_interval
+        committed - swa.retain_window >= kv.swa_evicted_seqlen[rows] + swa.eviction_interval
     )
 
 

@@ -51,9 +51,8 @@ class SwaConfig:
     """A hybrid sliding-window model's second KV pool (SGLang's ``SWATokenToKVPoolAllocator``).
 
     Args:
-        window: tokens each sliding-window layer attends back (SGLang's
-            ``swa_retain_window``: the model's ``sliding_window_size``, or a draft's
-            larger one).
+        window: tokens each sliding-window layer attends back (the model's
+            ``sliding_window_size``; PD prealloc sizes its SWA tail by it).
         swa_full_tokens_ratio: SWA pool tokens per full pool token (SGLang's
             ``--swa-full-tokens-ratio``, default 0.8); the SWA pool holds
             ``floor_align(int(full_tokens * ratio), page_size)`` tokens.
@@ -65,6 +64,13 @@ class SwaConfig:
             ``chunked_prefill_size``: a continuing prefill chunk frees the window
             behind ``prefix - this`` (the previous chunk may still be running). 0: the
             non-overlap scheduler's rule (behind ``prefix``).
+        draft_window: tokens back from the committed length that a fused draft reads
+            in the SWA pool (SGLang's ``draft_swa_window``: a multi-layer EAGLE
+            draft's largest window plus its front tokens), 0 when none.
+        release_prefill_swa: ``SGLANG_OPT_RELEASE_PREFILL_SWA`` (off by default in
+            SGLang): once a request has decoded ``retain_window`` steps, the SWA part
+            of its radix-tree lock is released early, leaving its prefix's SWA
+            evictable (the FULL lock stays until the request ends).
     """
 
     window: int
@@ -72,6 +78,15 @@ class SwaConfig:
     swa_pool_tokens: int | None = None
     eviction_interval: int = 128
     overlap_chunked_prefill: int = 0
+    draft_window: int = 0
+    release_prefill_swa: bool = False
+
+    @property
+    def retain_window(self) -> int:
+        """SWA history kept per request (SGLang ``swa_retain_window``): what every
+        reader of the SWA pool needs, so out-of-window frees and the radix tree's SWA
+        side use it; the model's own window stays ``window``."""
+        return max(self.window, self.draft_window)
 
     def pool_tokens(self, full_tokens: int, page_size: int) -> int:
         """SWA pool tokens for a full pool of ``full_tokens`` (SGLang ``_solve_pool_sizes``)."""
@@ -226,6 +241,9 @@ class AllocatorConfig:
             _check_swa(config)
 
 
+HISPARSE_SWA_REFUSAL = "SGLang 0.5.23 does not serve HiSparse with sliding-window models"
+
+
 def _check_swa(config: AllocatorConfig) -> None:
     """Refuse an SWA configuration the built-in allocator cannot run (ValueError)."""
     swa = config.swa
@@ -235,6 +253,8 @@ def _check_swa(config: AllocatorConfig) -> None:
         raise ValueError(f"SwaConfig.window must be >= 1, found {swa.window}")
     if swa.overlap_chunked_prefill < 0:
         raise ValueError(f"SwaConfig.overlap_chunked_prefill must be >= 0, found {swa.overlap_chunked_prefill}")
+    if swa.draft_window < 0:
+        raise ValueError(f"SwaConfig.draft_window must be >= 0, found {swa.draft_window}")
     if swa.eviction_interval < 1:
         raise ValueError(f"SwaConfig.eviction_interval must be >= 1, found {swa.eviction_interval}")
     if swa.swa_pool_tokens is None and not 0 < swa.swa_full_tokens_ratio <= 1:
@@ -249,7 +269,9 @@ def _check_swa(config: AllocatorConfig) -> None:
     if swa_tokens > MAX_SLOTS:
         raise ValueError(f"SwaConfig: SWA pool tokens {swa_tokens} exceed 2**31 - 1")
     if config.hisparse:
-        raise ValueError("AllocatorConfig: SWA with HiSparse is not implemented (set hisparse=False)")
+        # SGLang builds SWATokenToKVPoolAllocator for a hybrid SWA model before it looks at
+        # --enable-hisparse, whose validation admits DSA, DeepSeek V4 and MiniMax M3 only.
+        raise ValueError(HISPARSE_SWA_REFUSAL)
 
 
 class PoolCounters(NamedTuple):

@@ -167,7 +167,7 @@ class KvAllocator:
         self.tree_cache: RadixCache
         if config.swa is not None and config.radix_cache:
             assert isinstance(allocator, SWATokenToKVPoolAllocator)
-            self.tree_cache = SwaRadixCache(ps, allocator, config.swa.window, is_eagle=uses_bigram_keys(config.spec))
+            self.tree_cache = SwaRadixCache(ps, allocator, config.swa.retain_window, is_eagle=uses_bigram_keys(config.spec))
         else:
             self.tree_cache = RadixCache(
                 ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec),
@@ -620,8 +620,6 @@ class KvAllocator:
         if bs and int(fill_lens.min()) < 1:
             raise ValueError("prealloc: fill_lens must be >= 1")
         if isinstance(self.tree_cache, SwaRadixCache):
-            if self.config.hisparse:
-                raise ValueError("prealloc: HiSparse with SWA and the radix cache is not mirrored")
             return self._prealloc_swa_radix(rids, fill_lens, token_ids)
         ctx = self.ctx
         tree = self.tree_cache

@@ -605,11 +605,37 @@ class SwaRadixCache(RadixCache):
         self.last_lock_uuid = uuid
         return delta
 
-    def dec_lock_ref(self, node: TreeNode, swa_uuid: int | None = None) -> int:  # type: ignore[override]
-        """Release a lock: SWA up to the node holding ``swa_uuid`` (the root when None),
-        then FULL on the whole path."""
+    def release_swa_lock(self, node: TreeNode, swa_uuid: int) -> None:
+        """SGLang ``release_swa``: the SWA part of a lock released early, up to the node
+        holding ``swa_uuid``; FULL stays locked. No node on the path is a device leaf
+        (FULL is locked), so nothing is evicted here."""
         if self.journal is not None:
             self.journal.lock(node)
+        self._dec_swa_lock(node, swa_uuid)
+
+    def dec_lock_ref(self, node: TreeNode, swa_uuid: int | None = None, skip_swa: bool = False) -> int:  # type: ignore[override]
+        """Release a lock: SWA up to the node holding ``swa_uuid`` (the root when None;
+        none with ``skip_swa``: released early), then FULL on the whole path."""
+        if self.journal is not None:
+            self.journal.lock(node)
+        if not skip_swa:
+            self._dec_swa_lock(node, swa_uuid)
+        root = self.root_node
+        delta = 0
+        cur = node
+        while cur is not root:
+            if cur.lock_ref == 1:
+                k = len(cur)
+                self.evictable_size_ += k
+                self.protected_size_ -= k
+                delta += k
+            cur.lock_ref -= 1
+            self._update_leaf_status(cur)
+            cur = cur.parent
+        self._update_leaf_status(node)
+        return delta
+
+    def _dec_swa_lock(self, node: TreeNode, swa_uuid: int | None) -> None:
         root = self.root_node
         cur = node
         while cur is not root:
@@ -625,23 +651,28 @@ class SwaRadixCache(RadixCache):
             if swa_uuid is not None and cur.swa_uuid == swa_uuid:
                 break
             cur = cur.parent
-        delta = 0
-        cur = node
-        while cur is not root:
-            if cur.lock_ref == 1:
-                k = len(cur)
-                self.evictable_size_ += k
-                self.protected_size_ -= k
-                delta += k
-            cur.lock_ref -= 1
-            self._update_leaf_status(cur)
-            cur = cur.parent
-        self._update_leaf_status(node)
-        return delta
 
-    def unlock(self, node: TreeNode | None, swa_uuid: int | None = None) -> None:  # type: ignore[override]
+    def peek_swa_release(self, nodes: list[tuple[TreeNode, int]]) -> int:
+        """SWA tokens that ``release_swa_lock`` of each (node, uuid) in turn would make
+        evictable. Changes nothing."""
+        root = self.root_node
+        dec: dict[int, int] = {}
+        freed = 0
+        for node, swa_uuid in nodes:
+            cur = node
+            while cur is not root:
+                d = dec.get(id(cur), 0) + 1
+                dec[id(cur)] = d
+                if cur.swa_lock_ref == d and cur.swa_value is not None:
+                    freed += len(cur.swa_value)
+                if cur.swa_uuid == swa_uuid:
+                    break
+                cur = cur.parent
+        return freed
+
+    def unlock(self, node: TreeNode | None, swa_uuid: int | None = None, skip_swa: bool = False) -> None:  # type: ignore[override]
         if node is not None:
-            self.dec_lock_ref(node, swa_uuid)
+            self.dec_lock_ref(node, swa_uuid, skip_swa)
 
     # ------------------------------------------------------------------ eviction
 

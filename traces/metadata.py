@@ -104,6 +104,9 @@ class AttentionLayout:
         swa_pool_tokens: the SWA pool the recording engine had, in tokens.
         swa_num_kv_heads: KV heads of a sliding-window layer (None: the model's).
         swa_head_dim: head dimension of a sliding-window layer (None: the model's).
+        draft_sliding_window: tokens back that a fused draft reads in the SWA pool
+            (SGLang's ``draft_swa_window``), 0 when none; the SWA history kept is the
+            larger of it and ``sliding_window`` (``swa_retain_window``).
     """
 
     full_layer_ids: tuple[int, ...]
@@ -113,6 +116,7 @@ class AttentionLayout:
     swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
     swa_num_kv_heads: int | None = None
     swa_head_dim: int | None = None
+    draft_sliding_window: int = 0
 
     def full_bytes_per_token(self, model: ModelShape) -> int:
         """Bytes of one token in the full pool: K and V in every full-attention layer."""
@@ -298,6 +302,8 @@ class TraceMeta:
         else:
             out["attention"]["full_layer_ids"] = list(self.attention.full_layer_ids)
             out["attention"]["swa_layer_ids"] = list(self.attention.swa_layer_ids)
+            if not self.attention.draft_sliding_window:
+                del out["attention"]["draft_sliding_window"]  # no draft window: as before the field
         if self.mamba is None:
             del out["mamba"]  # no linear-attention layer: as versions 1 and 2 wrote it
         else:
@@ -502,6 +508,7 @@ def _attention_layout(obj: dict[str, Any], model: ModelShape, page_size: int) ->
         swa_full_tokens_ratio=float(ratio),
         swa_num_kv_heads=_int_in(obj, "swa_num_kv_heads", "attention.", 1, MAX_MODEL_DIM, None),
         swa_head_dim=_int_in(obj, "swa_head_dim", "attention.", 1, MAX_MODEL_DIM, None),
+        draft_sliding_window=_int_in(obj, "draft_sliding_window", "attention.", 0, MAX_TOKENS, 0),
     )
 
 

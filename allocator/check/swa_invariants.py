@@ -108,13 +108,16 @@ def _check_tree(out: list[Violation], allocator: KvAllocator, tree: SwaRadixCach
     slots: list[np.ndarray] = []
     fulls: list[np.ndarray] = []
     # expected SWA lock counts from the rows' locks: from the locked node up to its
-    # receipt's boundary node (the root when the window reached it)
+    # receipt's boundary node (the root when the window reached it); none for a lock
+    # whose SWA part was released early (SwaConfig.release_prefill_swa)
+    from allocator.allocation import SWA_LOCK_RELEASED
+
     expected: dict[int, int] = {}
     lockers: dict[int, int] = {}
     for row in np.flatnonzero(kv.rid >= 0).tolist():
         node = kv.lock_node[row]
         uuid = kv.lock_swa_uuid[row]
-        while node is not None and node is not tree.root_node:
+        while node is not None and node is not tree.root_node and uuid != SWA_LOCK_RELEASED:
             expected[node.id] = expected.get(node.id, 0) + 1
             lockers.setdefault(node.id, int(kv.rid[row]))
             if uuid is not None and node.swa_uuid == uuid:  # type: ignore[attr-defined]

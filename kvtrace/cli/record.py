@@ -75,7 +75,7 @@ def parse_spec(text: str) -> Any:
         return None
     algorithm, sep, numbers = text.partition(":")
     algorithm = algorithm.strip().lower()
-    valid = ("eagle", "eagle3", "standalone")
+    valid = ("eagle", "eagle3", "standalone", "dflash")
     if algorithm not in valid or not sep:
         raise typer.BadParameter(
             f"{text!r} is not off nor ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
@@ -93,7 +93,12 @@ def parse_spec(text: str) -> Any:
         raise typer.BadParameter(
             f"{text!r}: STEPS and TOPK must be >= 1 and DRAFT >= 2", param_hint="--spec"
         )
-    if topk == 1 and draft > steps + 1:
+    if algorithm == "dflash":
+        # SGLang's _handle_dflash: one step, topk 1, a verify block of DRAFT tokens
+        if steps != 1 or topk != 1:
+            raise typer.BadParameter(f"{text!r}: DFlash takes STEPS 1 and TOPK 1 (e.g. dflash:1,1,16)",
+                                     param_hint="--spec")
+    elif topk == 1 and draft > steps + 1:
         raise typer.BadParameter(
             f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
             param_hint="--spec",

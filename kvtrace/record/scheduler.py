@@ -282,7 +282,8 @@ class Scheduler:
         self.ratio = self.ratio_init
         # A hybrid sliding-window model's window and SWA pool (None: full attention only).
         swa = getattr(allocator.config, "swa", None)
-        self.swa_window: int | None = swa.window if swa is not None else None
+        # the window the tree keeps (SGLang's prefill budget reads the tree's, swa_retain_window)
+        self.swa_window: int | None = getattr(swa, "retain_window", swa.window) if swa is not None else None
         self.swa_pool_tokens = swa.pool_tokens(allocator.config.pool_tokens, self.ps) if swa is not None else 0
         # A hybrid linear-attention model's Mamba slots, and how many each request row is sized for.
         self.mamba_slots_per_req = mamba_slots_per_request(config.radix_cache)

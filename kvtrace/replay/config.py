@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from allocator.base import AllocatorConfig, SpecConfig, SwaConfig
+from allocator.base import HISPARSE_SWA_REFUSAL, AllocatorConfig, SpecConfig, SwaConfig
 from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
 from traces.checker import CHECKER_BYTES_PER_RID
@@ -85,10 +85,12 @@ def swa_config_for(layout: AttentionLayout | None, *, resized: bool = False) -> 
     """
     if layout is None:
         return None
+    draft = getattr(layout, "draft_sliding_window", 0)
     return SwaConfig(
         window=layout.sliding_window,
         swa_full_tokens_ratio=layout.swa_full_tokens_ratio,
         swa_pool_tokens=None if resized else layout.swa_pool_tokens,
+        **({"draft_window": draft} if draft else {}),  # an allocator version without the field still builds
     )
 
 
@@ -183,7 +185,8 @@ _REPLAY_ADVICE = "only SWA traces recorded with {what} off replay (kvtrace info 
 
 def unsupported_swa(config: AllocatorConfig, exc: ValueError, advice: str = _REPLAY_ADVICE) -> str | None:
     """The one line to say when ``config.check()`` refused an SWA configuration only for
-    a switch the SWA allocator does not serve yet (the radix cache, HiSparse), else None.
+    a switch the SWA allocator does not serve yet (the radix cache), or for HiSparse,
+    which SGLang 0.5.23 never combines with a sliding-window model; else None.
 
     NOTE: the rule is the allocator's own: the same configuration is checked again
     without the switch, so this refusal goes away by itself once the allocator serves
@@ -196,7 +199,10 @@ def unsupported_swa(config: AllocatorConfig, exc: ValueError, advice: str = _REP
     """
     if config.swa is None:
         return None
-    for switch, what in (("radix_cache", "the radix cache"), ("hisparse", "HiSparse")):
+    if config.hisparse:
+        # Not a gap of ours: SGLang itself never pairs them (allocator.base.HISPARSE_SWA_REFUSAL).
+        return f"{HISPARSE_SWA_REFUSAL}, and this configuration has both (kvtrace info shows the trace's)"
+    for switch, what in (("radix_cache", "the radix cache"),):
         if not getattr(config, switch):
             continue
         try:

@@ -78,6 +78,8 @@ class SwaSpec:
     swa_pool_tokens: int
     eviction_interval: int = 128
     overlap_chunked_prefill: int = 0  # >0: the overlap scheduler with this chunked_prefill_size
+    draft_window: int = 0  # >0: a fused draft's SWA reads (CacheInitParams.draft_swa_window)
+    release_prefill_swa: bool = False  # SGLANG_OPT_RELEASE_PREFILL_SWA
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,10 @@ class ScenarioConfig:
         out = asdict(self)
         if self.swa is None:
             del out["swa"]  # full attention: the header as before SWA existed
+        else:  # fields at their defaults: the header as before they existed
+            for key in ("draft_window", "release_prefill_swa"):
+                if not out["swa"][key]:
+                    del out["swa"][key]
         if self.eviction_policy == "lru":
             del out["eviction_policy"]  # the default: the header as before policies existed
         return out
@@ -119,6 +125,7 @@ class ScenarioConfig:
             f"ps{self.page_size} pool{self.pool_tokens} rows{self.max_running} ctx{self.max_context_len} "
             f"spec={spec} radix={'on' if self.radix_cache else 'off'}{' need_sort' if self.need_sort else ''}"
             + (f" swa=w{self.swa.window},pool{self.swa.swa_pool_tokens},i{self.swa.eviction_interval}"
+               + (f",d{self.swa.draft_window}" if self.swa.draft_window else "")
                if self.swa is not None else "")
             + (f" evict={self.eviction_policy}" if self.eviction_policy != "lru" else "")
         )

@@ -46,8 +46,8 @@ __all__ = ["AllocatorServer", "IncrementalDigest", "pool_counters", "serve", "st
 def _swa_spec(config: dict[str, Any]) -> sc.SwaSpec | None:
     """The scenario's SWA pool from kvtrace's ``AllocatorConfig.swa`` (a dict, or None):
     its window, its SWA pool in tokens (``SwaConfig.pool_tokens``: an explicit size or
-    the ratio of the full pool, rounded down to a page), the eviction interval and the
-    overlap scheduler's chunk."""
+    the ratio of the full pool, rounded down to a page), the eviction interval, the
+    overlap scheduler's chunk and a draft's SWA window."""
     swa = config.get("swa")
     if swa is None:
         return None
@@ -59,6 +59,8 @@ def _swa_spec(config: dict[str, Any]) -> sc.SwaSpec | None:
         window=int(swa["window"]), swa_pool_tokens=tokens // ps * ps,
         eviction_interval=int(swa.get("eviction_interval", 128)),
         overlap_chunked_prefill=int(swa.get("overlap_chunked_prefill", 0)),
+        draft_window=int(swa.get("draft_window", 0)),
+        release_prefill_swa=bool(swa.get("release_prefill_swa", False)),
     )  # fmt: skip
 
 

@@ -80,7 +80,8 @@ itself is not run because a trace already fixes which requests run when):
    e. decode — ``prepare_for_decode`` → ``alloc_for_decode(batch, 1)`` with
       ``seq_lens = kv_committed_len``.
    f. spec — ``spec_prepare_for_decode`` → ``eagle_prepare_for_decode(batch)``
-      (real: reserve, ``page_aligned_decode_alloc_lens``, ``alloc_for_spec_decode``),
+      (real: reserve, ``page_aligned_decode_alloc_lens``, ``alloc_for_spec_decode``;
+      DFLASH: ``DFlashDraftInputV2.prepare_for_decode``, reserve ``2 * num_draft_tokens``),
       then the verify commit of ``process_batch_result_decode`` /
       ``_resolve_spec_v2_tokens``: ``kv_committed_len += accepted``.
    g. prompt publish — ``process_batch_result_prefill``: one free group around
@@ -116,8 +117,8 @@ itself is not run because a trace already fixes which requests run when):
    ``SWATokenToKVPoolAllocator`` over an ``SWAKVPool`` made without
    ``__init__`` (no KV buffers), ``UnifiedRadixCache(FULL, SWA)`` (disabled unless the
    scenario has the radix cache on) with the
-   scenario's ``sliding_window_size`` (Python tree core), ``SGLANG_SWA_EVICTION_INTERVAL``
-   from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
+   scenario's ``sliding_window_size`` and ``draft_swa_window`` (Python tree core),
+   ``SGLANG_SWA_EVICTION_INTERVAL`` and ``SGLANG_OPT_RELEASE_PREFILL_SWA`` from the scenario. Batches carry the real ``ScheduleBatch.maybe_evict_swa`` (with its
    ``_swa_eviction_trigger`` and ``_evict_swa``), ``forward_mode`` EXTEND or DECODE, and
    ``enable_overlap`` with ``chunked_prefill_size`` as the scenario's
    ``overlap_chunked_prefill`` says (0: the non-overlap scheduler; each extend ticks
@@ -338,7 +339,7 @@ class _Overflow(Exception):
 class SGLangEngine:
     """One scenario's SGLang world behind the ``scenario.Engine`` contract."""
 
-    SPEC_NAMES = {"eagle": "EAGLE", "eagle3": "EAGLE3", "standalone": "STANDALONE"}
+    SPEC_NAMES = {"eagle": "EAGLE", "eagle3": "EAGLE3", "standalone": "STANDALONE", "dflash": "DFLASH"}
 
     def __init__(self, config: sc.ScenarioConfig, tree_kind: str = "radix", kv_events: bool = False) -> None:
         torch = SG.torch
@@ -348,7 +349,9 @@ class SGLangEngine:
         if config.spec is not None:
             algo = self.SPEC_NAMES.get(config.spec.algorithm)
             if algo is None:
-                raise sc.ScenarioError(f"spec algorithm {config.spec.algorithm!r} is not driven (eagle, eagle3, standalone)")
+                raise sc.ScenarioError(
+                    f"spec algorithm {config.spec.algorithm!r} is not driven (eagle, eagle3, standalone, dflash)"
+                )
             fields.update(
                 speculative_algorithm=algo,
                 speculative_num_steps=config.spec.num_steps,
@@ -388,8 +391,10 @@ class SGLangEngine:
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
             os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(config.swa.eviction_interval)
+            os.environ["SGLANG_OPT_RELEASE_PREFILL_SWA"] = "1" if config.swa.release_prefill_swa else "0"
             params.tree_components = (ComponentType.FULL, ComponentType.SWA)
             params.sliding_window_size = config.swa.window
+            params.draft_swa_window = config.swa.draft_window  # swa_retain_window = max of the two
             tree = UnifiedRadixCache(params)
         elif tree_kind == "unified":
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -692,17 +697,23 @@ class SGLangEngine:
         reqs = [self.reqs[rid] for rid in rids]
         self._swa_seqlens(reqs)
 
+        dflash = self.config.spec is not None and self.config.spec.algorithm == "dflash"
+
         def run() -> None:
             torch = SG.torch
             lens = [r.kv.kv_committed_len for r in reqs]
-            batch = self._batch(reqs, seq_lens_cpu=torch.tensor(lens, dtype=torch.int64))
-            SG.eagle_utils.eagle_prepare_for_decode(batch)
+            batch = self._batch(reqs, seq_lens_cpu=torch.tensor(lens, dtype=torch.int64), batch_size=lambda: len(reqs))
+            if dflash:  # DFLASH's own prepare: a reserve of two verify blocks, maybe_evict_swa first
+                from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+                DFlashDraftInputV2.create_idle_input("cpu").prepare_for_decode(batch)
+            else:
+                SG.eagle_utils.eagle_prepare_for_decode(batch)
             for r, a in zip(reqs, accepted):
                 r.kv.kv_committed_len += a
 
-        cur, nxt, needed = SG.page_aligned_decode_alloc_lens(
-            reqs, reserve=SG.alloc_reserve_per_decode(), page_size=self.ps,
-        )
+        reserve = 2 * self.config.spec.num_draft_tokens if dflash else SG.alloc_reserve_per_decode()
+        cur, nxt, needed = SG.page_aligned_decode_alloc_lens(reqs, reserve=reserve, page_size=self.ps)
         self.last_lens = (list(cur), list(nxt))
         bound = needed + (len(reqs) * self.ps if self.ps > 1 else 0)
         # (a reserve past the row trips eagle_prepare_for_decode's assertion at page > 1)

@@ -77,6 +77,28 @@ def test_bad_swa_configs_are_refused(swa: SwaConfig, match: str) -> None:
         AllocatorConfig(pool_tokens=4096, page_size=8, radix_cache=False, swa=swa).check()
 
 
+@pytest.mark.parametrize("radix_cache", [False, True])
+def test_hisparse_with_swa_is_refused_as_sglang_never_serves_it(radix_cache: bool) -> None:
+    """kv_cache_configurator builds SWATokenToKVPoolAllocator for a hybrid SWA model
+    before it looks at --enable-hisparse (HiSparse wraps only DeepSeek V4's SWA pools);
+    hisparse_hook admits DSA, DeepSeek V4 and MiniMax M3 models only."""
+    from allocator.base import HISPARSE_SWA_REFUSAL
+
+    config = AllocatorConfig(pool_tokens=4096, page_size=16, radix_cache=False, hisparse=True,
+                             swa=SwaConfig(window=64))
+    with pytest.raises(ValueError) as info:
+        config.check()
+    assert str(info.value) == HISPARSE_SWA_REFUSAL == "SGLang 0.5.23 does not serve HiSparse with sliding-window models"
+    from kvtrace.replay.config import unsupported_swa
+
+    config = AllocatorConfig(pool_tokens=4096, page_size=16, radix_cache=radix_cache, hisparse=True,
+                             swa=SwaConfig(window=64))
+    with pytest.raises(ValueError) as info:
+        config.check()
+    line = unsupported_swa(config, info.value)
+    assert line is not None and line.startswith(HISPARSE_SWA_REFUSAL) and "\n" not in line
+
+
 def test_full_attention_has_one_pool_and_no_swa_columns_kept() -> None:
     a = KvAllocator(AllocatorConfig(pool_tokens=1024, page_size=4))
     a.extend(_ids(1), np.array([10]), [_ids(10)])
@@ -268,6 +290,82 @@ def test_spec_decode_frees_out_of_window_and_conserves_both_pools(ps: int) -> No
     a.release(rids, a.request_lens(rids).committed, None, "finish")
     c = a.pool_counters()
     assert c["swa"].available == c["swa"].pool_tokens and c["full"].available == c["full"].pool_tokens
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_dflash_reserves_two_verify_blocks_on_the_swa_pool_too(ps: int) -> None:
+    """DFlashDraftInputV2.prepare_for_decode: maybe_evict_swa, then nxt =
+    ceil_page(committed + 2 * num_draft_tokens), allocated in both pools (the SWA
+    slots through the full->SWA mapping)."""
+    a = _swa(ps, window=64, interval=4, spec=SpecConfig("dflash", 1, 1, 8))
+    a.extend(_ids(1), np.array([150]), [_ids(150)])
+    res = a.spec_decode(_ids(1), np.array([3]))
+    assert not isinstance(res, OutOfMemory), res
+    assert a.request_lens(_ids(1)).allocated[0] == -(-(150 + 16) // ps) * ps
+    for _ in range(20):
+        assert not isinstance(a.spec_decode(_ids(1), np.array([5])), OutOfMemory)
+        _conserved(a)
+    assert a.kv_info(0).swa_evicted_seqlen > 0
+    assert a.check_integrity() == []
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_a_draft_window_widens_what_decode_keeps_but_not_the_pd_tail(ps: int) -> None:
+    """SGLang's swa_retain_window = max(sliding_window_size, draft_swa_window): the
+    out-of-window frees keep the larger window; _swa_tail_len sizes the PD tail by the
+    scheduler's sliding_window_size, the model's own."""
+    def alloc(draft: int) -> KvAllocator:
+        return KvAllocator(AllocatorConfig(
+            pool_tokens=8192, page_size=ps, max_running=8, max_context_len=4096, radix_cache=False,
+            swa=SwaConfig(window=64, eviction_interval=8, draft_window=draft),
+        ))
+
+    plain, drafted = alloc(0), alloc(112)
+    for a in (plain, drafted):
+        a.extend(_ids(1), np.array([300]), [_ids(300)])
+        _decode(a, _ids(1), 40)
+    # committed 340: the cursor is at most 340 - window (page-floored)
+    assert 340 - 64 - 8 - ps < plain.kv_info(0).swa_evicted_seqlen <= 340 - 64
+    assert 340 - 112 - 8 - ps < drafted.kv_info(0).swa_evicted_seqlen <= 340 - 112
+    if ps > 1:
+        for a in (plain, drafted):
+            a.prealloc(np.array([1]), np.array([200]), [_ids(200)])
+        assert plain.kv_info(1).swa_evicted_seqlen == drafted.kv_info(1).swa_evicted_seqlen == (200 - 64) // ps * ps
+    with pytest.raises(ValueError, match="draft_window"):
+        AllocatorConfig(pool_tokens=4096, radix_cache=False, swa=SwaConfig(window=64, draft_window=-1)).check()
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_release_prefill_swa_unlocks_the_prefix_swa_after_the_window(ps: int) -> None:
+    """SGLANG_OPT_RELEASE_PREFILL_SWA: maybe_evict_swa releases the SWA part of a
+    decoding request's tree lock once decode_batch_idx >= swa_retain_window; its
+    prefix's SWA turns evictable while FULL stays protected; the final release then
+    drops FULL only, and both pools account for every slot throughout."""
+    def run(release: bool) -> tuple[KvAllocator, list[tuple[int, int]]]:
+        a = KvAllocator(AllocatorConfig(
+            pool_tokens=4096, page_size=ps, max_running=8, max_context_len=1024,
+            swa=SwaConfig(window=32, eviction_interval=4, release_prefill_swa=release),
+        ))
+        a.extend(_ids(1), np.array([160]), [_ids(160)])
+        a.end_step()  # the prompt's publish: the tree holds and locks it
+        seen = []
+        for _ in range(40):
+            assert not isinstance(a.decode(_ids(1)), OutOfMemory)
+            seen.append((a.tree_cache.swa_protected_size(), a.tree_cache.protected_size()))
+            _conserved(a)
+        assert a.check_integrity() == []
+        a.release(_ids(1), a.request_lens(_ids(1)).committed, [_ids(200)], "finish")
+        assert a.tree_cache.swa_protected_size() == a.tree_cache.protected_size() == 0
+        assert a.check_integrity() == []
+        _conserved(a)
+        return a, seen
+
+    _, kept = run(False)
+    _, released = run(True)
+    assert kept[0] == released[0] and kept[0][0] > 0
+    # 32 decode steps in, the SWA lock goes; FULL stays locked to the end
+    assert released[32][0] == 0 < kept[32][0] and released[32][1] == kept[32][1] > 0
+    assert released[30] == kept[30]
 
 
 def test_decode_runs_fall_back_to_steps_with_swa() -> None:

@@ -57,6 +57,8 @@ class OursEngine:
                 window=config.swa.window, swa_pool_tokens=config.swa.swa_pool_tokens,
                 eviction_interval=config.swa.eviction_interval,
                 overlap_chunked_prefill=config.swa.overlap_chunked_prefill,
+                **({"draft_window": config.swa.draft_window} if config.swa.draft_window else {}),
+                **({"release_prefill_swa": True} if config.swa.release_prefill_swa else {}),
             )
         self.alloc = factory(base.AllocatorConfig(
             pool_tokens=config.pool_tokens, page_size=config.page_size, max_running=config.max_running,

@@ -23,6 +23,7 @@ Op, Step, Scenario, Cfg, Spec = sc.Op, sc.Step, sc.Scenario, sc.ScenarioConfig, 
 EAGLE_314 = Spec("eagle", 3, 1, 4)
 EAGLE_548 = Spec("eagle", 5, 4, 8)
 STANDALONE_314 = Spec("standalone", 3, 1, 4)
+DFLASH_8 = Spec("dflash", 1, 1, 8)  # SGLang's DFLASH: one step, topk 1, a verify block of 8
 
 
 def _steps(*ops_per_step: Iterable[Op]) -> tuple[Step, ...]:
@@ -333,6 +334,8 @@ class RandomSpec:
     swa_fraction: float = 0.3
     swa_interval: int = 4
     swa_overlap: bool = False  # the overlap scheduler's extend-time rule (lag: the chunk size)
+    swa_draft_window: int = 0  # a fused draft's SWA reads, larger than the window: swa_retain_window
+    swa_release_prefill: bool = False  # SGLANG_OPT_RELEASE_PREFILL_SWA
     # Prompt lengths (shared families, tails, fresh prompts) times this: large pages
     # need prompts of several pages for a tree to branch, tombstone and split.
     prompt_scale: int = 1
@@ -364,7 +367,17 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
     "swa-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA),
     "swa-p16-pd": RandomSpec(page_size=16, pd=True, need_sort=True, **_SWA),
     "swa-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **{**_SWA, "swa_window": 32, "max_context_len": 768}),
+    # prompts of several pages: most PD fills take an SWA tail past position 0 at page 64
+    "swa-p64-pd-long": RandomSpec(page_size=64, pd=True, need_sort=True,
+                                  **{**_SWA, "swa_window": 32, "max_context_len": 1536, "prompt_scale": 3, "chunk": 256}),
     "swa-p16-overlap": RandomSpec(page_size=16, swa_overlap=True, chunk=32, **_SWA),
+    # DFLASH on an SWA model: its prepare_for_decode reserves two verify blocks
+    "swa-p1-dflash": RandomSpec(page_size=1, spec=DFLASH_8, **_SWA),
+    "swa-p16-pd-dflash": RandomSpec(page_size=16, spec=DFLASH_8, pd=True, need_sort=True, **_SWA),
+    # a draft reading 40 tokens back in the SWA pool: frees keep 40, the PD tail the model's 24
+    "swa-p16-pd-draftwin-eagle314": RandomSpec(page_size=16, spec=EAGLE_314, pd=True, need_sort=True,
+                                               **{**_SWA, "swa_draft_window": 40}),
+    "swa-p1-draftwin-eagle314": RandomSpec(page_size=1, spec=EAGLE_314, **{**_SWA, "swa_draft_window": 40}),
     # an SWA pool as large as the full pool: the full pool runs short first
     "swa-p16-eagle314-wide": RandomSpec(page_size=16, spec=EAGLE_314, **{**_SWA, "swa_fraction": 1.0}),
 }
@@ -377,6 +390,7 @@ SWA_CONFIGS: dict[str, RandomSpec] = {
 _SWA_RADIX = dict(radix_cache=True, swa_window=24, max_context_len=384)
 # page 64: prompts of several pages and a window of one and a half pages
 _SWA_RADIX_64 = {**_SWA_RADIX, "swa_window": 96, "max_context_len": 1536, "prompt_scale": 4, "chunk": 256}
+_SWA_RELEASE = {**_SWA_RADIX, "swa_window": 8, "swa_release_prefill": True}
 SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p1-nospec": RandomSpec(page_size=1, **_SWA_RADIX),
     "swa-radix-p16-nospec": RandomSpec(page_size=16, **_SWA_RADIX),
@@ -387,6 +401,13 @@ SWA_RADIX_CONFIGS: dict[str, RandomSpec] = {
     "swa-radix-p1-pd": RandomSpec(page_size=1, pd=True, need_sort=True, **_SWA_RADIX),
     "swa-radix-p16-pd-eagle314": RandomSpec(page_size=16, pd=True, need_sort=True, spec=EAGLE_314, **_SWA_RADIX),
     "swa-radix-p64-pd": RandomSpec(page_size=64, pd=True, need_sort=True, **_SWA_RADIX_64),
+    "swa-radix-p64-dflash": RandomSpec(page_size=64, spec=DFLASH_8, **_SWA_RADIX_64),
+    "swa-radix-p16-pd-draftwin": RandomSpec(page_size=16, pd=True, need_sort=True,
+                                            **{**_SWA_RADIX, "swa_draft_window": 40}),
+    # SGLANG_OPT_RELEASE_PREFILL_SWA: a request 8 decode steps in releases its prefix's SWA lock
+    "swa-radix-p1-release": RandomSpec(page_size=1, **_SWA_RELEASE),
+    "swa-radix-p16-eagle314-release": RandomSpec(page_size=16, spec=EAGLE_314, **_SWA_RELEASE),
+    "swa-radix-p16-pd-release": RandomSpec(page_size=16, pd=True, need_sort=True, **_SWA_RELEASE),
 }
 
 
@@ -408,7 +429,8 @@ def random_scenario(seed: int, rs: RandomSpec, name: str | None = None) -> Scena
         pool = max(pool, rs.max_context_len + 8 * max(ps, 16))
         swa_pool = max(int(pool * rs.swa_fraction) // ps * ps, (rs.swa_window // ps + 2) * ps)
         swa = sc.SwaSpec(window=rs.swa_window, swa_pool_tokens=swa_pool, eviction_interval=rs.swa_interval,
-                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0)
+                         overlap_chunked_prefill=rs.chunk if rs.swa_overlap else 0, draft_window=rs.swa_draft_window,
+                         release_prefill_swa=rs.swa_release_prefill)
     cfg = Cfg(pool_tokens=pool // ps * ps, page_size=ps, max_running=rs.max_running,
               max_context_len=rs.max_context_len, need_sort=rs.need_sort, radix_cache=rs.radix_cache, spec=rs.spec,
               swa=swa)

@@ -24,6 +24,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +129,149 @@ def test_swa_radix_scenarios_reach_every_tree_path() -> None:
             assert got[k] > 0, (ps, k, got)
     assert sum(t["recovered_locked"] for t in totals.values()) > 0, totals
     assert sum(t["window_split"] for t in totals.values()) > 0, totals
+
+
+def test_swa_pd_scenarios_take_sglangs_prealloc_path_run_short_and_reclaim() -> None:
+    """Ours alone (no SGLang): the PD scenarios the parity above compares are not
+    vacuous. SGLang's ``_uses_swa_tail_prealloc`` (page > 1) allocates only the SWA
+    tail, so a request fresh from prealloc has ``swa_evicted_seqlen > 0`` once its
+    fill exceeds window + page; at page 1 it takes the fallback (the SWA pool at full
+    length, cursor 0); radix cache off, as with it on the checkpoint that follows
+    the prealloc moves the cursor too. Preallocs run out of memory at every page size,
+    and with the decode radix cache at page > 1 some prealloc evicts SWA from the tree
+    (``_reclaim_swa_tail_capacity``)."""
+    factory, base = ours_driver.load_factory("allocator")
+    pd = [s for s in SCENARIOS + RADIX_SCENARIOS if any(o.op == "prealloc" for st in s.steps for o in st.ops)]
+    seen: dict[tuple[int, bool], dict[str, int]] = {}
+    for scen in pd:
+        cfg = scen.config
+        got = seen.setdefault((cfg.page_size, cfg.radix_cache), {"tail": 0, "full": 0, "oom": 0, "reclaim": 0})
+        eng = ours_driver.OursEngine(cfg, factory, base)
+        fills = {(st.step, o.rid): o.seq_len for st in scen.steps for o in st.ops if o.op == "prealloc"}
+        window = cfg.swa.window
+        # the shortest fill whose tail starts past position 0 (decode.py _swa_tail_len)
+        first_tail = 1 + max(window, cfg.page_size) + cfg.page_size if cfg.radix_cache else window + cfg.page_size
+        prealloc = eng.prealloc
+
+        def observed(rids, fill_lens, token_ids, prompt_lens, got=got, eng=eng, prealloc=prealloc):
+            tree = eng.alloc.tree_cache
+            before = getattr(tree, "swa_evicted_tokens_total", 0)
+            res = prealloc(rids, fill_lens, token_ids, prompt_lens)
+            got["reclaim"] += res.outcome == "ok" and getattr(tree, "swa_evicted_tokens_total", 0) > before
+            return res
+
+        eng.prealloc = observed
+
+        def sink(d: dict, got=got, first_tail=first_tail, fills=fills) -> None:
+            if d.get("phase") != "prealloc":
+                return
+            ev = d["events"][0]
+            got["oom"] += ev["outcome"] == "oom"
+            if ev["outcome"] != "ok":
+                return
+            cursor = {q[0]: q[1] for q in d["swa_reqs"]}
+            for rid in ev["rids"]:
+                if fills[(d["step"], rid)] >= first_tail:
+                    got["tail" if cursor[rid] > 0 else "full"] += 1
+
+        runner.run_scenario(scen, eng, sink, fine=True)
+    assert {ps for ps, _ in seen} == {1, 16, 64}
+    for (ps, radix), got in seen.items():
+        assert got["oom"] > 0, (ps, radix, got)
+        if radix:  # the checkpoint after the prealloc frees out of the window at once
+            continue
+        if ps == 1:
+            assert got["tail"] == 0 and got["full"] > 0, (ps, radix, got)
+        else:
+            assert got["full"] == 0 and got["tail"] > 0, (ps, radix, got)
+    assert all(got["reclaim"] > 0 for (ps, radix), got in seen.items() if radix and ps > 1), seen
+
+
+def test_swa_dflash_is_in_both_parity_sets() -> None:
+    """DFLASH on an SWA model is compared with SGLang's own DFlashDraftInputV2
+    prepare (kvtrace/sglang/world.py decision 6f): radix cache off (page 1, PD at
+    page 16) and on (page 64)."""
+    for scens in (SCENARIOS, RADIX_SCENARIOS):
+        assert any(s.config.spec == gen.DFLASH_8 for s in scens)
+    assert {s.config.page_size for s in SCENARIOS + RADIX_SCENARIOS if s.config.spec == gen.DFLASH_8} == {1, 16, 64}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_a_dflash_swa_trace_diffs_identical_against_sglang(tmp_path: Path, page_size: int) -> None:
+    """A trace recorded with DFlash on the gpt-oss-20b preset (window 128, radix cache
+    on), replayed by SGLang's own classes and ours: ``kvtrace diff --exact``."""
+    python = harness.require_sglang()
+    trace = tmp_path / "dflash.kvtrace"
+    cli = [sys.executable, "-m", "kvtrace"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    rec = subprocess.run([*cli, "record", "sample:tiny", "--model", "gpt-oss-20b", "--spec", "dflash:1,1,8",
+                          "--page-size", str(page_size), "--chunk", "256", "--pool-tokens", "8000", "-o", str(trace), "-q"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert rec.returncode == 0, rec.stderr
+    out = subprocess.run([*cli, "diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact",
+                          "--json", "-q"], capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["identical"] and report["steps_compared"] > 0, report.get("first_divergence")
+    assert report["b"]["pools"]["swa"]["peak_used_tokens"] < report["b"]["pools"]["full"]["peak_used_tokens"]
+
+
+def test_a_draft_swa_window_is_in_both_parity_sets() -> None:
+    """A draft reading further back than the model's window (SGLang's
+    draft_swa_window: swa_retain_window is the larger) is compared with SGLang, radix
+    cache off (page 1 EAGLE, PD at page 16) and on (PD at page 16); the scenario file
+    keeps the field and leaves it out when 0."""
+    for scens in (SCENARIOS, RADIX_SCENARIOS):
+        drafted = [s for s in scens if s.config.swa.draft_window > s.config.swa.window]
+        assert drafted and any(o.op == "prealloc" for s in drafted for st in s.steps for o in st.ops)
+        cfg = drafted[0].config
+        assert sc.ScenarioConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    plain = next(s.config for s in SCENARIOS if not s.config.swa.draft_window)
+    assert "draft_window" not in plain.to_dict()["swa"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("radix_cache", [False, True])
+def test_a_trace_with_a_draft_swa_window_diffs_identical_against_sglang(tmp_path: Path, radix_cache: bool) -> None:
+    """sample:tiny as served by an SWA model whose draft reads 200 tokens back (window
+    128): the trace's attention.draft_sliding_window reaches both sides
+    (``kvtrace diff --exact``), and the window frees keep the larger window."""
+    from tests.kvtrace.test_swa_replay import swa_tiny
+
+    python = harness.require_sglang()
+    trace = swa_tiny(tmp_path, radix_cache=radix_cache, draft_sliding_window=200)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-m", "kvtrace", "diff", str(trace), "--a", f"sglang:{python}", "--b",
+                          "builtin", "--exact", "--json", "-q"], capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["identical"] and report["steps_compared"] > 0, report.get("first_divergence")
+
+
+def test_release_prefill_swa_scenarios_release_locks() -> None:
+    """Ours alone (no SGLang): the SGLANG_OPT_RELEASE_PREFILL_SWA scenarios (radix
+    cache on: pages 1 and 16, EAGLE, PD) do release SWA locks early, so their parity
+    above compares SGLang's release_swa_prefix_lock with ours."""
+    from allocator.swa_radix import SwaRadixCache
+
+    factory, base = ours_driver.load_factory("allocator")
+    released: dict[str, int] = {}
+    for scen in RADIX_SCENARIOS:
+        if not scen.config.swa.release_prefill_swa:
+            continue
+        eng = ours_driver.OursEngine(scen.config, factory, base)
+        tree = eng.alloc.tree_cache
+        assert isinstance(tree, SwaRadixCache)
+        calls = [0]
+        release = tree.release_swa_lock
+
+        def counted(node, uuid, calls=calls, release=release):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            release(node, uuid)
+
+        tree.release_swa_lock = counted  # type: ignore[method-assign]
+        runner.run_scenario(scen, eng, lambda d: None)
+        key = scen.name.rsplit("-seed", 1)[0]
+        released[key] = released.get(key, 0) + calls[0]
+    assert len(released) == 3 and all(n > 0 for n in released.values()), released

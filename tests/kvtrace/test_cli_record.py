@@ -80,6 +80,7 @@ def test_summary_table_and_overwrite_refused(tmp_path: Path) -> None:
         (["--rate", "3"], "applies to the lengths format only"),
         (["--spec", "medusa:3,1,4"], "ALGORITHM:STEPS,TOPK,DRAFT"),
         (["--spec", "eagle:3,1"], "three integers"),
+        (["--spec", "dflash:3,1,4"], "DFlash takes STEPS 1 and TOPK 1"),
         (["--duration", "soon"], "is not a duration"),
         (["--time-scale", "0"], "positive factor"),
         (["--chunk", "8"], "at least the page size 16"),
@@ -510,3 +511,16 @@ def test_summary_step_kinds_add_up_to_the_steps(tmp_path: Path, extra: list[str]
     assert len(counts) >= 3 and sum(counts) == total, row
     assert "release-only" in row
     assert ("spec decode" in row) == (extra[:1] == ["--spec"]) and ("prealloc" in row) == (extra == ["--pd-decode"])
+
+
+def test_record_takes_dflash_on_a_sliding_window_preset(tmp_path: Path) -> None:
+    """DFlash (SGLang's DFLASH: one step, topk 1, a verify block of DRAFT) records on an
+    SWA model; the trace's config keeps the algorithm and its layout."""
+    out = tmp_path / "dflash.kvtrace"
+    code, report, output = _record(["sample:tiny", "--model", "gpt-oss-20b", "--spec", "dflash:1,1,8",
+                                    "--page-size", "16", "--pool-tokens", "8000", "--out", str(out), "--quiet"])
+    assert code == 0, output
+    assert report["config"]["spec"] == "dflash:1,1,8" and report["spec_steps"] > 0
+    meta = TraceReader(out).meta
+    assert meta.config.spec is not None and meta.config.spec.algorithm == "dflash"
+    assert meta.attention is not None and meta.attention.swa_layer_ids

@@ -71,7 +71,7 @@ def test_a_switch_the_swa_allocator_refuses_is_refused_before_recording() -> Non
     from traces.models import model_preset
 
     layout = model_preset("gpt-oss-20b").layout(60000, 16)
-    with pytest.raises(ConfigError, match="gpt-oss-20b: this sliding-window .SWA. model was served with HiSparse"):
+    with pytest.raises(ConfigError, match="^gpt-oss-20b: SGLang 0.5.23 does not serve HiSparse with sliding-window models"):
         refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False, hisparse=True)
     refuse_sliding_window("gpt-oss-20b", layout, page_size=16, pool_tokens=60000, radix_cache=False)
 
