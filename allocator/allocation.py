@@ -51,6 +51,7 @@ __all__ = [
     "ReleaseOutcome",
     "SpecPlan",
     "SpecResult",
+    "SwaRun",
     "alloc_for_decode",
     "alloc_for_decode_run",
     "alloc_for_decode_prealloc",
@@ -58,6 +59,7 @@ __all__ = [
     "alloc_for_extend",
     "alloc_for_spec_decode",
     "alloc_for_spec_run",
+    "alloc_for_swa_decode_run",
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "evict_from_tree_cache",
@@ -527,6 +529,8 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
         paged:    a request whose position p is a multiple of page_size takes the next
                   free page (step-major, request-minor); the others continue their page
 
+    With an SWA pool use ``alloc_for_swa_decode_run`` (this returns None).
+
     Returns:
         int64 ``[num_steps]``: the pool slots each step took (whole pages), or None
         when the run cannot be done in one block (nothing changed: decode step by step).
@@ -540,36 +544,68 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
     allocator = ctx.token_to_kv_pool_allocator
     num_free = allocator.num_free_pages()  # not counting deferred frees
     ps = ctx.page_size
+    if ps == 1:
+        # per step: bs <= free slots (no merge of deferred frees, no eviction)
+        if num_steps * bs > num_free:
+            return None
+    else:
+        total_pages = _run_new_pages(kv.kv_allocated_len[rows], num_steps, ps)
+        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
+        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
+            return None
+    return _decode_block(ctx, rows, num_steps)
+
+
+def _run_new_pages(seq: np.ndarray, num_steps: int, ps: int) -> int:
+    """New pages ``num_steps`` decode steps take from lengths ``seq``: positions in
+    ``[seq, seq + num_steps)`` that are multiples of ``ps``."""
+    return int((-(-(seq + num_steps) // ps) - (-(-seq // ps))).sum())
+
+
+def _decode_block(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarray:
+    """``num_steps`` decode steps, none of which evicts, merges deferred frees, reaches
+    a row's width or (SWA) frees out of the window: the caller checked. With an SWA
+    pool both pools are consumed in the same order and the new full slots mapped.
+    Returns the pool slots each step took (int64 ``[num_steps]``)."""
+    kv = ctx.req_kv
+    bs = rows.shape[0]
+    allocator = ctx.token_to_kv_pool_allocator
+    swa = ctx.swa is not None
+    full_pool = allocator.full_attn_allocator if swa else allocator
+    ps = ctx.page_size
     seq = kv.kv_allocated_len[rows]
     steps = np.arange(num_steps, dtype=np.int64)
     if ps == 1:
         total = num_steps * bs
-        # per step: bs <= free slots (no merge of deferred frees, no eviction)
-        if total > num_free:
-            return None
-        slots = allocator.alloc(total).astype(np.int64)  # type: ignore[union-attr]
+        slots = full_pool.alloc(total).astype(np.int64)  # type: ignore[union-attr]
+        if swa:
+            allocator.full_to_swa_index_mapping[slots] = allocator.swa_attn_allocator.alloc(total)
         taken = np.full(num_steps, bs, dtype=np.int64)
     else:
         positions = seq[None, :] + steps[:, None]  # [step, request]
         need = positions % ps == 0
         new_pages = np.count_nonzero(need, axis=1)
         total_pages = int(new_pages.sum())
-        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
-        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
-            return None
         last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
-        page_at = np.zeros(need.shape, dtype=np.int64)
-        if total_pages:
-            # row-major: step by step, requests in batch order
-            page_at[need] = allocator.alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
         # the step of each request's latest new page so far (-1: still on its old page)
         latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
         reqs = np.arange(bs)[None, :]
-        slots = np.where(
-            latest >= 0,
-            page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
-            last_loc[None, :] + 1 + steps[:, None],
-        )
+        page_at = np.zeros(need.shape, dtype=np.int64)
+
+        def layout(alloc: Callable[[int], np.ndarray | None], last: np.ndarray) -> np.ndarray:
+            if total_pages:
+                # row-major: step by step, requests in batch order
+                page_at[need] = alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
+            return np.where(
+                latest >= 0,
+                page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
+                last[None, :] + 1 + steps[:, None],
+            )
+
+        slots = layout(full_pool.alloc, last_loc)
+        if swa:
+            swa_last = allocator.translate_loc_from_full_to_swa(last_loc)
+            allocator.full_to_swa_index_mapping[slots.reshape(-1)] = layout(allocator.swa_attn_allocator.alloc, swa_last).reshape(-1)
         taken = new_pages.astype(np.int64) * ps
     ctx.writer.write_points(np.tile(rows, num_steps), (seq[None, :] + steps[:, None]).reshape(-1), slots.reshape(-1))
     kv.kv_allocated_len[rows] = seq + num_steps
@@ -577,7 +613,73 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
     kv.sum_committed += bs * num_steps
     kv.sum_allocated_ceil += int(taken.sum())
     kv.max_len_bound += num_steps
+    if swa:
+        kv.decode_batch_idx[rows] += num_steps
     return taken
+
+
+class SwaRun(NamedTuple):
+    """What ``alloc_for_swa_decode_run`` did, step by step (int64 ``[num_steps]`` each)."""
+
+    taken: np.ndarray  # slots each step took from each pool (whole pages)
+    swa_released: np.ndarray  # SWA slots the step's window frees gave back to the SWA pool
+    swa_window_freed: np.ndarray  # change of ``ReqKvTable.sum_swa_freed`` at the step
+
+
+def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> SwaRun | None:
+    """``alloc_for_decode_run`` with an SWA pool: ``num_steps`` calls of
+    ``alloc_for_decode(ctx, rows)``, the out-of-window frees included.
+
+    A request's window free is due at the first step where ``decode_batch_idx >= 1``
+    and ``committed - window >= swa_evicted_seqlen + eviction_interval``
+    (``swa_decode_due``); until the first due step of any request the steps are one
+    block (``_decode_block``), the due step itself goes through ``alloc_for_decode``
+    (its frees, then its slots, exactly as step by step), and so on::
+
+        steps:   | block ........ | due | block ..... | due | block |
+
+    The run is refused (None, nothing changed) unless every step fits without
+    eviction, merge of deferred frees, or row width, counting none of the window
+    frees (which only give SWA slots back), so that no step of it can fail.
+    """
+    kv = ctx.req_kv
+    swa = ctx.swa
+    bs = rows.shape[0]
+    if bs == 0 or num_steps < 1 or ctx.hisparse or swa is None:
+        return None
+    if kv.max_len_bound + num_steps >= ctx.width:
+        return None
+    allocator = ctx.token_to_kv_pool_allocator
+    ps = ctx.page_size
+    total_pages = num_steps * bs if ps == 1 else _run_new_pages(kv.kv_allocated_len[rows], num_steps, ps)
+    margin = 0 if ps == 1 else bs  # paged: alloc_decode's merge bound and eviction target
+    for pool in (allocator.full_attn_allocator, allocator.swa_attn_allocator):
+        if total_pages + margin > pool.num_free_pages() or (total_pages + margin) * ps > pool.available_size():
+            return None
+    taken = np.zeros(num_steps, dtype=np.int64)
+    released = np.zeros(num_steps, dtype=np.int64)
+    window_freed = np.zeros(num_steps, dtype=np.int64)
+    gap = swa.window + swa.eviction_interval
+    j = 0
+    while j < num_steps:
+        # steps from now to each request's first due step
+        wait = np.maximum(kv.swa_evicted_seqlen[rows] + gap - kv.kv_committed_len[rows], 1 - kv.decode_batch_idx[rows])
+        due = j + max(int(wait.min()), 0)
+        if due > j:
+            n = min(due, num_steps) - j
+            taken[j : j + n] = _decode_block(ctx, rows, n)
+            j += n
+            if j == num_steps:
+                break
+        swa_before = allocator.swa_available_size()
+        freed_before, ceil_before = kv.sum_swa_freed, kv.sum_allocated_ceil
+        res = alloc_for_decode(ctx, rows)
+        assert not isinstance(res, OutOfMemory), "a due step of an SWA decode run did not fit after the check"
+        taken[j] = kv.sum_allocated_ceil - ceil_before
+        released[j] = allocator.swa_available_size() - swa_before + taken[j]
+        window_freed[j] = kv.sum_swa_freed - freed_before
+        j += 1
+    return SwaRun(taken, released, window_freed)
 
 
 def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
