@@ -632,11 +632,12 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
 
     A request's window free is due at the first step where ``decode_batch_idx >= 1``
     and ``committed - window >= swa_evicted_seqlen + eviction_interval``
-    (``swa_decode_due``); until the first due step of any request the steps are one
-    block (``_decode_block``), the due step itself goes through ``alloc_for_decode``
-    (its frees, then its slots, exactly as step by step), and so on::
+    (``swa_decode_due``). The run is cut at the steps where some request's is due:
+    such a step first applies the due frees (``plan_window_frees``, as
+    ``alloc_for_decode`` does before its slots), then the steps up to the next due
+    one take their slots as one block (``_decode_block``)::
 
-        steps:   | block ........ | due | block ..... | due | block |
+        steps:   | block ........ | frees, block ..... | frees, block |
 
     The run is refused (None, nothing changed) unless every step fits without
     eviction, merge of deferred frees, or row width, counting none of the window
@@ -662,23 +663,18 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     gap = swa.window + swa.eviction_interval
     j = 0
     while j < num_steps:
-        # steps from now to each request's first due step
+        due = swa_decode_due(ctx, rows)
+        if due.any():
+            # step j's maybe_evict_swa, before its slots as in alloc_for_decode
+            swa_before, freed_before = allocator.swa_available_size(), kv.sum_swa_freed
+            apply_window_frees(ctx, rows, plan_window_frees(ctx, rows, kv.kv_committed_len[rows], due))
+            released[j] = allocator.swa_available_size() - swa_before
+            window_freed[j] = kv.sum_swa_freed - freed_before
+        # steps from now to each request's next due step (swa_decode_due, ahead)
         wait = np.maximum(kv.swa_evicted_seqlen[rows] + gap - kv.kv_committed_len[rows], 1 - kv.decode_batch_idx[rows])
-        due = j + max(int(wait.min()), 0)
-        if due > j:
-            n = min(due, num_steps) - j
-            taken[j : j + n] = _decode_block(ctx, rows, n)
-            j += n
-            if j == num_steps:
-                break
-        swa_before = allocator.swa_available_size()
-        freed_before, ceil_before = kv.sum_swa_freed, kv.sum_allocated_ceil
-        res = alloc_for_decode(ctx, rows)
-        assert not isinstance(res, OutOfMemory), "a due step of an SWA decode run did not fit after the check"
-        taken[j] = kv.sum_allocated_ceil - ceil_before
-        released[j] = allocator.swa_available_size() - swa_before + taken[j]
-        window_freed[j] = kv.sum_swa_freed - freed_before
-        j += 1
+        n = min(max(int(wait.min()), 1), num_steps - j)
+        taken[j : j + n] = _decode_block(ctx, rows, n)
+        j += n
     return SwaRun(taken, released, window_freed)
 
 
