@@ -563,23 +563,17 @@ def _run_new_pages(seq: np.ndarray, num_steps: int, ps: int) -> int:
 
 
 def _decode_block(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarray:
-    """``num_steps`` decode steps, none of which evicts, merges deferred frees, reaches
-    a row's width or (SWA) frees out of the window: the caller checked. With an SWA
-    pool both pools are consumed in the same order and the new full slots mapped.
-    Returns the pool slots each step took (int64 ``[num_steps]``)."""
+    """``num_steps`` decode steps, none of which evicts, merges deferred frees or
+    reaches a row's width (the caller checked). Returns the pool slots each step took
+    (int64 ``[num_steps]``)."""
     kv = ctx.req_kv
     bs = rows.shape[0]
     allocator = ctx.token_to_kv_pool_allocator
-    swa = ctx.swa is not None
-    full_pool = allocator.full_attn_allocator if swa else allocator
     ps = ctx.page_size
     seq = kv.kv_allocated_len[rows]
     steps = np.arange(num_steps, dtype=np.int64)
     if ps == 1:
-        total = num_steps * bs
-        slots = full_pool.alloc(total).astype(np.int64)  # type: ignore[union-attr]
-        if swa:
-            allocator.full_to_swa_index_mapping[slots] = allocator.swa_attn_allocator.alloc(total)
+        slots = allocator.alloc(num_steps * bs).astype(np.int64)  # type: ignore[union-attr]
         taken = np.full(num_steps, bs, dtype=np.int64)
     else:
         positions = seq[None, :] + steps[:, None]  # [step, request]
@@ -587,25 +581,18 @@ def _decode_block(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarra
         new_pages = np.count_nonzero(need, axis=1)
         total_pages = int(new_pages.sum())
         last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
+        page_at = np.zeros(need.shape, dtype=np.int64)
+        if total_pages:
+            # row-major: step by step, requests in batch order
+            page_at[need] = allocator.alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
         # the step of each request's latest new page so far (-1: still on its old page)
         latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
         reqs = np.arange(bs)[None, :]
-        page_at = np.zeros(need.shape, dtype=np.int64)
-
-        def layout(alloc: Callable[[int], np.ndarray | None], last: np.ndarray) -> np.ndarray:
-            if total_pages:
-                # row-major: step by step, requests in batch order
-                page_at[need] = alloc(total_pages * ps)[::ps] // ps  # type: ignore[index]
-            return np.where(
-                latest >= 0,
-                page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
-                last[None, :] + 1 + steps[:, None],
-            )
-
-        slots = layout(full_pool.alloc, last_loc)
-        if swa:
-            swa_last = allocator.translate_loc_from_full_to_swa(last_loc)
-            allocator.full_to_swa_index_mapping[slots.reshape(-1)] = layout(allocator.swa_attn_allocator.alloc, swa_last).reshape(-1)
+        slots = np.where(
+            latest >= 0,
+            page_at[np.maximum(latest, 0), reqs] * ps + positions % ps,
+            last_loc[None, :] + 1 + steps[:, None],
+        )
         taken = new_pages.astype(np.int64) * ps
     ctx.writer.write_points(np.tile(rows, num_steps), (seq[None, :] + steps[:, None]).reshape(-1), slots.reshape(-1))
     kv.kv_allocated_len[rows] = seq + num_steps
@@ -613,8 +600,6 @@ def _decode_block(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarra
     kv.sum_committed += bs * num_steps
     kv.sum_allocated_ceil += int(taken.sum())
     kv.max_len_bound += num_steps
-    if swa:
-        kv.decode_batch_idx[rows] += num_steps
     return taken
 
 
@@ -632,12 +617,17 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
 
     A request's window free is due at the first step where ``decode_batch_idx >= 1``
     and ``committed - window >= swa_evicted_seqlen + eviction_interval``
-    (``swa_decode_due``). The run is cut at the steps where some request's is due:
-    such a step first applies the due frees (``plan_window_frees``, as
-    ``alloc_for_decode`` does before its slots), then the steps up to the next due
-    one take their slots as one block (``_decode_block``)::
+    (``swa_decode_due``). The full pool, which window frees do not touch, gives the
+    slots of the whole run at once (as ``alloc_for_decode_run``). The SWA pool is cut
+    at the steps where some request's free is due: such a step first applies the due
+    frees (``plan_window_frees``, as ``alloc_for_decode`` does before its slots), then
+    the SWA pages of the steps up to the next due one are taken in one go::
 
-        steps:   | block ........ | frees, block ..... | frees, block |
+        full:    | slots of every step ................................ |
+        swa:     | take ......... | frees, take ...... | frees, take ... |
+
+    The new full slots are mapped to their SWA slots at the end, or before frees that
+    reach a slot of this run (a window shorter than the run).
 
     The run is refused (None, nothing changed) unless every step fits without
     eviction, merge of deferred frees, or row width, counting none of the window
@@ -657,24 +647,86 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     for pool in (allocator.full_attn_allocator, allocator.swa_attn_allocator):
         if total_pages + margin > pool.num_free_pages() or (total_pages + margin) * ps > pool.available_size():
             return None
-    taken = np.zeros(num_steps, dtype=np.int64)
+    full_pool, swa_pool = allocator.full_attn_allocator, allocator.swa_attn_allocator
+    mapping = allocator.full_to_swa_index_mapping
+    seq = kv.kv_allocated_len[rows]
+    committed = kv.kv_committed_len[rows]
+    decoded = kv.decode_batch_idx[rows]
+    steps = np.arange(num_steps, dtype=np.int64)
+    positions = seq[None, :] + steps[:, None]  # [step, request]
+    # The full pool is untouched by window frees: its slots for the whole run at once.
+    if ps == 1:
+        full_slots = full_pool.alloc(num_steps * bs).astype(np.int64).reshape(num_steps, bs)
+        taken = np.full(num_steps, bs, dtype=np.int64)
+        first_page = steps * bs  # index of each step's first SWA slot in take order
+        swa_ids = np.zeros(num_steps * bs, dtype=np.int64)
+    else:
+        need = positions % ps == 0
+        new_pages = np.count_nonzero(need, axis=1)
+        taken = new_pages.astype(np.int64) * ps
+        first_page = np.cumsum(new_pages) - new_pages
+        # the step of each request's latest new page so far (-1: still on its old page)
+        latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
+        latest_at = np.maximum(latest, 0)
+        reqs = np.arange(bs)[None, :]
+        in_page = positions % ps
+        last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
+        page_at = np.zeros(need.shape, dtype=np.int64)
+        if total_pages:
+            page_at[need] = full_pool.alloc(total_pages * ps)[::ps] // ps  # step-major, batch order
+        full_slots = np.where(latest >= 0, page_at[latest_at, reqs] * ps + in_page, last_loc[None, :] + 1 + steps[:, None])
+        swa_last = mapping[last_loc]
+        swa_ids = np.zeros(total_pages, dtype=np.int64)
+    first_page = np.append(first_page, total_pages)
+    # Frees read the row table (positions below the window), so it is written first.
+    ctx.writer.write_points(np.tile(rows, num_steps), positions.reshape(-1), full_slots.reshape(-1))
+
+    def map_steps(a: int, b: int) -> None:
+        """Map the full slots of steps [a, b) to the SWA slots taken for them."""
+        if ps == 1:
+            swa_slots = swa_ids[a * bs : b * bs]
+        else:
+            page_at[need] = swa_ids
+            lat = latest[a:b]
+            swa_slots = np.where(
+                lat >= 0, page_at[latest_at[a:b], reqs] * ps + in_page[a:b], swa_last[None, :] + 1 + steps[a:b, None]
+            ).reshape(-1)
+        mapping[full_slots[a:b].reshape(-1)] = swa_slots
+
     released = np.zeros(num_steps, dtype=np.int64)
     window_freed = np.zeros(num_steps, dtype=np.int64)
-    gap = swa.window + swa.eviction_interval
+    mapped = 0
     j = 0
     while j < num_steps:
-        due = swa_decode_due(ctx, rows)
+        pre_lens = committed + j
+        # swa_decode_due at step j (committed and decode_batch_idx as after j steps)
+        gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+        due = (decoded + j >= 1) & (gate <= 0)
         if due.any():
             # step j's maybe_evict_swa, before its slots as in alloc_for_decode
+            plan = plan_window_frees(ctx, rows, pre_lens, due)
+            if mapped < j and bool((plan.end > seq).any()):
+                map_steps(mapped, j)  # the frees reach slots of this run: map them first
+                mapped = j
             swa_before, freed_before = allocator.swa_available_size(), kv.sum_swa_freed
-            apply_window_frees(ctx, rows, plan_window_frees(ctx, rows, kv.kv_committed_len[rows], due))
+            apply_window_frees(ctx, rows, plan)
             released[j] = allocator.swa_available_size() - swa_before
             window_freed[j] = kv.sum_swa_freed - freed_before
-        # steps from now to each request's next due step (swa_decode_due, ahead)
-        wait = np.maximum(kv.swa_evicted_seqlen[rows] + gap - kv.kv_committed_len[rows], 1 - kv.decode_batch_idx[rows])
-        n = min(max(int(wait.min()), 1), num_steps - j)
-        taken[j : j + n] = _decode_block(ctx, rows, n)
+            gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+        # steps from j to the next due one (at least this one)
+        n = min(max(int(np.maximum(gate, 1 - decoded - j).min()), 1), num_steps - j)
+        lo, hi = int(first_page[j]), int(first_page[j + n])
+        if hi > lo:  # the SWA pages (slots at page 1) of steps [j, j + n), in take order
+            got = swa_pool.alloc((hi - lo) * ps)
+            swa_ids[lo:hi] = got if ps == 1 else got[::ps] // ps  # type: ignore[index]
         j += n
+    map_steps(mapped, num_steps)
+    kv.kv_allocated_len[rows] = seq + num_steps
+    kv.kv_committed_len[rows] = committed + num_steps
+    kv.sum_committed += bs * num_steps
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound += num_steps
+    kv.decode_batch_idx[rows] = decoded + num_steps
     return SwaRun(taken, released, window_freed)
 
 
