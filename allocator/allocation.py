@@ -1355,16 +1355,20 @@ def apply_window_frees(ctx: KvContext, rows: np.ndarray, plan: WindowFrees) -> N
     kv = ctx.req_kv
     allocator = ctx.token_to_kv_pool_allocator
     table = ctx.req_to_token_pool.req_to_token_np
+    due = np.flatnonzero(plan.due)
+    due_rows = rows[due]
+    ends = plan.end[due]
     allocator.free_group_begin()
     try:
-        for i in np.flatnonzero(plan.due).tolist():
-            row = int(rows[i])
-            start, end = int(plan.start[i]), int(plan.end[i])
+        for row, start, end in zip(due_rows.tolist(), plan.start[due].tolist(), ends.tolist()):
             if end > start:
                 allocator.free_swa_segment(table[row, start:end], start_pos=start)
-            kv.set_swa_evicted(row, end)
     finally:
         allocator.free_group_end()
+    # ReqKvTable.set_swa_evicted of every due row at once (a batch's rows are distinct)
+    before = int(kv.swa_freed(due_rows).sum())
+    kv.swa_evicted_seqlen[due_rows] = ends
+    kv.sum_swa_freed += int(kv.swa_freed(due_rows).sum()) - before
 
 
 def _swa_unfit(

@@ -270,10 +270,14 @@ def test_spec_decode_frees_out_of_window_and_conserves_both_pools(ps: int) -> No
     assert c["swa"].available == c["swa"].pool_tokens and c["full"].available == c["full"].pool_tokens
 
 
-def test_decode_runs_fall_back_to_steps_with_swa() -> None:
+def test_decode_runs_with_swa_report_the_swa_pool_too() -> None:
+    """A decode run with an SWA pool is done in one call (``test_decode_run`` checks it
+    against the steps); its result carries the SWA pool's counters after each step."""
     a = _swa(16)
     a.extend(_ids(1), np.array([100]), [_ids(100)])
-    assert a.decode_run(_ids(1), 8) is None
+    got = a.decode_run(_ids(1), 8)
+    assert got is not None and len(got.other_pools) == 1
+    assert tuple(got.other_pools[0][-1]) == tuple(a.pool_counters()["swa"])
 
 
 # ---------------------------------------------------------------------------- random walks
