@@ -51,6 +51,7 @@ __all__ = [
     "ReleaseOutcome",
     "SpecPlan",
     "SpecResult",
+    "SwaRun",
     "alloc_for_decode",
     "alloc_for_decode_run",
     "alloc_for_decode_prealloc",
@@ -58,6 +59,7 @@ __all__ = [
     "alloc_for_extend",
     "alloc_for_spec_decode",
     "alloc_for_spec_run",
+    "alloc_for_swa_decode_run",
     "checkpoint_kv_cache",
     "commit_accepted_tokens",
     "evict_from_tree_cache",
@@ -534,6 +536,8 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
         paged:    a request whose position p is a multiple of page_size takes the next
                   free page (step-major, request-minor); the others continue their page
 
+    With an SWA pool use ``alloc_for_swa_decode_run`` (this returns None).
+
     Returns:
         int64 ``[num_steps]``: the pool slots each step took (whole pages), or None
         when the run cannot be done in one block (nothing changed: decode step by step).
@@ -547,23 +551,42 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
     allocator = ctx.token_to_kv_pool_allocator
     num_free = allocator.num_free_pages()  # not counting deferred frees
     ps = ctx.page_size
+    if ps == 1:
+        # per step: bs <= free slots (no merge of deferred frees, no eviction)
+        if num_steps * bs > num_free:
+            return None
+    else:
+        total_pages = _run_new_pages(kv.kv_allocated_len[rows], num_steps, ps)
+        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
+        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
+            return None
+    return _decode_block(ctx, rows, num_steps)
+
+
+def _run_new_pages(seq: np.ndarray, num_steps: int, ps: int) -> int:
+    """New pages ``num_steps`` decode steps take from lengths ``seq``: positions in
+    ``[seq, seq + num_steps)`` that are multiples of ``ps``."""
+    return int((-(-(seq + num_steps) // ps) - (-(-seq // ps))).sum())
+
+
+def _decode_block(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np.ndarray:
+    """``num_steps`` decode steps, none of which evicts, merges deferred frees or
+    reaches a row's width (the caller checked). Returns the pool slots each step took
+    (int64 ``[num_steps]``)."""
+    kv = ctx.req_kv
+    bs = rows.shape[0]
+    allocator = ctx.token_to_kv_pool_allocator
+    ps = ctx.page_size
     seq = kv.kv_allocated_len[rows]
     steps = np.arange(num_steps, dtype=np.int64)
     if ps == 1:
-        total = num_steps * bs
-        # per step: bs <= free slots (no merge of deferred frees, no eviction)
-        if total > num_free:
-            return None
-        slots = allocator.alloc(total).astype(np.int64)  # type: ignore[union-attr]
+        slots = allocator.alloc(num_steps * bs).astype(np.int64)  # type: ignore[union-attr]
         taken = np.full(num_steps, bs, dtype=np.int64)
     else:
         positions = seq[None, :] + steps[:, None]  # [step, request]
         need = positions % ps == 0
         new_pages = np.count_nonzero(need, axis=1)
         total_pages = int(new_pages.sum())
-        # per step: bs <= free pages (no merge) and bs pages' worth available (no eviction)
-        if total_pages + bs > num_free or (total_pages + bs) * ps > allocator.available_size():
-            return None
         last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
         page_at = np.zeros(need.shape, dtype=np.int64)
         if total_pages:
@@ -585,6 +608,133 @@ def alloc_for_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> np
     kv.sum_allocated_ceil += int(taken.sum())
     kv.max_len_bound += num_steps
     return taken
+
+
+class SwaRun(NamedTuple):
+    """What ``alloc_for_swa_decode_run`` did, step by step (int64 ``[num_steps]`` each)."""
+
+    taken: np.ndarray  # slots each step took from each pool (whole pages)
+    swa_released: np.ndarray  # SWA slots the step's window frees gave back to the SWA pool
+    swa_window_freed: np.ndarray  # change of ``ReqKvTable.sum_swa_freed`` at the step
+
+
+def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> SwaRun | None:
+    """``alloc_for_decode_run`` with an SWA pool: ``num_steps`` calls of
+    ``alloc_for_decode(ctx, rows)``, the out-of-window frees included.
+
+    A request's window free is due at the first step where ``decode_batch_idx >= 1``
+    and ``committed - window >= swa_evicted_seqlen + eviction_interval``
+    (``swa_decode_due``). The full pool, which window frees do not touch, gives the
+    slots of the whole run at once (as ``alloc_for_decode_run``). The SWA pool is cut
+    at the steps where some request's free is due: such a step first applies the due
+    frees (``plan_window_frees``, as ``alloc_for_decode`` does before its slots), then
+    the SWA pages of the steps up to the next due one are taken in one go::
+
+        full:    | slots of every step ................................ |
+        swa:     | take ......... | frees, take ...... | frees, take ... |
+
+    The new full slots are mapped to their SWA slots at the end, or before frees that
+    reach a slot of this run (a window shorter than the run).
+
+    The run is refused (None, nothing changed) unless every step fits without
+    eviction, merge of deferred frees, or row width, counting none of the window
+    frees (which only give SWA slots back), so that no step of it can fail.
+    """
+    kv = ctx.req_kv
+    swa = ctx.swa
+    bs = rows.shape[0]
+    if bs == 0 or num_steps < 1 or ctx.hisparse or swa is None or swa.release_prefill_swa:
+        return None  # the early lock release happens between steps: step by step
+    if kv.max_len_bound + num_steps >= ctx.width:
+        return None
+    allocator = ctx.token_to_kv_pool_allocator
+    ps = ctx.page_size
+    total_pages = num_steps * bs if ps == 1 else _run_new_pages(kv.kv_allocated_len[rows], num_steps, ps)
+    margin = 0 if ps == 1 else bs  # paged: alloc_decode's merge bound and eviction target
+    for pool in (allocator.full_attn_allocator, allocator.swa_attn_allocator):
+        if total_pages + margin > pool.num_free_pages() or (total_pages + margin) * ps > pool.available_size():
+            return None
+    full_pool, swa_pool = allocator.full_attn_allocator, allocator.swa_attn_allocator
+    mapping = allocator.full_to_swa_index_mapping
+    seq = kv.kv_allocated_len[rows]
+    committed = kv.kv_committed_len[rows]
+    decoded = kv.decode_batch_idx[rows]
+    steps = np.arange(num_steps, dtype=np.int64)
+    positions = seq[None, :] + steps[:, None]  # [step, request]
+    # The full pool is untouched by window frees: its slots for the whole run at once.
+    if ps == 1:
+        full_slots = full_pool.alloc(num_steps * bs).astype(np.int64).reshape(num_steps, bs)
+        taken = np.full(num_steps, bs, dtype=np.int64)
+        first_page = steps * bs  # index of each step's first SWA slot in take order
+        swa_ids = np.zeros(num_steps * bs, dtype=np.int64)
+    else:
+        need = positions % ps == 0
+        new_pages = np.count_nonzero(need, axis=1)
+        taken = new_pages.astype(np.int64) * ps
+        first_page = np.cumsum(new_pages) - new_pages
+        # the step of each request's latest new page so far (-1: still on its old page)
+        latest = np.maximum.accumulate(np.where(need, steps[:, None], -1), axis=0)
+        latest_at = np.maximum(latest, 0)
+        reqs = np.arange(bs)[None, :]
+        in_page = positions % ps
+        last_loc = ctx.writer.read_points(rows, seq - 1).astype(np.int64)
+        page_at = np.zeros(need.shape, dtype=np.int64)
+        if total_pages:
+            page_at[need] = full_pool.alloc(total_pages * ps)[::ps] // ps  # step-major, batch order
+        full_slots = np.where(latest >= 0, page_at[latest_at, reqs] * ps + in_page, last_loc[None, :] + 1 + steps[:, None])
+        swa_last = mapping[last_loc]
+        swa_ids = np.zeros(total_pages, dtype=np.int64)
+    first_page = np.append(first_page, total_pages)
+    # Frees read the row table (positions below the window), so it is written first.
+    ctx.writer.write_points(np.tile(rows, num_steps), positions.reshape(-1), full_slots.reshape(-1))
+
+    def map_steps(a: int, b: int) -> None:
+        """Map the full slots of steps [a, b) to the SWA slots taken for them."""
+        if ps == 1:
+            swa_slots = swa_ids[a * bs : b * bs]
+        else:
+            page_at[need] = swa_ids
+            lat = latest[a:b]
+            swa_slots = np.where(
+                lat >= 0, page_at[latest_at[a:b], reqs] * ps + in_page[a:b], swa_last[None, :] + 1 + steps[a:b, None]
+            ).reshape(-1)
+        mapping[full_slots[a:b].reshape(-1)] = swa_slots
+
+    released = np.zeros(num_steps, dtype=np.int64)
+    window_freed = np.zeros(num_steps, dtype=np.int64)
+    mapped = 0
+    j = 0
+    while j < num_steps:
+        pre_lens = committed + j
+        # swa_decode_due at step j (committed and decode_batch_idx as after j steps)
+        gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+        due = (decoded + j >= 1) & (gate <= 0)
+        if due.any():
+            # step j's maybe_evict_swa, before its slots as in alloc_for_decode
+            plan = plan_window_frees(ctx, rows, pre_lens, due)
+            if mapped < j and bool((plan.end > seq).any()):
+                map_steps(mapped, j)  # the frees reach slots of this run: map them first
+                mapped = j
+            swa_before, freed_before = allocator.swa_available_size(), kv.sum_swa_freed
+            apply_window_frees(ctx, rows, plan)
+            released[j] = allocator.swa_available_size() - swa_before
+            window_freed[j] = kv.sum_swa_freed - freed_before
+            gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+        # steps from j to the next due one (at least this one)
+        n = min(max(int(np.maximum(gate, 1 - decoded - j).min()), 1), num_steps - j)
+        lo, hi = int(first_page[j]), int(first_page[j + n])
+        if hi > lo:  # the SWA pages (slots at page 1) of steps [j, j + n), in take order
+            got = swa_pool.alloc((hi - lo) * ps)
+            swa_ids[lo:hi] = got if ps == 1 else got[::ps] // ps  # type: ignore[index]
+        j += n
+    map_steps(mapped, num_steps)
+    kv.kv_allocated_len[rows] = seq + num_steps
+    kv.kv_committed_len[rows] = committed + num_steps
+    kv.sum_committed += bs * num_steps
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound += num_steps
+    kv.decode_batch_idx[rows] = decoded + num_steps
+    return SwaRun(taken, released, window_freed)
 
 
 def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
@@ -1216,16 +1366,20 @@ def apply_window_frees(ctx: KvContext, rows: np.ndarray, plan: WindowFrees) -> N
     kv = ctx.req_kv
     allocator = ctx.token_to_kv_pool_allocator
     table = ctx.req_to_token_pool.req_to_token_np
+    due = np.flatnonzero(plan.due)
+    due_rows = rows[due]
+    ends = plan.end[due]
     allocator.free_group_begin()
     try:
-        for i in np.flatnonzero(plan.due).tolist():
-            row = int(rows[i])
-            start, end = int(plan.start[i]), int(plan.end[i])
+        for row, start, end in zip(due_rows.tolist(), plan.start[due].tolist(), ends.tolist()):
             if end > start:
                 allocator.free_swa_segment(table[row, start:end], start_pos=start)
-            kv.set_swa_evicted(row, end)
     finally:
         allocator.free_group_end()
+    # ReqKvTable.set_swa_evicted of every due row at once (a batch's rows are distinct)
+    before = int(kv.swa_freed(due_rows).sum())
+    kv.swa_evicted_seqlen[due_rows] = ends
+    kv.sum_swa_freed += int(kv.swa_freed(due_rows).sum()) - before
 
 
 def _swa_unfit(

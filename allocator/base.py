@@ -485,6 +485,8 @@ class RunResult(NamedTuple):
 
     counters: np.ndarray  # int64 [num_steps, len(PoolCounters._fields)] pool counters after each step
     allocated: np.ndarray  # int64 [num_steps, bs] kv_allocated_len of each request after each step
+    # the counters of the pools after the full one (a hybrid model's SWA pool), each as ``counters``
+    other_pools: tuple[np.ndarray, ...] = ()
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ from allocator.allocation import (
     alloc_for_extend,
     alloc_for_spec_decode,
     alloc_for_spec_run,
+    alloc_for_swa_decode_run,
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
@@ -132,6 +133,9 @@ class KvAllocator:
     Raises:
         ValueError: an inconsistent configuration.
     """
+
+    # A run's result (``decode_run``) carries every pool's counters (``RunResult.other_pools``).
+    runs_report_pools = True
 
     def __init__(self, config: AllocatorConfig, *, free_groups: bool = True, device_flush_every: int = 256) -> None:
         config.check()
@@ -502,15 +506,36 @@ class KvAllocator:
             return None
         rids = _i64(rids)
         rows = self._held_rows(rids, "decode")
-        before = np.array(self.counters(), dtype=np.int64)
         allocated = self.req_kv.kv_allocated_len[rows]
+        steps = np.arange(1, num_steps + 1, dtype=np.int64)
+        committed = rids.shape[0] * steps
+        if self.config.swa is not None:
+            return self._swa_decode_run(rows, num_steps, allocated, committed)
+        before = np.array(self.counters(), dtype=np.int64)
         taken = alloc_for_decode_run(self.ctx, rows, num_steps)
         if taken is None:
             return None
         self.writer.end_call()
+        return RunResult(_counters_after(before, taken, committed), allocated[None, :] + steps[:, None])
+
+    def _swa_decode_run(
+        self, rows: np.ndarray, num_steps: int, allocated: np.ndarray, committed: np.ndarray
+    ) -> RunResult | None:
+        """``decode_run`` with an SWA pool (``alloc_for_swa_decode_run``): both pools'
+        counters after each step (``RunResult.other_pools``: the SWA pool's)."""
+        pools = self.pool_counters()
+        before_full = np.array(pools["full"], dtype=np.int64)
+        before_swa = np.array(pools["swa"], dtype=np.int64)
+        run = alloc_for_swa_decode_run(self.ctx, rows, num_steps)
+        if run is None:
+            return None
+        self.writer.end_call()
+        swa = _counters_after(before_swa, run.taken, committed)
+        swa[:, _COUNTER_AVAILABLE] += np.cumsum(run.swa_released)
+        swa[:, _COUNTER_COMMITTED] -= np.cumsum(run.swa_window_freed)
         steps = np.arange(1, num_steps + 1, dtype=np.int64)
         return RunResult(
-            _counters_after(before, taken, rids.shape[0] * steps), allocated[None, :] + steps[:, None]
+            _counters_after(before_full, run.taken, committed), allocated[None, :] + steps[:, None], (swa,)
         )
 
     def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:

@@ -12,11 +12,12 @@ processes through the real CLI (``kvtrace replay --check end --json``), ``--repe
 times each; the median ``wall_s`` (the replay loop, start-up excluded) is shown per
 step, with the SWA / full ratio (issue 43's target: at most 1.5).
 
-The full-attention replay applies runs of plain decode steps in one allocator call
-(``ReplayOptions.decode_runs``), which the SWA allocator does not offer; the twin is
-therefore also replayed step by step (``decode_runs=False``, a ``ReplaySession`` in a
-fresh process), which separates the cost of the missing runs from that of the SWA
-pool itself.
+Both replay runs of plain decode steps in one allocator call
+(``ReplayOptions.decode_runs``); the twin is also replayed step by step
+(``decode_runs=False``, a ``ReplaySession`` in a fresh process) for scale. On a shared
+machine wall time follows the load, so each SWA and full replay is also timed in CPU
+seconds of its process (``time.process_time`` around ``ReplaySession.run``, ``--check
+end``, a fresh process each), whose ratio is the steadier figure.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ TARGET_RATIO = 1.5
 
 
 def full_attention_twin(source: Path, out: Path) -> Path:
-    """``source`` with its attention layout dropped: a full-attention trace of the same traffic."""
+    """``source`` with its attention layout dropped: a full-attention trace of the same
+    traffic, in the same record batches, IPC format and codec (zstd, the bundled
+    samples'), so that reading it costs what reading ``source`` does."""
     import pyarrow as pa
 
     from traces.schema import METADATA_KEY
@@ -46,12 +49,16 @@ def full_attention_twin(source: Path, out: Path) -> Path:
         is_file = sink.read(6) == b"ARROW1"
         sink.seek(0)
         reader = pa.ipc.open_file(sink) if is_file else pa.ipc.open_stream(sink)
-        schema, table = reader.schema, reader.read_all()
+        schema = reader.schema
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)] if is_file else list(reader)
     data = json.loads(schema.metadata[METADATA_KEY])
     data.pop("attention", None)
     metadata = {METADATA_KEY: json.dumps(data).encode()}
-    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, schema.with_metadata(metadata)) as writer:
-        writer.write_table(table.replace_schema_metadata(metadata))
+    options = pa.ipc.IpcWriteOptions(compression="zstd", use_threads=False)
+    new_writer = pa.ipc.new_file if is_file else pa.ipc.new_stream
+    with pa.OSFile(str(out), "wb") as sink, new_writer(sink, schema.with_metadata(metadata), options=options) as writer:
+        for batch in batches:
+            writer.write_batch(batch.replace_schema_metadata(metadata))
     return out
 
 
@@ -66,23 +73,29 @@ def replay_wall_s(trace: Path) -> tuple[float, int]:
     return float(summary["wall_s"]), int(summary["steps"])
 
 
-_STEP_BY_STEP = """
-import json, sys
+_SESSION = """
+import json, sys, time
 from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
-with ReplaySession(sys.argv[1], options=ReplayOptions(decode_runs=False)) as session:
+options = ReplayOptions(check="end", decode_runs=sys.argv[2] == "runs")
+with ReplaySession(sys.argv[1], options=options) as session:
+    cpu = time.process_time()
     session.run()
-    print(json.dumps(session.result().wall_s))
+    cpu = time.process_time() - cpu
+    print(json.dumps([session.result().wall_s, cpu]))
 """
 
 
-def step_by_step_wall_s(trace: Path) -> float:
-    """``wall_s`` of a replay without decode runs, in a fresh process."""
+def session_times(trace: Path, runs: bool) -> tuple[float, float]:
+    """``wall_s`` and the process's CPU seconds of a ``ReplaySession`` replay (``--check
+    end``, with or without decode runs) in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", _STEP_BY_STEP, str(trace)], capture_output=True, text=True, env=env, check=True
-    )
-    return float(done.stdout)
+        [sys.executable, "-c", _SESSION, str(trace), "runs" if runs else "steps"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    wall_s, cpu_s = json.loads(done.stdout)
+    return float(wall_s), float(cpu_s)
 
 
 def main() -> None:
@@ -97,13 +110,18 @@ def main() -> None:
             swa = resolve_trace(spec)
             full = full_attention_twin(swa, Path(tmp) / f"{swa.stem}-full.kvtrace")
             times: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": []}
+            cpu: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": []}
             steps = 0
             for _ in range(args.repeat):
                 for kind, path in (("swa", swa), ("full", full)):
                     wall_s, steps = replay_wall_s(path)
                     times[kind].append(wall_s)
-                times["full_steps"].append(step_by_step_wall_s(full))
+                    cpu[kind].append(session_times(path, runs=True)[1])
+                wall_s, cpu_s = session_times(full, runs=False)
+                times["full_steps"].append(wall_s)
+                cpu["full_steps"].append(cpu_s)
             med = {kind: statistics.median(t) for kind, t in times.items()}
+            med_cpu = {kind: statistics.median(t) for kind, t in cpu.items()}
             ratio = med["swa"] / med["full"]
             print(
                 f"{spec}: {steps:,} steps; SWA {1e6 * med['swa'] / steps:,.1f} µs/step, "
@@ -112,7 +130,9 @@ def main() -> None:
                 f"spread SWA {min(times['swa']):.3f}..{max(times['swa']):.3f} s, "
                 f"full {min(times['full']):.3f}..{max(times['full']):.3f} s); "
                 f"full attention step by step {1e6 * med['full_steps'] / steps:,.1f} µs/step "
-                f"(SWA ratio to it {med['swa'] / med['full_steps']:.2f})"
+                f"(SWA ratio to it {med['swa'] / med['full_steps']:.2f}); "
+                f"CPU: SWA {1e6 * med_cpu['swa'] / steps:,.1f} µs/step, full attention "
+                f"{1e6 * med_cpu['full'] / steps:,.1f} µs/step, ratio {med_cpu['swa'] / med_cpu['full']:.2f}"
             )
 
 

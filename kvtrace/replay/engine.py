@@ -203,6 +203,8 @@ class ReplayEngine:
         # a version written before incremental checks takes no ``touched`` argument
         self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
         self._decode_runs = isinstance(allocator, DecodeRuns)
+        # Whether a run's result carries every pool's counters (``RunResult.other_pools``).
+        self._runs_report_pools = bool(getattr(allocator, "runs_report_pools", False))
         self.pool_names = pool_names_of(allocator)
         # the requests' SWA cursors, for the snapshots of a model with a sliding-window pool
         # (an optional read: a version without it shows no SWA lengths)
@@ -374,7 +376,7 @@ class ReplayEngine:
         return (
             opts.decode_runs
             and self._decode_runs
-            and len(self.pool_names) == 1  # a run's counters are the full pool's only
+            and (len(self.pool_names) == 1 or self._runs_report_pools)
             and checks_fit
             and not opts.state_digest
             and not self._any_dropped
@@ -446,6 +448,12 @@ class ReplayEngine:
         if int(used[top]) > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = int(used[top])
             st.peak_step = int(steps[top])
+        others: list[tuple[PoolCounters, ...]] = [()] * num_steps
+        if len(self.pool_names) > 1:
+            pool_rows = (counters, *res.other_pools)
+            assert len(pool_rows) == len(self.pool_names), "a run did not report every pool"
+            self._note_run_pool_peaks(steps, pool_rows)
+            others = list(zip(*([PoolCounters(*row) for row in rows.tolist()] for rows in res.other_pools)))
         op_codes = np.full(bs, op, np.int8)
         phase = np.full(bs, phase_code, np.int8)
         prefix = req["prefix"].a[rids]
@@ -459,9 +467,20 @@ class ReplayEngine:
                 events=events if j == num_steps - 1 else (),
                 num_ops=bs,
                 allocator_s=per_step,
+                other_pools=others[j],
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]
+
+    def _note_run_pool_peaks(self, steps: np.ndarray, pool_rows: tuple[np.ndarray, ...]) -> None:
+        """``_note_pool_peaks`` of every step of a run (each pool's counters ``[num_steps, fields]``)."""
+        peaks = self.stats.pool_peaks
+        for name, rows in zip(self.pool_names, pool_rows):
+            used = rows[:, _USED_FROM] - rows[:, _AVAILABLE] - rows[:, _EVICTABLE]
+            top = int(np.argmax(used))
+            peak = peaks.setdefault(name, PoolPeak())
+            if int(used[top]) > peak.used_tokens or peak.step is None:
+                peak.used_tokens, peak.step = int(used[top]), int(steps[top])
 
     def finish(self) -> None:
         """The replay is over: the end-of-replay invariant check (unless ``never``)."""

@@ -220,3 +220,130 @@ def test_random_spec_runs(page_size: int, lens: list[int], accepted: list[list[i
     want = alloc.save_state().digest()
     alloc.restore_state(saved)
     _run_matches_steps(alloc, alloc.spec_decode_run(rids, acc), saved, stepwise, want, failed)
+
+
+# ---------------------------------------------------------------------------- SWA
+
+
+def _swa_stepwise(alloc: Any, rids: np.ndarray, num_steps: int) -> tuple[list[np.ndarray], list[np.ndarray], bool]:
+    """Both pools' counters after each of ``num_steps`` decode steps (until one fails)."""
+    full, swa = [], []
+    for _ in range(num_steps):
+        if isinstance(alloc.decode(rids), OutOfMemory):
+            return full, swa, True
+        alloc.end_step()
+        pools = alloc.pool_counters()
+        full.append(np.array(pools["full"], np.int64))
+        swa.append(np.array(pools["swa"], np.int64))
+    return full, swa, False
+
+
+def _swa_run_matches_steps(alloc: Any, rids: np.ndarray, num_steps: int) -> bool:
+    """decode_run against the steps one by one on an SWA allocator (both pools'
+    counters, the whole state: free-list order of each pool, the mapping, the cursors).
+    Whether the run was done in one call."""
+    saved = alloc.save_state()
+    full, swa, failed = _swa_stepwise(alloc, rids, num_steps)
+    want = alloc.save_state().digest()
+    alloc.restore_state(saved)
+    got = alloc.decode_run(rids, num_steps)
+    if _run_matches_steps(alloc, got, saved, full, want, failed) is None:
+        return False
+    assert len(got.other_pools) == 1
+    np.testing.assert_array_equal(got.other_pools[0], np.array(swa))
+    return True
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16, 64]),
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=8),
+    num_steps=st.integers(1, 150),
+    window=st.sampled_from([1, 4, 16, 40]),
+    interval=st.sampled_from([1, 3, 8, 32]),
+    warm=st.integers(0, 40),
+    pool_pages=st.integers(6, 80),
+    swa_ratio=st.sampled_from([0.3, 0.8, 1.0]),
+    radix=st.booleans(),
+    churn=st.integers(0, 4),
+)
+def test_random_swa_runs_equal_the_steps(
+    page_size: int, lens: list[int], num_steps: int, window: int, interval: int, warm: int,
+    pool_pages: int, swa_ratio: float, radix: bool, churn: int,
+) -> None:
+    """SWA decode runs with windows small enough that out-of-window frees fall inside
+    the run, pools from roomy to short, cursors and first-decode flags at any point."""
+    from allocator.base import SwaConfig
+
+    pool_tokens = pool_pages * page_size * 4
+    swa = SwaConfig(window=window, eviction_interval=interval, swa_full_tokens_ratio=swa_ratio)
+    if swa.pool_tokens(pool_tokens, page_size) <= 2 * (window + page_size):
+        return  # an SWA pool that cannot hold a request: refused by the config check
+    config = AllocatorConfig(pool_tokens=pool_tokens, page_size=page_size, max_running=16, max_context_len=1024,
+                             radix_cache=radix, swa=swa)
+    alloc = create_allocator(config)
+    rids = np.arange(len(lens), dtype=np.int64)
+    need = sum(-(-n // page_size) * page_size for n in lens) + len(lens) * page_size
+    if need > alloc.pool_counters()["swa"].pool_tokens:
+        return
+    alloc.extend(rids, np.array(lens), [np.arange(n) + 1000 * i for i, n in enumerate(lens)])
+    alloc.end_step()
+    for _ in range(warm):
+        if isinstance(alloc.decode(rids), OutOfMemory):
+            return
+        alloc.end_step()
+    # churn: finish and re-admit some requests (fresh ones have not decoded yet)
+    for k in range(churn):
+        victim = rids[k % len(rids) : k % len(rids) + 1]
+        alloc.release(victim, alloc.request_lens(victim).committed, None, "abort")
+        n = lens[k % len(lens)]
+        if isinstance(alloc.extend(victim, np.array([n]), [np.arange(n) + 7]), OutOfMemory):
+            return
+        alloc.end_step()
+    _swa_run_matches_steps(alloc, rids, num_steps)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_an_swa_run_frees_out_of_the_window_inside_it(page_size: int) -> None:
+    """A long run over requests whose window frees fall at different steps inside it
+    is done in one call and equals the steps one by one."""
+    from allocator.base import SwaConfig
+
+    config = AllocatorConfig(pool_tokens=64 * 1024, page_size=page_size, max_running=16, max_context_len=4096,
+                             radix_cache=False, swa=SwaConfig(window=32, eviction_interval=8))
+    alloc = create_allocator(config)
+    lens = [40, 75, 130, 3, 64]
+    rids = np.arange(len(lens), dtype=np.int64)
+    alloc.extend(rids, np.array(lens), [np.arange(n) for n in lens])
+    alloc.end_step()
+    freed_before = alloc.pool_counters()["swa"].available
+    assert _swa_run_matches_steps(alloc, rids, 300)
+    got = alloc.pool_counters()["swa"]
+    # the window freed SWA slots during the run: far fewer held than allocated
+    assert freed_before - got.available < 300 * len(lens) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("check", ["end", "every"])
+def test_an_swa_replay_with_runs_equals_it_step_by_step(page_size: int, check: str) -> None:
+    """The hybrid SWA sample replayed with decode runs: every snapshot (both pools'
+    counters, the requests) and the stats (both pools' peaks, the checks) as step by step."""
+    import dataclasses
+
+    from kvtrace.replay.engine import ReplayOptions
+    from traces.samples import resolve_trace
+
+    trace = resolve_trace("sample:mooncake-gpt-oss")
+    seen = []
+    for runs in (True, False):
+        options = ReplayOptions(check=check, decode_runs=runs, stop_step=1500)  # type: ignore[arg-type]
+        with ReplaySession(trace, page_size=page_size, options=options, checker="inline") as s:
+            snaps = [(x.step, x.pool, x.other_pools, tuple(map(np.ndarray.tolist, x.requests))) for x in s.snapshots()]
+            stats = dataclasses.replace(s.result().stats, allocator_s=0.0)
+            seen.append((snaps, stats, s.allocator.save_state().digest()))  # type: ignore[attr-defined]
+    (runs_snaps, runs_stats, runs_digest), (steps_snaps, steps_stats, steps_digest) = seen
+    assert len(runs_snaps) == 1500 and runs_snaps[-1][2], "no SWA pool counters"
+    assert runs_snaps == steps_snaps
+    assert runs_stats == steps_stats
+    assert runs_digest == steps_digest

@@ -368,10 +368,28 @@ def test_release_prefill_swa_unlocks_the_prefix_swa_after_the_window(ps: int) ->
     assert released[30] == kept[30]
 
 
-def test_decode_runs_fall_back_to_steps_with_swa() -> None:
+def test_decode_runs_with_swa_report_the_swa_pool_too() -> None:
+    """A decode run with an SWA pool is done in one call (``test_decode_run`` checks it
+    against the steps); its result carries the SWA pool's counters after each step."""
     a = _swa(16)
     a.extend(_ids(1), np.array([100]), [_ids(100)])
+    got = a.decode_run(_ids(1), 8)
+    assert got is not None and len(got.other_pools) == 1
+    assert tuple(got.other_pools[0][-1]) == tuple(a.pool_counters()["swa"])
+
+
+def test_decode_runs_with_the_early_swa_release_go_step_by_step() -> None:
+    """With SGLANG_OPT_RELEASE_PREFILL_SWA a lock's SWA part is released between decode
+    steps, which a run does not model: the run is refused and nothing changes."""
+    a = KvAllocator(AllocatorConfig(
+        pool_tokens=4096, page_size=16, max_running=8, max_context_len=1024,
+        swa=SwaConfig(window=32, eviction_interval=4, release_prefill_swa=True),
+    ))
+    a.extend(_ids(1), np.array([160]), [_ids(160)])
+    a.end_step()
+    before = a.pool_counters()
     assert a.decode_run(_ids(1), 8) is None
+    assert a.pool_counters() == before
 
 
 # ---------------------------------------------------------------------------- random walks
