@@ -445,7 +445,7 @@ class KvAllocator:
         self, rids: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]
     ) -> None:
         width = self.req_to_token_pool.max_context_len
-        if np.unique(rids).shape[0] != rids.shape[0]:
+        if rids.shape[0] > 1 and np.unique(rids).shape[0] != rids.shape[0]:
             raise ValueError("extend: a request id appears twice in one batch")
         if int(seq_lens.min()) < 1:
             raise ValueError(f"extend: request rid={int(rids[int(np.argmin(seq_lens))])} has seq_len < 1")
@@ -761,7 +761,7 @@ class KvAllocator:
         if owned.shape[0] != bs:
             raise ValueError(f"release: {bs} rids but {owned.shape[0]} owned_lens")
         rows = self._held_rows(rids, "release")
-        if bs and np.unique(rids).shape[0] != bs:
+        if bs > 1 and np.unique(rids).shape[0] != bs:
             raise ValueError("release: a request id appears twice in one batch")
         checkpoint = kind == "finish" and not self.tree_cache.disable
         if checkpoint:
