@@ -450,7 +450,7 @@ class KvAllocator:
         self, rids: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]
     ) -> None:
         width = self.req_to_token_pool.max_context_len
-        if np.unique(rids).shape[0] != rids.shape[0]:
+        if rids.shape[0] > 1 and np.unique(rids).shape[0] != rids.shape[0]:
             raise ValueError("extend: a request id appears twice in one batch")
         if int(seq_lens.min()) < 1:
             raise ValueError(f"extend: request rid={int(rids[int(np.argmin(seq_lens))])} has seq_len < 1")
@@ -535,7 +535,8 @@ class KvAllocator:
         swa[:, _COUNTER_COMMITTED] -= np.cumsum(run.swa_window_freed)
         steps = np.arange(1, num_steps + 1, dtype=np.int64)
         return RunResult(
-            _counters_after(before_full, run.taken, committed), allocated[None, :] + steps[:, None], (swa,)
+            _counters_after(before_full, run.taken, committed), allocated[None, :] + steps[:, None], (swa,),
+            run.swa_evicted,
         )
 
     def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
@@ -785,7 +786,7 @@ class KvAllocator:
         if owned.shape[0] != bs:
             raise ValueError(f"release: {bs} rids but {owned.shape[0]} owned_lens")
         rows = self._held_rows(rids, "release")
-        if bs and np.unique(rids).shape[0] != bs:
+        if bs > 1 and np.unique(rids).shape[0] != bs:
             raise ValueError("release: a request id appears twice in one batch")
         checkpoint = kind == "finish" and not self.tree_cache.disable
         if checkpoint:

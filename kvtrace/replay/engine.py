@@ -199,6 +199,7 @@ class ReplayEngine:
         self._tokens = TokenStore(meta.block_size)
         self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
         self._req = {name: _Grow(dtype, fill) for name, dtype, fill in _PER_REQUEST}
+        self._req_rows = 0  # every per-request array holds at least this many ids
         self._in_window = self.options.start_step is None
         # a version written before incremental checks takes no ``touched`` argument
         self._checks_incrementally = "touched" in inspect.signature(allocator.check_integrity).parameters
@@ -245,6 +246,7 @@ class ReplayEngine:
         self.stats = copy.deepcopy(state.stats)
         for name, saved in state.arrays.items():
             self._req[name].a = saved.copy()
+        self._req_rows = 0  # (the arrays may be shorter now)
         self._tokens = copy.deepcopy(state.tokens)
         self.stopped_early = state.stopped_early
         self._in_window = state.in_window
@@ -272,8 +274,10 @@ class ReplayEngine:
             batch, ok = batch.take(np.flatnonzero(ok)), None
         if len(batch):  # request ids are checked: below the trace's bound
             max_rid = int(batch.rid.max())
-            for arr in self._req.values():
-                arr.ensure(max_rid)
+            if max_rid >= self._req_rows:
+                for arr in self._req.values():
+                    arr.ensure(max_rid)
+                self._req_rows = min(arr.a.shape[0] for arr in self._req.values())
         present = np.bincount(batch.op, minlength=len(OPS)) if len(batch) else np.zeros(len(OPS), np.int64)
         if present[EXTEND] or present[PREALLOC]:
             self._tokens.ingest(batch)
@@ -403,6 +407,8 @@ class ReplayEngine:
             res = alloc.decode_run(rids, num_steps)  # type: ignore[attr-defined]
         if res is None:
             st.allocator_s += self._clock() - t0
+            if op == DECODE and self._in_window and len(self.pool_names) == 1:
+                return self._decode_steps(steps, times, rids) or None
             return None
         alloc.end_step()
         elapsed = self._clock() - t0
@@ -468,6 +474,7 @@ class ReplayEngine:
                 num_ops=bs,
                 allocator_s=per_step,
                 other_pools=others[j],
+                swa_evicted=None if res.swa_evicted is None else res.swa_evicted[j],
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]
@@ -481,6 +488,69 @@ class ReplayEngine:
             peak = peaks.setdefault(name, PoolPeak())
             if int(used[top]) > peak.used_tokens or peak.step is None:
                 peak.used_tokens, peak.step = int(used[top]), int(steps[top])
+
+    def _decode_steps(self, steps: np.ndarray, times: np.ndarray, rids: np.ndarray) -> list[StepSnapshot]:
+        """Plain decode steps of one batch that the allocator would not take as one run
+        (a step evicts cached tokens, or merges deferred frees): one ``decode`` call a
+        step, as ``replay_step`` makes, without re-reading the step's rows. The same
+        calls, checks, events, statistics and snapshots as ``replay_step``; stops before
+        a step that runs out of memory (nothing changed; ``replay_step`` replays it),
+        and after one whose check found a violation or stopped the replay."""
+        st = self.stats
+        alloc = self.allocator
+        clock = self._clock
+        req = self._req
+        phase_a, allocated_a, committed_a = req["phase"].a, req["allocated"].a, req["committed"].a
+        bs = int(rids.shape[0])
+        op_codes = np.full(bs, DECODE, np.int8)
+        prefix = req["prefix"].a[rids]
+        check = self.options.check in ("every", "full")
+        snaps: list[StepSnapshot] = []
+        for step, t in zip(steps.tolist(), times.tolist()):
+            self._step, self._op_name, self._events = step, "decode", []
+            violations = st.num_violations
+            t0 = clock()
+            res = alloc.decode(rids)
+            elapsed = clock() - t0
+            st.allocator_s += elapsed
+            if not isinstance(res, AllocResult):
+                break  # out of memory (nothing changed): replay_step reports it
+            self._note_evicted(res.evicted_tokens)
+            if check:
+                self._check("decode", rids, touched=rids if self.options.check == "every" else None)
+            st.decode_tokens += bs
+            phase_a[rids] = DECODE_PHASE
+            if not self.stopped_early:
+                t0 = clock()
+                alloc.end_step()
+                t1 = clock()
+                st.allocator_s += t1 - t0
+                elapsed += t1 - t0
+            lens = alloc.request_lens(rids)
+            change = (lens.allocated - lens.committed) - (allocated_a[rids] - committed_a[rids])
+            released = lens.allocated == 0
+            st.overalloc_allocated += int(change[~released].sum())
+            st.overalloc_released -= int(change[released].sum())
+            allocated_a[rids] = lens.allocated
+            committed_a[rids] = lens.committed
+            st.steps += 1
+            st.steps_reported += 1
+            st.ops += bs
+            if np.isfinite(t):
+                if st.first_time_s is None:
+                    st.first_time_s = t
+                    st.first_step = step
+                st.last_time_s = t
+            st.last_step = step
+            pool = alloc.counters()
+            if pool.used_tokens > st.peak_used_tokens or st.peak_step is None:
+                st.peak_used_tokens = pool.used_tokens
+                st.peak_step = step
+            delta = RequestDelta(rids, lens.allocated, lens.committed, lens.protected, op_codes, phase_a[rids], prefix)
+            snaps.append(StepSnapshot(step, t, pool, delta, tuple(self._events), bs, elapsed))
+            if self.stopped_early or st.num_violations != violations:
+                break
+        return snaps
 
     def finish(self) -> None:
         """The replay is over: the end-of-replay invariant check (unless ``never``)."""
@@ -500,8 +570,12 @@ class ReplayEngine:
             return RequestDelta.empty()
         req = self._req
         # A request has one row per step (the checker skips duplicates), so no unique().
-        rids = touched[0] if len(touched) == 1 else np.concatenate(touched)
-        op = np.repeat(np.array(ops, np.int8), [t.shape[0] for t in touched])
+        if len(touched) == 1:
+            rids = touched[0]
+            op = np.full(rids.shape[0], ops[0], np.int8)
+        else:
+            rids = np.concatenate(touched)
+            op = np.repeat(np.array(ops, np.int8), [t.shape[0] for t in touched])
         lens = self.allocator.request_lens(rids)
         slack = lens.allocated - lens.committed
         change = slack - (req["allocated"].a[rids] - req["committed"].a[rids])

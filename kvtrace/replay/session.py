@@ -394,7 +394,8 @@ class ReplaySession(Checkpointing):
         if snaps is None:  # the allocator refused (it would evict, ...): these steps go one by one
             self._runs[i : i + n] = 0
             return None
-        self._index += n
+        # (Fewer snapshots than steps: the engine stopped before a step it left as it was.)
+        self._index += len(snaps) or n
         return snaps
 
     def _checked(self, chunk: StepChunk, i: int, n: int) -> int:

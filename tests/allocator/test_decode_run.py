@@ -328,7 +328,7 @@ def test_an_swa_run_frees_out_of_the_window_inside_it(page_size: int) -> None:
 @pytest.mark.parametrize("check", ["end", "every"])
 def test_an_swa_replay_with_runs_equals_it_step_by_step(page_size: int, check: str) -> None:
     """The hybrid SWA sample replayed with decode runs: every snapshot (both pools'
-    counters, the requests) and the stats (both pools' peaks, the checks) as step by step."""
+    counters, the requests, their SWA cursors) and the stats (both pools' peaks, the checks) as step by step."""
     import dataclasses
 
     from kvtrace.replay.engine import ReplayOptions
@@ -339,7 +339,10 @@ def test_an_swa_replay_with_runs_equals_it_step_by_step(page_size: int, check: s
     for runs in (True, False):
         options = ReplayOptions(check=check, decode_runs=runs, stop_step=1500)  # type: ignore[arg-type]
         with ReplaySession(trace, page_size=page_size, options=options, checker="inline") as s:
-            snaps = [(x.step, x.pool, x.other_pools, tuple(map(np.ndarray.tolist, x.requests))) for x in s.snapshots()]
+            snaps = [
+                (x.step, x.pool, x.other_pools, tuple(map(np.ndarray.tolist, x.requests)), x.swa_evicted.tolist())
+                for x in s.snapshots()
+            ]
             stats = dataclasses.replace(s.result().stats, allocator_s=0.0)
             seen.append((snaps, stats, s.allocator.save_state().digest()))  # type: ignore[attr-defined]
     (runs_snaps, runs_stats, runs_digest), (steps_snaps, steps_stats, steps_digest) = seen

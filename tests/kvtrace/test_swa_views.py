@@ -11,6 +11,7 @@ import pytest
 from allocator.base import AllocatorConfig, OutOfMemory, SwaConfig
 from allocator.manager import KvAllocator
 from allocator.ownership import SlotState
+from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
@@ -20,8 +21,8 @@ SWA = "sample:mooncake-gpt-oss"
 STEPS = 60  # the window has slid past some requests' first tokens by then
 
 
-def _snaps(trace: str, n: int) -> tuple[list, ReplaySession]:  # noqa: ANN401
-    session = ReplaySession(trace, track_state=True)
+def _snaps(trace: str, n: int, decode_runs: bool = True) -> tuple[list, ReplaySession]:  # noqa: ANN401
+    session = ReplaySession(trace, track_state=True, options=ReplayOptions(decode_runs=decode_runs))
     snaps = []
     for _ in range(n):
         snap = session.step()
@@ -30,8 +31,18 @@ def _snaps(trace: str, n: int) -> tuple[list, ReplaySession]:  # noqa: ANN401
     return snaps, session
 
 
-def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor() -> None:
-    snaps, session = _snaps(SWA, STEPS)
+@pytest.mark.parametrize("decode_runs", [False, True])
+def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor(decode_runs: bool) -> None:
+    """Step by step the allocator is at the last snapshot's step and says the cursors
+    itself; with decode runs (the allocator may be steps ahead) the snapshots equal the
+    step-by-step ones."""
+    snaps, session = _snaps(SWA, STEPS, decode_runs=False)
+    if decode_runs:
+        session.close()
+        ran, session = _snaps(SWA, STEPS, decode_runs=True)
+        session.close()
+        assert [s.swa_evicted.tolist() for s in ran] == [s.swa_evicted.tolist() for s in snaps]
+        return
     with session:
         alloc = session.allocator
         last = snaps[-1]

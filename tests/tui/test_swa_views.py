@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from allocator.ownership import SlotState
+from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.screens import RequestDetailScreen
 from kvtrace.tui.widgets.request_table import RequestTable
@@ -29,8 +30,9 @@ async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
 
 def _reference(step: int) -> dict[int, tuple[int, int]]:
     """rid -> (allocated, swa_evicted_seqlen) of the requests holding KV after ``step``,
-    read from the allocator of a replay of its own."""
-    with ReplaySession(SWA) as session:
+    read from the allocator of a replay of its own, step by step (with decode runs its
+    allocator may be steps ahead of the snapshot)."""
+    with ReplaySession(SWA, options=ReplayOptions(decode_runs=False)) as session:
         while (snap := session.step()) is not None and snap.step < step:
             pass
         alloc = session.allocator
