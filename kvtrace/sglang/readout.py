@@ -62,14 +62,19 @@ def pool_counters(eng: world.SGLangEngine) -> tuple[int, ...]:
 
 def swa_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[int, ...]:
     """The SWA pool's ``PoolCounters`` fields read off an SGLang world, given the full
-    pool's (``pool_counters``). As the built-in allocator reports them: no radix cache
-    in the SWA pool (evictable and protected 0: radix off), the full pool's
-    over-allocation, and the requests' window-kept KV (``committed``) the rest of
-    the pool, so conservation holds exactly when SGLang's pool is sound."""
+    pool's (``pool_counters``). As the built-in allocator reports them: the tree's SWA
+    ledgers as evictable and protected (0 without a radix cache), the full pool's
+    over-allocation, and the requests' window-kept KV (``committed``) the rest of the
+    pool, so conservation holds exactly when SGLang's pool is sound."""
     alloc = eng.alloc
     size, available = int(alloc.size_swa), int(alloc.swa_available_size())
+    tree = eng.tree
+    cached = not getattr(tree, "disable", True) and hasattr(tree, "swa_evictable_size")
+    evictable = int(tree.swa_evictable_size()) if cached else 0
+    protected = int(tree.swa_protected_size()) if cached else 0
     overallocated = full[5]
-    return (size, available, 0, 0, size - available - overallocated, overallocated, full[6], full[7])
+    committed = size - available - evictable - protected - overallocated
+    return (size, available, evictable, protected, committed, overallocated, full[6], full[7])
 
 
 def token_allocators(eng: world.SGLangEngine) -> list[Any]:
