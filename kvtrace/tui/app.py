@@ -446,5 +446,9 @@ def cell_text(info: CellInfo) -> str:
     if info.detail is None:
         return f"cell: {tokens} (a state log has no slot positions)" if tokens else "no page map here"
     d = info.detail
-    owners = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.owners) or "no request"
-    return f"pages {d.first_page:,}..{d.last_page:,} at step {info.step}: {tokens}\nowners: {owners}"
+    owners = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.owners)
+    pinned = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.pinned)
+    users = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.last_users)
+    held = "; ".join(part for part in (owners, pinned and f"pinned by lock: {pinned}",
+                                       users and f"evictable, last locked by: {users}") if part)
+    return f"pages {d.first_page:,}..{d.last_page:,} at step {info.step}: {tokens}\nowners: {held or 'no request'}"

@@ -347,10 +347,11 @@ class Driver:
             self._map_pool = int(m.pool)
             self._cells = None if m.note is not None else PageCells(
                 np.asarray(m.edges), np.asarray(m.tokens), np.asarray(m.dominant), np.asarray(m.highlight),
-                bool(m.positional))
+                bool(m.positional), None if m.pinned is None else np.asarray(m.pinned))
         elif isinstance(m, wire.Cell):
             d = m.detail
-            detail = None if d is None else CellDetail(d.index, d.first_page, d.last_page, d.tokens, list(d.owners))
+            detail = None if d is None else CellDetail(d.index, d.first_page, d.last_page, d.tokens, list(d.owners),
+                                                     list(d.pinned), list(d.last_users))
             self._post(CellInfo(self.side, m.step, detail, m.tokens))
             return
         elif isinstance(m, wire.History):

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
     from kvtrace.replay.snapshot import StepSnapshot
     from kvtrace.tui.remote.link import ReplayerEnd
-    from kvtrace.tui.remote.pagemap import PageCells
+    from kvtrace.tui.remote.pagemap import LastUsers, PageCells
     from kvtrace.tui.remote.sources import ReplaySource
 
 __all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FILLING", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job"]
@@ -129,6 +129,8 @@ class Replayer:
         self._frontier: int | None = None  # the highest step sent
         self._own: SlotOwnership | None = None
         self._cells: PageCells | None = None
+        # per pool: the last request seen locking each radix node (for evictable pages' owners)
+        self._last_users: dict[int, LastUsers] = {}
         self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, pool, rid) of the map sent
         self._map_at = -1e18  # (clock) when the last page map was made
         self._map_work_at = -1e18  # (work_clock) when the last page map was made
@@ -379,14 +381,20 @@ class Replayer:
         elif moving and now - self._map_at < min(self._map_interval_s, PACED_MAP_S):
             return
         if self._map_key is not None and self._own is not None and self._cells is not None and key[:3] == self._map_key[:3]:
-            from kvtrace.tui.remote.pagemap import highlight_cells  # only the selection changed
+            from kvtrace.tui.remote.pagemap import highlight_cells, pinned_cells  # only the selection changed
 
             mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
-            self._cells = self._cells._replace(highlight=mark)
+            pins = pinned_cells(self._own, self._cells.ownership_cells, self.selected_rid)
+            self._cells = self._cells._replace(highlight=mark, pinned=pins)
         else:
             made = self.source.page_map(self.num_cells, self.selected_rid, self.map_pool)
             self._map_cost_s = self._work_clock() - work_now
             self._own, self._cells = made if made is not None else (None, None)
+            if self._own is not None:
+                users = self._users(self.map_pool)
+                if self._map_key is not None and last.step < self._map_key[0]:
+                    users.clear()  # sought back: what was seen later is not "last" here
+                users.see(self._own)
         self._map_key = key
         self._map_at, self._map_work_at = now, work_now
         if self._cells is None:
@@ -396,7 +404,17 @@ class Replayer:
             return
         c = self._cells
         step = self.source.allocator_step  # while playing, up to a run's length past ``last``
-        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional), pool=self.map_pool))
+        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional), pool=self.map_pool,
+                            pinned=c.pinned))
+
+    def _users(self, pool: int) -> LastUsers:
+        """The last lockers seen of pool ``pool``'s radix nodes."""
+        users = self._last_users.get(pool)
+        if users is None:
+            from kvtrace.tui.remote.pagemap import LastUsers
+
+            users = self._last_users[pool] = LastUsers()
+        return users
 
     def _cell_message(self, index: int) -> Cell:
         from kvtrace.tui.remote.pagemap import STATE_LABELS, cell_detail
@@ -408,9 +426,10 @@ class Replayer:
         tokens = {STATE_LABELS[s]: int(c) for s, c in enumerate(cells.tokens[index]) if c}
         detail = None
         if self._own is not None:
-            d = cell_detail(self._own, cells, index)
+            d = cell_detail(self._own, cells, index, last_users=self._users(self.map_pool))
             detail = CellDetail(int(d.index), int(d.first_page), int(d.last_page), dict(d.tokens),
-                                [(int(r), int(n)) for r, n in d.owners])
+                                [(int(r), int(n)) for r, n in d.owners], [(int(r), int(n)) for r, n in d.pinned],
+                                [(int(r), int(n)) for r, n in d.last_users])
         return Cell(step, tokens, detail)
 
     # ------------------------------------------------------------------ request history
