@@ -186,10 +186,11 @@ class RequestDetailScreen(ModalScreen[None]):
         if history.steps.shape[0]:
             chart.plot(history.steps, history.allocated, line_style="yellow", hires_mode=HiResMode.BRAILLE)
             chart.plot(history.steps, history.committed, line_style="green", hires_mode=HiResMode.BRAILLE)
-            chart.set_ylimits(0, max(int(history.allocated.max()), 1) * 1.05)
+            # a broken version can report used > allocated: its values go below zero, shown
+            chart.set_ylimits(min(int(history.committed.min()), 0) * 1.05, max(int(history.allocated.max()), 1) * 1.05)
             slack = history.allocated - history.committed
             over.plot(history.steps, slack, line_style="dark_orange", hires_mode=HiResMode.BRAILLE)
-            over.set_ylimits(0, max(int(slack.max()), 1) * 1.1)
+            over.set_ylimits(min(int(slack.min()), 0) * 1.1, max(int(slack.max()), 1) * 1.1)
             over.set_xlabel("step")
         lines = [f"step {e.step:>8}  {e.kind:<18} {describe(e)}" for e in history.events[-12:]]
         note = " (the last steps only)" if history.clipped else ""

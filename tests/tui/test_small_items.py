@@ -26,3 +26,38 @@ async def test_the_finish_kind_lists_the_requests_the_trace_finished() -> None:
         assert {e.rid for e in shown} >= set(finished.tolist())
         for rid in finished.tolist():  # the last finish of each is the step it ended
             assert max(e.step for e in shown if e.rid == rid) == int(req.ended_step[rid]), rid
+
+
+async def test_request_detail_shows_events_up_to_the_step_shown_and_negative_values() -> None:
+    from kvtrace.replay.state import StepEvent
+    from kvtrace.tui.driver import RequestHistory
+    from kvtrace.tui.screens import RequestDetailScreen
+    from kvtrace.tui.widgets.request_table import RequestTable
+
+    from tests.helpers import play_to_end, text_of
+
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        last = await play_to_end(pilot)
+        late = [e for e in last.timeline.events if e.rid is not None and e.step > 100]
+        seen = {r for r in np.flatnonzero(last.requests.admitted_step >= 0).tolist()
+                if 0 <= last.requests.admitted_step[r] <= 90}
+        rid = next(e.rid for e in late if e.rid in seen)  # a request with events after step 100
+        await pilot.press("g", *"100", "enter")
+        await settle(pilot, at_step(100), timeout_s=60)
+        app.main.query_one(RequestTable).select_rid(rid)
+        await pilot.pause()
+        await pilot.press("enter")
+        await settle(pilot, lambda a: isinstance(a.screen, RequestDetailScreen)
+                     and "events:" in text_of(a.screen.query_one("#detail-events")))
+        text = text_of(app.screen.query_one("#detail-events"))
+        steps = [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
+        assert all(s <= 100 for s in steps), text
+        # a broken version's used > allocated: the over-allocation chart goes below zero
+        screen = app.screen
+        assert isinstance(screen, RequestDetailScreen)
+        screen.show_history(RequestHistory(0, rid, np.array([1, 2, 3]), np.array([10, 10, 12]),
+                                           np.array([8, 14, 12]), [StepEvent(2, "bad_op", rid, 0, "x")], False))
+        await pilot.pause()
+        over = screen.query_one("#detail-over")
+        assert over._user_y_min is not None and over._user_y_min <= -4

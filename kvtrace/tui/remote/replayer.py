@@ -464,7 +464,9 @@ class Replayer:
             snap = src.step()
         if here is not None:
             src.seek(here)
-        events = [tuple(e) for e in state.timeline.events if e.rid == rid]
+        # the timeline holds every step replayed, past the one shown after a seek back
+        upto = here if here is not None else hi
+        events = [tuple(e) for e in state.timeline.events if e.rid == rid and e.step <= upto]
         return History(rid, np.array(steps, np.int64), np.array(alloc, np.int64), np.array(used, np.int64), events,
                        clipped)
 
