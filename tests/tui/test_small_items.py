@@ -61,3 +61,33 @@ async def test_request_detail_shows_events_up_to_the_step_shown_and_negative_val
         await pilot.pause()
         over = screen.query_one("#detail-over")
         assert over._user_y_min is not None and over._user_y_min <= -4
+
+
+async def test_the_used_over_bar_is_in_proportion_for_tiny_over_allocation() -> None:
+    from kvtrace.tui.widgets.request_table import RequestTable
+
+    eighths = {"█": 8, "▏": 1, "▎": 2, "▍": 3, "▌": 4, "▋": 5, "▊": 6, "▉": 7}
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g", *"100", "enter")
+        await settle(pilot, at_step(100), timeout_s=60)
+        table = app.main.query_one(RequestTable)
+        req = app.frame.requests
+        rids = table.shown_rids.tolist()
+        scale = int(req.allocated[table.shown_rids].max())
+        bar_w = table._widths[2] - 2
+        tiny = 0
+        for i, rid in enumerate(rids):
+            alloc, used = int(req.allocated[rid]), int(req.committed[rid])
+            segments = list(table.render_row(i, table.size.width, False))
+            over = "".join(s.text for s in segments if s.style is not None and s.style.color is not None
+                           and s.style.color.name == "yellow" and set(s.text) <= set(eighths))
+            full = "".join(s.text for s in segments if s.style is not None and s.style.color is not None
+                           and s.style.color.name == "green" and set(s.text) == {"█"})
+            drawn = len(full) * 8 + sum(eighths[c] for c in over)
+            assert abs(drawn - alloc * bar_w * 8 / scale) <= 1 or (alloc > used and drawn == len(full) * 8 + 1), rid
+            if alloc > used:
+                assert over, rid  # any over-allocation shows
+                if (alloc - used) * bar_w * 8 / scale < 4:
+                    tiny += 1
+        assert tiny  # a request a few slots over, drawn a sliver, not a whole cell

@@ -334,12 +334,14 @@ class RequestTable(VirtualList):
         if selected:
             base = base + _CURSOR
         w = self._widths
-        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale, w[2] - 2))
+        n_used, over8 = (int(n) for n in _bar_cells(alloc, used, self._scale, w[2] - 2))
+        over_bar = "█" * (over8 // 8) + _EIGHTHS[over8 % 8]
+        n_over = len(over_bar)
         parts = [
             (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
             ("█" * n_used, n_used, _USED, "<"),
-            ("█" * n_over, n_over, _OVER, "<"),
+            (over_bar, n_over, _OVER, "<"),
             ("", w[2] - n_used - n_over, None, "<"),
             (f"{used:,}", _WIDTHS[3], None, ">"),
             (f"{alloc:,}", _WIDTHS[4], None, ">"),
@@ -363,9 +365,15 @@ _BAR_W = _WIDTHS[2] - 2  # cells of the used|over bar
 
 def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int,
                bar_w: int = _BAR_W) -> tuple[np.ndarray, np.ndarray]:
-    """Cells of the bar's used and over-allocated parts (arrays or single values), scaled
-    so that ``scale`` slots fill the ``bar_w`` cells of the bar; a request holding any
-    over-allocation shows at least one cell of it."""
-    n_used = np.asarray(used) * bar_w // scale
-    n_over = np.maximum(np.asarray(alloc) * bar_w // scale - n_used, np.asarray(alloc) > np.asarray(used))
-    return n_used, n_over
+    """The bar's used part in cells and its over-allocated part in eighths of a cell
+    (arrays or single values), scaled so that ``scale`` slots fill the ``bar_w`` cells of
+    the bar. The over part is in proportion (eighths: a few slots of a long request are
+    a sliver, not a whole cell); any over-allocation shows at least one eighth."""
+    alloc = np.asarray(alloc)
+    used = np.asarray(used)
+    n_used = np.clip(used * bar_w // scale, 0, bar_w)
+    over8 = np.maximum(alloc * bar_w * 8 // scale - n_used * 8, alloc > used)
+    return n_used, np.minimum(over8, (bar_w - n_used) * 8)
+
+
+_EIGHTHS = ("", "▏", "▎", "▍", "▌", "▋", "▊", "▉")  # a cell's left 0/8..7/8
