@@ -91,3 +91,23 @@ async def test_the_used_over_bar_is_in_proportion_for_tiny_over_allocation() -> 
                 if (alloc - used) * bar_w * 8 / scale < 4:
                     tiny += 1
         assert tiny  # a request a few slots over, drawn a sliver, not a whole cell
+
+
+async def test_the_eagle_samples_over_allocation_band_shows_on_the_occupancy_chart() -> None:
+    """Its over-allocation is ~0.1% of the pool, thinner than a row of the chart."""
+    from kvtrace.tui.widgets.occupancy import OccupancyChart
+    from kvtrace.tui.widgets.page_map import STATE_COLORS
+
+    from allocator.ownership import SlotState
+
+    app = live_app("sample:mooncake-eagle")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g", *"100", "enter")
+        await settle(pilot, at_step(100), timeout_s=60)
+        await pilot.pause(0.2)
+        pool = app.frame.pool
+        assert 0 < pool.overallocated < pool.pool_tokens / 200
+        canvas = app.main.query_one(OccupancyChart).query_one("#plot")
+        colours = {seg.style.color.name for y in range(canvas.size.height) for seg in canvas.render_line(y)
+                   if seg.style is not None and seg.style.color is not None and seg.text.strip()}
+        assert STATE_COLORS[SlotState.OVERALLOCATED] in colours, colours
