@@ -111,3 +111,38 @@ async def test_the_eagle_samples_over_allocation_band_shows_on_the_occupancy_cha
         colours = {seg.style.color.name for y in range(canvas.size.height) for seg in canvas.render_line(y)
                    if seg.style is not None and seg.style.color is not None and seg.text.strip()}
         assert STATE_COLORS[SlotState.OVERALLOCATED] in colours, colours
+
+
+async def test_view_of_a_state_log_opens_on_its_first_step(tiny_log) -> None:  # noqa: ANN001
+    """``kvtrace view`` (its replay in a process of its own, paused) shows the log's first
+    step at once, not a screen of empty panels."""
+    from kvtrace.tui.app import KvtraceApp
+    from kvtrace.tui.remote.link import ChildReplay
+    from kvtrace.tui.remote.replayer import log_job
+
+    link = ChildReplay(log_job(str(tiny_log)))
+    link.wait_started(timeout=60)
+    app = KvtraceApp(link)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, lambda a: a.frame.step is not None and a.frame.page_cells is not None, timeout_s=60)
+        assert app.frame.step == 0 and not app.frame.playing
+        assert int(app.frame.page_cells.tokens.sum()) == app.frame.pool.pool_tokens
+        await pilot.press("right")
+        await settle(pilot, at_step(1))
+
+
+async def test_the_page_map_legend_names_leaked_pages_and_the_selections_marks() -> None:
+    from kvtrace.tui.widgets.page_map import STATE_COLORS, PageMapLegend
+
+    from allocator.ownership import SlotState
+
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("right")
+        await settle(pilot, at_step(0))
+        text = app.main.query_one(PageMapLegend).render()
+        plain = text.plain if hasattr(text, "plain") else str(text)
+        assert "█ leaked" in plain and "▒ selected" in plain and "░ pinned by it" in plain, plain
+        leaked = [s for s in text.spans if plain[s.start:s.end].startswith("█")
+                  and plain[s.end:].lstrip().startswith("leaked")]
+        assert leaked and str(leaked[0].style).endswith(STATE_COLORS[SlotState.UNOWNED])

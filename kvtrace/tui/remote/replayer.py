@@ -89,6 +89,8 @@ class Replayer:
         source: what to replay.
         end: the link to the screen.
         play: start playing at once.
+        open_at_first: paused, show the first step at once (``kvtrace view``: a screen
+            of empty panels read as broken) rather than wait before it.
         batch_s: seconds between record batches (and status checks) while playing:
             shorter than the screen's frame (20 a second), so that each frame has steps
             to show that the one before did not.
@@ -109,6 +111,7 @@ class Replayer:
         end: ReplayerEnd,
         *,
         play: bool = True,
+        open_at_first: bool = False,
         batch_s: float = 0.03,
         map_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -117,6 +120,7 @@ class Replayer:
         self.source = source
         self.end = end
         self.playing = play
+        self._open_at_first = open_at_first and not play
         self.speed_index = len(SPEEDS) - 1
         self.num_cells = 0
         self.map_pool = 0  # the pool the page map shows (an index into POOL_NAMES)
@@ -155,6 +159,10 @@ class Replayer:
     def run(self) -> None:
         """Replay and answer until ``quit`` (or the screen goes away)."""
         self.end.send(Info(**dataclasses.asdict(self.source.info)))
+        if self._open_at_first and self.source.last is None:
+            snap = self._guarded(self.source.step)
+            if snap is not None:
+                self._send_step(snap)
         self._anchor_now()
         due: float | None = self._clock()
         while due is not None:
