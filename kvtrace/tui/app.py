@@ -156,7 +156,12 @@ class KvtraceApp(App[None]):
 
     async def action_quit(self) -> None:
         self.stop_replays()
-        self.exit()
+        # a replay process that died is a failure, whatever key ends the screen
+        self.exit(return_code=1 if self.replay_died() is not None else 0)
+
+    def replay_died(self) -> str | None:
+        """Why a replay process went away before the screen quit (None: none did)."""
+        return next((d.died for d in self.drivers if d.died is not None), None)
 
     def on_unmount(self) -> None:
         self.stop_replays()

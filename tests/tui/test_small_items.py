@@ -4,6 +4,7 @@ event kind lists the requests the trace finished, ..."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvtrace.replay.snapshot import PHASES
 from kvtrace.tui.widgets.events_log import EventsLog
@@ -146,3 +147,81 @@ async def test_the_page_map_legend_names_leaked_pages_and_the_selections_marks()
         leaked = [s for s in text.spans if plain[s.start:s.end].startswith("█")
                   and plain[s.end:].lstrip().startswith("leaked")]
         assert leaked and str(leaked[0].style).endswith(STATE_COLORS[SlotState.UNOWNED])
+
+
+async def test_a_killed_replay_process_says_died_at_once_and_quit_fails() -> None:
+    import dataclasses
+    import os
+    import signal
+    import time
+
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.tui.app import KvtraceApp
+    from kvtrace.tui.remote.link import ChildReplay
+    from kvtrace.tui.remote.replayer import dashboard_job
+    from kvtrace.tui.widgets.header import state_text
+    from kvtrace.versions.registry import resolve_version
+    from traces.samples import resolve_trace
+
+    job = dashboard_job(resolve_version("builtin"), str(resolve_trace("sample:tiny")), trace_label="sample:tiny",
+                        page_size=None, pool_tokens=None, device="cpu",
+                        options=dataclasses.asdict(ReplayOptions()), checkpoint_every=20, play=False)
+    link = ChildReplay(job)
+    link.wait_started(timeout=60)
+    app = KvtraceApp(link)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, lambda a: a.frame.step is None)
+        for _ in range(6):  # slow, so that it is still playing when killed
+            await pilot.press("minus")
+        await pilot.press("space")
+        await settle(pilot, lambda a: a.frame.playing)
+        os.kill(link.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        await settle(pilot, lambda a: "replay process died" in state_text(a.frame, a.driver.info).plain,
+                     timeout_s=10)
+        assert time.monotonic() - t0 < 2.0
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 1
+
+
+@pytest.mark.slow
+def test_kvtrace_replay_tui_exits_1_after_its_replay_process_is_killed() -> None:
+    """The real CLI in a pseudo-terminal: SIGKILL the replay process, q, exit code 1."""
+    import fcntl
+    import os
+    import pty
+    import signal
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    from tests.helpers import descendants
+    from tests.tui.test_terminal import KVTRACE, _read_until
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "140", "LINES": "40"}
+    proc = subprocess.Popen([str(KVTRACE), "replay", "sample:tiny", "--tui"], stdin=slave, stdout=slave,
+                            stderr=slave, env=env, close_fds=True, start_new_session=True)
+    os.close(slave)
+    seen = bytearray()
+    try:
+        assert _read_until(master, b"sample:tiny", 90, seen), bytes(seen[-2000:])
+        children = [p for p in descendants(proc.pid) if b"kvtrace.tui.remote.process" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert children, descendants(proc.pid)
+        os.kill(children[0], signal.SIGKILL)
+        assert _read_until(master, b"replay process died", 30, seen), bytes(seen[-2000:])
+        os.write(master, b"q")
+        end = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < end:
+            _read_until(master, b"\x00never", 0.5, seen)
+        proc.wait(timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert proc.returncode == 1, bytes(seen[-2000:])
+    assert b"the replay process died" in seen
