@@ -258,6 +258,8 @@ class KvtraceApp(App[None]):
         except ValueError as exc:
             self.notify(str(exc), title="filter", severity="warning")
             return
+        for dash in self.dashboards:
+            dash.show_filter(tables[0].filter_text)
         event.input.display = False
         tables[self._side_of(event.input)].focus()
 

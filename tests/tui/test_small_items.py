@@ -225,3 +225,23 @@ def test_kvtrace_replay_tui_exits_1_after_its_replay_process_is_killed() -> None
         os.close(master)
     assert proc.returncode == 1, bytes(seen[-2000:])
     assert b"the replay process died" in seen
+
+
+@pytest.mark.parametrize("size", [SIZE, (80, 24)])
+async def test_an_active_request_filter_is_named_on_the_requests_panel(size: tuple[int, int]) -> None:
+    from textual.widgets import Tab
+
+    app = live_app()
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("g", *"60", "enter")
+        await settle(pilot, at_step(60), timeout_s=60)
+        panel = app.main.query_one("#requests")
+        tab = app.main.query_one("#tab-requests", Tab)
+        assert panel.border_title == "requests" and "filtered" not in str(tab.label)
+        await pilot.press("slash", *"live", "enter")
+        await pilot.pause()
+        assert panel.border_title == "requests · filter: live"
+        assert str(tab.label) == "requests (filtered)"
+        await pilot.press("slash", *["backspace"] * 4, "enter")  # cleared: every request again
+        await pilot.pause()
+        assert panel.border_title == "requests" and str(tab.label) == "requests"

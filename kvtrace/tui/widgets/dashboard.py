@@ -104,6 +104,13 @@ class Dashboard(Vertical):
                 v.border_title = "events"
                 yield EventsLog(id="events-log")
 
+    def show_filter(self, text: str) -> None:
+        """Name the request filter in force on the requests panel and its tab (none: the
+        plain title), so a table showing some requests is not read as all of them."""
+        title = f"requests · filter: {text}" if text else "requests"
+        self.query_one("#requests").border_title = title
+        self.query_one("#tab-requests", Tab).label = "requests (filtered)" if text else "requests"
+
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(is_small(event.size.width, event.size.height, self.compact), "-small")
 
