@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from textual import events
 from textual.app import App
 from textual.binding import Binding
@@ -36,10 +37,10 @@ from kvtrace.tui.widgets.toasts import AlertToasts
 if TYPE_CHECKING:
     from kvtrace.proc.contracts import CommandName
     from kvtrace.diff.diff import DiffReport
-    from kvtrace.tui.driver import CellInfo
+    from kvtrace.tui.driver import CellInfo, RequestColumns
     from kvtrace.tui.remote.link import ReplayLink
 
-__all__ = ["KvtraceApp", "cell_text"]
+__all__ = ["KvtraceApp", "cell_text", "differing_requests"]
 
 DIVERGENCE_COLOUR = "bold magenta"
 
@@ -181,12 +182,25 @@ class KvtraceApp(App[None]):
         self.frames[frame.side] = frame
         self.frames_shown += 1
         dash.show(frame, info, self.clock())
+        if self.report is not None:
+            self._mark_differing()
         self.call_after_refresh(self._drawn, driver, frame.seq, t0)
         for e in frame.alerts:
             if (frame.side, e) in self._alerted:  # repeated by a frame drawn after it
                 continue
             self._alerted.add((frame.side, e))
             self.main.query_one(AlertToasts).add(e, frame.side, self._side_label(frame.side))
+
+    def _mark_differing(self) -> None:
+        """A diff: mark on both request tables the requests whose phase or lengths differ
+        between the sides, once both show the same step (else no marks: the sides are
+        at different places and every row would differ)."""
+        a, b = self.frames
+        marks = None
+        if a is not None and b is not None and a.step == b.step and a.step is not None:
+            marks = differing_requests(a.requests, b.requests)
+        for dash in self.dashboards:
+            dash.query_one(RequestTable).set_differing(marks)
 
     def _drawn(self, driver: Driver, seq: int, t0: float) -> None:
         self.draw_s.append(time.perf_counter() - t0)
@@ -445,6 +459,22 @@ def _row_of(frame: Frame, rid: int) -> RequestRow:
     return RequestRow(rid, PHASES[int(req.phase[rid])], used, alloc, alloc - used, int(req.protected[rid]),
                       -(-alloc // req.page_size), int(req.prefix_hit[rid]), int(req.admitted_step[rid]),
                       int(req.ended_step[rid]), None if req.swa_evicted is None else int(req.swa_evicted[rid]))
+
+
+def differing_requests(a: RequestColumns, b: RequestColumns) -> np.ndarray:
+    """bool ``[n]`` (index = request id): the requests whose phase, allocated, used or
+    protected length differs between two sides' columns (one seen on a side only counts)."""
+    n = max(a.phase.shape[0], b.phase.shape[0])
+    out = np.zeros(n, bool)
+    for name in ("phase", "allocated", "committed", "protected"):
+        x, y = getattr(a, name), getattr(b, name)
+        fill = -1 if name == "phase" else 0
+        xa = np.full(n, fill, x.dtype)
+        xa[: x.shape[0]] = x
+        yb = np.full(n, fill, y.dtype)
+        yb[: y.shape[0]] = y
+        out |= xa != yb
+    return out
 
 
 def cell_text(info: CellInfo) -> str:

@@ -245,3 +245,28 @@ async def test_an_active_request_filter_is_named_on_the_requests_panel(size: tup
         await pilot.press("slash", *["backspace"] * 4, "enter")  # cleared: every request again
         await pilot.pause()
         assert panel.border_title == "requests" and str(tab.label) == "requests"
+
+
+async def test_a_diff_shows_each_sides_numbers_and_marks_the_rows_that_differ() -> None:
+    from kvtrace.tui.app import differing_requests
+    from kvtrace.tui.widgets.request_table import RequestTable
+
+    from tests.tui.test_diff import both_at, diff_app, settle_both
+
+    app = diff_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle_both(pilot, both_at(1))  # the first divergence: request 0's kv_allocated_len
+        await pilot.pause(0.2)
+        a, b = app.frames
+        for dash, frame in zip(app.dashboards, app.frames):
+            numbers = str(dash.query_one("#occupancy").border_subtitle)
+            assert f"used {frame.pool.used_tokens:,}" in numbers and f"over {frame.pool.overallocated:,}" in numbers
+        assert a.pool.overallocated != b.pool.overallocated  # so the two lines differ
+        marks = differing_requests(a.requests, b.requests)
+        assert marks[0] and marks.sum() >= 1
+        for dash in app.dashboards:
+            table = dash.query_one(RequestTable)
+            rids = table.shown_rids.tolist()
+            for i, rid in enumerate(rids):
+                first = table.render_row(i, table.size.width, False).text.split()[:2]
+                assert ("≠" in first) == bool(rid < marks.shape[0] and marks[rid]), (rid, first)

@@ -54,6 +54,7 @@ _PHASE_STYLE = {
 FLASH_S = 1.0
 _USED = Style(color="green")
 _OVER = Style(color="yellow")
+_DIFFERS = Style(color="bright_magenta", bold=True)  # a diff: this request differs on the other side
 _CURSOR = Style(reverse=True)
 _FLASH = Style(bgcolor="dark_orange3", color="white", bold=True)
 _HEADER = Style(bold=True, underline=True)
@@ -145,6 +146,7 @@ class RequestTable(VirtualList):
         self._scale = 1
         self._flash: dict[int, float] = {}
         self._clock_fn = clock
+        self._differing: np.ndarray | None = None  # a diff: bool per request id, differs from the other side
 
     def _clock(self) -> float:
         """The app's clock (``KvtraceApp.clock``; tests fix it), else the monotonic one."""
@@ -247,6 +249,18 @@ class RequestTable(VirtualList):
         if self.cursor >= 0:
             self.scroll_to_row(self.cursor)
 
+    def set_differing(self, marks: np.ndarray | None) -> None:
+        """A diff: mark the requests ``marks`` (bool per request id) says differ from the
+        other side's (None: no marks)."""
+        same = marks is None and self._differing is None
+        if not same:
+            self._differing = marks
+            self.refresh_rows()
+
+    def differs(self, rid: int) -> bool:
+        marks = self._differing
+        return marks is not None and rid < marks.shape[0] and bool(marks[rid])
+
     def select_rid(self, rid: int | None) -> None:
         """Select request ``rid`` (and scroll to it when the filter shows it)."""
         self.selected_rid = rid
@@ -282,9 +296,10 @@ class RequestTable(VirtualList):
         flash = self._flash
         ids = rids.tolist()
         swa = [None] * len(ids) if req.swa_evicted is None else req.swa_evicted[rids].tolist()
+        differs = [self.differs(r) for r in ids] if self._differing is not None else [False] * len(ids)
         return list(zip(ids, alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
                         req.phase[rids].tolist(), req.prefix_hit[rids].tolist(), req.admitted_step[rids].tolist(),
-                        [flash.get(r, 0.0) > now for r in ids], swa))
+                        [flash.get(r, 0.0) > now for r in ids], swa, differs))
 
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
@@ -338,7 +353,7 @@ class RequestTable(VirtualList):
         over_bar = "█" * (over8 // 8) + _EIGHTHS[over8 % 8]
         n_over = len(over_bar)
         parts = [
-            (str(rid), _WIDTHS[0], None, "<"),
+            (f"{rid} ≠", _WIDTHS[0], _DIFFERS, "<") if self.differs(rid) else (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
             ("█" * n_used, n_used, _USED, "<"),
             (over_bar, n_over, _OVER, "<"),
