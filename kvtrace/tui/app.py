@@ -78,6 +78,7 @@ class KvtraceApp(App[None]):
         Binding("p", "cycle_pool", "Pool", show=False),
         Binding("o", "first_alert", "OOM/violation", show=False),
         Binding("m", "mute_alerts", "Mute alerts"),
+        Binding("x", "export", "Export", show=False),
         Binding("slash", "filter", "Filter"),
         Binding("s", "sort", "Sort", show=False),
         Binding("r", "reverse", "Reverse", show=False),
@@ -406,6 +407,24 @@ class KvtraceApp(App[None]):
         muted = self.main.query_one(AlertToasts).toggle_mute()
         self.notify("OOM and violation notifications muted (m shows them; the events log has every one)"
                     if muted else "OOM and violation notifications shown", timeout=3)
+
+    def action_export(self) -> None:
+        """Write the screen as SVG and the request table as CSV (numbered names, never
+        over a file; ``kvtrace.tui.export``), and say where."""
+        from kvtrace.tui.export import export_dir, export_view, table_csv
+
+        side = self._focused_side()
+        frame, info = self.frames[side], self.drivers[side].info
+        if frame is None or info is None:
+            self.notify("nothing to export yet", timeout=3)
+            return
+        table = table_csv(self.dashboards[side].query_one(RequestTable), frame)
+        try:
+            svg, csv = export_view(export_dir(info.name), info.name, frame.step, self.export_screenshot(), table)
+        except OSError as exc:
+            self.notify(f"export failed: {exc}", title="export", severity="error")
+            return
+        self.notify(f"view saved: {svg}\nrequests: {csv}", title="export", timeout=8)
 
     def action_filter(self) -> None:
         dash = self.dashboards[self._focused_side()]

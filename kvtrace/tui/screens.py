@@ -39,6 +39,7 @@ KEYS = (
     ("p", "occupancy and page map: the next KV pool (hybrid SWA: full, swa)"),
     ("o", "jump to the first OOM or violation"),
     ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
+    ("x", "export the view: an SVG of the screen and the request table as CSV"),
     ("/", "filter requests: phases, live, over, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),

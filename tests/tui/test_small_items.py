@@ -270,3 +270,34 @@ async def test_a_diff_shows_each_sides_numbers_and_marks_the_rows_that_differ() 
             for i, rid in enumerate(rids):
                 first = table.render_row(i, table.size.width, False).text.split()[:2]
                 assert ("≠" in first) == bool(rid < marks.shape[0] and marks[rid]), (rid, first)
+
+
+async def test_x_exports_the_view_and_the_table_under_new_numbered_names(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import csv
+
+    from kvtrace.tui.widgets.request_table import RequestTable
+
+    monkeypatch.chdir(tmp_path)  # a sample is no file: the exports go to the current directory
+    (tmp_path / "kvtrace-sample-tiny-step60-1.svg").write_text("mine")  # taken: never overwritten
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g", *"60", "enter")
+        await settle(pilot, at_step(60), timeout_s=60)
+        await pilot.press("slash", *"live", "enter")
+        await pilot.pause()
+        await pilot.press("x")
+        await pilot.pause()
+        await pilot.press("x")
+        await pilot.pause()
+        shown = app.main.query_one(RequestTable).shown_rids.tolist()
+        messages = [n.message for n in app._notifications]
+    assert (tmp_path / "kvtrace-sample-tiny-step60-1.svg").read_text() == "mine"
+    for k in (2, 3):
+        svg = tmp_path / f"kvtrace-sample-tiny-step60-{k}.svg"
+        table = tmp_path / f"kvtrace-sample-tiny-step60-{k}.csv"
+        assert svg.read_text().lstrip().startswith("<svg") and "kvtrace" in svg.read_text()
+        rows = list(csv.DictReader(table.open()))
+        assert [int(r["rid"]) for r in rows] == shown  # the table as shown: its filter and order
+        assert all(r["phase"] in ("prefill", "decode", "spec", "waiting") for r in rows)
+        assert any(str(svg) in m for m in messages)
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "kvtrace-sample-tiny-step60-4.svg").exists()
