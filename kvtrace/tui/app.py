@@ -26,7 +26,7 @@ from kvtrace.replay.snapshot import PHASES
 from kvtrace.replay.state import RequestRow
 from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
-from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
+from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, HoldersScreen, ReplayScreen, RequestDetailScreen
 from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner
 from kvtrace.tui.widgets.events_log import EVENT_KINDS, EventsLog
@@ -79,6 +79,7 @@ class KvtraceApp(App[None]):
         Binding("o", "first_alert", "OOM/violation", show=False),
         Binding("m", "mute_alerts", "Mute alerts"),
         Binding("x", "export", "Export", show=False),
+        Binding("T", "holders", "Top holders", show=False),
         Binding("slash", "filter", "Filter"),
         Binding("s", "sort", "Sort", show=False),
         Binding("r", "reverse", "Reverse", show=False),
@@ -110,6 +111,7 @@ class KvtraceApp(App[None]):
         self.clock = clock
         self.main = ReplayScreen(cadence) if diff is None else DiffScreen(diff, cadence)
         self._detail: RequestDetailScreen | None = None
+        self._holders: HoldersScreen | None = None
         self._divergence: int | None = None  # the divergence the sides were sent to
         self.replay_closed = threading.Event()  # every worker returned and closed its replay
         self._alerted: set[tuple[int, object]] = set()  # (side, event) notified
@@ -230,6 +232,9 @@ class KvtraceApp(App[None]):
         h = message.history
         if self._detail is not None and self._detail.row.rid == h.rid and self._detail.side == h.side:
             self._detail.show_history(h)
+        holders = self._holders
+        if holders is not None and holders.side == h.side:
+            holders.show_history(h)
 
     # ------------------------------------------------------------------ widget messages
     def _side_of(self, widget: Widget | None) -> int:
@@ -407,6 +412,31 @@ class KvtraceApp(App[None]):
         muted = self.main.query_one(AlertToasts).toggle_mute()
         self.notify("OOM and violation notifications muted (m shows them; the events log has every one)"
                     if muted else "OOM and violation notifications shown", timeout=3)
+
+    def action_holders(self, count: int = 5) -> None:
+        """The ``count`` requests allocating most at the step shown, their lengths over
+        time (each one's life is replayed by its replay process, as the detail's); a
+        click on the chart seeks there."""
+        side = self._focused_side()
+        frame = self.frames[side]
+        if frame is None:
+            return
+        alloc = frame.requests.allocated
+        live = np.flatnonzero(alloc > 0)
+        if not live.shape[0]:
+            self.notify("no request holds KV at this step", timeout=3)
+            return
+        rids = live[np.argsort(-alloc[live], kind="stable")[:count]].tolist()
+        self._holders = HoldersScreen(rids, frame.step, side)
+
+        def closed(step: int | None) -> None:
+            self._holders = None
+            if step is not None:
+                self._all("seek", step)
+
+        self.push_screen(self._holders, closed)
+        for rid in rids:
+            self.drivers[side].command("history", rid)
 
     def action_export(self) -> None:
         """Write the screen as SVG and the request table as CSV (numbered names, never

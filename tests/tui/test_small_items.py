@@ -301,3 +301,33 @@ async def test_x_exports_the_view_and_the_table_under_new_numbered_names(tmp_pat
         assert all(r["phase"] in ("prefill", "decode", "spec", "waiting") for r in rows)
         assert any(str(svg) in m for m in messages)
     assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "kvtrace-sample-tiny-step60-4.svg").exists()
+
+
+@pytest.mark.slow
+async def test_T_shows_the_top_holders_over_time_and_a_click_seeks() -> None:
+    from kvtrace.tui.screens import HoldersScreen
+
+    app = live_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g", *"60", "enter")
+        await settle(pilot, at_step(60), timeout_s=60)
+        alloc = app.frame.requests.allocated
+        await pilot.press("T")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, HoldersScreen)
+        live = np.flatnonzero(alloc > 0)
+        assert screen.rids == live[np.argsort(-alloc[live], kind="stable")[:5]].tolist()
+        await settle(pilot, lambda a: isinstance(a.screen, HoldersScreen) and len(a.screen.histories) == len(a.screen.rids),
+                     timeout_s=60)
+        for rid, h in screen.histories.items():  # each one's lengths, up to the step shown
+            assert h.steps.shape[0] and int(h.steps.max()) <= 60 and int(h.allocated[-1]) == int(alloc[rid])
+        chart = screen.query_one("#holders-chart")
+        canvas = chart.query_one("#plot")
+        middle = (chart._x_min + chart._x_max) / 2  # a step inside the holders' lives
+        px, _ = chart.get_pixel_from_coordinate(middle, 0)
+        want = round(chart.get_coordinate_from_pixel(px, 1)[0])
+        await pilot.click("#holders-chart", offset=(canvas.region.x - chart.region.x + px,
+                                                    canvas.region.y - chart.region.y + 1))
+        await settle(pilot, at_step(want), timeout_s=60)
+        assert not isinstance(app.screen, HoldersScreen) and abs(want - middle) <= 3
