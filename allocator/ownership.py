@@ -21,6 +21,12 @@ radix tree, a request's own range): the invariant checker's ownership pass count
 holders with it, and ``slot_ownership`` colours the pool with it. ``reduce_cells``
 shrinks the map to a screen's worth of cells, ``cell_pages`` lists the pages and
 owners of one cell, ``request_slots`` gives one request's slots for highlighting.
+
+A cached page has no owner in ``owner`` (the tree holds it), yet a request that locks
+a radix node pins every page on the path from that node up to the root: ``lock_pins``
+lists those (page, request, node) pairs, and ``slot_ownership`` attaches them
+(``SlotOwnership.pins``) with the tree node of every cached page (``page_node``), so
+the screen can say who holds the cached part of the pool.
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ if TYPE_CHECKING:
 __all__ = [
     "NUM_STATES",
     "CellPages",
+    "LockPins",
     "OwnershipCells",
     "PageHolders",
     "RequestSlots",
     "SlotOwnership",
     "SlotState",
     "cell_pages",
+    "lock_pins",
     "page_holders",
     "reduce_cells",
     "request_slots",
@@ -80,6 +88,8 @@ class SlotOwnership(NamedTuple):
     owner: np.ndarray  # int64 [(num_pages + 1) * page_size] request id holding the slot, -1 none
     holders: np.ndarray  # int64 [num_pages + 1] parties holding each page (1 when sound, 0 for page 0)
     page_size: int
+    pins: LockPins | None = None  # pages requests pin through radix locks (None: not known)
+    page_node: np.ndarray | None = None  # int64 [num_pages + 1] radix node id of each cached page, -1 else
 
     def token_counts(self) -> np.ndarray:
         """int64 ``[NUM_STATES]`` slots in each state (``SlotState`` order)."""
@@ -113,6 +123,71 @@ def _tree_pages(allocator: KvAllocator) -> tuple[np.ndarray, np.ndarray]:
     if ps > 1:
         return values[::ps] // ps, locked[::ps]
     return values, locked
+
+
+class LockPins(NamedTuple):
+    """Pages pinned through radix-cache locks: a request locking node ``n`` keeps every
+    node on the path root..n from eviction, so it holds their pages too. One entry per
+    (page, request): a page pinned by three requests appears three times."""
+
+    pages: np.ndarray  # int64 [k] page ids (page 1: slot ids)
+    rids: np.ndarray  # int64 [k] the request pinning the page
+    nodes: np.ndarray  # int64 [k] id of the radix node holding the page
+
+
+_NO_PINS = LockPins(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+
+
+def lock_pins(allocator: KvAllocator) -> LockPins | None:
+    """The pages each live request pins through its radix lock (``req_kv.lock_node``).
+
+    One Python pass over the locked paths (a node shared by many requests is read
+    once). None when the allocator keeps no lock nodes (another design).
+    """
+    kv = getattr(allocator, "req_kv", None)
+    tree = getattr(allocator, "tree_cache", None)
+    locks = getattr(kv, "lock_node", None)
+    if locks is None or tree is None:
+        return None
+    ps = allocator.page_size
+    root = tree.root_node
+    node_pages: dict[int, np.ndarray] = {}
+    pages: list[np.ndarray] = []
+    rids: list[np.ndarray] = []
+    nodes: list[np.ndarray] = []
+    rows = kv.rows_in_use()
+    for row, rid in zip(rows.tolist(), kv.rid[rows].tolist()):
+        node = locks[row]
+        while node is not None and node is not root:
+            got = node_pages.get(node.id)
+            if got is None:
+                value = node.value.astype(np.int64)
+                got = node_pages[node.id] = value[::ps] // ps if ps > 1 else value
+            if got.shape[0]:
+                pages.append(got)
+                rids.append(np.full(got.shape[0], rid, np.int64))
+                nodes.append(np.full(got.shape[0], node.id, np.int64))
+            node = node.parent
+    if not pages:
+        return _NO_PINS
+    return LockPins(np.concatenate(pages), np.concatenate(rids), np.concatenate(nodes))
+
+
+def _page_nodes(allocator: KvAllocator, num_pages: int) -> np.ndarray:
+    """int64 ``[num_pages + 1]``: the radix node id holding each cached page, -1 elsewhere."""
+    out = np.full(num_pages + 1, -1, np.int64)
+    nodes = list(allocator.tree_cache.iter_nodes())
+    if not nodes:
+        return out
+    values = np.concatenate([node.value for node in nodes]).astype(np.int64)
+    ids = np.repeat(np.fromiter((node.id for node in nodes), np.int64, len(nodes)),
+                    np.fromiter((node.value.shape[0] for node in nodes), np.int64, len(nodes)))
+    ps = allocator.page_size
+    if ps > 1:
+        values, ids = values[::ps] // ps, ids[::ps]
+    inside = (values >= 0) & (values <= num_pages)
+    out[values[inside]] = ids[inside]
+    return out
 
 
 def full_side(tok: object) -> object:
@@ -242,7 +317,12 @@ def slot_ownership(allocator: KvAllocator) -> SlotOwnership:
             slots, slot_state, idx = slots[valid], slot_state[valid], idx[valid]
         state[slots] = slot_state
         owner[slots] = rids[idx]
-    return SlotOwnership(state, owner, held.counts, ps)
+    pins = lock_pins(allocator)
+    if pins is not None and pins.pages.shape[0]:
+        inside = (pins.pages >= 0) & (pins.pages <= num_pages)
+        if not inside.all():
+            pins = LockPins(pins.pages[inside], pins.rids[inside], pins.nodes[inside])
+    return SlotOwnership(state, owner, held.counts, ps, pins, _page_nodes(allocator, num_pages))
 
 
 class OwnershipCells(NamedTuple):

@@ -276,6 +276,7 @@ class Cells(Contract):
     positional: bool = False
     note: str | None = None
     pool: int = 0  # the pool mapped: an index into kvtrace.replay.snapshot.POOL_NAMES
+    pinned: Any = None  # bool [n] cells of pages the selected request pins through a radix lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +289,8 @@ class CellDetail(Contract):
     last_page: int
     tokens: dict[str, int]
     owners: list[tuple[int, int]]  # (rid, slots)
+    pinned: list[tuple[int, int]] = field(default_factory=list)  # (rid, slots) pinned through a radix lock
+    last_users: list[tuple[int, int]] = field(default_factory=list)  # (rid, slots) of evictable pages
 
 
 @dataclass(frozen=True, slots=True)

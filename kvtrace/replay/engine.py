@@ -702,9 +702,9 @@ class ReplayEngine:
         slack = self._req["allocated"].a[rids] - self._req["committed"].a[rids]
         for rid, n in zip(rids[slack > 0].tolist(), slack[slack > 0].tolist()):
             self._events.append(Event("overalloc_release", rid, n, f"{n} over-allocated slots freed on {kind}"))
-        if kind != "finish":
-            for rid in rids.tolist():
-                self._events.append(Event(kind, rid, 0))  # type: ignore[arg-type]
+        # every release is an event of its kind (the dashboard's "finish" filter lists them)
+        for rid in rids.tolist():
+            self._events.append(Event(kind, rid, 0, "finished" if kind == "finish" else ""))  # type: ignore[arg-type]
 
     def _extend(self, batch: StepBatch, rows: np.ndarray) -> None:
         alloc = self.allocator

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from textual import events
 from textual.app import App
 from textual.binding import Binding
@@ -25,7 +26,7 @@ from kvtrace.replay.snapshot import PHASES
 from kvtrace.replay.state import RequestRow
 from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
 from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
-from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, ReplayScreen, RequestDetailScreen
+from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, HoldersScreen, ReplayScreen, RequestDetailScreen
 from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner
 from kvtrace.tui.widgets.events_log import EVENT_KINDS, EventsLog
@@ -36,10 +37,10 @@ from kvtrace.tui.widgets.toasts import AlertToasts
 if TYPE_CHECKING:
     from kvtrace.proc.contracts import CommandName
     from kvtrace.diff.diff import DiffReport
-    from kvtrace.tui.driver import CellInfo
+    from kvtrace.tui.driver import CellInfo, RequestColumns
     from kvtrace.tui.remote.link import ReplayLink
 
-__all__ = ["KvtraceApp", "cell_text"]
+__all__ = ["KvtraceApp", "cell_text", "differing_requests"]
 
 DIVERGENCE_COLOUR = "bold magenta"
 
@@ -77,6 +78,8 @@ class KvtraceApp(App[None]):
         Binding("p", "cycle_pool", "Pool", show=False),
         Binding("o", "first_alert", "OOM/violation", show=False),
         Binding("m", "mute_alerts", "Mute alerts"),
+        Binding("x", "export", "Export", show=False),
+        Binding("T", "holders", "Top holders", show=False),
         Binding("slash", "filter", "Filter"),
         Binding("s", "sort", "Sort", show=False),
         Binding("r", "reverse", "Reverse", show=False),
@@ -108,6 +111,7 @@ class KvtraceApp(App[None]):
         self.clock = clock
         self.main = ReplayScreen(cadence) if diff is None else DiffScreen(diff, cadence)
         self._detail: RequestDetailScreen | None = None
+        self._holders: HoldersScreen | None = None
         self._divergence: int | None = None  # the divergence the sides were sent to
         self.replay_closed = threading.Event()  # every worker returned and closed its replay
         self._alerted: set[tuple[int, object]] = set()  # (side, event) notified
@@ -156,7 +160,12 @@ class KvtraceApp(App[None]):
 
     async def action_quit(self) -> None:
         self.stop_replays()
-        self.exit()
+        # a replay process that died is a failure, whatever key ends the screen
+        self.exit(return_code=1 if self.replay_died() is not None else 0)
+
+    def replay_died(self) -> str | None:
+        """Why a replay process went away before the screen quit (None: none did)."""
+        return next((d.died for d in self.drivers if d.died is not None), None)
 
     def on_unmount(self) -> None:
         self.stop_replays()
@@ -176,12 +185,25 @@ class KvtraceApp(App[None]):
         self.frames[frame.side] = frame
         self.frames_shown += 1
         dash.show(frame, info, self.clock())
+        if self.report is not None:
+            self._mark_differing()
         self.call_after_refresh(self._drawn, driver, frame.seq, t0)
         for e in frame.alerts:
             if (frame.side, e) in self._alerted:  # repeated by a frame drawn after it
                 continue
             self._alerted.add((frame.side, e))
             self.main.query_one(AlertToasts).add(e, frame.side, self._side_label(frame.side))
+
+    def _mark_differing(self) -> None:
+        """A diff: mark on both request tables the requests whose phase or lengths differ
+        between the sides, once both show the same step (else no marks: the sides are
+        at different places and every row would differ)."""
+        a, b = self.frames
+        marks = None
+        if a is not None and b is not None and a.step == b.step and a.step is not None:
+            marks = differing_requests(a.requests, b.requests)
+        for dash in self.dashboards:
+            dash.query_one(RequestTable).set_differing(marks)
 
     def _drawn(self, driver: Driver, seq: int, t0: float) -> None:
         self.draw_s.append(time.perf_counter() - t0)
@@ -210,6 +232,9 @@ class KvtraceApp(App[None]):
         h = message.history
         if self._detail is not None and self._detail.row.rid == h.rid and self._detail.side == h.side:
             self._detail.show_history(h)
+        holders = self._holders
+        if holders is not None and holders.side == h.side:
+            holders.show_history(h)
 
     # ------------------------------------------------------------------ widget messages
     def _side_of(self, widget: Widget | None) -> int:
@@ -253,6 +278,8 @@ class KvtraceApp(App[None]):
         except ValueError as exc:
             self.notify(str(exc), title="filter", severity="warning")
             return
+        for dash in self.dashboards:
+            dash.show_filter(tables[0].filter_text)
         event.input.display = False
         tables[self._side_of(event.input)].focus()
 
@@ -386,6 +413,49 @@ class KvtraceApp(App[None]):
         self.notify("OOM and violation notifications muted (m shows them; the events log has every one)"
                     if muted else "OOM and violation notifications shown", timeout=3)
 
+    def action_holders(self, count: int = 5) -> None:
+        """The ``count`` requests allocating most at the step shown, their lengths over
+        time (each one's life is replayed by its replay process, as the detail's); a
+        click on the chart seeks there."""
+        side = self._focused_side()
+        frame = self.frames[side]
+        if frame is None:
+            return
+        alloc = frame.requests.allocated
+        live = np.flatnonzero(alloc > 0)
+        if not live.shape[0]:
+            self.notify("no request holds KV at this step", timeout=3)
+            return
+        rids = live[np.argsort(-alloc[live], kind="stable")[:count]].tolist()
+        self._holders = HoldersScreen(rids, frame.step, side)
+
+        def closed(step: int | None) -> None:
+            self._holders = None
+            if step is not None:
+                self._all("seek", step)
+
+        self.push_screen(self._holders, closed)
+        for rid in rids:
+            self.drivers[side].command("history", rid)
+
+    def action_export(self) -> None:
+        """Write the screen as SVG and the request table as CSV (numbered names, never
+        over a file; ``kvtrace.tui.export``), and say where."""
+        from kvtrace.tui.export import export_dir, export_view, table_csv
+
+        side = self._focused_side()
+        frame, info = self.frames[side], self.drivers[side].info
+        if frame is None or info is None:
+            self.notify("nothing to export yet", timeout=3)
+            return
+        table = table_csv(self.dashboards[side].query_one(RequestTable), frame)
+        try:
+            svg, csv = export_view(export_dir(info.name), info.name, frame.step, self.export_screenshot(), table)
+        except OSError as exc:
+            self.notify(f"export failed: {exc}", title="export", severity="error")
+            return
+        self.notify(f"view saved: {svg}\nrequests: {csv}", title="export", timeout=8)
+
     def action_filter(self) -> None:
         dash = self.dashboards[self._focused_side()]
         box = dash.query_one("#filter", Input)
@@ -440,11 +510,31 @@ def _row_of(frame: Frame, rid: int) -> RequestRow:
                       int(req.ended_step[rid]), None if req.swa_evicted is None else int(req.swa_evicted[rid]))
 
 
+def differing_requests(a: RequestColumns, b: RequestColumns) -> np.ndarray:
+    """bool ``[n]`` (index = request id): the requests whose phase, allocated, used or
+    protected length differs between two sides' columns (one seen on a side only counts)."""
+    n = max(a.phase.shape[0], b.phase.shape[0])
+    out = np.zeros(n, bool)
+    for name in ("phase", "allocated", "committed", "protected"):
+        x, y = getattr(a, name), getattr(b, name)
+        fill = -1 if name == "phase" else 0
+        xa = np.full(n, fill, x.dtype)
+        xa[: x.shape[0]] = x
+        yb = np.full(n, fill, y.dtype)
+        yb[: y.shape[0]] = y
+        out |= xa != yb
+    return out
+
+
 def cell_text(info: CellInfo) -> str:
     """The cell-info line under the page map."""
     tokens = ", ".join(f"{k} {v:,}" for k, v in info.tokens.items())
     if info.detail is None:
         return f"cell: {tokens} (a state log has no slot positions)" if tokens else "no page map here"
     d = info.detail
-    owners = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.owners) or "no request"
-    return f"pages {d.first_page:,}..{d.last_page:,} at step {info.step}: {tokens}\nowners: {owners}"
+    owners = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.owners)
+    pinned = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.pinned)
+    users = ", ".join(f"rid {rid} ({n:,})" for rid, n in d.last_users)
+    held = "; ".join(part for part in (owners, pinned and f"pinned by lock: {pinned}",
+                                       users and f"evictable, last locked by: {users}") if part)
+    return f"pages {d.first_page:,}..{d.last_page:,} at step {info.step}: {tokens}\nowners: {held or 'no request'}"

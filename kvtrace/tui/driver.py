@@ -127,6 +127,7 @@ class Frame:
     selected_rid: int | None = None
     busy: str | None = None  # what the replay is busy with, answering no command meanwhile
     other_pools: tuple[PoolCounters, ...] = ()  # a hybrid model's pools after ``pool`` (POOL_NAMES[1:])
+    died: str | None = None  # why the replay process went away before the screen quit (None: it did not)
 
     @property
     def pools(self) -> dict[str, PoolCounters]:
@@ -219,6 +220,7 @@ class Driver:
         self.playing = False
         self.speed_index = len(SPEEDS) - 1
         self.done = False
+        self.died: str | None = None  # why the replay went away unasked (``Frame.died``)
         self.busy: str | None = None
         self.selected_rid: int | None = None
         self.frames_posted = 0
@@ -311,6 +313,7 @@ class Driver:
         elif kind == "closed":
             self.done = self._changed = True
             self.playing = False
+            self.died = value
             if value is not None:
                 self._post(Failure(self.side, value))
             return True
@@ -347,10 +350,11 @@ class Driver:
             self._map_pool = int(m.pool)
             self._cells = None if m.note is not None else PageCells(
                 np.asarray(m.edges), np.asarray(m.tokens), np.asarray(m.dominant), np.asarray(m.highlight),
-                bool(m.positional))
+                bool(m.positional), None if m.pinned is None else np.asarray(m.pinned))
         elif isinstance(m, wire.Cell):
             d = m.detail
-            detail = None if d is None else CellDetail(d.index, d.first_page, d.last_page, d.tokens, list(d.owners))
+            detail = None if d is None else CellDetail(d.index, d.first_page, d.last_page, d.tokens, list(d.owners),
+                                                     list(d.pinned), list(d.last_users))
             self._post(CellInfo(self.side, m.step, detail, m.tokens))
             return
         elif isinstance(m, wire.History):
@@ -435,5 +439,6 @@ class Driver:
                 page_map_pool=self._map_pool,
                 selected_rid=self.selected_rid,
                 busy=self.busy,
+                died=self.died,
             )
         )

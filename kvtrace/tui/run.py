@@ -115,7 +115,11 @@ def show_diff(
 
 def _run(links: list[Any], report: DiffReport | None = None) -> None:
     """Wait for the replays to start, run the app, and return once every replay has
-    closed (and written its log)."""
+    closed (and written its log).
+
+    Raises:
+        ReplayProcessDied: a replay process went away before the user quit (exit 1).
+    """
     from kvtrace.tui.app import KvtraceApp
 
     # Starting a replay (reading the trace, building the allocator) can take seconds: say so on
@@ -145,6 +149,11 @@ def _run(links: list[Any], report: DiffReport | None = None) -> None:
                 driver.closed.wait(timeout=90)
             else:
                 driver.link.close()
+    died = app.replay_died()
+    if died is not None:
+        from kvtrace.tui.remote.link import ReplayProcessDied
+
+        raise ReplayProcessDied(f"the replay process died ({died})")
 
 
 def serve_command(argv: list[str]) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.table import Table
+from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
     from kvtrace.replay.state import RequestRow
     from kvtrace.tui.driver import RequestHistory
 
-__all__ = ["DIFF_KEYS", "KEYS", "DiffScreen", "GotoScreen", "HelpScreen", "ReplayScreen", "RequestDetailScreen"]
+__all__ = ["DIFF_KEYS", "KEYS", "DiffScreen", "GotoScreen", "HelpScreen", "HoldersScreen", "ReplayScreen",
+           "RequestDetailScreen"]
 
 KEYS = (
     ("space", "play / pause"),
@@ -39,6 +42,8 @@ KEYS = (
     ("p", "occupancy and page map: the next KV pool (hybrid SWA: full, swa)"),
     ("o", "jump to the first OOM or violation"),
     ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
+    ("T", "timeline of the top holders' allocated / used (click it: go to that step)"),
+    ("x", "export the view: an SVG of the screen and the request table as CSV"),
     ("/", "filter requests: phases, live, over, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),
@@ -186,16 +191,79 @@ class RequestDetailScreen(ModalScreen[None]):
         if history.steps.shape[0]:
             chart.plot(history.steps, history.allocated, line_style="yellow", hires_mode=HiResMode.BRAILLE)
             chart.plot(history.steps, history.committed, line_style="green", hires_mode=HiResMode.BRAILLE)
-            chart.set_ylimits(0, max(int(history.allocated.max()), 1) * 1.05)
+            # a broken version can report used > allocated: its values go below zero, shown
+            chart.set_ylimits(min(int(history.committed.min()), 0) * 1.05, max(int(history.allocated.max()), 1) * 1.05)
             slack = history.allocated - history.committed
             over.plot(history.steps, slack, line_style="dark_orange", hires_mode=HiResMode.BRAILLE)
-            over.set_ylimits(0, max(int(slack.max()), 1) * 1.1)
+            over.set_ylimits(min(int(slack.min()), 0) * 1.1, max(int(slack.max()), 1) * 1.1)
             over.set_xlabel("step")
         lines = [f"step {e.step:>8}  {e.kind:<18} {describe(e)}" for e in history.events[-12:]]
         note = " (the last steps only)" if history.clipped else ""
         self.query_one("#detail-events", Static).update(
             f"{history.steps.shape[0]} steps changed it{note}; events:\n" + ("\n".join(lines) or "none")
         )
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+HOLDER_COLOURS = ("yellow", "cyan", "magenta", "green", "bright_red")
+
+
+class HoldersScreen(ModalScreen[int | None]):
+    """The requests holding most of the pool at the step shown, each one's allocated
+    (solid) and used (dotted) tokens over its life; a click on the chart closes it at
+    that step (the dashboard seeks there)."""
+
+    BINDINGS = [Binding("escape,q,T", "close", "Close")]
+
+    def __init__(self, rids: list[int], step: int | None, side: int = 0) -> None:
+        super().__init__()
+        self.rids = rids
+        self.step = step
+        self.side = side
+        self.histories: dict[int, RequestHistory] = {}
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="holders-body") as v:
+            v.border_title = f"top {len(self.rids)} holders at step {self.step}: allocated (━) and used (·)"
+            yield QuietPlot(id="holders-chart")
+            yield Static("replaying their lives…", id="holders-key")
+
+    def show_history(self, history: RequestHistory) -> None:
+        """Add one holder's lengths (the others' stay)."""
+        if history.rid not in self.rids:
+            return
+        self.histories[history.rid] = history
+        chart = self.query_one("#holders-chart", QuietPlot)
+        chart.clear()
+        top = 1
+        key = Text()
+        for i, rid in enumerate(self.rids):
+            h = self.histories.get(rid)
+            colour = HOLDER_COLOURS[i % len(HOLDER_COLOURS)]
+            key.append("━ ", style=colour)
+            key.append(f"rid {rid}" + ("" if h is not None else " (…)") + "   ")
+            if h is None or not h.steps.shape[0]:
+                continue
+            chart.plot(h.steps, h.allocated, line_style=colour, hires_mode=HiResMode.BRAILLE)
+            chart.scatter(h.steps, h.committed, marker_style=colour, marker="·")
+            top = max(top, int(h.allocated.max()))
+        chart.set_ylimits(0, top * 1.05)
+        chart.set_xlabel("step (click: go there)")
+        if self.step is not None:
+            chart.add_v_line(self.step, "bold white")
+        self.query_one("#holders-key", Static).update(key)
+
+    def on_click(self, event: events.Click) -> None:
+        chart = self.query_one("#holders-chart", QuietPlot)
+        canvas = chart.query_one("#plot")
+        x = event.screen_x - canvas.region.x
+        y = event.screen_y - canvas.region.y
+        if not self.histories or not (0 <= x < canvas.region.width and 0 <= y < canvas.region.height):
+            return
+        step, _ = chart.get_coordinate_from_pixel(x, y)
+        self.dismiss(max(int(round(step)), 0))
 
     def action_close(self) -> None:
         self.dismiss(None)

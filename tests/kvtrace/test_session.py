@@ -473,7 +473,7 @@ def test_phases_admissions_and_ends_follow_the_ops(tmp_path: Path) -> None:
     assert rows[3].allocated == 0 and rows[2].used == 13 and rows[2].pages == 13
     assert s.state.column("admissions")[0] == 2  # type: ignore[union-attr]
     history = s.state.history(0)  # type: ignore[union-attr]
-    assert [e.kind for e in history] == ["retract"]
+    assert [e.kind for e in history] == ["retract", "finish"]
 
 
 def test_a_spec_request_shows_its_overallocation_and_its_release(busy_trace: Path) -> None:

@@ -107,15 +107,15 @@ def test_the_page_map_legend_wraps_between_entries_only() -> None:
     """Each colour stays on the line of its name, and no line is wider than asked (when an
     entry fits at all); with no width, one line."""
     from kvtrace.tui.remote.pagemap import STATE_LABELS
-    from kvtrace.tui.widgets.page_map import legend
+    from kvtrace.tui.widgets.page_map import MARKS, legend
 
-    labels = list(STATE_LABELS[:7])  # the states the legend shows (leaked aside)
+    labels = list(STATE_LABELS)  # every state, leaked included, then the selection's marks
     assert "\n" not in legend().plain
     for width in range(16, 130):
         lines = legend(width=width).plain.split("\n")
         assert all(len(line) <= width for line in lines), (width, lines)
         entries = [e for line in lines for e in line.split("  ")]
-        assert entries == [f"█ {label}" for label in labels], (width, lines)
+        assert entries == [f"█ {label}" for label in labels] + [f"{c} {label}" for c, _, label in MARKS], (width, lines)
     assert len(legend(width=40).plain.split("\n")) > 1
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "Item",
     "PipeEnd",
     "ReplayLink",
+    "ReplayProcessDied",
     "ReplayProcessError",
     "ReplayerEnd",
     "ThreadReplay",
@@ -66,6 +67,13 @@ PIPE_BYTES = 1 << 20
 
 class ReplayProcessError(KvtraceError):
     """The dashboard's replay process could not start (its message says why)."""
+
+
+class ReplayProcessDied(KvtraceError):
+    """The dashboard's replay process went away while the screen showed it (killed,
+    crashed): the dashboard command fails once the user quits."""
+
+    exit_code = 1
 
 
 # ---------------------------------------------------------------------------- the replay's side

@@ -48,7 +48,8 @@ def run_dashboard_job(job: DashboardJob, out: Connection, control: Connection, c
     source = job_source(job)
     try:
         end = PipeEnd(out, control, commands)
-        replayer = Replayer(source, end, play=job.play)
+        # a state log (kvtrace view) opens on its first step
+        replayer = Replayer(source, end, play=job.play, open_at_first=job.state_log is not None)
         try:
             if job.profile:
                 _profiled(replayer.run, job.profile)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
     from kvtrace.replay.snapshot import StepSnapshot
     from kvtrace.tui.remote.link import ReplayerEnd
-    from kvtrace.tui.remote.pagemap import PageCells
+    from kvtrace.tui.remote.pagemap import LastUsers, PageCells
     from kvtrace.tui.remote.sources import ReplaySource
 
 __all__ = ["CHECKER_NICE", "CHECKPOINT_EVERY", "FILLING", "FIRST_PASS_S", "MAX_HISTORY_STEPS", "SPEEDS", "Replayer", "dashboard_job", "job_source", "live_source", "log_job"]
@@ -89,6 +89,8 @@ class Replayer:
         source: what to replay.
         end: the link to the screen.
         play: start playing at once.
+        open_at_first: paused, show the first step at once (``kvtrace view``: a screen
+            of empty panels read as broken) rather than wait before it.
         batch_s: seconds between record batches (and status checks) while playing:
             shorter than the screen's frame (20 a second), so that each frame has steps
             to show that the one before did not.
@@ -109,6 +111,7 @@ class Replayer:
         end: ReplayerEnd,
         *,
         play: bool = True,
+        open_at_first: bool = False,
         batch_s: float = 0.03,
         map_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -117,6 +120,7 @@ class Replayer:
         self.source = source
         self.end = end
         self.playing = play
+        self._open_at_first = open_at_first and not play
         self.speed_index = len(SPEEDS) - 1
         self.num_cells = 0
         self.map_pool = 0  # the pool the page map shows (an index into POOL_NAMES)
@@ -129,6 +133,8 @@ class Replayer:
         self._frontier: int | None = None  # the highest step sent
         self._own: SlotOwnership | None = None
         self._cells: PageCells | None = None
+        # per pool: the last request seen locking each radix node (for evictable pages' owners)
+        self._last_users: dict[int, LastUsers] = {}
         self._map_key: tuple[Any, ...] | None = None  # (step, num_cells, pool, rid) of the map sent
         self._map_at = -1e18  # (clock) when the last page map was made
         self._map_work_at = -1e18  # (work_clock) when the last page map was made
@@ -153,6 +159,10 @@ class Replayer:
     def run(self) -> None:
         """Replay and answer until ``quit`` (or the screen goes away)."""
         self.end.send(Info(**dataclasses.asdict(self.source.info)))
+        if self._open_at_first and self.source.last is None:
+            snap = self._guarded(self.source.step)
+            if snap is not None:
+                self._send_step(snap)
         self._anchor_now()
         due: float | None = self._clock()
         while due is not None:
@@ -379,14 +389,20 @@ class Replayer:
         elif moving and now - self._map_at < min(self._map_interval_s, PACED_MAP_S):
             return
         if self._map_key is not None and self._own is not None and self._cells is not None and key[:3] == self._map_key[:3]:
-            from kvtrace.tui.remote.pagemap import highlight_cells  # only the selection changed
+            from kvtrace.tui.remote.pagemap import highlight_cells, pinned_cells  # only the selection changed
 
             mark = highlight_cells(self._own, self._cells.ownership_cells, self.selected_rid)
-            self._cells = self._cells._replace(highlight=mark)
+            pins = pinned_cells(self._own, self._cells.ownership_cells, self.selected_rid)
+            self._cells = self._cells._replace(highlight=mark, pinned=pins)
         else:
             made = self.source.page_map(self.num_cells, self.selected_rid, self.map_pool)
             self._map_cost_s = self._work_clock() - work_now
             self._own, self._cells = made if made is not None else (None, None)
+            if self._own is not None:
+                users = self._users(self.map_pool)
+                if self._map_key is not None and last.step < self._map_key[0]:
+                    users.clear()  # sought back: what was seen later is not "last" here
+                users.see(self._own)
         self._map_key = key
         self._map_at, self._map_work_at = now, work_now
         if self._cells is None:
@@ -396,7 +412,17 @@ class Replayer:
             return
         c = self._cells
         step = self.source.allocator_step  # while playing, up to a run's length past ``last``
-        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional), pool=self.map_pool))
+        self.end.send(Cells(step, c.edges, c.tokens, c.dominant, c.highlight, bool(c.positional), pool=self.map_pool,
+                            pinned=c.pinned))
+
+    def _users(self, pool: int) -> LastUsers:
+        """The last lockers seen of pool ``pool``'s radix nodes."""
+        users = self._last_users.get(pool)
+        if users is None:
+            from kvtrace.tui.remote.pagemap import LastUsers
+
+            users = self._last_users[pool] = LastUsers()
+        return users
 
     def _cell_message(self, index: int) -> Cell:
         from kvtrace.tui.remote.pagemap import STATE_LABELS, cell_detail
@@ -408,9 +434,10 @@ class Replayer:
         tokens = {STATE_LABELS[s]: int(c) for s, c in enumerate(cells.tokens[index]) if c}
         detail = None
         if self._own is not None:
-            d = cell_detail(self._own, cells, index)
+            d = cell_detail(self._own, cells, index, last_users=self._users(self.map_pool))
             detail = CellDetail(int(d.index), int(d.first_page), int(d.last_page), dict(d.tokens),
-                                [(int(r), int(n)) for r, n in d.owners])
+                                [(int(r), int(n)) for r, n in d.owners], [(int(r), int(n)) for r, n in d.pinned],
+                                [(int(r), int(n)) for r, n in d.last_users])
         return Cell(step, tokens, detail)
 
     # ------------------------------------------------------------------ request history
@@ -445,7 +472,9 @@ class Replayer:
             snap = src.step()
         if here is not None:
             src.seek(here)
-        events = [tuple(e) for e in state.timeline.events if e.rid == rid]
+        # the timeline holds every step replayed, past the one shown after a seek back
+        upto = here if here is not None else hi
+        events = [tuple(e) for e in state.timeline.events if e.rid == rid and e.step <= upto]
         return History(rid, np.array(steps, np.int64), np.array(alloc, np.int64), np.array(used, np.int64), events,
                        clipped)
 

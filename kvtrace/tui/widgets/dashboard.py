@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["Cadence", "Dashboard", "PanelTabs", "is_small"]
+__all__ = ["Cadence", "Dashboard", "PanelTabs", "is_small", "side_numbers"]
 
 
 class PanelTabs(Tabs, can_focus=False):
@@ -59,6 +59,20 @@ class Cadence(NamedTuple):
     chart_s: float = 1.0  # the occupancy chart
     events_s: float = 0.25  # the events log, scrolled to its newest event
     legend_s: float = 0.25  # the occupancy legend's numbers
+
+
+def side_numbers(frame: Frame, pool: int = 0) -> str:
+    """One line of a diff side's occupancy (it has no legend beside its chart): used,
+    over-allocated, cached locked and evictable, free, and the peak (pool ``pool``)."""
+    pools = (frame.pool, *frame.other_pools)
+    p = pools[pool if pool < len(pools) else 0]
+    if p is None:
+        return ""
+    total = max(p.pool_tokens, 1)
+    text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · "
+            f"locked {p.protected:,} · evictable {p.evictable:,} · free {p.available:,}")
+    peak = frame.peak(pool)
+    return text + (f" · peak {peak[1]:,} @ {peak[0]:,}" if peak is not None else "")
 
 
 class Dashboard(Vertical):
@@ -104,6 +118,13 @@ class Dashboard(Vertical):
                 v.border_title = "events"
                 yield EventsLog(id="events-log")
 
+    def show_filter(self, text: str) -> None:
+        """Name the request filter in force on the requests panel and its tab (none: the
+        plain title), so a table showing some requests is not read as all of them."""
+        title = f"requests · filter: {text}" if text else "requests"
+        self.query_one("#requests").border_title = title
+        self.query_one("#tab-requests", Tab).label = "requests (filtered)" if text else "requests"
+
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(is_small(event.size.width, event.size.height, self.compact), "-small")
 
@@ -145,6 +166,11 @@ class Dashboard(Vertical):
                 pages_panel.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
             self.query_one(OccupancyLegend).show(frame)
+        elif self.compact:  # a diff's side has no legend: its numbers under the chart
+            numbers = side_numbers(frame, self.pool)
+            occupancy = self.query_one("#occupancy")
+            if occupancy.border_subtitle != numbers:
+                occupancy.border_subtitle = numbers
         self.query_one(RequestTable).show(frame)
         if self._due("events_s", frame, now, urgent=bool(frame.alerts)):
             self.query_one(EventsLog).show(frame)

@@ -31,7 +31,10 @@ def clock_time(seconds: float) -> str:
 
 def state_text(frame: Frame, info: SourceInfo) -> Text:
     """The play state: playing, paused, done, or why the replay stopped before its last step
-    (an out-of-memory with ``--on-oom stop``, a violation past ``--max-violations``)."""
+    (an out-of-memory with ``--on-oom stop``, a violation past ``--max-violations``, a
+    replay process that died)."""
+    if frame.died is not None:
+        return Text("■ replay process died", style="bold white on red")
     if frame.done:
         reason = None
         if frame.step is not None and info.last_step is not None and frame.step < info.last_step:

@@ -170,14 +170,20 @@ class OccupancyChart(QuietPlot):
         idx = column_samples(timeline, size, max(self.size.width - 10, 8), pool_index)
         steps = timeline.steps[idx].astype(np.float64)
         width = float(max((steps[-1] - steps[0]) / max(len(steps) - 1, 1), 1.0))
-        stacked = np.zeros(len(idx), np.int64)
+        pool = int(timeline.column("pool_tokens", size, pool_index).max())
+        # Bars are drawn in whole cells: a band thinner than a row (an EAGLE replay's
+        # over-allocation, ~0.1% of its pool) vanished into the one below. A nonzero band
+        # is drawn at least a row thick; the legend beside gives the exact numbers.
+        rows = self.query_one("#plot").size.height
+        least = pool / rows if rows > 0 else 0.0
+        stacked = np.zeros(len(idx), np.float64)
         tops = []
         for _, field, colour in BANDS:
-            stacked = stacked + timeline.column(field, size, pool_index)[idx]
-            tops.append((stacked.copy(), colour))
+            band = timeline.column(field, size, pool_index)[idx].astype(np.float64)
+            stacked = stacked + np.where(band > 0, np.maximum(band, least), 0.0)
+            tops.append((np.minimum(stacked, pool), colour))
         for top, colour in reversed(tops):  # tallest first: each band drawn over the one above
             self.bar(steps, top, width=width, bar_style=colour)
-        pool = int(timeline.column("pool_tokens", size, pool_index).max())
         self.set_ylimits(0, pool)
         self.set_xlimits(float(steps[0]) - width / 2, float(steps[-1]) + width / 2)
         peak = frame.peak(pool_index)

@@ -1,6 +1,7 @@
 """The page map: the pool as a grid, one cell per group of pages, coloured by the state
-holding most of its slots; the selected request's cells stand out; clicking a cell
-asks for its pages and owners."""
+holding most of its slots; the selected request's cells stand out (the pages it owns,
+and, drawn apart, the cached prefix pages it pins through its radix lock); clicking a
+cell asks for its pages and owners."""
 
 from __future__ import annotations
 
@@ -35,25 +36,33 @@ STATE_COLORS = {
 }
 _STYLES = {s: Style(color=c) for s, c in STATE_COLORS.items()}
 _HIGHLIGHT = Style(color="bright_white", bgcolor="magenta", bold=True)
+_PINNED = Style(color="bright_magenta", bgcolor="grey19")
 _SELECTED = Style(color="black", bgcolor="bright_white", bold=True)
+HIGHLIGHT_CHAR = "▒"  # a cell holding a page the selected request owns
+PINNED_CHAR = "░"  # a cell holding only pages it pins through its radix lock
+# the keys of the selection's marks, after the states'
+MARKS = ((HIGHLIGHT_CHAR, _HIGHLIGHT, "selected"), (PINNED_CHAR, _PINNED, "pinned by it"))
 
 
-def legend(states: tuple[SlotState, ...] = tuple(SlotState)[:7], width: int | None = None) -> Text:
-    """The colour key, an entry per state, wrapped between entries to ``width`` cells
-    (None: one line): a wrap inside an entry left a colour at a line's end and its name
-    on the next."""
+def legend(states: tuple[SlotState, ...] = tuple(SlotState), width: int | None = None,
+           marks: tuple[tuple[str, Style, str], ...] = MARKS) -> Text:
+    """The colour key, an entry per state (leaked pages included) then the selection's
+    ``marks`` (char, style, label), wrapped between entries to ``width`` cells (None:
+    one line): a wrap inside an entry left a colour at a line's end and its name on the
+    next."""
+    entries = [("█", Style(color=STATE_COLORS[s]), STATE_LABELS[s]) for s in states] + list(marks)
     text = Text()
     used = 0
-    for s in states:
-        entry = 2 + len(STATE_LABELS[s])
+    for char, style, label in entries:
+        entry = 2 + len(label)
         if used and width is not None and used + 2 + entry > width:
             text.append("\n")
             used = 0
         elif used:
             text.append("  ")
             used += 2
-        text.append("█ ", style=STATE_COLORS[s])
-        text.append(STATE_LABELS[s])
+        text.append(char, style=style)
+        text.append(" " + label)
         used += entry
     return text
 
@@ -111,7 +120,9 @@ class PageMap(Widget):
         if cells is not None:
             dominant = cells.dominant.tolist()
             marked = cells.highlight.tolist()
-            self._chars = [("▒", _HIGHLIGHT) if hot else ("█", _STYLES[SlotState(d)]) for d, hot in zip(dominant, marked)]
+            pinned = [False] * len(marked) if cells.pinned is None else cells.pinned.tolist()
+            self._chars = [(HIGHLIGHT_CHAR, _HIGHLIGHT) if hot else (PINNED_CHAR, _PINNED) if pin
+                           else ("█", _STYLES[SlotState(d)]) for d, hot, pin in zip(dominant, marked, pinned)]
         self._lines = {}
         self.refresh()
 

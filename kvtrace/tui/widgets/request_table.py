@@ -54,6 +54,7 @@ _PHASE_STYLE = {
 FLASH_S = 1.0
 _USED = Style(color="green")
 _OVER = Style(color="yellow")
+_DIFFERS = Style(color="bright_magenta", bold=True)  # a diff: this request differs on the other side
 _CURSOR = Style(reverse=True)
 _FLASH = Style(bgcolor="dark_orange3", color="white", bold=True)
 _HEADER = Style(bold=True, underline=True)
@@ -145,6 +146,7 @@ class RequestTable(VirtualList):
         self._scale = 1
         self._flash: dict[int, float] = {}
         self._clock_fn = clock
+        self._differing: np.ndarray | None = None  # a diff: bool per request id, differs from the other side
 
     def _clock(self) -> float:
         """The app's clock (``KvtraceApp.clock``; tests fix it), else the monotonic one."""
@@ -247,6 +249,18 @@ class RequestTable(VirtualList):
         if self.cursor >= 0:
             self.scroll_to_row(self.cursor)
 
+    def set_differing(self, marks: np.ndarray | None) -> None:
+        """A diff: mark the requests ``marks`` (bool per request id) says differ from the
+        other side's (None: no marks)."""
+        same = marks is None and self._differing is None
+        if not same:
+            self._differing = marks
+            self.refresh_rows()
+
+    def differs(self, rid: int) -> bool:
+        marks = self._differing
+        return marks is not None and rid < marks.shape[0] and bool(marks[rid])
+
     def select_rid(self, rid: int | None) -> None:
         """Select request ``rid`` (and scroll to it when the filter shows it)."""
         self.selected_rid = rid
@@ -282,9 +296,10 @@ class RequestTable(VirtualList):
         flash = self._flash
         ids = rids.tolist()
         swa = [None] * len(ids) if req.swa_evicted is None else req.swa_evicted[rids].tolist()
+        differs = [self.differs(r) for r in ids] if self._differing is not None else [False] * len(ids)
         return list(zip(ids, alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
                         req.phase[rids].tolist(), req.prefix_hit[rids].tolist(), req.admitted_step[rids].tolist(),
-                        [flash.get(r, 0.0) > now for r in ids], swa))
+                        [flash.get(r, 0.0) > now for r in ids], swa, differs))
 
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
@@ -334,12 +349,14 @@ class RequestTable(VirtualList):
         if selected:
             base = base + _CURSOR
         w = self._widths
-        n_used, n_over = (int(n) for n in _bar_cells(alloc, used, self._scale, w[2] - 2))
+        n_used, over8 = (int(n) for n in _bar_cells(alloc, used, self._scale, w[2] - 2))
+        over_bar = "█" * (over8 // 8) + _EIGHTHS[over8 % 8]
+        n_over = len(over_bar)
         parts = [
-            (str(rid), _WIDTHS[0], None, "<"),
+            (f"{rid} ≠", _WIDTHS[0], _DIFFERS, "<") if self.differs(rid) else (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
             ("█" * n_used, n_used, _USED, "<"),
-            ("█" * n_over, n_over, _OVER, "<"),
+            (over_bar, n_over, _OVER, "<"),
             ("", w[2] - n_used - n_over, None, "<"),
             (f"{used:,}", _WIDTHS[3], None, ">"),
             (f"{alloc:,}", _WIDTHS[4], None, ">"),
@@ -363,9 +380,15 @@ _BAR_W = _WIDTHS[2] - 2  # cells of the used|over bar
 
 def _bar_cells(alloc: np.ndarray | int, used: np.ndarray | int, scale: int,
                bar_w: int = _BAR_W) -> tuple[np.ndarray, np.ndarray]:
-    """Cells of the bar's used and over-allocated parts (arrays or single values), scaled
-    so that ``scale`` slots fill the ``bar_w`` cells of the bar; a request holding any
-    over-allocation shows at least one cell of it."""
-    n_used = np.asarray(used) * bar_w // scale
-    n_over = np.maximum(np.asarray(alloc) * bar_w // scale - n_used, np.asarray(alloc) > np.asarray(used))
-    return n_used, n_over
+    """The bar's used part in cells and its over-allocated part in eighths of a cell
+    (arrays or single values), scaled so that ``scale`` slots fill the ``bar_w`` cells of
+    the bar. The over part is in proportion (eighths: a few slots of a long request are
+    a sliver, not a whole cell); any over-allocation shows at least one eighth."""
+    alloc = np.asarray(alloc)
+    used = np.asarray(used)
+    n_used = np.clip(used * bar_w // scale, 0, bar_w)
+    over8 = np.maximum(alloc * bar_w * 8 // scale - n_used * 8, alloc > used)
+    return n_used, np.minimum(over8, (bar_w - n_used) * 8)
+
+
+_EIGHTHS = ("", "▏", "▎", "▍", "▌", "▋", "▊", "▉")  # a cell's left 0/8..7/8
