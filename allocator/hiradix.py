@@ -118,8 +118,9 @@ class HiRadixCache(RadixCache):
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
 
     Attributes:
-        stats: counters (backed-up tokens, demoted, deleted unbacked, host evicted, host
-            duplicates reclaimed, loaded back, load-backs refused, backups failed).
+        stats: counters (tokens backed up, demoted, deleted unbacked, host evicted, host
+            duplicates reclaimed, loaded back; load-backs refused, backups failed, write_back
+            subtrees dropped for want of host room, splits of nodes with a write in flight).
     """
 
     def __init__(self, page_size: int, token_to_kv_pool_allocator, host_pool: HostKVPool,  # noqa: ANN001
@@ -162,7 +163,8 @@ class HiRadixCache(RadixCache):
         self._load_queue: list[int] = []
         self._ack_load_queue: list[list[int]] = []
         self.stats = {"backed_up": 0, "demoted": 0, "deleted_unbacked": 0, "host_evicted": 0,
-                      "host_reclaimed": 0, "loaded_back": 0, "load_back_refused": 0, "backup_failed": 0}
+                      "host_reclaimed": 0, "loaded_back": 0, "load_back_refused": 0, "backup_failed": 0,
+                      "dropped_no_host": 0, "split_in_flight": 0}
 
     def _tick(self) -> float:  # type: ignore[override]
         t = self._clock
@@ -246,6 +248,7 @@ class HiRadixCache(RadixCache):
         upper.parent.children[upper.key[:psb]] = upper
         ack_id = c.write_through_pending_id
         if ack_id is not None:
+            self.stats["split_in_flight"] += 1
             upper.write_through_pending_id = ack_id
             pending = self.ongoing_write_through.get(ack_id)
             if pending is not None and c in pending.publish:
@@ -674,6 +677,7 @@ class HiRadixCache(RadixCache):
             self.evictable_host_leaves.discard(x)
             self._remove_leaf_from_parent(x)
         self._delete_unbacked_leaf(node, tracker)
+        self.stats["dropped_no_host"] += 1
         return True
 
     # ------------------------------------------------------------------ host eviction

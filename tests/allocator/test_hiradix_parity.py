@@ -38,8 +38,8 @@ def generate(seed: int, ps: int, policy: str, num_ops: int = NUM_OPS) -> tuple[d
     from a few stems (and repeat, so host hits load back), lengths in whole pages."""
     rng = random.Random(f"hiradix-{seed}-{ps}-{policy}")
     pages = rng.randint(12, 28)
-    case: dict[str, Any] = {"ps": ps, "pool": pages * ps, "host": rng.randint(pages // 2, 2 * pages) * ps,
-                            "policy": policy, "ops": []}
+    host_pages = rng.randint(2, 6) if rng.random() < 0.3 else rng.randint(pages // 2, 2 * pages)
+    case: dict[str, Any] = {"ps": ps, "pool": pages * ps, "host": host_pages * ps, "policy": policy, "ops": []}
     side = OursAdapter(case)
     reqs: dict[int, dict[str, Any]] = {}
     stems = [[rng.randint(1, 50) for _ in range(6 * ps)] for _ in range(3)]
@@ -72,6 +72,8 @@ def generate(seed: int, ps: int, policy: str, num_ops: int = NUM_OPS) -> tuple[d
             kind = "finish"
         if kind == "start":
             op: dict[str, Any] = {"op": "start", "rid": next_rid, "tokens": tokens()}
+            if rng.random() < 0.2:
+                op["quota"] = rng.randint(0, 6) * ps
             next_rid += 1
         elif kind in ("finish", "abort"):
             op = {"op": kind, "rid": rng.choice(sorted(reqs))}
@@ -141,8 +143,9 @@ def test_hiradix_identical_to_sglang(sglang_states: dict, cfg: tuple[int, str], 
 
 def test_generated_ops_reach_every_tier_path() -> None:
     """The generator exercises what the parity test claims (ours only: fast): backups,
-    demotions, host evictions, load-backs (and refused ones), out-of-memory starts, and
-    per policy what only it does (deletion of unbacked leaves; write_back's reclaim)."""
+    demotions, host evictions, load-backs (and refused ones), out-of-memory starts, splits
+    of nodes with a write in flight, and per policy what only it does (deletion of
+    unbacked leaves; write_back's reclaim and its subtree drop when the host is full)."""
     totals: dict[str, dict[str, int]] = {}
     for ps, policy in CONFIGS:
         t = totals.setdefault(policy, {})
@@ -158,3 +161,5 @@ def test_generated_ops_reach_every_tier_path() -> None:
     assert totals["write_through"]["deleted_unbacked"] > 0, totals
     assert totals["write_through_selective"]["deleted_unbacked"] > 0, totals
     assert totals["write_back"]["host_reclaimed"] > 0, totals
+    assert totals["write_back"]["dropped_no_host"] > 0, totals
+    assert totals["write_through"]["split_in_flight"] > 0, totals

@@ -20,7 +20,8 @@ locks and ack handling are SGLang's code.
 A case is ``{"ps", "pool", "host", "policy", "ops"}`` (page size, device pool tokens, host
 pool tokens, write policy). Ops (requests by ``rid``):
 
-* ``start {"rid", "tokens"}``: match, load back the host part (``init_load_back``), lock
+* ``start {"rid", "tokens", "quota"?}``: match, load back the host part (``init_load_back``
+  with ``mem_quota`` = quota when given), lock
   the node, take device slots for the rest (evicting the shortfall first); result
   ``[device_prefix, host_hit, loaded]`` or ``"oom"`` (all given back).
 * ``finish {"rid"}``: insert the key with the request's slots, unlock.
@@ -55,13 +56,13 @@ class OursAdapter:
         self.host = HostKVPool(case["host"], ps)
         self.tree = HiRadixCache(ps, self.alloc, self.host, case["policy"])
 
-    def match(self, tokens: list[int], load: bool) -> tuple[int, int, int, Any]:
+    def match(self, tokens: list[int], load: bool, quota: int | None = None) -> tuple[int, int, int, Any]:
         import numpy as np
 
         m = self.tree.match_prefix_hi(np.asarray(tokens, dtype=np.int64))
         if not load:
             return m.device_prefix_len, m.host_hit_len, 0, m.last_device_node
-        loaded, node = self.tree.init_load_back(m)
+        loaded, node = self.tree.init_load_back(m, quota)
         return m.device_prefix_len, m.host_hit_len, loaded, node
 
     def node_value(self, node: Any) -> list[int]:
@@ -267,7 +268,7 @@ class SGLangAdapter:
 
         return RadixKey(tokens)
 
-    def match(self, tokens: list[int], load: bool) -> tuple[int, int, int, Any]:
+    def match(self, tokens: list[int], load: bool, quota: int | None = None) -> tuple[int, int, int, Any]:
         from types import SimpleNamespace
 
         from sglang.srt.managers.schedule_batch import ReqKvInfo
@@ -279,7 +280,8 @@ class SGLangAdapter:
         req = SimpleNamespace(rid="r", kv=ReqKvInfo(), session=None, last_node=m.last_device_node,
                               swa_host_hit_length=0, mamba_host_hit_length=0)
         loaded, node_id = self.tree.init_load_back(
-            InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req))
+            InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req,
+                               mem_quota=quota))
         return m.device_prefix_len, m.host_hit_length, loaded, self.core.node_by_id(node_id)
 
     def node_value(self, node: Any) -> list[int]:
@@ -373,7 +375,7 @@ def apply_op(side: Any, reqs: dict[int, dict[str, Any]], op: dict[str, Any]) -> 
     kind = op["op"]
     if kind == "start":
         tokens = op["tokens"]
-        dev, host_hit, loaded, node = side.match(tokens, True)
+        dev, host_hit, loaded, node = side.match(tokens, True, op.get("quota"))
         prefix = dev + loaded
         receipt = side.lock(node)
         need = len(tokens) - prefix
