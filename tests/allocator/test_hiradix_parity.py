@@ -141,6 +141,23 @@ def test_hiradix_identical_to_sglang(sglang_states: dict, cfg: tuple[int, str], 
     assert len(ours) == len(case["ops"])
 
 
+@pytest.mark.slow
+def test_host_pool_size_identical_to_sglang(tmp_path: Path) -> None:
+    """``HiCacheConfig.pool_tokens`` (ratio sizing) equals SGLang's ``HostKVCache.size``."""
+    from allocator.base import HiCacheConfig
+
+    python = harness.require_sglang()
+    pairs = [[d, r, ps] for d in (1, 100, 4096, 123_457) for r in (0.2, 1.0, 2.0, 3.7) for ps in (1, 16, 64)]
+    cases_file, out_file = tmp_path / "pairs.json", tmp_path / "sizes.json"
+    cases_file.write_text(json.dumps(pairs))
+    done = subprocess.run([python, str(DRIVER), "--sizes", str(cases_file), str(out_file)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(out_file.read_text())
+    ours = [HiCacheConfig(host_ratio=r, page_size=ps).pool_tokens(d) for d, r, ps in pairs]
+    assert ours == theirs
+
+
 def test_generated_ops_reach_every_tier_path() -> None:
     """The generator exercises what the parity test claims (ours only: fast): backups,
     demotions, host evictions, load-backs (and refused ones), out-of-memory starts, splits

@@ -7,6 +7,7 @@ a token / paged KV allocator, all on CPU). Run by path with SGLang's interpreter
 JSON file of cases and writes SGLang's states::
 
     $KVTRACE_SGLANG_PYTHON tests/differential/hiradix_driver.py CASES.json OUT.json
+    $KVTRACE_SGLANG_PYTHON tests/differential/hiradix_driver.py --sizes PAIRS.json OUT.json
 
 At module level it imports only the standard library, so the test process imports it too.
 
@@ -370,6 +371,28 @@ class SGLangAdapter:
         }
 
 
+def host_pool_sizes(pairs: list[list[Any]]) -> list[int]:
+    """SGLang's ``HostKVCache`` size for each ``[device tokens, ratio, page size]`` (no buffer)."""
+    import torch
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+    class Sizer(HostKVCache):
+        def get_size_per_token(self) -> int:
+            return 1
+
+        def init_kv_buffer(self) -> None:
+            return None
+
+    Sizer.__abstractmethods__ = frozenset()
+    out = []
+    for device, ratio, ps in pairs:
+        pool = Sizer(dtype=torch.float32, device_capacity_tokens=device, size_per_token=1, start_layer=0,
+                     end_layer=1, host_to_device_ratio=ratio, host_size=0, page_size=ps, layout="layer_first",
+                     pin_memory=False, device="cpu", is_dummy=True)
+        out.append(int(pool.size))
+    return out
+
+
 def apply_op(side: Any, reqs: dict[int, dict[str, Any]], op: dict[str, Any]) -> Any:
     """Apply one op to ``side``; ``reqs`` maps rid -> {tokens, prefix, node, receipt, own, value}."""
     kind = op["op"]
@@ -458,10 +481,11 @@ def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(1)
-    cases_file, out_file = argv
+    sizes = argv[0] == "--sizes"
+    cases_file, out_file = argv[1:] if sizes else argv
     with open(cases_file) as f:
         cases = json.load(f)
-    out = [run_case(SGLangAdapter, case) for case in cases]
+    out: Any = host_pool_sizes(cases) if sizes else [run_case(SGLangAdapter, case) for case in cases]
     with open(out_file, "w") as f:
         json.dump(out, f)
     return 0
