@@ -30,7 +30,9 @@ Access times are floats from one counter ticked where SGLang's
 once per split, once per match). Device and host frees happen in SGLang's order.
 
 Not mirrored: storage (L3), buffer_only mode, SWA / Mamba host pools, sessions,
-priorities, TP consensus, the external linker.
+priorities, TP consensus, the external linker. Not yet wired: ``journal`` (incremental
+checks), ``listener`` (KV events, which name the tier), checkpoints (``save_tree_state``)
+and the ``peek_*`` admission helpers: they assume every node is on device.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import numpy as np
 
 from allocator.host_pool import HOST_SLOT_DTYPE, HostKVPool
 from allocator.pages import floor_align
-from allocator.radix_cache import RadixCache, TreeNode
+from allocator.radix_cache import InsertResult, MatchResult, RadixCache, TreeNode
 from allocator.token_to_kv import SLOT_DTYPE
 
 if TYPE_CHECKING:
@@ -258,15 +260,12 @@ class HiRadixCache(RadixCache):
         self._update_leaf_status(upper)
         self._update_leaf_status(c)
         self._update_duplicate_tracking(upper)
-        if self.journal is not None:
-            self.journal.split(upper, c)
         return upper
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, key: np.ndarray):  # noqa: ANN201 - RadixCache's MatchResult shape
-        from allocator.radix_cache import MatchResult
-
+    def match_prefix(self, key: np.ndarray) -> MatchResult:
+        """The device part of ``match_prefix_hi`` (RadixCache's result shape)."""
         m = self.match_prefix_hi(key)
         return MatchResult(m.device_prefix_len, m.last_device_node)
 
@@ -323,7 +322,7 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ insert
 
     def insert(self, key: np.ndarray, value: np.ndarray, prev_prefix_len: int = 0,  # type: ignore[override]
-               inserted_len: int = 0):  # noqa: ANN201 - RadixCache's InsertResult shape
+               inserted_len: int = 0) -> InsertResult:
         """Insert ``key`` -> ``value`` (device slots of the request).
 
         Args:
@@ -334,8 +333,6 @@ class HiRadixCache(RadixCache):
         Returns:
             ``(prefix_len, last_node)``: units already in the tree, the node the key ends at.
         """
-        from allocator.radix_cache import InsertResult
-
         ps = self.page_size
         n = floor_align(key.shape[0], ps)
         root: HiTreeNode = self.root_node  # type: ignore[assignment]
@@ -376,8 +373,6 @@ class HiRadixCache(RadixCache):
             self.evictable_size_ += n - total
             self._update_leaf_status(leaf)
             self._update_leaf_status(node)
-            if self.journal is not None:
-                self.journal.insert(leaf)
             if n > inserted_len and self._inc_hit_count_and_check(leaf):
                 self._backup_chain(leaf)
             return InsertResult(total, leaf)
@@ -493,8 +488,6 @@ class HiRadixCache(RadixCache):
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock the path: host-only nodes at the bottom without a ledger move, then the
         device part (evictable -> protected). Returns the tokens moved (>= 0)."""
-        if self.journal is not None:
-            self.journal.lock(node)
         root = self.root_node
         cur: HiTreeNode = node  # type: ignore[assignment]
         while cur is not root and cur.value is None:
@@ -514,8 +507,6 @@ class HiRadixCache(RadixCache):
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        if self.journal is not None:
-            self.journal.lock(node)
         root = self.root_node
         cur: HiTreeNode = node  # type: ignore[assignment]
         delta = 0
@@ -618,17 +609,11 @@ class HiRadixCache(RadixCache):
         self.token_to_kv_pool_allocator.free_segment(node.value, 0)
         node.value = None
         self.stats["demoted"] += k
-        if self.listener is not None:
-            self.listener.removed(node)
         self._update_leaf_status(node)
         self._update_leaf_status(node.parent)  # type: ignore[arg-type]
 
     def _delete_unbacked_leaf(self, node: HiTreeNode, tracker: list[int]) -> None:
         k = node.value.shape[0]  # type: ignore[union-attr]
-        if self.journal is not None:
-            self.journal.evict(node, node.parent)
-        if self.listener is not None:
-            self.listener.removed(node)
         self.evictable_size_ -= k
         tracker[0] += k
         self.stats["deleted_unbacked"] += k
@@ -807,6 +792,20 @@ class HiRadixCache(RadixCache):
         return True
 
     # ------------------------------------------------------------------ reads
+
+    def peek_prefix_len(self, key: np.ndarray) -> int:
+        raise NotImplementedError("HiRadixCache.peek_prefix_len: not wired yet (a match may end on host)")
+
+    def peek_match_lock(self, keys):  # noqa: ANN001, ANN201
+        raise NotImplementedError("HiRadixCache.peek_match_lock: not wired yet (a match may end on host)")
+
+    def path_len(self, node: TreeNode) -> int:
+        n = 0
+        root = self.root_node
+        while node is not root:
+            n += len(node)
+            node = node.parent  # type: ignore[assignment]
+        return n
 
     def path_device_indices(self, node: TreeNode) -> np.ndarray:
         values = []

@@ -91,6 +91,7 @@ def test_host_pool_refuses_a_double_free() -> None:
 def test_demote_then_load_back_keeps_host_copy(ps: int, policy: str) -> None:
     t, node = _demoted(ps, policy)
     host_slots = node.host_value.tolist()
+    assert t.path_len(node) == 16 * ps and t.path_device_indices(node).shape[0] == 0
     m = t.match_prefix_hi(np.arange(1, 16 * ps + 1, dtype=np.int64))
     assert (m.device_prefix_len, m.host_hit_len, m.best_match_node) == (0, 16 * ps, node)
     loaded, anchor = t.init_load_back(m)
