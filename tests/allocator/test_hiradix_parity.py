@@ -7,9 +7,9 @@ take slots and finish by inserting or abort; plain matches; device evictions wit
 without targets; host evictions; acks; pools small enough that both tiers fill) at pages
 1 and 16, for each write policy. Ours run in this process, SGLang's in ONE subprocess of
 ``$KVTRACE_SGLANG_PYTHON`` (skipped when it is unset); every state (nodes with both tiers'
-slots, locks, hit counts, in-flight marks and access times, the ledgers, the in-flight
-transfers, both free lists) must be equal after every op. ``KVTRACE_HIRADIX_SEEDS`` sets
-the seeds per configuration.
+slots, locks, hit counts, in-flight marks and access times, the ledgers, the D-leaf and
+H-leaf sets, the tracked host duplicates, the in-flight transfers, both free lists) must be
+equal after every op. ``KVTRACE_HIRADIX_SEEDS`` sets the seeds per configuration.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def generate(seed: int, ps: int, policy: str, num_ops: int = NUM_OPS) -> tuple[d
     return case, states
 
 
-FIELDS = ("result", "nodes", "ledgers", "inflight", "free", "host_free")
+FIELDS = ("result", "nodes", "ledgers", "leaves", "dups", "inflight", "free", "host_free")
 
 
 def first_divergence(case: dict, ours: list[dict], theirs: list[dict]) -> str | None:

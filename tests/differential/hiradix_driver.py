@@ -34,7 +34,8 @@ pool tokens, write policy). Ops (requests by ``rid``):
 
 The state after each op: the op's result, every node (by its path key: device slots, host
 slots, both lock counts, hit count, in-flight marks, access time), the device ledgers, the
-in-flight transfers and both free lists.
+D-leaf and H-leaf sets, the tracked host duplicates (in order), the in-flight transfers and
+both free lists.
 """
 
 from __future__ import annotations
@@ -121,9 +122,18 @@ class OursAdapter:
                           getattr(x, "load_back_pending_id", None) is not None, round(x.last_access_time, 6)])
         nodes[0][1:9] = [[], None, 1, 0, 0, False, False, nodes[0][8]]  # the root as both keep it comparably
         nodes.sort(key=lambda r: r[0])
+        def path(x: Any) -> list[int]:
+            out: list[int] = []
+            while x is not t.root_node:
+                out = x.key_units().tolist() + out
+                x = x.parent
+            return out
+
         return {
             "nodes": nodes,
             "ledgers": [t.evictable_size_, t.protected_size_],
+            "leaves": [sorted(path(x) for x in t.evictable_leaves), sorted(path(x) for x in t.evictable_host_leaves)],
+            "dups": [path(x) for x in t.full_host_duplicates.values()],
             "inflight": [len(t.ongoing_write_through), len(t.ongoing_load_back)],
             "free": self.alloc.free_pages_np().tolist(),
             "host_free": self.host.free_view().tolist(),
@@ -365,6 +375,9 @@ class SGLangAdapter:
         return {
             "nodes": nodes,
             "ledgers": [core.component_evictable_size_[CT.FULL], core.component_protected_size_[CT.FULL]],
+            "leaves": [sorted(self._path(x) for x in core.evictable_device_leaves),
+                       sorted(self._path(x) for x in core.evictable_host_leaves)],
+            "dups": [self._path(x) for x in core.full_host_duplicates.values()],
             "inflight": [len(self.tree.ongoing_write_through), len(self.tree.ongoing_load_back)],
             "free": self.alloc.free_pages.tolist(),
             "host_free": host_free,
