@@ -164,6 +164,51 @@ class MambaConfig:
             raise ValueError("MambaConfig: no_buffer does not run with the overlap scheduler (overlap_schedule=False)")
 
 
+HiCacheWritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheConfig:
+    """HiCache's host KV tier under the radix cache (SGLang's ``--hicache-*`` options).
+
+    Args:
+        host_ratio: host pool tokens per device pool token (``--hicache-ratio``; SGLang's
+            default in cache mode is 2.0).
+        host_pool_tokens: an explicit host pool size in tokens instead of the ratio
+            (page aligned, used as is: SGLang's ``host_token_capacity``), or None.
+        write_policy: ``--hicache-write-policy`` (SGLang's default ``write_through``).
+        page_size: tokens per page of both pools (the device pool's page size).
+    """
+
+    host_ratio: float = 2.0
+    host_pool_tokens: int | None = None
+    write_policy: HiCacheWritePolicy = "write_through"
+    page_size: int = 1
+
+    def pool_tokens(self, device_tokens: int) -> int:
+        """Host pool tokens for a device pool of ``device_tokens`` (SGLang ``HostKVCache``:
+        ``int(device * ratio)`` rounded down to a page, plus one padding page)."""
+        ps = self.page_size
+        if self.host_pool_tokens is not None:
+            return self.host_pool_tokens
+        return (int(device_tokens * self.host_ratio) // ps + 1) * ps
+
+    def check(self) -> None:
+        """Refuse a configuration SGLang refuses (ValueError naming the field)."""
+        if self.page_size < 1:
+            raise ValueError(f"HiCacheConfig.page_size must be >= 1, found {self.page_size}")
+        if self.write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ValueError(f"HiCacheConfig.write_policy: unknown policy {self.write_policy!r}")
+        if self.host_pool_tokens is not None and (
+            self.host_pool_tokens <= 0 or self.host_pool_tokens % self.page_size
+        ):
+            raise ValueError(
+                f"HiCacheConfig.host_pool_tokens must be positive and page aligned, found {self.host_pool_tokens}"
+            )
+        if self.host_pool_tokens is None and self.host_ratio <= 0:
+            raise ValueError(f"HiCacheConfig.host_ratio must be > 0, found {self.host_ratio}")
+
+
 @dataclass(frozen=True, slots=True)
 class AllocatorConfig:
     """Sizes and switches of one allocator instance.
