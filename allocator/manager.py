@@ -98,7 +98,7 @@ from allocator.token_to_kv import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from traces.namespaces import NamespacedIds
+from traces.namespaces import NamespacedIds, in_namespace, namespace_of
 
 if TYPE_CHECKING:
     from allocator.check.incremental import IncrementalChecker
@@ -849,7 +849,7 @@ class KvAllocator:
         tree = self.tree_cache
         if tree.disable:
             return 0
-        toks = np.asarray(token_ids, dtype=np.int64)
+        toks = in_namespace(np.asarray(token_ids, dtype=np.int64), namespace_of(token_ids))
         return tree.peek_prefix_len(tree.make_key(toks[: max(toks.shape[0] - 1, 0)]))
 
     # ------------------------------------------------------------------ reads
