@@ -150,11 +150,6 @@ def record_workload(
         if req.input_len < max_input_len:
             by_rid.append(req.namespace)
     namespaces = NamespaceTable.of(by_rid)
-    if namespaces is not None and options.mamba is not None:
-        raise ValueError(
-            "cache namespaces with a hybrid linear-attention model: its radix cache does not key "
-            "by namespace yet; record without --namespaces or with a full-attention model"
-        )
     if total == 0:
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
