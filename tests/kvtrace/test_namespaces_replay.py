@@ -51,3 +51,18 @@ def test_diff_finds_the_namespace_blind_cache_at_the_first_cross_namespace_hit(t
     }
     same = runner.invoke(app, ["diff", str(trace), "--b", "builtin", "--exact", "--jobs", "1"])
     assert same.exit_code == 0 and "identical over 15 steps" in same.output
+
+
+def test_a_shrunk_trace_keeps_each_kept_request_s_namespace_under_its_new_id(tmp_path: Path) -> None:
+    """Shrinking renumbers the kept requests from 0: the table follows them."""
+    import numpy as np
+
+    from kvtrace.replay.session import open_trace
+    from kvtrace.shrink.table import Candidate, TraceTable, build
+
+    reader = open_trace(str(write_namespaced_trace(tmp_path / "ns.kvtrace")))
+    table = TraceTable(reader.meta, list(reader.steps()))
+    meta, _ = build(table, Candidate(np.flatnonzero(np.isin(table.rid, [1, 3, 4]))))
+    assert [meta.namespaces.name_of(r) for r in range(3)] == ["lora-b", None, "lora-b"]
+    meta, _ = build(table, Candidate(np.flatnonzero(table.rid == 3)))
+    assert meta.namespaces is None and meta.format_version == 1
