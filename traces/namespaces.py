@@ -14,6 +14,7 @@ bytes the tree puts before a child's first page. An untagged array is in no name
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,16 @@ def key_prefix(ids: object) -> bytes:
         return b""
     raw = ids.namespace.encode()
     return b"\x00" + len(raw).to_bytes(4, "little") + raw
+
+
+def sglang_namespace(extra_key: str | None, lora_id: str | None = None, cache_salt: str | None = None) -> str | None:
+    """One request's namespace from SGLang's request fields, one string that two
+    requests share exactly when SGLang lets them share KV: ``Req`` appends ``lora_id``
+    to ``extra_key`` and the radix key holds ``(extra_key, cache_salt)``; empty is none."""
+    extra = ((extra_key or "") + lora_id) if lora_id else (extra_key or None)
+    if not cache_salt:
+        return extra
+    return json.dumps([extra, cache_salt])
 
 
 def check_name(name: object, where: str) -> str:

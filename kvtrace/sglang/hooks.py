@@ -303,10 +303,9 @@ def _namespace(req: Any) -> str | None:
     """A request's cache namespace: what SGLang keys its radix matches by beside the
     tokens, ``extra_key`` (the LoRA id already appended) and ``cache_salt``; one string
     that two requests share exactly when they share both (None: neither is set)."""
-    extra, salt = getattr(req, "extra_key", None) or None, getattr(req, "cache_salt", None) or None
-    if salt is None:
-        return extra
-    return json.dumps([extra, salt])
+    from traces.namespaces import sglang_namespace  # (kvtrace's, imported only when recording)
+
+    return sglang_namespace(getattr(req, "extra_key", None), None, getattr(req, "cache_salt", None))
 
 
 def _ids(req: Any, lo: int, hi: int) -> np.ndarray | None:

@@ -93,3 +93,17 @@ def test_the_token_store_tags_a_request_s_ids_with_its_namespace() -> None:
     assert namespace_of(plain) is None and key_prefix(plain) == b""
     assert namespace_of(tagged) == "lora-a" and namespace_of(tagged[1:3]) == "lora-a"
     assert key_prefix(in_namespace(np.arange(3), "lora-a")) == b"\x00\x06\x00\x00\x00lora-a"
+
+
+def test_a_mooncake_line_s_sglang_fields_give_its_namespace(tmp_path: Path) -> None:
+    from traces.workloads import WorkloadFileError, read_mooncake
+
+    base = '{"timestamp": %d, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]%s}\n'
+    extras = [', "lora_id": "a"', ', "extra_key": "a"', ', "cache_salt": "s"', "", ', "extra_key": ""']
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(base % (10 * i, extra) for i, extra in enumerate(extras)))
+    # SGLang appends lora_id to extra_key: the first two share a namespace (and their KV)
+    assert [r.namespace for r in read_mooncake(path)] == ["a", "a", '[null, "s"]', None, None]
+    path.write_text(base % (0, ', "lora_id": 7'))
+    with pytest.raises(WorkloadFileError, match=":1: lora_id must be a string or null, found 7"):
+        list(read_mooncake(path))
