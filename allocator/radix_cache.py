@@ -9,15 +9,16 @@ stored or matched is page aligned (``floor_align(len, page_size)``).
 
 A node holds its key as the bytes of its units, so prefix comparison is one
 ``bytes.startswith`` (a memcmp) per node, and children are keyed by the bytes of
-their first page, after the node's namespace prefix.
+their first page, after the node's namespace prefix. Matching or inserting a key that
+ends inside a node splits the node there (the upper part keeps the lock count), as
+SGLang does.
 
 Namespaces (SGLang's ``RadixKey.extra_key`` / ``cache_salt``): a key made from token ids
 tagged with a namespace (``traces.namespaces.in_namespace``) keeps it, and every node
 stored for it holds ``key_prefix`` of it in ``ns``, which the node's entry in its
 parent's children puts before the first page (SGLang's ``child_key``: ``(extra_key,
 page)``). So equal tokens in two namespaces never reach one node; untagged keys have
-an empty prefix and key the tree exactly as without namespaces. Matching or inserting a key that ends inside a node splits the
-node there (the upper part keeps the lock count), as SGLang does.
+an empty prefix and key the tree exactly as without namespaces.
 
 Sizes: a node's length is *evictable* while no request locks it (``lock_ref == 0``)
 and *protected* otherwise; ``lock`` / ``unlock`` walk to the root moving lengths
