@@ -99,6 +99,7 @@ from allocator.token_to_kv import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+from traces.namespaces import NamespacedIds, in_namespace, namespace_of
 
 if TYPE_CHECKING:
     from allocator.check.incremental import IncrementalChecker
@@ -196,6 +197,10 @@ class KvAllocator:
         # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+        # per live rid: the cache namespace its token ids carried when admitted (what
+        # ``allocator.check.namespaces`` holds its radix lock to); absent: none
+        self.request_namespaces: dict[int, str] = {}
+        self._namespaced = False  # some request had a namespace: check_integrity checks them
         self._digest: StateDigest | None = None  # kept from the first state_digest() on
         # The incremental checker (attached by the first check_integrity(touched)) and
         # its journal, which also records the requests a prompt publish checkpoints.
@@ -214,6 +219,11 @@ class KvAllocator:
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
             setattr(self, name, arr)
+
+    def _note_namespace(self, rid: int, token_ids: np.ndarray) -> None:
+        if type(token_ids) is NamespacedIds and token_ids.namespace is not None:
+            self.request_namespaces[rid] = token_ids.namespace
+            self._namespaced = True
 
     def _rows_of(self, rids: np.ndarray) -> np.ndarray:
         """Row per rid, -1 where the request holds none."""
@@ -335,6 +345,7 @@ class KvAllocator:
             # (``_compute_max_prefix_len``; a chunk computes at least one token).
             for i in new_idx:
                 toks = token_ids[i]
+                self._note_namespace(int(rids[i]), toks)
                 keys.append(tree.make_key(toks[: max(min(len(toks), int(seq_lens[i])) - 1, 0)]))
         # (b) decide the fit before any match: a match touches access times and splits
         # nodes, a lock protects evictable cache; a call that fails changes nothing.
@@ -667,6 +678,7 @@ class KvAllocator:
                         f"prealloc: request rid={int(rids[i])} has {len(token_ids[i])} token ids, fewer than {fill}"
                     )
                 prompt = int(self._prompt_len[int(rids[i])])
+                self._note_namespace(int(rids[i]), token_ids[i])
                 keys.append(tree.make_key(token_ids[i][: fill if prompt < 0 else min(prompt, fill)]))
             unfit = prealloc_fits(ctx, rids, fill_lens, keys)
             if unfit is not None:
@@ -736,6 +748,7 @@ class KvAllocator:
             n = fill if prompt < 0 else min(prompt, fill)
             if ps > 1:  # the match stops before the SWA tail, which is allocated fresh
                 n = min(n, fill - swa_radix_tail_len(ctx, fill))
+            self._note_namespace(int(rids[i]), token_ids[i])
             keys.append(tree.make_key(token_ids[i][:n]))
         unfit = swa_radix_prealloc_fits(ctx, tree, rids, fill_lens, keys)
         if unfit is not None:
@@ -825,6 +838,7 @@ class KvAllocator:
                 self._stashed[rid] = -1
                 if kind != "retract":
                     self._prompt_len[rid] = -1
+                    self.request_namespaces.pop(rid, None)
                 else:
                     evicted += evict_from_tree_cache(self.ctx, self._num_decoding() * RETRACT_DECODE_STEPS)
         finally:
@@ -859,7 +873,7 @@ class KvAllocator:
         tree = self.tree_cache
         if tree.disable:
             return 0
-        toks = np.asarray(token_ids, dtype=np.int64)
+        toks = in_namespace(np.asarray(token_ids, dtype=np.int64), namespace_of(token_ids))
         return tree.peek_prefix_len(tree.make_key(toks[: max(toks.shape[0] - 1, 0)]))
 
     # ------------------------------------------------------------------ reads
@@ -991,14 +1005,20 @@ class KvAllocator:
         # of the step stay queued, so a check between two calls of a step changes nothing.
         self.writer.sync()
         if touched is None:
-            return check_integrity(self)
-        if self._checker is None:
+            found = check_integrity(self)
+        elif self._checker is None:
             from allocator.check.incremental import IncrementalChecker
 
             found = check_integrity(self)
             self._checker = IncrementalChecker(self)
-            return found
-        return self._checker.check(_i64(touched))
+        else:
+            found = self._checker.check(_i64(touched))
+        if self._namespaced:
+            from allocator.check.namespaces import check_namespaces
+
+            rows = self.req_kv.rows_in_use()
+            check_namespaces(found, self, rows, self.req_kv.rid[rows])
+        return found
 
     def slot_ownership(self) -> SlotOwnership:
         """The state and owner of every slot of the pool (``allocator.ownership``)."""

@@ -80,6 +80,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "model": config["model"],
         "attention": attention_info(meta),
         "mamba": mamba_info(meta),
+        "namespaces": namespaces_info(meta),
         "block_size": meta.block_size,
         "created_at": meta.created_at,
         "recording": None if recording is None else dataclasses.asdict(recording),
@@ -100,6 +101,19 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "truncation_detail": reader.truncation_detail,
         "extra": config["extra"],
     }
+
+
+def namespaces_info(meta: TraceMeta) -> dict[str, Any] | None:
+    """The trace's cache namespaces: how many, their names, and how many requests each
+    holds (None: no request has one)."""
+    table = meta.namespaces
+    if table is None:
+        return None
+    counts = [0] * len(table.names)
+    for index in table.of_rid:
+        if index >= 0:
+            counts[index] += 1
+    return {"count": len(table.names), "requests": dict(zip(table.names, counts))}
 
 
 def attention_info(meta: TraceMeta) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from traces.mamba_layout import DEFAULT_MAMBA_FULL_MEMORY_RATIO, MAMBA_KINDS, MAX_STATE_BYTES, MambaLayout
+from traces.namespaces import NamespaceTable
 from traces.schema import MAX_BLOCK_SIZE, MAX_MODEL_DIM, MAX_SPEC_TOKENS, MAX_STEP, MAX_TOKENS
 
 SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash"]
@@ -272,6 +273,7 @@ class TraceMeta:
     recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
     attention: AttentionLayout | None = None  # None: every layer full attention (every v1 trace)
     mamba: MambaLayout | None = None  # None: no linear-attention layer (every v1 and v2 trace)
+    namespaces: NamespaceTable | None = None  # None: no request has a cache namespace (v1 to v3)
 
     def __post_init__(self) -> None:
         # Never below the version that holds this metadata (a layout added by ``replace``).
@@ -286,6 +288,8 @@ class TraceMeta:
         """The lowest format version that holds this metadata, which a new trace is written
         as: a full-attention trace stays readable by readers of version 1, an SWA one by
         readers of version 2."""
+        if self.namespaces is not None:
+            return 4
         if self.mamba is not None:
             return 3
         return 1 if self.attention is None else 2
@@ -309,6 +313,10 @@ class TraceMeta:
         else:
             out["mamba"]["full_layer_ids"] = list(self.mamba.full_layer_ids)
             out["mamba"]["mamba_layer_ids"] = list(self.mamba.mamba_layer_ids)
+        if self.namespaces is None:
+            del out["namespaces"]  # no namespaced request: as versions 1 to 3 wrote it
+        else:
+            out["namespaces"] = self.namespaces.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -374,6 +382,9 @@ class TraceMeta:
         mamba = _optional_object(data, "mamba", "")
         if mamba is not None and version < 3:
             raise ValueError(f"metadata has 'mamba', which format version {version} does not have (3 and later)")
+        namespaces = data.get("namespaces")
+        if namespaces is not None and version < 4:
+            raise ValueError(f"metadata has 'namespaces', which format version {version} does not have (4 and later)")
         shape = ModelShape(**model)
         return cls(
             config=config,
@@ -386,6 +397,7 @@ class TraceMeta:
             recording=None if recording is None else Recording.from_dict(recording),
             attention=None if attention is None else _attention_layout(attention, shape, config.page_size),
             mamba=None if mamba is None else _mamba_layout(mamba, shape),
+            namespaces=None if namespaces is None else NamespaceTable.from_dict(namespaces),
         )
 
     @classmethod

@@ -142,6 +142,8 @@ class AllocatorState:
     # SWA only: each row's window-lock receipt (-1 none) and the SWA tree's side
     lock_swa_uuids: np.ndarray | None = None
     swa_tree: SwaTreeState | None = None
+    # the live requests' cache namespaces (KvAllocator.request_namespaces)
+    request_namespaces: tuple[tuple[int, str], ...] = ()
 
     def digest(self) -> str:
         """A hash of the whole state: equal digests mean equal states (rows, free-list
@@ -270,6 +272,7 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
             np.array([-1 if u is None else u for u in kv.lock_swa_uuid], np.int64) if kv.swa else None
         ),
         swa_tree=_save_swa_tree(alloc.tree_cache, tree) if isinstance(alloc.tree_cache, SwaRadixCache) else None,
+        request_namespaces=tuple(getattr(alloc, "request_namespaces", {}).items()),
     )
 
 
@@ -354,6 +357,8 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     for name, saved in zip(_MANAGER_ARRAYS, state.manager_arrays):
         setattr(alloc, name, saved.copy())
     alloc._pending_publish = []
+    alloc.request_namespaces = dict(state.request_namespaces)
+    alloc._namespaced = alloc._namespaced or bool(state.request_namespaces)
     if state.rows.shape[0]:
         starts = np.zeros_like(state.rows)
         alloc.writer.assign(state.rows, starts, state.row_lens, state.slots())

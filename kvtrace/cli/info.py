@@ -167,6 +167,11 @@ def _render_info(info: dict[str, Any]) -> None:
             f"(conv {mamba['conv_state_bytes']:,} + temporal {mamba['temporal_state_bytes']:,} per layer), "
             f"{mamba['slots_per_request']} per request, mamba/full memory ratio {mamba['mamba_full_memory_ratio']:g}",
         )
+    namespaces = info.get("namespaces")
+    if namespaces is not None:
+        shown = ", ".join(f"{name} ({n:,})" for name, n in list(namespaces["requests"].items())[:4])
+        more = f", ... {namespaces['count'] - 4:,} more" if namespaces["count"] > 4 else ""
+        table.add_row("namespaces", f"{namespaces['count']:,}: {shown}{more} (requests each)")
     table.add_row("block size", str(info["block_size"]))
     steps = info["steps"]
     span = "" if info["first_step"] is None else f" ({info['first_step']:,}..{info['last_step']:,})"

@@ -246,6 +246,17 @@ def record_command(
         ),
     ] = None,
     eviction_policy: EvictionPolicyOpt = None,
+    namespaces: Annotated[
+        int | None,
+        typer.Option(
+            "--namespaces",
+            min=1,
+            metavar="N",
+            help="Put the requests round-robin into N cache namespaces (adapter-0 .. adapter-N-1, as N "
+            "LoRA adapters would): equal prompts in two namespaces share no KV.",
+            show_default="as the workload says (a namespaced trace keeps its namespaces)",
+        ),
+    ] = None,
     model: Annotated[
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
@@ -420,6 +431,7 @@ def record_command(
             compact_steps_per_batch=compact or None,
             command=ui.command_line(ctx.meta),
             force=ignore_memory_check,
+            namespaces=namespaces,
             **settings,
         )
         if fmt_name == "trace":

@@ -121,6 +121,7 @@ from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
 from traces.mamba_layout import mamba_slots_per_request
 from traces.metadata import SpecSettings, TraceConfig
+from traces.namespaces import in_namespace
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
@@ -132,6 +133,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "TokenSource",
+    "max_req_input_len",
     "mean_accepted_len",
 ]
 
@@ -149,6 +151,12 @@ _CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids 
 _WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
 
 SchedulePolicy = Literal["fcfs", "lpm"]
+
+
+def max_req_input_len(max_context_len: int, pool_tokens: int) -> int:
+    """The longest prompt the modelled engine admits (SGLang's ``max_req_input_len``);
+    a longer request is rejected and never gets a request id."""
+    return min(max_context_len - 1, pool_tokens - 1) - 5
 
 
 def mean_accepted_len(alpha: float, num_draft_tokens: int) -> float:
@@ -273,7 +281,7 @@ class Scheduler:
         self.rng = np.random.default_rng(config.seed)
         # SGLang's request limits (tp_worker: max_req_len, max_req_input_len).
         self.max_req_len = min(config.max_context_len - 1, config.pool_tokens - 1)
-        self.max_req_input_len = self.max_req_len - 5
+        self.max_req_input_len = max_req_input_len(config.max_context_len, config.pool_tokens)
         # The allocator's own per-request speculative reserve (0 without speculative decoding).
         self.reserve = reserve_per_decode(spec_config_for(config.spec), self.ps)
         self.ratio_init = min(INIT_NEW_TOKEN_RATIO, 1.0)
@@ -297,6 +305,7 @@ class Scheduler:
         self.kv = np.zeros(cap, np.int64)  # kv_committed_len as recorded (0 when none)
         self.state = np.zeros(cap, np.int8)
         self.hashes: list[np.ndarray | None] = []
+        self.namespaces: list[str | None] = []  # per rid: the cache namespace its prefix matches are keyed by
         self.num_requests = 0
         self._token_cache: dict[int, np.ndarray] = {}
         self._candidate_tokens: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -344,6 +353,7 @@ class Scheduler:
         self.input_len[rid] = req.input_len
         self.max_new[rid] = max_new
         self.hashes.append(req.block_hashes)
+        self.namespaces.append(req.namespace)
         self.state[rid] = _WAITING
         if self.cfg.pd_decode:
             # The prefill server generated the first token.
@@ -366,7 +376,9 @@ class Scheduler:
                 self._token_cache[rid] = cached
         if cached is None or cached.shape[0] < end:
             prompt_len = int(self.input_len[rid])
-            cached = self.tokens.tokens(rid, max(end, prompt_len), prompt_len, self.hashes[rid])
+            cached = in_namespace(
+                self.tokens.tokens(rid, max(end, prompt_len), prompt_len, self.hashes[rid]), self.namespaces[rid]
+            )
             if cache:
                 self._token_cache[rid] = cached
             elif rid not in self._token_cache:
@@ -528,7 +540,8 @@ class Scheduler:
         matches: dict[int, int] = {}
         if len(self.waiting) > LPM_MAX_QUEUE:
             return matches  # SGLang turns LPM off for long queues (FCFS order kept)
-        seen_first_blocks: set[int] = set()
+        # (namespace, first block): SGLang's in-batch tree keys by RadixKey, extra_key included
+        seen_first_blocks: set[tuple[str | None, int]] = set()
         deprioritized: set[int] = set()
         for rid in self.waiting:
             end = self._fill_len(rid)
@@ -538,7 +551,7 @@ class Scheduler:
                 hashes = self.hashes[rid]
                 if hashes is None or self.input_len[rid] < IN_BATCH_PREFIX_THRESHOLD:
                     continue
-                first = int(hashes[0])
+                first = (self.namespaces[rid], int(hashes[0]))
                 if first in seen_first_blocks:
                     deprioritized.add(rid)
                 else:

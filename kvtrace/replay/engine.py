@@ -196,7 +196,7 @@ class ReplayEngine:
         self.stopped_early = False
         self._step_checker = checker
         self._clock = clock
-        self._tokens = TokenStore(meta.block_size)
+        self._tokens = TokenStore(meta.block_size, meta.namespaces)
         self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
         self._req = {name: _Grow(dtype, fill) for name, dtype, fill in _PER_REQUEST}
         self._req_rows = 0  # every per-request array holds at least this many ids

@@ -291,9 +291,15 @@ class AllocatorServer:
         self.eng.tree.evict(EvictParams(num_tokens=int(num_tokens)))
         return world.evicted_tokens() - before
 
-    def match_prefix(self, token_ids: bytes) -> int:
-        """SGLang's match of a new request with these fill ids, on a copy of the tree
-        (a query must not touch access times or split nodes)."""
+    def set_namespaces(self, pairs: list[list[Any]]) -> None:
+        """Requests' cache namespaces, ``[rid, name]`` pairs: each becomes the ``extra_key``
+        of the request's ``Req`` (its radix key's namespace), sent before its first call."""
+        for rid, name in pairs:
+            self.eng.namespaces[int(rid)] = str(name)
+
+    def match_prefix(self, token_ids: bytes, namespace: str | None = None) -> int:
+        """SGLang's match of a new request with these fill ids (in ``namespace``), on a
+        copy of the tree (a query must not touch access times or split nodes)."""
         self.eng.publish()
         toks = _ints(token_ids)
         if toks.shape[0] < 2 or not self.config.radix_cache:
@@ -301,7 +307,7 @@ class AllocatorServer:
         tree = copy.deepcopy(self.eng.tree, {id(self.eng.pool.req_to_token): self.eng.pool.req_to_token})
         probe = world.SG.schedule_batch.Req(
             rid="kvtrace-probe", origin_input_text="", origin_input_ids=list(toks.tolist()),
-            sampling_params=world.SG.SamplingParams(max_new_tokens=1),
+            sampling_params=world.SG.SamplingParams(max_new_tokens=1), extra_key=namespace,
         )
         fill = probe.origin_input_ids
         world.SG.common.match_kv_cache(probe, tree, fill, max_prefix_len=len(fill) - 1)

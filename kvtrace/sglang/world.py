@@ -406,6 +406,8 @@ class SGLangEngine:
             tree = SG.radix_cache.RadixCache(params)
         self.world: dict[str, Any] = {"pool": req_to_token_pool, "alloc": allocator, "tree": tree}
         self.reqs: dict[int, Any] = {}
+        # per rid: its cache namespace, SGLang's ``Req.extra_key`` (which keys its radix tree)
+        self.namespaces: dict[int, str] = {}
         self.prompt_tokens: dict[int, np.ndarray] = {}
         self._overflow: list[tuple[int, int, int]] = []
         self._row_rid: dict[int, int] = {}
@@ -468,6 +470,7 @@ class SGLangEngine:
             req = SG.schedule_batch.Req(
                 rid=str(rid), origin_input_text="", origin_input_ids=array("q"),
                 sampling_params=SG.SamplingParams(max_new_tokens=1 << 30),
+                extra_key=self.namespaces.get(rid),
             )
             self.reqs[rid] = req
         return req

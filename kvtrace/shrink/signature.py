@@ -27,7 +27,8 @@ KINDS: tuple[Kind, ...] = ("violation", "oom", "divergence")
 # The invariant checks a replay reports (``allocator.check.invariants``, its incremental
 # versions, and the replay's own ``row_width``): what ``violation:CHECK`` may name.
 CHECKS: tuple[str, ...] = (
-    "conservation", "counters", "device", "hisparse", "lengths", "ownership", "row", "row_width", "rows", "tree", "window",
+    "conservation", "counters", "device", "hisparse", "lengths", "namespace", "ownership", "row", "row_width", "rows",
+    "tree", "window",
 )
 
 

@@ -35,6 +35,11 @@ One fault touches only what the radix cache evicts:
 * ``mru_evict``: the radix cache evicts its most recently used leaf first (SGLang
   evicts the least recently used), so its KV events remove other blocks.
 
+One fault touches only cache namespaces:
+
+* ``ignore_namespaces``: the radix cache keys by tokens alone, so a request reuses KV
+  cached for another namespace (another LoRA adapter or salt) with the same tokens.
+
 ``without_digest`` is not broken: the built-in allocator behind the ``Allocator``
 protocol alone (no ``state_digest``, no checkpoints), for the paths that need the
 optional protocols; ``without_ownership`` hides only ``slot_ownership`` (no page map).
@@ -302,4 +307,18 @@ def mru_evict(config: AllocatorConfig) -> KvAllocator:
     alloc = KvAllocator(config)
     assert type(alloc.tree_cache) is RadixCache, "mru_evict: a plain radix cache only"
     alloc.tree_cache.__class__ = _MruRadixCache  # the same tree, evicting in another order
+    return alloc
+
+
+class _NamespaceBlindRadixCache(RadixCache):
+    """A radix cache that drops a key's namespace: equal tokens share KV across adapters."""
+
+    def make_key(self, token_ids: np.ndarray) -> np.ndarray:
+        return super().make_key(np.asarray(token_ids))  # a plain array: no namespace
+
+
+def ignore_namespaces(config: AllocatorConfig) -> KvAllocator:
+    alloc = KvAllocator(config)
+    assert type(alloc.tree_cache) is RadixCache, "ignore_namespaces: a plain radix cache only"
+    alloc.tree_cache.__class__ = _NamespaceBlindRadixCache
     return alloc
