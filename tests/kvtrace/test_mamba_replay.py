@@ -5,6 +5,7 @@ allocator gets the trace's Mamba state pool, every report names it beside the fu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -105,3 +106,20 @@ def test_an_injected_mamba_fault_is_caught_with_blame(factory: str, check: str, 
         assert (first.step, first.rid, first.op) == (fault_step, alloc.fault_rid, "finish")  # type: ignore[attr-defined]
     elif check == "leak":  # a leaked slot is never handed out again: still blamed on its last holder
         assert first.rid == alloc.fault_rid  # type: ignore[attr-defined]
+
+
+def test_a_recording_runs_the_allocator_with_the_mamba_pool(tmp_path: Path) -> None:
+    # A leaky version behind the recorder: its fault (a finish keeping the Mamba slot)
+    # fires, and the recording's own integrity check sees it, only if the recorder's
+    # allocator keeps the Mamba pool as the replay's does.
+    from kvtrace.record.simulate import RecordOptions, record_workload
+    from tests.kvtrace.test_scheduler import _azure_file
+    from traces.models import model_preset
+
+    wl = _azure_file(tmp_path, [(0.0, 100, 3), (0.0, 40, 2), (0.5, 64, 3)])
+    preset = model_preset("qwen3-next-80b-a3b")
+    options = RecordOptions(workload=wl, fmt="azure", out=None, pool_tokens=60_000, page_size=16, radix_cache=False,
+                            model=preset.shape, mamba=preset.mamba_layout(60_000))  # fmt: skip
+    assert record_workload(options).violations == []
+    leaky = record_workload(dataclasses.replace(options, version=f"{FAULTY}:mamba_leak"))
+    assert any("leaked_mamba_pages" in v for v in leaky.violations), leaky.violations
