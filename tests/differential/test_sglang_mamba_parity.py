@@ -2,8 +2,8 @@
 cache off: ``kvtrace diff TRACE --a sglang --b builtin --exact`` is identical (every
 step's state digest, which holds the Mamba free list in order and each row's state slot,
 and both pools' counters) on the bundled hybrid sample, on hybrid traces recorded from
-two bundled workloads at pages 1, 16 and 64, and on a trace whose Mamba pool is too
-small (OOMs of pool "mamba"). The SGLang side runs ``HybridReqToTokenPool`` and
+two bundled workloads at pages 1, 16 and 64, on one with EAGLE and retractions, and on
+a trace whose Mamba pool is too small (OOMs of pool "mamba"). The SGLang side runs ``HybridReqToTokenPool`` and
 ``UnifiedRadixCache(FULL, MAMBA)`` disabled (``kvtrace/sglang/world.py``, decision 12).
 
 Skipped unless ``KVTRACE_SGLANG_PYTHON`` names the interpreter of a venv made by
@@ -52,6 +52,20 @@ def test_recorded_hybrid_traces_are_identical(tmp_path: Path, workload: str, pag
                                  "-o", str(out), "-q"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert diff_exact(str(out))["identical"] is True
+
+
+def test_speculative_decoding_and_retractions_are_identical(tmp_path: Path) -> None:
+    # EAGLE 5,4,8 at page 64 in a 40k-token pool: the draft reserve forces retractions,
+    # which free each retracted request's state slot.
+    harness.require_sglang()
+    out = tmp_path / "pressure.kvtrace"
+    model = ["--model", "qwen3-next-80b-a3b", "--no-radix-cache", "--pool-tokens", "40000"]
+    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "12s", "--page-size", "64",
+                                 "--spec", "eagle:5,4,8", *model, "-o", str(out), "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["retractions"] > 0
+    report = diff_exact(str(out))
+    assert report["identical"] is True and report["b"]["retractions"] > 0
 
 
 def test_a_mamba_pool_too_small_runs_out_alike(tmp_path: Path) -> None:
