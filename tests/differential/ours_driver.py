@@ -58,6 +58,8 @@ class OursEngine:
                 eviction_interval=config.swa.eviction_interval,
                 overlap_chunked_prefill=config.swa.overlap_chunked_prefill,
             )
+        if config.mamba is not None:
+            extra["mamba"] = base.MambaConfig(slots=config.mamba.slots, strategy=config.mamba.strategy)  # type: ignore[arg-type]
         self.alloc = factory(base.AllocatorConfig(
             pool_tokens=config.pool_tokens, page_size=config.page_size, max_running=config.max_running,
             max_context_len=config.max_context_len, device="cpu", need_sort=config.need_sort, spec=spec,
