@@ -423,6 +423,7 @@ _SWA_TABLE = (
     ("window", "swa_window", ""), ("SWA ratio", "swa_full_tokens_ratio", ""), ("SWA pool", "swa_pool_tokens", ""),
     ("SWA peak", "swa_peak_occupancy", "pct"),
 )  # fmt: skip
+_MAMBA_TABLE = (("Mamba slots", "mamba_slots", ""), ("Mamba peak", "mamba_peak_occupancy", "pct"))
 
 
 @sweep_app.command("report", cls=KvtraceCommand, epilog=REPORT_EXAMPLES)
@@ -468,6 +469,8 @@ def sweep_report(
     columns = _TABLE
     if any("swa_pool_tokens" in row for row in rows):  # a hybrid (SWA) model: its pool too, before the status
         columns = _TABLE[:-1] + _SWA_TABLE + _TABLE[-1:]
+    if any("mamba_slots" in row for row in rows):  # a hybrid linear-attention model: its Mamba pool too
+        columns = columns[:-1] + _MAMBA_TABLE + columns[-1:]
     for header, _, _ in columns:
         table.add_column(header, justify="left" if header in ("input", "kind", "version", "spec", "status") else "right")
     for row in rows:

@@ -123,3 +123,14 @@ def test_a_recording_runs_the_allocator_with_the_mamba_pool(tmp_path: Path) -> N
     assert record_workload(options).violations == []
     leaky = record_workload(dataclasses.replace(options, version=f"{FAULTY}:mamba_leak"))
     assert any("leaked_mamba_pages" in v for v in leaky.violations), leaky.violations
+
+
+def test_a_sweep_reports_the_mamba_pool(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    result = runner.invoke(app, ["sweep", SAMPLE, "--pool-tokens", "60000", "-j", "1", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    report = runner.invoke(app, ["sweep", "report", str(out), "--no-plots", "--json"])
+    row = json.loads(report.stdout)["rows"][0]
+    assert row["mamba_slots"] == 16 and 0 < row["mamba_peak_occupancy"] <= 1
+    table = runner.invoke(app, ["sweep", "report", str(out), "--no-plots", "--no-color"], terminal_width=250)
+    assert table.exit_code == 0 and "Mamba slots" in table.stdout and "SWA pool" not in table.stdout
