@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
 from allocator.swa_radix import SwaMatchResult, SwaRadixCache
 from allocator.token_to_kv import (
@@ -92,6 +93,8 @@ class KvContext:
             logical slots only).
         swa: the sliding-window settings when the allocator is the hybrid
             ``SWATokenToKVPoolAllocator`` (full + SWA pools), else None.
+        mamba_reqs: a hybrid linear-attention model's per-request Mamba bookkeeping
+            by row (``req_to_token_pool`` is then ``HybridReqToTokenPool``), else None.
     """
 
     req_to_token_pool: ReqToTokenPool
@@ -103,6 +106,7 @@ class KvContext:
     spec_reserve: int = 0
     hisparse: bool = False
     swa: SwaConfig | None = None
+    mamba_reqs: dict[int, MambaReqKv] | None = None
     # Derived in __post_init__: the row width, and whether the page-1 hot paths may
     # take slots straight from the token allocator's free-list buffer.
     width: int = 0
@@ -322,7 +326,7 @@ def extend_fits(
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
     """
-    unfit = _extend_rows_unfit(ctx, rids, rows < 0)
+    unfit = _extend_rows_unfit(ctx, rids, rows < 0) or _mamba_unfit(ctx, rids, rows)
     if unfit is not None:
         return unfit
     need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
@@ -343,6 +347,36 @@ def _extend_rows_unfit(ctx: KvContext, rids: np.ndarray, new_mask: np.ndarray) -
         return None
     first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
     return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
+
+
+def _mamba_reqs_of(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> list[MambaReqKv]:
+    """The batch's Mamba bookkeeping in batch order: a continuing request's own, a
+    fresh one (no row, no slot yet) for each new request."""
+    held = ctx.mamba_reqs
+    assert held is not None
+    return [held[r] if r >= 0 else MambaReqKv(rid) for rid, r in zip(rids.tolist(), rows.tolist())]
+
+
+def _mamba_unfit(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> OutOfMemory | None:
+    """None when the batch's Mamba slots fit (SGLang ``ensure_mamba_capacity``: one per
+    request without a slot, plus its tracking slots), else ``OutOfMemory`` with
+    ``pool="mamba"`` naming the first request left without one (op ``"extend"``;
+    ``needed`` / ``available`` count slots)."""
+    if ctx.mamba_reqs is None:
+        return None
+    pool = ctx.req_to_token_pool
+    assert isinstance(pool, HybridReqToTokenPool)
+    reqs = _mamba_reqs_of(ctx, rids, rows)
+    needed = pool.mamba_slots_needed(reqs)
+    available = pool.mamba_available_size() + len(pool.mamba_allocator.group_remaining())
+    if needed <= available:
+        return None
+    short = 0
+    for i, req in enumerate(reqs):
+        short += pool.mamba_slots_needed([req])
+        if short > available:
+            return OutOfMemory("extend", int(rids[i]), needed, available, 0, "mamba")
+    return OutOfMemory("extend", int(rids[0]), needed, available, 0, "mamba")  # not reached
 
 
 def alloc_for_extend(
@@ -391,7 +425,7 @@ def alloc_for_extend(
         )
     new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    unfit = _extend_rows_unfit(ctx, rids, new_mask)
+    unfit = _extend_rows_unfit(ctx, rids, new_mask) or _mamba_unfit(ctx, rids, rows)
     if unfit is not None:
         return unfit
 
@@ -433,9 +467,21 @@ def alloc_for_extend(
 
     # From here on nothing can fail.
     rows = rows.copy()
+    if ctx.mamba_reqs is not None:
+        # SGLang's alloc_req_slots: rows, then each request's Mamba slot in batch order
+        # (HybridReqToTokenPool.alloc; a continuing chunk keeps its own)
+        assert isinstance(pool, HybridReqToTokenPool)
+        reqs = _mamba_reqs_of(ctx, rids, rows)
+        selected = pool.alloc_reqs(reqs)
+        assert selected is not None
+        for req in reqs:
+            ctx.mamba_reqs[int(req.req_pool_idx)] = req  # type: ignore[arg-type]
     if num_new:
         new_idx = np.flatnonzero(new_mask)
-        new_rows = np.array(pool.alloc(num_new), dtype=np.int64)
+        if ctx.mamba_reqs is not None:
+            new_rows = np.array(selected, dtype=np.int64)[new_idx]
+        else:
+            new_rows = np.array(pool.alloc(num_new), dtype=np.int64)
         rows[new_idx] = new_rows
         with_prefix = [i for i in new_idx.tolist() if prefix_lens[i] > 0]
         if with_prefix:
@@ -1314,7 +1360,14 @@ def release_kv_cache(
         free_range(table[row, start:allocated], start)
         overalloc = allocated - start
         freed += ceil_align(allocated, ps) - start
-    ctx.req_to_token_pool.free(row)
+    if ctx.mamba_reqs is not None:
+        # every Mamba slot, then the row (radix cache off: nothing is checkpointed;
+        # SGLang's cleanup_after_caching_req -> free_mamba_cache, then the row)
+        pool = ctx.req_to_token_pool
+        assert isinstance(pool, HybridReqToTokenPool)
+        pool.release(ctx.mamba_reqs.pop(row))
+    else:
+        ctx.req_to_token_pool.free(row)
     kv.clear_row(row)
     return ReleaseOutcome(freed, cached, overalloc)
 

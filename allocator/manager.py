@@ -91,6 +91,7 @@ from allocator.sizing import (
     reserve_per_decode,
     uses_bigram_keys,
 )
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 from allocator.swa import SWATokenToKVPoolAllocator
 from allocator.swa_radix import SwaRadixCache
 from allocator.table_writer import make_table_writer
@@ -146,7 +147,12 @@ class KvAllocator:
         self.page_size = ps
         size = pool_size_tokens(config)
         num_rows = config.max_running + config.extra_rows
-        self.req_to_token_pool = ReqToTokenPool(num_rows, req_to_token_width(config), config.device)
+        if config.mamba is not None:
+            self.req_to_token_pool = HybridReqToTokenPool(
+                num_rows, req_to_token_width(config), config.mamba, config.device, config.radix_cache
+            )
+        else:
+            self.req_to_token_pool = ReqToTokenPool(num_rows, req_to_token_width(config), config.device)
         allocator: (
             TokenToKVPoolAllocator
             | PagedTokenToKVPoolAllocator
@@ -190,6 +196,12 @@ class KvAllocator:
             spec_reserve=reserve_per_decode(config.spec, ps),
             hisparse=config.hisparse,
             swa=config.swa,
+            mamba_reqs=None if config.mamba is None else {},
+        )
+        # The request each Mamba slot was last handed to (-1 never): a leaked or twice
+        # freed slot, which no request holds any more, is blamed on it.
+        self.mamba_last_holder: np.ndarray | None = (
+            None if config.mamba is None else np.full(config.mamba.slots + 1, -1, dtype=np.int64)
         )
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
@@ -401,6 +413,11 @@ class KvAllocator:
             self.writer.end_call()
             return res
         self._row_of_rid[rids] = res.rows
+        if self.mamba_last_holder is not None:
+            held = self.ctx.mamba_reqs
+            assert held is not None
+            for i in new_idx:
+                self.mamba_last_holder[held[int(res.rows[i])].held_slots()] = int(rids[i])
         if swa_tree is not None:
             for i in new_idx:
                 row = int(res.rows[i])
@@ -527,7 +544,9 @@ class KvAllocator:
         if taken is None:
             return None
         self.writer.end_call()
-        return RunResult(_counters_after(before, taken, committed), allocated[None, :] + steps[:, None])
+        return RunResult(
+            _counters_after(before, taken, committed), allocated[None, :] + steps[:, None], self._still_pools(num_steps)
+        )
 
     def _swa_decode_run(
         self, rows: np.ndarray, num_steps: int, allocated: np.ndarray, committed: np.ndarray
@@ -571,7 +590,18 @@ class KvAllocator:
             return None
         taken, allocated = got
         self.writer.end_call()
-        return RunResult(_counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated)
+        return RunResult(
+            _counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated,
+            self._still_pools(accepted.shape[0]),
+        )
+
+    def _still_pools(self, num_steps: int) -> tuple[np.ndarray, ...]:
+        """``RunResult.other_pools`` of a run that leaves them as they are: the Mamba
+        pool (decode takes no state slot) after each step; () without one."""
+        if self.config.mamba is None:
+            return ()
+        row = np.array(self._mamba_counters(self.counters()), dtype=np.int64)
+        return (np.tile(row, (num_steps, 1)),)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
@@ -641,7 +671,12 @@ class KvAllocator:
         matches ``origin_input_ids``). All or nothing: the batch's fit is decided
         before any match, eviction or allocation (rows, and the pages against free +
         evictable slots less what the batch's locks protect; which request evicts
-        what does not change that total), so OutOfMemory changes nothing."""
+        what does not change that total), so OutOfMemory changes nothing.
+
+        Raises:
+            ValueError: bad batch, or a model with a Mamba pool (not served here)."""
+        if self.config.mamba is not None:
+            raise ValueError("prealloc: PD decode pre-allocation with a Mamba pool is not implemented")
         self._flush_publish()
         rids = _i64(rids)
         fill_lens = _i64(fill_lens)
@@ -907,6 +942,8 @@ class KvAllocator:
         request holds ``ceil_align(allocated) - protected - window_freed`` SWA tokens,
         its window-freed tokens leaving ``committed``."""
         full = self.counters()
+        if self.config.mamba is not None:
+            return {"full": full, "mamba": self._mamba_counters(full)}
         if self.config.swa is None:
             return {"full": full}
         kv = self.req_kv
@@ -923,6 +960,29 @@ class KvAllocator:
             free_rows=full.free_rows,
         )
         return {"full": full, "swa": swa}
+
+    def _mamba_counters(self, full: PoolCounters) -> PoolCounters:
+        """The Mamba pool in slots: ``committed`` the slots requests hold (no tree
+        without the radix cache, nothing over-allocated)."""
+        pool = self.req_to_token_pool
+        assert isinstance(pool, HybridReqToTokenPool)
+        held = sum(len(req.held_slots()) for req in self.mamba_reqs())
+        return PoolCounters(
+            pool_tokens=pool.mamba_size,
+            available=pool.mamba_available_size(),
+            evictable=0,
+            protected=0,
+            committed=held,
+            overallocated=0,
+            running_requests=full.running_requests,
+            free_rows=full.free_rows,
+        )
+
+    def mamba_reqs(self) -> list[MambaReqKv]:
+        """Each request's Mamba bookkeeping (row, state slot), in row order; empty for a
+        model without a Mamba pool."""
+        held = self.ctx.mamba_reqs
+        return [] if held is None else [held[row] for row in sorted(held)]
 
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         self._flush_publish()

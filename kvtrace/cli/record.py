@@ -90,19 +90,15 @@ def parse_spec(text: str) -> Any:
             param_hint="--spec",
         ) from None
     if steps < 1 or topk < 1 or draft < 2:
-        raise typer.BadParameter(
-            f"{text!r}: STEPS and TOPK must be >= 1 and DRAFT >= 2", param_hint="--spec"
-        )
+        raise typer.BadParameter(f"{text!r}: STEPS and TOPK must be >= 1 and DRAFT >= 2", param_hint="--spec")
     if algorithm == "dflash":
         # SGLang's _handle_dflash: one step, topk 1, a verify block of DRAFT tokens
         if steps != 1 or topk != 1:
             raise typer.BadParameter(f"{text!r}: DFlash takes STEPS 1 and TOPK 1 (e.g. dflash:1,1,16)",
                                      param_hint="--spec")
     elif topk == 1 and draft > steps + 1:
-        raise typer.BadParameter(
-            f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
-            param_hint="--spec",
-        )
+        why = f"with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens"
+        raise typer.BadParameter(f"{text!r}: {why}", param_hint="--spec")
     from kvtrace.record.simulate import spec_settings
 
     return spec_settings(text)

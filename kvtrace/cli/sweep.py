@@ -448,6 +448,7 @@ _SWA_TABLE = (
     ("window", "swa_window", ""), ("SWA ratio", "swa_full_tokens_ratio", ""), ("SWA pool", "swa_pool_tokens", ""),
     ("SWA peak", "swa_peak_occupancy", "pct"),
 )  # fmt: skip
+_MAMBA_TABLE = (("Mamba slots", "mamba_slots", ""), ("Mamba peak", "mamba_peak_occupancy", "pct"))
 
 
 @sweep_app.command("report", cls=KvtraceCommand, epilog=REPORT_EXAMPLES)
@@ -493,6 +494,8 @@ def sweep_report(
     columns = [c for c in _TABLE if c[1] != "eviction_policy" or any(r["eviction_policy"] != "own" for r in rows)]
     if any("swa_pool_tokens" in row for row in rows):  # a hybrid (SWA) model: its pool too, before the status
         columns = columns[:-1] + list(_SWA_TABLE) + columns[-1:]
+    if any("mamba_slots" in row for row in rows):  # a hybrid linear-attention model: its Mamba pool too
+        columns = columns[:-1] + list(_MAMBA_TABLE) + columns[-1:]
     for header, _, _ in columns:
         table.add_column(
             header, justify="left" if header in ("input", "kind", "version", "spec", "eviction", "status") else "right"

@@ -153,7 +153,7 @@ def record_workload(
     if total == 0:
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
-    from kvtrace.replay.config import RECORD_OPTIONS, check_memory, effective_config
+    from kvtrace.replay.config import RECORD_OPTIONS, check_memory, effective_config, unserved_mamba
     from kvtrace.record.recorder import Recorder
     from kvtrace.versions.registry import resolve_version
 
@@ -209,11 +209,13 @@ def record_workload(
             "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
         },
     )
-    # NOTE: the allocator serves the KV pool of the full-attention layers; the Mamba
-    # slots are the scheduler model's budget (``SchedulerConfig.mamba_slots``) until
-    # the allocator keeps the Mamba state pool itself.
+    # NOTE: the allocator keeps the Mamba state pool where it serves the trace's
+    # switches (``unserved_mamba``); elsewhere it serves the full-attention layers' KV
+    # pool only, and the Mamba slots are the scheduler model's budget alone
+    # (``SchedulerConfig.mamba_slots``).
+    served = unserved_mamba(meta, meta.config.radix_cache) is None
     allocator_config = effective_config(
-        dataclasses.replace(meta, mamba=None),
+        meta if served else dataclasses.replace(meta, mamba=None),
         version_spec=version.spec,
         version_page_size=version.page_size,
         page_size=options.page_size,

@@ -350,6 +350,7 @@ class ReplayEngine:
             keyframe=keyframe,
             digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
             other_pools=others,
+            other_pool_names=self.pool_names[1:],
             swa_evicted=None if self._swa_evicted_lens is None else self._swa_evicted_lens(delta.rids),
         )
 
@@ -474,6 +475,7 @@ class ReplayEngine:
                 num_ops=bs,
                 allocator_s=per_step,
                 other_pools=others[j],
+                other_pool_names=self.pool_names[1:],
                 swa_evicted=None if res.swa_evicted is None else res.swa_evicted[j],
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
@@ -864,8 +866,9 @@ class PerPoolCounters(Protocol):
 
 
 def pool_names_of(allocator: object) -> tuple[str, ...]:
-    """The KV pools of an allocator, in ``POOL_NAMES`` order: ``("full",)``, or
-    ``("full", "swa")`` for a hybrid sliding-window model (``PerPoolCounters``)."""
+    """The pools of an allocator, in ``POOL_NAMES`` order: ``("full",)``, or
+    ``("full", "swa")`` for a hybrid sliding-window model, ``("full", "mamba")`` for a
+    hybrid linear-attention one (``PerPoolCounters``)."""
     if not isinstance(allocator, PerPoolCounters):
         return ("full",)
     names = tuple(allocator.pool_counters())

@@ -11,8 +11,8 @@ op that changed it, its phase, the prefix it reused), the step's events (list of
 structs), the op count, the allocator time, whether the row is a keyframe (its
 request lists hold every live request: the first step of a ``--steps`` window), and
 the allocator's state digest (null unless the replay asked for it: ``diff --exact``).
-A hybrid sliding-window model's log has every other KV pool's counters too, named
-``POOL_FIELD`` prefixed by the pool (``swa_available``, ...: ``state_log_schema``); a
+A hybrid model's log has every other pool's counters too, named ``POOL_FIELD``
+prefixed by the pool (``swa_available``, ``mamba_available``, ...: ``state_log_schema``); a
 log without them (a full-attention model's, or one written before them) has one pool.
 
 The same records, as an uncompressed IPC *stream*, are the per-step record stream a
@@ -31,7 +31,15 @@ import pyarrow as pa
 
 from kvtrace.errors import TraceError
 from kvtrace.statelog.format import STATE_LOG_METADATA_KEY, STATE_LOG_VERSION
-from kvtrace.replay.snapshot import POOL_NAMES, Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
+from kvtrace.replay.snapshot import (
+    POOL_NAMES,
+    Event,
+    PoolCounters,
+    RequestDelta,
+    SnapshotBlock,
+    StepSnapshot,
+    other_pool_names,
+)
 from traces.ipc import IpcReader
 
 
@@ -152,7 +160,7 @@ class StateLogWriter:
     def _write(self, block: SnapshotBlock) -> None:
         if self._writer is None:
             n = 0 if block.other_pools is None else block.other_pools.shape[1]
-            self._start(POOL_NAMES[1 : 1 + n])
+            self._start(other_pool_names(block.other_pool_names, n))
         self._writer.write_batch(record_batch_of(block, self._schema))
         self._sink.flush()
         self.steps_written += block.num_steps
@@ -200,7 +208,7 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
     cols["events"] = _events_column(block)
     cols["digest"] = pa.array(block.digests, pa.utf8())
     if block.other_pools is not None:
-        for p, pool in enumerate(POOL_NAMES[1 : 1 + block.other_pools.shape[1]]):
+        for p, pool in enumerate(other_pool_names(block.other_pool_names, block.other_pools.shape[1])):
             for i, name in enumerate(_POOL_FIELDS):
                 cols[f"{pool}_{name}"] = pa.array(block.other_pools[:, p, i])
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
@@ -334,6 +342,7 @@ def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
         events=events,
         digests=col["digest"].to_pylist() if "digest" in col else [None] * batch.num_rows,
         other_pools=_other_pools_of(batch),
+        other_pool_names=other_pools_of(batch.schema),
     )
 
 
@@ -378,5 +387,6 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
             keyframe=bool(keyframes[i]),
             digest=digests[i],
             other_pools=() if others is None else tuple(PoolCounters(*(int(v) for v in row)) for row in others[i]),
+            other_pool_names=other_pools_of(batch.schema),
         ))
     return out

@@ -286,10 +286,11 @@ class SGLangAllocator:
 
     def pool_counters(self) -> dict[str, PoolCounters]:
         """Each KV pool's counters: ``{"full": counters()}``, and a hybrid SWA model's
-        ``"swa"`` pool too (asked with ``request_lens``, as the counters are)."""
+        ``"swa"`` pool too, a hybrid linear-attention model's ``"mamba"`` pool (asked with
+        ``request_lens``, as the counters are)."""
         from allocator.base import PoolCounters
 
-        if self.config.swa is None:
+        if self.config.swa is None and getattr(self.config, "mamba", None) is None:
             return {"full": self.counters()}
         value = self._prefetched.pop("pool_counters", None)
         pools = value if value is not None else self._call("pool_counters")
@@ -298,7 +299,8 @@ class SGLangAllocator:
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         from allocator.base import RequestLens
 
-        names = ["counters", "pool_counters"] if self.config.swa is not None else ["counters"]
+        several = self.config.swa is not None or getattr(self.config, "mamba", None) is not None
+        names = ["counters", "pool_counters"] if several else ["counters"]
         calls = [wire.Call("request_lens", (wire.pack_ints(rids),)), *(wire.Call(n) for n in names)]
         if self._want_digest:
             calls.append(wire.Call("state_digest"))
