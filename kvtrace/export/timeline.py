@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvtrace.replay.snapshot import PHASES
+from kvtrace.replay.snapshot import PHASES, POOL_NAMES
 from traces.schema import EXTEND, PREALLOC
 
 if TYPE_CHECKING:
@@ -105,13 +105,12 @@ Record = Counters | HitRate | SliceBegin | SliceEnd | Instant
 
 
 def pools_of(snap: StepSnapshot) -> tuple[tuple[str, PoolCounters], ...]:
-    """The pools of a snapshot, each with its name and counters.
-
-    NOTE: a snapshot carries one pool today (full attention, named ``full``); a model with
-    more pools (sliding-window layers) adds entries here, and every consumer of the
-    timeline gets their tracks with no other change.
-    """
-    return (("full", snap.pool),)
+    """The pools of a snapshot, each with its name (``POOL_NAMES``) and counters: ``full``
+    alone for a full-attention model, then ``swa`` for a sliding-window one. Every
+    consumer of the timeline gets a pool's tracks from its entry here."""
+    if not snap.other_pools:
+        return (("full", snap.pool),)
+    return tuple(zip(POOL_NAMES, (snap.pool, *snap.other_pools)))
 
 
 def ts_ns(time_s: float) -> int:
