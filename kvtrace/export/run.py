@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from kvtrace.export.timeline import DEFAULT_HIT_WINDOW, TimelineBuilder, ts_ns
 
 if TYPE_CHECKING:
+    from kvtrace.export.flows import EvictionFlows
     from kvtrace.replay.snapshot import StepSnapshot
 
 __all__ = [
@@ -48,6 +49,7 @@ class ExportSummary(NamedTuple):
     pools: tuple[str, ...]
     first_step: int | None
     last_step: int | None
+    flows: int | None = None  # eviction-to-miss arrows, when drawn
 
 
 @contextmanager
@@ -82,11 +84,14 @@ class ProcessExport:
         out: the file (``open_timeline_file``).
         name: the process's name in the viewer.
         hit_window: admissions the hit-rate track is taken over.
+        flows: the eviction flows of the replay being fed (``EvictionFlows.attach``), if drawn.
     """
 
-    def __init__(self, out: Any, name: str, *, hit_window: int = DEFAULT_HIT_WINDOW) -> None:
+    def __init__(self, out: Any, name: str, *, hit_window: int = DEFAULT_HIT_WINDOW,
+                 flows: EvictionFlows | None = None) -> None:
         self.process = out.process(name)
         self.builder = TimelineBuilder(hit_window)
+        self.flows = flows
         self._write = self.process.write
         self.steps = 0
         self.records = 0
@@ -100,6 +105,8 @@ class ProcessExport:
         self.last_step = snap.step
         self.steps += 1
         records = self.builder.feed(snap)
+        if self.flows is not None:
+            records += self.flows.records(snap, self.builder)
         self.records += len(records)
         for record in records:
             self._write(record)
@@ -115,7 +122,9 @@ class ProcessExport:
         for record in records:
             self._write(record)
         b = self.builder
-        return ExportSummary(self.steps, self.records, b.num_lanes, tuple(b.pools), self.first_step, self.last_step)
+        flows = None if self.flows is None else self.flows.flows
+        return ExportSummary(self.steps, self.records, b.num_lanes, tuple(b.pools), self.first_step, self.last_step,
+                             flows)
 
 
 def export_sides(
