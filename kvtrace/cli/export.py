@@ -70,7 +70,7 @@ def export(
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (.pftrace for perfetto, .json for chrome).", show_default=False)],
     to: Annotated[ExportFormat | None, typer.Option("--to", help="perfetto: Perfetto's protobuf trace, streamed (any length); chrome: Trace Event Format JSON (small replays).", show_default="chrome for a .json --out, else perfetto")] = None,
-    flows: Annotated[bool, typer.Option("--flows", help="Draw an arrow from each eviction (the request whose allocation evicted) to every later admission that missed its tokens (kvtrace explain's attribution; a trace with a radix cache).")] = False,
+    flows: Annotated[bool, typer.Option("--flows", help="Draw an arrow from each eviction (the request whose allocation evicted) to every later admission that missed its tokens (kvtrace explain's attribution, run along: about twice the time of a plain export; a trace with a radix cache).")] = False,
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     device: DeviceOpt = Device.cpu,
