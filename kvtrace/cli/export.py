@@ -7,6 +7,8 @@ command, when it runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -203,11 +205,24 @@ def _refuse_replay_options(**given: Any) -> None:
                                      "as it was replayed)", param_hint=option)
 
 
+@contextmanager
+def export_diff_tee(target: Any, trace: str) -> Iterator[Any]:
+    """``kvtrace diff TRACE --export``: yields a ``DiffSidesExport`` writing both sides into
+    ``target`` (an ``OutputFile``) as the diff replays them (its ``chunk`` is the diff's
+    ``on_chunk``; call ``finish(report)`` once the diff is done). The file is put in place
+    when the block completes, and left out if it raises."""
+    from kvtrace.export.run import DiffSidesExport, format_of, open_timeline_file
+
+    with target.writing() as tmp, open_timeline_file(tmp, format_of(target.path)) as file:
+        yield DiffSidesExport(file, trace)
+
+
 def export_diff(report: dict[str, Any], inputs: list[str], target: Any, *, a: str, b: str, page_size: int | None,
                 pool_tokens: int | None, device: str, options: Any) -> None:
-    """``kvtrace diff --export``: both sides of a diff in one timeline file (two processes on
-    one clock), the first divergence marked on both. A trace's sides are replayed again,
-    one after the other; two state logs are read back.
+    """``kvtrace diff LOG_A LOG_B --export``: both state logs in one timeline file (two
+    processes on one clock), read back after the diff, the first divergence marked on both
+    (for a trace ``kvtrace diff`` uses ``export_diff_tee``, which writes the sides as the diff
+    replays them; here a trace's sides are replayed again).
 
     Args:
         report: the diff's ``--json`` object (its versions and first divergence).
