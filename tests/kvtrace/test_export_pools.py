@@ -48,4 +48,3 @@ def test_a_full_attention_export_is_byte_identical_to_one_pool_tracks(tmp_path: 
     old = tmp_path / "old.pftrace"
     assert runner.invoke(app, ["export", "sample:tiny", "--out", str(old)]).exit_code == 0
     assert new.read_bytes() == old.read_bytes()
-
