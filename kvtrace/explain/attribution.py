@@ -32,7 +32,7 @@ evictor and ``uncached`` is folded into ``evicted``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -100,6 +100,9 @@ class Attribution:
     retraction_cost: dict[int, int] = field(default_factory=dict)
     eviction_ages: list[tuple[int, int]] = field(default_factory=list)
     per_request: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Called at each admission that missed evicted tokens: (rid, {eviction id: tokens});
+    # ``kvtrace export --flows`` draws an arrow from each eviction to the admission.
+    on_evicted_miss: Callable[[int, dict[int, int]], None] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ wiring
     @classmethod
@@ -224,6 +227,8 @@ class Attribution:
                     ids, counts = np.unique(gone, return_counts=True)
                     for rec, n in zip(ids.tolist(), counts.tolist()):
                         self.record_missed[rec] = self.record_missed.get(rec, 0) + n
+                    if self.on_evicted_miss is not None:
+                        self.on_evicted_miss(rid, dict(zip(ids.tolist(), counts.tolist())))
                 got["evicted"] += int(gone.shape[0])
             if unknown:
                 if self._swa:
