@@ -69,9 +69,13 @@ layout: its full and sliding-window layers, the window and the two pools' split
 layout: its full and linear (Mamba / GDN) layers, the state bytes per request and
 the Mamba slots (``MambaLayout``); absent, no layer is linear.
 
+``TraceConfig.hicache`` (key ``config.hicache``, version 4) is HiCache's host tier:
+the host pool in tokens, how SGLang sized it and the write policy
+(``traces.hicache_layout.HostTier``); absent, the engine had no host tier.
+
 Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
 optional ``attention`` object and nothing else, so a version 2 trace without it
-reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise. Readers read every version up to
+reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 adds the optional ``config.hicache`` object likewise. Readers read every version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -111,7 +115,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 

@@ -394,7 +394,7 @@ def _schema_with(metadata: bytes | None, drop: str | None = None, retype: tuple[
 def test_open_errors(tmp_path: Path) -> None:
     good_meta = make_meta().to_json().encode()
     newer = json.loads(good_meta)
-    newer["format_version"] = 4
+    newer["format_version"] = 5
     no_config = json.loads(good_meta)
     del no_config["config"]["pool_tokens"]
     (tmp_path / "adir").mkdir()
@@ -410,7 +410,7 @@ def test_open_errors(tmp_path: Path) -> None:
         "empty.kvtrace": (TraceReadError, "is empty"),
         "text.kvtrace": (TraceReadError, "is not an Arrow IPC stream"),
         "file-format.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),  # read, then judged
-        "newer.kvtrace": (TraceVersionError, "format version 4, but this kvtrace reads format version 3 at most; upgrade kvtrace"),
+        "newer.kvtrace": (TraceVersionError, "format version 5, but this kvtrace reads format version 4 at most; upgrade kvtrace"),
         "nometa.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),
         "badjson.kvtrace": (TraceMetadataError, "kvtrace metadata is not valid JSON"),
         "badmeta.kvtrace": (TraceMetadataError, "'config.pool_tokens' is missing"),
