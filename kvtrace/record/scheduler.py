@@ -119,6 +119,7 @@ from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
+from traces.hicache_layout import HostTier
 from traces.mamba_layout import mamba_slots_per_request
 from traces.metadata import SpecSettings, TraceConfig
 
@@ -180,6 +181,9 @@ class SchedulerConfig:
         step_time: the step-time model (the clock).
         mamba_slots: a hybrid linear-attention model's Mamba state slots
             (``max_mamba_cache_size``; None: no linear layers).
+        hicache: HiCache's host tier the engine is configured with (stored in the
+            trace's config; the recording's admission is device-only, see the module
+            docstring), or None.
     """
 
     page_size: int
@@ -198,6 +202,7 @@ class SchedulerConfig:
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     mamba_slots: int | None = None
+    hicache: HostTier | None = None
 
     def trace_config(self) -> TraceConfig:
         """The serving configuration a trace recorded under this one carries."""
@@ -213,6 +218,7 @@ class SchedulerConfig:
             hisparse=self.hisparse,
             radix_cache=self.radix_cache,
             eviction_policy=self.eviction_policy,
+            hicache=self.hicache,
         )
 
 

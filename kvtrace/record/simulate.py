@@ -22,6 +22,7 @@ from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
 from kvtrace.errors import ConfigError
+from traces.hicache_layout import HostTier
 from traces.mamba_layout import MambaLayout, mamba_slots_per_request
 from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta, TraceSource
 
@@ -69,6 +70,7 @@ class RecordOptions:
     model: ModelShape = DEFAULT_MODEL_SHAPE
     attention: AttentionLayout | None = None  # None: full attention
     mamba: MambaLayout | None = None  # None: no linear-attention layers
+    hicache: HostTier | None = None  # HiCache's host tier (stored in the trace's config), None: none
     duration_s: float | None = None
     time_scale: float = 1.0
     rate: float | None = None
@@ -170,6 +172,7 @@ def record_workload(
         seed=options.seed,
         step_time=options.step_time,
         mamba_slots=None if options.mamba is None else options.mamba.mamba_cache_size,
+        hicache=options.hicache,
     )
     source = source or known_source(options.workload, options.fmt)
     meta = TraceMeta(
@@ -195,8 +198,10 @@ def record_workload(
     # NOTE: the allocator serves the KV pool of the full-attention layers; the Mamba
     # slots are the scheduler model's budget (``SchedulerConfig.mamba_slots``) until
     # the allocator keeps the Mamba state pool itself.
+    # The host tier likewise: the trace keeps it and the recording's allocator is
+    # the device tier (kvtrace/record/scheduler.py says what that leaves out).
     allocator_config = effective_config(
-        dataclasses.replace(meta, mamba=None),
+        dataclasses.replace(meta, mamba=None).with_config(hicache=None),
         version_spec=version.spec,
         version_page_size=version.page_size,
         page_size=options.page_size,
@@ -357,6 +362,8 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
         "attention": meta.attention,
         "mamba": meta.mamba,
     }
+    if cfg.hicache is not None:
+        out["hicache"] = cfg.hicache
     if cfg.radix_cache == cfg.pd_decode:
         out["radix_cache"] = cfg.radix_cache
     if cfg.eviction_policy != "lru":
@@ -432,5 +439,6 @@ def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float
             "pd_decode": options.pd_decode,
             "model": options.model.name,
             "mamba_slots": None if options.mamba is None else options.mamba.mamba_cache_size,
+            **({} if options.hicache is None else {"hicache": dataclasses.asdict(options.hicache)}),
         },
     }

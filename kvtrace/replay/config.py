@@ -113,9 +113,10 @@ def allocator_config_for(
     Raises:
         ConfigError: the resulting configuration is one no allocator can be built
             from (``AllocatorConfig.check``), e.g. a pool below two pages, or one the
-            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``).
+            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``,
+            ``unserved_hicache``).
     """
-    unserved = unserved_mamba(meta)
+    unserved = unserved_mamba(meta) or unserved_hicache(meta)
     if unserved is not None:
         raise ConfigError(unserved)
     cfg = meta.config
@@ -177,6 +178,23 @@ def unserved_mamba(meta: TraceMeta) -> str | None:
         f"this trace is of a hybrid linear-attention model ({meta.model.name}: {len(layout.mamba_layer_ids)} "
         f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots), and no allocator serves the "
         "Mamba state pool yet: it cannot be replayed (kvtrace info shows the trace's layout)"
+    )
+
+
+def unserved_hicache(meta: TraceMeta) -> str | None:
+    """The one line to say when a trace was recorded with HiCache's host tier, which the
+    replay does not serve yet, else None.
+
+    NOTE: replayed on the device tier alone, every host hit of the recording would be
+    a miss, so the trace is refused rather than replayed as a device-only cache; this
+    is where the host tier's configuration will be built once the replay serves it.
+    """
+    tier = meta.config.hicache
+    if tier is None:
+        return None
+    return (
+        f"this trace was recorded with HiCache's host tier ({tier.describe()}), and the replay does not "
+        "serve the host tier yet: it cannot be replayed (kvtrace info shows the trace's tier)"
     )
 
 
