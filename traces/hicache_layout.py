@@ -1,7 +1,8 @@
 """HiCache's host tier in a trace (``HostTier``): the host KV pool SGLang 0.5.23 keeps
 under the radix cache and its write policy, sized as SGLang sizes it
-(``host_pool_tokens_for``, ``host_tokens_for_size``), and the check of the stored
-object (``host_tier_from_dict``).
+(``host_pool_tokens_for``, ``host_tokens_for_size``), the ``--hicache-*`` options
+resolved to one (``resolve_host_tier``) and the check of the stored object
+(``host_tier_from_dict``).
 
 SGLang sizes the host pool in ``HostKVCache.__init__`` (``mem_cache/pool_host/base.py``):
 ``int(device_tokens * --hicache-ratio)`` tokens, or ``int(--hicache-size GB * 1e9 //
@@ -74,6 +75,83 @@ def host_tokens_for_size(size_gb: int, bytes_per_token: int, page_size: int) -> 
     copy costs ``bytes_per_token`` (``HostKVCache.size_per_token``: K and V of every
     layer, the trace's ``model.bytes_per_token`` on one GPU), plus one padding page."""
     return (int(size_gb * 10**9 // bytes_per_token) // page_size + 1) * page_size
+
+
+class HostTierOptionError(ValueError):
+    """A ``--hicache-*`` value that is refused; ``option`` names the option."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def resolve_host_tier(
+    base: HostTier | None, *, enabled: bool | None, ratio: float | None, size_gb: int | None,
+    write_policy: str | None, device_tokens: int, page_size: int, bytes_per_token: int,
+    hybrid_model: str | None = None, resized: bool = True,
+) -> HostTier | None:
+    """The host tier of SGLang's ``--hicache-*`` options over ``base`` (a trace's tier,
+    or None) over SGLang's defaults (ratio 2.0, ``write_through``), or None for no tier.
+
+    Any option given turns the tier on; ``enabled`` False (``--no-hicache``) turns it
+    off. As in SGLang, ``--hicache-size`` overrides the ratio and 0 means the ratio.
+    The pool is sized from the device pool rounded down to a page; ``base``'s own
+    pool is kept when neither the sizing options nor (``resized``) the device pool,
+    page or model changed, so a real engine's figure survives ``--like``.
+
+    Args:
+        hybrid_model: the model's name when it has sliding-window or linear layers,
+            whose host copy's bytes per token are not modelled (``--hicache-size``
+            is then refused), else None.
+
+    Raises:
+        HostTierOptionError: a value out of bounds, ``--no-hicache`` with another
+            option, ``--hicache-size`` for a hybrid model, or a pool above MAX_TOKENS.
+    """
+    given = ratio is not None or size_gb is not None or write_policy is not None
+    if enabled is False:
+        if given:
+            raise HostTierOptionError("--no-hicache", "a --hicache-* option needs the host tier; leave out --no-hicache")
+        return None
+    if base is None and not given and not enabled:
+        return None
+    if ratio is not None and not 0 < ratio <= MAX_HICACHE_RATIO:
+        raise HostTierOptionError("--hicache-ratio", f"must lie in (0, {MAX_HICACHE_RATIO:g}], found {ratio}")
+    if size_gb is not None and not 0 <= size_gb <= MAX_HICACHE_SIZE_GB:
+        raise HostTierOptionError("--hicache-size", f"must lie in [0, {MAX_HICACHE_SIZE_GB}] GB, found {size_gb}")
+    if write_policy is not None and write_policy not in WRITE_POLICIES:
+        raise HostTierOptionError("--hicache-write-policy", f"must be one of {', '.join(WRITE_POLICIES)}, found {write_policy!r}")
+    if size_gb == 0:  # SGLang's 0: sized by the ratio
+        size_gb = None
+        if ratio is None:
+            ratio = DEFAULT_HICACHE_RATIO if base is None or base.host_ratio is None else base.host_ratio
+    if size_gb is None and ratio is None:
+        if base is not None:
+            size_gb, ratio = base.host_size_gb, base.host_ratio
+        else:
+            ratio = DEFAULT_HICACHE_RATIO
+    policy = write_policy or (base.write_policy if base is not None else "write_through")
+    if size_gb is not None:
+        if hybrid_model is not None:
+            raise HostTierOptionError(
+                "--hicache-size",
+                f"sizes the host pool of a full-attention model only ({hybrid_model} is hybrid: its host copy's "
+                "bytes per token are not modelled); give --hicache-ratio",
+            )
+        tokens = host_tokens_for_size(size_gb, bytes_per_token, page_size)
+        tier = HostTier(host_pool_tokens=tokens, write_policy=policy, host_ratio=None, host_size_gb=size_gb)  # type: ignore[arg-type]
+    else:
+        device = device_tokens // page_size * page_size
+        tokens = host_pool_tokens_for(device, page_size, ratio)  # type: ignore[arg-type]
+        tier = HostTier(host_pool_tokens=tokens, write_policy=policy, host_ratio=float(ratio))  # type: ignore[arg-type]
+    if base is not None and not resized and (tier.host_ratio, tier.host_size_gb) == (base.host_ratio, base.host_size_gb):
+        tier = replace(tier, host_pool_tokens=base.host_pool_tokens)  # the trace's own
+    if tier.host_pool_tokens > MAX_TOKENS:
+        raise HostTierOptionError(
+            "--hicache-size" if size_gb is not None else "--hicache-ratio",
+            f"makes a host pool of {tier.host_pool_tokens:,} tokens, above {MAX_TOKENS:,} (slot indices are int32)",
+        )
+    return tier
 
 
 def host_tier_from_dict(obj: Any, page_size: int) -> HostTier:

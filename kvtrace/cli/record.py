@@ -29,6 +29,7 @@ import typer
 
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, EvictionPolicyOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
+from kvtrace.cli.record_hicache import HiCacheOpt, HiCacheRatioOpt, HiCacheSizeOpt, HiCacheWritePolicyOpt, host_tier_option
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.record.serving import (
     DEFAULT_CHUNK,
@@ -60,12 +61,6 @@ class WorkloadFormatOption(str, Enum):
 class PolicyOption(str, Enum):
     fcfs = "fcfs"
     lpm = "lpm"
-
-
-class WritePolicyOption(str, Enum):
-    write_through = "write_through"
-    write_through_selective = "write_through_selective"
-    write_back = "write_back"
 
 
 ModelOption = Enum("ModelOption", {name: name for name in MODEL_NAMES}, type=str)  # type: ignore[misc]
@@ -147,74 +142,6 @@ def check_serving(pool_tokens: int, page_size: int, chunk: int) -> None:
         raise typer.BadParameter(
             f"must be 0 (no chunking) or at least the page size {page_size}, found {chunk}", param_hint="--chunk"
         )
-
-
-def host_tier_option(
-    settings: dict[str, Any], *, enabled: bool | None, ratio: float | None, size_gb: int | None,
-    write_policy: str | None, resized: bool,
-) -> Any:
-    """The host tier a recording serves with (``traces.hicache_layout.HostTier``), or None.
-
-    The ``--hicache-*`` options given, over the tier of the trace in ``settings`` (a
-    ``--like`` trace or a trace as the workload), over SGLang's defaults (ratio 2.0,
-    ``write_through``). As in SGLang, ``--hicache-size`` overrides the ratio. The host
-    pool is sized as SGLang sizes it from the device pool (page aligned) and the model;
-    a trace's tier is sized again only when the device pool, page or model changed.
-
-    Raises:
-        typer.BadParameter: a value out of bounds, ``--no-hicache`` with a ``--hicache-*``
-            option, or ``--hicache-size`` for a hybrid model (the host copy's bytes per
-            token are those of its full-attention layers, not modelled).
-    """
-    from traces.hicache_layout import (
-        DEFAULT_HICACHE_RATIO, MAX_HICACHE_RATIO, MAX_HICACHE_SIZE_GB, HostTier, host_pool_tokens_for, host_tokens_for_size,
-    )  # fmt: skip
-    from traces.schema import MAX_TOKENS
-
-    given = ratio is not None or size_gb is not None or write_policy is not None
-    if enabled is False:
-        if given:
-            raise typer.BadParameter("a --hicache-* option needs the host tier; leave out --no-hicache", param_hint="--no-hicache")
-        return None
-    base: HostTier | None = settings.get("hicache")
-    if base is None and not given and not enabled:
-        return None
-    if ratio is not None and not 0 < ratio <= MAX_HICACHE_RATIO:
-        raise typer.BadParameter(f"must lie in (0, {MAX_HICACHE_RATIO:g}], found {ratio}", param_hint="--hicache-ratio")
-    if size_gb is not None and not 0 <= size_gb <= MAX_HICACHE_SIZE_GB:
-        raise typer.BadParameter(f"must lie in [0, {MAX_HICACHE_SIZE_GB}] GB, found {size_gb}", param_hint="--hicache-size")
-    if size_gb == 0:  # SGLang's 0: sized by the ratio
-        size_gb = None
-        if ratio is None:
-            ratio = DEFAULT_HICACHE_RATIO if base is None or base.host_ratio is None else base.host_ratio
-    if size_gb is None and ratio is None and base is not None:
-        size_gb, ratio = base.host_size_gb, base.host_ratio
-    if size_gb is None and ratio is None:
-        ratio = DEFAULT_HICACHE_RATIO
-    policy = write_policy or (base.write_policy if base is not None else "write_through")
-    page = settings["page_size"]
-    device = settings["pool_tokens"] // page * page
-    if size_gb is not None:
-        if settings.get("attention") is not None or settings.get("mamba") is not None:
-            raise typer.BadParameter(
-                f"sizes the host pool of a full-attention model only ({settings['model'].name} is hybrid: its host "
-                "copy's bytes per token are not modelled); give --hicache-ratio",
-                param_hint="--hicache-size",
-            )
-        tier = HostTier(host_pool_tokens=host_tokens_for_size(size_gb, settings["model"].bytes_per_token, page),
-                        write_policy=policy, host_ratio=None, host_size_gb=size_gb)  # type: ignore[arg-type]  # fmt: skip
-    else:
-        tier = HostTier(host_pool_tokens=host_pool_tokens_for(device, page, ratio), write_policy=policy,  # type: ignore[arg-type]
-                        host_ratio=float(ratio))  # type: ignore[arg-type]  # fmt: skip
-    if base is not None and not resized and (tier.host_ratio, tier.host_size_gb) == (base.host_ratio, base.host_size_gb):
-        tier = HostTier(base.host_pool_tokens, tier.write_policy, tier.host_ratio, tier.host_size_gb)  # the trace's own
-    if tier.host_pool_tokens > MAX_TOKENS:
-        option = "--hicache-size" if size_gb is not None else "--hicache-ratio"
-        raise typer.BadParameter(
-            f"makes a host pool of {tier.host_pool_tokens:,} tokens, above {MAX_TOKENS:,} (slot indices are int32)",
-            param_hint=option,
-        )
-    return tier
 
 
 def _check_pool(pool_tokens: int, page_size: int) -> None:
@@ -320,34 +247,10 @@ def record_command(
         ),
     ] = None,
     eviction_policy: EvictionPolicyOpt = None,
-    hicache: Annotated[
-        bool | None,
-        typer.Option(
-            "--hicache/--no-hicache",
-            help="Serve with HiCache's host KV tier under the radix cache (SGLang's --enable-hierarchical-cache); "
-            "any --hicache-* option turns it on.",
-            show_default=_FROM_TRACE + "off",
-        ),
-    ] = None,
-    hicache_ratio: Annotated[
-        float | None,
-        typer.Option(
-            help="Host pool tokens per device pool token (SGLang's --hicache-ratio).",
-            show_default=_FROM_TRACE + "2.0", callback=finite,
-        ),
-    ] = None,
-    hicache_size: Annotated[
-        int | None,
-        typer.Option(
-            help="Host pool in GB (SGLang's --hicache-size; overrides the ratio; full-attention models only).",
-            show_default=_FROM_TRACE + "0: the ratio",
-        ),
-    ] = None,
-    hicache_write_policy: Annotated[
-        WritePolicyOption | None,
-        typer.Option(help="When device KV is backed up to the host (SGLang's --hicache-write-policy).",
-                     show_default=_FROM_TRACE + "write_through"),
-    ] = None,
+    hicache: HiCacheOpt = None,
+    hicache_ratio: HiCacheRatioOpt = None,
+    hicache_size: HiCacheSizeOpt = None,
+    hicache_write_policy: HiCacheWritePolicyOpt = None,
     model: Annotated[
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
@@ -489,11 +392,9 @@ def record_command(
             if value < low:
                 raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
         check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
-        settings["hicache"] = host_tier_option(
-            settings, enabled=hicache, ratio=hicache_ratio, size_gb=hicache_size,
-            write_policy=None if hicache_write_policy is None else hicache_write_policy.value,
-            resized=pool_tokens is not None or page_size is not None or model is not None,
-        )  # fmt: skip
+        resized = pool_tokens is not None or page_size is not None or model is not None
+        settings["hicache"] = host_tier_option(settings, enabled=hicache, ratio=hicache_ratio, size_gb=hicache_size,
+                                               write_policy=hicache_write_policy, resized=resized)  # fmt: skip
         if not time_scale > 0:
             raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
         if not 0.0 <= settings["spec_acceptance"] <= 1.0:

@@ -151,3 +151,16 @@ def test_a_damaged_tier_is_one_error_line(tmp_path: Path, command: list[str]) ->
     line = one_error_line(err)
     assert code == 2 and "bad.kvtrace" in line
     assert "'config.hicache.write_policy' must be one of write_through, write_through_selective, write_back" in line
+
+
+def test_a_workload_file_is_sized_with_the_default_model(tmp_path: Path) -> None:
+    # No trace and no --model: Llama-3.1-8B's 131,072 bytes per token size the GB.
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(
+        json.dumps({"hash_ids": [i, 100 + i], "output_length": 8, "input_length": 1000, "timestamp": 1000 * i}) + "\n"
+        for i in range(3)
+    ))  # fmt: skip
+    out = tmp_path / "w.kvtrace"
+    code, _, err = invoke("record", str(workload), "--pool-tokens", "20000", "--hicache-size", "1", "-o", str(out), "-q")
+    assert code == 0, err
+    assert info(out)["config"]["hicache"]["host_pool_tokens"] == host_tokens_for_size(1, 131_072, 1) == 7630

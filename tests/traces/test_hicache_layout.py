@@ -107,3 +107,22 @@ def test_a_damaged_tier_fails_when_the_trace_is_opened(tmp_path: Path) -> None:
 
     with pytest.raises(TraceMetadataError, match=r"invalid kvtrace metadata: metadata 'config.hicache.host_pool_tokens'"):
         TraceReader(with_meta(sample_path("tiny"), tmp_path / "bad.kvtrace", edit))
+
+
+def test_resolving_the_options_over_a_traces_tier() -> None:
+    from traces.hicache_layout import HostTierOptionError, resolve_host_tier
+
+    sizes = dict(device_tokens=4100, page_size=16, bytes_per_token=131_072)  # 4,100 -> 4,096 whole pages
+    engine = HostTier(host_pool_tokens=9600, write_policy="write_back", host_ratio=2.0)  # a real engine's figure
+    keep = resolve_host_tier(engine, enabled=None, ratio=None, size_gb=None, write_policy="write_through", resized=False, **sizes)
+    assert keep == HostTier(9600, "write_through", 2.0)  # the trace's pool kept, the policy changed
+    again = resolve_host_tier(engine, enabled=None, ratio=None, size_gb=None, write_policy=None, resized=True, **sizes)
+    assert again == HostTier(8208, "write_back", 2.0)  # resized: SGLang's sizing of the whole pages
+    assert resolve_host_tier(engine, enabled=False, ratio=None, size_gb=None, write_policy=None, **sizes) is None
+    assert resolve_host_tier(None, enabled=None, ratio=None, size_gb=None, write_policy=None, **sizes) is None
+    assert resolve_host_tier(None, enabled=True, ratio=None, size_gb=None, write_policy=None, **sizes) == HostTier(8208)
+    sized = resolve_host_tier(None, enabled=None, ratio=4.0, size_gb=1, write_policy=None, **sizes)
+    assert sized == HostTier(host_tokens_for_size(1, 131_072, 16), "write_through", None, 1)  # the size wins
+    with pytest.raises(HostTierOptionError) as info:
+        resolve_host_tier(None, enabled=None, ratio=None, size_gb=1, write_policy=None, hybrid_model="gpt-oss-20b", **sizes)
+    assert info.value.option == "--hicache-size" and "gpt-oss-20b is hybrid" in str(info.value)
