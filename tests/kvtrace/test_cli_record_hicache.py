@@ -69,7 +69,10 @@ def test_a_recording_without_the_options_has_no_tier(tmp_path: Path) -> None:
 def test_info_shows_the_tier(tiered: tuple[Path, dict[str, Any]]) -> None:
     code, out, err = invoke("info", str(tiered[0]), "--no-color")
     assert code == 0, err
-    assert "host pool 180,016 tokens (--hicache-ratio 3), write policy write_back" in " ".join(out.split())
+    assert "host pool 180,016 tokens (--hicache-ratio 3, 23.60 GB), write policy write_back" in " ".join(out.split())
+    tier = info(tiered[0])["hicache"]  # --json: the stored tier and the host memory it takes
+    assert tier["device_pool_tokens"] == POOL and tier["host_bytes"] == 180_016 * 131_072
+    assert info("sample:tiny")["hicache"] is None
 
 
 def test_record_like_carries_the_tier(tiered: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
