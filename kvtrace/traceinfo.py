@@ -81,6 +81,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "attention": attention_info(meta),
         "mamba": mamba_info(meta),
         "namespaces": namespaces_info(meta),
+        "hicache": hicache_info(meta),
         "block_size": meta.block_size,
         "created_at": meta.created_at,
         "recording": None if recording is None else dataclasses.asdict(recording),
@@ -151,5 +152,22 @@ def mamba_info(meta: TraceMeta) -> dict[str, Any] | None:
         slots_per_request=mamba_slots_per_request(meta.config.radix_cache),
         full_pool_tokens=meta.config.pool_tokens,
         full_bytes_per_token=layout.full_bytes_per_token(meta.model),
+    )
+    return out
+
+
+def hicache_info(meta: TraceMeta) -> dict[str, Any] | None:
+    """The trace's HiCache host tier (``config.hicache``) with the host memory it takes:
+    ``host_bytes``, the pool times the model's bytes per token as SGLang's host pool of a
+    full-attention model holds it (None for a hybrid model, whose host copy's bytes per
+    token are not modelled). None: no host tier."""
+    tier = meta.config.hicache
+    if tier is None:
+        return None
+    out = meta.to_dict()["config"]["hicache"]
+    hybrid = meta.attention is not None or meta.mamba is not None
+    out.update(
+        device_pool_tokens=meta.config.pool_tokens,
+        host_bytes=None if hybrid else tier.host_pool_tokens * meta.model.bytes_per_token,
     )
     return out

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from traces.hicache_layout import HostTier, host_tier_from_dict
 from traces.mamba_layout import DEFAULT_MAMBA_FULL_MEMORY_RATIO, MAMBA_KINDS, MAX_STATE_BYTES, MambaLayout
 from traces.namespaces import NamespaceTable
 from traces.schema import MAX_BLOCK_SIZE, MAX_MODEL_DIM, MAX_SPEC_TOKENS, MAX_STEP, MAX_TOKENS
@@ -48,6 +49,7 @@ class TraceConfig:
     hisparse: bool = False
     radix_cache: bool = True  # the engine kept a radix prefix cache
     eviction_policy: str = "lru"  # its eviction order (SGLang's --radix-eviction-policy)
+    hicache: HostTier | None = None  # HiCache's host tier under the radix cache (None: none; version 5)
 
 
 # Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
@@ -287,7 +289,9 @@ class TraceMeta:
     def written_version(self) -> int:
         """The lowest format version that holds this metadata, which a new trace is written
         as: a full-attention trace stays readable by readers of version 1, an SWA one by
-        readers of version 2."""
+        readers of version 2, a Mamba one by readers of version 3."""
+        if self.config.hicache is not None or self.config.eviction_policy != "lru":
+            return 5
         if self.namespaces is not None:
             return 4
         if self.mamba is not None:
@@ -299,6 +303,8 @@ class TraceMeta:
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
         if self.config.eviction_policy == "lru":
             del out["config"]["eviction_policy"]  # the default: metadata as before policies existed
+        if self.config.hicache is None:
+            del out["config"]["hicache"]  # no host tier: as versions 1 to 4 wrote it
         if self.recording is None:
             del out["recording"]  # what traces written without it have always held
         if self.attention is None:
@@ -357,6 +363,7 @@ class TraceMeta:
             hisparse=_bool_of(cfg, "hisparse", "config.", False),
             radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
             eviction_policy=_str_of(cfg, "eviction_policy", "config.", "lru"),
+            hicache=_host_tier(cfg, version),
         )
         model = dict(_optional_object(data, "model", "") or {})
         model.pop("bytes_per_token", None)
@@ -522,6 +529,16 @@ def _attention_layout(obj: dict[str, Any], model: ModelShape, page_size: int) ->
         swa_head_dim=_int_in(obj, "swa_head_dim", "attention.", 1, MAX_MODEL_DIM, None),
         draft_sliding_window=_int_in(obj, "draft_sliding_window", "attention.", 0, MAX_TOKENS, 0),
     )
+
+
+def _host_tier(cfg: dict[str, Any], version: int) -> HostTier | None:
+    """``config.hicache``, which only version 5 and later hold."""
+    obj = cfg.get("hicache")
+    if obj is None:
+        return None
+    if version < 5:
+        raise ValueError(f"metadata has 'config.hicache', which format version {version} does not have (5 and later)")
+    return host_tier_from_dict(obj, cfg["page_size"])
 
 
 def _mamba_layout(obj: dict[str, Any], model: ModelShape) -> MambaLayout:

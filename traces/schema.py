@@ -74,9 +74,17 @@ request (a LoRA adapter, a ``cache_salt``, an ``extra_key``: what SGLang's radix
 beside the tokens; ``traces.namespaces``): ``names``, the distinct names, and ``of_rid``,
 per request id from 0 the index of its name or -1 for none. Absent, no request has one.
 
+``TraceConfig.hicache`` (key ``config.hicache``, version 5) is HiCache's host tier:
+the host pool in tokens, how SGLang sized it and the write policy
+(``traces.hicache_layout.HostTier``); absent, the engine had no host tier. A radix
+eviction policy other than LRU (``config.eviction_policy``) is written as version 5 too,
+so that no older reader replays it as LRU.
+
 Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
 optional ``attention`` object and nothing else, so a version 2 trace without it
-reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 the optional ``namespaces`` object. Readers read every version up to
+reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 the
+optional ``namespaces`` object; 5 the optional ``config.hicache`` object and a non-LRU
+``config.eviction_policy``. Readers read every version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -116,7 +124,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 

@@ -135,6 +135,17 @@ def _render_info(info: dict[str, Any]) -> None:
         ),
     )
     table.add_row("pd decode / hisparse", f"{cfg.get('pd_decode')} / {cfg.get('hisparse')}")
+    hicache = info.get("hicache")
+    if hicache is not None:  # HiCache's host tier (config.hicache, version 4)
+        sized = (
+            f"--hicache-size {hicache['host_size_gb']} GB" if hicache.get("host_size_gb") is not None
+            else f"--hicache-ratio {hicache['host_ratio']:g}"
+        )
+        memory = "" if hicache["host_bytes"] is None else f", {hicache['host_bytes'] / 1e9:,.2f} GB"
+        table.add_row(
+            "host tier",
+            f"host pool {hicache['host_pool_tokens']:,} tokens ({sized}{memory}), write policy {hicache['write_policy']}",
+        )
     table.add_row(
         "model",
         f"{model['name']}: {model['num_layers']} layers, {model['num_kv_heads']} KV heads, "

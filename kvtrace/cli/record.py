@@ -29,6 +29,8 @@ import typer
 
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, EvictionPolicyOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
+from kvtrace.cli.record_hicache import HiCacheOpt, HiCacheRatioOpt, HiCacheSizeOpt, HiCacheWritePolicyOpt, host_tier_option
+from kvtrace.cli.spec_option import parse_spec
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.record.serving import (
     DEFAULT_CHUNK,
@@ -63,45 +65,6 @@ class PolicyOption(str, Enum):
 
 
 ModelOption = Enum("ModelOption", {name: name for name in MODEL_NAMES}, type=str)  # type: ignore[misc]
-
-
-def parse_spec(text: str) -> Any:
-    """``--spec`` text -> ``SpecSettings``, or None for ``off``.
-
-    Raises:
-        typer.BadParameter: not ``off`` nor ALGORITHM:STEPS,TOPK,DRAFT with sane numbers.
-    """
-    if text.strip().lower() in ("off", "none"):
-        return None
-    algorithm, sep, numbers = text.partition(":")
-    algorithm = algorithm.strip().lower()
-    valid = ("eagle", "eagle3", "standalone", "dflash")
-    if algorithm not in valid or not sep:
-        raise typer.BadParameter(
-            f"{text!r} is not off nor ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
-            "(e.g. eagle:3,1,4)",
-            param_hint="--spec",
-        )
-    try:
-        steps, topk, draft = (int(x) for x in numbers.split(","))
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r}: expected three integers STEPS,TOPK,DRAFT after '{algorithm}:' (e.g. eagle:3,1,4)",
-            param_hint="--spec",
-        ) from None
-    if steps < 1 or topk < 1 or draft < 2:
-        raise typer.BadParameter(f"{text!r}: STEPS and TOPK must be >= 1 and DRAFT >= 2", param_hint="--spec")
-    if algorithm == "dflash":
-        # SGLang's _handle_dflash: one step, topk 1, a verify block of DRAFT tokens
-        if steps != 1 or topk != 1:
-            raise typer.BadParameter(f"{text!r}: DFlash takes STEPS 1 and TOPK 1 (e.g. dflash:1,1,16)",
-                                     param_hint="--spec")
-    elif topk == 1 and draft > steps + 1:
-        why = f"with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens"
-        raise typer.BadParameter(f"{text!r}: {why}", param_hint="--spec")
-    from kvtrace.record.simulate import spec_settings
-
-    return spec_settings(text)
 
 
 def infer_format(path: Path, shown: str | None = None) -> str:
@@ -253,6 +216,10 @@ def record_command(
             show_default="as the workload says (a namespaced trace keeps its namespaces)",
         ),
     ] = None,
+    hicache: HiCacheOpt = None,
+    hicache_ratio: HiCacheRatioOpt = None,
+    hicache_size: HiCacheSizeOpt = None,
+    hicache_write_policy: HiCacheWritePolicyOpt = None,
     model: Annotated[
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
@@ -269,7 +236,7 @@ def record_command(
             "--like",
             metavar="TRACE",
             help="Take every serving setting (pool, page size, max running, context, chunk, policy, spec, "
-            "PD/HiSparse, radix cache, model shape and layout) from TRACE's metadata (a path or "
+            "PD/HiSparse, radix cache, HiCache host tier, model shape and layout) from TRACE's metadata (a path or "
             "sample:NAME); options given still override.",
             show_default=False,
         ),
@@ -394,6 +361,9 @@ def record_command(
             if value < low:
                 raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
         check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
+        resized = pool_tokens is not None or page_size is not None or model is not None
+        settings["hicache"] = host_tier_option(settings, enabled=hicache, ratio=hicache_ratio, size_gb=hicache_size,
+                                               write_policy=hicache_write_policy, resized=resized)  # fmt: skip
         if not time_scale > 0:
             raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
         if not 0.0 <= settings["spec_acceptance"] <= 1.0:

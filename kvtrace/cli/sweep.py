@@ -31,7 +31,7 @@ from kvtrace.cli.options import (
     examples,
     finite,
 )
-from kvtrace.errors import WorkloadError
+from kvtrace.errors import ConfigError, WorkloadError
 
 if TYPE_CHECKING:
     from kvtrace.sweep import Grid, SweepInput
@@ -110,7 +110,7 @@ def _versions(text: str) -> tuple[str, ...]:
 
 
 def _specs(text: str | None) -> tuple[str | None, ...]:
-    from kvtrace.cli.record import parse_spec
+    from kvtrace.cli.spec_option import parse_spec
     from kvtrace.sweep import parse_specs
 
     if text is None:
@@ -138,8 +138,14 @@ def _input(arg: str, reschedule: bool) -> SweepInput:
         raise WorkloadError(f"{arg}: is a directory, expected a workload file or a trace")
     fmt = infer_format(path)
     if fmt == "trace":
-        TraceReader(path)  # one line when it is not a readable trace
+        meta = TraceReader(path).meta  # one line when it is not a readable trace
     kind = "replay" if fmt == "trace" and not reschedule else "simulate"
+    if kind == "replay":
+        from kvtrace.replay.config import unserved_hicache
+
+        unserved = unserved_hicache(meta)
+        if unserved is not None:  # one line up front, not a failed cell per grid point
+            raise ConfigError(f"{arg}: {unserved}")
     stat = path.stat()
     return SweepInput(label=arg, path=str(path), fmt=fmt, kind=kind, stamp=f"{stat.st_size}-{stat.st_mtime_ns}")
 

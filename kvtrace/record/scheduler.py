@@ -52,6 +52,28 @@ a request is admitted only while a row with its slots is free::
 
     admit while  rows_used < max_running  and  per_request * (rows_used + 1) <= slots
 
+HiCache's host tier (``SchedulerConfig.hicache``) is stored in the trace's config, and
+the recording is device-only: the allocator under the model is the device tier
+(``allocator.hiradix.HiRadixCache`` is not behind the allocator protocol yet), so a
+prefix evicted from the device is a miss here, where SGLang would load it back. What
+SGLang 0.5.23's ``PrefillAdder.add_one_req`` (``managers/schedule_policy.py``) does
+with a host hit, for the model to follow once the tree is wired in:
+
+* The match gives the device prefix (``prefix_len``) and ``host_hit_length``, the
+  host-resident tokens below it. Admission counts both as cached prefix:
+  ``prefix_len + host_hit_length`` (``_select_prefill_admission``), so only the rest
+  is extended and charged (input, chunk and ``extend + max_new + page`` budgets).
+* The load-back's device slots are not charged in the budget of a plain KV pool
+  (``PrefillBudget.prepare_load_back`` passes; only ``SharedSWAPrefillBudget`` charges them):
+  ``init_load_back`` takes them, evicting device leaves for the shortfall, and the
+  loaded nodes stay locked by the request, so the next candidate sees them gone from
+  ``available + evictable``.
+* All or nothing: a load-back below ``load_back_threshold`` (10 tokens), or refused,
+  loads nothing; admission is then chosen again with ``host_hit_length = 0`` (the
+  host part recomputed) and may no longer fit.
+* Host copies stay after a load-back (duplicates); backups are written per
+  ``write_policy`` on insert or eviction (docs/hicache-semantics.md).
+
 ``ratio`` (``new_token_ratio``) starts at 0.7, decays linearly to 0.7 * 0.14 = 0.098
 over 600 decode steps, is set to ``min(1, (sum out + 20 n) / (sum max_new + 1))``
 over the remaining requests after a retraction, and is reset to 0.7 when idle.
@@ -119,6 +141,7 @@ from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
+from traces.hicache_layout import HostTier
 from traces.mamba_layout import mamba_slots_per_request
 from traces.metadata import SpecSettings, TraceConfig
 from traces.namespaces import in_namespace
@@ -188,6 +211,9 @@ class SchedulerConfig:
         step_time: the step-time model (the clock).
         mamba_slots: a hybrid linear-attention model's Mamba state slots
             (``max_mamba_cache_size``; None: no linear layers).
+        hicache: HiCache's host tier the engine is configured with (stored in the
+            trace's config; the recording's admission is device-only, see the module
+            docstring), or None.
     """
 
     page_size: int
@@ -206,6 +232,7 @@ class SchedulerConfig:
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     mamba_slots: int | None = None
+    hicache: HostTier | None = None
 
     def trace_config(self) -> TraceConfig:
         """The serving configuration a trace recorded under this one carries."""
@@ -221,6 +248,7 @@ class SchedulerConfig:
             hisparse=self.hisparse,
             radix_cache=self.radix_cache,
             eviction_policy=self.eviction_policy,
+            hicache=self.hicache,
         )
 
 

@@ -22,6 +22,7 @@ from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig,
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
 from kvtrace.errors import ConfigError
+from traces.hicache_layout import HostTier
 from traces.mamba_layout import MambaLayout, mamba_slots_per_request
 from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta, TraceSource
 from traces.namespaces import NamespaceTable
@@ -74,6 +75,7 @@ class RecordOptions:
     model: ModelShape = DEFAULT_MODEL_SHAPE
     attention: AttentionLayout | None = None  # None: full attention
     mamba: MambaLayout | None = None  # None: no linear-attention layers
+    hicache: HostTier | None = None  # HiCache's host tier (stored in the trace's config), None: none
     duration_s: float | None = None
     time_scale: float = 1.0
     rate: float | None = None
@@ -186,6 +188,7 @@ def record_workload(
         seed=options.seed,
         step_time=options.step_time,
         mamba_slots=None if options.mamba is None else options.mamba.mamba_cache_size,
+        hicache=options.hicache,
     )
     source = source or known_source(options.workload, options.fmt)
     meta = TraceMeta(
@@ -212,10 +215,12 @@ def record_workload(
     # NOTE: the allocator keeps the Mamba state pool where it serves the trace's
     # switches (``unserved_mamba``); elsewhere it serves the full-attention layers' KV
     # pool only, and the Mamba slots are the scheduler model's budget alone
-    # (``SchedulerConfig.mamba_slots``).
+    # (``SchedulerConfig.mamba_slots``). The host tier: the trace keeps it and the
+    # recording's allocator is the device tier (kvtrace/record/scheduler.py says what
+    # that leaves out).
     served = unserved_mamba(meta, meta.config.radix_cache) is None
     allocator_config = effective_config(
-        meta if served else dataclasses.replace(meta, mamba=None),
+        (meta if served else dataclasses.replace(meta, mamba=None)).with_config(hicache=None),
         version_spec=version.spec,
         version_page_size=version.page_size,
         page_size=options.page_size,
@@ -345,7 +350,7 @@ class DiscardRecorder:
 
 def spec_settings(text: str) -> SpecSettings | None:
     """``off`` -> None; ``ALGORITHM:STEPS,TOPK,DRAFT`` -> ``SpecSettings`` (the text is
-    checked by the command line, ``kvtrace.cli.record.parse_spec``).
+    checked by the command line, ``kvtrace.cli.spec_option.parse_spec``).
 
     Raises:
         ValueError: text of another shape.
@@ -391,6 +396,8 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
         "attention": meta.attention,
         "mamba": meta.mamba,
     }
+    if cfg.hicache is not None:
+        out["hicache"] = cfg.hicache
     if cfg.radix_cache == cfg.pd_decode:
         out["radix_cache"] = cfg.radix_cache
     if cfg.eviction_policy != "lru":
@@ -466,5 +473,6 @@ def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float
             "pd_decode": options.pd_decode,
             "model": options.model.name,
             "mamba_slots": None if options.mamba is None else options.mamba.mamba_cache_size,
+            **({} if options.hicache is None else {"hicache": dataclasses.asdict(options.hicache)}),
         },
     }

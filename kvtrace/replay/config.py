@@ -115,10 +115,11 @@ def allocator_config_for(
     Raises:
         ConfigError: the resulting configuration is one no allocator can be built
             from (``AllocatorConfig.check``), e.g. a pool below two pages, or one the
-            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``).
+            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``,
+            ``unserved_hicache``).
     """
     cfg = meta.config
-    unserved = unserved_mamba(meta, cfg.radix_cache if radix_cache is None else radix_cache)
+    unserved = unserved_mamba(meta, cfg.radix_cache if radix_cache is None else radix_cache) or unserved_hicache(meta)
     if unserved is not None:
         raise ConfigError(unserved)
     ps = cfg.page_size if page_size is None else page_size
@@ -199,6 +200,23 @@ def unserved_mamba(meta: TraceMeta, radix_cache: bool) -> str | None:
         f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots) served with {what}, which no "
         f"allocator serves beside the Mamba state pool yet: only hybrid linear-attention traces recorded with "
         f"{what} off replay (kvtrace info shows the trace's configuration)"
+    )
+
+
+def unserved_hicache(meta: TraceMeta) -> str | None:
+    """The one line to say when a trace was recorded with HiCache's host tier, which the
+    replay does not serve yet, else None.
+
+    NOTE: replayed on the device tier alone, every host hit of the recording would be
+    a miss, so the trace is refused rather than replayed as a device-only cache; this
+    is where the host tier's configuration will be built once the replay serves it.
+    """
+    tier = meta.config.hicache
+    if tier is None:
+        return None
+    return (
+        f"this trace was recorded with HiCache's host tier ({tier.describe()}), and the replay does not "
+        "serve the host tier yet: it cannot be replayed (kvtrace info shows the trace's tier)"
     )
 
 
