@@ -26,7 +26,7 @@ the replay's cache: token ids, or EAGLE bigram units), never evicted; its values
 unit, the id of the eviction that last removed it from the replay's cache (0: none).
 The replay's cache reports stores and evictions through its ``TreeListener``; the
 trigger and the request of an eviction come from the allocator call the engine is making
-(``_WatchedAllocator``). A sliding-window tree tells no listener: there, evictions name no
+(the engine's ``ReplayObserver`` API: ``ReplaySession.observe``). A sliding-window tree tells no listener: there, evictions name no
 evictor and ``uncached`` is folded into ``evicted``.
 """
 
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from allocator.base import AllocResult
+from kvtrace.replay.engine import AllocCall
 from allocator.pages import floor_align
 from allocator.radix_cache import RadixCache, TreeNode
 from kvtrace.errors import ConfigError
@@ -52,6 +53,13 @@ __all__ = ["CAUSES", "Attribution", "EvictionRecord", "Trigger"]
 Cause = Literal["cold", "floor", "uncached", "evicted", "out_of_window", "retraction"]
 CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "out_of_window", "retraction")
 Trigger = Literal["admission", "decode", "spec_reserve", "retraction", "prealloc", "other"]
+
+
+# The trigger of an eviction made by each kind of allocator call.
+_TRIGGER_OF_OP: dict[str, Trigger] = {
+    "extend": "admission", "decode": "decode", "spec": "spec_reserve", "prealloc": "prealloc",
+    "retract": "retraction", "finish": "other", "abort": "other",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,16 +143,7 @@ class Attribution:
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
         self._stored_step: dict[int, int] = {}
-        # NOTE: the engine and its allocator are the session's; explain wraps them rather
-        # than asking the engine for hooks, so a plain replay pays nothing.
-        engine.allocator = _WatchedAllocator(engine.allocator, self)
-        inner_step = engine.replay_step
-
-        def replay_step(batch: Any) -> Any:
-            self._step = batch.step
-            return inner_step(batch)
-
-        engine.replay_step = replay_step  # type: ignore[method-assign]
+        session.observe(self)
         tree.listener = self if tree.listener is None else _Tee(tree.listener, self)
 
     # ------------------------------------------------------------------ the tree's listener
@@ -174,22 +173,39 @@ class Attribution:
         if born is not None:
             self.eviction_ages.append((self._step - born, n))
 
-    # ------------------------------------------------------------------ allocator calls
-    def _begin(self, trigger: Trigger, rids: np.ndarray, first: int | None = None) -> None:
-        rid = int(rids[0]) if first is None and rids.shape[0] else (first if first is not None else -1)
-        self._call = _Pending(self._step, trigger, rid, int(rids.shape[0]))
+    # ------------------------------------------------------------------ the engine's calls (ReplayObserver)
+    def step_started(self, step: int) -> None:
+        self._step = step
 
-    def _after_extend(
-        self, rids: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray], admitted: np.ndarray,
-        prefix: np.ndarray | None,
-    ) -> None:
+    def call_started(self, call: AllocCall) -> None:
+        rids = call.rids
+        rid = int(rids[0]) if rids.shape[0] else -1
+        if call.admitted is not None and call.admitted.any():
+            rid = int(rids[call.admitted][0])  # an admission's eviction names the admitted request
+        self._call = _Pending(self._step, _TRIGGER_OF_OP[call.op], rid, int(rids.shape[0]))
+        if call.op == "finish":
+            self._finish(call.token_ids)  # seen before the cache stores it
+
+    def call_ended(self, call: AllocCall, result: object) -> None:
+        if call.op == "extend" and isinstance(result, AllocResult):
+            assert call.seq_lens is not None and call.token_ids is not None and call.admitted is not None
+            self._after_extend(call, result.prefix_lens)
+            self._published(call.seq_lens, call.token_ids, call.prefill_done)
+        elif call.op == "retract":
+            assert call.seq_lens is not None
+            self._retract(call.rids, call.seq_lens)
+        self._call = None
+
+    def _after_extend(self, call: AllocCall, prefix: np.ndarray | None) -> None:
         tree = self._tree
+        rids, seq_lens, token_ids, admitted = call.rids, call.seq_lens, call.token_ids, call.admitted
+        assert seq_lens is not None and token_ids is not None and admitted is not None
         keys = [tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]) for i in range(rids.shape[0])]
         if prefix is not None and admitted.any():
-            targets = self._engine._req["prefill_target"].a  # what the replay counts as admitted
+            targets = call.prefill_targets  # what the replay counts as admitted
+            assert targets is not None
             for i in np.flatnonzero(admitted).tolist():
-                rid = int(rids[i])
-                self._admit(rid, int(targets[rid]), int(prefix[i]), keys[i], int(seq_lens[i]))
+                self._admit(int(rids[i]), int(targets[i]), int(prefix[i]), keys[i], int(seq_lens[i]))
         # Computed now: seen by later calls (not by this batch's other requests).
         for key in keys:
             self._seen_insert(key)
@@ -341,57 +357,3 @@ class _Tee:
     def removed(self, node: TreeNode) -> None:
         self.first.removed(node)
         self.second.removed(node)
-
-
-class _WatchedAllocator:
-    """The session's allocator as the engine sees it: each call tells ``Attribution``
-    what it is (trigger, requests) before it runs, and what it matched after."""
-
-    def __init__(self, inner: Any, attribution: Attribution) -> None:
-        self._inner = inner
-        self._attr = attribution
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def extend(self, rids: Any, seq_lens: Any, token_ids: Sequence[np.ndarray], prefill_done: Any = None) -> Any:
-        r = np.asarray(rids, np.int64)
-        seq = np.asarray(seq_lens, np.int64)
-        admitted = ~np.asarray(self._inner.holds_kv(r), bool)
-        first = int(r[admitted][0]) if admitted.any() else None
-        self._attr._begin("admission", r, first)
-        res = self._inner.extend(rids, seq_lens, token_ids, prefill_done)
-        if isinstance(res, AllocResult):
-            self._attr._after_extend(r, seq, token_ids, admitted, res.prefix_lens)
-            self._attr._published(seq, token_ids, prefill_done)
-        self._attr._call = None
-        return res
-
-    def decode(self, rids: Any) -> Any:
-        self._attr._begin("decode", np.asarray(rids, np.int64))
-        res = self._inner.decode(rids)
-        self._attr._call = None
-        return res
-
-    def spec_decode(self, rids: Any, accepted_lens: Any) -> Any:
-        self._attr._begin("spec_reserve", np.asarray(rids, np.int64))
-        res = self._inner.spec_decode(rids, accepted_lens)
-        self._attr._call = None
-        return res
-
-    def prealloc(self, rids: Any, fill_lens: Any, token_ids: Any) -> Any:
-        self._attr._begin("prealloc", np.asarray(rids, np.int64))
-        res = self._inner.prealloc(rids, fill_lens, token_ids)
-        self._attr._call = None
-        return res
-
-    def release(self, rids: Any, owned: Any, tokens: Any, kind: str) -> Any:
-        r = np.asarray(rids, np.int64)
-        self._attr._begin("retraction" if kind == "retract" else "other", r)
-        if kind == "finish":
-            self._attr._finish(tokens)  # seen before the cache stores it
-        res = self._inner.release(rids, owned, tokens, kind)
-        if kind == "retract":
-            self._attr._retract(r, owned)
-        self._attr._call = None
-        return res
