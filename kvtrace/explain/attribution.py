@@ -21,13 +21,13 @@ They split, in prompt order::
 - ``retraction``: a retracted request's re-admission: everything it misses is
   recomputation (its per-request cost is kept too).
 
-What was ever computed is a shadow ``RadixCache`` with one-unit pages (the same keying as
-the replay's cache: token ids, or EAGLE bigram units), never evicted; its values are, per
-unit, the id of the eviction that last removed it from the replay's cache (0: none).
+What was ever computed is a ``Shadow`` keyed by the replay's pages (the same keying as the
+replay's cache: token ids, or EAGLE bigram units, one digest per page), never evicted; it
+keeps, per page, the id of the eviction that last removed it from the replay's cache (0:
+none), so its memory is bounded by the distinct pages computed.
 The replay's cache reports stores and evictions through its ``TreeListener``; the
 trigger and the request of an eviction come from the allocator call the engine is making
-(the engine's ``ReplayObserver`` API: ``ReplaySession.observe``). A sliding-window tree tells no listener: there, evictions name no
-evictor and ``uncached`` is folded into ``evicted``.
+(the engine's ``ReplayObserver`` API: ``ReplaySession.observe``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from kvtrace.replay.engine import AllocCall
 from allocator.pages import floor_align
 from allocator.radix_cache import RadixCache, TreeNode
 from kvtrace.errors import ConfigError
+from kvtrace.explain.shadow import Shadow
 
 if TYPE_CHECKING:
     from kvtrace.explain.oracle import OracleStream
@@ -137,8 +138,7 @@ class Attribution:
         self._tree = tree
         self._swa = isinstance(tree, SwaRadixCache)
         self._oracle = oracle
-        self._seen = RadixCache(1)  # never evicts: no allocator needed
-        self._zeros = np.zeros(0, np.int32)
+        self._seen = Shadow(tree.page_size)
         self._step = -1
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
@@ -166,9 +166,10 @@ class Attribution:
             call.record_id = len(self.records)
         n = len(node)
         self.record_tokens[call.record_id - 1] += n
-        kb = _path_bytes(node)
-        hi = len(kb) // 8
-        self._mark(kb, hi - n, hi, call.record_id)
+        path = np.frombuffer(_path_bytes(node), np.int64)
+        ps = self.page_size
+        hi = path.shape[0] // ps  # the tree's nodes are whole pages
+        self._seen.mark(path, hi - n // ps, hi, call.record_id)
         born = self._stored_step.pop(node.id, None)
         if born is not None:
             self.eviction_ages.append((self._step - born, n))
@@ -228,28 +229,25 @@ class Attribution:
         ps = self.page_size
         # SGLang's match key: capped at len - 1 tokens (``Kvallocator.extend``).
         match_units = max(min(key_full.shape[0], seq_len - 1 - (1 if self._tree.is_eagle else 0)), 0)
-        seen = self._seen.peek_prefix_len(key_full)
+        seen = self._seen.seen_len(key_full)
         ceiling = max(floor_align(min(seen, match_units), ps), hit)
-        if ceiling > hit:
-            kb = key_full[:ceiling].tobytes()
-            recs = self._values(kb, hit, ceiling)
+        if ceiling > hit:  # both whole pages
+            recs = self._seen.recs(key_full, hit // ps, ceiling // ps)
+            if ps > 1:
+                recs = np.repeat(recs, ps)
+            if self._swa:  # the full KV still cached, past the SWA-gated hit: out of the window
+                full = RadixCache.peek_prefix_len(self._tree, key_full[:match_units])
+                window = min(max(full - hit, 0), recs.shape[0])
+                got["out_of_window"] = window
+                recs = recs[window:]
             gone = recs[recs > 0]
-            unknown = int(recs.shape[0] - gone.shape[0])
             if gone.shape[0]:
                 if retracted is None:
                     ids, counts = np.unique(gone, return_counts=True)
                     for rec, n in zip(ids.tolist(), counts.tolist()):
                         self.record_missed[rec] = self.record_missed.get(rec, 0) + n
                 got["evicted"] += int(gone.shape[0])
-            if unknown:
-                if self._swa:
-                    full = min(RadixCache.peek_prefix_len(self._tree, key_full[:match_units]), ceiling)
-                    window = max(full - hit, 0)
-                    got["out_of_window"] += min(window, unknown)
-                    got["evicted"] += unknown - min(window, unknown)
-                    self.unknown_evictor_tokens += unknown - min(window, unknown)
-                else:
-                    got["uncached"] += unknown
+            got["uncached"] += int(recs.shape[0] - gone.shape[0])
         self.infinite_tokens += hit + got["evicted"] + got["out_of_window"]
         got["floor"] = max(min(seen, target) - ceiling, 0)
         got["cold"] = missed - sum(got.values())
@@ -288,47 +286,8 @@ class Attribution:
 
     # ------------------------------------------------------------------ the shadow
     def _seen_insert(self, key: np.ndarray) -> None:
-        n = key.shape[0]
-        if n:
-            if self._zeros.shape[0] < n:  # insert copies the part it stores: one buffer serves
-                self._zeros = np.zeros(max(n, 2 * self._zeros.shape[0]), np.int32)
-            self._seen.insert(key, self._zeros)
-
-    def _walk(self, kb: bytes) -> list[tuple[TreeNode, int, int]]:
-        """(node, first unit, units matched) of each shadow node along ``kb``."""
-        out = []
-        node = self._seen.root_node
-        pos = 0
-        nb = len(kb)
-        while pos < nb:
-            child = node.children.get(kb[pos : pos + 8])
-            if child is None:
-                break
-            if kb.startswith(child.key, pos):
-                out.append((child, pos // 8, len(child)))
-                pos += len(child.key)
-                node = child
-                continue
-            out.append((child, pos // 8, self._seen._matched_units(child.key, kb, pos)))
-            break
-        return out
-
-    def _mark(self, kb: bytes, lo: int, hi: int, rec: int) -> None:
-        for node, start, m in self._walk(kb):
-            a, b = max(lo, start), min(hi, start + m)
-            if a < b:
-                node.value[a - start : b - start] = rec
-
-    def _values(self, kb: bytes, lo: int, hi: int) -> np.ndarray:
-        parts = []
-        for node, start, m in self._walk(kb):
-            a, b = max(lo, start), min(hi, start + m)
-            if a < b:
-                parts.append(node.value[a - start : b - start])
-        got = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        if got.shape[0] < hi - lo:  # not in the shadow: nothing names an eviction
-            got = np.concatenate([got, np.zeros(hi - lo - got.shape[0], np.int32)])
-        return got
+        if key.shape[0]:
+            self._seen.insert(key)
 
 
 def _path_bytes(node: TreeNode) -> bytes:
