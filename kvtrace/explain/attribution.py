@@ -27,7 +27,7 @@ keeps, per page, the id of the eviction that last removed it from the replay's c
 none), so its memory is bounded by the distinct pages computed.
 The replay's cache reports stores and evictions through its ``TreeListener``; the
 trigger and the request of an eviction come from the allocator call the engine is making
-(the engine's ``ReplayObserver`` API: ``ReplaySession.observe``).
+(the engine's ``ReplayObserver`` API: ``ReplaySession.observers``).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class Attribution:
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
         self._stored_step: dict[int, int] = {}
-        session.observe(self)
+        session.observers.append(self)  # kept across the session's restarts
         tree.listener = self if tree.listener is None else _Tee(tree.listener, self)
 
     # ------------------------------------------------------------------ the tree's listener

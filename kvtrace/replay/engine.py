@@ -111,7 +111,7 @@ class AllocCall:
 
 
 class ReplayObserver(Protocol):
-    """What watches a replay's allocator calls (``ReplayEngine.observers``; ``kvtrace
+    """What watches a replay's allocator calls (``ReplaySession.observers``; ``kvtrace
     explain``). The engine builds no ``AllocCall`` while it has no observer, so a plain
     replay pays one list test per call. Observers read, never change, the state."""
 

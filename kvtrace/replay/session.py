@@ -32,7 +32,7 @@ from kvtrace.replay.config import check_memory, effective_config, replay_names
 from kvtrace.errors import ConfigError, VersionSpecError
 from kvtrace.versions.registry import AllocatorVersion, resolve_version
 from kvtrace.replay.checkpoints import Checkpoint, Checkpointing
-from kvtrace.replay.engine import ReplayEngine, ReplayObserver, ReplayOptions, StepChecker
+from kvtrace.replay.engine import ReplayEngine, ReplayOptions, StepChecker
 from kvtrace.replay.result import ReplayResult
 from kvtrace.replay.step_checker import RecordedChecker
 from kvtrace.replay.snapshot import SnapshotBlock
@@ -224,9 +224,7 @@ class ReplaySession(Checkpointing):
             self.meta, self.allocator, self.options, checker=self._checker, clock=self._clock,
             rid_bound=self.reader.rid_bound,
         )
-        if not hasattr(self, "observers"):
-            self.observers: list[ReplayObserver] = []  # kept across restarts (``observe``)
-        self.engine.observers = self.observers
+        self.engine.observers = self.observers = getattr(self, "observers", [])  # ReplayObserver: kept on restarts
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         self._unfolded: list[StepSnapshot] = []  # replayed, not yet in a block
         self._unfolded_continued: list[bool] = []  # for each of them: the next step of its run follows it
@@ -236,13 +234,6 @@ class ReplaySession(Checkpointing):
         self.last: StepSnapshot | None = None
         self.done = False
         self._open_steps(None, None, 0)
-
-    def observe(self, observer: ReplayObserver) -> None:
-        """Tell ``observer`` of every allocator call from the next step on (``ReplayObserver``).
-
-        NOTE: a seek backwards replays from a checkpoint or the start: the observer
-        is told of those steps again."""
-        self.observers.append(observer)
 
     def _open_steps(self, position: ResumePoint | None, start: int | None, ordinal: int) -> None:
         old = getattr(self, "_chunks", None)

@@ -175,7 +175,7 @@ def test_observer_api_replaces_the_wrappers(tmp_path: Path) -> None:
                                            [_prefill(1, A + [7])]])
     with ReplaySession(path, checker="inline") as session:
         seen = _Calls()
-        session.observe(seen)
+        session.observers.append(seen)
         Explainer(session)
         assert session.engine.allocator is session.allocator
         assert type(session.engine).replay_step is type(session.engine).__dict__["replay_step"]
