@@ -166,9 +166,9 @@ class Attribution:
             call.record_id = len(self.records)
         n = len(node)
         self.record_tokens[call.record_id - 1] += n
-        path = np.frombuffer(_path_bytes(node), np.int64)
+        path = _path_bytes(node)
         ps = self.page_size
-        hi = path.shape[0] // ps  # the tree's nodes are whole pages
+        hi = len(path) // 8 // ps  # the tree's nodes are whole pages
         self._seen.mark(path, hi - n // ps, hi, call.record_id)
         born = self._stored_step.pop(node.id, None)
         if born is not None:
@@ -202,16 +202,18 @@ class Attribution:
         rids, seq_lens, token_ids, admitted = call.rids, call.seq_lens, call.token_ids, call.admitted
         assert seq_lens is not None and token_ids is not None and admitted is not None
         keys = [tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]) for i in range(rids.shape[0])]
+        raws = [key.tobytes() for key in keys]
         if prefix is not None and admitted.any():
             targets = call.prefill_targets  # what the replay counts as admitted
             assert targets is not None
             for i in np.flatnonzero(admitted).tolist():
-                self._admit(int(rids[i]), int(targets[i]), int(prefix[i]), keys[i], int(seq_lens[i]))
+                self._admit(int(rids[i]), int(targets[i]), int(prefix[i]), keys[i], raws[i], int(seq_lens[i]))
         # Computed now: seen by later calls (not by this batch's other requests).
-        for key in keys:
-            self._seen_insert(key)
+        for raw in raws:
+            if raw:
+                self._seen.insert(raw)
 
-    def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, seq_len: int) -> None:
+    def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, raw: bytes, seq_len: int) -> None:
         """Split one admission's ``target - hit`` missed tokens into causes (counted in the
         replay's ``--steps`` window only, as the replay counts its admissions)."""
         retracted = self._retracted.pop(rid, None)
@@ -229,10 +231,10 @@ class Attribution:
         ps = self.page_size
         # SGLang's match key: capped at len - 1 tokens (``Kvallocator.extend``).
         match_units = max(min(key_full.shape[0], seq_len - 1 - (1 if self._tree.is_eagle else 0)), 0)
-        seen = self._seen.seen_len(key_full)
+        seen = self._seen.seen_len(raw)
         ceiling = max(floor_align(min(seen, match_units), ps), hit)
         if ceiling > hit:  # both whole pages
-            recs = self._seen.recs(key_full, hit // ps, ceiling // ps)
+            recs = self._seen.recs(raw, hit // ps, ceiling // ps)
             if ps > 1:
                 recs = np.repeat(recs, ps)
             if self._swa:  # the full KV still cached, past the SWA-gated hit: out of the window
@@ -273,7 +275,8 @@ class Attribution:
             return
         for toks in tokens:
             key = self._tree.make_key(np.asarray(toks))
-            self._seen_insert(key)
+            if key.shape[0]:
+                self._seen.insert(key.tobytes())
             if self._oracle is not None:
                 self._oracle.insert(key)
 
@@ -283,11 +286,6 @@ class Attribution:
         for i in range(len(token_ids)):
             if done is None or bool(done[i]):
                 self._oracle.insert(self._tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]))
-
-    # ------------------------------------------------------------------ the shadow
-    def _seen_insert(self, key: np.ndarray) -> None:
-        if key.shape[0]:
-            self._seen.insert(key)
 
 
 def _path_bytes(node: TreeNode) -> bytes:

@@ -86,10 +86,9 @@ class Shadow:
         self._tails: dict[int, list[bytes]] = {}
 
     # ------------------------------------------------------------------ insert
-    def insert(self, units: np.ndarray) -> None:
-        """Add ``units`` (int64: one sequence's key) as computed."""
+    def insert(self, raw: bytes) -> None:
+        """Add one sequence's key (``units.tobytes()``, int64 units) as computed."""
         psb = self._psb
-        raw = units.tobytes()
         nb = len(raw) // psb * psb
         kb = raw[:nb]
         node = self.root
@@ -131,12 +130,11 @@ class Shadow:
         tails.append(tail)
 
     # ------------------------------------------------------------------ reads
-    def seen_len(self, units: np.ndarray) -> int:
-        """Units of ``units``'s longest prefix computed before (to the unit: a
-        partial page counts the units it shares with a page or a partial page
-        computed there)."""
+    def seen_len(self, kb: bytes) -> int:
+        """Units of the longest prefix of a key (``units.tobytes()``) computed before
+        (to the unit: a partial page counts the units it shares with a page or a
+        partial page computed there)."""
         ps = self.page_size
-        kb = units.tobytes()
         psb = self._psb
         nb = len(kb)
         node = self.root
@@ -160,7 +158,7 @@ class Shadow:
         if ps == 1:
             return seen
         base = seen // ps * ps  # the page boundary at or before the end of the match
-        nxt = units[base : base + ps]
+        nxt = np.frombuffer(kb, np.int64, count=min(ps, nb // 8 - base), offset=base * 8)
         if nxt.shape[0] == 0:
             return seen
         candidates = list(self._tails.get(hash(kb[: base * 8]), ()))
@@ -170,49 +168,49 @@ class Shadow:
             seen = max(seen, base + _common(page, nxt))
         return seen
 
-    def mark(self, units: np.ndarray, lo: int, hi: int, rec: int) -> None:
-        """Pages ``[lo, hi)`` of ``units`` were evicted by eviction ``rec``."""
-        for node, start, m in self._walk(units[: hi * self.page_size].tobytes()):
+    def mark(self, kb: bytes, lo: int, hi: int, rec: int) -> None:
+        """Pages ``[lo, hi)`` of a key (``units.tobytes()``) were evicted by eviction ``rec``."""
+        for node, start, m in self._walk(kb, hi * self._psb):
             a, b = max(lo, start), min(hi, start + m)
             if a < b:
                 node.set_recs(a - start, b - start, rec, len(node.key) // self._psb)
 
-    def recs(self, units: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """The eviction ids of pages ``[lo, hi)`` of ``units``, int32 (0: never
-        evicted, or not in the shadow)."""
+    def recs(self, kb: bytes, lo: int, hi: int) -> np.ndarray:
+        """The eviction ids of pages ``[lo, hi)`` of a key (``units.tobytes()``), int32
+        (0: never evicted, or not in the shadow)."""
         out = np.zeros(hi - lo, np.int32)
-        for node, start, m in self._walk(units[: hi * self.page_size].tobytes()):
+        for node, start, m in self._walk(kb, hi * self._psb):
             a, b = max(lo, start), min(hi, start + m)
             if a < b and node.recs is not None:
                 node.get_recs(a - start, b - start, out[a - lo : b - lo])
         return out
 
-    def _walk(self, kb: bytes) -> list[tuple[_Node, int, int]]:
-        """(node, first page, pages matched) of each node along ``kb`` (whole pages)."""
+    def _walk(self, kb: bytes, nb: int) -> list[tuple[_Node, int, int]]:
+        """(node, first page, pages matched) of each node along ``kb[:nb]`` (whole pages)."""
         out = []
         psb = self._psb
         ps = self.page_size
         node = self.root
         pos = 0
-        nb = len(kb)
+        nb = min(nb, len(kb))
         while pos < nb and node.children is not None:
             child = node.children.get(kb[pos : pos + psb])
             if child is None:
                 break
-            if kb.startswith(child.key, pos):
+            if kb.startswith(child.key, pos, nb):
                 out.append((child, pos // psb, len(child.key) // psb))
                 pos += len(child.key)
                 node = child
                 continue
-            out.append((child, pos // psb, _matched(child.key, kb, pos) // ps))
+            out.append((child, pos // psb, _matched(child.key, kb, pos, nb) // ps))
             break
         return out
 
 
-def _matched(ckey: bytes, kb: bytes, pos: int) -> int:
-    """Units of ``ckey`` matching ``kb[pos:]``."""
+def _matched(ckey: bytes, kb: bytes, pos: int, nb: int | None = None) -> int:
+    """Units of ``ckey`` matching ``kb[pos:nb]``."""
     a = np.frombuffer(ckey, dtype=np.int64)
-    k = min(a.shape[0], (len(kb) - pos) // 8)
+    k = min(a.shape[0], ((len(kb) if nb is None else nb) - pos) // 8)
     b = np.frombuffer(kb, dtype=np.int64, count=k, offset=pos)
     neq = a[:k] != b
     return int(neq.argmax()) if neq.any() else k

@@ -28,20 +28,20 @@ def test_seen_len_is_the_longest_common_prefix(page_size: int) -> None:
         cut = int(rng.integers(0, base.shape[0] + 1))
         seq = np.concatenate([base[:cut], rng.integers(0, 3, int(rng.integers(0, 40)))]).astype(np.int64)
         want = max((_lcp(seq, s) for s in inserted), default=0)
-        assert shadow.seen_len(seq) == want
-        shadow.insert(seq)
+        assert shadow.seen_len(seq.tobytes()) == want
+        shadow.insert(seq.tobytes())
         inserted.append(seq)
 
 
 def test_marks_and_reads_whole_pages() -> None:
     shadow = Shadow(4)
     a = np.arange(12, dtype=np.int64)
-    shadow.insert(a)
-    shadow.insert(np.concatenate([a[:8], [99, 98, 97, 96]]))  # splits after two pages
-    shadow.mark(a, 1, 3, 7)
-    assert shadow.recs(a, 0, 3).tolist() == [0, 7, 7]
-    assert shadow.recs(np.concatenate([a[:8], [99, 98, 97, 96]]), 0, 3).tolist() == [0, 7, 0]
-    assert shadow.recs(np.arange(100, 112, dtype=np.int64), 0, 3).tolist() == [0, 0, 0]
+    shadow.insert(a.tobytes())
+    shadow.insert(np.concatenate([a[:8], [99, 98, 97, 96]]).tobytes())  # splits after two pages
+    shadow.mark(a.tobytes(), 1, 3, 7)
+    assert shadow.recs(a.tobytes(), 0, 3).tolist() == [0, 7, 7]
+    assert shadow.recs(np.concatenate([a[:8], [99, 98, 97, 96]]).tobytes(), 0, 3).tolist() == [0, 7, 0]
+    assert shadow.recs(np.arange(100, 112, dtype=np.int64).tobytes(), 0, 3).tolist() == [0, 0, 0]
 
 
 def test_memory_is_eight_bytes_a_unit_computed() -> None:
@@ -51,7 +51,7 @@ def test_memory_is_eight_bytes_a_unit_computed() -> None:
     tracemalloc.start()
     shadow = Shadow(1)
     for s in seqs:
-        shadow.insert(s)
+        shadow.insert(s.tobytes())
     used, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     units = sum(s.shape[0] for s in seqs)
@@ -65,16 +65,16 @@ def test_eviction_ids_survive_marks_and_splits() -> None:
     ps = 2
     base = rng.integers(0, 1 << 40, 400).astype(np.int64)
     shadow = Shadow(ps)
-    shadow.insert(base)
+    shadow.insert(base.tobytes())
     dense = np.zeros(200, np.int32)
     for rec in range(1, 200):
         if rng.random() < 0.3:  # a branch splits a node somewhere
             cut = int(rng.integers(1, 200)) * ps
-            shadow.insert(np.concatenate([base[:cut], rng.integers(0, 1 << 40, 6)]).astype(np.int64))
+            shadow.insert(np.concatenate([base[:cut], rng.integers(0, 1 << 40, 6)]).astype(np.int64).tobytes())
         lo = int(rng.integers(0, 200))
         hi = int(rng.integers(lo + 1, 201))
-        shadow.mark(base, lo, hi, rec)
+        shadow.mark(base.tobytes(), lo, hi, rec)
         dense[lo:hi] = rec
         a = int(rng.integers(0, 200))
         b = int(rng.integers(a + 1, 201))
-        assert shadow.recs(base, a, b).tolist() == dense[a:b].tolist()
+        assert shadow.recs(base.tobytes(), a, b).tolist() == dense[a:b].tolist()
