@@ -139,6 +139,7 @@ class Attribution:
         self._swa = isinstance(tree, SwaRadixCache)
         self._oracle = oracle
         self._seen = Shadow(tree.page_size)
+        self._inserted: dict[int, int] = {}  # per live request: key units in the shadow
         self._step = -1
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
@@ -185,7 +186,10 @@ class Attribution:
             rid = int(rids[call.admitted][0])  # an admission's eviction names the admitted request
         self._call = _Pending(self._step, _TRIGGER_OF_OP[call.op], rid, int(rids.shape[0]))
         if call.op == "finish":
-            self._finish(call.token_ids)  # seen before the cache stores it
+            self._finish(call.rids, call.token_ids)  # seen before the cache stores it
+        elif call.op == "abort":
+            for rid in call.rids.tolist():
+                self._inserted.pop(rid, None)
 
     def call_ended(self, call: AllocCall, result: object) -> None:
         if call.op == "extend" and isinstance(result, AllocResult):
@@ -202,16 +206,20 @@ class Attribution:
         rids, seq_lens, token_ids, admitted = call.rids, call.seq_lens, call.token_ids, call.admitted
         assert seq_lens is not None and token_ids is not None and admitted is not None
         keys = [tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]) for i in range(rids.shape[0])]
-        raws = [key.tobytes() for key in keys]
+        raws: dict[int, bytes] = {}
         if prefix is not None and admitted.any():
             targets = call.prefill_targets  # what the replay counts as admitted
             assert targets is not None
             for i in np.flatnonzero(admitted).tolist():
+                raws[i] = keys[i].tobytes()
                 self._admit(int(rids[i]), int(targets[i]), int(prefix[i]), keys[i], raws[i], int(seq_lens[i]))
         # Computed now: seen by later calls (not by this batch's other requests).
-        for raw in raws:
-            if raw:
-                self._seen.insert(raw)
+        inserted = self._inserted
+        for i, rid in enumerate(rids.tolist()):
+            key = keys[i]
+            if key.shape[0]:
+                self._seen.insert(key, inserted.get(rid, 0), raws.get(i))
+                inserted[rid] = key.shape[0]
 
     def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, raw: bytes, seq_len: int) -> None:
         """Split one admission's ``target - hit`` missed tokens into causes (counted in the
@@ -270,13 +278,14 @@ class Attribution:
         for rid, n in zip(rids.tolist(), np.asarray(owned).tolist()):
             self._retracted[rid] = n
 
-    def _finish(self, tokens: Sequence[np.ndarray] | None) -> None:
+    def _finish(self, rids: np.ndarray, tokens: Sequence[np.ndarray] | None) -> None:
         if tokens is None:
             return
-        for toks in tokens:
+        inserted = self._inserted
+        for rid, toks in zip(rids.tolist(), tokens):
             key = self._tree.make_key(np.asarray(toks))
             if key.shape[0]:
-                self._seen.insert(key.tobytes())
+                self._seen.insert(key, inserted.pop(rid, 0))
             if self._oracle is not None:
                 self._oracle.insert(key)
 

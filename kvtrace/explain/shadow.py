@@ -86,12 +86,34 @@ class Shadow:
         self._tails: dict[int, list[bytes]] = {}
 
     # ------------------------------------------------------------------ insert
-    def insert(self, raw: bytes) -> None:
-        """Add one sequence's key (``units.tobytes()``, int64 units) as computed."""
+    def insert(self, units: np.ndarray, known: int = 0, raw: bytes | None = None) -> None:
+        """Add one sequence's key (int64 units) as computed.
+
+        Args:
+            units: the key.
+            known: units of its prefix inserted before (the same request's earlier
+                chunk): followed without comparing them, so that a long request's
+                chunks cost their own length, not the whole prefix again.
+            raw: ``units.tobytes()``, where the caller has it.
+        """
+        ps = self.page_size
         psb = self._psb
-        nb = len(raw) // psb * psb
-        kb = raw[:nb]
+        n = units.shape[0]
+        full = n // ps * ps
         node = self.root
+        start = 0  # units followed on trust
+        known = min(known, full)
+        while start < known and node.children is not None:
+            child = node.children.get(units[start : start + ps].tobytes())
+            if child is None or start + len(child.key) // 8 > known:
+                break
+            start += len(child.key) // 8
+            node = child
+        if start == 0 and raw is not None:
+            kb = raw if full == n else raw[: full * 8]
+        else:
+            kb = units[start:full].tobytes()
+        nb = len(kb)
         pos = 0
         while pos < nb:
             first = kb[pos : pos + psb]
@@ -108,7 +130,7 @@ class Shadow:
                 pos += len(ck)
                 node = child
                 continue
-            m = _matched(ck, kb, pos) // self.page_size  # pages
+            m = _matched(ck, kb, pos) // ps  # pages
             upper = _Node(ck[: m * psb], child.split_recs(m))
             child.key = ck[m * psb :]
             upper.children = {child.key[:psb]: child}
@@ -116,8 +138,8 @@ class Shadow:
             self.num_nodes += 1
             node = upper
             pos += m * psb
-        if nb < len(raw):
-            self._add_tail(hash(kb), raw[nb:])
+        if full < n:
+            self._add_tail(hash(units[:full].tobytes()), units[full:].tobytes())
 
     def _add_tail(self, at: int, tail: bytes) -> None:
         tails = self._tails.setdefault(at, [])
