@@ -191,8 +191,12 @@ class Shadow:
         return seen
 
     def mark(self, kb: bytes, lo: int, hi: int, rec: int) -> None:
-        """Pages ``[lo, hi)`` of a key (``units.tobytes()``) were evicted by eviction ``rec``."""
-        for node, start, m in self._walk(kb, hi * self._psb):
+        """Pages ``[lo, hi)`` of a key (``units.tobytes()``) were evicted by eviction ``rec``.
+
+        NOTE: the nodes wholly before page ``lo`` are followed by their first page only
+        (an evicted node's path was computed, so it is in the shadow); the pages marked
+        are compared whole."""
+        for node, start, m in self._walk(kb, hi * self._psb, lo * self._psb):
             a, b = max(lo, start), min(hi, start + m)
             if a < b:
                 node.set_recs(a - start, b - start, rec, len(node.key) // self._psb)
@@ -207,8 +211,9 @@ class Shadow:
                 node.get_recs(a - start, b - start, out[a - lo : b - lo])
         return out
 
-    def _walk(self, kb: bytes, nb: int) -> list[tuple[_Node, int, int]]:
-        """(node, first page, pages matched) of each node along ``kb[:nb]`` (whole pages)."""
+    def _walk(self, kb: bytes, nb: int, trusted: int = 0) -> list[tuple[_Node, int, int]]:
+        """(node, first page, pages matched) of each node along ``kb[:nb]`` (whole pages);
+        nodes ending within the first ``trusted`` bytes are not compared past their first page."""
         out = []
         psb = self._psb
         ps = self.page_size
@@ -219,7 +224,7 @@ class Shadow:
             child = node.children.get(kb[pos : pos + psb])
             if child is None:
                 break
-            if kb.startswith(child.key, pos, nb):
+            if pos + len(child.key) <= trusted or kb.startswith(child.key, pos, nb):
                 out.append((child, pos // psb, len(child.key) // psb))
                 pos += len(child.key)
                 node = child
