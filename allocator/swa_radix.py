@@ -292,6 +292,8 @@ class SwaRadixCache(RadixCache):
         self._update_leaf_status(c)
         if self.journal is not None:
             self.journal.split(upper, c)
+        if self.listener is not None:
+            self.listener.split(upper, c)
         return upper
 
     # ------------------------------------------------------------------ match
@@ -530,6 +532,8 @@ class SwaRadixCache(RadixCache):
             self._update_leaf_status(node)
             if self.journal is not None:
                 self.journal.insert(leaf)
+            if self.listener is not None:
+                self.listener.stored(leaf)
             target = leaf
             # SWA commit: a tombstone below the cursor, live SWA above it, capped at a window
             live_start = max(total, swa_evicted_seqlen)
@@ -757,6 +761,8 @@ class SwaRadixCache(RadixCache):
         psb = self.page_size * 8
         if self.journal is not None:
             self.journal.evict(x, x.parent)
+        if self.listener is not None:  # the full side goes: a tombstone is no removal
+            self.listener.removed(x)
         n = len(x)
         self.evictable_size_ -= n
         tracker["full"] += n

@@ -278,6 +278,9 @@ def sweep_run(
     keep_traces: Annotated[
         Path | None, typer.Option("--keep-traces", help="Keep the simulated cells' traces in this directory.", show_default="none kept")
     ] = None,
+    explain: Annotated[
+        bool, typer.Option("--explain", help="Replayed cells: also explain their misses (explain.* columns: causes, LRU / Belady / infinite hit rates).")
+    ] = False,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
@@ -337,6 +340,7 @@ def sweep_run(
             rate=rate,
             seed=seed,
             keep_traces=None if keep_traces is None else str(keep_traces.resolve()),
+            explain=explain,
         ),
     )
     _check_grid(grid, {"--spec": spec, "--max-running": max_running, "--chunk": chunk,
