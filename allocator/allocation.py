@@ -616,6 +616,7 @@ class SwaRun(NamedTuple):
     taken: np.ndarray  # slots each step took from each pool (whole pages)
     swa_released: np.ndarray  # SWA slots the step's window frees gave back to the SWA pool
     swa_window_freed: np.ndarray  # change of ``ReqKvTable.sum_swa_freed`` at the step
+    swa_evicted: np.ndarray  # int64 [num_steps, bs] each request's SWA cursor after each step
 
 
 def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> SwaRun | None:
@@ -702,6 +703,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
 
     released = np.zeros(num_steps, dtype=np.int64)
     window_freed = np.zeros(num_steps, dtype=np.int64)
+    cursors = np.empty((num_steps, bs), dtype=np.int64)
     mapped = 0
     j = 0
     while j < num_steps:
@@ -722,6 +724,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
             gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
         # steps from j to the next due one (at least this one)
         n = min(max(int(np.maximum(gate, 1 - decoded - j).min()), 1), num_steps - j)
+        cursors[j : j + n] = kv.swa_evicted_seqlen[rows]
         lo, hi = int(first_page[j]), int(first_page[j + n])
         if hi > lo:  # the SWA pages (slots at page 1) of steps [j, j + n), in take order
             got = swa_pool.alloc((hi - lo) * ps)
@@ -734,7 +737,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     kv.sum_allocated_ceil += int(taken.sum())
     kv.max_len_bound += num_steps
     kv.decode_batch_idx[rows] = decoded + num_steps
-    return SwaRun(taken, released, window_freed)
+    return SwaRun(taken, released, window_freed, cursors)
 
 
 def _check_decode_room(ctx: KvContext, rows: np.ndarray, seq: np.ndarray) -> None:
@@ -894,6 +897,7 @@ class SwaSpecRun(NamedTuple):
     allocated: np.ndarray  # int64 [num_steps, bs] allocated lengths after each step
     swa_released: np.ndarray  # SWA slots the step's window frees gave back to the SWA pool
     swa_window_freed: np.ndarray  # change of ``ReqKvTable.sum_swa_freed`` at the step
+    swa_evicted: np.ndarray  # int64 [num_steps, bs] each request's SWA cursor after each step
 
 
 def alloc_for_swa_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarray) -> SwaSpecRun | None:
@@ -1000,6 +1004,7 @@ def alloc_for_swa_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarra
 
     released = np.zeros(num_steps, dtype=np.int64)
     window_freed = np.zeros(num_steps, dtype=np.int64)
+    cursors = np.empty((num_steps, bs), dtype=np.int64)
     decoded = kv.decode_batch_idx[rows]
     first = decoded[None, :] + np.arange(num_steps, dtype=np.int64)[:, None] >= 1  # [step, request]
     slide = c[:-1] - swa.retain_window - swa.eviction_interval  # due when >= the cursor
@@ -1018,6 +1023,7 @@ def alloc_for_swa_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarra
         hits = np.flatnonzero(later.any(axis=1))
         k = j + 1 + int(hits[0]) if hits.shape[0] else num_steps
         take_swa(j, k)
+        cursors[j:k] = kv.swa_evicted_seqlen[rows]
         j = k
     kv.kv_allocated_len[rows] = nxt[-1]
     kv.kv_committed_len[rows] = c[-1]
@@ -1025,7 +1031,7 @@ def alloc_for_swa_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarra
     kv.sum_allocated_ceil += int(taken.sum())
     kv.max_len_bound = bound
     kv.decode_batch_idx[rows] = decoded + num_steps
-    return SwaSpecRun(taken, nxt, released, window_freed)
+    return SwaSpecRun(taken, nxt, released, window_freed, cursors)
 
 
 def alloc_for_spec_decode(

@@ -536,7 +536,7 @@ class KvAllocator:
         swa[:, _COUNTER_COMMITTED] -= np.cumsum(run.swa_window_freed)
         steps = np.arange(1, num_steps + 1, dtype=np.int64)
         return RunResult(
-            _counters_after(before_full, run.taken, committed), allocated[None, :] + steps[:, None], (swa,)
+            _counters_after(before_full, run.taken, committed), allocated[None, :] + steps[:, None], (swa,), run.swa_evicted
         )
 
     def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
@@ -579,7 +579,7 @@ class KvAllocator:
         swa = _counters_after(before_swa, run.taken, committed)
         swa[:, _COUNTER_AVAILABLE] += np.cumsum(run.swa_released)
         swa[:, _COUNTER_COMMITTED] -= np.cumsum(run.swa_window_freed)
-        return RunResult(_counters_after(before_full, run.taken, committed), run.allocated, (swa,))
+        return RunResult(_counters_after(before_full, run.taken, committed), run.allocated, (swa,), run.swa_evicted)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),

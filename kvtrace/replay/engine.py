@@ -458,6 +458,8 @@ class ReplayEngine:
         phase = np.full(bs, phase_code, np.int8)
         prefix = req["prefix"].a[rids]
         per_step = elapsed / num_steps
+        # the requests' SWA cursors after each step, as a step's snapshot has them
+        swa_evicted = res.swa_evicted if self._swa_evicted_lens is not None else None
         return [
             StepSnapshot(
                 step=step,
@@ -468,6 +470,7 @@ class ReplayEngine:
                 num_ops=bs,
                 allocator_s=per_step,
                 other_pools=others[j],
+                swa_evicted=None if swa_evicted is None else swa_evicted[j],
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]

@@ -11,6 +11,7 @@ import pytest
 from allocator.base import AllocatorConfig, OutOfMemory, SwaConfig
 from allocator.manager import KvAllocator
 from allocator.ownership import SlotState
+from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.replay.snapshot import SnapshotBlock
 from kvtrace.replay.state import ReplayState
@@ -20,8 +21,8 @@ SWA = "sample:mooncake-gpt-oss"
 STEPS = 60  # the window has slid past some requests' first tokens by then
 
 
-def _snaps(trace: str, n: int) -> tuple[list, ReplaySession]:  # noqa: ANN401
-    session = ReplaySession(trace, track_state=True)
+def _snaps(trace: str, n: int, runs: bool = True) -> tuple[list, ReplaySession]:  # noqa: ANN401
+    session = ReplaySession(trace, track_state=True, options=ReplayOptions(decode_runs=runs))
     snaps = []
     for _ in range(n):
         snap = session.step()
@@ -31,7 +32,8 @@ def _snaps(trace: str, n: int) -> tuple[list, ReplaySession]:  # noqa: ANN401
 
 
 def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor() -> None:
-    snaps, session = _snaps(SWA, STEPS)
+    # step by step, so that the allocator is at the last snapshot's step
+    snaps, session = _snaps(SWA, STEPS, runs=False)
     with session:
         alloc = session.allocator
         last = snaps[-1]
@@ -53,6 +55,19 @@ def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor() -> None:
         row = one.row(rid)
         assert row.swa_evicted == int(one.column("swa_evicted")[rid]) > 0
         assert row.swa_len == row.allocated - row.swa_evicted
+
+
+def test_runs_of_decode_steps_carry_the_swa_cursors_of_each_step() -> None:
+    """A run's snapshots have each step's cursors, as the steps one by one have them
+    (the window slides inside the sample's runs)."""
+    stepwise, session = _snaps(SWA, STEPS, runs=False)
+    session.close()
+    with_runs, session = _snaps(SWA, STEPS)
+    session.close()
+    assert [s.step for s in with_runs] == [s.step for s in stepwise]
+    for a, b in zip(with_runs, stepwise):
+        assert a.swa_evicted is not None and b.swa_evicted is not None
+        assert np.array_equal(a.swa_evicted, b.swa_evicted), a.step
 
 
 def test_an_update_frame_carries_the_swa_cursors_and_a_full_attention_one_does_not() -> None:
