@@ -624,7 +624,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     ``alloc_for_decode(ctx, rows)``, the out-of-window frees included.
 
     A request's window free is due at the first step where ``decode_batch_idx >= 1``
-    and ``committed - window >= swa_evicted_seqlen + eviction_interval``
+    and ``committed - retain_window >= swa_evicted_seqlen + eviction_interval``
     (``swa_decode_due``). The full pool, which window frees do not touch, gives the
     slots of the whole run at once (as ``alloc_for_decode_run``). The SWA pool is cut
     at the steps where some request's free is due: such a step first applies the due
@@ -709,7 +709,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     while j < num_steps:
         pre_lens = committed + j
         # swa_decode_due at step j (committed and decode_batch_idx as after j steps)
-        gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+        gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.retain_window - pre_lens
         due = (decoded + j >= 1) & (gate <= 0)
         if due.any():
             # step j's maybe_evict_swa, before its slots as in alloc_for_decode
@@ -721,7 +721,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
             apply_window_frees(ctx, rows, plan)
             released[j] = allocator.swa_available_size() - swa_before
             window_freed[j] = kv.sum_swa_freed - freed_before
-            gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+            gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.retain_window - pre_lens
         # steps from j to the next due one (at least this one)
         n = min(max(int(np.maximum(gate, 1 - decoded - j).min()), 1), num_steps - j)
         cursors[j : j + n] = kv.swa_evicted_seqlen[rows]

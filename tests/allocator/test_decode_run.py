@@ -260,6 +260,7 @@ def _swa_run_matches_steps(alloc: Any, rids: np.ndarray, num_steps: int) -> bool
     lens=st.lists(st.integers(1, 200), min_size=1, max_size=8),
     num_steps=st.integers(1, 150),
     window=st.sampled_from([1, 4, 16, 40]),
+    draft_window=st.sampled_from([0, 0, 24]),
     interval=st.sampled_from([1, 3, 8, 32]),
     warm=st.integers(0, 40),
     pool_pages=st.integers(6, 80),
@@ -268,16 +269,17 @@ def _swa_run_matches_steps(alloc: Any, rids: np.ndarray, num_steps: int) -> bool
     churn=st.integers(0, 4),
 )
 def test_random_swa_runs_equal_the_steps(
-    page_size: int, lens: list[int], num_steps: int, window: int, interval: int, warm: int,
+    page_size: int, lens: list[int], num_steps: int, window: int, draft_window: int, interval: int, warm: int,
     pool_pages: int, swa_ratio: float, radix: bool, churn: int,
 ) -> None:
     """SWA decode runs with windows small enough that out-of-window frees fall inside
-    the run, pools from roomy to short, cursors and first-decode flags at any point."""
+    the run (a draft window wider than the model's too), pools from roomy to short,
+    cursors and first-decode flags at any point."""
     from allocator.base import SwaConfig
 
     pool_tokens = pool_pages * page_size * 4
-    swa = SwaConfig(window=window, eviction_interval=interval, swa_full_tokens_ratio=swa_ratio)
-    if swa.pool_tokens(pool_tokens, page_size) <= 2 * (window + page_size):
+    swa = SwaConfig(window=window, eviction_interval=interval, swa_full_tokens_ratio=swa_ratio, draft_window=draft_window)
+    if swa.pool_tokens(pool_tokens, page_size) <= 2 * (swa.retain_window + page_size):
         return  # an SWA pool that cannot hold a request: refused by the config check
     config = AllocatorConfig(pool_tokens=pool_tokens, page_size=page_size, max_running=16, max_context_len=1024,
                              radix_cache=radix, swa=swa)
@@ -301,6 +303,22 @@ def test_random_swa_runs_equal_the_steps(
             return
         alloc.end_step()
     _swa_run_matches_steps(alloc, rids, num_steps)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_swa_run_keeps_a_draft_window_wider_than_the_models(page_size: int) -> None:
+    """With ``draft_window`` past the window the frees keep the larger
+    (``retain_window``): a run's steps free when the steps one by one do."""
+    from allocator.base import SwaConfig
+
+    config = AllocatorConfig(pool_tokens=64 * 1024, page_size=page_size, max_running=16, max_context_len=4096,
+                             radix_cache=False, swa=SwaConfig(window=16, eviction_interval=8, draft_window=48))
+    alloc = create_allocator(config)
+    lens = [40, 75, 130, 3]
+    rids = np.arange(len(lens), dtype=np.int64)
+    alloc.extend(rids, np.array(lens), [np.arange(n) for n in lens])
+    alloc.end_step()
+    assert _swa_run_matches_steps(alloc, rids, 200)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
