@@ -554,7 +554,8 @@ class RunResult(NamedTuple):
     allocated: np.ndarray  # int64 [num_steps, bs] kv_allocated_len of each request after each step
     # the counters of the pools after the full one (a hybrid model's SWA pool), each as ``counters``
     other_pools: tuple[np.ndarray, ...] = ()
-    # int64 [num_steps, bs]: each request's ``swa_evicted_seqlen`` after each step (SWA runs), or None
+    # int64 [num_steps, bs]: with a sliding-window pool, each request's SWA cursor
+    # (``swa_evicted_seqlen``) after each step; None otherwise
     swa_evicted: np.ndarray | None = None
 
 

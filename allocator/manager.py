@@ -54,6 +54,7 @@ from allocator.allocation import (
     alloc_for_spec_decode,
     alloc_for_spec_run,
     alloc_for_swa_decode_run,
+    alloc_for_swa_spec_run,
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
@@ -571,7 +572,8 @@ class KvAllocator:
 
     def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
         """``accepted.shape[0]`` speculative steps of the same batch in one call, exactly
-        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``).
+        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``;
+        with an SWA pool ``alloc_for_swa_spec_run``).
 
         Returns:
             The pool counters and allocated lengths after each step, or None when the
@@ -584,6 +586,8 @@ class KvAllocator:
         if accepted.ndim != 2 or accepted.shape[1] != rids.shape[0] or (accepted.size and int(accepted.min()) < 0):
             return None
         rows = self._held_rows(rids, "spec_decode")
+        if self.config.swa is not None:
+            return self._swa_spec_decode_run(rows, accepted)
         before = np.array(self.counters(), dtype=np.int64)
         got = alloc_for_spec_run(self.ctx, rows, accepted)
         if got is None:
@@ -602,6 +606,22 @@ class KvAllocator:
             return ()
         row = np.array(self._mamba_counters(self.counters()), dtype=np.int64)
         return (np.tile(row, (num_steps, 1)),)
+
+    def _swa_spec_decode_run(self, rows: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """``spec_decode_run`` with an SWA pool (``alloc_for_swa_spec_run``): both pools'
+        counters after each step (``RunResult.other_pools``: the SWA pool's)."""
+        pools = self.pool_counters()
+        before_full = np.array(pools["full"], dtype=np.int64)
+        before_swa = np.array(pools["swa"], dtype=np.int64)
+        run = alloc_for_swa_spec_run(self.ctx, rows, accepted)
+        if run is None:
+            return None
+        self.writer.end_call()
+        committed = np.cumsum(accepted.sum(axis=1))
+        swa = _counters_after(before_swa, run.taken, committed)
+        swa[:, _COUNTER_AVAILABLE] += np.cumsum(run.swa_released)
+        swa[:, _COUNTER_COMMITTED] -= np.cumsum(run.swa_window_freed)
+        return RunResult(_counters_after(before_full, run.taken, committed), run.allocated, (swa,), run.swa_evicted)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),

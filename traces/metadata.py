@@ -110,6 +110,9 @@ class AttentionLayout:
         draft_sliding_window: tokens back that a fused draft reads in the SWA pool
             (SGLang's ``draft_swa_window``), 0 when none; the SWA history kept is the
             larger of it and ``sliding_window`` (``swa_retain_window``).
+        release_prefill_swa: the engine ran with ``SGLANG_OPT_RELEASE_PREFILL_SWA`` (a
+            request's prefix's SWA lock is released once it has decoded a window's
+            worth of steps); written only when on.
     """
 
     full_layer_ids: tuple[int, ...]
@@ -120,6 +123,7 @@ class AttentionLayout:
     swa_num_kv_heads: int | None = None
     swa_head_dim: int | None = None
     draft_sliding_window: int = 0
+    release_prefill_swa: bool = False
 
     def full_bytes_per_token(self, model: ModelShape) -> int:
         """Bytes of one token in the full pool: K and V in every full-attention layer."""
@@ -314,6 +318,8 @@ class TraceMeta:
             out["attention"]["swa_layer_ids"] = list(self.attention.swa_layer_ids)
             if not self.attention.draft_sliding_window:
                 del out["attention"]["draft_sliding_window"]  # no draft window: as before the field
+            if not self.attention.release_prefill_swa:
+                del out["attention"]["release_prefill_swa"]  # off (SGLang's default): as before the field
         if self.mamba is None:
             del out["mamba"]  # no linear-attention layer: as versions 1 and 2 wrote it
         else:
@@ -528,6 +534,7 @@ def _attention_layout(obj: dict[str, Any], model: ModelShape, page_size: int) ->
         swa_num_kv_heads=_int_in(obj, "swa_num_kv_heads", "attention.", 1, MAX_MODEL_DIM, None),
         swa_head_dim=_int_in(obj, "swa_head_dim", "attention.", 1, MAX_MODEL_DIM, None),
         draft_sliding_window=_int_in(obj, "draft_sliding_window", "attention.", 0, MAX_TOKENS, 0),
+        release_prefill_swa=_bool_of(obj, "release_prefill_swa", "attention.", False),
     )
 
 

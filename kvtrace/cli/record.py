@@ -31,6 +31,7 @@ from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, EvictionPolicyOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
 from kvtrace.cli.record_hicache import HiCacheOpt, HiCacheRatioOpt, HiCacheSizeOpt, HiCacheWritePolicyOpt, host_tier_option
 from kvtrace.cli.spec_option import parse_spec
+from kvtrace.cli.workload_format import infer_format
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.record.serving import (
     DEFAULT_CHUNK,
@@ -65,28 +66,6 @@ class PolicyOption(str, Enum):
 
 
 ModelOption = Enum("ModelOption", {name: name for name in MODEL_NAMES}, type=str)  # type: ignore[misc]
-
-
-def infer_format(path: Path, shown: str | None = None) -> str:
-    """A workload file's format (or ``trace``), from its first bytes, name or header;
-    messages name it ``shown`` (default: the path).
-
-    Raises:
-        WorkloadError: the file cannot be read, or is a binary file that is not a trace.
-        typer.BadParameter: nothing tells the format (give --format).
-    """
-    from traces.workloads import WorkloadFileError, guess_format
-
-    try:
-        fmt = guess_format(path)
-    except WorkloadFileError as exc:
-        raise WorkloadError(str(exc)) from None
-    if fmt is None:
-        raise typer.BadParameter(
-            f"cannot tell the format of {shown or path}; give --format mooncake, azure or lengths",
-            param_hint="--format",
-        )
-    return fmt
 
 
 def check_serving(pool_tokens: int, page_size: int, chunk: int) -> None:
@@ -241,6 +220,26 @@ def record_command(
             show_default=False,
         ),
     ] = None,
+    draft_swa_window: Annotated[
+        int | None,
+        typer.Option(
+            "--draft-swa-window",
+            metavar="N",
+            min=0,
+            help="Sliding-window models: tokens back a fused draft reads in the SWA pool (SGLang's "
+            "draft_swa_window); the SWA history kept is the larger of it and the window.",
+            show_default=_FROM_TRACE + "0",
+        ),
+    ] = None,
+    release_prefill_swa: Annotated[
+        bool | None,
+        typer.Option(
+            "--release-prefill-swa/--no-release-prefill-swa",
+            help="Sliding-window models: SGLANG_OPT_RELEASE_PREFILL_SWA, a request's prefix's SWA lock "
+            "released once it has decoded a window's worth of steps.",
+            show_default=_FROM_TRACE + "off",
+        ),
+    ] = None,
     duration: Annotated[
         str | None,
         typer.Option(help="Record only arrivals within this window, e.g. 10m, 90s, 1h.", show_default="the whole file"),
@@ -342,6 +341,7 @@ def record_command(
             if settings.get("mamba") is not None and pool_tokens is not None:
                 # Under another pool: the Mamba slots of the memory that holds it.
                 settings["mamba"] = settings["mamba"].for_pool(settings["pool_tokens"], settings["model"])
+        settings["attention"] = _swa_switches(settings.get("attention"), draft_swa_window, release_prefill_swa)
         from kvtrace.record.simulate import refuse_sliding_window
 
         if settings.get("attention") is not None:
@@ -429,6 +429,28 @@ def record_command(
             raise
         wall_s = time.perf_counter() - wall0
         _report(record_report(result, options, wall_s=wall_s), options, workload=Path(shown), as_json=as_json)
+
+
+def _swa_switches(layout: Any, draft_swa_window: int | None, release_prefill_swa: bool | None) -> Any:
+    """The attention layout with the SWA switches given (``AttentionLayout``; None: full
+    attention).
+
+    Raises:
+        typer.BadParameter: a switch that changes something on a full-attention model.
+    """
+    for name, value in (("--draft-swa-window", draft_swa_window), ("--release-prefill-swa", release_prefill_swa)):
+        if layout is None and value:
+            raise typer.BadParameter(
+                "the model is full attention (no sliding-window layers); record a sliding-window "
+                "preset (e.g. --model gpt-oss-20b) or drop it", param_hint=name,
+            )  # fmt: skip
+    if layout is None:
+        return None
+    if draft_swa_window is not None:
+        layout = dataclasses.replace(layout, draft_sliding_window=draft_swa_window)
+    if release_prefill_swa is not None:
+        layout = dataclasses.replace(layout, release_prefill_swa=release_prefill_swa)
+    return layout
 
 
 @contextmanager

@@ -126,7 +126,7 @@ def _specs(text: str | None) -> tuple[str | None, ...]:
 
 def _input(arg: str, reschedule: bool) -> SweepInput:
     """One INPUT: a trace (path or sample:NAME) or a workload file, and how it runs."""
-    from kvtrace.cli.record import infer_format
+    from kvtrace.cli.workload_format import infer_format
     from kvtrace.sweep import SweepInput
     from traces.reader import TraceReader
     from traces.samples import SAMPLE_PREFIX, resolve_trace

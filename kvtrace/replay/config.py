@@ -87,11 +87,14 @@ def swa_config_for(layout: AttentionLayout | None, *, resized: bool = False) -> 
     if layout is None:
         return None
     draft = getattr(layout, "draft_sliding_window", 0)
+    release = getattr(layout, "release_prefill_swa", False)
     return SwaConfig(
         window=layout.sliding_window,
         swa_full_tokens_ratio=layout.swa_full_tokens_ratio,
         swa_pool_tokens=None if resized else layout.swa_pool_tokens,
-        **({"draft_window": draft} if draft else {}),  # an allocator version without the field still builds
+        # an allocator version without these fields still builds when they are off
+        **({"draft_window": draft} if draft else {}),
+        **({"release_prefill_swa": True} if release else {}),
     )
 
 

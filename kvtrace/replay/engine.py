@@ -531,6 +531,8 @@ class ReplayEngine:
         phase = np.full(bs, phase_code, np.int8)
         prefix = req["prefix"].a[rids]
         per_step = elapsed / num_steps
+        # the requests' SWA cursors after each step, as a step's snapshot has them
+        swa_evicted = res.swa_evicted if self._swa_evicted_lens is not None else None
         return [
             StepSnapshot(
                 step=step,
@@ -542,7 +544,7 @@ class ReplayEngine:
                 allocator_s=per_step,
                 other_pools=others[j],
                 other_pool_names=self.pool_names[1:],
-                swa_evicted=None if res.swa_evicted is None else res.swa_evicted[j],
+                swa_evicted=None if swa_evicted is None else swa_evicted[j],
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]
