@@ -74,14 +74,7 @@ def test_a_switch_on_a_full_attention_model_is_refused_in_one_line(tmp_path: Pat
         # EAGLE with a fused draft's window past the model's (radix cache off)
         ["--spec", "eagle:3,1,4", "--draft-swa-window", "256", "--no-radix-cache"],
         # the early SWA lock release lives in the radix tree
-        pytest.param(
-            ["--release-prefill-swa"],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a recorded SWA trace with the radix cache on diverges from SGLang at step 0 "
-                "(swa_protected), with or without the switch",
-            ),
-        ),
+        ["--release-prefill-swa"],
     ],
     ids=["draft-window", "release-prefill-swa"],
 )
