@@ -43,3 +43,19 @@ def test_a_namespaced_recording_identical_to_sglang_exactly(page_size: int, tmp_
     res = runner.invoke(app, ["diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact"])
     assert res.exit_code == 0, res.output
     assert "identical over" in res.output
+
+
+def test_the_parity_trace_shares_tokens_across_namespaces() -> None:
+    """What makes the parity above mean something: the trace's requests carry one prompt
+    in two namespaces (and none), so a namespace-blind side would reuse across them."""
+    import tempfile
+
+    from tests.namespaced import NAMESPACE_OF
+    from traces.reader import TraceReader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        reader = TraceReader(write_namespaced_trace(Path(tmp) / "ns.kvtrace", 16))
+        table = reader.meta.namespaces
+        assert table is not None
+        names = {table.name_of(rid) for rid in NAMESPACE_OF}
+        assert {"lora-a", "lora-b", None} <= names
