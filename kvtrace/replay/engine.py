@@ -474,7 +474,11 @@ class ReplayEngine:
                 o.call_ended(observed, res)
         if res is None:
             st.allocator_s += self._clock() - t0
-            if op == DECODE and self._in_window and len(self.pool_names) == 1 and not self.observers:
+            # Evicting steps ahead of the snapshot returned: only while nothing reads the
+            # state step by step (observers, a tree listener such as the KV events').
+            tree = getattr(alloc, "tree_cache", None)
+            watched = self.observers or getattr(tree, "listener", None) is not None
+            if op == DECODE and self._in_window and len(self.pool_names) == 1 and not watched:
                 return self._decode_steps(steps, times, rids) or None
             return None
         alloc.end_step()
