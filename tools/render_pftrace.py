@@ -221,8 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=24, help="request lanes drawn per process (default 24)")
     parser.add_argument("--width", type=float, default=16.0, help="figure width in inches (100 dpi)")
     parser.add_argument("--title", default=None, help="a title (default: the file's name)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     args = parser.parse_args(argv)
-    render(args.trace, args.out, lanes=args.lanes, width=args.width, title=args.title)
+    if args.out.resolve() == args.trace.resolve():
+        parser.error("--out is the trace itself: give another path")
+    if args.out.exists() and not args.force:
+        parser.error(f"{args.out} exists: give --force to overwrite it")
+    if not args.trace.is_file():
+        parser.error(f"{args.trace}: no such file")
+    try:
+        render(args.trace, args.out, lanes=args.lanes, width=args.width, title=args.title)
+    except Exception as exc:  # a damaged or foreign file: one line, not a traceback
+        parser.exit(2, f"render_pftrace: error: {args.trace}: not a readable kvtrace export ({exc})\n")
     print(f"{args.out}: {args.out.stat().st_size:,} bytes")
     return 0
 

@@ -32,3 +32,21 @@ def test_the_renderer_draws_a_tiny_export_as_a_png(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and 1_000 < len(data) < 300_000
+
+
+def test_the_renderer_refuses_to_overwrite_and_damaged_input_in_one_line(tmp_path: Path) -> None:
+    tool = [sys.executable, str(ROOT / "tools" / "render_pftrace.py")]
+    trace = tmp_path / "t.pftrace"
+    trace.write_bytes(b"not a perfetto trace at all")
+    existing = tmp_path / "old.png"
+    existing.write_bytes(b"keep me")
+    for args, says in (
+        ([str(trace), "--out", str(trace)], "is the trace itself"),
+        ([str(trace), "--out", str(existing)], "give --force"),
+        ([str(tmp_path / "missing.pftrace"), "--out", str(tmp_path / "m.png")], "no such file"),
+        ([str(trace), "--out", str(tmp_path / "new.png")], "not a readable kvtrace export"),
+    ):
+        done = subprocess.run([*tool, *args], capture_output=True, text=True)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and says in lines[-1] and "Traceback" not in done.stderr, done.stderr
+    assert existing.read_bytes() == b"keep me" and trace.read_bytes() == b"not a perfetto trace at all"
