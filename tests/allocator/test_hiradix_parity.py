@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.differential import harness
+from tests.differential.case_driver import run_in_sglang
 from tests.differential.hiradix_driver import OursAdapter, apply_op
 
 DRIVER = Path(__file__).resolve().parents[1] / "differential" / "hiradix_driver.py"
@@ -122,13 +122,7 @@ def sglang_states(tmp_path_factory: pytest.TempPathFactory) -> dict:
     python = harness.require_sglang()
     generated = {key: generate(key[1], *key[0]) for key in CASES}
     tmp = tmp_path_factory.mktemp("hiradix")
-    cases_file, out_file = tmp / "cases.json", tmp / "sglang.json"
-    cases_file.write_text(json.dumps([generated[k][0] for k in CASES]))
-    done = subprocess.run(
-        [python, str(DRIVER), str(cases_file), str(out_file)], capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(out_file.read_text())
+    theirs = run_in_sglang(python, DRIVER, [generated[k][0] for k in CASES], tmp)
     return {key: (generated[key], theirs[i]) for i, key in enumerate(CASES)}
 
 
@@ -148,12 +142,7 @@ def test_host_pool_size_identical_to_sglang(tmp_path: Path) -> None:
 
     python = harness.require_sglang()
     pairs = [[d, r, ps] for d in (1, 100, 4096, 123_457) for r in (0.2, 1.0, 2.0, 3.7) for ps in (1, 16, 64)]
-    cases_file, out_file = tmp_path / "pairs.json", tmp_path / "sizes.json"
-    cases_file.write_text(json.dumps(pairs))
-    done = subprocess.run([python, str(DRIVER), "--sizes", str(cases_file), str(out_file)], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(out_file.read_text())
+    theirs = run_in_sglang(python, DRIVER, pairs, tmp_path, "--sizes", timeout=300)
     ours = [HiCacheConfig(host_ratio=r, page_size=ps).pool_tokens(d) for d, r, ps in pairs]
     assert ours == theirs
 

@@ -33,7 +33,6 @@ Mamba LRU order, both free lists.
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -400,41 +399,10 @@ def run_case(adapter_cls: Any, case: dict[str, Any]) -> list[dict[str, Any]]:
     return states
 
 
-def _install_sglang_import_stubs() -> None:
-    """SGLang's allocator path imports modules that need torchvision; kvtrace's SGLang
-    driver package fabricates them (loaded by path, no kvtrace installed)."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "kvtrace" / "sglang" / "driver.py"
-    spec = importlib.util.spec_from_file_location("kvtrace_mamba_radix_driver_loader", path)
-    assert spec is not None and spec.loader is not None
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    importlib.import_module(f"{driver.package().__name__}.world").install_import_stubs()
-
-
 def main(argv: list[str]) -> int:
-    import logging
-    import os
-    import warnings
+    from case_driver import sglang_main  # beside this file, on sys.path[0] when run by path
 
-    os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
-    _install_sglang_import_stubs()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.CRITICAL)
-    import torch
-
-    torch.set_num_threads(1)
-    cases_file, out_file = argv
-    with open(cases_file) as f:
-        cases = json.load(f)
-    out = [run_case(SGLangAdapter, case) for case in cases]
-    with open(out_file, "w") as f:
-        json.dump(out, f)
-    return 0
+    return sglang_main(argv, lambda cases: [run_case(SGLangAdapter, case) for case in cases], python_tree_core=True)
 
 
 if __name__ == "__main__":

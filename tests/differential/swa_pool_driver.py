@@ -44,7 +44,6 @@ three available sizes; ``{"error"}`` for an op that raised (the case stops there
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -384,40 +383,10 @@ def cursors(side: Any, reqs: dict[int, Req]) -> list[list[int]]:
     return [[rid, side.cursor(q.kv)] for rid, q in sorted(reqs.items()) if q.kv is not None]
 
 
-def _install_sglang_import_stubs() -> None:
-    """``kvtrace/sglang/world.py``'s stubs for the modules that import torchvision, with
-    world loaded as the SGLang driver loads it (by path, no kvtrace installed)."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "kvtrace" / "sglang" / "driver.py"
-    spec = importlib.util.spec_from_file_location("kvtrace_swa_pool_driver_loader", path)
-    assert spec is not None and spec.loader is not None
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    importlib.import_module(f"{driver.package().__name__}.world").install_import_stubs()
-
-
 def main(argv: list[str]) -> int:
-    import logging
-    import os
-    import warnings
+    from case_driver import sglang_main  # beside this file, on sys.path[0] when run by path
 
-    os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    _install_sglang_import_stubs()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.CRITICAL)
-    import torch
-
-    torch.set_num_threads(1)
-    cases_file, out_file = argv
-    with open(cases_file) as f:
-        cases = json.load(f)
-    out = [run_case(SGLangAdapter, case) for case in cases]
-    with open(out_file, "w") as f:
-        json.dump(out, f)
-    return 0
+    return sglang_main(argv, lambda cases: [run_case(SGLangAdapter, case) for case in cases])
 
 
 if __name__ == "__main__":

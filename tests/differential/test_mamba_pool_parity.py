@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.differential import harness
+from tests.differential.case_driver import run_in_sglang
 from tests.differential.mamba_pool_driver import Exhausted, OursAdapter, apply_op
 
 DRIVER = Path(__file__).with_name("mamba_pool_driver.py")
@@ -169,13 +169,7 @@ def sglang_states(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, b
     python = harness.require_sglang()
     generated = {key: generate(key[2], key[0], key[1]) for key in CASES}
     tmp = tmp_path_factory.mktemp("mamba")
-    cases_file, out_file = tmp / "cases.json", tmp / "sglang.json"
-    cases_file.write_text(json.dumps([generated[k][0] for k in CASES]))
-    done = subprocess.run(
-        [python, str(DRIVER), str(cases_file), str(out_file)], capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(out_file.read_text())
+    theirs = run_in_sglang(python, DRIVER, [generated[k][0] for k in CASES], tmp)
     return {key: (generated[key], theirs[i]) for i, key in enumerate(CASES)}
 
 

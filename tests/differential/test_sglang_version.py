@@ -10,7 +10,6 @@ the driver process and SGLang's import (~6 s) is paid once per interpreter.
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.differential import harness
+from tests.differential.case_driver import run_in_sglang
 from tests.differential.swa_pool_driver import OursAdapter, Req, apply_op, cursors
 
 DRIVER = Path(__file__).with_name("swa_pool_driver.py")
@@ -185,13 +185,7 @@ def sglang_states(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, i
     python = harness.require_sglang()
     generated = {key: generate(key[3], key[1], key[2], mode=key[0]) for key in CASES}
     tmp = tmp_path_factory.mktemp("swa")
-    cases_file, out_file = tmp / "cases.json", tmp / "sglang.json"
-    cases_file.write_text(json.dumps([generated[k][0] for k in CASES]))
-    done = subprocess.run(
-        [python, str(DRIVER), str(cases_file), str(out_file)], capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(out_file.read_text())
+    theirs = run_in_sglang(python, DRIVER, [generated[k][0] for k in CASES], tmp)
     return {key: (generated[key], theirs[i]) for i, key in enumerate(CASES)}
 
 
