@@ -14,6 +14,8 @@ Request phases::
                        │  └──retract──► RETRACTED ◄──retract── DECODE
             extend ────┘ (from 0)            │
     PREFILL/DECODE ──finish/abort──► ENDED ◄─┘ abort
+    PREFILL/DECODE ──hold──► HELD ──close──► ENDED;  HELD ──extend (from the held
+    length: the session's next turn)──► PREFILL
 
 A row that breaks a rule is reported, then applied as recorded (its
 ``seq_len`` becomes the request's length), so one mistake is reported once
@@ -35,9 +37,11 @@ from traces.batches import StepBatch
 from traces.metadata import TraceMeta
 from traces.schema import (
     ABORT,
+    CLOSE,
     DECODE,
     EXTEND,
     FINISH,
+    HOLD,
     MAX_RID,
     MAX_SPEC_TOKENS,
     MAX_STEP,
@@ -52,8 +56,8 @@ if TYPE_CHECKING:
     from traces.chunks import StepChunk
 
 # Request phases (values of the per-request state array).
-NEW, PREFILL, DECODING, RETRACTED, ENDED = range(5)
-PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended")
+NEW, PREFILL, DECODING, RETRACTED, ENDED, HELD = range(6)
+PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended", "held")
 
 # Ids are dense from 0 (``traces.schema.MAX_RID``); per-request state costs this many
 # bytes per id up to the largest (phase, length, prompt, prefill end, scratch).
@@ -61,29 +65,31 @@ CHECKER_BYTES_PER_RID = 33
 MAX_EXPLICIT_TOKEN = 1 << 62  # larger ids are reserved for synthetic content (traces.tokens)
 
 _OP_RANK = np.array(OP_RANK, np.int8)
-_IS_ALLOC = np.array([True, True, True, True, False, False, False])
-_IS_DECODING_OP = np.array([False, True, True, False, False, False, False])
+_IS_ALLOC = np.array([True, True, True, True, False, False, False, False, False])
+_IS_DECODING_OP = np.array([False, True, True, False, False, False, False, False, False])
 # Ops whose rows carry the recording engine's matched prefix (others hold prefix_len 0).
-_HAS_PREFIX = np.array([True, False, False, True, False, False, False])
+_HAS_PREFIX = np.array([True, False, False, True, False, False, False, False, False])
 # Tokens an op may append, indexed by op code.
-_MIN_APPEND = np.array([1, 1, 0, 1, 0, 0, 0], np.int32)
-_MAX_APPEND = np.array([2**31 - 1, 1, 2**31 - 1, 2**31 - 1, 0, 0, 0], np.int32)
+_MIN_APPEND = np.array([1, 1, 0, 1, 0, 0, 0, 0, 0], np.int32)
+_MAX_APPEND = np.array([2**31 - 1, 1, 2**31 - 1, 2**31 - 1, 0, 0, 0, 0, 0], np.int32)
 # Which op may apply to which phase: _ALLOWED[op, phase].
-_ALLOWED = np.zeros((7, 5), np.bool_)
+_ALLOWED = np.zeros((len(OPS), len(PHASE_NAMES)), np.bool_)
 for _op, _phases in (
-    (EXTEND, (NEW, PREFILL, RETRACTED)),
+    (EXTEND, (NEW, PREFILL, RETRACTED, HELD)),
     (DECODE, (PREFILL, DECODING)),
     (SPEC, (PREFILL, DECODING)),
     (PREALLOC, (NEW, RETRACTED)),
     (FINISH, (PREFILL, DECODING)),
     (RETRACT, (PREFILL, DECODING)),
     (ABORT, (PREFILL, DECODING, RETRACTED)),
+    (HOLD, (PREFILL, DECODING)),
+    (CLOSE, (HELD,)),
 ):
     _ALLOWED[_op, list(_phases)] = True
-_HOLDS_KV = np.array([False, True, True, False, False])
+_HOLDS_KV = np.array([False, True, True, False, False, True])
 # Phase a request enters with each op, indexed by op code.
 _NEXT_PHASE = np.array(
-    [PREFILL, DECODING, DECODING, DECODING, ENDED, RETRACTED, ENDED], np.int8
+    [PREFILL, DECODING, DECODING, DECODING, ENDED, RETRACTED, ENDED, HELD, ENDED], np.int8
 )
 
 
@@ -464,7 +470,7 @@ class OpSequenceChecker:
                 & (draft_len >= 0) & (accepted_len >= 0)
             )
         ok &= np.where(
-            alloc, seq_len == length + added, np.where(op == FINISH, seq_len <= length, seq_len == length)
+            alloc, seq_len == length + added, np.where((op == FINISH) | (op == HOLD), seq_len <= length, seq_len == length)
         )
         if counts[DECODE] or counts[SPEC]:
             ok &= ~(_IS_DECODING_OP[op] & (phase == PREFILL) & (target >= 0) & (length < target))
@@ -480,7 +486,7 @@ class OpSequenceChecker:
 
         # Apply, as recorded.
         self._phase[rid] = _NEXT_PHASE[op]
-        self._length[rid] = np.where(alloc, seq_len, 0)
+        self._length[rid] = np.where(alloc | (op == HOLD), seq_len, 0)
         sets_prompt = is_new & (prompt_len >= 0)
         if sets_prompt.any():
             self._prompt[rid[sets_prompt]] = prompt_len[sets_prompt]
@@ -488,6 +494,10 @@ class OpSequenceChecker:
         if counts[RETRACT]:
             retracted = op == RETRACT
             self._target[rid[retracted]] = seq_len[retracted]
+        if counts[EXTEND]:  # a session's next turn: its prompt's end is not in the trace
+            resumed = (op == EXTEND) & (phase == HELD)
+            if resumed.any():
+                self._target[rid[resumed]] = -1
 
     def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
         """One message per broken rule for ``rows`` (each known to break at least one)."""
@@ -516,10 +526,11 @@ class OpSequenceChecker:
 
         is_extend, is_decode, is_spec = op == EXTEND, op == DECODE, op == SPEC
         is_prealloc, is_finish, is_retract, is_abort = op == PREALLOC, op == FINISH, op == RETRACT, op == ABORT
+        is_hold, is_close = op == HOLD, op == CLOSE
         is_alloc = is_extend | is_decode | is_spec | is_prealloc
         is_release = ~is_alloc
         is_new, is_prefill, is_decoding = phase == NEW, phase == PREFILL, phase == DECODING
-        is_retracted, is_ended = phase == RETRACTED, phase == ENDED
+        is_retracted, is_ended, is_held = phase == RETRACTED, phase == ENDED, phase == HELD
         holds_kv = is_prefill | is_decoding
 
         # Negative counts.
@@ -566,7 +577,10 @@ class OpSequenceChecker:
             "mid-decode": is_extend & is_decoding,
             "prealloc-held": is_prealloc & holds_kv,
             "alloc-retracted": (is_decode | is_spec) & is_retracted,
-            "release-retracted": (is_finish | is_retract) & is_retracted,
+            "release-retracted": (is_finish | is_retract | is_hold) & is_retracted,
+            "held": is_held & ~is_extend & ~is_close,
+            "close-running": is_close & ~is_held & ~is_ended & ~is_new & ~is_retracted,
+            "close-retracted": is_close & is_retracted,
         }
         report(
             wrong_phase["ended"],
@@ -577,6 +591,13 @@ class OpSequenceChecker:
             lambda j: f"{OPS[op[j]]} of a request that does not exist (no extend or prealloc before it)",
         )
         report(wrong_phase["mid-decode"], "extend of a request that is mid-decode")
+        report(
+            wrong_phase["held"],
+            lambda j: f"{OPS[op[j]]} of a request its session holds (extend it for the next turn, "
+            "or close it)",
+        )
+        report(wrong_phase["close-running"], "close of a running request (hold its turn first)")
+        report(wrong_phase["close-retracted"], "close of a retracted request, which holds no KV")
         report(wrong_phase["prealloc-held"], "prealloc of a request that already holds KV")
         report(
             wrong_phase["alloc-retracted"],
@@ -596,7 +617,7 @@ class OpSequenceChecker:
         sane = ~np.logical_or.reduce(list(wrong_phase.values()))
 
         # Lengths. ``before`` is the length the op starts from.
-        before = np.where(is_new | is_retracted | is_prealloc, 0, length)
+        before = np.where(is_new | is_retracted | is_prealloc, 0, length)  # held: the held length
         expected = before + np.where(is_spec, accepted_len, append_len)
         shrinks = is_alloc & sane & (seq_len < before)
         report(
@@ -635,11 +656,11 @@ class OpSequenceChecker:
             lambda j: f"{OPS[op[j]]} appends {int(append_len[j])} tokens (a release appends none)",
         )
         report(
-            is_finish & sane & (seq_len > length),
-            lambda j: f"finish seq_len {int(seq_len[j])} > current length {int(length[j])}",
+            (is_finish | is_hold) & sane & (seq_len > length),
+            lambda j: f"{OPS[op[j]]} seq_len {int(seq_len[j])} > current length {int(length[j])}",
         )
         report(
-            (is_retract | is_abort) & sane & (seq_len != length),
+            (is_retract | is_abort | is_close) & sane & (seq_len != length),
             lambda j: f"{OPS[op[j]]} seq_len {int(seq_len[j])} != current length {int(length[j])}",
         )
 

@@ -47,6 +47,7 @@ class TraceConfig:
     hisparse: bool = False
     radix_cache: bool = True  # the engine kept a radix prefix cache
     eviction_policy: str = "lru"  # its eviction order (SGLang's --radix-eviction-policy)
+    sessions: bool = False  # streaming sessions: the trace may hold hold/close ops (version 4)
 
 
 # Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
@@ -286,6 +287,8 @@ class TraceMeta:
         """The lowest format version that holds this metadata, which a new trace is written
         as: a full-attention trace stays readable by readers of version 1, an SWA one by
         readers of version 2."""
+        if self.config.sessions:
+            return 4
         if self.mamba is not None:
             return 3
         return 1 if self.attention is None else 2
@@ -295,6 +298,8 @@ class TraceMeta:
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
         if self.config.eviction_policy == "lru":
             del out["config"]["eviction_policy"]  # the default: metadata as before policies existed
+        if not self.config.sessions:
+            del out["config"]["sessions"]  # the default: metadata as before sessions existed
         if self.recording is None:
             del out["recording"]  # what traces written without it have always held
         if self.attention is None:
@@ -349,6 +354,7 @@ class TraceMeta:
             hisparse=_bool_of(cfg, "hisparse", "config.", False),
             radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
             eviction_policy=_str_of(cfg, "eviction_policy", "config.", "lru"),
+            sessions=_bool_of(cfg, "sessions", "config.", False),
         )
         model = dict(_optional_object(data, "model", "") or {})
         model.pop("bytes_per_token", None)

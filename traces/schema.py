@@ -17,7 +17,8 @@ column          type                      meaning
 ==============  ========================  =====================================================
 step            int64                     scheduler step; non-decreasing; a step's rows contiguous
 time_s          float64                   time of the step's start, seconds since trace start
-op              dictionary<int8, utf8>    extend, decode, spec, prealloc, finish, retract, abort
+op              dictionary<int8, utf8>    extend, decode, spec, prealloc, finish, retract, abort,
+                                          hold, close (streaming sessions, version 4)
 rid             int64                     dense request id (>= 0), unique within the trace
 seq_len         int64                     the request's sequence length after the op (see below)
 append_len      int32                     tokens the op appends (0 for release ops)
@@ -46,6 +47,13 @@ Per op, ``seq_len`` and ``append_len`` mean (``L`` = the request's length before
 * ``retract``  release under memory pressure, nothing cached; ``seq_len = L``. The
                request may come back with an ``extend`` from 0.
 * ``abort``    release, nothing cached, the request ends; ``seq_len = L``.
+* ``hold``     streaming session: the turn ends and its session keeps the KV of its
+               first ``seq_len`` tokens (<= L), neither cached nor freed. The request
+               (one id per session, SGLang's streaming session) is *held*: its next
+               turn is an ``extend`` from ``seq_len`` (the held KV is its prefix), and
+               ``close`` ends it. The first ``hold`` opens the session.
+* ``close``    release of a held session's KV, nothing cached, the request ends;
+               ``seq_len = L`` (the held length).
 
 Within a step, rows are ordered by ``OP_ORDER`` (releases first, then allocations),
 which is the order an SGLang-style scheduler applies them.
@@ -71,7 +79,9 @@ the Mamba slots (``MambaLayout``); absent, no layer is linear.
 
 Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
 optional ``attention`` object and nothing else, so a version 2 trace without it
-reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise. Readers read every version up to
+reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 adds
+the ``hold`` and ``close`` ops, which a trace may hold only when its metadata says
+``config.sessions`` (a version 4 trace). Readers read every version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -111,7 +121,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 
@@ -124,16 +134,18 @@ MAX_SPEC_TOKENS = 1024  # speculative steps, top-k and draft tokens
 MAX_MODEL_DIM = 1 << 20  # layers, KV heads, head dim
 
 # Op kinds; the dictionary index of each is its code in the ``op`` column.
-OPS: tuple[str, ...] = ("extend", "decode", "spec", "prealloc", "finish", "retract", "abort")
+OPS: tuple[str, ...] = ("extend", "decode", "spec", "prealloc", "finish", "retract", "abort", "hold", "close")
 OP_CODE: dict[str, int] = {name: code for code, name in enumerate(OPS)}
-EXTEND, DECODE, SPEC, PREALLOC, FINISH, RETRACT, ABORT = range(len(OPS))
-RELEASE_OPS = frozenset({FINISH, RETRACT, ABORT})
+EXTEND, DECODE, SPEC, PREALLOC, FINISH, RETRACT, ABORT, HOLD, CLOSE = range(len(OPS))
+RELEASE_OPS = frozenset({FINISH, RETRACT, ABORT, HOLD, CLOSE})
 ALLOC_OPS = frozenset({EXTEND, DECODE, SPEC, PREALLOC})
+# Streaming-session ops (format version 4, ``config.sessions``).
+SESSION_OPS = frozenset({HOLD, CLOSE})
 # The order a scheduler applies a step's ops in: releases, then the new KV.
-OP_ORDER: tuple[int, ...] = (FINISH, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC)
+OP_ORDER: tuple[int, ...] = (FINISH, HOLD, CLOSE, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC)
 OP_RANK: tuple[int, ...] = tuple(OP_ORDER.index(code) for code in range(len(OPS)))
 
-OpName = Literal["extend", "decode", "spec", "prealloc", "finish", "retract", "abort"]
+OpName = Literal["extend", "decode", "spec", "prealloc", "finish", "retract", "abort", "hold", "close"]
 
 OP_TYPE = pa.dictionary(pa.int8(), pa.utf8())
 

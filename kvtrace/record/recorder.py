@@ -16,6 +16,11 @@ An engine hooks it in where its scheduler applies a step's KV operations::
             rec.decode(decode_ids, seq_lens)              # one token each
             rec.end_step()                                # the step is on disk
 
+Streaming sessions (a trace whose ``meta.config.sessions`` is set): one request id
+per session. ``hold`` ends a turn and keeps its KV in the session (the first hold opens
+it); the next turn is an ``extend`` of the same id from the held length;
+``close_session`` (the ``close`` op) releases the held KV. ``abort`` of a running turn releases everything.
+
 Request ids may be any hashable (engine strings such as ``"req-8f3a"`` or ints); the
 recorder maps them to dense int ids in order of first appearance (``rid_map``).
 Ops may be added in any order within a step: ``end_step`` writes them in the
@@ -47,7 +52,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from traces.metadata import Recording, TraceMeta, timestamp
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
+from traces.schema import ABORT, CLOSE, DECODE, EXTEND, FINISH, HOLD, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -364,6 +369,22 @@ class Recorder:
         ids = self._map(rids)
         self._add(ABORT, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
 
+    def hold(self, rids: IdsLike, held_lens: IntsLike | None = None) -> None:
+        """Streaming session: the turn ends and its session keeps the KV of its first
+        ``held_lens`` tokens (default its length), neither cached nor freed; the first
+        hold opens the session. The next turn is an ``extend`` of the same id from the
+        held length; ``close_session`` ends the session."""
+        ids = self._map(rids)
+        n = ids.shape[0]
+        lens = self._lens[ids].copy() if held_lens is None else _ints(held_lens, n, "held_lens")
+        self._add(HOLD, _Part(ids, lens, None, None, None, None, None, None))
+
+    def close_session(self, rids: IdsLike) -> None:
+        """The ``close`` op (``close()`` closes the recorder). Streaming session: release the KV the session holds (nothing cached); the
+        request ends. Each id must be held (``hold`` earlier, no turn since)."""
+        ids = self._map(rids)
+        self._add(CLOSE, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
+
     def end_step(self) -> None:
         """Close the step and write its rows (in ``OP_ORDER``); flushed per the batching policy.
 
@@ -407,7 +428,9 @@ class Recorder:
                 else:
                     append = np.zeros(n, np.int32)
                 # Lengths after the op; a release leaves the request holding nothing.
-                lens[ids] = 0 if op in (FINISH, ABORT, RETRACT) else seq
+                # Lengths after the op; a release leaves the request holding nothing (a
+                # hold: the session keeps the held length, the next turn's start).
+                lens[ids] = 0 if op in (FINISH, ABORT, RETRACT, CLOSE) else seq
                 first = ~seen[ids]
                 seen[ids] = True
                 ops.append(np.full(n, op, np.int8))
