@@ -65,7 +65,7 @@ from kvtrace.replay.snapshot import (
 )
 from traces.batches import StepBatch
 from traces.metadata import TraceMeta
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, MAX_RID, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
+from traces.schema import ABORT, CLOSE, DECODE, EXTEND, FINISH, HOLD, MAX_RID, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 from traces.tokens import TokenStore
 
 if TYPE_CHECKING:
@@ -333,6 +333,8 @@ class ReplayEngine:
         else:
             pool = self.allocator.counters()
         used = pool.used_tokens
+        if pool.session_held > st.peak_session_held:
+            st.peak_session_held = pool.session_held
         if used > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = used
             st.peak_step = batch.step
@@ -666,6 +668,31 @@ class ReplayEngine:
             phase[batch.rid[rows]] = SPEC_PHASE
         elif op == PREALLOC:
             self._prealloc(batch, rows)
+        elif op in (HOLD, CLOSE):
+            self._session_op(op, batch, rows)
+            phase[batch.rid[rows]] = FINISHED  # the turn (hold) or the session (close) ended
+
+    def _session_op(self, op: int, batch: StepBatch, rows: np.ndarray) -> None:
+        """A streaming session's ``hold`` (the turn's KV stays) or ``close`` (it goes)."""
+        alloc = self.allocator
+        if not hasattr(alloc, "hold"):
+            raise BadTraceOp(
+                f"step {batch.step}: {OPS[op]} op, but the {type(alloc).__name__} allocator has no "
+                "streaming sessions"
+            )
+        rids = batch.rid[rows]
+        t0 = self._clock()
+        if op == HOLD:
+            res = alloc.hold(rids, batch.seq_len[rows])  # type: ignore[attr-defined]
+            self.stats.session_holds += int(rids.size)
+        else:
+            res = alloc.close_session(rids)  # type: ignore[attr-defined]
+            self.stats.session_closes += int(rids.size)
+        self.stats.allocator_s += self._clock() - t0
+        self._after_release(rids, res, "finish" if op == HOLD else "abort")
+        self._check_call(rids)
+        if op == CLOSE:
+            self._tokens.drop(rids)
 
     def _release(self, op: int, batch: StepBatch, rows: np.ndarray, quiet: bool) -> None:
         alloc = self.allocator

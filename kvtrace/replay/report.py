@@ -70,6 +70,13 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "finishes": stats.finishes,
         "retractions": stats.retractions,
         "aborts": stats.aborts,
+        # streaming sessions: turns whose KV their session kept, sessions closed, and the
+        # most KV held between turns at a step's end (all 0 without sessions)
+        "session_held": {
+            "holds": stats.session_holds,
+            "closes": stats.session_closes,
+            "peak_tokens": stats.peak_session_held,
+        },
         "oom": asdict(stats.oom) if stats.oom is not None else None,
         "num_ooms": stats.num_ooms,
         "dropped_requests": stats.dropped_requests,
@@ -162,6 +169,13 @@ def render_replay_summary(
         f"{count(oa['held_at_end'], 'speculative slot')}; page-tail padding at end {oa['page_tail_at_end']:,}",
     )
     table.add_row("releases", f"{s['finishes']:,} finished, {s['retractions']:,} retracted, {s['aborts']:,} aborted")
+    sh = s.get("session_held")
+    if sh and (sh["holds"] or sh["closes"]):
+        table.add_row(
+            "sessions",
+            f"{sh['holds']:,} turns held, {sh['closes']:,} closed; at most "
+            f"{count(sh['peak_tokens'], 'token')} held between turns",
+        )
     oom = s["oom"]
     if oom is None:
         table.add_row("out of memory", "none")
