@@ -108,6 +108,9 @@ class ReplayOptions:
             call where the allocator supports it (``traces.runs``; same results). The
             session's allocator then runs ahead of the snapshot being returned within
             a run; False keeps it in step after every snapshot.
+        session_hold_bound: streaming sessions: a violation (``session_hold_bound``,
+            blamed on the request) for each turn whose session keeps more than this many
+            tokens of KV (None: no bound).
     """
 
     check: CheckMode = "end"
@@ -118,6 +121,7 @@ class ReplayOptions:
     max_violations: int | None = None
     state_digest: bool = False
     decode_runs: bool = True
+    session_hold_bound: int | None = None
 
 
 class BadTraceOp(TraceError):
@@ -685,6 +689,16 @@ class ReplayEngine:
         if op == HOLD:
             res = alloc.hold(rids, batch.seq_len[rows])  # type: ignore[attr-defined]
             self.stats.session_holds += int(rids.size)
+            bound = self.options.session_hold_bound
+            if bound is not None and self._in_window:
+                for rid in rids.tolist():
+                    info = alloc.kv_info(rid)
+                    held = 0 if info is None else info.kv_committed_len
+                    if held > bound:
+                        self._violation(
+                            rid, "session_hold_bound",
+                            f"its session holds {held} tokens of KV between turns, past the bound {bound}",
+                        )
         else:
             res = alloc.close_session(rids)  # type: ignore[attr-defined]
             self.stats.session_closes += int(rids.size)
