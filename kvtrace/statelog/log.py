@@ -304,6 +304,13 @@ def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnaps
     return info, snapshots()
 
 
+def _pool_column(col: dict[str, pa.Array], name: str) -> np.ndarray:
+    """A pool counter's column; zeros for ``session_held`` in a log written before it."""
+    if name not in col and name.endswith("session_held"):
+        return np.zeros(len(col["step"]), np.int64)
+    return col[name].to_numpy()
+
+
 def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
     """The steps of one record batch of a state log as a ``SnapshotBlock`` (columns, no
     per-step objects: what a dashboard folds at thousands of steps a second)."""
@@ -324,7 +331,7 @@ def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
     return SnapshotBlock(
         steps=steps.astype(np.int64, copy=False),
         times=col["time_s"].to_numpy(),
-        pools=np.stack([col[name].to_numpy() for name in _POOL_FIELDS], axis=1).astype(np.int64, copy=False),
+        pools=np.stack([_pool_column(col, name) for name in _POOL_FIELDS], axis=1).astype(np.int64, copy=False),
         keyframes=col["keyframe"].to_numpy(zero_copy_only=False),
         num_ops=col["num_ops"].to_numpy(),
         allocator_s=col["allocator_s"].to_numpy(),
@@ -342,7 +349,8 @@ def _other_pools_of(batch: pa.RecordBatch) -> np.ndarray | None:
     pools = other_pools_of(batch.schema)
     if not pools:
         return None
-    cols = [[batch.column(f"{pool}_{name}").to_numpy() for name in _POOL_FIELDS] for pool in pools]
+    col = {name: batch.column(name) for name in batch.schema.names}
+    cols = [[_pool_column(col, f"{pool}_{name}") for name in _POOL_FIELDS] for pool in pools]
     return np.stack([np.stack(c, axis=1) for c in cols], axis=1).astype(np.int64, copy=False)
 
 
