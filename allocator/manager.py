@@ -1071,7 +1071,7 @@ class KvAllocator:
         Returns:
             The violations found (empty when sound).
         """
-        from allocator.check.invariants import check_integrity
+        from allocator.check.invariants import check_integrity, check_session_held
 
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
@@ -1084,7 +1084,10 @@ class KvAllocator:
             found = check_integrity(self)
             self._checker = IncrementalChecker(self)
             return found
-        return self._checker.check(_i64(touched))
+        found = self._checker.check(_i64(touched))
+        if self.sum_session_held or self._turned.any():
+            check_session_held(found, self)  # O(held sessions)
+        return found
 
     def slot_ownership(self) -> SlotOwnership:
         """The state and owner of every slot of the pool (``allocator.ownership``)."""

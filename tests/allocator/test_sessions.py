@@ -203,3 +203,48 @@ def test_replay_flags_session_kv_held_past_the_bound(tmp_path: Path) -> None:
     violations = json.loads(bad.output)["violations"]
     assert [(v["step"], v["rid"], v["check"]) for v in violations] == [(3, 0, "session_hold_bound")]
     assert "holds 40 tokens" in violations[0]["detail"]
+
+
+def _random_sessions_trace(path: Path, seed: int) -> None:
+    """Six conversations at random: turns that decode, hold, resume, close or abort."""
+    rng = np.random.default_rng(seed)
+    meta = make_meta(sessions=True, page_size=1, pool_tokens=4096, max_context_len=4096)
+    with Recorder(path, meta, overwrite=True, dense_ids=True) as rec:
+        state: dict[int, str] = {}
+        for step in range(200):
+            rec.begin_step(float(step))
+            for rid in range(6):
+                phase, r = state.get(rid, "new"), rng.random()
+                length = int(rec._lens[rid])  # noqa: SLF001 - the recorder's length of the request
+                if phase == "new" and r < 0.2:
+                    n = int(rng.integers(5, 60))
+                    rec.extend([rid], [n], prompt_lens=[n])
+                    state[rid] = "run"
+                elif phase == "run":
+                    if r < 0.1:
+                        rec.hold([rid], [length - int(rng.integers(0, 2))])
+                        state[rid] = "held"
+                    elif r < 0.12:
+                        rec.abort([rid])
+                        state[rid] = "done"
+                    else:
+                        rec.decode([rid])
+                elif phase == "held" and r < 0.1:
+                    rec.close_session([rid])
+                    state[rid] = "done"
+                elif phase == "held" and r < 0.4:
+                    rec.extend([rid], [length + int(rng.integers(1, 40))])
+                    state[rid] = "run"
+            rec.end_step()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_replay_of_random_sessions_is_clean_under_every_check(tmp_path: Path, page_size: int) -> None:
+    import json
+
+    path = tmp_path / "multi.kvtrace"
+    _random_sessions_trace(path, seed=1)
+    out = CliRunner().invoke(app, ["replay", str(path), "--check", "every", "--page-size", str(page_size), "--json"])
+    assert out.exit_code == 0, out.output
+    summary = json.loads(out.output)
+    assert summary["session_held"]["holds"] > 10 and summary["num_violations"] == 0
