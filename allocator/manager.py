@@ -860,8 +860,11 @@ class KvAllocator:
         releases it.
 
         Raises:
-            ValueError: a request holding no KV, or one already held; nothing changed.
+            ValueError: a request holding no KV, or one already held, or a sliding-window
+                or HiSparse pool (not modelled); nothing changed.
         """
+        if self.config.swa is not None or self.config.hisparse:
+            raise ValueError("hold: streaming sessions are modelled for full-attention pools only")
         self._flush_publish()
         rids = _i64(rids)
         held = _i64(held_lens)

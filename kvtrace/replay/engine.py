@@ -679,10 +679,15 @@ class ReplayEngine:
     def _session_op(self, op: int, batch: StepBatch, rows: np.ndarray) -> None:
         """A streaming session's ``hold`` (the turn's KV stays) or ``close`` (it goes)."""
         alloc = self.allocator
+        config = getattr(alloc, "config", None)
         if not hasattr(alloc, "hold"):
             raise BadTraceOp(
-                f"step {batch.step}: {OPS[op]} op, but the {type(alloc).__name__} allocator has no "
-                "streaming sessions"
+                f"step {batch.step}: {OPS[op]} op, but the {type(alloc).__name__} allocator has no streaming sessions"
+            )
+        if getattr(config, "swa", None) is not None or getattr(config, "hisparse", False):
+            raise BadTraceOp(
+                f"step {batch.step}: {OPS[op]} op, but streaming sessions are modelled for full-attention, "
+                "non-HiSparse pools only"
             )
         rids = batch.rid[rows]
         t0 = self._clock()

@@ -248,3 +248,11 @@ def test_replay_of_random_sessions_is_clean_under_every_check(tmp_path: Path, pa
     assert out.exit_code == 0, out.output
     summary = json.loads(out.output)
     assert summary["session_held"]["holds"] > 10 and summary["num_violations"] == 0
+
+
+
+def test_hold_is_refused_where_sessions_are_not_modelled() -> None:
+    alloc = create_allocator(AllocatorConfig(pool_tokens=64, page_size=1, hisparse=True, radix_cache=False))
+    alloc.extend(_a(0), _a(4), [TOKENS[:4]])
+    with pytest.raises(ValueError, match="full-attention pools only"):
+        alloc.hold(_a(0), _a(4))
