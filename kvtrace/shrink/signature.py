@@ -28,6 +28,7 @@ KINDS: tuple[Kind, ...] = ("violation", "oom", "divergence")
 # versions, and the replay's own ``row_width``): what ``violation:CHECK`` may name.
 CHECKS: tuple[str, ...] = (
     "conservation", "counters", "device", "hisparse", "lengths", "ownership", "row", "row_width", "rows", "tree", "window",
+    "session_held", "session_hold_bound",
 )
 
 
