@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
 from allocator.swa_radix import SwaMatchResult, SwaRadixCache
 from allocator.token_to_kv import (
@@ -92,6 +93,8 @@ class KvContext:
             logical slots only).
         swa: the sliding-window settings when the allocator is the hybrid
             ``SWATokenToKVPoolAllocator`` (full + SWA pools), else None.
+        mamba_reqs: a hybrid linear-attention model's per-request Mamba bookkeeping
+            by row (``req_to_token_pool`` is then ``HybridReqToTokenPool``), else None.
     """
 
     req_to_token_pool: ReqToTokenPool
@@ -103,6 +106,7 @@ class KvContext:
     spec_reserve: int = 0
     hisparse: bool = False
     swa: SwaConfig | None = None
+    mamba_reqs: dict[int, MambaReqKv] | None = None
     # Derived in __post_init__: the row width, and whether the page-1 hot paths may
     # take slots straight from the token allocator's free-list buffer.
     width: int = 0
@@ -322,7 +326,7 @@ def extend_fits(
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
     """
-    unfit = _extend_rows_unfit(ctx, rids, rows < 0)
+    unfit = _extend_rows_unfit(ctx, rids, rows < 0) or _mamba_unfit(ctx, rids, rows)
     if unfit is not None:
         return unfit
     need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
@@ -343,6 +347,36 @@ def _extend_rows_unfit(ctx: KvContext, rids: np.ndarray, new_mask: np.ndarray) -
         return None
     first_new = int(np.flatnonzero(new_mask)[pool.available_size()])
     return OutOfMemory("extend_rows", int(rids[first_new]), num_new, pool.available_size(), 0)
+
+
+def _mamba_reqs_of(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> list[MambaReqKv]:
+    """The batch's Mamba bookkeeping in batch order: a continuing request's own, a
+    fresh one (no row, no slot yet) for each new request."""
+    held = ctx.mamba_reqs
+    assert held is not None
+    return [held[r] if r >= 0 else MambaReqKv(rid) for rid, r in zip(rids.tolist(), rows.tolist())]
+
+
+def _mamba_unfit(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> OutOfMemory | None:
+    """None when the batch's Mamba slots fit (SGLang ``ensure_mamba_capacity``: one per
+    request without a slot, plus its tracking slots), else ``OutOfMemory`` with
+    ``pool="mamba"`` naming the first request left without one (op ``"extend"``;
+    ``needed`` / ``available`` count slots)."""
+    if ctx.mamba_reqs is None:
+        return None
+    pool = ctx.req_to_token_pool
+    assert isinstance(pool, HybridReqToTokenPool)
+    reqs = _mamba_reqs_of(ctx, rids, rows)
+    needed = pool.mamba_slots_needed(reqs)
+    available = pool.mamba_available_size() + len(pool.mamba_allocator.group_remaining())
+    if needed <= available:
+        return None
+    short = 0
+    for i, req in enumerate(reqs):
+        short += pool.mamba_slots_needed([req])
+        if short > available:
+            return OutOfMemory("extend", int(rids[i]), needed, available, 0, "mamba")
+    return OutOfMemory("extend", int(rids[0]), needed, available, 0, "mamba")  # not reached
 
 
 def alloc_for_extend(
@@ -391,7 +425,7 @@ def alloc_for_extend(
         )
     new_mask = rows < 0
     num_new = int(np.count_nonzero(new_mask))
-    unfit = _extend_rows_unfit(ctx, rids, new_mask)
+    unfit = _extend_rows_unfit(ctx, rids, new_mask) or _mamba_unfit(ctx, rids, rows)
     if unfit is not None:
         return unfit
 
@@ -433,9 +467,21 @@ def alloc_for_extend(
 
     # From here on nothing can fail.
     rows = rows.copy()
+    if ctx.mamba_reqs is not None:
+        # SGLang's alloc_req_slots: rows, then each request's Mamba slot in batch order
+        # (HybridReqToTokenPool.alloc; a continuing chunk keeps its own)
+        assert isinstance(pool, HybridReqToTokenPool)
+        reqs = _mamba_reqs_of(ctx, rids, rows)
+        selected = pool.alloc_reqs(reqs)
+        assert selected is not None
+        for req in reqs:
+            ctx.mamba_reqs[int(req.req_pool_idx)] = req  # type: ignore[arg-type]
     if num_new:
         new_idx = np.flatnonzero(new_mask)
-        new_rows = np.array(pool.alloc(num_new), dtype=np.int64)
+        if ctx.mamba_reqs is not None:
+            new_rows = np.array(selected, dtype=np.int64)[new_idx]
+        else:
+            new_rows = np.array(pool.alloc(num_new), dtype=np.int64)
         rows[new_idx] = new_rows
         with_prefix = [i for i in new_idx.tolist() if prefix_lens[i] > 0]
         if with_prefix:
@@ -616,7 +662,7 @@ class SwaRun(NamedTuple):
     taken: np.ndarray  # slots each step took from each pool (whole pages)
     swa_released: np.ndarray  # SWA slots the step's window frees gave back to the SWA pool
     swa_window_freed: np.ndarray  # change of ``ReqKvTable.sum_swa_freed`` at the step
-    swa_evicted: np.ndarray  # int64 [num_steps, bs]: each request's ``swa_evicted_seqlen`` after the step
+    swa_evicted: np.ndarray  # int64 [num_steps, bs] each request's SWA cursor after each step
 
 
 def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -> SwaRun | None:
@@ -624,7 +670,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     ``alloc_for_decode(ctx, rows)``, the out-of-window frees included.
 
     A request's window free is due at the first step where ``decode_batch_idx >= 1``
-    and ``committed - window >= swa_evicted_seqlen + eviction_interval``
+    and ``committed - retain_window >= swa_evicted_seqlen + eviction_interval``
     (``swa_decode_due``). The full pool, which window frees do not touch, gives the
     slots of the whole run at once (as ``alloc_for_decode_run``). The SWA pool is cut
     at the steps where some request's free is due: such a step first applies the due
@@ -709,7 +755,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
     while j < num_steps:
         pre_lens = committed + j
         # swa_decode_due at step j (committed and decode_batch_idx as after j steps)
-        gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+        gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.retain_window - pre_lens
         due = (decoded + j >= 1) & (gate <= 0)
         if due.any():
             # step j's maybe_evict_swa, before its slots as in alloc_for_decode
@@ -721,7 +767,7 @@ def alloc_for_swa_decode_run(ctx: KvContext, rows: np.ndarray, num_steps: int) -
             apply_window_frees(ctx, rows, plan)
             released[j] = allocator.swa_available_size() - swa_before
             window_freed[j] = kv.sum_swa_freed - freed_before
-            gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.window - pre_lens
+            gate = kv.swa_evicted_seqlen[rows] + swa.eviction_interval + swa.retain_window - pre_lens
         # steps from j to the next due one (at least this one)
         n = min(max(int(np.maximum(gate, 1 - decoded - j).min()), 1), num_steps - j)
         cursors[j : j + n] = kv.swa_evicted_seqlen[rows]
@@ -887,6 +933,151 @@ def alloc_for_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarray) -
     kv.sum_allocated_ceil += int(taken.sum())
     kv.max_len_bound = bound
     return taken, nxt
+
+
+class SwaSpecRun(NamedTuple):
+    """What ``alloc_for_swa_spec_run`` did, step by step (int64 ``[num_steps]`` each,
+    but ``allocated``)."""
+
+    taken: np.ndarray  # slots each step took from each pool (whole pages)
+    allocated: np.ndarray  # int64 [num_steps, bs] allocated lengths after each step
+    swa_released: np.ndarray  # SWA slots the step's window frees gave back to the SWA pool
+    swa_window_freed: np.ndarray  # change of ``ReqKvTable.sum_swa_freed`` at the step
+    swa_evicted: np.ndarray  # int64 [num_steps, bs] each request's SWA cursor after each step
+
+
+def alloc_for_swa_spec_run(ctx: KvContext, rows: np.ndarray, accepted: np.ndarray) -> SwaSpecRun | None:
+    """``alloc_for_spec_run`` with an SWA pool: ``accepted.shape[0]`` rounds of
+    ``prepare_spec_decode`` + ``alloc_for_spec_decode`` + ``commit_accepted_tokens``,
+    the out-of-window frees of each round's ``maybe_evict_swa`` included.
+
+    The reserves are those of ``alloc_for_spec_run`` (they do not depend on the
+    frees). The full pool, which window frees do not touch, gives the slots of every
+    step at once. The SWA pool is cut at the steps where some request's free is due
+    (``swa_decode_due`` with the committed length before the step): such a step first
+    applies its frees, then the SWA pages of the steps up to the next due one are taken
+    in one go and mapped at once, so that a later free (a window shorter than the run)
+    finds them mapped::
+
+        full:    | reserves of every step ................................ |
+        swa:     | take, map .... | frees, take, map . | frees, take, map |
+
+    Refused (None, nothing changed) unless every step fits each pool without eviction
+    or a merge of deferred frees, counting none of the window frees (which only give
+    SWA slots back), and no reserve reaches the row width or is passed by its commit.
+
+    Args:
+        accepted: int64 ``[num_steps, bs]`` tokens each step commits.
+    """
+    kv = ctx.req_kv
+    swa = ctx.swa
+    num_steps, bs = accepted.shape
+    if bs == 0 or num_steps < 1 or ctx.hisparse or swa is None or swa.release_prefill_swa:
+        return None  # the early lock release happens between steps: step by step
+    ps = ctx.page_size
+    width = ctx.width
+    reserve = ctx.spec_reserve
+    cur0 = kv.kv_allocated_len[rows]
+    committed0 = kv.kv_committed_len[rows]
+    c = committed0[None, :] + np.concatenate([np.zeros((1, bs), np.int64), np.cumsum(accepted, axis=0)])
+    target = c[:-1] + reserve
+    if ps > 1:
+        target = ceil_align(target, ps)
+    nxt = np.maximum(np.maximum.accumulate(target, axis=0), cur0[None, :])
+    if int(nxt[-1].max()) > width or bool((c[1:] > nxt).any()):
+        return None
+    cur = np.concatenate([cur0[None, :], nxt[:-1]])
+    counts = nxt - cur  # [num_steps, bs]
+    needed = counts.sum(axis=1)
+    bound = kv.max_len_bound
+    for n in needed.tolist():
+        if ceil_align(bound + reserve, ps) > width:
+            return None
+        if n:
+            bound = max(bound, min(ceil_align(bound + reserve, ps), width))
+    allocator = ctx.token_to_kv_pool_allocator
+    full_pool, swa_pool = allocator.full_attn_allocator, allocator.swa_attn_allocator
+    pages = needed if ps == 1 else (num_pages(nxt, ps) - num_pages(cur, ps)).sum(axis=1)
+    pages = pages.astype(np.int64)
+    taken = pages * ps
+    before = np.cumsum(pages) - pages  # pages taken by the earlier steps
+    moving = needed > 0
+    for pool in (full_pool, swa_pool):
+        num_free, available = pool.num_free_pages(), pool.available_size()
+        if ps == 1:
+            if int(taken.sum()) > num_free:  # each step's slots come off the free list
+                return None
+        elif bool(((needed // ps + bs + 1 > num_free - before) & moving).any()) or bool(
+            ((needed + bs * ps > available - before * ps) & moving).any()
+        ):
+            return None  # a step would merge deferred frees or evict
+    mapping = allocator.full_to_swa_index_mapping
+    flat_cur, flat_nxt, flat_counts = cur.reshape(-1), nxt.reshape(-1), counts.reshape(-1)
+    total = int(flat_counts.sum())
+    total_pages = int(pages.sum())
+    if ps == 1:
+        full_slots = full_pool.alloc(total).astype(np.int64) if total else np.zeros(0, np.int64)
+        flat_last = swa_last = None
+    else:
+        full_last = np.where(cur0 > 0, ctx.writer.read_points(rows, np.maximum(cur0 - 1, 0)), -1).astype(np.int64)
+        swa_last = np.where(cur0 > 0, mapping[np.maximum(full_last, 0)], -1).astype(np.int64)
+        page_ids = full_pool.alloc(total_pages * ps)[::ps] // ps if total_pages else np.zeros(0, np.int64)
+        full_slots = alloc_extend_layout(flat_cur, flat_nxt, np.tile(full_last, num_steps), page_ids, ps).astype(np.int64)
+    # Frees read the row table (positions below the window), so it is written first.
+    keep = flat_counts > 0
+    if total:
+        counts_kept = flat_counts[keep]
+        ctx.writer.assign(
+            np.tile(rows, num_steps)[keep], flat_cur[keep], flat_nxt[keep], full_slots, counts_kept, np.cumsum(counts_kept)
+        )
+    slot_at = np.concatenate([[0], np.cumsum(needed)])  # each step's first slot in full_slots
+    page_at = np.concatenate([[0], np.cumsum(pages)])
+
+    def take_swa(a: int, b: int) -> None:
+        """Take and map the SWA slots of steps [a, b)."""
+        lo, hi = int(slot_at[a]), int(slot_at[b])
+        if hi == lo:
+            return
+        if ps == 1:
+            swa_slots = swa_pool.alloc(hi - lo)
+        else:
+            n = int(page_at[b] - page_at[a])
+            ids = swa_pool.alloc(n * ps)[::ps] // ps if n else np.zeros(0, np.int64)  # type: ignore[index]
+            swa_slots = alloc_extend_layout(
+                cur[a:b].reshape(-1), nxt[a:b].reshape(-1), np.tile(swa_last, b - a), ids, ps  # type: ignore[arg-type]
+            )
+        mapping[full_slots[lo:hi]] = swa_slots
+
+    released = np.zeros(num_steps, dtype=np.int64)
+    window_freed = np.zeros(num_steps, dtype=np.int64)
+    cursors = np.empty((num_steps, bs), dtype=np.int64)
+    decoded = kv.decode_batch_idx[rows]
+    first = decoded[None, :] + np.arange(num_steps, dtype=np.int64)[:, None] >= 1  # [step, request]
+    slide = c[:-1] - swa.retain_window - swa.eviction_interval  # due when >= the cursor
+    j = 0
+    while j < num_steps:
+        due = first[j] & (slide[j] >= kv.swa_evicted_seqlen[rows])
+        if due.any():
+            # step j's maybe_evict_swa, before its reserve as in alloc_for_spec_decode
+            plan = plan_window_frees(ctx, rows, c[j], due)
+            swa_before, freed_before = allocator.swa_available_size(), kv.sum_swa_freed
+            apply_window_frees(ctx, rows, plan)
+            released[j] = allocator.swa_available_size() - swa_before
+            window_freed[j] = kv.sum_swa_freed - freed_before
+        # steps from j to the next one where some free is due (at least this one)
+        later = first[j + 1 :] & (slide[j + 1 :] >= kv.swa_evicted_seqlen[rows][None, :])
+        hits = np.flatnonzero(later.any(axis=1))
+        k = j + 1 + int(hits[0]) if hits.shape[0] else num_steps
+        take_swa(j, k)
+        cursors[j:k] = kv.swa_evicted_seqlen[rows]
+        j = k
+    kv.kv_allocated_len[rows] = nxt[-1]
+    kv.kv_committed_len[rows] = c[-1]
+    kv.sum_committed += int(accepted.sum())
+    kv.sum_allocated_ceil += int(taken.sum())
+    kv.max_len_bound = bound
+    kv.decode_batch_idx[rows] = decoded + num_steps
+    return SwaSpecRun(taken, nxt, released, window_freed, cursors)
 
 
 def alloc_for_spec_decode(
@@ -1314,7 +1505,14 @@ def release_kv_cache(
         free_range(table[row, start:allocated], start)
         overalloc = allocated - start
         freed += ceil_align(allocated, ps) - start
-    ctx.req_to_token_pool.free(row)
+    if ctx.mamba_reqs is not None:
+        # every Mamba slot, then the row (radix cache off: nothing is checkpointed;
+        # SGLang's cleanup_after_caching_req -> free_mamba_cache, then the row)
+        pool = ctx.req_to_token_pool
+        assert isinstance(pool, HybridReqToTokenPool)
+        pool.release(ctx.mamba_reqs.pop(row))
+    else:
+        ctx.req_to_token_pool.free(row)
     kv.clear_row(row)
     return ReleaseOutcome(freed, cached, overalloc)
 

@@ -150,14 +150,18 @@ class MambaConfig:
         """The most running requests the pool lets SGLang configure (``slots // ratio``)."""
         return self.slots // self.slots_per_request(radix_cache)
 
-    def check(self, page_size: int = 1) -> None:
-        """Refuse a configuration SGLang refuses (ValueError naming the field)."""
+    def check(self, page_size: int = 1, radix_cache: bool = True) -> None:
+        """Refuse a configuration SGLang refuses (ValueError naming the field). The
+        buffer mode's page-size and overlap rules hold only with the radix cache on:
+        without it SGLang never resolves a Mamba radix strategy (``_mamba_radix_cache_resolution``)."""
         if self.slots < 1:
             raise ValueError(f"MambaConfig.slots must be >= 1, found {self.slots}")
         if self.strategy not in ("no_buffer", "extra_buffer", "extra_buffer_lazy"):
             raise ValueError(f"MambaConfig.strategy: unknown mode {self.strategy!r}")
         if self.strategy == "extra_buffer_lazy" and not self.overlap_schedule:
             raise ValueError("MambaConfig: extra_buffer_lazy needs the overlap scheduler (overlap_schedule=True)")
+        if not radix_cache:
+            return
         if self.strategy == "no_buffer" and page_size != 1:
             raise ValueError(f"MambaConfig: no_buffer runs at page size 1 only, found {page_size}")
         if self.strategy == "no_buffer" and self.overlap_schedule:
@@ -230,6 +234,8 @@ class AllocatorConfig:
             ``--radix-eviction-policy``; ``allocator.evict_policy``).
         debug_checks: run expensive assertions inside the allocation functions.
         swa: the sliding-window pool of a hybrid model, or None (full attention only).
+        mamba: the Mamba state pool of a hybrid linear-attention model, or None (no
+            linear-attention layers): the request pool is then ``HybridReqToTokenPool``.
     """
 
     pool_tokens: int
@@ -246,6 +252,7 @@ class AllocatorConfig:
     eviction_policy: EvictionPolicy = "lru"
     debug_checks: bool = False
     swa: SwaConfig | None = None
+    mamba: MambaConfig | None = None
 
     def check(self) -> None:
         """Refuse a configuration no allocator can be built from.
@@ -284,6 +291,21 @@ class AllocatorConfig:
             )
         if config.swa is not None:
             _check_swa(config)
+        if config.mamba is not None:
+            _check_mamba(config)
+
+
+def _check_mamba(config: AllocatorConfig) -> None:
+    """Refuse a Mamba configuration the built-in allocator cannot run (ValueError)."""
+    mamba = config.mamba
+    assert mamba is not None
+    mamba.check(config.page_size, config.radix_cache)
+    for switch, what in (("radix_cache", "the radix cache"), ("hisparse", "HiSparse"),
+                         ("need_sort", "PD decode (need_sort)")):
+        if getattr(config, switch):
+            raise ValueError(f"AllocatorConfig: a Mamba pool with {what} is not implemented (set {switch}=False)")
+    if config.swa is not None:
+        raise ValueError("AllocatorConfig: a Mamba pool beside an SWA pool is not implemented (set swa=None)")
 
 
 HISPARSE_SWA_REFUSAL = "SGLang 0.5.23 does not serve HiSparse with sliding-window models"
@@ -374,7 +396,7 @@ class OutOfMemory:
     needed: int
     available: int
     evictable: int
-    pool: str = "full"  # the pool that ran short: "full" or "swa" (hybrid sliding-window models)
+    pool: str = "full"  # the pool that ran short: "full", "swa" (sliding window) or "mamba" (state slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,7 +557,8 @@ class RunResult(NamedTuple):
     allocated: np.ndarray  # int64 [num_steps, bs] kv_allocated_len of each request after each step
     # the counters of the pools after the full one (a hybrid model's SWA pool), each as ``counters``
     other_pools: tuple[np.ndarray, ...] = ()
-    # int64 [num_steps, bs]: each request's ``swa_evicted_seqlen`` after each step (SWA runs), or None
+    # int64 [num_steps, bs]: with a sliding-window pool, each request's SWA cursor
+    # (``swa_evicted_seqlen``) after each step; None otherwise
     swa_evicted: np.ndarray | None = None
 
 

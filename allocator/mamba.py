@@ -175,6 +175,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         size: request rows.
         max_context_len: row width of ``req_to_token``.
         mamba: slots and buffer mode (``MambaConfig``).
+        device: where ``req_to_token`` lives (``ReqToTokenPool``).
+        radix_cache: the radix cache is on (the buffer mode's rules apply).
 
     Attributes:
         mamba_allocator: the slot free list.
@@ -183,9 +185,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
             ``[size + 1, ping_pong_size]``: row -> tracking slots (extra buffer only).
     """
 
-    def __init__(self, size: int, max_context_len: int, mamba: MambaConfig) -> None:
-        super().__init__(size, max_context_len)
-        mamba.check()
+    def __init__(self, size: int, max_context_len: int, mamba: MambaConfig, device: str = "cpu",
+                 radix_cache: bool = True) -> None:
+        super().__init__(size, max_context_len, device)
+        mamba.check(radix_cache=radix_cache)
         self.mamba_config = mamba
         self.strategy: MambaBufferMode = mamba.strategy
         self.enable_mamba_extra_buffer = mamba.extra_buffer

@@ -54,6 +54,7 @@ from allocator.allocation import (
     alloc_for_spec_decode,
     alloc_for_spec_run,
     alloc_for_swa_decode_run,
+    alloc_for_swa_spec_run,
     checkpoint_kv_cache,
     commit_accepted_tokens,
     evict_from_tree_cache,
@@ -92,6 +93,7 @@ from allocator.sizing import (
     reserve_per_decode,
     uses_bigram_keys,
 )
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 from allocator.swa import SWATokenToKVPoolAllocator
 from allocator.swa_radix import SwaRadixCache
 from allocator.table_writer import make_table_writer
@@ -100,6 +102,7 @@ from allocator.token_to_kv import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+from traces.namespaces import NamespacedIds, in_namespace, namespace_of
 
 if TYPE_CHECKING:
     from allocator.check.incremental import IncrementalChecker
@@ -146,7 +149,12 @@ class KvAllocator:
         self.page_size = ps
         size = pool_size_tokens(config)
         num_rows = config.max_running + config.extra_rows
-        self.req_to_token_pool = ReqToTokenPool(num_rows, req_to_token_width(config), config.device)
+        if config.mamba is not None:
+            self.req_to_token_pool = HybridReqToTokenPool(
+                num_rows, req_to_token_width(config), config.mamba, config.device, config.radix_cache
+            )
+        else:
+            self.req_to_token_pool = ReqToTokenPool(num_rows, req_to_token_width(config), config.device)
         allocator: (
             TokenToKVPoolAllocator
             | PagedTokenToKVPoolAllocator
@@ -190,6 +198,12 @@ class KvAllocator:
             spec_reserve=reserve_per_decode(config.spec, ps),
             hisparse=config.hisparse,
             swa=config.swa,
+            mamba_reqs=None if config.mamba is None else {},
+        )
+        # The request each Mamba slot was last handed to (-1 never): a leaked or twice
+        # freed slot, which no request holds any more, is blamed on it.
+        self.mamba_last_holder: np.ndarray | None = (
+            None if config.mamba is None else np.full(config.mamba.slots + 1, -1, dtype=np.int64)
         )
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
@@ -202,6 +216,10 @@ class KvAllocator:
         self._session_held = np.full(1024, -1, dtype=np.int64)
         self._turned = np.zeros(1024, dtype=bool)
         self.sum_session_held = 0  # sum of committed - protected over held requests
+        # per live rid: the cache namespace its token ids carried when admitted (what
+        # ``allocator.check.namespaces`` holds its radix lock to); absent: none
+        self.request_namespaces: dict[int, str] = {}
+        self._namespaced = False  # some request had a namespace: check_integrity checks them
         self._digest: StateDigest | None = None  # kept from the first state_digest() on
         # The incremental checker (attached by the first check_integrity(touched)) and
         # its journal, which also records the requests a prompt publish checkpoints.
@@ -223,6 +241,11 @@ class KvAllocator:
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
             setattr(self, name, arr)
+
+    def _note_namespace(self, rid: int, token_ids: np.ndarray) -> None:
+        if type(token_ids) is NamespacedIds and token_ids.namespace is not None:
+            self.request_namespaces[rid] = token_ids.namespace
+            self._namespaced = True
 
     def _rows_of(self, rids: np.ndarray) -> np.ndarray:
         """Row per rid, -1 where the request holds none."""
@@ -346,6 +369,7 @@ class KvAllocator:
             # (``_compute_max_prefix_len``; a chunk computes at least one token).
             for i in new_idx:
                 toks = token_ids[i]
+                self._note_namespace(int(rids[i]), toks)
                 keys.append(tree.make_key(toks[: max(min(len(toks), int(seq_lens[i])) - 1, 0)]))
         # (b) decide the fit before any match: a match touches access times and splits
         # nodes, a lock protects evictable cache; a call that fails changes nothing.
@@ -405,6 +429,11 @@ class KvAllocator:
         if resumed.size:  # a session's next turn runs on the held KV from here on
             self.sum_session_held -= int(self._session_held[resumed].sum())
             self._session_held[resumed] = -1
+        if self.mamba_last_holder is not None:
+            held = self.ctx.mamba_reqs
+            assert held is not None
+            for i in new_idx:
+                self.mamba_last_holder[held[int(res.rows[i])].held_slots()] = int(rids[i])
         if swa_tree is not None:
             for i in new_idx:
                 row = int(res.rows[i])
@@ -531,7 +560,9 @@ class KvAllocator:
         if taken is None:
             return None
         self.writer.end_call()
-        return RunResult(_counters_after(before, taken, committed), allocated[None, :] + steps[:, None])
+        return RunResult(
+            _counters_after(before, taken, committed), allocated[None, :] + steps[:, None], self._still_pools(num_steps)
+        )
 
     def _swa_decode_run(
         self, rows: np.ndarray, num_steps: int, allocated: np.ndarray, committed: np.ndarray
@@ -556,7 +587,8 @@ class KvAllocator:
 
     def spec_decode_run(self, rids: np.ndarray, accepted: np.ndarray) -> RunResult | None:
         """``accepted.shape[0]`` speculative steps of the same batch in one call, exactly
-        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``).
+        as that many calls of ``spec_decode(rids, accepted[j])`` (``alloc_for_spec_run``;
+        with an SWA pool ``alloc_for_swa_spec_run``).
 
         Returns:
             The pool counters and allocated lengths after each step, or None when the
@@ -569,13 +601,42 @@ class KvAllocator:
         if accepted.ndim != 2 or accepted.shape[1] != rids.shape[0] or (accepted.size and int(accepted.min()) < 0):
             return None
         rows = self._held_rows(rids, "spec_decode")
+        if self.config.swa is not None:
+            return self._swa_spec_decode_run(rows, accepted)
         before = np.array(self.counters(), dtype=np.int64)
         got = alloc_for_spec_run(self.ctx, rows, accepted)
         if got is None:
             return None
         taken, allocated = got
         self.writer.end_call()
-        return RunResult(_counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated)
+        return RunResult(
+            _counters_after(before, taken, np.cumsum(accepted.sum(axis=1))), allocated,
+            self._still_pools(accepted.shape[0]),
+        )
+
+    def _still_pools(self, num_steps: int) -> tuple[np.ndarray, ...]:
+        """``RunResult.other_pools`` of a run that leaves them as they are: the Mamba
+        pool (decode takes no state slot) after each step; () without one."""
+        if self.config.mamba is None:
+            return ()
+        row = np.array(self._mamba_counters(self.counters()), dtype=np.int64)
+        return (np.tile(row, (num_steps, 1)),)
+
+    def _swa_spec_decode_run(self, rows: np.ndarray, accepted: np.ndarray) -> RunResult | None:
+        """``spec_decode_run`` with an SWA pool (``alloc_for_swa_spec_run``): both pools'
+        counters after each step (``RunResult.other_pools``: the SWA pool's)."""
+        pools = self.pool_counters()
+        before_full = np.array(pools["full"], dtype=np.int64)
+        before_swa = np.array(pools["swa"], dtype=np.int64)
+        run = alloc_for_swa_spec_run(self.ctx, rows, accepted)
+        if run is None:
+            return None
+        self.writer.end_call()
+        committed = np.cumsum(accepted.sum(axis=1))
+        swa = _counters_after(before_swa, run.taken, committed)
+        swa[:, _COUNTER_AVAILABLE] += np.cumsum(run.swa_released)
+        swa[:, _COUNTER_COMMITTED] -= np.cumsum(run.swa_window_freed)
+        return RunResult(_counters_after(before_full, run.taken, committed), run.allocated, (swa,), run.swa_evicted)
 
     def spec_decode(self, rids: np.ndarray, accepted_lens: np.ndarray) -> AllocOutcome:
         """One speculative step: prepare (reserve to ``ceil_align(committed + reserve)``),
@@ -645,7 +706,12 @@ class KvAllocator:
         matches ``origin_input_ids``). All or nothing: the batch's fit is decided
         before any match, eviction or allocation (rows, and the pages against free +
         evictable slots less what the batch's locks protect; which request evicts
-        what does not change that total), so OutOfMemory changes nothing."""
+        what does not change that total), so OutOfMemory changes nothing.
+
+        Raises:
+            ValueError: bad batch, or a model with a Mamba pool (not served here)."""
+        if self.config.mamba is not None:
+            raise ValueError("prealloc: PD decode pre-allocation with a Mamba pool is not implemented")
         self._flush_publish()
         rids = _i64(rids)
         fill_lens = _i64(fill_lens)
@@ -682,6 +748,7 @@ class KvAllocator:
                         f"prealloc: request rid={int(rids[i])} has {len(token_ids[i])} token ids, fewer than {fill}"
                     )
                 prompt = int(self._prompt_len[int(rids[i])])
+                self._note_namespace(int(rids[i]), token_ids[i])
                 keys.append(tree.make_key(token_ids[i][: fill if prompt < 0 else min(prompt, fill)]))
             unfit = prealloc_fits(ctx, rids, fill_lens, keys)
             if unfit is not None:
@@ -751,6 +818,7 @@ class KvAllocator:
             n = fill if prompt < 0 else min(prompt, fill)
             if ps > 1:  # the match stops before the SWA tail, which is allocated fresh
                 n = min(n, fill - swa_radix_tail_len(ctx, fill))
+            self._note_namespace(int(rids[i]), token_ids[i])
             keys.append(tree.make_key(token_ids[i][:n]))
         unfit = swa_radix_prealloc_fits(ctx, tree, rids, fill_lens, keys)
         if unfit is not None:
@@ -844,6 +912,7 @@ class KvAllocator:
                 self._turned[rid] = False
                 if kind != "retract":
                     self._prompt_len[rid] = -1
+                    self.request_namespaces.pop(rid, None)
                 else:
                     evicted += evict_from_tree_cache(self.ctx, self._num_decoding() * RETRACT_DECODE_STEPS)
         finally:
@@ -942,7 +1011,7 @@ class KvAllocator:
         tree = self.tree_cache
         if tree.disable:
             return 0
-        toks = np.asarray(token_ids, dtype=np.int64)
+        toks = in_namespace(np.asarray(token_ids, dtype=np.int64), namespace_of(token_ids))
         return tree.peek_prefix_len(tree.make_key(toks[: max(toks.shape[0] - 1, 0)]))
 
     # ------------------------------------------------------------------ reads
@@ -982,6 +1051,8 @@ class KvAllocator:
         request holds ``ceil_align(allocated) - protected - window_freed`` SWA tokens,
         its window-freed tokens leaving ``committed``."""
         full = self.counters()
+        if self.config.mamba is not None:
+            return {"full": full, "mamba": self._mamba_counters(full)}
         if self.config.swa is None:
             return {"full": full}
         kv = self.req_kv
@@ -998,6 +1069,29 @@ class KvAllocator:
             free_rows=full.free_rows,
         )
         return {"full": full, "swa": swa}
+
+    def _mamba_counters(self, full: PoolCounters) -> PoolCounters:
+        """The Mamba pool in slots: ``committed`` the slots requests hold (no tree
+        without the radix cache, nothing over-allocated)."""
+        pool = self.req_to_token_pool
+        assert isinstance(pool, HybridReqToTokenPool)
+        held = sum(len(req.held_slots()) for req in self.mamba_reqs())
+        return PoolCounters(
+            pool_tokens=pool.mamba_size,
+            available=pool.mamba_available_size(),
+            evictable=0,
+            protected=0,
+            committed=held,
+            overallocated=0,
+            running_requests=full.running_requests,
+            free_rows=full.free_rows,
+        )
+
+    def mamba_reqs(self) -> list[MambaReqKv]:
+        """Each request's Mamba bookkeeping (row, state slot), in row order; empty for a
+        model without a Mamba pool."""
+        held = self.ctx.mamba_reqs
+        return [] if held is None else [held[row] for row in sorted(held)]
 
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         self._flush_publish()
@@ -1080,16 +1174,21 @@ class KvAllocator:
         # of the step stay queued, so a check between two calls of a step changes nothing.
         self.writer.sync()
         if touched is None:
-            return check_integrity(self)
-        if self._checker is None:
+            found = check_integrity(self)
+        elif self._checker is None:
             from allocator.check.incremental import IncrementalChecker
 
             found = check_integrity(self)
             self._checker = IncrementalChecker(self)
-            return found
-        found = self._checker.check(_i64(touched))
-        if self.sum_session_held or self._turned.any():
-            check_session_held(found, self)  # O(held sessions)
+        else:
+            found = self._checker.check(_i64(touched))
+            if self.sum_session_held or self._turned.any():
+                check_session_held(found, self)  # O(held sessions)
+        if self._namespaced:
+            from allocator.check.namespaces import check_namespaces
+
+            rows = self.req_kv.rows_in_use()
+            check_namespaces(found, self, rows, self.req_kv.rid[rows])
         return found
 
     def slot_ownership(self) -> SlotOwnership:

@@ -9,8 +9,16 @@ stored or matched is page aligned (``floor_align(len, page_size)``).
 
 A node holds its key as the bytes of its units, so prefix comparison is one
 ``bytes.startswith`` (a memcmp) per node, and children are keyed by the bytes of
-their first page. Matching or inserting a key that ends inside a node splits the
-node there (the upper part keeps the lock count), as SGLang does.
+their first page, after the node's namespace prefix. Matching or inserting a key that
+ends inside a node splits the node there (the upper part keeps the lock count), as
+SGLang does.
+
+Namespaces (SGLang's ``RadixKey.extra_key`` / ``cache_salt``): a key made from token ids
+tagged with a namespace (``traces.namespaces.in_namespace``) keeps it, and every node
+stored for it holds ``key_prefix`` of it in ``ns``, which the node's entry in its
+parent's children puts before the first page (SGLang's ``child_key``: ``(extra_key,
+page)``). So equal tokens in two namespaces never reach one node; untagged keys have
+an empty prefix and key the tree exactly as without namespaces.
 
 Sizes: a node's length is *evictable* while no request locks it (``lock_ref == 0``)
 and *protected* otherwise; ``lock`` / ``unlock`` walk to the root moving lengths
@@ -47,6 +55,7 @@ import numpy as np
 from allocator.evict_policy import EvictKey, eviction_key
 from allocator.pages import floor_align
 from allocator.token_to_kv import SLOT_DTYPE
+from traces.namespaces import NamespacedIds, key_prefix
 
 if TYPE_CHECKING:
     from allocator.check.journal import Journal
@@ -83,7 +92,9 @@ def bigram_units(token_ids: np.ndarray) -> np.ndarray:
 class TreeNode:
     """One radix-tree node: a run of units and the KV slots that hold them."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id", "hit_count", "priority")
+    __slots__ = (
+        "children", "parent", "key", "value", "lock_ref", "last_access_time", "id", "hit_count", "priority", "ns",
+    )
 
     def __init__(self, node_id: int, access_time: int) -> None:
         self.children: dict[bytes, TreeNode] = {}
@@ -95,6 +106,7 @@ class TreeNode:
         self.id = node_id  # issued in creation order: FIFO / FILO read it as the creation time
         self.hit_count = 0  # inserts through the node past the inserter's own (LFU, SLRU)
         self.priority = 0  # max priority inserted through the node (priority policy)
+        self.ns = b""  # namespace prefix (traces.namespaces.key_prefix): b"" for none
 
     def __len__(self) -> int:
         return self.value.shape[0]
@@ -200,10 +212,13 @@ class RadixCache:
         return not self.disable
 
     def make_key(self, token_ids: np.ndarray) -> np.ndarray:
-        """The unit key of a token sequence (bigram units for EAGLE; not yet page aligned)."""
-        if self.is_eagle:
-            return bigram_units(token_ids)
-        return np.ascontiguousarray(token_ids, dtype=np.int64)
+        """The unit key of a token sequence (bigram units for EAGLE; not yet page aligned),
+        in the namespace of ``token_ids``."""
+        key = bigram_units(token_ids) if self.is_eagle else np.ascontiguousarray(token_ids, dtype=np.int64)
+        if type(token_ids) is NamespacedIds and token_ids.namespace is not None:
+            key = key.view(NamespacedIds)
+            key.namespace = token_ids.namespace
+        return key
 
     def key_len(self, num_tokens: int) -> int:
         """Page-aligned key length (units) of a ``num_tokens``-token sequence."""
@@ -226,7 +241,7 @@ class RadixCache:
         kb = key[:n].tobytes()
         t = self._tick()
         self.root_node.last_access_time = t
-        node, pos, touched = self._walk(kb, t)
+        node, pos, touched = self._walk(kb, t, ns=key_prefix(key))
         if touched is not None and touched in self.evictable_leaves:
             self._push(touched)
         return MatchResult(pos // 8, node)
@@ -240,10 +255,11 @@ class RadixCache:
         kb = key[:n].tobytes()
         nb = n * 8
         psb = ps * 8
+        ns = key_prefix(key)
         node = self.root_node
         pos = 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb] if ns else kb[pos : pos + psb])
             if child is None:
                 break
             if kb.startswith(child.key, pos):
@@ -277,10 +293,11 @@ class RadixCache:
                 continue
             kb = key[:n].tobytes()
             nb = n * 8
+            ns = key_prefix(key)
             node = self.root_node
             pos = 0
             while pos < nb:
-                child = node.children.get(kb[pos : pos + psb])
+                child = node.children.get(ns + kb[pos : pos + psb] if ns else kb[pos : pos + psb])
                 if child is None:
                     break
                 if kb.startswith(child.key, pos):
@@ -324,7 +341,8 @@ class RadixCache:
         psb = ps * 8
         # Past ``pos`` the key differs from every child's first page (or from the
         # lower part of a node just split): the rest becomes a new leaf.
-        node, pos, touched = self._walk(kb, t, inserted_len * 8, priority)
+        ns = key_prefix(key)
+        node, pos, touched = self._walk(kb, t, inserted_len * 8, priority, ns)
         if pos < nb:
             leaf = self._new_node()
             leaf.priority = priority
@@ -333,7 +351,8 @@ class RadixCache:
             leaf.parent = node
             leaf.key = kb[pos:]
             leaf.value = np.array(value[pos // 8 : n], dtype=SLOT_DTYPE)
-            node.children[kb[pos : pos + psb]] = leaf
+            leaf.ns = ns
+            node.children[ns + kb[pos : pos + psb]] = leaf
             if self.journal is not None:
                 self.journal.insert(leaf)
             if self.listener is not None:
@@ -349,12 +368,13 @@ class RadixCache:
         return InsertResult(pos // 8, node)
 
     def _walk(
-        self, kb: bytes, t: int, hits_past: int = -1, priority: int | None = None
+        self, kb: bytes, t: int, hits_past: int = -1, priority: int | None = None, ns: bytes = b""
     ) -> tuple[TreeNode, int, TreeNode | None]:
         """Follow key bytes ``kb`` down from the root, stamping access time ``t`` on each
         child entered (as SGLang's match and insert helpers do) and splitting the node
         where the match ends inside it.
 
+        ``ns`` is the key's namespace prefix (``traces.namespaces.key_prefix``).
         An insert (``hits_past`` >= 0) also does what SGLang's insert helper does to
         each node it ends in (a full child, or the upper part of a split): a hit when
         the matched length passes ``hits_past`` bytes, and ``priority`` raised in.
@@ -369,7 +389,7 @@ class RadixCache:
         pos = 0
         touched = None
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb] if ns else kb[pos : pos + psb])
             if child is None:
                 break
             child.last_access_time = t
@@ -414,13 +434,14 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         upper.priority = child.priority
+        upper.ns = child.ns
         upper.key = child.key[:cut]
         upper.value = child.value[:split_len]
         child.key = child.key[cut:]
         child.value = child.value[split_len:]
         child.parent = upper
-        upper.children = {child.key[:psb]: child}
-        upper.parent.children[upper.key[:psb]] = upper
+        upper.children = {child.ns + child.key[:psb]: child}
+        upper.parent.children[upper.ns + upper.key[:psb]] = upper
         if self.journal is not None:
             self.journal.split(upper, child)
         if self.listener is not None:
@@ -538,7 +559,7 @@ class RadixCache:
             n = x.value.shape[0]
             evicted += n
             parent = x.parent
-            del parent.children[x.key[:psb]]
+            del parent.children[x.ns + x.key[:psb]]
             self.evictable_size_ -= n
             self.evictable_leaves.discard(x)
             x.parent = None
@@ -607,6 +628,7 @@ class RadixState(NamedTuple):
     scalars: tuple[int, int, int, int, int]  # clock, next id, evictable, protected, evicted total
     hit_counts: np.ndarray  # int64 [n]
     priorities: np.ndarray  # int64 [n]
+    namespaces: tuple[bytes, ...] = ()  # each node's namespace prefix; () when every one is b""
 
 
 def _frozen(value: np.ndarray) -> np.ndarray:
@@ -645,6 +667,7 @@ def save_tree_state(tree: RadixCache) -> RadixState:
         scalars=(tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total),
         hit_counts=np.fromiter((n.hit_count for n in nodes), np.int64, len(nodes)),
         priorities=np.fromiter((n.priority for n in nodes), np.int64, len(nodes)),
+        namespaces=tuple(n.ns for n in nodes) if any(n.ns for n in nodes) else (),
     )
 
 
@@ -659,11 +682,13 @@ def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNod
     node_class = type(tree.root_node)  # a subclass's nodes (the SWA tree's) stay of its class
     by_id: dict[int, TreeNode] = {}
     nodes: list[TreeNode] = []
-    for node_id, parent, lock_ref, t, key, value, hits, priority in zip(
+    namespaces = state.namespaces or (b"",) * len(state.keys)
+    for node_id, parent, lock_ref, t, key, value, hits, priority, ns in zip(
         state.ids.tolist(), state.parents.tolist(), state.lock_refs.tolist(), state.access_times.tolist(),
-        state.keys, state.values, state.hit_counts.tolist(), state.priorities.tolist(),
+        state.keys, state.values, state.hit_counts.tolist(), state.priorities.tolist(), namespaces,
     ):
         node = node_class(node_id, t)
+        node.ns = ns
         node.key = key
         node.value = value
         node.lock_ref = lock_ref
@@ -672,7 +697,7 @@ def restore_tree_state(tree: RadixCache, state: RadixState) -> dict[int, TreeNod
         if parent >= 0:
             owner = nodes[parent]
             node.parent = owner
-            owner.children[key[:psb]] = node
+            owner.children[ns + key[:psb]] = node
         nodes.append(node)
         by_id[node_id] = node
     tree.root_node = nodes[0]

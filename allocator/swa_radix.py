@@ -48,6 +48,7 @@ import numpy as np
 from allocator.pages import ceil_align, floor_align
 from allocator.radix_cache import InsertResult, MatchResult, RadixCache, TreeNode
 from allocator.token_to_kv import SLOT_DTYPE
+from traces.namespaces import key_prefix
 
 if TYPE_CHECKING:
     from allocator.swa import SWATokenToKVPoolAllocator
@@ -272,6 +273,7 @@ class SwaRadixCache(RadixCache):
         upper.parent = c.parent
         upper.lock_ref = c.lock_ref
         upper.swa_lock_ref = c.swa_lock_ref
+        upper.ns = c.ns
         upper.key = c.key[:cut]
         upper.value = c.value[:split_len]
         c.key = c.key[cut:]
@@ -281,8 +283,8 @@ class SwaRadixCache(RadixCache):
             c.swa_value = c.swa_value[split_len:]
         upper.swa_uuid, c.swa_uuid = c.swa_uuid, None
         c.parent = upper
-        upper.children = {c.key[:psb]: c}
-        upper.parent.children[upper.key[:psb]] = upper
+        upper.children = {c.ns + c.key[:psb]: c}
+        upper.parent.children[upper.ns + upper.key[:psb]] = upper
         if upper.swa_value is not None and not self.swa_lru.in_list(upper):
             self.swa_lru.insert_after(c, upper)
         c.last_access_time = self._tick()
@@ -290,6 +292,8 @@ class SwaRadixCache(RadixCache):
         self._update_leaf_status(c)
         if self.journal is not None:
             self.journal.split(upper, c)
+        if self.listener is not None:
+            self.listener.split(upper, c)
         return upper
 
     # ------------------------------------------------------------------ match
@@ -317,6 +321,7 @@ class SwaRadixCache(RadixCache):
         kb = key[:n].tobytes()
         nb = n * 8
         psb = ps * 8
+        ns = key_prefix(key)
         node = root
         pos = 0
         full_hit = 0
@@ -324,7 +329,7 @@ class SwaRadixCache(RadixCache):
         best = root
         best_len = 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb])
             if child is None:
                 break
             m = self._matched(child.key, kb, pos)
@@ -363,9 +368,10 @@ class SwaRadixCache(RadixCache):
             return 0
         kb = key[:n].tobytes()
         nb, psb = n * 8, ps * 8
+        ns = key_prefix(key)
         node, pos, run, best = self.root_node, 0, float("inf"), 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb])
             if child is None:
                 break
             m = self._matched(child.key, kb, pos)
@@ -408,12 +414,13 @@ class SwaRadixCache(RadixCache):
                 continue
             kb = key[:n].tobytes()
             nb, psb = n * 8, ps * 8
+            ns = key_prefix(key)
             node, pos, run = self.root_node, 0, float("inf")
             path: list[tuple[SwaTreeNode, int]] = []  # (node, units used) root -> usable end
             best = -1
             walked: list[tuple[SwaTreeNode, int]] = []
             while pos < nb:
-                child = node.children.get(kb[pos : pos + psb])
+                child = node.children.get(ns + kb[pos : pos + psb])
                 if child is None:
                     break
                 m = self._matched(child.key, kb, pos)
@@ -475,10 +482,11 @@ class SwaRadixCache(RadixCache):
         alloc = self._alloc
         kb = key[:n].tobytes()
         nb, psb = n * 8, ps * 8
+        ns = key_prefix(key)
         node = root
         pos = 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb])
             if child is None:
                 break
             child.last_access_time = self._tick()
@@ -517,12 +525,15 @@ class SwaRadixCache(RadixCache):
             leaf.parent = node
             leaf.key = kb[pos:]
             leaf.value = np.array(value[total:n], dtype=SLOT_DTYPE)
-            node.children[kb[pos : pos + psb]] = leaf
+            leaf.ns = ns
+            node.children[ns + kb[pos : pos + psb]] = leaf
             self.evictable_size_ += n - total
             self._update_leaf_status(leaf)
             self._update_leaf_status(node)
             if self.journal is not None:
                 self.journal.insert(leaf)
+            if self.listener is not None:
+                self.listener.stored(leaf)
             target = leaf
             # SWA commit: a tombstone below the cursor, live SWA above it, capped at a window
             live_start = max(total, swa_evicted_seqlen)
@@ -750,6 +761,8 @@ class SwaRadixCache(RadixCache):
         psb = self.page_size * 8
         if self.journal is not None:
             self.journal.evict(x, x.parent)
+        if self.listener is not None:  # the full side goes: a tombstone is no removal
+            self.listener.removed(x)
         n = len(x)
         self.evictable_size_ -= n
         tracker["full"] += n
@@ -765,7 +778,7 @@ class SwaRadixCache(RadixCache):
             alloc.free_swa_segment(x.value, start_pos=0)
             x.swa_value = None
         parent = x.parent
-        del parent.children[x.key[:psb]]
+        del parent.children[x.ns + x.key[:psb]]
         self.evictable_leaves.discard(x)
         x.parent = None
         self._update_leaf_status(parent)

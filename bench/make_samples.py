@@ -96,6 +96,15 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
         (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "60000",
          "--model", "gemma-3-27b", "--no-radix-cache"),
     ),
+    # Hybrid linear-attention models (KV pool + Mamba state pool), radix cache off until
+    # the allocator serves the Mamba radix cache.
+    Sample(
+        "mooncake-qwen3-next.kvtrace",
+        "Mooncake conversation, first 12 seconds, qwen3-next-80b-a3b (3:1 linear/full layers, 16 Mamba state "
+        "slots), page 16, 60k-token full pool, radix cache off",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "60000",
+         "--model", "qwen3-next-80b-a3b", "--no-radix-cache"),
+    ),
 )
 
 

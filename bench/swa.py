@@ -2,7 +2,7 @@
 full-attention trace.
 
 Usage:
-    python bench/swa.py [TRACE ...] [--repeat N]
+    python bench/swa.py [TRACE ...] [--repeat N] [--swa-steps]
 
 For each SWA trace (default: the bundled ``mooncake-gpt-oss`` and ``mooncake-gemma-3``)
 the bench writes its full-attention twin: the same file with the metadata's
@@ -13,8 +13,10 @@ times each; the median ``wall_s`` (the replay loop, start-up excluded) is shown 
 step, with the SWA / full ratio (issue 43's target: at most 1.5).
 
 Both replay runs of plain decode steps in one allocator call
-(``ReplayOptions.decode_runs``); the twin is also replayed step by step
-(``decode_runs=False``, a ``ReplaySession`` in a fresh process) for scale. On a shared
+(``ReplayOptions.decode_runs``; of speculative steps too, on an EAGLE or DFlash trace);
+the twin is also replayed step by step (``decode_runs=False``, a ``ReplaySession`` in a
+fresh process) for scale, and with ``--swa-steps`` the SWA trace too (what its runs
+save). On a shared
 machine wall time follows the load, so each SWA and full replay is also timed in CPU
 seconds of its process (``time.process_time`` around ``ReplaySession.run``, ``--check
 end``, a fresh process each), whose ratio is the steadier figure.
@@ -104,13 +106,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="*", default=["sample:mooncake-gpt-oss", "sample:mooncake-gemma-3"])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--swa-steps", action="store_true", help="also replay each SWA trace step by step")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.traces:
             swa = resolve_trace(spec)
             full = full_attention_twin(swa, Path(tmp) / f"{swa.stem}-full.kvtrace")
-            times: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": []}
-            cpu: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": []}
+            times: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": [], "swa_steps": []}
+            cpu: dict[str, list[float]] = {"swa": [], "full": [], "full_steps": [], "swa_steps": []}
             steps = 0
             for _ in range(args.repeat):
                 for kind, path in (("swa", swa), ("full", full)):
@@ -120,8 +123,12 @@ def main() -> None:
                 wall_s, cpu_s = session_times(full, runs=False)
                 times["full_steps"].append(wall_s)
                 cpu["full_steps"].append(cpu_s)
-            med = {kind: statistics.median(t) for kind, t in times.items()}
-            med_cpu = {kind: statistics.median(t) for kind, t in cpu.items()}
+                if args.swa_steps:
+                    wall_s, cpu_s = session_times(swa, runs=False)
+                    times["swa_steps"].append(wall_s)
+                    cpu["swa_steps"].append(cpu_s)
+            med = {kind: statistics.median(t) for kind, t in times.items() if t}
+            med_cpu = {kind: statistics.median(t) for kind, t in cpu.items() if t}
             ratio = med["swa"] / med["full"]
             print(
                 f"{spec}: {steps:,} steps; SWA {1e6 * med['swa'] / steps:,.1f} µs/step, "
@@ -134,6 +141,12 @@ def main() -> None:
                 f"CPU: SWA {1e6 * med_cpu['swa'] / steps:,.1f} µs/step, full attention "
                 f"{1e6 * med_cpu['full'] / steps:,.1f} µs/step, ratio {med_cpu['swa'] / med_cpu['full']:.2f}"
             )
+            if args.swa_steps:
+                print(
+                    f"{spec}: SWA step by step {1e6 * med['swa_steps'] / steps:,.1f} µs/step "
+                    f"(CPU {1e6 * med_cpu['swa_steps'] / steps:,.1f} µs/step); with runs "
+                    f"{med['swa_steps'] / med['swa']:.2f}x faster (CPU {med_cpu['swa_steps'] / med_cpu['swa']:.2f}x)"
+                )
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "model": config["model"],
         "attention": attention_info(meta),
         "mamba": mamba_info(meta),
+        "namespaces": namespaces_info(meta),
+        "hicache": hicache_info(meta),
         "block_size": meta.block_size,
         "created_at": meta.created_at,
         "recording": None if recording is None else dataclasses.asdict(recording),
@@ -90,7 +92,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "rows": rows,
         "max_rows_per_step": max_rows_per_step,
         "requests": int(seen.sum()),
-        # the session ops only where the trace may hold them (config.sessions, version 4)
+        # the session ops only where the trace may hold them (config.sessions, version 6)
         "ops": {
             name: int(count) for code, (name, count) in enumerate(zip(OPS, ops))
             if code not in SESSION_OPS or meta.config.sessions
@@ -104,6 +106,19 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "truncation_detail": reader.truncation_detail,
         "extra": config["extra"],
     }
+
+
+def namespaces_info(meta: TraceMeta) -> dict[str, Any] | None:
+    """The trace's cache namespaces: how many, their names, and how many requests each
+    holds (None: no request has one)."""
+    table = meta.namespaces
+    if table is None:
+        return None
+    counts = [0] * len(table.names)
+    for index in table.of_rid:
+        if index >= 0:
+            counts[index] += 1
+    return {"count": len(table.names), "requests": dict(zip(table.names, counts))}
 
 
 def attention_info(meta: TraceMeta) -> dict[str, Any] | None:
@@ -141,5 +156,22 @@ def mamba_info(meta: TraceMeta) -> dict[str, Any] | None:
         slots_per_request=mamba_slots_per_request(meta.config.radix_cache),
         full_pool_tokens=meta.config.pool_tokens,
         full_bytes_per_token=layout.full_bytes_per_token(meta.model),
+    )
+    return out
+
+
+def hicache_info(meta: TraceMeta) -> dict[str, Any] | None:
+    """The trace's HiCache host tier (``config.hicache``) with the host memory it takes:
+    ``host_bytes``, the pool times the model's bytes per token as SGLang's host pool of a
+    full-attention model holds it (None for a hybrid model, whose host copy's bytes per
+    token are not modelled). None: no host tier."""
+    tier = meta.config.hicache
+    if tier is None:
+        return None
+    out = meta.to_dict()["config"]["hicache"]
+    hybrid = meta.attention is not None or meta.mamba is not None
+    out.update(
+        device_pool_tokens=meta.config.pool_tokens,
+        host_bytes=None if hybrid else tier.host_pool_tokens * meta.model.bytes_per_token,
     )
     return out

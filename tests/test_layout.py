@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvtrace.replay", "kvtrace.statelog", "kvtrace.versions", "kvtrace.diff", "kvtrace.proc",
-            "kvtrace.record", "kvtrace.tui.remote", "allocator.check")
+            "kvtrace.record", "kvtrace.tui.remote", "allocator.check", "kvtrace.explain")
 
 
 def test_kvtrace_holds_packages_and_a_few_modules() -> None:

@@ -19,7 +19,7 @@ DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9
 MAMBA_SLOTS_PER_REQUEST_RADIX = 3
 MambaKind = Literal["gdn", "mamba2"]
 MAMBA_KINDS: tuple[str, ...] = ("gdn", "mamba2")
-# One layer's state of one request, in bytes, at most (1 GiB; real ones are a few MiB).
+# The largest state one linear layer may keep for one request, in bytes: a bound on untrusted input.
 MAX_STATE_BYTES = 1 << 30
 
 

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from traces.hicache_layout import HostTier, host_tier_from_dict
 from traces.mamba_layout import DEFAULT_MAMBA_FULL_MEMORY_RATIO, MAMBA_KINDS, MAX_STATE_BYTES, MambaLayout
+from traces.namespaces import NamespaceTable
 from traces.schema import MAX_BLOCK_SIZE, MAX_MODEL_DIM, MAX_SPEC_TOKENS, MAX_STEP, MAX_TOKENS
 
 SpecAlgorithm = Literal["eagle", "eagle3", "standalone", "dflash"]
@@ -47,7 +49,8 @@ class TraceConfig:
     hisparse: bool = False
     radix_cache: bool = True  # the engine kept a radix prefix cache
     eviction_policy: str = "lru"  # its eviction order (SGLang's --radix-eviction-policy)
-    sessions: bool = False  # streaming sessions: the trace may hold hold/close ops (version 4)
+    hicache: HostTier | None = None  # HiCache's host tier under the radix cache (None: none; version 5)
+    sessions: bool = False  # streaming sessions: the trace may hold hold/close ops (version 6)
 
 
 # Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
@@ -108,6 +111,9 @@ class AttentionLayout:
         draft_sliding_window: tokens back that a fused draft reads in the SWA pool
             (SGLang's ``draft_swa_window``), 0 when none; the SWA history kept is the
             larger of it and ``sliding_window`` (``swa_retain_window``).
+        release_prefill_swa: the engine ran with ``SGLANG_OPT_RELEASE_PREFILL_SWA`` (a
+            request's prefix's SWA lock is released once it has decoded a window's
+            worth of steps); written only when on.
     """
 
     full_layer_ids: tuple[int, ...]
@@ -118,6 +124,7 @@ class AttentionLayout:
     swa_num_kv_heads: int | None = None
     swa_head_dim: int | None = None
     draft_sliding_window: int = 0
+    release_prefill_swa: bool = False
 
     def full_bytes_per_token(self, model: ModelShape) -> int:
         """Bytes of one token in the full pool: K and V in every full-attention layer."""
@@ -273,6 +280,7 @@ class TraceMeta:
     recording: Recording | None = None  # None: not recorded (a library write, or an older trace)
     attention: AttentionLayout | None = None  # None: every layer full attention (every v1 trace)
     mamba: MambaLayout | None = None  # None: no linear-attention layer (every v1 and v2 trace)
+    namespaces: NamespaceTable | None = None  # None: no request has a cache namespace (v1 to v3)
 
     def __post_init__(self) -> None:
         # Never below the version that holds this metadata (a layout added by ``replace``).
@@ -286,8 +294,12 @@ class TraceMeta:
     def written_version(self) -> int:
         """The lowest format version that holds this metadata, which a new trace is written
         as: a full-attention trace stays readable by readers of version 1, an SWA one by
-        readers of version 2."""
+        readers of version 2, a Mamba one by readers of version 3."""
         if self.config.sessions:
+            return 6
+        if self.config.hicache is not None or self.config.eviction_policy != "lru":
+            return 5
+        if self.namespaces is not None:
             return 4
         if self.mamba is not None:
             return 3
@@ -298,6 +310,8 @@ class TraceMeta:
         out["model"]["bytes_per_token"] = self.model.bytes_per_token
         if self.config.eviction_policy == "lru":
             del out["config"]["eviction_policy"]  # the default: metadata as before policies existed
+        if self.config.hicache is None:
+            del out["config"]["hicache"]  # no host tier: as versions 1 to 4 wrote it
         if not self.config.sessions:
             del out["config"]["sessions"]  # the default: metadata as before sessions existed
         if self.recording is None:
@@ -309,11 +323,17 @@ class TraceMeta:
             out["attention"]["swa_layer_ids"] = list(self.attention.swa_layer_ids)
             if not self.attention.draft_sliding_window:
                 del out["attention"]["draft_sliding_window"]  # no draft window: as before the field
+            if not self.attention.release_prefill_swa:
+                del out["attention"]["release_prefill_swa"]  # off (SGLang's default): as before the field
         if self.mamba is None:
             del out["mamba"]  # no linear-attention layer: as versions 1 and 2 wrote it
         else:
             out["mamba"]["full_layer_ids"] = list(self.mamba.full_layer_ids)
             out["mamba"]["mamba_layer_ids"] = list(self.mamba.mamba_layer_ids)
+        if self.namespaces is None:
+            del out["namespaces"]  # no namespaced request: as versions 1 to 3 wrote it
+        else:
+            out["namespaces"] = self.namespaces.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -354,8 +374,11 @@ class TraceMeta:
             hisparse=_bool_of(cfg, "hisparse", "config.", False),
             radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
             eviction_policy=_str_of(cfg, "eviction_policy", "config.", "lru"),
+            hicache=_host_tier(cfg, version),
             sessions=_bool_of(cfg, "sessions", "config.", False),
         )
+        if config.sessions and version < 6:
+            raise ValueError(f"metadata has 'config.sessions', which format version {version} does not have (6 and later)")
         model = dict(_optional_object(data, "model", "") or {})
         model.pop("bytes_per_token", None)
         source = _optional_object(data, "source", "") or {}
@@ -380,6 +403,9 @@ class TraceMeta:
         mamba = _optional_object(data, "mamba", "")
         if mamba is not None and version < 3:
             raise ValueError(f"metadata has 'mamba', which format version {version} does not have (3 and later)")
+        namespaces = data.get("namespaces")
+        if namespaces is not None and version < 4:
+            raise ValueError(f"metadata has 'namespaces', which format version {version} does not have (4 and later)")
         shape = ModelShape(**model)
         return cls(
             config=config,
@@ -392,6 +418,7 @@ class TraceMeta:
             recording=None if recording is None else Recording.from_dict(recording),
             attention=None if attention is None else _attention_layout(attention, shape, config.page_size),
             mamba=None if mamba is None else _mamba_layout(mamba, shape),
+            namespaces=None if namespaces is None else NamespaceTable.from_dict(namespaces),
         )
 
     @classmethod
@@ -515,7 +542,18 @@ def _attention_layout(obj: dict[str, Any], model: ModelShape, page_size: int) ->
         swa_num_kv_heads=_int_in(obj, "swa_num_kv_heads", "attention.", 1, MAX_MODEL_DIM, None),
         swa_head_dim=_int_in(obj, "swa_head_dim", "attention.", 1, MAX_MODEL_DIM, None),
         draft_sliding_window=_int_in(obj, "draft_sliding_window", "attention.", 0, MAX_TOKENS, 0),
+        release_prefill_swa=_bool_of(obj, "release_prefill_swa", "attention.", False),
     )
+
+
+def _host_tier(cfg: dict[str, Any], version: int) -> HostTier | None:
+    """``config.hicache``, which only version 5 and later hold."""
+    obj = cfg.get("hicache")
+    if obj is None:
+        return None
+    if version < 5:
+        raise ValueError(f"metadata has 'config.hicache', which format version {version} does not have (5 and later)")
+    return host_tier_from_dict(obj, cfg["page_size"])
 
 
 def _mamba_layout(obj: dict[str, Any], model: ModelShape) -> MambaLayout:

@@ -343,7 +343,7 @@ class TraceReader(IpcReader):
             raise self._fail(
                 TraceSchemaError,
                 f"{bad} op in {where()} but the metadata does not say config.sessions "
-                "(session ops need a version 4 trace with sessions)",
+                "(session ops need a version 6 trace with sessions)",
             )
         if "prompt_len" in present:
             prompt = numpy_filled(batch.column("prompt_len"), -1).astype(np.int64, copy=False)

@@ -18,7 +18,7 @@ column          type                      meaning
 step            int64                     scheduler step; non-decreasing; a step's rows contiguous
 time_s          float64                   time of the step's start, seconds since trace start
 op              dictionary<int8, utf8>    extend, decode, spec, prealloc, finish, retract, abort,
-                                          hold, close (streaming sessions, version 4)
+                                          hold, close (streaming sessions, version 6)
 rid             int64                     dense request id (>= 0), unique within the trace
 seq_len         int64                     the request's sequence length after the op (see below)
 append_len      int32                     tokens the op appends (0 for release ops)
@@ -77,11 +77,24 @@ layout: its full and sliding-window layers, the window and the two pools' split
 layout: its full and linear (Mamba / GDN) layers, the state bytes per request and
 the Mamba slots (``MambaLayout``); absent, no layer is linear.
 
+``TraceMeta.namespaces`` (key ``namespaces``, version 4) is the cache namespace of each
+request (a LoRA adapter, a ``cache_salt``, an ``extra_key``: what SGLang's radix key holds
+beside the tokens; ``traces.namespaces``): ``names``, the distinct names, and ``of_rid``,
+per request id from 0 the index of its name or -1 for none. Absent, no request has one.
+
+``TraceConfig.hicache`` (key ``config.hicache``, version 5) is HiCache's host tier:
+the host pool in tokens, how SGLang sized it and the write policy
+(``traces.hicache_layout.HostTier``); absent, the engine had no host tier. A radix
+eviction policy other than LRU (``config.eviction_policy``) is written as version 5 too,
+so that no older reader replays it as LRU.
+
 Versions: 1, the columns above and the metadata without ``attention``; 2 adds the
 optional ``attention`` object and nothing else, so a version 2 trace without it
-reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 adds
-the ``hold`` and ``close`` ops, which a trace may hold only when its metadata says
-``config.sessions`` (a version 4 trace). Readers read every version up to
+reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 the
+optional ``namespaces`` object; 5 the optional ``config.hicache`` object and a non-LRU
+``config.eviction_policy``; 6 the ``hold`` and ``close`` ops, which a trace may hold
+only when its metadata says ``config.sessions`` (a version 6 trace). Readers read every
+version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -121,7 +134,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 6
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 
@@ -139,7 +152,7 @@ OP_CODE: dict[str, int] = {name: code for code, name in enumerate(OPS)}
 EXTEND, DECODE, SPEC, PREALLOC, FINISH, RETRACT, ABORT, HOLD, CLOSE = range(len(OPS))
 RELEASE_OPS = frozenset({FINISH, RETRACT, ABORT, HOLD, CLOSE})
 ALLOC_OPS = frozenset({EXTEND, DECODE, SPEC, PREALLOC})
-# Streaming-session ops (format version 4, ``config.sessions``).
+# Streaming-session ops (format version 6, ``config.sessions``).
 SESSION_OPS = frozenset({HOLD, CLOSE})
 # The order a scheduler applies a step's ops in: releases, then the new KV.
 OP_ORDER: tuple[int, ...] = (FINISH, HOLD, CLOSE, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from traces.batches import StepBatch
+from traces.namespaces import NamespaceTable, in_namespace
 
 BLOCK_TOKEN_BIT = np.uint64(1 << 62)
 _LOW_62 = np.uint64((1 << 62) - 1)
@@ -114,6 +115,8 @@ class TokenStore:
     Args:
         block_size: tokens per block hash (``TraceMeta.block_size``); None ignores
             block hashes (every prompt position is then unique to its request).
+        namespaces: the requests' cache namespaces (``TraceMeta.namespaces``): ``ids``
+            of a request in one is tagged with it (``traces.namespaces.in_namespace``).
     """
 
     # Bytes per request id (prompt length, filled length, logged flag) and per token
@@ -127,8 +130,9 @@ class TokenStore:
         hold ``num_tokens`` tokens together (the KV pool's size bounds what they hold)."""
         return num_tokens * cls.BYTES_PER_TOKEN + num_rids * cls.BYTES_PER_RID
 
-    def __init__(self, block_size: int | None) -> None:
+    def __init__(self, block_size: int | None, namespaces: NamespaceTable | None = None) -> None:
         self.block_size = block_size
+        self.namespaces = namespaces
         self._prompt_len = np.full(1024, -1, np.int64)  # per rid, -1 unknown
         self._filled = np.zeros(1024, np.int64)  # per rid, positions materialised
         self._logged = np.zeros(1024, np.bool_)  # per rid, explicit ids in the log
@@ -213,6 +217,8 @@ class TokenStore:
         buffer = self._materialise(rid, end)
         view = buffer[:end]
         view.flags.writeable = False
+        if self.namespaces is not None:
+            return in_namespace(view, self.namespaces.name_of(rid))
         return view
 
     def ids_many(self, rids: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> list[np.ndarray]:
@@ -255,6 +261,7 @@ class TokenStore:
         cannot be derived (prompts, hashes, explicit ids)."""
         clone = TokenStore.__new__(TokenStore)
         clone.block_size = self.block_size
+        clone.namespaces = self.namespaces
         clone._prompt_len = self._prompt_len.copy()
         clone._filled = self._filled.copy()
         clone._logged = self._logged.copy()

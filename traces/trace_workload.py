@@ -209,6 +209,7 @@ class _Collector:
                     block_hashes=hashes,
                     block_size=block_size if hashes is not None else None,
                     line=r,
+                    namespace=None if meta.namespaces is None else meta.namespaces.name_of(r),
                 )
             )
         unfinished = int(np.count_nonzero(owned < 0))

@@ -28,6 +28,8 @@ class WorkloadRequest:
             no prefix information (unrelated prompts).
         block_size: tokens per block of ``block_hashes`` (None without them).
         line: line of the source file the request came from (1-based).
+        namespace: its cache namespace (a LoRA adapter, ``cache_salt`` or
+            ``extra_key``: ``traces.namespaces``), or None.
     """
 
     arrival_s: float
@@ -36,3 +38,4 @@ class WorkloadRequest:
     block_hashes: np.ndarray | None = None
     block_size: int | None = None
     line: int = 0
+    namespace: str | None = None

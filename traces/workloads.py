@@ -12,7 +12,9 @@ Formats
               ``input_length``, ``output_length``, ``hash_ids`` (ids of the prompt's
               512-token blocks, ``len(hash_ids) == ceil(input_length / 512)``; the last
               block is usually partial). Equal leading ids share a prefix, so the ids
-              become content-addressed prompt blocks.
+              become content-addressed prompt blocks. Optional SGLang request fields
+              ``extra_key``, ``lora_id``, ``cache_salt`` put a request in a cache
+              namespace (``traces.namespaces.sglang_namespace``).
 ``azure``     CSV (Azure/AzurePublicDataset LLM inference traces): ``TIMESTAMP``
               (wall-clock ``YYYY-MM-DD HH:MM:SS.fffffff``, any number of fractional
               digits, optional UTC offset), ``ContextTokens``, ``GeneratedTokens``.
@@ -59,6 +61,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from traces.namespaces import check_name, sglang_namespace
 from traces.workload_request import WorkloadRequest
 
 __all__ = [
@@ -363,7 +366,28 @@ def read_mooncake(path: str | Path, *, block_size: int = MOONCAKE_BLOCK_SIZE) ->
                 block_hashes=hashes,
                 block_size=block_size,
                 line=line_no,
+                namespace=_namespace_fields(path, line_no, row),
             )
+
+
+def _namespace_fields(path: Path, line: int, row: dict[str, Any]) -> str | None:
+    """The request's cache namespace from the optional SGLang request fields
+    ``extra_key``, ``lora_id`` and ``cache_salt`` (strings or null), when a line has any."""
+    if not (_NAMESPACE_FIELDS & row.keys()):
+        return None
+    for name in _NAMESPACE_FIELDS & row.keys():
+        if row[name] is not None and not isinstance(row[name], str):
+            raise WorkloadFileError(path, line, f"{name} must be a string or null, found {row[name]!r:.40}")
+    name = sglang_namespace(row.get("extra_key"), row.get("lora_id"), row.get("cache_salt"))
+    if name is not None:
+        try:
+            check_name(name, "the request's namespace (extra_key, lora_id, cache_salt)")
+        except ValueError as exc:
+            raise WorkloadFileError(path, line, str(exc)) from None
+    return name
+
+
+_NAMESPACE_FIELDS = frozenset({"extra_key", "lora_id", "cache_salt"})
 
 
 # --------------------------------------------------------------------------- CSV formats

@@ -29,6 +29,7 @@ from traces.encoding import LIST_TYPES, RECORDING_KEY, batch_metadata, to_record
 from traces.errors import TraceWriteError
 from traces.ipc import IpcFormat, os_reason
 from traces.metadata import Recording, TraceMeta, timestamp
+from traces.namespaces import NamespaceTable
 from traces.reader import TraceReader
 from traces.schema import HOLD, OPS, arrow_schema
 
@@ -107,6 +108,7 @@ def compact_trace(
     compression: Compression = "zstd",
     recording: Recording | None = None,
     out: str | os.PathLike[str] | None = None,
+    namespaces: NamespaceTable | None = None,
 ) -> int:
     """Rewrite a trace as an Arrow IPC file with ``steps_per_batch`` steps per batch: in
     place, or into ``out``.
@@ -125,6 +127,8 @@ def compact_trace(
             trace records one).
         out: write the new file here instead (created or truncated: the caller makes
             that safe, e.g. ``kvtrace.outputs``); None: replace ``path``.
+        namespaces: the requests' cache namespaces to store in the new file's metadata
+            (None: the trace's own).
 
     Returns:
         The number of steps written.
@@ -140,6 +144,8 @@ def compact_trace(
             pass
         recording = reader.recording
     meta = reader.meta if recording is None else replace(reader.meta, recording=recording)
+    if namespaces is not None:
+        meta = replace(meta, namespaces=namespaces)
 
     def rewrite(dest: Path) -> int:
         with TraceWriter(
@@ -374,13 +380,17 @@ class TraceWriter:
         if self._pending:
             self._write_pending()
 
-    def close(self, *, interrupted: str | None = None) -> None:
+    def close(self, *, interrupted: str | None = None, namespaces: NamespaceTable | None = None) -> None:
         """Write the buffered steps, the recording's final status and the end of the
         file, close it, and compact it when asked to (a complete recording only).
 
         Args:
             interrupted: why the writing stops before its end (``describe_stop``): the
                 recording is marked interrupted and the file is left uncompacted.
+            namespaces: the requests' cache namespaces learnt while writing (a live
+                recorder's): a complete recording is compacted (with ``steps_per_batch``
+                steps per batch unless asked otherwise) so that its metadata holds them;
+                an interrupted one is left without them.
 
         Raises:
             TraceWriteError: the file cannot be written.
@@ -411,13 +421,17 @@ class TraceWriter:
             ) from None
         self._closed = True
         self.recording = final
-        if self.compact_steps_per_batch is not None and interrupted is None:
+        compact_every = self.compact_steps_per_batch
+        if compact_every is None and namespaces is not None:
+            compact_every = self.steps_per_batch
+        if compact_every is not None and interrupted is None:
             try:
                 compact_trace(
                     self.path,
-                    steps_per_batch=self.compact_steps_per_batch,
+                    steps_per_batch=compact_every,
                     compression=self.compact_compression,
                     recording=final,
+                    namespaces=namespaces,
                 )
             except BaseException as exc:
                 # The stream is complete and closed: only its compaction stopped.

@@ -19,6 +19,10 @@ index, branch point, window-lock receipts) are saved with the others; with the S
 radix tree (``allocator.swa_radix``) ``SwaTreeState`` adds each node's SWA side (its
 SWA slots or a tombstone, SWA lock count, window-boundary uuid), the SWA LRU order and
 the tree's SWA ledgers and uuid counter.
+
+A Mamba pool (``AllocatorConfig.mamba``) is saved as ``MambaState``: its free list in
+order, an open admission group, the row -> slot mapping and each request's
+``MambaReqKv``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 from allocator.radix_cache import RadixState, TreeNode, restore_tree_state, save_tree_state
 from allocator.swa_radix import SwaRadixCache, _SwaLru
 
@@ -142,6 +147,10 @@ class AllocatorState:
     # SWA only: each row's window-lock receipt (-1 none) and the SWA tree's side
     lock_swa_uuids: np.ndarray | None = None
     swa_tree: SwaTreeState | None = None
+    # the live requests' cache namespaces (KvAllocator.request_namespaces)
+    request_namespaces: tuple[tuple[int, str], ...] = ()
+    # Mamba pool only: a copy of its free list, row -> slot mapping and per-request bookkeeping
+    mamba: MambaState | None = None
 
     def digest(self) -> str:
         """A hash of the whole state: equal digests mean equal states (rows, free-list
@@ -169,6 +178,10 @@ class AllocatorState:
             h.update(self.lock_swa_uuids.tobytes())
         if self.swa_tree is not None:
             self.swa_tree.hash_into(h)
+        if self.mamba is not None:
+            h.update(self.mamba.free_slots.tobytes())
+            h.update(self.mamba.mapping.tobytes())
+            h.update(repr([(row, r.rid, r.mamba_pool_idx) for row, r in sorted(self.mamba.reqs.items())]).encode())
         return h.hexdigest()
 
     def slots(self) -> np.ndarray:
@@ -187,6 +200,8 @@ class AllocatorState:
             total += self.lock_swa_uuids.nbytes
         if self.swa_tree is not None:
             total += self.swa_tree.nbytes
+        if self.mamba is not None:
+            total += self.mamba.free_slots.nbytes + self.mamba.mapping.nbytes + 64 * len(self.mamba.reqs)
         return total
 
     def shared(self) -> dict[int, int]:
@@ -198,6 +213,43 @@ class AllocatorState:
             base = value.base if value.base is not None else value
             out[id(base)] = base.nbytes
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class MambaState:
+    """The Mamba pool of a ``HybridReqToTokenPool`` (radix cache off: no tree side)."""
+
+    free_slots: np.ndarray  # int64 free list in reuse order
+    group: tuple[int, ...] | None  # an open admission group's slots, None: no group
+    mapping: np.ndarray  # int32 [rows + 1] row -> state slot
+    reqs: dict[int, MambaReqKv]  # row -> the request's bookkeeping (copies)
+    last_holder: np.ndarray  # int64 [slots + 1] ``KvAllocator.mamba_last_holder`` (blame only)
+
+
+def _save_mamba(alloc: KvAllocator) -> MambaState | None:
+    pool = alloc.req_to_token_pool
+    if not isinstance(pool, HybridReqToTokenPool) or alloc.ctx.mamba_reqs is None:
+        return None
+    group = pool.mamba_allocator._group
+    return MambaState(
+        free_slots=pool.mamba_allocator.free_slots.copy(),
+        group=None if group is None else tuple(group),
+        mapping=pool.req_index_to_mamba_index_mapping.copy(),
+        reqs=copy.deepcopy(alloc.ctx.mamba_reqs),
+        last_holder=alloc.mamba_last_holder.copy(),  # type: ignore[union-attr]
+    )
+
+
+def _restore_mamba(alloc: KvAllocator, state: MambaState) -> None:
+    pool = alloc.req_to_token_pool
+    assert isinstance(pool, HybridReqToTokenPool) and alloc.ctx.mamba_reqs is not None
+    pool.mamba_allocator.free_slots = state.free_slots.copy()
+    pool.mamba_allocator._group = None if state.group is None else list(state.group)
+    pool.req_index_to_mamba_index_mapping[:] = state.mapping
+    # in place: the context's dict is the one the allocation functions hold
+    alloc.ctx.mamba_reqs.clear()
+    alloc.ctx.mamba_reqs.update(copy.deepcopy(state.reqs))
+    alloc.mamba_last_holder = state.last_holder.copy()
 
 
 def _free_lists(token_allocator: Any) -> list[np.ndarray]:
@@ -270,6 +322,8 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
             np.array([-1 if u is None else u for u in kv.lock_swa_uuid], np.int64) if kv.swa else None
         ),
         swa_tree=_save_swa_tree(alloc.tree_cache, tree) if isinstance(alloc.tree_cache, SwaRadixCache) else None,
+        request_namespaces=tuple(getattr(alloc, "request_namespaces", {}).items()),
+        mamba=_save_mamba(alloc),
     )
 
 
@@ -353,7 +407,11 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
         kv.lock_swa_uuid = [None if u < 0 else u for u in state.lock_swa_uuids.tolist()]
     for name, saved in zip(_MANAGER_ARRAYS, state.manager_arrays):
         setattr(alloc, name, saved.copy())
+    if state.mamba is not None:
+        _restore_mamba(alloc, state.mamba)
     alloc._pending_publish = []
+    alloc.request_namespaces = dict(state.request_namespaces)
+    alloc._namespaced = alloc._namespaced or bool(state.request_namespaces)
     if state.rows.shape[0]:
         starts = np.zeros_like(state.rows)
         alloc.writer.assign(state.rows, starts, state.row_lens, state.slots())

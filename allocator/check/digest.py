@@ -241,9 +241,20 @@ def rows_hash(table: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> int:
     return int(terms.sum(dtype=np.uint64))
 
 
+def mamba_lists(free_slots: np.ndarray, mapping: np.ndarray, rows_in_use: np.ndarray) -> list[tuple[Any, Any]]:
+    """A Mamba pool's part of ``compose_digest``'s ``lists``: ``(seq_value(its free list
+    in order), seq_value(the state slot of each row in use, by row))``."""
+    held = np.asarray(mapping, dtype=np.int64)[np.asarray(rows_in_use, dtype=np.int64)]
+    return [(seq_value(np.asarray(free_slots, dtype=np.int64)), seq_value(held))]
+
+
 def _compose(alloc: KvAllocator, rows_total: int, lists: list[tuple[Any, Any]]) -> str:
     kv = alloc.req_kv
     tree = alloc.tree_cache
+    mamba = getattr(alloc.req_to_token_pool, "mamba_allocator", None)
+    if mamba is not None:
+        mapping = alloc.req_to_token_pool.req_index_to_mamba_index_mapping  # type: ignore[attr-defined]
+        lists = lists + mamba_lists(mamba.free_slots, mapping, np.flatnonzero(kv.rid >= 0))
     return compose_digest(
         rows_total, (kv.rid, kv.kv_allocated_len, kv.kv_committed_len, kv.cache_protected_len),
         alloc.req_to_token_pool.free_slots, lists, tree.evictable_size(), tree.protected_size(),

@@ -41,7 +41,14 @@ from allocator.pages import ceil_align
 from allocator.check.incremental_pages import FREE, TREE, PageShadow
 from allocator.check.incremental_swa import SwaShadow
 from allocator.check.incremental_tree import LockShadow
-from allocator.check.invariants import check_conservation, check_counters, check_hisparse, check_lengths, check_pages
+from allocator.check.invariants import (
+    check_conservation,
+    check_counters,
+    check_hisparse,
+    check_lengths,
+    check_mamba_pool,
+    check_pages,
+)
 from allocator.ownership import full_side
 from allocator.token_to_kv import HiSparseTokenToKVPoolAllocator
 
@@ -191,6 +198,7 @@ class IncrementalChecker:
             self._check_device(ch, out)
         if self.swa is not None:
             self._check_swa(ch, touched, mapped, out)
+        check_mamba_pool(out, a)
         if ch.anomalies or ch.rows or ch.tree:
             self._seed()  # the shadows followed a broken state: start again from the real one
         return out

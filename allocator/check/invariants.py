@@ -23,11 +23,13 @@ Checks (each violation names the request and the numbers):
 * ``device``: with a device table, its live entries equal the host copy.
 
 These are the full pool's (``Violation.pool == "full"``); a hybrid sliding-window
-allocator's SWA pool is checked by ``allocator.check.swa_invariants``.
+allocator's SWA pool is checked by ``allocator.check.swa_invariants``, a Mamba pool by
+``allocator.check.mamba_invariants`` (``check_mamba_pool``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -92,7 +94,27 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
         from allocator.check.swa_invariants import check_swa
 
         check_swa(out, allocator, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths], protected[ok_lengths])
+    check_mamba_pool(out, allocator)
     return out
+
+
+def check_mamba_pool(out: list[Violation], allocator: KvAllocator) -> None:
+    """A hybrid linear-attention model's Mamba pool (``allocator.check.mamba_invariants``:
+    conservation, double frees, ownership, leaks, the row -> slot mapping), each
+    violation with ``pool="mamba"``; nothing without one. The pool holds a few slots
+    per running request, so the whole of it is walked at every check. A violation
+    about a slot no request holds (a leak, a double free) is blamed on the request
+    the slot was last handed to (``KvAllocator.mamba_last_holder``)."""
+    if allocator.ctx.mamba_reqs is None:
+        return
+    from allocator.check.mamba_invariants import check_mamba
+
+    last = allocator.mamba_last_holder
+    for v in check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs()):  # type: ignore[arg-type]
+        slot = v.values.get("slot")
+        if v.rid is None and last is not None and slot is not None and 0 <= slot < last.shape[0] and last[slot] >= 0:
+            v = dataclasses.replace(v, rid=int(last[slot]))
+        out.append(v)
 
 
 def check_conservation(out: list[Violation], allocator: KvAllocator, ceil_alloc: np.ndarray,

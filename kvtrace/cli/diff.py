@@ -159,7 +159,7 @@ def diff(
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
     tui: Annotated[bool, typer.Option("--tui", help="Then show both replays side by side in the dashboard, at the first divergence (keys move both sides together).")] = False,
-    export: Annotated[Path | None, typer.Option("--export", help="Also write both sides as one timeline (.pftrace: Perfetto; .json: Chrome), two processes on one clock, the first divergence marked on both (a trace's sides are replayed again).", show_default=False)] = None,
+    export: Annotated[Path | None, typer.Option("--export", help="Also write both sides as one timeline (.pftrace: Perfetto; .json: Chrome), two processes on one clock, the first divergence marked on both (written as the diff replays them).", show_default=False)] = None,
     force: ForceOpt = False,
     kv_events: Annotated[
         bool,
@@ -237,15 +237,23 @@ def diff(
         check_device(device.value)
         if kv_events:
             events_report = _diff_kv_events(inputs[0], a or "builtin", b, replay, page_size, pool_tokens, device.value)
-        with ui.progress(f"diff {Path(inputs[0]).name}") as update:
+        from contextlib import nullcontext
+
+        from kvtrace.cli.export import export_diff_tee
+
+        with (nullcontext() if target is None else export_diff_tee(target, inputs[0])) as tee, \
+                ui.progress(f"diff {Path(inputs[0]).name}") as update:
             report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
                                 pool_tokens=pool_tokens, device=device.value, jobs=jobs,
                                 eviction_policy=eviction_policy.value if eviction_policy is not None else None,
-                                on_progress=lambda step: update(step, f"step {step:,}"))
+                                on_progress=lambda step: update(step, f"step {step:,}"),
+                                on_chunk=None if tee is None else tee.chunk)
+            if tee is not None:
+                tee.finish(report.to_dict())
     else:
         raise typer.BadParameter(f"give one TRACE or two state logs, found {len(inputs)} arguments", param_hint="INPUTS")
     _warn_inputs(report, inputs)
-    if target is not None:
+    if target is not None and len(inputs) == 2:
         from kvtrace.cli.export import export_diff
 
         export_diff(report.to_dict(), inputs, target, a=a or "builtin", b=b or "", page_size=page_size,

@@ -7,6 +7,8 @@ command, when it runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -70,6 +72,7 @@ def export(
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (.pftrace for perfetto, .json for chrome).", show_default=False)],
     to: Annotated[ExportFormat | None, typer.Option("--to", help="perfetto: Perfetto's protobuf trace, streamed (any length); chrome: Trace Event Format JSON (small replays).", show_default="chrome for a .json --out, else perfetto")] = None,
+    flows: Annotated[bool, typer.Option("--flows", help="Draw an arrow from each eviction (the request whose allocation evicted) to every later admission that missed its tokens (kvtrace explain's attribution, run along: about twice the time of a plain export; a trace with a radix cache).")] = False,
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     device: DeviceOpt = Device.cpu,
@@ -94,7 +97,8 @@ def export(
     the last admissions; each request as a slice from admission to release, with its phases
     nested, packed into reusable lanes (as many as requests held KV at once at the peak); and
     instants for evictions, retractions, aborts, out-of-memory, violations and over-allocation
-    releases.
+    releases. With --flows, an arrow from each eviction to every later admission that missed
+    tokens because of it.
 
     Exit code: 0 written; 1 written, and the replay found violations, an out-of-memory (with
     --on-oom stop) or skipped bad ops; 2 bad input.
@@ -112,7 +116,7 @@ def export(
         _refuse_replay_options(page_size=page_size, pool_tokens=pool_tokens, device=device, check=check,
                                max_violations=max_violations, first_violation=first_violation, on_oom=on_oom,
                                on_bad_op=on_bad_op, steps=steps, allocator=allocator,
-                               ignore_memory_check=ignore_memory_check)
+                               ignore_memory_check=ignore_memory_check, flows=flows)
     start, stop = parse_step_range(steps)
     target = OutputFile(out, force=force, inputs=[path])
     t0 = time.perf_counter()
@@ -143,8 +147,13 @@ def export(
         with ReplaySession(source, version=allocator, page_size=page_size, pool_tokens=pool_tokens,
                            device=device.value, options=options, force_memory=ignore_memory_check) as session:
             name = f"{source} ({session.version.spec})"
+            tracker = None
+            if flows:
+                from kvtrace.export.flows import EvictionFlows
+
+                tracker = EvictionFlows.attach(session)  # no radix cache: one line, exit 2
             with target.writing() as tmp, open_timeline_file(tmp, to.value) as file:
-                export_ = ProcessExport(file, name)
+                export_ = ProcessExport(file, name, flows=tracker)
                 with ui.progress(f"exporting {source}", total=1.0) as line:
                     for snap in session.snapshots():
                         export_.feed(snap)
@@ -165,6 +174,7 @@ def export(
         "records": written.records,
         "lanes": written.lanes,
         "pools": list(written.pools),
+        **({} if written.flows is None else {"flows": written.flows}),
         "file_bytes": out.stat().st_size,
         "wall_s": time.perf_counter() - t0,
     })
@@ -174,6 +184,7 @@ def export(
         viewer = "https://ui.perfetto.dev (Open trace file)" if to is ExportFormat.perfetto else "chrome://tracing or https://ui.perfetto.dev"
         ui.console().print(
             f"{out}: {written.steps:,} steps, {written.lanes:,} request lanes, pools {', '.join(written.pools) or '-'}, "
+            f"{'' if written.flows is None else f'{written.flows:,} eviction flows, '}"
             f"{summary['file_bytes']:,} bytes ({to.value}); open it in {viewer}",
             markup=False,
             highlight=False,
@@ -185,7 +196,7 @@ def _refuse_replay_options(**given: Any) -> None:
     """Raises typer.BadParameter naming the first replay option given with a state log."""
     defaults = {"page_size": None, "pool_tokens": None, "device": Device.cpu, "check": CheckMode.end,
                 "max_violations": None, "first_violation": False, "on_oom": OnOom.stop, "on_bad_op": OnBadOp.stop,
-                "steps": None, "allocator": "builtin", "ignore_memory_check": False}
+                "steps": None, "allocator": "builtin", "ignore_memory_check": False, "flows": False}
     names = {"first_violation": "--exitfirst"}
     for key, value in given.items():
         if value != defaults[key]:
@@ -194,11 +205,24 @@ def _refuse_replay_options(**given: Any) -> None:
                                      "as it was replayed)", param_hint=option)
 
 
+@contextmanager
+def export_diff_tee(target: Any, trace: str) -> Iterator[Any]:
+    """``kvtrace diff TRACE --export``: yields a ``DiffSidesExport`` writing both sides into
+    ``target`` (an ``OutputFile``) as the diff replays them (its ``chunk`` is the diff's
+    ``on_chunk``; call ``finish(report)`` once the diff is done). The file is put in place
+    when the block completes, and left out if it raises."""
+    from kvtrace.export.run import DiffSidesExport, format_of, open_timeline_file
+
+    with target.writing() as tmp, open_timeline_file(tmp, format_of(target.path)) as file:
+        yield DiffSidesExport(file, trace)
+
+
 def export_diff(report: dict[str, Any], inputs: list[str], target: Any, *, a: str, b: str, page_size: int | None,
                 pool_tokens: int | None, device: str, options: Any) -> None:
-    """``kvtrace diff --export``: both sides of a diff in one timeline file (two processes on
-    one clock), the first divergence marked on both. A trace's sides are replayed again,
-    one after the other; two state logs are read back.
+    """``kvtrace diff LOG_A LOG_B --export``: both state logs in one timeline file (two
+    processes on one clock), read back after the diff, the first divergence marked on both
+    (for a trace ``kvtrace diff`` uses ``export_diff_tee``, which writes the sides as the diff
+    replays them; here a trace's sides are replayed again).
 
     Args:
         report: the diff's ``--json`` object (its versions and first divergence).

@@ -135,6 +135,17 @@ def _render_info(info: dict[str, Any]) -> None:
         ),
     )
     table.add_row("pd decode / hisparse", f"{cfg.get('pd_decode')} / {cfg.get('hisparse')}")
+    hicache = info.get("hicache")
+    if hicache is not None:  # HiCache's host tier (config.hicache, version 4)
+        sized = (
+            f"--hicache-size {hicache['host_size_gb']} GB" if hicache.get("host_size_gb") is not None
+            else f"--hicache-ratio {hicache['host_ratio']:g}"
+        )
+        memory = "" if hicache["host_bytes"] is None else f", {hicache['host_bytes'] / 1e9:,.2f} GB"
+        table.add_row(
+            "host tier",
+            f"host pool {hicache['host_pool_tokens']:,} tokens ({sized}{memory}), write policy {hicache['write_policy']}",
+        )
     table.add_row(
         "model",
         f"{model['name']}: {model['num_layers']} layers, {model['num_kv_heads']} KV heads, "
@@ -167,6 +178,11 @@ def _render_info(info: dict[str, Any]) -> None:
             f"(conv {mamba['conv_state_bytes']:,} + temporal {mamba['temporal_state_bytes']:,} per layer), "
             f"{mamba['slots_per_request']} per request, mamba/full memory ratio {mamba['mamba_full_memory_ratio']:g}",
         )
+    namespaces = info.get("namespaces")
+    if namespaces is not None:
+        shown = ", ".join(f"{name} ({n:,})" for name, n in list(namespaces["requests"].items())[:4])
+        more = f", ... {namespaces['count'] - 4:,} more" if namespaces["count"] > 4 else ""
+        table.add_row("namespaces", f"{namespaces['count']:,}: {shown}{more} (requests each)")
     table.add_row("block size", str(info["block_size"]))
     steps = info["steps"]
     span = "" if info["first_step"] is None else f" ({info['first_step']:,}..{info['last_step']:,})"

@@ -29,6 +29,9 @@ import typer
 
 from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, EvictionPolicyOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
+from kvtrace.cli.record_hicache import HiCacheOpt, HiCacheRatioOpt, HiCacheSizeOpt, HiCacheWritePolicyOpt, host_tier_option
+from kvtrace.cli.spec_option import parse_spec
+from kvtrace.cli.workload_format import infer_format
 from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
 from kvtrace.record.serving import (
     DEFAULT_CHUNK,
@@ -63,71 +66,6 @@ class PolicyOption(str, Enum):
 
 
 ModelOption = Enum("ModelOption", {name: name for name in MODEL_NAMES}, type=str)  # type: ignore[misc]
-
-
-def parse_spec(text: str) -> Any:
-    """``--spec`` text -> ``SpecSettings``, or None for ``off``.
-
-    Raises:
-        typer.BadParameter: not ``off`` nor ALGORITHM:STEPS,TOPK,DRAFT with sane numbers.
-    """
-    if text.strip().lower() in ("off", "none"):
-        return None
-    algorithm, sep, numbers = text.partition(":")
-    algorithm = algorithm.strip().lower()
-    valid = ("eagle", "eagle3", "standalone", "dflash")
-    if algorithm not in valid or not sep:
-        raise typer.BadParameter(
-            f"{text!r} is not off nor ALGORITHM:STEPS,TOPK,DRAFT with ALGORITHM one of {', '.join(valid)} "
-            "(e.g. eagle:3,1,4)",
-            param_hint="--spec",
-        )
-    try:
-        steps, topk, draft = (int(x) for x in numbers.split(","))
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r}: expected three integers STEPS,TOPK,DRAFT after '{algorithm}:' (e.g. eagle:3,1,4)",
-            param_hint="--spec",
-        ) from None
-    if steps < 1 or topk < 1 or draft < 2:
-        raise typer.BadParameter(
-            f"{text!r}: STEPS and TOPK must be >= 1 and DRAFT >= 2", param_hint="--spec"
-        )
-    if algorithm == "dflash":
-        # SGLang's _handle_dflash: one step, topk 1, a verify block of DRAFT tokens
-        if steps != 1 or topk != 1:
-            raise typer.BadParameter(f"{text!r}: DFlash takes STEPS 1 and TOPK 1 (e.g. dflash:1,1,16)",
-                                     param_hint="--spec")
-    elif topk == 1 and draft > steps + 1:
-        raise typer.BadParameter(
-            f"{text!r}: with TOPK 1 a chain of {steps} draft steps verifies at most {steps + 1} tokens",
-            param_hint="--spec",
-        )
-    from kvtrace.record.simulate import spec_settings
-
-    return spec_settings(text)
-
-
-def infer_format(path: Path, shown: str | None = None) -> str:
-    """A workload file's format (or ``trace``), from its first bytes, name or header;
-    messages name it ``shown`` (default: the path).
-
-    Raises:
-        WorkloadError: the file cannot be read, or is a binary file that is not a trace.
-        typer.BadParameter: nothing tells the format (give --format).
-    """
-    from traces.workloads import WorkloadFileError, guess_format
-
-    try:
-        fmt = guess_format(path)
-    except WorkloadFileError as exc:
-        raise WorkloadError(str(exc)) from None
-    if fmt is None:
-        raise typer.BadParameter(
-            f"cannot tell the format of {shown or path}; give --format mooncake, azure or lengths",
-            param_hint="--format",
-        )
-    return fmt
 
 
 def check_serving(pool_tokens: int, page_size: int, chunk: int) -> None:
@@ -246,6 +184,21 @@ def record_command(
         ),
     ] = None,
     eviction_policy: EvictionPolicyOpt = None,
+    namespaces: Annotated[
+        int | None,
+        typer.Option(
+            "--namespaces",
+            min=1,
+            metavar="N",
+            help="Put the requests round-robin into N cache namespaces (adapter-0 .. adapter-N-1, as N "
+            "LoRA adapters would): equal prompts in two namespaces share no KV.",
+            show_default="as the workload says (a namespaced trace keeps its namespaces)",
+        ),
+    ] = None,
+    hicache: HiCacheOpt = None,
+    hicache_ratio: HiCacheRatioOpt = None,
+    hicache_size: HiCacheSizeOpt = None,
+    hicache_write_policy: HiCacheWritePolicyOpt = None,
     model: Annotated[
         ModelOption | None,  # type: ignore[valid-type]
         typer.Option(
@@ -262,9 +215,29 @@ def record_command(
             "--like",
             metavar="TRACE",
             help="Take every serving setting (pool, page size, max running, context, chunk, policy, spec, "
-            "PD/HiSparse, radix cache, model shape and layout) from TRACE's metadata (a path or "
+            "PD/HiSparse, radix cache, HiCache host tier, model shape and layout) from TRACE's metadata (a path or "
             "sample:NAME); options given still override.",
             show_default=False,
+        ),
+    ] = None,
+    draft_swa_window: Annotated[
+        int | None,
+        typer.Option(
+            "--draft-swa-window",
+            metavar="N",
+            min=0,
+            help="Sliding-window models: tokens back a fused draft reads in the SWA pool (SGLang's "
+            "draft_swa_window); the SWA history kept is the larger of it and the window.",
+            show_default=_FROM_TRACE + "0",
+        ),
+    ] = None,
+    release_prefill_swa: Annotated[
+        bool | None,
+        typer.Option(
+            "--release-prefill-swa/--no-release-prefill-swa",
+            help="Sliding-window models: SGLANG_OPT_RELEASE_PREFILL_SWA, a request's prefix's SWA lock "
+            "released once it has decoded a window's worth of steps.",
+            show_default=_FROM_TRACE + "off",
         ),
     ] = None,
     duration: Annotated[
@@ -368,6 +341,7 @@ def record_command(
             if settings.get("mamba") is not None and pool_tokens is not None:
                 # Under another pool: the Mamba slots of the memory that holds it.
                 settings["mamba"] = settings["mamba"].for_pool(settings["pool_tokens"], settings["model"])
+        settings["attention"] = _swa_switches(settings.get("attention"), draft_swa_window, release_prefill_swa)
         from kvtrace.record.simulate import refuse_sliding_window
 
         if settings.get("attention") is not None:
@@ -387,6 +361,9 @@ def record_command(
             if value < low:
                 raise typer.BadParameter(f"must be >= {low}, found {value}", param_hint=name)
         check_serving(settings["pool_tokens"], settings["page_size"], settings["chunk"] or 0)
+        resized = pool_tokens is not None or page_size is not None or model is not None
+        settings["hicache"] = host_tier_option(settings, enabled=hicache, ratio=hicache_ratio, size_gb=hicache_size,
+                                               write_policy=hicache_write_policy, resized=resized)  # fmt: skip
         if not time_scale > 0:
             raise typer.BadParameter(f"must be a positive factor, found {time_scale}", param_hint="--time-scale")
         if not 0.0 <= settings["spec_acceptance"] <= 1.0:
@@ -420,6 +397,7 @@ def record_command(
             compact_steps_per_batch=compact or None,
             command=ui.command_line(ctx.meta),
             force=ignore_memory_check,
+            namespaces=namespaces,
             **settings,
         )
         if fmt_name == "trace":
@@ -451,6 +429,28 @@ def record_command(
             raise
         wall_s = time.perf_counter() - wall0
         _report(record_report(result, options, wall_s=wall_s), options, workload=Path(shown), as_json=as_json)
+
+
+def _swa_switches(layout: Any, draft_swa_window: int | None, release_prefill_swa: bool | None) -> Any:
+    """The attention layout with the SWA switches given (``AttentionLayout``; None: full
+    attention).
+
+    Raises:
+        typer.BadParameter: a switch that changes something on a full-attention model.
+    """
+    for name, value in (("--draft-swa-window", draft_swa_window), ("--release-prefill-swa", release_prefill_swa)):
+        if layout is None and value:
+            raise typer.BadParameter(
+                "the model is full attention (no sliding-window layers); record a sliding-window "
+                "preset (e.g. --model gpt-oss-20b) or drop it", param_hint=name,
+            )  # fmt: skip
+    if layout is None:
+        return None
+    if draft_swa_window is not None:
+        layout = dataclasses.replace(layout, draft_sliding_window=draft_swa_window)
+    if release_prefill_swa is not None:
+        layout = dataclasses.replace(layout, release_prefill_swa=release_prefill_swa)
+    return layout
 
 
 @contextmanager

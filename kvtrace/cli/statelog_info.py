@@ -146,7 +146,8 @@ def render_state_log_info(info: dict[str, Any]) -> None:
         peak = "" if pool["peak_step"] is None else f" at step {pool['peak_step']:,}"
         end = pool["final"]
         at_end = "" if end is None else f"; at the end {end['available']:,} available of {end['pool_tokens']:,}"
-        table.add_row(f"{name} pool", f"peak used {count(pool['peak_used_tokens'], 'token')}{peak}{at_end}")
+        unit = "slot" if name == "mamba" else "token"  # the Mamba pool counts state slots
+        table.add_row(f"{name} pool", f"peak used {count(pool['peak_used_tokens'], unit)}{peak}{at_end}")
     events = info["events"]
     table.add_row(
         "events",

@@ -31,7 +31,7 @@ from kvtrace.cli.options import (
     examples,
     finite,
 )
-from kvtrace.errors import WorkloadError
+from kvtrace.errors import ConfigError, WorkloadError
 
 if TYPE_CHECKING:
     from kvtrace.sweep import Grid, SweepInput
@@ -110,7 +110,7 @@ def _versions(text: str) -> tuple[str, ...]:
 
 
 def _specs(text: str | None) -> tuple[str | None, ...]:
-    from kvtrace.cli.record import parse_spec
+    from kvtrace.cli.spec_option import parse_spec
     from kvtrace.sweep import parse_specs
 
     if text is None:
@@ -126,7 +126,7 @@ def _specs(text: str | None) -> tuple[str | None, ...]:
 
 def _input(arg: str, reschedule: bool) -> SweepInput:
     """One INPUT: a trace (path or sample:NAME) or a workload file, and how it runs."""
-    from kvtrace.cli.record import infer_format
+    from kvtrace.cli.workload_format import infer_format
     from kvtrace.sweep import SweepInput
     from traces.reader import TraceReader
     from traces.samples import SAMPLE_PREFIX, resolve_trace
@@ -138,8 +138,14 @@ def _input(arg: str, reschedule: bool) -> SweepInput:
         raise WorkloadError(f"{arg}: is a directory, expected a workload file or a trace")
     fmt = infer_format(path)
     if fmt == "trace":
-        TraceReader(path)  # one line when it is not a readable trace
+        meta = TraceReader(path).meta  # one line when it is not a readable trace
     kind = "replay" if fmt == "trace" and not reschedule else "simulate"
+    if kind == "replay":
+        from kvtrace.replay.config import unserved_hicache
+
+        unserved = unserved_hicache(meta)
+        if unserved is not None:  # one line up front, not a failed cell per grid point
+            raise ConfigError(f"{arg}: {unserved}")
     stat = path.stat()
     return SweepInput(label=arg, path=str(path), fmt=fmt, kind=kind, stamp=f"{stat.st_size}-{stat.st_mtime_ns}")
 
@@ -272,6 +278,9 @@ def sweep_run(
     keep_traces: Annotated[
         Path | None, typer.Option("--keep-traces", help="Keep the simulated cells' traces in this directory.", show_default="none kept")
     ] = None,
+    explain: Annotated[
+        bool, typer.Option("--explain", help="Replayed cells: also explain their misses (explain.* columns: causes, LRU / Belady / infinite hit rates).")
+    ] = False,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
@@ -331,6 +340,7 @@ def sweep_run(
             rate=rate,
             seed=seed,
             keep_traces=None if keep_traces is None else str(keep_traces.resolve()),
+            explain=explain,
         ),
     )
     _check_grid(grid, {"--spec": spec, "--max-running": max_running, "--chunk": chunk,
@@ -448,6 +458,7 @@ _SWA_TABLE = (
     ("window", "swa_window", ""), ("SWA ratio", "swa_full_tokens_ratio", ""), ("SWA pool", "swa_pool_tokens", ""),
     ("SWA peak", "swa_peak_occupancy", "pct"),
 )  # fmt: skip
+_MAMBA_TABLE = (("Mamba slots", "mamba_slots", ""), ("Mamba peak", "mamba_peak_occupancy", "pct"))
 
 
 @sweep_app.command("report", cls=KvtraceCommand, epilog=REPORT_EXAMPLES)
@@ -493,6 +504,8 @@ def sweep_report(
     columns = [c for c in _TABLE if c[1] != "eviction_policy" or any(r["eviction_policy"] != "own" for r in rows)]
     if any("swa_pool_tokens" in row for row in rows):  # a hybrid (SWA) model: its pool too, before the status
         columns = columns[:-1] + list(_SWA_TABLE) + columns[-1:]
+    if any("mamba_slots" in row for row in rows):  # a hybrid linear-attention model: its Mamba pool too
+        columns = columns[:-1] + list(_MAMBA_TABLE) + columns[-1:]
     for header, _, _ in columns:
         table.add_column(
             header, justify="left" if header in ("input", "kind", "version", "spec", "eviction", "status") else "right"

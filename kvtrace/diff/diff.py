@@ -137,6 +137,7 @@ def diff_trace(
     eviction_policy: str | None = None,
     jobs: int | None = None,
     on_progress: Callable[[int], None] | None = None,
+    on_chunk: Callable[[int, Any, Chunk], None] | None = None,
 ) -> DiffReport:
     """Replay ``trace`` through versions ``spec_a`` and ``spec_b`` and compare them.
 
@@ -149,6 +150,9 @@ def diff_trace(
         jobs: 2 replays the sides in two processes in parallel, 1 in lockstep in this
             process (versions that import here); None: 2 when two cores are usable.
         on_progress: called with the last step reached, as the comparison goes.
+        on_chunk: called with (side index, side, chunk) for every chunk of steps each side
+            yields, in order, before it is compared (``kvtrace diff --export`` writes the
+            timeline from them: each side replays once).
 
     Raises:
         KvtraceError: a spec that does not resolve, a bad trace, conflicting options,
@@ -179,7 +183,8 @@ def diff_trace(
             checker = _start_children(sides, versions, path, trace, replay, what_if)
         else:
             _start_sessions(sides, versions, path, trace, replay, what_if)
-        steps, found = compare_sides(sides[0], sides[1], options, on_progress)
+        compared = sides if on_chunk is None else [_Teed(i, side, on_chunk) for i, side in enumerate(sides)]
+        steps, found = compare_sides(compared[0], compared[1], options, on_progress)
         reports = [SideReport(s.spec, s.label, s.origin, s.summary()) for s in sides]
     finally:
         for s in reversed(sides):
@@ -240,6 +245,9 @@ def diff_logs(log_a: str, log_b: str, *, options: DiffOptions | None = None,
     Args:
         steps: ``(start, stop)``: compare only steps in ``[start, stop)``.
         on_progress: called with the last step reached, as the comparison goes.
+        on_chunk: called with (side index, side, chunk) for every chunk of steps each side
+            yields, in order, before it is compared (``kvtrace diff --export`` writes the
+            timeline from them: each side replays once).
 
     Raises:
         TraceError: a log is missing or not a state log. ConfigError: ``exact`` asked
@@ -288,6 +296,18 @@ def _trace_mismatch(a: Any, b: Any) -> str | None:
     else:
         return None
     return f"{a.path} and {b.path} replay different traces: {what}; compared anyway"
+
+
+class _Teed:
+    """A side whose chunks are also handed to ``on_chunk`` as the comparison reads them."""
+
+    def __init__(self, index: int, side: Any, on_chunk: Callable[[int, Any, Chunk], None]) -> None:
+        self._index, self._side, self._on_chunk = index, side, on_chunk
+
+    def chunks(self) -> Iterator[Chunk]:
+        for chunk in self._side.chunks():
+            self._on_chunk(self._index, self._side, chunk)
+            yield chunk
 
 
 class _Windowed:

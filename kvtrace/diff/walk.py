@@ -82,7 +82,7 @@ def _pool_values(snap: StepSnapshot) -> dict[str, int]:
     before hybrid models), each other pool's prefixed by its name (``swa_available``,
     the state log's column names)."""
     out: dict[str, int] = snap.pool._asdict()
-    for name, counters in zip(POOL_NAMES[1:], snap.other_pools):
+    for name, counters in list(snap.pools.items())[1:]:
         out.update({f"{name}_{k}": v for k, v in counters._asdict().items()})
     return out
 

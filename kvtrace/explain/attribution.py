@@ -21,27 +21,29 @@ They split, in prompt order::
 - ``retraction``: a retracted request's re-admission: everything it misses is
   recomputation (its per-request cost is kept too).
 
-What was ever computed is a shadow ``RadixCache`` with one-unit pages (the same keying as
-the replay's cache: token ids, or EAGLE bigram units), never evicted; its values are, per
-unit, the id of the eviction that last removed it from the replay's cache (0: none).
+What was ever computed is a ``Shadow`` keyed by the replay's pages (the same keying as the
+replay's cache: token ids, or EAGLE bigram units, one digest per page), never evicted; it
+keeps, per page, the id of the eviction that last removed it from the replay's cache (0:
+none), so its memory is bounded by the distinct pages computed.
 The replay's cache reports stores and evictions through its ``TreeListener``; the
 trigger and the request of an eviction come from the allocator call the engine is making
-(``_WatchedAllocator``). A sliding-window tree tells no listener: there, evictions name no
-evictor and ``uncached`` is folded into ``evicted``.
+(the engine's ``ReplayObserver`` API: ``ReplaySession.observers``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from allocator.base import AllocResult
+from kvtrace.replay.engine import AllocCall
 from allocator.pages import floor_align
 from allocator.radix_cache import RadixCache, TreeNode
 from kvtrace.errors import ConfigError
+from kvtrace.explain.shadow import Shadow
 
 if TYPE_CHECKING:
     from kvtrace.explain.oracle import OracleStream
@@ -52,6 +54,13 @@ __all__ = ["CAUSES", "Attribution", "EvictionRecord", "Trigger"]
 Cause = Literal["cold", "floor", "uncached", "evicted", "out_of_window", "retraction"]
 CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "out_of_window", "retraction")
 Trigger = Literal["admission", "decode", "spec_reserve", "retraction", "prealloc", "other"]
+
+
+# The trigger of an eviction made by each kind of allocator call.
+_TRIGGER_OF_OP: dict[str, Trigger] = {
+    "extend": "admission", "decode": "decode", "spec": "spec_reserve", "prealloc": "prealloc",
+    "retract": "retraction", "finish": "other", "abort": "other",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +109,9 @@ class Attribution:
     retraction_cost: dict[int, int] = field(default_factory=dict)
     eviction_ages: list[tuple[int, int]] = field(default_factory=list)
     per_request: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Called at each admission that missed evicted tokens: (rid, {eviction id: tokens});
+    # ``kvtrace export --flows`` draws an arrow from each eviction to the admission.
+    on_evicted_miss: Callable[[int, dict[int, int]], None] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ wiring
     @classmethod
@@ -129,22 +141,13 @@ class Attribution:
         self._tree = tree
         self._swa = isinstance(tree, SwaRadixCache)
         self._oracle = oracle
-        self._seen = RadixCache(1)  # never evicts: no allocator needed
-        self._zeros = np.zeros(0, np.int32)
+        self._seen = Shadow(tree.page_size)
+        self._inserted: dict[int, int] = {}  # per live request: key units in the shadow
         self._step = -1
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
         self._stored_step: dict[int, int] = {}
-        # NOTE: the engine and its allocator are the session's; explain wraps them rather
-        # than asking the engine for hooks, so a plain replay pays nothing.
-        engine.allocator = _WatchedAllocator(engine.allocator, self)
-        inner_step = engine.replay_step
-
-        def replay_step(batch: Any) -> Any:
-            self._step = batch.step
-            return inner_step(batch)
-
-        engine.replay_step = replay_step  # type: ignore[method-assign]
+        session.observers.append(self)  # kept across the session's restarts
         tree.listener = self if tree.listener is None else _Tee(tree.listener, self)
 
     # ------------------------------------------------------------------ the tree's listener
@@ -167,34 +170,61 @@ class Attribution:
             call.record_id = len(self.records)
         n = len(node)
         self.record_tokens[call.record_id - 1] += n
-        kb = _path_bytes(node)
-        hi = len(kb) // 8
-        self._mark(kb, hi - n, hi, call.record_id)
+        path = _path_bytes(node)
+        ps = self.page_size
+        hi = len(path) // 8 // ps  # the tree's nodes are whole pages
+        self._seen.mark(path, hi - n // ps, hi, call.record_id)
         born = self._stored_step.pop(node.id, None)
         if born is not None:
             self.eviction_ages.append((self._step - born, n))
 
-    # ------------------------------------------------------------------ allocator calls
-    def _begin(self, trigger: Trigger, rids: np.ndarray, first: int | None = None) -> None:
-        rid = int(rids[0]) if first is None and rids.shape[0] else (first if first is not None else -1)
-        self._call = _Pending(self._step, trigger, rid, int(rids.shape[0]))
+    # ------------------------------------------------------------------ the engine's calls (ReplayObserver)
+    def step_started(self, step: int) -> None:
+        self._step = step
 
-    def _after_extend(
-        self, rids: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray], admitted: np.ndarray,
-        prefix: np.ndarray | None,
-    ) -> None:
+    def call_started(self, call: AllocCall) -> None:
+        rids = call.rids
+        rid = int(rids[0]) if rids.shape[0] else -1
+        if call.admitted is not None and call.admitted.any():
+            rid = int(rids[call.admitted][0])  # an admission's eviction names the admitted request
+        self._call = _Pending(self._step, _TRIGGER_OF_OP[call.op], rid, int(rids.shape[0]))
+        if call.op == "finish":
+            self._finish(call.rids, call.token_ids)  # seen before the cache stores it
+        elif call.op == "abort":
+            for rid in call.rids.tolist():
+                self._inserted.pop(rid, None)
+
+    def call_ended(self, call: AllocCall, result: object) -> None:
+        if call.op == "extend" and isinstance(result, AllocResult):
+            assert call.seq_lens is not None and call.token_ids is not None and call.admitted is not None
+            self._after_extend(call, result.prefix_lens)
+            self._published(call.seq_lens, call.token_ids, call.prefill_done)
+        elif call.op == "retract":
+            assert call.seq_lens is not None
+            self._retract(call.rids, call.seq_lens)
+        self._call = None
+
+    def _after_extend(self, call: AllocCall, prefix: np.ndarray | None) -> None:
         tree = self._tree
+        rids, seq_lens, token_ids, admitted = call.rids, call.seq_lens, call.token_ids, call.admitted
+        assert seq_lens is not None and token_ids is not None and admitted is not None
         keys = [tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]) for i in range(rids.shape[0])]
+        raws: dict[int, bytes] = {}
         if prefix is not None and admitted.any():
-            targets = self._engine._req["prefill_target"].a  # what the replay counts as admitted
+            targets = call.prefill_targets  # what the replay counts as admitted
+            assert targets is not None
             for i in np.flatnonzero(admitted).tolist():
-                rid = int(rids[i])
-                self._admit(rid, int(targets[rid]), int(prefix[i]), keys[i], int(seq_lens[i]))
+                raws[i] = keys[i].tobytes()
+                self._admit(int(rids[i]), int(targets[i]), int(prefix[i]), keys[i], raws[i], int(seq_lens[i]))
         # Computed now: seen by later calls (not by this batch's other requests).
-        for key in keys:
-            self._seen_insert(key)
+        inserted = self._inserted
+        for i, rid in enumerate(rids.tolist()):
+            key = keys[i]
+            if key.shape[0]:
+                self._seen.insert(key, inserted.get(rid, 0), raws.get(i))
+                inserted[rid] = key.shape[0]
 
-    def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, seq_len: int) -> None:
+    def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, raw: bytes, seq_len: int) -> None:
         """Split one admission's ``target - hit`` missed tokens into causes (counted in the
         replay's ``--steps`` window only, as the replay counts its admissions)."""
         retracted = self._retracted.pop(rid, None)
@@ -212,28 +242,27 @@ class Attribution:
         ps = self.page_size
         # SGLang's match key: capped at len - 1 tokens (``Kvallocator.extend``).
         match_units = max(min(key_full.shape[0], seq_len - 1 - (1 if self._tree.is_eagle else 0)), 0)
-        seen = self._seen.peek_prefix_len(key_full)
+        seen = self._seen.seen_len(raw)
         ceiling = max(floor_align(min(seen, match_units), ps), hit)
-        if ceiling > hit:
-            kb = key_full[:ceiling].tobytes()
-            recs = self._values(kb, hit, ceiling)
+        if ceiling > hit:  # both whole pages
+            recs = self._seen.recs(raw, hit // ps, ceiling // ps)
+            if ps > 1:
+                recs = np.repeat(recs, ps)
+            if self._swa:  # the full KV still cached, past the SWA-gated hit: out of the window
+                full = RadixCache.peek_prefix_len(self._tree, key_full[:match_units])
+                window = min(max(full - hit, 0), recs.shape[0])
+                got["out_of_window"] = window
+                recs = recs[window:]
             gone = recs[recs > 0]
-            unknown = int(recs.shape[0] - gone.shape[0])
             if gone.shape[0]:
                 if retracted is None:
                     ids, counts = np.unique(gone, return_counts=True)
                     for rec, n in zip(ids.tolist(), counts.tolist()):
                         self.record_missed[rec] = self.record_missed.get(rec, 0) + n
+                    if self.on_evicted_miss is not None:
+                        self.on_evicted_miss(rid, dict(zip(ids.tolist(), counts.tolist())))
                 got["evicted"] += int(gone.shape[0])
-            if unknown:
-                if self._swa:
-                    full = min(RadixCache.peek_prefix_len(self._tree, key_full[:match_units]), ceiling)
-                    window = max(full - hit, 0)
-                    got["out_of_window"] += min(window, unknown)
-                    got["evicted"] += unknown - min(window, unknown)
-                    self.unknown_evictor_tokens += unknown - min(window, unknown)
-                else:
-                    got["uncached"] += unknown
+            got["uncached"] += int(recs.shape[0] - gone.shape[0])
         self.infinite_tokens += hit + got["evicted"] + got["out_of_window"]
         got["floor"] = max(min(seen, target) - ceiling, 0)
         got["cold"] = missed - sum(got.values())
@@ -254,12 +283,14 @@ class Attribution:
         for rid, n in zip(rids.tolist(), np.asarray(owned).tolist()):
             self._retracted[rid] = n
 
-    def _finish(self, tokens: Sequence[np.ndarray] | None) -> None:
+    def _finish(self, rids: np.ndarray, tokens: Sequence[np.ndarray] | None) -> None:
         if tokens is None:
             return
-        for toks in tokens:
+        inserted = self._inserted
+        for rid, toks in zip(rids.tolist(), tokens):
             key = self._tree.make_key(np.asarray(toks))
-            self._seen_insert(key)
+            if key.shape[0]:
+                self._seen.insert(key, inserted.pop(rid, 0))
             if self._oracle is not None:
                 self._oracle.insert(key)
 
@@ -269,50 +300,6 @@ class Attribution:
         for i in range(len(token_ids)):
             if done is None or bool(done[i]):
                 self._oracle.insert(self._tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]))
-
-    # ------------------------------------------------------------------ the shadow
-    def _seen_insert(self, key: np.ndarray) -> None:
-        n = key.shape[0]
-        if n:
-            if self._zeros.shape[0] < n:  # insert copies the part it stores: one buffer serves
-                self._zeros = np.zeros(max(n, 2 * self._zeros.shape[0]), np.int32)
-            self._seen.insert(key, self._zeros)
-
-    def _walk(self, kb: bytes) -> list[tuple[TreeNode, int, int]]:
-        """(node, first unit, units matched) of each shadow node along ``kb``."""
-        out = []
-        node = self._seen.root_node
-        pos = 0
-        nb = len(kb)
-        while pos < nb:
-            child = node.children.get(kb[pos : pos + 8])
-            if child is None:
-                break
-            if kb.startswith(child.key, pos):
-                out.append((child, pos // 8, len(child)))
-                pos += len(child.key)
-                node = child
-                continue
-            out.append((child, pos // 8, self._seen._matched_units(child.key, kb, pos)))
-            break
-        return out
-
-    def _mark(self, kb: bytes, lo: int, hi: int, rec: int) -> None:
-        for node, start, m in self._walk(kb):
-            a, b = max(lo, start), min(hi, start + m)
-            if a < b:
-                node.value[a - start : b - start] = rec
-
-    def _values(self, kb: bytes, lo: int, hi: int) -> np.ndarray:
-        parts = []
-        for node, start, m in self._walk(kb):
-            a, b = max(lo, start), min(hi, start + m)
-            if a < b:
-                parts.append(node.value[a - start : b - start])
-        got = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        if got.shape[0] < hi - lo:  # not in the shadow: nothing names an eviction
-            got = np.concatenate([got, np.zeros(hi - lo - got.shape[0], np.int32)])
-        return got
 
 
 def _path_bytes(node: TreeNode) -> bytes:
@@ -341,57 +328,3 @@ class _Tee:
     def removed(self, node: TreeNode) -> None:
         self.first.removed(node)
         self.second.removed(node)
-
-
-class _WatchedAllocator:
-    """The session's allocator as the engine sees it: each call tells ``Attribution``
-    what it is (trigger, requests) before it runs, and what it matched after."""
-
-    def __init__(self, inner: Any, attribution: Attribution) -> None:
-        self._inner = inner
-        self._attr = attribution
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def extend(self, rids: Any, seq_lens: Any, token_ids: Sequence[np.ndarray], prefill_done: Any = None) -> Any:
-        r = np.asarray(rids, np.int64)
-        seq = np.asarray(seq_lens, np.int64)
-        admitted = ~np.asarray(self._inner.holds_kv(r), bool)
-        first = int(r[admitted][0]) if admitted.any() else None
-        self._attr._begin("admission", r, first)
-        res = self._inner.extend(rids, seq_lens, token_ids, prefill_done)
-        if isinstance(res, AllocResult):
-            self._attr._after_extend(r, seq, token_ids, admitted, res.prefix_lens)
-            self._attr._published(seq, token_ids, prefill_done)
-        self._attr._call = None
-        return res
-
-    def decode(self, rids: Any) -> Any:
-        self._attr._begin("decode", np.asarray(rids, np.int64))
-        res = self._inner.decode(rids)
-        self._attr._call = None
-        return res
-
-    def spec_decode(self, rids: Any, accepted_lens: Any) -> Any:
-        self._attr._begin("spec_reserve", np.asarray(rids, np.int64))
-        res = self._inner.spec_decode(rids, accepted_lens)
-        self._attr._call = None
-        return res
-
-    def prealloc(self, rids: Any, fill_lens: Any, token_ids: Any) -> Any:
-        self._attr._begin("prealloc", np.asarray(rids, np.int64))
-        res = self._inner.prealloc(rids, fill_lens, token_ids)
-        self._attr._call = None
-        return res
-
-    def release(self, rids: Any, owned: Any, tokens: Any, kind: str) -> Any:
-        r = np.asarray(rids, np.int64)
-        self._attr._begin("retraction" if kind == "retract" else "other", r)
-        if kind == "finish":
-            self._attr._finish(tokens)  # seen before the cache stores it
-        res = self._inner.release(rids, owned, tokens, kind)
-        if kind == "retract":
-            self._attr._retract(r, owned)
-        self._attr._call = None
-        return res

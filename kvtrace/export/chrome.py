@@ -4,6 +4,7 @@ streamed event by event into a ``{"traceEvents": [...]}`` object.
 One replay is one process (``ChromeProcess``): a counter event (``ph: C``) per pool with
 its counters as series, a hit-rate counter, request slices as ``B`` / ``E`` pairs on one
 thread per lane (``tid`` = lane + 1), and instants (``ph: i``) on thread 0, ``events``.
+A flow (``--flows``) is a zero-length slice at each end (``X``) bound by ``s`` / ``f``.
 Timestamps are microseconds of simulated serving time. Meant for small replays: the
 format repeats every name in every event.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import IO, Any
 
-from kvtrace.export.timeline import COUNTERS, Counters, HitRate, Instant, Record, SliceBegin, SliceEnd
+from kvtrace.export.timeline import COUNTERS, Counters, Flow, HitRate, Instant, Record, SliceBegin, SliceEnd
 
 __all__ = ["ChromeFile", "ChromeProcess"]
 
@@ -61,6 +62,7 @@ class ChromeProcess:
             SliceBegin: self._begin,
             SliceEnd: self._end,
             Instant: self._instant,
+            Flow: self._flow,
         }
 
     def write(self, record: Record) -> None:
@@ -105,3 +107,15 @@ class ChromeProcess:
             args["detail"] = rec.detail
         self._out.event({"ph": "i", "s": "t", "name": rec.kind, "ts": rec.ts_ns / 1000, "pid": self._pid,
                          "tid": _EVENTS_TID, "args": args})
+
+    def _flow(self, rec: Flow) -> None:
+        src_tid = _EVENTS_TID if rec.src_lane is None else self._tid(rec.src_lane)
+        dst_tid = self._tid(rec.lane)
+        flow = {"name": "eviction", "cat": "eviction", "id": rec.flow_id, "pid": self._pid}
+        src_ts, dst_ts = rec.src_ts_ns / 1000, rec.ts_ns / 1000
+        self._out.event({"ph": "X", "name": "evicted prefix", "ts": src_ts, "dur": 0, "pid": self._pid,
+                         "tid": src_tid, "args": rec.src_args})
+        self._out.event({"ph": "s", **flow, "ts": src_ts, "tid": src_tid})
+        self._out.event({"ph": "X", "name": "missed evicted prefix", "ts": dst_ts, "dur": 0, "pid": self._pid,
+                         "tid": dst_tid, "args": rec.args})
+        self._out.event({"ph": "f", "bp": "e", **flow, "ts": dst_ts, "tid": dst_tid})

@@ -4,7 +4,8 @@ builder: nothing but the open tracks is held, whatever the length of the replay.
 
 One replay is one process (``PerfettoProcess``): under it a counter track per pool and
 counter, a hit-rate track, one track per request lane, and an ``events`` track of
-instants. Tracks are described (``TrackDescriptor``) the first time they are used. A
+instants; flows (``--flows``) join an instant on the evicting request's lane to one on
+the missing admission's lane. Tracks are described (``TrackDescriptor``) the first time they are used. A
 file may hold several processes on one clock (``kvtrace diff --export``: the two sides),
 each on its own packet sequence.
 """
@@ -16,7 +17,7 @@ from typing import IO, Any
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
-from kvtrace.export.timeline import COUNTERS, Counters, HitRate, Instant, Record, SliceBegin, SliceEnd
+from kvtrace.export.timeline import COUNTERS, Counters, Flow, HitRate, Instant, Record, SliceBegin, SliceEnd
 
 __all__ = ["PerfettoFile", "PerfettoProcess"]
 
@@ -70,6 +71,7 @@ class PerfettoProcess:
             SliceBegin: self._begin,
             SliceEnd: self._end,
             Instant: self._instant,
+            Flow: self._flow,
         }
 
     def write(self, record: Record) -> None:
@@ -131,6 +133,22 @@ class PerfettoProcess:
         packet, event = self._event(rec.ts_ns, TrackEvent.TYPE_INSTANT, self._base + _EVENTS)
         event.name = rec.kind
         _annotate(event, {"rid": rec.rid, "tokens": rec.tokens, "detail": rec.detail or None})
+        self._builder.write_packet(packet)
+
+    def _flow(self, rec: Flow) -> None:
+        # Two instants joined by a flow id (unique in the file: the process's uuid base);
+        # the source is in the past of the stream, which the trace processor sorts.
+        flow_id = self._base + rec.flow_id
+        src = self._base + _EVENTS if rec.src_lane is None else self._lane(rec.src_lane)
+        packet, event = self._event(rec.src_ts_ns, TrackEvent.TYPE_INSTANT, src)
+        event.name = "evicted prefix"
+        event.flow_ids.append(flow_id)
+        _annotate(event, rec.src_args)
+        self._builder.write_packet(packet)
+        packet, event = self._event(rec.ts_ns, TrackEvent.TYPE_INSTANT, self._lane(rec.lane))
+        event.name = "missed evicted prefix"
+        event.terminating_flow_ids.append(flow_id)
+        _annotate(event, rec.args)
         self._builder.write_packet(packet)
 
     # ------------------------------------------------------------------ packets

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import bisect
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,9 +24,11 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from kvtrace.export.timeline import DEFAULT_HIT_WINDOW, TimelineBuilder, ts_ns
 
 if TYPE_CHECKING:
+    from kvtrace.export.flows import EvictionFlows
     from kvtrace.replay.snapshot import StepSnapshot
 
 __all__ = [
+    "DiffSidesExport",
     "FORMATS",
     "ExportSummary",
     "Format",
@@ -48,6 +52,7 @@ class ExportSummary(NamedTuple):
     pools: tuple[str, ...]
     first_step: int | None
     last_step: int | None
+    flows: int | None = None  # eviction-to-miss arrows, when drawn
 
 
 @contextmanager
@@ -82,11 +87,15 @@ class ProcessExport:
         out: the file (``open_timeline_file``).
         name: the process's name in the viewer.
         hit_window: admissions the hit-rate track is taken over.
+        flows: the eviction flows of the replay being fed (``EvictionFlows.attach``), if drawn.
+        pid: its process id in the viewer (default: 1, 2, ... in order of creation).
     """
 
-    def __init__(self, out: Any, name: str, *, hit_window: int = DEFAULT_HIT_WINDOW) -> None:
-        self.process = out.process(name)
+    def __init__(self, out: Any, name: str, *, hit_window: int = DEFAULT_HIT_WINDOW,
+                 flows: EvictionFlows | None = None, pid: int | None = None) -> None:
+        self.process = out.process(name, pid)
         self.builder = TimelineBuilder(hit_window)
+        self.flows = flows
         self._write = self.process.write
         self.steps = 0
         self.records = 0
@@ -100,6 +109,8 @@ class ProcessExport:
         self.last_step = snap.step
         self.steps += 1
         records = self.builder.feed(snap)
+        if self.flows is not None:
+            records += self.flows.records(snap, self.builder)
         self.records += len(records)
         for record in records:
             self._write(record)
@@ -115,7 +126,9 @@ class ProcessExport:
         for record in records:
             self._write(record)
         b = self.builder
-        return ExportSummary(self.steps, self.records, b.num_lanes, tuple(b.pools), self.first_step, self.last_step)
+        flows = None if self.flows is None else self.flows.flows
+        return ExportSummary(self.steps, self.records, b.num_lanes, tuple(b.pools), self.first_step, self.last_step,
+                             flows)
 
 
 def export_sides(
@@ -157,6 +170,60 @@ def export_sides(
                 export.marker(ts_ns(last.time_s), "first divergence", mark or {})
             summaries.append(export.finish())
     return summaries
+
+
+class DiffSidesExport:
+    """The sides of ``kvtrace diff TRACE --export`` written as the diff reads them: ``chunk``
+    is the diff's ``on_chunk`` (each side one process, pid 1 for A, 2 for B), ``finish``
+    marks the first divergence on both and closes them, so no side is replayed again.
+
+    Args:
+        out: the file (``open_timeline_file``).
+        trace: the trace's name, in the processes' names.
+    """
+
+    def __init__(self, out: Any, trace: str) -> None:
+        self._out = out
+        self._trace = trace
+        self._exports: dict[int, ProcessExport] = {}
+        # Per side, each step fed and its time: where the marker goes once the diff is done.
+        self._steps: dict[int, array[int]] = {}
+        self._times: dict[int, array[float]] = {}
+
+    def chunk(self, index: int, side: Any, chunk: Any) -> None:
+        """Write one chunk of steps of side ``index`` (0: A, 1: B)."""
+        export = self._exports.get(index)
+        if export is None:
+            export = self._side(index, getattr(side, "label", None) or side.spec)
+        steps, times = self._steps[index], self._times[index]
+        for snap in chunk.snapshots:
+            export.feed(snap)
+            steps.append(snap.step)
+            times.append(snap.time_s)
+
+    def _side(self, index: int, label: str) -> ProcessExport:
+        export = self._exports[index] = ProcessExport(self._out, f"{'AB'[index]}: {self._trace} ({label})",
+                                                      pid=index + 1)
+        self._steps[index], self._times[index] = array("q"), array("d")
+        return export
+
+    def finish(self, report: dict[str, Any]) -> list[ExportSummary]:
+        """Mark the first divergence of the diff's ``--json`` ``report`` on each side (at its
+        step, or at the side's last if it ended before) and close the slices."""
+        versions = report.get("versions", {})
+        for index, key in enumerate("ab"):
+            if index not in self._exports:  # a side with no step: its process, empty
+                self._side(index, versions.get(key, {}).get("label") or versions.get(key, {}).get("spec", key))
+        first = report.get("first_divergence")
+        summaries = []
+        for index in sorted(self._exports):
+            export, steps, times = self._exports[index], self._steps[index], self._times[index]
+            if first is not None and steps:
+                at = min(bisect.bisect_left(steps, first["step"]), len(steps) - 1)
+                export.marker(ts_ns(times[at]), "first divergence",
+                              {k: str(v) for k, v in first.items() if v is not None})
+            summaries.append(export.finish())
+        return summaries
 
 
 def format_of(path: str | Path) -> Format:

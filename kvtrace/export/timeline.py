@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvtrace.replay.snapshot import PHASES
+from kvtrace.replay.snapshot import PHASES, POOL_NAMES
 from traces.schema import EXTEND, PREALLOC
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COUNTERS",
     "Counters",
+    "Flow",
     "HitRate",
     "Instant",
     "Record",
@@ -101,17 +102,31 @@ class Instant(NamedTuple):
     detail: str
 
 
-Record = Counters | HitRate | SliceBegin | SliceEnd | Instant
+class Flow(NamedTuple):
+    """An arrow from an eviction to a later admission that missed tokens because of it
+    (``kvtrace export --flows``): from ``src_lane`` (the evicting request's lane; None: the
+    events track) at ``src_ts_ns`` to ``lane`` at ``ts_ns``. ``flow_id`` is unique in the
+    process; ``src_args`` / ``args`` annotate the two ends."""
+
+    ts_ns: int
+    lane: int
+    src_ts_ns: int
+    src_lane: int | None
+    flow_id: int
+    src_args: dict[str, Any]
+    args: dict[str, Any]
+
+
+Record = Counters | HitRate | SliceBegin | SliceEnd | Instant | Flow
 
 
 def pools_of(snap: StepSnapshot) -> tuple[tuple[str, PoolCounters], ...]:
-    """The pools of a snapshot, each with its name and counters.
-
-    NOTE: a snapshot carries one pool today (full attention, named ``full``); a model with
-    more pools (sliding-window layers) adds entries here, and every consumer of the
-    timeline gets their tracks with no other change.
-    """
-    return (("full", snap.pool),)
+    """The pools of a snapshot, each with its name (``POOL_NAMES``) and counters: ``full``
+    alone for a full-attention model, then ``swa`` for a sliding-window one. Every
+    consumer of the timeline gets a pool's tracks from its entry here."""
+    if not snap.other_pools:
+        return (("full", snap.pool),)
+    return tuple(zip(POOL_NAMES, (snap.pool, *snap.other_pools)))
 
 
 def ts_ns(time_s: float) -> int:
@@ -165,6 +180,12 @@ class TimelineBuilder:
         if snap.requests.num_requests:
             self._requests(ts, snap, out)
         return out
+
+    def lane_of(self, rid: int) -> int | None:
+        """The lane of a request holding KV now; None if it holds none."""
+        if rid < 0 or rid >= self._phase.shape[0] or self._phase[rid] == _NOT_LIVE:
+            return None
+        return int(self._lane[rid])
 
     def finish(self) -> list[Record]:
         """Close the slices of requests still holding KV at the end (``end: running``)."""

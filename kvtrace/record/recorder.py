@@ -52,6 +52,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from traces.metadata import Recording, TraceMeta, timestamp
+from traces.namespaces import NamespaceTable, check_name
 from traces.schema import ABORT, CLOSE, DECODE, EXTEND, FINISH, HOLD, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ class Recorder:
         if rid_map_path is not None:
             self._rid_map_file = Path(rid_map_path).open("w", encoding="utf-8")
         self._pending_map: list[tuple[Hashable, int]] = []
+        self._namespaces: dict[int, str] = {}  # dense id -> cache namespace (given to extend / prealloc)
 
     # ------------------------------------------------------------------ ids
 
@@ -261,6 +263,7 @@ class Recorder:
         block_hashes: Sequence[np.ndarray | None] | None = None,
         token_ids: Sequence[np.ndarray | None] | None = None,
         arrival_s: FloatsLike | None = None,
+        namespaces: Sequence[str | None] | None = None,
     ) -> None:
         """Prefill (or a prefill chunk) of each request up to ``seq_lens[i]`` tokens.
 
@@ -275,8 +278,15 @@ class Recorder:
             arrival_s: when each request arrived (seconds, the clock of ``begin_step``;
                 NaN: unknown), kept on the request's first row only: re-scheduling the
                 trace (``kvtrace record TRACE``) replays the arrivals.
+            namespaces: per request, its cache namespace (a LoRA adapter id, a
+                ``cache_salt``, an ``extra_key``: SGLang's ``Req.extra_key``) or None;
+                a request's first one counts. They are stored in the metadata when the
+                recorder closes (``traces.namespaces``): a recording stopped before
+                its end has none.
         """
-        self._add_prompted(EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s)
+        self._add_prompted(
+            EXTEND, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s, namespaces
+        )
 
     def prealloc(
         self,
@@ -288,10 +298,13 @@ class Recorder:
         block_hashes: Sequence[np.ndarray | None] | None = None,
         token_ids: Sequence[np.ndarray | None] | None = None,
         arrival_s: FloatsLike | None = None,
+        namespaces: Sequence[str | None] | None = None,
     ) -> None:
         """PD-disaggregated decode: each request arrives with ``seq_lens[i]`` tokens of KV
         (the keyword arguments as for ``extend``)."""
-        self._add_prompted(PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s)
+        self._add_prompted(
+            PREALLOC, rids, seq_lens, prefix_lens, prompt_lens, block_hashes, token_ids, arrival_s, namespaces
+        )
 
     def _add_prompted(
         self,
@@ -303,10 +316,17 @@ class Recorder:
         block_hashes: Sequence[np.ndarray | None] | None,
         token_ids: Sequence[np.ndarray | None] | None,
         arrival_s: FloatsLike | None = None,
+        namespaces: Sequence[str | None] | None = None,
     ) -> None:
         """The rows of the ops that may bring a request's first row (extend, prealloc)."""
         ids = self._map(rids)
         n = ids.shape[0]
+        if namespaces is not None:
+            if len(namespaces) != n:
+                raise ValueError(f"namespaces has {len(namespaces)} entries, expected {n}")
+            for rid, name in zip(ids.tolist(), namespaces):
+                if name is not None:
+                    self._namespaces.setdefault(rid, check_name(name, f"namespace of request {rid}"))
         self._add(
             op,
             _Part(
@@ -566,8 +586,13 @@ class Recorder:
         self._closed = True
         self._open_step = False
         self._parts = {}
+        namespaces = None
+        if self._namespaces:
+            known = self.meta.namespaces
+            by_rid = {} if known is None else {r: known.name_of(r) for r in range(len(known.of_rid))}
+            namespaces = NamespaceTable.of({**by_rid, **self._namespaces})
         try:
-            self._writer.close(interrupted=interrupted)
+            self._writer.close(interrupted=interrupted, namespaces=namespaces)
         finally:
             self._flush_rid_map()
             if self._rid_map_file is not None:

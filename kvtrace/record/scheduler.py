@@ -52,6 +52,28 @@ a request is admitted only while a row with its slots is free::
 
     admit while  rows_used < max_running  and  per_request * (rows_used + 1) <= slots
 
+HiCache's host tier (``SchedulerConfig.hicache``) is stored in the trace's config, and
+the recording is device-only: the allocator under the model is the device tier
+(``allocator.hiradix.HiRadixCache`` is not behind the allocator protocol yet), so a
+prefix evicted from the device is a miss here, where SGLang would load it back. What
+SGLang 0.5.23's ``PrefillAdder.add_one_req`` (``managers/schedule_policy.py``) does
+with a host hit, for the model to follow once the tree is wired in:
+
+* The match gives the device prefix (``prefix_len``) and ``host_hit_length``, the
+  host-resident tokens below it. Admission counts both as cached prefix:
+  ``prefix_len + host_hit_length`` (``_select_prefill_admission``), so only the rest
+  is extended and charged (input, chunk and ``extend + max_new + page`` budgets).
+* The load-back's device slots are not charged in the budget of a plain KV pool
+  (``PrefillBudget.prepare_load_back`` passes; only ``SharedSWAPrefillBudget`` charges them):
+  ``init_load_back`` takes them, evicting device leaves for the shortfall, and the
+  loaded nodes stay locked by the request, so the next candidate sees them gone from
+  ``available + evictable``.
+* All or nothing: a load-back below ``load_back_threshold`` (10 tokens), or refused,
+  loads nothing; admission is then chosen again with ``host_hit_length = 0`` (the
+  host part recomputed) and may no longer fit.
+* Host copies stay after a load-back (duplicates); backups are written per
+  ``write_policy`` on insert or eviction (docs/hicache-semantics.md).
+
 ``ratio`` (``new_token_ratio``) starts at 0.7, decays linearly to 0.7 * 0.14 = 0.098
 over 600 decode steps, is set to ``min(1, (sum out + 20 n) / (sum max_new + 1))``
 over the remaining requests after a retraction, and is reset to 0.7 when idle.
@@ -119,8 +141,10 @@ from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
 from kvtrace.record.step_time import Percentiles, StepTimeModel
 from kvtrace.record.summary import COUNTED, RecordProgress, RecordSummary
+from traces.hicache_layout import HostTier
 from traces.mamba_layout import mamba_slots_per_request
 from traces.metadata import SpecSettings, TraceConfig
+from traces.namespaces import in_namespace
 
 if TYPE_CHECKING:
     from allocator.base import Allocator
@@ -132,6 +156,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "TokenSource",
+    "max_req_input_len",
     "mean_accepted_len",
 ]
 
@@ -149,6 +174,12 @@ _CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids 
 _WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
 
 SchedulePolicy = Literal["fcfs", "lpm"]
+
+
+def max_req_input_len(max_context_len: int, pool_tokens: int) -> int:
+    """The longest prompt the modelled engine admits (SGLang's ``max_req_input_len``);
+    a longer request is rejected and never gets a request id."""
+    return min(max_context_len - 1, pool_tokens - 1) - 5
 
 
 def mean_accepted_len(alpha: float, num_draft_tokens: int) -> float:
@@ -180,6 +211,9 @@ class SchedulerConfig:
         step_time: the step-time model (the clock).
         mamba_slots: a hybrid linear-attention model's Mamba state slots
             (``max_mamba_cache_size``; None: no linear layers).
+        hicache: HiCache's host tier the engine is configured with (stored in the
+            trace's config; the recording's admission is device-only, see the module
+            docstring), or None.
     """
 
     page_size: int
@@ -198,6 +232,7 @@ class SchedulerConfig:
     seed: int = 0
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     mamba_slots: int | None = None
+    hicache: HostTier | None = None
 
     def trace_config(self) -> TraceConfig:
         """The serving configuration a trace recorded under this one carries."""
@@ -213,6 +248,7 @@ class SchedulerConfig:
             hisparse=self.hisparse,
             radix_cache=self.radix_cache,
             eviction_policy=self.eviction_policy,
+            hicache=self.hicache,
         )
 
 
@@ -273,7 +309,7 @@ class Scheduler:
         self.rng = np.random.default_rng(config.seed)
         # SGLang's request limits (tp_worker: max_req_len, max_req_input_len).
         self.max_req_len = min(config.max_context_len - 1, config.pool_tokens - 1)
-        self.max_req_input_len = self.max_req_len - 5
+        self.max_req_input_len = max_req_input_len(config.max_context_len, config.pool_tokens)
         # The allocator's own per-request speculative reserve (0 without speculative decoding).
         self.reserve = reserve_per_decode(spec_config_for(config.spec), self.ps)
         self.ratio_init = min(INIT_NEW_TOKEN_RATIO, 1.0)
@@ -297,6 +333,7 @@ class Scheduler:
         self.kv = np.zeros(cap, np.int64)  # kv_committed_len as recorded (0 when none)
         self.state = np.zeros(cap, np.int8)
         self.hashes: list[np.ndarray | None] = []
+        self.namespaces: list[str | None] = []  # per rid: the cache namespace its prefix matches are keyed by
         self.num_requests = 0
         self._token_cache: dict[int, np.ndarray] = {}
         self._candidate_tokens: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -344,6 +381,7 @@ class Scheduler:
         self.input_len[rid] = req.input_len
         self.max_new[rid] = max_new
         self.hashes.append(req.block_hashes)
+        self.namespaces.append(req.namespace)
         self.state[rid] = _WAITING
         if self.cfg.pd_decode:
             # The prefill server generated the first token.
@@ -366,7 +404,9 @@ class Scheduler:
                 self._token_cache[rid] = cached
         if cached is None or cached.shape[0] < end:
             prompt_len = int(self.input_len[rid])
-            cached = self.tokens.tokens(rid, max(end, prompt_len), prompt_len, self.hashes[rid])
+            cached = in_namespace(
+                self.tokens.tokens(rid, max(end, prompt_len), prompt_len, self.hashes[rid]), self.namespaces[rid]
+            )
             if cache:
                 self._token_cache[rid] = cached
             elif rid not in self._token_cache:
@@ -528,7 +568,8 @@ class Scheduler:
         matches: dict[int, int] = {}
         if len(self.waiting) > LPM_MAX_QUEUE:
             return matches  # SGLang turns LPM off for long queues (FCFS order kept)
-        seen_first_blocks: set[int] = set()
+        # (namespace, first block): SGLang's in-batch tree keys by RadixKey, extra_key included
+        seen_first_blocks: set[tuple[str | None, int]] = set()
         deprioritized: set[int] = set()
         for rid in self.waiting:
             end = self._fill_len(rid)
@@ -538,7 +579,7 @@ class Scheduler:
                 hashes = self.hashes[rid]
                 if hashes is None or self.input_len[rid] < IN_BATCH_PREFIX_THRESHOLD:
                     continue
-                first = int(hashes[0])
+                first = (self.namespaces[rid], int(hashes[0]))
                 if first in seen_first_blocks:
                     deprioritized.add(rid)
                 else:

@@ -54,6 +54,7 @@ def serving_settings(workload: Path, fmt: str, given: dict[str, Any], like: Path
     """The serving options a simulation runs with (``RecordOptions`` keyword arguments):
     those given (not None), else the ``like`` trace's, else a trace's own (a trace as
     the workload), else ``SERVING_DEFAULTS``. A chunk of 0 means no chunking (None).
+    ``spec`` is given only when asked for, so a given None (``--spec off``) turns it off.
 
     Raises:
         TraceError: a trace that cannot be read.
@@ -64,7 +65,7 @@ def serving_settings(workload: Path, fmt: str, given: dict[str, Any], like: Path
         from traces.reader import TraceReader
 
         settings.update(trace_defaults(TraceReader(trace).meta))
-    settings.update({key: value for key, value in given.items() if value is not None})
+    settings.update({key: value for key, value in given.items() if value is not None or key == "spec"})
     if settings["step_time"] is None:
         from kvtrace.record.step_time import StepTimeModel
 

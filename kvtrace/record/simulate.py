@@ -12,18 +12,20 @@ does not override.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from allocator.pages import floor_align
-from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig
+from kvtrace.record.scheduler import SchedulePolicy, Scheduler, SchedulerConfig, max_req_input_len
 from kvtrace.record.summary import RecordProgress, RecordSummary
 from kvtrace.record.step_time import StepTimeModel
 from kvtrace.errors import ConfigError
+from traces.hicache_layout import HostTier
 from traces.mamba_layout import MambaLayout, mamba_slots_per_request
 from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta, TraceSource
+from traces.namespaces import NamespaceTable
 
 if TYPE_CHECKING:
     from traces.workloads import WorkloadFormat, WorkloadRequest
@@ -36,6 +38,7 @@ __all__ = [
     "record_report",
     "record_workload",
     "refuse_sliding_window",
+    "round_robin_namespaces",
     "spec_settings",
     "spec_text",
     "mamba_max_running",
@@ -66,9 +69,13 @@ class RecordOptions:
     hisparse: bool = False
     radix_cache: bool | None = None  # None: a radix cache unless pd_decode
     eviction_policy: str = "lru"  # the radix cache's (allocator.evict_policy)
+    # N: requests go round-robin to cache namespaces adapter-0..N-1 (a what-if: N LoRA
+    # adapters); None: each request keeps the namespace its workload gives it
+    namespaces: int | None = None
     model: ModelShape = DEFAULT_MODEL_SHAPE
     attention: AttentionLayout | None = None  # None: full attention
     mamba: MambaLayout | None = None  # None: no linear-attention layers
+    hicache: HostTier | None = None  # HiCache's host tier (stored in the trace's config), None: none
     duration_s: float | None = None
     time_scale: float = 1.0
     rate: float | None = None
@@ -116,8 +123,10 @@ def record_workload(
     from traces.workload_sources import known_source
     from traces.workloads import MOONCAKE_BLOCK_SIZE, WorkloadFileError, read_workload
 
+    max_input_len = max_req_input_len(options.context_len, floor_align(options.pool_tokens, options.page_size))
+
     def requests() -> Iterator[WorkloadRequest]:
-        return read_workload(
+        stream = read_workload(
             options.workload,
             options.fmt,
             rate=options.rate,
@@ -125,6 +134,9 @@ def record_workload(
             duration_s=options.duration_s,
             time_scale=options.time_scale,
         )
+        if options.namespaces:
+            stream = round_robin_namespaces(stream, options.namespaces, max_input_len)
+        return stream
 
     refuse_sliding_window(
         options.model.name, options.attention,
@@ -133,11 +145,17 @@ def record_workload(
     )
     # Check the whole file first (a streaming pass): a bad line fails at once, not
     # minutes into the recording, and no partial trace is left behind.
-    total = sum(1 for _ in requests())
+    total = 0
+    by_rid: list[str | None] = []  # the namespace of each request the scheduler will admit, by rid
+    for req in requests():
+        total += 1
+        if req.input_len < max_input_len:
+            by_rid.append(req.namespace)
+    namespaces = NamespaceTable.of(by_rid)
     if total == 0:
         window = f" in the first {options.duration_s:g} s" if options.duration_s is not None else ""
         raise WorkloadFileError(options.workload, None, f"holds no requests{window}; nothing to record")
-    from kvtrace.replay.config import RECORD_OPTIONS, check_memory, effective_config
+    from kvtrace.replay.config import RECORD_OPTIONS, check_memory, effective_config, unserved_mamba
     from kvtrace.record.recorder import Recorder
     from kvtrace.versions.registry import resolve_version
 
@@ -170,6 +188,7 @@ def record_workload(
         seed=options.seed,
         step_time=options.step_time,
         mamba_slots=None if options.mamba is None else options.mamba.mamba_cache_size,
+        hicache=options.hicache,
     )
     source = source or known_source(options.workload, options.fmt)
     meta = TraceMeta(
@@ -178,6 +197,7 @@ def record_workload(
         model=options.model,
         attention=options.attention,
         mamba=options.mamba,
+        namespaces=namespaces,
         block_size=block_size,
         extra={
             "recorder": "kvtrace.scheduler",  # the name traces have always carried, not a module path
@@ -192,11 +212,15 @@ def record_workload(
             "step_time": {name: getattr(options.step_time, name) for name in options.step_time.__slots__},
         },
     )
-    # NOTE: the allocator serves the KV pool of the full-attention layers; the Mamba
-    # slots are the scheduler model's budget (``SchedulerConfig.mamba_slots``) until
-    # the allocator keeps the Mamba state pool itself.
+    # NOTE: the allocator keeps the Mamba state pool where it serves the trace's
+    # switches (``unserved_mamba``); elsewhere it serves the full-attention layers' KV
+    # pool only, and the Mamba slots are the scheduler model's budget alone
+    # (``SchedulerConfig.mamba_slots``). The host tier: the trace keeps it and the
+    # recording's allocator is the device tier (kvtrace/record/scheduler.py says what
+    # that leaves out).
+    served = unserved_mamba(meta, meta.config.radix_cache) is None
     allocator_config = effective_config(
-        dataclasses.replace(meta, mamba=None),
+        (meta if served else dataclasses.replace(meta, mamba=None)).with_config(hicache=None),
         version_spec=version.spec,
         version_page_size=version.page_size,
         page_size=options.page_size,
@@ -227,6 +251,21 @@ def record_workload(
         for v in allocator.check_integrity()
     ]
     return RecordResult(summary=summary, violations=violations, meta=meta, block_reuse=None)
+
+
+def round_robin_namespaces(
+    requests: Iterable[WorkloadRequest], count: int, max_input_len: int
+) -> Iterator[WorkloadRequest]:
+    """``requests`` with the admitted ones (prompt below ``max_input_len``) put in cache
+    namespaces ``adapter-0`` .. ``adapter-{count-1}`` in turn, by request id: a what-if of
+    ``count`` LoRA adapters sharing the traffic (deterministic). Rejected requests keep theirs."""
+    rid = 0
+    for req in requests:
+        if req.input_len >= max_input_len:
+            yield req
+            continue
+        yield dataclasses.replace(req, namespace=f"adapter-{rid % count}")
+        rid += 1
 
 
 def refuse_sliding_window(
@@ -311,7 +350,7 @@ class DiscardRecorder:
 
 def spec_settings(text: str) -> SpecSettings | None:
     """``off`` -> None; ``ALGORITHM:STEPS,TOPK,DRAFT`` -> ``SpecSettings`` (the text is
-    checked by the command line, ``kvtrace.cli.record.parse_spec``).
+    checked by the command line, ``kvtrace.cli.spec_option.parse_spec``).
 
     Raises:
         ValueError: text of another shape.
@@ -357,6 +396,8 @@ def trace_defaults(meta: TraceMeta) -> dict[str, Any]:
         "attention": meta.attention,
         "mamba": meta.mamba,
     }
+    if cfg.hicache is not None:
+        out["hicache"] = cfg.hicache
     if cfg.radix_cache == cfg.pd_decode:
         out["radix_cache"] = cfg.radix_cache
     if cfg.eviction_policy != "lru":
@@ -432,5 +473,6 @@ def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float
             "pd_decode": options.pd_decode,
             "model": options.model.name,
             "mamba_slots": None if options.mamba is None else options.mamba.mamba_cache_size,
+            **({} if options.hicache is None else {"hicache": dataclasses.asdict(options.hicache)}),
         },
     }

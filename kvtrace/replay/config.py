@@ -16,10 +16,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from allocator.base import HISPARSE_SWA_REFUSAL, AllocatorConfig, SpecConfig, SwaConfig
+from allocator.base import HISPARSE_SWA_REFUSAL, AllocatorConfig, MambaConfig, SpecConfig, SwaConfig
 from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
 from traces.checker import CHECKER_BYTES_PER_RID
+from traces.mamba_layout import MambaLayout
 from traces.metadata import AttentionLayout, SpecSettings, TraceMeta
 from traces.tokens import TokenStore
 
@@ -86,11 +87,14 @@ def swa_config_for(layout: AttentionLayout | None, *, resized: bool = False) -> 
     if layout is None:
         return None
     draft = getattr(layout, "draft_sliding_window", 0)
+    release = getattr(layout, "release_prefill_swa", False)
     return SwaConfig(
         window=layout.sliding_window,
         swa_full_tokens_ratio=layout.swa_full_tokens_ratio,
         swa_pool_tokens=None if resized else layout.swa_pool_tokens,
-        **({"draft_window": draft} if draft else {}),  # an allocator version without the field still builds
+        # an allocator version without these fields still builds when they are off
+        **({"draft_window": draft} if draft else {}),
+        **({"release_prefill_swa": True} if release else {}),
     )
 
 
@@ -108,17 +112,19 @@ def allocator_config_for(
     overrides. ``radix_cache`` and ``eviction_policy`` default to what the trace was
     recorded with; the pool
     is rounded down to whole pages. A trace with an attention layout gets the
-    sliding-window pool too (``swa_config_for``).
+    sliding-window pool too (``swa_config_for``), one with a Mamba layout the Mamba
+    state pool (``mamba_config_for``).
 
     Raises:
         ConfigError: the resulting configuration is one no allocator can be built
             from (``AllocatorConfig.check``), e.g. a pool below two pages, or one the
-            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``).
+            allocator does not serve yet (``unsupported_swa``, ``unserved_mamba``,
+            ``unserved_hicache``).
     """
-    unserved = unserved_mamba(meta)
+    cfg = meta.config
+    unserved = unserved_mamba(meta, cfg.radix_cache if radix_cache is None else radix_cache) or unserved_hicache(meta)
     if unserved is not None:
         raise ConfigError(unserved)
-    cfg = meta.config
     ps = cfg.page_size if page_size is None else page_size
     pool = cfg.pool_tokens if pool_tokens is None else pool_tokens
     if ps <= 0:
@@ -133,6 +139,10 @@ def allocator_config_for(
                           "with an attention layout (kvtrace info shows the trace's)")
     if policy != "lru" and "eviction_policy" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError(f"this allocator version has no eviction policies: it evicts by LRU only, not {policy!r}")
+    mamba = mamba_config_for(meta.mamba)
+    if mamba is not None and "mamba" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
+        raise ConfigError("this allocator version has no Mamba state pool: it cannot replay a trace of a hybrid "
+                          "linear-attention model (kvtrace info shows the trace's layout)")
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
@@ -147,6 +157,7 @@ def allocator_config_for(
         **({} if swa is None else {"swa": swa}),
         # Passed only when not LRU: a version from before the field builds as it always did.
         **({} if policy == "lru" else {"eviction_policy": policy}),
+        **({} if mamba is None else {"mamba": mamba}),
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
     if config.pool_tokens < 2 * ps:
@@ -161,22 +172,54 @@ def allocator_config_for(
     return config
 
 
-def unserved_mamba(meta: TraceMeta) -> str | None:
-    """The one line to say when a trace is of a hybrid linear-attention model, whose
-    Mamba state pool no allocator serves yet, else None.
+def mamba_config_for(layout: MambaLayout | None) -> MambaConfig | None:
+    """The allocator's Mamba state pool for a trace's layout (None: no linear-attention
+    layers). The recorded slot count is kept under a resized KV pool: without the radix
+    cache SGLang sizes it by ``max_running_requests``, not by memory. Without the radix
+    cache SGLang runs no buffer (no tracking slots)."""
+    if layout is None:
+        return None
+    return MambaConfig(slots=layout.mamba_cache_size)
 
-    NOTE: a trace with ``meta.mamba`` replayed on the KV pool alone would drop every
-    Mamba slot and the admission limit they set, so it is refused rather than
-    replayed as full attention; this is where the Mamba pool's configuration will be
-    built once the allocator keeps it.
+
+def unserved_mamba(meta: TraceMeta, radix_cache: bool) -> str | None:
+    """The one line to say when a trace is of a hybrid linear-attention model served
+    with a switch the Mamba pool is not wired for yet (the radix cache, whose Mamba
+    checkpoints no allocator keeps yet; PD decode; HiSparse), else None.
+
+    NOTE: such a trace replayed without what the switch does to the Mamba slots
+    would drop them, so it is refused rather than replayed wrong.
     """
     layout = meta.mamba
     if layout is None:
         return None
+    cfg = meta.config
+    what = ("the radix cache" if radix_cache else "PD decode" if cfg.pd_decode else "HiSparse" if cfg.hisparse
+            else None)
+    if what is None:
+        return None
     return (
         f"this trace is of a hybrid linear-attention model ({meta.model.name}: {len(layout.mamba_layer_ids)} "
-        f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots), and no allocator serves the "
-        "Mamba state pool yet: it cannot be replayed (kvtrace info shows the trace's layout)"
+        f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots) served with {what}, which no "
+        f"allocator serves beside the Mamba state pool yet: only hybrid linear-attention traces recorded with "
+        f"{what} off replay (kvtrace info shows the trace's configuration)"
+    )
+
+
+def unserved_hicache(meta: TraceMeta) -> str | None:
+    """The one line to say when a trace was recorded with HiCache's host tier, which the
+    replay does not serve yet, else None.
+
+    NOTE: replayed on the device tier alone, every host hit of the recording would be
+    a miss, so the trace is refused rather than replayed as a device-only cache; this
+    is where the host tier's configuration will be built once the replay serves it.
+    """
+    tier = meta.config.hicache
+    if tier is None:
+        return None
+    return (
+        f"this trace was recorded with HiCache's host tier ({tier.describe()}), and the replay does not "
+        "serve the host tier yet: it cannot be replayed (kvtrace info shows the trace's tier)"
     )
 
 

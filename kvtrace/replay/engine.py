@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -79,6 +79,51 @@ CHECK_MODES: tuple[CheckMode, ...] = ("every", "full", "end", "never")
 
 _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
 _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
+
+
+@dataclass(frozen=True, slots=True)
+class AllocCall:
+    """One batched allocator call the engine makes, as its observers see it.
+
+    Attributes:
+        step: the trace step (a run of decode steps: its first).
+        op: the op kind's name (``traces.schema.OPS``): finish, abort, retract,
+            prealloc, extend, decode or spec.
+        rids: the requests of the call, int64 ``[n]``.
+        seq_lens: extend: lengths after the call; prealloc: fill lengths; a
+            release: the lengths owned. None for decode and spec.
+        token_ids: extend, prealloc, finish: each request's token ids up to ``seq_lens``.
+        admitted: extend: bool ``[n]``, the requests holding no KV before the call
+            (admissions, as the replay counts them).
+        prefill_done: extend: bool ``[n]``, the requests whose prefill this call completes.
+        prefill_targets: extend: int64 ``[n]``, each request's prefill target (what an
+            admission counts as admitted).
+    """
+
+    step: int
+    op: str
+    rids: np.ndarray
+    seq_lens: np.ndarray | None = None
+    token_ids: Sequence[np.ndarray] | None = None
+    admitted: np.ndarray | None = None
+    prefill_done: np.ndarray | None = None
+    prefill_targets: np.ndarray | None = None
+
+
+class ReplayObserver(Protocol):
+    """What watches a replay's allocator calls (``ReplaySession.observers``; ``kvtrace
+    explain``). The engine builds no ``AllocCall`` while it has no observer, so a plain
+    replay pays one list test per call. Observers read, never change, the state."""
+
+    def step_started(self, step: int) -> None:
+        """A step (or a run of decode steps) begins; its calls follow."""
+
+    def call_started(self, call: AllocCall) -> None:
+        """``call`` is about to run (its evictions, if any, happen before ``call_ended``)."""
+
+    def call_ended(self, call: AllocCall, result: object) -> None:
+        """``call`` ran: ``result`` is the allocator's (``AllocResult``, ``OutOfMemory``,
+        ``ReleaseResult``, or a run's result)."""
 
 
 class StepChecker(Protocol):
@@ -200,7 +245,7 @@ class ReplayEngine:
         self.stopped_early = False
         self._step_checker = checker
         self._clock = clock
-        self._tokens = TokenStore(meta.block_size)
+        self._tokens = TokenStore(meta.block_size, meta.namespaces)
         self._decoding_phase = SPEC_PHASE if allocator.config.spec is not None else DECODE_PHASE
         self._req = {name: _Grow(dtype, fill) for name, dtype, fill in _PER_REQUEST}
         self._req_rows = 0  # every per-request array holds at least this many ids
@@ -218,6 +263,8 @@ class ReplayEngine:
         self._events: list[Event] = []
         self._step = -1
         self._op_name = ""
+        # Told of every allocator call (``ReplayObserver``); empty for a plain replay.
+        self.observers: list[ReplayObserver] = []
 
     @property
     def num_requests(self) -> int:
@@ -228,6 +275,13 @@ class ReplayEngine:
     def in_window(self) -> bool:
         """Whether the steps replayed now produce snapshots (past ``start_step``)."""
         return self._in_window
+
+    def prefill_targets(self, rids: np.ndarray) -> np.ndarray:
+        """Each request's prefill target now (the length at which its prefill is done;
+        after a retraction, its length at retraction), int64 ``[n]``."""
+        target = self._req["prefill_target"]
+        target.ensure(int(rids.max()) if rids.shape[0] else 0)
+        return target.a[rids].copy()
 
     def overalloc_held(self) -> int:
         """Speculative slack held by live requests now (``sum(allocated - committed)``)."""
@@ -271,6 +325,9 @@ class ReplayEngine:
         quiet = not self._in_window
         self._step = batch.step
         self._events = []
+        if self.observers:
+            for o in self.observers:
+                o.step_started(batch.step)
         alloc_s_before = st.allocator_s
         n = len(batch)
         ok = self._check_ops(batch)
@@ -356,6 +413,7 @@ class ReplayEngine:
             keyframe=keyframe,
             digest=self.allocator.state_digest() if self.options.state_digest else None,  # type: ignore[attr-defined]
             other_pools=others,
+            other_pool_names=self.pool_names[1:],
             swa_evicted=None if self._swa_evicted_lens is None else self._swa_evicted_lens(delta.rids),
         )
 
@@ -404,6 +462,12 @@ class ReplayEngine:
         st = self.stats
         alloc = self.allocator
         before = alloc.request_lens(rids)
+        observed = None
+        if self.observers:
+            observed = AllocCall(int(steps[0]), OPS[op], rids)
+            for o in self.observers:
+                o.step_started(observed.step)
+                o.call_started(observed)
         t0 = self._clock()
         if op == SPEC:
             assert accepted is not None
@@ -411,9 +475,16 @@ class ReplayEngine:
             res = alloc.spec_decode_run(rids, accepted)  # type: ignore[attr-defined]
         else:
             res = alloc.decode_run(rids, num_steps)  # type: ignore[attr-defined]
+        if observed is not None:
+            for o in self.observers:
+                o.call_ended(observed, res)
         if res is None:
             st.allocator_s += self._clock() - t0
-            if op == DECODE and self._in_window and len(self.pool_names) == 1:
+            # Evicting steps ahead of the snapshot returned: only while nothing reads the
+            # state step by step (observers, a tree listener such as the KV events').
+            tree = getattr(alloc, "tree_cache", None)
+            watched = self.observers or getattr(tree, "listener", None) is not None
+            if op == DECODE and self._in_window and len(self.pool_names) == 1 and not watched:
                 return self._decode_steps(steps, times, rids) or None
             return None
         alloc.end_step()
@@ -470,6 +541,8 @@ class ReplayEngine:
         phase = np.full(bs, phase_code, np.int8)
         prefix = req["prefix"].a[rids]
         per_step = elapsed / num_steps
+        # the requests' SWA cursors after each step, as a step's snapshot has them
+        swa_evicted = res.swa_evicted if self._swa_evicted_lens is not None else None
         return [
             StepSnapshot(
                 step=step,
@@ -480,7 +553,8 @@ class ReplayEngine:
                 num_ops=bs,
                 allocator_s=per_step,
                 other_pools=others[j],
-                swa_evicted=None if res.swa_evicted is None else res.swa_evicted[j],
+                other_pool_names=self.pool_names[1:],
+                swa_evicted=None if swa_evicted is None else swa_evicted[j],
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]
@@ -734,9 +808,17 @@ class ReplayEngine:
             # batch's finished requests in one free group, so splitting the call would
             # change the free list's order.
             tokens = self._tokens.ids_many(rids, owned) if kind == "finish" else None
+            observed = None
+            if self.observers:
+                observed = AllocCall(self._step, kind, rids, owned, tokens)
+                for o in self.observers:
+                    o.call_started(observed)
             t0 = self._clock()
             res = alloc.release(rids, owned, tokens, kind)
             st.allocator_s += self._clock() - t0
+            if observed is not None:
+                for o in self.observers:
+                    o.call_ended(observed, res)
             self._after_release(rids, res, kind)
             self._note_evicted(res.evicted_tokens)
             self._check_call(rids)
@@ -762,7 +844,15 @@ class ReplayEngine:
             tokens = self._tokens.ids_many(r, seq)
             done = seq >= req["prefill_target"].a[r]
             admitted = ~alloc.holds_kv(r)
+            observed = None
+            if self.observers:
+                observed = AllocCall(self._step, "extend", r, seq, tokens, admitted, done, req["prefill_target"].a[r])
+                for o in self.observers:
+                    o.call_started(observed)
             res = alloc.extend(r, seq, tokens, done)
+            if observed is not None:
+                for o in self.observers:
+                    o.call_ended(observed, res)
             if isinstance(res, AllocResult):
                 prefix = res.prefix_lens if res.prefix_lens is not None else np.zeros(r.size, np.int64)
                 req["prefix"].a[r] = prefix
@@ -784,7 +874,15 @@ class ReplayEngine:
         def call(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
             fill = batch.seq_len[idx]
             tokens = self._tokens.ids_many(r, fill)
+            observed = None
+            if self.observers:
+                observed = AllocCall(self._step, "prealloc", r, fill, tokens)
+                for o in self.observers:
+                    o.call_started(observed)
             res = self.allocator.prealloc(r, fill, tokens)
+            if observed is not None:
+                for o in self.observers:
+                    o.call_ended(observed, res)
             if isinstance(res, AllocResult):
                 req["prefix"].a[r] = res.prefix_lens if res.prefix_lens is not None else 0
                 req["phase"].a[r] = WAITING
@@ -800,6 +898,8 @@ class ReplayEngine:
     ) -> None:
         """Call ``call(rids, rows)``; on OOM stop, or drop the failing request and retry."""
         st = self.stats
+        if self.observers and self._op_name in ("decode", "spec"):  # extend, prealloc tell their own
+            call = self._observed(call)
         while rows.size:
             rids = batch.rid[rows]
             t0 = self._clock()
@@ -826,6 +926,23 @@ class ReplayEngine:
             self._drop(res.rid)
             rows = rows[batch.rid[rows] != res.rid]
 
+    def _observed(
+        self, call: Callable[[np.ndarray, np.ndarray], AllocResult | OutOfMemory]
+    ) -> Callable[[np.ndarray, np.ndarray], AllocResult | OutOfMemory]:
+        """``call`` (a decode or spec call) telling the observers before and after it."""
+        op = self._op_name
+
+        def observed(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
+            c = AllocCall(self._step, op, r)
+            for o in self.observers:
+                o.call_started(c)
+            res = call(r, idx)
+            for o in self.observers:
+                o.call_ended(c, res)
+            return res
+
+        return observed
+
     def _drop(self, rid: int, detail: str = "dropped after out of memory") -> None:
         """Skip mode: the request leaves the replay; whatever it holds is released."""
         st = self.stats
@@ -839,9 +956,14 @@ class ReplayEngine:
         r = np.array([rid], np.int64)
         if self.allocator.holds_kv(r)[0]:
             lens = self.allocator.request_lens(r)
+            observed = AllocCall(self._step, "abort", r, lens.committed) if self.observers else None
+            for o in self.observers:
+                o.call_started(observed)  # type: ignore[arg-type]
             t0 = self._clock()
-            self.allocator.release(r, lens.committed, None, "abort")
+            res = self.allocator.release(r, lens.committed, None, "abort")
             st.allocator_s += self._clock() - t0
+            for o in self.observers:
+                o.call_ended(observed, res)  # type: ignore[arg-type]
         self._tokens.drop(rid)
 
     def _oom(self, res: OutOfMemory) -> None:
@@ -910,8 +1032,9 @@ class PerPoolCounters(Protocol):
 
 
 def pool_names_of(allocator: object) -> tuple[str, ...]:
-    """The KV pools of an allocator, in ``POOL_NAMES`` order: ``("full",)``, or
-    ``("full", "swa")`` for a hybrid sliding-window model (``PerPoolCounters``)."""
+    """The pools of an allocator, in ``POOL_NAMES`` order: ``("full",)``, or
+    ``("full", "swa")`` for a hybrid sliding-window model, ``("full", "mamba")`` for a
+    hybrid linear-attention one (``PerPoolCounters``)."""
     if not isinstance(allocator, PerPoolCounters):
         return ("full",)
     names = tuple(allocator.pool_counters())

@@ -149,9 +149,10 @@ def render_replay_summary(
     table.add_row("peak occupancy", f"{count(s['peak_used_tokens'], 'token')} ({pct:.1f}%) at step {_num(s['peak_step'])}")
     for name, pool in s.get("pools", {}).items():
         pct = 100.0 * pool["peak_used_tokens"] / pool["pool_tokens"] if pool["pool_tokens"] else 0.0
+        unit = "slot" if name == "mamba" else "token"  # the Mamba pool counts state slots (the JSON keeps the keys)
         table.add_row(
             f"{name} pool",
-            f"{pool['pool_tokens']:,} tokens; peak {count(pool['peak_used_tokens'], 'token')} ({pct:.1f}%) at step "
+            f"{pool['pool_tokens']:,} {unit}s; peak {count(pool['peak_used_tokens'], unit)} ({pct:.1f}%) at step "
             f"{_num(pool['peak_step'])}; {pool['used_tokens_at_end']:,} used at end; "
             f"{count(pool['num_ooms'], 'out-of-memory', 'out-of-memories')}",
         )

@@ -222,6 +222,7 @@ class ReplaySession(Checkpointing):
             self.meta, self.allocator, self.options, checker=self._checker, clock=self._clock,
             rid_bound=self.reader.rid_bound,
         )
+        self.engine.observers = self.observers = getattr(self, "observers", [])  # ReplayObserver: kept on restarts
         self._state: ReplayState | None = ReplayState(self.config.page_size) if self._track_state else None
         self._unfolded: list[StepSnapshot] = []  # replayed, not yet in a block
         self._unfolded_continued: list[bool] = []  # for each of them: the next step of its run follows it

@@ -7,7 +7,8 @@ the dashboard and diff read snapshots only, never the allocator.
 Pool counters are the allocator's own ``PoolCounters`` (one type from the
 allocator to the screen), one per KV pool: ``pool`` is the full pool (the one pool of
 a full-attention model), ``other_pools`` the others of a hybrid model in
-``POOL_NAMES`` order (the sliding-window pool), ``pools`` all of them by name. Each request a step changed appears once in the step's
+``POOL_NAMES`` order (the sliding-window pool, or the Mamba state pool), named by
+``other_pool_names``, ``pools`` all of them by name. Each request a step changed appears once in the step's
 ``RequestDelta`` with its lengths after the step, the op that changed it and the
 phase it is in now.
 """
@@ -66,9 +67,16 @@ PHASES: tuple[Phase, ...] = ("waiting", "prefill", "decode", "spec", "finished",
 (WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE, FINISHED, RETRACTED, ABORTED, DROPPED) = range(len(PHASES))
 LIVE_PHASES = frozenset({WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE})
 
-# The KV pools an allocator may have, in order: the full-attention pool (every model
-# has it) and the sliding-window pool of a hybrid SWA model (``pool_counters()`` keys).
-POOL_NAMES: tuple[str, ...] = ("full", "swa")
+# The pools an allocator may have, in order: the full-attention KV pool (every model
+# has it), the sliding-window pool of a hybrid SWA model and the Mamba state pool of a
+# hybrid linear-attention model (``pool_counters()`` keys; the Mamba pool counts slots).
+POOL_NAMES: tuple[str, ...] = ("full", "swa", "mamba")
+
+
+def other_pool_names(names: tuple[str, ...], n: int) -> tuple[str, ...]:
+    """The names of ``n`` pools after the full one: ``names`` when given, else the
+    first ``n`` of ``POOL_NAMES[1:]`` (what a record written before the names says)."""
+    return names if names else POOL_NAMES[1 : 1 + n]
 
 # ``RequestDelta.op`` of a request the replay dropped (no trace op changed it), and
 # of a request a keyframe lists although no op changed it that step.
@@ -137,8 +145,9 @@ class StepSnapshot:
     ``--steps`` window is one, so a consumer that starts there sees the whole state.
     ``digest``: the allocator's ``state_digest()`` after the step when the replay asks
     for it (``ReplayOptions.state_digest``; ``kvtrace diff --exact``), else None.
-    ``other_pools``: the counters of the pools after the full one (``pool``), named by
-    ``POOL_NAMES[1:]`` in order; empty for a full-attention model.
+    ``other_pools``: the counters of the pools after the full one (``pool``), in
+    ``POOL_NAMES`` order, named by ``other_pool_names`` (empty: ``POOL_NAMES[1:]``
+    in order); empty for a full-attention model.
     ``swa_evicted``: with a sliding-window pool, each request row's SWA cursor
     (``swa_evicted_seqlen``) after the step, aligned with ``requests``; None otherwise.
     It rides beside the ``RequestDelta`` rather than in it, so that what compares,
@@ -156,11 +165,13 @@ class StepSnapshot:
     digest: str | None = None
     other_pools: tuple[PoolCounters, ...] = ()
     swa_evicted: np.ndarray | None = None  # int64 [n] swa_evicted_seqlen per requests row
+    other_pool_names: tuple[str, ...] = ()
 
     @property
     def pools(self) -> dict[str, PoolCounters]:
-        """Every KV pool's counters after the step, by name (``POOL_NAMES``)."""
-        return dict(zip(POOL_NAMES, (self.pool, *self.other_pools)))
+        """Every pool's counters after the step, by name (``POOL_NAMES``)."""
+        names = other_pool_names(self.other_pool_names, len(self.other_pools))
+        return dict(zip(("full", *names), (self.pool, *self.other_pools)))
 
 
 class SnapshotBlock(NamedTuple):
@@ -185,6 +196,8 @@ class SnapshotBlock(NamedTuple):
     # int64 [rows]: the SWA cursor of each request row (``StepSnapshot.swa_evicted``), None
     # when no step has one (a full-attention model)
     swa_evicted: np.ndarray | None = None
+    # the names of ``other_pools``' pools (``StepSnapshot.other_pool_names``)
+    other_pool_names: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, snaps: Sequence[StepSnapshot], rows: Sequence[bool] | None = None) -> SnapshotBlock:
@@ -233,6 +246,7 @@ class SnapshotBlock(NamedTuple):
             digests=[s.digest for s in snaps],
             other_pools=_other_pools(snaps),
             swa_evicted=_swa_evicted([(s.swa_evicted, s.requests.num_requests) for s in with_rows]),
+            other_pool_names=snaps[0].other_pool_names,
         )
 
     @classmethod
@@ -261,6 +275,7 @@ class SnapshotBlock(NamedTuple):
             digests=list(chain.from_iterable(b.digests for b in blocks)),
             other_pools=None if blocks[0].other_pools is None else joined("other_pools"),
             swa_evicted=_swa_evicted([(b.swa_evicted, b.requests.num_requests) for b in blocks]),
+            other_pool_names=blocks[0].other_pool_names,
         )
 
     @property

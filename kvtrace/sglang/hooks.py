@@ -189,6 +189,7 @@ class LiveRecorder:
                 getattr(rec, kind)(
                     [r[0] for r in part], [r[1] for r in part], prefix_lens=[r[2] for r in part],
                     prompt_lens=[r[3] for r in part], token_ids=[r[4] for r in part],
+                    namespaces=[r[5] for r in part],
                 )
         if "decode" in rows:
             part = rows["decode"]
@@ -229,7 +230,8 @@ class LiveRecorder:
             start = self._lens.get(rid, 0)
             prompt = len(req.origin_input_ids)
             ids = (list(req.origin_input_ids) + list(req.output_ids))[start:seq]
-            part.append([rid, seq, int(prefix), prompt, np.asarray(ids, np.int64) if len(ids) == seq - start else None])
+            part.append([rid, seq, int(prefix), prompt, np.asarray(ids, np.int64) if len(ids) == seq - start else None,
+                         _namespace(req)])
             self._lens[rid] = seq
             if seq >= prompt:
                 step.prefilled.add(rid)
@@ -264,7 +266,8 @@ class LiveRecorder:
         fill = int(req.kv.kv_allocated_len)
         ids = (list(req.origin_input_ids) + list(req.output_ids))[:fill]
         step.rows.setdefault("prealloc", []).append(
-            [rid, fill, int(prefix), len(req.origin_input_ids), np.asarray(ids, np.int64) if len(ids) == fill else None])
+            [rid, fill, int(prefix), len(req.origin_input_ids), np.asarray(ids, np.int64) if len(ids) == fill else None,
+             _namespace(req)])
         self._lens[rid] = fill
 
     def release(self, kind: str, req: Any, owned: int, committed: int) -> None:
@@ -294,6 +297,15 @@ class LiveRecorder:
         self.recorder.close()
         self.recorder = None
         self._rid_map.close()
+
+
+def _namespace(req: Any) -> str | None:
+    """A request's cache namespace: what SGLang keys its radix matches by beside the
+    tokens, ``extra_key`` (the LoRA id already appended) and ``cache_salt``; one string
+    that two requests share exactly when they share both (None: neither is set)."""
+    from traces.namespaces import sglang_namespace  # (kvtrace's, imported only when recording)
+
+    return sglang_namespace(getattr(req, "extra_key", None), None, getattr(req, "cache_salt", None))
 
 
 def _ids(req: Any, lo: int, hi: int) -> np.ndarray | None:

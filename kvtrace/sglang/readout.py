@@ -21,8 +21,8 @@ import numpy as np
 from . import world
 
 __all__ = [
-    "IncrementalDigest", "allocator_module", "free_ids", "full_value", "pool_counters", "side_ids", "state_digest",
-    "swa_pool_counters", "token_allocators", "tree_nodes",
+    "IncrementalDigest", "allocator_module", "free_ids", "full_value", "mamba_available", "mamba_pool_counters",
+    "pool_counters", "side_ids", "state_digest", "swa_pool_counters", "token_allocators", "tree_nodes",
 ]
 
 
@@ -75,6 +75,38 @@ def swa_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[i
     overallocated = full[5]
     committed = size - available - evictable - protected - overallocated
     return (size, available, evictable, protected, committed, overallocated, full[6], full[7])
+
+
+def mamba_available(eng: world.SGLangEngine) -> int:
+    """The Mamba state slots an admission can take now (free list and an open group's;
+    0 without a Mamba pool)."""
+    mamba = getattr(eng.pool, "mamba_allocator", None)
+    if mamba is None:
+        return 0
+    group = 0
+    if mamba._alloc_iter is not None:
+        rest = list(mamba._alloc_iter)
+        mamba._alloc_iter = iter(rest)  # put back what was peeked
+        group = len(rest)
+    return int(mamba.available_size()) + group
+
+
+def mamba_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[int, ...]:
+    """The Mamba pool's ``PoolCounters`` fields (in slots) read off an SGLang world, as
+    the built-in allocator reports them with the radix cache off: no tree share,
+    ``committed`` the state slots requests hold, nothing over-allocated."""
+    mamba = eng.pool.mamba_allocator
+    held = sum(1 for req in eng.reqs.values() if req.kv.mamba_pool_idx is not None)
+    return (int(mamba.size), int(mamba.available_size()), 0, 0, held, 0, full[6], full[7])
+
+
+def _mamba_lists(eng: world.SGLangEngine, digest: Any, columns: tuple[np.ndarray, ...]) -> list[Any]:
+    """The Mamba pool's part of the digest's lists (``check.digest.mamba_lists``), none without one."""
+    mamba = getattr(eng.pool, "mamba_allocator", None)
+    if mamba is None:
+        return []
+    mapping = eng.pool.req_index_to_mamba_index_mapping.numpy()
+    return digest.mamba_lists(mamba.free_slots.numpy(), mapping, np.flatnonzero(columns[0] >= 0))
 
 
 def token_allocators(eng: world.SGLangEngine) -> list[Any]:
@@ -154,6 +186,7 @@ def state_digest(eng: world.SGLangEngine, rid_of: Any = None) -> str:
     rows = np.flatnonzero(columns[0] >= 0)
     total = digest.rows_hash(eng.pool.req_to_token.numpy(), rows, columns[1][rows])
     lists = [(digest.seq_value(free_ids(eng, a)), digest.seq_value(side_ids(eng, a))) for a in token_allocators(eng)]
+    lists += _mamba_lists(eng, digest, columns)
     return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
                                  int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
 
@@ -203,6 +236,7 @@ class IncrementalDigest:
         lists = [
             (self._free_value(i, a), digest.seq_value(side_ids(eng, a))) for i, a in enumerate(token_allocators(eng))
         ]
+        lists += _mamba_lists(eng, digest, columns)
         return digest.compose_digest(total, columns, list(eng.pool.free_slots), lists,
                                      int(eng.tree.evictable_size()), int(eng.tree.protected_size()))
 

@@ -11,7 +11,8 @@ Scenario file (JSON lines; several scenarios may follow one another)::
         "pool_tokens": 256, "page_size": 16, "max_running": 8, "max_context_len": 512,
         "need_sort": false, "radix_cache": true, "extra_rows": 0,
         "spec": null | {"algorithm": "eagle", "num_steps": 3, "topk": 1, "num_draft_tokens": 4},
-        "swa": absent | {"window": 32, "swa_pool_tokens": 512, "eviction_interval": 4}}}
+        "swa": absent | {"window": 32, "swa_pool_tokens": 512, "eviction_interval": 4},
+        "mamba": absent | {"slots": 16, "strategy": "no_buffer"}}}
     {"step": 0, "ops": [{"op": "extend", "rid": 0, "seq_len": 40, "prompt_len": 64,
                           "prompt_tokens": [...]}, ...]}
     {"step": 1, "ops": [...]}
@@ -83,6 +84,15 @@ class SwaSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class MambaSpec:
+    """A hybrid linear-attention model's Mamba state pool: its slots (SGLang's
+    ``max_mamba_cache_size``) and buffer mode (``--mamba-radix-cache-strategy``)."""
+
+    slots: int
+    strategy: str = "no_buffer"
+
+
+@dataclass(frozen=True, slots=True)
 class ScenarioConfig:
     pool_tokens: int
     page_size: int = 1
@@ -94,6 +104,7 @@ class ScenarioConfig:
     spec: SpecSpec | None = None
     swa: SwaSpec | None = None
     eviction_policy: str = "lru"  # SGLang's --radix-eviction-policy
+    mamba: MambaSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -105,6 +116,8 @@ class ScenarioConfig:
                     del out["swa"][key]
         if self.eviction_policy == "lru":
             del out["eviction_policy"]  # the default: the header as before policies existed
+        if self.mamba is None:
+            del out["mamba"]  # no linear-attention layers: the header as before Mamba existed
         return out
 
     @classmethod
@@ -112,10 +125,12 @@ class ScenarioConfig:
         data = dict(data)
         spec = data.pop("spec", None)
         swa = data.pop("swa", None)
+        mamba = data.pop("mamba", None)
         unknown = set(data) - {f for f in cls.__slots__}  # type: ignore[attr-defined]
         if unknown:
             raise ScenarioError(f"scenario config has unknown keys {sorted(unknown)}")
-        return cls(spec=SpecSpec(**spec) if spec else None, swa=SwaSpec(**swa) if swa else None, **data)
+        return cls(spec=SpecSpec(**spec) if spec else None, swa=SwaSpec(**swa) if swa else None,
+                   mamba=MambaSpec(**mamba) if mamba else None, **data)
 
     def label(self) -> str:
         spec = "off" if self.spec is None else (
@@ -128,6 +143,7 @@ class ScenarioConfig:
                + (f",d{self.swa.draft_window}" if self.swa.draft_window else "")
                if self.swa is not None else "")
             + (f" evict={self.eviction_policy}" if self.eviction_policy != "lru" else "")
+            + (f" mamba={self.mamba.slots},{self.mamba.strategy}" if self.mamba is not None else "")
         )
 
 

@@ -38,7 +38,7 @@ from . import scenario as sc
 from . import wire
 from . import world
 from .readout import IncrementalDigest, allocator_module, free_ids, full_value, pool_counters, side_ids, state_digest
-from .readout import swa_pool_counters, tree_nodes
+from .readout import mamba_available, mamba_pool_counters, swa_pool_counters, tree_nodes
 
 __all__ = ["AllocatorServer", "IncrementalDigest", "pool_counters", "serve", "state_digest"]
 
@@ -62,6 +62,16 @@ def _swa_spec(config: dict[str, Any]) -> sc.SwaSpec | None:
         draft_window=int(swa.get("draft_window", 0)),
         release_prefill_swa=bool(swa.get("release_prefill_swa", False)),
     )  # fmt: skip
+
+
+def _mamba_spec(config: dict[str, Any]) -> sc.MambaSpec | None:
+    """The scenario's Mamba state pool from kvtrace's ``AllocatorConfig.mamba`` (a dict, or None)."""
+    mamba = config.get("mamba")
+    if mamba is None:
+        return None
+    if mamba.get("strategy", "no_buffer") != "no_buffer" or mamba.get("overlap_schedule"):
+        raise sc.ScenarioError("a Mamba pool is driven on SGLang's side with no_buffer and no overlap scheduler only")
+    return sc.MambaSpec(slots=int(mamba["slots"]), strategy="no_buffer")
 
 
 def _ints(data: bytes) -> np.ndarray:
@@ -95,6 +105,7 @@ class AllocatorServer:
                 spec["algorithm"], int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
             swa=_swa_spec(config),
             eviction_policy=str(config.get("eviction_policy", "lru")),
+            mamba=_mamba_spec(config),
         )
         self.eng = world.SGLangEngine(self.config)
         self.ps = self.config.page_size
@@ -120,6 +131,13 @@ class AllocatorServer:
         i = int(over[0]) if over.shape[0] else 0
         return ("oom", op, int(rids[i]), int(need.sum()), available, budget - available)
 
+    def _mamba_oom(self, rids: list[int], new: list[int], available: int) -> tuple:
+        """``("oom", ...)`` of pool "mamba": a state slot for each new request (no_buffer:
+        one, none for a continuing chunk, which keeps its own), naming the first new
+        request past the free slots (the built-in allocator's ``_mamba_unfit``)."""
+        first = rids[new[available]] if available < len(new) else rids[new[0]]
+        return ("oom", "extend", int(first), len(new), available, 0, "mamba")
+
     def _rows_oom(self, op: str, rids: list[int], new: list[int]) -> tuple:
         free_rows = int(self.eng.pool.available_size())
         first = new[free_rows] if free_rows < len(new) else new[-1]
@@ -134,6 +152,7 @@ class AllocatorServer:
         toks = [_ints(t) for t in token_ids]
         plens = [self.prompt.get(r, s if d else s + 1) for r, s, d in zip(rids, seq_lens, done)]
         available = int(self.eng.alloc.available_size())
+        mamba_free = mamba_available(self.eng)
         before = world.evicted_tokens()
         res = self.eng.extend(rids, seq_lens, toks, plens, done)
         self._rewritten(rids)  # stashes now, the prompt publish at the end of the step
@@ -141,6 +160,8 @@ class AllocatorServer:
             new = [i for i, h in enumerate(held) if h == 0]
             if "alloc_req_slots" in res.detail:
                 return self._rows_oom("extend_rows", rids, new)
+            if "mamba" in res.detail:
+                return self._mamba_oom(rids, new, mamba_free)
             matched = self.eng.last_lens[0]
             prefix = [h if h else int(m) for h, m in zip(held, matched)]
             return self._oom("extend", rids, prefix, seq_lens, available)
@@ -256,9 +277,12 @@ class AllocatorServer:
 
     def pool_counters(self) -> dict[str, tuple[int, ...]]:
         """Each KV pool's ``PoolCounters`` fields: the full pool's, and a hybrid SWA
-        model's SWA pool's (``swa_pool_counters``)."""
+        model's SWA pool's (``swa_pool_counters``), or a hybrid linear-attention model's
+        Mamba pool's (``mamba_pool_counters``)."""
         self.eng.publish()
         full = pool_counters(self.eng)
+        if self.config.mamba is not None:
+            return {"full": full, "mamba": mamba_pool_counters(self.eng, full)}
         if self.config.swa is None:
             return {"full": full}
         return {"full": full, "swa": swa_pool_counters(self.eng, full)}
@@ -291,9 +315,15 @@ class AllocatorServer:
         self.eng.tree.evict(EvictParams(num_tokens=int(num_tokens)))
         return world.evicted_tokens() - before
 
-    def match_prefix(self, token_ids: bytes) -> int:
-        """SGLang's match of a new request with these fill ids, on a copy of the tree
-        (a query must not touch access times or split nodes)."""
+    def set_namespaces(self, pairs: list[list[Any]]) -> None:
+        """Requests' cache namespaces, ``[rid, name]`` pairs: each becomes the ``extra_key``
+        of the request's ``Req`` (its radix key's namespace), sent before its first call."""
+        for rid, name in pairs:
+            self.eng.namespaces[int(rid)] = str(name)
+
+    def match_prefix(self, token_ids: bytes, namespace: str | None = None) -> int:
+        """SGLang's match of a new request with these fill ids (in ``namespace``), on a
+        copy of the tree (a query must not touch access times or split nodes)."""
         self.eng.publish()
         toks = _ints(token_ids)
         if toks.shape[0] < 2 or not self.config.radix_cache:
@@ -301,7 +331,7 @@ class AllocatorServer:
         tree = copy.deepcopy(self.eng.tree, {id(self.eng.pool.req_to_token): self.eng.pool.req_to_token})
         probe = world.SG.schedule_batch.Req(
             rid="kvtrace-probe", origin_input_text="", origin_input_ids=list(toks.tolist()),
-            sampling_params=world.SG.SamplingParams(max_new_tokens=1),
+            sampling_params=world.SG.SamplingParams(max_new_tokens=1), extra_key=namespace,
         )
         fill = probe.origin_input_ids
         world.SG.common.match_kv_cache(probe, tree, fill, max_prefix_len=len(fill) - 1)

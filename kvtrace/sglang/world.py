@@ -134,9 +134,19 @@ itself is not run because a trace already fixes which requests run when):
    SGLang's hasher with their sign bit cleared (``install_event_hash_ids``), since it
    refuses negative ids.
 
+13. Mamba (a scenario with ``mamba``): SGLang 0.5.23 for a hybrid linear-attention
+   model with the radix cache off: ``HybridReqToTokenPool`` (no_buffer, tiny Mamba2 state
+   shapes: the states are never read) and ``UnifiedRadixCache(FULL, MAMBA)``, disabled, as
+   SGLang's ``create_unified_radix_cache`` builds it without the radix cache: a finish or
+   retraction frees the state slot through the Mamba component's
+   ``cleanup_after_caching_req``. A short Mamba pool at admission (an ``assert`` in
+   ``HybridReqToTokenPool.alloc``, with rows already taken) rolls back as an OOM. The
+   scheduler's admission group (``alloc_group_begin``) is not opened: a trace does not
+   say how long the waiting queue was, and the built-in allocator opens none either.
+
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9, 11, 12); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 13); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -148,6 +158,7 @@ import importlib.abc
 import importlib.machinery
 import io
 import logging
+import math
 import os
 import sys
 import time
@@ -368,10 +379,13 @@ class SGLangEngine:
 
         pool_tokens = config.pool_tokens // self.ps * self.ps
         self.row_width = config.max_context_len + SG.extra_context_len()
-        req_to_token_pool = SG.ReqToTokenPool(
-            size=config.max_running + config.extra_rows, max_context_len=self.row_width,
-            device="cpu", enable_memory_saver=False,
-        )
+        if config.mamba is not None:  # decision 13
+            req_to_token_pool = self._hybrid_pool()
+        else:
+            req_to_token_pool = SG.ReqToTokenPool(
+                size=config.max_running + config.extra_rows, max_context_len=self.row_width,
+                device="cpu", enable_memory_saver=False,
+            )
         self.swa_kv_pool: Any = None
         if config.swa is not None:
             allocator = self._swa_allocator(pool_tokens)
@@ -396,6 +410,18 @@ class SGLangEngine:
             params.sliding_window_size = config.swa.window
             params.draft_swa_window = config.swa.draft_window  # swa_retain_window = max of the two
             tree = UnifiedRadixCache(params)
+        elif config.mamba is not None:  # decision 13
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_cache.components import mamba as comp_mamba
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            # The Mamba component reads the model's chunk size off its HF config (there is
+            # none here): FLA's 64, or the page when larger, as SGLang derives it.
+            chunk = max(64, self.ps)
+            comp_mamba.mamba_cache_chunk_size = lambda: chunk
+            comp_mamba.mamba_checkpoint_grid = lambda page: math.lcm(chunk, page)
+            params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
+            tree = UnifiedRadixCache(params)
         elif tree_kind == "unified":
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -406,6 +432,8 @@ class SGLangEngine:
             tree = SG.radix_cache.RadixCache(params)
         self.world: dict[str, Any] = {"pool": req_to_token_pool, "alloc": allocator, "tree": tree}
         self.reqs: dict[int, Any] = {}
+        # per rid: its cache namespace, SGLang's ``Req.extra_key`` (which keys its radix tree)
+        self.namespaces: dict[int, str] = {}
         self.prompt_tokens: dict[int, np.ndarray] = {}
         self._overflow: list[tuple[int, int, int]] = []
         self._row_rid: dict[int, int] = {}
@@ -417,6 +445,28 @@ class SGLangEngine:
         # allocated length and the reserve's end (spec). Survives a rollback.
         self.last_lens: tuple[list[int], list[int]] = ([], [])
         SG.allocation.assign_req_to_token_pool_func = self._assign_req_to_token_pool
+
+    def _hybrid_pool(self) -> Any:
+        """SGLang's ``HybridReqToTokenPool`` with the scenario's Mamba slots and tiny
+        Mamba2 state shapes (decision 13)."""
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+        torch = SG.torch
+        mamba = self.config.mamba
+        assert mamba is not None
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4, state_size=4, conv_kernel=2
+        )
+        params = Mamba2CacheParams(
+            shape=shape, layers=[0], dtype=Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
+        )
+        return HybridReqToTokenPool(
+            size=self.config.max_running + self.config.extra_rows, mamba_size=mamba.slots,
+            mamba_spec_state_size=mamba.slots, max_context_len=self.row_width, device="cpu",
+            enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0],
+            enable_mamba_extra_buffer=False, enable_mamba_extra_buffer_lazy=False, enable_overlap_schedule=False,
+        )
 
     def _swa_allocator(self, pool_tokens: int) -> Any:
         """SGLang's ``SWATokenToKVPoolAllocator`` over a buffer-less ``SWAKVPool`` (decision 11)."""
@@ -468,6 +518,7 @@ class SGLangEngine:
             req = SG.schedule_batch.Req(
                 rid=str(rid), origin_input_text="", origin_input_ids=array("q"),
                 sampling_params=SG.SamplingParams(max_new_tokens=1 << 30),
+                extra_key=self.namespaces.get(rid),
             )
             self.reqs[rid] = req
         return req
@@ -578,7 +629,7 @@ class SGLangEngine:
             return sc.CallResult("oom", text.splitlines()[0])
         except AssertionError as exc:
             text = str(exc)
-            if "KV cache is full" in text or "req_pool_indices is full" in text:
+            if "KV cache is full" in text or "req_pool_indices is full" in text or "space for mamba" in text:
                 self._rollback(snap)
                 return sc.CallResult("oom", text.splitlines()[0])
             if "exceeds req_to_token row width" in text:
@@ -660,7 +711,10 @@ class SGLangEngine:
         held = [r.kv.kv_allocated_len if r.kv.holds_kv else 0 for r in reqs]
         bound = sum(n - h for n, h in zip(seq_lens, held)) + (len(reqs) * self.ps if self.ps > 1 else 0)
         new_rows = sum(1 for r in reqs if not r.kv.holds_kv)
-        res = self._guarded(run, self._fits_without_eviction(bound, new_rows))
+        fits = self._fits_without_eviction(bound, new_rows)
+        if self.config.mamba is not None:  # decision 13: a short Mamba pool is an assert
+            fits = fits and sum(1 for r in reqs if not r.kv.holds_mamba) <= self.pool.mamba_allocator.available_size()
+        res = self._guarded(run, fits)
         if res.outcome == "ok":
             self._publish = [r for r, d in zip(reqs, prefill_done) if d]
         return res

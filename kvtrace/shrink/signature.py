@@ -27,8 +27,9 @@ KINDS: tuple[Kind, ...] = ("violation", "oom", "divergence")
 # The invariant checks a replay reports (``allocator.check.invariants``, its incremental
 # versions, and the replay's own ``row_width``): what ``violation:CHECK`` may name.
 CHECKS: tuple[str, ...] = (
-    "conservation", "counters", "device", "hisparse", "lengths", "ownership", "row", "row_width", "rows", "tree", "window",
-    "session_held", "session_hold_bound",
+    "conservation", "counters", "device", "double_free", "hisparse", "inflight", "leak", "lengths", "mapping",
+    "namespace", "ownership", "residency", "row", "row_width", "rows", "state_reuse", "tracking", "tree",
+    "tree_ledger", "window", "session_held", "session_hold_bound",
 )
 
 

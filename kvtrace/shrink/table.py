@@ -37,6 +37,7 @@ import numpy as np
 from allocator.pages import ceil_align
 from traces.batches import Ragged, StepBatch
 from traces.metadata import TraceMeta
+from traces.namespaces import NamespaceTable
 from traces.schema import ABORT, DECODE, EXTEND, FINISH, PREALLOC, RETRACT, SPEC
 
 __all__ = ["Candidate", "Size", "TraceTable", "build"]
@@ -299,6 +300,10 @@ def build(table: TraceTable, cand: Candidate, extra: dict[str, Any] | None = Non
         max_context_len=cand.max_context_len or cfg.max_context_len,
     )
     meta = replace(meta, extra={**table.meta.extra, **(extra or {})})
+    if table.meta.namespaces is not None:  # the kept requests' namespaces, under their new ids
+        known = table.meta.namespaces
+        kept = NamespaceTable.of({n: known.name_of(o) for o, n in zip(uniq.tolist(), new_id.tolist())})
+        meta = replace(meta, namespaces=kept, format_version=None)
     return meta, steps
 
 

@@ -11,8 +11,10 @@ op that changed it, its phase, the prefix it reused), the step's events (list of
 structs), the op count, the allocator time, whether the row is a keyframe (its
 request lists hold every live request: the first step of a ``--steps`` window), and
 the allocator's state digest (null unless the replay asked for it: ``diff --exact``).
-A hybrid sliding-window model's log has every other KV pool's counters too, named
-``POOL_FIELD`` prefixed by the pool (``swa_available``, ...: ``state_log_schema``); a
+A hybrid model's log has every other pool's counters too, named ``POOL_FIELD``
+prefixed by the pool (``swa_available``, ``mamba_available``, ...: ``state_log_schema``), a
+sliding-window model's each listed request's SWA cursor (``req_swa_evicted``, its
+``swa_evicted_seqlen``); a
 log without them (a full-attention model's, or one written before them) has one pool.
 
 The same records, as an uncompressed IPC *stream*, are the per-step record stream a
@@ -31,7 +33,15 @@ import pyarrow as pa
 
 from kvtrace.errors import TraceError
 from kvtrace.statelog.format import STATE_LOG_METADATA_KEY, STATE_LOG_VERSION
-from kvtrace.replay.snapshot import POOL_NAMES, Event, PoolCounters, RequestDelta, SnapshotBlock, StepSnapshot
+from kvtrace.replay.snapshot import (
+    POOL_NAMES,
+    Event,
+    PoolCounters,
+    RequestDelta,
+    SnapshotBlock,
+    StepSnapshot,
+    other_pool_names,
+)
 from traces.ipc import IpcReader
 
 
@@ -67,15 +77,22 @@ STATE_LOG_SCHEMA = pa.schema(
 )
 
 
+# The SWA cursor of each listed request (``StepSnapshot.swa_evicted``): logs with an SWA pool only.
+SWA_EVICTED_COLUMN = "req_swa_evicted"
+
+
 def state_log_schema(other_pools: tuple[str, ...] = ()) -> pa.Schema:
     """The state log's schema for an allocator whose pools after the full one are
     ``other_pools`` (``POOL_NAMES[1:]``, in order): ``STATE_LOG_SCHEMA`` plus, per
-    pool, one column per counter named ``{pool}_{field}``."""
+    pool, one column per counter named ``{pool}_{field}``, and with an SWA pool the
+    requests' SWA cursors (``SWA_EVICTED_COLUMN``, a list column like ``req_rid``)."""
     if not other_pools:
         return STATE_LOG_SCHEMA
+    cursors = [pa.field(SWA_EVICTED_COLUMN, pa.list_(pa.int64()))] if "swa" in other_pools else []
     return pa.schema(
         list(STATE_LOG_SCHEMA)
         + [pa.field(f"{pool}_{name}", pa.int64(), nullable=False) for pool in other_pools for name in _POOL_FIELDS]
+        + cursors
     )
 
 
@@ -152,7 +169,7 @@ class StateLogWriter:
     def _write(self, block: SnapshotBlock) -> None:
         if self._writer is None:
             n = 0 if block.other_pools is None else block.other_pools.shape[1]
-            self._start(POOL_NAMES[1 : 1 + n])
+            self._start(other_pool_names(block.other_pool_names, n))
         self._writer.write_batch(record_batch_of(block, self._schema))
         self._sink.flush()
         self.steps_written += block.num_steps
@@ -200,9 +217,12 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
     cols["events"] = _events_column(block)
     cols["digest"] = pa.array(block.digests, pa.utf8())
     if block.other_pools is not None:
-        for p, pool in enumerate(POOL_NAMES[1 : 1 + block.other_pools.shape[1]]):
+        for p, pool in enumerate(other_pool_names(block.other_pool_names, block.other_pools.shape[1])):
             for i, name in enumerate(_POOL_FIELDS):
                 cols[f"{pool}_{name}"] = pa.array(block.other_pools[:, p, i])
+    if SWA_EVICTED_COLUMN in schema.names:
+        cursors = block.swa_evicted if block.swa_evicted is not None else np.zeros(int(offsets[-1]), np.int64)
+        cols[SWA_EVICTED_COLUMN] = pa.ListArray.from_arrays(off, pa.array(cursors.astype(np.int64, copy=False)))
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
@@ -341,7 +361,20 @@ def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
         events=events,
         digests=col["digest"].to_pylist() if "digest" in col else [None] * batch.num_rows,
         other_pools=_other_pools_of(batch),
+        other_pool_names=other_pools_of(batch.schema),
+        swa_evicted=_swa_evicted_of(batch),
     )
+
+
+def _swa_evicted_of(batch: pa.RecordBatch) -> np.ndarray | None:
+    """int64 [rows]: the SWA cursor of every listed request of the batch's steps (None:
+    the log has no SWA cursors)."""
+    if SWA_EVICTED_COLUMN not in batch.schema.names:
+        return None
+    column = batch.column(SWA_EVICTED_COLUMN)
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return values.astype(np.int64, copy=False)
 
 
 def _other_pools_of(batch: pa.RecordBatch) -> np.ndarray | None:
@@ -372,6 +405,8 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
         lists.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)))
     events = col["events"].to_pylist()
     others = _other_pools_of(batch)
+    cursors = _swa_evicted_of(batch)
+    offsets = lists[0][0] - lists[0][0][0]
     out = []
     for i in range(n):
         parts = [values[offs[i] : offs[i + 1]] for offs, values in lists]
@@ -386,5 +421,7 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
             keyframe=bool(keyframes[i]),
             digest=digests[i],
             other_pools=() if others is None else tuple(PoolCounters(*(int(v) for v in row)) for row in others[i]),
+            other_pool_names=other_pools_of(batch.schema),
+            swa_evicted=None if cursors is None else cursors[offsets[i] : offsets[i + 1]],
         ))
     return out

@@ -31,6 +31,8 @@ __all__ = ["FOUND", "flatten", "run_cell", "swa_layout"]
 ROW_HEAD = ("cell", "input", "kind", "status", "error")
 # Statuses of a cell that ran and whose check found something (its run alone exits 1).
 FOUND = ("violations", "oom", "bad-ops")
+# What an explained cell adds under ``explain.``: the causes, the oracle gaps' hit rates.
+EXPLAIN_COLUMNS = ("missed_tokens", "causes", "hit_rates")
 VIOLATIONS_SHOWN = 3  # in a row's one-line problem; the row's ``violations`` column has them all
 
 
@@ -152,7 +154,15 @@ def _replay(cell: Cell) -> dict[str, Any]:
         options=options,
         checker="inline",  # the sweep's parallelism is across cells
     ) as session:
-        return session.run().to_dict()
+        if not s.explain:
+            return session.run().to_dict()
+        from kvtrace.explain.report import Explainer
+
+        explainer = Explainer(session)
+        summary = session.run().to_dict()
+    report = explainer.report().to_dict()
+    summary["explain"] = {key: report[key] for key in EXPLAIN_COLUMNS}
+    return summary
 
 
 def _simulate(cell: Cell) -> dict[str, Any]:

@@ -126,6 +126,8 @@ class SweepSettings:
         check, on_oom, device: replayed cells, as ``kvtrace replay``.
         duration_s, time_scale, rate, seed: simulated cells, as ``kvtrace record``.
         keep_traces: a directory where simulated cells keep their traces (None: none).
+        explain: replayed cells also run ``kvtrace explain`` (its causes and the oracle
+            gaps: LRU, Belady and infinite-cache hit rates, as ``explain.*`` columns).
     """
 
     check: str = "end"
@@ -136,11 +138,14 @@ class SweepSettings:
     rate: float | None = None
     seed: int | None = None
     keep_traces: str | None = None
+    explain: bool = False
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that change a cell's numbers (``keep_traces`` does not)."""
         out = asdict(self)
         del out["keep_traces"]
+        if not self.explain:  # the keys of sweeps without it stay what they were
+            del out["explain"]
         return out
 
 

@@ -113,6 +113,7 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
                 "problem": raw.get("problem"),
                 "error": raw.get("error"),
                 **_swa_figures(raw),
+                **_mamba_figures(raw),
             }
         )
     return rows
@@ -128,6 +129,17 @@ def _swa_figures(raw: dict[str, Any]) -> dict[str, Any]:
     peak = raw.get("pools.swa.peak_used_tokens")
     return {**asked, "swa_pool_tokens": pool, "swa_peak_used_tokens": peak,
             "swa_peak_occupancy": peak / pool if peak is not None and pool else None}
+
+
+def _mamba_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid linear-attention model's cell: its Mamba state slots and their peak use.
+    Nothing for any other cell (its row stays as it was)."""
+    slots = raw.get("pools.mamba.pool_tokens")
+    if slots is None:
+        return {}
+    peak = raw.get("pools.mamba.peak_used_tokens")
+    return {"mamba_slots": slots, "mamba_peak_used_slots": peak,
+            "mamba_peak_occupancy": peak / slots if peak is not None and slots else None}
 
 
 def _num_violations(raw: dict[str, Any]) -> int | None:

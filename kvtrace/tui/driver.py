@@ -126,15 +126,16 @@ class Frame:
     page_map_pool: int = 0  # the pool ``page_cells`` maps (an index into POOL_NAMES)
     selected_rid: int | None = None
     busy: str | None = None  # what the replay is busy with, answering no command meanwhile
-    other_pools: tuple[PoolCounters, ...] = ()  # a hybrid model's pools after ``pool`` (POOL_NAMES[1:])
+    other_pools: tuple[PoolCounters, ...] = ()  # a hybrid model's pools after ``pool`` (``pool_names[1:]``)
+    pool_names: tuple[str, ...] = POOL_NAMES  # the names of ``pool`` and ``other_pools``, in order
     died: str | None = None  # why the replay process went away before the screen quit (None: it did not)
 
     @property
     def pools(self) -> dict[str, PoolCounters]:
-        """Every KV pool's counters at this step, by name (``POOL_NAMES``; empty before a step)."""
+        """Every KV pool's counters at this step, by name (``pool_names``; empty before a step)."""
         if self.pool is None:
             return {}
-        return dict(zip(POOL_NAMES, (self.pool, *self.other_pools)))
+        return dict(zip(self.pool_names, (self.pool, *self.other_pools)))
 
     def peak(self, pool: int = 0) -> tuple[int, int] | None:
         """(step, used tokens) of pool ``pool``'s highest occupancy replayed so far (an
@@ -228,6 +229,7 @@ class Driver:
         self.steps_folded = 0
         self._held: list[tuple[int, wire.Contract]] = []  # messages waiting for the records sent before them
         self._last: _Position | None = None
+        self._pool_names: tuple[str, ...] = POOL_NAMES  # a hybrid replay's pools, as its blocks name them
         self._cells: PageCells | None = None
         self._map_step: int | None = None
         self._map_note: str | None = None
@@ -326,6 +328,8 @@ class Driver:
         k = block.num_steps
         if state is not None and k:
             state.apply_block(block)
+            if block.other_pool_names:
+                self._pool_names = ("full", *block.other_pool_names)
             self._last = _Position(int(block.steps[-1]), float(block.times[-1]), block.pool(k - 1),
                                    block.other_pools_at(k - 1))
             self._changed = True
@@ -423,6 +427,7 @@ class Driver:
                 time_s=last.time_s if last is not None else 0.0,
                 pool=last.pool if last is not None else None,
                 other_pools=last.other_pools if last is not None else (),
+                pool_names=self._pool_names,
                 requests=RequestColumns.of(state),
                 timeline=timeline,
                 timeline_size=timeline.size,

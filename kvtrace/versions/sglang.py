@@ -32,6 +32,7 @@ import numpy as np
 from kvtrace.errors import KvtraceError, VersionSpecError
 from kvtrace.sglang import KNOWN_SGLANG_VERSIONS, wire
 from kvtrace.sglang.probe import ENV_VAR, probe
+from traces.namespaces import namespace_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -163,6 +164,7 @@ class SGLangAllocator:
         self._prefetched: dict[str, Any] = {}
         self._want_digest = False
         self._holding: set[int] = set()
+        self._namespaced: set[int] = set()  # rids whose namespace the driver was told
         info = self._call("init", dataclasses.asdict(config))
         self.sglang_version: str = info["sglang"]
         self.row_width: int = info["row_width"]
@@ -223,6 +225,7 @@ class SGLangAllocator:
         self, rids: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray], prefill_done: np.ndarray | None = None,
     ) -> AllocOutcome:
         done = np.ones(len(rids), bool) if prefill_done is None else np.asarray(prefill_done, bool)
+        self._tell_namespaces(rids, token_ids)
         return self._outcome(self._call(
             "extend", wire.pack_ints(rids), wire.pack_ints(seq_lens), [wire.pack_ints(t) for t in token_ids],
             done.astype(np.uint8).tobytes(),
@@ -235,6 +238,7 @@ class SGLangAllocator:
         return self._outcome(self._call("spec_decode", wire.pack_ints(rids), wire.pack_ints(accepted_lens)))
 
     def prealloc(self, rids: np.ndarray, fill_lens: np.ndarray, token_ids: Sequence[np.ndarray]) -> AllocOutcome:
+        self._tell_namespaces(rids, token_ids)
         return self._outcome(self._call(
             "prealloc", wire.pack_ints(rids), wire.pack_ints(fill_lens), [wire.pack_ints(t) for t in token_ids],
         ), rids)
@@ -257,7 +261,21 @@ class SGLangAllocator:
         return int(self._call("evict", int(num_tokens)))
 
     def match_prefix(self, token_ids: np.ndarray) -> int:
-        return int(self._call("match_prefix", wire.pack_ints(token_ids)))
+        namespace = namespace_of(token_ids)
+        if namespace is None:
+            return int(self._call("match_prefix", wire.pack_ints(token_ids)))
+        return int(self._call("match_prefix", wire.pack_ints(token_ids), namespace))
+
+    def _tell_namespaces(self, rids: np.ndarray, token_ids: Sequence[np.ndarray]) -> None:
+        """Send the namespaces of requests new to the driver (with the next call): SGLang
+        keys a request's radix matches by its ``extra_key``."""
+        pairs = [
+            [int(r), ns] for r, t in zip(rids, token_ids)
+            if (ns := namespace_of(t)) is not None and int(r) not in self._namespaced
+        ]
+        if pairs:
+            self._namespaced.update(p[0] for p in pairs)
+            self._deferred.append(wire.Call("set_namespaces", (pairs,)))
 
     # ------------------------------------------------------------------ reads
     def counters(self) -> PoolCounters:
@@ -268,10 +286,11 @@ class SGLangAllocator:
 
     def pool_counters(self) -> dict[str, PoolCounters]:
         """Each KV pool's counters: ``{"full": counters()}``, and a hybrid SWA model's
-        ``"swa"`` pool too (asked with ``request_lens``, as the counters are)."""
+        ``"swa"`` pool too, a hybrid linear-attention model's ``"mamba"`` pool (asked with
+        ``request_lens``, as the counters are)."""
         from allocator.base import PoolCounters
 
-        if self.config.swa is None:
+        if self.config.swa is None and getattr(self.config, "mamba", None) is None:
             return {"full": self.counters()}
         value = self._prefetched.pop("pool_counters", None)
         pools = value if value is not None else self._call("pool_counters")
@@ -280,7 +299,8 @@ class SGLangAllocator:
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         from allocator.base import RequestLens
 
-        names = ["counters", "pool_counters"] if self.config.swa is not None else ["counters"]
+        several = self.config.swa is not None or getattr(self.config, "mamba", None) is not None
+        names = ["counters", "pool_counters"] if several else ["counters"]
         calls = [wire.Call("request_lens", (wire.pack_ints(rids),)), *(wire.Call(n) for n in names)]
         if self._want_digest:
             calls.append(wire.Call("state_digest"))

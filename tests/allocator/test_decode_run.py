@@ -260,6 +260,7 @@ def _swa_run_matches_steps(alloc: Any, rids: np.ndarray, num_steps: int) -> bool
     lens=st.lists(st.integers(1, 200), min_size=1, max_size=8),
     num_steps=st.integers(1, 150),
     window=st.sampled_from([1, 4, 16, 40]),
+    draft_window=st.sampled_from([0, 0, 24]),
     interval=st.sampled_from([1, 3, 8, 32]),
     warm=st.integers(0, 40),
     pool_pages=st.integers(6, 80),
@@ -268,16 +269,17 @@ def _swa_run_matches_steps(alloc: Any, rids: np.ndarray, num_steps: int) -> bool
     churn=st.integers(0, 4),
 )
 def test_random_swa_runs_equal_the_steps(
-    page_size: int, lens: list[int], num_steps: int, window: int, interval: int, warm: int,
+    page_size: int, lens: list[int], num_steps: int, window: int, draft_window: int, interval: int, warm: int,
     pool_pages: int, swa_ratio: float, radix: bool, churn: int,
 ) -> None:
     """SWA decode runs with windows small enough that out-of-window frees fall inside
-    the run, pools from roomy to short, cursors and first-decode flags at any point."""
+    the run (a draft window wider than the model's too), pools from roomy to short,
+    cursors and first-decode flags at any point."""
     from allocator.base import SwaConfig
 
     pool_tokens = pool_pages * page_size * 4
-    swa = SwaConfig(window=window, eviction_interval=interval, swa_full_tokens_ratio=swa_ratio)
-    if swa.pool_tokens(pool_tokens, page_size) <= 2 * (window + page_size):
+    swa = SwaConfig(window=window, eviction_interval=interval, swa_full_tokens_ratio=swa_ratio, draft_window=draft_window)
+    if swa.pool_tokens(pool_tokens, page_size) <= 2 * (swa.retain_window + page_size):
         return  # an SWA pool that cannot hold a request: refused by the config check
     config = AllocatorConfig(pool_tokens=pool_tokens, page_size=page_size, max_running=16, max_context_len=1024,
                              radix_cache=radix, swa=swa)
@@ -301,6 +303,22 @@ def test_random_swa_runs_equal_the_steps(
             return
         alloc.end_step()
     _swa_run_matches_steps(alloc, rids, num_steps)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_swa_run_keeps_a_draft_window_wider_than_the_models(page_size: int) -> None:
+    """With ``draft_window`` past the window the frees keep the larger
+    (``retain_window``): a run's steps free when the steps one by one do."""
+    from allocator.base import SwaConfig
+
+    config = AllocatorConfig(pool_tokens=64 * 1024, page_size=page_size, max_running=16, max_context_len=4096,
+                             radix_cache=False, swa=SwaConfig(window=16, eviction_interval=8, draft_window=48))
+    alloc = create_allocator(config)
+    lens = [40, 75, 130, 3]
+    rids = np.arange(len(lens), dtype=np.int64)
+    alloc.extend(rids, np.array(lens), [np.arange(n) for n in lens])
+    alloc.end_step()
+    assert _swa_run_matches_steps(alloc, rids, 200)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -350,3 +368,105 @@ def test_an_swa_replay_with_runs_equals_it_step_by_step(page_size: int, check: s
     assert runs_snaps == steps_snaps
     assert runs_stats == steps_stats
     assert runs_digest == steps_digest
+
+
+# ---------------------------------------------------------------------------- SWA spec
+
+
+def _swa_spec_stepwise(alloc: Any, rids: np.ndarray, acc: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], bool]:
+    """Both pools' counters after each speculative step of ``acc`` (until one fails)."""
+    full, swa = [], []
+    for row in acc:
+        try:
+            out = alloc.spec_decode(rids, row)
+        except ValueError:  # a commit past the reserve: refused by both paths
+            return full, swa, True
+        if isinstance(out, OutOfMemory) or out.row_overflow:
+            return full, swa, True
+        alloc.end_step()
+        pools = alloc.pool_counters()
+        full.append(np.array(pools["full"], np.int64))
+        swa.append(np.array(pools["swa"], np.int64))
+    return full, swa, False
+
+
+def _swa_spec_run_matches_steps(alloc: Any, rids: np.ndarray, acc: np.ndarray) -> bool:
+    """spec_decode_run against the steps one by one on an SWA allocator (both pools'
+    counters, the whole state). Whether the run was done in one call."""
+    saved = alloc.save_state()
+    full, swa, failed = _swa_spec_stepwise(alloc, rids, acc)
+    want = alloc.save_state().digest()
+    alloc.restore_state(saved)
+    got = alloc.spec_decode_run(rids, acc)
+    if _run_matches_steps(alloc, got, saved, full, want, failed) is None:
+        return False
+    assert len(got.other_pools) == 1
+    np.testing.assert_array_equal(got.other_pools[0], np.array(swa))
+    return True
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16, 64]),
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=6),
+    accepted=st.lists(st.lists(st.integers(1, 4), min_size=6, max_size=6), min_size=1, max_size=40),
+    algorithm=st.sampled_from(["eagle", "dflash"]),
+    window=st.sampled_from([4, 16, 40]),
+    draft_window=st.sampled_from([0, 24]),
+    interval=st.sampled_from([1, 3, 8, 32]),
+    warm=st.integers(0, 6),
+    pool_pages=st.integers(8, 120),
+    swa_ratio=st.sampled_from([0.3, 0.8, 1.0]),
+    radix=st.booleans(),
+)
+def test_random_swa_spec_runs_equal_the_steps(
+    page_size: int, lens: list[int], accepted: list[list[int]], algorithm: str, window: int, draft_window: int,
+    interval: int, warm: int, pool_pages: int, swa_ratio: float, radix: bool,
+) -> None:
+    """SWA speculative runs (EAGLE, DFlash) with windows small enough that
+    out-of-window frees fall inside the run, pools from roomy to short."""
+    from allocator.base import SpecConfig, SwaConfig
+
+    pool_tokens = pool_pages * page_size * 4
+    swa = SwaConfig(window=window, eviction_interval=interval, swa_full_tokens_ratio=swa_ratio, draft_window=draft_window)
+    if swa.pool_tokens(pool_tokens, page_size) <= 2 * (swa.retain_window + page_size):
+        return  # an SWA pool that cannot hold a request: refused by the config check
+    spec = SpecConfig(algorithm, num_steps=3, topk=1, num_draft_tokens=4)  # type: ignore[arg-type]
+    config = AllocatorConfig(pool_tokens=pool_tokens, page_size=page_size, max_running=16, max_context_len=2048,
+                             radix_cache=radix, swa=swa, spec=spec)
+    alloc = create_allocator(config)
+    rids = np.arange(len(lens), dtype=np.int64)
+    need = sum(-(-(n + 16) // page_size) * page_size for n in lens) + len(lens) * page_size
+    if need > alloc.pool_counters()["swa"].pool_tokens:
+        return
+    alloc.extend(rids, np.array(lens), [np.arange(n) + 1000 * i for i, n in enumerate(lens)])
+    alloc.end_step()
+    acc = np.array(accepted, np.int64)[:, : len(lens)]
+    for k in range(warm):  # first spec steps one by one (the first never frees)
+        out = alloc.spec_decode(rids, acc[k % acc.shape[0]])
+        if isinstance(out, OutOfMemory):
+            return
+        alloc.end_step()
+    _swa_spec_run_matches_steps(alloc, rids, acc)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "dflash"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_an_swa_spec_run_frees_out_of_the_window_inside_it(page_size: int, algorithm: str) -> None:
+    """A long speculative run whose window frees fall at different steps inside it is
+    done in one call and equals the steps one by one."""
+    from allocator.base import SpecConfig, SwaConfig
+
+    spec = SpecConfig(algorithm, num_steps=3, topk=1, num_draft_tokens=4)  # type: ignore[arg-type]
+    config = AllocatorConfig(pool_tokens=64 * 1024, page_size=page_size, max_running=16, max_context_len=4096,
+                             radix_cache=False, swa=SwaConfig(window=32, eviction_interval=8), spec=spec)
+    alloc = create_allocator(config)
+    lens = [40, 75, 130, 3, 64]
+    rids = np.arange(len(lens), dtype=np.int64)
+    alloc.extend(rids, np.array(lens), [np.arange(n) for n in lens])
+    alloc.end_step()
+    acc = np.random.default_rng(page_size).integers(1, 5, size=(120, len(lens)))
+    freed_before = alloc.pool_counters()["swa"].available
+    assert _swa_spec_run_matches_steps(alloc, rids, acc)
+    got = alloc.pool_counters()["swa"]
+    assert freed_before - got.available < int(acc.sum()) // 2  # the window freed SWA slots during the run

@@ -60,6 +60,8 @@ class OursEngine:
                 **({"draft_window": config.swa.draft_window} if config.swa.draft_window else {}),
                 **({"release_prefill_swa": True} if config.swa.release_prefill_swa else {}),
             )
+        if config.mamba is not None:
+            extra["mamba"] = base.MambaConfig(slots=config.mamba.slots, strategy=config.mamba.strategy)  # type: ignore[arg-type]
         self.alloc = factory(base.AllocatorConfig(
             pool_tokens=config.pool_tokens, page_size=config.page_size, max_running=config.max_running,
             max_context_len=config.max_context_len, device="cpu", need_sort=config.need_sort, spec=spec,

@@ -7,6 +7,7 @@ turns out-of-memory outcomes into stalled requests, and a scenario it rejects
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
@@ -149,3 +150,18 @@ def test_retracted_stalled_request_re_prefills_to_the_retract_length() -> None:
     ]
     finishes = [args for kind, args in engine.calls if kind == "finish"]
     assert finishes == [dict(rids=[1], owned=[13], prompt_lens=[12], remaining=[0])]
+
+
+def test_a_scenario_with_a_mamba_pool_runs_our_allocator_with_it() -> None:
+    """The scenario header's ``mamba`` (a round trip through JSON) gives our driver's
+    allocator the Mamba pool, radix cache off, and a scenario runs through it."""
+    factory, base = ours_driver.load_factory("allocator")
+    scen = gen.random_scenario(7, gen.RANDOM_CONFIGS["p16-nospec"], "mamba")
+    config = sc.ScenarioConfig.from_dict(
+        {**scen.config.to_dict(), "radix_cache": False, "mamba": {"slots": 64, "strategy": "no_buffer"}}
+    )
+    assert config.mamba == sc.MambaSpec(64) and "mamba=64,no_buffer" in config.label()
+    engine = ours_driver.OursEngine(config, factory, base)
+    assert engine.alloc.config.mamba == base.MambaConfig(slots=64)
+    stats = runner.run_scenario(dataclasses.replace(scen, config=config), engine, lambda d: None)
+    assert stats.steps == len(scen.steps)

@@ -27,6 +27,13 @@ On a hybrid (SWA) trace, two faults touch one pool each:
 * ``full_only_stale_row``: ``stale_row`` in the full pool only (the slot's SWA side
   stays taken).
 
+On a hybrid linear-attention (Mamba) trace, two faults touch the Mamba pool:
+
+* ``mamba_leak``: a finish gives the row back but not the request's Mamba state slot,
+  which no one holds from then on.
+* ``mamba_double_free``: a finish frees the request's Mamba state slot twice, so the
+  free list lists it twice.
+
 Each fault fires once, on the first request it can hit, and records that
 request (``fault_rid``) so a test can check the replay blames exactly it.
 
@@ -34,6 +41,11 @@ One fault touches only what the radix cache evicts:
 
 * ``mru_evict``: the radix cache evicts its most recently used leaf first (SGLang
   evicts the least recently used), so its KV events remove other blocks.
+
+One fault touches only cache namespaces:
+
+* ``ignore_namespaces``: the radix cache keys by tokens alone, so a request reuses KV
+  cached for another namespace (another LoRA adapter or salt) with the same tokens.
 
 ``without_digest`` is not broken: the built-in allocator behind the ``Allocator``
 protocol alone (no ``state_digest``, no checkpoints), for the paths that need the
@@ -50,6 +62,7 @@ import numpy as np
 from allocator import AllocatorConfig, KvAllocator
 from allocator.base import AllocOutcome, AllocResult, ReleaseKind, ReleaseResult
 from allocator.radix_cache import RadixCache, TreeNode
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 
 
 class _Faulty(KvAllocator):
@@ -303,3 +316,64 @@ def mru_evict(config: AllocatorConfig) -> KvAllocator:
     assert type(alloc.tree_cache) is RadixCache, "mru_evict: a plain radix cache only"
     alloc.tree_cache.__class__ = _MruRadixCache  # the same tree, evicting in another order
     return alloc
+
+
+class _NamespaceBlindRadixCache(RadixCache):
+    """A radix cache that drops a key's namespace: equal tokens share KV across adapters."""
+
+    def make_key(self, token_ids: np.ndarray) -> np.ndarray:
+        return super().make_key(np.asarray(token_ids))  # a plain array: no namespace
+
+
+def ignore_namespaces(config: AllocatorConfig) -> KvAllocator:
+    alloc = KvAllocator(config)
+    assert type(alloc.tree_cache) is RadixCache, "ignore_namespaces: a plain radix cache only"
+    alloc.tree_cache.__class__ = _NamespaceBlindRadixCache
+    return alloc
+class MambaLeak(_Faulty):
+    """A finish that gives the request's row back but not its Mamba state slot."""
+
+    def release(
+        self, rids: np.ndarray, owned_lens: np.ndarray, token_ids: Sequence[np.ndarray] | None, kind: ReleaseKind
+    ) -> ReleaseResult:
+        pool = self.req_to_token_pool
+        if self._fired() or kind != "finish" or not isinstance(pool, HybridReqToTokenPool):
+            return super().release(rids, owned_lens, token_ids, kind)
+        original = pool.free_mamba_cache
+
+        def forgotten(req: MambaReqKv, keep: int | None = None) -> None:
+            pool.free_mamba_cache = original  # type: ignore[method-assign]  # only the first one
+            self.fault_rid = req.rid
+            req.mamba_pool_idx = None
+
+        pool.free_mamba_cache = forgotten  # type: ignore[method-assign]
+        try:
+            return super().release(rids, owned_lens, token_ids, kind)
+        finally:
+            pool.free_mamba_cache = original  # type: ignore[method-assign]
+
+
+class MambaDoubleFree(_Faulty):
+    """A finish that frees the request's Mamba state slot twice (it is then on the free list twice)."""
+
+    def release(
+        self, rids: np.ndarray, owned_lens: np.ndarray, token_ids: Sequence[np.ndarray] | None, kind: ReleaseKind
+    ) -> ReleaseResult:
+        pool = self.req_to_token_pool
+        victim = None
+        if not self._fired() and kind == "finish" and isinstance(pool, HybridReqToTokenPool):
+            rid = int(np.asarray(rids)[0])
+            victim = (rid, self.ctx.mamba_reqs[self.row_of(rid)].mamba_pool_idx)  # type: ignore[index]
+        out = super().release(rids, owned_lens, token_ids, kind)
+        if victim is not None:
+            pool.mamba_allocator.free(np.asarray([victim[1]], dtype=np.int64))  # type: ignore[union-attr]
+            self.fault_rid = victim[0]
+        return out
+
+
+def mamba_leak(config: AllocatorConfig) -> KvAllocator:
+    return MambaLeak(config)
+
+
+def mamba_double_free(config: AllocatorConfig) -> KvAllocator:
+    return MambaDoubleFree(config)

@@ -19,7 +19,7 @@ import kvtrace
 from kvtrace.cli import app, ui
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("info", "validate", "record", "replay", "diff", "versions", "sweep run", "sweep report")
+COMMANDS = ("info", "validate", "record", "replay", "diff", "versions", "sweep run", "sweep report", "explain")
 runner = CliRunner()
 
 

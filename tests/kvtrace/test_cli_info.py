@@ -227,8 +227,8 @@ ERROR_CASES = {
         lambda d: _file(d / "x.kvtrace", b'{"step": 1}\n'), ["x.kvtrace", "is not an Arrow IPC stream"]
     ),
     "newer format version": (
-        lambda d: _raw(d / "v.kvtrace", _meta_json(format_version=5)),
-        ["v.kvtrace", "format version 5", "reads format version 4 at most", "upgrade kvtrace"],
+        lambda d: _raw(d / "v.kvtrace", _meta_json(format_version=7)),
+        ["v.kvtrace", "format version 7", "reads format version 6 at most", "upgrade kvtrace"],
     ),
     "missing required column": (
         lambda d: _raw(d / "m.kvtrace", _meta_json(), drop="rid"),

@@ -167,3 +167,14 @@ def test_like_a_sliding_window_trace_with_another_pool_sizes_its_swa_pool_by_the
     like, recorded = info("sample:mooncake-gpt-oss")["attention"], info(out)["attention"]
     assert like["swa_pool_tokens"] == 48000 and like["swa_full_tokens_ratio"] == 0.8
     assert recorded["swa_pool_tokens"] == 24000  # int(30,000 x 0.8), whole pages of 16
+
+
+def test_spec_off_turns_off_the_speculation_of_the_like_trace() -> None:
+    # --spec off is None once parsed: it must not fall back to the like trace's EAGLE.
+    from kvtrace.record.serving import serving_settings
+
+    eagle = sample_path("mooncake-eagle")
+    workload = sample_path("tiny")
+    assert serving_settings(workload, "trace", {}, like=eagle)["spec"] is not None
+    assert serving_settings(workload, "trace", {"spec": None}, like=eagle)["spec"] is None
+    assert serving_settings(eagle, "trace", {"spec": None})["spec"] is None

@@ -1,7 +1,8 @@
 """Hybrid linear-attention models on the command line: ``record --model`` writes the
 Mamba layout, the scheduler model admits under the Mamba slots, ``record --like``
-carries the layout, ``info`` shows it, and replay refuses it in one line (no
-allocator serves the Mamba state pool yet) instead of replaying it as full attention."""
+carries the layout, ``info`` shows it, and replay refuses one recorded with the radix
+cache in one line (no allocator serves the Mamba radix cache yet) instead of replaying it
+without its checkpoints."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_replay_refuses_it_in_one_line(hybrid: tuple[Path, dict[str, Any]], comm
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), err
     assert "hybrid linear-attention model (Qwen3-Next-80B-A3B: 36 gdn layers, 16 Mamba state slots)" in lines[0]
-    assert "no allocator serves the Mamba state pool yet" in lines[0]
+    assert "served with the radix cache, which no allocator serves beside the Mamba state pool yet" in lines[0]
 
 
 def test_record_like_carries_the_layout(hybrid: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

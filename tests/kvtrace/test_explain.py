@@ -148,3 +148,42 @@ def test_a_pool_that_never_evicts_has_no_evicted_cause_and_lru_is_infinite(sampl
     assert rates["lru"] == rates["infinite"]
     model = rates["model"]
     assert model["lru"] == model["belady"] == model["infinite"]
+
+
+class _Calls:
+    """A ``ReplayObserver`` that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.calls: list[tuple[str, int, list[int]]] = []
+        self.admitted_tokens = 0
+
+    def step_started(self, step: int) -> None:
+        self.steps.append(step)
+
+    def call_started(self, call: Any) -> None:
+        self.calls.append((call.op, call.step, call.rids.tolist()))
+
+    def call_ended(self, call: Any, result: Any) -> None:
+        if call.op == "extend":
+            self.admitted_tokens += int(call.prefill_targets[call.admitted].sum())
+
+
+def test_observer_api_replaces_the_wrappers(tmp_path: Path) -> None:
+    # The engine tells observers of its calls; explain is one of them and swaps nothing in.
+    path = _trace(tmp_path / "t.kvtrace", [[_prefill(0, A)], [("decode", 0, 11, 1)], [("finish", 0, 11, 0)],
+                                           [_prefill(1, A + [7])]])
+    with ReplaySession(path, checker="inline") as session:
+        seen = _Calls()
+        session.observers.append(seen)
+        Explainer(session)
+        assert session.engine.allocator is session.allocator
+        assert type(session.engine).replay_step is type(session.engine).__dict__["replay_step"]
+        assert "replay_step" not in vars(session.engine)
+        for _ in session.snapshots():
+            pass
+        stats = session.result().stats
+    assert seen.steps == [0, 1, 2, 3]
+    assert [c[0] for c in seen.calls] == ["extend", "decode", "finish", "extend"]
+    assert seen.calls[-1] == ("extend", 3, [1])
+    assert seen.admitted_tokens == stats.admitted_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
@@ -66,3 +67,33 @@ def test_explain_and_kv_events_share_the_radix_cache_listener(tmp_path: Path) ->
     both = json.loads(result.stdout)
     assert both["kv_events"]["blocks_removed"] == alone["kv_events"]["blocks_removed"] > 0
     assert sum(row["evicted_tokens"] for row in both["explain"]["by_trigger"].values()) == both["evicted_tokens"]
+
+
+@pytest.mark.slow  # records a trace in a subprocess
+def test_swa_evictions_name_their_evictor(tmp_path: Path) -> None:
+    # A sliding-window model (gpt-oss-20b) with the radix cache on: a shared two-block prefix
+    # is evicted between its uses by the admissions in between; the SWA tree tells explain.
+    import subprocess
+    import sys
+
+    rows = []
+    for i in range(10):
+        hashes = [1, 2, 100 + i] if i % 3 == 0 else [200 + 2 * i, 201 + 2 * i]
+        rows.append({"timestamp": 2000 * i, "input_length": 512 * len(hashes) - 7, "output_length": 4,
+                     "hash_ids": hashes})
+    workload = tmp_path / "swa.jsonl"
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = tmp_path / "swa.kvtrace"
+    rec = subprocess.run(
+        [sys.executable, "-m", "kvtrace", "record", str(workload), "--model", "gpt-oss-20b", "--radix-cache",
+         "--pool-tokens", "2048", "--page-size", "16", "-o", str(trace), "--quiet"],
+        capture_output=True, text=True,
+    )
+    assert rec.returncode == 0, rec.stderr
+    result = runner.invoke(app, ["explain", str(trace), "--json"])
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["causes"]["evicted"] > 0 and out["unknown_evictor_tokens"] == 0
+    assert sum(t["missed_tokens"] for t in out["by_trigger"].values()) == out["causes"]["evicted"]
+    assert sum(t["evicted_tokens"] for t in out["by_trigger"].values()) == out["replay"]["evicted_tokens"]
+    assert all(e["rid"] >= 0 for e in out["top_evictors"])

@@ -82,7 +82,8 @@ def test_the_readme_range_examples_replay_every_commit(rev_range: str, replayed:
 
 def _imports_on_its_own(commit: str, tmp: Path) -> bool:
     """Whether the commit's ``allocator`` package imports ``create_allocator`` with only
-    its own tree on the path."""
+    its own tree and this checkout's trace format (``traces``, the layer beneath it, which a
+    diff side takes from the running kvtrace) on the path."""
     tree = tmp / f"own-{commit}"
     if not tree.exists():
         tree.mkdir()
@@ -91,7 +92,7 @@ def _imports_on_its_own(commit: str, tmp: Path) -> bool:
     import sys
 
     done = subprocess.run([sys.executable, "-S", "-c", "import sys; sys.path[:0] = [sys.argv[1], *sys.argv[2:]]; "
-                           "from allocator import create_allocator", str(tree), *_site_paths()],
+                           "from allocator import create_allocator", str(tree), str(ROOT), *_site_paths()],
                           capture_output=True, cwd=tree)
     return done.returncode == 0
 

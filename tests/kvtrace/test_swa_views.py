@@ -21,8 +21,8 @@ SWA = "sample:mooncake-gpt-oss"
 STEPS = 60  # the window has slid past some requests' first tokens by then
 
 
-def _snaps(trace: str, n: int, decode_runs: bool = True) -> tuple[list, ReplaySession]:  # noqa: ANN401
-    session = ReplaySession(trace, track_state=True, options=ReplayOptions(decode_runs=decode_runs))
+def _snaps(trace: str, n: int, runs: bool = True) -> tuple[list, ReplaySession]:  # noqa: ANN401
+    session = ReplaySession(trace, track_state=True, options=ReplayOptions(decode_runs=runs))
     snaps = []
     for _ in range(n):
         snap = session.step()
@@ -31,18 +31,9 @@ def _snaps(trace: str, n: int, decode_runs: bool = True) -> tuple[list, ReplaySe
     return snaps, session
 
 
-@pytest.mark.parametrize("decode_runs", [False, True])
-def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor(decode_runs: bool) -> None:
-    """Step by step the allocator is at the last snapshot's step and says the cursors
-    itself; with decode runs (the allocator may be steps ahead) the snapshots equal the
-    step-by-step ones."""
-    snaps, session = _snaps(SWA, STEPS, decode_runs=False)
-    if decode_runs:
-        session.close()
-        ran, session = _snaps(SWA, STEPS, decode_runs=True)
-        session.close()
-        assert [s.swa_evicted.tolist() for s in ran] == [s.swa_evicted.tolist() for s in snaps]
-        return
+def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor() -> None:
+    # step by step, so that the allocator is at the last snapshot's step
+    snaps, session = _snaps(SWA, STEPS, runs=False)
     with session:
         alloc = session.allocator
         last = snaps[-1]
@@ -64,6 +55,19 @@ def test_snapshots_of_an_swa_replay_carry_each_requests_swa_cursor(decode_runs: 
         row = one.row(rid)
         assert row.swa_evicted == int(one.column("swa_evicted")[rid]) > 0
         assert row.swa_len == row.allocated - row.swa_evicted
+
+
+def test_runs_of_decode_steps_carry_the_swa_cursors_of_each_step() -> None:
+    """A run's snapshots have each step's cursors, as the steps one by one have them
+    (the window slides inside the sample's runs)."""
+    stepwise, session = _snaps(SWA, STEPS, runs=False)
+    session.close()
+    with_runs, session = _snaps(SWA, STEPS)
+    session.close()
+    assert [s.step for s in with_runs] == [s.step for s in stepwise]
+    for a, b in zip(with_runs, stepwise):
+        assert a.swa_evicted is not None and b.swa_evicted is not None
+        assert np.array_equal(a.swa_evicted, b.swa_evicted), a.step
 
 
 def test_an_update_frame_carries_the_swa_cursors_and_a_full_attention_one_does_not() -> None:

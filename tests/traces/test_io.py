@@ -396,7 +396,7 @@ def _schema_with(metadata: bytes | None, drop: str | None = None, retype: tuple[
 def test_open_errors(tmp_path: Path) -> None:
     good_meta = make_meta().to_json().encode()
     newer = json.loads(good_meta)
-    newer["format_version"] = 5
+    newer["format_version"] = 7
     no_config = json.loads(good_meta)
     del no_config["config"]["pool_tokens"]
     (tmp_path / "adir").mkdir()
@@ -412,7 +412,7 @@ def test_open_errors(tmp_path: Path) -> None:
         "empty.kvtrace": (TraceReadError, "is empty"),
         "text.kvtrace": (TraceReadError, "is not an Arrow IPC stream"),
         "file-format.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),  # read, then judged
-        "newer.kvtrace": (TraceVersionError, "format version 5, but this kvtrace reads format version 4 at most; upgrade kvtrace"),
+        "newer.kvtrace": (TraceVersionError, "format version 7, but this kvtrace reads format version 6 at most; upgrade kvtrace"),
         "nometa.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),
         "badjson.kvtrace": (TraceMetadataError, "kvtrace metadata is not valid JSON"),
         "badmeta.kvtrace": (TraceMetadataError, "'config.pool_tokens' is missing"),
@@ -501,3 +501,15 @@ def test_sigkill_leaves_every_completed_batch_readable(tmp_path: Path) -> None:
     assert all(s.equals(decode_steps(1, rows=40, first_step=s.step)[0]) for s in steps[-3:])
     assert reader.truncated
     assert reader.truncation_detail.startswith(f"file truncated after step {steps[-1].step}: ")
+
+
+def test_a_non_lru_eviction_policy_is_written_as_a_version_older_readers_refuse() -> None:
+    """A reader of version 4 ignores unknown config keys: it would replay an LFU trace as
+    LRU, so such a trace is version 5; an LRU one keeps the version it had."""
+    from traces.metadata import TraceMeta
+
+    lru = make_meta()
+    lfu = lru.with_config(eviction_policy="lfu")
+    assert lru.format_version == 1
+    assert lfu.written_version == lfu.format_version == 5
+    assert TraceMeta.from_json(lfu.to_json()).config.eviction_policy == "lfu"

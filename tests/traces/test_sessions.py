@@ -46,11 +46,11 @@ def record_two_turns(path: Path) -> None:
         rec.end_step()
 
 
-def test_recorded_session_reads_back_as_version_4_and_checks_clean(tmp_path: Path) -> None:
+def test_recorded_session_reads_back_as_version_6_and_checks_clean(tmp_path: Path) -> None:
     path = tmp_path / "s.kvtrace"
     record_two_turns(path)
     reader = TraceReader(path)
-    assert reader.meta.format_version == 4 and reader.meta.config.sessions
+    assert reader.meta.format_version == 6 and reader.meta.config.sessions
     checker = OpSequenceChecker(reader.meta)
     rows = []
     for batch in reader.steps():

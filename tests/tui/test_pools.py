@@ -90,3 +90,24 @@ def test_the_pools_line_lists_every_pool_of_the_replay_and_underlines_the_one_sh
     assert f"swa {swa.used_tokens:,}/{swa.pool_tokens:,} {100 * swa.used_tokens / swa.pool_tokens:.1f}%" in line.plain
     underlined = [line.plain[span.start:span.end] for span in line.spans if "underline" in str(span.style)]
     assert underlined == ["swa"]
+
+
+async def test_a_mamba_replay_names_its_second_pool_mamba_and_says_it_has_no_pages() -> None:
+    """The pools are named as the replay names them (a hybrid linear-attention model's
+    second pool is its Mamba state pool, not an SWA one), and its page map says why there
+    is none."""
+    from textual.widgets import Static
+
+    app = live_app("sample:mooncake-qwen3-next")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _to_step(pilot, 400)
+        frame = app.frame
+        assert list(frame.pools) == ["full", "mamba"]
+        header = app.main.query_one(ReplayHeader).content.plain
+        assert " mamba " in header and " swa " not in header, header
+        await pilot.press("p")
+        dash = app.main.query_one(Dashboard)
+        await settle(pilot, lambda _app: "mamba pool has no pages" in str(dash.query_one("#cell-info", Static).render()),
+                     timeout_s=30)
+        assert dash.query_one("#occupancy").border_title == "occupancy · mamba pool"
+        assert dash.query_one("#pages").border_title == "page map · mamba pool"

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from allocator.ownership import SlotState
-from kvtrace.replay.engine import ReplayOptions
 from kvtrace.replay.session import ReplaySession
 from kvtrace.tui.screens import RequestDetailScreen
 from kvtrace.tui.widgets.request_table import RequestTable
@@ -30,8 +29,10 @@ async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
 
 def _reference(step: int) -> dict[int, tuple[int, int]]:
     """rid -> (allocated, swa_evicted_seqlen) of the requests holding KV after ``step``,
-    read from the allocator of a replay of its own, step by step (with decode runs its
-    allocator may be steps ahead of the snapshot)."""
+    read from the allocator of a replay of its own, step by step (a run of decode
+    steps would take the allocator past ``step``)."""
+    from kvtrace.replay.engine import ReplayOptions
+
     with ReplaySession(SWA, options=ReplayOptions(decode_runs=False)) as session:
         while (snap := session.step()) is not None and snap.step < step:
             pass
@@ -138,7 +139,36 @@ async def test_a_state_logs_p_lays_out_the_swa_pool_by_state(tmp_path: Path) -> 
         assert app.main.query_one("#pages").border_title == "swa pool by state (no positions)"
         swa = app.frame.pools["swa"]
         assert int(app.frame.page_cells.tokens[:, SlotState.FREE].sum()) == swa.available
-        assert app.frame.requests.swa_evicted is None  # a state log keeps no SWA cursors
+        assert app.frame.requests.swa_evicted is not None  # the log keeps the SWA cursors
+
+
+async def test_a_state_logs_request_table_shows_each_requests_swa_lengths(tmp_path: Path) -> None:
+    """``kvtrace view LOG`` of an SWA replay: the ``swa`` / ``swa evicted`` columns, as
+    the live view has them (the state log holds the requests' SWA cursors)."""
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app as cli
+
+    want = _reference(STEP)
+    assert any(evicted for _, evicted in want.values()), "no window slid by then"
+    path = tmp_path / "swa.log"
+    result = CliRunner().invoke(cli, ["replay", SWA, "--steps", f":{STEP + 1}", "--out", str(path)])
+    assert result.exit_code == 0, result.stderr
+    app = log_app(path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _to_step(pilot, STEP)
+        table = app.main.query_one(RequestTable)
+        table.set_filter("live")
+        await pilot.pause()
+        width = table.size.width
+        header = table.render_header(width).text
+        assert header.split()[4:8] == ["allocated", "swa", "swa", "evicted"], header
+        assert sorted(table.shown_rids.tolist()) == sorted(want)
+        for i, rid in enumerate(table.shown_rids.tolist()):
+            allocated, evicted = want[rid]
+            cols = table.render_row(i, width, False).text.split()
+            assert cols[0] == str(rid)
+            assert cols[-3:-1] == [f"{allocated - evicted:,}", f"{evicted:,}" if evicted else "·"], cols
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 50)], ids=["80x24", "160x50"])

@@ -53,6 +53,8 @@ RECORDED: dict[str, str] = {
     "layers, window 128), page 16, 60k-token full pool, radix cache off",
     "mooncake-gemma-3": "Mooncake conversation, first 12 seconds, gemma-3-27b (hybrid SWA: 5:1 sliding/full "
     "layers, window 1,024), page 16, 60k-token full pool, radix cache off",
+    "mooncake-qwen3-next": "Mooncake conversation, first 12 seconds, qwen3-next-80b-a3b (hybrid linear "
+    "attention: 3:1 gated-delta-net/full layers, 16 Mamba state slots), page 16, 60k-token full pool, radix cache off",
 }
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NO_PAGE_MAP",
+    "NO_MAMBA_PAGE_MAP",
     "NO_SWA_PAGE_MAP",
     "STATE_LABELS",
     "CellDetail",
@@ -42,6 +43,7 @@ __all__ = [
 STATE_LABELS = ("free", "committed", "over-allocated", "page tail", "cached", "locked", "reserved", "leaked")
 NO_PAGE_MAP = "no page map for this version (it does not answer slot_ownership())"
 NO_SWA_PAGE_MAP = "no map of the swa pool for this version (it does not answer swa_slot_ownership())"
+NO_MAMBA_PAGE_MAP = "the mamba pool has no pages: one state slot per running request, counted in the chart"
 _OWN_STATES = np.array([SlotState.COMMITTED, SlotState.OVERALLOCATED, SlotState.PAGE_TAIL])
 
 

@@ -406,9 +406,14 @@ class Replayer:
         self._map_key = key
         self._map_at, self._map_work_at = now, work_now
         if self._cells is None:
-            from kvtrace.tui.remote.pagemap import NO_PAGE_MAP, NO_SWA_PAGE_MAP
+            from kvtrace.tui.remote.pagemap import NO_MAMBA_PAGE_MAP, NO_PAGE_MAP, NO_SWA_PAGE_MAP
 
-            self.end.send(Cells(last.step, note=NO_SWA_PAGE_MAP if self.map_pool else NO_PAGE_MAP, pool=self.map_pool))
+            note = NO_PAGE_MAP
+            if self.map_pool:
+                names = ("full", *last.other_pool_names)
+                mamba = self.map_pool < len(names) and names[self.map_pool] == "mamba"
+                note = NO_MAMBA_PAGE_MAP if mamba else NO_SWA_PAGE_MAP
+            self.end.send(Cells(last.step, note=note, pool=self.map_pool))
             return
         c = self._cells
         step = self.source.allocator_step  # while playing, up to a run's length past ``last``

@@ -15,8 +15,9 @@ Over a pipe an update is one message of a ``multiprocessing.connection.Connectio
 (``kvtrace.proc.channel``: it frames and writes it whole), its body: a 32-byte header
 (``KVU1``, the number of pool counters a step, steps, rows, the length of the tail), the
 block's columns as raw bytes in the machine's order (8-byte ones first, so that each
-starts aligned), then the tail: the events and the state digests, pickled, when there
-are any (the pipe joins a process to the child it started, running this same code).
+starts aligned), then the tail: the events, the state digests and the names of a hybrid model's other
+pools (``SnapshotBlock.other_pool_names``), pickled, when there are any (the pipe joins a
+process to the child it started, running this same code).
 The pool counters of a step are the full pool's, then those of the other pools of a
 hybrid model (``SnapshotBlock.other_pools``) in one row: a full-attention frame is the
 same size it always was, a hybrid one a few counters a step longer. A block with the
@@ -69,8 +70,9 @@ def encode_update(update: SnapshotBlock) -> bytes:
     """The body of one update (a block of steps); ``decode_update`` reverses it."""
     k, r = update.num_steps, update.requests.num_requests
     digests = update.digests if any(d is not None for d in update.digests) else None
-    tail = pickle.dumps((update.event_steps, update.events, digests), protocol=pickle.HIGHEST_PROTOCOL) \
-        if update.events or digests is not None else b""
+    names = update.other_pool_names
+    tail = pickle.dumps((update.event_steps, update.events, digests, names), protocol=pickle.HIGHEST_PROTOCOL) \
+        if update.events or digests is not None or names else b""
     columns = [_column(getattr(update.requests if name in _REQUEST_FIELDS else update, name), dtype)
                for name, dtype, _ in _COLUMNS]
     pools = update.pools
@@ -137,7 +139,7 @@ def decode_update(body: bytearray) -> SnapshotBlock:
         n = k if per == _STEP else r
         cols[name] = np.frombuffer(body, dtype, n, at)
         at += cols[name].nbytes
-    event_steps, events, digests = pickle.loads(body[at:]) if tail_len else ([], [], None)
+    event_steps, events, digests, names = pickle.loads(body[at:]) if tail_len else ([], [], None, ())
     return SnapshotBlock(
         steps=cols["steps"], times=cols["times"], pools=pools, keyframes=cols["keyframes"], num_ops=cols["num_ops"],
         allocator_s=cols["allocator_s"], row_counts=cols["row_counts"],
@@ -145,4 +147,5 @@ def decode_update(body: bytearray) -> SnapshotBlock:
         event_steps=event_steps, events=events, digests=digests if digests is not None else [None] * k,
         other_pools=other,
         swa_evicted=swa,
+        other_pool_names=names,
     )

@@ -20,7 +20,6 @@ from textual.containers import Horizontal, Vertical
 from textual import events
 from textual.widgets import Input, Static, Tab, Tabs
 
-from kvtrace.replay.snapshot import POOL_NAMES
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.header import ReplayHeader
 from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
@@ -153,14 +152,14 @@ class Dashboard(Vertical):
         header = self.query_one(ReplayHeader)
         hybrid = bool(frame.other_pools)
         header.set_class(hybrid, "-pools")
-        header.show(info, frame, POOL_NAMES[self.pool] if hybrid else None)
+        header.show(info, frame, frame.pool_names[self.pool] if hybrid else None)
         if hybrid:
             occupancy = self.query_one("#occupancy")
-            title = f"occupancy · {POOL_NAMES[self.pool]} pool"
+            title = f"occupancy · {frame.pool_names[self.pool]} pool"
             if occupancy.border_title != title:
                 occupancy.border_title = title
             pages_panel = self.query_one("#pages")
-            mapped = POOL_NAMES[frame.page_map_pool]  # the pool of the cells drawn (the next map may be another's)
+            mapped = frame.pool_names[frame.page_map_pool]  # the pool of the cells drawn (the next map may be another's)
             title = f"page map · {mapped} pool" if info.live else f"{mapped} pool by state (no positions)"
             if pages_panel.border_title != title:
                 pages_panel.border_title = title
@@ -193,7 +192,7 @@ class Dashboard(Vertical):
 
     @property
     def pool(self) -> int:
-        """The pool the occupancy panel shows (an index into ``POOL_NAMES``)."""
+        """The pool the occupancy panel shows (an index into the frame's ``pool_names``)."""
         return self.query_one(OccupancyChart).pool
 
     def cycle_pool(self) -> bool:
@@ -206,13 +205,13 @@ class Dashboard(Vertical):
         self.query_one(OccupancyChart).pool = index
         for legend in self.query(OccupancyLegend):
             legend.pool = index
-        self.query_one("#occupancy").border_title = f"occupancy · {POOL_NAMES[index]} pool"
+        self.query_one("#occupancy").border_title = f"occupancy · {frame.pool_names[index]} pool"
         page_map = self.query_one(PageMap)
         if page_map.selected_cell is not None:  # a cell of the other pool's map
             page_map.select_cell(None)
             self.query_one("#cell-info", Static).update("click a cell to see its pages and owners")
         if self._info is not None:
-            self.query_one(ReplayHeader).show(self._info, frame, POOL_NAMES[index])
+            self.query_one(ReplayHeader).show(self._info, frame, frame.pool_names[index])
         for legend in self.query(OccupancyLegend):
             legend.show(frame)
         self.query_one(OccupancyChart).show(frame)

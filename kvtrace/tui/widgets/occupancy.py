@@ -172,7 +172,7 @@ class OccupancyChart(QuietPlot):
         width = float(max((steps[-1] - steps[0]) / max(len(steps) - 1, 1), 1.0))
         pool = int(timeline.column("pool_tokens", size, pool_index).max())
         # Bars are drawn in whole cells: a band thinner than a row (an EAGLE replay's
-        # over-allocation, ~0.1% of its pool) vanished into the one below. A nonzero band
+        # over-allocation, a small share of its pool) would vanish into the one below. A nonzero band
         # is drawn at least a row thick; the legend beside gives the exact numbers.
         rows = self.query_one("#plot").size.height
         least = pool / rows if rows > 0 else 0.0
