@@ -240,7 +240,7 @@ def replay(
             with target.writing() as tmp:
                 info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
                         "allocator": session.version.spec, "config": config_dict(session.config)}
-                with StateLogWriter(tmp, info) as log:
+                with StateLogWriter(tmp, info, sessions=session.reader.meta.config.sessions) as log:
                     _run(session, log, emitter)
         result = session.result()
     summary = result.to_dict()

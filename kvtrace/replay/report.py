@@ -70,13 +70,7 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "finishes": stats.finishes,
         "retractions": stats.retractions,
         "aborts": stats.aborts,
-        # streaming sessions: turns whose KV their session kept, sessions closed, and the
-        # most KV held between turns at a step's end (all 0 without sessions)
-        "session_held": {
-            "holds": stats.session_holds,
-            "closes": stats.session_closes,
-            "peak_tokens": stats.peak_session_held,
-        },
+        **_sessions_summary(result),
         "oom": asdict(stats.oom) if stats.oom is not None else None,
         "num_ooms": stats.num_ooms,
         "dropped_requests": stats.dropped_requests,
@@ -88,6 +82,22 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "stopped_early": result.stopped_early,
         "truncated": result.truncated,
         **_pools_summary(result),
+    }
+
+
+def _sessions_summary(result: ReplayResult) -> dict[str, Any]:
+    """``{"session_held": ...}`` for a trace with streaming sessions: the turns whose KV
+    their session kept, the sessions closed, and the most KV held between turns at a
+    step's end; empty otherwise, so that such a summary is what it was before sessions."""
+    if not result.sessions:
+        return {}
+    stats = result.stats
+    return {
+        "session_held": {
+            "holds": stats.session_holds,
+            "closes": stats.session_closes,
+            "peak_tokens": stats.peak_session_held,
+        }
     }
 
 

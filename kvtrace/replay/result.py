@@ -123,6 +123,7 @@ class ReplayResult:
     # allocator has several; empty for a full-attention model (its one pool is the
     # summary's top level)
     pools_at_end: dict[str, PoolCounters] = field(default_factory=dict)
+    sessions: bool = False  # the trace has streaming sessions (its summary says what they held)
 
     @property
     def failed(self) -> bool:

@@ -256,3 +256,42 @@ def test_hold_is_refused_where_sessions_are_not_modelled() -> None:
     alloc.extend(_a(0), _a(4), [TOKENS[:4]])
     with pytest.raises(ValueError, match="full-attention pools only"):
         alloc.hold(_a(0), _a(4))
+
+
+def test_only_a_session_trace_logs_and_summarizes_session_held(tmp_path: Path) -> None:
+    """A trace without sessions gets the state log and --json summary it had before
+    sessions existed (no session_held column or key); a session trace gets both."""
+    import json
+
+    import pyarrow as pa
+
+    from kvtrace.statelog.log import read_state_log
+
+    path = tmp_path / "s.kvtrace"
+    _session_trace(path)
+    runner = CliRunner()
+    plain = runner.invoke(app, ["replay", "sample:tiny", "--out", str(tmp_path / "plain.arrow"), "--json"])
+    assert plain.exit_code == 0, plain.output
+    assert "session_held" not in json.loads(plain.output)
+    assert not any("session_held" in name for name in pa.ipc.open_file(tmp_path / "plain.arrow").schema.names)
+    _, snaps = read_state_log(tmp_path / "plain.arrow")
+    assert all(s.pool.session_held == 0 for s in snaps)
+    held = runner.invoke(app, ["replay", str(path), "--out", str(tmp_path / "held.arrow"), "--json"])
+    assert held.exit_code == 0, held.output
+    assert json.loads(held.output)["session_held"]["holds"] == 2
+    names = pa.ipc.open_file(tmp_path / "held.arrow").schema.names
+    assert names[names.index("free_rows") + 1] == "session_held"
+    _, snaps = read_state_log(tmp_path / "held.arrow")
+    assert [s.pool.session_held for s in snaps] == [0, 0, 0, 30, 0]  # the first turn is in the tree
+
+
+def test_config_sessions_needs_format_version_6() -> None:
+    import json
+
+    from traces.metadata import TraceMeta
+
+    data = json.loads(make_meta(sessions=True).to_json())
+    assert data["format_version"] == 6
+    data["format_version"] = 5
+    with pytest.raises(ValueError, match=r"'config.sessions', which format version 5 does not have"):
+        TraceMeta.from_json(json.dumps(data))
