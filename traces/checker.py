@@ -434,8 +434,10 @@ class OpSequenceChecker:
         length = self._length[rid]
         known_prompt = self._prompt[rid]
         is_new = phase == NEW
-        # Where the prefill ends: this row's prompt for a new request, else the one recorded.
-        target = np.where(is_new & (prompt_len >= 0), prompt_len, self._target[rid])
+        # Where the prefill ends: this row's prompt for a new request or a session's next
+        # turn (its prompt: the conversation so far), else the one recorded.
+        turn = (op == EXTEND) & (phase == HELD)
+        target = np.where((is_new | turn) & (prompt_len >= 0), prompt_len, self._target[rid])
         counts = np.bincount(op, minlength=len(OPS))
 
         if counts[PREALLOC] and not self.pd_decode and self._once("prealloc"):
@@ -476,10 +478,10 @@ class OpSequenceChecker:
             ok &= ~(_IS_DECODING_OP[op] & (phase == PREFILL) & (target >= 0) & (length < target))
         if counts[EXTEND]:  # a new request prefills its prompt; once a prefill is done, it decodes
             is_extend = op == EXTEND
-            ok &= ~(is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len))
+            ok &= ~(is_extend & (is_new | turn) & (prompt_len >= 0) & (seq_len > prompt_len))
             ok &= ~(is_extend & (phase == PREFILL) & (target >= 0) & (length >= target))
         ok &= ~is_new | (prompt_len >= 0)
-        ok &= (prompt_len < 0) | is_new | (known_prompt < 0) | (prompt_len == known_prompt)
+        ok &= (prompt_len < 0) | is_new | turn | (known_prompt < 0) | (prompt_len == known_prompt)
         if not ok.all():
             self._explain(batch, rows[~ok], found)
         self._check_lists(batch, rows, every, prompt_len, take(batch.append_len), rid, found)
@@ -494,10 +496,9 @@ class OpSequenceChecker:
         if counts[RETRACT]:
             retracted = op == RETRACT
             self._target[rid[retracted]] = seq_len[retracted]
-        if counts[EXTEND]:  # a session's next turn: its prompt's end is not in the trace
-            resumed = (op == EXTEND) & (phase == HELD)
-            if resumed.any():
-                self._target[rid[resumed]] = -1
+        if counts[EXTEND]:  # a session's next turn: its prompt_len, when given, ends its prefill
+            if turn.any():
+                self._target[rid[turn]] = np.where(prompt_len[turn] >= 0, prompt_len[turn], -1)
 
     def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
         """One message per broken rule for ``rows`` (each known to break at least one)."""
@@ -512,7 +513,8 @@ class OpSequenceChecker:
         phase = self._phase[rid]
         length = self._length[rid]
         known_prompt = self._prompt[rid]
-        target = np.where((phase == NEW) & (prompt_len >= 0), prompt_len, self._target[rid])
+        turn = (op == EXTEND) & (phase == HELD)  # a session's next turn
+        target = np.where(((phase == NEW) | turn) & (prompt_len >= 0), prompt_len, self._target[rid])
         explained = np.zeros(rows.shape[0], np.bool_)
 
         def report(mask: np.ndarray, message: object) -> None:
@@ -636,6 +638,11 @@ class OpSequenceChecker:
             "new request (it prefills its prompt, then decodes)",
         )
         report(
+            turn & sane & (prompt_len >= 0) & (seq_len > prompt_len),
+            lambda j: f"extend to seq_len {int(seq_len[j])} beyond the prompt_len {int(prompt_len[j])} of a "
+            "session's turn (it prefills its prompt, then decodes)",
+        )
+        report(
             is_extend & is_prefill & (target >= 0) & (length >= target),
             lambda j: f"extend of a request whose prefill is complete (length {int(length[j])} >= "
             + (f"prompt_len {int(target[j])}" if target[j] == known_prompt[j] else
@@ -677,7 +684,7 @@ class OpSequenceChecker:
         # Prompt.
         report(is_new & sane & (prompt_len < 0), "the request's first row has no prompt_len")
         report(
-            ~is_new & sane & (prompt_len >= 0) & (known_prompt >= 0) & (prompt_len != known_prompt),
+            ~is_new & ~turn & sane & (prompt_len >= 0) & (known_prompt >= 0) & (prompt_len != known_prompt),
             lambda j: f"prompt_len {int(prompt_len[j])} differs from the request's first row "
             f"({int(known_prompt[j])})",
         )

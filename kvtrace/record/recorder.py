@@ -176,6 +176,7 @@ class Recorder:
         self._num_ids = 0
         self._lens = np.zeros(1024, np.int64)  # current length per dense id (append_len)
         self._seen = np.zeros(1024, np.bool_)  # has the request had a row (first-row columns)
+        self._held = np.zeros(1024, np.bool_)  # held by its session (its next extend may give prompt_len)
         self._step = -1
         self._time_s = 0.0
         self._open_step = False
@@ -201,6 +202,7 @@ class Recorder:
             size = max(top + 1, 2 * self._lens.shape[0])
             self._lens = np.concatenate([self._lens, np.zeros(size - self._lens.shape[0], np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(size - self._seen.shape[0], np.bool_)])
+            self._held = np.concatenate([self._held, np.zeros(size - self._held.shape[0], np.bool_)])
 
     def _map(self, rids: IdsLike) -> np.ndarray:
         if self._dense:
@@ -272,7 +274,8 @@ class Recorder:
             seq_lens: length after the op (positions ``[previous length, seq_len)``
                 are appended; a new or re-admitted request starts from 0).
             prefix_lens: prefix the engine's radix cache matched (informative).
-            prompt_lens: prompt length, kept on the request's first row only.
+            prompt_lens: prompt length, kept on the request's first row only, and on
+                the extend of a session's next turn (its prompt: the conversation so far).
             block_hashes: per request, content-addressed prompt blocks (uint64) or None.
             token_ids: per request, explicit ids of the appended positions, or None.
             arrival_s: when each request arrived (seconds, the clock of ``begin_step``;
@@ -453,6 +456,8 @@ class Recorder:
                 lens[ids] = 0 if op in (FINISH, ABORT, RETRACT, CLOSE) else seq
                 first = ~seen[ids]
                 seen[ids] = True
+                turn = self._held[ids] & (op == EXTEND)  # a session's next turn
+                self._held[ids] = op == HOLD
                 ops.append(np.full(n, op, np.int8))
                 rid_cols.append(ids)
                 seq_cols.append(seq)
@@ -462,7 +467,7 @@ class Recorder:
                 accepted_cols.append(part.accepted_len if part.accepted_len is not None else zeros32)
                 prefix_cols.append(part.prefix_len if part.prefix_len is not None else np.zeros(n, np.int64))
                 if part.prompt_len is not None:
-                    prompt_cols.append(np.where(first, part.prompt_len, -1))
+                    prompt_cols.append(np.where(first | turn, part.prompt_len, -1))
                 else:
                     prompt_cols.append(np.full(n, -1, np.int64))
                 if part.arrival_s is not None:

@@ -718,6 +718,12 @@ class ReplayEngine:
 
     def _remember_prompts(self, batch: StepBatch, ok: np.ndarray | None) -> None:
         seen = self._req["seen"].a
+        # A session's next turn (an extend of a held request) may give its prompt's end.
+        turn = seen[batch.rid] & (batch.op == EXTEND) & (batch.prompt_len >= 0) & (self._req["phase"].a[batch.rid] == FINISHED)
+        if ok is not None:
+            turn &= ok
+        if turn.any():
+            self._req["prefill_target"].a[batch.rid[turn]] = batch.prompt_len[turn]
         new = ~seen[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
         if ok is not None:
             new &= ok
