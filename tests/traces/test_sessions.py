@@ -150,3 +150,33 @@ def test_checker_flags_close_of_a_running_request() -> None:
     assert checker.check(one(0, EXTEND, 8, 8)) == []
     problems = [str(p) for p in checker.check(one(1, CLOSE, 8))]
     assert problems == ["step 1, request 0: close of a running request (hold its turn first)"]
+
+
+def _turn(step: int, seq_len: int, append_len: int, prompt_len: int | None) -> StepBatch:
+    return StepBatch.from_columns(
+        step, float(step), op=[EXTEND], rid=[0], seq_len=[seq_len], append_len=[append_len],
+        prompt_len=None if prompt_len is None else [prompt_len],
+    )
+
+
+def test_a_turn_gives_its_prompt_len_and_prefills_up_to_it() -> None:
+    """A session's next turn may say where its prompt ends (the conversation so far):
+    its prefill may take several extends up to it, none beyond, then it decodes."""
+    checker = OpSequenceChecker(session_meta())
+    assert checker.check(one(0, EXTEND, 8, 8)) == []
+    assert checker.check(one(1, HOLD, 8)) == []
+    assert checker.check(_turn(2, 12, 4, 20)) == []  # a chunk: prompt_len differs from the first row's 8
+    assert checker.check(_turn(3, 20, 8, None)) == []
+    problems = [str(p) for p in checker.check(_turn(4, 22, 2, None))]
+    assert len(problems) == 1 and "extend of a request whose prefill is complete" in problems[0], problems
+
+
+def test_a_turn_may_not_extend_past_its_prompt_len() -> None:
+    checker = OpSequenceChecker(session_meta())
+    assert checker.check(one(0, EXTEND, 8, 8)) == []
+    assert checker.check(one(1, HOLD, 8)) == []
+    problems = [str(p) for p in checker.check(_turn(2, 30, 22, 20))]
+    assert problems == [
+        "step 2, request 0: extend to seq_len 30 beyond the prompt_len 20 of a session's turn "
+        "(it prefills its prompt, then decodes)"
+    ]
