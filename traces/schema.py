@@ -25,7 +25,8 @@ append_len      int32                     tokens the op appends (0 for release o
 draft_len       int32                     spec: draft tokens verified this step; else 0
 accepted_len    int32                     spec: tokens accepted and committed (== append_len)
 prefix_len      int64                     prefix the recording engine matched (informative)
-prompt_len      int64 (nullable)          the request's prompt length, on its first row only
+prompt_len      int64 (nullable)          the request's prompt length, on its first row only (and
+                                          a session turn's first extend, version 6)
 block_hashes    list<uint64> (nullable)   content-addressed prompt blocks, first row only
 token_ids       list<int64> (nullable)    explicit ids of the positions this op appends
 arrival_s       float64 (nullable)        the request's arrival, seconds since trace start,
@@ -51,7 +52,9 @@ Per op, ``seq_len`` and ``append_len`` mean (``L`` = the request's length before
                first ``seq_len`` tokens (<= L), neither cached nor freed. The request
                (one id per session, SGLang's streaming session) is *held*: its next
                turn is an ``extend`` from ``seq_len`` (the held KV is its prefix), and
-               ``close`` ends it. The first ``hold`` opens the session.
+               ``close`` ends it. The first ``hold`` opens the session. The
+               next turn's first ``extend`` may carry ``prompt_len``: the end of that
+               turn's prompt (the conversation so far), where its prefill is done.
 * ``close``    release of a held session's KV, nothing cached, the request ends;
                ``seq_len = L`` (the held length).
 
