@@ -719,7 +719,8 @@ class ReplayEngine:
     def _remember_prompts(self, batch: StepBatch, ok: np.ndarray | None) -> None:
         seen = self._req["seen"].a
         # A session's next turn (an extend of a held request) may give its prompt's end.
-        turn = seen[batch.rid] & (batch.op == EXTEND) & (batch.prompt_len >= 0) & (self._req["phase"].a[batch.rid] == FINISHED)
+        held = self._req["phase"].a[batch.rid] == FINISHED
+        turn = seen[batch.rid] & held & (batch.op == EXTEND) & (batch.prompt_len >= 0)
         if ok is not None:
             turn &= ok
         if turn.any():
