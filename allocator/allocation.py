@@ -1911,3 +1911,38 @@ def checkpoint_swa(
             # extend_end, and checkpoint_kv_cache passes up_to=extend_end: the same.
             _window_free_one(ctx, row, up_to - eagle - 1)
     return CheckpointResult(max(key_len - res.prefix_len, 0), max(res.prefix_len - protected, 0))
+
+
+# ---------------------------------------------------------------------------- streaming sessions
+#
+# SGLang's ``StreamingSession`` (``session/streaming_session.py``): a finished turn's KV
+# record stays in its session slot, neither inserted into the tree nor freed, and the
+# tree lock on its prefix stays; the next turn borrows the record and its prefix is the
+# held KV. Only the KV past the held length goes back (``_trim_overshoot``).
+
+
+def hold_kv(ctx: KvContext, row: int, held_len: int) -> ReleaseOutcome:
+    """Keep ``row[:held]`` (``held = min(held_len, kv_committed_len)``, at least the tree's
+    protected prefix) for the session and
+    free ``row[ceil_align(held):allocated]`` (the partial page stays until the session
+    closes); the row, its lock and the lengths up to ``held`` are kept.
+
+    Returns:
+        Slots freed, 0 tokens cached, positions of over-allocation freed.
+    """
+    kv = ctx.req_kv
+    ps = ctx.page_size
+    allocated = int(kv.kv_allocated_len[row])
+    committed = int(kv.kv_committed_len[row])
+    held = max(min(held_len, committed), int(kv.cache_protected_len[row]))
+    start = ceil_align(held, ps)
+    freed = 0
+    if start < allocated:
+        table = ctx.req_to_token_pool.req_to_token_np
+        ctx.token_to_kv_pool_allocator.free_segment(table[row, start:allocated], start)
+        freed = ceil_align(allocated, ps) - start
+    kv.sum_allocated_ceil += ceil_align(held, ps) - ceil_align(allocated, ps)
+    kv.sum_committed += held - committed
+    kv.kv_allocated_len[row] = held
+    kv.kv_committed_len[row] = held
+    return ReleaseOutcome(freed, 0, max(allocated - start, 0))

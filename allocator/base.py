@@ -344,7 +344,7 @@ def _check_swa(config: AllocatorConfig) -> None:
 class PoolCounters(NamedTuple):
     """Token counts of the pool at one instant. Conservation (checked by invariants):
 
-    ``available + evictable + protected + committed + overallocated == pool_tokens``
+    ``available + evictable + protected + committed + overallocated + session_held == pool_tokens``
 
     where ``committed`` is live requests' KV outside the tree
     (``sum(kv_committed_len - cache_protected_len)``) and ``overallocated`` the rest
@@ -360,6 +360,9 @@ class PoolCounters(NamedTuple):
     overallocated: int
     running_requests: int
     free_rows: int
+    # Streaming sessions: KV held between a conversation's turns, outside the tree
+    # (``sum(kv_committed_len - cache_protected_len)`` of held requests; not in ``committed``).
+    session_held: int = 0
 
     @property
     def used_tokens(self) -> int:

@@ -59,6 +59,7 @@ from allocator.allocation import (
     commit_accepted_tokens,
     evict_from_tree_cache,
     extend_fits,
+    hold_kv,
     prealloc_fits,
     prepare_spec_decode,
     release_kv_cache,
@@ -210,6 +211,11 @@ class KvAllocator:
         # per rid: the chunk end last stashed (checkpointed) into the tree, -1 none
         self._stashed = np.full(1024, -1, dtype=np.int64)
         self._pending_publish: list[tuple[int, int, np.ndarray]] = []
+        # Streaming sessions, per rid: the tokens its session holds between turns (-1: not
+        # held), and whether it has turned (a later turn publishes nothing to the tree).
+        self._session_held = np.full(1024, -1, dtype=np.int64)
+        self._turned = np.zeros(1024, dtype=bool)
+        self.sum_session_held = 0  # sum of committed - protected over held requests
         # per live rid: the cache namespace its token ids carried when admitted (what
         # ``allocator.check.namespaces`` holds its radix lock to); absent: none
         self.request_namespaces: dict[int, str] = {}
@@ -227,7 +233,10 @@ class KvAllocator:
         if max_rid < size:
             return
         new = max(2 * size, max_rid + 1)
-        for name, fill in (("_row_of_rid", -1), ("_prompt_len", -1), ("_prefilling", False), ("_stashed", -1)):
+        for name, fill in (
+            ("_row_of_rid", -1), ("_prompt_len", -1), ("_prefilling", False), ("_stashed", -1),
+            ("_session_held", -1), ("_turned", False),
+        ):
             old = getattr(self, name)
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
@@ -348,8 +357,10 @@ class KvAllocator:
         ps = self.page_size
         prefix = np.zeros(bs, dtype=np.int64)
         cont = np.flatnonzero(rows >= 0)
-        # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request)
-        self._stash(rids[cont], rows[cont], [token_ids[i] for i in cont.tolist()])
+        # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request);
+        # a session's later turn publishes nothing (SGLang's try_checkpoint)
+        stash = cont[~self._turned[rids[cont]]] if cont.size else cont
+        self._stash(rids[stash], rows[stash], [token_ids[i] for i in stash.tolist()])
         prefix[cont] = kv.kv_allocated_len[rows[cont]]
         new_idx = np.flatnonzero(rows < 0).tolist()
         keys: list[np.ndarray] = []
@@ -414,6 +425,10 @@ class KvAllocator:
             self.writer.end_call()
             return res
         self._row_of_rid[rids] = res.rows
+        resumed = rids[self._session_held[rids] >= 0]
+        if resumed.size:  # a session's next turn runs on the held KV from here on
+            self.sum_session_held -= int(self._session_held[resumed].sum())
+            self._session_held[resumed] = -1
         if self.mamba_last_holder is not None:
             held = self.ctx.mamba_reqs
             assert held is not None
@@ -431,7 +446,7 @@ class KvAllocator:
                 if self._prompt_len[rid] < 0:
                     self._prompt_len[rid] = seq_lens[i]
                 self._prefilling[rid] = False
-                if not tree.disable:
+                if not tree.disable and not self._turned[rid]:
                     self._pending_publish.append((rid, int(seq_lens[i]), token_ids[i]))
             else:
                 self._prefilling[rid] = True
@@ -493,7 +508,7 @@ class KvAllocator:
         for i in np.flatnonzero(rows >= 0).tolist():
             rid = int(rids[i])
             allocated = int(kv.kv_allocated_len[rows[i]])
-            if not self._prefilling[rid]:
+            if not self._prefilling[rid] and self._session_held[rid] < 0:
                 raise ValueError(f"extend: request rid={rid} already finished its prefill (it decodes now)")
             if int(seq_lens[i]) <= allocated:
                 raise ValueError(
@@ -891,6 +906,10 @@ class KvAllocator:
                 self._row_of_rid[rid] = -1
                 self._prefilling[rid] = False
                 self._stashed[rid] = -1
+                if self._session_held[rid] >= 0:  # close: the session's KV goes back
+                    self.sum_session_held -= int(self._session_held[rid])
+                    self._session_held[rid] = -1
+                self._turned[rid] = False
                 if kind != "retract":
                     self._prompt_len[rid] = -1
                     self.request_namespaces.pop(rid, None)
@@ -901,6 +920,70 @@ class KvAllocator:
                 allocator.free_group_end()
             self.writer.end_call()
         return ReleaseResult(freed, cached, overalloc, evicted)
+
+    def hold(self, rids: np.ndarray, held_lens: np.ndarray) -> ReleaseResult:
+        """Streaming sessions: each turn ends and its session keeps the KV of its first
+        ``held_lens`` tokens (clipped to ``kv_committed_len``), neither cached nor freed;
+        the row and the tree lock stay (SGLang ``try_cache_finished_req``). The next turn
+        is an ``extend`` of the same request from the held length; ``close_session``
+        releases it.
+
+        Raises:
+            ValueError: a request holding no KV, or one already held, or a sliding-window
+                or HiSparse pool (not modelled); nothing changed.
+        """
+        if self.config.swa is not None or self.config.hisparse:
+            raise ValueError("hold: streaming sessions are modelled for full-attention pools only")
+        self._flush_publish()
+        rids = _i64(rids)
+        held = _i64(held_lens)
+        bs = rids.shape[0]
+        if held.shape[0] != bs:
+            raise ValueError(f"hold: {bs} rids but {held.shape[0]} held_lens")
+        rows = self._held_rows(rids, "hold")
+        if bs and int(self._session_held[rids].max()) >= 0:
+            bad = int(rids[int(np.argmax(self._session_held[rids]))])
+            raise ValueError(f"hold: request rid={bad} is already held by its session")
+        overalloc = np.zeros(bs, dtype=np.int64)
+        freed = 0
+        kv = self.req_kv
+        try:
+            for i in range(bs):
+                rid = int(rids[i])
+                row = int(rows[i])
+                out = hold_kv(self.ctx, row, int(held[i]))
+                freed += out.freed_tokens
+                overalloc[i] = out.overalloc_released
+                tokens = int(kv.kv_committed_len[row] - kv.cache_protected_len[row])
+                self._session_held[rid] = tokens
+                self.sum_session_held += tokens
+                self._turned[rid] = True
+                self._prefilling[rid] = False
+                self._stashed[rid] = -1
+        finally:
+            self.writer.end_call()
+        return ReleaseResult(freed, 0, overalloc, 0)
+
+    def close_session(self, rids: np.ndarray) -> ReleaseResult:
+        """Streaming sessions: release the KV each request's session holds, nothing cached
+        (SGLang ``release_session``: the tail past the tree's prefix is freed, the lock
+        goes).
+
+        Raises:
+            ValueError: a request its session does not hold; nothing changed.
+        """
+        rids = _i64(rids)
+        self._rows_of(rids)
+        if rids.shape[0] and int(self._session_held[rids].min()) < 0:
+            bad = int(rids[int(np.argmin(self._session_held[rids]))])
+            raise ValueError(f"close: request rid={bad} is not held by a session")
+        return self.release(rids, self.req_kv.kv_committed_len[self._row_of_rid[rids]], None, "abort")
+
+    def session_held(self, rids: np.ndarray) -> np.ndarray:
+        """Tokens each request's session holds outside the tree (-1: not held)."""
+        rids = _i64(rids)
+        self._rows_of(rids)
+        return self._session_held[rids].copy()
 
     def _num_decoding(self) -> int:
         """Requests holding KV whose prefill is done (SGLang's running decode batch)."""
@@ -936,6 +1019,11 @@ class KvAllocator:
     def counters(self) -> PoolCounters:
         """Pool token counts now (O(1): sums kept by the allocation functions)."""
         self._flush_publish()
+        return self.counters_now()
+
+    def counters_now(self) -> PoolCounters:
+        """``counters()`` without publishing the prompts queued for the step's end (what
+        the invariant checks read: a check changes nothing)."""
         kv = self.req_kv
         pool = self.req_to_token_pool
         if self.config.hisparse:
@@ -949,10 +1037,11 @@ class KvAllocator:
             available=available,
             evictable=self.tree_cache.evictable_size(),
             protected=self.tree_cache.protected_size(),
-            committed=kv.sum_committed - kv.sum_protected,
+            committed=kv.sum_committed - kv.sum_protected - self.sum_session_held,
             overallocated=kv.sum_allocated_ceil - kv.sum_committed,
             running_requests=pool.size - pool.available_size(),
             free_rows=pool.available_size(),
+            session_held=self.sum_session_held,
         )
 
     def pool_counters(self) -> dict[str, PoolCounters]:
@@ -1079,7 +1168,7 @@ class KvAllocator:
         Returns:
             The violations found (empty when sound).
         """
-        from allocator.check.invariants import check_integrity
+        from allocator.check.invariants import check_integrity, check_session_held
 
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
@@ -1093,6 +1182,8 @@ class KvAllocator:
             self._checker = IncrementalChecker(self)
         else:
             found = self._checker.check(_i64(touched))
+            if self.sum_session_held or self._turned.any():
+                check_session_held(found, self)  # O(held sessions)
         if self._namespaced:
             from allocator.check.namespaces import check_namespaces
 

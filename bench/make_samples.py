@@ -81,6 +81,12 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
         "Mooncake conversation, first 12 seconds of arrivals at page 16 (tests, README)",
         (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "200000"),
     ),
+    # Streaming sessions: a session per conversation, the conversations inferred from the hash_ids.
+    Sample(
+        "mooncake-sessions.kvtrace",
+        "Mooncake conversation, first 90 seconds, page 16, --sessions (conversations inferred from the hash_ids)",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "90s", "--page-size", "16", "--sessions"),
+    ),
     # Hybrid sliding-window models (two KV pools), radix cache off until the SWA radix cache lands.
     Sample(
         "mooncake-gpt-oss.kvtrace",

@@ -22,7 +22,7 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
     """
     import numpy as np
 
-    from traces.schema import DECODE, EXTEND, OPS, PREALLOC, SPEC
+    from traces.schema import DECODE, EXTEND, OPS, PREALLOC, SESSION_OPS, SPEC
 
     meta = reader.meta
     ops = np.zeros(len(OPS), np.int64)
@@ -92,7 +92,11 @@ def trace_info(reader: TraceReader, *, on_batch: Any = None) -> dict[str, Any]:
         "rows": rows,
         "max_rows_per_step": max_rows_per_step,
         "requests": int(seen.sum()),
-        "ops": {name: int(count) for name, count in zip(OPS, ops)},
+        # the session ops only where the trace may hold them (config.sessions, version 6)
+        "ops": {
+            name: int(count) for code, (name, count) in enumerate(zip(OPS, ops))
+            if code not in SESSION_OPS or meta.config.sessions
+        },
         "tokens": tokens,
         "max_seq_len": max_seq_len,
         "duration_s": 0.0 if first_time is None else float(last_time - first_time),  # type: ignore[operator]

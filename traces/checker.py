@@ -14,6 +14,8 @@ Request phases::
                        │  └──retract──► RETRACTED ◄──retract── DECODE
             extend ────┘ (from 0)            │
     PREFILL/DECODE ──finish/abort──► ENDED ◄─┘ abort
+    PREFILL/DECODE ──hold──► HELD ──close──► ENDED;  HELD ──extend (from the held
+    length: the session's next turn)──► PREFILL
 
 A row that breaks a rule is reported, then applied as recorded (its
 ``seq_len`` becomes the request's length), so one mistake is reported once
@@ -35,9 +37,11 @@ from traces.batches import StepBatch
 from traces.metadata import TraceMeta
 from traces.schema import (
     ABORT,
+    CLOSE,
     DECODE,
     EXTEND,
     FINISH,
+    HOLD,
     MAX_RID,
     MAX_SPEC_TOKENS,
     MAX_STEP,
@@ -52,8 +56,8 @@ if TYPE_CHECKING:
     from traces.chunks import StepChunk
 
 # Request phases (values of the per-request state array).
-NEW, PREFILL, DECODING, RETRACTED, ENDED = range(5)
-PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended")
+NEW, PREFILL, DECODING, RETRACTED, ENDED, HELD = range(6)
+PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended", "held")
 
 # Ids are dense from 0 (``traces.schema.MAX_RID``); per-request state costs this many
 # bytes per id up to the largest (phase, length, prompt, prefill end, scratch).
@@ -61,29 +65,31 @@ CHECKER_BYTES_PER_RID = 33
 MAX_EXPLICIT_TOKEN = 1 << 62  # larger ids are reserved for synthetic content (traces.tokens)
 
 _OP_RANK = np.array(OP_RANK, np.int8)
-_IS_ALLOC = np.array([True, True, True, True, False, False, False])
-_IS_DECODING_OP = np.array([False, True, True, False, False, False, False])
+_IS_ALLOC = np.array([True, True, True, True, False, False, False, False, False])
+_IS_DECODING_OP = np.array([False, True, True, False, False, False, False, False, False])
 # Ops whose rows carry the recording engine's matched prefix (others hold prefix_len 0).
-_HAS_PREFIX = np.array([True, False, False, True, False, False, False])
+_HAS_PREFIX = np.array([True, False, False, True, False, False, False, False, False])
 # Tokens an op may append, indexed by op code.
-_MIN_APPEND = np.array([1, 1, 0, 1, 0, 0, 0], np.int32)
-_MAX_APPEND = np.array([2**31 - 1, 1, 2**31 - 1, 2**31 - 1, 0, 0, 0], np.int32)
+_MIN_APPEND = np.array([1, 1, 0, 1, 0, 0, 0, 0, 0], np.int32)
+_MAX_APPEND = np.array([2**31 - 1, 1, 2**31 - 1, 2**31 - 1, 0, 0, 0, 0, 0], np.int32)
 # Which op may apply to which phase: _ALLOWED[op, phase].
-_ALLOWED = np.zeros((7, 5), np.bool_)
+_ALLOWED = np.zeros((len(OPS), len(PHASE_NAMES)), np.bool_)
 for _op, _phases in (
-    (EXTEND, (NEW, PREFILL, RETRACTED)),
+    (EXTEND, (NEW, PREFILL, RETRACTED, HELD)),
     (DECODE, (PREFILL, DECODING)),
     (SPEC, (PREFILL, DECODING)),
     (PREALLOC, (NEW, RETRACTED)),
     (FINISH, (PREFILL, DECODING)),
     (RETRACT, (PREFILL, DECODING)),
     (ABORT, (PREFILL, DECODING, RETRACTED)),
+    (HOLD, (PREFILL, DECODING)),
+    (CLOSE, (HELD,)),
 ):
     _ALLOWED[_op, list(_phases)] = True
-_HOLDS_KV = np.array([False, True, True, False, False])
+_HOLDS_KV = np.array([False, True, True, False, False, True])
 # Phase a request enters with each op, indexed by op code.
 _NEXT_PHASE = np.array(
-    [PREFILL, DECODING, DECODING, DECODING, ENDED, RETRACTED, ENDED], np.int8
+    [PREFILL, DECODING, DECODING, DECODING, ENDED, RETRACTED, ENDED, HELD, ENDED], np.int8
 )
 
 
@@ -428,8 +434,10 @@ class OpSequenceChecker:
         length = self._length[rid]
         known_prompt = self._prompt[rid]
         is_new = phase == NEW
-        # Where the prefill ends: this row's prompt for a new request, else the one recorded.
-        target = np.where(is_new & (prompt_len >= 0), prompt_len, self._target[rid])
+        # Where the prefill ends: this row's prompt for a new request or a session's next
+        # turn (its prompt: the conversation so far), else the one recorded.
+        turn = (op == EXTEND) & (phase == HELD)
+        target = np.where((is_new | turn) & (prompt_len >= 0), prompt_len, self._target[rid])
         counts = np.bincount(op, minlength=len(OPS))
 
         if counts[PREALLOC] and not self.pd_decode and self._once("prealloc"):
@@ -464,23 +472,23 @@ class OpSequenceChecker:
                 & (draft_len >= 0) & (accepted_len >= 0)
             )
         ok &= np.where(
-            alloc, seq_len == length + added, np.where(op == FINISH, seq_len <= length, seq_len == length)
+            alloc, seq_len == length + added, np.where((op == FINISH) | (op == HOLD), seq_len <= length, seq_len == length)
         )
         if counts[DECODE] or counts[SPEC]:
             ok &= ~(_IS_DECODING_OP[op] & (phase == PREFILL) & (target >= 0) & (length < target))
         if counts[EXTEND]:  # a new request prefills its prompt; once a prefill is done, it decodes
             is_extend = op == EXTEND
-            ok &= ~(is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len))
+            ok &= ~(is_extend & (is_new | turn) & (prompt_len >= 0) & (seq_len > prompt_len))
             ok &= ~(is_extend & (phase == PREFILL) & (target >= 0) & (length >= target))
         ok &= ~is_new | (prompt_len >= 0)
-        ok &= (prompt_len < 0) | is_new | (known_prompt < 0) | (prompt_len == known_prompt)
+        ok &= (prompt_len < 0) | is_new | turn | (known_prompt < 0) | (prompt_len == known_prompt)
         if not ok.all():
             self._explain(batch, rows[~ok], found)
         self._check_lists(batch, rows, every, prompt_len, take(batch.append_len), rid, found)
 
         # Apply, as recorded.
         self._phase[rid] = _NEXT_PHASE[op]
-        self._length[rid] = np.where(alloc, seq_len, 0)
+        self._length[rid] = np.where(alloc | (op == HOLD), seq_len, 0)
         sets_prompt = is_new & (prompt_len >= 0)
         if sets_prompt.any():
             self._prompt[rid[sets_prompt]] = prompt_len[sets_prompt]
@@ -488,6 +496,9 @@ class OpSequenceChecker:
         if counts[RETRACT]:
             retracted = op == RETRACT
             self._target[rid[retracted]] = seq_len[retracted]
+        if counts[EXTEND]:  # a session's next turn: its prompt_len, when given, ends its prefill
+            if turn.any():
+                self._target[rid[turn]] = np.where(prompt_len[turn] >= 0, prompt_len[turn], -1)
 
     def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
         """One message per broken rule for ``rows`` (each known to break at least one)."""
@@ -502,7 +513,8 @@ class OpSequenceChecker:
         phase = self._phase[rid]
         length = self._length[rid]
         known_prompt = self._prompt[rid]
-        target = np.where((phase == NEW) & (prompt_len >= 0), prompt_len, self._target[rid])
+        turn = (op == EXTEND) & (phase == HELD)  # a session's next turn
+        target = np.where(((phase == NEW) | turn) & (prompt_len >= 0), prompt_len, self._target[rid])
         explained = np.zeros(rows.shape[0], np.bool_)
 
         def report(mask: np.ndarray, message: object) -> None:
@@ -516,10 +528,11 @@ class OpSequenceChecker:
 
         is_extend, is_decode, is_spec = op == EXTEND, op == DECODE, op == SPEC
         is_prealloc, is_finish, is_retract, is_abort = op == PREALLOC, op == FINISH, op == RETRACT, op == ABORT
+        is_hold, is_close = op == HOLD, op == CLOSE
         is_alloc = is_extend | is_decode | is_spec | is_prealloc
         is_release = ~is_alloc
         is_new, is_prefill, is_decoding = phase == NEW, phase == PREFILL, phase == DECODING
-        is_retracted, is_ended = phase == RETRACTED, phase == ENDED
+        is_retracted, is_ended, is_held = phase == RETRACTED, phase == ENDED, phase == HELD
         holds_kv = is_prefill | is_decoding
 
         # Negative counts.
@@ -566,7 +579,10 @@ class OpSequenceChecker:
             "mid-decode": is_extend & is_decoding,
             "prealloc-held": is_prealloc & holds_kv,
             "alloc-retracted": (is_decode | is_spec) & is_retracted,
-            "release-retracted": (is_finish | is_retract) & is_retracted,
+            "release-retracted": (is_finish | is_retract | is_hold) & is_retracted,
+            "held": is_held & ~is_extend & ~is_close,
+            "close-running": is_close & ~is_held & ~is_ended & ~is_new & ~is_retracted,
+            "close-retracted": is_close & is_retracted,
         }
         report(
             wrong_phase["ended"],
@@ -577,6 +593,13 @@ class OpSequenceChecker:
             lambda j: f"{OPS[op[j]]} of a request that does not exist (no extend or prealloc before it)",
         )
         report(wrong_phase["mid-decode"], "extend of a request that is mid-decode")
+        report(
+            wrong_phase["held"],
+            lambda j: f"{OPS[op[j]]} of a request its session holds (extend it for the next turn, "
+            "or close it)",
+        )
+        report(wrong_phase["close-running"], "close of a running request (hold its turn first)")
+        report(wrong_phase["close-retracted"], "close of a retracted request, which holds no KV")
         report(wrong_phase["prealloc-held"], "prealloc of a request that already holds KV")
         report(
             wrong_phase["alloc-retracted"],
@@ -596,7 +619,7 @@ class OpSequenceChecker:
         sane = ~np.logical_or.reduce(list(wrong_phase.values()))
 
         # Lengths. ``before`` is the length the op starts from.
-        before = np.where(is_new | is_retracted | is_prealloc, 0, length)
+        before = np.where(is_new | is_retracted | is_prealloc, 0, length)  # held: the held length
         expected = before + np.where(is_spec, accepted_len, append_len)
         shrinks = is_alloc & sane & (seq_len < before)
         report(
@@ -613,6 +636,11 @@ class OpSequenceChecker:
             is_extend & is_new & (prompt_len >= 0) & (seq_len > prompt_len),
             lambda j: f"extend to seq_len {int(seq_len[j])} beyond the prompt_len {int(prompt_len[j])} of a "
             "new request (it prefills its prompt, then decodes)",
+        )
+        report(
+            turn & sane & (prompt_len >= 0) & (seq_len > prompt_len),
+            lambda j: f"extend to seq_len {int(seq_len[j])} beyond the prompt_len {int(prompt_len[j])} of a "
+            "session's turn (it prefills its prompt, then decodes)",
         )
         report(
             is_extend & is_prefill & (target >= 0) & (length >= target),
@@ -635,11 +663,11 @@ class OpSequenceChecker:
             lambda j: f"{OPS[op[j]]} appends {int(append_len[j])} tokens (a release appends none)",
         )
         report(
-            is_finish & sane & (seq_len > length),
-            lambda j: f"finish seq_len {int(seq_len[j])} > current length {int(length[j])}",
+            (is_finish | is_hold) & sane & (seq_len > length),
+            lambda j: f"{OPS[op[j]]} seq_len {int(seq_len[j])} > current length {int(length[j])}",
         )
         report(
-            (is_retract | is_abort) & sane & (seq_len != length),
+            (is_retract | is_abort | is_close) & sane & (seq_len != length),
             lambda j: f"{OPS[op[j]]} seq_len {int(seq_len[j])} != current length {int(length[j])}",
         )
 
@@ -656,7 +684,7 @@ class OpSequenceChecker:
         # Prompt.
         report(is_new & sane & (prompt_len < 0), "the request's first row has no prompt_len")
         report(
-            ~is_new & sane & (prompt_len >= 0) & (known_prompt >= 0) & (prompt_len != known_prompt),
+            ~is_new & ~turn & sane & (prompt_len >= 0) & (known_prompt >= 0) & (prompt_len != known_prompt),
             lambda j: f"prompt_len {int(prompt_len[j])} differs from the request's first row "
             f"({int(known_prompt[j])})",
         )

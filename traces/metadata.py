@@ -50,6 +50,7 @@ class TraceConfig:
     radix_cache: bool = True  # the engine kept a radix prefix cache
     eviction_policy: str = "lru"  # its eviction order (SGLang's --radix-eviction-policy)
     hicache: HostTier | None = None  # HiCache's host tier under the radix cache (None: none; version 5)
+    sessions: bool = False  # streaming sessions: the trace may hold hold/close ops (version 6)
 
 
 # Bytes per element of each KV-cache dtype a trace may name (``model.dtype``).
@@ -294,6 +295,8 @@ class TraceMeta:
         """The lowest format version that holds this metadata, which a new trace is written
         as: a full-attention trace stays readable by readers of version 1, an SWA one by
         readers of version 2, a Mamba one by readers of version 3."""
+        if self.config.sessions:
+            return 6
         if self.config.hicache is not None or self.config.eviction_policy != "lru":
             return 5
         if self.namespaces is not None:
@@ -309,6 +312,8 @@ class TraceMeta:
             del out["config"]["eviction_policy"]  # the default: metadata as before policies existed
         if self.config.hicache is None:
             del out["config"]["hicache"]  # no host tier: as versions 1 to 4 wrote it
+        if not self.config.sessions:
+            del out["config"]["sessions"]  # the default: metadata as before sessions existed
         if self.recording is None:
             del out["recording"]  # what traces written without it have always held
         if self.attention is None:
@@ -370,7 +375,10 @@ class TraceMeta:
             radix_cache=_bool_of(cfg, "radix_cache", "config.", True),
             eviction_policy=_str_of(cfg, "eviction_policy", "config.", "lru"),
             hicache=_host_tier(cfg, version),
+            sessions=_bool_of(cfg, "sessions", "config.", False),
         )
+        if config.sessions and version < 6:
+            raise ValueError(f"metadata has 'config.sessions', which format version {version} does not have (6 and later)")
         model = dict(_optional_object(data, "model", "") or {})
         model.pop("bytes_per_token", None)
         source = _optional_object(data, "source", "") or {}

@@ -27,7 +27,7 @@ from traces.encoding import ARRIVAL_CHECKSUM_KEY, CHECKSUM_KEY, RECORDING_KEY, c
 from traces.errors import TraceError, TraceMetadataError, TraceReadError, TraceSchemaError, TraceVersionError
 from traces.ipc import IpcReader, ResumePoint, count_rows, os_reason
 from traces.metadata import Recording, TraceMeta, parse_meta_json
-from traces.schema import COLUMNS, MAX_RID, METADATA_KEY, OP_CODE, OPS, REQUIRED_COLUMNS, SCHEMA_VERSION
+from traces.schema import COLUMNS, HOLD, MAX_RID, METADATA_KEY, OP_CODE, OPS, REQUIRED_COLUMNS, SCHEMA_VERSION
 
 class TraceReader(IpcReader):
     """Open a trace, validate it once, and stream it step by step.
@@ -338,6 +338,13 @@ class TraceReader(IpcReader):
                     f"unknown op {bad!r} in {where()} (valid ops: {', '.join(OPS)})",
                 )
 
+        if n and not self.meta.config.sessions and int(op.max()) >= HOLD:
+            bad = OPS[int(op.max())]
+            raise self._fail(
+                TraceSchemaError,
+                f"{bad} op in {where()} but the metadata does not say config.sessions "
+                "(session ops need a version 6 trace with sessions)",
+            )
         if "prompt_len" in present:
             prompt = numpy_filled(batch.column("prompt_len"), -1).astype(np.int64, copy=False)
         else:

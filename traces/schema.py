@@ -17,14 +17,16 @@ column          type                      meaning
 ==============  ========================  =====================================================
 step            int64                     scheduler step; non-decreasing; a step's rows contiguous
 time_s          float64                   time of the step's start, seconds since trace start
-op              dictionary<int8, utf8>    extend, decode, spec, prealloc, finish, retract, abort
+op              dictionary<int8, utf8>    extend, decode, spec, prealloc, finish, retract, abort,
+                                          hold, close (streaming sessions, version 6)
 rid             int64                     dense request id (>= 0), unique within the trace
 seq_len         int64                     the request's sequence length after the op (see below)
 append_len      int32                     tokens the op appends (0 for release ops)
 draft_len       int32                     spec: draft tokens verified this step; else 0
 accepted_len    int32                     spec: tokens accepted and committed (== append_len)
 prefix_len      int64                     prefix the recording engine matched (informative)
-prompt_len      int64 (nullable)          the request's prompt length, on its first row only
+prompt_len      int64 (nullable)          the request's prompt length, on its first row only (and
+                                          a session turn's first extend, version 6)
 block_hashes    list<uint64> (nullable)   content-addressed prompt blocks, first row only
 token_ids       list<int64> (nullable)    explicit ids of the positions this op appends
 arrival_s       float64 (nullable)        the request's arrival, seconds since trace start,
@@ -46,6 +48,15 @@ Per op, ``seq_len`` and ``append_len`` mean (``L`` = the request's length before
 * ``retract``  release under memory pressure, nothing cached; ``seq_len = L``. The
                request may come back with an ``extend`` from 0.
 * ``abort``    release, nothing cached, the request ends; ``seq_len = L``.
+* ``hold``     streaming session: the turn ends and its session keeps the KV of its
+               first ``seq_len`` tokens (<= L), neither cached nor freed. The request
+               (one id per session, SGLang's streaming session) is *held*: its next
+               turn is an ``extend`` from ``seq_len`` (the held KV is its prefix), and
+               ``close`` ends it. The first ``hold`` opens the session. The
+               next turn's first ``extend`` may carry ``prompt_len``: the end of that
+               turn's prompt (the conversation so far), where its prefill is done.
+* ``close``    release of a held session's KV, nothing cached, the request ends;
+               ``seq_len = L`` (the held length).
 
 Within a step, rows are ordered by ``OP_ORDER`` (releases first, then allocations),
 which is the order an SGLang-style scheduler applies them.
@@ -84,7 +95,9 @@ Versions: 1, the columns above and the metadata without ``attention``; 2 adds th
 optional ``attention`` object and nothing else, so a version 2 trace without it
 reads exactly as version 1 did; 3 adds the optional ``mamba`` object likewise; 4 the
 optional ``namespaces`` object; 5 the optional ``config.hicache`` object and a non-LRU
-``config.eviction_policy``. Readers read every version up to
+``config.eviction_policy``; 6 the ``hold`` and ``close`` ops, which a trace may hold
+only when its metadata says ``config.sessions`` (a version 6 trace). Readers read every
+version up to
 ``SCHEMA_VERSION`` and refuse newer ones.
 
 Bounds (a trace is untrusted input: every value is checked against these before
@@ -124,7 +137,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from traces.metadata import TraceMeta
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 METADATA_KEY = b"kvtrace"
 FILE_SUFFIX = ".kvtrace"
 
@@ -137,16 +150,18 @@ MAX_SPEC_TOKENS = 1024  # speculative steps, top-k and draft tokens
 MAX_MODEL_DIM = 1 << 20  # layers, KV heads, head dim
 
 # Op kinds; the dictionary index of each is its code in the ``op`` column.
-OPS: tuple[str, ...] = ("extend", "decode", "spec", "prealloc", "finish", "retract", "abort")
+OPS: tuple[str, ...] = ("extend", "decode", "spec", "prealloc", "finish", "retract", "abort", "hold", "close")
 OP_CODE: dict[str, int] = {name: code for code, name in enumerate(OPS)}
-EXTEND, DECODE, SPEC, PREALLOC, FINISH, RETRACT, ABORT = range(len(OPS))
-RELEASE_OPS = frozenset({FINISH, RETRACT, ABORT})
+EXTEND, DECODE, SPEC, PREALLOC, FINISH, RETRACT, ABORT, HOLD, CLOSE = range(len(OPS))
+RELEASE_OPS = frozenset({FINISH, RETRACT, ABORT, HOLD, CLOSE})
 ALLOC_OPS = frozenset({EXTEND, DECODE, SPEC, PREALLOC})
+# Streaming-session ops (format version 6, ``config.sessions``).
+SESSION_OPS = frozenset({HOLD, CLOSE})
 # The order a scheduler applies a step's ops in: releases, then the new KV.
-OP_ORDER: tuple[int, ...] = (FINISH, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC)
+OP_ORDER: tuple[int, ...] = (FINISH, HOLD, CLOSE, ABORT, RETRACT, PREALLOC, EXTEND, DECODE, SPEC)
 OP_RANK: tuple[int, ...] = tuple(OP_ORDER.index(code) for code in range(len(OPS)))
 
-OpName = Literal["extend", "decode", "spec", "prealloc", "finish", "retract", "abort"]
+OpName = Literal["extend", "decode", "spec", "prealloc", "finish", "retract", "abort", "hold", "close"]
 
 OP_TYPE = pa.dictionary(pa.int8(), pa.utf8())
 

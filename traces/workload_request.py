@@ -30,6 +30,8 @@ class WorkloadRequest:
         line: line of the source file the request came from (1-based).
         namespace: its cache namespace (a LoRA adapter, ``cache_salt`` or
             ``extra_key``: ``traces.namespaces``), or None.
+        session_id: the conversation (streaming session) it is a turn of, as the
+            workload names it or as ``kvtrace.record.sessions`` infers it; None: none.
     """
 
     arrival_s: float
@@ -39,3 +41,4 @@ class WorkloadRequest:
     block_size: int | None = None
     line: int = 0
     namespace: str | None = None
+    session_id: str | None = None

@@ -14,7 +14,9 @@ Formats
               block is usually partial). Equal leading ids share a prefix, so the ids
               become content-addressed prompt blocks. Optional SGLang request fields
               ``extra_key``, ``lora_id``, ``cache_salt`` put a request in a cache
-              namespace (``traces.namespaces.sglang_namespace``).
+              namespace (``traces.namespaces.sglang_namespace``). An optional
+              ``session_id`` (string or integer) names the conversation a request is
+              a turn of (SGLang's streaming session; ``kvtrace record --sessions``).
 ``azure``     CSV (Azure/AzurePublicDataset LLM inference traces): ``TIMESTAMP``
               (wall-clock ``YYYY-MM-DD HH:MM:SS.fffffff``, any number of fractional
               digits, optional UTC offset), ``ContextTokens``, ``GeneratedTokens``.
@@ -367,7 +369,21 @@ def read_mooncake(path: str | Path, *, block_size: int = MOONCAKE_BLOCK_SIZE) ->
                 block_size=block_size,
                 line=line_no,
                 namespace=_namespace_fields(path, line_no, row),
+                session_id=_session_field(path, line_no, row),
             )
+
+
+def _session_field(path: Path, line: int, row: dict[str, Any]) -> str | None:
+    """The optional ``session_id`` of a line (a string or an integer; null: none)."""
+    value = row.get("session_id")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise WorkloadFileError(path, line, f"session_id must be a string, an integer or null, found {value!r:.40}")
+    text = str(value)
+    if not text or len(text) > 256:
+        raise WorkloadFileError(path, line, f"session_id must hold 1 to 256 characters, found {len(text)}")
+    return text
 
 
 def _namespace_fields(path: Path, line: int, row: dict[str, Any]) -> str | None:

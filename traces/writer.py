@@ -31,7 +31,7 @@ from traces.ipc import IpcFormat, os_reason
 from traces.metadata import Recording, TraceMeta, timestamp
 from traces.namespaces import NamespaceTable
 from traces.reader import TraceReader
-from traces.schema import OPS, arrow_schema
+from traces.schema import HOLD, OPS, arrow_schema
 
 Compression = Literal["zstd", "lz4"]
 COMPRESSIONS: tuple[str, ...] = ("zstd", "lz4")
@@ -292,7 +292,8 @@ class TraceWriter:
 
         Raises:
             ValueError: the step number is not greater than the previous one, columns of
-                different lengths, an op code outside ``OPS``, or a closed writer.
+                different lengths, an op code outside ``OPS``, a session op (``hold``,
+                ``close``) without ``config.sessions``, or a closed writer.
             TraceWriteError: the file cannot be written.
         """
         n = len(batch)
@@ -316,6 +317,10 @@ class TraceWriter:
                 "(write all of a step's rows in one call)"
             )
         n = len(batch)
+        if n and not self.meta.config.sessions and int(batch.op.max()) >= HOLD:
+            raise ValueError(
+                f"{OPS[int(batch.op.max())]} op in a trace without sessions (set config.sessions)"
+            )
         with _writing_step():
             self._last_step = step
             if n == 0:
@@ -346,8 +351,8 @@ class TraceWriter:
         """Append one step from array-likes, one entry per row (see ``StepBatch.from_columns``).
 
         Raises:
-            ValueError: mismatched column lengths, an unknown op, a step that does not
-                increase, or a closed writer.
+            ValueError: mismatched column lengths, an unknown op, a session op without
+                ``config.sessions``, a step that does not increase, or a closed writer.
             TraceWriteError: the file cannot be written.
         """
         self._append(

@@ -82,6 +82,7 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
     ceil_alloc = ceil_align(alloc, ps)
     check_counters(out, kv, alloc, committed, protected, ceil_alloc)
     check_conservation(out, allocator, ceil_alloc, protected)
+    check_session_held(out, allocator)
     _check_tree(out, allocator, rows, rids)
     ok_lengths = (protected >= 0) & (protected <= alloc) & (alloc <= width) & (protected % ps == 0)
     check_pages(out, allocator, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths], protected[ok_lengths])
@@ -261,6 +262,51 @@ def _check_rows(out, allocator, rows, rids) -> None:
                 Violation("rows", f"rid={int(rids[i])} holds row {int(rows[i])} but maps to row "
                           f"{int(row_of_rid[rids[i]])}", int(rids[i]), {"row": int(rows[i])})
             )
+
+
+def check_session_held(out: list[Violation], allocator: KvAllocator) -> None:
+    """Streaming sessions (``session_held``): each held request still holds its row and
+    its session's count is its ``kv_committed_len - cache_protected_len``; the kept sum
+    equals their total; and the counters conserve the pool:
+    ``available + evictable + protected + committed + overallocated + session_held ==
+    pool tokens`` (``committed`` then excludes the held KV: counted twice, it breaks)."""
+    held_of = getattr(allocator, "_session_held", None)
+    if held_of is None:
+        return
+    kv = allocator.req_kv
+    held_rids = np.flatnonzero(held_of >= 0)
+    total = 0
+    for rid in held_rids.tolist():
+        row = int(allocator.rows_by_rid()[rid])
+        if row < 0 or int(kv.rid[row]) != rid:
+            out.append(Violation("session_held", f"rid={rid}: held by its session but holds no row",
+                                 rid, {"held": int(held_of[rid])}))
+            continue
+        real = int(kv.kv_committed_len[row] - kv.cache_protected_len[row])
+        if int(held_of[rid]) != real:
+            out.append(Violation(
+                "session_held", f"rid={rid}: session holds {int(held_of[rid])} tokens, its row {real}",
+                rid, {"held": int(held_of[rid]), "row": real},
+            ))
+        total += int(held_of[rid])
+    kept = int(allocator.sum_session_held)
+    if kept != total:
+        out.append(Violation("session_held", f"sum_session_held kept as {kept}, recomputed {total}",
+                             int(held_rids[0]) if held_rids.size == 1 else None,
+                             {"kept": kept, "recomputed": total}))
+    c = allocator.counters_now()
+    parts = c.available + c.evictable + c.protected + c.committed + c.overallocated + c.session_held
+    if allocator.config.swa is None and not allocator.config.hisparse and parts != c.pool_tokens:
+        out.append(Violation(
+            "conservation",
+            f"available {c.available} + evictable {c.evictable} + protected {c.protected} + committed "
+            f"{c.committed} + overallocated {c.overallocated} + session_held {c.session_held} = {parts}, "
+            f"pool holds {c.pool_tokens}",
+            None,
+            {"available": c.available, "evictable": c.evictable, "protected": c.protected,
+             "committed": c.committed, "overallocated": c.overallocated, "session_held": c.session_held,
+             "pool_tokens": c.pool_tokens},
+        ))
 
 
 def check_counters(out: list[Violation], kv: ReqKvTable, alloc: np.ndarray, committed: np.ndarray,

@@ -195,6 +195,15 @@ def record_command(
             show_default="as the workload says (a namespaced trace keeps its namespaces)",
         ),
     ] = None,
+    sessions: Annotated[
+        bool,
+        typer.Option(
+            "--sessions",
+            help="Streaming sessions: a session per conversation, its KV held between turns (the "
+            "workload's session_id, else conversations inferred from the block hashes: a request whose "
+            "hash_ids extend an earlier one's complete blocks continues it).",
+        ),
+    ] = False,
     hicache: HiCacheOpt = None,
     hicache_ratio: HiCacheRatioOpt = None,
     hicache_size: HiCacheSizeOpt = None,
@@ -398,6 +407,7 @@ def record_command(
             command=ui.command_line(ctx.meta),
             force=ignore_memory_check,
             namespaces=namespaces,
+            sessions=sessions,
             **settings,
         )
         if fmt_name == "trace":

@@ -147,6 +147,7 @@ def replay(
     ] = CheckMode.end,
     max_violations: Annotated[Optional[int], typer.Option("--max-violations", min=1, help="Stop after this many invariant violations.", show_default="no limit")] = None,
     first_violation: Annotated[bool, typer.Option("-x", "--exitfirst", help="Stop at the first invariant violation (--max-violations 1).")] = False,
+    session_hold_bound: Annotated[Optional[int], typer.Option("--session-hold-bound", min=0, metavar="TOKENS", help="Streaming sessions: flag each turn whose session keeps more than TOKENS of KV between turns.", show_default="no bound")] = None,
     on_oom: Annotated[OnOom, typer.Option("--on-oom", help="At an out-of-memory: stop, or skip (drop the request).")] = OnOom.stop,
     on_bad_op: Annotated[OnBadOp, typer.Option("--on-bad-op", help="At an impossible op in the trace: stop, or skip it.")] = OnBadOp.stop,
     steps: Annotated[Optional[str], typer.Option("--steps", help="Replay window A:B (B exclusive); earlier steps run silently, the summary covers the window.", show_default="every step")] = None,
@@ -210,6 +211,7 @@ def replay(
         start_step=start,
         stop_step=stop,
         max_violations=1 if first_violation else max_violations,
+        session_hold_bound=session_hold_bound,
     )
     if serve is not None:
         import sys
@@ -238,7 +240,7 @@ def replay(
             with target.writing() as tmp:
                 info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
                         "allocator": session.version.spec, "config": config_dict(session.config)}
-                with StateLogWriter(tmp, info) as log:
+                with StateLogWriter(tmp, info, sessions=session.reader.meta.config.sessions) as log:
                     _run(session, log, emitter)
         result = session.result()
     summary = result.to_dict()

@@ -54,7 +54,10 @@ def state_log_info(spec: str) -> dict[str, Any]:
             top = int(np.argmax(used))
             if int(used[top]) > peaks[pool][0]:
                 peaks[pool] = (int(used[top]), int(step[top]))
-            finals[pool] = {name: int(batch.column(f"{prefix}{name}")[n - 1].as_py()) for name in PoolCounters._fields}
+            finals[pool] = {  # a log written before session_held has none
+                name: int(batch.column(f"{prefix}{name}")[n - 1].as_py())
+                for name in PoolCounters._fields if f"{prefix}{name}" in batch.schema.names
+            }
         if first_step is None:
             first_step, first_time = int(step[0]), float(time_s[0])
         last_step, last_time = int(step[-1]), float(time_s[-1])

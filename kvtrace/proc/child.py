@@ -231,7 +231,8 @@ def _replay(job: SideJob, version: Any, options: Any, checker: Any, out: BinaryI
         config = config_dict(session.config)
         control.send(Started(config, version.label, version.origin).to_wire())
         info = {"trace": job.trace_label or job.trace, "allocator": version.spec, "config": config}
-        with StateLogWriter(out, info, steps_per_batch=job.steps_per_batch, compression=None) as log:
+        with StateLogWriter(out, info, steps_per_batch=job.steps_per_batch, compression=None,
+                            sessions=session.reader.meta.config.sessions) as log:
             for snap in session.snapshots():
                 log.write(snap)
         control.send(Ended(session.result().to_dict()).to_wire())

@@ -16,6 +16,11 @@ An engine hooks it in where its scheduler applies a step's KV operations::
             rec.decode(decode_ids, seq_lens)              # one token each
             rec.end_step()                                # the step is on disk
 
+Streaming sessions (a trace whose ``meta.config.sessions`` is set): one request id
+per session. ``hold`` ends a turn and keeps its KV in the session (the first hold opens
+it); the next turn is an ``extend`` of the same id from the held length;
+``close_session`` (the ``close`` op) releases the held KV. ``abort`` of a running turn releases everything.
+
 Request ids may be any hashable (engine strings such as ``"req-8f3a"`` or ints); the
 recorder maps them to dense int ids in order of first appearance (``rid_map``).
 Ops may be added in any order within a step: ``end_step`` writes them in the
@@ -48,7 +53,7 @@ import numpy as np
 
 from traces.metadata import Recording, TraceMeta, timestamp
 from traces.namespaces import NamespaceTable, check_name
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
+from traces.schema import ABORT, CLOSE, DECODE, EXTEND, FINISH, HOLD, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -171,6 +176,7 @@ class Recorder:
         self._num_ids = 0
         self._lens = np.zeros(1024, np.int64)  # current length per dense id (append_len)
         self._seen = np.zeros(1024, np.bool_)  # has the request had a row (first-row columns)
+        self._held = np.zeros(1024, np.bool_)  # held by its session (its next extend may give prompt_len)
         self._step = -1
         self._time_s = 0.0
         self._open_step = False
@@ -196,6 +202,7 @@ class Recorder:
             size = max(top + 1, 2 * self._lens.shape[0])
             self._lens = np.concatenate([self._lens, np.zeros(size - self._lens.shape[0], np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(size - self._seen.shape[0], np.bool_)])
+            self._held = np.concatenate([self._held, np.zeros(size - self._held.shape[0], np.bool_)])
 
     def _map(self, rids: IdsLike) -> np.ndarray:
         if self._dense:
@@ -267,7 +274,8 @@ class Recorder:
             seq_lens: length after the op (positions ``[previous length, seq_len)``
                 are appended; a new or re-admitted request starts from 0).
             prefix_lens: prefix the engine's radix cache matched (informative).
-            prompt_lens: prompt length, kept on the request's first row only.
+            prompt_lens: prompt length, kept on the request's first row only, and on
+                the extend of a session's next turn (its prompt: the conversation so far).
             block_hashes: per request, content-addressed prompt blocks (uint64) or None.
             token_ids: per request, explicit ids of the appended positions, or None.
             arrival_s: when each request arrived (seconds, the clock of ``begin_step``;
@@ -384,6 +392,22 @@ class Recorder:
         ids = self._map(rids)
         self._add(ABORT, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
 
+    def hold(self, rids: IdsLike, held_lens: IntsLike | None = None) -> None:
+        """Streaming session: the turn ends and its session keeps the KV of its first
+        ``held_lens`` tokens (default its length), neither cached nor freed; the first
+        hold opens the session. The next turn is an ``extend`` of the same id from the
+        held length; ``close_session`` ends the session."""
+        ids = self._map(rids)
+        n = ids.shape[0]
+        lens = self._lens[ids].copy() if held_lens is None else _ints(held_lens, n, "held_lens")
+        self._add(HOLD, _Part(ids, lens, None, None, None, None, None, None))
+
+    def close_session(self, rids: IdsLike) -> None:
+        """The ``close`` op (``close()`` closes the recorder). Streaming session: release the KV the session holds (nothing cached); the
+        request ends. Each id must be held (``hold`` earlier, no turn since)."""
+        ids = self._map(rids)
+        self._add(CLOSE, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
+
     def end_step(self) -> None:
         """Close the step and write its rows (in ``OP_ORDER``); flushed per the batching policy.
 
@@ -427,9 +451,13 @@ class Recorder:
                 else:
                     append = np.zeros(n, np.int32)
                 # Lengths after the op; a release leaves the request holding nothing.
-                lens[ids] = 0 if op in (FINISH, ABORT, RETRACT) else seq
+                # Lengths after the op; a release leaves the request holding nothing (a
+                # hold: the session keeps the held length, the next turn's start).
+                lens[ids] = 0 if op in (FINISH, ABORT, RETRACT, CLOSE) else seq
                 first = ~seen[ids]
                 seen[ids] = True
+                turn = self._held[ids] & (op == EXTEND)  # a session's next turn
+                self._held[ids] = op == HOLD
                 ops.append(np.full(n, op, np.int8))
                 rid_cols.append(ids)
                 seq_cols.append(seq)
@@ -439,7 +467,7 @@ class Recorder:
                 accepted_cols.append(part.accepted_len if part.accepted_len is not None else zeros32)
                 prefix_cols.append(part.prefix_len if part.prefix_len is not None else np.zeros(n, np.int64))
                 if part.prompt_len is not None:
-                    prompt_cols.append(np.where(first, part.prompt_len, -1))
+                    prompt_cols.append(np.where(first | turn, part.prompt_len, -1))
                 else:
                     prompt_cols.append(np.full(n, -1, np.int64))
                 if part.arrival_s is not None:

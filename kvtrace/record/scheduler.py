@@ -74,6 +74,26 @@ with a host hit, for the model to follow once the tree is wired in:
 * Host copies stay after a load-back (duplicates); backups are written per
   ``write_policy`` on insert or eviction (docs/hicache-semantics.md).
 
+Streaming sessions (``SchedulerConfig.sessions``, the conversations of
+``kvtrace.record.sessions``): a session per conversation, one request id per session,
+as SGLang 0.5.23's ``session/streaming_session.py`` keeps it:
+
+* A turn that finishes is *held* (``hold``): its session keeps its KV and its request
+  row (``try_cache_finished_req``); only the first turn's prompt is in the radix cache
+  (``publishes_prompt``), nothing a later turn computes is.
+* The next turn waits until the previous one is held (SGLang serves one request of a
+  session at a time). Its prompt is the conversation so far: it extends the held KV
+  from the held length to its own ``input_len`` (at least one new token), and is
+  admitted like any request with the held length as its prefix match
+  (``try_match_prefix`` lends the session's record), which pins nothing of the tree.
+* The session closes (``close``: the held KV is freed, nothing cached) the step after
+  its last turn is held: the client closes it once it has its last answer. SGLang
+  also reaps a session whose optional ``timeout`` (``open_session``, none by default)
+  passes; the model has no timeout, except that when nothing can run while sessions
+  pin KV between turns it closes them all (``_abort_stuck``).
+* A retracted turn gives its KV back and re-prefills (the trace's ``retract``); an
+  aborted one ends its session, and the conversation's later turns start a new one.
+
 ``ratio`` (``new_token_ratio``) starts at 0.7, decays linearly to 0.7 * 0.14 = 0.098
 over 600 decode steps, is set to ``min(1, (sum out + 20 n) / (sum max_new + 1))``
 over the remaining requests after a retraction, and is reset to 0.7 when idle.
@@ -170,8 +190,8 @@ IN_BATCH_PREFIX_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_CHECK/DEPRIORITIZE_THR
 NUM_RESERVED_DECODE_TOKENS = 512  # --num-reserved-decode-tokens (PD decode)
 _CANDIDATE_TOKEN_CACHE = LPM_MAX_QUEUE + 32  # waiting requests whose token ids are kept
 
-# Request states.
-_WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE = range(5)
+# Request states (_HELD: a streaming session holds its KV between turns).
+_WAITING, _RUNNING, _CHUNKED, _FINISHING, _DONE, _HELD = range(6)
 
 SchedulePolicy = Literal["fcfs", "lpm"]
 
@@ -214,6 +234,8 @@ class SchedulerConfig:
         hicache: HiCache's host tier the engine is configured with (stored in the
             trace's config; the recording's admission is device-only, see the module
             docstring), or None.
+        sessions: streaming sessions: a request with a ``session_id`` is a turn of its
+            session (module docstring); the trace says ``config.sessions``.
     """
 
     page_size: int
@@ -233,6 +255,7 @@ class SchedulerConfig:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     mamba_slots: int | None = None
     hicache: HostTier | None = None
+    sessions: bool = False
 
     def trace_config(self) -> TraceConfig:
         """The serving configuration a trace recorded under this one carries."""
@@ -249,6 +272,7 @@ class SchedulerConfig:
             radix_cache=self.radix_cache,
             eviction_policy=self.eviction_policy,
             hicache=self.hicache,
+            sessions=self.sessions,
         )
 
 
@@ -290,6 +314,8 @@ class Scheduler:
             in arrival order of the admitted requests).
         config: the modelled engine's settings.
         block_size: tokens per block of the workload's block hashes (None: none).
+        session_turns: with ``config.sessions``, the number of turns of each session
+            (``kvtrace.record.sessions.SessionPlan.turns``): its last turn closes it.
     """
 
     def __init__(
@@ -299,6 +325,7 @@ class Scheduler:
         config: SchedulerConfig,
         *,
         block_size: int | None = None,
+        session_turns: dict[str, int] | None = None,
     ) -> None:
         self.alloc = allocator
         self.rec = recorder
@@ -328,6 +355,7 @@ class Scheduler:
         cap = 1024
         self.arrival = np.zeros(cap, np.float64)
         self.input_len = np.zeros(cap, np.int64)
+        self.content_len = np.zeros(cap, np.int64)  # the first turn's prompt: its block tokens
         self.max_new = np.zeros(cap, np.int64)
         self.out = np.zeros(cap, np.int64)  # generated tokens (the last has no KV yet)
         self.kv = np.zeros(cap, np.int64)  # kv_committed_len as recorded (0 when none)
@@ -337,6 +365,19 @@ class Scheduler:
         self.num_requests = 0
         self._token_cache: dict[int, np.ndarray] = {}
         self._candidate_tokens: OrderedDict[int, np.ndarray] = OrderedDict()
+        # Streaming sessions: turns per session, turns arrived, the live session's rid,
+        # each session rid's id, the turns waiting for the previous one to be held, the
+        # rids holding a row between turns (held, or a turn waiting), and the sessions
+        # to close at the next step.
+        self.session_turns = session_turns if config.sessions else None
+        self._turns_seen: dict[str, int] = {}
+        self._session_rid: dict[str, int] = {}
+        self._session_of: dict[int, str] = {}
+        self._next_turns: dict[int, list[WorkloadRequest]] = {}
+        self._idle_rows: set[int] = set()
+        self.closing: list[int] = []
+        # later turns admitted, sessions closed, and of those closed because nothing could run
+        self.session_stats = {"turns": 0, "closed": 0, "reaped": 0}
 
         self.waiting: list[int] = []  # policy order (FCFS: arrival order, retracted at the end)
         self.running = np.zeros(0, np.int64)  # decode batch, in batch order
@@ -356,7 +397,7 @@ class Scheduler:
 
     def _grow(self) -> None:
         cap = self.arrival.shape[0] * 2
-        for name in ("arrival", "input_len", "max_new", "out", "kv", "state", "_first_admitted",
+        for name in ("arrival", "input_len", "content_len", "max_new", "out", "kv", "state", "_first_admitted",
                      "first_scheduled_s", "first_token_s"):  # fmt: skip
             old = getattr(self, name)
             # Latency clocks start unknown (NaN): a request not scheduled yet has none.
@@ -366,6 +407,15 @@ class Scheduler:
 
     def _arrive(self, req: WorkloadRequest) -> None:
         """Admit one workload request into the waiting queue (or reject it, as SGLang would)."""
+        sid = req.session_id if self.session_turns is not None else None
+        if sid is not None:
+            self._turns_seen[sid] = self._turns_seen.get(sid, 0) + 1
+            rid = self._session_rid.get(sid)
+            if rid is not None:  # a later turn of a live session
+                self._next_turns.setdefault(rid, []).append(req)
+                if self.state[rid] == _HELD:
+                    self._next_turn(rid)
+                return
         if req.input_len >= self.max_req_input_len:
             self._stats["rejected"] += 1
             return
@@ -379,6 +429,7 @@ class Scheduler:
         self.num_requests += 1
         self.arrival[rid] = req.arrival_s
         self.input_len[rid] = req.input_len
+        self.content_len[rid] = req.input_len
         self.max_new[rid] = max_new
         self.hashes.append(req.block_hashes)
         self.namespaces.append(req.namespace)
@@ -387,6 +438,48 @@ class Scheduler:
             # The prefill server generated the first token.
             self.out[rid] = 1
         self.waiting.append(rid)
+        if sid is not None:
+            self._session_rid[sid] = rid
+            self._session_of[rid] = sid
+
+    def _next_turn(self, rid: int) -> None:
+        """A held session's next turn (if it has arrived) joins the waiting queue, with
+        the conversation so far as its prompt; the session closes after its last turn."""
+        sid = self._session_of[rid]
+        queued = self._next_turns.get(rid)
+        while queued:
+            req = queued.pop(0)
+            held = int(self.kv[rid])
+            end = max(req.input_len, held + 1)
+            if end >= self.max_req_input_len:
+                self._stats["rejected"] += 1
+                continue
+            max_new = max(0, min(req.output_len, self.max_req_len - end - 1))
+            max_new = max(0, min(max_new, self.cfg.pool_tokens - ceil_align(end, self.ps) - self.ps - 1))
+            self.input_len[rid] = end
+            self.max_new[rid] = max_new
+            self.out[rid] = 0
+            self.state[rid] = _WAITING
+            self.waiting.append(rid)
+            self.session_stats["turns"] += 1
+            return
+        assert self.session_turns is not None
+        if self._turns_seen[sid] >= self.session_turns.get(sid, 0):
+            self.closing.append(rid)
+
+    def _end_session(self, rid: int) -> None:
+        sid = self._session_of.pop(rid)
+        if self._session_rid.get(sid) == rid:
+            del self._session_rid[sid]
+        dropped = self._next_turns.pop(rid, [])
+        self._stats["rejected"] += len(dropped)
+        self._idle_rows.discard(rid)
+
+    def _held_prefix(self, rid: int) -> int | None:
+        """A session turn's prefix: the KV its session holds (None: not a held turn)."""
+        if rid in self._idle_rows:
+            return int(self.kv[rid])
+        return None
 
     def _fill_len(self, rid: int) -> int:
         """Tokens a (re-)prefill computes: prompt plus the outputs kept over a retraction."""
@@ -403,7 +496,7 @@ class Scheduler:
                 del self._candidate_tokens[rid]
                 self._token_cache[rid] = cached
         if cached is None or cached.shape[0] < end:
-            prompt_len = int(self.input_len[rid])
+            prompt_len = int(self.content_len[rid])
             cached = in_namespace(
                 self.tokens.tokens(rid, max(end, prompt_len), prompt_len, self.hashes[rid]), self.namespaces[rid]
             )
@@ -443,9 +536,13 @@ class Scheduler:
                 and self.chunked is None
                 and not self.waiting
                 and self.finishing.shape[0] == 0
+                and not self.closing
             )
             if idle:
                 if pending is None:
+                    if self._idle_rows:  # a session whose later turns never came: the client closes it
+                        self.closing.extend(sorted(self._idle_rows))
+                        continue
                     break
                 # Nothing to run: jump to the next arrival (SGLang resets the ratio when idle).
                 self.clock = max(self.clock, pending.arrival_s)
@@ -495,9 +592,19 @@ class Scheduler:
 
     def _abort_stuck(self) -> None:
         """Nothing can ever run again: drop what waits, counted as rejected (a guard:
-        every accepted prompt and its clipped generation fit an empty pool)."""
+        every accepted prompt and its clipped generation fit an empty pool). While
+        sessions hold KV between turns they are closed first (their waiting turns
+        dropped), as SGLang's session timeout would reap them: the KV they pin can keep
+        the head of the queue from ever fitting."""
+        if self._idle_rows:
+            self.closing.extend(sorted(self._idle_rows))
+            self.session_stats["reaped"] += len(self._idle_rows)
+            return
         self._stats["rejected"] += len(self.waiting)
         for rid in self.waiting:
+            if rid in self._idle_rows:  # a session turn: its session still holds KV
+                self.closing.append(rid)
+                continue
             self.state[rid] = _DONE
             self._token_cache.pop(rid, None)
         self.waiting = []
@@ -541,10 +648,19 @@ class Scheduler:
     # ------------------------------------------------------------------ release
 
     def _release_finished(self) -> bool:
+        closed = self._close_sessions()
         rids = self.finishing
         if rids.shape[0] == 0:
-            return False
+            return closed
         self.finishing = np.zeros(0, np.int64)
+        if self._session_of:
+            in_session = np.fromiter((r in self._session_of for r in rids.tolist()), np.bool_, rids.shape[0])
+            if in_session.any():
+                self._hold(rids[in_session])
+                rids = rids[~in_session]
+                if rids.shape[0] == 0:
+                    self.batch_is_full = False
+                    return True
         # owned_kv_len(): min(committed, prompt + output through the stop).
         owned = np.minimum(self.kv[rids], self.input_len[rids] + self.max_new[rids])
         if self.cfg.radix_cache:
@@ -561,6 +677,40 @@ class Scheduler:
         self.batch_is_full = False
         return True
 
+    def _hold(self, rids: np.ndarray) -> None:
+        """Finished session turns: their sessions keep their KV (``hold``)."""
+        held = np.minimum(self.kv[rids], self.input_len[rids] + self.max_new[rids])
+        self.alloc.hold(rids, held)  # type: ignore[attr-defined]
+        self.rec.hold(rids, held)
+        self.kv[rids] = held
+        self.state[rids] = _HELD
+        self._stats["finished"] += int(rids.shape[0])
+        self.batch_is_full = False
+        for rid in rids.tolist():
+            self._idle_rows.add(rid)
+            self._next_turn(rid)
+
+    def _close_sessions(self) -> bool:
+        """Close the sessions whose conversation ended (``close``: their KV is freed)."""
+        if not self.closing:
+            return False
+        rids = np.array(sorted(set(self.closing)), np.int64)
+        self.closing = []
+        res = self.alloc.close_session(rids)  # type: ignore[attr-defined]
+        self._stats["evicted_tokens"] += res.evicted_tokens
+        self.rec.close_session(rids)
+        self.kv[rids] = 0
+        self.state[rids] = _DONE
+        for rid in rids.tolist():
+            if rid in self.waiting:  # a turn waiting for a session reaped (_abort_stuck)
+                self.waiting.remove(rid)
+                self._stats["rejected"] += 1
+            self._token_cache.pop(rid, None)
+            self._end_session(rid)
+        self.session_stats["closed"] += int(rids.shape[0])
+        self.batch_is_full = False
+        return True
+
     # ------------------------------------------------------------------ prefill
 
     def _lpm_sort(self) -> dict[int, int]:
@@ -573,7 +723,8 @@ class Scheduler:
         deprioritized: set[int] = set()
         for rid in self.waiting:
             end = self._fill_len(rid)
-            prefix = self.alloc.match_prefix(self._token_ids(rid, end, cache=False))
+            held = self._held_prefix(rid)
+            prefix = self.alloc.match_prefix(self._token_ids(rid, end, cache=False)) if held is None else held
             matches[rid] = prefix
             if prefix <= IN_BATCH_PREFIX_THRESHOLD:
                 hashes = self.hashes[rid]
@@ -588,7 +739,8 @@ class Scheduler:
         return matches
 
     def _num_allocatable(self, running_bs: int, held_rows: int) -> int:
-        rows_used = running_bs + (1 if self.chunked is not None else 0)
+        # sessions' rows between turns are taken too (SGLang frees them on close)
+        rows_used = running_bs + (1 if self.chunked is not None else 0) + len(self._idle_rows)
         free_rows = self.cfg.max_running - rows_used
         allocatable = min(self.cfg.max_running - running_bs, free_rows + held_rows)
         if self.cfg.mamba_slots is not None:
@@ -688,12 +840,14 @@ class Scheduler:
                 self.batch_is_full = True
                 break
             fill = self._fill_len(rid)
-            prefix = matches.get(rid)
-            if prefix is None or not cfg.radix_cache:
+            held = self._held_prefix(rid)
+            prefix = matches.get(rid) if held is None else held
+            if held is None and (prefix is None or not cfg.radix_cache):
                 prefix = self.alloc.match_prefix(self._token_ids(rid, fill, cache=False)) if cfg.radix_cache else 0
             max_new = int(min(max(self.max_new[rid] - self.out[rid], 0), CLIP_MAX_NEW_TOKENS))
             extend = fill - prefix
-            pinned = min(prefix, max(evictable - locked, 0))
+            # a session's held KV is its own, not the tree's: admitting the turn pins nothing
+            pinned = 0 if held is not None else min(prefix, max(evictable - locked, 0))
             total_tokens = extend + max_new + ps
             if not total_tokens < remaining_total() - pinned:
                 self.batch_is_full = bool(batch) or running_bs > 0
@@ -786,6 +940,9 @@ class Scheduler:
                 new_chunked = None
         prefix_lens = result.prefix_lens if result.prefix_lens is not None else np.zeros(len(batch), np.int64)
         prefix_lens = np.asarray(prefix_lens, np.int64)
+        # a session's turn starts: it runs on its row again, and its extend says where its prompt ends
+        turn = np.fromiter((r in self._idle_rows for r in rids.tolist()), np.bool_, rids.shape[0])
+        self._idle_rows.difference_update(rids.tolist())
         self._stats["evicted_tokens"] += result.evicted_tokens
         self._stats["prefill_steps"] += 1
 
@@ -797,7 +954,7 @@ class Scheduler:
             self.first_scheduled_s[rids[first]] = self.clock
             self._stats["prefix_hit_tokens"] += int(prefix_lens[first].sum())
             self._stats["prompt_tokens"] += int(self.input_len[rids[first]].sum())
-        prompt_lens = np.where(first, self.input_len[rids], -1)
+        prompt_lens = np.where(first | turn, self.input_len[rids], -1)
         hashes = [self.hashes[r] if f else None for r, f in zip(rids.tolist(), first.tolist())]
         self.rec.extend(
             rids,
@@ -975,6 +1132,8 @@ class Scheduler:
             self.rec.retract(rids)
         else:
             self.rec.abort(rids)
+            if rid in self._session_of:  # SGLang: an aborted turn ends its session's record
+                self._end_session(rid)
         # A retracted request keeps its outputs: its re-prefill (or, in PD decode, its
         # re-pre-allocation) covers the prompt and outputs, the KV it had committed.
         self.kv[rid] = 0

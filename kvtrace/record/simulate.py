@@ -76,6 +76,9 @@ class RecordOptions:
     attention: AttentionLayout | None = None  # None: full attention
     mamba: MambaLayout | None = None  # None: no linear-attention layers
     hicache: HostTier | None = None  # HiCache's host tier (stored in the trace's config), None: none
+    # streaming sessions: a session per conversation (kvtrace.record.sessions: named by the
+    # workload's session_id, else inferred from the block hashes)
+    sessions: bool = False
     duration_s: float | None = None
     time_scale: float = 1.0
     rate: float | None = None
@@ -136,7 +139,24 @@ def record_workload(
         )
         if options.namespaces:
             stream = round_robin_namespaces(stream, options.namespaces, max_input_len)
+        if plan is not None:
+            return iter(plan.requests)
         return stream
+
+    plan = None
+    if options.sessions:
+        from kvtrace.record.sessions import plan_sessions
+
+        unserved = [name for name, on in (
+            ("PD decode", options.pd_decode), ("HiSparse", options.hisparse), ("Mamba layers", options.mamba is not None),
+            ("sliding-window layers", options.attention is not None and bool(options.attention.swa_layer_ids)),
+            ("cache namespaces", bool(options.namespaces)),
+        ) if on]  # fmt: skip
+        if unserved:
+            raise ValueError(f"streaming sessions are modelled for full-attention pools only, not with {unserved[0]}")
+        plan = plan_sessions(requests())
+        if any(req.namespace is not None for req in plan.requests):
+            raise ValueError("streaming sessions are not modelled with cache namespaces (the workload names some)")
 
     refuse_sliding_window(
         options.model.name, options.attention,
@@ -189,6 +209,7 @@ def record_workload(
         step_time=options.step_time,
         mamba_slots=None if options.mamba is None else options.mamba.mamba_cache_size,
         hicache=options.hicache,
+        sessions=options.sessions,
     )
     source = source or known_source(options.workload, options.fmt)
     meta = TraceMeta(
@@ -244,7 +265,9 @@ def record_workload(
             command=options.command,
         )
     with recorder:
-        scheduler = Scheduler(allocator, recorder, config, block_size=block_size)
+        scheduler = Scheduler(
+            allocator, recorder, config, block_size=block_size, session_turns=None if plan is None else plan.turns
+        )
         summary = scheduler.run(requests(), progress=progress, total=total)
     violations = [
         f"{v.check}: {v.detail}" + (f" (request {v.rid})" if v.rid is not None else "")
@@ -339,7 +362,7 @@ class DiscardRecorder:
     def extend(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    prealloc = decode = spec = finish = retract = abort = extend
+    prealloc = decode = spec = finish = retract = abort = hold = close_session = extend
 
     def __enter__(self) -> DiscardRecorder:
         return self

@@ -65,7 +65,7 @@ from kvtrace.replay.snapshot import (
 )
 from traces.batches import StepBatch
 from traces.metadata import TraceMeta
-from traces.schema import ABORT, DECODE, EXTEND, FINISH, MAX_RID, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
+from traces.schema import ABORT, CLOSE, DECODE, EXTEND, FINISH, HOLD, MAX_RID, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 from traces.tokens import TokenStore
 
 if TYPE_CHECKING:
@@ -153,6 +153,9 @@ class ReplayOptions:
             call where the allocator supports it (``traces.runs``; same results). The
             session's allocator then runs ahead of the snapshot being returned within
             a run; False keeps it in step after every snapshot.
+        session_hold_bound: streaming sessions: a violation (``session_hold_bound``,
+            blamed on the request) for each turn whose session keeps more than this many
+            tokens of KV (None: no bound).
     """
 
     check: CheckMode = "end"
@@ -163,6 +166,7 @@ class ReplayOptions:
     max_violations: int | None = None
     state_digest: bool = False
     decode_runs: bool = True
+    session_hold_bound: int | None = None
 
 
 class BadTraceOp(TraceError):
@@ -390,6 +394,8 @@ class ReplayEngine:
         else:
             pool = self.allocator.counters()
         used = pool.used_tokens
+        if pool.session_held > st.peak_session_held:
+            st.peak_session_held = pool.session_held
         if used > st.peak_used_tokens or st.peak_step is None:
             st.peak_used_tokens = used
             st.peak_step = batch.step
@@ -712,6 +718,13 @@ class ReplayEngine:
 
     def _remember_prompts(self, batch: StepBatch, ok: np.ndarray | None) -> None:
         seen = self._req["seen"].a
+        # A session's next turn (an extend of a held request) may give its prompt's end.
+        held = self._req["phase"].a[batch.rid] == FINISHED
+        turn = seen[batch.rid] & held & (batch.op == EXTEND) & (batch.prompt_len >= 0)
+        if ok is not None:
+            turn &= ok
+        if turn.any():
+            self._req["prefill_target"].a[batch.rid[turn]] = batch.prompt_len[turn]
         new = ~seen[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
         if ok is not None:
             new &= ok
@@ -740,6 +753,46 @@ class ReplayEngine:
             phase[batch.rid[rows]] = SPEC_PHASE
         elif op == PREALLOC:
             self._prealloc(batch, rows)
+        elif op in (HOLD, CLOSE):
+            self._session_op(op, batch, rows)
+            phase[batch.rid[rows]] = FINISHED  # the turn (hold) or the session (close) ended
+
+    def _session_op(self, op: int, batch: StepBatch, rows: np.ndarray) -> None:
+        """A streaming session's ``hold`` (the turn's KV stays) or ``close`` (it goes)."""
+        alloc = self.allocator
+        config = getattr(alloc, "config", None)
+        if not hasattr(alloc, "hold"):
+            raise BadTraceOp(
+                f"step {batch.step}: {OPS[op]} op, but the {type(alloc).__name__} allocator has no streaming sessions"
+            )
+        if getattr(config, "swa", None) is not None or getattr(config, "hisparse", False):
+            raise BadTraceOp(
+                f"step {batch.step}: {OPS[op]} op, but streaming sessions are modelled for full-attention, "
+                "non-HiSparse pools only"
+            )
+        rids = batch.rid[rows]
+        t0 = self._clock()
+        if op == HOLD:
+            res = alloc.hold(rids, batch.seq_len[rows])  # type: ignore[attr-defined]
+            self.stats.session_holds += int(rids.size)
+            bound = self.options.session_hold_bound
+            if bound is not None and self._in_window:
+                for rid in rids.tolist():
+                    info = alloc.kv_info(rid)
+                    held = 0 if info is None else info.kv_committed_len
+                    if held > bound:
+                        self._violation(
+                            rid, "session_hold_bound",
+                            f"its session holds {held} tokens of KV between turns, past the bound {bound}",
+                        )
+        else:
+            res = alloc.close_session(rids)  # type: ignore[attr-defined]
+            self.stats.session_closes += int(rids.size)
+        self.stats.allocator_s += self._clock() - t0
+        self._after_release(rids, res, "finish" if op == HOLD else "abort")
+        self._check_call(rids)
+        if op == CLOSE:
+            self._tokens.drop(rids)
 
     def _release(self, op: int, batch: StepBatch, rows: np.ndarray, quiet: bool) -> None:
         alloc = self.allocator

@@ -70,6 +70,7 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "finishes": stats.finishes,
         "retractions": stats.retractions,
         "aborts": stats.aborts,
+        **_sessions_summary(result),
         "oom": asdict(stats.oom) if stats.oom is not None else None,
         "num_ooms": stats.num_ooms,
         "dropped_requests": stats.dropped_requests,
@@ -81,6 +82,22 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "stopped_early": result.stopped_early,
         "truncated": result.truncated,
         **_pools_summary(result),
+    }
+
+
+def _sessions_summary(result: ReplayResult) -> dict[str, Any]:
+    """``{"session_held": ...}`` for a trace with streaming sessions: the turns whose KV
+    their session kept, the sessions closed, and the most KV held between turns at a
+    step's end; empty otherwise, so that such a summary is what it was before sessions."""
+    if not result.sessions:
+        return {}
+    stats = result.stats
+    return {
+        "session_held": {
+            "holds": stats.session_holds,
+            "closes": stats.session_closes,
+            "peak_tokens": stats.peak_session_held,
+        }
     }
 
 
@@ -163,6 +180,13 @@ def render_replay_summary(
         f"{count(oa['held_at_end'], 'speculative slot')}; page-tail padding at end {oa['page_tail_at_end']:,}",
     )
     table.add_row("releases", f"{s['finishes']:,} finished, {s['retractions']:,} retracted, {s['aborts']:,} aborted")
+    sh = s.get("session_held")
+    if sh and (sh["holds"] or sh["closes"]):
+        table.add_row(
+            "sessions",
+            f"{sh['holds']:,} turns held, {sh['closes']:,} closed; at most "
+            f"{count(sh['peak_tokens'], 'token')} held between turns",
+        )
     oom = s["oom"]
     if oom is None:
         table.add_row("out of memory", "none")

@@ -89,6 +89,9 @@ class ReplayStats:
     retractions: int = 0
     aborts: int = 0
     finishes: int = 0
+    session_holds: int = 0  # streaming sessions: turns whose KV their session kept
+    session_closes: int = 0
+    peak_session_held: int = 0  # the most KV sessions held between turns at a step's end
     oom: OomRecord | None = None
     num_ooms: int = 0
     ooms_by_pool: dict[str, int] = field(default_factory=dict)  # out-of-memories by the pool that ran short
@@ -120,6 +123,7 @@ class ReplayResult:
     # allocator has several; empty for a full-attention model (its one pool is the
     # summary's top level)
     pools_at_end: dict[str, PoolCounters] = field(default_factory=dict)
+    sessions: bool = False  # the trace has streaming sessions (its summary says what they held)
 
     @property
     def failed(self) -> bool:

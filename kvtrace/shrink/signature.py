@@ -29,7 +29,7 @@ KINDS: tuple[Kind, ...] = ("violation", "oom", "divergence")
 CHECKS: tuple[str, ...] = (
     "conservation", "counters", "device", "double_free", "hisparse", "inflight", "leak", "lengths", "mapping",
     "namespace", "ownership", "residency", "row", "row_width", "rows", "state_reuse", "tracking", "tree",
-    "tree_ledger", "window",
+    "tree_ledger", "window", "session_held", "session_hold_bound",
 )
 
 

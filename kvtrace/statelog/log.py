@@ -16,6 +16,9 @@ prefixed by the pool (``swa_available``, ``mamba_available``, ...: ``state_log_s
 sliding-window model's each listed request's SWA cursor (``req_swa_evicted``, its
 ``swa_evicted_seqlen``); a
 log without them (a full-attention model's, or one written before them) has one pool.
+The ``session_held`` counter (and ``{pool}_session_held``) is a column only in the log
+of a trace with streaming sessions, so that any other log is what it was before
+sessions existed; a log without it reads as 0.
 
 The same records, as an uncompressed IPC *stream*, are the per-step record stream a
 ``kvtrace diff`` side sends its parent over a pipe (``kvtrace.proc.child``).
@@ -46,6 +49,9 @@ from traces.ipc import IpcReader
 
 
 _POOL_FIELDS = PoolCounters._fields
+# The counter a log holds only for a trace with streaming sessions.
+SESSION_HELD = "session_held"
+_LOGGED_FIELDS = tuple(name for name in _POOL_FIELDS if name != SESSION_HELD)
 # RequestDelta fields -> list columns (name, Arrow type, numpy dtype)
 _REQUEST_COLUMNS = (
     ("req_rid", pa.int64(), np.int64),
@@ -66,7 +72,7 @@ EVENT_TYPE = pa.struct(
 )
 STATE_LOG_SCHEMA = pa.schema(
     [pa.field("step", pa.int64(), nullable=False), pa.field("time_s", pa.float64(), nullable=False)]
-    + [pa.field(name, pa.int64(), nullable=False) for name in _POOL_FIELDS]
+    + [pa.field(name, pa.int64(), nullable=False) for name in _LOGGED_FIELDS]
     + [
         pa.field("num_ops", pa.int32(), nullable=False),
         pa.field("allocator_s", pa.float64(), nullable=False),
@@ -81,17 +87,24 @@ STATE_LOG_SCHEMA = pa.schema(
 SWA_EVICTED_COLUMN = "req_swa_evicted"
 
 
-def state_log_schema(other_pools: tuple[str, ...] = ()) -> pa.Schema:
+def state_log_schema(other_pools: tuple[str, ...] = (), sessions: bool = False) -> pa.Schema:
     """The state log's schema for an allocator whose pools after the full one are
     ``other_pools`` (``POOL_NAMES[1:]``, in order): ``STATE_LOG_SCHEMA`` plus, per
     pool, one column per counter named ``{pool}_{field}``, and with an SWA pool the
-    requests' SWA cursors (``SWA_EVICTED_COLUMN``, a list column like ``req_rid``)."""
-    if not other_pools:
+    requests' SWA cursors (``SWA_EVICTED_COLUMN``, a list column like ``req_rid``).
+    With ``sessions`` (a trace with streaming sessions), each pool's ``session_held``
+    counter too, after its other counters."""
+    if not other_pools and not sessions:
         return STATE_LOG_SCHEMA
+    fields = _POOL_FIELDS if sessions else _LOGGED_FIELDS
+    base = list(STATE_LOG_SCHEMA)
+    if sessions:
+        at = base.index(STATE_LOG_SCHEMA.field(_LOGGED_FIELDS[-1])) + 1
+        base.insert(at, pa.field(SESSION_HELD, pa.int64(), nullable=False))
     cursors = [pa.field(SWA_EVICTED_COLUMN, pa.list_(pa.int64()))] if "swa" in other_pools else []
     return pa.schema(
-        list(STATE_LOG_SCHEMA)
-        + [pa.field(f"{pool}_{name}", pa.int64(), nullable=False) for pool in other_pools for name in _POOL_FIELDS]
+        base
+        + [pa.field(f"{pool}_{name}", pa.int64(), nullable=False) for pool in other_pools for name in fields]
         + cursors
     )
 
@@ -117,6 +130,7 @@ class StateLogWriter:
         info: JSON-able description stored in the schema metadata (trace, allocator, options).
         steps_per_batch: snapshots buffered per record batch (each batch is flushed).
         compression: ``zstd`` (files), or None (pipes: no CPU spent on it).
+        sessions: the trace has streaming sessions: the log has ``session_held`` columns.
 
     Raises:
         TraceError: the file cannot be created.
@@ -128,6 +142,7 @@ class StateLogWriter:
         info: dict[str, Any],
         steps_per_batch: int = 256,
         compression: str | None = "zstd",
+        sessions: bool = False,
     ) -> None:
         meta = {"version": STATE_LOG_VERSION, **info}
         self._metadata = {STATE_LOG_METADATA_KEY: json.dumps(meta).encode()}
@@ -146,6 +161,7 @@ class StateLogWriter:
         self._writer: Any = None
         self._schema = STATE_LOG_SCHEMA
         self._steps_per_batch = steps_per_batch
+        self._sessions = sessions
         self._buf: list[StepSnapshot] = []
         self.steps_written = 0
 
@@ -175,7 +191,7 @@ class StateLogWriter:
         self.steps_written += block.num_steps
 
     def _start(self, other_pools: tuple[str, ...]) -> None:
-        self._schema = state_log_schema(other_pools).with_metadata(self._metadata)
+        self._schema = state_log_schema(other_pools, self._sessions).with_metadata(self._metadata)
         if self.path is not None:
             self._writer = pa.ipc.new_file(self._sink, self._schema, options=self._options)
         else:
@@ -204,7 +220,7 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
     """A block of snapshots -> one record batch of the state log schema (one row per step)."""
     n = block.num_steps
     cols: dict[str, Any] = {"step": pa.array(block.steps), "time_s": pa.array(block.times)}
-    for i, name in enumerate(_POOL_FIELDS):
+    for i, name in enumerate(_POOL_FIELDS):  # session_held: only where the schema has it
         cols[name] = pa.array(block.pools[:, i])
     cols["num_ops"] = pa.array(block.num_ops)
     cols["allocator_s"] = pa.array(block.allocator_s)
@@ -324,6 +340,14 @@ def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnaps
     return info, snapshots()
 
 
+def _pool_column(col: dict[str, pa.Array], name: str) -> np.ndarray:
+    """A pool counter's column; zeros for ``session_held`` in a log without it (a trace
+    without sessions, or a log written before them)."""
+    if name not in col and name.endswith(SESSION_HELD):
+        return np.zeros(len(col["step"]), np.int64)
+    return col[name].to_numpy()
+
+
 def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
     """The steps of one record batch of a state log as a ``SnapshotBlock`` (columns, no
     per-step objects: what a dashboard folds at thousands of steps a second)."""
@@ -344,7 +368,7 @@ def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
     return SnapshotBlock(
         steps=steps.astype(np.int64, copy=False),
         times=col["time_s"].to_numpy(),
-        pools=np.stack([col[name].to_numpy() for name in _POOL_FIELDS], axis=1).astype(np.int64, copy=False),
+        pools=np.stack([_pool_column(col, name) for name in _POOL_FIELDS], axis=1).astype(np.int64, copy=False),
         keyframes=col["keyframe"].to_numpy(zero_copy_only=False),
         num_ops=col["num_ops"].to_numpy(),
         allocator_s=col["allocator_s"].to_numpy(),
@@ -375,7 +399,8 @@ def _other_pools_of(batch: pa.RecordBatch) -> np.ndarray | None:
     pools = other_pools_of(batch.schema)
     if not pools:
         return None
-    cols = [[batch.column(f"{pool}_{name}").to_numpy() for name in _POOL_FIELDS] for pool in pools]
+    col = {name: batch.column(name) for name in batch.schema.names}
+    cols = [[_pool_column(col, f"{pool}_{name}") for name in _POOL_FIELDS] for pool in pools]
     return np.stack([np.stack(c, axis=1) for c in cols], axis=1).astype(np.int64, copy=False)
 
 
@@ -384,7 +409,7 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
     column, written before it existed, reads with ``digest=None``)."""
     n = batch.num_rows
     col = {name: batch.column(name) for name in batch.schema.names}
-    pools = [col[name].to_numpy() for name in _POOL_FIELDS]
+    pools = [_pool_column(col, name) for name in _POOL_FIELDS]
     steps = col["step"].to_numpy()
     times = col["time_s"].to_numpy()
     num_ops = col["num_ops"].to_numpy()

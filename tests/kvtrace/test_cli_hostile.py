@@ -177,9 +177,9 @@ def test_the_exact_lines_of_the_errors_that_were_already_clear(tmp_path: Path) -
         p.endswith("request -1: request id outside [0, 630) (ids are dense, from 0, fewer than the trace's 630 rows)")
         for p in validate_problems(negative)
     )
-    newer = edited(tmp_path, "mooncake-tiny", meta=lambda m: m.update(format_version=6))
+    newer = edited(tmp_path, "mooncake-tiny", meta=lambda m: m.update(format_version=7))
     code, _, err = invoke("replay", str(newer))
-    assert code == 2 and "format version 6, but this kvtrace reads format version 5 at most" in one_error_line(err)
+    assert code == 2 and "format version 7, but this kvtrace reads format version 6 at most" in one_error_line(err)
 
 
 def test_record_with_an_impossible_pool_is_one_line(tmp_path: Path) -> None:

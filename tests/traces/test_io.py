@@ -101,7 +101,9 @@ def step_lists(draw: st.DrawFn) -> list[StepBatch]:
 def test_round_trip_is_identical(steps: list[StepBatch], compression: str, steps_per_batch: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "t.kvtrace"
-        write_steps(path, steps, compression=compression, steps_per_batch=steps_per_batch)
+        # every op kind, the session ops included (a sessions trace may hold them)
+        meta = make_meta(sessions=True)
+        write_steps(path, steps, meta=meta, compression=compression, steps_per_batch=steps_per_batch)
         back, reader = read_all(path)
     expected = [s for s in steps if len(s)]  # a step without rows is not written
     assert len(back) == len(expected)
@@ -109,7 +111,7 @@ def test_round_trip_is_identical(steps: list[StepBatch], compression: str, steps
         assert got.equals(want), (got, want)
         assert got.is_op_ordered()
     assert not reader.truncated and reader.truncation_detail is None
-    assert reader.meta == make_meta()
+    assert reader.meta == make_meta(sessions=True)
 
 
 def test_rows_are_sorted_stably_into_op_order(tmp_path: Path) -> None:
@@ -394,7 +396,7 @@ def _schema_with(metadata: bytes | None, drop: str | None = None, retype: tuple[
 def test_open_errors(tmp_path: Path) -> None:
     good_meta = make_meta().to_json().encode()
     newer = json.loads(good_meta)
-    newer["format_version"] = 6
+    newer["format_version"] = 7
     no_config = json.loads(good_meta)
     del no_config["config"]["pool_tokens"]
     (tmp_path / "adir").mkdir()
@@ -410,7 +412,7 @@ def test_open_errors(tmp_path: Path) -> None:
         "empty.kvtrace": (TraceReadError, "is empty"),
         "text.kvtrace": (TraceReadError, "is not an Arrow IPC stream"),
         "file-format.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),  # read, then judged
-        "newer.kvtrace": (TraceVersionError, "format version 6, but this kvtrace reads format version 5 at most; upgrade kvtrace"),
+        "newer.kvtrace": (TraceVersionError, "format version 7, but this kvtrace reads format version 6 at most; upgrade kvtrace"),
         "nometa.kvtrace": (TraceMetadataError, "has no kvtrace metadata"),
         "badjson.kvtrace": (TraceMetadataError, "kvtrace metadata is not valid JSON"),
         "badmeta.kvtrace": (TraceMetadataError, "'config.pool_tokens' is missing"),

@@ -286,7 +286,7 @@ def test_bad_request_ids_and_op_codes() -> None:
         step(0, row("extend", 0, 1, 1)).block_hashes, step(0, row("extend", 0, 1, 1)).token_ids,
     )
     problems, _ = run([bad_op])
-    assert messages(problems) == ["step 0, request 0: unknown op code 9 (valid: 0..6)"]
+    assert messages(problems) == ["step 0, request 0: unknown op code 9 (valid: 0..8)"]
 
 
 def test_problem_records() -> None:
