@@ -31,8 +31,8 @@ from kvtrace.cli import command, ui
 from kvtrace.cli.options import Codec, Device, DeviceOpt, EvictionPolicyOpt, ForceOpt, IgnoreMemoryCheckOpt, JsonOpt, NoColorOpt, QuietOpt, examples, finite
 from kvtrace.cli.record_hicache import HiCacheOpt, HiCacheRatioOpt, HiCacheSizeOpt, HiCacheWritePolicyOpt, host_tier_option
 from kvtrace.cli.spec_option import parse_spec
-from kvtrace.cli.workload_format import infer_format
-from kvtrace.errors import ConfigError, EmptyRecordingError, KvtraceError, TraceError, WorkloadError
+from kvtrace.cli.workload_format import check_rate, infer_format, note_trace_workload, read_once
+from kvtrace.errors import ConfigError, EmptyRecordingError, WorkloadError
 from kvtrace.record.serving import (
     DEFAULT_CHUNK,
     DEFAULT_CONTEXT_LEN,
@@ -319,7 +319,7 @@ def record_command(
     inputs = ([] if from_stdin else [workload]) + ([] if like is None else [Path(like)])
     target = OutputFile(out, force=force, inputs=inputs)
     shown = "<stdin>" if from_stdin else str(workload)
-    with _read_once(workload, shown) as readable:
+    with read_once(workload, shown) as readable:
         fmt_name = fmt.value if fmt is not None else infer_format(readable, shown)
         given = {
             "pool_tokens": pool_tokens, "page_size": page_size, "max_running": max_running, "context_len": context_len,
@@ -411,7 +411,7 @@ def record_command(
             **settings,
         )
         if fmt_name == "trace":
-            _note_trace_workload(readable, shown)
+            note_trace_workload(readable, shown)
         wall0 = time.perf_counter()
         try:
             with target.recording() as live, ui.terminate_on_signals(), _progress(quiet or as_json) as progress_cb:
@@ -461,70 +461,6 @@ def _swa_switches(layout: Any, draft_swa_window: int | None, release_prefill_swa
     if release_prefill_swa is not None:
         layout = dataclasses.replace(layout, release_prefill_swa=release_prefill_swa)
     return layout
-
-
-@contextmanager
-def _read_once(workload: Path, shown: str) -> Iterator[Path]:
-    """The workload as a path that may be opened again (``workloads.rereadable``: a
-    stream is copied as it is read, once); errors that name the copy name ``shown``.
-
-    Raises:
-        WorkloadError: the workload cannot be read.
-    """
-    from traces import workloads
-
-    try:
-        with workloads.rereadable(workload) as readable:
-            if readable == workload:
-                yield readable
-                return
-            try:
-                yield readable
-            except workloads.WorkloadFileError as exc:
-                raise WorkloadError(f"{shown}{':' + str(exc.line) if exc.line else ''}: {exc.message}") from None
-            except TraceError as exc:
-                if str(readable) not in str(exc):
-                    raise
-                raise type(exc)(str(exc).replace(str(readable), shown), path=shown) from None
-            except KvtraceError as exc:
-                if str(readable) not in str(exc):
-                    raise
-                raise type(exc)(str(exc).replace(str(readable), shown)) from None
-    except workloads.WorkloadFileError as exc:
-        raise WorkloadError(str(exc)) from None
-
-
-def check_rate(fmt: str, rate: float | None) -> None:
-    """``--rate`` is needed by the lengths format, and only there.
-
-    Raises:
-        typer.BadParameter: missing for lengths, not positive, or given for another format.
-    """
-    if fmt == "lengths":
-        if rate is None:
-            raise typer.BadParameter("the lengths format needs an arrival rate, e.g. --rate 5", param_hint="--rate")
-        if not rate > 0:
-            raise typer.BadParameter(f"must be a positive number of requests per second, found {rate}", param_hint="--rate")
-    elif rate is not None:
-        raise typer.BadParameter(
-            f"applies to the lengths format only; {fmt} workloads carry their own arrival times",
-            param_hint="--rate",
-        )
-
-
-def _note_trace_workload(trace: Path, shown: str) -> None:
-    """Warn about what scheduling a trace anew cannot know (naming the trace ``shown``)."""
-    from traces.trace_workload import arrival_note, read_trace_workload
-
-    workload = read_trace_workload(trace)
-    note = arrival_note(workload)
-    if note is not None:
-        ui.warn(f"{shown}: {note}")
-    if workload.unfinished:
-        ui.warn(
-            f"{shown}: {workload.unfinished:,} requests never finished in the trace (aborted, or live at its end); "
-            "each generates what it had generated there"
-        )
 
 
 @contextmanager

@@ -296,7 +296,7 @@ def sweep_run(
     (violations, an out-of-memory with --on-oom stop, bad ops) or failed (its row
     says what); 2 bad input.
     """
-    from kvtrace.cli.record import check_rate
+    from kvtrace.cli.workload_format import check_rate
     from kvtrace.outputs import OutputFile
     from kvtrace.sweep import Grid, SweepSettings
     from traces.workloads import parse_duration

@@ -53,6 +53,7 @@ import numpy as np
 
 from traces.metadata import Recording, TraceMeta, timestamp
 from traces.namespaces import NamespaceTable, check_name
+from kvtrace.record.step_rows import FloatsLike, IdsLike, IntsLike, Part, floats, ints
 from traces.schema import ABORT, CLOSE, DECODE, EXTEND, FINISH, HOLD, OP_ORDER, OPS, PREALLOC, RETRACT, SPEC
 
 if TYPE_CHECKING:
@@ -60,49 +61,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Recorder", "RecorderStats"]
 
-IdsLike = Sequence[Hashable] | np.ndarray
-IntsLike = Sequence[int] | np.ndarray | int
-FloatsLike = Sequence[float] | np.ndarray | float
-
-
 class RecorderStats(NamedTuple):
     """What a recorder has written so far."""
 
     steps: int
     rows: int
     requests: int
-
-
-class _Part(NamedTuple):
-    """One op kind's rows within the current step (columns as numpy arrays)."""
-
-    ids: np.ndarray  # int64 dense ids
-    seq_len: np.ndarray  # int64
-    draft_len: np.ndarray | None  # int32 (spec)
-    accepted_len: np.ndarray | None  # int32 (spec)
-    prefix_len: np.ndarray | None  # int64
-    prompt_len: np.ndarray | None  # int64, -1 = null
-    block_hashes: Sequence[np.ndarray | None] | None
-    token_ids: Sequence[np.ndarray | None] | None
-    arrival_s: np.ndarray | None = None  # float64, NaN = unknown
-
-
-def _floats(values: FloatsLike, n: int, name: str) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.ndim == 0:
-        arr = np.full(n, arr)
-    if arr.shape != (n,):
-        raise ValueError(f"{name} has {arr.shape[0] if arr.ndim else 1} values for {n} requests")
-    return arr
-
-
-def _ints(values: IntsLike, n: int, name: str, dtype: type = np.int64) -> np.ndarray:
-    arr = np.asarray(values, dtype=dtype)
-    if arr.ndim == 0:
-        arr = np.full(n, arr, dtype=dtype)
-    if arr.shape != (n,):
-        raise ValueError(f"{name} has {arr.shape[0] if arr.ndim else 1} values for {n} requests")
-    return arr
 
 
 class Recorder:
@@ -180,7 +144,7 @@ class Recorder:
         self._step = -1
         self._time_s = 0.0
         self._open_step = False
-        self._parts: dict[int, list[_Part]] = {}
+        self._parts: dict[int, list[Part]] = {}
         self._rows = 0
         self._steps_written = 0
         self._closed = False
@@ -249,7 +213,7 @@ class Recorder:
         self._parts = {}
         return self._step
 
-    def _add(self, op: int, part: _Part) -> None:
+    def _add(self, op: int, part: Part) -> None:
         if not self._open_step:
             raise RuntimeError(f"no open step; call begin_step() before recording {OPS[op]} ops")
         if part.ids.shape[0]:
@@ -332,16 +296,16 @@ class Recorder:
                     self._namespaces.setdefault(rid, check_name(name, f"namespace of request {rid}"))
         self._add(
             op,
-            _Part(
+            Part(
                 ids,
-                _ints(seq_lens, n, "seq_lens"),
+                ints(seq_lens, n, "seq_lens"),
                 None,
                 None,
-                None if prefix_lens is None else _ints(prefix_lens, n, "prefix_lens"),
-                None if prompt_lens is None else _ints(prompt_lens, n, "prompt_lens"),
+                None if prefix_lens is None else ints(prefix_lens, n, "prefix_lens"),
+                None if prompt_lens is None else ints(prompt_lens, n, "prompt_lens"),
                 block_hashes,
                 token_ids,
-                None if arrival_s is None else _floats(arrival_s, n, "arrival_s"),
+                None if arrival_s is None else floats(arrival_s, n, "arrival_s"),
             ),
         )
 
@@ -352,8 +316,8 @@ class Recorder:
         ``token_ids``: per request, the id of the decoded position (one-element array) or None."""
         ids = self._map(rids)
         n = ids.shape[0]
-        lens = self._lens[ids] + 1 if seq_lens is None else _ints(seq_lens, n, "seq_lens")
-        self._add(DECODE, _Part(ids, lens, None, None, None, None, None, token_ids))
+        lens = self._lens[ids] + 1 if seq_lens is None else ints(seq_lens, n, "seq_lens")
+        self._add(DECODE, Part(ids, lens, None, None, None, None, None, token_ids))
 
     def spec(
         self,
@@ -369,28 +333,28 @@ class Recorder:
         per request, the ids of the accepted positions or None."""
         ids = self._map(rids)
         n = ids.shape[0]
-        accepted = _ints(accepted_lens, n, "accepted_lens", np.int32)
-        lens = self._lens[ids] + accepted if seq_lens is None else _ints(seq_lens, n, "seq_lens")
-        draft = _ints(draft_lens, n, "draft_lens", np.int32)
-        self._add(SPEC, _Part(ids, lens, draft, accepted, None, None, None, token_ids))
+        accepted = ints(accepted_lens, n, "accepted_lens", np.int32)
+        lens = self._lens[ids] + accepted if seq_lens is None else ints(seq_lens, n, "seq_lens")
+        draft = ints(draft_lens, n, "draft_lens", np.int32)
+        self._add(SPEC, Part(ids, lens, draft, accepted, None, None, None, token_ids))
 
     def finish(self, rids: IdsLike, owned_lens: IntsLike | None = None) -> None:
         """Release; the owned prefix is kept in the radix cache. ``owned_lens``: tokens
         whose KV each request owns (default its length; less when a stop landed early)."""
         ids = self._map(rids)
         n = ids.shape[0]
-        lens = self._lens[ids].copy() if owned_lens is None else _ints(owned_lens, n, "owned_lens")
-        self._add(FINISH, _Part(ids, lens, None, None, None, None, None, None))
+        lens = self._lens[ids].copy() if owned_lens is None else ints(owned_lens, n, "owned_lens")
+        self._add(FINISH, Part(ids, lens, None, None, None, None, None, None))
 
     def retract(self, rids: IdsLike) -> None:
         """Release under memory pressure (nothing cached); the request may come back."""
         ids = self._map(rids)
-        self._add(RETRACT, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
+        self._add(RETRACT, Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
 
     def abort(self, rids: IdsLike) -> None:
         """Release; nothing cached; the request ends."""
         ids = self._map(rids)
-        self._add(ABORT, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
+        self._add(ABORT, Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
 
     def hold(self, rids: IdsLike, held_lens: IntsLike | None = None) -> None:
         """Streaming session: the turn ends and its session keeps the KV of its first
@@ -399,14 +363,14 @@ class Recorder:
         held length; ``close_session`` ends the session."""
         ids = self._map(rids)
         n = ids.shape[0]
-        lens = self._lens[ids].copy() if held_lens is None else _ints(held_lens, n, "held_lens")
-        self._add(HOLD, _Part(ids, lens, None, None, None, None, None, None))
+        lens = self._lens[ids].copy() if held_lens is None else ints(held_lens, n, "held_lens")
+        self._add(HOLD, Part(ids, lens, None, None, None, None, None, None))
 
     def close_session(self, rids: IdsLike) -> None:
         """The ``close`` op (``close()`` closes the recorder). Streaming session: release the KV the session holds (nothing cached); the
         request ends. Each id must be held (``hold`` earlier, no turn since)."""
         ids = self._map(rids)
-        self._add(CLOSE, _Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
+        self._add(CLOSE, Part(ids, self._lens[ids].copy(), None, None, None, None, None, None))
 
     def end_step(self) -> None:
         """Close the step and write its rows (in ``OP_ORDER``); flushed per the batching policy.
