@@ -52,12 +52,14 @@ def state_text(frame: Frame, info: SourceInfo) -> Text:
 
 def pools_text(frame: Frame, shown: str | None = None) -> Text:
     """Each pool's use: 'full 12,345/50,000 24.7%  swa 1,234/8,000 15.4%' (``shown``: the
-    pool the occupancy panel shows, underlined)."""
+    pool the occupancy panel shows, underlined). The Mamba pool counts state slots and
+    says so: 'mamba 4/16 slots 25.0%'."""
     parts: list[str | tuple[str, str]] = [("pools ", "dim")]
     for i, (name, pool) in enumerate(frame.pools.items()):
         used, total = pool.used_tokens, pool.pool_tokens
+        unit = " slots" if name == "mamba" else ""
         parts += ["  " if i else "", (name, "bold underline" if name == shown else "bold"),
-                  f" {used:,}/{total:,} {100 * used / max(total, 1):.1f}%"]
+                  f" {used:,}/{total:,}{unit} {100 * used / max(total, 1):.1f}%"]
     return Text.assemble(*parts)
 
 
