@@ -273,7 +273,8 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]kvtrace diff {report['trace']}[/bold]  ({report['mode']}{', exact' if report['exact'] else ''})")
     for side in ("a", "b"):
         v = versions[side]
-        console.print(f"  {side.upper()}  {v['spec']}  [dim]{v['origin']}[/dim]")
+        for line in _fitted(f"  {side.upper()}  {v['spec']}  ", [v["origin"]], console.width, indent=5):
+            console.print(line, markup=False, style="dim" if line.startswith("     ") else None, soft_wrap=True)
     for note in report.get("notes", ()):
         console.print(f"[yellow]note:[/yellow] {note}")
     for i, d in enumerate(report["divergences"]):
@@ -287,8 +288,8 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
             console.print(f"  {d['detail']}", markup=False)
         if d["also"]:
             console.print(f"  also differing in this step: {', '.join(d['also'])}", markup=False)
-        for line in _pool_lines(d):
-            console.print(line, markup=False)
+        for line in _pool_lines(d, console.width):
+            console.print(line, markup=False, soft_wrap=True)
         if d["history"]:
             what = f"request {d['rid']}" if d["rid"] is not None else d["field"]
             unit = " (allocated / committed / protected, phase)" if d["rid"] is not None else ""
@@ -322,9 +323,33 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
 _POOL_SHOWN = ("available", "evictable", "protected", "committed", "overallocated")
 
 
-def _pool_lines(d: dict[str, Any]) -> list[str]:
+def _fitted(head: str, cells: list[str], width: int, indent: int | None = None) -> list[str]:
+    """``head`` then ``cells`` joined by ", " in lines of at most ``width`` columns, each
+    line after the first indented by ``indent`` (None: under the first cell). A cell is
+    kept whole unless it is wider than a line by itself (then it breaks at its spaces);
+    a single word wider than a line is left longer."""
+    pad = " " * (len(head) if indent is None else indent)
+    if len(pad) > width // 2:  # a long head: continue near the left, not at its end
+        pad = " " * 8
+    tokens: list[str] = []
+    for i, cell in enumerate(cells):
+        cell += "," if i < len(cells) - 1 else ""
+        tokens += cell.split(" ") if len(pad) + len(cell) > width else [cell]
+    lines, line, first = [], head, True
+    for token in tokens:
+        if first or len(line) + 1 + len(token) <= width:
+            line = line + token if first else f"{line} {token}"
+        else:
+            lines.append(line)
+            line = pad + token
+        first = False
+    return [*lines, line]
+
+
+def _pool_lines(d: dict[str, Any], width: int = 80) -> list[str]:
     """A hybrid (SWA) model's divergence: which pool diverged, and each pool's counters
-    after the step (A / B where they differ). None on a full-attention trace."""
+    after the step (A / B where they differ), wrapped to ``width`` columns under the first
+    counter. None on a full-attention trace."""
     pools = d.get("pools")
     if not pools:
         return []
@@ -332,16 +357,17 @@ def _pool_lines(d: dict[str, Any]) -> list[str]:
     others = [name for name, f in pools.items() if f["differs"] and name != diverged]
     head = f"  pool: {diverged} diverged" if diverged else "  pool: every pool's counters are identical at this step"
     lines = [head + (f" ({', '.join(others)} too, in the same step)" if diverged and others else "")]
-    width = max(len(name) for name in pools)
+    name_width = max(len(name) for name in pools)
     for name, f in pools.items():
         a, b = f["a"], f["b"]
         shown = [k for k in _POOL_SHOWN if k in f["differs"]] + [k for k in f["differs"] if k not in _POOL_SHOWN]
         if shown:
-            cells = ", ".join(f"{k} {a[k]:,} / {b[k]:,}" for k in shown)
-            lines.append(f"    {name:<{width}}  differs (A / B): {cells}")
+            cells = [f"{k} {a[k]:,} / {b[k]:,}" for k in shown]
+            lines += _fitted(f"    {name:<{name_width}}  differs (A / B): ", cells, width)
         else:
-            cells = ", ".join(f"{k} {a[k]:,}" for k in _POOL_SHOWN)
-            lines.append(f"    {name:<{width}}  identical: {cells} of {a['pool_tokens']:,}")
+            cells = [f"{k} {a[k]:,}" for k in _POOL_SHOWN]
+            cells[-1] += f" of {a['pool_tokens']:,}"
+            lines += _fitted(f"    {name:<{name_width}}  identical: ", cells, width)
     return lines
 
 
