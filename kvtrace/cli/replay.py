@@ -238,6 +238,8 @@ def replay(
             with target.writing() as tmp:
                 info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
                         "allocator": session.version.spec, "config": config_dict(session.config)}
+                if session.meta.namespaces is not None:  # for kvtrace view's header
+                    info["namespaces"] = len(session.meta.namespaces.names)
                 with StateLogWriter(tmp, info) as log:
                     _run(session, log, emitter)
         result = session.result()

@@ -43,6 +43,9 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "pool_tokens": config.pool_tokens,
         "max_running": config.max_running,
         "radix_cache": config.radix_cache,
+        # the radix cache's eviction policy (a version before policies evicts LRU)
+        "eviction_policy": getattr(config, "eviction_policy", "lru"),
+        "namespaces": result.namespaces,
         "check": opts.check,
         "wall_s": round(wall_s, 6),
         "allocator_s": round(stats.allocator_s, 6),
@@ -151,6 +154,7 @@ def render_replay_summary(
         )
     table.add_row(
         "prefix cache",
+        _cache_config(s) +
         f"hit rate {100 * s['prefix_hit_rate']:.1f}% over {count(s['admissions'], 'admission')}; "
         f"{_differs(s['prefix_differs_from_recorded'])}; "
         f"{count(s['evicted_tokens'], 'token')} evicted",
@@ -205,6 +209,17 @@ def render_replay_summary(
             "--check every (-x stops at the first violation)",
             markup=False,
         )
+
+
+def _cache_config(s: dict[str, Any]) -> str:
+    """'slru eviction, 3 namespaces; ' where the radix cache is not the default one (LRU,
+    one namespace), else '' (a default replay's summary reads as it always did)."""
+    parts = []
+    if s.get("eviction_policy", "lru") != "lru":
+        parts.append(f"{s['eviction_policy']} eviction")
+    if s.get("namespaces", 0):
+        parts.append(count(s["namespaces"], "namespace"))
+    return ", ".join(parts) + "; " if parts else ""
 
 
 def _num(value: int | None) -> str:

@@ -120,6 +120,7 @@ class ReplayResult:
     # allocator has several; empty for a full-attention model (its one pool is the
     # summary's top level)
     pools_at_end: dict[str, PoolCounters] = field(default_factory=dict)
+    namespaces: int = 0  # the trace's cache namespaces (``TraceMeta.namespaces``; 0: none)
 
     @property
     def failed(self) -> bool:

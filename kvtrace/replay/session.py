@@ -578,6 +578,7 @@ class ReplaySession(Checkpointing):
             truncated=bool(self.reader.truncated),
             completed=self.done and not engine.stopped_early,
             pools_at_end=engine.pools_now() if len(engine.pool_names) > 1 else {},
+            namespaces=0 if self.meta.namespaces is None else len(self.meta.namespaces.names),
         )
 
     # ------------------------------------------------------------------ lifetime

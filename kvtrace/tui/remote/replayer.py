@@ -568,6 +568,8 @@ def live_source(job: DashboardJob) -> ReplaySource:
         try:
             info = {"trace": side.trace_label or side.trace, "trace_file": trace_identity(session.reader.path),
                     "allocator": session.version.spec, "config": config_dict(session.config)}
+            if session.meta.namespaces is not None:  # for kvtrace view's header
+                info["namespaces"] = len(session.meta.namespaces.names)
             log = StateLogWriter(job.log, info)
         except BaseException:
             session.close()

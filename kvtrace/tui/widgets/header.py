@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "pools_text", "speed_label", "state_text"]
+__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "config_text", "pools_text", "speed_label", "state_text"]
 
 # What stopped a replay early, by the kind of the alarm at its last step.
 STOP_REASONS = {"oom": "out of memory", "violation": "invariant violation", "bad_op": "impossible op"}
@@ -63,6 +63,27 @@ def pools_text(frame: Frame, shown: str | None = None) -> Text:
     return Text.assemble(*parts)
 
 
+def config_text(info: SourceInfo, room: int) -> Text:
+    """The configuration line in ``room`` cells: pool, page, the radix cache where it is
+    not the default (``SourceInfo.cache``: 'slru · 3 namespaces'), pages, running max,
+    device. Where it does not fit, the cache keeps its place next to the page: the parts
+    after it go first, then 'tokens' and 'namespaces' shorten ('pool 60,000 · page 16 ·
+    slru · 3 ns'). A default cache's line is cut at its end as ever."""
+    tail = "" if info.live else " · from a state log"
+    if not info.cache:
+        return Text(info.config + tail)
+    parts = info.config.split(" · ")
+    head, rest = parts[:2], parts[2:]
+    short_head = [head[0].removesuffix(" tokens"), *head[1:]]
+    short_cache = info.cache.replace(" namespaces", " ns").replace(" namespace", " ns")
+    candidates = ((head, info.cache, rest, tail), (head, info.cache, [], ""), (short_head, short_cache, [], ""))
+    for first, cache, after, end in candidates:
+        text = Text.assemble(" · ".join(first) + " · ", (cache, "bold"), "".join(" · " + p for p in after), end)
+        if text.cell_len <= room:
+            break
+    return text
+
+
 def speed_label(speed: float | None, achieved: float | None) -> str:
     """'max (1,131× real time)' / '100× (98×)'."""
     asked = "max" if speed is None else f"{speed:,.0f}×"
@@ -88,12 +109,12 @@ class ReplayHeader(TextLines):
         width = max(self.size.width - 2, 40)
         left1 = Text.assemble(("kvtrace ", "bold"), (info.name, "bold cyan"), "  ", (info.source, "dim"))
         right1 = Text.assemble("version ", (info.version, "bold"), "  ", state)
-        left2 = Text(info.config + ("" if info.live else " · from a state log"))
         right2 = Text.assemble(
             ("step ", "dim"), (step, "bold"), total,
             ("  t=", "dim"), clock_time(frame.time_s),
             ("  speed ", "dim"), speed_label(frame.speed, frame.achieved_speed if frame.playing else None),
         )
+        left2 = config_text(info, width - right2.cell_len - 1)
         lines = [_spread(left1, right1, width), _spread(left2, right2, width)]
         if frame.other_pools:  # a hybrid model: each pool's use (a full-attention one has line 2's config)
             lines.append(_spread(pools_text(frame, shown_pool), Text("p: next pool", style="dim"), width))
