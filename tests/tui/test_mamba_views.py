@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from allocator.base import PoolCounters
 from kvtrace.tui.widgets.dashboard import Dashboard
 from kvtrace.tui.widgets.header import ReplayHeader, pools_text
@@ -69,3 +71,143 @@ async def test_p_shows_the_mamba_pools_legend_in_slots() -> None:
         text = app.main.query_one(OccupancyLegend).content.plain
         assert f"held{'':<13}{mamba.committed:>10,}" in text, text
         assert f"used slots{'':<9}{mamba.used_tokens:>10,}" in text, text
+
+
+def _reference_slots(step: int) -> dict[int, int]:
+    """rid -> Mamba state slot of the requests holding KV after ``step``, read from the
+    allocator of a replay of its own, step by step."""
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
+
+    with ReplaySession(MAMBA, options=ReplayOptions(decode_runs=False)) as session:
+        while (snap := session.step()) is not None and snap.step < step:
+            pass
+        alloc = session.allocator
+        rids = alloc.live_rids()
+        slots = {req.rid: req.mamba_pool_idx for req in alloc.mamba_reqs()}
+        return {rid: slots[rid] for rid in rids.tolist()}
+
+
+def _assert_table_slots(table, want: dict[int, int]) -> None:  # noqa: ANN001
+    width = table.size.width
+    header = table.render_header(width).text
+    assert header.split()[4:6] == ["allocated", "mamba"], header
+    assert header.rstrip().endswith("pages"), header  # "over" and "pages" still fit 80 columns
+    assert table.sort_keys.index("mamba") == table.sort_keys.index("allocated") + 1
+    shown = table.shown_rids.tolist()
+    assert any(rid in want for rid in shown) and any(rid not in want for rid in shown)
+    start = header.index("allocated") + len("allocated")  # the column after it, right-aligned
+    end = header.index("mamba") + len("mamba")
+    for i, rid in enumerate(shown):
+        text = table.render_row(i, width, False).text
+        assert text.split()[0] == str(rid)
+        assert text[start:end].strip() == (str(want[rid]) if rid in want else "-"), (rid, text)
+
+
+async def test_the_request_table_shows_each_requests_mamba_slot_at_80x24() -> None:
+    from kvtrace.tui.screens import RequestDetailScreen
+    from kvtrace.tui.widgets.request_table import RequestTable
+
+    want = _reference_slots(STEP)
+    assert len(set(want.values())) == len(want) >= 2, want  # a slot each
+    app = live_app(MAMBA)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _to_step(pilot, STEP)
+        table = app.main.query_one(RequestTable)
+        await pilot.pause()
+        assert table.mamba and not table.swa
+        _assert_table_slots(table, want)
+        table.set_sort("mamba", descending=True)
+        await pilot.pause()
+        live = [r for r in table.shown_rids.tolist() if r in want]
+        assert [want[r] for r in live] == sorted(want.values(), reverse=True)
+        # the request detail says it too
+        rid = live[0]
+        table.select_rid(rid)
+        await pilot.pause()
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, RequestDetailScreen)
+        assert f"Mamba: state slot {want[rid]}" in str(app.screen.query_one("#detail-row").render())
+
+
+async def test_a_state_logs_request_table_shows_each_requests_mamba_slot(tmp_path) -> None:  # noqa: ANN001
+    """``kvtrace view LOG`` of a Mamba replay: the ``mamba`` column as the live view has
+    it (the state log holds the requests' slots)."""
+    from typer.testing import CliRunner
+
+    from kvtrace.cli import app as cli
+    from kvtrace.tui.widgets.request_table import RequestTable
+    from tests.helpers import log_app
+
+    want = _reference_slots(STEP)
+    path = tmp_path / "mamba.log"
+    result = CliRunner().invoke(cli, ["replay", MAMBA, "--steps", f":{STEP + 1}", "--out", str(path)])
+    assert result.exit_code == 0, result.output
+    app = log_app(path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _to_step(pilot, STEP)
+        table = app.main.query_one(RequestTable)
+        await pilot.pause()
+        _assert_table_slots(table, want)
+
+
+def test_a_full_attention_and_an_swa_replay_carry_no_mamba_slots() -> None:
+    from kvtrace.replay.session import ReplaySession
+
+    for trace in ("sample:tiny", "sample:mooncake-gpt-oss"):
+        with ReplaySession(trace, checker="inline") as session:
+            snaps = [session.step() for _ in range(5)]
+        assert all(s is not None and s.mamba_slot is None for s in snaps), trace
+
+
+def test_mamba_slots_travel_in_updates_and_state_logs(tmp_path) -> None:  # noqa: ANN001
+    """The slots reach the screen's fold through an update (the live dashboard's pipe)
+    and through a state log (``kvtrace view``), equal to the replay's own fold."""
+    import numpy as np
+
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.replay.state import ReplayState
+    from kvtrace.statelog.log import MAMBA_SLOT_COLUMN, StateLogWriter, block_of, open_state_log
+    from kvtrace.tui.remote.updates import decode_update, encode_update
+
+    path = tmp_path / "m.log"
+    with ReplaySession(MAMBA, track_state=True, checker="inline", options=ReplayOptions(stop_step=STEP + 1)) as s:
+        screen = ReplayState(s.config.page_size)
+        with StateLogWriter(path, {"trace": MAMBA, "allocator": "builtin", "config": {}}) as log:
+            while not s.done:
+                snaps = [snap for _ in range(37) if (snap := s.step()) is not None]
+                for snap in snaps:
+                    log.write(snap)
+                if not snaps:
+                    continue
+                block = s.take_block()
+                assert block is not None and block.mamba_slot is not None
+                got = decode_update(bytearray(encode_update(block)))
+                np.testing.assert_array_equal(got.mamba_slot, block.mamba_slot)
+                screen.apply_block(got)
+        replay = s.state
+        assert replay is not None and replay.mamba_slots and screen.mamba_slots
+    n = int(replay.seen_rids()[-1]) + 1
+    want = replay.column("mamba_slot")[:n]
+    assert (want >= 0).sum() >= 2 and (want == -1).sum() >= 1
+    np.testing.assert_array_equal(screen.column("mamba_slot")[:n], want)
+    _, reader = open_state_log(path)
+    assert MAMBA_SLOT_COLUMN in reader.schema.names
+    from_log = ReplayState(s.config.page_size)
+    for batch in reader.iter_batches():
+        from_log.apply_block(block_of(batch))
+    np.testing.assert_array_equal(from_log.column("mamba_slot")[:n], want)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+def test_mamba_dashboard(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
+    """The Mamba pool shown (``p``): its chart and slot legend, and the table's ``mamba`` column."""
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await _to_step(pilot, STEP)
+        await pilot.press("p")
+        await settle(pilot, lambda a: a.frame.page_map_pool == 1)
+        await pilot.pause(0.3)
+
+    assert snap_compare(live_app(MAMBA, fixed_clock=True), terminal_size=size, run_before=run_before)
