@@ -34,9 +34,9 @@ def test_the_mamba_legend_counts_slots_and_names_its_bands_as_slots() -> None:
     text = "\n".join(line.plain for line in legend_lines(_mamba(4), (933, 7), "mamba"))
     assert "held" in text and "committed" not in text, text
     assert "over-allocated" not in text, text  # a state slot is never over-allocated
-    assert "ckpt evictable" in text and "ckpt locked" in text and "cached evictable" not in text, text
+    assert "cached evictable" not in text, text
     assert f"{'used slots':<19}{4:>10,} {25.0:6.1f}%" in text, text
-    assert "cached ckpts" not in text  # no radix cache: no checkpoints to count
+    assert "ckpt" not in text  # no radix cache: no checkpoints to count, no lines for them
     # the full pool's legend is the one it always was
     full = "\n".join(line.plain for line in legend_lines(_mamba(4), None, "full"))
     assert "committed" in full and "over-allocated" in full and "held" not in full
@@ -46,6 +46,7 @@ def test_the_mamba_legend_counts_cached_checkpoints_when_the_pool_has_them() -> 
     pool = _mamba(4, evictable=3, protected=2)
     text = "\n".join(line.plain for line in legend_lines(pool, None, "mamba"))
     assert f"{'cached ckpts':<19}{5:>10,} {100 * 5 / 16:6.1f}%" in text, text
+    assert f"ckpt evictable{'':<3}{3:>10,}" in text and f"ckpt locked{'':<6}{2:>10,}" in text, text
     # a counter the snapshot carries by name wins over the tree's ledgers
     named = SimpleNamespace(**pool._asdict(), cached_checkpoints=6, used_tokens=pool.used_tokens)
     text = "\n".join(line.plain for line in legend_lines(named, None, "mamba"))  # type: ignore[arg-type]
@@ -211,3 +212,19 @@ def test_mamba_dashboard(snap_compare, size: tuple[int, int]) -> None:  # noqa: 
         await pilot.pause(0.3)
 
     assert snap_compare(live_app(MAMBA, fixed_clock=True), terminal_size=size, run_before=run_before)
+
+
+def test_the_mamba_pools_panel_lists_which_request_holds_which_slot() -> None:
+    """In place of a page map (the pool has no pages): each held slot with its request,
+    in slot order, an entry never broken across lines, then the counts."""
+    import numpy as np
+
+    from kvtrace.tui.widgets.page_map import mamba_slots_text
+
+    slots = np.array([3, -1, 0, 12, -1], np.int64)  # per request id
+    lines = mamba_slots_text(slots, 16, cached=2).plain.splitlines()
+    assert lines[0] == "the mamba pool has no pages: a state slot per running request"
+    assert lines[1] == "slot 0 rid 2 · slot 3 rid 0 · slot 12 rid 3"
+    assert lines[2] == "3 held by requests · 2 checkpoints · 11 free of 16"
+    # wrapped between entries only
+    assert mamba_slots_text(slots, 16, width=28).plain.splitlines()[1:3] == ["slot 0 rid 2 · slot 3 rid 0", "slot 12 rid 3"]

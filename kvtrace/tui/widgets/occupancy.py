@@ -221,22 +221,27 @@ class OccupancyLegend(TextLines):
 def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "full") -> list[Text]:
     """The legend: one line per band, then used, the peak and the running requests. The
     Mamba pool (``name`` "mamba") counts slots: its bands are named by ``MAMBA_LABELS``,
-    its over-allocated band (always empty) is left out, and a line gives its cached
-    checkpoints (``cached_checkpoints`` where the counters carry it, else the tree's
-    evictable + locked slots) when it has any."""
+    its over-allocated band (always empty) is left out, its checkpoint bands and a line
+    of its cached checkpoints (``cached_checkpoints`` where the counters carry it, else
+    the tree's evictable + locked slots) come when it has any (a replay with the radix
+    cache off has none: the legend keeps to what a short panel shows)."""
     total = max(pool.pool_tokens, 1)
     mamba = name == "mamba"
+    cached = 0
+    if mamba:
+        named = getattr(pool, "cached_checkpoints", None)
+        cached = pool.evictable + pool.protected if named is None else int(named)
     lines = []
     for label, field, colour in reversed(BANDS):
         value = getattr(pool, field)
         if mamba:
             if field == "overallocated" and not value:
                 continue
+            if field in ("evictable", "protected") and not (cached or pool.evictable or pool.protected):
+                continue
             label = MAMBA_LABELS[field]
         lines.append(Text.assemble(("█ ", colour), f"{label:<17}{value:>10,} {100 * value / total:6.1f}%"))
     if mamba:
-        cached = getattr(pool, "cached_checkpoints", None)
-        cached = pool.evictable + pool.protected if cached is None else int(cached)
         if cached:
             lines.append(Text(f"{'cached ckpts':<19}{cached:>10,} {100 * cached / total:6.1f}%"))
     used = pool.used_tokens
