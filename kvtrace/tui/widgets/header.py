@@ -66,22 +66,30 @@ def pools_text(frame: Frame, shown: str | None = None) -> Text:
 def config_text(info: SourceInfo, room: int) -> Text:
     """The configuration line in ``room`` cells: pool, page, the radix cache where it is
     not the default (``SourceInfo.cache``: 'slru · 3 namespaces'), pages, running max,
-    device. Where it does not fit, the cache keeps its place next to the page: the parts
-    after it go first, then 'tokens' and 'namespaces' shorten ('pool 60,000 · page 16 ·
-    slru · 3 ns'). A default cache's line is cut at its end as ever."""
-    tail = "" if info.live else " · from a state log"
-    if not info.cache:
-        return Text(info.config + tail)
+    device, and for a state log 'from a state log'. Where it does not fit, whole parts go
+    from its end (a part cut in the middle read as '248 pa…'), down to pool, page and the
+    cache; then 'tokens' and 'namespaces' shorten ('pool 60,000 · page 16 · slru · 3 ns');
+    what still does not fit is cut."""
     parts = info.config.split(" · ")
-    head, rest = parts[:2], parts[2:]
-    short_head = [head[0].removesuffix(" tokens"), *head[1:]]
-    short_cache = info.cache.replace(" namespaces", " ns").replace(" namespace", " ns")
-    candidates = ((head, info.cache, rest, tail), (head, info.cache, [], ""), (short_head, short_cache, [], ""))
-    for first, cache, after, end in candidates:
-        text = Text.assemble(" · ".join(first) + " · ", (cache, "bold"), "".join(" · " + p for p in after), end)
+    head, rest = parts[:2], parts[2:] + ([] if info.live else ["from a state log"])
+    cache = [info.cache] if info.cache else []
+
+    def line(first: list[str], kept: list[str], after: list[str]) -> Text:
+        text = Text(" · ".join(first))
+        for part in kept:
+            text.append(" · ")
+            text.append(part, style="bold")
+        for part in after:
+            text.append(" · " + part)
+        return text
+
+    for n in range(len(rest), -1, -1):
+        text = line(head, cache, rest[:n])
         if text.cell_len <= room:
-            break
-    return text
+            return text
+    short_head = [head[0].removesuffix(" tokens"), *head[1:]]
+    short_cache = [c.replace(" namespaces", " ns").replace(" namespace", " ns") for c in cache]
+    return line(short_head, short_cache, [])
 
 
 def speed_label(speed: float | None, achieved: float | None) -> str:
