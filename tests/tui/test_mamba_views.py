@@ -17,6 +17,7 @@ from tests.helpers import at_step, live_app, settle
 
 MAMBA = "sample:mooncake-qwen3-next"
 STEP = 400  # four requests hold a state slot then
+BACK = 250  # before some of them were admitted
 
 
 async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
@@ -130,6 +131,12 @@ async def test_the_request_table_shows_each_requests_mamba_slot_at_80x24() -> No
         await pilot.pause(0.3)
         assert isinstance(app.screen, RequestDetailScreen)
         assert f"Mamba: state slot {want[rid]}" in str(app.screen.query_one("#detail-row").render())
+        await pilot.press("escape")
+        # back in time (a checkpoint, then the steps after it): the slots of then
+        await _to_step(pilot, BACK)
+        table.set_sort("id", descending=False)
+        await pilot.pause()
+        _assert_table_slots(table, _reference_slots(BACK))
 
 
 async def test_a_state_logs_request_table_shows_each_requests_mamba_slot(tmp_path) -> None:  # noqa: ANN001
