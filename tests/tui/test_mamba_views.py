@@ -235,3 +235,15 @@ def test_the_mamba_pools_panel_lists_which_request_holds_which_slot() -> None:
     assert lines[2] == "3 held by requests · 2 checkpoints · 11 free of 16"
     # wrapped between entries only
     assert mamba_slots_text(slots, 16, width=28).plain.splitlines()[1:3] == ["slot 0 rid 2 · slot 3 rid 0", "slot 12 rid 3"]
+
+
+def test_a_diff_sides_line_counts_the_mamba_pool_in_slots() -> None:
+    """A diff side has no legend: the line under its chart says slots for the Mamba pool."""
+    from kvtrace.tui.widgets.dashboard import side_numbers
+
+    full = PoolCounters(60_000, 13_952, 0, 0, 46_027, 21, 4, 12)
+    frame = SimpleNamespace(pool=full, other_pools=(_mamba(4, evictable=1),), pool_names=("full", "mamba"),
+                            peak=lambda pool=0: (933, 7) if pool else (1_427, 58_832))
+    line = side_numbers(frame, 1)  # type: ignore[arg-type]
+    assert line == "slots held 4 (25.0%) · checkpoints 1 · free 11 of 16 · peak 7 @ 933", line
+    assert side_numbers(frame, 0).startswith("used 46,048 (76.7%) · over 21 · ")  # type: ignore[arg-type]
