@@ -247,3 +247,31 @@ def test_a_diff_sides_line_counts_the_mamba_pool_in_slots() -> None:
     line = side_numbers(frame, 1)  # type: ignore[arg-type]
     assert line == "slots held 4 (25.0%) · checkpoints 1 · free 11 of 16 · peak 7 @ 933", line
     assert side_numbers(frame, 0).startswith("used 46,048 (76.7%) · over 21 · ")  # type: ignore[arg-type]
+
+
+def test_diff_chunks_that_differ_only_in_mamba_slots_are_the_same() -> None:
+    """The diff's fast path (whole record batches equal) does not look at the requests'
+    Mamba slots, which its step-by-step comparison does not compare: a version that
+    reports no slots (-1) keeps the fast path against one that does."""
+    import numpy as np
+    import pyarrow as pa
+
+    from kvtrace.diff.sides import Chunk
+    from kvtrace.replay.session import ReplaySession
+    from kvtrace.statelog.log import MAMBA_SLOT_COLUMN, record_batch_of, state_log_schema
+    from kvtrace.replay.snapshot import SnapshotBlock
+
+    with ReplaySession(MAMBA, checker="inline") as session:
+        block = SnapshotBlock.of([session.step() for _ in range(20)])
+    assert block.mamba_slot is not None and (block.mamba_slot >= 0).any()
+    schema = state_log_schema(("mamba",))
+    with_slots = record_batch_of(block, schema)
+    without = record_batch_of(block._replace(mamba_slot=None), schema)
+    assert not with_slots.column(MAMBA_SLOT_COLUMN).equals(without.column(MAMBA_SLOT_COLUMN))
+    assert Chunk(with_slots).same_as(Chunk(without))
+    # any other difference still sends the chunks step by step
+    committed = with_slots.column("committed").to_numpy().copy()
+    committed[-1] += 1
+    other = with_slots.set_column(with_slots.schema.get_field_index("committed"), "committed", pa.array(committed))
+    assert not Chunk(with_slots).same_as(Chunk(other))
+    assert np.array_equal(with_slots.column("committed").to_numpy()[:-1], committed[:-1])
