@@ -1117,6 +1117,22 @@ class KvAllocator:
             return np.zeros(rows.shape[0], np.int64)
         return np.where(rows >= 0, self.req_kv.swa_evicted_seqlen[np.maximum(rows, 0)], 0).astype(np.int64)
 
+    def mamba_slots(self, rids: np.ndarray) -> np.ndarray:
+        """int64 ``[n]``: each request's Mamba state slot (``mamba_pool_idx``), -1 for a
+        request holding none and for a model without a Mamba pool. A read only (the
+        dashboard's request table shows it)."""
+        self._flush_publish()
+        rows = self._rows_of(_i64(rids))
+        held = self.ctx.mamba_reqs
+        out = np.full(rows.shape[0], -1, np.int64)
+        if held is None:
+            return out
+        for i, row in enumerate(rows.tolist()):
+            req = held.get(row) if row >= 0 else None
+            if req is not None and req.mamba_pool_idx is not None:
+                out[i] = req.mamba_pool_idx
+        return out
+
     def holds_kv(self, rids: np.ndarray) -> np.ndarray:
         return self._rows_of(_i64(rids)) >= 0
 

@@ -178,12 +178,11 @@ def replay(
     Exit code: 0 clean; 1 violations, out of memory (with --on-oom stop) or skipped
     bad ops; 2 bad input.
     """
-    from kvtrace.replay.config import config_dict
     from kvtrace.outputs import OutputFile
     from kvtrace.replay.engine import ReplayOptions
     from kvtrace.replay.report import render_replay_summary
     from kvtrace.replay.session import ReplaySession
-    from kvtrace.statelog.log import StateLogWriter, trace_identity
+    from kvtrace.statelog.log import replay_log_writer
     from traces.samples import resolve_trace
 
     start, stop = parse_step_range(steps)
@@ -238,9 +237,7 @@ def replay(
             _run(session, None, emitter)
         else:
             with target.writing() as tmp:
-                info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
-                        "allocator": session.version.spec, "config": config_dict(session.config)}
-                with StateLogWriter(tmp, info, sessions=session.reader.meta.config.sessions) as log:
+                with replay_log_writer(tmp, session, str(trace)) as log:
                     _run(session, log, emitter)
         result = session.result()
     summary = result.to_dict()

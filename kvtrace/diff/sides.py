@@ -77,18 +77,19 @@ class Chunk:
         return self._snaps
 
     def same_as(self, other: Chunk) -> bool:
-        """True when both are record batches with equal records (timings aside); False
-        means "compare step by step", not "different"."""
+        """True when both are record batches with equal records (timings aside, and the
+        requests' Mamba slots, which the step-by-step comparison does not compare either: a
+        version that does not report them must not make every chunk compare step by step);
+        False means "compare step by step", not "different"."""
         if self.batch is None or other.batch is None or self.batch.num_rows != other.batch.num_rows:
             return False
-        from kvtrace.statelog.log import TIMING_COLUMNS
+        from kvtrace.statelog.log import MAMBA_SLOT_COLUMN, TIMING_COLUMNS
 
         a, b = self.batch, other.batch
         if a.schema.names != b.schema.names:
             return False
-        return all(
-            a.column(i).equals(b.column(i)) for i, name in enumerate(a.schema.names) if name not in TIMING_COLUMNS
-        )
+        skipped = (*TIMING_COLUMNS, MAMBA_SLOT_COLUMN)
+        return all(a.column(i).equals(b.column(i)) for i, name in enumerate(a.schema.names) if name not in skipped)
 
 
 class SessionSide:

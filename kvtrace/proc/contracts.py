@@ -230,6 +230,7 @@ class Info(Contract):
     last_step: int | None
     live: bool
     page_size: int = 1
+    cache: str = ""  # the radix cache where it is not the default (``SourceInfo.cache``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -496,6 +496,8 @@ def record_report(result: RecordResult, options: RecordOptions, *, wall_s: float
             "pd_decode": options.pd_decode,
             "model": options.model.name,
             "mamba_slots": None if options.mamba is None else options.mamba.mamba_cache_size,
+            "eviction_policy": options.eviction_policy,
+            "namespaces": 0 if result.meta.namespaces is None else len(result.meta.namespaces.names),
             **({} if options.hicache is None else {"hicache": dataclasses.asdict(options.hicache)}),
         },
     }

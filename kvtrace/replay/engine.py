@@ -259,6 +259,9 @@ class ReplayEngine:
         # the requests' SWA cursors, for the snapshots of a model with a sliding-window pool
         # (an optional read: a version without it shows no SWA lengths)
         self._swa_evicted_lens = getattr(allocator, "swa_evicted_lens", None) if "swa" in self.pool_names else None
+        # the requests' Mamba state slots, for the snapshots of a model with a Mamba pool
+        # (an optional read, as above: a version without it shows no slots)
+        self._mamba_slots = getattr(allocator, "mamba_slots", None) if "mamba" in self.pool_names else None
         self._any_dropped = False  # some request was dropped (skip mode): filter its ops
         self._events: list[Event] = []
         self._step = -1
@@ -415,6 +418,7 @@ class ReplayEngine:
             other_pools=others,
             other_pool_names=self.pool_names[1:],
             swa_evicted=None if self._swa_evicted_lens is None else self._swa_evicted_lens(delta.rids),
+            mamba_slot=None if self._mamba_slots is None else self._mamba_slots(delta.rids),
         )
 
     def pools_now(self) -> dict[str, PoolCounters]:
@@ -543,6 +547,8 @@ class ReplayEngine:
         per_step = elapsed / num_steps
         # the requests' SWA cursors after each step, as a step's snapshot has them
         swa_evicted = res.swa_evicted if self._swa_evicted_lens is not None else None
+        # a run of decode steps admits and releases nobody: its requests keep their Mamba slots
+        mamba_slot = None if self._mamba_slots is None else self._mamba_slots(rids)
         return [
             StepSnapshot(
                 step=step,
@@ -555,6 +561,7 @@ class ReplayEngine:
                 other_pools=others[j],
                 other_pool_names=self.pool_names[1:],
                 swa_evicted=None if swa_evicted is None else swa_evicted[j],
+                mamba_slot=mamba_slot,
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]

@@ -43,6 +43,9 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "pool_tokens": config.pool_tokens,
         "max_running": config.max_running,
         "radix_cache": config.radix_cache,
+        # the radix cache's eviction policy (a version before policies evicts LRU)
+        "eviction_policy": getattr(config, "eviction_policy", "lru"),
+        "namespaces": result.namespaces,
         "check": opts.check,
         "wall_s": round(wall_s, 6),
         "allocator_s": round(stats.allocator_s, 6),
@@ -168,6 +171,7 @@ def render_replay_summary(
         )
     table.add_row(
         "prefix cache",
+        _cache_config(s) +
         f"hit rate {100 * s['prefix_hit_rate']:.1f}% over {count(s['admissions'], 'admission')}; "
         f"{_differs(s['prefix_differs_from_recorded'])}; "
         f"{count(s['evicted_tokens'], 'token')} evicted",
@@ -229,6 +233,17 @@ def render_replay_summary(
             "--check every (-x stops at the first violation)",
             markup=False,
         )
+
+
+def _cache_config(s: dict[str, Any]) -> str:
+    """'slru eviction, 3 namespaces; ' where the radix cache is not the default one (LRU,
+    one namespace), else '' (a default replay's summary reads as it always did)."""
+    parts = []
+    if s.get("eviction_policy", "lru") != "lru":
+        parts.append(f"{s['eviction_policy']} eviction")
+    if s.get("namespaces", 0):
+        parts.append(count(s["namespaces"], "namespace"))
+    return ", ".join(parts) + "; " if parts else ""
 
 
 def _num(value: int | None) -> str:
@@ -297,7 +312,8 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]kvtrace diff {report['trace']}[/bold]  ({report['mode']}{', exact' if report['exact'] else ''})")
     for side in ("a", "b"):
         v = versions[side]
-        console.print(f"  {side.upper()}  {v['spec']}  [dim]{v['origin']}[/dim]")
+        for line in _fitted(f"  {side.upper()}  {v['spec']}  ", [v["origin"]], console.width, indent=5):
+            console.print(line, markup=False, style="dim" if line.startswith("     ") else None, soft_wrap=True)
     for note in report.get("notes", ()):
         console.print(f"[yellow]note:[/yellow] {note}")
     for i, d in enumerate(report["divergences"]):
@@ -311,8 +327,8 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
             console.print(f"  {d['detail']}", markup=False)
         if d["also"]:
             console.print(f"  also differing in this step: {', '.join(d['also'])}", markup=False)
-        for line in _pool_lines(d):
-            console.print(line, markup=False)
+        for line in _pool_lines(d, console.width):
+            console.print(line, markup=False, soft_wrap=True)
         if d["history"]:
             what = f"request {d['rid']}" if d["rid"] is not None else d["field"]
             unit = " (allocated / committed / protected, phase)" if d["rid"] is not None else ""
@@ -346,9 +362,33 @@ def render_diff_report(report: dict[str, Any], console: Console) -> None:
 _POOL_SHOWN = ("available", "evictable", "protected", "committed", "overallocated")
 
 
-def _pool_lines(d: dict[str, Any]) -> list[str]:
+def _fitted(head: str, cells: list[str], width: int, indent: int | None = None) -> list[str]:
+    """``head`` then ``cells`` joined by ", " in lines of at most ``width`` columns, each
+    line after the first indented by ``indent`` (None: under the first cell). A cell is
+    kept whole unless it is wider than a line by itself (then it breaks at its spaces);
+    a single word wider than a line is left longer."""
+    pad = " " * (len(head) if indent is None else indent)
+    if len(pad) > width // 2:  # a long head: continue near the left, not at its end
+        pad = " " * 8
+    tokens: list[str] = []
+    for i, cell in enumerate(cells):
+        cell += "," if i < len(cells) - 1 else ""
+        tokens += cell.split(" ") if len(pad) + len(cell) > width else [cell]
+    lines, line, first = [], head, True
+    for token in tokens:
+        if first or len(line) + 1 + len(token) <= width:
+            line = line + token if first else f"{line} {token}"
+        else:
+            lines.append(line)
+            line = pad + token
+        first = False
+    return [*lines, line]
+
+
+def _pool_lines(d: dict[str, Any], width: int = 80) -> list[str]:
     """A hybrid (SWA) model's divergence: which pool diverged, and each pool's counters
-    after the step (A / B where they differ). None on a full-attention trace."""
+    after the step (A / B where they differ), wrapped to ``width`` columns under the first
+    counter. None on a full-attention trace."""
     pools = d.get("pools")
     if not pools:
         return []
@@ -356,16 +396,17 @@ def _pool_lines(d: dict[str, Any]) -> list[str]:
     others = [name for name, f in pools.items() if f["differs"] and name != diverged]
     head = f"  pool: {diverged} diverged" if diverged else "  pool: every pool's counters are identical at this step"
     lines = [head + (f" ({', '.join(others)} too, in the same step)" if diverged and others else "")]
-    width = max(len(name) for name in pools)
+    name_width = max(len(name) for name in pools)
     for name, f in pools.items():
         a, b = f["a"], f["b"]
         shown = [k for k in _POOL_SHOWN if k in f["differs"]] + [k for k in f["differs"] if k not in _POOL_SHOWN]
         if shown:
-            cells = ", ".join(f"{k} {a[k]:,} / {b[k]:,}" for k in shown)
-            lines.append(f"    {name:<{width}}  differs (A / B): {cells}")
+            cells = [f"{k} {a[k]:,} / {b[k]:,}" for k in shown]
+            lines += _fitted(f"    {name:<{name_width}}  differs (A / B): ", cells, width)
         else:
-            cells = ", ".join(f"{k} {a[k]:,}" for k in _POOL_SHOWN)
-            lines.append(f"    {name:<{width}}  identical: {cells} of {a['pool_tokens']:,}")
+            cells = [f"{k} {a[k]:,}" for k in _POOL_SHOWN]
+            cells[-1] += f" of {a['pool_tokens']:,}"
+            lines += _fitted(f"    {name:<{name_width}}  identical: ", cells, width)
     return lines
 
 

@@ -124,6 +124,7 @@ class ReplayResult:
     # summary's top level)
     pools_at_end: dict[str, PoolCounters] = field(default_factory=dict)
     sessions: bool = False  # the trace has streaming sessions (its summary says what they held)
+    namespaces: int = 0  # the trace's cache namespaces (``TraceMeta.namespaces``; 0: none)
 
     @property
     def failed(self) -> bool:

@@ -565,10 +565,7 @@ class ReplaySession(Checkpointing):
         counters = self.allocator.counters()
         held = engine.overalloc_held()
         return ReplayResult(
-            trace=self.label,
-            allocator=self.version.spec,
-            config=self.config,
-            options=self.options,
+            trace=self.label, allocator=self.version.spec, config=self.config, options=self.options,
             stats=engine.stats,
             requests=engine.num_requests,
             wall_s=self._wall_s,
@@ -579,6 +576,7 @@ class ReplaySession(Checkpointing):
             completed=self.done and not engine.stopped_early,
             pools_at_end=engine.pools_now() if len(engine.pool_names) > 1 else {},
             sessions=self.reader.meta.config.sessions,
+            namespaces=0 if self.meta.namespaces is None else len(self.meta.namespaces.names),
         )
 
     # ------------------------------------------------------------------ lifetime

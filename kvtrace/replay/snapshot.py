@@ -152,6 +152,8 @@ class StepSnapshot:
     (``swa_evicted_seqlen``) after the step, aligned with ``requests``; None otherwise.
     It rides beside the ``RequestDelta`` rather than in it, so that what compares,
     logs or exports deltas is the same for every model.
+    ``mamba_slot``: with a Mamba pool, each request row's state slot (``mamba_pool_idx``,
+    -1: none) after the step, aligned with ``requests`` like ``swa_evicted``; None otherwise.
     """
 
     step: int
@@ -166,6 +168,7 @@ class StepSnapshot:
     other_pools: tuple[PoolCounters, ...] = ()
     swa_evicted: np.ndarray | None = None  # int64 [n] swa_evicted_seqlen per requests row
     other_pool_names: tuple[str, ...] = ()
+    mamba_slot: np.ndarray | None = None  # int64 [n] mamba_pool_idx per requests row (-1: none)
 
     @property
     def pools(self) -> dict[str, PoolCounters]:
@@ -198,6 +201,9 @@ class SnapshotBlock(NamedTuple):
     swa_evicted: np.ndarray | None = None
     # the names of ``other_pools``' pools (``StepSnapshot.other_pool_names``)
     other_pool_names: tuple[str, ...] = ()
+    # int64 [rows]: the Mamba state slot of each request row (``StepSnapshot.mamba_slot``),
+    # None when no step has one (a model without a Mamba pool)
+    mamba_slot: np.ndarray | None = None
 
     @classmethod
     def of(cls, snaps: Sequence[StepSnapshot], rows: Sequence[bool] | None = None) -> SnapshotBlock:
@@ -247,6 +253,7 @@ class SnapshotBlock(NamedTuple):
             other_pools=_other_pools(snaps),
             swa_evicted=_swa_evicted([(s.swa_evicted, s.requests.num_requests) for s in with_rows]),
             other_pool_names=snaps[0].other_pool_names,
+            mamba_slot=_row_column([(s.mamba_slot, s.requests.num_requests) for s in with_rows], -1),
         )
 
     @classmethod
@@ -276,6 +283,7 @@ class SnapshotBlock(NamedTuple):
             other_pools=None if blocks[0].other_pools is None else joined("other_pools"),
             swa_evicted=_swa_evicted([(b.swa_evicted, b.requests.num_requests) for b in blocks]),
             other_pool_names=blocks[0].other_pool_names,
+            mamba_slot=_row_column([(b.mamba_slot, b.requests.num_requests) for b in blocks], -1),
         )
 
     @property
@@ -299,6 +307,14 @@ def _swa_evicted(parts: Sequence[tuple[np.ndarray | None, int]]) -> np.ndarray |
     if all(c is None for c, _ in parts):
         return None
     return np.concatenate([np.zeros(n, np.int64) if c is None else np.asarray(c, np.int64) for c, n in parts])
+
+
+def _row_column(parts: Sequence[tuple[np.ndarray | None, int]], fill: int) -> np.ndarray | None:
+    """A per-row column of consecutive row groups ``(values or None, rows)`` as one
+    (``fill`` for a group without any); None when no group has any."""
+    if all(c is None for c, _ in parts):
+        return None
+    return np.concatenate([np.full(n, fill, np.int64) if c is None else np.asarray(c, np.int64) for c, n in parts])
 
 
 def _other_pools(snaps: Sequence[StepSnapshot]) -> np.ndarray | None:

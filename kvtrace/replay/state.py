@@ -49,6 +49,7 @@ _COLUMNS = (
     ("last_step", np.int64, -1),  # the last step an op changed it
     ("admissions", np.int32, 0),  # 1, or more after retractions
     ("swa_evicted", np.int64, 0),  # swa_evicted_seqlen (a model with a sliding-window pool)
+    ("mamba_slot", np.int64, -1),  # mamba_pool_idx (a model with a Mamba pool; -1: none)
 )
 
 
@@ -76,6 +77,7 @@ class RequestRow(NamedTuple):
     admitted_step: int
     ended_step: int
     swa_evicted: int | None = None  # swa_evicted_seqlen; None: no SWA lengths (a full-attention model)
+    mamba_slot: int | None = None  # its Mamba state slot, -1: none; None: no Mamba slots (no Mamba pool)
 
     @property
     def swa_len(self) -> int | None:
@@ -255,6 +257,8 @@ class ReplayState:
         self._cols = {name: np.full(1024, fill, dtype) for name, dtype, fill in _COLUMNS}
         # the snapshots carry the requests' SWA cursors (``StepSnapshot.swa_evicted``)
         self.swa_lengths = False
+        # the snapshots carry the requests' Mamba state slots (``StepSnapshot.mamba_slot``)
+        self.mamba_slots = False
 
     # ------------------------------------------------------------------ folding
     def apply(self, snap: StepSnapshot) -> None:
@@ -288,6 +292,9 @@ class ReplayState:
             if snap.swa_evicted is not None:
                 cols["swa_evicted"][rids] = snap.swa_evicted
                 self.swa_lengths = True
+            if snap.mamba_slot is not None:
+                cols["mamba_slot"][rids] = snap.mamba_slot
+                self.mamba_slots = True
         self.step = snap.step
         self.pool = snap.pool
         self.other_pools = snap.other_pools
@@ -362,11 +369,15 @@ class ReplayState:
         if block.swa_evicted is not None:
             cols["swa_evicted"][rid[last]] = block.swa_evicted[r0:r1][final]
             self.swa_lengths = True
+        if block.mamba_slot is not None:
+            cols["mamba_slot"][rid[last]] = block.mamba_slot[r0:r1][final]
+            self.mamba_slots = True
 
     def _clear_lengths(self) -> None:
         cols = self._cols
         for name in ("allocated", "committed", "protected", "swa_evicted"):
             cols[name][:] = 0
+        cols["mamba_slot"][:] = -1
 
     def _ensure(self, max_rid: int) -> None:
         size = self._cols["phase"].shape[0]
@@ -432,6 +443,7 @@ class ReplayState:
             admitted_step=int(c["admitted_step"][rid]),
             ended_step=int(c["ended_step"][rid]),
             swa_evicted=int(c["swa_evicted"][rid]) if self.swa_lengths else None,
+            mamba_slot=int(c["mamba_slot"][rid]) if self.mamba_slots else None,
         )
 
     def table(self, rids: np.ndarray | None = None) -> list[RequestRow]:

@@ -14,7 +14,8 @@ the allocator's state digest (null unless the replay asked for it: ``diff --exac
 A hybrid model's log has every other pool's counters too, named ``POOL_FIELD``
 prefixed by the pool (``swa_available``, ``mamba_available``, ...: ``state_log_schema``), a
 sliding-window model's each listed request's SWA cursor (``req_swa_evicted``, its
-``swa_evicted_seqlen``); a
+``swa_evicted_seqlen``), a Mamba model's each listed request's state slot
+(``req_mamba_slot``, -1: none); a
 log without them (a full-attention model's, or one written before them) has one pool.
 The ``session_held`` counter (and ``{pool}_session_held``) is a column only in the log
 of a trace with streaming sessions, so that any other log is what it was before
@@ -85,15 +86,19 @@ STATE_LOG_SCHEMA = pa.schema(
 
 # The SWA cursor of each listed request (``StepSnapshot.swa_evicted``): logs with an SWA pool only.
 SWA_EVICTED_COLUMN = "req_swa_evicted"
+# The Mamba state slot of each listed request (``StepSnapshot.mamba_slot``, -1: none): logs
+# with a Mamba pool only.
+MAMBA_SLOT_COLUMN = "req_mamba_slot"
 
 
 def state_log_schema(other_pools: tuple[str, ...] = (), sessions: bool = False) -> pa.Schema:
     """The state log's schema for an allocator whose pools after the full one are
     ``other_pools`` (``POOL_NAMES[1:]``, in order): ``STATE_LOG_SCHEMA`` plus, per
     pool, one column per counter named ``{pool}_{field}``, and with an SWA pool the
-    requests' SWA cursors (``SWA_EVICTED_COLUMN``, a list column like ``req_rid``).
-    With ``sessions`` (a trace with streaming sessions), each pool's ``session_held``
-    counter too, after its other counters."""
+    requests' SWA cursors (``SWA_EVICTED_COLUMN``, a list column like ``req_rid``), with a
+    Mamba pool their state slots (``MAMBA_SLOT_COLUMN``, the same). With ``sessions`` (a
+    trace with streaming sessions), each pool's ``session_held`` counter too, after its
+    other counters."""
     if not other_pools and not sessions:
         return STATE_LOG_SCHEMA
     fields = _POOL_FIELDS if sessions else _LOGGED_FIELDS
@@ -102,6 +107,8 @@ def state_log_schema(other_pools: tuple[str, ...] = (), sessions: bool = False) 
         at = base.index(STATE_LOG_SCHEMA.field(_LOGGED_FIELDS[-1])) + 1
         base.insert(at, pa.field(SESSION_HELD, pa.int64(), nullable=False))
     cursors = [pa.field(SWA_EVICTED_COLUMN, pa.list_(pa.int64()))] if "swa" in other_pools else []
+    if "mamba" in other_pools:
+        cursors.append(pa.field(MAMBA_SLOT_COLUMN, pa.list_(pa.int64())))
     return pa.schema(
         base
         + [pa.field(f"{pool}_{name}", pa.int64(), nullable=False) for pool in other_pools for name in fields]
@@ -239,6 +246,9 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
     if SWA_EVICTED_COLUMN in schema.names:
         cursors = block.swa_evicted if block.swa_evicted is not None else np.zeros(int(offsets[-1]), np.int64)
         cols[SWA_EVICTED_COLUMN] = pa.ListArray.from_arrays(off, pa.array(cursors.astype(np.int64, copy=False)))
+    if MAMBA_SLOT_COLUMN in schema.names:
+        slots = block.mamba_slot if block.mamba_slot is not None else np.full(int(offsets[-1]), -1, np.int64)
+        cols[MAMBA_SLOT_COLUMN] = pa.ListArray.from_arrays(off, pa.array(slots.astype(np.int64, copy=False)))
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
@@ -325,6 +335,20 @@ def trace_identity(path: str | Path) -> dict[str, Any]:
     return {"path": str(resolved), "file_bytes": resolved.stat().st_size, "digest": trace_digest(resolved)}
 
 
+def replay_log_writer(path: str | Path, session: Any, trace: str) -> StateLogWriter:
+    """The state log writer for a replay session (``kvtrace.replay.session.ReplaySession``)
+    of ``trace`` (as the user named it): its info names the trace, its file, the allocator,
+    the configuration and the namespaces (for ``kvtrace view``'s header), and its columns
+    follow the trace (``session_held`` for streaming sessions)."""
+    from kvtrace.replay.config import config_dict
+
+    info: dict[str, Any] = {"trace": trace, "trace_file": trace_identity(session.reader.path),
+                            "allocator": session.version.spec, "config": config_dict(session.config)}
+    if session.meta.namespaces is not None:
+        info["namespaces"] = len(session.meta.namespaces.names)
+    return StateLogWriter(path, info, sessions=session.meta.config.sessions)
+
+
 def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnapshot]]:
     """Open a state log: its stored info and a lazy iterator of snapshots.
 
@@ -380,15 +404,22 @@ def block_of(batch: pa.RecordBatch) -> SnapshotBlock:
         other_pools=_other_pools_of(batch),
         other_pool_names=other_pools_of(batch.schema),
         swa_evicted=_swa_evicted_of(batch),
+        mamba_slot=_row_values_of(batch, MAMBA_SLOT_COLUMN),
     )
 
 
 def _swa_evicted_of(batch: pa.RecordBatch) -> np.ndarray | None:
     """int64 [rows]: the SWA cursor of every listed request of the batch's steps (None:
     the log has no SWA cursors)."""
-    if SWA_EVICTED_COLUMN not in batch.schema.names:
+    return _row_values_of(batch, SWA_EVICTED_COLUMN)
+
+
+def _row_values_of(batch: pa.RecordBatch, name: str) -> np.ndarray | None:
+    """int64 [rows]: list column ``name`` of every listed request of the batch's steps
+    (None: the log has no such column, as one written before it)."""
+    if name not in batch.schema.names:
         return None
-    column = batch.column(SWA_EVICTED_COLUMN)
+    column = batch.column(name)
     offsets = column.offsets.to_numpy()
     values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
     return values.astype(np.int64, copy=False)
@@ -423,6 +454,7 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
     events = col["events"].to_pylist()
     others = _other_pools_of(batch)
     cursors = _swa_evicted_of(batch)
+    slots = _row_values_of(batch, MAMBA_SLOT_COLUMN)
     offsets = lists[0][0] - lists[0][0][0]
     out = []
     for i in range(n):
@@ -440,5 +472,6 @@ def snapshots_of(batch: pa.RecordBatch) -> list[StepSnapshot]:
             other_pools=() if others is None else tuple(PoolCounters(*(int(v) for v in row)) for row in others[i]),
             other_pool_names=other_pools_of(batch.schema),
             swa_evicted=None if cursors is None else cursors[offsets[i] : offsets[i + 1]],
+            mamba_slot=None if slots is None else slots[offsets[i] : offsets[i + 1]],
         ))
     return out

@@ -507,7 +507,8 @@ def _row_of(frame: Frame, rid: int) -> RequestRow:
     alloc, used = int(req.allocated[rid]), int(req.committed[rid])
     return RequestRow(rid, PHASES[int(req.phase[rid])], used, alloc, alloc - used, int(req.protected[rid]),
                       -(-alloc // req.page_size), int(req.prefix_hit[rid]), int(req.admitted_step[rid]),
-                      int(req.ended_step[rid]), None if req.swa_evicted is None else int(req.swa_evicted[rid]))
+                      int(req.ended_step[rid]), None if req.swa_evicted is None else int(req.swa_evicted[rid]),
+                      None if req.mamba_slot is None else int(req.mamba_slot[rid]))
 
 
 def differing_requests(a: RequestColumns, b: RequestColumns) -> np.ndarray:

@@ -84,6 +84,8 @@ class RequestColumns:
     page_size: int
     # int64 swa_evicted_seqlen (a model with a sliding-window pool); None: no SWA lengths
     swa_evicted: np.ndarray | None = None
+    # int64 mamba_pool_idx, -1: none (a model with a Mamba pool); None: no Mamba slots
+    mamba_slot: np.ndarray | None = None
 
     @classmethod
     def of(cls, state: ReplayState) -> RequestColumns:
@@ -94,7 +96,8 @@ class RequestColumns:
         cols = {name: state.column(name)[:n].copy() for name in
                 ("phase", "allocated", "committed", "protected", "prefix_hit", "admitted_step", "ended_step")}
         swa = state.column("swa_evicted")[:n].copy() if state.swa_lengths else None
-        return cls(page_size=state.page_size, swa_evicted=swa, **cols)
+        mamba = state.column("mamba_slot")[:n].copy() if state.mamba_slots else None
+        return cls(page_size=state.page_size, swa_evicted=swa, mamba_slot=mamba, **cols)
 
     @property
     def size(self) -> int:

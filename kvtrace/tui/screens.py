@@ -173,7 +173,9 @@ class RequestDetailScreen(ModalScreen[None]):
                 f"pages {r.pages:,} · prefix hit {r.prefix_hit:,} · admitted at step {r.admitted_step} · "
                 f"ended at step {r.ended_step if r.ended_step >= 0 else '-'}"
                 + ("" if r.swa_evicted is None else
-                   f"\nSWA: {r.swa_len:,} tokens past the window's cursor · swa_evicted_seqlen {r.swa_evicted:,}"),
+                   f"\nSWA: {r.swa_len:,} tokens past the window's cursor · swa_evicted_seqlen {r.swa_evicted:,}")
+                + ("" if r.mamba_slot is None else
+                   f"\nMamba: state slot {r.mamba_slot if r.mamba_slot >= 0 else '- (none held)'}"),
                 id="detail-row",
             )
             yield Static("[yellow]allocated[/] and [green]used[/] tokens", id="detail-caption")

@@ -110,4 +110,4 @@ async def test_a_mamba_replay_names_its_second_pool_mamba_and_says_it_has_no_pag
         await settle(pilot, lambda _app: "mamba pool has no pages" in str(dash.query_one("#cell-info", Static).render()),
                      timeout_s=30)
         assert dash.query_one("#occupancy").border_title == "occupancy · mamba pool"
-        assert dash.query_one("#pages").border_title == "page map · mamba pool"
+        assert dash.query_one("#pages").border_title == "state slots · mamba pool"  # no pages to map

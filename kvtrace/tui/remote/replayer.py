@@ -546,10 +546,9 @@ def _log_source(job: DashboardJob) -> ReplaySource:
 
 def live_source(job: DashboardJob) -> ReplaySource:
     from kvtrace.proc.child import job_checker, job_version
-    from kvtrace.replay.config import config_dict
     from kvtrace.replay.engine import ReplayOptions
     from kvtrace.replay.session import ReplaySession
-    from kvtrace.statelog.log import StateLogWriter, trace_identity
+    from kvtrace.statelog.log import replay_log_writer
     from kvtrace.tui.remote.sources import LiveSource
 
     side: SideJob | None = job.side
@@ -566,9 +565,7 @@ def live_source(job: DashboardJob) -> ReplaySource:
     log = None
     if job.log:
         try:
-            info = {"trace": side.trace_label or side.trace, "trace_file": trace_identity(session.reader.path),
-                    "allocator": session.version.spec, "config": config_dict(session.config)}
-            log = StateLogWriter(job.log, info)
+            log = replay_log_writer(job.log, session, side.trace_label or side.trace)
         except BaseException:
             session.close()
             raise

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kvtrace.replay.state import ReplayState
     from kvtrace.statelog.log import StateLogWriter
 
-__all__ = ["LiveSource", "LogSource", "ReplaySource", "SourceInfo", "trace_step_range"]
+__all__ = ["LiveSource", "LogSource", "ReplaySource", "SourceInfo", "cache_line", "num_namespaces", "trace_step_range"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,7 @@ class SourceInfo:
     last_step: int | None
     live: bool  # an allocator runs (False: a saved state log)
     page_size: int = 1
+    cache: str = ""  # the radix cache where it is not the default: 'slru · 3 namespaces' (``cache_line``)
 
 
 class ReplaySource(Protocol):
@@ -83,6 +84,24 @@ def _config_line(page_size: int, pool_tokens: int, max_running: int | None, devi
     return " · ".join(parts)
 
 
+def cache_line(eviction_policy: str | None, namespaces: int) -> str:
+    """The radix cache where it is not the default one (LRU eviction, no namespace):
+    'slru · 3 namespaces', 'lfu', '1 namespace'; '' for the default."""
+    parts = []
+    if eviction_policy is not None and eviction_policy != "lru":
+        parts.append(eviction_policy)
+    if namespaces:
+        parts.append(f"{namespaces} namespace{'s' if namespaces > 1 else ''}")
+    return " · ".join(parts)
+
+
+def num_namespaces(meta: Any) -> int:
+    """The cache namespaces a trace's requests use (``TraceMeta.namespaces``; 0: none), as a
+    state log's info records them for ``kvtrace view`` (key ``namespaces``)."""
+    table = getattr(meta, "namespaces", None)
+    return 0 if table is None else len(table.names)
+
+
 def trace_step_range(path: str | Path) -> tuple[int, int] | None:
     """First and last step of a trace file, an IPC stream or file (one pass over its record
     batches, cheap next to the replay; None when it cannot be read:
@@ -124,6 +143,7 @@ class LiveSource:
             name=session.label,
             source=" · ".join(x for x in (src.engine, src.workload, session.meta.model.name) if x),
             config=_config_line(cfg.page_size, cfg.pool_tokens, cfg.max_running, cfg.device),
+            cache=cache_line(getattr(cfg, "eviction_policy", None), num_namespaces(session.meta)),
             version=session.version.spec,
             first_step=first,
             last_step=last,
@@ -207,6 +227,7 @@ class LogSource:
             source=f"state log of {info.get('trace', '?')}",
             config=_config_line(int(cfg.get("page_size", 1)), int(cfg.get("pool_tokens", 0)), cfg.get("max_running"),
                                 cfg.get("device")),
+            cache=cache_line(cfg.get("eviction_policy"), int(info.get("namespaces") or 0)),
             version=str(info.get("allocator", "?")),
             first_step=log.first_step,
             last_step=log.last_step,

@@ -22,7 +22,9 @@ The pool counters of a step are the full pool's, then those of the other pools o
 hybrid model (``SnapshotBlock.other_pools``) in one row: a full-attention frame is the
 same size it always was, a hybrid one a few counters a step longer. A block with the
 requests' SWA cursors (``SnapshotBlock.swa_evicted``) says ``KVS1`` instead of ``KVU1``
-and has that column (int64, a row each) right after the counters.
+and has that column (int64, a row each) right after the counters; one with the requests'
+Mamba state slots (``SnapshotBlock.mamba_slot``) says ``KVM1`` (``KVB1``: both columns)
+and has that column (int64, a row each) after them.
 Raw columns rather than pickled arrays: pickling costs per array, which this layout
 mostly saves, and the screen reads the columns in place.
 """
@@ -45,6 +47,10 @@ __all__ = ["decode_update", "encode_update", "read_update", "write_update"]
 _HEADER = struct.Struct("<4sIQQQ")  # magic, pool counters a step, steps, rows, tail bytes
 _MAGIC = b"KVU1"
 _MAGIC_SWA = b"KVS1"  # the same, with the SWA cursor column
+_MAGIC_MAMBA = b"KVM1"  # the same, with the Mamba slot column
+_MAGIC_BOTH = b"KVB1"  # the same, with both
+# magic -> (SWA cursor column, Mamba slot column)
+_ROW_EXTRAS = {_MAGIC: (False, False), _MAGIC_SWA: (True, False), _MAGIC_MAMBA: (False, True), _MAGIC_BOTH: (True, True)}
 _NUM_POOL = len(PoolCounters._fields)
 # (column, dtype, per step or per row): the body's order, widest first.
 _STEP, _ROW = "step", "row"
@@ -79,9 +85,10 @@ def encode_update(update: SnapshotBlock) -> bytes:
     if update.other_pools is not None:  # a hybrid model: each step's row goes on with its other pools
         pools = np.concatenate([pools, update.other_pools.reshape(k, -1)], axis=1)
     swa = [] if update.swa_evicted is None else [_column(update.swa_evicted, np.int64)]
-    magic = _MAGIC if update.swa_evicted is None else _MAGIC_SWA
-    return b"".join([_HEADER.pack(magic, pools.shape[1], k, r, len(tail)), _column(pools, np.int64), *swa, *columns,
-                     tail])
+    mamba = [] if update.mamba_slot is None else [_column(update.mamba_slot, np.int64)]
+    magic = next(m for m, has in _ROW_EXTRAS.items() if has == (bool(swa), bool(mamba)))
+    return b"".join([_HEADER.pack(magic, pools.shape[1], k, r, len(tail)), _column(pools, np.int64), *swa, *mamba,
+                     *columns, tail])
 
 
 def write_update(out: Connection, update: SnapshotBlock) -> None:
@@ -117,10 +124,10 @@ def decode_update(body: bytearray) -> SnapshotBlock:
     if size < _HEADER.size:
         raise ValueError(f"an update frame of {size} bytes is shorter than its header")
     magic, num_pool, k, r, tail_len = _HEADER.unpack_from(body)
-    if magic not in (_MAGIC, _MAGIC_SWA):
+    if magic not in _ROW_EXTRAS:
         raise ValueError(f"not an update frame (it begins {bytes(body[:8])!r})")
-    has_swa = magic == _MAGIC_SWA
-    expected = _HEADER.size + 8 * k * num_pool + (8 * r if has_swa else 0) + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
+    has_swa, has_mamba = _ROW_EXTRAS[magic]
+    expected = _HEADER.size + 8 * k * num_pool + 8 * r * (has_swa + has_mamba) + sum(np.dtype(t).itemsize * (k if per == _STEP else r)
                                                      for _, t, per in _COLUMNS) + tail_len
     if num_pool == 0 or num_pool % _NUM_POOL or expected != size:
         raise ValueError(f"a damaged update frame ({num_pool} pool counters, {k} steps, {r} rows and {tail_len} "
@@ -134,6 +141,10 @@ def decode_update(body: bytearray) -> SnapshotBlock:
     if has_swa:
         swa = np.frombuffer(body, np.int64, r, at)
         at += swa.nbytes
+    mamba = None
+    if has_mamba:
+        mamba = np.frombuffer(body, np.int64, r, at)
+        at += mamba.nbytes
     cols: dict[str, np.ndarray] = {}
     for name, dtype, per in _COLUMNS:
         n = k if per == _STEP else r
@@ -148,4 +159,5 @@ def decode_update(body: bytearray) -> SnapshotBlock:
         other_pools=other,
         swa_evicted=swa,
         other_pool_names=names,
+        mamba_slot=mamba,
     )

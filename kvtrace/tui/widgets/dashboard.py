@@ -23,10 +23,12 @@ from textual.widgets import Input, Static, Tab, Tabs
 from kvtrace.tui.widgets.events_log import EventsLog
 from kvtrace.tui.widgets.header import ReplayHeader
 from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
-from kvtrace.tui.widgets.page_map import PageMap, PageMapLegend
+from kvtrace.tui.widgets.page_map import PageMap, PageMapLegend, mamba_slots_text
 from kvtrace.tui.widgets.request_table import RequestTable
 
 if TYPE_CHECKING:
+    from rich.text import Text
+
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
@@ -62,14 +64,20 @@ class Cadence(NamedTuple):
 
 def side_numbers(frame: Frame, pool: int = 0) -> str:
     """One line of a diff side's occupancy (it has no legend beside its chart): used,
-    over-allocated, cached locked and evictable, free, and the peak (pool ``pool``)."""
+    over-allocated, cached locked and evictable, free, and the peak (pool ``pool``); the
+    Mamba pool's in slots: held, checkpoints, free."""
     pools = (frame.pool, *frame.other_pools)
-    p = pools[pool if pool < len(pools) else 0]
+    index = pool if pool < len(pools) else 0
+    p = pools[index]
     if p is None:
         return ""
     total = max(p.pool_tokens, 1)
-    text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · "
-            f"locked {p.protected:,} · evictable {p.evictable:,} · free {p.available:,}")
+    if index < len(frame.pool_names) and frame.pool_names[index] == "mamba":
+        text = (f"slots held {p.committed:,} ({100 * p.committed / total:.1f}%) · "
+                f"checkpoints {p.evictable + p.protected:,} · free {p.available:,} of {p.pool_tokens:,}")
+    else:
+        text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · "
+                f"locked {p.protected:,} · evictable {p.evictable:,} · free {p.available:,}")
     peak = frame.peak(pool)
     return text + (f" · peak {peak[1]:,} @ {peak[0]:,}" if peak is not None else "")
 
@@ -161,6 +169,8 @@ class Dashboard(Vertical):
             pages_panel = self.query_one("#pages")
             mapped = frame.pool_names[frame.page_map_pool]  # the pool of the cells drawn (the next map may be another's)
             title = f"page map · {mapped} pool" if info.live else f"{mapped} pool by state (no positions)"
+            if mapped == "mamba" and frame.requests.mamba_slot is not None:
+                title = "state slots · mamba pool"  # no pages: which request holds which slot
             if pages_panel.border_title != title:
                 pages_panel.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
@@ -175,11 +185,30 @@ class Dashboard(Vertical):
             self.query_one(EventsLog).show(frame)
         pages = self.query_one(PageMap)
         pages.show(frame.page_cells)
-        if frame.page_map_note is not None:
+        slots = self._mamba_slots(frame)
+        self.query_one("#pages").set_class(slots is not None, "-slots")
+        if slots is not None:  # the Mamba pool has no pages: its slots and their requests instead
+            self.query_one("#cell-info", Static).update(slots)
+        elif frame.page_map_note is not None:
             self.query_one("#cell-info", Static).update(frame.page_map_note)
         chart = self.query_one(OccupancyChart)
         if self._due("chart_s", frame, now, urgent=chart.shown_step is None):
             chart.show(frame)
+
+    def _mamba_slots(self, frame: Frame) -> Text | None:
+        """The text of the Mamba pool's slots when the page map panel shows that pool (and
+        the frames carry the requests' slots), else None."""
+        names = frame.pool_names
+        if frame.requests is None or frame.requests.mamba_slot is None or frame.page_map_pool >= len(names) \
+                or names[frame.page_map_pool] != "mamba":
+            return None
+        pool = frame.pools.get("mamba")
+        if pool is None:
+            return None
+        cached = getattr(pool, "cached_checkpoints", None)
+        cached = pool.evictable + pool.protected if cached is None else int(cached)
+        return mamba_slots_text(frame.requests.mamba_slot, pool.pool_tokens, cached,
+                                self.query_one("#cell-info").content_size.width or None)
 
     def _due(self, panel: str, frame: Frame, now: float, urgent: bool = False) -> bool:
         """Whether the panel whose cadence is the field ``panel`` of ``Cadence`` is drawn

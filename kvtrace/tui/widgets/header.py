@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "pools_text", "speed_label", "state_text"]
+__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "config_text", "pools_text", "speed_label", "state_text"]
 
 # What stopped a replay early, by the kind of the alarm at its last step.
 STOP_REASONS = {"oom": "out of memory", "violation": "invariant violation", "bad_op": "impossible op"}
@@ -52,13 +52,44 @@ def state_text(frame: Frame, info: SourceInfo) -> Text:
 
 def pools_text(frame: Frame, shown: str | None = None) -> Text:
     """Each pool's use: 'full 12,345/50,000 24.7%  swa 1,234/8,000 15.4%' (``shown``: the
-    pool the occupancy panel shows, underlined)."""
+    pool the occupancy panel shows, underlined). The Mamba pool counts state slots and
+    says so: 'mamba 4/16 slots 25.0%'."""
     parts: list[str | tuple[str, str]] = [("pools ", "dim")]
     for i, (name, pool) in enumerate(frame.pools.items()):
         used, total = pool.used_tokens, pool.pool_tokens
+        unit = " slots" if name == "mamba" else ""
         parts += ["  " if i else "", (name, "bold underline" if name == shown else "bold"),
-                  f" {used:,}/{total:,} {100 * used / max(total, 1):.1f}%"]
+                  f" {used:,}/{total:,}{unit} {100 * used / max(total, 1):.1f}%"]
     return Text.assemble(*parts)
+
+
+def config_text(info: SourceInfo, room: int) -> Text:
+    """The configuration line in ``room`` cells: pool, page, the radix cache where it is
+    not the default (``SourceInfo.cache``: 'slru · 3 namespaces'), pages, running max,
+    device, and for a state log 'from a state log'. Where it does not fit, whole parts go
+    from its end (a part cut in the middle read as '248 pa…'), down to pool, page and the
+    cache; then 'tokens' and 'namespaces' shorten ('pool 60,000 · page 16 · slru · 3 ns');
+    what still does not fit is cut."""
+    parts = info.config.split(" · ")
+    head, rest = parts[:2], parts[2:] + ([] if info.live else ["from a state log"])
+    cache = [info.cache] if info.cache else []
+
+    def line(first: list[str], kept: list[str], after: list[str]) -> Text:
+        text = Text(" · ".join(first))
+        for part in kept:
+            text.append(" · ")
+            text.append(part, style="bold")
+        for part in after:
+            text.append(" · " + part)
+        return text
+
+    for n in range(len(rest), -1, -1):
+        text = line(head, cache, rest[:n])
+        if text.cell_len <= room:
+            return text
+    short_head = [head[0].removesuffix(" tokens"), *head[1:]]
+    short_cache = [c.replace(" namespaces", " ns").replace(" namespace", " ns") for c in cache]
+    return line(short_head, short_cache, [])
 
 
 def speed_label(speed: float | None, achieved: float | None) -> str:
@@ -86,12 +117,12 @@ class ReplayHeader(TextLines):
         width = max(self.size.width - 2, 40)
         left1 = Text.assemble(("kvtrace ", "bold"), (info.name, "bold cyan"), "  ", (info.source, "dim"))
         right1 = Text.assemble("version ", (info.version, "bold"), "  ", state)
-        left2 = Text(info.config + ("" if info.live else " · from a state log"))
         right2 = Text.assemble(
             ("step ", "dim"), (step, "bold"), total,
             ("  t=", "dim"), clock_time(frame.time_s),
             ("  speed ", "dim"), speed_label(frame.speed, frame.achieved_speed if frame.playing else None),
         )
+        left2 = config_text(info, width - right2.cell_len - 1)
         lines = [_spread(left1, right1, width), _spread(left2, right2, width)]
         if frame.other_pools:  # a hybrid model: each pool's use (a full-attention one has line 2's config)
             lines.append(_spread(pools_text(frame, shown_pool), Text("p: next pool", style="dim"), width))

@@ -7,7 +7,8 @@ per column of the plot: each column shows the step of highest use in its range, 
 no peak is lost to downsampling. ``marks`` adds labelled vertical lines (a diff view
 marks its divergence step with one). A hybrid model's replay has a pool per attention
 kind (``POOL_NAMES``): chart and legend show one of them, ``pool`` (the dashboard's ``p``
-cycles it).
+cycles it). The Mamba pool counts state slots, not tokens: its legend names its bands as
+slots (held by requests; the radix cache's checkpointed states, when it keeps any).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from kvtrace.replay.state import Timeline
     from kvtrace.tui.driver import Frame
 
-__all__ = ["BANDS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter", "column_samples"]
+__all__ = ["BANDS", "MAMBA_LABELS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter", "column_samples"]
 
 # (label, PoolCounters field, colour), bottom to top
 BANDS = (
@@ -46,6 +47,11 @@ BANDS = (
     ("cached evictable", "evictable", STATE_COLORS[SlotState.CACHED_EVICTABLE]),
     ("free", "available", STATE_COLORS[SlotState.FREE]),
 )
+
+# The Mamba pool's names for the same bands: a request holds a state slot (nothing is
+# over-allocated), and the radix cache keeps checkpointed states ("ckpt") in slots of its own.
+MAMBA_LABELS = {"committed": "held", "overallocated": "over-allocated", "protected": "ckpt locked",
+                "evictable": "ckpt evictable", "available": "free"}
 
 
 def column_samples(timeline: Timeline, size: int, columns: int, pool: int = 0) -> np.ndarray:
@@ -208,18 +214,38 @@ class OccupancyLegend(TextLines):
         if pool is None:
             self.set_lines([Text("no step replayed yet")])
             return
-        self.set_lines(legend_lines(pool, frame.peak(index)))
+        names = frame.pool_names
+        self.set_lines(legend_lines(pool, frame.peak(index), names[index] if index < len(names) else "full"))
 
 
-def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None) -> list[Text]:
-    """The legend: one line per band, then used, the peak and the running requests."""
+def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "full") -> list[Text]:
+    """The legend: one line per band, then used, the peak and the running requests. The
+    Mamba pool (``name`` "mamba") counts slots: its bands are named by ``MAMBA_LABELS``,
+    its over-allocated band (always empty) is left out, its checkpoint bands and a line
+    of its cached checkpoints (``cached_checkpoints`` where the counters carry it, else
+    the tree's evictable + locked slots) come when it has any (a replay with the radix
+    cache off has none: the legend keeps to what a short panel shows)."""
     total = max(pool.pool_tokens, 1)
+    mamba = name == "mamba"
+    cached = 0
+    if mamba:
+        named = getattr(pool, "cached_checkpoints", None)
+        cached = pool.evictable + pool.protected if named is None else int(named)
     lines = []
     for label, field, colour in reversed(BANDS):
         value = getattr(pool, field)
+        if mamba:
+            if field == "overallocated" and not value:
+                continue
+            if field in ("evictable", "protected") and not (cached or pool.evictable or pool.protected):
+                continue
+            label = MAMBA_LABELS[field]
         lines.append(Text.assemble(("█ ", colour), f"{label:<17}{value:>10,} {100 * value / total:6.1f}%"))
+    if mamba:
+        if cached:
+            lines.append(Text(f"{'cached ckpts':<19}{cached:>10,} {100 * cached / total:6.1f}%"))
     used = pool.used_tokens
-    lines.append(Text(f"{'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
+    lines.append(Text(f"{'used slots' if mamba else 'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
     if peak is not None:
         lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
         lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))

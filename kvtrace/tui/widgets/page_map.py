@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -22,7 +23,7 @@ from kvtrace.tui.remote.pagemap import STATE_LABELS
 if TYPE_CHECKING:
     from kvtrace.tui.remote.pagemap import PageCells
 
-__all__ = ["STATE_COLORS", "PageMap", "PageMapLegend", "legend"]
+__all__ = ["STATE_COLORS", "PageMap", "PageMapLegend", "legend", "mamba_slots_text"]
 
 STATE_COLORS = {
     SlotState.FREE: "grey23",
@@ -64,6 +65,41 @@ def legend(states: tuple[SlotState, ...] = tuple(SlotState), width: int | None =
         text.append(char, style=style)
         text.append(" " + label)
         used += entry
+    return text
+
+
+def mamba_slots_text(slots: np.ndarray, total: int, cached: int = 0, width: int | None = None) -> Text:
+    """The Mamba pool in place of a page map (it has no pages): which request holds which
+    state slot, then the slots the radix cache's checkpoints hold and the free ones.
+
+    Args:
+        slots: int64, per request id, its state slot (-1: none; ``RequestColumns.mamba_slot``).
+        total: the pool's slots.
+        cached: slots holding checkpointed states (not a request's).
+        width: wrap the list between its entries to this many cells (None: one line).
+    """
+    rids = np.flatnonzero(slots >= 0)
+    order = rids[np.argsort(slots[rids], kind="stable")]
+    text = Text("the mamba pool has no pages: a state slot per running request\n")
+    used = 0
+    for i, rid in enumerate(order.tolist()):
+        slot, owner = f"slot {int(slots[rid])}", f" rid {rid}"
+        entry = len(slot) + len(owner)
+        if i and width is not None and used + 3 + entry > width:  # a wrap inside an entry would split it
+            text.append("\n")
+            used = 0
+        elif i:
+            text.append(" · ")
+            used += 3
+        text.append(slot, style=_STYLES[SlotState.COMMITTED])
+        text.append(owner)
+        used += entry
+    held = int(order.shape[0])
+    text.append("\n" if held else "")
+    text.append(f"{held} held by requests", style="bold")
+    if cached:
+        text.append(f" · {cached} checkpoints")
+    text.append(f" · {max(total - held - cached, 0)} free of {total}")
     return text
 
 

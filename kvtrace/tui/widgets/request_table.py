@@ -6,7 +6,9 @@ prefix hit, admitted step. A replay of a hybrid SWA model (its frames carry the
 requests' SWA cursors) adds, after allocated, the SWA side: ``swa``, the tokens
 past the request's SWA cursor (``allocated - swa_evicted_seqlen``: those the
 sliding-window layers still hold), and ``swa evicted`` (``swa_evicted_seqlen``);
-a full-attention replay's table has neither. The selection follows its request
+a replay of a hybrid linear-attention model (its frames carry the requests' Mamba state
+slots) adds ``mamba`` there: the request's state slot (``mamba_pool_idx``), or "-" for a
+request holding none; a full-attention replay's table has none of them. The selection follows its request
 across steps; a request whose over-allocation was just released flashes.
 """
 
@@ -27,7 +29,7 @@ from kvtrace.tui.widgets.virtual_list import VirtualList, cells
 if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame, RequestColumns
 
-__all__ = ["SORT_KEYS", "RequestFilter", "RequestTable"]
+__all__ = ["MAMBA_SORT_KEYS", "SORT_KEYS", "RequestFilter", "RequestTable"]
 
 SORT_KEYS = ("id", "phase", "used", "allocated", "over", "pages", "prefix", "admitted")
 SWA_SORT_KEYS = ("swa", "swa evicted")  # an SWA replay's table sorts by these too, after "allocated"
@@ -41,6 +43,11 @@ _SWA_AT = 5
 _SWA_WIDTHS = _WIDTHS[:2] + (_WIDTHS[2] - 4,) + _WIDTHS[3:_SWA_AT] + (8, 12) + _WIDTHS[_SWA_AT:]
 _SWA_HEADERS = _HEADERS[:_SWA_AT] + SWA_SORT_KEYS + _HEADERS[_SWA_AT:]
 _SWA_SORT_COLUMN = {c + 2 * (c >= _SWA_AT): k for c, k in _SORT_COLUMN.items()} | {5: "swa", 6: "swa evicted"}
+# A Mamba replay's table: the ``mamba`` column at the same place, the bar four cells narrower.
+MAMBA_SORT_KEYS = ("mamba",)
+_MAMBA_WIDTHS = _WIDTHS[:2] + (_WIDTHS[2] - 4,) + _WIDTHS[3:_SWA_AT] + (7,) + _WIDTHS[_SWA_AT:]
+_MAMBA_HEADERS = _HEADERS[:_SWA_AT] + MAMBA_SORT_KEYS + _HEADERS[_SWA_AT:]
+_MAMBA_SORT_COLUMN = {c + (c >= _SWA_AT): k for c, k in _SORT_COLUMN.items()} | {5: "mamba"}
 _PHASE_STYLE = {
     "waiting": Style(color="bright_black"),
     "prefill": Style(color="cyan"),
@@ -180,21 +187,26 @@ class RequestTable(VirtualList):
         return self._req is not None and self._req.swa_evicted is not None
 
     @property
+    def mamba(self) -> bool:
+        """Whether the table shows the ``mamba`` column (the frames carry Mamba slots and
+        no SWA cursors: a model has one kind of second pool)."""
+        return self._req is not None and self._req.mamba_slot is not None and not self.swa
+
+    @property
     def sort_keys(self) -> tuple[str, ...]:
         """The keys this table sorts by (``SORT_KEYS``, with ``SWA_SORT_KEYS`` after
-        ``allocated`` for an SWA replay)."""
-        if not self.swa:
-            return SORT_KEYS
+        ``allocated`` for an SWA replay, ``MAMBA_SORT_KEYS`` for a Mamba one)."""
+        extra = SWA_SORT_KEYS if self.swa else MAMBA_SORT_KEYS if self.mamba else ()
         at = SORT_KEYS.index("allocated") + 1
-        return SORT_KEYS[:at] + SWA_SORT_KEYS + SORT_KEYS[at:]
+        return SORT_KEYS[:at] + extra + SORT_KEYS[at:]
 
     @property
     def _widths(self) -> tuple[int, ...]:
-        return _SWA_WIDTHS if self.swa else _WIDTHS
+        return _SWA_WIDTHS if self.swa else _MAMBA_WIDTHS if self.mamba else _WIDTHS
 
     @property
     def _sort_column(self) -> dict[int, str]:
-        return _SWA_SORT_COLUMN if self.swa else _SORT_COLUMN
+        return _SWA_SORT_COLUMN if self.swa else _MAMBA_SORT_COLUMN if self.mamba else _SORT_COLUMN
 
     def set_filter(self, text: str) -> None:
         """Raises ValueError for a term the filter does not know (the filter stays as it was)."""
@@ -221,6 +233,8 @@ class RequestTable(VirtualList):
         if key in SWA_SORT_KEYS and req.swa_evicted is not None:
             evicted = req.swa_evicted[rids]
             return evicted if key == "swa evicted" else np.maximum(req.allocated[rids] - evicted, 0)
+        if key == "mamba" and req.mamba_slot is not None:
+            return req.mamba_slot[rids]
         return req.admitted_step[rids]
 
     def _resort(self) -> None:
@@ -284,7 +298,7 @@ class RequestTable(VirtualList):
         req = self._req
         if req is None:
             return None
-        return (self.sort_key, self.descending, req.page_size, self.swa)  # the header
+        return (self.sort_key, self.descending, req.page_size, self.swa, self.mamba)  # the header
 
     def row_signatures(self, start: int, stop: int) -> list[object]:
         req = self._req
@@ -296,10 +310,11 @@ class RequestTable(VirtualList):
         flash = self._flash
         ids = rids.tolist()
         swa = [None] * len(ids) if req.swa_evicted is None else req.swa_evicted[rids].tolist()
+        mamba = [None] * len(ids) if req.mamba_slot is None else req.mamba_slot[rids].tolist()
         differs = [self.differs(r) for r in ids] if self._differing is not None else [False] * len(ids)
         return list(zip(ids, alloc.tolist(), used.tolist(), n_used.tolist(), n_over.tolist(),
                         req.phase[rids].tolist(), req.prefix_hit[rids].tolist(), req.admitted_step[rids].tolist(),
-                        [flash.get(r, 0.0) > now for r in ids], swa, differs))
+                        [flash.get(r, 0.0) > now for r in ids], swa, mamba, differs))
 
     def on_mount(self) -> None:
         self.set_interval(0.25, self.refresh_rows)  # flashes fade even when no frame comes
@@ -327,7 +342,7 @@ class RequestTable(VirtualList):
         arrow = "↓" if self.descending else "↑"
         parts = []
         sort_column = self._sort_column
-        headers = _SWA_HEADERS if self.swa else _HEADERS
+        headers = _SWA_HEADERS if self.swa else _MAMBA_HEADERS if self.mamba else _HEADERS
         for col, (name, w) in enumerate(zip(headers, self._widths)):
             label = name + (arrow if sort_column.get(col) == self.sort_key else "")
             parts.append((label, w, _HEADER, ">" if col >= 3 else "<"))
@@ -372,6 +387,10 @@ class RequestTable(VirtualList):
                 (f"{max(alloc - evicted, 0):,}", _SWA_WIDTHS[_SWA_AT], None, ">"),
                 (f"{evicted:,}" if evicted else "·", _SWA_WIDTHS[_SWA_AT + 1], None, ">"),
             ]
+        elif self.mamba:
+            slot = int(req.mamba_slot[rid])  # type: ignore[index]
+            at = len(parts) - (len(_WIDTHS) - _SWA_AT)
+            parts[at:at] = [(str(slot) if slot >= 0 else "-", _MAMBA_WIDTHS[_SWA_AT], None, ">")]
         return cells(parts, width, base)
 
 
