@@ -106,10 +106,18 @@ def check_mamba_pool(out: list[Violation], allocator: KvAllocator) -> None:
     the slot was last handed to (``KvAllocator.mamba_last_holder``)."""
     if allocator.ctx.mamba_reqs is None:
         return
-    from allocator.check.mamba_invariants import check_mamba
+    from allocator.check.mamba_invariants import check_mamba, check_mamba_tree
+    from allocator.mamba_radix import MambaRadixCache
 
     last = allocator.mamba_last_holder
-    for v in check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs()):  # type: ignore[arg-type]
+    tree = allocator.tree_cache
+    found = []
+    if isinstance(tree, MambaRadixCache):  # the radix cache's checkpointed states are a place too
+        found = check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs(), tree.cached_states())  # type: ignore[arg-type]
+        found += [v for v in check_mamba_tree(tree) if v.check == "tree_ledger"]
+    else:
+        found = check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs())  # type: ignore[arg-type]
+    for v in found:
         slot = v.values.get("slot")
         if v.rid is None and last is not None and slot is not None and 0 <= slot < last.shape[0] and last[slot] >= 0:
             v = dataclasses.replace(v, rid=int(last[slot]))

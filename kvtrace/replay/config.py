@@ -122,7 +122,9 @@ def allocator_config_for(
             ``unserved_hicache``).
     """
     cfg = meta.config
-    unserved = unserved_mamba(meta, cfg.radix_cache if radix_cache is None else radix_cache) or unserved_hicache(meta)
+    unserved = unserved_mamba(
+        meta, cfg.radix_cache if radix_cache is None else radix_cache, cfg.page_size if page_size is None else page_size
+    ) or unserved_hicache(meta)
     if unserved is not None:
         raise ConfigError(unserved)
     ps = cfg.page_size if page_size is None else page_size
@@ -182,10 +184,12 @@ def mamba_config_for(layout: MambaLayout | None) -> MambaConfig | None:
     return MambaConfig(slots=layout.mamba_cache_size)
 
 
-def unserved_mamba(meta: TraceMeta, radix_cache: bool) -> str | None:
+def unserved_mamba(meta: TraceMeta, radix_cache: bool, page_size: int | None = None) -> str | None:
     """The one line to say when a trace is of a hybrid linear-attention model served
-    with a switch the Mamba pool is not wired for yet (the radix cache, whose Mamba
-    checkpoints no allocator keeps yet; PD decode; HiSparse), else None.
+    with a switch the Mamba pool is not wired for yet (PD decode; HiSparse; the radix
+    cache at a page size above 1, which SGLang serves with the extra_buffer strategy:
+    its tracking slots follow the forward passes, which a trace does not record),
+    else None. ``page_size``: the replay's (default the trace's).
 
     NOTE: such a trace replayed without what the switch does to the Mamba slots
     would drop them, so it is refused rather than replayed wrong.
@@ -194,8 +198,17 @@ def unserved_mamba(meta: TraceMeta, radix_cache: bool) -> str | None:
     if layout is None:
         return None
     cfg = meta.config
-    what = ("the radix cache" if radix_cache else "PD decode" if cfg.pd_decode else "HiSparse" if cfg.hisparse
-            else None)
+    if page_size is None:
+        page_size = cfg.page_size
+    if radix_cache and page_size != 1 and not (cfg.pd_decode or cfg.hisparse):
+        return (
+            f"this trace is of a hybrid linear-attention model ({meta.model.name}: {len(layout.mamba_layer_ids)} "
+            f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots) served with the radix cache at "
+            f"page size {page_size}, which SGLang serves "
+            f"with the extra_buffer Mamba strategy only; the replay models no_buffer (page size 1): replay it "
+            f"with --no-radix-cache, or record it at --page-size 1"
+        )
+    what = "PD decode" if cfg.pd_decode else "HiSparse" if cfg.hisparse else None
     if what is None:
         return None
     return (
