@@ -99,6 +99,8 @@ class KvContext:
         mamba_admitting: with the Mamba radix cache, the bookkeeping of the requests an
             extend matched (by rid) before they get rows: the state slot a match's
             copy-on-write gave them (``MambaRadixCache.cow_state``).
+        mamba_last_holder: int64 ``[slots + 1]``: the request each Mamba slot was last
+            handed to or checkpointed for (-1 never; blame for a slot no one holds).
     """
 
     req_to_token_pool: ReqToTokenPool
@@ -112,6 +114,7 @@ class KvContext:
     swa: SwaConfig | None = None
     mamba_reqs: dict[int, MambaReqKv] | None = None
     mamba_admitting: dict[int, MambaReqKv] | None = None
+    mamba_last_holder: np.ndarray | None = None
     # Derived in __post_init__: the row width, and whether the page-1 hot paths may
     # take slots straight from the token allocator's free-list buffer.
     width: int = 0
@@ -1596,6 +1599,8 @@ def checkpoint_mamba(
         state = req.mamba_pool_idx
     else:
         state = tree.alloc_state_slot()
+        if ctx.mamba_last_holder is not None:
+            ctx.mamba_last_holder[state] = req.rid
     if key_len <= 0:
         # nothing to key: the copy goes back; a finish keeps its slot for the release
         if not finished:

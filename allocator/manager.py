@@ -213,6 +213,7 @@ class KvAllocator:
         self.mamba_last_holder: np.ndarray | None = (
             None if config.mamba is None else np.full(config.mamba.slots + 1, -1, dtype=np.int64)
         )
+        self.ctx.mamba_last_holder = self.mamba_last_holder
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
         self._prefilling = np.zeros(1024, dtype=bool)
