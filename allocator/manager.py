@@ -214,6 +214,10 @@ class KvAllocator:
             None if config.mamba is None else np.full(config.mamba.slots + 1, -1, dtype=np.int64)
         )
         self.ctx.mamba_last_holder = self.mamba_last_holder
+        # Mamba radix tree: each admission that copied a cached state, with its match key
+        # and the node the state sat on (``check_mamba_pool`` checks the key starts with
+        # that node's path while the node still holds the state).
+        self.mamba_matches: list[tuple[MambaReqKv, np.ndarray, TreeNode | None]] = []
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
         self._prefilling = np.zeros(1024, dtype=bool)
@@ -419,6 +423,11 @@ class KvAllocator:
                 mamba_tree.cow_state(match.last_node, req)
                 assert admitting is not None
                 admitting[int(rids[i])] = req
+                src = req.mamba_cow_src
+                if src is not None:
+                    holder = match.last_node if match.last_node.mamba_value == src else next(
+                        (n for n in mamba_tree.mamba_lru if n.mamba_value == src), None)
+                    self.mamba_matches.append((req, key, holder))
             else:
                 match = tree.match_prefix(key)
             node = match.last_node

@@ -420,6 +420,8 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
         setattr(alloc, name, saved.copy())
     if state.mamba is not None:
         _restore_mamba(alloc, state.mamba)
+    if hasattr(alloc, "mamba_matches"):
+        alloc.mamba_matches = []  # they name the nodes of the tree just replaced
     alloc._pending_publish = []
     alloc.request_namespaces = dict(state.request_namespaces)
     alloc._namespaced = alloc._namespaced or bool(state.request_namespaces)

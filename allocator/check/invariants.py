@@ -114,7 +114,15 @@ def check_mamba_pool(out: list[Violation], allocator: KvAllocator) -> None:
     found = []
     if isinstance(tree, MambaRadixCache):  # the radix cache's checkpointed states are a place too
         found = check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs(), tree.cached_states())  # type: ignore[arg-type]
-        found += [v for v in check_mamba_tree(tree) if v.check == "tree_ledger"]
+        # a copied state is checked while the request runs and its node still holds it
+        # (later the slot may be evicted and reused for another prefix)
+        # (node None: no node held the state at the match, reported once)
+        matches = [(req, key, node) for req, key, node in allocator.mamba_matches
+                   if node is None or (req.req_pool_idx is not None and node.parent is not None
+                                       and node.mamba_value == req.mamba_cow_src)]
+        allocator.mamba_matches = [m for m in matches if m[2] is not None]
+        found += [v for v in check_mamba_tree(tree, reqs=[(req, key) for req, key, _ in matches])
+                  if v.check in ("tree_ledger", "state_reuse")]
     else:
         found = check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs())  # type: ignore[arg-type]
     for v in found:
