@@ -182,11 +182,12 @@ class KvAllocator:
             assert isinstance(allocator, SWATokenToKVPoolAllocator)
             self.tree_cache = SwaRadixCache(ps, allocator, config.swa.retain_window, is_eagle=uses_bigram_keys(config.spec))
         elif config.mamba is not None and config.radix_cache:
-            # SGLang's UnifiedRadixCache(FULL, MAMBA): checkpointed states beside the KV
+            # SGLang's UnifiedRadixCache(FULL, MAMBA): checkpointed states beside the KV.
+            # NOTE: keyed by tokens even under EAGLE (unified_tree_core.py: is_eagle is
+            # off whenever the tree has a MAMBA component).
             assert isinstance(self.req_to_token_pool, HybridReqToTokenPool)
             self.tree_cache = MambaRadixCache(
                 ps, allocator, self.req_to_token_pool.mamba_allocator, extra_buffer=config.mamba.extra_buffer,
-                is_eagle=uses_bigram_keys(config.spec),
             )
         else:
             self.tree_cache = RadixCache(

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from allocator.base import AllocatorConfig, MambaConfig
+from allocator.base import AllocatorConfig, MambaConfig, SpecConfig
 from allocator.check.checkpoint import restore_allocator_state, save_allocator_state
 from allocator.manager import KvAllocator
 from allocator.mamba_radix import MambaRadixCache
 
 
-def make(slots: int = 12, max_running: int = 4, pool: int = 4000) -> KvAllocator:
+def make(slots: int = 12, max_running: int = 4, pool: int = 4000, spec: SpecConfig | None = None) -> KvAllocator:
     return KvAllocator(AllocatorConfig(pool_tokens=pool, page_size=1, max_running=max_running, max_context_len=1000,
-                                       radix_cache=True, mamba=MambaConfig(slots=slots)))
+                                       radix_cache=True, mamba=MambaConfig(slots=slots), spec=spec))
 
 
 def ids(*ranges: tuple[int, int]) -> np.ndarray:
@@ -122,3 +122,13 @@ def test_a_checkpoint_round_trips_the_tree_with_its_states() -> None:
     # the restored tree still gates and copies: rid 3 resumes at the checkpoint as before
     assert prefill(a, 3, ids((1, 101), (900, 950))) == 100
     assert a.check_integrity() == []
+
+
+def test_under_eagle_the_tree_is_keyed_by_tokens_not_bigrams() -> None:
+    # SGLang turns the bigram keys off in a tree with a MAMBA component: the whole
+    # prompt is cached and protected, not one unit less
+    a = make(spec=SpecConfig())
+    assert not a.tree_cache.is_eagle
+    prefill(a, 1, ids((1, 101)))
+    assert a.request_lens(one(1)).protected.tolist() == [100]
+    assert a.pool_counters()["full"].protected == 100 and a.check_integrity() == []
