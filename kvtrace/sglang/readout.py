@@ -95,7 +95,7 @@ def mamba_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple
     """The Mamba pool's ``PoolCounters`` fields (in slots) read off an SGLang world, as
     the built-in allocator reports them: ``evictable`` / ``protected`` the Mamba
     component's ledgers of the unified tree (0 with the radix cache off),
-    ``committed`` the state slots requests hold, nothing over-allocated."""
+    ``committed`` the state slots requests hold, nothing over-allocated (decision 14)."""
     mamba = eng.pool.mamba_allocator
     held = sum(1 for req in eng.reqs.values() if req.kv.mamba_pool_idx is not None)
     evictable = protected = 0

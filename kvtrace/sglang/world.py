@@ -135,18 +135,26 @@ itself is not run because a trace already fixes which requests run when):
    refuses negative ids.
 
 13. Mamba (a scenario with ``mamba``): SGLang 0.5.23 for a hybrid linear-attention
-   model with the radix cache off: ``HybridReqToTokenPool`` (no_buffer, tiny Mamba2 state
-   shapes: the states are never read) and ``UnifiedRadixCache(FULL, MAMBA)``, disabled, as
-   SGLang's ``create_unified_radix_cache`` builds it without the radix cache: a finish or
+   model: ``HybridReqToTokenPool`` (no_buffer, tiny Mamba2 state
+   shapes: the states are never read) and ``UnifiedRadixCache(FULL, MAMBA)``; with the radix
+   cache off it is disabled, as SGLang's ``create_unified_radix_cache`` builds it: a finish or
    retraction frees the state slot through the Mamba component's
    ``cleanup_after_caching_req``. A short Mamba pool at admission (an ``assert`` in
    ``HybridReqToTokenPool.alloc``, with rows already taken) rolls back as an OOM. The
    scheduler's admission group (``alloc_group_begin``) is not opened: a trace does not
    say how long the waiting queue was, and the built-in allocator opens none either.
 
+14. Mamba with the radix cache (a scenario with ``mamba`` and the radix cache on): the tree
+   of decision 13 is enabled (Python tree core, no_buffer, so page 1): the real ``match_kv_cache`` copies a matched state into a slot of the request's
+   own (``finalize_match_result_in_cache``), ``alloc_for_extend`` runs
+   ``ensure_mamba_capacity`` (checkpoint eviction), ``checkpoint_kv_cache`` /
+   ``release_kv_cache`` insert a copied or donated state, and the Mamba pool's
+   ``evictable`` / ``protected`` are the Mamba component's ledgers (``readout``).
+   Under EAGLE the tree keys by tokens: SGLang turns bigram keys off with a MAMBA component.
+
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 13); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 14); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -421,7 +429,7 @@ class SGLangEngine:
             comp_mamba.mamba_cache_chunk_size = lambda: chunk
             comp_mamba.mamba_checkpoint_grid = lambda page: math.lcm(chunk, page)
             params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
-            tree = UnifiedRadixCache(params)
+            tree = UnifiedRadixCache(params)  # enabled with the radix cache: decision 14
         elif tree_kind == "unified":
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
