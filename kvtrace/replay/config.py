@@ -21,7 +21,7 @@ from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_t
 from kvtrace.errors import ConfigError
 from traces.checker import CHECKER_BYTES_PER_RID
 from traces.mamba_layout import MambaLayout
-from traces.metadata import AttentionLayout, SpecSettings, TraceMeta
+from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta
 from traces.tokens import TokenStore
 
 # What a user calls each sizing field: where a replay takes it from (the trace's
@@ -141,7 +141,8 @@ def allocator_config_for(
                           "with an attention layout (kvtrace info shows the trace's)")
     if policy != "lru" and "eviction_policy" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError(f"this allocator version has no eviction policies: it evicts by LRU only, not {policy!r}")
-    mamba = mamba_config_for(meta.mamba)
+    radix = cfg.radix_cache if radix_cache is None else radix_cache
+    mamba = mamba_config_for(meta.mamba, pool if radix and pool != cfg.pool_tokens else None, meta.model)
     if mamba is not None and "mamba" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no Mamba state pool: it cannot replay a trace of a hybrid "
                           "linear-attention model (kvtrace info shows the trace's layout)")
@@ -174,13 +175,20 @@ def allocator_config_for(
     return config
 
 
-def mamba_config_for(layout: MambaLayout | None) -> MambaConfig | None:
+def mamba_config_for(
+    layout: MambaLayout | None, resized_pool: int | None = None, model: ModelShape | None = None
+) -> MambaConfig | None:
     """The allocator's Mamba state pool for a trace's layout (None: no linear-attention
-    layers). The recorded slot count is kept under a resized KV pool: without the radix
-    cache SGLang sizes it by ``max_running_requests``, not by memory. Without the radix
-    cache SGLang runs no buffer (no tracking slots)."""
+    layers). Without the radix cache the recorded slot count is kept under a resized KV
+    pool: SGLang sizes it by ``max_running_requests``, not by memory. With it
+    (``resized_pool``: the replay's KV pool, when it differs from the trace's) SGLang
+    sizes the slots from memory, so the slots of the memory that holds that pool
+    (``MambaLayout.for_pool``). Either way no buffer (no tracking slots): the only
+    strategy the replay models."""
     if layout is None:
         return None
+    if resized_pool is not None and model is not None:
+        layout = layout.for_pool(resized_pool, model)
     return MambaConfig(slots=layout.mamba_cache_size)
 
 

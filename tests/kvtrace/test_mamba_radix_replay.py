@@ -31,6 +31,17 @@ def test_the_sample_gets_the_mamba_pool_with_the_radix_cache() -> None:
     assert config.mamba is not None and config.mamba.slots == 56 and config.mamba.strategy == "no_buffer"
 
 
+def test_a_resized_pool_gets_the_slots_of_its_memory_with_the_radix_cache() -> None:
+    # SGLang sizes the Mamba slots from memory with the radix cache (by the rows without)
+    meta = TraceReader(sample_path("mooncake-qwen3-next-radix")).meta
+    assert meta.mamba is not None
+    config = allocator_config_for(meta, pool_tokens=100_000)
+    assert config.mamba is not None and config.mamba.slots == meta.mamba.for_pool(100_000, meta.model).mamba_cache_size
+    assert config.mamba.slots < 56
+    kept = allocator_config_for(meta, pool_tokens=100_000, radix_cache=False).mamba
+    assert kept is not None and kept.slots == 56
+
+
 def test_replay_counts_the_cached_checkpoints(tmp_path: Path) -> None:
     log = tmp_path / "run.state"
     result = runner.invoke(app, ["replay", SAMPLE, "--json", "--check", "every", "--out", str(log)])
