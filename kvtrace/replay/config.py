@@ -146,10 +146,21 @@ def allocator_config_for(
     if mamba is not None and "mamba" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no Mamba state pool: it cannot replay a trace of a hybrid "
                           "linear-attention model (kvtrace info shows the trace's layout)")
+    max_running = cfg.max_running
+    if mamba is not None and radix:
+        # SGLang caps the rows at the slots over 3 per request with the radix cache
+        # (``_calculate_mamba_ratio``): fewer rows than the trace ran are OOMs of rows,
+        # where more would let a checkpoint's state copy find no slot (an assert there).
+        max_running = min(max_running, mamba.max_running_cap(radix_cache=True))
+        if max_running < 1:
+            raise ConfigError(
+                f"{mamba.slots} Mamba state slot(s) serve no request with the radix cache "
+                f"({mamba.slots_per_request()} per request); give a larger --pool-tokens"
+            )
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
-        max_running=cfg.max_running,
+        max_running=max_running,
         max_context_len=cfg.max_context_len,
         device=device,
         need_sort=cfg.pd_decode,

@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from tests.differential import harness
+from tests.helpers import with_meta
+from traces.samples import sample_path
 
 runner = CliRunner()
 MODEL = ["--model", "qwen3-next-80b-a3b", "--radix-cache", "--pool-tokens", "60000"]
@@ -52,6 +54,18 @@ def test_recorded_radix_hybrid_traces_are_identical(tmp_path: Path, workload: st
                                  *(["--spec", spec] if spec else []), "-o", str(out), "-q"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert diff_exact(str(out))["identical"] is True
+
+
+@pytest.mark.slow
+def test_a_mamba_pool_too_small_for_the_rows_runs_out_alike(tmp_path: Path) -> None:
+    # 8 slots serve 2 rows at 3 per request: the trace's wider batches are OOMs of rows,
+    # and an extend retried without the dropped request stashes its chunks once
+    def edit(data: dict[str, Any]) -> None:
+        data["mamba"]["mamba_cache_size"] = 8
+
+    trace = with_meta(sample_path("mooncake-qwen3-next-radix"), tmp_path / "small.kvtrace", edit)
+    report = diff_exact(str(trace), "--on-oom", "skip")
+    assert report["identical"] is True and report["b"]["num_ooms"] > 0
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
