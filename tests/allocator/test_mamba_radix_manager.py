@@ -132,3 +132,59 @@ def test_under_eagle_the_tree_is_keyed_by_tokens_not_bigrams() -> None:
     prefill(a, 1, ids((1, 101)))
     assert a.request_lens(one(1)).protected.tolist() == [100]
     assert a.pool_counters()["full"].protected == 100 and a.check_integrity() == []
+
+
+# ---------------------------------------------------------------------------- property test
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_BLOCKS = [np.arange(100 * b + 1, 100 * b + 1 + n, dtype=np.int64) for b, n in enumerate((30, 17, 45, 8, 60))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(0, 4), min_size=1, max_size=3),
+                          st.integers(0, 3)), min_size=15, max_size=30))
+def test_any_schedule_keeps_both_pools_whole(plan: list[tuple[int, list[int], int]]) -> None:
+    """Admissions of prompts built from shared blocks (so matches hit and miss states),
+    chunked or not, decodes, finishes, retractions and aborts, in any order: after
+    every call the checks find nothing and every Mamba slot is free, held or cached."""
+    a = make(slots=9, max_running=3, pool=320)
+    live: dict[int, np.ndarray] = {}  # rid -> its tokens so far
+    prefilling: dict[int, int] = {}  # rid -> prompt length still to prefill to
+    rid = 0
+    for action, blocks, extra in plan:
+        if action <= 1 and len(live) < 3:  # admit, in one chunk (0) or two (1)
+            rid += 1
+            # a unique last token (odd ``extra``) or none: a later prompt may then extend
+            # this one and resume at its state
+            tail = [np.array([-rid], np.int64)] if extra % 2 else []
+            toks = np.concatenate([_BLOCKS[b] for b in blocks] + tail)
+            first = toks.shape[0] if action == 0 or toks.shape[0] < 4 else toks.shape[0] // 2
+            res = a.extend(one(rid), np.array([first]), [toks], prefill_done=np.array([first == toks.shape[0]]))
+            if hasattr(res, "prefix_lens"):
+                live[rid] = toks
+                if first < toks.shape[0]:
+                    prefilling[rid] = toks.shape[0]
+        elif action == 2 and prefilling:  # the next chunk
+            r, n = next(iter(prefilling.items()))
+            a.extend(one(r), np.array([n]), [live[r]])
+            if a.row_of(r) >= 0:
+                del prefilling[r]
+        elif action == 3 and live:  # a decode of every request past its prefill
+            rids = np.array([r for r in live if r not in prefilling], np.int64)
+            if rids.shape[0] and hasattr(a.decode(rids), "num_tokens"):
+                for r in rids.tolist():
+                    live[r] = np.concatenate([live[r], np.array([-1000 * r - live[r].shape[0]], np.int64)])
+        elif action >= 4 and live:  # finish, retract or abort one
+            r = sorted(live)[extra % len(live)]
+            n = int(a.request_lens(one(r)).committed[0])
+            kind = ("finish", "retract", "abort")[extra % 3] if r not in prefilling else "abort"
+            a.release(one(r), np.array([n]), [live[r][:n]] if kind == "finish" else None, kind=kind)  # type: ignore[arg-type]
+            del live[r]
+            prefilling.pop(r, None)
+        a.end_step()
+        assert a.check_integrity() == []
+        m = a.pool_counters()["mamba"]
+        assert m.available + m.evictable + m.protected + m.committed == 9
+        assert m.committed == len(a.mamba_reqs())
