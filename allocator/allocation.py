@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import numpy as np
 
 from allocator.base import OutOfMemory
-from allocator.mamba import HybridReqToTokenPool, MambaReqKv
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv, MambaSlotsExhausted
+from allocator.mamba_radix import MambaRadixCache
 from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
 from allocator.swa_radix import SwaMatchResult, SwaRadixCache
 from allocator.token_to_kv import (
@@ -95,6 +96,11 @@ class KvContext:
             ``SWATokenToKVPoolAllocator`` (full + SWA pools), else None.
         mamba_reqs: a hybrid linear-attention model's per-request Mamba bookkeeping
             by row (``req_to_token_pool`` is then ``HybridReqToTokenPool``), else None.
+        mamba_admitting: with the Mamba radix cache, the bookkeeping of the requests an
+            extend matched (by rid) before they get rows: the state slot a match's
+            copy-on-write gave them (``MambaRadixCache.cow_state``).
+        mamba_last_holder: int64 ``[slots + 1]``: the request each Mamba slot was last
+            handed to or checkpointed for (-1 never; blame for a slot no one holds).
     """
 
     req_to_token_pool: ReqToTokenPool
@@ -107,6 +113,8 @@ class KvContext:
     hisparse: bool = False
     swa: SwaConfig | None = None
     mamba_reqs: dict[int, MambaReqKv] | None = None
+    mamba_admitting: dict[int, MambaReqKv] | None = None
+    mamba_last_holder: np.ndarray | None = None
     # Derived in __post_init__: the row width, and whether the page-1 hot paths may
     # take slots straight from the token allocator's free-list buffer.
     width: int = 0
@@ -180,6 +188,11 @@ def evict_from_tree_cache(ctx: KvContext, num_tokens: int) -> int:
     tree = ctx.tree_cache
     if tree.disable:
         return 0
+    if isinstance(tree, MambaRadixCache):
+        # evict_to_free_tokens -> evict_for_alloc: the FULL walk stops once the
+        # shortfall is free (a deleted leaf frees its state too)
+        shortfall = num_tokens - ctx.token_to_kv_pool_allocator.available_size()
+        return tree.evict_pools(shortfall, 0) if shortfall > 0 else 0
     if isinstance(tree, SwaRadixCache):
         # SWATokenToKVPoolAllocator.evict_to_free_tokens: each pool's own shortfall
         allocator = ctx.token_to_kv_pool_allocator
@@ -316,17 +329,20 @@ def extend_fits(
     seq_lens: np.ndarray,
     lock_cost: int = 0,
     swa_lock_cost: int = 0,
+    mamba_lock_cost: int = 0,
 ) -> OutOfMemory | None:
     """Whether ``alloc_for_extend`` with these lengths can succeed: rows for the new
     requests (``rows[i] == -1``), and the KV pages within free + evictable slots
     (less ``lock_cost``: evictable tokens the new requests' prefix locks will
     protect when they are not taken yet). With an SWA pool each pool is checked
-    against its own ledger (``swa_lock_cost``: the SWA locks' share). Changes nothing.
+    against its own ledger (``swa_lock_cost``: the SWA locks' share), with a Mamba
+    radix cache the state slots against free + evictable checkpoints
+    (``mamba_lock_cost``: those the locks will protect). Changes nothing.
 
     Returns:
         None when the batch fits, else the ``OutOfMemory`` the allocation would give.
     """
-    unfit = _extend_rows_unfit(ctx, rids, rows < 0) or _mamba_unfit(ctx, rids, rows)
+    unfit = _extend_rows_unfit(ctx, rids, rows < 0) or _mamba_unfit(ctx, rids, rows, mamba_lock_cost)
     if unfit is not None:
         return unfit
     need = new_page_tokens(prefix_lens, seq_lens, ctx.page_size)
@@ -354,14 +370,18 @@ def _mamba_reqs_of(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> list[M
     fresh one (no row, no slot yet) for each new request."""
     held = ctx.mamba_reqs
     assert held is not None
-    return [held[r] if r >= 0 else MambaReqKv(rid) for rid, r in zip(rids.tolist(), rows.tolist())]
+    admitting = ctx.mamba_admitting or {}
+    return [
+        held[r] if r >= 0 else admitting.get(rid) or MambaReqKv(rid) for rid, r in zip(rids.tolist(), rows.tolist())
+    ]
 
 
-def _mamba_unfit(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> OutOfMemory | None:
+def _mamba_unfit(ctx: KvContext, rids: np.ndarray, rows: np.ndarray, lock_cost: int = 0) -> OutOfMemory | None:
     """None when the batch's Mamba slots fit (SGLang ``ensure_mamba_capacity``: one per
-    request without a slot, plus its tracking slots), else ``OutOfMemory`` with
-    ``pool="mamba"`` naming the first request left without one (op ``"extend"``;
-    ``needed`` / ``available`` count slots)."""
+    request without a slot, plus its tracking slots, within free slots and, with the
+    radix cache, its evictable checkpoints less ``lock_cost``), else ``OutOfMemory``
+    with ``pool="mamba"`` naming the first request left without one (op ``"extend"``;
+    ``needed`` / ``available`` / ``evictable`` count slots)."""
     if ctx.mamba_reqs is None:
         return None
     pool = ctx.req_to_token_pool
@@ -369,14 +389,25 @@ def _mamba_unfit(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> OutOfMem
     reqs = _mamba_reqs_of(ctx, rids, rows)
     needed = pool.mamba_slots_needed(reqs)
     available = pool.mamba_available_size() + len(pool.mamba_allocator.group_remaining())
-    if needed <= available:
+    tree = ctx.tree_cache
+    evictable = tree.mamba_evictable_size() - lock_cost if isinstance(tree, MambaRadixCache) else 0
+    if needed <= available + evictable:
         return None
+    available += evictable
     short = 0
     for i, req in enumerate(reqs):
         short += pool.mamba_slots_needed([req])
         if short > available:
-            return OutOfMemory("extend", int(rids[i]), needed, available, 0, "mamba")
-    return OutOfMemory("extend", int(rids[0]), needed, available, 0, "mamba")  # not reached
+            return OutOfMemory("extend", int(rids[i]), needed, available - evictable, evictable, "mamba")
+    return OutOfMemory("extend", int(rids[0]), needed, available - evictable, evictable, "mamba")  # not reached
+
+
+def _mamba_deficit(ctx: KvContext, rids: np.ndarray, rows: np.ndarray) -> int:
+    """Slots the batch's admission needs beyond the free ones (``ensure_mamba_capacity``)."""
+    pool = ctx.req_to_token_pool
+    assert isinstance(pool, HybridReqToTokenPool)
+    needed = pool.mamba_slots_needed(_mamba_reqs_of(ctx, rids, rows))
+    return needed - pool.mamba_available_size() - len(pool.mamba_allocator.group_remaining())
 
 
 def alloc_for_extend(
@@ -460,6 +491,16 @@ def alloc_for_extend(
         unfit = swa_window_then_fit(ctx, "extend", safe_rows, rids, need, pre_lens, held)
         if unfit is not None:
             return unfit
+    if ctx.mamba_reqs is not None and isinstance(ctx.tree_cache, MambaRadixCache):
+        # SGLang's alloc_req_slots runs before the KV allocation: ensure_mamba_capacity
+        # evicts the slot deficit from the tree (once the KV side is known to fit:
+        # a call that cannot succeed changes nothing)
+        deficit = _mamba_deficit(ctx, rids, rows)
+        if deficit > 0:
+            unfit = _kv_unfit(ctx, "extend", need, rids)
+            if unfit is not None:
+                return unfit
+            ctx.tree_cache.evict_pools(0, deficit)
     got = _fit_evict_take(ctx, "extend", need, evict_tokens, rids, None, take, *take_args)
     if isinstance(got, OutOfMemory):
         return got
@@ -1429,6 +1470,8 @@ def checkpoint_kv_cache(
         return CheckpointResult(0, 0)
     if isinstance(tree, SwaRadixCache):
         return checkpoint_swa(ctx, tree, row, up_to, token_ids, finished)
+    if isinstance(tree, MambaRadixCache):
+        return checkpoint_mamba(ctx, tree, row, up_to, token_ids, finished)
     kv = ctx.req_kv
     table = ctx.req_to_token_pool.req_to_token_np
     key_len = tree.key_len(up_to)
@@ -1506,15 +1549,84 @@ def release_kv_cache(
         overalloc = allocated - start
         freed += ceil_align(allocated, ps) - start
     if ctx.mamba_reqs is not None:
-        # every Mamba slot, then the row (radix cache off: nothing is checkpointed;
-        # SGLang's cleanup_after_caching_req -> free_mamba_cache, then the row)
+        # every Mamba slot the request still holds, then the row (SGLang's
+        # cleanup_after_caching_req -> free_mamba_cache, then the row); a finish whose
+        # state the Mamba radix tree took (checkpoint_mamba) holds none
         pool = ctx.req_to_token_pool
         assert isinstance(pool, HybridReqToTokenPool)
-        pool.release(ctx.mamba_reqs.pop(row))
+        req = ctx.mamba_reqs.pop(row)
+        if req.holds_mamba:
+            pool.release(req)
+        else:
+            pool.free_req(req)
     else:
         ctx.req_to_token_pool.free(row)
     kv.clear_row(row)
     return ReleaseOutcome(freed, cached, overalloc)
+
+
+def checkpoint_mamba(
+    ctx: KvContext, tree: MambaRadixCache, row: int, up_to: int, token_ids: np.ndarray, finished: bool
+) -> CheckpointResult:
+    """``checkpoint_kv_cache`` with the Mamba radix cache (SGLang 0.5.23's
+    ``UnifiedRadixCache.checkpoint_into_tree`` with a MAMBA component, no_buffer).
+
+    The insert carries a state slot: a finish donates the request's own (the tree
+    keeps it unless the end node had a state: then ``free_mamba_cache`` gives it
+    back); a chunk boundary or a prompt publish copies the state into a fresh slot
+    (``alloc_state_slot``: evicting one checkpoint when none is free), freed again
+    when the end node had one. The tree frees duplicates past ``cache_protected_len``
+    itself. No prompt-boundary split (SGLang splits only a FULL-only tree), no re-match:
+    the row is rewritten from the inserted path, the lock moves to its end, and
+    ``cache_protected_len`` becomes the key length::
+
+        row  [0 ........ protected) [protected ....... key_len) [key_len .. allocated)
+              tree's (locked)        insert: tree's now          still the request's
+
+    Raises:
+        MambaSlotsExhausted: a copy found no slot even after evicting (SGLang asserts).
+    """
+    kv = ctx.req_kv
+    pool = ctx.req_to_token_pool
+    assert isinstance(pool, HybridReqToTokenPool) and ctx.mamba_reqs is not None
+    req = ctx.mamba_reqs[row]
+    table = pool.req_to_token_np
+    key_len = tree.key_len(up_to)
+    protected = int(kv.cache_protected_len[row])
+    if finished:
+        if req.mamba_pool_idx is None:
+            raise MambaSlotsExhausted(f"rid={req.rid}: a finished request holding no Mamba slot (freed twice?)")
+        state = req.mamba_pool_idx
+    else:
+        state = tree.alloc_state_slot()
+        if ctx.mamba_last_holder is not None:
+            ctx.mamba_last_holder[state] = req.rid
+    if key_len <= 0:
+        # nothing to key: the copy goes back; a finish keeps its slot for the release
+        if not finished:
+            pool.mamba_allocator.free(np.asarray([state], dtype=np.int64))
+        return CheckpointResult(0, 0)
+    key = tree.make_key(token_ids[:up_to])[:key_len]
+    values = table[row, :key_len]  # a view: insert copies what it keeps
+    res = tree.insert_mamba(key, values, state, prev_prefix_len=protected)
+    if key_len > int(kv.cache_inserted_len[row]):
+        kv.cache_inserted_len[row] = key_len
+    node = res.last_node
+    new_indices = tree.path_device_indices(node)
+    duplicates = max(res.prefix_len - protected, 0)
+    if new_indices.shape[0] > protected:
+        ctx.writer.assign_row(row, protected, new_indices[protected:])
+    tree.unlock(kv.lock_node[row])
+    kv.lock_node[row] = tree.lock(node)
+    kv.cache_protected_len[row] = new_indices.shape[0]
+    kv.sum_protected += int(new_indices.shape[0]) - protected
+    if finished:
+        if res.mamba_exist:
+            pool.mamba_allocator.free(np.asarray([state], dtype=np.int64))
+        req.mamba_pool_idx = None  # the tree's now, or back on the free list
+    elif res.mamba_exist:
+        pool.mamba_allocator.free(np.asarray([state], dtype=np.int64))
+    return CheckpointResult(key_len - res.prefix_len if key_len > res.prefix_len else 0, duplicates)
 
 
 # ---------------------------------------------------------------------------- hybrid sliding window (SWA)

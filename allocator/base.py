@@ -300,8 +300,13 @@ def _check_mamba(config: AllocatorConfig) -> None:
     mamba = config.mamba
     assert mamba is not None
     mamba.check(config.page_size, config.radix_cache)
-    for switch, what in (("radix_cache", "the radix cache"), ("hisparse", "HiSparse"),
-                         ("need_sort", "PD decode (need_sort)")):
+    if config.radix_cache and mamba.extra_buffer:
+        raise ValueError(f"AllocatorConfig: a Mamba radix cache with {mamba.strategy} is not implemented "
+                         "(its tracking slots follow the forward passes): use strategy='no_buffer'")
+    if config.radix_cache and config.eviction_policy != "lru":
+        raise ValueError(f"AllocatorConfig.eviction_policy {config.eviction_policy!r}: the Mamba radix tree "
+                         "evicts by LRU only")
+    for switch, what in (("hisparse", "HiSparse"), ("need_sort", "PD decode (need_sort)")):
         if getattr(config, switch):
             raise ValueError(f"AllocatorConfig: a Mamba pool with {what} is not implemented (set {switch}=False)")
     if config.swa is not None:

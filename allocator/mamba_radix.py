@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -348,6 +348,74 @@ class MambaRadixCache(RadixCache):
             if node.mamba_value is not None:  # type: ignore[attr-defined]
                 best = pos // 8
         return best
+
+    def peek_match_lock(self, keys: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
+        """``RadixCache.peek_match_lock`` with the state gate: the prefix each key would
+        match (``peek_prefix_len``) and the FULL tokens the locks of those match ends
+        would protect (each unlocked node on a path up to its usable end, once)."""
+        prefix, full_cost, _ = self.peek_match_lock_mamba(keys)
+        return prefix, full_cost
+
+    def peek_match_lock_mamba(self, keys: Sequence[np.ndarray]) -> tuple[np.ndarray, int, int]:
+        """What matching and locking ``keys`` one after the other would do, without
+        touching, splitting or locking anything.
+
+        Returns:
+            Each key's usable prefix (units), the FULL tokens the locks would move from
+            evictable to protected, and the states they would (each usable end holding
+            an unlocked state, once).
+        """
+        prefix = np.zeros(len(keys), dtype=np.int64)
+        ps = self.page_size
+        psb = ps * 8
+        full_nodes: dict[int, int] = {}  # id of an unlocked node on a locked path -> its length
+        state_nodes: set[int] = set()
+        for i, key in enumerate(keys):
+            n = floor_align(key.shape[0], ps)
+            if n == 0:
+                continue
+            kb = key[:n].tobytes()
+            nb = n * 8
+            node: MambaTreeNode = self.root_node  # type: ignore[assignment]
+            pos = 0
+            path: list[MambaTreeNode] = []
+            best = 0  # nodes of ``path`` up to the usable end
+            while pos < nb:
+                child = node.children.get(kb[pos : pos + psb])
+                if child is None:
+                    break
+                m = self._matched(child.key, kb, pos)
+                if m < len(child):
+                    break  # the match ends inside: the lower part (and its state) is not reached
+                node = child  # type: ignore[assignment]
+                pos += m * 8
+                path.append(node)
+                if node.mamba_value is not None:
+                    best = len(path)
+                    prefix[i] = pos // 8
+            for x in path[:best]:
+                if x.lock_ref == 0:
+                    full_nodes[x.id] = len(x)
+            if best and path[best - 1].mamba_lock_ref == 0:
+                state_nodes.add(path[best - 1].id)
+        return prefix, sum(full_nodes.values()), len(state_nodes)
+
+    def alloc_state_slot(self) -> int:
+        """One Mamba slot for a state the tree is given (SGLang ``_alloc_mamba_slot``): the
+        free list's head, else after evicting one checkpoint.
+
+        Raises:
+            MambaSlotsExhausted: none even after the eviction (SGLang asserts).
+        """
+        from allocator.mamba import MambaSlotsExhausted
+
+        slot = self.mamba_allocator.alloc(1)
+        if slot is None:
+            self.evict_pools(0, 1)
+            slot = self.mamba_allocator.alloc(1)
+            if slot is None:
+                raise MambaSlotsExhausted("Can not alloc mamba cache")
+        return int(slot[0])
 
     def cow_state(self, node: MambaTreeNode, req: MambaReqKv) -> int | None:
         """Copy-on-write of a matched state (``finalize_match_result_in_cache``).

@@ -94,6 +94,7 @@ from allocator.sizing import (
     uses_bigram_keys,
 )
 from allocator.mamba import HybridReqToTokenPool, MambaReqKv
+from allocator.mamba_radix import MambaRadixCache
 from allocator.swa import SWATokenToKVPoolAllocator
 from allocator.swa_radix import SwaRadixCache
 from allocator.table_writer import make_table_writer
@@ -181,6 +182,14 @@ class KvAllocator:
         if config.swa is not None and config.radix_cache:
             assert isinstance(allocator, SWATokenToKVPoolAllocator)
             self.tree_cache = SwaRadixCache(ps, allocator, config.swa.retain_window, is_eagle=uses_bigram_keys(config.spec))
+        elif config.mamba is not None and config.radix_cache:
+            # SGLang's UnifiedRadixCache(FULL, MAMBA): checkpointed states beside the KV.
+            # NOTE: keyed by tokens even under EAGLE (unified_tree_core.py: is_eagle is
+            # off whenever the tree has a MAMBA component).
+            assert isinstance(self.req_to_token_pool, HybridReqToTokenPool)
+            self.tree_cache = MambaRadixCache(
+                ps, allocator, self.req_to_token_pool.mamba_allocator, extra_buffer=config.mamba.extra_buffer,
+            )
         else:
             self.tree_cache = RadixCache(
                 ps, allocator, disable=not config.radix_cache, is_eagle=uses_bigram_keys(config.spec),
@@ -199,12 +208,18 @@ class KvAllocator:
             hisparse=config.hisparse,
             swa=config.swa,
             mamba_reqs=None if config.mamba is None else {},
+            mamba_admitting=None if config.mamba is None else {},
         )
         # The request each Mamba slot was last handed to (-1 never): a leaked or twice
         # freed slot, which no request holds any more, is blamed on it.
         self.mamba_last_holder: np.ndarray | None = (
             None if config.mamba is None else np.full(config.mamba.slots + 1, -1, dtype=np.int64)
         )
+        self.ctx.mamba_last_holder = self.mamba_last_holder
+        # Mamba radix tree: each admission that copied a cached state, with its match key
+        # and the node the state sat on (``check_mamba_pool`` checks the key starts with
+        # that node's path while the node still holds the state).
+        self.mamba_matches: list[tuple[MambaReqKv, np.ndarray, TreeNode | None]] = []
         self._row_of_rid = np.full(1024, -1, dtype=np.int64)
         self._prompt_len = np.full(1024, -1, dtype=np.int64)
         self._prefilling = np.zeros(1024, dtype=bool)
@@ -355,6 +370,9 @@ class KvAllocator:
         tree = self.tree_cache
         kv = self.req_kv
         ps = self.page_size
+        # With the Mamba tree a call evicts in more places than the KV allocation (a
+        # match's copy-on-write, a chunk's state copy, the slot deficit): count them all.
+        evicted_before = tree.evicted_tokens_total if isinstance(tree, MambaRadixCache) else -1
         prefix = np.zeros(bs, dtype=np.int64)
         cont = np.flatnonzero(rows >= 0)
         # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request);
@@ -378,17 +396,21 @@ class KvAllocator:
             # Demand bound with no prefix hit: each request's pages cover at most
             # its new tokens plus one partial page.
             need_max = int(seq_lens.sum()) - int(prefix.sum()) + (bs * (ps - 1) if ps > 1 else 0)
+            mamba_tree = tree if isinstance(tree, MambaRadixCache) else None
             if (
                 len(new_idx) > self.req_to_token_pool.available_size()
                 or need_max > self.token_to_kv_pool_allocator.available_size()
+                or (mamba_tree is not None and len(new_idx) > mamba_tree.mamba_allocator.available_size())
             ):
-                swa_lock_cost = 0
+                swa_lock_cost = mamba_lock_cost = 0
                 if isinstance(tree, SwaRadixCache):
                     peek, lock_cost, swa_lock_cost = tree.peek_match_lock_swa(keys)
+                elif mamba_tree is not None:
+                    peek, lock_cost, mamba_lock_cost = mamba_tree.peek_match_lock_mamba(keys)
                 else:
                     peek, lock_cost = tree.peek_match_lock(keys)
                 prefix[new_idx] = peek
-                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost, swa_lock_cost)
+                unfit = extend_fits(ctx, rids, rows, prefix, seq_lens, lock_cost, swa_lock_cost, mamba_lock_cost)
                 if unfit is not None:
                     self.writer.end_call()  # the checkpoints of (a) may have rewritten rows
                     return unfit
@@ -396,6 +418,8 @@ class KvAllocator:
         lock_nodes: list[TreeNode | None] = [None] * bs
         prefix_slots: list[np.ndarray | None] = [None] * bs
         swa_tree = tree if isinstance(tree, SwaRadixCache) else None
+        mamba_tree = tree if isinstance(tree, MambaRadixCache) else None
+        admitting = ctx.mamba_admitting
         swa_uuids: list[int | None] = [None] * bs
         branching = np.full(bs, -1, dtype=np.int64)
         for i, key in zip(new_idx, keys):
@@ -403,6 +427,19 @@ class KvAllocator:
                 match = swa_tree.match_prefix_swa(key)
                 if match.swa_branching_seqlen is not None:
                     branching[i] = match.swa_branching_seqlen
+            elif mamba_tree is not None:
+                # the state-gated match, then the copy of its state into a slot of the
+                # request's own (SGLang finalize_match_result_in_cache), then the lock
+                match = mamba_tree.match_prefix_mamba(key)
+                req = MambaReqKv(int(rids[i]))
+                mamba_tree.cow_state(match.last_node, req)
+                assert admitting is not None
+                admitting[int(rids[i])] = req
+                src = req.mamba_cow_src
+                if src is not None:
+                    holder = match.last_node if match.last_node.mamba_value == src else next(
+                        (n for n in mamba_tree.mamba_lru if n.mamba_value == src), None)
+                    self.mamba_matches.append((req, key, holder))
             else:
                 match = tree.match_prefix(key)
             node = match.last_node
@@ -416,6 +453,15 @@ class KvAllocator:
             prefix[i] = p
         # (d) one allocation for the batch
         res = alloc_for_extend(ctx, rids, rows, prefix, seq_lens, prefix_slots, lock_nodes)
+        if admitting:
+            # (a request left over holds a copied state: give it back, as SGLang's
+            # scheduler does for one the adder rejected)
+            pool = self.req_to_token_pool
+            assert isinstance(pool, HybridReqToTokenPool)
+            for req in admitting.values():
+                if req.req_pool_idx is None:
+                    pool.free_state_slot(req)
+            admitting.clear()
         if isinstance(res, OutOfMemory):  # not reached: extend_fits decided above
             for node, uuid in zip(lock_nodes, swa_uuids):
                 if swa_tree is not None:
@@ -451,7 +497,8 @@ class KvAllocator:
             else:
                 self._prefilling[rid] = True
         self.writer.end_call()
-        return AllocResult(int(res.out_cache_loc.shape[0]), res.evicted_tokens, prefix)
+        evicted = res.evicted_tokens if evicted_before < 0 else tree.evicted_tokens_total - evicted_before
+        return AllocResult(int(res.out_cache_loc.shape[0]), evicted, prefix)
 
     def stash_chunked(self, rids: np.ndarray, token_ids: Sequence[np.ndarray]) -> None:
         """Checkpoint the prefill computed so far by requests in chunked prefill
@@ -1071,16 +1118,19 @@ class KvAllocator:
         return {"full": full, "swa": swa}
 
     def _mamba_counters(self, full: PoolCounters) -> PoolCounters:
-        """The Mamba pool in slots: ``committed`` the slots requests hold (no tree
-        without the radix cache, nothing over-allocated)."""
+        """The Mamba pool in slots: ``committed`` the slots requests hold, ``evictable`` /
+        ``protected`` the checkpoints the Mamba radix tree caches (unlocked / locked;
+        0 without the radix cache), nothing over-allocated."""
         pool = self.req_to_token_pool
         assert isinstance(pool, HybridReqToTokenPool)
         held = sum(len(req.held_slots()) for req in self.mamba_reqs())
+        tree = self.tree_cache
+        mamba_tree = isinstance(tree, MambaRadixCache)
         return PoolCounters(
             pool_tokens=pool.mamba_size,
             available=pool.mamba_available_size(),
-            evictable=0,
-            protected=0,
+            evictable=tree.mamba_evictable_size() if mamba_tree else 0,
+            protected=tree.mamba_protected_size() if mamba_tree else 0,
             committed=held,
             overallocated=0,
             running_requests=full.running_requests,

@@ -111,6 +111,14 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
         (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "16", "--pool-tokens", "60000",
          "--model", "qwen3-next-80b-a3b", "--no-radix-cache"),
     ),
+    # With the radix cache: its checkpointed Mamba states (no_buffer, so page 1).
+    Sample(
+        "mooncake-qwen3-next-radix.kvtrace",
+        "Mooncake conversation, first 12 seconds, qwen3-next-80b-a3b (3:1 linear/full layers, 56 Mamba state "
+        "slots), page 1, 200k-token full pool, radix cache on (checkpointed states, no_buffer)",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "12s", "--page-size", "1", "--pool-tokens", "200000",
+         "--model", "qwen3-next-80b-a3b"),
+    ),
 )
 
 

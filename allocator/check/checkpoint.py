@@ -22,7 +22,8 @@ the tree's SWA ledgers and uuid counter.
 
 A Mamba pool (``AllocatorConfig.mamba``) is saved as ``MambaState``: its free list in
 order, an open admission group, the row -> slot mapping and each request's
-``MambaReqKv``.
+``MambaReqKv``; with the Mamba radix tree (``allocator.mamba_radix``) ``MambaTreeState``
+adds each node's checkpointed state and Mamba lock, the Mamba LRU order and ledgers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from allocator.mamba import HybridReqToTokenPool, MambaReqKv
+from allocator.mamba_radix import MambaRadixCache, MambaTreeState, restore_mamba_tree, save_mamba_tree
 from allocator.radix_cache import RadixState, TreeNode, restore_tree_state, save_tree_state
 from allocator.swa_radix import SwaRadixCache, _SwaLru
 
@@ -151,6 +153,8 @@ class AllocatorState:
     request_namespaces: tuple[tuple[int, str], ...] = ()
     # Mamba pool only: a copy of its free list, row -> slot mapping and per-request bookkeeping
     mamba: MambaState | None = None
+    # Mamba radix tree only: the whole tree with its states (restored instead of ``tree``)
+    mamba_tree: MambaTreeState | None = None
 
     def digest(self) -> str:
         """A hash of the whole state: equal digests mean equal states (rows, free-list
@@ -178,6 +182,9 @@ class AllocatorState:
             h.update(self.lock_swa_uuids.tobytes())
         if self.swa_tree is not None:
             self.swa_tree.hash_into(h)
+        if self.mamba_tree is not None:
+            m = self.mamba_tree
+            h.update(repr(([(n[0], n[4], n[6]) for n in m.nodes], m.lru, m.sizes, m.totals)).encode())
         if self.mamba is not None:
             h.update(self.mamba.free_slots.tobytes())
             h.update(self.mamba.mapping.tobytes())
@@ -249,7 +256,7 @@ def _restore_mamba(alloc: KvAllocator, state: MambaState) -> None:
     # in place: the context's dict is the one the allocation functions hold
     alloc.ctx.mamba_reqs.clear()
     alloc.ctx.mamba_reqs.update(copy.deepcopy(state.reqs))
-    alloc.mamba_last_holder = state.last_holder.copy()
+    alloc.mamba_last_holder[:] = state.last_holder  # type: ignore[index]  # in place: the context holds it
 
 
 def _free_lists(token_allocator: Any) -> list[np.ndarray]:
@@ -324,6 +331,7 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         swa_tree=_save_swa_tree(alloc.tree_cache, tree) if isinstance(alloc.tree_cache, SwaRadixCache) else None,
         request_namespaces=tuple(getattr(alloc, "request_namespaces", {}).items()),
         mamba=_save_mamba(alloc),
+        mamba_tree=save_mamba_tree(alloc.tree_cache) if isinstance(alloc.tree_cache, MambaRadixCache) else None,
     )
 
 
@@ -393,7 +401,10 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     fresh = _copy_without_journal(state.token_allocator)
     vars(alloc.token_to_kv_pool_allocator).clear()
     vars(alloc.token_to_kv_pool_allocator).update(vars(fresh))
-    by_id = restore_tree_state(alloc.tree_cache, state.tree)
+    if state.mamba_tree is not None:
+        by_id: dict[int, TreeNode] = restore_mamba_tree(alloc.tree_cache, state.mamba_tree)  # type: ignore[arg-type,assignment]
+    else:
+        by_id = restore_tree_state(alloc.tree_cache, state.tree)
     if state.swa_tree is not None:
         _restore_swa_tree(alloc.tree_cache, state.swa_tree, state.tree.ids, by_id)  # type: ignore[arg-type]
     kv = alloc.req_kv
@@ -409,6 +420,8 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
         setattr(alloc, name, saved.copy())
     if state.mamba is not None:
         _restore_mamba(alloc, state.mamba)
+    if hasattr(alloc, "mamba_matches"):
+        alloc.mamba_matches = []  # they name the nodes of the tree just replaced
     alloc._pending_publish = []
     alloc.request_namespaces = dict(state.request_namespaces)
     alloc._namespaced = alloc._namespaced or bool(state.request_namespaces)

@@ -107,10 +107,26 @@ def check_mamba_pool(out: list[Violation], allocator: KvAllocator) -> None:
     the slot was last handed to (``KvAllocator.mamba_last_holder``)."""
     if allocator.ctx.mamba_reqs is None:
         return
-    from allocator.check.mamba_invariants import check_mamba
+    from allocator.check.mamba_invariants import check_mamba, check_mamba_tree
+    from allocator.mamba_radix import MambaRadixCache
 
     last = allocator.mamba_last_holder
-    for v in check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs()):  # type: ignore[arg-type]
+    tree = allocator.tree_cache
+    found = []
+    if isinstance(tree, MambaRadixCache):  # the radix cache's checkpointed states are a place too
+        found = check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs(), tree.cached_states())  # type: ignore[arg-type]
+        # a copied state is checked while the request runs and its node still holds it
+        # (later the slot may be evicted and reused for another prefix)
+        # (node None: no node held the state at the match, reported once)
+        matches = [(req, key, node) for req, key, node in allocator.mamba_matches
+                   if node is None or (req.req_pool_idx is not None and node.parent is not None
+                                       and node.mamba_value == req.mamba_cow_src)]
+        allocator.mamba_matches = [m for m in matches if m[2] is not None]
+        found += [v for v in check_mamba_tree(tree, reqs=[(req, key) for req, key, _ in matches])
+                  if v.check in ("tree_ledger", "state_reuse")]
+    else:
+        found = check_mamba(allocator.req_to_token_pool, allocator.mamba_reqs())  # type: ignore[arg-type]
+    for v in found:
         slot = v.values.get("slot")
         if v.rid is None and last is not None and slot is not None and 0 <= slot < last.shape[0] and last[slot] >= 0:
             v = dataclasses.replace(v, rid=int(last[slot]))

@@ -21,7 +21,7 @@ from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_t
 from kvtrace.errors import ConfigError
 from traces.checker import CHECKER_BYTES_PER_RID
 from traces.mamba_layout import MambaLayout
-from traces.metadata import AttentionLayout, SpecSettings, TraceMeta
+from traces.metadata import AttentionLayout, ModelShape, SpecSettings, TraceMeta
 from traces.tokens import TokenStore
 
 # What a user calls each sizing field: where a replay takes it from (the trace's
@@ -122,7 +122,9 @@ def allocator_config_for(
             ``unserved_hicache``).
     """
     cfg = meta.config
-    unserved = unserved_mamba(meta, cfg.radix_cache if radix_cache is None else radix_cache) or unserved_hicache(meta)
+    unserved = unserved_mamba(
+        meta, cfg.radix_cache if radix_cache is None else radix_cache, cfg.page_size if page_size is None else page_size
+    ) or unserved_hicache(meta)
     if unserved is not None:
         raise ConfigError(unserved)
     ps = cfg.page_size if page_size is None else page_size
@@ -139,14 +141,26 @@ def allocator_config_for(
                           "with an attention layout (kvtrace info shows the trace's)")
     if policy != "lru" and "eviction_policy" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError(f"this allocator version has no eviction policies: it evicts by LRU only, not {policy!r}")
-    mamba = mamba_config_for(meta.mamba)
+    radix = cfg.radix_cache if radix_cache is None else radix_cache
+    mamba = mamba_config_for(meta.mamba, pool if radix and pool != cfg.pool_tokens else None, meta.model)
     if mamba is not None and "mamba" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no Mamba state pool: it cannot replay a trace of a hybrid "
                           "linear-attention model (kvtrace info shows the trace's layout)")
+    max_running = cfg.max_running
+    if mamba is not None and radix:
+        # SGLang caps the rows at the slots over 3 per request with the radix cache
+        # (``_calculate_mamba_ratio``): fewer rows than the trace ran are OOMs of rows,
+        # where more would let a checkpoint's state copy find no slot (an assert there).
+        max_running = min(max_running, mamba.max_running_cap(radix_cache=True))
+        if max_running < 1:
+            raise ConfigError(
+                f"{mamba.slots} Mamba state slot(s) serve no request with the radix cache "
+                f"({mamba.slots_per_request()} per request); give a larger --pool-tokens"
+            )
     config = AllocatorConfig(
         pool_tokens=pool,
         page_size=ps,
-        max_running=cfg.max_running,
+        max_running=max_running,
         max_context_len=cfg.max_context_len,
         device=device,
         need_sort=cfg.pd_decode,
@@ -172,20 +186,29 @@ def allocator_config_for(
     return config
 
 
-def mamba_config_for(layout: MambaLayout | None) -> MambaConfig | None:
+def mamba_config_for(
+    layout: MambaLayout | None, resized_pool: int | None = None, model: ModelShape | None = None
+) -> MambaConfig | None:
     """The allocator's Mamba state pool for a trace's layout (None: no linear-attention
-    layers). The recorded slot count is kept under a resized KV pool: without the radix
-    cache SGLang sizes it by ``max_running_requests``, not by memory. Without the radix
-    cache SGLang runs no buffer (no tracking slots)."""
+    layers). Without the radix cache the recorded slot count is kept under a resized KV
+    pool: SGLang sizes it by ``max_running_requests``, not by memory. With it
+    (``resized_pool``: the replay's KV pool, when it differs from the trace's) SGLang
+    sizes the slots from memory, so the slots of the memory that holds that pool
+    (``MambaLayout.for_pool``). Either way no buffer (no tracking slots): the only
+    strategy the replay models."""
     if layout is None:
         return None
+    if resized_pool is not None and model is not None:
+        layout = layout.for_pool(resized_pool, model)
     return MambaConfig(slots=layout.mamba_cache_size)
 
 
-def unserved_mamba(meta: TraceMeta, radix_cache: bool) -> str | None:
+def unserved_mamba(meta: TraceMeta, radix_cache: bool, page_size: int | None = None) -> str | None:
     """The one line to say when a trace is of a hybrid linear-attention model served
-    with a switch the Mamba pool is not wired for yet (the radix cache, whose Mamba
-    checkpoints no allocator keeps yet; PD decode; HiSparse), else None.
+    with a switch the Mamba pool is not wired for yet (PD decode; HiSparse; the radix
+    cache at a page size above 1, which SGLang serves with the extra_buffer strategy:
+    its tracking slots follow the forward passes, which a trace does not record),
+    else None. ``page_size``: the replay's (default the trace's).
 
     NOTE: such a trace replayed without what the switch does to the Mamba slots
     would drop them, so it is refused rather than replayed wrong.
@@ -194,8 +217,17 @@ def unserved_mamba(meta: TraceMeta, radix_cache: bool) -> str | None:
     if layout is None:
         return None
     cfg = meta.config
-    what = ("the radix cache" if radix_cache else "PD decode" if cfg.pd_decode else "HiSparse" if cfg.hisparse
-            else None)
+    if page_size is None:
+        page_size = cfg.page_size
+    if radix_cache and page_size != 1 and not (cfg.pd_decode or cfg.hisparse):
+        return (
+            f"this trace is of a hybrid linear-attention model ({meta.model.name}: {len(layout.mamba_layer_ids)} "
+            f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots) served with the radix cache at "
+            f"page size {page_size}, which SGLang serves "
+            f"with the extra_buffer Mamba strategy only; the replay models no_buffer (page size 1): replay it "
+            f"with --no-radix-cache, or record it at --page-size 1"
+        )
+    what = "PD decode" if cfg.pd_decode else "HiSparse" if cfg.hisparse else None
     if what is None:
         return None
     return (

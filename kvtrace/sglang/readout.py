@@ -93,11 +93,20 @@ def mamba_available(eng: world.SGLangEngine) -> int:
 
 def mamba_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[int, ...]:
     """The Mamba pool's ``PoolCounters`` fields (in slots) read off an SGLang world, as
-    the built-in allocator reports them with the radix cache off: no tree share,
-    ``committed`` the state slots requests hold, nothing over-allocated."""
+    the built-in allocator reports them: ``evictable`` / ``protected`` the Mamba
+    component's ledgers of the unified tree (0 with the radix cache off),
+    ``committed`` the state slots requests hold, nothing over-allocated (decision 14)."""
     mamba = eng.pool.mamba_allocator
     held = sum(1 for req in eng.reqs.values() if req.kv.mamba_pool_idx is not None)
-    return (int(mamba.size), int(mamba.available_size()), 0, 0, held, 0, full[6], full[7])
+    evictable = protected = 0
+    tree = eng.tree
+    if not tree.disable and tree.supports_mamba():
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        core = tree.tree_core
+        evictable = int(core.component_evictable_size_[ComponentType.MAMBA])
+        protected = int(core.component_protected_size_[ComponentType.MAMBA])
+    return (int(mamba.size), int(mamba.available_size()), evictable, protected, held, 0, full[6], full[7])
 
 
 def _mamba_lists(eng: world.SGLangEngine, digest: Any, columns: tuple[np.ndarray, ...]) -> list[Any]:

@@ -135,18 +135,29 @@ itself is not run because a trace already fixes which requests run when):
    refuses negative ids.
 
 13. Mamba (a scenario with ``mamba``): SGLang 0.5.23 for a hybrid linear-attention
-   model with the radix cache off: ``HybridReqToTokenPool`` (no_buffer, tiny Mamba2 state
-   shapes: the states are never read) and ``UnifiedRadixCache(FULL, MAMBA)``, disabled, as
-   SGLang's ``create_unified_radix_cache`` builds it without the radix cache: a finish or
+   model: ``HybridReqToTokenPool`` (no_buffer, tiny Mamba2 state
+   shapes: the states are never read) and ``UnifiedRadixCache(FULL, MAMBA)``; with the radix
+   cache off it is disabled, as SGLang's ``create_unified_radix_cache`` builds it: a finish or
    retraction frees the state slot through the Mamba component's
    ``cleanup_after_caching_req``. A short Mamba pool at admission (an ``assert`` in
    ``HybridReqToTokenPool.alloc``, with rows already taken) rolls back as an OOM. The
    scheduler's admission group (``alloc_group_begin``) is not opened: a trace does not
    say how long the waiting queue was, and the built-in allocator opens none either.
 
+14. Mamba with the radix cache (a scenario with ``mamba`` and the radix cache on): the tree
+   of decision 13 is enabled (Python tree core, no_buffer, so page 1): the real ``match_kv_cache`` copies a matched state into a slot of the request's
+   own (``finalize_match_result_in_cache``), ``alloc_for_extend`` runs
+   ``ensure_mamba_capacity`` (checkpoint eviction), ``checkpoint_kv_cache`` /
+   ``release_kv_cache`` insert a copied or donated state, and the Mamba pool's
+   ``evictable`` / ``protected`` are the Mamba component's ledgers (``readout``).
+   Under EAGLE the tree keys by tokens: SGLang turns bigram keys off with a MAMBA component.
+   A copy-on-write that finds no slot even after evicting (``Can not alloc mamba cache``,
+   an assert) rolls back as an OOM (decision 8); an extend with fewer free Mamba slots
+   than new requests is snapshotted first.
+
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 13); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 14); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -421,7 +432,7 @@ class SGLangEngine:
             comp_mamba.mamba_cache_chunk_size = lambda: chunk
             comp_mamba.mamba_checkpoint_grid = lambda page: math.lcm(chunk, page)
             params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
-            tree = UnifiedRadixCache(params)
+            tree = UnifiedRadixCache(params)  # enabled with the radix cache: decision 14
         elif tree_kind == "unified":
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -432,6 +443,7 @@ class SGLangEngine:
             tree = SG.radix_cache.RadixCache(params)
         self.world: dict[str, Any] = {"pool": req_to_token_pool, "alloc": allocator, "tree": tree}
         self.reqs: dict[int, Any] = {}
+        self._stashed: dict[int, int] = {}  # per rid: the chunk end last stashed (d.)
         # per rid: its cache namespace, SGLang's ``Req.extra_key`` (which keys its radix tree)
         self.namespaces: dict[int, str] = {}
         self.prompt_tokens: dict[int, np.ndarray] = {}
@@ -607,6 +619,11 @@ class SGLangEngine:
         """The call's eviction target (SGLang's own upper bound of its demand: exact
         tokens at page 1, plus one page per request when paged) is already free, so
         SGLang evicts nothing and the allocation cannot fail: no snapshot needed."""
+        if new_rows and self.config.mamba is not None and not self.tree.disable:
+            # decision 14: each new request takes a Mamba slot (its copy-on-write or its
+            # own); short of free ones SGLang evicts checkpoints, and may assert
+            if new_rows > int(self.pool.mamba_allocator.available_size()):
+                return False
         return new_rows <= self.pool.available_size() and num_tokens <= self.alloc.available_size()
 
     def _guarded(self, fn: Any, cannot_fail: bool = False) -> sc.CallResult:
@@ -629,7 +646,8 @@ class SGLangEngine:
             return sc.CallResult("oom", text.splitlines()[0])
         except AssertionError as exc:
             text = str(exc)
-            if "KV cache is full" in text or "req_pool_indices is full" in text or "space for mamba" in text:
+            if ("KV cache is full" in text or "req_pool_indices is full" in text or "space for mamba" in text
+                    or "Can not alloc mamba cache" in text):  # decision 14: a match's copy-on-write
                 self._rollback(snap)
                 return sc.CallResult("oom", text.splitlines()[0])
             if "exceeds req_to_token row width" in text:
@@ -672,10 +690,14 @@ class SGLangEngine:
         # d. checkpoint continuing chunks first (SGLang's ``stash_chunked_request`` runs
         # at the top of the step, before and regardless of the allocation, so an OOM of
         # the allocation does not undo it), then match + lock new requests.
-        for req, toks, pl in zip(reqs, token_ids, prompt_lens):
-            if req.kv.holds_kv:
+        # A chunk is stashed once: an extend retried without a request that ran out of
+        # memory (``--on-oom skip``) does not stash it again (SGLang stashes once a step;
+        # with a Mamba tree a second stash would copy the state again, decision 14).
+        for rid, req, toks, pl in zip(rids, reqs, token_ids, prompt_lens):
+            if req.kv.holds_kv and self._stashed.get(rid) != req.extend_end:
                 self._set_tokens(req, toks, pl)
                 SG.common.checkpoint_kv_cache(req, self.tree)
+                self._stashed[rid] = req.extend_end
 
         def run() -> None:
             common = SG.common
@@ -838,6 +860,7 @@ class SGLangEngine:
                 req.output_ids = array("q")
                 req.finished_reason = None
                 req.finished_len = None
+            self._stashed.pop(rid, None)
             if kind != "retract":
                 del self.reqs[rid]
         if kind in ("finish", "abort"):

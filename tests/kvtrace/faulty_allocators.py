@@ -34,6 +34,14 @@ On a hybrid linear-attention (Mamba) trace, two faults touch the Mamba pool:
 * ``mamba_double_free``: a finish frees the request's Mamba state slot twice, so the
   free list lists it twice.
 
+With the radix cache on (Mamba checkpoints in the tree, ``allocator.mamba_radix``):
+
+* ``mamba_checkpoint_double_free``: the first checkpointed state the tree evicts is
+  freed twice (the free list lists its slot twice); blamed on the request it was
+  checkpointed for.
+* ``mamba_state_reuse``: the first admission that matched no state copies a cached
+  state anyway, one of a prefix its tokens do not start with.
+
 Each fault fires once, on the first request it can hit, and records that
 request (``fault_rid``) so a test can check the replay blames exactly it.
 
@@ -377,3 +385,52 @@ def mamba_leak(config: AllocatorConfig) -> KvAllocator:
 
 def mamba_double_free(config: AllocatorConfig) -> KvAllocator:
     return MambaDoubleFree(config)
+
+
+class MambaCheckpointDoubleFree(_Faulty):
+    """The tree frees the first checkpointed state it evicts twice."""
+
+    def __init__(self, config: AllocatorConfig) -> None:
+        super().__init__(config)
+        from allocator.mamba_radix import MambaRadixCache
+
+        tree = self.tree_cache
+        assert isinstance(tree, MambaRadixCache), "mamba_checkpoint_double_free: a Mamba radix tree only"
+        original = tree._free_states
+
+        def free_states(slots: list[int]) -> None:
+            original(slots)
+            if slots and not self._fired():
+                tree.mamba_allocator.free(np.asarray(slots[:1], dtype=np.int64))
+                self.fault_rid = int(self.mamba_last_holder[slots[0]])  # type: ignore[index]
+
+        tree._free_states = free_states  # type: ignore[method-assign]
+
+
+class MambaStateReuse(_Faulty):
+    """The first admission that matched no state copies the most recent cached one."""
+
+    def __init__(self, config: AllocatorConfig) -> None:
+        super().__init__(config)
+        from allocator.mamba_radix import MambaRadixCache
+
+        tree = self.tree_cache
+        assert isinstance(tree, MambaRadixCache), "mamba_state_reuse: a Mamba radix tree only"
+        original = tree.cow_state
+
+        def cow_state(node, req):  # noqa: ANN001, ANN202
+            other = next(iter(tree.mamba_lru), None)
+            if self._fired() or node.mamba_value is not None or node is not tree.root_node or other is None:
+                return original(node, req)
+            self.fault_rid = req.rid
+            return original(other, req)  # a real copy-on-write, from a state of another prefix
+
+        tree.cow_state = cow_state  # type: ignore[method-assign]
+
+
+def mamba_checkpoint_double_free(config: AllocatorConfig) -> KvAllocator:
+    return MambaCheckpointDoubleFree(config)
+
+
+def mamba_state_reuse(config: AllocatorConfig) -> KvAllocator:
+    return MambaStateReuse(config)

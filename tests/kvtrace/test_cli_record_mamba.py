@@ -73,7 +73,8 @@ def test_replay_refuses_it_in_one_line(hybrid: tuple[Path, dict[str, Any]], comm
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), err
     assert "hybrid linear-attention model (Qwen3-Next-80B-A3B: 36 gdn layers, 16 Mamba state slots)" in lines[0]
-    assert "served with the radix cache, which no allocator serves beside the Mamba state pool yet" in lines[0]
+    # page 16: SGLang serves a Mamba radix cache there with extra_buffer only, which the replay does not model
+    assert "served with the radix cache at page size 16, which SGLang serves with the extra_buffer" in lines[0]
 
 
 def test_record_like_carries_the_layout(hybrid: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def test_the_allocator_gets_the_traces_mamba_pool(tmp_path: Path) -> None:
     config = allocator_config_for(TraceReader(sample_path("mooncake-qwen3-next")).meta)
     assert config.mamba is not None and config.mamba.slots == 16 and not config.radix_cache
     assert allocator_config_for(TraceReader(sample_path("mooncake-tiny")).meta).mamba is None
-    with pytest.raises(ConfigError, match="served with the radix cache, which no allocator serves beside the Mamba"):
+    with pytest.raises(ConfigError, match="served with the radix cache at page size 16, which SGLang serves with"):
         allocator_config_for(TraceReader(sample_path("mooncake-qwen3-next")).meta, radix_cache=True)
 
 

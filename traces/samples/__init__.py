@@ -57,6 +57,8 @@ RECORDED: dict[str, str] = {
     "layers, window 1,024), page 16, 60k-token full pool, radix cache off",
     "mooncake-qwen3-next": "Mooncake conversation, first 12 seconds, qwen3-next-80b-a3b (hybrid linear "
     "attention: 3:1 gated-delta-net/full layers, 16 Mamba state slots), page 16, 60k-token full pool, radix cache off",
+    "mooncake-qwen3-next-radix": "Mooncake conversation, first 12 seconds, qwen3-next-80b-a3b (hybrid linear "
+    "attention, 56 Mamba state slots), page 1, 200k-token full pool, radix cache on (checkpointed states, no_buffer)",
 }
 
 
