@@ -109,14 +109,28 @@ class Attribution:
     retraction_cost: dict[int, int] = field(default_factory=dict)
     eviction_ages: list[tuple[int, int]] = field(default_factory=list)
     per_request: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Per request, its evicted missed tokens by eviction id (None: not kept; the
+    # dashboard's panel keeps them, ``keep_request_evictions``).
+    request_evictions: dict[int, dict[int, int]] | None = None
     # Called at each admission that missed evicted tokens: (rid, {eviction id: tokens});
     # ``kvtrace export --flows`` draws an arrow from each eviction to the admission.
     on_evicted_miss: Callable[[int, dict[int, int]], None] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ wiring
     @classmethod
-    def attach(cls, session: ReplaySession, oracle: OracleStream | None = None) -> Attribution:
+    def attach(cls, session: ReplaySession, oracle: OracleStream | None = None, *,
+               keep_request_evictions: bool = False) -> Attribution:
         """Watch ``session`` (before its first step) and return what it gathers.
+
+        A step replayed again (a dashboard's seek back, its checkpoints filled in) is
+        not counted again: only steps past the highest one seen are watched, and the
+        tree's listener follows the session to a fresh allocator (a restart).
+
+        Args:
+            session: the session, not yet stepped.
+            oracle: the page model's stream, fed along (None: no oracle).
+            keep_request_evictions: keep each request's evicted tokens by eviction
+                (``request_evictions``, for ``evictions_of``).
 
         Raises:
             ConfigError: the session's allocator has no radix cache (``tree_cache``), or it is off.
@@ -129,15 +143,15 @@ class Attribution:
                 "the radix cache is off in this configuration (radix_cache false in the trace or the version): "
                 "no prefix hit to explain"
             )
-        self = cls(page_size=tree.page_size)
+        self = cls(page_size=tree.page_size, request_evictions={} if keep_request_evictions else None)
         self._setup(session, tree, oracle)
         return self
 
     def _setup(self, session: ReplaySession, tree: RadixCache, oracle: OracleStream | None) -> None:
         from allocator.swa_radix import SwaRadixCache
 
-        engine = session.engine
-        self._engine = engine
+        self._session = session
+        self._engine = session.engine
         self._tree = tree
         self._swa = isinstance(tree, SwaRadixCache)
         self._oracle = oracle
@@ -147,20 +161,35 @@ class Attribution:
         self._call: _Pending | None = None
         self._retracted: dict[int, int] = {}
         self._stored_step: dict[int, int] = {}
+        self._current = -1  # the step the engine replays now
+        self._done = -1  # every step up to this one was watched whole
+        self._again = False  # the step now is one replayed before: ignored
         session.observers.append(self)  # kept across the session's restarts
+        self._listen(tree)
+
+    def _listen(self, tree: RadixCache) -> None:
+        self._tree = tree
+        if tree.listener is self or isinstance(tree.listener, _Tee) and tree.listener.second is self:
+            return
         tree.listener = self if tree.listener is None else _Tee(tree.listener, self)
 
     # ------------------------------------------------------------------ the tree's listener
     def stored(self, leaf: TreeNode) -> None:
+        if self._again:
+            return
         # NOTE: the shadow is not told: its units were inserted when computed, and an old
         # eviction id on a unit stored again is never read (a unit in the cache is a hit;
         # evicted again, it takes the new id).
         self._stored_step[leaf.id] = self._step
 
     def split(self, upper: TreeNode, child: TreeNode) -> None:
+        if self._again:
+            return
         self._stored_step[upper.id] = self._stored_step.get(child.id, self._step)
 
     def removed(self, node: TreeNode) -> None:
+        if self._again:
+            return
         call = self._call
         if call is None:
             call = self._call = _Pending(self._step, "other", -1, 0)
@@ -180,9 +209,25 @@ class Attribution:
 
     # ------------------------------------------------------------------ the engine's calls (ReplayObserver)
     def step_started(self, step: int) -> None:
+        # A step begins again after an allocator refused a run of it (the same step), and a
+        # seek back starts an earlier one: every step up to the one then replayed is done.
+        if step != self._current:
+            self._done = max(self._done, self._current)
+            self._current = step
+        self._again = step <= self._done
+        if self._again:
+            return
         self._step = step
+        session = self._session
+        if session.engine is not self._engine:  # restarted: a fresh allocator
+            self._engine = session.engine
+            tree = getattr(session.allocator, "tree_cache", None)
+            if isinstance(tree, RadixCache):
+                self._listen(tree)
 
     def call_started(self, call: AllocCall) -> None:
+        if self._again:
+            return
         rids = call.rids
         rid = int(rids[0]) if rids.shape[0] else -1
         if call.admitted is not None and call.admitted.any():
@@ -195,6 +240,8 @@ class Attribution:
                 self._inserted.pop(rid, None)
 
     def call_ended(self, call: AllocCall, result: object) -> None:
+        if self._again:
+            return
         if call.op == "extend" and isinstance(result, AllocResult):
             assert call.seq_lens is not None and call.token_ids is not None and call.admitted is not None
             self._after_extend(call, result.prefix_lens)
@@ -261,6 +308,10 @@ class Attribution:
                         self.record_missed[rec] = self.record_missed.get(rec, 0) + n
                     if self.on_evicted_miss is not None:
                         self.on_evicted_miss(rid, dict(zip(ids.tolist(), counts.tolist())))
+                    if self.request_evictions is not None:
+                        mine = self.request_evictions.setdefault(rid, {})
+                        for rec, n in zip(ids.tolist(), counts.tolist()):
+                            mine[rec] = mine.get(rec, 0) + n
                 got["evicted"] += int(gone.shape[0])
             got["uncached"] += int(recs.shape[0] - gone.shape[0])
         self.infinite_tokens += hit + got["evicted"] + got["out_of_window"]
@@ -278,6 +329,13 @@ class Attribution:
         for cause, n in got.items():
             self.causes[cause] += n
             mine[cause] += n
+
+    def evictions_of(self, rid: int) -> list[tuple[EvictionRecord, int]]:
+        """The evictions whose tokens request ``rid`` missed (``keep_request_evictions``),
+        with the tokens of each it missed, most first (then the earliest)."""
+        mine = (self.request_evictions or {}).get(rid, {})
+        order = sorted(mine.items(), key=lambda kv: (-kv[1], kv[0]))
+        return [(self.records[rec - 1], n) for rec, n in order]
 
     def _retract(self, rids: np.ndarray, owned: np.ndarray) -> None:
         for rid, n in zip(rids.tolist(), np.asarray(owned).tolist()):

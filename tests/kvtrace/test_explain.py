@@ -187,3 +187,35 @@ def test_observer_api_replaces_the_wrappers(tmp_path: Path) -> None:
     assert [c[0] for c in seen.calls] == ["extend", "decode", "finish", "extend"]
     assert seen.calls[-1] == ("extend", 3, [1])
     assert seen.admitted_tokens == stats.admitted_tokens
+
+
+def _evicting_steps() -> list[list[tuple[Any, ...]]]:
+    # as test_evicted_names_the_step_trigger_and_request: rid 1's admission at step 3
+    # evicts P, which rid 2 misses at step 5.
+    p = list(range(200, 208))
+    return [
+        [_prefill(0, p)], [("decode", 0, 9, 1)], [("finish", 0, 9, 0)],
+        [_prefill(1, list(range(300, 328)))], [("finish", 1, 28, 0)],
+        [_prefill(2, [*p, 5])],
+    ]
+
+
+def test_steps_replayed_again_count_once_and_a_restart_keeps_listening(tmp_path: Path) -> None:
+    # A dashboard seeks back: without checkpoints the session starts again with a fresh
+    # allocator (a new radix tree). Steps replayed again are not counted twice; the steps
+    # past the highest seen are, evictions on the new tree included.
+    from kvtrace.explain.attribution import Attribution
+
+    path = _trace(tmp_path / "t.kvtrace", _evicting_steps(), pool_tokens=32)
+    with ReplaySession(path, checker="inline", track_state=True, checkpoint_every=None) as session:
+        attribution = Attribution.attach(session, keep_request_evictions=True)
+        session.seek(2)
+        session.seek(0)  # a fresh allocator
+        session.seek(5)
+        session.seek(1)
+        session.seek(5)
+        stats = session.result().stats
+    assert attribution.admissions == 3
+    assert attribution.per_request[2] == {**dict.fromkeys(attribution.causes, 0), "cold": 1, "evicted": 8}
+    assert [(r.step, r.trigger, r.rid, n) for r, n in attribution.evictions_of(2)] == [(3, "admission", 1, 8)]
+    assert sum(attribution.causes.values()) == stats.admitted_tokens - stats.reused_tokens == 8 + 28 + 9
