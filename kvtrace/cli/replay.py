@@ -163,7 +163,7 @@ def replay(
     kv_events_paced: Annotated[bool, typer.Option("--kv-events-paced", help="With --kv-events: publish each step's batch at its time in the trace (else as fast as the replay goes).")] = False,
     kv_events_replay: Annotated[Optional[str], typer.Option("--kv-events-replay", metavar="tcp://HOST:PORT", help="With --kv-events tcp://...: answer replay requests for missed batches here (SGLang's replay endpoint).", show_default=False)] = None,
     kv_events_wait: Annotated[float, typer.Option("--kv-events-wait", min=0.0, metavar="SECONDS", help="With --kv-events tcp://...: wait this long for a first subscriber before publishing, and after the last batch answer replay requests until the subscribers leave, at most this long.", callback=finite)] = 0.0,
-    explain: Annotated[bool, typer.Option("--explain", help="Also explain the prefix misses (kvtrace explain): printed after the summary, under \"explain\" in --json; with --tui, the e key shows the selected request's.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also explain the prefix misses (kvtrace explain): printed after the summary, under \"explain\" in --json; with --out, each step's missed tokens by cause in explain_* columns; with --tui, the e key shows the selected request's.")] = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -237,8 +237,11 @@ def replay(
             with target.writing() as tmp:
                 info = {"trace": str(trace), "trace_file": trace_identity(session.reader.path),
                         "allocator": session.version.spec, "config": config_dict(session.config)}
-                with StateLogWriter(tmp, info) as log:
-                    _run(session, log, emitter)
+                step_columns: tuple[str, ...] = ()
+                if explainer is not None:
+                    from kvtrace.explain.attribution import STEP_COLUMNS as step_columns
+                with StateLogWriter(tmp, info, step_columns=step_columns) as log:
+                    _run(session, log, emitter, None if explainer is None else explainer.attribution.step_causes)
         result = session.result()
     summary = result.to_dict()
     if explainer is not None:
@@ -349,13 +352,17 @@ def _kv_events_sink(session: Any, target: Any, kv_events: str | None, replay_end
         emitter.close()
 
 
-def _run(session: Any, log: Any, emitter: Any = None) -> None:
-    """Replay every step, writing each snapshot to the state log (if any) and its KV
-    events (if asked for), with progress."""
+def _run(session: Any, log: Any, emitter: Any = None, step_values: Any = None) -> None:
+    """Replay every step, writing each snapshot to the state log (if any; with
+    ``step_values()``'s values, the log's ``step_columns``) and its KV events (if asked
+    for), with progress."""
     with ui.progress("replay", total=1.0) as line:
         for snap in session.snapshots():
             if log is not None:
-                log.write(snap)
+                if step_values is None:
+                    log.write(snap)
+                else:
+                    log.write(snap, step_values())
             if emitter is not None:
                 emitter.after(snap)
             if line.due():

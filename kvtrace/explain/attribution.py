@@ -49,10 +49,12 @@ if TYPE_CHECKING:
     from kvtrace.explain.oracle import OracleStream
     from kvtrace.replay.session import ReplaySession
 
-__all__ = ["CAUSES", "Attribution", "EvictionRecord", "Trigger"]
+__all__ = ["CAUSES", "STEP_COLUMNS", "Attribution", "EvictionRecord", "Trigger"]
 
 Cause = Literal["cold", "floor", "uncached", "evicted", "out_of_window", "retraction"]
 CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "out_of_window", "retraction")
+# The state log's columns of ``replay --explain --out``: each step's missed tokens by cause.
+STEP_COLUMNS: tuple[str, ...] = tuple(f"explain_{cause}" for cause in CAUSES)
 Trigger = Literal["admission", "decode", "spec_reserve", "retraction", "prealloc", "other"]
 
 
@@ -114,6 +116,7 @@ class Attribution:
     request_evictions: dict[int, dict[int, int]] | None = None
     # Called at each admission that missed evicted tokens: (rid, {eviction id: tokens});
     # ``kvtrace export --flows`` draws an arrow from each eviction to the admission.
+    _last_causes: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     on_evicted_miss: Callable[[int, dict[int, int]], None] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ wiring
@@ -329,6 +332,14 @@ class Attribution:
         for cause, n in got.items():
             self.causes[cause] += n
             mine[cause] += n
+
+    def step_causes(self) -> tuple[int, ...]:
+        """Tokens missed by cause (``CAUSES`` order) since the previous call: a step's,
+        called once a step (the state log's ``STEP_COLUMNS``)."""
+        now = tuple(self.causes[c] for c in CAUSES)
+        last = self._last_causes if self._last_causes is not None else (0,) * len(CAUSES)
+        self._last_causes = now
+        return tuple(a - b for a, b in zip(now, last))
 
     def evictions_of(self, rid: int) -> list[tuple[EvictionRecord, int]]:
         """The evictions whose tokens request ``rid`` missed (``keep_request_evictions``),

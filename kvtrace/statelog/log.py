@@ -117,6 +117,10 @@ class StateLogWriter:
         info: JSON-able description stored in the schema metadata (trace, allocator, options).
         steps_per_batch: snapshots buffered per record batch (each batch is flushed).
         compression: ``zstd`` (files), or None (pipes: no CPU spent on it).
+        step_columns: the names of int64 columns of the caller's, one value per step
+            each (``write``'s ``values``), after the others (``replay --explain``: the
+            missed tokens by cause, ``kvtrace.explain.attribution.STEP_COLUMNS``). None
+            by default: the log has the plain schema.
 
     Raises:
         TraceError: the file cannot be created.
@@ -128,6 +132,7 @@ class StateLogWriter:
         info: dict[str, Any],
         steps_per_batch: int = 256,
         compression: str | None = "zstd",
+        step_columns: tuple[str, ...] = (),
     ) -> None:
         meta = {"version": STATE_LOG_VERSION, **info}
         self._metadata = {STATE_LOG_METADATA_KEY: json.dumps(meta).encode()}
@@ -147,15 +152,25 @@ class StateLogWriter:
         self._schema = STATE_LOG_SCHEMA
         self._steps_per_batch = steps_per_batch
         self._buf: list[StepSnapshot] = []
+        self._step_columns = step_columns
+        self._values: list[tuple[int, ...]] = []  # per buffered step: its step_columns' values
         self.steps_written = 0
 
-    def write(self, snap: StepSnapshot) -> None:
+    def write(self, snap: StepSnapshot, values: tuple[int, ...] = ()) -> None:
+        """Buffer one step (``values``: its ``step_columns``' values, in order)."""
+        if len(values) != len(self._step_columns):
+            raise ValueError(f"step {snap.step}: {len(values)} values for the columns {self._step_columns}")
         self._buf.append(snap)
+        if values:
+            self._values.append(values)
         if len(self._buf) >= self._steps_per_batch:
             self.flush()
 
     def write_block(self, block: SnapshotBlock) -> None:
-        """Write the steps of ``block`` as one record batch now (after any buffered)."""
+        """Write the steps of ``block`` as one record batch now (after any buffered; a log
+        of no ``step_columns``)."""
+        if self._step_columns:
+            raise ValueError(f"a block has no values for the columns {self._step_columns}: write its steps one by one")
         self.flush()
         if block.num_steps:
             self._write(block)
@@ -163,19 +178,27 @@ class StateLogWriter:
     def flush(self) -> None:
         if not self._buf:
             return
-        self._write(SnapshotBlock.of(self._buf))
+        extra = None
+        if self._step_columns:
+            values = np.array(self._values, np.int64).reshape(len(self._buf), len(self._step_columns))
+            extra = {name: values[:, i] for i, name in enumerate(self._step_columns)}
+        self._write(SnapshotBlock.of(self._buf), extra)
         self._buf = []
+        self._values = []
 
-    def _write(self, block: SnapshotBlock) -> None:
+    def _write(self, block: SnapshotBlock, extra: dict[str, np.ndarray] | None = None) -> None:
         if self._writer is None:
             n = 0 if block.other_pools is None else block.other_pools.shape[1]
             self._start(other_pool_names(block.other_pool_names, n))
-        self._writer.write_batch(record_batch_of(block, self._schema))
+        self._writer.write_batch(record_batch_of(block, self._schema, extra))
         self._sink.flush()
         self.steps_written += block.num_steps
 
     def _start(self, other_pools: tuple[str, ...]) -> None:
-        self._schema = state_log_schema(other_pools).with_metadata(self._metadata)
+        schema = state_log_schema(other_pools)
+        for name in self._step_columns:
+            schema = schema.append(pa.field(name, pa.int64(), nullable=False))
+        self._schema = schema.with_metadata(self._metadata)
         if self.path is not None:
             self._writer = pa.ipc.new_file(self._sink, self._schema, options=self._options)
         else:
@@ -200,8 +223,10 @@ def to_record_batch(snaps: list[StepSnapshot], schema: pa.Schema = STATE_LOG_SCH
     return record_batch_of(SnapshotBlock.of(snaps), schema)
 
 
-def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) -> pa.RecordBatch:
-    """A block of snapshots -> one record batch of the state log schema (one row per step)."""
+def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA,
+                    extra: dict[str, np.ndarray] | None = None) -> pa.RecordBatch:
+    """A block of snapshots -> one record batch of the state log schema (one row per step;
+    ``extra``: the values of the schema's caller columns, ``StateLogWriter``'s ``step_columns``)."""
     n = block.num_steps
     cols: dict[str, Any] = {"step": pa.array(block.steps), "time_s": pa.array(block.times)}
     for i, name in enumerate(_POOL_FIELDS):
@@ -223,6 +248,8 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
     if SWA_EVICTED_COLUMN in schema.names:
         cursors = block.swa_evicted if block.swa_evicted is not None else np.zeros(int(offsets[-1]), np.int64)
         cols[SWA_EVICTED_COLUMN] = pa.ListArray.from_arrays(off, pa.array(cursors.astype(np.int64, copy=False)))
+    for name, values in (extra or {}).items():
+        cols[name] = pa.array(values, pa.int64())
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
