@@ -4,9 +4,9 @@ An admission is a request's first extend (or its first after a retraction); it m
 ``prefill_target - prefix_hit`` tokens (the replay's ``admitted_tokens - reused_tokens``).
 They split, in prompt order::
 
-    0        hit         infinite ceiling A          seen U      target T
-    |--------|================================|-----------|------------|
-      reused   evicted / out_of_window /          floor        cold
+    0        hit         infinite ceiling A    other N       seen U      target T
+    |--------|==========================|------------|-----------|------------|
+      reused   evicted / out_of_window /  namespace     floor        cold
                uncached
 
 - ``evicted``: cached once, evicted since: each token names the eviction (step, trigger,
@@ -15,14 +15,19 @@ They split, in prompt order::
   tombstones);
 - ``uncached``: computed before but never put in the cache, or not yet (a prefill
   still in flight, a request aborted or retracted before its tokens were cached);
+- ``namespace``: computed before, but only in another cache namespace (another LoRA
+  adapter, ``cache_salt`` or extra key: ``traces.namespaces``), which SGLang never
+  shares: an infinite cache would miss them too;
 - ``floor``: computed before, but in a partial last page or past the match cap (SGLang
   matches at most ``len - 1`` tokens): no page size ``page_size`` cache can hold it;
 - ``cold``: never computed before (or past the first chunk of a chunked prefill);
 - ``retraction``: a retracted request's re-admission: everything it misses is
   recomputation (its per-request cost is kept too).
 
-What was ever computed is a ``Shadow`` keyed by the replay's pages (the same keying as the
-replay's cache: token ids, or EAGLE bigram units, one digest per page), never evicted; it
+What was ever computed is a ``Shadow`` per namespace keyed by the replay's pages (the same
+keying as the replay's cache: the namespace, then token ids or EAGLE bigram units, one
+digest per page), never evicted; a trace with namespaces keeps one more, blind to them
+(what was computed in any namespace: the ``namespace`` cause). It
 keeps, per page, the id of the eviction that last removed it from the replay's cache (0:
 none), so its memory is bounded by the distinct pages computed.
 The replay's cache reports stores and evictions through its ``TreeListener``; the
@@ -44,6 +49,7 @@ from allocator.pages import floor_align
 from allocator.radix_cache import RadixCache, TreeNode
 from kvtrace.errors import ConfigError
 from kvtrace.explain.shadow import Shadow
+from traces.namespaces import in_namespace, key_prefix, namespace_of
 
 if TYPE_CHECKING:
     from kvtrace.explain.oracle import OracleStream
@@ -51,8 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CAUSES", "STEP_COLUMNS", "Attribution", "EvictionRecord", "Trigger"]
 
-Cause = Literal["cold", "floor", "uncached", "evicted", "out_of_window", "retraction"]
-CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "out_of_window", "retraction")
+Cause = Literal["cold", "floor", "uncached", "evicted", "namespace", "out_of_window", "retraction"]
+CAUSES: tuple[Cause, ...] = ("cold", "floor", "uncached", "evicted", "namespace", "out_of_window", "retraction")
 # The state log's columns of ``replay --explain --out``: each step's missed tokens by cause.
 STEP_COLUMNS: tuple[str, ...] = tuple(f"explain_{cause}" for cause in CAUSES)
 Trigger = Literal["admission", "decode", "spec_reserve", "retraction", "prealloc", "other"]
@@ -158,7 +164,9 @@ class Attribution:
         self._tree = tree
         self._swa = isinstance(tree, SwaRadixCache)
         self._oracle = oracle
-        self._seen = Shadow(tree.page_size)
+        # what was computed, per namespace (its key prefix: b"" for none), and in any one
+        self._seen: dict[bytes, Shadow] = {b"": Shadow(tree.page_size)}
+        self._any = Shadow(tree.page_size) if session.meta.namespaces is not None else None
         self._inserted: dict[int, int] = {}  # per live request: key units in the shadow
         self._step = -1
         self._call: _Pending | None = None
@@ -205,7 +213,7 @@ class Attribution:
         path = _path_bytes(node)
         ps = self.page_size
         hi = len(path) // 8 // ps  # the tree's nodes are whole pages
-        self._seen.mark(path, hi - n // ps, hi, call.record_id)
+        self._shadow(getattr(node, "ns", b"")).mark(path, hi - n // ps, hi, call.record_id)
         born = self._stored_step.pop(node.id, None)
         if born is not None:
             self.eviction_ages.append((self._step - born, n))
@@ -258,7 +266,7 @@ class Attribution:
         tree = self._tree
         rids, seq_lens, token_ids, admitted = call.rids, call.seq_lens, call.token_ids, call.admitted
         assert seq_lens is not None and token_ids is not None and admitted is not None
-        keys = [tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]) for i in range(rids.shape[0])]
+        keys = [self._key(token_ids[i], int(seq_lens[i])) for i in range(rids.shape[0])]
         raws: dict[int, bytes] = {}
         if prefix is not None and admitted.any():
             targets = call.prefill_targets  # what the replay counts as admitted
@@ -271,7 +279,7 @@ class Attribution:
         for i, rid in enumerate(rids.tolist()):
             key = keys[i]
             if key.shape[0]:
-                self._seen.insert(key, inserted.get(rid, 0), raws.get(i))
+                self._insert(key, inserted.get(rid, 0), raws.get(i))
                 inserted[rid] = key.shape[0]
 
     def _admit(self, rid: int, target: int, hit: int, key_full: np.ndarray, raw: bytes, seq_len: int) -> None:
@@ -292,10 +300,11 @@ class Attribution:
         ps = self.page_size
         # SGLang's match key: capped at len - 1 tokens (``Kvallocator.extend``).
         match_units = max(min(key_full.shape[0], seq_len - 1 - (1 if self._tree.is_eagle else 0)), 0)
-        seen = self._seen.seen_len(raw)
+        shadow = self._shadow(key_prefix(key_full))
+        seen = shadow.seen_len(raw)
         ceiling = max(floor_align(min(seen, match_units), ps), hit)
         if ceiling > hit:  # both whole pages
-            recs = self._seen.recs(raw, hit // ps, ceiling // ps)
+            recs = shadow.recs(raw, hit // ps, ceiling // ps)
             if ps > 1:
                 recs = np.repeat(recs, ps)
             if self._swa:  # the full KV still cached, past the SWA-gated hit: out of the window
@@ -318,6 +327,12 @@ class Attribution:
                 got["evicted"] += int(gone.shape[0])
             got["uncached"] += int(recs.shape[0] - gone.shape[0])
         self.infinite_tokens += hit + got["evicted"] + got["out_of_window"]
+        if self._any is not None:  # computed in another namespace only, up to where this one could hit
+            seen_any = self._any.seen_len(raw)
+            other = max(floor_align(min(seen_any, match_units), ps), ceiling)
+            got["namespace"] = other - ceiling
+            ceiling = other
+            seen = max(seen, seen_any)
         got["floor"] = max(min(seen, target) - ceiling, 0)
         got["cold"] = missed - sum(got.values())
         assert got["cold"] >= 0, f"request {rid}: causes {got} exceed the {missed} missed tokens"
@@ -357,9 +372,9 @@ class Attribution:
             return
         inserted = self._inserted
         for rid, toks in zip(rids.tolist(), tokens):
-            key = self._tree.make_key(np.asarray(toks))
+            key = self._key(toks)
             if key.shape[0]:
-                self._seen.insert(key, inserted.pop(rid, 0))
+                self._insert(key, inserted.pop(rid, 0))
             if self._oracle is not None:
                 self._oracle.insert(key)
 
@@ -368,7 +383,23 @@ class Attribution:
             return
         for i in range(len(token_ids)):
             if done is None or bool(done[i]):
-                self._oracle.insert(self._tree.make_key(np.asarray(token_ids[i])[: int(seq_lens[i])]))
+                self._oracle.insert(self._key(token_ids[i], int(seq_lens[i])))
+
+    def _key(self, token_ids: np.ndarray, n: int | None = None) -> np.ndarray:
+        """The tree's key of a request's first ``n`` token ids, in its namespace."""
+        return self._tree.make_key(in_namespace(np.asarray(token_ids)[:n], namespace_of(token_ids)))
+
+    def _shadow(self, ns: bytes) -> Shadow:
+        """What was computed in the namespace of key prefix ``ns``."""
+        shadow = self._seen.get(ns)
+        if shadow is None:
+            shadow = self._seen[ns] = Shadow(self.page_size)
+        return shadow
+
+    def _insert(self, key: np.ndarray, known: int, raw: bytes | None = None) -> None:
+        self._shadow(key_prefix(key)).insert(key, known, raw)
+        if self._any is not None:
+            self._any.insert(key, known, raw)
 
 
 def _path_bytes(node: TreeNode) -> bytes:
