@@ -2,6 +2,7 @@
 
 Usage:
     python bench/explain.py [TRACE] [--repeats N] [--stop-step S] [--modes plain,attribution,...]
+    python bench/explain.py [TRACE] --rss [--modes ...]
 
 TRACE defaults to the bundled one-hour Mooncake sample. Each repeat replays the trace in
 this process, one mode after the other (interleaved, so a shared machine's load falls on
@@ -14,7 +15,9 @@ every mode alike), and records the process CPU seconds and the wall seconds of e
   * ``full``: everything ``kvtrace explain`` does, Belady included.
 
 Prints each repeat, then the medians and their ratios to ``plain``, and the peak RSS of
-the process (the shadow of every token ever computed grows with the trace).
+the process (the shadow of every token ever computed grows with the trace). ``--rss``
+runs each mode once in a process of its own instead and prints each one's peak RSS
+after the replay and after the report (the oracles' runs come with the report).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,14 +54,50 @@ def once(trace: str, mode: str, stop_step: int | None) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_child(trace: str, mode: str, stop_step: int | None) -> None:
+    """One mode in this process: its peak RSS after the replay and after the report."""
+    from kvtrace.explain.report import Explainer
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
+
+    with ReplaySession(trace, options=ReplayOptions(stop_step=stop_step)) as session:
+        explainer = None
+        if mode != "plain":
+            explainer = Explainer(session, oracles=mode != "attribution", belady=mode == "full")
+        for _ in session.snapshots():
+            pass
+        replayed = _peak_mb()
+        if explainer is not None:
+            explainer.report().to_dict()
+    print(f"  {mode:<12} peak RSS {replayed:7,.0f} MB after the replay, {_peak_mb():7,.0f} MB after the report",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", nargs="?", default="sample:mooncake-conversation")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stop-step", type=int, default=None)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, plain first")
+    parser.add_argument("--rss", action="store_true", help="each mode's peak RSS, in a process of its own")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # --rss: the mode this process runs
     args = parser.parse_args()
+    if args.child is not None:
+        rss_child(args.trace, args.child, args.stop_step)
+        return
     modes = tuple(args.modes.split(","))
+    if args.rss:
+        print(f"peak RSS, one process per mode ({args.trace})", flush=True)
+        for mode in modes:
+            cmd = [sys.executable, __file__, args.trace, "--child", mode]
+            if args.stop_step is not None:
+                cmd += ["--stop-step", str(args.stop_step)]
+            subprocess.run(cmd, check=True)
+        return
     walls: dict[str, list[float]] = {m: [] for m in modes}
     cpus: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.repeats):

@@ -71,9 +71,9 @@ def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: s
 
 
 def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: int | None, device: str,
-               options: Any, target: Any) -> None:
+               options: Any, target: Any, *, explain: bool = False) -> None:
     """The replay in the live dashboard, in a process of its own (with --out, the steps it
-    replays go to the log)."""
+    replays go to the log; with --explain, its misses are attributed: the ``e`` key)."""
     import dataclasses
 
     from kvtrace.versions.registry import resolve_version
@@ -83,7 +83,8 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
 
     version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
     job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
-                        pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True)
+                        pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True,
+                        explain=explain)
     ui.require_terminal("run it in a terminal, add --serve to show it as a web page, or drop --tui")
     if target is None:
         run_live(job)
@@ -163,7 +164,7 @@ def replay(
     kv_events_paced: Annotated[bool, typer.Option("--kv-events-paced", help="With --kv-events: publish each step's batch at its time in the trace (else as fast as the replay goes).")] = False,
     kv_events_replay: Annotated[Optional[str], typer.Option("--kv-events-replay", metavar="tcp://HOST:PORT", help="With --kv-events tcp://...: answer replay requests for missed batches here (SGLang's replay endpoint).", show_default=False)] = None,
     kv_events_wait: Annotated[float, typer.Option("--kv-events-wait", min=0.0, metavar="SECONDS", help="With --kv-events tcp://...: wait this long for a first subscriber before publishing, and after the last batch answer replay requests until the subscribers leave, at most this long.", callback=finite)] = 0.0,
-    explain: Annotated[bool, typer.Option("--explain", help="Also explain the prefix misses (kvtrace explain): printed after the summary, under \"explain\" in --json.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also explain the prefix misses (kvtrace explain): printed after the summary, under \"explain\" in --json; with --out, each step's missed tokens by cause in explain_* columns; with --tui, the e key shows the selected request's.")] = False,
     quiet: QuietOpt = False,
     no_color: NoColorOpt = False,
     as_json: JsonOpt = False,
@@ -199,8 +200,6 @@ def replay(
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
                                  "steps before it into one batch); use --steps :B or drop --kv-events",
                                  param_hint="--steps")
-    if explain and tui:
-        raise typer.BadParameter("the dashboard shows no explain report; drop --explain or --tui", param_hint="--explain")
     events_out = _kv_events_target(kv_events, kv_events_replay, kv_events_wait, tui, force, trace)
     options = ReplayOptions(
         state_digest=digests,
@@ -225,7 +224,7 @@ def replay(
         return
     if tui:
         ui.no_color_for_textual()
-        _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target)
+        _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target, explain=explain)
         return
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
@@ -237,8 +236,11 @@ def replay(
             _run(session, None, emitter)
         else:
             with target.writing() as tmp:
-                with replay_log_writer(tmp, session, str(trace)) as log:
-                    _run(session, log, emitter)
+                step_columns: tuple[str, ...] = ()
+                if explainer is not None:
+                    from kvtrace.explain.attribution import STEP_COLUMNS as step_columns
+                with replay_log_writer(tmp, session, str(trace), step_columns=step_columns) as log:
+                    _run(session, log, emitter, None if explainer is None else explainer.attribution.step_causes)
         result = session.result()
     summary = result.to_dict()
     if explainer is not None:
@@ -349,13 +351,17 @@ def _kv_events_sink(session: Any, target: Any, kv_events: str | None, replay_end
         emitter.close()
 
 
-def _run(session: Any, log: Any, emitter: Any = None) -> None:
-    """Replay every step, writing each snapshot to the state log (if any) and its KV
-    events (if asked for), with progress."""
+def _run(session: Any, log: Any, emitter: Any = None, step_values: Any = None) -> None:
+    """Replay every step, writing each snapshot to the state log (if any; with
+    ``step_values()``'s values, the log's ``step_columns``) and its KV events (if asked
+    for), with progress."""
     with ui.progress("replay", total=1.0) as line:
         for snap in session.snapshots():
             if log is not None:
-                log.write(snap)
+                if step_values is None:
+                    log.write(snap)
+                else:
+                    log.write(snap, step_values())
             if emitter is not None:
                 emitter.after(snap)
             if line.due():

@@ -2,8 +2,9 @@
 
 One streaming pass over the log's record batches, vectorised per batch: the steps
 and their time span, the peak of used KV, the final pool counters, the events by
-kind, and the allocator time. A hybrid sliding-window model's log has each pool's
-peak and final counters too (``pools``); the top level is the full pool's.
+kind, the allocator time, and (``replay --explain --out``) the missed tokens by
+cause. A hybrid sliding-window model's log has each pool's peak and final counters
+too (``pools``); the top level is the full pool's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from kvtrace.cli import ui
 
 # The allocator settings the summary table shows (the JSON has them all).
+_EXPLAIN_PREFIX = "explain_"  # kvtrace.explain.attribution.STEP_COLUMNS
 _CONFIG_SHOWN = ("page_size", "pool_tokens", "max_running", "max_context_len", "device", "radix_cache")
 
 
@@ -39,6 +41,8 @@ def state_log_info(spec: str) -> dict[str, Any]:
     peaks: dict[str, tuple[int, int | None]] = {pool: (-1, None) for pool in prefixes}
     finals: dict[str, dict[str, int] | None] = {pool: None for pool in prefixes}
     events: dict[str, dict[str, int]] = {}
+    # replay --explain --out: each step's missed tokens by cause (explain_<cause> columns)
+    explain = {name[len(_EXPLAIN_PREFIX):]: 0 for name in reader.schema.names if name.startswith(_EXPLAIN_PREFIX)}
     for batch in reader.iter_batches():
         n = batch.num_rows
         if n == 0:
@@ -62,6 +66,8 @@ def state_log_info(spec: str) -> dict[str, Any]:
             first_step, first_time = int(step[0]), float(time_s[0])
         last_step, last_time = int(step[-1]), float(time_s[-1])
         steps += n
+        for cause in explain:
+            explain[cause] += int(batch.column(_EXPLAIN_PREFIX + cause).to_numpy().sum())
         keyframes += int(np.count_nonzero(batch.column("keyframe").to_numpy(zero_copy_only=False)))
         ops += int(batch.column("num_ops").to_numpy().sum())
         allocator_s += float(batch.column("allocator_s").to_numpy().sum())
@@ -109,6 +115,7 @@ def state_log_info(spec: str) -> dict[str, Any]:
         "truncated": reader.truncated,
         "truncation_detail": reader.truncation_detail,
         **pools,
+        **({"explain": explain} if explain else {}),
     }
 
 
@@ -154,6 +161,10 @@ def render_state_log_info(info: dict[str, Any]) -> None:
         ", ".join(f"{kind} {e['count']:,}" + (f" ({count(e['tokens'], 'token')})" if e["tokens"] else "") for kind, e in events.items())
         or "none",
     )
+    if "explain" in info:
+        missed = info["explain"]
+        table.add_row("missed tokens", f"{sum(missed.values()):,} by cause: "
+                      + ", ".join(f"{cause} {n:,}" for cause, n in missed.items()))
     table.add_row("file", f"{count(info['file_bytes'], 'byte')}, {count(info['record_batches'], 'record batch', 'record batches')}")
     table.add_row(
         "truncated",

@@ -20,6 +20,7 @@ page size (one-token pages would cost one Python step per token); the report say
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtrace.explain.distributions import Histogram
+from traces.namespaces import key_prefix
 
 __all__ = ["OracleResult", "OracleStream", "simulate"]
 
@@ -70,7 +72,11 @@ class OracleStream:
             self._weights = rng.integers(0, 2**63, size=size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         units = np.ascontiguousarray(key[:n], np.int64).view(np.uint64)
         sums = np.cumsum(units * self._weights[:n], dtype=np.uint64)[g - 1 :: g]
-        return sums ^ (np.arange(1, sums.shape[0] + 1, dtype=np.uint64) * _LEN_MIX)
+        ids = sums ^ (np.arange(1, sums.shape[0] + 1, dtype=np.uint64) * _LEN_MIX)
+        ns = key_prefix(key)
+        if ns:  # a cache namespace's pages are its own (as the replay's radix keys)
+            ids ^= np.uint64(int.from_bytes(hashlib.blake2b(ns, digest_size=8).digest(), "little"))
+        return ids
 
     def access(self, step: int, key_full: np.ndarray, seq_len: int, target: int, hit: int, is_eagle: bool) -> None:
         """An admission: look up its match key (SGLang's cap: ``seq_len - 1`` tokens)."""

@@ -25,6 +25,7 @@ CAUSE_LABELS = {
     "floor": "page-size floor (partial page, match cap)",
     "uncached": "computed, never cached (in flight, aborted)",
     "evicted": "evicted earlier",
+    "namespace": "cached in another namespace only",
     "out_of_window": "out of the SWA window",
     "retraction": "recomputed after retraction",
 }

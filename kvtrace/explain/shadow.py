@@ -6,7 +6,13 @@ keeps the id of the eviction that last removed it from the replay's cache (0: no
 run-length coded per node: an eviction removes a whole node of the replay's tree, so
 a run of pages shares one id. Unlike a ``RadixCache`` it never evicts, so it keeps no
 access times, lock counts, leaf sets or eviction heap: its memory is the distinct
-pages computed (8 bytes a unit) plus one small node per branch and a few runs per node.
+pages computed plus one small node per branch and a few runs per node.
+
+Units are stored 4 bytes each while every unit inserted fits an int32 (token ids do;
+EAGLE bigram units and hashed ids do not): the tree widens itself to 8 bytes a unit at
+the first insert that does not fit. Callers always pass int64 keys (``units.tobytes()``);
+a read whose key holds a unit too wide for a narrow tree matches up to it (nothing
+stored holds it).
 
 A sequence's partial last page (``len % page_size`` units) is no edge of the tree: it
 is kept apart, by the full pages before it, so that ``seen_len`` still counts the units
@@ -22,11 +28,14 @@ import numpy as np
 __all__ = ["Shadow"]
 
 
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
 class _Node:
     __slots__ = ("key", "recs", "children")
 
     def __init__(self, key: bytes, recs: tuple[list[int], list[int]] | None) -> None:
-        self.key = key  # units, 8 bytes each, whole pages
+        self.key = key  # units, whole pages, Shadow.unit_bytes each
         # eviction ids by runs: (first page of each run, ascending from 0; its id); None: all 0
         self.recs = recs
         self.children: dict[bytes, _Node] | None = None  # by the first page's bytes
@@ -78,12 +87,47 @@ class Shadow:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._psb = page_size * 8
+        self.unit_bytes = 4  # 8 once a unit inserted does not fit an int32
+        self._dtype: type[np.signedinteger] = np.int32
+        self._psb = page_size * 4
         self.root = _Node(b"", None)
         self.num_units = 0  # in the tree's pages (the partial tails apart)
         self.num_nodes = 0
-        # the full pages before a partial last page (their bytes' hash) -> the partial pages there
+        # the full pages before a partial last page (their int64 bytes' hash) -> the partial
+        # pages there (int64 bytes: few, and never widened)
         self._tails: dict[int, list[bytes]] = {}
+
+    # ------------------------------------------------------------------ unit width
+    def _packed(self, kb: bytes, widen: bool) -> bytes:
+        """A key's int64 bytes as the tree stores them: as they are once wide; else as
+        int32, after widening the tree (``widen``) or cut before the first unit too wide."""
+        if self.unit_bytes == 8:
+            return kb
+        units = np.frombuffer(kb, np.int64)
+        wide = (units > _INT32_MAX) | (units < _INT32_MIN)
+        if wide.any():
+            if widen:
+                self._widen()
+                return kb
+            units = units[: int(wide.argmax())]
+        return units.astype(np.int32).tobytes()
+
+    def _widen(self) -> None:
+        """Store 8 bytes a unit from now on: every node's key converted once."""
+        psb = self.page_size * 8
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            node.key = np.frombuffer(node.key, np.int32).astype(np.int64).tobytes()
+            if node.children is not None:
+                stack.extend(node.children.values())
+        stack = [self.root]
+        while stack:  # the children are keyed by their first page's bytes
+            node = stack.pop()
+            if node.children is not None:
+                node.children = {c.key[:psb]: c for c in node.children.values()}
+                stack.extend(node.children.values())
+        self.unit_bytes, self._dtype, self._psb = 8, np.int64, psb
 
     # ------------------------------------------------------------------ insert
     def insert(self, units: np.ndarray, known: int = 0, raw: bytes | None = None) -> None:
@@ -97,22 +141,21 @@ class Shadow:
             raw: ``units.tobytes()``, where the caller has it.
         """
         ps = self.page_size
-        psb = self._psb
         n = units.shape[0]
         full = n // ps * ps
+        raw64 = raw if raw is not None else units.tobytes()
+        packed = self._packed(raw64[: full * 8], widen=True)
+        psb, w = self._psb, self.unit_bytes
         node = self.root
         start = 0  # units followed on trust
         known = min(known, full)
         while start < known and node.children is not None:
-            child = node.children.get(units[start : start + ps].tobytes())
-            if child is None or start + len(child.key) // 8 > known:
+            child = node.children.get(packed[start * w : (start + ps) * w])
+            if child is None or start + len(child.key) // w > known:
                 break
-            start += len(child.key) // 8
+            start += len(child.key) // w
             node = child
-        if start == 0 and raw is not None:
-            kb = raw if full == n else raw[: full * 8]
-        else:
-            kb = units[start:full].tobytes()
+        kb = packed[start * w :] if start else packed
         nb = len(kb)
         pos = 0
         while pos < nb:
@@ -122,7 +165,7 @@ class Shadow:
                 if node.children is None:
                     node.children = {}
                 node.children[first] = _Node(kb[pos:], None)
-                self.num_units += (nb - pos) // 8
+                self.num_units += (nb - pos) // w
                 self.num_nodes += 1
                 break
             ck = child.key
@@ -130,7 +173,7 @@ class Shadow:
                 pos += len(ck)
                 node = child
                 continue
-            m = _matched(ck, kb, pos) // ps  # pages
+            m = _matched(ck, kb, pos, w) // ps  # pages
             upper = _Node(ck[: m * psb], child.split_recs(m))
             child.key = ck[m * psb :]
             upper.children = {child.key[:psb]: child}
@@ -139,7 +182,7 @@ class Shadow:
             node = upper
             pos += m * psb
         if full < n:
-            self._add_tail(hash(units[:full].tobytes()), units[full:].tobytes())
+            self._add_tail(hash(raw64[: full * 8]), raw64[full * 8 : n * 8])
 
     def _add_tail(self, at: int, tail: bytes) -> None:
         tails = self._tails.setdefault(at, [])
@@ -157,8 +200,9 @@ class Shadow:
         (to the unit: a partial page counts the units it shares with a page or a
         partial page computed there)."""
         ps = self.page_size
-        psb = self._psb
-        nb = len(kb)
+        psb, w = self._psb, self.unit_bytes
+        pk = self._packed(kb, widen=False)
+        nb = len(pk)
         node = self.root
         pos = 0
         branch: _Node | None = None  # where the walk stopped at a page boundary
@@ -166,26 +210,26 @@ class Shadow:
             if pos >= nb or node.children is None:
                 branch = node
                 break
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(pk[pos : pos + psb])
             if child is None:
                 branch = node
                 break
-            if kb.startswith(child.key, pos):
+            if pk.startswith(child.key, pos):
                 pos += len(child.key)
                 node = child
                 continue
-            pos += _matched(child.key, kb, pos) * 8  # to the unit
+            pos += _matched(child.key, pk, pos, w) * w  # to the unit
             break
-        seen = pos // 8
+        seen = pos // w
         if ps == 1:
             return seen
         base = seen // ps * ps  # the page boundary at or before the end of the match
-        nxt = np.frombuffer(kb, np.int64, count=min(ps, nb // 8 - base), offset=base * 8)
+        nxt = np.frombuffer(kb, np.int64, count=min(ps, len(kb) // 8 - base), offset=base * 8)
         if nxt.shape[0] == 0:
             return seen
-        candidates = list(self._tails.get(hash(kb[: base * 8]), ()))
+        candidates = [np.frombuffer(t, np.int64) for t in self._tails.get(hash(kb[: base * 8]), ())]
         if branch is not None and branch.children is not None and seen == base:
-            candidates.extend(c.key[:psb] for c in branch.children.values())
+            candidates.extend(np.frombuffer(c.key[:psb], self._dtype) for c in branch.children.values())
         for page in candidates:
             seen = max(seen, base + _common(page, nxt))
         return seen
@@ -196,6 +240,7 @@ class Shadow:
         NOTE: the nodes wholly before page ``lo`` are followed by their first page only
         (an evicted node's path was computed, so it is in the shadow); the pages marked
         are compared whole."""
+        kb = self._packed(kb[: hi * self.page_size * 8], widen=False)
         for node, start, m in self._walk(kb, hi * self._psb, lo * self._psb):
             a, b = max(lo, start), min(hi, start + m)
             if a < b:
@@ -205,6 +250,7 @@ class Shadow:
         """The eviction ids of pages ``[lo, hi)`` of a key (``units.tobytes()``), int32
         (0: never evicted, or not in the shadow)."""
         out = np.zeros(hi - lo, np.int32)
+        kb = self._packed(kb[: hi * self.page_size * 8], widen=False)
         for node, start, m in self._walk(kb, hi * self._psb):
             a, b = max(lo, start), min(hi, start + m)
             if a < b and node.recs is not None:
@@ -229,23 +275,23 @@ class Shadow:
                 pos += len(child.key)
                 node = child
                 continue
-            out.append((child, pos // psb, _matched(child.key, kb, pos, nb) // ps))
+            out.append((child, pos // psb, _matched(child.key, kb, pos, self.unit_bytes, nb) // ps))
             break
         return out
 
 
-def _matched(ckey: bytes, kb: bytes, pos: int, nb: int | None = None) -> int:
-    """Units of ``ckey`` matching ``kb[pos:nb]``."""
-    a = np.frombuffer(ckey, dtype=np.int64)
-    k = min(a.shape[0], ((len(kb) if nb is None else nb) - pos) // 8)
-    b = np.frombuffer(kb, dtype=np.int64, count=k, offset=pos)
+def _matched(ckey: bytes, kb: bytes, pos: int, unit_bytes: int, nb: int | None = None) -> int:
+    """Units of ``ckey`` matching ``kb[pos:nb]`` (both ``unit_bytes`` a unit)."""
+    dtype = np.int32 if unit_bytes == 4 else np.int64
+    a = np.frombuffer(ckey, dtype=dtype)
+    k = min(a.shape[0], ((len(kb) if nb is None else nb) - pos) // unit_bytes)
+    b = np.frombuffer(kb, dtype=dtype, count=k, offset=pos)
     neq = a[:k] != b
     return int(neq.argmax()) if neq.any() else k
 
 
-def _common(page: bytes, units: np.ndarray) -> int:
-    """Units ``page`` and ``units`` share at their start."""
-    a = np.frombuffer(page, dtype=np.int64)
+def _common(a: np.ndarray, units: np.ndarray) -> int:
+    """Units ``a`` and ``units`` share at their start."""
     k = min(a.shape[0], units.shape[0])
     neq = a[:k] != units[:k]
     return int(neq.argmax()) if neq.any() else k

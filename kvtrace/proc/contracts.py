@@ -14,7 +14,7 @@ both ends run this same checkout.
   ``Started`` then ``Ended`` (its replay summary) or ``Failed``;
 * the dashboard's replay process (``kvtrace.tui.remote.process``): ``DashboardJob``; it
   answers ``Info``, ``Status``, ``Busy``, ``Position``, ``Cells``, ``Cell``,
-  ``History``, ``ReplayError`` and ``InputWarning`` (``DASHBOARD_MESSAGES``; see
+  ``History``, ``ReplayError``, ``InputWarning`` and ``Explained`` (``DASHBOARD_MESSAGES``; see
   ``kvtrace.tui.remote.replayer``) and hears ``Command``s.
 
 Nothing here imports ``allocator`` (the child imports this before installing its
@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 __all__ = [
     "COMMAND_NAMES", "DASHBOARD_MESSAGES", "Busy", "Cell", "CellDetail", "Cells", "Command", "Contract", "ContractError",
-    "DashboardJob", "Ended", "Failed", "History", "Info", "InputWarning", "Position", "ReplayError", "SideJob",
+    "DashboardJob", "Ended", "Explained", "Failed", "History", "Info", "InputWarning", "Position", "ReplayError", "SideJob",
     "Started", "Status", "decode",
 ]
 
@@ -204,6 +204,7 @@ class DashboardJob(Contract):
     first_pass_seconds: float | None = None
     log: str | None = None
     profile: str | None = None
+    explain: bool = False  # attribute every admission's missed tokens (``kvtrace.explain``)
 
     def __post_init__(self) -> None:
         if (self.side is None) == (self.state_log is None):
@@ -231,6 +232,7 @@ class Info(Contract):
     live: bool
     page_size: int = 1
     cache: str = ""  # the radix cache where it is not the default (``SourceInfo.cache``)
+    explain: bool = False  # the replay explains its misses (answers ``explain``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,11 +338,25 @@ class InputWarning(Contract):
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Explained(Contract):
+    """A request's missed prefix tokens by cause (``kvtrace.explain``: every admission
+    replayed so far), and the evictions whose tokens it missed, most first: ``(step,
+    trigger, evicting rid, batch size, tokens)``; ``note``: why there is none."""
+
+    KIND: ClassVar[str] = "explained"
+    rid: int
+    missed: int = 0
+    causes: dict[str, int] = field(default_factory=dict)
+    evictions: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+    note: str | None = None
+
+
 DASHBOARD_MESSAGES: tuple[type[Contract], ...] = (Info, Status, Busy, Position, Cells, Cell, History, ReplayError,
-                                                   InputWarning)
+                                                   InputWarning, Explained)
 
 CommandName = Literal["play", "pause", "toggle", "step", "seek", "speed", "cells", "select", "cell", "history",
-                      "refresh", "quit", "pool"]
+                      "refresh", "quit", "pool", "explain"]
 # What each command's argument is: "int" (required), "rid" (an int, or None), None (none).
 COMMAND_NAMES: dict[str, str | None] = {
     "play": None, "pause": None, "toggle": None, "refresh": None, "quit": None,
@@ -352,6 +368,7 @@ COMMAND_NAMES: dict[str, str | None] = {
     "history": "int",  # RID
     "select": "rid",  # RID or None
     "pool": "int",  # the page map's pool: an index into POOL_NAMES (a hybrid model's)
+    "explain": "int",  # RID: its missed tokens by cause (a replay with explain on)
 }
 
 

@@ -138,6 +138,10 @@ class StateLogWriter:
         steps_per_batch: snapshots buffered per record batch (each batch is flushed).
         compression: ``zstd`` (files), or None (pipes: no CPU spent on it).
         sessions: the trace has streaming sessions: the log has ``session_held`` columns.
+        step_columns: the names of int64 columns of the caller's, one value per step
+            each (``write``'s ``values``), after the others (``replay --explain``: the
+            missed tokens by cause, ``kvtrace.explain.attribution.STEP_COLUMNS``). None
+            by default: the log has the plain schema.
 
     Raises:
         TraceError: the file cannot be created.
@@ -150,6 +154,7 @@ class StateLogWriter:
         steps_per_batch: int = 256,
         compression: str | None = "zstd",
         sessions: bool = False,
+        step_columns: tuple[str, ...] = (),
     ) -> None:
         meta = {"version": STATE_LOG_VERSION, **info}
         self._metadata = {STATE_LOG_METADATA_KEY: json.dumps(meta).encode()}
@@ -170,15 +175,25 @@ class StateLogWriter:
         self._steps_per_batch = steps_per_batch
         self._sessions = sessions
         self._buf: list[StepSnapshot] = []
+        self._step_columns = step_columns
+        self._values: list[tuple[int, ...]] = []  # per buffered step: its step_columns' values
         self.steps_written = 0
 
-    def write(self, snap: StepSnapshot) -> None:
+    def write(self, snap: StepSnapshot, values: tuple[int, ...] = ()) -> None:
+        """Buffer one step (``values``: its ``step_columns``' values, in order)."""
+        if len(values) != len(self._step_columns):
+            raise ValueError(f"step {snap.step}: {len(values)} values for the columns {self._step_columns}")
         self._buf.append(snap)
+        if values:
+            self._values.append(values)
         if len(self._buf) >= self._steps_per_batch:
             self.flush()
 
     def write_block(self, block: SnapshotBlock) -> None:
-        """Write the steps of ``block`` as one record batch now (after any buffered)."""
+        """Write the steps of ``block`` as one record batch now (after any buffered; a log
+        of no ``step_columns``)."""
+        if self._step_columns:
+            raise ValueError(f"a block has no values for the columns {self._step_columns}: write its steps one by one")
         self.flush()
         if block.num_steps:
             self._write(block)
@@ -186,19 +201,27 @@ class StateLogWriter:
     def flush(self) -> None:
         if not self._buf:
             return
-        self._write(SnapshotBlock.of(self._buf))
+        extra = None
+        if self._step_columns:
+            values = np.array(self._values, np.int64).reshape(len(self._buf), len(self._step_columns))
+            extra = {name: values[:, i] for i, name in enumerate(self._step_columns)}
+        self._write(SnapshotBlock.of(self._buf), extra)
         self._buf = []
+        self._values = []
 
-    def _write(self, block: SnapshotBlock) -> None:
+    def _write(self, block: SnapshotBlock, extra: dict[str, np.ndarray] | None = None) -> None:
         if self._writer is None:
             n = 0 if block.other_pools is None else block.other_pools.shape[1]
             self._start(other_pool_names(block.other_pool_names, n))
-        self._writer.write_batch(record_batch_of(block, self._schema))
+        self._writer.write_batch(record_batch_of(block, self._schema, extra))
         self._sink.flush()
         self.steps_written += block.num_steps
 
     def _start(self, other_pools: tuple[str, ...]) -> None:
-        self._schema = state_log_schema(other_pools, self._sessions).with_metadata(self._metadata)
+        schema = state_log_schema(other_pools, self._sessions)
+        for name in self._step_columns:
+            schema = schema.append(pa.field(name, pa.int64(), nullable=False))
+        self._schema = schema.with_metadata(self._metadata)
         if self.path is not None:
             self._writer = pa.ipc.new_file(self._sink, self._schema, options=self._options)
         else:
@@ -223,8 +246,10 @@ def to_record_batch(snaps: list[StepSnapshot], schema: pa.Schema = STATE_LOG_SCH
     return record_batch_of(SnapshotBlock.of(snaps), schema)
 
 
-def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) -> pa.RecordBatch:
-    """A block of snapshots -> one record batch of the state log schema (one row per step)."""
+def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA,
+                    extra: dict[str, np.ndarray] | None = None) -> pa.RecordBatch:
+    """A block of snapshots -> one record batch of the state log schema (one row per step;
+    ``extra``: the values of the schema's caller columns, ``StateLogWriter``'s ``step_columns``)."""
     n = block.num_steps
     cols: dict[str, Any] = {"step": pa.array(block.steps), "time_s": pa.array(block.times)}
     for i, name in enumerate(_POOL_FIELDS):  # session_held: only where the schema has it
@@ -249,6 +274,8 @@ def record_batch_of(block: SnapshotBlock, schema: pa.Schema = STATE_LOG_SCHEMA) 
     if MAMBA_SLOT_COLUMN in schema.names:
         slots = block.mamba_slot if block.mamba_slot is not None else np.full(int(offsets[-1]), -1, np.int64)
         cols[MAMBA_SLOT_COLUMN] = pa.ListArray.from_arrays(off, pa.array(slots.astype(np.int64, copy=False)))
+    for name, values in (extra or {}).items():
+        cols[name] = pa.array(values, pa.int64())
     return pa.record_batch([cols[f.name] for f in schema], schema=schema)
 
 
@@ -335,18 +362,19 @@ def trace_identity(path: str | Path) -> dict[str, Any]:
     return {"path": str(resolved), "file_bytes": resolved.stat().st_size, "digest": trace_digest(resolved)}
 
 
-def replay_log_writer(path: str | Path, session: Any, trace: str) -> StateLogWriter:
+def replay_log_writer(path: str | Path, session: Any, trace: str, step_columns: tuple[str, ...] = ()) -> StateLogWriter:
     """The state log writer for a replay session (``kvtrace.replay.session.ReplaySession``)
     of ``trace`` (as the user named it): its info names the trace, its file, the allocator,
     the configuration and the namespaces (for ``kvtrace view``'s header), and its columns
-    follow the trace (``session_held`` for streaming sessions)."""
+    follow the trace (``session_held`` for streaming sessions), then ``step_columns``
+    (``StateLogWriter``'s)."""
     from kvtrace.replay.config import config_dict
 
     info: dict[str, Any] = {"trace": trace, "trace_file": trace_identity(session.reader.path),
                             "allocator": session.version.spec, "config": config_dict(session.config)}
     if session.meta.namespaces is not None:
         info["namespaces"] = len(session.meta.namespaces.names)
-    return StateLogWriter(path, info, sessions=session.meta.config.sessions)
+    return StateLogWriter(path, info, sessions=session.meta.config.sessions, step_columns=step_columns)
 
 
 def read_state_log(path: str | Path) -> tuple[dict[str, Any], Iterator[StepSnapshot]]:

@@ -25,8 +25,10 @@ from textual.widgets import Input, Static
 from kvtrace.replay.snapshot import PHASES
 from kvtrace.replay.state import RequestRow
 from kvtrace.tui.driver import ALERT_KINDS, DEFAULT_FPS, Driver, Frame
-from kvtrace.tui.messages import CellInfoReady, FrameReady, HistoryReady, ReplayFailed, wrap
-from kvtrace.tui.screens import DiffScreen, GotoScreen, HelpScreen, HoldersScreen, ReplayScreen, RequestDetailScreen
+from kvtrace.tui.messages import CellInfoReady, ExplanationReady, FrameReady, HistoryReady, ReplayFailed, wrap
+from kvtrace.tui.screens import (
+    DiffScreen, ExplainScreen, GotoScreen, HelpScreen, HoldersScreen, ReplayScreen, RequestDetailScreen,
+)
 from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner
 from kvtrace.tui.widgets.events_log import EVENT_KINDS, EventsLog
@@ -84,6 +86,7 @@ class KvtraceApp(App[None]):
         Binding("s", "sort", "Sort", show=False),
         Binding("r", "reverse", "Reverse", show=False),
         Binding("enter", "detail", "Detail", show=False),
+        Binding("e", "explain", "Explain"),  # shown where the replay explains (--explain)
         Binding("question_mark", "help", "Keys"),
         Binding("q", "quit", "Quit"),
         # Textual's own ctrl+c only says "press ctrl+q to quit": here it quits, as a terminal user expects.
@@ -112,6 +115,7 @@ class KvtraceApp(App[None]):
         self.main = ReplayScreen(cadence) if diff is None else DiffScreen(diff, cadence)
         self._detail: RequestDetailScreen | None = None
         self._holders: HoldersScreen | None = None
+        self._explain: ExplainScreen | None = None
         self._divergence: int | None = None  # the divergence the sides were sent to
         self.replay_closed = threading.Event()  # every worker returned and closed its replay
         self._alerted: set[tuple[int, object]] = set()  # (side, event) notified
@@ -182,6 +186,8 @@ class KvtraceApp(App[None]):
         dash = self.dashboards[frame.side]
         if self.frames[frame.side] is None:
             dash.set_info(info)
+            if info.explain:
+                self.refresh_bindings()  # the explain key shows
         self.frames[frame.side] = frame
         self.frames_shown += 1
         dash.show(frame, info, self.clock())
@@ -235,6 +241,12 @@ class KvtraceApp(App[None]):
         holders = self._holders
         if holders is not None and holders.side == h.side:
             holders.show_history(h)
+
+    def on_explanation_ready(self, message: ExplanationReady) -> None:
+        e = message.explanation
+        screen = self._explain
+        if screen is not None and screen.rid == e.rid and screen.side == e.side:
+            screen.show(e)
 
     # ------------------------------------------------------------------ widget messages
     def _side_of(self, widget: Widget | None) -> int:
@@ -299,6 +311,8 @@ class KvtraceApp(App[None]):
             return False
         if action == "divergence" and self.report is None:
             return False  # not shown
+        if action == "explain" and not any(d.info is not None and d.info.explain for d in self.drivers):
+            return False  # a replay without --explain: not shown
         return True
 
     def _focused_side(self) -> int:
@@ -479,6 +493,29 @@ class KvtraceApp(App[None]):
             self.notify("select a request first (click a row, or tab to the table and use ↑ ↓)", timeout=3)
             return
         self._open_detail(side, rid)
+
+    def action_explain(self) -> None:
+        """The selected request's missed prefix tokens by cause (its replay explains them:
+        ``--explain``); ``j`` there goes to the eviction that cost it most and selects
+        the request whose allocation forced it."""
+        side = self._focused_side()
+        rid = self.dashboards[side].query_one(RequestTable).selected_rid
+        if rid is None:
+            self.notify("select a request first (click a row, or tab to the table and use ↑ ↓)", timeout=3)
+            return
+        self._explain = ExplainScreen(rid, side)
+
+        def closed(target: tuple[int, int] | None) -> None:
+            self._explain = None
+            if target is not None:
+                step, evictor = target
+                for dash in self.dashboards:
+                    dash.query_one(RequestTable).select_rid(evictor)
+                self._all("select", evictor)
+                self._all("seek", step)
+
+        self.push_screen(self._explain, closed)
+        self.drivers[side].command("explain", rid)
 
     def _open_detail(self, side: int, rid: int) -> None:
         frame = self.frames[side]

@@ -4,8 +4,8 @@ and posts frames.
 The dashboard's worker thread runs ``Driver.run()``; the UI thread only calls
 ``command(...)`` (queued to the replayer, never waiting for it) and ``ack(seq)``, and
 receives what the driver posts: ``Frame`` (at most ``fps`` a second, and at most one
-waiting while the screen draws another, until a second passed), ``CellInfo``, ``RequestHistory`` and
-``Failure``. The replayer (``kvtrace.tui.remote.replayer``, in its own process or a thread) runs
+waiting while the screen draws another, until a second passed), ``CellInfo``, ``RequestHistory``,
+``RequestExplanation`` and ``Failure``. The replayer (``kvtrace.tui.remote.replayer``, in its own process or a thread) runs
 on regardless: the driver folds every record it sends, and the frames show the latest
 fold. A frame holds copies of the per-request columns and a bounded view of the
 append-only timeline, so widgets read it while the fold goes on. Nothing here imports
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from kvtrace.replay.snapshot import SnapshotBlock
 
 __all__ = ["ALERT_KINDS", "MAX_HISTORY_STEPS", "AchievedSpeed", "SPEEDS", "CellInfo", "Driver", "Failure", "Frame", "RequestColumns",
-           "RequestHistory"]
+           "RequestExplanation", "RequestHistory"]
 
 ALERT_KINDS = frozenset({"oom", "violation", "bad_op"})
 
@@ -174,6 +174,20 @@ class RequestHistory:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestExplanation:
+    """One request's missed prefix tokens by cause (the replay's ``Explained``): the
+    evictions whose tokens it missed are ``(step, trigger, evicting rid, batch size,
+    tokens)``, most first; ``note`` says why there is nothing to show."""
+
+    side: int
+    rid: int
+    missed: int
+    causes: dict[str, int]
+    evictions: list[tuple[int, str, int, int, int]]
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """An error inside the replay (the replayer pauses), or the replay process gone; or,
     ``severity`` ``warning``, what the replay of a damaged input left out (it went on)."""
@@ -196,7 +210,7 @@ class Driver:
     Args:
         link: the replayer (``link.ChildReplay`` or ``link.ThreadReplay``).
         post: called (from the driver's thread) with each ``Frame``, ``CellInfo``,
-            ``RequestHistory`` and ``Failure``.
+            ``RequestHistory``, ``RequestExplanation`` and ``Failure``.
         side: the side its items say they come from.
         fps: frames a second at most.
         clock: monotonic seconds (the achieved speed; tests fix it).
@@ -368,6 +382,10 @@ class Driver:
             events = [StepEvent(int(s), str(k), None if r is None else int(r), int(t), str(d)) for s, k, r, t, d in m.events]
             self._post(RequestHistory(self.side, int(m.rid), np.asarray(m.steps), np.asarray(m.allocated),
                                       np.asarray(m.committed), events, bool(m.clipped)))
+            return
+        elif isinstance(m, wire.Explained):
+            evictions = [(int(s), str(t), int(r), int(b), int(n)) for s, t, r, b, n in m.evictions]
+            self._post(RequestExplanation(self.side, int(m.rid), int(m.missed), dict(m.causes), evictions, m.note))
             return
         elif isinstance(m, wire.ReplayError):
             self.playing = False

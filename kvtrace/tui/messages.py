@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from kvtrace.tui.driver import CellInfo, Failure, Frame, RequestHistory
+from kvtrace.tui.driver import CellInfo, Failure, Frame, RequestExplanation, RequestHistory
 
-__all__ = ["CellInfoReady", "FrameReady", "HistoryReady", "ReplayFailed"]
+__all__ = ["CellInfoReady", "ExplanationReady", "FrameReady", "HistoryReady", "ReplayFailed"]
 
 
 class FrameReady(Message):
@@ -37,6 +37,14 @@ class HistoryReady(Message):
         self.history = history
 
 
+class ExplanationReady(Message):
+    """A request's missed prefix tokens by cause, for the explain panel."""
+
+    def __init__(self, explanation: RequestExplanation) -> None:
+        super().__init__()
+        self.explanation = explanation
+
+
 class ReplayFailed(Message):
     """An error inside the replay: shown as a notification and in the events log."""
 
@@ -55,4 +63,6 @@ def wrap(item: object) -> Message:
         return HistoryReady(item)
     if isinstance(item, Failure):
         return ReplayFailed(item)
+    if isinstance(item, RequestExplanation):
+        return ExplanationReady(item)
     raise TypeError(f"the driver posted an unknown item {type(item).__name__}")

@@ -18,6 +18,7 @@ from textual_plot import HiResMode
 from kvtrace.tui.widgets.dashboard import Cadence, Dashboard
 from kvtrace.tui.widgets.divergence import DivergenceBanner, divergence_text
 from kvtrace.tui.widgets.events_log import describe
+from kvtrace.tui.widgets.explain_panel import ExplainPanel
 from kvtrace.tui.widgets.keybar import KeyBar
 from kvtrace.tui.widgets.occupancy import QuietPlot
 from kvtrace.tui.widgets.toasts import AlertToasts
@@ -25,10 +26,10 @@ from kvtrace.tui.widgets.toasts import AlertToasts
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
     from kvtrace.replay.state import RequestRow
-    from kvtrace.tui.driver import RequestHistory
+    from kvtrace.tui.driver import RequestExplanation, RequestHistory
 
-__all__ = ["DIFF_KEYS", "KEYS", "DiffScreen", "GotoScreen", "HelpScreen", "HoldersScreen", "ReplayScreen",
-           "RequestDetailScreen"]
+__all__ = ["DIFF_KEYS", "KEYS", "DiffScreen", "ExplainScreen", "GotoScreen", "HelpScreen", "HoldersScreen",
+           "ReplayScreen", "RequestDetailScreen"]
 
 KEYS = (
     ("space", "play / pause"),
@@ -47,6 +48,8 @@ KEYS = (
     ("/", "filter requests: phases, live, over, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),
+    ("e", "why the selected request's prefix missed, by cause (replay --tui --explain); j in it: "
+          "go to the step and request that evicted it"),
     ("tab", "next panel; click a row, cell or event to select it"),
     ("t", "small terminal: the other panel of each tab pair (or click a tab)"),
     ("?", "this help"),
@@ -266,6 +269,42 @@ class HoldersScreen(ModalScreen[int | None]):
             return
         step, _ = chart.get_coordinate_from_pixel(x, y)
         self.dismiss(max(int(round(step)), 0))
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class ExplainScreen(ModalScreen["tuple[int, int] | None"]):
+    """The selected request's missed prefix tokens by cause (an ``ExplainPanel``); ``j``
+    closes it at the eviction that cost the request most: ``(step, evicting request)``,
+    where the dashboard goes."""
+
+    BINDINGS = [
+        Binding("j", "jump", "Go to the eviction"),
+        Binding("escape,q,e", "close", "Close"),
+    ]
+
+    def __init__(self, rid: int, side: int = 0) -> None:
+        super().__init__()
+        self.rid = rid
+        self.side = side
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="explain-body") as v:
+            v.border_title = f"why request {self.rid} missed"
+            v.border_subtitle = "j: go to the eviction · esc: close"
+            yield ExplainPanel(id="explain-panel")
+
+    def show(self, explanation: RequestExplanation) -> None:
+        """Show the replay's answer."""
+        self.query_one(ExplainPanel).show(explanation)
+
+    def action_jump(self) -> None:
+        target = self.query_one(ExplainPanel).jump_target
+        if target is None:
+            self.notify("nothing this request missed was evicted", timeout=3)
+            return
+        self.dismiss(target)
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -25,6 +25,7 @@ JOBS = [
     c.SideJob(trace="t", spec="builtin", label="builtin"),
     c.DashboardJob(play=True, side=SIDE, checkpoint_every=20, first_pass_seconds=2.5, log="/tmp/run.log"),
     c.DashboardJob(play=False, state_log="/tmp/run.log", label="run.log"),
+    c.DashboardJob(play=False, side=SIDE, explain=True),
 ]
 
 MESSAGES = [
@@ -45,7 +46,10 @@ MESSAGES = [
     c.History(7, np.arange(3), np.array([16, 32, 48]), np.array([10, 20, 30]), [(1, "finish", 7, 48, "")], False),
     c.ReplayError("internal error: boom"),
     c.InputWarning("the last 3 steps were cut"),
+    c.Explained(2, 9, {"cold": 1, "evicted": 8}, [(3, "admission", 1, 1, 8)]),
+    c.Explained(5, note="explain is off"),
     c.Command("play"),
+    c.Command("explain", 2),
     c.Command("seek", 120),
     c.Command("step", -1),
     c.Command("select", None),

@@ -17,10 +17,18 @@ from traces.writer import TraceWriter
 PS = 4  # page size of the hand-built traces
 
 
-def _trace(path: Path, steps: list[list[tuple[Any, ...]]], *, pool_tokens: int = 256) -> Path:
-    """A trace from steps of rows ``(op, rid, seq_len, append_len, token_ids, prompt_len)``."""
+def _trace(path: Path, steps: list[list[tuple[Any, ...]]], *, pool_tokens: int = 256,
+           namespaces: dict[int, str] | None = None) -> Path:
+    """A trace from steps of rows ``(op, rid, seq_len, append_len, token_ids, prompt_len)``
+    (``namespaces``: request id -> its cache namespace)."""
     meta = synth_meta(page_size=PS, pool_tokens=pool_tokens, max_running=8, max_context_len=4096, block_size=None,
                       chunk_size=None, spec=None, pd_decode=False, workload="explain-test")
+    if namespaces is not None:
+        from dataclasses import replace
+
+        from traces.namespaces import NamespaceTable
+
+        meta = replace(meta, namespaces=NamespaceTable.of(namespaces))
     with TraceWriter(path, meta) as writer:
         for step, rows in enumerate(steps):
             writer.write_step(
@@ -187,3 +195,62 @@ def test_observer_api_replaces_the_wrappers(tmp_path: Path) -> None:
     assert [c[0] for c in seen.calls] == ["extend", "decode", "finish", "extend"]
     assert seen.calls[-1] == ("extend", 3, [1])
     assert seen.admitted_tokens == stats.admitted_tokens
+
+
+def _evicting_steps() -> list[list[tuple[Any, ...]]]:
+    # as test_evicted_names_the_step_trigger_and_request: rid 1's admission at step 3
+    # evicts P, which rid 2 misses at step 5.
+    p = list(range(200, 208))
+    return [
+        [_prefill(0, p)], [("decode", 0, 9, 1)], [("finish", 0, 9, 0)],
+        [_prefill(1, list(range(300, 328)))], [("finish", 1, 28, 0)],
+        [_prefill(2, [*p, 5])],
+    ]
+
+
+def test_steps_replayed_again_count_once_and_a_restart_keeps_listening(tmp_path: Path) -> None:
+    # A dashboard seeks back: without checkpoints the session starts again with a fresh
+    # allocator (a new radix tree). Steps replayed again are not counted twice; the steps
+    # past the highest seen are, evictions on the new tree included.
+    from kvtrace.explain.attribution import Attribution
+
+    path = _trace(tmp_path / "t.kvtrace", _evicting_steps(), pool_tokens=32)
+    with ReplaySession(path, checker="inline", track_state=True, checkpoint_every=None) as session:
+        attribution = Attribution.attach(session, keep_request_evictions=True)
+        session.seek(2)
+        session.seek(0)  # a fresh allocator
+        session.seek(5)
+        session.seek(1)
+        session.seek(5)
+        stats = session.result().stats
+    assert attribution.admissions == 3
+    assert attribution.per_request[2] == {**dict.fromkeys(attribution.causes, 0), "cold": 1, "evicted": 8}
+    assert [(r.step, r.trigger, r.rid, n) for r, n in attribution.evictions_of(2)] == [(3, "admission", 1, 8)]
+    assert sum(attribution.causes.values()) == stats.admitted_tokens - stats.reused_tokens == 8 + 28 + 9
+
+
+def test_namespace_cause_on_the_namespaced_trace(tmp_path: Path) -> None:
+    # tests/namespaced.py: one 64-token prompt, requests 0 (lora-a), 1 (lora-b), 2
+    # (lora-a), 3 (none), 4 (lora-b); pages of 16, so a hit is at most 48 (the match cap
+    # 63, page aligned). 0 is cold (64). 1 and 3 find it only in another namespace: 48
+    # namespace, 16 floor each. 2 and 4 hit 48 in their own: 16 floor each.
+    from tests.namespaced import write_namespaced_trace
+
+    report = _explain(write_namespaced_trace(tmp_path / "ns.kvtrace"))
+    assert report["reused_tokens"] == 2 * 48
+    assert _nonzero(report) == {"cold": 64, "namespace": 2 * 48, "floor": 4 * 16}
+    # no cache shares KV across namespaces, an infinite one or the page model's either
+    assert report["hit_rates"]["infinite"] == report["hit_rates"]["lru"] == 0.3
+    assert report["hit_rates"]["model"]["infinite"] == 0.3
+
+
+def test_evictions_and_namespaces_are_told_apart(tmp_path: Path) -> None:
+    # The eviction of _evicting_steps in namespace "a" (rid 2 misses P: 8 evicted, 1
+    # cold), then rid 3 in "b" with rid 2's tokens: computed in "a" only, 8 namespace
+    # (two pages, up to the match cap) and 1 floor, though they are cached.
+    p = list(range(200, 208))
+    steps = [*_evicting_steps(), [("finish", 2, 9, 0)], [_prefill(3, [*p, 5])]]
+    report = _explain(_trace(tmp_path / "t.kvtrace", steps, pool_tokens=32,
+                             namespaces={0: "a", 1: "a", 2: "a", 3: "b"}))
+    assert report["reused_tokens"] == 0
+    assert _nonzero(report) == {"cold": 8 + 28 + 1, "evicted": 8, "namespace": 8, "floor": 1}

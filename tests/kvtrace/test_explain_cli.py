@@ -53,9 +53,11 @@ def test_replay_explain_adds_the_report_under_a_key() -> None:
     assert text.exit_code == 0 and "missed tokens by cause" in text.stdout
 
 
-def test_replay_explain_refuses_the_dashboard() -> None:
+def test_replay_explain_goes_with_the_dashboard() -> None:
+    # --explain --tui is the dashboard with explain on (its e key): refused here only for
+    # want of a terminal, no longer for --explain.
     result = runner.invoke(app, ["replay", "sample:tiny", "--explain", "--tui"])
-    assert result.exit_code == 2 and "--explain" in result.stderr
+    assert result.exit_code == 2 and "--explain" not in result.stderr and "terminal" in result.stderr
 
 
 def test_explain_and_kv_events_share_the_radix_cache_listener(tmp_path: Path) -> None:
@@ -97,3 +99,42 @@ def test_swa_evictions_name_their_evictor(tmp_path: Path) -> None:
     assert sum(t["missed_tokens"] for t in out["by_trigger"].values()) == out["causes"]["evicted"]
     assert sum(t["evicted_tokens"] for t in out["by_trigger"].values()) == out["replay"]["evicted_tokens"]
     assert all(e["rid"] >= 0 for e in out["top_evictors"])
+
+
+def test_replay_explain_out_writes_each_steps_missed_tokens_by_cause(tmp_path: Path) -> None:
+    # The hand-built eviction: rid 0's 8 cold at step 0, rid 1's 28 at step 3, and rid 2's
+    # at step 5: 1 cold, 8 evicted (by step 3's admission).
+    import pyarrow.ipc as ipc
+
+    from kvtrace.explain.attribution import CAUSES, STEP_COLUMNS
+    from kvtrace.statelog.session import StateLogSession
+    from tests.kvtrace.test_explain import _evicting_steps, _trace
+
+    trace = _trace(tmp_path / "t.kvtrace", _evicting_steps(), pool_tokens=32)
+    log = tmp_path / "run.log"
+    result = runner.invoke(app, ["replay", str(trace), "--explain", "--out", str(log), "--json"])
+    assert result.exit_code == 0, result.output
+    causes = json.loads(result.stdout)["explain"]["causes"]
+    table = ipc.open_file(log).read_all()
+    assert tuple(table.schema.names[-len(STEP_COLUMNS):]) == STEP_COLUMNS
+    rows = {step: {c: table.column(f"explain_{c}")[i].as_py() for c in CAUSES if table.column(f"explain_{c}")[i].as_py()}
+            for i, step in enumerate(table.column("step").to_pylist())}
+    assert rows == {0: {"cold": 8}, 1: {}, 2: {}, 3: {"cold": 28}, 4: {}, 5: {"cold": 1, "evicted": 8}}
+    assert {c: sum(table.column(f"explain_{c}").to_pylist()) for c in CAUSES} == causes
+    info = json.loads(runner.invoke(app, ["info", str(log), "--json"]).stdout)
+    assert info["explain"] == causes
+    assert "missed tokens" in runner.invoke(app, ["info", str(log)]).stdout
+    with StateLogSession(log) as saved:  # the dashboard's reader (kvtrace view) reads it
+        assert (saved.first_step, saved.last_step) == (0, 5)
+        assert saved.seek(5).step == 5
+
+
+def test_a_log_without_explain_has_the_plain_schema(tmp_path: Path) -> None:
+    import pyarrow.ipc as ipc
+
+    from kvtrace.statelog.log import state_log_schema
+
+    log = tmp_path / "run.log"
+    assert runner.invoke(app, ["replay", "sample:tiny", "--out", str(log)]).exit_code == 0
+    assert ipc.open_file(log).schema.equals(state_log_schema())
+    assert "explain" not in json.loads(runner.invoke(app, ["info", str(log), "--json"]).stdout)

@@ -80,3 +80,39 @@ def test_eviction_ids_survive_marks_and_splits() -> None:
         a = int(rng.integers(0, 200))
         b = int(rng.integers(a + 1, 201))
         assert shadow.recs(base.tobytes(), a, b).tolist() == dense[a:b].tolist()
+
+
+def test_token_ids_take_four_bytes_a_unit() -> None:
+    # Token ids fit an int32: the shadow stores them narrow (a page of units at page size
+    # 1 is one token id, and the shadow holds every token computed).
+    seqs = [np.random.default_rng(i).integers(0, 1 << 31, 20_000).astype(np.int64) for i in range(20)]
+    tracemalloc.start()
+    shadow = Shadow(1)
+    for s in seqs:
+        shadow.insert(s)
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert shadow.unit_bytes == 4
+    assert used < 4.5 * sum(s.shape[0] for s in seqs)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_wide_unit_widens_the_tree_and_every_length_stays_exact(page_size: int) -> None:
+    # Narrow sequences first (reads of wide keys match up to their first wide unit), then
+    # one wide unit: the tree converts itself; seen lengths and eviction ids stay exact.
+    rng = np.random.default_rng(7)
+    shadow = Shadow(page_size)
+    base = rng.integers(0, 50, 48).astype(np.int64)
+    seqs = [np.concatenate([base[: 4 * k], rng.integers(0, 50, 9)]).astype(np.int64) for k in range(12)]
+    for s in seqs[:6]:
+        shadow.insert(s)
+    shadow.mark(base.tobytes(), 1, 2, 5)
+    wide = np.concatenate([base[:20], [1 << 40], base[21:30]]).astype(np.int64)
+    assert shadow.seen_len(wide.tobytes()) == max(_lcp(wide, s) for s in seqs[:6])
+    assert shadow.unit_bytes == 4
+    for s in [*seqs[6:], wide]:
+        shadow.insert(s)
+    assert shadow.unit_bytes == 8
+    for q in [*seqs, wide, base]:
+        assert shadow.seen_len(q.tobytes()) == max(_lcp(q, s) for s in [*seqs, wide])
+    assert shadow.recs(base.tobytes(), 0, 3).tolist() == [0, 5, 0]

@@ -22,13 +22,14 @@ What it sends (``link.ReplayerEnd``), in order:
   ``highlight``, ``positional``; or a ``note`` saying why there is none),
   ``Cell`` (a clicked cell: ``step``, ``tokens``, ``detail``),
   ``History`` (a request's lengths step by step and its events),
+  ``Explained`` (a request's missed prefix tokens by cause, with explain on),
   ``ReplayError`` (an error inside the replay: the replayer pauses),
   ``InputWarning`` (once the replay is done: what it left out of a damaged input).
 
 Commands (``contracts.Command``): play, pause, toggle, step N (N < 0: back), seek STEP,
 speed DELTA (an index into ``SPEEDS``), cells N (the page map's size), pool P (the page
 map's pool: an index into ``POOL_NAMES``), select RID|None, cell INDEX, history RID,
-refresh, quit.
+explain RID, refresh, quit.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ import numpy as np
 
 from kvtrace.errors import USER_ERRORS
 from kvtrace.proc.contracts import (
-    Busy, Cell, CellDetail, Cells, Command, DashboardJob, History, Info, InputWarning, Position, ReplayError, SideJob,
-    Status,
+    Busy, Cell, CellDetail, Cells, Command, DashboardJob, Explained, History, Info, InputWarning, Position, ReplayError,
+    SideJob, Status,
 )
 from kvtrace.replay.snapshot import SnapshotBlock
 
@@ -330,6 +331,8 @@ class Replayer:
         elif name == "history":
             self._flush()
             self.end.send(self._history_message(int(arg or 0)))
+        elif name == "explain":
+            self.end.send(self._explain_message(int(arg or 0)))
         elif name != "refresh":
             raise ValueError(f"unknown dashboard command {name!r}")
         self._anchor_now()
@@ -445,6 +448,18 @@ class Replayer:
                                 [(int(r), int(n)) for r, n in d.last_users])
         return Cell(step, tokens, detail)
 
+    # ------------------------------------------------------------------ explain
+    def _explain_message(self, rid: int) -> Explained:
+        """Request ``rid``'s missed tokens by cause over its admissions replayed so far."""
+        attribution = getattr(self.source, "explain", None)
+        if attribution is None:
+            return Explained(rid, note="explain is off: start the dashboard with kvtrace replay TRACE --tui --explain")
+        causes = attribution.per_request.get(rid)
+        if causes is None:
+            return Explained(rid, note=f"request {rid} has not been admitted in the steps replayed so far")
+        evictions = [(r.step, r.trigger, r.rid, r.batch_size, n) for r, n in attribution.evictions_of(rid)]
+        return Explained(rid, sum(causes.values()), dict(causes), evictions)
+
     # ------------------------------------------------------------------ request history
     def _history_message(self, rid: int) -> History:
         """Replay the request's life (seeking back through checkpoints), then come back."""
@@ -501,13 +516,15 @@ def dashboard_job(
     first_pass_every: int | None = None,
     first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
+    explain: bool = False,
 ) -> DashboardJob:
     """The job of a live dashboard's replay process (``kvtrace.tui.remote.process``): a diff side's job
     (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
     settings; ``log``: a state log to write every step replayed for the first time to;
     ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
     (``ReplaySession``; a dashboard's by default; ``first_pass_every``, when given, replaces
-    the seconds)."""
+    the seconds); ``explain``: attribute every admission's missed tokens (the ``explain``
+    command; ``kvtrace.explain``)."""
     from kvtrace.diff.sides import side_job
 
     side = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
@@ -515,7 +532,7 @@ def dashboard_job(
     if first_pass_every is not None:
         first_pass_seconds = None
     return DashboardJob(play=play, side=side, checkpoint_every=checkpoint_every, first_pass_every=first_pass_every,
-                        first_pass_seconds=first_pass_seconds, log=log)
+                        first_pass_seconds=first_pass_seconds, log=log, explain=explain)
 
 
 def log_job(path: str, *, label: str | None = None, play: bool = False) -> DashboardJob:
@@ -569,4 +586,10 @@ def live_source(job: DashboardJob) -> ReplaySource:
         except BaseException:
             session.close()
             raise
-    return LiveSource(session, log)
+    try:
+        return LiveSource(session, log, explain=job.explain)
+    except BaseException:
+        if log is not None:
+            log.close()
+        session.close()
+        raise

@@ -16,6 +16,7 @@ from kvtrace.tui.remote.pagemap import PageCells, composition_cells, page_map
 
 if TYPE_CHECKING:
     from allocator.ownership import SlotOwnership
+    from kvtrace.explain.attribution import Attribution
     from kvtrace.statelog.session import StateLogSession
     from kvtrace.replay.session import ReplaySession
     from kvtrace.replay.snapshot import SnapshotBlock, StepSnapshot
@@ -38,6 +39,7 @@ class SourceInfo:
     live: bool  # an allocator runs (False: a saved state log)
     page_size: int = 1
     cache: str = ""  # the radix cache where it is not the default: 'slru · 3 namespaces' (``cache_line``)
+    explain: bool = False  # the replay explains its misses (``LiveSource.explain``)
 
 
 class ReplaySource(Protocol):
@@ -125,10 +127,21 @@ def trace_step_range(path: str | Path) -> tuple[int, int] | None:
 class LiveSource:
     """A ``ReplaySession`` (built with ``track_state=True``) as a dashboard source."""
 
-    def __init__(self, session: ReplaySession, log: StateLogWriter | None = None) -> None:
+    def __init__(self, session: ReplaySession, log: StateLogWriter | None = None, *, explain: bool = False) -> None:
+        """``explain``: attribute every admission's missed tokens (``self.explain``, an
+        ``Attribution`` watching the session; ``kvtrace replay --tui --explain``).
+
+        Raises:
+            ConfigError: ``explain`` with an allocator without a radix cache.
+        """
         assert session.state is not None, "the dashboard needs ReplaySession(track_state=True)"
         self.session = session
         self.log = log  # steps replayed for the first time are written here
+        self.explain: Attribution | None = None
+        if explain:
+            from kvtrace.explain.attribution import Attribution
+
+            self.explain = Attribution.attach(session, keep_request_evictions=True)
         self._logged: int | None = None
         cfg = session.config
         src = session.meta.source
@@ -149,6 +162,7 @@ class LiveSource:
             last_step=last,
             live=True,
             page_size=cfg.page_size,
+            explain=explain,
         )
 
     @property

@@ -22,7 +22,7 @@ __all__ = ["HINT_ORDER", "Hint", "KeyBar", "fit_hints"]
 
 # Actions by how much a user needs the hint, most first; an action not listed comes after
 # these. ``help`` and ``quit`` are never dropped.
-HINT_ORDER = ("help", "quit", "toggle_play", "step(1)", "step(-1)", "goto", "divergence(0)", "filter",
+HINT_ORDER = ("help", "quit", "toggle_play", "step(1)", "step(-1)", "goto", "explain", "divergence(0)", "filter",
               "next_event(1)", "mute_alerts", "peak", "speed(1)", "speed(-1)")
 _KEPT = ("help", "quit")
 
