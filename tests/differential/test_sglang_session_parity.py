@@ -1,6 +1,6 @@
 """Streaming sessions: ``kvtrace diff --a sglang --b builtin --exact`` identical on
-``sample:mooncake-sessions`` and on session traces recorded from the Mooncake
-conversation workload at pages 1 and 16: SGLang's own ``StreamingSession`` (in its
+``sample:mooncake-sessions``, on session traces recorded from the Mooncake
+conversation workload and on a small trace of every session path, at pages 1 and 16: SGLang's own ``StreamingSession`` (in its
 ``UnifiedRadixCache``) holds, resumes and closes the sessions, and every step's counters
 (``session_held`` included, running turns counted as SGLang counts them), request
 lengths and physical slots match the built-in allocator's.
@@ -53,3 +53,50 @@ def test_a_recorded_conversation_with_sessions_identical_to_sglang_exactly(page_
     ops = trace_info(TraceReader(trace))["ops"]
     assert ops["hold"] > 10 and ops["close"] > 5  # sessions resumed and closed, under eviction
     _diff(python, str(trace))
+
+
+def write_session_trace(path: Path, page_size: int) -> Path:
+    """Two conversations and a plain request over one shared system prompt: holds (one
+    stopped early, so the tail past it goes back), resumed turns that decode, an abort of
+    a resumed turn (its session's KV released), a close; the plain request matches the
+    prompt the first turns published."""
+    import numpy as np
+
+    from kvtrace.record.recorder import Recorder
+    from tests.helpers import make_meta
+
+    system = np.arange(1000, 1032, dtype=np.int64)
+
+    def prompt(first: int, n: int) -> np.ndarray:
+        return np.concatenate([system, np.arange(first, first + n, dtype=np.int64)])
+
+    steps: list[list[tuple[str, tuple, dict]]] = [
+        [("extend", ([1, 2], [40, 37]), {"prompt_lens": [40, 37], "token_ids": [prompt(2000, 8), prompt(3000, 5)]})],
+        [("decode", ([1, 2],), {})],
+        [("decode", ([1, 2],), {})],
+        [("hold", ([1, 2],), {"held_lens": [42, 38]})],
+        [("extend", ([1, 3], [70, 50]), {"prompt_lens": [70, 50], "token_ids": [None, prompt(4000, 18)]})],
+        [("decode", ([1, 3],), {})],
+        [("hold", ([1],), {}), ("extend", ([2], [60]), {"prompt_lens": [60]})],
+        [("finish", ([3],), {}), ("decode", ([2],), {})],
+        [("abort", ([2],), {}), ("extend", ([1], [90]), {"prompt_lens": [90]})],
+        [("decode", ([1],), {})],
+        [("hold", ([1],), {})],
+        [("close_session", ([1],), {})],
+    ]
+    meta = make_meta(sessions=True, page_size=page_size, pool_tokens=1024)
+    with Recorder(path, meta, overwrite=True) as rec:
+        for t, ops in enumerate(steps):
+            rec.begin_step(float(t))
+            for op, args, kwargs in ops:
+                getattr(rec, op)(*args, **kwargs)
+            rec.end_step()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_held_resumed_aborted_and_closed_sessions_identical_to_sglang_exactly(page_size: int, tmp_path: Path) -> None:
+    python = harness.require_sglang()
+    trace = write_session_trace(tmp_path / f"turns-{page_size}.kvtrace", page_size)
+    assert "identical over 12 steps" in _diff(python, str(trace))
