@@ -227,10 +227,13 @@ class AllocatorServer:
         missing = [r for r, kv in zip(rids, kvs) if kv is None]
         if missing:
             raise ValueError(f"release: request rid={missing[0]} holds no KV")
-        if kind == "retract" and (owned_ids := self.eng.session_records()):
+        if kind != "abort" and (owned_ids := self.eng.session_records()):
             for r, kv in zip(rids, kvs):
-                if id(kv) in owned_ids:  # SGLang keeps it in the slot, kvtrace releases it
-                    raise sc.ScenarioError(f"retract: request rid={r} is a streaming session's turn (not driven)")
+                if id(kv) in owned_ids:  # SGLang keeps it in the slot, the built-in releases it
+                    raise sc.ScenarioError(
+                        f"{kind}: request rid={r} is a streaming session's turn (hold or abort it; "
+                        f"a {kind} of it is not driven)"
+                    )
         owned = [min(o, int(kv.kv_committed_len)) for o, kv in zip(owned, kvs)]
         overalloc = [
             max(int(kv.kv_allocated_len) - max(int(self.pages.ceil_align(o, self.ps)), int(kv.cache_protected_len)), 0)

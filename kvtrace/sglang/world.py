@@ -18,7 +18,9 @@ deep-copied for the OOM rollback), ``Req`` with ``req.kv``, ``match_kv_cache``,
 ``eagle_prepare_for_decode`` (which computes ``nxt`` and calls
 ``alloc_for_spec_decode``), ``release_kv_cache``, ``release_req`` (retraction),
 ``DecodePreallocQueue._match_prefix_and_lock`` / ``_pre_alloc`` (which calls
-``alloc_for_decode_prealloc``), the allocators' free groups.
+``alloc_for_decode_prealloc``), the allocators' free groups, and for a session trace
+``StreamingSession`` (``take``, ``try_cache_finished_req``, ``try_match_prefix``,
+``release_session``).
 
 Emulation decisions (each mirrors the SGLang function named; the scheduler
 itself is not run because a trace already fixes which requests run when):

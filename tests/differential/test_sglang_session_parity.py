@@ -100,3 +100,25 @@ def test_held_resumed_aborted_and_closed_sessions_identical_to_sglang_exactly(pa
     python = harness.require_sglang()
     trace = write_session_trace(tmp_path / f"turns-{page_size}.kvtrace", page_size)
     assert "identical over 12 steps" in _diff(python, str(trace))
+
+
+@pytest.mark.slow
+def test_a_finished_session_turn_is_refused_with_one_line(tmp_path: Path) -> None:
+    """SGLang keeps a finished later turn's record in its session slot, the built-in
+    allocator releases it: the sglang side refuses the op rather than diverge."""
+    from kvtrace.record.recorder import Recorder
+    from tests.helpers import make_meta
+
+    python = harness.require_sglang()
+    trace = tmp_path / "finish.kvtrace"
+    with Recorder(trace, make_meta(sessions=True, page_size=1, pool_tokens=1024), overwrite=True) as rec:
+        for t, (op, args, kwargs) in enumerate([
+            ("extend", ([1], [10]), {"prompt_lens": [10]}), ("hold", ([1],), {}),
+            ("extend", ([1], [20]), {"prompt_lens": [20]}), ("finish", ([1],), {}),
+        ]):
+            rec.begin_step(float(t))
+            getattr(rec, op)(*args, **kwargs)
+            rec.end_step()
+    res = runner.invoke(app, ["diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact"])
+    assert res.exit_code == 2, res.output
+    assert "finish: request rid=0 is a streaming session's turn" in res.output
