@@ -231,6 +231,9 @@ class KvAllocator:
         self._session_held = np.full(1024, -1, dtype=np.int64)
         self._turned = np.zeros(1024, dtype=bool)
         self.sum_session_held = 0  # sum of committed - protected over held requests
+        # The rids a session owns, from the first hold to the close (or abort): their rows
+        # count as ``session_held`` whether a turn runs on them or not (SGLang's split).
+        self._session_rids: set[int] = set()
         # per live rid: the cache namespace its token ids carried when admitted (what
         # ``allocator.check.namespaces`` holds its radix lock to); absent: none
         self.request_namespaces: dict[int, str] = {}
@@ -957,6 +960,7 @@ class KvAllocator:
                     self.sum_session_held -= int(self._session_held[rid])
                     self._session_held[rid] = -1
                 self._turned[rid] = False
+                self._session_rids.discard(rid)
                 if kind != "retract":
                     self._prompt_len[rid] = -1
                     self.request_namespaces.pop(rid, None)
@@ -1005,6 +1009,7 @@ class KvAllocator:
                 self._session_held[rid] = tokens
                 self.sum_session_held += tokens
                 self._turned[rid] = True
+                self._session_rids.add(rid)
                 self._prefilling[rid] = False
                 self._stashed[rid] = -1
         finally:
@@ -1079,17 +1084,35 @@ class KvAllocator:
             available = self.token_to_kv_pool_allocator.full_available_size()
         else:
             available = self.token_to_kv_pool_allocator.available_size()
+        s_committed, s_overallocated = self._session_parts()
         return PoolCounters(
             pool_tokens=self.pool_tokens,
             available=available,
             evictable=self.tree_cache.evictable_size(),
             protected=self.tree_cache.protected_size(),
-            committed=kv.sum_committed - kv.sum_protected - self.sum_session_held,
-            overallocated=kv.sum_allocated_ceil - kv.sum_committed,
+            committed=kv.sum_committed - kv.sum_protected - s_committed,
+            overallocated=kv.sum_allocated_ceil - kv.sum_committed - s_overallocated,
             running_requests=pool.size - pool.available_size(),
             free_rows=pool.available_size(),
-            session_held=self.sum_session_held,
+            session_held=s_committed + s_overallocated,
         )
+
+    def _session_parts(self) -> tuple[int, int]:
+        """The session-owned rows' ``committed - protected`` and ``ceil_align(allocated)
+        - committed`` sums (O(sessions)). SGLang counts a session's row whole as
+        session-held (``kv_private_tokens``: ``ceil_align(kv_allocated_len, page) -
+        cache_protected_len``) from the session's take to its close, while a turn runs on
+        it too (``pool_stats_observer.session_held_tokens``); the counters move these
+        parts out of ``committed`` and ``overallocated`` into ``session_held``. A trace
+        opens a session at its first ``hold``, so the first turn counts as a request's."""
+        if not self._session_rids:
+            return 0, 0
+        kv = self.req_kv
+        rows = self._row_of_rid[np.fromiter(self._session_rids, dtype=np.int64)]
+        committed = kv.kv_committed_len[rows]
+        ps = self.page_size
+        ceil = -(-kv.kv_allocated_len[rows] // ps) * ps
+        return int((committed - kv.cache_protected_len[rows]).sum()), int((ceil - committed).sum())
 
     def pool_counters(self) -> dict[str, PoolCounters]:
         """Token counts of each KV pool now: ``{"full": counters()}``, and with a
@@ -1248,8 +1271,8 @@ class KvAllocator:
             self._checker = IncrementalChecker(self)
         else:
             found = self._checker.check(_i64(touched))
-            if self.sum_session_held or self._turned.any():
-                check_session_held(found, self)  # O(held sessions)
+            if self._session_rids:
+                check_session_held(found, self)  # O(sessions)
         if self._namespaced:
             from allocator.check.namespaces import check_namespaces
 

@@ -281,11 +281,15 @@ def _check_rows(out, allocator, rows, rids) -> None:
 
 
 def check_session_held(out: list[Violation], allocator: KvAllocator) -> None:
-    """Streaming sessions (``session_held``): each held request still holds its row and
-    its session's count is its ``kv_committed_len - cache_protected_len``; the kept sum
-    equals their total; and the counters conserve the pool:
+    """Streaming sessions (``session_held``): each request held between turns still
+    holds its row and its session's count is its ``kv_committed_len -
+    cache_protected_len``; the kept sum equals their total; the ``session_held`` counter
+    is, over every row a session owns (from its first hold to its close, while a turn runs
+    on it too: SGLang's ``kv_private_tokens``), ``ceil_align(kv_allocated_len, page) -
+    cache_protected_len``; and the counters conserve the pool:
     ``available + evictable + protected + committed + overallocated + session_held ==
-    pool tokens`` (``committed`` then excludes the held KV: counted twice, it breaks)."""
+    pool tokens`` (``committed`` and ``overallocated`` then exclude the session rows:
+    counted twice, it breaks)."""
     held_of = getattr(allocator, "_session_held", None)
     if held_of is None:
         return
@@ -311,6 +315,18 @@ def check_session_held(out: list[Violation], allocator: KvAllocator) -> None:
                              int(held_rids[0]) if held_rids.size == 1 else None,
                              {"kept": kept, "recomputed": total}))
     c = allocator.counters_now()
+    turned = getattr(allocator, "_turned", None)
+    if turned is not None:
+        ps = allocator.page_size
+        owned = 0
+        for rid in np.flatnonzero(turned).tolist():
+            row = int(allocator.rows_by_rid()[rid])
+            if row >= 0 and int(kv.rid[row]) == rid:
+                allocated = int(kv.kv_allocated_len[row])
+                owned += -(-allocated // ps) * ps - int(kv.cache_protected_len[row])
+        if owned != c.session_held:
+            out.append(Violation("session_held", f"session_held counted as {c.session_held}, its session "
+                                 f"rows hold {owned}", None, {"counted": c.session_held, "rows": owned}))
     parts = c.available + c.evictable + c.protected + c.committed + c.overallocated + c.session_held
     if allocator.config.swa is None and not allocator.config.hisparse and parts != c.pool_tokens:
         out.append(Violation(

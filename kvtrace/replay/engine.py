@@ -240,6 +240,8 @@ class ReplayEngine:
         self.rid_bound = rid_bound  # request ids below this (the trace's TraceReader.rid_bound)
         self.meta = meta
         self.allocator = allocator
+        if meta.config.sessions and callable(getattr(allocator, "enable_sessions", None)):
+            allocator.enable_sessions()  # type: ignore[attr-defined]  # SGLang: sessions need its unified tree
         self.options = options or ReplayOptions()
         self.stats = ReplayStats()
         self.stopped_early = False

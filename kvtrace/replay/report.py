@@ -90,8 +90,8 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
 
 def _sessions_summary(result: ReplayResult) -> dict[str, Any]:
     """``{"session_held": ...}`` for a trace with streaming sessions: the turns whose KV
-    their session kept, the sessions closed, and the most KV held between turns at a
-    step's end; empty otherwise, so that such a summary is what it was before sessions."""
+    their session kept, the sessions closed, and the most KV sessions held at a step's end
+    (SGLang's count: a later turn's row while it runs too); empty otherwise, so that such a summary is what it was before sessions."""
     if not result.sessions:
         return {}
     stats = result.stats
@@ -189,7 +189,7 @@ def render_replay_summary(
         table.add_row(
             "sessions",
             f"{sh['holds']:,} turns held, {sh['closes']:,} closed; at most "
-            f"{count(sh['peak_tokens'], 'token')} held between turns",
+            f"{count(sh['peak_tokens'], 'token')} held by sessions",
         )
     oom = s["oom"]
     if oom is None:

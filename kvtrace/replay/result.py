@@ -91,7 +91,7 @@ class ReplayStats:
     finishes: int = 0
     session_holds: int = 0  # streaming sessions: turns whose KV their session kept
     session_closes: int = 0
-    peak_session_held: int = 0  # the most KV sessions held between turns at a step's end
+    peak_session_held: int = 0  # the most KV sessions held (SGLang's split) at a step's end
     oom: OomRecord | None = None
     num_ooms: int = 0
     ooms_by_pool: dict[str, int] = field(default_factory=dict)  # out-of-memories by the pool that ran short

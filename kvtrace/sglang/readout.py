@@ -44,19 +44,27 @@ def allocator_module(name: str) -> ModuleType:
 
 
 def pool_counters(eng: world.SGLangEngine) -> tuple[int, ...]:
-    """The fields of kvtrace's ``PoolCounters`` (in order) read off an SGLang world."""
+    """The fields of kvtrace's ``PoolCounters`` (in order) read off an SGLang world. A
+    record a streaming session owns (``session_records``, a running turn's too) counts
+    whole as ``session_held``, ``ceil_align(kv_allocated_len) - cache_protected_len``
+    (SGLang's ``pool_stats_observer.session_held_tokens``), the others as committed and
+    overallocated."""
     pages = allocator_module("pages")
-    committed = overallocated = 0
-    for req in eng.reqs.values():
-        kv = req.kv
-        if kv.holds_kv:
+    committed = overallocated = session_held = 0
+    owned = eng.session_records()
+    for _rid, kv in eng.live_kvs():
+        ceil = int(pages.ceil_align(int(kv.kv_allocated_len), eng.ps))
+        if id(kv) in owned:
+            session_held += ceil - int(kv.cache_protected_len)
+        else:
             committed += int(kv.kv_committed_len) - int(kv.cache_protected_len)
-            overallocated += int(pages.ceil_align(int(kv.kv_allocated_len), eng.ps)) - int(kv.kv_committed_len)
+            overallocated += ceil - int(kv.kv_committed_len)
     free_rows = int(eng.pool.available_size())
     full = token_allocators(eng)[0]  # a hybrid SWA model's counters are its full pool's
     return (
         int(full.size), int(full.available_size()), int(eng.tree.evictable_size()),
         int(eng.tree.protected_size()), committed, overallocated, int(eng.pool.size) - free_rows, free_rows,
+        session_held,
     )
 
 
@@ -173,14 +181,12 @@ def _digest_columns(eng: world.SGLangEngine, rid_of: Any = None) -> tuple[np.nda
     num_rows = int(eng.pool.req_to_token.shape[0])
     columns = tuple(np.zeros(num_rows, np.int64) for _ in range(4))
     columns[0][:] = -1
-    for rid, req in eng.reqs.items():
-        kv = req.kv
-        if kv.holds_kv:
-            row = kv.req_pool_idx
-            columns[0][row] = rid if rid_of is None else rid_of(rid)
-            columns[1][row] = kv.kv_allocated_len
-            columns[2][row] = kv.kv_committed_len
-            columns[3][row] = kv.cache_protected_len
+    for rid, kv in eng.live_kvs():  # a session's record between turns is its rid's
+        row = kv.req_pool_idx
+        columns[0][row] = rid if rid_of is None else rid_of(rid)
+        columns[1][row] = kv.kv_allocated_len
+        columns[2][row] = kv.kv_committed_len
+        columns[3][row] = kv.cache_protected_len
     return columns
 
 

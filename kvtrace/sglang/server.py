@@ -116,8 +116,7 @@ class AllocatorServer:
 
     # ------------------------------------------------------------------ helpers
     def _req_kv(self, rid: int) -> Any | None:
-        req = self.eng.reqs.get(rid)
-        return req.kv if req is not None and req.kv.holds_kv else None
+        return self.eng.kv_of(rid)
 
     def _held(self, rid: int) -> int:
         kv = self._req_kv(rid)
@@ -228,6 +227,13 @@ class AllocatorServer:
         missing = [r for r, kv in zip(rids, kvs) if kv is None]
         if missing:
             raise ValueError(f"release: request rid={missing[0]} holds no KV")
+        if kind != "abort" and (owned_ids := self.eng.session_records()):
+            for r, kv in zip(rids, kvs):
+                if id(kv) in owned_ids:  # SGLang keeps it in the slot, the built-in releases it
+                    raise sc.ScenarioError(
+                        f"{kind}: request rid={r} is a streaming session's turn (hold or abort it; "
+                        f"a {kind} of it is not driven)"
+                    )
         owned = [min(o, int(kv.kv_committed_len)) for o, kv in zip(owned, kvs)]
         overalloc = [
             max(int(kv.kv_allocated_len) - max(int(self.pages.ceil_align(o, self.ps)), int(kv.cache_protected_len)), 0)
@@ -261,6 +267,62 @@ class AllocatorServer:
         freed = int(self.eng.alloc.available_size()) - available - evicted
         cached = max(int(self.eng.tree.evictable_size()) + int(self.eng.tree.protected_size()) - sizes + evicted, 0)
         return (freed, cached, wire.pack_ints(overalloc), evicted)
+
+    def enable_sessions(self) -> None:
+        """Rebuild this (fresh) world for streaming sessions (world decision 15: the
+        unified tree, which owns SGLang's session slots).
+
+        Raises:
+            sc.ScenarioError: the world already ran a step, or its pools are not full
+                attention only (the built-in allocator models sessions there only).
+        """
+        if self.eng.reqs or self.digest is not None or int(self.eng.tree.evictable_size()):
+            raise sc.ScenarioError("streaming sessions are switched on before the first step")
+        if self.config.swa is not None or self.config.mamba is not None:
+            raise sc.ScenarioError("streaming sessions are driven for full-attention pools only")
+        self.eng.close()
+        self.eng = world.SGLangEngine(self.config, sessions=True)
+
+    def hold(self, rids_b: bytes, held_b: bytes) -> tuple:
+        """Each turn ends; its session keeps the KV of its first ``held`` tokens
+        (clipped to ``kv_committed_len``, at least the tree's prefix), as the built-in
+        allocator's ``hold``. Returns ``ReleaseResult``'s fields."""
+        rids = _ints(rids_b).tolist()
+        kvs = [self._req_kv(r) for r in rids]
+        for r, kv in zip(rids, kvs):
+            if kv is None:
+                raise ValueError(f"hold: request rid={r} holds no KV")
+            if self.eng.session_kv(r) is kv and self.eng.reqs[r].kv is not kv:
+                raise ValueError(f"hold: request rid={r} is already held by its session")
+        held = [max(min(h, int(kv.kv_committed_len)), int(kv.cache_protected_len))
+                for h, kv in zip(_ints(held_b).tolist(), kvs)]
+        overalloc = [max(int(kv.kv_allocated_len) - int(self.pages.ceil_align(h, self.ps)), 0)
+                     for h, kv in zip(held, kvs)]
+        toks = [self._tokens_of(r) for r in rids]
+        plens = [self.prompt.get(r, h) for r, h in zip(rids, held)]
+        available = int(self.eng.alloc.available_size())
+        self.eng.hold(rids, held, toks, plens)
+        for r in rids:  # the next turn's prefill sets its own prompt
+            self.prompt.pop(r, None)
+            self.prefilling.discard(r)
+        self._rewritten(rids)
+        freed = int(self.eng.alloc.available_size()) - available
+        return (freed, 0, wire.pack_ints(overalloc), 0)
+
+    def close_session(self, rids_b: bytes) -> tuple:
+        """Release the KV each request's session holds; the request ends. Returns
+        ``ReleaseResult``'s fields."""
+        rids = _ints(rids_b).tolist()
+        for r in rids:
+            req = self.eng.reqs.get(r)
+            if self.eng.session_kv(r) is None or (req is not None and req.kv.holds_kv):
+                raise ValueError(f"close: request rid={r} is not held by a session")
+        available = int(self.eng.alloc.available_size())
+        self.eng.close_session(rids)
+        for r in rids:
+            self.prompt.pop(r, None)
+        freed = int(self.eng.alloc.available_size()) - available
+        return (freed, 0, wire.pack_ints([0] * len(rids)), 0)
 
     def _tokens_of(self, rid: int) -> np.ndarray:
         req = self.eng.reqs[rid]
@@ -344,11 +406,12 @@ class AllocatorServer:
         prompt publish stays queued (a check must not reorder the step)."""
         out: list[dict[str, Any]] = []
         counters = pool_counters(self.eng)
-        pool_tokens, rest = counters[0], sum(counters[1:6])
+        pool_tokens, rest = counters[0], sum(counters[1:6]) + counters[8]
         if rest != pool_tokens:
             out.append({"check": "conservation", "rid": None, "detail": (
                 f"available {counters[1]} + evictable {counters[2]} + protected {counters[3]} + committed "
-                f"{counters[4]} + overallocated {counters[5]} = {rest}, not the pool's {pool_tokens}")})
+                f"{counters[4]} + overallocated {counters[5]} + session_held {counters[8]} = {rest}, "
+                f"not the pool's {pool_tokens}")})
         ps = self.ps
         parts = [free_ids(self.eng), side_ids(self.eng)]
         holders = ["free"] * parts[0].shape[0] + ["free (release list)"] * parts[1].shape[0]
@@ -358,10 +421,7 @@ class AllocatorServer:
             parts.append(np.asarray(ids, np.int64))
             holders += ["the radix tree"] * len(ids)
         table = self.eng.pool.req_to_token
-        for rid, req in self.eng.reqs.items():
-            kv = req.kv
-            if not kv.holds_kv:
-                continue
+        for rid, kv in self.eng.live_kvs():
             lo, hi = int(kv.cache_protected_len), int(kv.kv_allocated_len)
             slots = table[kv.req_pool_idx, lo:hi].numpy().astype(np.int64)
             ids = slots[::ps] // ps if ps > 1 else slots

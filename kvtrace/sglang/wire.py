@@ -36,7 +36,7 @@ __all__ = [
 METHODS: frozenset[str] = frozenset({
     "init", "extend", "decode", "spec_decode", "prealloc", "release", "end_step", "evict", "match_prefix",
     "counters", "pool_counters", "request_lens", "holds_kv", "row_slots", "check_integrity", "state_digest",
-    "enable_kv_events", "take_kv_events", "set_namespaces",
+    "enable_kv_events", "take_kv_events", "set_namespaces", "enable_sessions", "hold", "close_session",
 })
 _PROTOCOL = 4  # every interpreter the driver supports reads it
 

@@ -18,7 +18,9 @@ deep-copied for the OOM rollback), ``Req`` with ``req.kv``, ``match_kv_cache``,
 ``eagle_prepare_for_decode`` (which computes ``nxt`` and calls
 ``alloc_for_spec_decode``), ``release_kv_cache``, ``release_req`` (retraction),
 ``DecodePreallocQueue._match_prefix_and_lock`` / ``_pre_alloc`` (which calls
-``alloc_for_decode_prealloc``), the allocators' free groups.
+``alloc_for_decode_prealloc``), the allocators' free groups, and for a session trace
+``StreamingSession`` (``take``, ``try_cache_finished_req``, ``try_match_prefix``,
+``release_session``).
 
 Emulation decisions (each mirrors the SGLang function named; the scheduler
 itself is not run because a trace already fixes which requests run when):
@@ -154,6 +156,24 @@ itself is not run because a trace already fixes which requests run when):
    A copy-on-write that finds no slot even after evicting (``Can not alloc mamba cache``,
    an assert) rolls back as an OOM (decision 8); an extend with fewer free Mamba slots
    than new requests is snapshotted first.
+15. Streaming sessions (a trace with ``hold`` / ``close``; ``SGLangEngine(...,
+   sessions=True)``): the unified tree (``UnifiedRadixCache(FULL)``, Python core), which
+   owns SGLang's ``StreamingSession``; the scheduler's ``SessionController`` is not run
+   (it needs the tokenizer's requests): a request's ``req.session`` is a stand-in
+   (``_Session``: ``session_id`` = the rid, ``streaming``, no-op ``finish_req`` /
+   ``abort_req``, what ``streaming_session.py`` reads). A trace opens a session at its
+   first ``hold``, so the slot takes the first turn's record and tree lock there
+   (``maybe_hand_to_session`` → ``take``, then ``publishes_prompt`` cleared) rather than
+   at its first row allocation: the first turn's checkpoints then run the tree's own
+   ``checkpoint_into_tree`` instead of ``try_checkpoint``'s, which is the same call with
+   the lock moved to the slot after, so the pools and the tree end the same.
+   hold = a finish in a free group (a.): ``release_kv_cache(checkpoint=True)`` with
+   ``finished_len`` = held − prompt, which ``claim_kv_row`` → ``try_cache_finished_req``
+   takes (``_trim_overshoot``); the request then becomes a fresh ``Req`` of the session
+   (``create_req`` of the next turn). The next turn's extend matches through
+   ``match_kv_cache`` → ``try_match_prefix`` (it borrows the slot's record; the virtual
+   node's lock is a no-op). close = ``release_session(rid)``. An abort of a resumed turn
+   is an abort (``try_cache_finished_req`` hands the record back and deletes the slot).
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
@@ -355,6 +375,22 @@ class _Overflow(Exception):
     pass
 
 
+class _Session:
+    """Stands in for SGLang's streaming ``Session`` on a request (decision 15): what
+    ``session/streaming_session.py`` reads of it."""
+
+    streaming = True
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+
+    def finish_req(self, req: Any) -> None:
+        """``Session.finish_req`` keeps the turn for the next one's input: the trace says it."""
+
+    def abort_req(self) -> None:
+        """``Session.abort_req`` rolls the session's history back: the trace says it."""
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -363,7 +399,9 @@ class SGLangEngine:
 
     SPEC_NAMES = {"eagle": "EAGLE", "eagle3": "EAGLE3", "standalone": "STANDALONE", "dflash": "DFLASH"}
 
-    def __init__(self, config: sc.ScenarioConfig, tree_kind: str = "radix", kv_events: bool = False) -> None:
+    def __init__(
+        self, config: sc.ScenarioConfig, tree_kind: str = "radix", kv_events: bool = False, sessions: bool = False,
+    ) -> None:
         torch = SG.torch
         self.config = config
         self.ps = config.page_size
@@ -433,7 +471,7 @@ class SGLangEngine:
             comp_mamba.mamba_checkpoint_grid = lambda page: math.lcm(chunk, page)
             params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
             tree = UnifiedRadixCache(params)  # enabled with the radix cache: decision 14
-        elif tree_kind == "unified":
+        elif tree_kind == "unified" or sessions:  # decision 15: sessions live in the unified tree
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -444,6 +482,7 @@ class SGLangEngine:
         self.world: dict[str, Any] = {"pool": req_to_token_pool, "alloc": allocator, "tree": tree}
         self.reqs: dict[int, Any] = {}
         self._stashed: dict[int, int] = {}  # per rid: the chunk end last stashed (d.)
+        self.sessions = sessions  # decision 15
         # per rid: its cache namespace, SGLang's ``Req.extra_key`` (which keys its radix tree)
         self.namespaces: dict[int, str] = {}
         self.prompt_tokens: dict[int, np.ndarray] = {}
@@ -524,6 +563,32 @@ class SGLangEngine:
         return self.world["tree"]
 
     # -- requests ------------------------------------------------------------------
+    def session_kv(self, rid: int) -> Any | None:
+        """The KV record rid's session slot holds (decision 15), or None."""
+        if not self.sessions:
+            return None
+        slot = self.tree.session.slots.get(str(rid))
+        return slot.kv if slot is not None and slot.kv.holds_kv else None
+
+    def kv_of(self, rid: int) -> Any | None:
+        """The KV record rid holds: its request's, or its session's between turns; None."""
+        req = self.reqs.get(rid)
+        if req is not None and req.kv.holds_kv:
+            return req.kv
+        return self.session_kv(rid)
+
+    def live_kvs(self) -> list[tuple[int, Any]]:
+        """(rid, KV record) of every record holding a row: each request's, and each
+        session's between turns."""
+        return [(rid, kv) for rid in self.reqs if (kv := self.kv_of(rid)) is not None]
+
+    def session_records(self) -> set[int]:
+        """``id()`` of the records sessions own (SGLang's ``session_records``), running
+        turns included."""
+        if not self.sessions:
+            return set()
+        return {id(kv) for kv in self.tree.session_records().values() if kv.holds_kv}
+
     def _req(self, rid: int, prompt_len: int) -> Any:
         req = self.reqs.get(rid)
         if req is None:
@@ -832,6 +897,40 @@ class SGLangEngine:
                 SG.common.checkpoint_kv_cache(req, self.tree)
 
         return self._guarded(run)
+
+    def hold(self, rids, held_lens, token_ids, prompt_lens) -> sc.CallResult:
+        """Decision 14: each turn ends and its session keeps the record (a finish that
+        ``try_cache_finished_req`` takes); the rid becomes a fresh request of the session."""
+        FIN = SG.schedule_batch
+        self.alloc.free_group_begin()
+        for rid, held, toks, pl in zip(rids, held_lens, token_ids, prompt_lens):
+            req = self.reqs[rid]
+            first = req.session is None
+            if first:  # the trace opens the session here: the slot takes the first turn's record
+                req.session = _Session(str(rid))
+                self.tree.maybe_hand_to_session(req)
+            pl_eff = min(pl, held)
+            self._set_tokens(req, toks, pl_eff)
+            req.finished_reason = FIN.FINISH_LENGTH(length=max(held - pl_eff, 0))
+            req.finished_len = held - pl_eff
+            SG.common.release_kv_cache(req, self.tree, checkpoint=True)
+            assert not req.kv.holds_kv, f"rid={rid}: the session did not take the turn's record"
+            nxt = SG.schedule_batch.Req(
+                rid=str(rid), origin_input_text="", origin_input_ids=array("q"),
+                sampling_params=SG.SamplingParams(max_new_tokens=1 << 30),
+                extra_key=self.namespaces.get(rid),
+            )
+            nxt.session = req.session
+            self.reqs[rid] = nxt
+        self.alloc.free_group_end()
+        return sc.CallResult("ok")
+
+    def close_session(self, rids) -> sc.CallResult:
+        """Decision 14: ``release_session`` of each rid's session; the request ends."""
+        for rid in rids:
+            self.tree.release_session(str(rid))
+            del self.reqs[rid]
+        return sc.CallResult("ok")
 
     def release(self, kind, rids, owned_lens, token_ids, prompt_lens, remaining) -> sc.CallResult:
         common = SG.common

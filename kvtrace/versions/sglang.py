@@ -253,6 +253,27 @@ class SGLangAllocator:
         self._holding.difference_update(int(r) for r in rids)
         return ReleaseResult(freed, cached, np.frombuffer(overalloc, "<i8").astype(np.int64), evicted)
 
+    def enable_sessions(self) -> None:
+        """Drive SGLang's streaming sessions (before the first step): the driver rebuilds
+        its world on the unified tree, which owns the session slots (``world.py``,
+        decision 15)."""
+        self._call("enable_sessions")
+
+    def hold(self, rids: np.ndarray, held_lens: np.ndarray) -> ReleaseResult:
+        """Each turn ends; its session keeps the KV (SGLang's ``try_cache_finished_req``)."""
+        from allocator.base import ReleaseResult
+
+        freed, cached, overalloc, evicted = self._call("hold", wire.pack_ints(rids), wire.pack_ints(held_lens))
+        return ReleaseResult(freed, cached, np.frombuffer(overalloc, "<i8").astype(np.int64), evicted)
+
+    def close_session(self, rids: np.ndarray) -> ReleaseResult:
+        """Release the KV each request's session holds (SGLang's ``release_session``)."""
+        from allocator.base import ReleaseResult
+
+        freed, cached, overalloc, evicted = self._call("close_session", wire.pack_ints(rids))
+        self._holding.difference_update(int(r) for r in rids)
+        return ReleaseResult(freed, cached, np.frombuffer(overalloc, "<i8").astype(np.int64), evicted)
+
     def end_step(self) -> None:
         self._prefetched.clear()
         self._deferred.append(wire.Call("end_step"))

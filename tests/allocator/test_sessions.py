@@ -28,6 +28,10 @@ def _make(page_size: int, cls: type[KvAllocator] = KvAllocator, pool: int = 256)
     return cls(AllocatorConfig(pool_tokens=pool, page_size=page_size))
 
 
+def _ceil(n: int, page_size: int) -> int:
+    return -(-n // page_size) * page_size
+
+
 def _clean(alloc: KvAllocator) -> None:
     assert alloc.check_integrity() == []
     c = alloc.counters()
@@ -44,18 +48,20 @@ def test_two_turns_hold_resume_close(page_size: int) -> None:
     assert protected == (10 // page_size) * page_size
     alloc.hold(_a(0), _a(11))
     c = alloc.counters()
-    assert c.session_held == 11 - protected and c.committed == 0
+    # SGLang's kv_private_tokens: the held row up to its page's end, past the tree's prefix
+    assert c.session_held == _ceil(11, page_size) - protected and c.committed == 0
     assert alloc.session_held(_a(0)).tolist() == [11 - protected]
     _clean(alloc)
     # the next turn's prefix is the held KV, not a tree match
     res = alloc.extend(_a(0), _a(20), [TOKENS[:20]])
     assert res.prefix_lens.tolist() == [11]
-    assert alloc.counters().session_held == 0
+    c = alloc.counters()  # the running turn's row is still the session's
+    assert c.session_held == _ceil(20, page_size) - protected and c.committed == c.overallocated == 0
     alloc.end_step()
     assert alloc.counters().protected == protected  # a later turn publishes nothing
     _clean(alloc)
     alloc.hold(_a(0), _a(19))  # a stop landed early: the tail past 19 goes back
-    assert alloc.counters().session_held == 19 - protected
+    assert alloc.counters().session_held == _ceil(19, page_size) - protected
     _clean(alloc)
     alloc.close_session(_a(0))
     c = alloc.counters()
@@ -74,6 +80,34 @@ def test_abort_of_a_resumed_turn_releases_the_session_kv(page_size: int) -> None
     alloc.release(_a(3), _a(15), None, "abort")
     c = alloc.counters()
     assert c.session_held == 0 and c.running_requests == 0 and c.available + c.evictable == c.pool_tokens
+    _clean(alloc)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_running_turn_is_session_held_as_in_sglang(page_size: int) -> None:
+    """SGLang counts a session's row as session-held from its take to its close, while a
+    turn runs on it too (``pool_stats_observer.session_held_tokens``), page-rounded; the
+    turn's decode growth and over-allocation go there, not to committed/overallocated."""
+    alloc = _make(page_size)
+    alloc.extend(_a(0), _a(9), [TOKENS[:9]])
+    alloc.decode(_a(0))
+    alloc.end_step()
+    c = alloc.counters()  # the first turn: a request's, not known to be a session's yet
+    assert c.session_held == 0 and c.committed + c.overallocated > 0
+    alloc.hold(_a(0), _a(10))
+    protected = alloc.counters().protected
+    alloc.extend(_a(0), _a(13), [TOKENS[:13]])
+    alloc.decode(_a(0))
+    alloc.end_step()
+    c = alloc.counters()
+    assert c.session_held == _ceil(14, page_size) - protected
+    assert c.committed == 0 and c.overallocated == 0
+    _clean(alloc)
+    alloc.extend(_a(1), _a(5), [TOKENS[300:305]])  # a plain request beside it: its own terms
+    alloc.decode(_a(1))
+    alloc.end_step()
+    c = alloc.counters()
+    assert c.session_held == _ceil(14, page_size) - protected and c.committed + c.overallocated > 0
     _clean(alloc)
 
 
@@ -98,6 +132,7 @@ def test_session_held_matches_a_reference_model(page_size: int, script: list[tup
     alloc = _make(page_size, pool=512)
     running: dict[int, int] = {}  # rid -> length
     held: dict[int, int] = {}  # rid -> held length
+    sessions: set[int] = set()  # rids a session owns (held once, not closed or aborted)
     for rid, action, n in script:
         if action == 0 and rid not in running:  # a new conversation, or its next turn
             start = held.pop(rid, 0)
@@ -114,14 +149,20 @@ def test_session_held_matches_a_reference_model(page_size: int, script: list[tup
             held[rid] = kv.kv_committed_len
             assert held[rid] == max(keep, kv.cache_protected_len)
             del running[rid]
+            sessions.add(rid)
         elif action == 3 and rid in held:
             alloc.close_session(_a(rid))
             del held[rid]
+            sessions.discard(rid)
         elif action == 4 and rid in running:
             alloc.release(_a(rid), _a(running.pop(rid)), None, "abort")
+            sessions.discard(rid)
         alloc.end_step()
         c = alloc.counters()
-        expected = sum(h - alloc.kv_info(r).cache_protected_len for r, h in held.items())  # type: ignore[union-attr]
+        # a session owns its row from the first hold on, while a later turn runs too
+        owned = {**held, **{r: n for r, n in running.items() if r in sessions}}
+        expected = sum(_ceil(n, page_size) - alloc.kv_info(r).cache_protected_len  # type: ignore[union-attr]
+                       for r, n in owned.items())
         assert c.session_held == expected
         assert c.running_requests == len(running) + len(held)
         _clean(alloc)
@@ -282,7 +323,8 @@ def test_only_a_session_trace_logs_and_summarizes_session_held(tmp_path: Path) -
     names = pa.ipc.open_file(tmp_path / "held.arrow").schema.names
     assert names[names.index("free_rows") + 1] == "session_held"
     _, snaps = read_state_log(tmp_path / "held.arrow")
-    assert [s.pool.session_held for s in snaps] == [0, 0, 0, 30, 0]  # the first turn is in the tree
+    # the first turn is in the tree; the second turn's row is the session's while it runs
+    assert [s.pool.session_held for s in snaps] == [0, 0, 30, 30, 0]
 
 
 def test_config_sessions_needs_format_version_6() -> None:
