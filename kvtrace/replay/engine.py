@@ -786,9 +786,12 @@ class ReplayEngine:
             self.stats.session_holds += int(rids.size)
             bound = self.options.session_hold_bound
             if bound is not None and self._in_window:
-                for rid in rids.tolist():
-                    info = alloc.kv_info(rid)
-                    held = 0 if info is None else info.kv_committed_len
+                # The allocator's own record where it offers one (``kv_info``), else
+                # what the trace says the session holds.
+                kv_info = getattr(alloc, "kv_info", None)
+                for rid, traced in zip(rids.tolist(), batch.seq_len[rows].tolist()):
+                    info = kv_info(rid) if kv_info is not None else None
+                    held = traced if kv_info is None else 0 if info is None else info.kv_committed_len
                     if held > bound:
                         self._violation(
                             rid, "session_hold_bound",

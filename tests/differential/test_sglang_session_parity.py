@@ -122,3 +122,19 @@ def test_a_finished_session_turn_is_refused_with_one_line(tmp_path: Path) -> Non
     res = runner.invoke(app, ["diff", str(trace), "--a", f"sglang:{python}", "--b", "builtin", "--exact"])
     assert res.exit_code == 2, res.output
     assert "finish: request rid=0 is a streaming session's turn" in res.output
+
+
+@pytest.mark.slow
+def test_the_session_hold_bound_flags_the_same_sessions_on_sglang() -> None:
+    """``--session-hold-bound`` on SGLang's side (which offers no per-request record of
+    ours) flags the same sessions at the same steps as on the built-in allocator."""
+    python = harness.require_sglang()
+    found = {}
+    for allocator in (f"sglang:{python}", "builtin"):
+        res = runner.invoke(app, ["replay", "sample:mooncake-sessions", "--allocator", allocator,
+                                  "--session-hold-bound", "2000", "--steps", ":600", "--json"])
+        assert res.exit_code == 1, res.output
+        summary = json.loads(res.stdout)
+        found[allocator] = [(v["step"], v["rid"]) for v in summary["violations"] if v["check"] == "session_hold_bound"]
+    theirs, ours = found.values()
+    assert ours and theirs == ours
