@@ -451,8 +451,12 @@ class ReplayEngine:
         int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
         checked clean (``traces.runs``), in one allocator call; return their snapshots
         ([] before the window). None when the allocator refuses the run: nothing
-        changed, replay the steps one by one."""
+        changed, replay the steps one by one. A lone decode step (``MIN_RUN_STEPS`` of
+        the session aside) goes through ``_decode_steps``: the path of ``replay_step``
+        without its op dispatch, for the steps between admissions and finishes."""
         num_steps = int(steps.shape[0])
+        if num_steps == 1 and op == DECODE and self._takes_lone_decode_steps():
+            return self._decode_steps(steps, times, rids) or None
         st = self.stats
         alloc = self.allocator
         before = alloc.request_lens(rids)
@@ -476,9 +480,7 @@ class ReplayEngine:
             st.allocator_s += self._clock() - t0
             # Evicting steps ahead of the snapshot returned: only while nothing reads the
             # state step by step (observers, a tree listener such as the KV events').
-            tree = getattr(alloc, "tree_cache", None)
-            watched = self.observers or getattr(tree, "listener", None) is not None
-            if op == DECODE and self._in_window and len(self.pool_names) == 1 and not watched:
+            if op == DECODE and self._takes_lone_decode_steps():
                 return self._decode_steps(steps, times, rids) or None
             return None
         alloc.end_step()
@@ -552,6 +554,14 @@ class ReplayEngine:
             )
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]
+
+    def _takes_lone_decode_steps(self) -> bool:
+        """Whether ``_decode_steps`` may apply plain decode steps ahead of the snapshot
+        returned: only while nothing reads the state step by step (observers, a tree
+        listener such as the KV events'), in the window, with one pool."""
+        if self.observers or not self._in_window or len(self.pool_names) != 1:
+            return False
+        return getattr(getattr(self.allocator, "tree_cache", None), "listener", None) is None
 
     def _note_run_pool_peaks(self, steps: np.ndarray, pool_rows: tuple[np.ndarray, ...]) -> None:
         """``_note_pool_peaks`` of every step of a run (each pool's counters ``[num_steps, fields]``)."""
