@@ -794,3 +794,19 @@ def test_built_in_allocator_satisfies_the_protocol() -> None:
     alloc.extend(_a(3), _a(5), [_toks(5)])
     info = alloc.kv_info(3)
     assert (info.req_pool_idx, info.kv_allocated_len, info.kv_committed_len, info.cache_protected_len) == (8, 5, 5, 4)
+
+
+def test_a_request_twice_in_one_extend_or_release_is_refused_and_lens_of_released_requests_read_zero() -> None:
+    """The batch checks and reads that take the small-batch path (``allocator.reduce``):
+    a duplicate id is still refused, and requests holding no KV read as zeros."""
+    a = _make(page_size=1)
+    with pytest.raises(ValueError, match="appears twice"):
+        a.extend(_a(1, 2, 1), _a(5, 6, 5), [_toks(5), _toks(6, 2000), _toks(5)])
+    assert isinstance(a.extend(_a(1, 2), _a(5, 6), [_toks(5), _toks(6, 2000)]), AllocResult)
+    with pytest.raises(ValueError, match="appears twice"):
+        a.release(_a(1, 1), _a(5, 5), [_toks(5), _toks(5)], "finish")
+    a.release(_a(1), _a(5), [_toks(5)], "finish")
+    lens = a.request_lens(_a(2, 1, 7))
+    assert lens.allocated.tolist() == [6, 0, 0]
+    assert lens.committed.tolist() == [6, 0, 0]
+    assert all(x.dtype == np.int64 for x in lens)
