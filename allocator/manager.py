@@ -251,10 +251,14 @@ class KvAllocator:
         """Row per rid, -1 where the request holds none."""
         if rids.shape[0] == 0:
             return _EMPTY
-        low = imin(rids)
-        if low < 0:
-            raise ValueError(f"request ids must be >= 0, found {low}")
-        self._grow(imax(rids))
+        if rids.dtype != np.int64:
+            rids = _i64(rids)
+        # One reduction for both checks: as unsigned, a negative id is the largest.
+        top = imax(rids.view(np.uint64))
+        if top >= self._row_of_rid.shape[0]:
+            if top >= 1 << 63:
+                raise ValueError(f"request ids must be >= 0, found {imin(rids)}")
+            self._grow(top)
         return self._row_of_rid[rids]
 
     def _held_rows(self, rids: np.ndarray, op: str) -> np.ndarray:

@@ -735,7 +735,10 @@ class ReplayEngine:
             return
         rids = batch.rid[new]
         seen[rids] = True
-        target = np.where(batch.prompt_len[new] >= 0, batch.prompt_len[new], batch.seq_len[new])
+        # the prompt's length where the trace gives it, else the first extend's length
+        target = batch.prompt_len[new]
+        unknown = target < 0
+        target[unknown] = batch.seq_len[new][unknown]
         self._req["prefill_target"].a[rids] = target
 
     # ------------------------------------------------------------------ op kinds

@@ -810,3 +810,12 @@ def test_a_request_twice_in_one_extend_or_release_is_refused_and_lens_of_release
     assert lens.allocated.tolist() == [6, 0, 0]
     assert lens.committed.tolist() == [6, 0, 0]
     assert all(x.dtype == np.int64 for x in lens)
+
+
+def test_a_negative_request_id_is_refused_and_a_large_one_grows_the_map() -> None:
+    a = _make(page_size=1)
+    with pytest.raises(ValueError, match="request ids must be >= 0, found -3"):
+        a.holds_kv(_a(1, -3, 2))
+    assert a.holds_kv(np.array([5, 100_000], np.int32)).tolist() == [False, False]
+    assert isinstance(a.extend(_a(100_000), _a(5), [_toks(5)]), AllocResult)
+    assert a.holds_kv(_a(100_000, 3)).tolist() == [True, False]
