@@ -29,6 +29,7 @@ from allocator.base import OutOfMemory
 from allocator.mamba import HybridReqToTokenPool, MambaReqKv, MambaSlotsExhausted
 from allocator.mamba_radix import MambaRadixCache
 from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
+from allocator.reduce import imax, isum
 from allocator.swa_radix import SwaMatchResult, SwaRadixCache
 from allocator.token_to_kv import (
     SLOT_DTYPE,
@@ -265,7 +266,7 @@ def _kv_unfit(
     tree = ctx.tree_cache
     evictable = 0 if tree.disable else tree.evictable_size() - lock_cost
     budget = ctx.token_to_kv_pool_allocator.available_size() + evictable
-    needed = int(need_tokens.sum())
+    needed = isum(need_tokens)
     if needed <= budget:
         return None
     short = _first_short_request(need_tokens, budget)
@@ -298,7 +299,7 @@ def _fit_evict_take(
     """
     # Within the free slots alone the batch fits (the usual case): no need to ask the tree.
     # (SWA: swa_window_then_fit decided the fit of each pool already.)
-    if ctx.swa is None and int(need_tokens.sum()) > ctx.token_to_kv_pool_allocator.available_size():
+    if ctx.swa is None and isum(need_tokens) > ctx.token_to_kv_pool_allocator.available_size():
         unfit = _kv_unfit(ctx, op, need_tokens, rids, rows)
         if unfit is not None:
             return unfit
@@ -447,7 +448,7 @@ def alloc_for_extend(
     kv = ctx.req_kv
     ps = ctx.page_size
     bs = rows.shape[0]
-    seq_max = int(seq_lens.max()) if bs else 0
+    seq_max = imax(seq_lens) if bs else 0
     if seq_max > ctx.width:
         i = int(np.argmax(seq_lens))
         raise ValueError(
@@ -461,7 +462,7 @@ def alloc_for_extend(
         return unfit
 
     extend_lens = seq_lens - prefix_lens
-    extend_num_tokens = int(extend_lens.sum())
+    extend_num_tokens = isum(extend_lens)
     table = pool.req_to_token_np
     if ps == 1:
         need = extend_lens
@@ -518,7 +519,7 @@ def alloc_for_extend(
         for req in reqs:
             ctx.mamba_reqs[int(req.req_pool_idx)] = req  # type: ignore[arg-type]
     if num_new:
-        new_idx = np.flatnonzero(new_mask)
+        new_idx = new_mask.nonzero()[0]
         if ctx.mamba_reqs is not None:
             new_rows = np.array(selected, dtype=np.int64)[new_idx]
         else:
@@ -541,11 +542,11 @@ def alloc_for_extend(
     kv.kv_committed_len[rows] = seq_lens
     if seq_max > kv.max_len_bound:
         kv.max_len_bound = seq_max
-    kv.sum_committed += int((seq_lens - old_committed).sum())
+    kv.sum_committed += isum(seq_lens - old_committed)
     kv.sum_allocated_ceil += num_new_pages(old_alloc, seq_lens, ps) * ps
     if num_new:
         kv.cache_protected_len[new_rows] = prefix_lens[new_idx]
-        kv.sum_protected += int(prefix_lens[new_idx].sum())
+        kv.sum_protected += isum(prefix_lens[new_idx])
         kv.rid[new_rows] = rids[new_idx]
         lock = kv.lock_node
         for i, row in zip(new_idx.tolist(), new_rows.tolist()):

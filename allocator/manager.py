@@ -85,6 +85,7 @@ from allocator.base import (
 from allocator.check.checkpoint import AllocatorState, restore_allocator_state, save_allocator_state
 from allocator.check.digest import StateDigest
 from allocator.radix_cache import RadixCache, TreeNode
+from allocator.reduce import imax, imin, isum
 from allocator.req_kv import ReqKvInfo, ReqKvTable
 from allocator.req_to_token import ReqToTokenPool
 from allocator.sizing import (
@@ -121,6 +122,14 @@ _RELEASE_KINDS = ("finish", "retract", "abort")
 
 def _i64(values: object) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.int64)
+
+
+def _has_duplicates(rids: np.ndarray) -> bool:
+    """Whether a request id appears twice in a batch (a set for a short batch: cheaper than ``np.unique``)."""
+    n = rids.shape[0]
+    if n <= 64:
+        return len(set(rids.tolist())) != n
+    return bool(np.unique(rids).shape[0] != n)
 
 
 class KvAllocator:
@@ -269,9 +278,14 @@ class KvAllocator:
         """Row per rid, -1 where the request holds none."""
         if rids.shape[0] == 0:
             return _EMPTY
-        if int(rids.min()) < 0:
-            raise ValueError(f"request ids must be >= 0, found {int(rids.min())}")
-        self._grow(int(rids.max()))
+        if rids.dtype != np.int64:
+            rids = _i64(rids)
+        # One reduction for both checks: as unsigned, a negative id is the largest.
+        top = imax(rids.view(np.uint64))
+        if top >= self._row_of_rid.shape[0]:
+            if top >= 1 << 63:
+                raise ValueError(f"request ids must be >= 0, found {imin(rids)}")
+            self._grow(top)
         return self._row_of_rid[rids]
 
     def _held_rows(self, rids: np.ndarray, op: str) -> np.ndarray:
@@ -286,7 +300,7 @@ class KvAllocator:
         except IndexError:
             rows = self._rows_of(rids)
         n = rows.shape[0]
-        if n and (int(rows[0]) < 0 if n == 1 else int(rows.min()) < 0):
+        if n and (int(rows[0]) < 0 if n == 1 else imin(rows) < 0):
             bad = int(rids[int(np.argmin(rows))])
             raise ValueError(f"{op}: request rid={bad} holds no KV (never extended, or already released)")
         return rows
@@ -377,13 +391,13 @@ class KvAllocator:
         # match's copy-on-write, a chunk's state copy, the slot deficit): count them all.
         evicted_before = tree.evicted_tokens_total if isinstance(tree, MambaRadixCache) else -1
         prefix = np.zeros(bs, dtype=np.int64)
-        cont = np.flatnonzero(rows >= 0)
+        cont = (rows >= 0).nonzero()[0]
         # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request);
         # a session's later turn publishes nothing (SGLang's try_checkpoint)
         stash = cont[~self._turned[rids[cont]]] if cont.size else cont
         self._stash(rids[stash], rows[stash], [token_ids[i] for i in stash.tolist()])
         prefix[cont] = kv.kv_allocated_len[rows[cont]]
-        new_idx = np.flatnonzero(rows < 0).tolist()
+        new_idx = (rows < 0).nonzero()[0].tolist()
         keys: list[np.ndarray] = []
         if not tree.disable:
             # SGLang's match key: the fill ids capped at min(len - 1, seq_len - 1) tokens
@@ -398,7 +412,7 @@ class KvAllocator:
         if keys:
             # Demand bound with no prefix hit: each request's pages cover at most
             # its new tokens plus one partial page.
-            need_max = int(seq_lens.sum()) - int(prefix.sum()) + (bs * (ps - 1) if ps > 1 else 0)
+            need_max = isum(seq_lens) - isum(prefix) + (bs * (ps - 1) if ps > 1 else 0)
             mamba_tree = tree if isinstance(tree, MambaRadixCache) else None
             if (
                 len(new_idx) > self.req_to_token_pool.available_size()
@@ -544,18 +558,18 @@ class KvAllocator:
         self, rids: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, token_ids: Sequence[np.ndarray]
     ) -> None:
         width = self.req_to_token_pool.max_context_len
-        if rids.shape[0] > 1 and np.unique(rids).shape[0] != rids.shape[0]:
+        if rids.shape[0] > 1 and _has_duplicates(rids):
             raise ValueError("extend: a request id appears twice in one batch")
-        if int(seq_lens.min()) < 1:
+        if imin(seq_lens) < 1:
             raise ValueError(f"extend: request rid={int(rids[int(np.argmin(seq_lens))])} has seq_len < 1")
-        if int(seq_lens.max()) > width:
+        if imax(seq_lens) > width:
             i = int(np.argmax(seq_lens))
             raise ValueError(
                 f"extend: request rid={int(rids[i])} seq_len {int(seq_lens[i])} exceeds the row width {width} "
                 f"(max_context_len {self.config.max_context_len}); raise max_context_len"
             )
         kv = self.req_kv
-        for i in np.flatnonzero(rows >= 0).tolist():
+        for i in (rows >= 0).nonzero()[0].tolist():
             rid = int(rids[i])
             allocated = int(kv.kv_allocated_len[rows[i]])
             if not self._prefilling[rid] and self._session_held[rid] < 0:
@@ -919,7 +933,7 @@ class KvAllocator:
         if owned.shape[0] != bs:
             raise ValueError(f"release: {bs} rids but {owned.shape[0]} owned_lens")
         rows = self._held_rows(rids, "release")
-        if bs > 1 and np.unique(rids).shape[0] != bs:
+        if bs > 1 and _has_duplicates(rids):
             raise ValueError("release: a request id appears twice in one batch")
         checkpoint = kind == "finish" and not self.tree_cache.disable
         if checkpoint:
@@ -1170,15 +1184,16 @@ class KvAllocator:
         self._flush_publish()
         rows = self._rows_of(_i64(rids))
         kv = self.req_kv
-        if rows.shape[0] and int(rows.min()) >= 0:  # the common case: all still hold KV
+        if rows.shape[0] and imin(rows) >= 0:  # the common case: all still hold KV
             return RequestLens(kv.kv_allocated_len[rows], kv.kv_committed_len[rows], kv.cache_protected_len[rows])
-        safe = np.where(rows >= 0, rows, 0)
-        held = rows >= 0
-        return RequestLens(
-            allocated=np.where(held, kv.kv_allocated_len[safe], 0),
-            committed=np.where(held, kv.kv_committed_len[safe], 0),
-            protected=np.where(held, kv.cache_protected_len[safe], 0),
-        )
+        # (gathers are copies: zero the requests holding none in place)
+        none = rows < 0
+        safe = rows.copy()
+        safe[none] = 0
+        lens = RequestLens(kv.kv_allocated_len[safe], kv.kv_committed_len[safe], kv.cache_protected_len[safe])
+        for a in lens:
+            a[none] = 0
+        return lens
 
     def swa_evicted_lens(self, rids: np.ndarray) -> np.ndarray:
         """int64 ``[n]``: each request's SWA cursor ``swa_evicted_seqlen`` (positions below

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from allocator.base import AllocResult, DecodeRuns, OutOfMemory, PoolCounters
+from allocator.reduce import imax, isum
 from kvtrace.errors import TraceError
 from kvtrace.replay.result import MAX_VIOLATIONS_KEPT, OomRecord, PoolPeak, ReplayStats, ViolationRecord
 from kvtrace.replay.snapshot import (
@@ -339,7 +341,7 @@ class ReplayEngine:
         if ok is not None:  # skip mode: rows the checker refused never reach the replay
             batch, ok = batch.take(np.flatnonzero(ok)), None
         if len(batch):  # request ids are checked: below the trace's bound
-            max_rid = int(batch.rid.max())
+            max_rid = imax(batch.rid)
             if max_rid >= self._req_rows:
                 for arr in self._req.values():
                     arr.ensure(max_rid)
@@ -361,7 +363,7 @@ class ReplayEngine:
                 rows = np.arange(len(batch))
             else:
                 mask = batch.op == op
-                rows = np.flatnonzero(mask if ok is None else mask & ok)
+                rows = (mask if ok is None else mask & ok).nonzero()[0]
                 if rows.size == 0:
                     continue
             if self._any_dropped:
@@ -384,7 +386,7 @@ class ReplayEngine:
         st.steps += 1
         st.steps_reported += 1
         st.ops += n
-        if np.isfinite(batch.time_s):  # a NaN or infinite time is a problem the checker reported
+        if math.isfinite(batch.time_s):  # a NaN or infinite time is a problem the checker reported
             if st.first_time_s is None:
                 st.first_time_s = batch.time_s
                 st.first_step = batch.step
@@ -463,8 +465,12 @@ class ReplayEngine:
         int ``[num_steps, len(rids)]`` ``accepted`` counts) over the batch ``rids``,
         checked clean (``traces.runs``), in one allocator call; return their snapshots
         ([] before the window). None when the allocator refuses the run: nothing
-        changed, replay the steps one by one."""
+        changed, replay the steps one by one. A lone decode step (``MIN_RUN_STEPS`` of
+        the session aside) goes through ``_decode_steps``: the path of ``replay_step``
+        without its op dispatch, for the steps between admissions and finishes."""
         num_steps = int(steps.shape[0])
+        if num_steps == 1 and op == DECODE and self._takes_lone_decode_steps():
+            return self._decode_steps(steps, times, rids) or None
         st = self.stats
         alloc = self.allocator
         before = alloc.request_lens(rids)
@@ -488,9 +494,7 @@ class ReplayEngine:
             st.allocator_s += self._clock() - t0
             # Evicting steps ahead of the snapshot returned: only while nothing reads the
             # state step by step (observers, a tree listener such as the KV events').
-            tree = getattr(alloc, "tree_cache", None)
-            watched = self.observers or getattr(tree, "listener", None) is not None
-            if op == DECODE and self._in_window and len(self.pool_names) == 1 and not watched:
+            if op == DECODE and self._takes_lone_decode_steps():
                 return self._decode_steps(steps, times, rids) or None
             return None
         alloc.end_step()
@@ -514,7 +518,7 @@ class ReplayEngine:
             st.decode_tokens += bs * num_steps
         if not self._in_window:
             return []
-        st.overalloc_allocated += int(slack.sum())
+        st.overalloc_allocated += isum(slack)
         st.steps += num_steps
         st.steps_reported += num_steps
         st.ops += bs * num_steps
@@ -568,6 +572,14 @@ class ReplayEngine:
             for j, (step, t, row) in enumerate(zip(steps.tolist(), times.tolist(), counters.tolist()))
         ]
 
+    def _takes_lone_decode_steps(self) -> bool:
+        """Whether ``_decode_steps`` may apply plain decode steps ahead of the snapshot
+        returned: only while nothing reads the state step by step (observers, a tree
+        listener such as the KV events'), in the window, with one pool."""
+        if self.observers or not self._in_window or len(self.pool_names) != 1:
+            return False
+        return getattr(getattr(self.allocator, "tree_cache", None), "listener", None) is None
+
     def _note_run_pool_peaks(self, steps: np.ndarray, pool_rows: tuple[np.ndarray, ...]) -> None:
         """``_note_pool_peaks`` of every step of a run (each pool's counters ``[num_steps, fields]``)."""
         peaks = self.stats.pool_peaks
@@ -617,9 +629,7 @@ class ReplayEngine:
                 elapsed += t1 - t0
             lens = alloc.request_lens(rids)
             change = (lens.allocated - lens.committed) - (allocated_a[rids] - committed_a[rids])
-            released = lens.allocated == 0
-            st.overalloc_allocated += int(change[~released].sum())
-            st.overalloc_released -= int(change[released].sum())
+            self._note_slack_change(change, lens.allocated == 0)
             allocated_a[rids] = lens.allocated
             committed_a[rids] = lens.committed
             st.steps += 1
@@ -669,15 +679,21 @@ class ReplayEngine:
         slack = lens.allocated - lens.committed
         change = slack - (req["allocated"].a[rids] - req["committed"].a[rids])
         if self._in_window:
-            released = lens.allocated == 0
-            self.stats.overalloc_allocated += int(change[~released].sum())
-            self.stats.overalloc_released -= int(change[released].sum())
+            self._note_slack_change(change, lens.allocated == 0)
         req["allocated"].a[rids] = lens.allocated
         req["committed"].a[rids] = lens.committed
         phase = req["phase"].a[rids]
         if self._any_dropped:
             op = np.where(phase == DROPPED, DROPPED_OP, op).astype(np.int8)
         return RequestDelta(rids, lens.allocated, lens.committed, lens.protected, op, phase, req["prefix"].a[rids])
+
+    def _note_slack_change(self, change: np.ndarray, released: np.ndarray) -> None:
+        """The ledger of the speculative slack: what requests still holding KV changed,
+        and what the ``released`` ones gave back."""
+        total = isum(change)
+        given_back = isum(change[released]) if np.count_nonzero(released) else 0
+        self.stats.overalloc_allocated += total - given_back
+        self.stats.overalloc_released -= given_back
 
     def _with_live_requests(self, delta: RequestDelta) -> RequestDelta:
         """``delta`` plus every other request holding KV (op ``UNCHANGED_OP``): a keyframe."""
@@ -737,11 +753,14 @@ class ReplayEngine:
         new = ~seen[batch.rid] & ((batch.op == EXTEND) | (batch.op == PREALLOC))
         if ok is not None:
             new &= ok
-        if not new.any():
+        if not np.count_nonzero(new):
             return
         rids = batch.rid[new]
         seen[rids] = True
-        target = np.where(batch.prompt_len[new] >= 0, batch.prompt_len[new], batch.seq_len[new])
+        # the prompt's length where the trace gives it, else the first extend's length
+        target = batch.prompt_len[new]
+        unknown = target < 0
+        target[unknown] = batch.seq_len[new][unknown]
         self._req["prefill_target"].a[rids] = target
 
     # ------------------------------------------------------------------ op kinds
@@ -810,7 +829,10 @@ class ReplayEngine:
         alloc = self.allocator
         ended = batch.rid[rows]
         holds = alloc.holds_kv(ended)
-        rows, rids = rows[holds], ended[holds]
+        if np.count_nonzero(holds) == holds.shape[0]:
+            rids = ended
+        else:
+            rows, rids = rows[holds], ended[holds]
         kind: ReleaseKind = "finish" if op == FINISH else ("abort" if op == ABORT else "retract")
         st = self.stats
         if kind == "finish":
@@ -847,8 +869,10 @@ class ReplayEngine:
     def _after_release(self, rids: np.ndarray, res: ReleaseResult, kind: str) -> None:
         # The slack each request gave back: its allocated - committed before the release.
         slack = self._req["allocated"].a[rids] - self._req["committed"].a[rids]
-        for rid, n in zip(rids[slack > 0].tolist(), slack[slack > 0].tolist()):
-            self._events.append(Event("overalloc_release", rid, n, f"{n} over-allocated slots freed on {kind}"))
+        held = slack > 0
+        if np.count_nonzero(held):
+            for rid, n in zip(rids[held].tolist(), slack[held].tolist()):
+                self._events.append(Event("overalloc_release", rid, n, f"{n} over-allocated slots freed on {kind}"))
         # every release is an event of its kind (the dashboard's "finish" filter lists them)
         for rid in rids.tolist():
             self._events.append(Event(kind, rid, 0, "finished" if kind == "finish" else ""))  # type: ignore[arg-type]
@@ -861,11 +885,12 @@ class ReplayEngine:
         def call(r: np.ndarray, idx: np.ndarray) -> AllocResult | OutOfMemory:
             seq = batch.seq_len[idx]
             tokens = self._tokens.ids_many(r, seq)
-            done = seq >= req["prefill_target"].a[r]
+            target = req["prefill_target"].a[r]
+            done = seq >= target
             admitted = ~alloc.holds_kv(r)
             observed = None
             if self.observers:
-                observed = AllocCall(self._step, "extend", r, seq, tokens, admitted, done, req["prefill_target"].a[r])
+                observed = AllocCall(self._step, "extend", r, seq, tokens, admitted, done, target)
                 for o in self.observers:
                     o.call_started(observed)
             res = alloc.extend(r, seq, tokens, done)
@@ -876,13 +901,14 @@ class ReplayEngine:
                 prefix = res.prefix_lens if res.prefix_lens is not None else np.zeros(r.size, np.int64)
                 req["prefix"].a[r] = prefix
                 req["phase"].a[r] = np.where(done, self._decoding_phase, PREFILL)
-                st.prefill_tokens += int((seq - prefix).sum())
-                if admitted.any():
+                st.prefill_tokens += isum(seq - prefix)
+                num_admitted = int(np.count_nonzero(admitted))
+                if num_admitted:
                     hit = prefix[admitted]
-                    st.admissions += int(admitted.sum())
-                    st.reused_tokens += int(hit.sum())
-                    st.admitted_tokens += int(req["prefill_target"].a[r[admitted]].sum())
-                    st.prefix_differs += int((hit != batch.prefix_len[idx][admitted]).sum())
+                    st.admissions += num_admitted
+                    st.reused_tokens += isum(hit)
+                    st.admitted_tokens += isum(target[admitted])
+                    st.prefix_differs += int(np.count_nonzero(hit != batch.prefix_len[idx][admitted]))
             return res
 
         self._alloc_loop(batch, rows, call)

@@ -379,15 +379,13 @@ class ReplaySession(Checkpointing):
         # first pass paced in seconds looks at its clock between runs without cutting them.
         if self.checkpointable and (start is None or step >= start) and not self._paced_in_seconds(ordinal):
             n = min(n, max(self._interval(ordinal) - self._since_checkpoint(ordinal), 1))
-        if n < MIN_RUN_STEPS:
+        cols, first, size = chunk.columns, int(chunk.starts[i]), int(chunk.stops[i] - chunk.starts[i])
+        # A lone plain decode step goes to the engine as a run of one (its lean path).
+        least = 1 if n and cols.op[first] == DECODE else MIN_RUN_STEPS
+        if n < least or (n := self._checked(chunk, i, n)) < least:
             return None
-        n = self._checked(chunk, i, n)
-        if n < MIN_RUN_STEPS:
-            return None
-        cols = chunk.columns
-        first, size = int(chunk.starts[i]), int(chunk.stops[i] - chunk.starts[i])
-        rids = cols.rid[first : first + size]
         op = int(cols.op[first])
+        rids = cols.rid[first : first + size]
         accepted = None
         if op == SPEC:  # the run's steps are contiguous rows of equal size
             accepted = cols.accepted_len[first : first + n * size].reshape(n, size)

@@ -794,3 +794,28 @@ def test_built_in_allocator_satisfies_the_protocol() -> None:
     alloc.extend(_a(3), _a(5), [_toks(5)])
     info = alloc.kv_info(3)
     assert (info.req_pool_idx, info.kv_allocated_len, info.kv_committed_len, info.cache_protected_len) == (8, 5, 5, 4)
+
+
+def test_a_request_twice_in_one_extend_or_release_is_refused_and_lens_of_released_requests_read_zero() -> None:
+    """The batch checks and reads that take the small-batch path (``allocator.reduce``):
+    a duplicate id is still refused, and requests holding no KV read as zeros."""
+    a = _make(page_size=1)
+    with pytest.raises(ValueError, match="appears twice"):
+        a.extend(_a(1, 2, 1), _a(5, 6, 5), [_toks(5), _toks(6, 2000), _toks(5)])
+    assert isinstance(a.extend(_a(1, 2), _a(5, 6), [_toks(5), _toks(6, 2000)]), AllocResult)
+    with pytest.raises(ValueError, match="appears twice"):
+        a.release(_a(1, 1), _a(5, 5), [_toks(5), _toks(5)], "finish")
+    a.release(_a(1), _a(5), [_toks(5)], "finish")
+    lens = a.request_lens(_a(2, 1, 7))
+    assert lens.allocated.tolist() == [6, 0, 0]
+    assert lens.committed.tolist() == [6, 0, 0]
+    assert all(x.dtype == np.int64 for x in lens)
+
+
+def test_a_negative_request_id_is_refused_and_a_large_one_grows_the_map() -> None:
+    a = _make(page_size=1)
+    with pytest.raises(ValueError, match="request ids must be >= 0, found -3"):
+        a.holds_kv(_a(1, -3, 2))
+    assert a.holds_kv(np.array([5, 100_000], np.int32)).tolist() == [False, False]
+    assert isinstance(a.extend(_a(100_000), _a(5), [_toks(5)]), AllocResult)
+    assert a.holds_kv(_a(100_000, 3)).tolist() == [True, False]

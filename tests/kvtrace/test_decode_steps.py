@@ -56,3 +56,28 @@ def test_evicting_decode_steps_go_ahead_with_step_by_step_results(evicting_trace
     assert all(_same(a, b) for a, b in zip(fast, slow))
     fast_stats.allocator_s = slow_stats.allocator_s = 0.0  # type: ignore[attr-defined]
     assert fast_stats == slow_stats
+
+
+def test_lone_decode_steps_skip_the_op_dispatch_with_step_by_step_results(evicting_trace: Path) -> None:
+    """A plain decode step between admissions and finishes (a run of one) goes through
+    the engine's lean decode path, not ``replay_step``, with the same results."""
+    through_step: list[int] = []
+    with ReplaySession(evicting_trace, options=ReplayOptions(check="every"), checker="inline") as s:
+        one = s.engine.replay_step
+
+        def replay_step(batch):  # type: ignore[no-untyped-def]
+            if set(batch.op.tolist()) == {DECODE}:
+                through_step.append(batch.step)
+            return one(batch)
+
+        s.engine.replay_step = replay_step  # type: ignore[method-assign]
+        fast = list(s.snapshots())
+        fast_stats = s.result().stats
+    slow, _, slow_stats = _replay(evicting_trace, False, "every")
+    decoding = [s.step for s in slow if set(s.requests.op.tolist()) == {DECODE}]
+    assert decoding, "no plain decode step: the trace does not test what it should"
+    assert through_step == []
+    assert len(fast) == len(slow)
+    assert all(_same(a, b) for a, b in zip(fast, slow))
+    fast_stats.allocator_s = slow_stats.allocator_s = 0.0  # type: ignore[attr-defined]
+    assert fast_stats == slow_stats
