@@ -816,6 +816,8 @@ class ReplayEngine:
                     hit = prefix[admitted]
                     st.admissions += int(admitted.sum())
                     st.reused_tokens += int(hit.sum())
+                    if res.host_hit_lens is not None:
+                        st.host_reused_tokens += int(res.host_hit_lens[admitted].sum())
                     st.admitted_tokens += int(req["prefill_target"].a[r[admitted]].sum())
                     st.prefix_differs += int((hit != batch.prefix_len[idx][admitted]).sum())
             return res
