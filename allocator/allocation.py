@@ -1473,6 +1473,8 @@ def checkpoint_kv_cache(
         return checkpoint_swa(ctx, tree, row, up_to, token_ids, finished)
     if isinstance(tree, MambaRadixCache):
         return checkpoint_mamba(ctx, tree, row, up_to, token_ids, finished)
+    if getattr(tree, "host_pool", None) is not None:
+        return checkpoint_hicache(ctx, row, up_to, token_ids, prompt_len)
     kv = ctx.req_kv
     table = ctx.req_to_token_pool.req_to_token_np
     key_len = tree.key_len(up_to)
@@ -1497,6 +1499,42 @@ def checkpoint_kv_cache(
         ctx.writer.assign_row(row, protected, tree_slots[protected:prefix_len])
     # The tree owns [0, key_len) now: the duplicates went back to the pool, the rest
     # of [protected, key_len) moved from the request's own range into the tree.
+    if key_len >= protected:
+        kv.cache_protected_len[row] = key_len
+        kv.sum_protected += key_len - protected
+        tree.unlock(kv.lock_node[row])
+        kv.lock_node[row] = tree.lock(node)
+    return CheckpointResult(key_len - prefix_len if key_len > prefix_len else 0, duplicates)
+
+
+def checkpoint_hicache(ctx: KvContext, row: int, up_to: int, token_ids: np.ndarray, prompt_len: int) -> CheckpointResult:
+    """``checkpoint_kv_cache`` into a tree with a host tier (``allocator.hiradix``), as
+    SGLang's ``UnifiedRadixCache.checkpoint_into_tree`` does it: the insert itself frees
+    the duplicates past ``cache_protected_len`` (and hands the request's slots to nodes
+    it finds evicted), the prompt boundary is split with an insert that frees nothing,
+    the row takes the tree's slots from ``cache_protected_len`` on, and the lock moves
+    to the node the insert ended on (no match: a match would touch access times)."""
+    tree = ctx.tree_cache
+    kv = ctx.req_kv
+    table = ctx.req_to_token_pool.req_to_token_np
+    key_len = tree.key_len(up_to)
+    key = tree.make_key(token_ids[:up_to])[:key_len]
+    values = table[row, :key_len].astype(np.int64)  # a copy: the row is rewritten below
+    inserted = int(kv.cache_inserted_len[row])
+    protected = int(kv.cache_protected_len[row])
+    prefix_len, node = tree.insert(key, values, prev_prefix_len=protected, inserted_len=inserted)  # type: ignore[call-arg]
+    if key_len > inserted:
+        kv.cache_inserted_len[row] = key_len
+    prompt_key_len = tree.key_len(min(prompt_len, up_to)) if prompt_len > 0 else 0
+    if 0 < prompt_key_len < key_len:
+        tree.insert(key[:prompt_key_len], values[:prompt_key_len], prev_prefix_len=prompt_key_len,  # type: ignore[call-arg]
+                    inserted_len=prompt_key_len)
+    tree_slots = tree.path_device_indices(node)
+    duplicates = 0
+    if key_len > protected:
+        new = tree_slots[protected:key_len]
+        duplicates = int(np.count_nonzero(new[:max(prefix_len - protected, 0)] != values[protected:prefix_len]))
+        ctx.writer.assign_row(row, protected, new)
     if key_len >= protected:
         kv.cache_protected_len[row] = key_len
         kv.sum_protected += key_len - protected

@@ -236,6 +236,8 @@ class AllocatorConfig:
         swa: the sliding-window pool of a hybrid model, or None (full attention only).
         mamba: the Mamba state pool of a hybrid linear-attention model, or None (no
             linear-attention layers): the request pool is then ``HybridReqToTokenPool``.
+        hicache: HiCache's host tier under the radix cache, or None: the tree is then
+            ``allocator.hiradix.HiRadixCache`` (full-attention models only).
     """
 
     pool_tokens: int
@@ -253,6 +255,7 @@ class AllocatorConfig:
     debug_checks: bool = False
     swa: SwaConfig | None = None
     mamba: MambaConfig | None = None
+    hicache: HiCacheConfig | None = None
 
     def check(self) -> None:
         """Refuse a configuration no allocator can be built from.
@@ -293,6 +296,29 @@ class AllocatorConfig:
             _check_swa(config)
         if config.mamba is not None:
             _check_mamba(config)
+        if config.hicache is not None:
+            _check_hicache(config)
+
+
+def _check_hicache(config: AllocatorConfig) -> None:
+    """Refuse a host tier the built-in allocator cannot run (ValueError): the host tier
+    sits under the full-attention radix tree only (``allocator.hiradix``)."""
+    hicache = config.hicache
+    assert hicache is not None
+    hicache.check()
+    if hicache.page_size != config.page_size:
+        raise ValueError(
+            f"AllocatorConfig: the host pool's page size {hicache.page_size} differs from the device pool's "
+            f"{config.page_size} (SGLang gives both the same)"
+        )
+    for switch, what in (("swa", "an SWA pool"), ("mamba", "a Mamba pool"), ("spec", "speculative decoding"),
+                         ("hisparse", "HiSparse"), ("need_sort", "PD decode (need_sort)")):
+        if getattr(config, switch):
+            raise ValueError(f"AllocatorConfig: the HiCache host tier with {what} is not implemented (set {switch} off)")
+    if not config.radix_cache:
+        raise ValueError("AllocatorConfig: the HiCache host tier needs the radix cache (set radix_cache=True)")
+    if config.eviction_policy != "lru":
+        raise ValueError(f"AllocatorConfig: the HiCache tree evicts by LRU only, not {config.eviction_policy!r}")
 
 
 def _check_mamba(config: AllocatorConfig) -> None:
@@ -421,6 +447,9 @@ class AllocResult:
     evicted_tokens: int = 0
     prefix_lens: np.ndarray | None = None
     row_overflow: tuple[tuple[int, int, int], ...] = ()  # (rid, positions asked, row width)
+    # extend with a host tier: per request, the part of ``prefix_lens`` loaded back from
+    # the host pool at admission (0 for a device hit, a miss or a continuing chunk); else None
+    host_hit_lens: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,7 +188,11 @@ class KvAllocator:
             self.pool_tokens = allocator.num_pages * ps
         self.token_to_kv_pool_allocator = allocator
         self.tree_cache: RadixCache
-        if config.swa is not None and config.radix_cache:
+        if config.hicache is not None:
+            from allocator.hiradix import HiRadixCache
+
+            self.tree_cache = HiRadixCache.from_config(config.hicache, allocator, self.pool_tokens)
+        elif config.swa is not None and config.radix_cache:
             assert isinstance(allocator, SWATokenToKVPoolAllocator)
             self.tree_cache = SwaRadixCache(ps, allocator, config.swa.retain_window, is_eagle=uses_bigram_keys(config.spec))
         elif config.mamba is not None and config.radix_cache:
@@ -252,6 +256,12 @@ class KvAllocator:
         # its journal, which also records the requests a prompt publish checkpoints.
         self.journal: Journal | None = None
         self._checker: IncrementalChecker | None = None
+        # HiCache: the host tier's transfers of a step are acked at the next step's first
+        # allocation (SGLang polls ``check_hicache_events`` before it schedules), and the
+        # admissions' prefix tokens by tier: on device, loaded back from host, computed.
+        self.hicache = config.hicache is not None
+        self._hicache_ack_due = False
+        self.hicache_hits = {"device": 0, "host": 0, "miss": 0}
 
     # ------------------------------------------------------------------ rid <-> row
 
@@ -327,6 +337,16 @@ class KvAllocator:
     def end_step(self) -> None:
         """Apply the prompt publishes queued by this step's extend / prealloc."""
         self._flush_publish()
+        if self.hicache:
+            self._hicache_ack_due = True
+
+    def _hicache_poll(self) -> None:
+        """The host tier's per-step poll (SGLang's ``check_hicache_events``, run before
+        the scheduler admits): finish the backups and load-backs of the step before, whose
+        transfers are synchronous here. Called by the first allocation after ``end_step``."""
+        if self._hicache_ack_due:
+            self._hicache_ack_due = False
+            self.tree_cache.ack()  # type: ignore[attr-defined]
 
     def _flush_publish(self) -> None:
         pending = self._pending_publish
@@ -370,6 +390,8 @@ class KvAllocator:
                 nothing changed.
         """
         self._flush_publish()
+        if self.hicache:
+            self._hicache_poll()
         rids = _i64(rids)
         seq_lens = _i64(seq_lens)
         bs = rids.shape[0]
@@ -409,7 +431,10 @@ class KvAllocator:
         # (b) decide the fit before any match: a match touches access times and splits
         # nodes, a lock protects evictable cache; a call that fails changes nothing.
         # (Without new requests nothing is matched: alloc_for_extend decides alone.)
-        if keys:
+        # (With a host tier the match loads host hits back, taking device slots: the fit
+        # is alloc_for_extend's alone, and a call that does not fit keeps what it loaded,
+        # as SGLang's tree keeps a load-back whose request is not admitted.)
+        if keys and not self.hicache:
             # Demand bound with no prefix hit: each request's pages cover at most
             # its new tokens plus one partial page.
             need_max = isum(seq_lens) - isum(prefix) + (bs * (ps - 1) if ps > 1 else 0)
@@ -439,7 +464,21 @@ class KvAllocator:
         admitting = ctx.mamba_admitting
         swa_uuids: list[int | None] = [None] * bs
         branching = np.full(bs, -1, dtype=np.int64)
+        host_hits = np.zeros(bs, dtype=np.int64) if self.hicache else None
         for i, key in zip(new_idx, keys):
+            if host_hits is not None:
+                # match on both tiers, load the host part back (SGLang's add_one_req:
+                # match_prefix, then init_load_back of best_match_node)
+                hi = tree.match_prefix_hi(key)  # type: ignore[attr-defined]
+                loaded, node = tree.init_load_back(hi)  # type: ignore[attr-defined]
+                host_hits[i] = loaded
+                tree.lock(node)
+                lock_nodes[i] = node
+                p = hi.device_prefix_len + loaded
+                if p:
+                    prefix_slots[i] = tree.path_device_indices(node)[:p]
+                prefix[i] = p
+                continue
             if swa_tree is not None:
                 match = swa_tree.match_prefix_swa(key)
                 if match.swa_branching_seqlen is not None:
@@ -515,7 +554,7 @@ class KvAllocator:
                 self._prefilling[rid] = True
         self.writer.end_call()
         evicted = res.evicted_tokens if evicted_before < 0 else tree.evicted_tokens_total - evicted_before
-        return AllocResult(int(res.out_cache_loc.shape[0]), evicted, prefix)
+        return AllocResult(int(res.out_cache_loc.shape[0]), evicted, prefix, host_hit_lens=host_hits)
 
     def stash_chunked(self, rids: np.ndarray, token_ids: Sequence[np.ndarray]) -> None:
         """Checkpoint the prefill computed so far by requests in chunked prefill
@@ -590,6 +629,8 @@ class KvAllocator:
 
     def decode(self, rids: np.ndarray) -> AllocOutcome:
         """One decode token per request (``alloc_for_decode``)."""
+        if self.hicache:
+            self._hicache_poll()
         rids = _i64(rids)
         rows = self._held_rows(rids, "decode")
         res = alloc_for_decode(self.ctx, rows, rids)
@@ -610,8 +651,8 @@ class KvAllocator:
             reach a row's width, or prompts wait to be published): nothing changed,
             decode step by step.
         """
-        if self._pending_publish or not _runs_are_exact(type(self)):
-            return None
+        if self._pending_publish or self.hicache or not _runs_are_exact(type(self)):
+            return None  # (a host tier polls its transfers once per step)
         rids = _i64(rids)
         rows = self._held_rows(rids, "decode")
         allocated = self.req_kv.kv_allocated_len[rows]
@@ -1062,6 +1103,8 @@ class KvAllocator:
     def evict(self, num_tokens: int) -> int:
         """Evict at least ``num_tokens`` unlocked cached tokens (LRU leaves, whole nodes)."""
         self._flush_publish()
+        if self.hicache:
+            self._hicache_poll()
         return self.tree_cache.evict(int(num_tokens))
 
     def evict_to_fit(self, num_tokens: int) -> int:
@@ -1135,6 +1178,8 @@ class KvAllocator:
         request holds ``ceil_align(allocated) - protected - window_freed`` SWA tokens,
         its window-freed tokens leaving ``committed``."""
         full = self.counters()
+        if self.hicache:
+            return {"full": full, "host": self._host_counters(full)}
         if self.config.mamba is not None:
             return {"full": full, "mamba": self._mamba_counters(full)}
         if self.config.swa is None:
@@ -1153,6 +1198,25 @@ class KvAllocator:
             free_rows=full.free_rows,
         )
         return {"full": full, "swa": swa}
+
+    def _host_counters(self, full: PoolCounters) -> PoolCounters:
+        """The HiCache host pool in tokens: ``evictable`` the host-only unlocked leaves
+        (what host eviction may free), ``protected`` every other host copy (duplicates of
+        device nodes, locked or in-flight ones); requests hold no host slot."""
+        tree = self.tree_cache
+        host = tree.host_pool  # type: ignore[attr-defined]
+        available = host.available_size()
+        evictable = tree.host_evictable_size()  # type: ignore[attr-defined]
+        return PoolCounters(
+            pool_tokens=host.size,
+            available=available,
+            evictable=evictable,
+            protected=host.size - available - evictable,
+            committed=0,
+            overallocated=0,
+            running_requests=full.running_requests,
+            free_rows=full.free_rows,
+        )
 
     def _mamba_counters(self, full: PoolCounters) -> PoolCounters:
         """The Mamba pool in slots: ``committed`` the slots requests hold, ``evictable`` /
@@ -1277,7 +1341,14 @@ class KvAllocator:
         # NOTE: only the device mirror is synced: the prompt publishes queued for the end
         # of the step stay queued, so a check between two calls of a step changes nothing.
         self.writer.sync()
-        if touched is None:
+        if self.hicache:
+            # (no incremental checker for the host tier yet: every check walks it all)
+            from allocator.check.hicache_invariants import check_hicache
+
+            found = check_integrity(self)
+            full = self.counters()
+            found.extend(check_hicache(self.tree_cache, full.committed + full.overallocated))  # type: ignore[arg-type]
+        elif touched is None:
             found = check_integrity(self)
         elif self._checker is None:
             from allocator.check.incremental import IncrementalChecker

@@ -96,6 +96,9 @@ class SlotOwnership(NamedTuple):
         return np.bincount(self.state, minlength=NUM_STATES)
 
 
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
 class PageHolders(NamedTuple):
     """Who holds which page, party by party (page ids; page 1: slot ids)."""
 
@@ -111,7 +114,8 @@ class PageHolders(NamedTuple):
 
 def _tree_pages(allocator: KvAllocator) -> tuple[np.ndarray, np.ndarray]:
     """Pages of every radix node and whether each node is locked (one Python pass over nodes)."""
-    nodes = list(allocator.tree_cache.iter_nodes())
+    # (a HiCache node evicted to the host holds no device page: value None)
+    nodes = [node for node in allocator.tree_cache.iter_nodes() if node.value is not None]
     if not nodes:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
     values = np.concatenate([node.value for node in nodes]).astype(np.int64)
@@ -161,7 +165,7 @@ def lock_pins(allocator: KvAllocator) -> LockPins | None:
         while node is not None and node is not root:
             got = node_pages.get(node.id)
             if got is None:
-                value = node.value.astype(np.int64)
+                value = _EMPTY_I64 if node.value is None else node.value.astype(np.int64)
                 got = node_pages[node.id] = value[::ps] // ps if ps > 1 else value
             if got.shape[0]:
                 pages.append(got)
@@ -176,7 +180,7 @@ def lock_pins(allocator: KvAllocator) -> LockPins | None:
 def _page_nodes(allocator: KvAllocator, num_pages: int) -> np.ndarray:
     """int64 ``[num_pages + 1]``: the radix node id holding each cached page, -1 elsewhere."""
     out = np.full(num_pages + 1, -1, np.int64)
-    nodes = list(allocator.tree_cache.iter_nodes())
+    nodes = [node for node in allocator.tree_cache.iter_nodes() if node.value is not None]
     if not nodes:
         return out
     values = np.concatenate([node.value for node in nodes]).astype(np.int64)

@@ -24,7 +24,6 @@ Checks:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -75,14 +74,19 @@ def _check_device(out: list[Violation], tree: HiRadixCache, nodes: list[HiTreeNo
             out.append(Violation(
                 "conservation", f"device: available {avail} + held {held} + cached {num_cached} != {alloc.size}",
                 None, {"available": avail, "held": held, "cached": num_cached, "total": alloc.size}, "full"))
-    twice = sorted(int(s) for s, c in Counter(slots.tolist()).items() if c > 1)
+    # counts by slot (bincount: no sort; slots outside the pool are left to the other checks)
+    size = alloc.size + tree.page_size
+    ok = slots[(slots >= 0) & (slots < size)]
+    on_nodes = np.bincount(ok, minlength=size)
+    twice = np.flatnonzero(on_nodes > 1).tolist()
     if twice:
         out.append(Violation("ownership", f"device slots on two nodes: {_short(twice)}", None,
                              {"slot": twice[0], "count": len(twice)}, "full"))
     ps = tree.page_size
     free_pages = alloc.get_all_free_pages().astype(np.int64)
-    free = set((free_pages[:, None] * ps + np.arange(ps)).ravel().tolist()) if ps > 1 else set(free_pages.tolist())
-    both = sorted(set(slots.tolist()) & free)
+    free = (free_pages[:, None] * ps + np.arange(ps)).ravel() if ps > 1 else free_pages
+    free = free[(free >= 0) & (free < size)]
+    both = np.flatnonzero((on_nodes > 0) & (np.bincount(free, minlength=size) > 0)).tolist()
     if both:
         out.append(Violation("ownership", f"device slots cached and free: {_short(both)}", None,
                              {"slot": both[0], "count": len(both)}, "full"))
@@ -99,36 +103,43 @@ def _check_device(out: list[Violation], tree: HiRadixCache, nodes: list[HiTreeNo
 
 
 def _check_host(out: list[Violation], tree: HiRadixCache, nodes: list[HiTreeNode]) -> None:
+    # Slot-level checks on arrays (a host pool holds a few device pools' worth of slots).
     host = tree.host_pool
-    free = host.free_view().tolist()
-    cached = [(n, s) for n in nodes if n.host_value is not None for s in n.host_value.tolist()]
-    accounted = len(free) + len(cached)
-    if accounted != host.size or host.available_size() != len(free):
+    size = host.size
+    free = host.free_view().astype(np.int64)
+    owners = [n for n in nodes if n.host_value is not None]
+    cached = np.concatenate([n.host_value for n in owners]).astype(np.int64) if owners else np.empty(0, np.int64)
+    accounted = int(free.shape[0] + cached.shape[0])
+    if accounted != size or host.available_size() != free.shape[0]:
         out.append(Violation(
-            "conservation", f"host: available {host.available_size()} (free list {len(free)}) + cached "
-            f"{len(cached)} = {accounted}, pool has {host.size} slots", None,
-            {"available": len(free), "cached": len(cached), "total": host.size}, "host"))
-    twice = sorted(s for s, c in Counter(free).items() if c > 1)
+            "conservation", f"host: available {host.available_size()} (free list {free.shape[0]}) + cached "
+            f"{cached.shape[0]} = {accounted}, pool has {size} slots", None,
+            {"available": int(free.shape[0]), "cached": int(cached.shape[0]), "total": size}, "host"))
+    free_in = free[(free >= 0) & (free < size)]
+    on_free = np.bincount(free_in, minlength=size)
+    twice = np.flatnonzero(on_free > 1).tolist()
     if twice:
         out.append(Violation("double_free", f"host slots on the free list more than once: {_short(twice)}", None,
                              {"slot": twice[0], "count": len(twice)}, "host"))
-    places: dict[int, list[str]] = {}
-    for s in set(free):
-        places.setdefault(s, []).append("free")
-    for n, s in cached:
-        places.setdefault(s, []).append(f"node {n.id}")
-    for s in sorted(places):
-        where = places[s]
-        if not 0 <= s < host.size:
-            out.append(Violation("ownership", f"host slot {s} outside 0..{host.size - 1} is {where}", None,
-                                 {"slot": s}, "host"))
-        elif len(where) > 1:
-            out.append(Violation("ownership", f"host slot {s} is in {len(where)} places: {where}", None,
-                                 {"slot": s}, "host"))
-        elif host.slot_used[s] != (where[0] != "free"):
-            out.append(Violation("ownership", f"host slot {s} is {where[0]} but marked "
-                                 f"{'in use' if host.slot_used[s] else 'free'}", None, {"slot": s}, "host"))
-    leaked = sorted(set(range(host.size)) - set(places))
+    # places per slot: the free list (once, however often listed) and each node holding it
+    every = np.concatenate([free, cached])
+    outside = sorted(set(every[(every < 0) | (every >= size)].tolist()))
+    for s in outside[:_MAX_ITEMS]:
+        out.append(Violation("ownership", f"host slot {s} outside 0..{size - 1} is {_places(s, free, owners)}", None,
+                             {"slot": s}, "host"))
+    cached_in = cached[(cached >= 0) & (cached < size)]
+    on_nodes = np.bincount(cached_in, minlength=size)
+    places = (on_free > 0) + on_nodes
+    for s in np.flatnonzero(places > 1)[:_MAX_ITEMS].tolist():
+        where = _places(s, free, owners)
+        out.append(Violation("ownership", f"host slot {s} is in {len(where)} places: {where}", None,
+                             {"slot": s}, "host"))
+    wrong = np.flatnonzero((places == 1) & (host.slot_used[:size] != (on_nodes > 0)))
+    for s in wrong[:_MAX_ITEMS].tolist():
+        where = _places(s, free, owners)[0]
+        out.append(Violation("ownership", f"host slot {s} is {where} but marked "
+                             f"{'in use' if host.slot_used[s] else 'free'}", None, {"slot": s}, "host"))
+    leaked = np.flatnonzero(places == 0).tolist()
     if leaked:
         out.append(Violation("leak", f"host slots in no place: {_short(leaked)}", None,
                              {"slot": leaked[0], "count": len(leaked)}, "host"))
@@ -136,6 +147,12 @@ def _check_host(out: list[Violation], tree: HiRadixCache, nodes: list[HiTreeNode
     if h_leaves != {n.id for n in tree.evictable_host_leaves}:
         out.append(Violation("tree_ledger", f"host leaf set {_short(n.id for n in tree.evictable_host_leaves)} != "
                              f"the H-leaves {_short(h_leaves)}", None, {"leaves": len(h_leaves)}, "host"))
+
+
+def _places(slot: int, free: np.ndarray, owners: list[HiTreeNode]) -> list[str]:
+    """Where host slot ``slot`` is: "free" and/or each node holding it (a violation's words)."""
+    where = ["free"] if np.any(free == slot) else []
+    return where + [f"node {n.id}" for n in owners if np.any(n.host_value == slot)]
 
 
 def _check_residency(out: list[Violation], tree: HiRadixCache, nodes: list[HiTreeNode]) -> None:

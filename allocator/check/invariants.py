@@ -83,7 +83,8 @@ def check_integrity(allocator: KvAllocator) -> list[Violation]:
     check_counters(out, kv, alloc, committed, protected, ceil_alloc)
     check_conservation(out, allocator, ceil_alloc, protected)
     check_session_held(out, allocator)
-    _check_tree(out, allocator, rows, rids)
+    if getattr(allocator.tree_cache, "host_pool", None) is None:
+        _check_tree(out, allocator, rows, rids)  # (HiCache's tree: check_hicache, by the manager)
     ok_lengths = (protected >= 0) & (protected <= alloc) & (alloc <= width) & (protected % ps == 0)
     check_pages(out, allocator, rows[ok_lengths], rids[ok_lengths], alloc[ok_lengths], protected[ok_lengths])
     if isinstance(tok, HiSparseTokenToKVPoolAllocator):

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kvtrace.cli import command, ui
+from kvtrace.cli.record_hicache import HiCacheRatioOpt, HiCacheWritePolicyOpt
 from kvtrace.cli.options import (
     CheckMode,
     Device,
@@ -137,6 +138,8 @@ def replay(
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     eviction_policy: EvictionPolicyOpt = None,
+    hicache_ratio: HiCacheRatioOpt = None,
+    hicache_write_policy: HiCacheWritePolicyOpt = None,
     device: DeviceOpt = Device.cpu,
     check: Annotated[
         CheckMode,
@@ -192,6 +195,11 @@ def replay(
         raise typer.BadParameter("state digests go into the state log: add --out LOG", param_hint="--digests")
     check_device(device.value)
     policy = eviction_policy.value if eviction_policy is not None else None
+    tier = {"hicache_ratio": hicache_ratio,
+            "hicache_write_policy": None if hicache_write_policy is None else hicache_write_policy.value}
+    if (hicache_ratio is not None or hicache_write_policy is not None) and (tui or serve is not None):
+        raise typer.BadParameter("the dashboard replays with the trace's host tier; drop --hicache-* or --tui / --serve",
+                                 param_hint="--hicache-ratio" if hicache_ratio is not None else "--hicache-write-policy")
     if policy is not None and (tui or serve is not None):
         raise typer.BadParameter("the dashboard replays with the trace's eviction policy; drop --eviction-policy "
                                  "or --tui / --serve", param_hint="--eviction-policy")
@@ -228,7 +236,7 @@ def replay(
         return
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,
-        force_memory=ignore_memory_check, eviction_policy=policy,
+        force_memory=ignore_memory_check, eviction_policy=policy, **tier,
     ) as session, _kv_events_sink(session, events_out, kv_events, kv_events_replay, kv_events_wait,
                                   kv_events_paced) as emitter:
         explainer = _explainer(session) if explain else None

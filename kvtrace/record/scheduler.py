@@ -53,8 +53,8 @@ a request is admitted only while a row with its slots is free::
     admit while  rows_used < max_running  and  per_request * (rows_used + 1) <= slots
 
 HiCache's host tier (``SchedulerConfig.hicache``) is stored in the trace's config, and
-the recording is device-only: the allocator under the model is the device tier
-(``allocator.hiradix.HiRadixCache`` is not behind the allocator protocol yet), so a
+the recording is device-only: the allocator under the model is built without the tier
+(the replay's manager serves it; the model does not count host hits yet), so a
 prefix evicted from the device is a miss here, where SGLang would load it back. What
 SGLang 0.5.23's ``PrefillAdder.add_one_req`` (``managers/schedule_policy.py``) does
 with a host hit, for the model to follow once the tree is wired in:

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from allocator.base import HISPARSE_SWA_REFUSAL, AllocatorConfig, MambaConfig, SpecConfig, SwaConfig
+from allocator.base import HISPARSE_SWA_REFUSAL, AllocatorConfig, HiCacheConfig, MambaConfig, SpecConfig, SwaConfig
 from allocator.sizing import PoolMemory, pool_memory, pool_size_tokens, req_to_token_width
 from kvtrace.errors import ConfigError
 from traces.checker import CHECKER_BYTES_PER_RID
@@ -107,10 +107,13 @@ def allocator_config_for(
     radix_cache: bool | None = None,
     debug_checks: bool = False,
     eviction_policy: str | None = None,
+    hicache_ratio: float | None = None,
+    hicache_write_policy: str | None = None,
 ) -> AllocatorConfig:
     """The allocator configuration a trace's serving config asks for, with what-if
     overrides. ``radix_cache`` and ``eviction_policy`` default to what the trace was
-    recorded with; the pool
+    recorded with; so does HiCache's host tier (``hicache_config_for``), which
+    ``hicache_ratio`` / ``hicache_write_policy`` change or turn on; the pool
     is rounded down to whole pages. A trace with an attention layout gets the
     sliding-window pool too (``swa_config_for``), one with a Mamba layout the Mamba
     state pool (``mamba_config_for``).
@@ -124,7 +127,7 @@ def allocator_config_for(
     cfg = meta.config
     unserved = unserved_mamba(
         meta, cfg.radix_cache if radix_cache is None else radix_cache, cfg.page_size if page_size is None else page_size
-    ) or unserved_hicache(meta)
+    )
     if unserved is not None:
         raise ConfigError(unserved)
     ps = cfg.page_size if page_size is None else page_size
@@ -142,6 +145,9 @@ def allocator_config_for(
     if policy != "lru" and "eviction_policy" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError(f"this allocator version has no eviction policies: it evicts by LRU only, not {policy!r}")
     radix = cfg.radix_cache if radix_cache is None else radix_cache
+    hicache = hicache_config_for(meta, pool, ps, resized, hicache_ratio, hicache_write_policy)
+    if hicache is not None and "hicache" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
+        raise ConfigError(unserved_hicache(meta) or "this allocator version has no HiCache host tier")
     mamba = mamba_config_for(meta.mamba, pool if radix and pool != cfg.pool_tokens else None, meta.model)
     if mamba is not None and "mamba" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no Mamba state pool: it cannot replay a trace of a hybrid "
@@ -172,6 +178,7 @@ def allocator_config_for(
         # Passed only when not LRU: a version from before the field builds as it always did.
         **({} if policy == "lru" else {"eviction_policy": policy}),
         **({} if mamba is None else {"mamba": mamba}),
+        **({} if hicache is None else {"hicache": hicache}),
     )
     config = dataclasses.replace(config, pool_tokens=pool_size_tokens(config))
     if config.pool_tokens < 2 * ps:
@@ -238,20 +245,43 @@ def unserved_mamba(meta: TraceMeta, radix_cache: bool, page_size: int | None = N
     )
 
 
-def unserved_hicache(meta: TraceMeta) -> str | None:
-    """The one line to say when a trace was recorded with HiCache's host tier, which the
-    replay does not serve yet, else None.
+def hicache_config_for(
+    meta: TraceMeta, pool_tokens: int, page_size: int, resized: bool,
+    ratio: float | None = None, write_policy: str | None = None,
+) -> HiCacheConfig | None:
+    """The allocator's host tier for a trace (None: none): the trace's own
+    (``config.hicache``), sized again as SGLang sizes it when the device pool or page
+    changed, with ``--hicache-ratio`` / ``--hicache-write-policy`` over it (either one
+    turns the tier on for a trace recorded without).
 
-    NOTE: replayed on the device tier alone, every host hit of the recording would be
-    a miss, so the trace is refused rather than replayed as a device-only cache; this
-    is where the host tier's configuration will be built once the replay serves it.
+    Raises:
+        ConfigError: an option value the host tier refuses, naming the option.
     """
+    from traces.hicache_layout import HostTierOptionError, resolve_host_tier
+
+    hybrid = meta.attention is not None or meta.mamba is not None
+    try:
+        tier = resolve_host_tier(
+            meta.config.hicache, enabled=None, ratio=ratio, size_gb=None, write_policy=write_policy,
+            device_tokens=pool_tokens, page_size=page_size, bytes_per_token=meta.model.bytes_per_token,
+            hybrid_model=meta.model.name if hybrid else None, resized=resized,
+        )  # fmt: skip
+    except HostTierOptionError as exc:
+        raise ConfigError(f"{exc.option}: {exc}") from None
+    if tier is None:
+        return None
+    return HiCacheConfig(host_pool_tokens=tier.host_pool_tokens, write_policy=tier.write_policy, page_size=page_size)
+
+
+def unserved_hicache(meta: TraceMeta) -> str | None:
+    """The one line to say when a trace has HiCache's host tier and the allocator
+    version asked for has none, else None."""
     tier = meta.config.hicache
     if tier is None:
         return None
     return (
-        f"this trace was recorded with HiCache's host tier ({tier.describe()}), and the replay does not "
-        "serve the host tier yet: it cannot be replayed (kvtrace info shows the trace's tier)"
+        f"this trace was recorded with HiCache's host tier ({tier.describe()}), and this allocator version has "
+        "no host tier: it cannot be replayed (kvtrace info shows the trace's tier)"
     )
 
 
@@ -458,6 +488,8 @@ def effective_config(
     pool_tokens: int | None = None,
     device: str = "cpu",
     eviction_policy: str | None = None,
+    hicache_ratio: float | None = None,
+    hicache_write_policy: str | None = None,
 ) -> AllocatorConfig:
     """The configuration a replay's allocator runs with.
 
@@ -475,7 +507,8 @@ def effective_config(
         )
     chosen = version_page_size if version_page_size is not None else page_size
     return allocator_config_for(
-        meta, page_size=chosen, pool_tokens=pool_tokens, device=device, eviction_policy=eviction_policy
+        meta, page_size=chosen, pool_tokens=pool_tokens, device=device, eviction_policy=eviction_policy,
+        hicache_ratio=hicache_ratio, hicache_write_policy=hicache_write_policy,
     )
 
 

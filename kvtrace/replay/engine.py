@@ -907,6 +907,8 @@ class ReplayEngine:
                     hit = prefix[admitted]
                     st.admissions += num_admitted
                     st.reused_tokens += isum(hit)
+                    if res.host_hit_lens is not None:
+                        st.host_reused_tokens += isum(res.host_hit_lens[admitted])
                     st.admitted_tokens += isum(target[admitted])
                     st.prefix_differs += int(np.count_nonzero(hit != batch.prefix_len[idx][admitted]))
             return res

@@ -85,6 +85,29 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
         "stopped_early": result.stopped_early,
         "truncated": result.truncated,
         **_pools_summary(result),
+        **_tiers_summary(result),
+    }
+
+
+def _tiers_summary(result: ReplayResult) -> dict[str, Any]:
+    """``{"hicache": ...}`` with HiCache's host tier: its pool and write policy, and the
+    admitted prompt tokens by where they came from: ``device`` (a device hit), ``host``
+    (a host hit loaded back), ``miss`` (computed). Empty without the tier."""
+    tier = getattr(result.config, "hicache", None)
+    if tier is None:
+        return {}
+    st = result.stats
+    host = st.host_reused_tokens
+    return {
+        "hicache": {
+            "host_pool_tokens": tier.pool_tokens(result.config.pool_tokens),
+            "write_policy": tier.write_policy,
+            "prefix_tokens": {
+                "device": st.reused_tokens - host,
+                "host": host,
+                "miss": max(st.admitted_tokens - st.reused_tokens, 0),
+            },
+        }
     }
 
 
@@ -176,6 +199,14 @@ def render_replay_summary(
         f"{_differs(s['prefix_differs_from_recorded'])}; "
         f"{count(s['evicted_tokens'], 'token')} evicted",
     )
+    if "hicache" in s:
+        hc = s["hicache"]
+        t = hc["prefix_tokens"]
+        table.add_row(
+            "prefix by tier",
+            f"{t['device']:,} device hit + {t['host']:,} host hit loaded back + {t['miss']:,} missed "
+            f"(host pool {hc['host_pool_tokens']:,} tokens, {hc['write_policy']})",
+        )
     oa = s["overalloc"]
     start = f"held at start {oa['held_at_start']:,} + " if oa["held_at_start"] else ""
     table.add_row(

@@ -70,6 +70,7 @@ class ReplayStats:
     allocator_s: float = 0.0
     prefill_tokens: int = 0  # tokens computed by extend ops (after the replay's prefix hits)
     reused_tokens: int = 0  # prefix tokens the replay's radix cache supplied
+    host_reused_tokens: int = 0  # of those, loaded back from HiCache's host tier at admission
     admitted_tokens: int = 0  # prompt tokens of admissions (the hit-rate denominator)
     admissions: int = 0
     prefix_differs: int = 0  # admissions whose replay hit differs from the recorded one

@@ -80,6 +80,8 @@ class ReplaySession(Checkpointing):
         page_size: what-if page size (conflicts with a version that fixes another).
         pool_tokens: what-if pool size (rounded down to whole pages).
         eviction_policy: what-if radix eviction policy (None: the trace's).
+        hicache_ratio, hicache_write_policy: what-if HiCache host tier (None: the
+            trace's; either one turns the tier on for a trace without).
         device: ``cpu`` or ``cuda``.
         options: checks, OOM and bad-op handling, the ``--steps`` window.
         checkpoint_every: save a checkpoint every this many replayed steps (None:
@@ -124,6 +126,8 @@ class ReplaySession(Checkpointing):
         pool_tokens: int | None = None,
         device: str = "cpu",
         eviction_policy: str | None = None,
+        hicache_ratio: float | None = None,
+        hicache_write_policy: str | None = None,
         options: ReplayOptions | None = None,
         checkpoint_every: int | None = None,
         first_pass_every: int | None = None,
@@ -156,6 +160,7 @@ class ReplaySession(Checkpointing):
         self.config = effective_config(
             self.meta, version_spec=self.version.spec, version_page_size=self.version.page_size,
             page_size=page_size, pool_tokens=pool_tokens, device=device, eviction_policy=eviction_policy,
+            hicache_ratio=hicache_ratio, hicache_write_policy=hicache_write_policy,
         )
         check_memory(
             self.config,

@@ -69,8 +69,9 @@ LIVE_PHASES = frozenset({WAITING, PREFILL, DECODE_PHASE, SPEC_PHASE})
 
 # The pools an allocator may have, in order: the full-attention KV pool (every model
 # has it), the sliding-window pool of a hybrid SWA model and the Mamba state pool of a
-# hybrid linear-attention model (``pool_counters()`` keys; the Mamba pool counts slots).
-POOL_NAMES: tuple[str, ...] = ("full", "swa", "mamba")
+# hybrid linear-attention model (``pool_counters()`` keys; the Mamba pool counts slots),
+# and HiCache's host KV pool under the radix cache (host token slots).
+POOL_NAMES: tuple[str, ...] = ("full", "swa", "mamba", "host")
 
 
 def other_pool_names(names: tuple[str, ...], n: int) -> tuple[str, ...]:

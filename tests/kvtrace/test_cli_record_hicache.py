@@ -1,7 +1,7 @@
 """HiCache's host tier on the command line: ``record --hicache-*`` stores it in the
 trace (format version 5), ``record --like`` carries it, ``info`` shows it, bad values
-are one line, and replay / diff / sweep refuse such a trace in one line (the replay
-does not serve the host tier yet) instead of replaying it as a device-only cache."""
+are one line, and replay / diff / sweep serve such a trace with the tier (replay's
+``--hicache-*`` what-if options change it)."""
 
 from __future__ import annotations
 
@@ -125,19 +125,34 @@ def test_bad_tier_options_are_one_line_and_exit_2(tmp_path: Path, extra: list[st
     assert not (tmp_path / "x.kvtrace").exists()
 
 
-@pytest.mark.parametrize(
-    "command",
-    [["replay"], ["replay", "--json"], ["diff", "--a", "builtin", "--b", "builtin"], ["sweep", "--pool-tokens", "30k,45k", "-j", "1"]],
-)
-def test_replay_diff_and_sweep_refuse_it_in_one_line(
-    tiered: tuple[Path, dict[str, Any]], tmp_path: Path, command: list[str]
-) -> None:
+def test_replay_serves_the_tier(tiered: tuple[Path, dict[str, Any]]) -> None:
+    code, out, err = invoke("replay", str(tiered[0]), "--json", "--check", "every", "-q")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["num_violations"] == 0 and summary["num_ooms"] == 0
+    assert summary["pools"]["host"]["pool_tokens"] == 180_016
+    tier = summary["hicache"]
+    assert tier["write_policy"] == "write_back" and tier["host_pool_tokens"] == 180_016
+    t = tier["prefix_tokens"]
+    assert t["device"] + t["host"] == summary["tokens"]["reused"]
+
+
+def test_replay_what_if_tier_options(tiered: tuple[Path, dict[str, Any]]) -> None:
+    code, out, err = invoke("replay", str(tiered[0]), "--json", "-q", "--hicache-ratio", "1",
+                            "--hicache-write-policy", "write_through")  # fmt: skip
+    assert code == 0, err
+    tier = json.loads(out)["hicache"]
+    assert tier["write_policy"] == "write_through"
+    assert tier["host_pool_tokens"] == host_pool_tokens_for(POOL, 16, 1.0)
+    code, _, err = invoke("replay", "sample:tiny", "--hicache-ratio", "-1")
+    assert code == 2 and "--hicache-ratio" in one_error_line(err)
+
+
+@pytest.mark.parametrize("command", [["diff", "--a", "builtin", "--b", "builtin"], ["sweep", "--pool-tokens", "60k,90k", "-j", "1"]])
+def test_diff_and_sweep_run_it(tiered: tuple[Path, dict[str, Any]], tmp_path: Path, command: list[str]) -> None:
     extra = ["-o", str(tmp_path / "s.parquet"), "-q"] if command[0] == "sweep" else []
     code, _, err = invoke(command[0], str(tiered[0]), *command[1:], *extra)
-    line = one_error_line(err)
-    assert code == 2, err
-    assert "recorded with HiCache's host tier (host pool 180,016 tokens (ratio 3), write_back)" in line
-    assert "the replay does not serve the host tier yet" in line
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("command", [["info"], ["validate"], ["replay"], ["info", "--json"]])
