@@ -80,8 +80,7 @@ class ReplaySession(Checkpointing):
         page_size: what-if page size (conflicts with a version that fixes another).
         pool_tokens: what-if pool size (rounded down to whole pages).
         eviction_policy: what-if radix eviction policy (None: the trace's).
-        hicache_ratio, hicache_write_policy: what-if HiCache host tier (None: the
-            trace's; either one turns the tier on for a trace without).
+        hicache_ratio, hicache_write_policy: what-if host tier (None: the trace's; either turns it on).
         device: ``cpu`` or ``cuda``.
         options: checks, OOM and bad-op handling, the ``--steps`` window.
         checkpoint_every: save a checkpoint every this many replayed steps (None:
