@@ -231,6 +231,7 @@ class Info(Contract):
     live: bool
     page_size: int = 1
     cache: str = ""  # the radix cache where it is not the default (``SourceInfo.cache``)
+    sessions: bool = False  # the trace has streaming sessions (``SourceInfo.sessions``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,8 @@ class SourceInfo:
     live: bool  # an allocator runs (False: a saved state log)
     page_size: int = 1
     cache: str = ""  # the radix cache where it is not the default: 'slru · 3 namespaces' (``cache_line``)
+    # the trace has streaming sessions: the dashboard shows the KV they hold between turns
+    sessions: bool = False
 
 
 class ReplaySource(Protocol):
@@ -149,6 +151,7 @@ class LiveSource:
             last_step=last,
             live=True,
             page_size=cfg.page_size,
+            sessions=bool(session.meta.config.sessions),
         )
 
     @property
@@ -214,6 +217,15 @@ class LiveSource:
         self.session.close()
 
 
+def _has_sessions(log: StateLogSession) -> bool:
+    """Whether a state log is of a trace with streaming sessions: its schema has the
+    ``session_held`` counter (``kvtrace.statelog.log``: only such a log has it)."""
+    from kvtrace.statelog.log import SESSION_HELD, open_state_log
+
+    _, reader = open_state_log(log.path)
+    return SESSION_HELD in reader.schema.names
+
+
 class LogSource:
     """A saved state log (``kvtrace view LOG``): no allocator, so the page map is the
     pool's composition by state."""
@@ -233,6 +245,7 @@ class LogSource:
             last_step=log.last_step,
             live=False,
             page_size=int(cfg.get("page_size", 1)),
+            sessions=_has_sessions(log),
         )
 
     @property

@@ -21,7 +21,7 @@ from textual import events
 from textual.widgets import Input, Static, Tab, Tabs
 
 from kvtrace.tui.widgets.events_log import EventsLog
-from kvtrace.tui.widgets.header import ReplayHeader
+from kvtrace.tui.widgets.header import ReplayHeader, sessions_text
 from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
 from kvtrace.tui.widgets.page_map import PageMap, PageMapLegend, mamba_slots_text
 from kvtrace.tui.widgets.request_table import RequestTable
@@ -120,7 +120,7 @@ class Dashboard(Vertical):
             with Vertical(id="requests", classes="panel") as v:
                 v.border_title = "requests"
                 yield RequestTable(id="table")
-                yield Input(placeholder="filter: phases, live, over, ids, A-B (enter applies, esc closes)", id="filter")
+                yield Input(placeholder="filter: phases, live, over, held, ids, A-B (enter applies, esc closes)", id="filter")
             with Vertical(id="events", classes="panel") as v:
                 v.border_title = "events"
                 yield EventsLog(id="events-log")
@@ -173,6 +173,11 @@ class Dashboard(Vertical):
                 title = "state slots · mamba pool"  # no pages: which request holds which slot
             if pages_panel.border_title != title:
                 pages_panel.border_title = title
+        elif info.sessions and frame.requests is not None:  # sessions: a full-attention trace's
+            occupancy = self.query_one("#occupancy")
+            title = f"occupancy · {sessions_text(frame).plain}"
+            if occupancy.border_title != title:
+                occupancy.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
             self.query_one(OccupancyLegend).show(frame)
         elif self.compact:  # a diff's side has no legend: its numbers under the chart

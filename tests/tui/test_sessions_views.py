@@ -1,0 +1,126 @@
+"""The dashboard of a trace with streaming sessions shows the KV sessions hold between
+turns: a "session held" band in the occupancy chart and legend, "held" requests (with their
+held length) in the request table, the sessions open and held in the header and the
+occupancy panel's title; live and from a state log. Other traces show none of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from typer.testing import CliRunner
+
+from allocator.base import PoolCounters
+from kvtrace.cli import app as cli
+from kvtrace.tui.widgets.dashboard import Dashboard
+from kvtrace.tui.widgets.header import ReplayHeader
+from kvtrace.tui.widgets.occupancy import OccupancyLegend
+from kvtrace.tui.widgets.request_table import RequestTable
+from tests.helpers import TINY, at_step, live_app, log_app, settle
+
+SESSIONS = "sample:mooncake-sessions"
+STEP = 1182  # the most session-held KV of the run: 11 sessions open, 9 of them held between turns
+
+
+class _Reference(NamedTuple):
+    pool: PoolCounters
+    held: dict[int, int]  # rid -> kv_committed_len of the sessions held between turns
+    num_open: int
+
+
+def _reference(step: int) -> _Reference:
+    """The allocator's own view after ``step``, from a replay of its own."""
+    from kvtrace.replay.engine import ReplayOptions
+    from kvtrace.replay.session import ReplaySession
+
+    with ReplaySession(SESSIONS, options=ReplayOptions(decode_runs=False)) as session:
+        while (snap := session.step()) is not None and snap.step < step:
+            pass
+        assert snap is not None
+        alloc = session.allocator
+        import numpy as np
+
+        rids = np.arange(alloc._session_held.shape[0], dtype=np.int64)
+        held = rids[alloc.session_held(rids) >= 0]
+        lens = {int(r): alloc.kv_info(int(r)).kv_committed_len for r in held.tolist()}
+        return _Reference(snap.pool, lens, int(alloc._turned.sum()))
+
+
+async def _to_step(pilot, step: int) -> None:  # noqa: ANN001
+    await pilot.press("g")
+    await pilot.press(*str(step), "enter")
+    await settle(pilot, at_step(step), timeout_s=90)
+
+
+def _assert_held_rows(table: RequestTable, held: dict[int, int]) -> None:
+    width = table.size.width
+    table.set_filter("held")
+    assert sorted(table.shown_rids.tolist()) == sorted(held), (table.shown_rids.tolist(), held)
+    for i, rid in enumerate(table.shown_rids.tolist()):
+        words = table.render_row(i, width, False).text.split()
+        assert words[:2] == [str(rid), "held"], words
+        assert f"{held[rid]:,}" in words, (rid, words)  # its used length: the KV its session holds
+    table.set_filter("")
+
+
+async def test_the_live_dashboard_shows_the_kv_sessions_hold() -> None:
+    want = _reference(STEP)
+    assert want.pool.session_held > 0 and want.num_open > len(want.held) >= 2, want
+    app = live_app(SESSIONS, checkpoint_every=200)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await _to_step(pilot, STEP)
+        assert app.frame.pool == want.pool
+        legend = app.main.query_one(OccupancyLegend).content.plain
+        total = want.pool.pool_tokens
+        assert f"█ session held{'':<5}{want.pool.session_held:>10,} {100 * want.pool.session_held / total:6.1f}%" \
+            in legend, legend
+        sessions = f"sessions {want.num_open} open · {len(want.held)} held"
+        header = app.main.query_one(ReplayHeader).content.plain.splitlines()[0]
+        assert sessions in header and "version builtin" in header, header
+        assert app.main.query_one(Dashboard).query_one("#occupancy").border_title == f"occupancy · {sessions}"
+        _assert_held_rows(app.main.query_one(RequestTable), want.held)
+        # back through a checkpoint: the sessions of then (a checkpoint keeps them)
+        earlier = _reference(400)
+        await _to_step(pilot, 400)
+        assert app.frame.pool == earlier.pool
+        _assert_held_rows(app.main.query_one(RequestTable), earlier.held)
+
+
+async def test_a_state_logs_view_shows_the_kv_sessions_hold(tmp_path: Path) -> None:
+    want = _reference(STEP)
+    path = tmp_path / "sessions.log"
+    result = CliRunner().invoke(cli, ["replay", SESSIONS, "--steps", f":{STEP + 1}", "--out", str(path)])
+    assert result.exit_code == 0, result.output
+    app = log_app(path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _to_step(pilot, STEP)
+        legend = app.main.query_one(OccupancyLegend).content.plain
+        assert f"session held{'':<5}{want.pool.session_held:>10,}" in legend, legend
+        title = app.main.query_one(Dashboard).query_one("#occupancy").border_title
+        assert title == f"occupancy · sessions {want.num_open} open · {len(want.held)} held", title
+        _assert_held_rows(app.main.query_one(RequestTable), want.held)
+
+
+async def test_a_trace_without_sessions_shows_none() -> None:
+    app = live_app(TINY)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await _to_step(pilot, 60)
+        assert "session" not in app.main.query_one(OccupancyLegend).content.plain
+        assert "session" not in app.main.query_one(ReplayHeader).content.plain
+        assert app.main.query_one(Dashboard).query_one("#occupancy").border_title == "occupancy"
+        with pytest.raises(ValueError, match="held"):
+            app.main.query_one(RequestTable).set_filter("helt")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+def test_sessions_dashboard(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
+    """Session-held KV in the legend and chart, the held sessions in the table (filtered
+    by ``held``), the sessions in the header and the occupancy title."""
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await _to_step(pilot, STEP)
+        await pilot.press("/", *"held", "enter")
+        await pilot.pause(0.3)
+
+    assert snap_compare(live_app(SESSIONS, fixed_clock=True, checkpoint_every=200), terminal_size=size,
+                        run_before=run_before)
