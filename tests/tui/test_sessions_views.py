@@ -1,7 +1,8 @@
 """The dashboard of a trace with streaming sessions shows the KV sessions hold between
 turns: a "session held" band in the occupancy chart and legend, "held" requests (with their
 held length) in the request table, the sessions open and held in the header and the
-occupancy panel's title; live and from a state log. Other traces show none of it."""
+occupancy panel's title; live and from a state log. Other traces show none of it. The
+occupancy legend fits a short panel (80x24) by giving the peak's step on the peak's line."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from allocator.base import PoolCounters
 from kvtrace.cli import app as cli
 from kvtrace.tui.widgets.dashboard import Dashboard
 from kvtrace.tui.widgets.header import ReplayHeader
-from kvtrace.tui.widgets.occupancy import OccupancyLegend
+from kvtrace.tui.widgets.occupancy import OccupancyLegend, legend_lines
 from kvtrace.tui.widgets.request_table import RequestTable
 from tests.helpers import TINY, at_step, live_app, log_app, settle
 
@@ -113,6 +114,23 @@ async def test_a_trace_without_sessions_shows_none() -> None:
             app.main.query_one(RequestTable).set_filter("helt")
 
 
+def _pool(session_held: int = 0) -> PoolCounters:
+    return PoolCounters(pool_tokens=1000, available=100, evictable=200, protected=300, committed=250 - session_held,
+                        overallocated=150, running_requests=7, free_rows=9, session_held=session_held)
+
+
+def test_a_short_legend_puts_the_peaks_step_on_the_peaks_line() -> None:
+    tall = [line.plain for line in legend_lines(_pool(50), (865, 918), sessions=True)]
+    assert len(tall) == 10 and tall[-3].split() == ["peak", "918", "91.8%"] and tall[-2].split() == ["at", "step", "865"]
+    short = [line.plain for line in legend_lines(_pool(50), (865, 918), sessions=True, rows=9)]
+    assert len(short) == 9 and short[-2].split() == ["peak", "@865", "918", "91.8%"], short
+    assert short[:-2] == tall[:-3] and short[-1] == tall[-1]  # nothing else changes
+    # room for every line: the legend as it always was
+    assert [line.plain for line in legend_lines(_pool(), (865, 918), rows=11)] == \
+        [line.plain for line in legend_lines(_pool(), (865, 918))]
+    assert "session" not in "".join(line.plain for line in legend_lines(_pool(), None))
+
+
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
 def test_sessions_dashboard(snap_compare, size: tuple[int, int]) -> None:  # noqa: ANN001
     """Session-held KV in the legend and chart, the held sessions in the table (filtered
@@ -124,3 +142,20 @@ def test_sessions_dashboard(snap_compare, size: tuple[int, int]) -> None:  # noq
 
     assert snap_compare(live_app(SESSIONS, fixed_clock=True, checkpoint_every=200), terminal_size=size,
                         run_before=run_before)
+
+
+@pytest.mark.parametrize("trace", [SESSIONS, "sample:mooncake-gpt-oss"])
+async def test_the_legend_fits_the_occupancy_panel_at_80x24(trace: str) -> None:
+    # The sessions' legend has a line more; a hybrid model's header a row more: every line
+    # shows (the running requests were cut), the peak's step on the peak's line.
+    app = live_app(trace, checkpoint_every=200)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _to_step(pilot, 200)
+        legend = app.main.query_one(OccupancyLegend)
+        lines = legend.content.plain.splitlines()
+        assert len(lines) <= legend.size.height, (lines, legend.size)
+        assert lines[-1].startswith("running") and lines[-2].startswith("peak @"), lines
+        await pilot.resize_terminal(120, 40)  # room again: the peak's step on a line of its own
+        await pilot.pause(0.3)
+        lines = legend.content.plain.splitlines()
+        assert lines[-2].strip().startswith("at step") and lines[-3].split()[0] == "peak", lines

@@ -11,6 +11,10 @@ cycles it). The Mamba pool counts state slots, not tokens: its legend names its 
 slots (held by requests; the radix cache's checkpointed states, when it keeps any). A trace
 with streaming sessions adds a band above committed: the KV sessions hold between their
 turns (``SESSION_BAND``); any other trace's chart and legend have none.
+
+Where the panel is shorter than the legend (an 80x24 terminal; a hybrid model's header
+takes a row more), the legend gives the peak's step on the peak's line instead of a line
+of its own.
 """
 
 from __future__ import annotations
@@ -219,8 +223,14 @@ class OccupancyLegend(TextLines):
     an index into ``POOL_NAMES``)."""
 
     pool = 0
+    _frame: Frame | None = None
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self._frame is not None:  # the legend's lines depend on its height
+            self.show(self._frame)
 
     def show(self, frame: Frame) -> None:
+        self._frame = frame
         pools = (frame.pool, *frame.other_pools)
         index = self.pool if self.pool < len(pools) else 0
         pool = pools[index]
@@ -229,13 +239,14 @@ class OccupancyLegend(TextLines):
             return
         names = frame.pool_names
         self.set_lines(legend_lines(pool, frame.peak(index), names[index] if index < len(names) else "full",
-                                    sessions=frame.sessions))
+                                    sessions=frame.sessions, rows=self.size.height or None))
 
 
 def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "full", *,
-                 sessions: bool = False) -> list[Text]:
+                 sessions: bool = False, rows: int | None = None) -> list[Text]:
     """The legend: one line per band (``bands(sessions)``), then used, the peak and the
-    running requests. The
+    running requests; where that is more lines than ``rows`` (None: no bound), the peak's
+    step goes on the peak's line ('peak @865') instead of one of its own. The
     Mamba pool (``name`` "mamba") counts slots: its bands are named by ``MAMBA_LABELS``,
     its over-allocated band (always empty) is left out, its checkpoint bands and a line
     of its cached checkpoints (``cached_checkpoints`` where the counters carry it, else
@@ -262,8 +273,12 @@ def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "
             lines.append(Text(f"{'cached ckpts':<19}{cached:>10,} {100 * cached / total:6.1f}%"))
     used = pool.used_tokens
     lines.append(Text(f"{'used slots' if mamba else 'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
+    short = rows is not None and len(lines) + (3 if peak is not None else 1) > rows
     if peak is not None:
-        lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
-        lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
+        at = f" @{peak[0]:,}" if short else ""
+        lines.append(Text.assemble(("peak", "bold red"), (at, "red"),
+                                   f"{'':<{max(15 - len(at), 0)}}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
+        if not short:
+            lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
     lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
     return lines
