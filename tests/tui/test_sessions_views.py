@@ -159,3 +159,21 @@ async def test_the_legend_fits_the_occupancy_panel_at_80x24(trace: str) -> None:
         await pilot.pause(0.3)
         lines = legend.content.plain.splitlines()
         assert lines[-2].strip().startswith("at step") and lines[-3].split()[0] == "peak", lines
+
+
+async def test_a_held_requests_detail_says_what_its_session_keeps() -> None:
+    from kvtrace.tui.screens import RequestDetailScreen
+
+    want = _reference(STEP)
+    rid = min(want.held)
+    app = live_app(SESSIONS, checkpoint_every=200)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _to_step(pilot, STEP)
+        app.main.query_one(RequestTable).select_rid(rid)
+        await pilot.pause()
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, RequestDetailScreen)
+        text = str(app.screen.query_one("#detail-row").render())
+        assert text.startswith("phase held · ") and "its turn ended at step " in text, text
+        assert f"held: its session keeps {want.held[rid]:,} tokens of KV until its next turn" in text, text

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["SESSION_COLOR", "STATE_COLORS", "PageMap", "PageMapLegend", "legend", "mamba_slots_text"]
 
 # The streaming sessions' KV held between turns (the occupancy band, the table's "held").
-SESSION_COLOR = "dark_orange"
+SESSION_COLOR = "dark_cyan"
 STATE_COLORS = {
     SlotState.FREE: "grey23",
     SlotState.COMMITTED: "green",
