@@ -177,3 +177,18 @@ async def test_a_held_requests_detail_says_what_its_session_keeps() -> None:
         text = str(app.screen.query_one("#detail-row").render())
         assert text.startswith("phase held · ") and "its turn ended at step " in text, text
         assert f"held: its session keeps {want.held[rid]:,} tokens of KV until its next turn" in text, text
+
+
+def test_a_diff_sides_line_gives_the_session_held_kv() -> None:
+    """A diff side has no legend: the line under its chart names the session-held KV of a
+    trace with sessions, and only there."""
+    from types import SimpleNamespace
+
+    from kvtrace.tui.widgets.dashboard import side_numbers
+
+    pool = _pool(50)
+    for sessions, want in ((True, "used 700 (70.0%) · over 150 · session held 50 · locked 300 · "),
+                           (False, "used 700 (70.0%) · over 150 · locked 300 · ")):
+        frame = SimpleNamespace(pool=pool, other_pools=(), pool_names=("full",), sessions=sessions,
+                                peak=lambda pool=0: (865, 918))
+        assert side_numbers(frame, 0).startswith(want), side_numbers(frame, 0)  # type: ignore[arg-type]

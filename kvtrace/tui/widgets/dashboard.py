@@ -64,8 +64,9 @@ class Cadence(NamedTuple):
 
 def side_numbers(frame: Frame, pool: int = 0) -> str:
     """One line of a diff side's occupancy (it has no legend beside its chart): used,
-    over-allocated, cached locked and evictable, free, and the peak (pool ``pool``); the
-    Mamba pool's in slots: held, checkpoints, free."""
+    over-allocated, session held (a trace with streaming sessions), cached locked and
+    evictable, free, and the peak (pool ``pool``); the Mamba pool's in slots: held,
+    checkpoints, free."""
     pools = (frame.pool, *frame.other_pools)
     index = pool if pool < len(pools) else 0
     p = pools[index]
@@ -76,7 +77,8 @@ def side_numbers(frame: Frame, pool: int = 0) -> str:
         text = (f"slots held {p.committed:,} ({100 * p.committed / total:.1f}%) · "
                 f"checkpoints {p.evictable + p.protected:,} · free {p.available:,} of {p.pool_tokens:,}")
     else:
-        text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · "
+        held = f"session held {p.session_held:,} · " if getattr(frame, "sessions", False) else ""
+        text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · {held}"
                 f"locked {p.protected:,} · evictable {p.evictable:,} · free {p.available:,}")
     peak = frame.peak(pool)
     return text + (f" · peak {peak[1]:,} @ {peak[0]:,}" if peak is not None else "")
