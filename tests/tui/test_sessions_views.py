@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -40,8 +41,6 @@ def _reference(step: int) -> _Reference:
             pass
         assert snap is not None
         alloc = session.allocator
-        import numpy as np
-
         rids = np.arange(alloc._session_held.shape[0], dtype=np.int64)
         held = rids[alloc.session_held(rids) >= 0]
         lens = {int(r): alloc.kv_info(int(r)).kv_committed_len for r in held.tolist()}
