@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["AllocatorState", "SwaTreeState", "restore_allocator_state", "save_allocator_state"]
 
-# KvAllocator's own per-request arrays (indexed by request id).
-_MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed")
+# KvAllocator's own per-request arrays (indexed by request id); the streaming sessions' two
+# are all fill (-1, False) without sessions, so that they add nothing to a digest then.
+_MANAGER_ARRAYS = ("_row_of_rid", "_prompt_len", "_prefilling", "_stashed", "_session_held", "_turned")
 # ReqKvTable's columns and sums.
 _KV_ARRAYS = ("kv_allocated_len", "kv_committed_len", "cache_protected_len", "cache_inserted_len", "rid")
 _KV_SCALARS = ("sum_committed", "sum_protected", "sum_allocated_ceil", "max_len_bound")
@@ -418,6 +419,8 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
         kv.lock_swa_uuid = [None if u < 0 else u for u in state.lock_swa_uuids.tolist()]
     for name, saved in zip(_MANAGER_ARRAYS, state.manager_arrays):
         setattr(alloc, name, saved.copy())
+    held = alloc._session_held
+    alloc.sum_session_held = int(held[held >= 0].sum())  # the sum of the arrays just restored
     if state.mamba is not None:
         _restore_mamba(alloc, state.mamba)
     if hasattr(alloc, "mamba_matches"):

@@ -261,7 +261,8 @@ def diff(
     if tui:
         from kvtrace.tui.run import show_diff
 
-        raise typer.Exit(show_diff(report, inputs, a=a or "builtin", b=b, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options={"check": check.value, "on_oom": on_oom.value, "on_bad_op": on_bad_op.value, "start_step": start, "stop_step": stop}, as_json=as_json))
+        raise typer.Exit(show_diff(report, inputs, a=a or "builtin", b=b, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options={"check": check.value, "on_oom": on_oom.value, "on_bad_op": on_bad_op.value, "start_step": start, "stop_step": stop}, as_json=as_json,
+                                  eviction_policy=eviction_policy.value if eviction_policy is not None else None))
     result = report.to_dict()
     if export is not None:
         result["export"] = str(export)

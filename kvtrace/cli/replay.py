@@ -72,9 +72,10 @@ def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: s
 
 
 def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: int | None, device: str,
-               options: Any, target: Any, *, explain: bool = False) -> None:
+               options: Any, target: Any, *, explain: bool = False, eviction_policy: str | None = None) -> None:
     """The replay in the live dashboard, in a process of its own (with --out, the steps it
-    replays go to the log; with --explain, its misses are attributed: the ``e`` key)."""
+    replays go to the log; with --explain, its misses are attributed: the ``e`` key;
+    ``eviction_policy``: the what-if, None for the trace's)."""
     import dataclasses
 
     from kvtrace.versions.registry import resolve_version
@@ -85,7 +86,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
     version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
     job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
                         pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True,
-                        explain=explain)
+                        explain=explain, eviction_policy=eviction_policy)
     ui.require_terminal("run it in a terminal, add --serve to show it as a web page, or drop --tui")
     if target is None:
         run_live(job)
@@ -200,9 +201,6 @@ def replay(
     if (hicache_ratio is not None or hicache_write_policy is not None) and (tui or serve is not None):
         raise typer.BadParameter("the dashboard replays with the trace's host tier; drop --hicache-* or --tui / --serve",
                                  param_hint="--hicache-ratio" if hicache_ratio is not None else "--hicache-write-policy")
-    if policy is not None and (tui or serve is not None):
-        raise typer.BadParameter("the dashboard replays with the trace's eviction policy; drop --eviction-policy "
-                                 "or --tui / --serve", param_hint="--eviction-policy")
     target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
     if kv_events is not None and start is not None:
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
@@ -232,7 +230,8 @@ def replay(
         return
     if tui:
         ui.no_color_for_textual()
-        _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target, explain=explain)
+        _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target, explain=explain,
+                   eviction_policy=policy)
         return
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvtrace.replay.snapshot import PHASES, POOL_NAMES
+from kvtrace.replay.snapshot import PHASES
 from traces.schema import EXTEND, PREALLOC
 
 if TYPE_CHECKING:
@@ -121,12 +121,14 @@ Record = Counters | HitRate | SliceBegin | SliceEnd | Instant | Flow
 
 
 def pools_of(snap: StepSnapshot) -> tuple[tuple[str, PoolCounters], ...]:
-    """The pools of a snapshot, each with its name (``POOL_NAMES``) and counters: ``full``
-    alone for a full-attention model, then ``swa`` for a sliding-window one. Every
-    consumer of the timeline gets a pool's tracks from its entry here."""
+    """The pools of a snapshot, each with its name and counters: ``full`` alone for a
+    full-attention model, then the replay's other pools under the names the snapshot
+    gives them (``swa`` for a sliding-window model, ``mamba`` for a linear-attention one:
+    naming them by position would call a Mamba pool "swa"). Every consumer of the
+    timeline gets a pool's tracks from its entry here."""
     if not snap.other_pools:
         return (("full", snap.pool),)
-    return tuple(zip(POOL_NAMES, (snap.pool, *snap.other_pools)))
+    return tuple(snap.pools.items())
 
 
 def ts_ns(time_s: float) -> int:

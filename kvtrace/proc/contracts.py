@@ -233,6 +233,7 @@ class Info(Contract):
     page_size: int = 1
     cache: str = ""  # the radix cache where it is not the default (``SourceInfo.cache``)
     explain: bool = False  # the replay explains its misses (answers ``explain``)
+    sessions: bool = False  # the trace has streaming sessions (``SourceInfo.sessions``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -525,7 +525,7 @@ class KvtraceApp(App[None]):
             row = _row_of(frame, rid)
         except KeyError:
             return
-        self._detail = RequestDetailScreen(row, side, self._side_label(side))
+        self._detail = RequestDetailScreen(row, side, self._side_label(side), sessions=frame.sessions)
 
         def closed(_: None) -> None:
             self._detail = None

@@ -26,7 +26,7 @@ import numpy as np
 
 from allocator.base import PoolCounters
 from kvtrace.proc import contracts as wire
-from kvtrace.replay.snapshot import POOL_NAMES
+from kvtrace.replay.snapshot import FINISHED, PHASES, POOL_NAMES
 from kvtrace.replay.state import ReplayState, SavedState, StepEvent
 from kvtrace.tui.remote.pagemap import CellDetail, PageCells
 from kvtrace.tui.remote.replayer import MAX_HISTORY_STEPS, SPEEDS
@@ -70,6 +70,10 @@ class AchievedSpeed:
         return (simulated - first_sim) / (wall - first_wall) if wall > first_wall else None
 
 
+# The phases of a streaming session's turn in progress (a retracted turn comes back).
+_SESSION_TURN = np.array([p in ("waiting", "prefill", "decode", "spec", "retracted") for p in PHASES])
+
+
 @dataclass(frozen=True, slots=True)
 class RequestColumns:
     """Copies of the per-request columns (index = request id) at one step."""
@@ -103,6 +107,18 @@ class RequestColumns:
     def size(self) -> int:
         return int(self.phase.shape[0])
 
+    def held(self) -> np.ndarray:
+        """Bool per request id: a streaming session held between turns (its turn ended,
+        ``finished``, and its KV stayed: only a ``hold`` leaves a finished request any)."""
+        return (self.phase == FINISHED) & (self.allocated > 0)
+
+    def open_sessions(self) -> np.ndarray:
+        """Bool per request id: a streaming session open now (held between turns, or in a
+        later turn: one id per session, so a request that ended a turn before and holds KV
+        again, or was retracted since, is a session's turn)."""
+        again = (self.ended_step >= 0) & (self.phase >= 0) & _SESSION_TURN[np.maximum(self.phase, 0)]
+        return self.held() | again
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:
@@ -132,6 +148,7 @@ class Frame:
     other_pools: tuple[PoolCounters, ...] = ()  # a hybrid model's pools after ``pool`` (``pool_names[1:]``)
     pool_names: tuple[str, ...] = POOL_NAMES  # the names of ``pool`` and ``other_pools``, in order
     died: str | None = None  # why the replay process went away before the screen quit (None: it did not)
+    sessions: bool = False  # the trace has streaming sessions (``SourceInfo.sessions``)
 
     @property
     def pools(self) -> dict[str, PoolCounters]:
@@ -466,5 +483,6 @@ class Driver:
                 selected_rid=self.selected_rid,
                 busy=self.busy,
                 died=self.died,
+                sessions=self.info is not None and self.info.sessions,
             )
         )

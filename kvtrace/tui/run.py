@@ -78,6 +78,7 @@ def show_diff(
     device: str,
     options: dict[str, Any],
     as_json: bool = False,
+    eviction_policy: str | None = None,
 ) -> int:
     """``kvtrace diff ... --tui``: the replays of A and B side by side at the divergence
     ``report`` found (a trace: each version replayed in a process of its own, with the
@@ -106,7 +107,8 @@ def show_diff(
         replay = dataclasses.asdict(ReplayOptions(**options))  # type: ignore[arg-type]
         jobs = tuple(  # type: ignore[assignment]
             dashboard_job(resolve_any(spec), str(resolve_trace(trace)), trace_label=trace, page_size=page_size,
-                          pool_tokens=pool_tokens, device=device, options=replay, play=False)
+                          pool_tokens=pool_tokens, device=device, options=replay, play=False,
+                          eviction_policy=eviction_policy)
             for spec in (a, b or "builtin")
         )
     run_diff(report, jobs)  # type: ignore[arg-type]

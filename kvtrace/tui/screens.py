@@ -157,24 +157,33 @@ class GotoScreen(ModalScreen[int | None]):
 
 
 class RequestDetailScreen(ModalScreen[None]):
-    """One request: its row, its lengths over its life (a chart), its events."""
+    """One request: its row, its lengths over its life (a chart), its events. In a trace with
+    streaming sessions (``sessions``) a session held between turns reads "held", with the
+    KV its session keeps and the step its last turn ended."""
 
     BINDINGS = [Binding("escape,enter,q", "close", "Close")]
 
-    def __init__(self, row: RequestRow, side: int = 0, label: str = "") -> None:
+    def __init__(self, row: RequestRow, side: int = 0, label: str = "", *, sessions: bool = False) -> None:
         super().__init__()
         self.row = row
         self.side = side
         self.label = label
+        self.sessions = sessions
 
     def compose(self) -> ComposeResult:
         r = self.row
+        held = self.sessions and r.phase == "finished" and r.allocated > 0  # ``RequestColumns.held``
         with Vertical(id="detail-body") as v:
             v.border_title = f"request {r.rid}" + (f" ({self.label})" if self.label else "")
+            ended = f"ended at step {r.ended_step if r.ended_step >= 0 else '-'}"
+            if held:
+                ended = (f"its turn ended at step {r.ended_step}\n"
+                         f"held: its session keeps {r.used:,} tokens of KV until its next turn")
             yield Static(
-                f"phase {r.phase} · used {r.used:,} · allocated {r.allocated:,} · over-allocated {r.overallocated:,} · "
+                f"phase {'held' if held else r.phase} · used {r.used:,} · allocated {r.allocated:,} · "
+                f"over-allocated {r.overallocated:,} · "
                 f"pages {r.pages:,} · prefix hit {r.prefix_hit:,} · admitted at step {r.admitted_step} · "
-                f"ended at step {r.ended_step if r.ended_step >= 0 else '-'}"
+                + ended
                 + ("" if r.swa_evicted is None else
                    f"\nSWA: {r.swa_len:,} tokens past the window's cursor · swa_evicted_seqlen {r.swa_evicted:,}")
                 + ("" if r.mamba_slot is None else

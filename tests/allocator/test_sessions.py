@@ -71,6 +71,35 @@ def test_two_turns_hold_resume_close(page_size: int) -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
+def test_a_checkpoint_keeps_the_held_sessions(page_size: int) -> None:
+    # A seek restores a checkpoint: a session held then must be held again (its KV counted
+    # in session_held, its next turn resuming it), and one turned since must be as it was.
+    alloc = _make(page_size)
+    alloc.extend(_a(0), _a(10), [TOKENS[:10]])
+    alloc.decode(_a(0))
+    alloc.decode(_a(0))
+    alloc.end_step()
+    alloc.hold(_a(0), _a(12))
+    alloc.end_step()
+    saved = alloc.save_state()
+    held = alloc.counters()
+    assert held.session_held > 0
+    alloc.extend(_a(0), _a(20), [TOKENS[:20]])  # the next turn: the session's KV is the request's again
+    alloc.end_step()
+    alloc.hold(_a(0), _a(20))
+    alloc.close_session(_a(0))
+    alloc.end_step()
+    alloc.restore_state(saved)
+    assert alloc.counters() == held
+    assert alloc.session_held(_a(0)).tolist() == [held.session_held]
+    _clean(alloc)
+    res = alloc.extend(_a(0), _a(20), [TOKENS[:20]])  # resumes the held session, as before the seek
+    assert res.prefix_lens.tolist() == [12]
+    alloc.end_step()
+    _clean(alloc)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
 def test_abort_of_a_resumed_turn_releases_the_session_kv(page_size: int) -> None:
     alloc = _make(page_size)
     alloc.extend(_a(3), _a(9), [TOKENS[:9]])

@@ -48,3 +48,14 @@ def test_a_full_attention_export_is_byte_identical_to_one_pool_tracks(tmp_path: 
     old = tmp_path / "old.pftrace"
     assert runner.invoke(app, ["export", "sample:tiny", "--out", str(old)]).exit_code == 0
     assert new.read_bytes() == old.read_bytes()
+
+
+def test_a_mamba_export_names_its_second_pool_mamba(tmp_path: Path) -> None:
+    # The pools are named as the replay names them, not by position ("swa" was second).
+    out = tmp_path / "mamba.pftrace"
+    result = runner.invoke(app, ["export", "sample:mooncake-qwen3-next", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["pools"] == ["full", "mamba"]
+    got = _decode(out)
+    assert f"mamba {COUNTERS[0]}" in got["counters"]
+    assert not any(name.startswith("swa ") for name in got["counters"]), sorted(got["counters"])

@@ -517,6 +517,7 @@ def dashboard_job(
     first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
     explain: bool = False,
+    eviction_policy: str | None = None,
 ) -> DashboardJob:
     """The job of a live dashboard's replay process (``kvtrace.tui.remote.process``): a diff side's job
     (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
@@ -524,11 +525,12 @@ def dashboard_job(
     ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
     (``ReplaySession``; a dashboard's by default; ``first_pass_every``, when given, replaces
     the seconds); ``explain``: attribute every admission's missed tokens (the ``explain``
-    command; ``kvtrace.explain``)."""
+    command; ``kvtrace.explain``); ``eviction_policy``: the radix cache's, a what-if (None:
+    the trace's)."""
     from kvtrace.diff.sides import side_job
 
     side = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
-                    options=options)
+                    options=options, eviction_policy=eviction_policy)
     if first_pass_every is not None:
         first_pass_seconds = None
     return DashboardJob(play=play, side=side, checkpoint_every=checkpoint_every, first_pass_every=first_pass_every,
@@ -575,7 +577,7 @@ def live_source(job: DashboardJob) -> ReplaySource:
         side.trace, version=job_version(side), page_size=side.page_size, pool_tokens=side.pool_tokens,
         device=side.device, options=options, checker=job_checker(side, options), label=side.trace_label,
         checkpoint_every=job.checkpoint_every, first_pass_every=job.first_pass_every,
-        first_pass_seconds=job.first_pass_seconds,
+        first_pass_seconds=job.first_pass_seconds, eviction_policy=side.eviction_policy,
         track_state=True, allocator_in_step=True,
         checker_nice=CHECKER_NICE,
     )

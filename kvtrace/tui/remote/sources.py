@@ -40,6 +40,8 @@ class SourceInfo:
     page_size: int = 1
     cache: str = ""  # the radix cache where it is not the default: 'slru · 3 namespaces' (``cache_line``)
     explain: bool = False  # the replay explains its misses (``LiveSource.explain``)
+    # the trace has streaming sessions: the dashboard shows the KV they hold between turns
+    sessions: bool = False
 
 
 class ReplaySource(Protocol):
@@ -163,6 +165,7 @@ class LiveSource:
             live=True,
             page_size=cfg.page_size,
             explain=explain,
+            sessions=bool(session.meta.config.sessions),
         )
 
     @property
@@ -228,6 +231,15 @@ class LiveSource:
         self.session.close()
 
 
+def _has_sessions(log: StateLogSession) -> bool:
+    """Whether a state log is of a trace with streaming sessions: its schema has the
+    ``session_held`` counter (``kvtrace.statelog.log``: only such a log has it)."""
+    from kvtrace.statelog.log import SESSION_HELD, open_state_log
+
+    _, reader = open_state_log(log.path)
+    return SESSION_HELD in reader.schema.names
+
+
 class LogSource:
     """A saved state log (``kvtrace view LOG``): no allocator, so the page map is the
     pool's composition by state."""
@@ -247,6 +259,7 @@ class LogSource:
             last_step=log.last_step,
             live=False,
             page_size=int(cfg.get("page_size", 1)),
+            sessions=_has_sessions(log),
         )
 
     @property

@@ -21,7 +21,7 @@ from textual import events
 from textual.widgets import Input, Static, Tab, Tabs
 
 from kvtrace.tui.widgets.events_log import EventsLog
-from kvtrace.tui.widgets.header import ReplayHeader
+from kvtrace.tui.widgets.header import ReplayHeader, sessions_text
 from kvtrace.tui.widgets.occupancy import OccupancyChart, OccupancyLegend
 from kvtrace.tui.widgets.page_map import PageMap, PageMapLegend, mamba_slots_text
 from kvtrace.tui.widgets.request_table import RequestTable
@@ -64,8 +64,9 @@ class Cadence(NamedTuple):
 
 def side_numbers(frame: Frame, pool: int = 0) -> str:
     """One line of a diff side's occupancy (it has no legend beside its chart): used,
-    over-allocated, cached locked and evictable, free, and the peak (pool ``pool``); the
-    Mamba pool's in slots: held, checkpoints, free."""
+    over-allocated, session held (a trace with streaming sessions), cached locked and
+    evictable, free, and the peak (pool ``pool``); the Mamba pool's in slots: held,
+    checkpoints, free."""
     pools = (frame.pool, *frame.other_pools)
     index = pool if pool < len(pools) else 0
     p = pools[index]
@@ -76,7 +77,8 @@ def side_numbers(frame: Frame, pool: int = 0) -> str:
         text = (f"slots held {p.committed:,} ({100 * p.committed / total:.1f}%) · "
                 f"checkpoints {p.evictable + p.protected:,} · free {p.available:,} of {p.pool_tokens:,}")
     else:
-        text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · "
+        held = f"session held {p.session_held:,} · " if getattr(frame, "sessions", False) else ""
+        text = (f"used {p.used_tokens:,} ({100 * p.used_tokens / total:.1f}%) · over {p.overallocated:,} · {held}"
                 f"locked {p.protected:,} · evictable {p.evictable:,} · free {p.available:,}")
     peak = frame.peak(pool)
     return text + (f" · peak {peak[1]:,} @ {peak[0]:,}" if peak is not None else "")
@@ -120,7 +122,7 @@ class Dashboard(Vertical):
             with Vertical(id="requests", classes="panel") as v:
                 v.border_title = "requests"
                 yield RequestTable(id="table")
-                yield Input(placeholder="filter: phases, live, over, ids, A-B (enter applies, esc closes)", id="filter")
+                yield Input(placeholder="filter: phases, live, over, held, ids, A-B (enter applies, esc closes)", id="filter")
             with Vertical(id="events", classes="panel") as v:
                 v.border_title = "events"
                 yield EventsLog(id="events-log")
@@ -173,6 +175,11 @@ class Dashboard(Vertical):
                 title = "state slots · mamba pool"  # no pages: which request holds which slot
             if pages_panel.border_title != title:
                 pages_panel.border_title = title
+        elif info.sessions and frame.requests is not None:  # sessions: a full-attention trace's
+            occupancy = self.query_one("#occupancy")
+            title = f"occupancy · {sessions_text(frame).plain}"
+            if occupancy.border_title != title:
+                occupancy.border_title = title
         if not self.compact and self._due("legend_s", frame, now):
             self.query_one(OccupancyLegend).show(frame)
         elif self.compact:  # a diff's side has no legend: its numbers under the chart

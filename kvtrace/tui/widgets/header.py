@@ -1,6 +1,8 @@
 """The header: trace and source, pool and page configuration, version, step N of M,
-simulated time, replay speed and play state; for a hybrid model (more than one KV pool) a
-third line with each pool's use."""
+simulated time, replay speed and play state; for a trace with streaming sessions, the
+sessions open and held between turns (where the line has room for them beside the trace's
+name: the occupancy panel's title says it too); for a hybrid model (more than one KV pool)
+a third line with each pool's use."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ if TYPE_CHECKING:
     from kvtrace.tui.driver import Frame
     from kvtrace.tui.remote.sources import SourceInfo
 
-__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "config_text", "pools_text", "speed_label", "state_text"]
+__all__ = ["STOP_REASONS", "ReplayHeader", "clock_time", "config_text", "pools_text", "sessions_text", "speed_label",
+           "state_text"]
 
 # What stopped a replay early, by the kind of the alarm at its last step.
 STOP_REASONS = {"oom": "out of memory", "violation": "invariant violation", "bad_op": "impossible op"}
@@ -61,6 +64,16 @@ def pools_text(frame: Frame, shown: str | None = None) -> Text:
         parts += ["  " if i else "", (name, "bold underline" if name == shown else "bold"),
                   f" {used:,}/{total:,}{unit} {100 * used / max(total, 1):.1f}%"]
     return Text.assemble(*parts)
+
+
+def sessions_text(frame: Frame) -> Text:
+    """The streaming sessions now: 'sessions 12 open · 6 held' (held: between turns, their
+    KV kept; open: held, or in a later turn)."""
+    req = frame.requests
+    num_open = int(req.open_sessions().sum())
+    num_held = int(req.held().sum())
+    return Text.assemble(("sessions ", "dim"), (f"{num_open:,}", "bold"), " open · ",
+                         (f"{num_held:,}", "bold"), " held")
 
 
 def config_text(info: SourceInfo, room: int) -> Text:
@@ -117,6 +130,12 @@ class ReplayHeader(TextLines):
         width = max(self.size.width - 2, 40)
         left1 = Text.assemble(("kvtrace ", "bold"), (info.name, "bold cyan"), "  ", (info.source, "dim"))
         right1 = Text.assemble("version ", (info.version, "bold"), "  ", state)
+        if info.sessions and frame.requests is not None:
+            # only where the trace's name keeps its room (the occupancy panel's title says it too)
+            with_sessions = Text.assemble(sessions_text(frame), "  ", right1)
+            name = len("kvtrace ") + Text(info.name).cell_len
+            if name + 2 + with_sessions.cell_len + 1 <= width:
+                right1 = with_sessions
         right2 = Text.assemble(
             ("step ", "dim"), (step, "bold"), total,
             ("  t=", "dim"), clock_time(frame.time_s),

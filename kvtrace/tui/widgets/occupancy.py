@@ -8,7 +8,13 @@ no peak is lost to downsampling. ``marks`` adds labelled vertical lines (a diff 
 marks its divergence step with one). A hybrid model's replay has a pool per attention
 kind (``POOL_NAMES``): chart and legend show one of them, ``pool`` (the dashboard's ``p``
 cycles it). The Mamba pool counts state slots, not tokens: its legend names its bands as
-slots (held by requests; the radix cache's checkpointed states, when it keeps any).
+slots (held by requests; the radix cache's checkpointed states, when it keeps any). A trace
+with streaming sessions adds a band above committed: the KV sessions hold between their
+turns (``SESSION_BAND``); any other trace's chart and legend have none.
+
+Where the panel is shorter than the legend (an 80x24 terminal; a hybrid model's header
+takes a row more), the legend gives the peak's step on the peak's line instead of a line
+of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from textual_plot.axis_formatter import NumericAxisFormatter
 from textual_plot.plot_widget import Legend
 
 from allocator.ownership import SlotState
-from kvtrace.tui.widgets.page_map import STATE_COLORS
+from kvtrace.tui.widgets.page_map import SESSION_COLOR, STATE_COLORS
 from kvtrace.tui.widgets.text_lines import TextLines
 
 if TYPE_CHECKING:
@@ -37,7 +43,8 @@ if TYPE_CHECKING:
     from kvtrace.replay.state import Timeline
     from kvtrace.tui.driver import Frame
 
-__all__ = ["BANDS", "MAMBA_LABELS", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter", "column_samples"]
+__all__ = ["BANDS", "MAMBA_LABELS", "SESSION_BAND", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter",
+           "bands", "column_samples", "legend_lines"]
 
 # (label, PoolCounters field, colour), bottom to top
 BANDS = (
@@ -47,6 +54,16 @@ BANDS = (
     ("cached evictable", "evictable", STATE_COLORS[SlotState.CACHED_EVICTABLE]),
     ("free", "available", STATE_COLORS[SlotState.FREE]),
 )
+
+# Streaming sessions: KV a session holds between its turns (no running request's, not cached).
+SESSION_BAND = ("session held", "session_held", SESSION_COLOR)
+
+
+def bands(sessions: bool = False) -> tuple[tuple[str, str, str], ...]:
+    """The chart's bands, bottom to top: ``BANDS``, with ``SESSION_BAND`` above committed for
+    a trace with streaming sessions (``sessions``)."""
+    return (BANDS[0], SESSION_BAND, *BANDS[1:]) if sessions else BANDS
+
 
 # The Mamba pool's names for the same bands: a request holds a state slot (nothing is
 # over-allocated), and the radix cache keeps checkpointed states ("ckpt") in slots of its own.
@@ -184,7 +201,7 @@ class OccupancyChart(QuietPlot):
         least = pool / rows if rows > 0 else 0.0
         stacked = np.zeros(len(idx), np.float64)
         tops = []
-        for _, field, colour in BANDS:
+        for _, field, colour in bands(frame.sessions):
             band = timeline.column(field, size, pool_index)[idx].astype(np.float64)
             stacked = stacked + np.where(band > 0, np.maximum(band, least), 0.0)
             tops.append((np.minimum(stacked, pool), colour))
@@ -206,8 +223,14 @@ class OccupancyLegend(TextLines):
     an index into ``POOL_NAMES``)."""
 
     pool = 0
+    _frame: Frame | None = None
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self._frame is not None:  # the legend's lines depend on its height
+            self.show(self._frame)
 
     def show(self, frame: Frame) -> None:
+        self._frame = frame
         pools = (frame.pool, *frame.other_pools)
         index = self.pool if self.pool < len(pools) else 0
         pool = pools[index]
@@ -215,11 +238,15 @@ class OccupancyLegend(TextLines):
             self.set_lines([Text("no step replayed yet")])
             return
         names = frame.pool_names
-        self.set_lines(legend_lines(pool, frame.peak(index), names[index] if index < len(names) else "full"))
+        self.set_lines(legend_lines(pool, frame.peak(index), names[index] if index < len(names) else "full",
+                                    sessions=frame.sessions, rows=self.size.height or None))
 
 
-def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "full") -> list[Text]:
-    """The legend: one line per band, then used, the peak and the running requests. The
+def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "full", *,
+                 sessions: bool = False, rows: int | None = None) -> list[Text]:
+    """The legend: one line per band (``bands(sessions)``), then used, the peak and the
+    running requests; where that is more lines than ``rows`` (None: no bound), the peak's
+    step goes on the peak's line ('peak @865') instead of one of its own. The
     Mamba pool (``name`` "mamba") counts slots: its bands are named by ``MAMBA_LABELS``,
     its over-allocated band (always empty) is left out, its checkpoint bands and a line
     of its cached checkpoints (``cached_checkpoints`` where the counters carry it, else
@@ -232,7 +259,7 @@ def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "
         named = getattr(pool, "cached_checkpoints", None)
         cached = pool.evictable + pool.protected if named is None else int(named)
     lines = []
-    for label, field, colour in reversed(BANDS):
+    for label, field, colour in reversed(bands(sessions and not mamba)):
         value = getattr(pool, field)
         if mamba:
             if field == "overallocated" and not value:
@@ -246,8 +273,12 @@ def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "
             lines.append(Text(f"{'cached ckpts':<19}{cached:>10,} {100 * cached / total:6.1f}%"))
     used = pool.used_tokens
     lines.append(Text(f"{'used slots' if mamba else 'used':<19}{used:>10,} {100 * used / total:6.1f}%", style="bold"))
+    short = rows is not None and len(lines) + (3 if peak is not None else 1) > rows
     if peak is not None:
-        lines.append(Text.assemble(("peak", "bold red"), f"{'':<15}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
-        lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
+        at = f" @{peak[0]:,}" if short else ""
+        lines.append(Text.assemble(("peak", "bold red"), (at, "red"),
+                                   f"{'':<{max(15 - len(at), 0)}}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
+        if not short:
+            lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
     lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
     return lines

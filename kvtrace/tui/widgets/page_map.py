@@ -23,8 +23,10 @@ from kvtrace.tui.remote.pagemap import STATE_LABELS
 if TYPE_CHECKING:
     from kvtrace.tui.remote.pagemap import PageCells
 
-__all__ = ["STATE_COLORS", "PageMap", "PageMapLegend", "legend", "mamba_slots_text"]
+__all__ = ["SESSION_COLOR", "STATE_COLORS", "PageMap", "PageMapLegend", "legend", "mamba_slots_text"]
 
+# The streaming sessions' KV held between turns (the occupancy band, the table's "held").
+SESSION_COLOR = "dark_cyan"
 STATE_COLORS = {
     SlotState.FREE: "grey23",
     SlotState.COMMITTED: "green",

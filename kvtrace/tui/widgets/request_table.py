@@ -8,8 +8,11 @@ past the request's SWA cursor (``allocated - swa_evicted_seqlen``: those the
 sliding-window layers still hold), and ``swa evicted`` (``swa_evicted_seqlen``);
 a replay of a hybrid linear-attention model (its frames carry the requests' Mamba state
 slots) adds ``mamba`` there: the request's state slot (``mamba_pool_idx``), or "-" for a
-request holding none; a full-attention replay's table has none of them. The selection follows its request
-across steps; a request whose over-allocation was just released flashes.
+request holding none; a full-attention replay's table has none of them. A trace with
+streaming sessions shows a session held between its turns as "held" (its turn finished,
+its KV kept): its used length is the KV its session holds, its bar in the session colour.
+The selection follows its request across steps; a request whose over-allocation was just
+released flashes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from textual.message import Message
 from textual.strip import Strip
 
 from kvtrace.replay.snapshot import PHASES
+from kvtrace.tui.widgets.page_map import SESSION_COLOR
 from kvtrace.tui.widgets.virtual_list import VirtualList, cells
 
 if TYPE_CHECKING:
@@ -57,9 +61,11 @@ _PHASE_STYLE = {
     "retracted": Style(color="yellow"),
     "aborted": Style(color="red"),
     "dropped": Style(color="bright_red"),
+    "held": Style(color=SESSION_COLOR),  # a streaming session between turns
 }
 FLASH_S = 1.0
 _USED = Style(color="green")
+_HELD = Style(color=SESSION_COLOR)
 _OVER = Style(color="yellow")
 _DIFFERS = Style(color="bright_magenta", bold=True)  # a diff: this request differs on the other side
 _CURSOR = Style(reverse=True)
@@ -69,20 +75,21 @@ _HEADER = Style(bold=True, underline=True)
 
 class RequestFilter(NamedTuple):
     """A parsed ``/`` filter: phase names, ``live``, ``over`` (over-allocated > 0),
-    request ids and id ranges ``A-B``; a request matches every kind of term given
-    (ids and phases: any of them)."""
+    ``held`` (streaming sessions held between turns), request ids and id ranges ``A-B``;
+    a request matches every kind of term given (ids and phases: any of them)."""
 
     phases: frozenset[int]
     live: bool
     over: bool
     ids: tuple[tuple[int, int], ...]  # inclusive ranges
+    held: bool = False
 
     @classmethod
     def parse(cls, text: str) -> RequestFilter:
         """Raises ValueError naming a term that is none of those."""
         phases: set[int] = set()
         ids: list[tuple[int, int]] = []
-        live = over = False
+        live = over = held = False
         for term in text.lower().split():
             if term in PHASES:
                 phases.add(PHASES.index(term))
@@ -90,14 +97,16 @@ class RequestFilter(NamedTuple):
                 live = True
             elif term == "over":
                 over = True
+            elif term == "held":
+                held = True
             elif term.isdigit():
                 ids.append((int(term), int(term)))
             elif "-" in term and all(p.isdigit() for p in term.split("-", 1)):
                 lo, hi = (int(p) for p in term.split("-", 1))
                 ids.append((min(lo, hi), max(lo, hi)))
             else:
-                raise ValueError(f"'{term}' is not a phase ({', '.join(PHASES)}), live, over, an id or A-B")
-        return cls(frozenset(phases), live, over, tuple(ids))
+                raise ValueError(f"'{term}' is not a phase ({', '.join(PHASES)}), live, over, held, an id or A-B")
+        return cls(frozenset(phases), live, over, tuple(ids), held)
 
     def mask(self, req: RequestColumns) -> np.ndarray:
         """Bool per request id: seen and matching."""
@@ -108,6 +117,8 @@ class RequestFilter(NamedTuple):
             m &= (req.allocated > 0) & (req.phase <= PHASES.index("spec"))
         if self.over:
             m &= req.allocated > req.committed
+        if self.held:
+            m &= req.held()
         if self.ids:
             rid = np.arange(req.size)
             m &= np.logical_or.reduce([(rid >= lo) & (rid <= hi) for lo, hi in self.ids])
@@ -154,6 +165,7 @@ class RequestTable(VirtualList):
         self._flash: dict[int, float] = {}
         self._clock_fn = clock
         self._differing: np.ndarray | None = None  # a diff: bool per request id, differs from the other side
+        self._sessions = False  # the trace has streaming sessions: a held one reads "held"
 
     def _clock(self) -> float:
         """The app's clock (``KvtraceApp.clock``; tests fix it), else the monotonic one."""
@@ -165,6 +177,7 @@ class RequestTable(VirtualList):
     def show(self, frame: Frame) -> None:
         """Show the requests of ``frame`` (keeping the selected request selected)."""
         self._req = frame.requests
+        self._sessions = frame.sessions
         now = self._clock()
         for rid in frame.released:
             self._flash[rid] = now + FLASH_S
@@ -356,6 +369,9 @@ class RequestTable(VirtualList):
         used = int(req.committed[rid])
         over = alloc - used
         phase = PHASES[int(req.phase[rid])]
+        held = self._sessions and phase == "finished" and alloc > 0  # ``RequestColumns.held``
+        if held:
+            phase = "held"
         admitted = int(req.admitted_step[rid])
         until = self._flash.get(rid)
         base = self.base_style
@@ -370,7 +386,7 @@ class RequestTable(VirtualList):
         parts = [
             (f"{rid} ≠", _WIDTHS[0], _DIFFERS, "<") if self.differs(rid) else (str(rid), _WIDTHS[0], None, "<"),
             (phase, _WIDTHS[1], _PHASE_STYLE.get(phase), "<"),
-            ("█" * n_used, n_used, _USED, "<"),
+            ("█" * n_used, n_used, _HELD if held else _USED, "<"),
             (over_bar, n_over, _OVER, "<"),
             ("", w[2] - n_used - n_over, None, "<"),
             (f"{used:,}", _WIDTHS[3], None, ">"),
