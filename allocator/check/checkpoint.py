@@ -421,6 +421,7 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
         setattr(alloc, name, saved.copy())
     held = alloc._session_held
     alloc.sum_session_held = int(held[held >= 0].sum())  # the sum of the arrays just restored
+    alloc._session_rids = set(np.flatnonzero(alloc._turned).tolist())  # the rids in a session
     if state.mamba is not None:
         _restore_mamba(alloc, state.mamba)
     if hasattr(alloc, "mamba_matches"):

@@ -174,7 +174,7 @@ async def test_a_request_whose_lengths_stay_is_drawn_again_when_its_bar_rescales
                               committed=np.array([100, big]), protected=np.zeros(2, np.int64),
                               prefix_hit=np.zeros(2, np.int64), admitted_step=np.array([0, 1]),
                               ended_step=np.array([-1, -1]), page_size=1)
-        return SimpleNamespace(requests=cols, released=[])
+        return SimpleNamespace(requests=cols, released=[], sessions=False)
 
     class TableApp(App[None]):
         def compose(self) -> ComposeResult:
