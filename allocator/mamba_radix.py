@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from allocator.mamba import MAMBA_TRACK_INTERVAL
 from allocator.pages import floor_align
 from allocator.radix_cache import MatchResult, RadixCache, TreeNode
 from allocator.token_to_kv import SLOT_DTYPE
@@ -174,7 +175,12 @@ class MambaRadixCache(RadixCache):
             raise ValueError(f"MambaRadixCache: max_states_per_path must be -1 or positive, found {max_states_per_path}")
         self.mamba_allocator = mamba_allocator
         cache_chunk = max(chunk_size, page_size)
+        self.extra_buffer = extra_buffer
+        self.state_chunk = chunk_size
+        self.cache_chunk = cache_chunk
         self.checkpoint_grid = math.lcm(cache_chunk, page_size)
+        # extra_buffer's decode tracking grid (SGLang ``mamba_track_grid``)
+        self.track_grid = math.lcm(self.checkpoint_grid, MAMBA_TRACK_INTERVAL)
         self.max_states_per_path = max_states_per_path
         super().__init__(page_size, token_to_kv_pool_allocator, disable=False, is_eagle=is_eagle)
 
