@@ -145,8 +145,9 @@ itself is not run because a trace already fixes which requests run when):
    say how long the waiting queue was, and the built-in allocator opens none either.
 
 14. Mamba with the radix cache (a scenario with ``mamba`` and the radix cache on): the tree
-   of decision 13 is enabled (Python tree core, no_buffer, so page 1): the real ``match_kv_cache`` copies a matched state into a slot of the request's
-   own (``finalize_match_result_in_cache``), ``alloc_for_extend`` runs
+   of decision 13 is enabled (Python tree core; no_buffer at page 1, decision 15 above): the real
+   ``match_kv_cache``, with ``cow_mamba`` as the scheduler's ``init_next_round_input`` passes it,
+   copies a matched state into a slot of the request's own (``finalize_match_result_in_cache``), ``alloc_for_extend`` runs
    ``ensure_mamba_capacity`` (checkpoint eviction), ``checkpoint_kv_cache`` /
    ``release_kv_cache`` insert a copied or donated state, and the Mamba pool's
    ``evictable`` / ``protected`` are the Mamba component's ledgers (``readout``).
