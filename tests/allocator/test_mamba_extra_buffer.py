@@ -130,3 +130,31 @@ def test_the_overlap_modes_are_refused() -> None:
             pool_tokens=8000, page_size=16, max_running=4, max_context_len=2000, radix_cache=True,
             mamba=MambaConfig(slots=16, strategy="extra_buffer_lazy", overlap_schedule=True),
         ))  # fmt: skip
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_two_namespaces_sharing_tokens_share_no_node_or_state(page: int) -> None:
+    from traces.namespaces import in_namespace
+
+    if page == 1:
+        a = KvAllocator(AllocatorConfig(pool_tokens=8000, page_size=1, max_running=4, max_context_len=2000,
+                                        radix_cache=True, mamba=MambaConfig(slots=16)))  # fmt: skip
+    else:
+        a = make(page=page)
+    lora_a, lora_b = in_namespace(toks(300), "lora-a"), in_namespace(toks(300), "lora-b")
+    a.extend(one(1), np.array([300]), [lora_a])
+    a.end_step()
+    # (a query one token longer: a match is capped at len - 1)
+    query_a, query_b = in_namespace(toks(301), "lora-a"), in_namespace(toks(301), "lora-b")
+    assert a.match_prefix(query_a) > 0
+    # the same tokens in another namespace (or none) reuse nothing, state or KV
+    assert a.match_prefix(query_b) == 0 and a.match_prefix(toks(301)) == 0
+    res = a.extend(one(2), np.array([300]), [lora_b])
+    a.end_step()
+    assert int(res.prefix_lens[0]) == 0  # type: ignore[union-attr]
+    tree = tree_of(a)
+    assert len(tree.cached_states()) == 2 and len(tree.root_node.children) == 2
+    saved = save_allocator_state(a)
+    restore_allocator_state(a, saved)
+    assert a.match_prefix(query_b) == a.match_prefix(query_a) > 0 and a.match_prefix(toks(301)) == 0
+    assert a.check_integrity() == []
