@@ -96,3 +96,15 @@ def test_a_mamba2_radix_trace_above_page_1_is_refused_in_one_line(tmp_path: Path
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "radix cache at page size 16" in lines[0] and "no extra_buffer" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_namespaced_radix_hybrid_trace_is_identical(tmp_path: Path, page_size: int) -> None:
+    # three cache namespaces over shared prompts: both trees key the nodes (and states) by them
+    harness.require_sglang()
+    out = tmp_path / "namespaced.kvtrace"
+    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "6s", "--page-size", str(page_size),
+                                 *MODEL, "--namespaces", "3", "-o", str(out), "-q"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert diff_exact(str(out))["identical"] is True
