@@ -1625,9 +1625,11 @@ def checkpoint_mamba(
     Raises:
         MambaSlotsExhausted: a copy found no slot even after evicting (SGLang asserts).
     """
-    kv = ctx.req_kv
     pool = ctx.req_to_token_pool
     assert isinstance(pool, HybridReqToTokenPool) and ctx.mamba_reqs is not None
+    if pool.enable_mamba_extra_buffer:
+        return _checkpoint_mamba_tracked(ctx, tree, row, up_to, token_ids, finished)
+    kv = ctx.req_kv
     req = ctx.mamba_reqs[row]
     table = pool.req_to_token_np
     key_len = tree.key_len(up_to)
@@ -1665,6 +1667,79 @@ def checkpoint_mamba(
         req.mamba_pool_idx = None  # the tree's now, or back on the free list
     elif res.mamba_exist:
         pool.mamba_allocator.free(np.asarray([state], dtype=np.int64))
+    return CheckpointResult(key_len - res.prefix_len if key_len > res.prefix_len else 0, duplicates)
+
+
+def _checkpoint_mamba_tracked(
+    ctx: KvContext, tree: MambaRadixCache, row: int, up_to: int, token_ids: np.ndarray, finished: bool
+) -> CheckpointResult:
+    """``checkpoint_mamba`` under extra_buffer (SGLang 0.5.23's ``checkpoint_into_tree``
+    with ``enable_mamba_extra_buffer``, ``components/mamba.py`` prepare / cleanup).
+
+    The insert, KV included, is cut to the request's last tracked length (nothing is
+    inserted without one): the state offered is the tracking entry that holds it. A
+    finish offers that entry and gives back everything else (everything when the end
+    node had a state or nothing was inserted; the release frees what is left); a
+    publish or chunk stash donates the entry and a fresh slot (``alloc_state_slot``,
+    evicting one checkpoint if needed) takes its place, the donated one freed again
+    when the end node had a state. Either way the tracked lengths are spent::
+
+        row  [0 .. protected) [protected ... last_track_seqlen) [...... up_to)
+              tree's           inserted with the tracked state    still the request's
+    """
+    kv = ctx.req_kv
+    pool = ctx.req_to_token_pool
+    assert isinstance(pool, HybridReqToTokenPool) and ctx.mamba_reqs is not None
+    req = ctx.mamba_reqs[row]
+    cut = req.last_track_seqlen
+    keep: int | None = None
+    if finished:
+        if req.mamba_pool_idx is None:
+            raise MambaSlotsExhausted(f"rid={req.rid}: a finished request holding no Mamba slot (freed twice?)")
+        cut = cut or 0
+        if cut > up_to:
+            # the latest state ran past the key; a 1-entry buffer has no older one
+            cut = req.prev_track_seqlen if pool.mamba_ping_pong_track_buffer_size == 2 else None
+            if cut is not None and cut > up_to:
+                cut = None
+            keep = None if cut is None else pool.get_mamba_ping_pong_other_idx(req.last_track_idx or 0)
+        else:
+            keep = req.last_track_idx
+    key_len = 0 if cut is None else tree.key_len(min(cut, up_to))
+    if key_len <= 0:
+        # nothing inserted: a finish leaves its slots to the release; a stash donates nothing
+        req.last_track_seqlen = req.prev_track_seqlen = None
+        return CheckpointResult(0, 0)
+    assert req.ping_pong is not None
+    if finished:
+        assert keep is not None
+        state = int(req.ping_pong[keep])
+    else:
+        fresh = tree.alloc_state_slot()
+        if ctx.mamba_last_holder is not None:
+            ctx.mamba_last_holder[fresh] = req.rid
+        state = pool.donate_mamba_ping_pong_slot(req, fresh)
+    protected = int(kv.cache_protected_len[row])
+    key = tree.make_key(token_ids[:key_len])
+    values = pool.req_to_token_np[row, :key_len]  # a view: insert copies what it keeps
+    res = tree.insert_mamba(key, values, state, prev_prefix_len=protected)
+    if key_len > int(kv.cache_inserted_len[row]):
+        kv.cache_inserted_len[row] = key_len
+    node = res.last_node
+    new_indices = tree.path_device_indices(node)
+    duplicates = max(res.prefix_len - protected, 0)
+    if new_indices.shape[0] > protected:
+        ctx.writer.assign_row(row, protected, new_indices[protected:])
+    tree.unlock(kv.lock_node[row])
+    kv.lock_node[row] = tree.lock(node)
+    kv.cache_protected_len[row] = new_indices.shape[0]
+    kv.sum_protected += int(new_indices.shape[0]) - protected
+    if finished:
+        pool.free_mamba_cache(req, keep=None if res.mamba_exist else keep)
+    else:
+        if res.mamba_exist:
+            pool.mamba_allocator.free(np.asarray([state], dtype=np.int64))
+        req.last_track_seqlen = req.prev_track_seqlen = None
     return CheckpointResult(key_len - res.prefix_len if key_len > res.prefix_len else 0, duplicates)
 
 

@@ -326,9 +326,10 @@ def _check_mamba(config: AllocatorConfig) -> None:
     mamba = config.mamba
     assert mamba is not None
     mamba.check(config.page_size, config.radix_cache)
-    if config.radix_cache and mamba.extra_buffer:
-        raise ValueError(f"AllocatorConfig: a Mamba radix cache with {mamba.strategy} is not implemented "
-                         "(its tracking slots follow the forward passes): use strategy='no_buffer'")
+    if config.radix_cache and (mamba.strategy == "extra_buffer_lazy" or mamba.overlap_schedule):
+        # the overlap pipeline's lookahead decides those modes' tracking (docs/mamba-semantics.md §12.8)
+        raise ValueError(f"AllocatorConfig: a Mamba radix cache with {mamba.strategy} under the overlap scheduler "
+                         "is not implemented: use strategy='extra_buffer' (or 'no_buffer') with overlap_schedule=False")
     if config.radix_cache and config.eviction_policy != "lru":
         raise ValueError(f"AllocatorConfig.eviction_policy {config.eviction_policy!r}: the Mamba radix tree "
                          "evicts by LRU only")

@@ -50,9 +50,49 @@ import numpy as np
 from allocator.base import MambaBufferMode, MambaConfig
 from allocator.req_to_token import ReqToTokenPool
 
-__all__ = ["HybridReqToTokenPool", "MambaReqKv", "MambaSlotAllocator", "MambaSlotsExhausted"]
+__all__ = ["MAMBA_TRACK_INTERVAL", "HybridReqToTokenPool", "MambaReqKv", "MambaSlotAllocator", "MambaSlotsExhausted",
+           "crossed_track_seqlen", "extend_track_seqlen"]
 
 SLOT_DTYPE = np.int64
+
+
+# SGLang's ``--mamba-track-interval`` default (``arg_groups/fields/exec_.py``): decode
+# tracks a state every ``lcm(checkpoint grid, interval)`` tokens under extra_buffer.
+MAMBA_TRACK_INTERVAL = 256
+
+
+def extend_track_seqlen(
+    prefix_len: int, extend_len: int, grid: int, cache_chunk: int, state_chunk: int, branching_seqlen: int | None
+) -> int | None:
+    """The length whose state an extend forward tracks under extra_buffer, or None
+    (SGLang ``_mamba_radix_cache_v2_req_prepare_for_extend`` without DCP).
+
+    Args:
+        prefix_len, extend_len: the chunk's start and its new tokens.
+        grid: the checkpoint grid (``lcm(cache_chunk, page)``).
+        cache_chunk: ``max(model mamba chunk size, page)``.
+        state_chunk: the model's mamba chunk size (where the kernel keeps a state).
+        branching_seqlen: the match's branching point, or None.
+    """
+    if extend_len < grid:
+        return None
+    seq_end = prefix_len + extend_len
+    aligned = prefix_len + extend_len // grid * grid
+    # the seqlen the kernel is asked for: the last position, or one past an interior one
+    asked = seq_end if prefix_len + extend_len // state_chunk * state_chunk == aligned else aligned + 1
+    b = branching_seqlen
+    if b is not None and prefix_len < b < asked and (b - prefix_len) % cache_chunk == 0:
+        aligned = b
+    return aligned
+
+
+def crossed_track_seqlen(pre_len: int, post_len: int, track_grid: int) -> int | None:
+    """The boundary a decode or verify from ``pre_len`` to ``post_len`` committed tokens
+    tracks (the last multiple of ``track_grid`` in ``(pre_len, post_len]``), or None
+    (SGLang ``prepare_for_decode``'s mask; ``spec_utils`` ``to_track_mask``)."""
+    if post_len // track_grid == pre_len // track_grid:
+        return None
+    return post_len // track_grid * track_grid
 
 
 class MambaSlotsExhausted(RuntimeError):
@@ -140,6 +180,11 @@ class MambaReqKv:
         ping_pong_empty: per entry, whether it holds no slot.
         next_track_idx, last_track_idx: the entry the next forward writes / the one
             holding the latest tracked state.
+        last_track_seqlen: the length whose state ``last_track_idx`` holds (what an
+            extra-buffer checkpoint donates), or None; ``prev_track_seqlen`` the one
+            before it (the other entry of a 2-entry buffer).
+        branching_seqlen: the radix match's grid-floored full hit past its usable end
+            (``mamba_branching_seqlen``): a chunk reaching past it tracks it.
     """
 
     rid: int
@@ -151,6 +196,9 @@ class MambaReqKv:
     last_track_idx: int | None = None
     # The tree state slot its own slot was copied from at match (``MambaRadixCache.cow_state``).
     mamba_cow_src: int | None = None
+    last_track_seqlen: int | None = None
+    prev_track_seqlen: int | None = None
+    branching_seqlen: int | None = None
 
     @property
     def holds_kv(self) -> bool:
@@ -277,6 +325,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         buf[:n] = slots
         req.ping_pong = buf
         req.ping_pong_empty = [False] * n + [True] * (size - n)
+        req.prev_track_seqlen = None
         req.next_track_idx = 0
         req.last_track_idx = 0 if self.enable_mamba_extra_buffer_lazy else self.get_mamba_ping_pong_other_idx(0)
 
@@ -340,6 +389,26 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self.set_mamba_ping_pong_slot(req, nxt, -1)
         req.next_track_idx = 1 - nxt
 
+    def track_extend(self, req: MambaReqKv, seqlen: int) -> None:
+        """An extend forward tracked the state at ``seqlen`` into the next entry (SGLang
+        ``_mamba_radix_cache_v2_req_prepare_for_extend``, non-lazy: the entries swap)."""
+        assert req.next_track_idx is not None
+        req.last_track_idx = req.next_track_idx
+        if not self.enable_mamba_extra_buffer_lazy:
+            req.next_track_idx = self.get_mamba_ping_pong_other_idx(req.next_track_idx)
+        req.last_track_seqlen = seqlen
+
+    def track_decode(self, req: MambaReqKv, seqlen: int) -> None:
+        """A decode or verify forward crossed a track boundary at ``seqlen`` (SGLang's
+        result processing, ``_handle_finish_state_updated_req`` then
+        ``_mamba_prefix_cache_update``, non-lazy, no overlap lookahead)."""
+        assert req.next_track_idx is not None
+        track_idx = req.next_track_idx
+        req.last_track_idx = track_idx
+        req.prev_track_seqlen = req.last_track_seqlen
+        req.last_track_seqlen = seqlen
+        req.next_track_idx = self.get_mamba_ping_pong_other_idx(track_idx)
+
     def donate_mamba_ping_pong_slot(self, req: MambaReqKv, new_slot: int) -> int:
         """Hand the latest tracked state's slot to the radix tree; ``new_slot`` takes
         its entry. Returns the donated slot."""
@@ -381,6 +450,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         req.ping_pong_empty = None
         req.next_track_idx = None
         req.last_track_idx = None
+        req.last_track_seqlen = None
+        req.prev_track_seqlen = None
 
     def free_req(self, req: MambaReqKv) -> None:
         """Give back the request's row (its Mamba slots are ``free_mamba_cache``'s)."""

@@ -34,6 +34,10 @@ insert, once per split, once per match end, once when an insert sets or refreshe
 existing node's state). Frees are applied in the order SGLang emits its cache actions
 (per deleted node: full slots, then the state slot).
 
+Namespaces (SGLang's ``extra_key``) key the tree as ``RadixCache`` keys it: a node keeps its
+key's ``key_prefix`` in ``ns``, put before the first page in its parent's children, so equal
+tokens in two namespaces never share a node (or a state).
+
 Not mirrored: HiCache / host layers, sessions, the int8 checkpoint pool, shared-pool
 (Full -> Mamba donor) allocators, priorities other than 0, the Rust tree core's internals
 (same semantics assumed).
@@ -47,9 +51,11 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from allocator.mamba import MAMBA_TRACK_INTERVAL
 from allocator.pages import floor_align
 from allocator.radix_cache import MatchResult, RadixCache, TreeNode
 from allocator.token_to_kv import SLOT_DTYPE
+from traces.namespaces import key_prefix
 
 if TYPE_CHECKING:
     from allocator.mamba import MambaReqKv, MambaSlotAllocator
@@ -174,7 +180,12 @@ class MambaRadixCache(RadixCache):
             raise ValueError(f"MambaRadixCache: max_states_per_path must be -1 or positive, found {max_states_per_path}")
         self.mamba_allocator = mamba_allocator
         cache_chunk = max(chunk_size, page_size)
+        self.extra_buffer = extra_buffer
+        self.state_chunk = chunk_size
+        self.cache_chunk = cache_chunk
         self.checkpoint_grid = math.lcm(cache_chunk, page_size)
+        # extra_buffer's decode tracking grid (SGLang ``mamba_track_grid``)
+        self.track_grid = math.lcm(self.checkpoint_grid, MAMBA_TRACK_INTERVAL)
         self.max_states_per_path = max_states_per_path
         super().__init__(page_size, token_to_kv_pool_allocator, disable=False, is_eagle=is_eagle)
 
@@ -259,13 +270,14 @@ class MambaRadixCache(RadixCache):
         c: MambaTreeNode = child  # type: ignore[assignment]
         upper.parent = c.parent
         upper.lock_ref = c.lock_ref
+        upper.ns = c.ns
         upper.key = c.key[:cut]
         upper.value = c.value[:split_len]
         c.key = c.key[cut:]
         c.value = c.value[split_len:]
         c.parent = upper
-        upper.children = {c.key[:psb]: c}
-        upper.parent.children[upper.key[:psb]] = upper
+        upper.children = {c.ns + c.key[:psb]: c}
+        upper.parent.children[upper.ns + upper.key[:psb]] = upper
         c.last_access_time = self._tick()
         self._update_leaf_status(upper)
         self._update_leaf_status(c)
@@ -292,11 +304,12 @@ class MambaRadixCache(RadixCache):
             return MambaMatchResult(0, root, None, 0)
         kb = key[:n].tobytes()
         nb, psb = n * 8, ps * 8
+        ns = key_prefix(key)  # the namespace's prefix before each child's first page
         node = root
         pos = 0
         best, best_len = root, 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb])
             if child is None:
                 break
             m = self._matched(child.key, kb, pos)
@@ -335,9 +348,10 @@ class MambaRadixCache(RadixCache):
             return 0
         kb = key[:n].tobytes()
         nb, psb = n * 8, ps * 8
+        ns = key_prefix(key)
         node, pos, best = self.root_node, 0, 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb])
             if child is None:
                 break
             m = self._matched(child.key, kb, pos)
@@ -376,12 +390,13 @@ class MambaRadixCache(RadixCache):
                 continue
             kb = key[:n].tobytes()
             nb = n * 8
+            ns = key_prefix(key)
             node: MambaTreeNode = self.root_node  # type: ignore[assignment]
             pos = 0
             path: list[MambaTreeNode] = []
             best = 0  # nodes of ``path`` up to the usable end
             while pos < nb:
-                child = node.children.get(kb[pos : pos + psb])
+                child = node.children.get(ns + kb[pos : pos + psb])
                 if child is None:
                     break
                 m = self._matched(child.key, kb, pos)
@@ -474,10 +489,11 @@ class MambaRadixCache(RadixCache):
         alloc = self.token_to_kv_pool_allocator
         kb = key[:n].tobytes()
         nb, psb = n * 8, ps * 8
+        ns = key_prefix(key)
         node = root
         pos = 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + psb])
+            child = node.children.get(ns + kb[pos : pos + psb])
             if child is None:
                 break
             child.last_access_time = self._tick()
@@ -496,9 +512,10 @@ class MambaRadixCache(RadixCache):
         if pos < nb:
             leaf = self._new_node()
             leaf.parent = node
+            leaf.ns = ns
             leaf.key = kb[pos:]
             leaf.value = np.array(value[total:n], dtype=SLOT_DTYPE)
-            node.children[kb[pos : pos + psb]] = leaf
+            node.children[ns + kb[pos : pos + psb]] = leaf
             self.evictable_size_ += n - total
             self._update_leaf_status(leaf)
             self._update_leaf_status(node)
@@ -690,7 +707,7 @@ class MambaRadixCache(RadixCache):
         if slot is not None:
             self._free_states([slot])
         parent = x.parent
-        del parent.children[x.key[:psb]]
+        del parent.children[x.ns + x.key[:psb]]
         self.evictable_leaves.discard(x)
         x.parent = None
         self._update_leaf_status(parent)
@@ -729,22 +746,27 @@ class MambaTreeState(NamedTuple):
     next_id: int
     totals: tuple[int, int]
     stats: tuple[tuple[str, int], ...]
+    namespaces: tuple[bytes, ...] = ()  # each node's namespace prefix, in ``nodes`` order; () when all b""
 
 
 def save_mamba_tree(tree: MambaRadixCache) -> MambaTreeState:
     nodes = []
+    order: list[MambaTreeNode] = []
     stack = [tree.root_node]
     while stack:
         x: MambaTreeNode = stack.pop()  # type: ignore[assignment]
+        order.append(x)
         v = x.value.copy()
         v.flags.writeable = False
         nodes.append((x.id, -1 if x.parent is None else x.parent.id, x.key, v, x.mamba_value, x.lock_ref,
                       x.mamba_lock_ref, x.last_access_time))
         stack.extend(x.children.values())  # type: ignore[arg-type]
+    namespaces = tuple(x.ns for x in order)
     return MambaTreeState(
         tuple(nodes), tuple(n.id for n in tree.mamba_lru),
         (tree.evictable_size_, tree.protected_size_, tree.mamba_evictable_size_, tree.mamba_protected_size_),
         tree._clock, tree._next_id, (tree.evicted_tokens_total, tree.mamba_evicted_total), tuple(tree.stats.items()),
+        namespaces if any(namespaces) else (),
     )
 
 
@@ -754,13 +776,15 @@ def restore_mamba_tree(tree: MambaRadixCache, state: MambaTreeState) -> dict[int
     psb = tree.page_size * 8
     by_id: dict[int, MambaTreeNode] = {}
     tree.mamba_lru = _MambaLru()
-    for nid, pid, key, value, slot, lock, mlock, t in state.nodes:  # parents come first (depth-first)
+    namespaces = state.namespaces or (b"",) * len(state.nodes)
+    for (nid, pid, key, value, slot, lock, mlock, t), ns in zip(state.nodes, namespaces):  # parents first
         x = MambaTreeNode(nid, t)
         x.key, x.value, x.mamba_value, x.lock_ref, x.mamba_lock_ref = key, value.copy(), slot, lock, mlock
+        x.ns = ns
         by_id[nid] = x
         if pid >= 0:
             x.parent = by_id[pid]
-            x.parent.children[key[:psb]] = x
+            x.parent.children[ns + key[:psb]] = x
     tree.root_node = by_id[state.nodes[0][0]]
     for nid in reversed(state.lru):
         tree.mamba_lru.insert_mru(by_id[nid])

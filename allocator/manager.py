@@ -94,7 +94,7 @@ from allocator.sizing import (
     reserve_per_decode,
     uses_bigram_keys,
 )
-from allocator.mamba import HybridReqToTokenPool, MambaReqKv
+from allocator.mamba import HybridReqToTokenPool, MambaReqKv, extend_track_seqlen
 from allocator.mamba_radix import MambaRadixCache
 from allocator.swa import SWATokenToKVPoolAllocator
 from allocator.swa_radix import SwaRadixCache
@@ -488,6 +488,8 @@ class KvAllocator:
                 # request's own (SGLang finalize_match_result_in_cache), then the lock
                 match = mamba_tree.match_prefix_mamba(key)
                 req = MambaReqKv(int(rids[i]))
+                if mamba_tree.extra_buffer:
+                    req.branching_seqlen = match.branching_seqlen
                 mamba_tree.cow_state(match.last_node, req)
                 assert admitting is not None
                 admitting[int(rids[i])] = req
@@ -536,6 +538,8 @@ class KvAllocator:
             assert held is not None
             for i in new_idx:
                 self.mamba_last_holder[held[int(res.rows[i])].held_slots()] = int(rids[i])
+        if mamba_tree is not None and mamba_tree.extra_buffer:
+            self._mamba_track_extend(res.rows, prefix, seq_lens)
         if swa_tree is not None:
             for i in new_idx:
                 row = int(res.rows[i])
@@ -555,6 +559,39 @@ class KvAllocator:
         self.writer.end_call()
         evicted = res.evicted_tokens if evicted_before < 0 else tree.evicted_tokens_total - evicted_before
         return AllocResult(int(res.out_cache_loc.shape[0]), evicted, prefix, host_hit_lens=host_hits)
+
+    def _mamba_track_extend(self, rows: np.ndarray, prefix: np.ndarray, seq_lens: np.ndarray) -> None:
+        """extra_buffer: the state each chunk's forward tracks (``extend_track_seqlen``)."""
+        tree = self.tree_cache
+        pool = self.req_to_token_pool
+        held = self.ctx.mamba_reqs
+        assert isinstance(tree, MambaRadixCache) and isinstance(pool, HybridReqToTokenPool) and held is not None
+        for i in range(rows.shape[0]):
+            req = held[int(rows[i])]
+            p = int(prefix[i])
+            seqlen = extend_track_seqlen(
+                p, int(seq_lens[i]) - p, tree.checkpoint_grid, tree.cache_chunk, tree.state_chunk, req.branching_seqlen
+            )
+            if seqlen is not None:
+                pool.track_extend(req, seqlen)
+
+    def _mamba_track_decode(self, rows: np.ndarray, pre_lens: np.ndarray) -> None:
+        """extra_buffer: the boundaries the decode or verify forwards since ``pre_lens``
+        (committed lengths) crossed (``crossed_track_seqlen``), in order."""
+        tree = self.tree_cache
+        if not (isinstance(tree, MambaRadixCache) and tree.extra_buffer) or rows.shape[0] == 0:
+            return
+        pool = self.req_to_token_pool
+        held = self.ctx.mamba_reqs
+        assert isinstance(pool, HybridReqToTokenPool) and held is not None
+        grid = tree.track_grid
+        post_lens = self.req_kv.kv_committed_len[rows]
+        for i in np.flatnonzero(post_lens // grid != pre_lens // grid).tolist():
+            req = held[int(rows[i])]
+            if req.ping_pong is None:
+                continue
+            for boundary in range((int(pre_lens[i]) // grid + 1) * grid, int(post_lens[i]) + 1, grid):
+                pool.track_decode(req, boundary)
 
     def stash_chunked(self, rids: np.ndarray, token_ids: Sequence[np.ndarray]) -> None:
         """Checkpoint the prefill computed so far by requests in chunked prefill
@@ -633,9 +670,11 @@ class KvAllocator:
             self._hicache_poll()
         rids = _i64(rids)
         rows = self._held_rows(rids, "decode")
+        pre_lens = self.req_kv.kv_committed_len[rows].copy()
         res = alloc_for_decode(self.ctx, rows, rids)
         if isinstance(res, OutOfMemory):
             return res
+        self._mamba_track_decode(rows, pre_lens)
         # NOTE: no prompt publish here: a spec_decode of the same step (some requests
         # decode, others verify drafts) must run before it, as in SGLang's step.
         self.writer.end_call()
@@ -661,9 +700,11 @@ class KvAllocator:
         if self.config.swa is not None:
             return self._swa_decode_run(rows, num_steps, allocated, committed)
         before = np.array(self.counters(), dtype=np.int64)
+        pre_lens = self.req_kv.kv_committed_len[rows].copy()
         taken = alloc_for_decode_run(self.ctx, rows, num_steps)
         if taken is None:
             return None
+        self._mamba_track_decode(rows, pre_lens)
         self.writer.end_call()
         return RunResult(
             _counters_after(before, taken, committed), allocated[None, :] + steps[:, None], self._still_pools(num_steps)
@@ -709,9 +750,11 @@ class KvAllocator:
         if self.config.swa is not None:
             return self._swa_spec_decode_run(rows, accepted)
         before = np.array(self.counters(), dtype=np.int64)
+        pre_lens = self.req_kv.kv_committed_len[rows].copy()
         got = alloc_for_spec_run(self.ctx, rows, accepted)
         if got is None:
             return None
+        self._mamba_track_decode(rows, pre_lens)
         taken, allocated = got
         self.writer.end_call()
         return RunResult(
@@ -777,7 +820,9 @@ class KvAllocator:
         res = self._reserve_spec(rows, plan, rids)
         if isinstance(res, OutOfMemory):
             return res
+        pre_lens = kv.kv_committed_len[rows].copy()
         excess = commit_accepted_tokens(ctx, rows, accepted, asked, may_exceed=overshoot)
+        self._mamba_track_decode(rows, pre_lens)
         row_overflow: tuple[tuple[int, int, int], ...] = ()
         if plan.overflow or overshoot:
             overflow = {int(kv.rid[row]): (asked_pos, w) for row, asked_pos, w in plan.overflow}

@@ -153,7 +153,7 @@ def mamba_info(meta: TraceMeta) -> dict[str, Any] | None:
         num_mamba_layers=len(layout.mamba_layer_ids),
         layer_kinds=layout.layer_kinds(meta.model.num_layers),
         state_bytes_per_request=layout.state_bytes_per_request,
-        slots_per_request=mamba_slots_per_request(meta.config.radix_cache),
+        slots_per_request=mamba_slots_per_request(meta.config.radix_cache, meta.config.page_size),
         full_pool_tokens=meta.config.pool_tokens,
         full_bytes_per_token=layout.full_bytes_per_token(meta.model),
     )

@@ -81,10 +81,13 @@ class MambaLayout:
         return "".join("F" if i in full else "M" if i in mamba else "-" for i in range(num_layers))
 
 
-def mamba_slots_per_request(radix_cache: bool) -> int:
-    """Mamba slots SGLang sizes per running request (``_calculate_mamba_ratio`` without
-    the extra-buffer modes): 3 with a radix cache, 1 without."""
-    return MAMBA_SLOTS_PER_REQUEST_RADIX if radix_cache else 1
+def mamba_slots_per_request(radix_cache: bool, page_size: int = 1) -> int:
+    """Mamba slots SGLang sizes per running request (``_calculate_mamba_ratio``): 1
+    without a radix cache; with one 3, plus the tracking slot of the ``extra_buffer``
+    strategy SGLang serves a page size above 1 with (no overlap scheduler: one slot)."""
+    if not radix_cache:
+        return 1
+    return MAMBA_SLOTS_PER_REQUEST_RADIX + (1 if page_size > 1 else 0)
 
 
 class MambaSplit(NamedTuple):
@@ -135,7 +138,7 @@ def split_mamba_memory(
     gib = 1 << 30
     rest = rest_bytes / gib
     per = state_bytes_per_request
-    slots_per_req = mamba_slots_per_request(radix_cache)
+    slots_per_req = mamba_slots_per_request(radix_cache, page_size)
     if not radix_cache and max_running is not None:
         size = max(1, max_running)
         if num_draft_tokens is not None:

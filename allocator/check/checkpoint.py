@@ -190,6 +190,11 @@ class AllocatorState:
             h.update(self.mamba.free_slots.tobytes())
             h.update(self.mamba.mapping.tobytes())
             h.update(repr([(row, r.rid, r.mamba_pool_idx) for row, r in sorted(self.mamba.reqs.items())]).encode())
+            if self.mamba.ping_pong_mapping is not None:  # extra_buffer: the tracking too
+                h.update(self.mamba.ping_pong_mapping.tobytes())
+                h.update(repr([(row, None if r.ping_pong is None else r.ping_pong.tolist(), r.next_track_idx,
+                                r.last_track_idx, r.last_track_seqlen, r.prev_track_seqlen, r.branching_seqlen)
+                               for row, r in sorted(self.mamba.reqs.items())]).encode())
         return h.hexdigest()
 
     def slots(self) -> np.ndarray:
@@ -232,6 +237,8 @@ class MambaState:
     mapping: np.ndarray  # int32 [rows + 1] row -> state slot
     reqs: dict[int, MambaReqKv]  # row -> the request's bookkeeping (copies)
     last_holder: np.ndarray  # int64 [slots + 1] ``KvAllocator.mamba_last_holder`` (blame only)
+    # int64 [rows + 1, ping-pong size] row -> tracking slots (extra_buffer), else None
+    ping_pong_mapping: np.ndarray | None = None
 
 
 def _save_mamba(alloc: KvAllocator) -> MambaState | None:
@@ -245,6 +252,8 @@ def _save_mamba(alloc: KvAllocator) -> MambaState | None:
         mapping=pool.req_index_to_mamba_index_mapping.copy(),
         reqs=copy.deepcopy(alloc.ctx.mamba_reqs),
         last_holder=alloc.mamba_last_holder.copy(),  # type: ignore[union-attr]
+        ping_pong_mapping=None if pool.req_index_to_mamba_ping_pong_track_buffer_mapping is None
+        else pool.req_index_to_mamba_ping_pong_track_buffer_mapping.copy(),
     )
 
 
@@ -254,6 +263,9 @@ def _restore_mamba(alloc: KvAllocator, state: MambaState) -> None:
     pool.mamba_allocator.free_slots = state.free_slots.copy()
     pool.mamba_allocator._group = None if state.group is None else list(state.group)
     pool.req_index_to_mamba_index_mapping[:] = state.mapping
+    if state.ping_pong_mapping is not None:
+        assert pool.req_index_to_mamba_ping_pong_track_buffer_mapping is not None
+        pool.req_index_to_mamba_ping_pong_track_buffer_mapping[:] = state.ping_pong_mapping
     # in place: the context's dict is the one the allocation functions hold
     alloc.ctx.mamba_reqs.clear()
     alloc.ctx.mamba_reqs.update(copy.deepcopy(state.reqs))

@@ -349,7 +349,7 @@ class Scheduler:
         self.swa_window: int | None = getattr(swa, "retain_window", swa.window) if swa is not None else None
         self.swa_pool_tokens = swa.pool_tokens(allocator.config.pool_tokens, self.ps) if swa is not None else 0
         # A hybrid linear-attention model's Mamba slots, and how many each request row is sized for.
-        self.mamba_slots_per_req = mamba_slots_per_request(config.radix_cache)
+        self.mamba_slots_per_req = mamba_slots_per_request(config.radix_cache, config.page_size)
 
         # Per-request state, struct of arrays indexed by rid (grown by doubling).
         cap = 1024

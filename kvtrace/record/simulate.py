@@ -194,7 +194,7 @@ def record_workload(
     config = SchedulerConfig(
         page_size=options.page_size,
         pool_tokens=floor_align(options.pool_tokens, options.page_size),
-        max_running=mamba_max_running(options.mamba, options.max_running, radix_cache),
+        max_running=mamba_max_running(options.mamba, options.max_running, radix_cache, options.page_size),
         max_context_len=options.context_len,
         chunk_size=options.chunk,
         max_prefill_tokens=options.max_prefill_tokens,
@@ -329,7 +329,7 @@ def refuse_sliding_window(
             raise ConfigError(f"{model_name}: {message}") from None
 
 
-def mamba_max_running(layout: MambaLayout | None, max_running: int, radix_cache: bool) -> int:
+def mamba_max_running(layout: MambaLayout | None, max_running: int, radix_cache: bool, page_size: int = 1) -> int:
     """The request rows a hybrid linear-attention model is served with: SGLang caps
     ``max_running_requests`` at the Mamba slots over the slots per request
     (``resolve_max_num_reqs``); other models keep ``max_running``.
@@ -339,7 +339,7 @@ def mamba_max_running(layout: MambaLayout | None, max_running: int, radix_cache:
     """
     if layout is None:
         return max_running
-    per_request = mamba_slots_per_request(radix_cache)
+    per_request = mamba_slots_per_request(radix_cache, page_size)
     rows = min(max_running, layout.mamba_cache_size // per_request)
     if rows <= 0:
         raise ConfigError(

@@ -148,14 +148,16 @@ def allocator_config_for(
     hicache = hicache_config_for(meta, pool, ps, resized, hicache_ratio, hicache_write_policy)
     if hicache is not None and "hicache" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError(unserved_hicache(meta) or "this allocator version has no HiCache host tier")
-    mamba = mamba_config_for(meta.mamba, pool if radix and pool != cfg.pool_tokens else None, meta.model)
+    mamba = mamba_config_for(
+        meta.mamba, pool if radix and pool != cfg.pool_tokens else None, meta.model, radix_cache=radix, page_size=ps
+    )
     if mamba is not None and "mamba" not in {f.name for f in dataclasses.fields(AllocatorConfig)}:
         raise ConfigError("this allocator version has no Mamba state pool: it cannot replay a trace of a hybrid "
                           "linear-attention model (kvtrace info shows the trace's layout)")
     max_running = cfg.max_running
     if mamba is not None and radix:
-        # SGLang caps the rows at the slots over 3 per request with the radix cache
-        # (``_calculate_mamba_ratio``): fewer rows than the trace ran are OOMs of rows,
+        # SGLang caps the rows at the slots over 3 per request with the radix cache, 4
+        # under extra_buffer (``_calculate_mamba_ratio``): fewer rows than the trace ran are OOMs of rows,
         # where more would let a checkpoint's state copy find no slot (an assert there).
         max_running = min(max_running, mamba.max_running_cap(radix_cache=True))
         if max_running < 1:
@@ -194,28 +196,32 @@ def allocator_config_for(
 
 
 def mamba_config_for(
-    layout: MambaLayout | None, resized_pool: int | None = None, model: ModelShape | None = None
+    layout: MambaLayout | None, resized_pool: int | None = None, model: ModelShape | None = None,
+    radix_cache: bool = False, page_size: int = 1,
 ) -> MambaConfig | None:
     """The allocator's Mamba state pool for a trace's layout (None: no linear-attention
     layers). Without the radix cache the recorded slot count is kept under a resized KV
     pool: SGLang sizes it by ``max_running_requests``, not by memory. With it
     (``resized_pool``: the replay's KV pool, when it differs from the trace's) SGLang
     sizes the slots from memory, so the slots of the memory that holds that pool
-    (``MambaLayout.for_pool``). Either way no buffer (no tracking slots): the only
-    strategy the replay models."""
+    (``MambaLayout.for_pool``). The strategy is the one SGLang's ``auto`` picks without
+    the overlap scheduler: ``extra_buffer`` with the radix cache at a page size above 1
+    (one tracking slot per request), else no buffer."""
     if layout is None:
         return None
     if resized_pool is not None and model is not None:
         layout = layout.for_pool(resized_pool, model)
+    if radix_cache and page_size > 1:
+        return MambaConfig(slots=layout.mamba_cache_size, strategy="extra_buffer")
     return MambaConfig(slots=layout.mamba_cache_size)
 
 
 def unserved_mamba(meta: TraceMeta, radix_cache: bool, page_size: int | None = None) -> str | None:
     """The one line to say when a trace is of a hybrid linear-attention model served
     with a switch the Mamba pool is not wired for yet (PD decode; HiSparse; the radix
-    cache at a page size above 1, which SGLang serves with the extra_buffer strategy:
-    its tracking slots follow the forward passes, which a trace does not record),
-    else None. ``page_size``: the replay's (default the trace's).
+    cache at a page size above 1 for a model SGLang has no extra_buffer strategy for:
+    Mamba2 layers, which SGLang then refuses to serve), else None. ``page_size``: the
+    replay's (default the trace's).
 
     NOTE: such a trace replayed without what the switch does to the Mamba slots
     would drop them, so it is refused rather than replayed wrong.
@@ -226,13 +232,14 @@ def unserved_mamba(meta: TraceMeta, radix_cache: bool, page_size: int | None = N
     cfg = meta.config
     if page_size is None:
         page_size = cfg.page_size
-    if radix_cache and page_size != 1 and not (cfg.pd_decode or cfg.hisparse):
+    if radix_cache and page_size != 1 and layout.kind != "gdn" and not (cfg.pd_decode or cfg.hisparse):
+        # SGLang's extra_buffer runs for gated-delta-net models only (_MAMBA_EXTRA_BUFFER_ARCHS)
         return (
             f"this trace is of a hybrid linear-attention model ({meta.model.name}: {len(layout.mamba_layer_ids)} "
             f"{layout.kind} layers, {layout.mamba_cache_size} Mamba state slots) served with the radix cache at "
-            f"page size {page_size}, which SGLang serves "
-            f"with the extra_buffer Mamba strategy only; the replay models no_buffer (page size 1): replay it "
-            f"with --no-radix-cache, or record it at --page-size 1"
+            f"page size {page_size}: SGLang has no extra_buffer Mamba strategy for {layout.kind} layers and "
+            f"serves them with the radix cache at page size 1 only: replay it with --no-radix-cache, or record "
+            f"it at --page-size 1"
         )
     what = "PD decode" if cfg.pd_decode else "HiSparse" if cfg.hisparse else None
     if what is None:

@@ -106,6 +106,11 @@ def mamba_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple
     ``committed`` the state slots requests hold, nothing over-allocated (decision 14)."""
     mamba = eng.pool.mamba_allocator
     held = sum(1 for req in eng.reqs.values() if req.kv.mamba_pool_idx is not None)
+    # extra_buffer (decision 16): the tracking slots are the requests' too
+    held += sum(
+        sum(1 for empty in req.kv.mamba_ping_pong_empty if not empty)
+        for req in eng.reqs.values() if getattr(req.kv, "mamba_ping_pong_empty", None) is not None
+    )
     evictable = protected = 0
     tree = eng.tree
     if not tree.disable and tree.supports_mamba():

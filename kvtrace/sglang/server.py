@@ -69,9 +69,12 @@ def _mamba_spec(config: dict[str, Any]) -> sc.MambaSpec | None:
     mamba = config.get("mamba")
     if mamba is None:
         return None
-    if mamba.get("strategy", "no_buffer") != "no_buffer" or mamba.get("overlap_schedule"):
-        raise sc.ScenarioError("a Mamba pool is driven on SGLang's side with no_buffer and no overlap scheduler only")
-    return sc.MambaSpec(slots=int(mamba["slots"]), strategy="no_buffer")
+    strategy = mamba.get("strategy", "no_buffer")
+    if strategy not in ("no_buffer", "extra_buffer") or mamba.get("overlap_schedule"):
+        raise sc.ScenarioError(
+            "a Mamba pool is driven on SGLang's side with no_buffer or extra_buffer and no overlap scheduler only"
+        )
+    return sc.MambaSpec(slots=int(mamba["slots"]), strategy=strategy)
 
 
 def _ints(data: bytes) -> np.ndarray:

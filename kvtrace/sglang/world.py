@@ -147,8 +147,9 @@ itself is not run because a trace already fixes which requests run when):
    say how long the waiting queue was, and the built-in allocator opens none either.
 
 14. Mamba with the radix cache (a scenario with ``mamba`` and the radix cache on): the tree
-   of decision 13 is enabled (Python tree core, no_buffer, so page 1): the real ``match_kv_cache`` copies a matched state into a slot of the request's
-   own (``finalize_match_result_in_cache``), ``alloc_for_extend`` runs
+   of decision 13 is enabled (Python tree core; no_buffer at page 1, decision 16 below): the real
+   ``match_kv_cache``, with ``cow_mamba`` as the scheduler's ``init_next_round_input`` passes it,
+   copies a matched state into a slot of the request's own (``finalize_match_result_in_cache``), ``alloc_for_extend`` runs
    ``ensure_mamba_capacity`` (checkpoint eviction), ``checkpoint_kv_cache`` /
    ``release_kv_cache`` insert a copied or donated state, and the Mamba pool's
    ``evictable`` / ``protected`` are the Mamba component's ledgers (``readout``).
@@ -174,6 +175,17 @@ itself is not run because a trace already fixes which requests run when):
    ``match_kv_cache`` → ``try_match_prefix`` (it borrows the slot's record; the virtual
    node's lock is a no-op). close = ``release_session(rid)``. An abort of a resumed turn
    is an abort (``try_cache_finished_req`` hands the record back and deletes the slot).
+
+16. Mamba extra_buffer (a scenario whose ``mamba`` strategy is ``extra_buffer``: the radix
+   cache at page > 1, no overlap scheduler): the pool and the tree are built with
+   ``enable_mamba_extra_buffer`` and the server args name the strategy, so admission takes the
+   ping-pong tracking slot and the real ``checkpoint_kv_cache`` / ``release_kv_cache`` cut the
+   insert to the tracked length and donate the tracking slot. The forward passes' tracking
+   runs SGLang's own code: each extend's ``ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend``,
+   and after each decode or verify the result processor's ``_mamba_prefix_cache_update``,
+   told of a crossed boundary by the verify mask of ``speculative/spec_utils.py`` (a decode
+   is a verify of one token; without the overlap scheduler there is no lookahead). The
+   pool class runs the mode on CPU although SGLang's server refuses it there.
 
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
@@ -420,6 +432,9 @@ class SGLangEngine:
             )
         if config.radix_cache:
             fields["disaggregation_decode_enable_radix_cache"] = True
+        self.extra_buffer = config.mamba is not None and config.mamba.strategy == "extra_buffer"
+        if self.extra_buffer:  # decision 16
+            fields["mamba_radix_cache_strategy"] = "extra_buffer"
         if config.swa is not None and config.swa.overlap_chunked_prefill:
             fields["chunked_prefill_size"] = config.swa.overlap_chunked_prefill
         self._ctx = SG.get_context().override_server_args(**fields)
@@ -447,6 +462,8 @@ class SGLangEngine:
             token_to_kv_pool_allocator=allocator, page_size=self.ps, is_eagle=self.is_eagle,
             enable_kv_cache_events=kv_events, eviction_policy=config.eviction_policy,
         )
+        if self.extra_buffer:  # decision 16
+            params.enable_mamba_extra_buffer = True
         if kv_events:  # decision 12
             install_event_hash_ids()
         if config.swa is not None:  # decision 11
@@ -469,6 +486,15 @@ class SGLangEngine:
             chunk = max(64, self.ps)
             comp_mamba.mamba_cache_chunk_size = lambda: chunk
             comp_mamba.mamba_checkpoint_grid = lambda page: math.lcm(chunk, page)
+            if self.extra_buffer:  # decision 16: the forward passes' tracking reads them too
+                from sglang.srt.managers.scheduler_components import batch_result_processor as brp
+                from sglang.srt.runtime_context import get_exec
+
+                interval = get_exec().mamba.mamba_track_interval
+                SG.schedule_batch.mamba_cache_chunk_size = lambda: chunk
+                SG.schedule_batch.mamba_checkpoint_grid = lambda page: math.lcm(chunk, page)
+                SG.schedule_batch.mamba_track_grid = lambda page: math.lcm(chunk, page, interval)
+                brp.mamba_track_grid = SG.schedule_batch.mamba_track_grid
             params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
             tree = UnifiedRadixCache(params)  # enabled with the radix cache: decision 14
         elif tree_kind == "unified" or sessions:  # decision 15: sessions live in the unified tree
@@ -516,8 +542,47 @@ class SGLangEngine:
             size=self.config.max_running + self.config.extra_rows, mamba_size=mamba.slots,
             mamba_spec_state_size=mamba.slots, max_context_len=self.row_width, device="cpu",
             enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0],
-            enable_mamba_extra_buffer=False, enable_mamba_extra_buffer_lazy=False, enable_overlap_schedule=False,
+            enable_mamba_extra_buffer=self.extra_buffer, enable_mamba_extra_buffer_lazy=False,
+            enable_overlap_schedule=False,
         )
+
+    def _mamba_slots_needed(self, reqs: list[Any]) -> int:
+        """The Mamba slots admitting ``reqs`` takes (``ensure_mamba_capacity``'s count)."""
+        needed = sum(1 for r in reqs if not r.kv.holds_mamba)
+        if self.extra_buffer:
+            needed += sum(self.pool.mamba_initial_tracking_slots for r in reqs if r.kv.mamba_ping_pong_track_buffer is None)
+        return needed
+
+    def _track_extend(self, reqs: list[Any]) -> None:
+        """decision 16: each chunk's tracking, by SGLang's ``prepare_for_extend`` step."""
+        from types import SimpleNamespace
+
+        ns = SimpleNamespace(
+            tree_cache=self.tree, req_to_token_pool=self.pool,
+            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(mamba_chunk_size=64)),
+        )
+        prepare = SG.schedule_batch.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend
+        for req in reqs:
+            prepare(ns, req)
+
+    def _track_verify(self, reqs: list[Any], pre_lens: list[int]) -> None:
+        """decision 16: a decode's or verify's boundary crossing (``spec_utils`` mask from
+        the committed lengths before and after), then SGLang's result-side update."""
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.scheduler_components import batch_result_processor as brp
+
+        grid = SG.schedule_batch.mamba_track_grid(self.ps)
+        proc = SimpleNamespace(tree_cache=self.tree)
+        update = brp.SchedulerBatchResultProcessor._mamba_prefix_cache_update
+        for i, (req, pre) in enumerate(zip(reqs, pre_lens)):
+            post = req.kv.kv_committed_len
+            crossed = pre // grid != post // grid
+            proc._mamba_check_track_boundary = lambda *_a, c=crossed, t=post // grid * grid: (c, t)
+            batch = SimpleNamespace(
+                req_to_token_pool=self.pool, mamba_track_buffer_indices=[req.kv.mamba_next_track_idx] * (i + 1),
+            )
+            update(proc, req, batch, None, i, known_boundary=False)
 
     def _swa_allocator(self, pool_tokens: int) -> Any:
         """SGLang's ``SWATokenToKVPoolAllocator`` over a buffer-less ``SWAKVPool`` (decision 11)."""
@@ -687,7 +752,8 @@ class SGLangEngine:
         if new_rows and self.config.mamba is not None and not self.tree.disable:
             # decision 14: each new request takes a Mamba slot (its copy-on-write or its
             # own); short of free ones SGLang evicts checkpoints, and may assert
-            if new_rows > int(self.pool.mamba_allocator.available_size()):
+            per_row = 1 + (self.pool.mamba_initial_tracking_slots if self.extra_buffer else 0)
+            if new_rows * per_row > int(self.pool.mamba_allocator.available_size()):
                 return False
         return new_rows <= self.pool.available_size() and num_tokens <= self.alloc.available_size()
 
@@ -773,7 +839,10 @@ class SGLangEngine:
                 self._set_tokens(req, toks, pl)
                 fill = req.full_untruncated_fill_ids
                 cap = min(req._compute_max_prefix_len(len(fill)), seq_len - 1)
-                res = common.match_kv_cache(req, self.tree, fill, max_prefix_len=cap)
+                # SGLang's init_next_round_input copies a matched Mamba state (cow_mamba
+                # defaults to the tree's supports_mamba() there, False in match_kv_cache)
+                res = common.match_kv_cache(req, self.tree, fill, max_prefix_len=cap,
+                                            cow_mamba=self.config.mamba is not None and not self.tree.disable)
                 if res.cache_protected_len is None:
                     req.kv.cache_protected_len = req.prefix_len
                 req.lock = self.tree.lock(req.last_node)
@@ -794,13 +863,15 @@ class SGLangEngine:
             SG.allocation.alloc_for_extend(batch)
             for rid, req in zip(rids, reqs):
                 self._row_rid[req.kv.req_pool_idx] = rid
+            if self.extra_buffer:
+                self._track_extend(reqs)
 
         held = [r.kv.kv_allocated_len if r.kv.holds_kv else 0 for r in reqs]
         bound = sum(n - h for n, h in zip(seq_lens, held)) + (len(reqs) * self.ps if self.ps > 1 else 0)
         new_rows = sum(1 for r in reqs if not r.kv.holds_kv)
         fits = self._fits_without_eviction(bound, new_rows)
         if self.config.mamba is not None:  # decision 13: a short Mamba pool is an assert
-            fits = fits and sum(1 for r in reqs if not r.kv.holds_mamba) <= self.pool.mamba_allocator.available_size()
+            fits = fits and self._mamba_slots_needed(reqs) <= self.pool.mamba_allocator.available_size()
         res = self._guarded(run, fits)
         if res.outcome == "ok":
             self._publish = [r for r, d in zip(reqs, prefill_done) if d]
@@ -831,6 +902,8 @@ class SGLangEngine:
             SG.allocation.alloc_for_decode(batch, token_per_req=1)
             for r in reqs:
                 r.decode_batch_idx += 1
+            if self.extra_buffer:
+                self._track_verify(reqs, lens)
 
         return self._guarded(run, self._fits_without_eviction(len(reqs) * self.ps))
 
@@ -852,6 +925,8 @@ class SGLangEngine:
                 SG.eagle_utils.eagle_prepare_for_decode(batch)
             for r, a in zip(reqs, accepted):
                 r.kv.kv_committed_len += a
+            if self.extra_buffer:
+                self._track_verify(reqs, lens)
 
         reserve = 2 * self.config.spec.num_draft_tokens if dflash else SG.alloc_reserve_per_decode()
         cur, nxt, needed = SG.page_aligned_decode_alloc_lens(reqs, reserve=reserve, page_size=self.ps)

@@ -2,10 +2,12 @@
 on: ``kvtrace diff TRACE --a sglang --b builtin --exact`` is identical (every step's
 state digest and both pools' counters, the Mamba pool's cached checkpoints included) on
 the bundled radix-on hybrid sample and on hybrid traces recorded from two bundled
-workloads, EAGLE on and off. SGLang serves a Mamba radix cache on CPU with
-``no_buffer`` only, which needs page 1: pages 16 and 64 (``extra_buffer``) are refused
-by the replay in one line. The SGLang side runs ``HybridReqToTokenPool`` and an enabled
-``UnifiedRadixCache(FULL, MAMBA)`` (``kvtrace/sglang/world.py``, decision 13).
+workloads at pages 1, 16 and 64, EAGLE on and off. Page 1 runs SGLang's ``no_buffer``
+strategy; pages 16 and 64 its non-overlap ``extra_buffer`` (a tracking slot per request),
+which SGLang's server refuses on CPU but its pool and tree classes run there. The SGLang
+side runs ``HybridReqToTokenPool`` and an enabled ``UnifiedRadixCache(FULL, MAMBA)``
+(``kvtrace/sglang/world.py``, decisions 13 to 15). A Mamba2 model (Nemotron-H), which
+SGLang serves with no extra_buffer, is refused above page 1 in one line.
 
 Skipped unless ``KVTRACE_SGLANG_PYTHON`` names the interpreter of a venv made by
 ``tools/sglang_oracle/setup.sh``.
@@ -45,12 +47,15 @@ def test_the_bundled_radix_sample_is_identical() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("workload", ["sample:mooncake-tiny", "sample:azure-code"])
 @pytest.mark.parametrize("spec", [None, "eagle:3,1,4"])
-def test_recorded_radix_hybrid_traces_are_identical(tmp_path: Path, workload: str, spec: str | None) -> None:
+def test_recorded_radix_hybrid_traces_are_identical(
+    tmp_path: Path, workload: str, spec: str | None, page_size: int
+) -> None:
     harness.require_sglang()
     out = tmp_path / "hybrid.kvtrace"
-    result = runner.invoke(app, ["record", workload, "--duration", "6s", "--page-size", "1", *MODEL,
+    result = runner.invoke(app, ["record", workload, "--duration", "6s", "--page-size", str(page_size), *MODEL,
                                  *(["--spec", spec] if spec else []), "-o", str(out), "-q"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert diff_exact(str(out))["identical"] is True
@@ -68,13 +73,38 @@ def test_a_mamba_pool_too_small_for_the_rows_runs_out_alike(tmp_path: Path) -> N
     assert report["identical"] is True and report["b"]["num_ooms"] > 0
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_a_radix_hybrid_trace_above_page_1_is_refused_in_one_line(tmp_path: Path, page_size: int) -> None:
+def test_a_radix_hybrid_trace_above_page_1_replays_with_a_tracking_slot_per_request(tmp_path: Path) -> None:
     out = tmp_path / "paged.kvtrace"
-    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "1s", "--page-size", str(page_size),
+    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "1s", "--page-size", "16",
                                  *MODEL, "-o", str(out), "-q"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["replay", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    mamba = report["pools"]["mamba"]
+    # 4 slots per running request (3 + the tracking slot) cap the rows
+    assert report["max_running"] == mamba["pool_tokens"] // 4
+
+
+def test_a_mamba2_radix_trace_above_page_1_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "paged.kvtrace"
+    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "1s", "--page-size", "16",
+                                 "--model", "nemotron-h-8b", "--radix-cache", "--pool-tokens", "60000",
+                                 "-o", str(out), "-q"])  # fmt: skip
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["replay", str(out)])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"radix cache at page size {page_size}" in lines[0] and "extra_buffer" in lines[0]
+    assert len(lines) == 1 and "radix cache at page size 16" in lines[0] and "no extra_buffer" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_namespaced_radix_hybrid_trace_is_identical(tmp_path: Path, page_size: int) -> None:
+    # three cache namespaces over shared prompts: both trees key the nodes (and states) by them
+    harness.require_sglang()
+    out = tmp_path / "namespaced.kvtrace"
+    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "6s", "--page-size", str(page_size),
+                                 *MODEL, "--namespaces", "3", "-o", str(out), "-q"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert diff_exact(str(out))["identical"] is True

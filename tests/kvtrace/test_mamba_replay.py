@@ -49,8 +49,14 @@ def test_the_allocator_gets_the_traces_mamba_pool(tmp_path: Path) -> None:
     config = allocator_config_for(TraceReader(sample_path("mooncake-qwen3-next")).meta)
     assert config.mamba is not None and config.mamba.slots == 16 and not config.radix_cache
     assert allocator_config_for(TraceReader(sample_path("mooncake-tiny")).meta).mamba is None
-    with pytest.raises(ConfigError, match="served with the radix cache at page size 16, which SGLang serves with"):
-        allocator_config_for(TraceReader(sample_path("mooncake-qwen3-next")).meta, radix_cache=True)
+    # the radix cache at page 16: SGLang's (non-overlap) extra_buffer, 4 slots per request
+    paged = allocator_config_for(TraceReader(sample_path("mooncake-qwen3-next")).meta, radix_cache=True)
+    assert paged.mamba is not None and paged.mamba.strategy == "extra_buffer" and not paged.mamba.overlap_schedule
+    assert paged.max_running == paged.mamba.slots // 4
+    with pytest.raises(ConfigError, match="SGLang has no extra_buffer Mamba strategy for mamba2 layers"):
+        meta = TraceReader(sample_path("mooncake-qwen3-next")).meta
+        allocator_config_for(dataclasses.replace(meta, mamba=dataclasses.replace(meta.mamba, kind="mamba2")),
+                             radix_cache=True)  # fmt: skip
 
 
 def test_replay_reports_the_mamba_pool(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ Qwen3-Next or Nemotron-H (``mamba2_cache_params`` of ``Qwen3NextConfig`` / ``Nem
 ``KVCacheConfigurator._handle_max_mamba_cache``, ``DefaultPoolConfigurator.calculate_pool_sizes``,
 ``resolve_max_num_reqs``), as one JSON line. Argument: a JSON object with ``ratio``,
 ``max_running`` (or null), ``radix_cache``, ``page_size``, ``context_len``, ``rest_bytes``
-and optionally ``model`` (``qwen3-next``, the default, or ``nemotron-h``) and ``draft_tokens`` (EAGLE with that many draft tokens per step).
+and optionally ``model`` (``qwen3-next``, the default, or ``nemotron-h``), ``draft_tokens`` (EAGLE with that many draft tokens per step)
+and ``strategy`` (``--mamba-radix-cache-strategy``, then without the overlap scheduler).
 
 The configurator is built bare (``object.__new__``) with the attributes those methods
 read for one GPU, no fused draft state and no ReplaySSM; the modules that import
@@ -57,6 +58,9 @@ case = json.loads(sys.argv[1])
 ov = get_context().override_server_args(
     mamba_full_memory_ratio=case["ratio"], max_running_requests=case["max_running"],
     disable_radix_cache=not case["radix_cache"], page_size=case["page_size"], device="cpu",
+    **({} if case.get("strategy") is None else {
+        "mamba_radix_cache_strategy": case["strategy"], "disable_overlap_schedule": True,
+    }),
     **({} if case.get("draft_tokens") is None else {
         "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": case["draft_tokens"],
         "speculative_num_steps": case["draft_tokens"] - 1, "speculative_eagle_topk": 1,

@@ -108,10 +108,11 @@ QWEN3_NEXT_KV = LAYOUT.full_bytes_per_token(QWEN3_NEXT)  # 24,576 B per token in
 
 # (case, SGLang's slots, KV pool tokens, request rows): what sglang_mamba_split.py printed
 # under SGLang 0.5.23 for Qwen3-Next with these settings (``draft_tokens``: EAGLE with that
-# many draft tokens per step).
+# many draft tokens per step; ``strategy``: the Mamba radix strategy, without the overlap
+# scheduler, SGLang's at page > 1 with the radix cache: 3 + 1 tracking slots per request).
 SGLANG_SPLITS = [
     ({"ratio": 0.9, "max_running": None, "radix_cache": True, "page_size": 16, "context_len": 262144,
-      "rest_bytes": 40_000_000_000}, (244, 857_312, 81)),
+      "rest_bytes": 40_000_000_000, "strategy": "extra_buffer"}, (244, 857_312, 61)),
     ({"ratio": 0.9, "max_running": 64, "radix_cache": False, "page_size": 16, "context_len": 262144,
       "rest_bytes": 40_000_000_000}, (64, 1_423_232, 64)),
     ({"ratio": 0.5, "max_running": 32, "radix_cache": True, "page_size": 1, "context_len": 262144,
@@ -119,7 +120,7 @@ SGLANG_SPLITS = [
     ({"ratio": 0.9, "max_running": None, "radix_cache": False, "page_size": 64, "context_len": 4096,
       "rest_bytes": 3_000_000_000}, None),
     ({"ratio": 0.9, "max_running": 48, "radix_cache": True, "page_size": 16, "context_len": 262144,
-      "rest_bytes": 40_000_000_000, "draft_tokens": 4}, (102, 863_600, 34)),
+      "rest_bytes": 40_000_000_000, "draft_tokens": 4, "strategy": "extra_buffer"}, (120, 857_312, 30)),
     ({"ratio": 0.9, "max_running": 16, "radix_cache": False, "page_size": 64, "context_len": 262144,
       "rest_bytes": 20_000_000_000, "draft_tokens": 8}, (16, 332_736, 16)),
 ]  # fmt: skip
