@@ -81,8 +81,7 @@ CHECK_MODES: tuple[CheckMode, ...] = ("every", "full", "end", "never")
 
 _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
 # The detail of a release's event, by its kind (none for the others).
-_RELEASE_DETAIL = {"finish": "finished", "hold": "its session holds its KV until the next turn",
-                   "close": "its session closed, its KV freed"}
+_RELEASE_DETAIL = {"finish": "finished", "hold": "held by its session", "close": "session closed"}
 _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
 
 
