@@ -17,6 +17,10 @@ Request phases::
     PREFILL/DECODE ──hold──► HELD ──close──► ENDED;  HELD ──extend (from the held
     length: the session's next turn)──► PREFILL
 
+A request held once is a session's until it ends: a later turn ends with ``hold`` or
+``abort``, never ``finish`` (SGLang keeps a finished turn in its session slot, where the
+built-in allocator would free it; the two would part).
+
 A row that breaks a rule is reported, then applied as recorded (its
 ``seq_len`` becomes the request's length), so one mistake is reported once
 rather than at every later step.
@@ -60,8 +64,8 @@ NEW, PREFILL, DECODING, RETRACTED, ENDED, HELD = range(6)
 PHASE_NAMES = ("new", "prefill", "decode", "retracted", "ended", "held")
 
 # Ids are dense from 0 (``traces.schema.MAX_RID``); per-request state costs this many
-# bytes per id up to the largest (phase, length, prompt, prefill end, scratch).
-CHECKER_BYTES_PER_RID = 33
+# bytes per id up to the largest (phase, length, prompt, prefill end, scratch, session).
+CHECKER_BYTES_PER_RID = 34
 MAX_EXPLICIT_TOKEN = 1 << 62  # larger ids are reserved for synthetic content (traces.tokens)
 
 _OP_RANK = np.array(OP_RANK, np.int8)
@@ -154,6 +158,7 @@ class OpSequenceChecker:
         # Where the request's prefill ends: its prompt, or its length when it was retracted.
         self._target = np.full(1024, -1, np.int64)
         self._scratch = np.zeros(1024, np.int64)  # per rid, for the duplicate test
+        self._session = np.zeros(1024, np.bool_)  # held once, not ended: a session's request
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._steps = 0
@@ -359,6 +364,7 @@ class OpSequenceChecker:
         self._length = np.concatenate([self._length, np.zeros(new - size, np.int64)])
         self._prompt = np.concatenate([self._prompt, np.full(new - size, -1, np.int64)])
         self._target = np.concatenate([self._target, np.full(new - size, -1, np.int64)])
+        self._session = np.concatenate([self._session, np.zeros(new - size, np.bool_)])
 
     def _once(self, key: str) -> bool:
         if key in self._reported_once:
@@ -482,6 +488,8 @@ class OpSequenceChecker:
             ok &= ~(is_extend & (phase == PREFILL) & (target >= 0) & (length >= target))
         ok &= ~is_new | (prompt_len >= 0)
         ok &= (prompt_len < 0) | is_new | turn | (known_prompt < 0) | (prompt_len == known_prompt)
+        if counts[FINISH]:
+            ok &= ~((op == FINISH) & self._session[rid])
         if not ok.all():
             self._explain(batch, rows[~ok], found)
         self._check_lists(batch, rows, every, prompt_len, take(batch.append_len), rid, found)
@@ -499,6 +507,8 @@ class OpSequenceChecker:
         if counts[EXTEND]:  # a session's next turn: its prompt_len, when given, ends its prefill
             if turn.any():
                 self._target[rid[turn]] = np.where(prompt_len[turn] >= 0, prompt_len[turn], -1)
+        if counts[HOLD] or counts[FINISH] or counts[ABORT] or counts[CLOSE]:
+            self._session[rid] = np.where(op == HOLD, True, self._session[rid] & (_NEXT_PHASE[op] != ENDED))
 
     def _explain(self, batch: StepBatch, rows: np.ndarray, found: list[tuple[int, str, int | None]]) -> None:
         """One message per broken rule for ``rows`` (each known to break at least one)."""
@@ -599,6 +609,11 @@ class OpSequenceChecker:
             "or close it)",
         )
         report(wrong_phase["close-running"], "close of a running request (hold its turn first)")
+        report(
+            is_finish & self._session[rid] & holds_kv,
+            "finish of a streaming session's turn: SGLang keeps it in the session slot, the built-in "
+            "allocator frees it (hold the turn, or abort it)",
+        )
         report(wrong_phase["close-retracted"], "close of a retracted request, which holds no KV")
         report(wrong_phase["prealloc-held"], "prealloc of a request that already holds KV")
         report(

@@ -11,8 +11,9 @@ state log read back) into the records a trace viewer draws, in time order:
   its phases (prefill, decode, ...) as slices nested in it. A released lane is reused by
   the next admission (the lowest free one), so the lanes are as many as the peak number
   of requests holding KV at once. A request retracted and admitted again is two slices;
-- ``Instant``: every event but ``finish`` (which ends a slice): evictions, retractions,
-  aborts, out-of-memory, violations, over-allocation releases, bad or dropped ops.
+- ``Instant``: every event but ``finish`` and a session's ``hold`` (each ends a slice;
+  a held one ends ``held``): evictions, retractions, aborts, a session's ``close``,
+  out-of-memory, violations, over-allocation releases, bad or dropped ops.
 
 The builder keeps per-request columns (indexed by request id) and the open lanes, never
 the records it returned: memory is flat in the length of the replay. The time axis is the
@@ -176,11 +177,14 @@ class TimelineBuilder:
                     self.pools.append(name)
                 self._counters[name] = values
                 out.append(Counters(ts, name, values))
+        held: set[int] = set()  # the requests a streaming session holds from this step
         for e in snap.events:
-            if e.kind != "finish":
+            if e.kind == "hold" and e.rid is not None:
+                held.add(e.rid)
+            elif e.kind != "finish":
                 out.append(Instant(ts, e.kind, e.rid, e.tokens, e.detail))
         if snap.requests.num_requests:
-            self._requests(ts, snap, out)
+            self._requests(ts, snap, out, held)
         return out
 
     def lane_of(self, rid: int) -> int | None:
@@ -198,7 +202,7 @@ class TimelineBuilder:
         return out
 
     # ------------------------------------------------------------------ requests
-    def _requests(self, ts: int, snap: StepSnapshot, out: list[Record]) -> None:
+    def _requests(self, ts: int, snap: StepSnapshot, out: list[Record], held: set[int]) -> None:
         d = snap.requests
         rids = d.rids
         self._ensure(int(rids.max()))
@@ -213,7 +217,7 @@ class TimelineBuilder:
                 before, after = int(self._phase[rid]), int(new[i])
                 if after == _NOT_LIVE:
                     if before != _NOT_LIVE:
-                        self._release(ts, rid, PHASES[int(d.phase[i])], out)
+                        self._release(ts, rid, "held" if rid in held else PHASES[int(d.phase[i])], out)
                     continue
                 if before == _NOT_LIVE:
                     self._admit(ts, rid, int(d.prefix[i]), int(d.op[i]), out)

@@ -150,7 +150,7 @@ def record_workload(
         unserved = [name for name, on in (
             ("PD decode", options.pd_decode), ("HiSparse", options.hisparse), ("Mamba layers", options.mamba is not None),
             ("sliding-window layers", options.attention is not None and bool(options.attention.swa_layer_ids)),
-            ("cache namespaces", bool(options.namespaces)),
+            ("cache namespaces", bool(options.namespaces)), ("HiCache's host tier", options.hicache is not None),
         ) if on]  # fmt: skip
         if unserved:
             raise ValueError(f"streaming sessions are modelled for full-attention pools only, not with {unserved[0]}")

@@ -192,7 +192,36 @@ def allocator_config_for(
         if unsupported is not None:
             raise ConfigError(unsupported) from None
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
+    unserved = unserved_sessions(meta, config)
+    if unserved is not None:
+        raise ConfigError(unserved)
     return config
+
+
+def unserved_sessions(meta: TraceMeta, config: AllocatorConfig) -> str | None:
+    """The one line to say when a trace with streaming sessions would replay on pools
+    sessions are not modelled for (a host tier, sliding-window or Mamba layers,
+    HiSparse), else None.
+
+    NOTE: SGLang's session slot holds a turn's device KV outside the tree; neither side
+    models what a host tier, a second pool or HiSparse does to it, so such a replay is
+    refused rather than replayed wrong.
+    """
+    if not meta.config.sessions:
+        return None
+    tier = getattr(config, "hicache", None) is not None
+    what = next((name for name, on in (
+        ("HiCache's host tier", tier),
+        ("sliding-window layers", getattr(config, "swa", None) is not None),
+        ("Mamba layers", getattr(config, "mamba", None) is not None),
+        ("HiSparse", bool(getattr(config, "hisparse", False))),
+    ) if on), None)  # fmt: skip
+    if what is None:
+        return None
+    advice = ("drop --hicache-ratio and --hicache-write-policy" if tier and meta.config.hicache is None
+              else "kvtrace info shows the trace's configuration")
+    return f"this trace has streaming sessions, which are modelled for full-attention pools only, not with {what} " \
+           f"({advice})"
 
 
 def mamba_config_for(

@@ -80,6 +80,8 @@ BadOpMode = Literal["stop", "skip"]
 CHECK_MODES: tuple[CheckMode, ...] = ("every", "full", "end", "never")
 
 _RELEASE_PHASE = {FINISH: FINISHED, RETRACT: RETRACTED, ABORT: ABORTED}
+# The detail of a release's event, by its kind (none for the others).
+_RELEASE_DETAIL = {"finish": "finished", "hold": "held by its session", "close": "session closed"}
 _USED_FROM, _AVAILABLE, _EVICTABLE = (PoolCounters._fields.index(f) for f in ("pool_tokens", "available", "evictable"))
 
 
@@ -820,7 +822,7 @@ class ReplayEngine:
             res = alloc.close_session(rids)  # type: ignore[attr-defined]
             self.stats.session_closes += int(rids.size)
         self.stats.allocator_s += self._clock() - t0
-        self._after_release(rids, res, "finish" if op == HOLD else "abort")
+        self._after_release(rids, res, "hold" if op == HOLD else "close")
         self._check_call(rids)
         if op == CLOSE:
             self._tokens.drop(rids)
@@ -873,9 +875,11 @@ class ReplayEngine:
         if np.count_nonzero(held):
             for rid, n in zip(rids[held].tolist(), slack[held].tolist()):
                 self._events.append(Event("overalloc_release", rid, n, f"{n} over-allocated slots freed on {kind}"))
-        # every release is an event of its kind (the dashboard's "finish" filter lists them)
+        # every release is an event of its kind (the dashboard's "finish" filter lists them);
+        # a session's hold and close are their own kinds, not a finish and an abort
+        detail = _RELEASE_DETAIL.get(kind, "")
         for rid in rids.tolist():
-            self._events.append(Event(kind, rid, 0, "finished" if kind == "finish" else ""))  # type: ignore[arg-type]
+            self._events.append(Event(kind, rid, 0, detail))  # type: ignore[arg-type]
 
     def _extend(self, batch: StepBatch, rows: np.ndarray) -> None:
         alloc = self.allocator

@@ -46,6 +46,8 @@ EventKind = Literal[
     "finish",
     "retract",
     "abort",
+    "hold",  # a streaming session's turn ended, its KV held for the next turn
+    "close",  # a streaming session closed, its held KV freed
     "oom",  # an allocation that did not fit
     "dropped",  # a request whose op was skipped (OOM with --on-oom skip, or a bad op)
     "row_overflow",  # a speculative reserve clipped at the row width

@@ -45,7 +45,7 @@ KEYS = (
     ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
     ("T", "timeline of the top holders' allocated / used (click it: go to that step)"),
     ("x", "export the view: an SVG of the screen and the request table as CSV"),
-    ("/", "filter requests: phases, live, over, ids, A-B"),
+    ("/", "filter requests: phases, live, over, held, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),
     ("e", "why the selected request's prefix missed, by cause (replay --tui --explain); j in it: "

@@ -180,3 +180,54 @@ def test_a_turn_may_not_extend_past_its_prompt_len() -> None:
         "step 2, request 0: extend to seq_len 30 beyond the prompt_len 20 of a session's turn "
         "(it prefills its prompt, then decodes)"
     ]
+
+
+def test_checker_flags_a_finish_of_a_later_turn_in_one_line() -> None:
+    """SGLang keeps a finished turn of a session in its slot, the built-in frees it: the
+    checker refuses the op so that the two sides never part on it."""
+    checker = OpSequenceChecker(session_meta())
+    assert checker.check(one(0, EXTEND, 8, 8)) == []
+    assert checker.check(one(1, HOLD, 8)) == []
+    assert checker.check(_turn(2, 12, 4, None)) == []
+    problems = [str(p) for p in checker.check(one(3, OP_CODE["finish"], 12))]
+    assert problems == [
+        "step 3, request 0: finish of a streaming session's turn: SGLang keeps it in the session slot, "
+        "the built-in allocator frees it (hold the turn, or abort it)"
+    ]
+
+
+def test_a_first_turn_may_finish_and_an_abort_ends_the_session() -> None:
+    """Before its first hold a request is no session's; after an abort its id is done."""
+    checker = OpSequenceChecker(session_meta())
+    assert checker.check(one(0, EXTEND, 8, 8)) == []
+    assert checker.check(one(1, OP_CODE["finish"], 8)) == []
+    checker = OpSequenceChecker(session_meta())
+    assert checker.check(one(0, EXTEND, 8, 8)) == []
+    assert checker.check(one(1, HOLD, 8)) == []
+    assert checker.check(_turn(2, 12, 4, None)) == []
+    assert checker.check(one(3, OP_CODE["abort"], 12)) == []
+    assert checker.finish().problems == 0
+
+
+def test_validate_cli_flags_a_finished_session_turn_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "finished_turn.kvtrace"
+    with Recorder(path, session_meta(), overwrite=True) as rec:
+        rec.begin_step(0.0)
+        rec.extend([0], [10], prompt_lens=[10])
+        rec.end_step()
+        rec.begin_step(0.1)
+        rec.hold([0])
+        rec.end_step()
+        rec.begin_step(0.2)
+        rec.extend([0], [14], prefix_lens=[10])
+        rec.end_step()
+        rec.begin_step(0.3)
+        rec.finish([0])
+        rec.end_step()
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 1, result.output
+    problems = [line for line in result.output.splitlines() if line.startswith("step ")]
+    assert problems == [
+        "step 3, request 0: finish of a streaming session's turn: SGLang keeps it in the session slot, "
+        "the built-in allocator frees it (hold the turn, or abort it)"
+    ]

@@ -1,6 +1,7 @@
 """The events log: every event up to the step shown (over-allocation releases,
-evictions, retractions, aborts, OOM, invariant violations, impossible ops), newest
-last, optionally one kind only; choosing an event seeks to its step."""
+evictions, retractions, aborts, streaming sessions' holds and closes, OOM, invariant
+violations, impossible ops), newest last, optionally one kind only; choosing an event
+seeks to its step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.style import Style
 from textual.message import Message
 from textual.strip import Strip
 
+from kvtrace.tui.widgets.page_map import SESSION_COLOR
 from kvtrace.tui.widgets.virtual_list import VirtualList, cells
 
 if TYPE_CHECKING:
@@ -18,14 +20,16 @@ if TYPE_CHECKING:
 
 __all__ = ["EVENT_KINDS", "EventsLog"]
 
-EVENT_KINDS = ("overalloc_release", "evict", "retract", "abort", "finish", "oom", "violation", "bad_op", "dropped",
-               "row_overflow")
+EVENT_KINDS = ("overalloc_release", "evict", "retract", "abort", "finish", "hold", "close", "oom", "violation",
+               "bad_op", "dropped", "row_overflow")
 _KIND_STYLE = {
     "overalloc_release": Style(color="yellow"),
     "evict": Style(color="cyan"),
     "retract": Style(color="magenta"),
     "abort": Style(color="red"),
     "finish": Style(color="bright_black"),
+    "hold": Style(color=SESSION_COLOR),
+    "close": Style(color=SESSION_COLOR, dim=True),
     "oom": Style(color="bright_red", bold=True),
     "violation": Style(color="bright_red", bold=True),
     "bad_op": Style(color="red", bold=True),
