@@ -40,7 +40,7 @@ KEYS = (
     ("n / N", "next / previous event (of the kind the events log shows)"),
     ("k", "events log: next kind (all, overalloc_release, evict, …)"),
     ("P", "jump to the peak occupancy (of the pool shown)"),
-    ("p", "occupancy and page map: the next KV pool (hybrid SWA: full, swa)"),
+    ("p", "occupancy and page map: the next pool (full, swa, mamba, host)"),
     ("o", "jump to the first OOM or violation"),
     ("m", "mute / show the OOM and violation alerts (the events log keeps all)"),
     ("T", "timeline of the top holders' allocated / used (click it: go to that step)"),
@@ -48,8 +48,7 @@ KEYS = (
     ("/", "filter requests: phases, live, over, held, ids, A-B"),
     ("s / r", "sort requests by the next column / reverse"),
     ("enter", "detail of the selected request (history chart)"),
-    ("e", "why the selected request's prefix missed, by cause (replay --tui --explain); j in it: "
-          "go to the step and request that evicted it"),
+    ("e", "the selected request's missed prefix by cause (--explain); j: go to its evictor"),
     ("tab", "next panel; click a row, cell or event to select it"),
     ("t", "small terminal: the other panel of each tab pair (or click a tab)"),
     ("?", "this help"),
