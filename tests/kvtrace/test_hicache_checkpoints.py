@@ -19,8 +19,7 @@ from traces.batches import StepBatch
 TARGETS = (61, 40, 95, 118)
 
 
-@pytest.fixture(scope="module")
-def cycling(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_cycling(path: Path) -> Path:
     """Six prompts of 256 tokens asked in turn, two requests running at a time, on a
     1,024-token device pool: each prompt is evicted before it comes back, so with a host
     tier it comes back from the host (host hits, loads and writes in flight, host locks)."""
@@ -39,8 +38,12 @@ def cycling(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                token_ids=[r[4] for r in rs])
         for step, rs in sorted(rows.items())
     ]  # fmt: skip
-    meta = make_meta(pool_tokens=1024, max_context_len=1024)
-    return write_steps(tmp_path_factory.mktemp("hicache") / "cycling.kvtrace", steps, meta=meta)
+    return write_steps(path, steps, meta=make_meta(pool_tokens=1024, max_context_len=1024))
+
+
+@pytest.fixture(scope="module")
+def cycling(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_cycling(tmp_path_factory.mktemp("hicache") / "cycling.kvtrace")
 
 
 def _session(path: Path, **kwargs: object) -> ReplaySession:
