@@ -24,6 +24,13 @@ A Mamba pool (``AllocatorConfig.mamba``) is saved as ``MambaState``: its free li
 order, an open admission group, the row -> slot mapping and each request's
 ``MambaReqKv``; with the Mamba radix tree (``allocator.mamba_radix``) ``MambaTreeState``
 adds each node's checkpointed state and Mamba lock, the Mamba LRU order and ledgers.
+
+HiCache's tiered tree (``allocator.hiradix``) is saved as ``HiTreeState``: a deep copy
+of the whole tree (each node's device and host slots, host lock and uuid, hit count,
+in-flight write / load marks), its host pool's free list, the queues of transfers not
+yet acked and its ledgers, with the manager's pending ack and tier hit counts. The
+tree is copied rather than flattened: its in-flight transfers name nodes, and a copy
+keeps those links.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from allocator.swa_radix import SwaRadixCache, _SwaLru
 if TYPE_CHECKING:
     from allocator.manager import KvAllocator
 
-__all__ = ["AllocatorState", "SwaTreeState", "restore_allocator_state", "save_allocator_state"]
+__all__ = ["AllocatorState", "HiTreeState", "SwaTreeState", "restore_allocator_state", "save_allocator_state"]
 
 # KvAllocator's own per-request arrays (indexed by request id); the streaming sessions' two
 # are all fill (-1, False) without sessions, so that they add nothing to a digest then.
@@ -124,6 +131,104 @@ def _restore_swa_tree(tree: SwaRadixCache, state: SwaTreeState, ids: np.ndarray,
     tree.stats = dict(state.stats)
 
 
+class HiTreeState(NamedTuple):
+    """HiCache's tiered tree, whole (see the module docstring)."""
+
+    attrs: dict[str, Any]  # a deep copy of the tree's attributes; its device allocator left out (None)
+    ack_due: bool  # KvAllocator._hicache_ack_due: this step's transfers are acked at the next
+    hits: tuple[tuple[str, int], ...]  # KvAllocator.hicache_hits
+
+    def nodes(self) -> list[Any]:
+        """The copy's nodes, root first, in the order ``_hi_radix_state`` lists them."""
+        nodes, stack = [], [self.attrs["root_node"]]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(reversed(list(node.children.values())))
+        return nodes
+
+    def hash_into(self, h: Any) -> None:
+        nodes = self.nodes()
+        for node in nodes:
+            h.update(b"-" if node.host_value is None else np.ascontiguousarray(node.host_value).tobytes())
+            h.update(repr((node.host_lock_ref, node.host_uuid, node.hit_count, node.write_through_pending_id,
+                           node.load_back_pending_id)).encode())
+        host = self.attrs["host_pool"]
+        h.update(np.ascontiguousarray(host.free_slots).tobytes())
+        h.update(repr([np.asarray(r).tolist() for r in host.release_slots]).encode())
+        a = self.attrs
+        h.update(repr((sorted(a["ongoing_write_through"]), sorted(a["ongoing_load_back"]), a["_write_queue"],
+                       a["_ack_write_queue"], a["_load_queue"], a["_ack_load_queue"], list(a["full_host_duplicates"]),
+                       sorted(n.id for n in a["evictable_host_leaves"]), sorted(a["stats"].items()),
+                       a.get("_next_uuid"), self.ack_due, self.hits)).encode())
+
+    @property
+    def nbytes(self) -> int:
+        host = self.attrs["host_pool"]
+        total = host.free_slots.nbytes + host.slot_used.nbytes
+        for node in self.nodes():
+            total += 64 + sum(0 if v is None else v.nbytes for v in (node.value, node.host_value))
+        return total
+
+
+def _save_hi_tree(alloc: KvAllocator) -> HiTreeState:
+    tree = alloc.tree_cache
+    memo: dict[int, Any] = {id(tree.token_to_kv_pool_allocator): None}  # the live one: restored by reference
+    return HiTreeState(
+        attrs=copy.deepcopy(vars(tree), memo),
+        ack_due=alloc._hicache_ack_due,
+        hits=tuple(alloc.hicache_hits.items()),
+    )
+
+
+def _restore_hi_tree(alloc: KvAllocator, state: HiTreeState) -> dict[int, TreeNode]:
+    """Put the tiered tree back in place (the same object: the context holds it); its
+    nodes by id."""
+    tree = alloc.tree_cache
+    device = tree.token_to_kv_pool_allocator
+    vars(tree).clear()
+    vars(tree).update(copy.deepcopy(state.attrs))
+    tree.token_to_kv_pool_allocator = device
+    alloc._hicache_ack_due = state.ack_due
+    alloc.hicache_hits.clear()  # in place: a dict others may read
+    alloc.hicache_hits.update(state.hits)
+    by_id = {tree.root_node.id: tree.root_node}
+    by_id.update((node.id, node) for node in tree.iter_nodes())
+    return by_id
+
+
+_NO_SLOTS = np.empty(0, np.int32)
+_NO_SLOTS.flags.writeable = False
+
+
+def _hi_radix_state(tree: Any) -> RadixState:
+    """The tiered tree's device side as a ``RadixState`` (for the digest and the memory
+    count; an evicted node's slots are empty). Restores read ``HiTreeState``, not this."""
+    nodes: list[Any] = []
+    parents: list[int] = []
+    stack: list[tuple[Any, int]] = [(tree.root_node, -1)]
+    while stack:
+        node, parent = stack.pop()
+        here = len(nodes)
+        nodes.append(node)
+        parents.append(parent)
+        stack.extend((child, here) for child in reversed(list(node.children.values())))
+    n = len(nodes)
+    return RadixState(
+        ids=np.fromiter((x.id for x in nodes), np.int64, n),
+        parents=np.array(parents, np.int64),
+        keys=tuple(x.key for x in nodes),
+        values=tuple(_NO_SLOTS if x.value is None else _read_only(x.value) for x in nodes),
+        lock_refs=np.fromiter((x.lock_ref for x in nodes), np.int64, n),
+        access_times=np.fromiter((x.last_access_time for x in nodes), np.float64, n),
+        heap=np.zeros((0, 2), np.int64),
+        evictable_leaves=np.fromiter((x.id for x in tree.evictable_leaves), np.int64),
+        scalars=(tree._clock, tree._next_id, tree.evictable_size_, tree.protected_size_, tree.evicted_tokens_total),
+        hit_counts=np.fromiter((x.hit_count for x in nodes), np.int64, n),
+        priorities=np.fromiter((x.priority for x in nodes), np.int64, n),
+    )
+
+
 def _read_only(value: np.ndarray) -> np.ndarray:
     if not value.flags.writeable:
         return value
@@ -156,6 +261,8 @@ class AllocatorState:
     mamba: MambaState | None = None
     # Mamba radix tree only: the whole tree with its states (restored instead of ``tree``)
     mamba_tree: MambaTreeState | None = None
+    # HiCache only: the tiered tree, whole (restored instead of ``tree``)
+    hi_tree: HiTreeState | None = None
 
     def digest(self) -> str:
         """A hash of the whole state: equal digests mean equal states (rows, free-list
@@ -215,6 +322,8 @@ class AllocatorState:
             total += self.swa_tree.nbytes
         if self.mamba is not None:
             total += self.mamba.free_slots.nbytes + self.mamba.mapping.nbytes + 64 * len(self.mamba.reqs)
+        if self.hi_tree is not None:
+            total += self.hi_tree.nbytes  # its own copy of the tree
         return total
 
     def shared(self) -> dict[int, int]:
@@ -325,7 +434,8 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
     )
     lock_ids = np.array([-1 if node is None else node.id for node in kv.lock_node], np.int64)
     packed, slots_page = pack_slots(row_slots, lens, alloc.config.page_size)
-    tree = save_tree_state(alloc.tree_cache)
+    hi_tree = _save_hi_tree(alloc) if getattr(alloc, "hicache", False) else None
+    tree = _hi_radix_state(alloc.tree_cache) if hi_tree is not None else save_tree_state(alloc.tree_cache)
     return AllocatorState(
         rows=rows.astype(np.int64),
         row_lens=lens,
@@ -345,6 +455,7 @@ def save_allocator_state(alloc: KvAllocator) -> AllocatorState:
         request_namespaces=tuple(getattr(alloc, "request_namespaces", {}).items()),
         mamba=_save_mamba(alloc),
         mamba_tree=save_mamba_tree(alloc.tree_cache) if isinstance(alloc.tree_cache, MambaRadixCache) else None,
+        hi_tree=hi_tree,
     )
 
 
@@ -414,8 +525,10 @@ def restore_allocator_state(alloc: KvAllocator, state: AllocatorState) -> None:
     fresh = _copy_without_journal(state.token_allocator)
     vars(alloc.token_to_kv_pool_allocator).clear()
     vars(alloc.token_to_kv_pool_allocator).update(vars(fresh))
-    if state.mamba_tree is not None:
-        by_id: dict[int, TreeNode] = restore_mamba_tree(alloc.tree_cache, state.mamba_tree)  # type: ignore[arg-type,assignment]
+    if state.hi_tree is not None:
+        by_id: dict[int, TreeNode] = _restore_hi_tree(alloc, state.hi_tree)
+    elif state.mamba_tree is not None:
+        by_id = restore_mamba_tree(alloc.tree_cache, state.mamba_tree)  # type: ignore[arg-type,assignment]
     else:
         by_id = restore_tree_state(alloc.tree_cache, state.tree)
     if state.swa_tree is not None:

@@ -72,10 +72,12 @@ def check_dashboard_options(tui: bool, serve: int | None, as_json: bool, host: s
 
 
 def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: int | None, device: str,
-               options: Any, target: Any, *, explain: bool = False, eviction_policy: str | None = None) -> None:
+               options: Any, target: Any, *, explain: bool = False, eviction_policy: str | None = None,
+               tier: dict[str, Any] | None = None) -> None:
     """The replay in the live dashboard, in a process of its own (with --out, the steps it
     replays go to the log; with --explain, its misses are attributed: the ``e`` key;
-    ``eviction_policy``: the what-if, None for the trace's)."""
+    ``eviction_policy``: the what-if, None for the trace's; ``tier``: the host tier's
+    what-ifs, ``hicache_ratio`` / ``hicache_write_policy``)."""
     import dataclasses
 
     from kvtrace.versions.registry import resolve_version
@@ -86,7 +88,7 @@ def _dashboard(trace: str, allocator: str, page_size: int | None, pool_tokens: i
     version = resolve_version(allocator)  # a bad spec: one line here, before any process starts
     job = dashboard_job(version, str(resolve_trace(trace)), trace_label=str(trace), page_size=page_size,
                         pool_tokens=pool_tokens, device=device, options=dataclasses.asdict(options), play=True,
-                        explain=explain, eviction_policy=eviction_policy)
+                        explain=explain, eviction_policy=eviction_policy, **(tier or {}))
     ui.require_terminal("run it in a terminal, add --serve to show it as a web page, or drop --tui")
     if target is None:
         run_live(job)
@@ -198,9 +200,6 @@ def replay(
     policy = eviction_policy.value if eviction_policy is not None else None
     tier = {"hicache_ratio": hicache_ratio,
             "hicache_write_policy": None if hicache_write_policy is None else hicache_write_policy.value}
-    if (hicache_ratio is not None or hicache_write_policy is not None) and (tui or serve is not None):
-        raise typer.BadParameter("the dashboard replays with the trace's host tier; drop --hicache-* or --tui / --serve",
-                                 param_hint="--hicache-ratio" if hicache_ratio is not None else "--hicache-write-policy")
     target = None if out is None else OutputFile(out, force=force, inputs=[resolve_trace(trace)])
     if kv_events is not None and start is not None:
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the "
@@ -225,13 +224,13 @@ def replay(
         # Checked here once (bad trace, version, configuration: one line, exit 2) before serving.
         ReplaySession(trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value,
                       options=options, checker="inline", force_memory=ignore_memory_check,
-                      eviction_policy=policy).close()
+                      eviction_policy=policy, **tier).close()
         serve_dashboard(sys.argv[1:], host=host, port=serve)
         return
     if tui:
         ui.no_color_for_textual()
         _dashboard(trace, allocator, page_size, pool_tokens, device.value, options, target, explain=explain,
-                   eviction_policy=policy)
+                   eviction_policy=policy, tier=tier)
         return
     with ReplaySession(
         trace, version=allocator, page_size=page_size, pool_tokens=pool_tokens, device=device.value, options=options,

@@ -248,6 +248,16 @@ def sweep_run(
         typer.Option("--eviction-policy", help="Radix eviction policies, e.g. lru,lfu,slru (lru lfu fifo mru filo "
                      "priority slru).", show_default="each input's own"),
     ] = None,
+    hicache_ratio: Annotated[
+        str | None,
+        typer.Option("--hicache-ratio", help="HiCache host pool tokens per device pool token, 0 for no host tier, "
+                     "e.g. 0,1,2,4 (SGLang's --hicache-ratio).", show_default="each input's own"),
+    ] = None,
+    hicache_write_policy: Annotated[
+        str | None,
+        typer.Option("--hicache-write-policy", help="HiCache write policies, e.g. write_through,write_back "
+                     "(write_through write_through_selective write_back).", show_default="each input's own"),
+    ] = None,
     reschedule: Annotated[
         bool, typer.Option("--reschedule", help="Simulate traces too: their requests scheduled anew under each cell's options.")
     ] = False,
@@ -325,6 +335,8 @@ def sweep_run(
         swa_windows=_axis(swa_window, "--swa-window"),
         swa_ratios=_ratios(swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
         eviction_policies=_policies(eviction_policy),
+        hicache_ratios=_hicache_ratios(hicache_ratio),
+        hicache_write_policies=_write_policies(hicache_write_policy),
         settings=SweepSettings(
             check=check.value,
             on_oom=on_oom.value,
@@ -341,6 +353,34 @@ def sweep_run(
                        "--swa-window": swa_window, "--swa-full-tokens-ratio": swa_full_tokens_ratio})
     _warn_about_traces(s for s in sources if s.kind == "simulate" and s.fmt == "trace")
     _run(grid, target, jobs or os.cpu_count() or 1, ray, quiet or as_json, as_json)
+
+
+def _hicache_ratios(text: str | None) -> tuple[float | None, ...]:
+    """``--hicache-ratio 0,1,2`` -> ``(0.0, 1.0, 2.0)`` (0: no host tier); None: each input's own."""
+    from kvtrace.sweep import parse_hicache_ratios
+
+    if text is None:
+        return (None,)
+    try:
+        return tuple(parse_hicache_ratios(text, "--hicache-ratio"))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("--hicache-ratio: "), param_hint="--hicache-ratio") from None
+
+
+def _write_policies(text: str | None) -> tuple[str | None, ...]:
+    """``--hicache-write-policy write_through,write_back``; None: each input's own."""
+    from traces.hicache_layout import WRITE_POLICIES
+
+    if text is None:
+        return (None,)
+    policies: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part not in WRITE_POLICIES:
+            raise typer.BadParameter(f"{part!r} is not one of {', '.join(WRITE_POLICIES)}", param_hint="--hicache-write-policy")
+        if part in policies:
+            raise typer.BadParameter(f"{part!r} is given twice", param_hint="--hicache-write-policy")
+        policies.append(part)
+    return tuple(policies)
 
 
 def _policies(text: str | None) -> tuple[str | None, ...]:
@@ -453,6 +493,10 @@ _SWA_TABLE = (
     ("SWA peak", "swa_peak_occupancy", "pct"),
 )  # fmt: skip
 _MAMBA_TABLE = (("Mamba slots", "mamba_slots", ""), ("Mamba peak", "mamba_peak_occupancy", "pct"))
+_HICACHE_TABLE = (
+    ("host ratio", "hicache_ratio", ""), ("host pool", "host_pool_tokens", ""), ("write", "hicache_write_policy", ""),
+    ("device hit", "device_hit_rate", "pct"), ("host hit", "host_hit_rate", "pct"), ("miss", "miss_rate", "pct"),
+)  # fmt: skip
 
 
 @sweep_app.command("report", cls=KvtraceCommand, epilog=REPORT_EXAMPLES)
@@ -470,7 +514,9 @@ def sweep_report(
     """Print a sweep's results as a table, and plot them against pool size.
 
     Hit rate, peak KV occupancy, retractions and simulated duration against the pool
-    size, one PNG per input with a line per page size / version / … .
+    size, one PNG per input with a line per page size / version / … ; a sweep over
+    HiCache's host tier (--hicache-ratio) also plots the prefix reuse by tier (device
+    hits, host hits) against the host pool (INPUT-hicache.png).
 
     Cells whose check found something (violations, an out-of-memory that stopped the
     replay) or that failed are marked in the status column and listed under the table
@@ -500,9 +546,12 @@ def sweep_report(
         columns = columns[:-1] + list(_SWA_TABLE) + columns[-1:]
     if any("mamba_slots" in row for row in rows):  # a hybrid linear-attention model: its Mamba pool too
         columns = columns[:-1] + list(_MAMBA_TABLE) + columns[-1:]
+    if any("device_hit_rate" in row for row in rows):  # HiCache's host tier: reuse split by tier
+        columns = columns[:-1] + list(_HICACHE_TABLE) + columns[-1:]
     for header, _, _ in columns:
         table.add_column(
-            header, justify="left" if header in ("input", "kind", "version", "spec", "eviction", "status") else "right"
+            header,
+            justify="left" if header in ("input", "kind", "version", "spec", "eviction", "write", "status") else "right",
         )
     for row in rows:
         table.add_row(*(fmt_cell(row.get(key), kind) for _, key, kind in columns))

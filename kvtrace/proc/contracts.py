@@ -144,6 +144,8 @@ class SideJob(Contract):
     checker: str = "background"
     eviction_policy: str | None = None  # what-if (None: the trace's)
     checker_fd: int | None = None
+    hicache_ratio: float | None = None  # host-tier what-ifs (None: the trace's)
+    hicache_write_policy: str | None = None
     steps_per_batch: int = 256
     allocator_root: str | None = None
     code: str | None = None

@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Any
 from kvtrace.errors import OutputError
 from kvtrace.sweep.cells import FOUND
 from kvtrace.sweep.claim import claim
-from kvtrace.sweep.grid import Cell, Grid, SweepInput, SweepSettings, parse_counts, parse_ratios, parse_specs
+from kvtrace.sweep.grid import (
+    Cell,
+    Grid,
+    SweepInput,
+    SweepSettings,
+    parse_counts,
+    parse_hicache_ratios,
+    parse_ratios,
+    parse_specs,
+)
 from kvtrace.sweep.store import ResultStore, parts_dir
 
 if TYPE_CHECKING:
@@ -36,6 +45,7 @@ __all__ = [
     "SweepOutcome",
     "SweepSettings",
     "parse_counts",
+    "parse_hicache_ratios",
     "parse_ratios",
     "parse_specs",
     "parts_dir",

@@ -25,7 +25,7 @@ from kvtrace.sweep.grid import Cell
 if TYPE_CHECKING:
     from traces.metadata import AttentionLayout
 
-__all__ = ["FOUND", "flatten", "run_cell", "swa_layout"]
+__all__ = ["FOUND", "flatten", "host_tier", "run_cell", "swa_layout"]
 
 # Columns every row has, in this order.
 ROW_HEAD = ("cell", "input", "kind", "status", "error")
@@ -127,6 +127,31 @@ def swa_layout(cell: Cell, layout: AttentionLayout | None, pool_tokens: int, pag
     return layout
 
 
+def host_tier(cell: Cell, settings: dict[str, Any]) -> Any:
+    """A simulated cell's host tier (``traces.hicache_layout.resolve_host_tier`` over the
+    input's own): ratio 0 is none; None where the cell turns none on.
+
+    Raises:
+        ConfigError: a value the host tier refuses.
+    """
+    from kvtrace.errors import ConfigError
+    from kvtrace.record.simulate import DEFAULT_MODEL_SHAPE
+    from traces.hicache_layout import HostTierOptionError, resolve_host_tier
+
+    model = settings.get("model", DEFAULT_MODEL_SHAPE)
+    hybrid = settings.get("attention") is not None or settings.get("mamba") is not None
+    try:
+        return resolve_host_tier(
+            settings.get("hicache"), enabled=False if cell.hicache_ratio == 0 else None,
+            ratio=cell.hicache_ratio or None, size_gb=None,
+            write_policy=None if cell.hicache_ratio == 0 else cell.hicache_write_policy,
+            device_tokens=settings["pool_tokens"], page_size=settings["page_size"],
+            bytes_per_token=model.bytes_per_token, hybrid_model=model.name if hybrid else None,
+        )  # fmt: skip
+    except HostTierOptionError as exc:
+        raise ConfigError(f"{exc.option}: {exc}") from None
+
+
 def _replay(cell: Cell) -> dict[str, Any]:
     """``kvtrace replay INPUT --json`` with the cell's options (on an SWA trace, its
     window and pool ratio: the trace's attention layout as ``swa_layout`` changes it)."""
@@ -143,6 +168,9 @@ def _replay(cell: Cell) -> dict[str, Any]:
         meta = trace.meta
         layout = swa_layout(cell, meta.attention, meta.config.pool_tokens, meta.config.page_size)
         trace.meta = dataclasses.replace(meta, attention=layout)
+    if cell.hicache_ratio == 0:  # no host tier, also for a trace recorded with one
+        trace = open_trace(trace) if isinstance(trace, str) else trace
+        trace.meta = trace.meta.with_config(hicache=None)
     with ReplaySession(
         trace,
         label=cell.input.label,
@@ -151,6 +179,8 @@ def _replay(cell: Cell) -> dict[str, Any]:
         pool_tokens=cell.pool_tokens,
         device=s.device,
         eviction_policy=cell.eviction_policy,
+        hicache_ratio=cell.hicache_ratio or None,
+        hicache_write_policy=cell.hicache_write_policy,
         options=options,
         checker="inline",  # the sweep's parallelism is across cells
     ) as session:
@@ -188,6 +218,8 @@ def _simulate(cell: Cell) -> dict[str, Any]:
     settings = serving_settings(path, cell.input.fmt, given)
     if cell.swa_window is not None or cell.swa_full_tokens_ratio is not None:
         settings["attention"] = swa_layout(cell, settings.get("attention"), settings["pool_tokens"], settings["page_size"])
+    if cell.hicache_ratio is not None or cell.hicache_write_policy is not None:
+        settings["hicache"] = host_tier(cell, settings)
     out = None
     if s.keep_traces is not None:
         out = Path(s.keep_traces) / f"{Path(cell.input.label.removeprefix('sample:')).stem}-{cell.key}.kvtrace"

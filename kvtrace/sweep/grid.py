@@ -1,6 +1,7 @@
 """A sweep's grid: inputs x allocator versions x pool sizes x page sizes x speculative
 settings x request rows x chunk sizes x eviction policies (x, on hybrid sliding-window
-traces, windows x SWA/full pool ratios), one ``Cell`` per combination.
+traces, windows x SWA/full pool ratios) x HiCache host-tier ratios x write policies,
+one ``Cell`` per combination.
 
 An input is *simulated* (a workload file: the scheduler model runs under the cell's
 configuration, as ``kvtrace record`` does) or *replayed* (a trace: its recorded
@@ -26,6 +27,7 @@ __all__ = [
     "SweepInput",
     "SweepSettings",
     "parse_counts",
+    "parse_hicache_ratios",
     "parse_ratios",
     "parse_specs",
 ]
@@ -75,6 +77,32 @@ def parse_ratios(text: str, option: str) -> list[float]:
             value = float("nan")
         if not 0 < value <= 1:
             raise ValueError(f"{option}: {part!r} is not a ratio in (0, 1]; give e.g. 0.5,0.8, comma-separated")
+        if value in values:
+            raise ValueError(f"{option}: {part!r} is given twice")
+        values.append(value)
+    return values
+
+
+def parse_hicache_ratios(text: str, option: str) -> list[float]:
+    """``"0,1,2,4"`` -> ``[0.0, 1.0, 2.0, 4.0]``: host pool tokens per device pool token;
+    0 is no host tier.
+
+    Raises:
+        ValueError: a value that is not such a ratio, or repeated (the message names ``option``).
+    """
+    from traces.hicache_layout import MAX_HICACHE_RATIO
+
+    values: list[float] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            value = float("nan")
+        if not 0 <= value <= MAX_HICACHE_RATIO:
+            raise ValueError(
+                f"{option}: {part!r} is not a ratio in [0, {MAX_HICACHE_RATIO:g}] (0: no host tier); "
+                "give e.g. 0,1,2,4, comma-separated"
+            )
         if value in values:
             raise ValueError(f"{option}: {part!r} is given twice")
         values.append(value)
@@ -155,7 +183,9 @@ class Cell:
 
     ``swa_window`` / ``swa_full_tokens_ratio`` change a hybrid (SWA) model's sliding
     window and its SWA pool's share of the full pool; they join ``params()`` only when
-    set, so the cells (and keys) of other sweeps stay what they were.
+    set, so the cells (and keys) of other sweeps stay what they were. So do
+    ``hicache_ratio`` (host pool tokens per device pool token; 0: no host tier) and
+    ``hicache_write_policy`` (SGLang's ``--hicache-write-policy``).
     """
 
     input: SweepInput
@@ -169,6 +199,8 @@ class Cell:
     swa_window: int | None = None
     swa_full_tokens_ratio: float | None = None
     eviction_policy: str | None = None
+    hicache_ratio: float | None = None
+    hicache_write_policy: str | None = None
 
     @property
     def kind(self) -> CellKind:
@@ -177,6 +209,7 @@ class Cell:
     def params(self) -> dict[str, Any]:
         """The cell's parameters as result columns (``param.version``, …)."""
         swa = {"swa_window": self.swa_window, "swa_full_tokens_ratio": self.swa_full_tokens_ratio}
+        tier = {"hicache_ratio": self.hicache_ratio, "hicache_write_policy": self.hicache_write_policy}
         return {
             PARAM_PREFIX + "version": self.version,
             PARAM_PREFIX + "pool_tokens": self.pool_tokens,
@@ -186,6 +219,7 @@ class Cell:
             PARAM_PREFIX + "chunk": self.chunk,
             **{PARAM_PREFIX + k: v for k, v in swa.items() if v is not None},
             PARAM_PREFIX + "eviction_policy": self.eviction_policy,
+            **{PARAM_PREFIX + k: v for k, v in tier.items() if v is not None},
         }
 
     @property
@@ -223,13 +257,19 @@ class Grid:
     swa_windows: tuple[int | None, ...] = (None,)
     swa_ratios: tuple[float | None, ...] = (None,)
     eviction_policies: tuple[str | None, ...] = (None,)
+    hicache_ratios: tuple[float | None, ...] = (None,)
+    hicache_write_policies: tuple[str | None, ...] = (None,)
 
     def cells(self) -> list[Cell]:
-        """Every combination: inputs outermost, eviction policies innermost."""
-        return [
-            Cell(source, version, pool, page, spec, rows, chunk, self.settings, window, ratio, policy)
-            for source, version, pool, page, spec, rows, chunk, window, ratio, policy in product(
-                self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks,
-                self.swa_windows, self.swa_ratios, self.eviction_policies,
-            )
-        ]
+        """Every combination: inputs outermost, host-tier write policies innermost. A
+        host-tier ratio of 0 (no tier) has no write policy: one cell, not one per policy."""
+        cells: list[Cell] = []
+        for source, version, pool, page, spec, rows, chunk, window, ratio, policy, host, write in product(
+            self.inputs, self.versions, self.pool_tokens, self.page_sizes, self.specs, self.max_running, self.chunks,
+            self.swa_windows, self.swa_ratios, self.eviction_policies, self.hicache_ratios, self.hicache_write_policies,
+        ):
+            cell = Cell(source, version, pool, page, spec, rows, chunk, self.settings, window, ratio, policy,
+                        host, None if host == 0 else write)
+            if cell not in cells:
+                cells.append(cell)
+        return cells

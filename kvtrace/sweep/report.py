@@ -8,7 +8,9 @@ peak KV occupancy, the retractions and the simulated duration against the pool s
 (log scale), one line per combination of the other parameters (page size, version,
 …), as PNG (matplotlib, headless). A line joins complete runs only: a replay an
 out-of-memory stopped is a cross off the line (its figures cover part of the trace),
-and a cell whose check found violations is ringed in red.
+and a cell whose check found violations is ringed in red. A sweep over HiCache's host
+tier also gets, per input, its prefix reuse split by tier (device hit, host hit) against
+the host pool (``write_hicache_plots``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from kvtrace.sweep.grid import PARAM_PREFIX
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["PANELS", "SeriesPoints", "fmt_cell", "load_results", "report_rows", "series_points", "write_plots"]
+__all__ = [
+    "PANELS",
+    "SeriesPoints",
+    "fmt_cell",
+    "hicache_lines",
+    "load_results",
+    "report_rows",
+    "series_points",
+    "write_plots",
+]
 
 # (row key, panel title, y-axis label) of each plot panel.
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -45,6 +56,7 @@ _MARKS: dict[str, tuple[str, dict[str, Any]]] = {
 # Parameters that tell the lines of a plot apart (the pool size is the x axis).
 SERIES_KEYS = (
     "page_size", "version", "spec", "max_running", "chunk", "swa_window", "swa_full_tokens_ratio", "eviction_policy",
+    "hicache_ratio", "hicache_write_policy",
 )
 
 
@@ -114,6 +126,7 @@ def report_rows(table: pa.Table) -> list[dict[str, Any]]:
                 "error": raw.get("error"),
                 **_swa_figures(raw),
                 **_mamba_figures(raw),
+                **_hicache_figures(raw, pool),
             }
         )
     return rows
@@ -140,6 +153,36 @@ def _mamba_figures(raw: dict[str, Any]) -> dict[str, Any]:
     peak = raw.get("pools.mamba.peak_used_tokens")
     return {"mamba_slots": slots, "mamba_peak_used_slots": peak,
             "mamba_peak_occupancy": peak / slots if peak is not None and slots else None}
+
+
+def _hicache_figures(raw: dict[str, Any], pool: int | None) -> dict[str, Any]:
+    """A cell of a sweep over HiCache's host tier, or of a tiered input: the tier's ratio,
+    pool and write policy, and the admitted prefix tokens split by where they came from
+    (shares of all admitted: ``device_hit_rate + host_hit_rate`` is the prefix hit rate,
+    ``miss_rate`` the rest). A cell without a tier (ratio 0) hits the device only. Nothing
+    for any other cell (its row stays as it was)."""
+    asked = raw.get(PARAM_PREFIX + "hicache_ratio")
+    host_pool = raw.get("hicache.host_pool_tokens")
+    if asked is None and host_pool is None and raw.get(PARAM_PREFIX + "hicache_write_policy") is None:
+        return {}
+    split = {k: raw.get(f"hicache.prefix_tokens.{k}") for k in ("device", "host", "miss")}
+    total = sum(v for v in split.values() if v is not None)
+    hit = raw.get("prefix_hit_rate")
+    if host_pool is None:  # no tier: every reused token was on the device
+        rates = (hit, 0.0 if hit is not None else None, None if hit is None else 1.0 - hit)
+    elif total:
+        rates = tuple((split[k] or 0) / total for k in ("device", "host", "miss"))
+    else:
+        rates = (None, None, None)
+    ratio = asked if asked is not None else (host_pool / pool if host_pool is not None and pool else 0.0)
+    return {
+        "hicache_ratio": ratio,
+        "hicache_write_policy": raw.get("hicache.write_policy") or raw.get(PARAM_PREFIX + "hicache_write_policy"),
+        "host_pool_tokens": host_pool or 0,
+        "device_hit_rate": rates[0],
+        "host_hit_rate": rates[1],
+        "miss_rate": rates[2],
+    }
 
 
 def _num_violations(raw: dict[str, Any]) -> int | None:
@@ -185,7 +228,7 @@ def _series(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     varying = [k for k in SERIES_KEYS if len({str(r.get(k)) for r in rows}) > 1]
     lines: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        label = ", ".join(f"{k.replace('_', ' ')} {row[k]}" for k in varying) or "all cells"
+        label = ", ".join(f"{k.replace('_', ' ')} {row.get(k)}" for k in varying) or "all cells"
         lines.setdefault(label, []).append(row)
     return lines
 
@@ -257,6 +300,77 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
         if handles:
             fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
         fig.suptitle(f"kvtrace sweep: {name} ({cells[0]['kind']})")
+        with target.writing() as tmp:
+            fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
+        plt.close(fig)
+        written.append(target.path)
+    return [*written, *write_hicache_plots(rows, directory, force=force, inputs=inputs)]
+
+
+def hicache_lines(cells: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The lines of an input's host-tier plot: its cells with tier figures that ran to the
+    end, per combination of the other parameters (the write policy among them), in host
+    pool order. A cell without a tier (ratio 0, no write policy) starts every line of
+    its other parameters."""
+    ran = [r for r in cells if "device_hit_rate" in r and r["status"] != "failed" and not r["stopped_early"]
+           and r["device_hit_rate"] is not None]
+    keys = [k for k in ("pool_tokens", *SERIES_KEYS) if k not in ("hicache_ratio", "hicache_write_policy")]
+    varying = [k for k in keys if len({str(r.get(k)) for r in ran}) > 1]
+    policies = sorted({r["hicache_write_policy"] for r in ran if r["host_pool_tokens"] and r["hicache_write_policy"]})
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for row in ran:
+        base = [f"{k.replace('_', ' ')} {row.get(k)}" for k in varying]
+        # a cell with no tier has no write policy: it belongs to every policy's line
+        for policy in [row["hicache_write_policy"]] if row["host_pool_tokens"] else policies or [None]:
+            label = ", ".join([*base, *([policy] if len(policies) > 1 and policy else [])]) or "all cells"
+            lines.setdefault(label, []).append(row)
+    return {label: sorted(rows, key=lambda r: r["host_pool_tokens"]) for label, rows in lines.items()}
+
+
+def write_hicache_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool, inputs: Sequence[Path]) -> list[Path]:
+    """Per input whose cells vary HiCache's host tier: the prefix hit rate (device and
+    host hits together, solid) and its device part (dashed) against the host pool, as
+    ``STEM-hicache.png`` in ``directory`` (which ``write_plots`` made).
+
+    Raises:
+        OutputError: as ``write_plots``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+    from kvtrace.outputs import OutputFile
+
+    written = []
+    by_input: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_input.setdefault(row["input"], []).append(row)
+    for name, cells in by_input.items():
+        lines = hicache_lines(cells)
+        if len({r["host_pool_tokens"] for line in lines.values() for r in line}) < 2:
+            continue  # no host-tier axis to draw
+        stem = Path(name.removeprefix("sample:")).name.split(".")[0] or "input"
+        path = directory / f"{stem}-hicache.png"
+        target = OutputFile(path, option="--plots", force=force or _made_by_report(path), inputs=inputs)
+        fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, (label, line) in enumerate(sorted(lines.items())):
+            x = [r["host_pool_tokens"] for r in line]
+            color = colors[i % len(colors)]
+            ax.plot(x, [r["device_hit_rate"] + (r["host_hit_rate"] or 0) for r in line], marker="o", color=color,
+                    label=f"{label}: device + host hits" if label != "all cells" else "device + host hits")
+            ax.plot(x, [r["device_hit_rate"] for r in line], marker=".", linestyle="--", color=color,
+                    label=f"{label}: device hits" if label != "all cells" else "device hits")
+        ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_xlabel("HiCache host pool (tokens)")
+        ax.set_ylabel("admitted prefix tokens reused")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+        ax.set_title(f"kvtrace sweep: {name}: prefix reuse by HiCache tier")
         with target.writing() as tmp:
             fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
         plt.close(fig)

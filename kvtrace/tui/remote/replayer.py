@@ -518,6 +518,8 @@ def dashboard_job(
     log: str | None = None,
     explain: bool = False,
     eviction_policy: str | None = None,
+    hicache_ratio: float | None = None,
+    hicache_write_policy: str | None = None,
 ) -> DashboardJob:
     """The job of a live dashboard's replay process (``kvtrace.tui.remote.process``): a diff side's job
     (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
@@ -526,11 +528,12 @@ def dashboard_job(
     (``ReplaySession``; a dashboard's by default; ``first_pass_every``, when given, replaces
     the seconds); ``explain``: attribute every admission's missed tokens (the ``explain``
     command; ``kvtrace.explain``); ``eviction_policy``: the radix cache's, a what-if (None:
-    the trace's)."""
+    the trace's); ``hicache_ratio`` / ``hicache_write_policy``: the host tier's what-ifs."""
     from kvtrace.diff.sides import side_job
 
     side = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
-                    options=options, eviction_policy=eviction_policy)
+                    options=options, eviction_policy=eviction_policy, hicache_ratio=hicache_ratio,
+                    hicache_write_policy=hicache_write_policy)
     if first_pass_every is not None:
         first_pass_seconds = None
     return DashboardJob(play=play, side=side, checkpoint_every=checkpoint_every, first_pass_every=first_pass_every,
@@ -578,6 +581,7 @@ def live_source(job: DashboardJob) -> ReplaySource:
         device=side.device, options=options, checker=job_checker(side, options), label=side.trace_label,
         checkpoint_every=job.checkpoint_every, first_pass_every=job.first_pass_every,
         first_pass_seconds=job.first_pass_seconds, eviction_policy=side.eviction_policy,
+        hicache_ratio=side.hicache_ratio, hicache_write_policy=side.hicache_write_policy,
         track_state=True, allocator_in_step=True,
         checker_nice=CHECKER_NICE,
     )

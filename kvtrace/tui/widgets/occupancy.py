@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from kvtrace.replay.state import Timeline
     from kvtrace.tui.driver import Frame
 
-__all__ = ["BANDS", "MAMBA_LABELS", "SESSION_BAND", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter",
+__all__ = ["BANDS", "HOST_LABELS", "MAMBA_LABELS", "SESSION_BAND", "OccupancyChart", "OccupancyLegend", "QuietPlot", "StepsFormatter",
            "bands", "column_samples", "legend_lines"]
 
 # (label, PoolCounters field, colour), bottom to top
@@ -69,6 +69,11 @@ def bands(sessions: bool = False) -> tuple[tuple[str, str, str], ...]:
 # over-allocated), and the radix cache keeps checkpointed states ("ckpt") in slots of its own.
 MAMBA_LABELS = {"committed": "held", "overallocated": "over-allocated", "protected": "ckpt locked",
                 "evictable": "ckpt evictable", "available": "free"}
+
+# HiCache's host pool's names for the bands: requests hold no host slot (nothing committed
+# or over-allocated); a host copy is of a prefix also on the device (locked or in flight
+# too: host eviction cannot free it) or of one only on the host (what host eviction frees).
+HOST_LABELS = {"protected": "also on device", "evictable": "host only", "available": "free"}
 
 
 def column_samples(timeline: Timeline, size: int, columns: int, pool: int = 0) -> np.ndarray:
@@ -251,9 +256,12 @@ def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "
     its over-allocated band (always empty) is left out, its checkpoint bands and a line
     of its cached checkpoints (``cached_checkpoints`` where the counters carry it, else
     the tree's evictable + locked slots) come when it has any (a replay with the radix
-    cache off has none: the legend keeps to what a short panel shows)."""
+    cache off has none: the legend keeps to what a short panel shows). HiCache's host
+    pool (``name`` "host") holds prefix copies, no request's KV: its bands are named by
+    ``HOST_LABELS``, its committed and over-allocated bands (always empty) left out."""
     total = max(pool.pool_tokens, 1)
     mamba = name == "mamba"
+    host = name == "host"
     cached = 0
     if mamba:
         named = getattr(pool, "cached_checkpoints", None)
@@ -261,6 +269,10 @@ def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "
     lines = []
     for label, field, colour in reversed(bands(sessions and not mamba)):
         value = getattr(pool, field)
+        if host:
+            if field not in HOST_LABELS:
+                continue
+            label = HOST_LABELS[field]
         if mamba:
             if field == "overallocated" and not value:
                 continue
@@ -280,5 +292,6 @@ def legend_lines(pool: PoolCounters, peak: tuple[int, int] | None, name: str = "
                                    f"{'':<{max(15 - len(at), 0)}}{peak[1]:>10,} {100 * peak[1] / total:6.1f}%"))
         if not short:
             lines.append(Text(f"{'  at step':<19}{peak[0]:>10,}", style="red"))
-    lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
+    if not host:  # no request holds a host slot
+        lines.append(Text(f"{'running':<19}{pool.running_requests:>10,}"))
     return lines
