@@ -43,6 +43,8 @@ SKIP_BLOCKS: dict[str, str] = {
     "pip install 'kvtrace[ray]'": "needs a Ray cluster",
     "tools/sglang_oracle/setup.sh": "needs SGLang installed in its own environment",
     "REL=~/venvs/sglang-0.5.23/bin/python": "needs two SGLang installations",
+    "$ kvtrace sweep sample:mooncake-conversation --hicache-ratio":
+        "long: four replays of the one-hour sample (tests/kvtrace/test_sweep_hicache.py sweeps a small trace)",
     "pip install -e /path/to/kvtrace": "needs SGLang, a GPU and a model",
 }
 # Single commands that cannot run here, by their start.
