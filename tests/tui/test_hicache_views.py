@@ -6,7 +6,6 @@ and seeking restores the tiered tree's checkpoints."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -21,14 +20,14 @@ from tests.kvtrace.test_hicache_checkpoints import write_cycling
 
 runner = CliRunner()
 STEP = 60  # rid 30 runs; prefixes evicted from the device wait on the host
-# A fixed place: the header names the trace, and the snapshot must not change with the temporary directory.
-TRACE = Path("/tmp/kvtrace-tests/hicache-cycling.kvtrace")
+# The header names the trace: the snapshot's replay is labelled, so that it does not
+# change with the temporary directory.
+LABEL = "hicache-cycling.kvtrace"
 
 
 @pytest.fixture(scope="module")
-def cycling() -> str:
-    TRACE.parent.mkdir(parents=True, exist_ok=True)
-    return str(write_cycling(TRACE))
+def cycling(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_cycling(tmp_path_factory.mktemp("hicache") / LABEL))
 
 
 def _host(both: int, host_only: int, total: int = 4112) -> PoolCounters:
@@ -89,5 +88,5 @@ def test_hicache_dashboard(snap_compare, cycling: str) -> None:  # noqa: ANN001
         await settle(pilot, lambda a: a.frame.page_map_pool == 1)
         await pilot.pause(0.3)
 
-    assert snap_compare(live_app(cycling, hicache_ratio=4.0, fixed_clock=True), terminal_size=(80, 24),
+    assert snap_compare(live_app(cycling, hicache_ratio=4.0, fixed_clock=True, label=LABEL), terminal_size=(80, 24),
                         run_before=run_before)

@@ -507,36 +507,27 @@ def dashboard_job(
     trace: str,
     *,
     trace_label: str,
-    page_size: int | None,
-    pool_tokens: int | None,
-    device: str,
-    options: dict[str, Any],
     play: bool,
     checkpoint_every: int = CHECKPOINT_EVERY,
     first_pass_every: int | None = None,
     first_pass_seconds: float | None = FIRST_PASS_S,
     log: str | None = None,
     explain: bool = False,
-    eviction_policy: str | None = None,
-    hicache_ratio: float | None = None,
-    hicache_write_policy: str | None = None,
+    **side: Any,
 ) -> DashboardJob:
     """The job of a live dashboard's replay process (``kvtrace.tui.remote.process``): a diff side's job
-    (``kvtrace.diff.sides.side_job``: trace, version, what-ifs, options) plus the dashboard's
-    settings; ``log``: a state log to write every step replayed for the first time to;
-    ``checkpoint_every`` / ``first_pass_every`` / ``first_pass_seconds``: the session's
-    (``ReplaySession``; a dashboard's by default; ``first_pass_every``, when given, replaces
-    the seconds); ``explain``: attribute every admission's missed tokens (the ``explain``
-    command; ``kvtrace.explain``); ``eviction_policy``: the radix cache's, a what-if (None:
-    the trace's); ``hicache_ratio`` / ``hicache_write_policy``: the host tier's what-ifs."""
+    (``kvtrace.diff.sides.side_job``: trace, version, and ``side``: the device, the replay
+    options and the what-ifs) plus the dashboard's settings; ``log``: a state log to write
+    every step replayed for the first time to; ``checkpoint_every`` / ``first_pass_every`` /
+    ``first_pass_seconds``: the session's (``ReplaySession``; a dashboard's by default;
+    ``first_pass_every``, when given, replaces the seconds); ``explain``: attribute every
+    admission's missed tokens (the ``explain`` command; ``kvtrace.explain``)."""
     from kvtrace.diff.sides import side_job
 
-    side = side_job(version, trace, trace_label=trace_label, page_size=page_size, pool_tokens=pool_tokens, device=device,
-                    options=options, eviction_policy=eviction_policy, hicache_ratio=hicache_ratio,
-                    hicache_write_policy=hicache_write_policy)
+    job = side_job(version, trace, trace_label=trace_label, **side)
     if first_pass_every is not None:
         first_pass_seconds = None
-    return DashboardJob(play=play, side=side, checkpoint_every=checkpoint_every, first_pass_every=first_pass_every,
+    return DashboardJob(play=play, side=job, checkpoint_every=checkpoint_every, first_pass_every=first_pass_every,
                         first_pass_seconds=first_pass_seconds, log=log, explain=explain)
 
 
