@@ -130,6 +130,8 @@ def side_job(
     options: dict[str, Any],
     checker: str = "background",
     eviction_policy: str | None = None,
+    hicache_ratio: float | None = None,
+    hicache_write_policy: str | None = None,
 ) -> SideJob:
     """The job a ``ChildSide`` hands ``kvtrace.proc.child``."""
     root = getattr(version, "allocator_root", None)
@@ -141,7 +143,7 @@ def side_job(
     return SideJob(
         trace=trace, trace_label=trace_label, spec=version.spec, label=version.label, origin=version.origin,
         page_size=page_size, pool_tokens=pool_tokens, device=device, options=dict(options), checker=checker,
-        eviction_policy=eviction_policy,
+        eviction_policy=eviction_policy, hicache_ratio=hicache_ratio, hicache_write_policy=hicache_write_policy,
         steps_per_batch=CHILD_BATCH_STEPS, allocator_root=None if root is None else str(root), code=code,
     )
 

@@ -226,7 +226,8 @@ def _replay(job: SideJob, version: Any, options: Any, checker: Any, out: BinaryI
     with ReplaySession(
         job.trace, version=version, page_size=job.page_size, pool_tokens=job.pool_tokens,
         device=job.device, options=options, checker=checker, label=job.trace_label,
-        eviction_policy=job.eviction_policy,
+        eviction_policy=job.eviction_policy, hicache_ratio=job.hicache_ratio,
+        hicache_write_policy=job.hicache_write_policy,
     ) as session:
         config = config_dict(session.config)
         control.send(Started(config, version.label, version.origin).to_wire())
