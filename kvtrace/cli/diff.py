@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvtrace.cli import command, ui
-from kvtrace.cli.record_hicache import HiCacheRatioOpt, HiCacheWritePolicyOpt
 from kvtrace.cli.options import (
     CheckMode,
     Device,
@@ -31,6 +30,7 @@ from kvtrace.cli.options import (
     EvictionPolicyOpt,
     examples,
 )
+from kvtrace.cli.record_hicache import HiCacheRatioOpt, HiCacheWritePolicyOpt
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
