@@ -410,8 +410,9 @@ class KvAllocator:
         kv = self.req_kv
         ps = self.page_size
         # With the Mamba tree a call evicts in more places than the KV allocation (a
-        # match's copy-on-write, a chunk's state copy, the slot deficit): count them all.
-        evicted_before = tree.evicted_tokens_total if isinstance(tree, MambaRadixCache) else -1
+        # match's copy-on-write, a chunk's state copy, the slot deficit), with a host tier
+        # too (a load-back evicts its device shortfall): count them all.
+        evicted_before = tree.evicted_tokens_total if isinstance(tree, MambaRadixCache) or self.hicache else -1
         prefix = np.zeros(bs, dtype=np.int64)
         cont = (rows >= 0).nonzero()[0]
         # (a) a continuing chunk first publishes the chunk before (SGLang stash_chunked_request);

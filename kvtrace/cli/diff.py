@@ -30,6 +30,7 @@ from kvtrace.cli.options import (
     EvictionPolicyOpt,
     examples,
 )
+from kvtrace.cli.record_hicache import HiCacheRatioOpt, HiCacheWritePolicyOpt
 
 if TYPE_CHECKING:
     from kvtrace.diff.diff import DiffReport
@@ -98,6 +99,8 @@ def diff(
     page_size: WhatIfPageSizeOpt = None,
     pool_tokens: WhatIfPoolTokensOpt = None,
     eviction_policy: EvictionPolicyOpt = None,
+    hicache_ratio: HiCacheRatioOpt = None,
+    hicache_write_policy: HiCacheWritePolicyOpt = None,
     device: DeviceOpt = Device.cpu,
     check: Annotated[
         CheckMode,
@@ -201,6 +204,14 @@ def diff(
     if kv_events and start is not None:
         raise typer.BadParameter("KV events start at the trace's first step (a window's start would fold the steps "
                                  "before it into one batch); use --steps :B or drop --kv-events", param_hint="--steps")
+    tier = {"hicache_ratio": hicache_ratio,
+            "hicache_write_policy": None if hicache_write_policy is None else hicache_write_policy.value}
+    if hicache_ratio is not None or hicache_write_policy is not None:
+        hint = "--hicache-ratio" if hicache_ratio is not None else "--hicache-write-policy"
+        for name, value in (("--range", rev_range), ("--tui", tui or None), ("--kv-events", kv_events or None)):
+            if value is not None:
+                raise typer.BadParameter(f"the host tier what-ifs apply to one trace replayed by two versions; "
+                                         f"drop {hint} or {name}", param_hint=hint)
     if rev_range is not None:
         for name, value in (("--a", a), ("--b", b), ("--export", export)):
             if value is not None:
@@ -223,7 +234,8 @@ def diff(
             raise typer.BadParameter(f"{name} goes with --range BASE..HEAD", param_hint=name)
     if len(inputs) == 2:
         for name, value in (("--a", a), ("--b", b), ("--page-size", page_size), ("--pool-tokens", pool_tokens),
-                            ("--eviction-policy", eviction_policy)):
+                            ("--eviction-policy", eviction_policy), ("--hicache-ratio", hicache_ratio),
+                            ("--hicache-write-policy", hicache_write_policy)):
             if value is not None:
                 raise typer.BadParameter(f"{name} applies to a trace, not to two state logs", param_hint=name)
         with ui.progress(f"diff {Path(inputs[0]).name} {Path(inputs[1]).name}") as update:
@@ -246,7 +258,7 @@ def diff(
             report = diff_trace(inputs[0], a or "builtin", b, options=options, replay=replay, page_size=page_size,
                                 pool_tokens=pool_tokens, device=device.value, jobs=jobs,
                                 eviction_policy=eviction_policy.value if eviction_policy is not None else None,
-                                on_progress=lambda step: update(step, f"step {step:,}"),
+                                **tier, on_progress=lambda step: update(step, f"step {step:,}"),
                                 on_chunk=None if tee is None else tee.chunk)
             if tee is not None:
                 tee.finish(report.to_dict())

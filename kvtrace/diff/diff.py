@@ -135,6 +135,8 @@ def diff_trace(
     pool_tokens: int | None = None,
     device: str = "cpu",
     eviction_policy: str | None = None,
+    hicache_ratio: float | None = None,
+    hicache_write_policy: str | None = None,
     jobs: int | None = None,
     on_progress: Callable[[int], None] | None = None,
     on_chunk: Callable[[int, Any, Chunk], None] | None = None,
@@ -147,6 +149,8 @@ def diff_trace(
         options: what to compare and report.
         replay: replay options both sides use (checks, OOM handling, ``--steps``).
         page_size, pool_tokens, device, eviction_policy: what-ifs applied to both sides.
+        hicache_ratio, hicache_write_policy: HiCache's host tier on both sides (turned on
+            with the ratio or changed; None: the trace's).
         jobs: 2 replays the sides in two processes in parallel, 1 in lockstep in this
             process (versions that import here); None: 2 when two cores are usable.
         on_progress: called with the last step reached, as the comparison goes.
@@ -175,7 +179,8 @@ def diff_trace(
     if jobs is None:
         jobs = 2 if usable_cpus() >= 2 and os.path.getsize(path) >= PARALLEL_MIN_BYTES else 1
     parallel = jobs == 2 or not in_process
-    what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device, "eviction_policy": eviction_policy}
+    what_if = {"page_size": page_size, "pool_tokens": pool_tokens, "device": device, "eviction_policy": eviction_policy,
+               "hicache_ratio": hicache_ratio, "hicache_write_policy": hicache_write_policy}
     sides: list[Any] = []
     checker: Any = None
     try:

@@ -143,6 +143,8 @@ class SideJob(Contract):
     options: dict[str, Any] = field(default_factory=dict)  # ReplayOptions' fields
     checker: str = "background"
     eviction_policy: str | None = None  # what-if (None: the trace's)
+    hicache_ratio: float | None = None  # what-if host tier (None: the trace's)
+    hicache_write_policy: str | None = None  # what-if host tier (None: the trace's)
     checker_fd: int | None = None
     hicache_ratio: float | None = None  # host-tier what-ifs (None: the trace's)
     hicache_write_policy: str | None = None

@@ -21,7 +21,7 @@ import numpy as np
 from . import world
 
 __all__ = [
-    "IncrementalDigest", "allocator_module", "free_ids", "full_value", "mamba_available", "mamba_pool_counters",
+    "IncrementalDigest", "allocator_module", "free_ids", "full_value", "host_pool_counters", "mamba_available", "mamba_pool_counters",
     "pool_counters", "side_ids", "state_digest", "swa_pool_counters", "token_allocators", "tree_nodes",
 ]
 
@@ -83,6 +83,20 @@ def swa_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[i
     overallocated = full[5]
     committed = size - available - evictable - protected - overallocated
     return (size, available, evictable, protected, committed, overallocated, full[6], full[7])
+
+
+def host_pool_counters(eng: world.SGLangEngine, full: tuple[int, ...]) -> tuple[int, ...]:
+    """HiCache's host pool's ``PoolCounters`` fields (in tokens) read off an SGLang world
+    (decision 17), as the built-in allocator reports them: ``evictable`` the host-only
+    unlocked leaves (the tree core's ``evictable_host_leaves``: what ``evict_host`` may
+    free), ``protected`` every other host copy; requests hold no host slot."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    host = eng.tree.cache_controller.host
+    core = eng.tree.tree_core
+    size, available = int(host.size), int(host.available_size())
+    evictable = sum(len(n.component_data[ComponentType.FULL].host_value) for n in core.evictable_host_leaves)
+    return (size, available, evictable, size - available - evictable, 0, 0, full[6], full[7])
 
 
 def mamba_available(eng: world.SGLangEngine) -> int:

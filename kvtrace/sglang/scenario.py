@@ -93,6 +93,17 @@ class MambaSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class HiCacheSpec:
+    """HiCache's host KV tier under the radix cache (world decision 17): the host pool
+    sized by SGLang's ``HostKVCache`` from the ratio, or ``host_pool_tokens`` as is, and
+    ``--hicache-write-policy``."""
+
+    host_ratio: float = 2.0
+    host_pool_tokens: int | None = None
+    write_policy: str = "write_through"
+
+
+@dataclass(frozen=True, slots=True)
 class ScenarioConfig:
     pool_tokens: int
     page_size: int = 1
@@ -105,6 +116,7 @@ class ScenarioConfig:
     swa: SwaSpec | None = None
     eviction_policy: str = "lru"  # SGLang's --radix-eviction-policy
     mamba: MambaSpec | None = None
+    hicache: HiCacheSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -118,6 +130,8 @@ class ScenarioConfig:
             del out["eviction_policy"]  # the default: the header as before policies existed
         if self.mamba is None:
             del out["mamba"]  # no linear-attention layers: the header as before Mamba existed
+        if self.hicache is None:
+            del out["hicache"]  # no host tier: the header as before HiCache existed
         return out
 
     @classmethod
@@ -126,11 +140,13 @@ class ScenarioConfig:
         spec = data.pop("spec", None)
         swa = data.pop("swa", None)
         mamba = data.pop("mamba", None)
+        hicache = data.pop("hicache", None)
         unknown = set(data) - {f for f in cls.__slots__}  # type: ignore[attr-defined]
         if unknown:
             raise ScenarioError(f"scenario config has unknown keys {sorted(unknown)}")
         return cls(spec=SpecSpec(**spec) if spec else None, swa=SwaSpec(**swa) if swa else None,
-                   mamba=MambaSpec(**mamba) if mamba else None, **data)
+                   mamba=MambaSpec(**mamba) if mamba else None, hicache=HiCacheSpec(**hicache) if hicache else None,
+                   **data)
 
     def label(self) -> str:
         spec = "off" if self.spec is None else (

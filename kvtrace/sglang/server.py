@@ -38,7 +38,7 @@ from . import scenario as sc
 from . import wire
 from . import world
 from .readout import IncrementalDigest, allocator_module, free_ids, full_value, pool_counters, side_ids, state_digest
-from .readout import mamba_available, mamba_pool_counters, swa_pool_counters, tree_nodes
+from .readout import host_pool_counters, mamba_available, mamba_pool_counters, swa_pool_counters, tree_nodes
 
 __all__ = ["AllocatorServer", "IncrementalDigest", "pool_counters", "serve", "state_digest"]
 
@@ -77,6 +77,20 @@ def _mamba_spec(config: dict[str, Any]) -> sc.MambaSpec | None:
     return sc.MambaSpec(slots=int(mamba["slots"]), strategy=strategy)
 
 
+def _hicache_spec(config: dict[str, Any]) -> sc.HiCacheSpec | None:
+    """The scenario's host tier from kvtrace's ``AllocatorConfig.hicache`` (a dict, or None;
+    world decision 17)."""
+    tier = config.get("hicache")
+    if tier is None:
+        return None
+    if config.get("swa") is not None or config.get("mamba") is not None or config.get("spec") is not None:
+        raise sc.ScenarioError("HiCache's host tier is driven on SGLang's side for full-attention pools only")
+    size = tier.get("host_pool_tokens")
+    return sc.HiCacheSpec(host_ratio=float(tier.get("host_ratio", 2.0)),
+                          host_pool_tokens=None if size is None else int(size),
+                          write_policy=str(tier.get("write_policy", "write_through")))
+
+
 def _ints(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
 
@@ -109,6 +123,7 @@ class AllocatorServer:
             swa=_swa_spec(config),
             eviction_policy=str(config.get("eviction_policy", "lru")),
             mamba=_mamba_spec(config),
+            hicache=_hicache_spec(config),
         )
         self.eng = world.SGLangEngine(self.config)
         self.ps = self.config.page_size
@@ -332,7 +347,7 @@ class AllocatorServer:
         return np.asarray(list(req.origin_input_ids) + list(req.output_ids), dtype=np.int64)
 
     def end_step(self) -> None:
-        self.eng.publish()
+        self.eng.end_step()
 
     # ------------------------------------------------------------------ reads
     def counters(self) -> tuple[int, ...]:
@@ -343,9 +358,12 @@ class AllocatorServer:
     def pool_counters(self) -> dict[str, tuple[int, ...]]:
         """Each KV pool's ``PoolCounters`` fields: the full pool's, and a hybrid SWA
         model's SWA pool's (``swa_pool_counters``), or a hybrid linear-attention model's
-        Mamba pool's (``mamba_pool_counters``)."""
+        Mamba pool's (``mamba_pool_counters``), or HiCache's host pool
+        (``host_pool_counters``)."""
         self.eng.publish()
         full = pool_counters(self.eng)
+        if self.config.hicache is not None:
+            return {"full": full, "host": host_pool_counters(self.eng, full)}
         if self.config.mamba is not None:
             return {"full": full, "mamba": mamba_pool_counters(self.eng, full)}
         if self.config.swa is None:
@@ -376,6 +394,7 @@ class AllocatorServer:
         self.eng.publish()
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+        self.eng.hicache_poll()
         before = world.evicted_tokens()
         self.eng.tree.evict(EvictParams(num_tokens=int(num_tokens)))
         return world.evicted_tokens() - before
@@ -419,7 +438,10 @@ class AllocatorServer:
         parts = [free_ids(self.eng), side_ids(self.eng)]
         holders = ["free"] * parts[0].shape[0] + ["free (release list)"] * parts[1].shape[0]
         for node in tree_nodes(self.eng):
-            value = full_value(node).numpy()
+            value = full_value(node)
+            if value is None:  # a node on the host tier only (decision 17) holds no device page
+                continue
+            value = value.numpy()
             ids = value[::ps] // ps if ps > 1 else value
             parts.append(np.asarray(ids, np.int64))
             holders += ["the radix tree"] * len(ids)

@@ -187,9 +187,26 @@ itself is not run because a trace already fixes which requests run when):
    is a verify of one token; without the overlap scheduler there is no lookahead). The
    pool class runs the mode on CPU although SGLang's server refuses it there.
 
+17. HiCache (a scenario with ``hicache``: full attention, the radix cache on): SGLang's
+   ``UnifiedRadixCache(FULL)`` in HiCache mode (Python tree core), built as
+   ``tests/differential/hiradix_driver.py`` builds it, since ``init_hicache`` needs CUDA:
+   the host pool is SGLang's ``HostKVCache`` free list made with ``is_dummy`` (no buffer;
+   sized by its own ratio rule, or the scenario's host tokens as is), a synchronous
+   ``_SyncController`` stands in for ``HybridCacheController`` with its allocation calls
+   (a write takes ``mem_pool_host.alloc``, a load the device allocator's ``alloc``; no
+   bytes move), and the attributes ``init_hicache`` sets are set by hand
+   (``write_through_threshold``, ``is_write_back``, ``load_back_threshold`` = 10). A new
+   request's extend matches on both tiers (``match_kv_cache``) and, when the match has a
+   host hit, loads it back as ``PrefillAdder.add_one_req`` does (``init_load_back``;
+   ``prefix_len`` grows by what was loaded, ``last_node`` becomes the anchor,
+   ``cache_protected_len = prefix_len``) before it is locked. The scheduler's per-step
+   ``check_hicache_events`` (every transfer done by the next poll) runs at the first
+   extend, decode or eviction after ``end_step``: a step's releases come before it.
+   ``readout.host_pool_counters`` reads the host pool as pool ``"host"``.
+
 One concept, read top to bottom: one SGLang world behind the engine contract, and the
 emulation decisions above that it implements, from importing SGLang (decisions 1, 4 and
-10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 14); the code names its
+10) to its runtime context and each batched call (2, 3, 5 to 9, 11 to 17); the code names its
 decisions by number, so the list and what carries it out stay in one file.
 """
 
@@ -403,6 +420,150 @@ class _Session:
         """``Session.abort_req`` rolls the session's history back: the trace says it."""
 
 
+# --------------------------------------------------------------------------- HiCache (decision 17)
+
+
+class _DoneEvent:
+    """A transfer event that has completed already (the transfers are synchronous)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _ack(node_ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(start_event=_DoneEvent(), finish_event=_DoneEvent(), node_ids=node_ids,
+                           num_tokens_by_pool={}, num_bytes=0, timing_enabled=False)
+
+
+class _SyncController:
+    """``HybridCacheController`` with synchronous transfers: SGLang's allocation calls
+    (host slots on write, device slots on load) and acks whose events are done. The pools
+    are attributes, not closure cells, so the OOM rollback's deep copy (decision 8) copies
+    them with the world."""
+
+    def __init__(self, host: Any, alloc: Any, write_policy: str) -> None:
+        self.host = host
+        self.alloc = alloc
+        self.mem_pool_host = SimpleNamespace(
+            anchor_entry=SimpleNamespace(host_pool=SimpleNamespace(shared_allocation_domain=None), host_evict_fn=None),
+            available_size=host.available_size)
+        self.write_policy = write_policy
+        self.enable_storage = False
+        self.pp_prefetch_command_group = None
+        self.write_queue: list[int] = []
+        self.load_queue: list[int] = []
+        self.ack_write_queue: list[Any] = []
+        self.ack_load_queue: list[Any] = []
+
+    def write(self, device_indices: Any, node_id: int = -1, extra_pools: Any = None, flush: bool = True,
+              priority: Any = None, start_owner: Any = None) -> Any:
+        host_indices = self.host.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        self.write_queue.append(node_id)
+        if flush:
+            self.start_writing()
+        return host_indices
+
+    def start_writing(self) -> None:
+        if self.write_queue:
+            self.ack_write_queue.append(_ack(self.write_queue))
+            self.write_queue = []
+
+    def load(self, host_indices: Any, node_id: int = -1, extra_pools: Any = None, priority: Any = None) -> Any:
+        device_indices = self.alloc.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.load_queue.append(node_id)
+        return device_indices
+
+    def start_loading(self) -> int:
+        if not self.load_queue:
+            return -1
+        self.ack_load_queue.append(_ack(self.load_queue))
+        self.load_queue = []
+        return 0
+
+    def reset(self) -> None:
+        return None
+
+
+class _HostPoolGroup:
+    """The host pool group facade the tree frees host slots through (its one KV pool)."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    def free(self, indices: Any, pool: Any = None) -> Any:
+        return self.host.free(indices)
+
+    def get_pool(self, name: Any) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        return self.host if name == PoolName.KV else None
+
+
+_HOST_POOL_CLS: list[Any] = []
+
+
+def _cpu_host_pool_cls() -> Any:
+    """SGLang's ``HostKVCache`` with no buffer (``is_dummy``): its free list, alloc, free
+    and sizing are SGLang's; the byte-layout methods never run."""
+    if not _HOST_POOL_CLS:
+        from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+        class CpuHostKVCache(HostKVCache):
+            def get_size_per_token(self) -> int:
+                return 1
+
+            def init_kv_buffer(self) -> None:
+                return None
+
+            load_to_device_per_layer = set_from_flat_data_page = backup_from_device_all_layer = None
+            get_dummy_flat_data_page = get_data_page = None
+
+            # The OOM rollback deep-copies the pool (decision 8): its RLock is not
+            # copyable, and a copy gets a lock of its own.
+            def __getstate__(self) -> dict[str, Any]:
+                return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+            def __setstate__(self, state: dict[str, Any]) -> None:
+                import threading
+
+                self.__dict__.update(state)
+                self.lock = threading.RLock()
+
+        CpuHostKVCache.__abstractmethods__ = frozenset()
+        _HOST_POOL_CLS.append(CpuHostKVCache)
+    return _HOST_POOL_CLS[0]
+
+
+def _attach_hicache(tree: Any, alloc: Any, spec: sc.HiCacheSpec, device_tokens: int, ps: int) -> None:
+    """Put ``tree`` (a ``UnifiedRadixCache(FULL)``) in HiCache mode on the CPU, as
+    ``init_hicache`` would without its CUDA host pools (decision 17)."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    torch = SG.torch
+    sized = spec.host_pool_tokens is not None
+    host = _cpu_host_pool_cls()(
+        dtype=torch.float32, device_capacity_tokens=device_tokens, size_per_token=1, start_layer=0, end_layer=1,
+        host_to_device_ratio=float(spec.host_ratio), host_size=0, page_size=ps, layout="layer_first",
+        pin_memory=False, device="cpu", is_dummy=True,
+        **({"host_token_capacity": int(spec.host_pool_tokens)} if sized else {}),
+    )
+    tree.cache_controller = _SyncController(host, alloc, spec.write_policy)
+    tree.host_pool_group = _HostPoolGroup(host)
+    tree.components[ComponentType.FULL]._full_kv_pool_host = host
+    tree.tree_core.set_hicache_enabled()
+    tree.write_through_threshold = 1 if spec.write_policy == "write_through" else 2
+    tree.is_write_back = spec.write_policy == "write_back"
+    tree.load_back_threshold = 10
+    tree.host_memory_mode = "cache"
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -497,6 +658,15 @@ class SGLangEngine:
                 brp.mamba_track_grid = SG.schedule_batch.mamba_track_grid
             params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
             tree = UnifiedRadixCache(params)  # enabled with the radix cache: decision 14
+        elif config.hicache is not None:  # decision 17
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            if not config.radix_cache or sessions:
+                raise sc.ScenarioError("HiCache's host tier is driven with the radix cache on and no sessions")
+            params.tree_components = (ComponentType.FULL,)
+            tree = UnifiedRadixCache(params)
+            _attach_hicache(tree, allocator, config.hicache, pool_tokens, self.ps)
         elif tree_kind == "unified" or sessions:  # decision 15: sessions live in the unified tree
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -521,6 +691,8 @@ class SGLangEngine:
         # call: the match or held prefix and the target (extend, prealloc), the row's
         # allocated length and the reserve's end (spec). Survives a rollback.
         self.last_lens: tuple[list[int], list[int]] = ([], [])
+        self.hicache = config.hicache is not None
+        self._hicache_ack_due = False
         SG.allocation.assign_req_to_token_pool_func = self._assign_req_to_token_pool
 
     def _hybrid_pool(self) -> Any:
@@ -613,6 +785,39 @@ class SGLangEngine:
 
     def close(self) -> None:
         self._ctx.restore()
+
+    # -- HiCache's per-step poll (decision 17) ----------------------------------------
+    def end_step(self) -> None:
+        """The step ended: its prompt publishes run, and the host tier's poll is due."""
+        self.publish()
+        if self.hicache:
+            self._hicache_ack_due = True
+
+    def hicache_poll(self) -> None:
+        """SGLang's ``check_hicache_events`` once after ``end_step`` (no-op otherwise):
+        submit the queued backups, finish every write and load ack (all done)."""
+        if not self._hicache_ack_due:
+            return
+        self._hicache_ack_due = False
+        tree = self.tree
+        cc = tree.cache_controller
+        tree.flush_pending_backups()
+        tree.writing_check(finish_count=len(cc.ack_write_queue))
+        cc.start_loading()
+        tree.loading_check(finish_count=len(cc.ack_load_queue))
+
+    def _load_back(self, req: Any) -> None:
+        """``PrefillAdder.add_one_req``'s load-back of a matched host hit (decision 17)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        if not req.needs_host_load_back():
+            return
+        loaded, node = self.tree.init_load_back(InitLoadBackParams(
+            best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+        req.host_loaded_length, req.last_node = loaded, node
+        req.prefix_len += loaded
+        if self.tree.load_back_is_cache_owned():
+            req.kv.cache_protected_len = req.prefix_len
 
     # -- accessors ---------------------------------------------------------------
     @property
@@ -817,6 +1022,7 @@ class SGLangEngine:
 
     # -- ops ---------------------------------------------------------------------------
     def extend(self, rids, seq_lens, token_ids, prompt_lens, prefill_done) -> sc.CallResult:
+        self.hicache_poll()
         reqs = [self._req(rid, pl) for rid, pl in zip(rids, prompt_lens)]
         # d. checkpoint continuing chunks first (SGLang's ``stash_chunked_request`` runs
         # at the top of the step, before and regardless of the allocation, so an OOM of
@@ -845,6 +1051,8 @@ class SGLangEngine:
                                             cow_mamba=self.config.mamba is not None and not self.tree.disable)
                 if res.cache_protected_len is None:
                     req.kv.cache_protected_len = req.prefix_len
+                if self.hicache:
+                    self._load_back(req)
                 req.lock = self.tree.lock(req.last_node)
                 req.extend_end = seq_len
             torch = SG.torch
@@ -870,6 +1078,8 @@ class SGLangEngine:
         bound = sum(n - h for n, h in zip(seq_lens, held)) + (len(reqs) * self.ps if self.ps > 1 else 0)
         new_rows = sum(1 for r in reqs if not r.kv.holds_kv)
         fits = self._fits_without_eviction(bound, new_rows)
+        if self.hicache:  # decision 17: a new request's load-back takes device slots past the bound
+            fits = fits and new_rows == 0
         if self.config.mamba is not None:  # decision 13: a short Mamba pool is an assert
             fits = fits and self._mamba_slots_needed(reqs) <= self.pool.mamba_allocator.available_size()
         res = self._guarded(run, fits)
@@ -888,6 +1098,7 @@ class SGLangEngine:
         self.alloc.free_group_end()
 
     def decode(self, rids) -> sc.CallResult:
+        self.hicache_poll()
         reqs = [self.reqs[rid] for rid in rids]
 
         self._swa_seqlens(reqs)

@@ -305,13 +305,18 @@ class SGLangAllocator:
         value = self._prefetched.pop("counters", None)
         return PoolCounters(*(value if value is not None else self._call("counters")))
 
+    def _several_pools(self) -> bool:
+        """Whether the config has a pool besides the full one (SWA, Mamba, HiCache's host)."""
+        cfg = self.config
+        return any(getattr(cfg, name, None) is not None for name in ("swa", "mamba", "hicache"))
+
     def pool_counters(self) -> dict[str, PoolCounters]:
         """Each KV pool's counters: ``{"full": counters()}``, and a hybrid SWA model's
-        ``"swa"`` pool too, a hybrid linear-attention model's ``"mamba"`` pool (asked with
-        ``request_lens``, as the counters are)."""
+        ``"swa"`` pool too, a hybrid linear-attention model's ``"mamba"`` pool, HiCache's
+        ``"host"`` pool (asked with ``request_lens``, as the counters are)."""
         from allocator.base import PoolCounters
 
-        if self.config.swa is None and getattr(self.config, "mamba", None) is None:
+        if not self._several_pools():
             return {"full": self.counters()}
         value = self._prefetched.pop("pool_counters", None)
         pools = value if value is not None else self._call("pool_counters")
@@ -320,7 +325,7 @@ class SGLangAllocator:
     def request_lens(self, rids: np.ndarray) -> RequestLens:
         from allocator.base import RequestLens
 
-        several = self.config.swa is not None or getattr(self.config, "mamba", None) is not None
+        several = self._several_pools()
         names = ["counters", "pool_counters"] if several else ["counters"]
         calls = [wire.Call("request_lens", (wire.pack_ints(rids),)), *(wire.Call(n) for n in names)]
         if self._want_digest:
