@@ -146,8 +146,6 @@ class SideJob(Contract):
     hicache_ratio: float | None = None  # what-if host tier (None: the trace's)
     hicache_write_policy: str | None = None  # what-if host tier (None: the trace's)
     checker_fd: int | None = None
-    hicache_ratio: float | None = None  # host-tier what-ifs (None: the trace's)
-    hicache_write_policy: str | None = None
     steps_per_batch: int = 256
     allocator_root: str | None = None
     code: str | None = None
