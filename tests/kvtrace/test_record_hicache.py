@@ -46,7 +46,7 @@ def _workload(path: Path) -> Path:
     return path
 
 
-def _replay(trace: Path, *extra: str) -> dict[str, Any]:
+def _replay(trace: Path | str, *extra: str) -> dict[str, Any]:
     result = runner.invoke(app, ["-q", "--json", "replay", str(trace), *extra])
     assert result.exit_code == 0, result.stderr
     return json.loads(result.stdout)
@@ -127,3 +127,12 @@ def test_switches_the_tiered_allocator_does_not_serve_are_refused(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: error: HiCache's host tier"), result.stderr
     assert f"not with {switch}:" in lines[0]
+
+
+@pytest.mark.slow
+def test_the_bundled_sample_loads_back_what_it_recorded() -> None:
+    report = _replay("sample:mooncake-hicache")
+    assert report["hicache"]["write_policy"] == "write_through"
+    assert report["hicache"]["host_pool_tokens"] == host_pool_tokens_for(80_000, 16, 24.0)
+    assert report["hicache"]["prefix_tokens"]["host"] > 10_000
+    assert report["prefix_differs_from_recorded"] == 0 and report["num_violations"] == 0
