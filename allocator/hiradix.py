@@ -794,7 +794,37 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ reads
 
     def peek_prefix_len(self, key: np.ndarray) -> int:
-        raise NotImplementedError("HiRadixCache.peek_prefix_len: not wired yet (a match may end on host)")
+        """The device part of what ``match_prefix_hi`` would match (the prefix a request
+        reuses without a load-back), touching and splitting nothing."""
+        return self.peek_prefix_hi(key)[0]
+
+    def peek_prefix_hi(self, key: np.ndarray) -> tuple[int, int]:
+        """``(device_prefix_len, host_hit_len)`` that ``match_prefix_hi`` would return,
+        touching and splitting nothing (the scheduler model's admission reads it)."""
+        ps = self.page_size
+        n = floor_align(key.shape[0], ps)
+        if n == 0:
+            return 0, 0
+        kb = key[:n].tobytes()
+        nb, psb = n * 8, ps * 8
+        node: HiTreeNode = self.root_node  # type: ignore[assignment]
+        pos = 0
+        device_len = host_len = 0
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + psb])
+            if child is None or (child.value is None and child.host_value is None):
+                break
+            m = len(child) if kb.startswith(child.key, pos) else self._matched_units(child.key, kb, pos)
+            # a device node's ancestors are on device: host-only nodes sit below them
+            if child.value is not None:
+                device_len += m
+            else:
+                host_len += m
+            pos += m * 8
+            if m < len(child):
+                break
+            node = child
+        return device_len, host_len
 
     def peek_match_lock(self, keys):  # noqa: ANN001, ANN201
         raise NotImplementedError("HiRadixCache.peek_match_lock: not wired yet (a match may end on host)")

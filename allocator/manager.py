@@ -348,6 +348,15 @@ class KvAllocator:
             self._hicache_ack_due = False
             self.tree_cache.ack()  # type: ignore[attr-defined]
 
+    def poll_hicache(self) -> None:
+        """Run the host tier's per-step poll now if it is due (no-op otherwise): the
+        scheduler model polls before it admits, as SGLang's ``get_next_batch_to_run``
+        does, so admission sees the previous step's backups acknowledged. A replay
+        polls at the step's first allocation, after the same releases."""
+        if self.hicache:
+            self._flush_publish()
+            self._hicache_poll()
+
     def _flush_publish(self) -> None:
         pending = self._pending_publish
         if not pending:
@@ -1168,6 +1177,17 @@ class KvAllocator:
             return 0
         toks = in_namespace(np.asarray(token_ids, dtype=np.int64), namespace_of(token_ids))
         return tree.peek_prefix_len(tree.make_key(toks[: max(toks.shape[0] - 1, 0)]))
+
+    def match_prefix_hi(self, token_ids: np.ndarray) -> tuple[int, int]:
+        """With the host tier: ``(device prefix, host hit)`` a new request with these
+        fill ids would match (``HiRadixCache.match_prefix_hi``'s lengths, capped as
+        ``match_prefix``); a pure query like it. Without the tier the host hit is 0."""
+        if not self.hicache:
+            return self.match_prefix(token_ids), 0
+        self._flush_publish()
+        toks = np.asarray(token_ids, dtype=np.int64)
+        tree = self.tree_cache
+        return tree.peek_prefix_hi(tree.make_key(toks[: max(toks.shape[0] - 1, 0)]))  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ reads
 

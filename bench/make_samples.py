@@ -87,6 +87,15 @@ SAMPLES_SPEC: tuple[Sample, ...] = (
         "Mooncake conversation, first 90 seconds, page 16, --sessions (conversations inferred from the hash_ids)",
         (str(MOONCAKE), "--format", "mooncake", "--duration", "90s", "--page-size", "16", "--sessions"),
     ),
+    # HiCache's host tier: an 80k-token device pool evicts the first turns' prompts to a host
+    # pool large enough to keep them until their next turns load them back.
+    Sample(
+        "mooncake-hicache.kvtrace",
+        "Mooncake conversation, first 50 seconds, page 16, 80k-token pool, HiCache host tier "
+        "(--hicache-ratio 24, write_through): host hits loaded back",
+        (str(MOONCAKE), "--format", "mooncake", "--duration", "50s", "--page-size", "16", "--pool-tokens", "80000",
+         "--hicache-ratio", "24"),
+    ),
     # Hybrid sliding-window models (two KV pools), radix cache off until the SWA radix cache lands.
     Sample(
         "mooncake-gpt-oss.kvtrace",

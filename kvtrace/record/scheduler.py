@@ -52,25 +52,30 @@ a request is admitted only while a row with its slots is free::
 
     admit while  rows_used < max_running  and  per_request * (rows_used + 1) <= slots
 
-HiCache's host tier (``SchedulerConfig.hicache``) is stored in the trace's config, and
-the recording is device-only: the allocator under the model is built without the tier
-(the replay's manager serves it; the model does not count host hits yet), so a
-prefix evicted from the device is a miss here, where SGLang would load it back. What
-SGLang 0.5.23's ``PrefillAdder.add_one_req`` (``managers/schedule_policy.py``) does
-with a host hit, for the model to follow once the tree is wired in:
+HiCache's host tier (``SchedulerConfig.hicache``): the allocator under the model is the
+tiered one (``allocator.hiradix``), and admission follows SGLang 0.5.23's
+``PrefillAdder.add_one_req`` (``managers/schedule_policy.py``) with a host hit:
 
-* The match gives the device prefix (``prefix_len``) and ``host_hit_length``, the
-  host-resident tokens below it. Admission counts both as cached prefix:
-  ``prefix_len + host_hit_length`` (``_select_prefill_admission``), so only the rest
-  is extended and charged (input, chunk and ``extend + max_new + page`` budgets).
-* The load-back's device slots are not charged in the budget of a plain KV pool
-  (``PrefillBudget.prepare_load_back`` passes; only ``SharedSWAPrefillBudget`` charges them):
-  ``init_load_back`` takes them, evicting device leaves for the shortfall, and the
-  loaded nodes stay locked by the request, so the next candidate sees them gone from
-  ``available + evictable``.
-* All or nothing: a load-back below ``load_back_threshold`` (10 tokens), or refused,
-  loads nothing; admission is then chosen again with ``host_hit_length = 0`` (the
-  host part recomputed) and may no longer fit.
+* Each step polls the tier after the releases, before admission (SGLang's
+  ``check_hicache_events`` in ``get_next_batch_to_run``): the previous step's backups
+  and load-backs are acknowledged, so their locks no longer pin the cache. (Without it
+  a write-through backup locked every cached prefix until the next allocation, which
+  an idle engine never made: nothing was admitted again.)
+* The match gives the device prefix and ``host_hit_length`` (a pure query,
+  ``match_prefix_hi``). The fit charges the host part as extend: ``total_tokens =
+  fill - device prefix + max_new + page`` (the load-back takes device slots).
+* The load-back's device slots are not charged in the plain pool's budget
+  (``PrefillBudget.prepare_load_back`` passes): ``init_load_back`` takes them, and the
+  loaded nodes stay locked by the request, so the model takes them from ``available +
+  evictable`` for the next candidates. The request is admitted with ``device prefix +
+  host hit`` as its prefix: only the rest is extended and reserved.
+* All or nothing: a load-back below ``load_back_threshold`` (10 tokens), or beyond the
+  free plus evictable device slots, loads nothing, and the request is admitted with the
+  host part recomputed (the fit above already charged it).
+* The extend repeats the match and the load-back in batch order (what a replay does
+  too, so the recorded prefix lengths are the replay's). A load-back that evicts device
+  leaves ends the batch: the eviction could take a prefix a later candidate was
+  matched against.
 * Host copies stay after a load-back (duplicates); backups are written per
   ``write_policy`` on insert or eviction (docs/hicache-semantics.md).
 
@@ -156,6 +161,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from allocator.base import RETRACT_DECODE_STEPS, AllocResult, OutOfMemory, PoolCounters
+from allocator.hiradix import LOAD_BACK_THRESHOLD
 from allocator.pages import ceil_align, floor_align, new_page_tokens
 from allocator.sizing import reserve_per_decode
 from kvtrace.replay.config import spec_config_for
@@ -232,8 +238,8 @@ class SchedulerConfig:
         mamba_slots: a hybrid linear-attention model's Mamba state slots
             (``max_mamba_cache_size``; None: no linear layers).
         hicache: HiCache's host tier the engine is configured with (stored in the
-            trace's config; the recording's admission is device-only, see the module
-            docstring), or None.
+            trace's config and served by the allocator; admission with host hits: the
+            module docstring), or None.
         sessions: streaming sessions: a request with a ``session_id`` is a turn of its
             session (module docstring); the trace says ``config.sessions``.
     """
@@ -613,6 +619,10 @@ class Scheduler:
         """Run one scheduler step; False when it had nothing to do."""
         self.rec.begin_step(self.clock)
         released = self._release_finished()
+        if self.cfg.hicache is not None:
+            # SGLang's check_hicache_events: the previous step's backups and load-backs
+            # finish before admission (their locks would otherwise pin the cache)
+            self.alloc.poll_hicache()  # type: ignore[attr-defined]
         if self.cfg.pd_decode:
             duration = self._pd_prealloc()
             if duration is None:
@@ -831,6 +841,8 @@ class Scheduler:
             if truncated:
                 new_chunked = chunked
 
+        hicache = cfg.hicache is not None
+        loaded_total = 0  # device slots the batch's load-backs take before its allocation
         admitted = 0
         for rid in self.waiting:
             if budget_state() == 2:
@@ -842,9 +854,13 @@ class Scheduler:
             fill = self._fill_len(rid)
             held = self._held_prefix(rid)
             prefix = matches.get(rid) if held is None else held
-            if held is None and (prefix is None or not cfg.radix_cache):
+            host_hit = 0
+            if held is None and hicache:
+                prefix, host_hit = self.alloc.match_prefix_hi(self._token_ids(rid, fill, cache=False))  # type: ignore[attr-defined]
+            elif held is None and (prefix is None or not cfg.radix_cache):
                 prefix = self.alloc.match_prefix(self._token_ids(rid, fill, cache=False)) if cfg.radix_cache else 0
             max_new = int(min(max(self.max_new[rid] - self.out[rid], 0), CLIP_MAX_NEW_TOKENS))
+            # the fit counts a host hit as extend (SGLang's total_tokens: fill - device prefix)
             extend = fill - prefix
             # a session's held KV is its own, not the tree's: admitting the turn pins nothing
             pinned = 0 if held is not None else min(prefix, max(evictable - locked, 0))
@@ -852,6 +868,9 @@ class Scheduler:
             if not total_tokens < remaining_total() - pinned:
                 self.batch_is_full = bool(batch) or running_bs > 0
                 break
+            loaded, evicts = self._load_back(host_hit, avail - loaded_total, max(evictable - locked - pinned, 0))
+            prefix += loaded
+            extend -= loaded
             paged = ceil_align(extend, ps)
             chunk_limit = rem_chunk
             if swa:
@@ -875,6 +894,14 @@ class Scheduler:
             batch.append((rid, prefix, prefix + extend, prefix + extend == fill))
             admitted += 1
             reserve(extend, max_new_res)
+            if loaded:  # the loaded nodes are the request's, locked: gone from available + evictable
+                loaded_total += loaded
+                total_offset += loaded
+                current_offset += loaded
+            if evicts:  # its load-back evicts device leaves a later candidate's match may hold
+                if budget_state() == 1:
+                    self.batch_is_full = True
+                break
             state = budget_state()
             if state != 0:
                 if state == 1:
@@ -888,6 +915,16 @@ class Scheduler:
         # Admitted requests are a prefix of the (policy-ordered) queue.
         del self.waiting[:admitted]
         return self._run_extend(batch, new_chunked)
+
+    def _load_back(self, host_hit: int, free: int, evictable: int) -> tuple[int, bool]:
+        """What the extend's ``init_load_back`` will do with a candidate's host hit:
+        ``(tokens loaded, whether it evicts device leaves for them)``. All or nothing:
+        nothing below ``load_back_threshold`` or beyond the ``free`` device slots (after
+        the batch's earlier load-backs) plus the ``evictable`` ones (SGLang then admits
+        the request with the host part recomputed)."""
+        if host_hit < max(1, LOAD_BACK_THRESHOLD) or host_hit > free + evictable:
+            return 0, False
+        return host_hit, host_hit > free
 
     def _swa_available(self) -> int:
         """SWA tokens free or evictable now (SGLang ``SWAPrefillBudget.remaining_swa`` before offsets)."""

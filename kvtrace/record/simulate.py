@@ -38,6 +38,7 @@ __all__ = [
     "record_report",
     "record_workload",
     "refuse_sliding_window",
+    "refuse_unserved_hicache",
     "round_robin_namespaces",
     "spec_settings",
     "spec_text",
@@ -163,6 +164,7 @@ def record_workload(
         page_size=options.page_size, pool_tokens=options.pool_tokens, hisparse=options.hisparse,
         radix_cache=not options.pd_decode if options.radix_cache is None else options.radix_cache,
     )
+    refuse_unserved_hicache(options)
     # Check the whole file first (a streaming pass): a bad line fails at once, not
     # minutes into the recording, and no partial trace is left behind.
     total = 0
@@ -236,12 +238,11 @@ def record_workload(
     # NOTE: the allocator keeps the Mamba state pool where it serves the trace's
     # switches (``unserved_mamba``); elsewhere it serves the full-attention layers' KV
     # pool only, and the Mamba slots are the scheduler model's budget alone
-    # (``SchedulerConfig.mamba_slots``). The host tier: the trace keeps it and the
-    # recording's allocator is the device tier (kvtrace/record/scheduler.py says what
-    # that leaves out).
+    # (``SchedulerConfig.mamba_slots``). The host tier is the allocator's, as the
+    # replay's: the recording's load-backs are the ones a replay repeats.
     served = unserved_mamba(meta, meta.config.radix_cache) is None
     allocator_config = effective_config(
-        (meta if served else dataclasses.replace(meta, mamba=None)).with_config(hicache=None),
+        meta if served else dataclasses.replace(meta, mamba=None),
         version_spec=version.spec,
         version_page_size=version.page_size,
         page_size=options.page_size,
@@ -327,6 +328,31 @@ def refuse_sliding_window(
         message = unsupported_swa(config, exc, advice=f"record it with {{what}} off ({switch})")
         if message is not None:
             raise ConfigError(f"{model_name}: {message}") from None
+
+
+def refuse_unserved_hicache(options: RecordOptions) -> None:
+    """Refuse, before any workload is read, to record HiCache's host tier with a switch
+    the tiered allocator (``allocator.hiradix``: a full-attention, LRU radix tree without
+    cache namespaces) does not serve; the recording runs on that allocator.
+
+    Raises:
+        ConfigError: naming the switch to drop, or the --hicache-* options.
+    """
+    if options.hicache is None:
+        return
+    radix_cache = not options.pd_decode if options.radix_cache is None else options.radix_cache
+    unserved = [what for what, on in (
+        ("--pd-decode", options.pd_decode), ("--spec", options.spec is not None), ("HiSparse", options.hisparse),
+        ("--no-radix-cache", not radix_cache), ("a linear-attention --model", options.mamba is not None),
+        ("a sliding-window --model", options.attention is not None and bool(options.attention.swa_layer_ids)),
+        (f"--eviction-policy {options.eviction_policy}", options.eviction_policy != "lru"),
+        ("--namespaces", bool(options.namespaces)),
+    ) if on]  # fmt: skip
+    if unserved:
+        raise ConfigError(
+            f"HiCache's host tier is recorded on a full-attention LRU radix cache only, not with {unserved[0]}: "
+            "record without it or without the --hicache-* options"
+        )
 
 
 def mamba_max_running(layout: MambaLayout | None, max_running: int, radix_cache: bool, page_size: int = 1) -> int:

@@ -51,6 +51,8 @@ RECORDED: dict[str, str] = {
     "mooncake-tiny": "Mooncake conversation, first 12 seconds, page 16 (38 requests)",
     "mooncake-sessions": "Mooncake conversation, first 90 seconds, page 16, streaming sessions: a session per "
     "conversation inferred from the hash_ids (kvtrace record --sessions)",
+    "mooncake-hicache": "Mooncake conversation, first 50 seconds, page 16, 80k-token pool, HiCache host tier "
+    "(--hicache-ratio 24, write_through): prompts evicted to the host are loaded back by their next turns",
     "mooncake-gpt-oss": "Mooncake conversation, first 12 seconds, gpt-oss-20b (hybrid SWA: 1:1 full/sliding "
     "layers, window 128), page 16, 60k-token full pool, radix cache off",
     "mooncake-gemma-3": "Mooncake conversation, first 12 seconds, gemma-3-27b (hybrid SWA: 5:1 sliding/full "
