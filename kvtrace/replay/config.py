@@ -192,10 +192,23 @@ def allocator_config_for(
         if unsupported is not None:
             raise ConfigError(unsupported) from None
         raise ConfigError(f"cannot build the allocator: {exc} (check --pool-tokens and --page-size)") from None
-    unserved = unserved_sessions(meta, config)
+    unserved = unserved_sessions(meta, config) or unserved_namespaced_tier(meta, config)
     if unserved is not None:
         raise ConfigError(unserved)
     return config
+
+
+def unserved_namespaced_tier(meta: TraceMeta, config: AllocatorConfig) -> str | None:
+    """The one line to say when a trace with cache namespaces would replay with a host
+    tier, else None.
+
+    NOTE: the tiered tree keys by tokens alone, so requests of two namespaces would
+    share KV through it; refused rather than replayed wrong.
+    """
+    if meta.namespaces is None or getattr(config, "hicache", None) is None:
+        return None
+    return ("this trace has cache namespaces, which HiCache's host tier does not key by: replay it without the "
+            "tier (drop --hicache-ratio and --hicache-write-policy; kvtrace info shows the trace's configuration)")
 
 
 def unserved_sessions(meta: TraceMeta, config: AllocatorConfig) -> str | None:

@@ -66,3 +66,13 @@ def test_a_shrunk_trace_keeps_each_kept_request_s_namespace_under_its_new_id(tmp
     assert [meta.namespaces.name_of(r) for r in range(3)] == ["lora-b", None, "lora-b"]
     meta, _ = build(table, Candidate(np.flatnonzero(table.rid == 3)))
     assert meta.namespaces is None and meta.format_version == 1
+
+
+def test_a_host_tier_over_namespaces_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The tiered tree keys by tokens alone: a namespaced trace with a host tier would share
+    KV across namespaces, so the replay refuses it (exit 2, one line)."""
+    trace = write_namespaced_trace(tmp_path / "ns.kvtrace")
+    res = CliRunner().invoke(app, ["replay", str(trace), "--hicache-ratio", "2"])
+    assert res.exit_code == 2, res.output
+    assert "cache namespaces" in res.output and "Traceback" not in res.output
+    assert CliRunner().invoke(app, ["replay", str(trace)]).exit_code == 0
