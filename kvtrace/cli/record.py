@@ -351,10 +351,16 @@ def record_command(
                 # Under another pool: the Mamba slots of the memory that holds it.
                 settings["mamba"] = settings["mamba"].for_pool(settings["pool_tokens"], settings["model"])
         settings["attention"] = _swa_switches(settings.get("attention"), draft_swa_window, release_prefill_swa)
-        from kvtrace.record.simulate import refuse_sliding_window
+        from kvtrace.record.simulate import refuse_mamba_radix, refuse_sliding_window
+
+        radix = settings.get("radix_cache")
+        refuse_mamba_radix(
+            settings["model"].name, settings.get("mamba"), page_size=settings["page_size"],
+            radix_cache=not settings["pd_decode"] if radix is None else radix, pd_decode=settings["pd_decode"],
+            hisparse=bool(settings.get("hisparse", False)),
+        )  # fmt: skip
 
         if settings.get("attention") is not None:
-            radix = settings.get("radix_cache")
             refuse_sliding_window(
                 settings["model"].name, settings["attention"],
                 page_size=settings["page_size"], pool_tokens=settings["pool_tokens"],

@@ -43,6 +43,7 @@ __all__ = [
     "spec_settings",
     "spec_text",
     "mamba_max_running",
+    "refuse_mamba_radix",
     "trace_defaults",
 ]
 
@@ -165,6 +166,11 @@ def record_workload(
         radix_cache=not options.pd_decode if options.radix_cache is None else options.radix_cache,
     )
     refuse_unserved_hicache(options)
+    refuse_mamba_radix(
+        options.model.name, options.mamba, page_size=options.page_size, pd_decode=options.pd_decode,
+        radix_cache=not options.pd_decode if options.radix_cache is None else options.radix_cache,
+        hisparse=options.hisparse,
+    )
     # Check the whole file first (a streaming pass): a bad line fails at once, not
     # minutes into the recording, and no partial trace is left behind.
     total = 0
@@ -353,6 +359,35 @@ def refuse_unserved_hicache(options: RecordOptions) -> None:
             f"HiCache's host tier is recorded on a full-attention LRU radix cache only, not with {unserved[0]}: "
             "record without it or without the --hicache-* options"
         )
+
+
+def refuse_mamba_radix(
+    model_name: str,
+    layout: MambaLayout | None,
+    *,
+    page_size: int,
+    radix_cache: bool,
+    pd_decode: bool = False,
+    hisparse: bool = False,
+) -> None:
+    """Refuse, before any workload is read, to record a hybrid linear-attention model
+    with the radix cache at a page size above 1 when SGLang has no ``extra_buffer``
+    strategy for its layers (Mamba2: SGLang serves it with the radix cache at page 1
+    only), since replay refuses such a trace.
+
+    NOTE: the rule is ``kvtrace.replay.config.unserved_mamba``'s radix-cache case
+    (PD decode and HiSparse are recorded and refused at replay by that function).
+
+    Raises:
+        ConfigError: naming the model and what to record instead.
+    """
+    if layout is None or not radix_cache or page_size == 1 or layout.kind == "gdn" or pd_decode or hisparse:
+        return
+    raise ConfigError(
+        f"{model_name}: SGLang has no extra_buffer Mamba strategy for {layout.kind} layers and serves them with "
+        f"the radix cache at page size 1 only, so replay would refuse this trace: record it with --page-size 1, "
+        f"or with --no-radix-cache"
+    )
 
 
 def mamba_max_running(layout: MambaLayout | None, max_running: int, radix_cache: bool, page_size: int = 1) -> int:

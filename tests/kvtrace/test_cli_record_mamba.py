@@ -151,3 +151,20 @@ def test_a_damaged_mamba_layout_is_one_error_line(tmp_path: Path, command: list[
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "bad.kvtrace" in lines[0]
     assert "'mamba.mamba_layer_ids' must be a list of layer ids in [0, 32)" in lines[0]
+
+
+@pytest.mark.parametrize("extra", [[], ["--like", "sample:mooncake-qwen3-next-radix"]])
+def test_record_refuses_mamba2_with_the_radix_cache_above_page_1(tmp_path: Path, extra: list[str]) -> None:
+    # SGLang has no extra_buffer for Mamba2 layers: replay refuses such a trace, so record does, in one line
+    out = tmp_path / "nemotron.kvtrace"
+    code, _, err = invoke("record", *WORKLOAD, *extra, "--model", "nemotron-h-8b", "--page-size", "16",
+                          "--pool-tokens", str(POOL), "-o", str(out))  # fmt: skip
+    assert code == 2 and not out.exists(), err
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in err
+    assert "mamba2" in line and "--page-size 1" in line and "--no-radix-cache" in line
+    if extra:
+        return
+    code, _, err = invoke("record", *WORKLOAD, "--duration", "1s", *extra, "--model", "nemotron-h-8b",
+                          "--page-size", "16", "--no-radix-cache", "--pool-tokens", str(POOL), "-o", str(out))  # fmt: skip
+    assert code == 0 and out.exists(), err
