@@ -354,11 +354,12 @@ def record_command(
         from kvtrace.record.simulate import refuse_mamba_radix, refuse_sliding_window
 
         radix = settings.get("radix_cache")
-        refuse_mamba_radix(
-            settings["model"].name, settings.get("mamba"), page_size=settings["page_size"],
-            radix_cache=not settings["pd_decode"] if radix is None else radix, pd_decode=settings["pd_decode"],
-            hisparse=bool(settings.get("hisparse", False)),
-        )  # fmt: skip
+        if settings.get("mamba") is not None:
+            refuse_mamba_radix(
+                settings["model"].name, settings["mamba"], page_size=settings["page_size"],
+                radix_cache=not settings["pd_decode"] if radix is None else radix, pd_decode=settings["pd_decode"],
+                hisparse=bool(settings.get("hisparse", False)),
+            )  # fmt: skip
 
         if settings.get("attention") is not None:
             refuse_sliding_window(
