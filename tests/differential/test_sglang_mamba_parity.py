@@ -82,8 +82,9 @@ def test_a_mamba_pool_too_small_runs_out_alike(tmp_path: Path) -> None:
 
 
 def test_the_sglang_side_takes_the_traces_mamba_pool_as_it_can_drive_it() -> None:
-    """The replay's Mamba pool reaches SGLang's side as its scenario (slots, no_buffer);
-    a pool SGLang's side cannot drive on the CPU is refused there, not replayed otherwise."""
+    """The replay's Mamba pool reaches SGLang's side as its scenario (slots, strategy); a
+    strategy SGLang's side cannot drive from a trace (lazy, or the overlap scheduler's) is
+    refused there, not replayed otherwise."""
     import dataclasses
 
     from kvtrace.replay.config import allocator_config_for
@@ -96,5 +97,8 @@ def test_the_sglang_side_takes_the_traces_mamba_pool_as_it_can_drive_it() -> Non
     spec = _mamba_spec(dataclasses.asdict(config))
     assert spec is not None and spec.slots == config.mamba.slots and spec.strategy == "no_buffer"
     assert _mamba_spec({"mamba": None}) is None
-    with pytest.raises(ScenarioError, match="no_buffer"):
-        _mamba_spec({"mamba": {"slots": 4, "strategy": "extra_buffer"}})
+    assert _mamba_spec({"mamba": {"slots": 4, "strategy": "extra_buffer"}}).strategy == "extra_buffer"
+    for mamba in ({"slots": 4, "strategy": "extra_buffer_lazy"}, {"slots": 4, "strategy": "extra_buffer",
+                                                                   "overlap_schedule": True}):
+        with pytest.raises(ScenarioError, match="no overlap scheduler only"):
+            _mamba_spec({"mamba": mamba})

@@ -94,6 +94,18 @@ def write_session_trace(path: Path, page_size: int) -> Path:
     return path
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_trace_of_every_session_path_replays_clean_on_the_builtin(page_size: int, tmp_path: Path) -> None:
+    """The trace the parity test gives SGLang holds what it says (holds, a resumed turn, an
+    abort of one, a close) and replays clean here, every check on."""
+    trace = write_session_trace(tmp_path / f"turns-{page_size}.kvtrace", page_size)
+    res = runner.invoke(app, ["replay", str(trace), "--check", "every", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["violations"] == [] and summary["steps"] == 12
+    assert summary["aborts"] >= 1 and summary["session_held"]["holds"] == 4, summary["session_held"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_held_resumed_aborted_and_closed_sessions_identical_to_sglang_exactly(page_size: int, tmp_path: Path) -> None:
