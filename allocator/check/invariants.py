@@ -328,8 +328,10 @@ def check_session_held(out: list[Violation], allocator: KvAllocator) -> None:
         if owned != c.session_held:
             out.append(Violation("session_held", f"session_held counted as {c.session_held}, its session "
                                  f"rows hold {owned}", None, {"counted": c.session_held, "rows": owned}))
+    # Only where sessions hold rows: elsewhere check_conservation says the same of the pool.
+    in_sessions = held_rids.size > 0 or (turned is not None and bool(turned.any()))
     parts = c.available + c.evictable + c.protected + c.committed + c.overallocated + c.session_held
-    if allocator.config.swa is None and not allocator.config.hisparse and parts != c.pool_tokens:
+    if in_sessions and allocator.config.swa is None and not allocator.config.hisparse and parts != c.pool_tokens:
         out.append(Violation(
             "conservation",
             f"available {c.available} + evictable {c.evictable} + protected {c.protected} + committed "

@@ -175,9 +175,12 @@ def test_the_presets_state_and_layers_are_sglangs() -> None:
 
     python = harness.require_sglang()
     script = Path(__file__).with_name("sglang_mamba_split.py")
-    for model, name in (("qwen3-next", "qwen3-next-80b-a3b"), ("nemotron-h", "nemotron-h-8b")):
-        case = {"model": model, "ratio": 0.9, "max_running": 64, "radix_cache": True, "page_size": 16,
-                "context_len": 8192, "rest_bytes": 40_000_000_000}  # fmt: skip
+    # Each as kvtrace serves it with the radix cache: the GDN model above page 1 with
+    # extra_buffer, the Mamba2 one (no extra_buffer in SGLang) at page 1 with no_buffer.
+    for model, name, page, strategy in (("qwen3-next", "qwen3-next-80b-a3b", 16, "extra_buffer"),
+                                        ("nemotron-h", "nemotron-h-8b", 1, None)):
+        case = {"model": model, "ratio": 0.9, "max_running": 64, "radix_cache": True, "page_size": page,
+                "context_len": 8192, "rest_bytes": 40_000_000_000, "strategy": strategy}  # fmt: skip
         done = subprocess.run([python, str(script), json.dumps(case)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         sglang = json.loads(done.stdout.strip().splitlines()[-1])
@@ -188,5 +191,5 @@ def test_the_presets_state_and_layers_are_sglangs() -> None:
         assert sglang["cell"] == layout.full_bytes_per_token(preset.shape), name
         assert tuple(sglang["full"]) == layout.full_layer_ids and tuple(sglang["mamba"]) == layout.mamba_layer_ids
         split = split_mamba_memory(case["rest_bytes"], layout.state_bytes_per_request,  # type: ignore[arg-type]
-                                   sglang["cell"], 16, max_running=64, context_len=8192)  # fmt: skip
+                                   sglang["cell"], page, max_running=64, context_len=8192)  # fmt: skip
         assert (sglang["slots"], sglang["tokens"], sglang["rows"]) == tuple(split), name
