@@ -87,12 +87,17 @@ def test_a_radix_hybrid_trace_above_page_1_replays_with_a_tracking_slot_per_requ
 
 
 def test_a_mamba2_radix_trace_above_page_1_is_refused_in_one_line(tmp_path: Path) -> None:
-    out = tmp_path / "paged.kvtrace"
-    result = runner.invoke(app, ["record", "sample:mooncake-tiny", "--duration", "1s", "--page-size", "16",
-                                 "--model", "nemotron-h-8b", "--radix-cache", "--pool-tokens", "60000",
-                                 "-o", str(out), "-q"])  # fmt: skip
+    """SGLang has no extra_buffer for Mamba2 layers: record refuses such a trace above page
+    1, and replay refuses to take a page-1 one there as a what-if, each in one line."""
+    args = ["record", "sample:mooncake-tiny", "--duration", "1s", "--model", "nemotron-h-8b", "--radix-cache",
+            "--pool-tokens", "60000", "-q"]
+    paged = runner.invoke(app, [*args, "--page-size", "16", "-o", str(tmp_path / "paged.kvtrace")])
+    assert paged.exit_code == 2 and len(paged.stderr.strip().splitlines()) == 1, paged.output
+    assert "no extra_buffer" in paged.stderr and not (tmp_path / "paged.kvtrace").exists()
+    out = tmp_path / "page1.kvtrace"
+    result = runner.invoke(app, [*args, "--page-size", "1", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["replay", str(out)])
+    result = runner.invoke(app, ["replay", str(out), "--page-size", "16"])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "radix cache at page size 16" in lines[0] and "no extra_buffer" in lines[0]
