@@ -27,7 +27,7 @@ import numpy as np
 
 from allocator.base import OutOfMemory
 from allocator.mamba import HybridReqToTokenPool, MambaReqKv, MambaSlotsExhausted
-from allocator.mamba_radix import MambaRadixCache
+from allocator.mamba_radix import MambaInsertResult, MambaRadixCache
 from allocator.pages import ceil_align, floor_align, new_page_tokens, num_new_pages, num_pages
 from allocator.reduce import imax, isum
 from allocator.swa_radix import SwaMatchResult, SwaRadixCache
@@ -1604,6 +1604,29 @@ def release_kv_cache(
     return ReleaseOutcome(freed, cached, overalloc)
 
 
+def _insert_mamba_and_relock(
+    ctx: KvContext, tree: MambaRadixCache, row: int, key: np.ndarray, values: np.ndarray, state: int, protected: int
+) -> tuple[MambaInsertResult, int]:
+    """Insert a row's prefix with its Mamba state into the tree, then point the row at the
+    tree's slots and move its lock to the inserted node (SGLang's ``cache_unfinished_req`` /
+    ``cache_finished_req`` with a Mamba component); the insert's result and the duplicate
+    tokens the row computed again."""
+    kv = ctx.req_kv
+    key_len = len(values)
+    res = tree.insert_mamba(key, values, state, prev_prefix_len=protected)
+    if key_len > int(kv.cache_inserted_len[row]):
+        kv.cache_inserted_len[row] = key_len
+    node = res.last_node
+    new_indices = tree.path_device_indices(node)
+    if new_indices.shape[0] > protected:
+        ctx.writer.assign_row(row, protected, new_indices[protected:])
+    tree.unlock(kv.lock_node[row])
+    kv.lock_node[row] = tree.lock(node)
+    kv.cache_protected_len[row] = new_indices.shape[0]
+    kv.sum_protected += int(new_indices.shape[0]) - protected
+    return res, max(res.prefix_len - protected, 0)
+
+
 def checkpoint_mamba(
     ctx: KvContext, tree: MambaRadixCache, row: int, up_to: int, token_ids: np.ndarray, finished: bool
 ) -> CheckpointResult:
@@ -1649,18 +1672,7 @@ def checkpoint_mamba(
         return CheckpointResult(0, 0)
     key = tree.make_key(token_ids[:up_to])[:key_len]
     values = table[row, :key_len]  # a view: insert copies what it keeps
-    res = tree.insert_mamba(key, values, state, prev_prefix_len=protected)
-    if key_len > int(kv.cache_inserted_len[row]):
-        kv.cache_inserted_len[row] = key_len
-    node = res.last_node
-    new_indices = tree.path_device_indices(node)
-    duplicates = max(res.prefix_len - protected, 0)
-    if new_indices.shape[0] > protected:
-        ctx.writer.assign_row(row, protected, new_indices[protected:])
-    tree.unlock(kv.lock_node[row])
-    kv.lock_node[row] = tree.lock(node)
-    kv.cache_protected_len[row] = new_indices.shape[0]
-    kv.sum_protected += int(new_indices.shape[0]) - protected
+    res, duplicates = _insert_mamba_and_relock(ctx, tree, row, key, values, state, protected)
     if finished:
         if res.mamba_exist:
             pool.mamba_allocator.free(np.asarray([state], dtype=np.int64))
@@ -1722,18 +1734,7 @@ def _checkpoint_mamba_tracked(
     protected = int(kv.cache_protected_len[row])
     key = tree.make_key(token_ids[:key_len])
     values = pool.req_to_token_np[row, :key_len]  # a view: insert copies what it keeps
-    res = tree.insert_mamba(key, values, state, prev_prefix_len=protected)
-    if key_len > int(kv.cache_inserted_len[row]):
-        kv.cache_inserted_len[row] = key_len
-    node = res.last_node
-    new_indices = tree.path_device_indices(node)
-    duplicates = max(res.prefix_len - protected, 0)
-    if new_indices.shape[0] > protected:
-        ctx.writer.assign_row(row, protected, new_indices[protected:])
-    tree.unlock(kv.lock_node[row])
-    kv.lock_node[row] = tree.lock(node)
-    kv.cache_protected_len[row] = new_indices.shape[0]
-    kv.sum_protected += int(new_indices.shape[0]) - protected
+    res, duplicates = _insert_mamba_and_relock(ctx, tree, row, key, values, state, protected)
     if finished:
         pool.free_mamba_cache(req, keep=None if res.mamba_exist else keep)
     else:
