@@ -637,18 +637,24 @@ def _frozen(value: np.ndarray) -> np.ndarray:
     return view
 
 
-def save_tree_state(tree: RadixCache) -> RadixState:
-    """Flatten ``tree`` (node metadata copied; keys and values shared read-only)."""
+def preorder(root: TreeNode) -> tuple[list[TreeNode], list[int]]:
+    """The nodes under ``root`` (itself first) in pre-order, children in dict order (so a
+    restore re-inserts them in the same order), and each node's parent's index (-1: root)."""
     nodes: list[TreeNode] = []
     parents: list[int] = []
-    stack: list[tuple[TreeNode, int]] = [(tree.root_node, -1)]
+    stack: list[tuple[TreeNode, int]] = [(root, -1)]
     while stack:
         node, parent = stack.pop()
         here = len(nodes)
         nodes.append(node)
         parents.append(parent)
-        # reversed: the first child in dict order is listed (and re-inserted) first
         stack.extend((child, here) for child in reversed(list(node.children.values())))
+    return nodes, parents
+
+
+def save_tree_state(tree: RadixCache) -> RadixState:
+    """Flatten ``tree`` (node metadata copied; keys and values shared read-only)."""
+    nodes, parents = preorder(tree.root_node)
     live = {id(n) for n in nodes}
     # Another policy's keys are not (time, id) pairs: its heap is rebuilt from the leaves.
     lru = tree._evict_key is None

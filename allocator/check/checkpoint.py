@@ -45,7 +45,7 @@ import numpy as np
 
 from allocator.mamba import HybridReqToTokenPool, MambaReqKv
 from allocator.mamba_radix import MambaRadixCache, MambaTreeState, restore_mamba_tree, save_mamba_tree
-from allocator.radix_cache import RadixState, TreeNode, restore_tree_state, save_tree_state
+from allocator.radix_cache import RadixState, TreeNode, preorder, restore_tree_state, save_tree_state
 from allocator.swa_radix import SwaRadixCache, _SwaLru
 
 if TYPE_CHECKING:
@@ -204,15 +204,7 @@ _NO_SLOTS.flags.writeable = False
 def _hi_radix_state(tree: Any) -> RadixState:
     """The tiered tree's device side as a ``RadixState`` (for the digest and the memory
     count; an evicted node's slots are empty). Restores read ``HiTreeState``, not this."""
-    nodes: list[Any] = []
-    parents: list[int] = []
-    stack: list[tuple[Any, int]] = [(tree.root_node, -1)]
-    while stack:
-        node, parent = stack.pop()
-        here = len(nodes)
-        nodes.append(node)
-        parents.append(parent)
-        stack.extend((child, here) for child in reversed(list(node.children.values())))
+    nodes, parents = preorder(tree.root_node)
     n = len(nodes)
     return RadixState(
         ids=np.fromiter((x.id for x in nodes), np.int64, n),
