@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import product
 from typing import Any, Literal
@@ -63,24 +64,30 @@ def parse_counts(text: str, option: str, *, minimum: int = 1) -> list[int]:
     return values
 
 
-def parse_ratios(text: str, option: str) -> list[float]:
-    """``"0.5,0.8"`` -> ``[0.5, 0.8]``: SWA/full pool ratios, each in (0, 1].
-
-    Raises:
-        ValueError: a value that is not such a ratio, or repeated (the message names ``option``).
-    """
+def _parse_floats(text: str, option: str, ok: Callable[[float], bool], what: str) -> list[float]:
+    """A comma-separated list of distinct floats each ``ok``; the message names ``option``
+    and says ``what`` a value must be (with an example)."""
     values: list[float] = []
     for part in (p.strip() for p in text.split(",")):
         try:
             value = float(part)
         except ValueError:
             value = float("nan")
-        if not 0 < value <= 1:
-            raise ValueError(f"{option}: {part!r} is not a ratio in (0, 1]; give e.g. 0.5,0.8, comma-separated")
+        if not ok(value):  # NaN fails every bound
+            raise ValueError(f"{option}: {part!r} is not {what}, comma-separated")
         if value in values:
             raise ValueError(f"{option}: {part!r} is given twice")
         values.append(value)
     return values
+
+
+def parse_ratios(text: str, option: str) -> list[float]:
+    """``"0.5,0.8"`` -> ``[0.5, 0.8]``: SWA/full pool ratios, each in (0, 1].
+
+    Raises:
+        ValueError: a value that is not such a ratio, or repeated (the message names ``option``).
+    """
+    return _parse_floats(text, option, lambda v: 0 < v <= 1, "a ratio in (0, 1]; give e.g. 0.5,0.8")
 
 
 def parse_hicache_ratios(text: str, option: str) -> list[float]:
@@ -92,21 +99,8 @@ def parse_hicache_ratios(text: str, option: str) -> list[float]:
     """
     from traces.hicache_layout import MAX_HICACHE_RATIO
 
-    values: list[float] = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            value = float("nan")
-        if not 0 <= value <= MAX_HICACHE_RATIO:
-            raise ValueError(
-                f"{option}: {part!r} is not a ratio in [0, {MAX_HICACHE_RATIO:g}] (0: no host tier); "
-                "give e.g. 0,1,2,4, comma-separated"
-            )
-        if value in values:
-            raise ValueError(f"{option}: {part!r} is given twice")
-        values.append(value)
-    return values
+    return _parse_floats(text, option, lambda v: 0 <= v <= MAX_HICACHE_RATIO,
+                         f"a ratio in [0, {MAX_HICACHE_RATIO:g}] (0: no host tier); give e.g. 0,1,2,4")
 
 
 def parse_specs(text: str) -> list[str]:
