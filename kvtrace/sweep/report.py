@@ -253,7 +253,6 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
         from matplotlib.ticker import FuncFormatter
     except ImportError:
         raise ConfigError("plots need matplotlib: pip install matplotlib (or pass --no-plots)") from None
-    from kvtrace.outputs import OutputFile
 
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"--plots {directory} is a file, not a directory; give a directory (or pass --no-plots)")
@@ -267,10 +266,7 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
         if row["status"] != "failed" and row["pool_tokens"]:
             by_input.setdefault(row["input"], []).append(row)
     for name, cells in by_input.items():
-        stem = Path(name.removeprefix("sample:")).name.split(".")[0] or "input"
-        path = directory / f"{stem}.png"
-        # A plot an earlier report drew is this command's own output: drawn again.
-        target = OutputFile(path, option="--plots", force=force or _made_by_report(path), inputs=inputs)
+        target = _plot_target(directory, name, "", force=force, inputs=inputs)
         fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         marks: set[str] = set()
@@ -300,9 +296,7 @@ def write_plots(rows: Sequence[dict[str, Any]], directory: Path, *, force: bool,
         if handles:
             fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
         fig.suptitle(f"kvtrace sweep: {name} ({cells[0]['kind']})")
-        with target.writing() as tmp:
-            fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
-        plt.close(fig)
+        _save(fig, target)
         written.append(target.path)
     return [*written, *write_hicache_plots(rows, directory, force=force, inputs=inputs)]
 
@@ -341,7 +335,6 @@ def write_hicache_plots(rows: Sequence[dict[str, Any]], directory: Path, *, forc
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-    from kvtrace.outputs import OutputFile
 
     written = []
     by_input: dict[str, list[dict[str, Any]]] = {}
@@ -351,9 +344,7 @@ def write_hicache_plots(rows: Sequence[dict[str, Any]], directory: Path, *, forc
         lines = hicache_lines(cells)
         if len({r["host_pool_tokens"] for line in lines.values() for r in line}) < 2:
             continue  # no host-tier axis to draw
-        stem = Path(name.removeprefix("sample:")).name.split(".")[0] or "input"
-        path = directory / f"{stem}-hicache.png"
-        target = OutputFile(path, option="--plots", force=force or _made_by_report(path), inputs=inputs)
+        target = _plot_target(directory, name, "-hicache", force=force, inputs=inputs)
         fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         for i, (label, line) in enumerate(sorted(lines.items())):
@@ -371,11 +362,28 @@ def write_hicache_plots(rows: Sequence[dict[str, Any]], directory: Path, *, forc
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize="small")
         ax.set_title(f"kvtrace sweep: {name}: prefix reuse by HiCache tier")
-        with target.writing() as tmp:
-            fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
-        plt.close(fig)
+        _save(fig, target)
         written.append(target.path)
     return written
+
+
+def _plot_target(directory: Path, name: str, suffix: str, *, force: bool, inputs: Sequence[Path]) -> Any:
+    """The ``OutputFile`` of input ``name``'s plot in ``directory`` (``STEM{suffix}.png``); a
+    plot an earlier report drew is this command's own output, drawn again."""
+    from kvtrace.outputs import OutputFile
+
+    stem = Path(name.removeprefix("sample:")).name.split(".")[0] or "input"
+    path = directory / f"{stem}{suffix}.png"
+    return OutputFile(path, option="--plots", force=force or _made_by_report(path), inputs=inputs)
+
+
+def _save(fig: Any, target: Any) -> None:
+    """Write ``fig`` to ``target`` as a PNG that names its maker, and close it."""
+    import matplotlib.pyplot as plt
+
+    with target.writing() as tmp:
+        fig.savefig(tmp, format="png", dpi=110, metadata={"Software": PLOT_SOFTWARE})
+    plt.close(fig)
 
 
 def _made_by_report(path: Path) -> bool:
