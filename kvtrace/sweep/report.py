@@ -335,7 +335,6 @@ def write_hicache_plots(rows: Sequence[dict[str, Any]], directory: Path, *, forc
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-
     written = []
     by_input: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
